@@ -1,0 +1,3 @@
+from hydraulis.cli import main
+
+main()

@@ -1,0 +1,105 @@
+"""`hydraulis caps` and `hydraulis simulate`: the cost model and the simulator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from hydraulis.cli.app import app
+from hydraulis.cli.common import ProfileOption, console, print_json, table
+from hydraulis.errors import HydraulisError
+
+CAPS_LENGTHS = (1024, 4096, 16384, 32768)
+
+
+@app.command()
+def caps(
+    profile: str = ProfileOption,
+    gpus: int = typer.Option(32, "--gpus", "-n", help="GPUs in the job (optimizer states shard over all)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Token cap and cost of each parallel config."""
+    from hydraulis.cost import load_cost_model
+
+    if gpus < 1:
+        raise HydraulisError(f"--gpus must be positive, got {gpus}")
+    cost = load_cost_model(profile)
+    rows = []
+    for config, cap in cost.caps(gpus).items():
+        c = cost.coefficients(config)
+        times = {s: (cost.stage_time(config, [s]) * 1e3 if s <= cap else None) for s in CAPS_LENGTHS}
+        rows.append(
+            {
+                "config": config.name,
+                "gpus": config.num_gpus,
+                "cap_tokens": cap,
+                "min_efficient_tokens": cost.min_efficient_tokens(config),
+                "a_s": c.a,
+                "b_s": c.b,
+                "c_s": c.c,
+                "stage_ms": {str(s): t for s, t in times.items()},
+            }
+        )
+    if as_json:
+        print_json({"profile": cost.name, "num_gpus": gpus, "configs": rows})
+        return
+    columns = ["config", "GPUs", "cap (tokens)", "min eff."] + [f"t({s // 1024}K) ms" for s in CAPS_LENGTHS]
+    body = [
+        [r["config"], r["gpus"], r["cap_tokens"], r["min_efficient_tokens"]]
+        + [f"{t:.1f}" if t is not None else "-" for t in r["stage_ms"].values()]
+        for r in rows
+    ]
+    console.print(table(f"{cost.name} on {gpus} GPUs (time: one sequence, one stage, fwd+bwd)", columns, body))
+
+
+@app.command()
+def simulate(
+    plan: Path = typer.Option(..., "--plan", help="A hydraulis.plan/1 file."),
+    profile: str = typer.Option(None, "--profile", "-p", help="Cost model; default: the plan's own profile."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Simulate each iteration of a plan with 1F1B and report its times."""
+    from hydraulis.cost import load_cost_model
+    from hydraulis.planner.plan import load_plan
+    from hydraulis.sim import simulate as run_sim
+
+    plan_file = load_plan(plan)
+    cost = load_cost_model(profile or plan_file.profile)
+    results = []
+    for i, it in enumerate(plan_file.iterations):
+        it.validate(cost, plan_file.num_gpus, where=f"{plan}: iterations[{i}]")
+        res = run_sim(it, cost, keep_events=False)
+        results.append(
+            {
+                "step": it.step,
+                "deployment": str(it.deployment),
+                "tokens": it.num_tokens,
+                "sequences": len(it.lengths),
+                "micro_batches": sum(len(r.micro_batches) for r in it.replicas),
+                "iteration_time_s": res.iteration_time_s,
+                "compute_time_s": res.compute_time_s,
+                "grad_sync_s": res.grad_sync_s,
+                "bubble_fraction": res.bubble_fraction,
+                "predicted_time_s": it.predicted_time_s,
+                "tokens_per_s": it.num_tokens / res.iteration_time_s,
+            }
+        )
+    if as_json:
+        print_json({"profile": cost.name, "num_gpus": plan_file.num_gpus, "iterations": results})
+        return
+    columns = ["step", "deployment", "tokens", "mbs", "time s", "sync s", "bubble", "tokens/s"]
+    body = [
+        [
+            r["step"],
+            r["deployment"],
+            r["tokens"],
+            r["micro_batches"],
+            f"{r['iteration_time_s']:.3f}",
+            f"{r['grad_sync_s']:.3f}",
+            f"{r['bubble_fraction']:.1%}",
+            f"{r['tokens_per_s']:,.0f}",
+        ]
+        for r in results
+    ]
+    console.print(table(f"simulated {plan} with {cost.name}", columns, body))

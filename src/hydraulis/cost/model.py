@@ -1,0 +1,182 @@
+"""The cost model interface: time of a micro-batch, memory cap, busy threshold.
+
+Time of one packed micro-batch (lengths s_i) on one pipeline stage of config g,
+forward plus backward (DESIGN section 5):
+
+    t_g(mb) = a_g * sum(s_i^2) + b_g * sum(s_i) + c_g
+
+Subclasses only supply the coefficients per config and the memory constants;
+everything else, vectorised, lives here so that every consumer (planner,
+simulator, baselines, proposal) costs things the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hydraulis.errors import HydraulisError
+from hydraulis.parallel import ParallelConfig
+from hydraulis.specs import DeviceSpec, ModelSpec
+
+CAP_GRANULARITY = 128
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """Seconds: a per squared token, b per token, c per micro-batch (one stage, fwd+bwd)."""
+
+    a: float
+    b: float
+    c: float
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Per-GPU memory of a config when optimizer states are sharded over all N GPUs."""
+
+    memory_bytes: int
+    activation_bytes_per_token_hidden_layer: dict[int, float]
+    state_bytes_per_hidden2_layer: float
+    optimizer_sharded_fraction: float
+    context_overhead_bytes: float
+    safety_margin_bytes: float
+
+    def activation_factor(self, tp: int) -> float:
+        table = self.activation_bytes_per_token_hidden_layer
+        if tp in table:
+            return table[tp]
+        # Between measured TP degrees, interpolate in log2(tp); outside, hold the edge.
+        keys = np.array(sorted(table), dtype=float)
+        values = np.array([table[int(k)] for k in keys])
+        return float(np.interp(np.log2(tp), np.log2(keys), values))
+
+    def static_bytes(self, config: ParallelConfig, model: ModelSpec, num_gpus: int) -> float:
+        L, H, V = model.layers, model.hidden, model.vocab
+        B, alpha = self.state_bytes_per_hidden2_layer, self.optimizer_sharded_fraction
+        tp, pp = config.tp, config.pp
+        e = 32 if pp == 1 else 16  # embedding and head on one GPU when pp = 1
+        return (
+            (L / pp) * (H * H / tp) * B * (1 - alpha)
+            + L * H * H * B * alpha / num_gpus
+            + (H * V / tp) * e * (1 - alpha)
+            + H * V * 32 * alpha / num_gpus
+        )
+
+    def bytes_per_token(self, config: ParallelConfig, model: ModelSpec) -> float:
+        # 1F1B keeps pp micro-batches in flight on the first stage, L/pp layers each: L in all.
+        # Context parallelism splits each sequence's activations over cp GPUs.
+        return model.layers * (model.hidden / config.tp) * self.activation_factor(config.tp) / config.cp
+
+    def cap(self, config: ParallelConfig, model: ModelSpec, num_gpus: int) -> int:
+        free = (
+            self.memory_bytes
+            - self.safety_margin_bytes
+            - self.context_overhead_bytes
+            - self.static_bytes(config, model, num_gpus)
+        )
+        if free <= 0:
+            return 0
+        tokens = free / self.bytes_per_token(config, model)
+        return int(tokens // CAP_GRANULARITY) * CAP_GRANULARITY
+
+
+class CostModel:
+    """Coefficients per config, a memory model, and the vectorised costing built on them."""
+
+    def __init__(
+        self,
+        name: str,
+        model: ModelSpec,
+        device: DeviceSpec,
+        coefficients: dict[ParallelConfig, Coefficients],
+        memory: MemoryModel,
+        min_efficient_tokens: dict[int, int],
+    ) -> None:
+        if not coefficients:
+            raise HydraulisError(f"cost model {name!r} has no parallel configs")
+        self.name = name
+        self.model = model
+        self.device = device
+        self.memory = memory
+        self._min_efficient = dict(min_efficient_tokens)
+        self.configs: tuple[ParallelConfig, ...] = tuple(
+            sorted(coefficients, key=lambda c: (c.num_gpus, c.tp, c.pp, c.cp))
+        )
+        self._index = {c: i for i, c in enumerate(self.configs)}
+        self.a = np.array([coefficients[c].a for c in self.configs])
+        self.b = np.array([coefficients[c].b for c in self.configs])
+        self.c = np.array([coefficients[c].c for c in self.configs])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, {len(self.configs)} configs)"
+
+    # -- coefficients -------------------------------------------------------
+    def index(self, config: ParallelConfig) -> int:
+        try:
+            return self._index[config]
+        except KeyError:
+            known = ", ".join(c.name for c in self.configs)
+            raise HydraulisError(f"cost model {self.name!r} has no config {config.name}; it knows {known}") from None
+
+    def coefficients(self, config: ParallelConfig) -> Coefficients:
+        i = self.index(config)
+        return Coefficients(float(self.a[i]), float(self.b[i]), float(self.c[i]))
+
+    # -- time -----------------------------------------------------------------
+    def stage_time(self, config: ParallelConfig, lengths: Sequence[int] | np.ndarray) -> float:
+        """Forward+backward seconds of one packed micro-batch on one stage."""
+        i = self.index(config)
+        s = np.asarray(lengths, dtype=np.float64)
+        return float(self.a[i] * np.dot(s, s) + self.b[i] * s.sum() + self.c[i])
+
+    def seq_costs(self, config: ParallelConfig, lengths: np.ndarray) -> np.ndarray:
+        """a*s^2 + b*s per sequence: the part of stage time each sequence adds (no c)."""
+        i = self.index(config)
+        s = np.asarray(lengths, dtype=np.float64)
+        return self.a[i] * s * s + self.b[i] * s
+
+    def cost_matrix(self, lengths: np.ndarray, configs: Sequence[ParallelConfig] | None = None) -> np.ndarray:
+        """[configs x sequences] of a*s^2 + b*s, in one vectorised expression."""
+        idx = np.array([self.index(c) for c in configs]) if configs is not None else np.arange(len(self.configs))
+        s = np.asarray(lengths, dtype=np.float64)[None, :]
+        return self.a[idx, None] * s * s + self.b[idx, None] * s
+
+    # -- memory -----------------------------------------------------------------
+    def cap(self, config: ParallelConfig, num_gpus: int) -> int:
+        """Most tokens one micro-batch may hold on `config` in a job of `num_gpus`."""
+        return self.memory.cap(config, self.model, num_gpus)
+
+    def caps(self, num_gpus: int) -> dict[ParallelConfig, int]:
+        return {c: self.cap(c, num_gpus) for c in self.configs if c.num_gpus <= num_gpus}
+
+    def min_efficient_tokens(self, config: ParallelConfig) -> int:
+        """Fewest tokens a micro-batch needs to keep the GPU busy."""
+        table = self._min_efficient
+        if not table:
+            return 0
+        if config.tp in table:
+            return table[config.tp]
+        keys = sorted(table)
+        below = [k for k in keys if k <= config.tp]
+        return table[below[-1]] if below else table[keys[0]]
+
+    # -- communication ---------------------------------------------------------
+    def p2p_time(self, config: ParallelConfig, tokens: int) -> float:
+        """One stage boundary crossing of a micro-batch's activations (bf16), one way."""
+        bandwidth = (
+            self.device.inter_node_bw if config.num_gpus > self.device.gpus_per_node else self.device.intra_node_bw
+        )
+        return self.device.p2p_latency_s + tokens * self.model.hidden * 2 / (config.tp * bandwidth)
+
+    def grad_sync_time(self, num_gpus: int) -> float:
+        """Reduce gradients into the sharded optimizer layout and gather parameters back.
+
+        About 2 x parameter bytes (bf16) / N per GPU at the slowest link (DESIGN section 5).
+        """
+        if num_gpus <= 1:
+            return 0.0
+        bandwidth = self.device.inter_node_bw if num_gpus > self.device.gpus_per_node else self.device.intra_node_bw
+        return 2 * (2 * self.model.num_params) / num_gpus / bandwidth

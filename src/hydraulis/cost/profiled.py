@@ -1,0 +1,107 @@
+"""Cost model from measured coefficients: a `hydraulis.profile/1` file."""
+
+from __future__ import annotations
+
+import dataclasses
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from hydraulis.cost.model import Coefficients, CostModel, MemoryModel
+from hydraulis.errors import HydraulisError
+from hydraulis.jsonio import Fields, load_json
+from hydraulis.parallel import ParallelConfig
+from hydraulis.specs import DEVICES, DeviceSpec, ModelSpec
+
+PROFILE_SCHEMA = "hydraulis.profile/1"
+
+# Preset name -> file shipped in hydraulis/cost/profiles/.
+PRESETS = {
+    "llama-7b@a800-80g": "llama-7b-a800.json",
+    "llama-13b@a800-80g": "llama-13b-a800.json",
+    "llama-32b@a800-80g": "llama-32b-a800.json",
+}
+
+
+class ProfiledCostModel(CostModel):
+    """Coefficients per config as measured (times in the file are milliseconds)."""
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ProfiledCostModel:
+        return cls.from_dict(load_json(path, PROFILE_SCHEMA), str(path))
+
+    @classmethod
+    def preset(cls, name: str) -> ProfiledCostModel:
+        if name not in PRESETS:
+            raise HydraulisError(f"unknown profile preset {name!r}; presets: {', '.join(PRESETS)}")
+        path = resources.files("hydraulis.cost") / "profiles" / PRESETS[name]
+        with resources.as_file(path) as p:
+            return cls.from_file(p)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "profile") -> ProfiledCostModel:
+        f = Fields(data, where)
+        m = f.obj("model")
+        model = ModelSpec(
+            name=m.str("name"),
+            layers=m.int("layers", minimum=1),
+            hidden=m.int("hidden", minimum=1),
+            ffn=m.int("ffn", minimum=1),
+            heads=m.int("heads", minimum=1),
+            kv_heads=m.int("kv_heads", default=m.int("heads", minimum=1), minimum=1),
+            vocab=m.int("vocab", minimum=1),
+        )
+        d = f.obj("device")
+        device_name = d.str("name")
+        memory_bytes = d.int("memory_bytes", minimum=1)
+        gpus_per_node = d.int("gpus_per_node", default=8, minimum=1)
+        base = DEVICES.get(device_name)
+        if base is None:
+            # Unknown hardware: bandwidths only matter for p2p and gradient sync.
+            base = DeviceSpec(device_name, memory_bytes, peak_flops=0.0, intra_node_bw=200e9, inter_node_bw=25e9)
+        device = dataclasses.replace(base, memory_bytes=memory_bytes, gpus_per_node=gpus_per_node)
+
+        coefficients: dict[ParallelConfig, Coefficients] = {}
+        for i, row in enumerate(f.list("time_ms")):
+            r = Fields(row, f"{where}.time_ms[{i}]")
+            config = ParallelConfig(r.int("tp", minimum=1), r.int("pp", minimum=1), r.int("cp", default=1, minimum=1))
+            if config in coefficients:
+                raise HydraulisError(f"{where}.time_ms[{i}]: {config.name} appears twice")
+            coefficients[config] = Coefficients(
+                r.float("a", minimum=0) / 1e3, r.float("b", minimum=0) / 1e3, r.float("c", minimum=0) / 1e3
+            )
+        if not coefficients:
+            raise HydraulisError(f"{where}.time_ms: no configs")
+
+        mem = f.obj("memory")
+        act = mem.obj("activation_bytes_per_token_hidden_layer")
+        activation = {}
+        for key in act.data:
+            try:
+                tp = int(key)
+            except ValueError:
+                raise HydraulisError(f"{act.where}: key {key!r} is not a TP degree") from None
+            activation[tp] = act.float(key, minimum=0)
+        if not activation:
+            raise HydraulisError(f"{act.where}: empty")
+        memory = MemoryModel(
+            memory_bytes=memory_bytes,
+            activation_bytes_per_token_hidden_layer=activation,
+            state_bytes_per_hidden2_layer=mem.float("state_bytes_per_hidden2_layer", minimum=0),
+            optimizer_sharded_fraction=mem.float("optimizer_sharded_fraction", minimum=0),
+            context_overhead_bytes=mem.float("context_overhead_bytes", minimum=0),
+            safety_margin_bytes=mem.float("safety_margin_bytes", minimum=0),
+        )
+        if memory.optimizer_sharded_fraction > 1:
+            raise HydraulisError(f"{mem.where}.optimizer_sharded_fraction: must be at most 1")
+        min_eff = {}
+        if "min_efficient_tokens" in data:
+            me = f.obj("min_efficient_tokens")
+            for key in me.data:
+                try:
+                    min_eff[int(key)] = me.int(key, minimum=0)
+                except ValueError:
+                    raise HydraulisError(f"{me.where}: key {key!r} is not a TP degree") from None
+        for config in coefficients:
+            config.validate(model)
+        return cls(f.str("name"), model, device, coefficients, memory, min_eff)

@@ -1,0 +1,1 @@
+"""Planning an iteration: choose a deployment, dispatch sequences, pack micro-batches."""

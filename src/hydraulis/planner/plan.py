@@ -1,0 +1,186 @@
+"""IterationPlan: the planner's output and the runtime's input, and its JSON form.
+
+Format `hydraulis.plan/1` (DESIGN section 6). Every sequence index appears
+exactly once; a micro-batch never holds more tokens than its replica's cap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hydraulis.cost.model import CostModel
+from hydraulis.errors import HydraulisError
+from hydraulis.jsonio import Fields, load_json, write_json_atomic
+from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.specs import ClusterSpec
+
+PLAN_SCHEMA = "hydraulis.plan/1"
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """Micro-batches of one replica in execution order; each a tuple of sequence indices."""
+
+    micro_batches: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class IterationPlan:
+    step: int
+    lengths: tuple[int, ...]
+    deployment: Deployment
+    replicas: tuple[ReplicaPlan, ...]
+    predicted_time_s: float
+    planning_time_s: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.lengths))
+
+    def micro_batch_lengths(self, replica: int) -> list[np.ndarray]:
+        lengths = np.asarray(self.lengths, dtype=np.int64)
+        return [lengths[list(mb)] for mb in self.replicas[replica].micro_batches]
+
+    def stage_times(self, replica: int, cost: CostModel) -> list[float]:
+        config = self.deployment.replicas[replica].config
+        return [cost.stage_time(config, s) for s in self.micro_batch_lengths(replica)]
+
+    def validate(self, cost: CostModel | None = None, num_gpus: int | None = None, where: str = "plan") -> None:
+        """Every sequence exactly once, in range; caps hold if a cost model is given."""
+        n = len(self.lengths)
+        if len(self.replicas) != len(self.deployment.replicas):
+            raise HydraulisError(
+                f"{where}: {len(self.replicas)} replica plans for {len(self.deployment.replicas)} replicas"
+            )
+        seen = np.zeros(n, dtype=np.int64)
+        for r, replica in enumerate(self.replicas):
+            config = self.deployment.replicas[r].config
+            cap = cost.cap(config, num_gpus or self.deployment.num_gpus) if cost is not None else None
+            for m, mb in enumerate(replica.micro_batches):
+                if not mb:
+                    raise HydraulisError(f"{where}: replica {r} micro-batch {m} is empty")
+                for i in mb:
+                    if not 0 <= i < n:
+                        raise HydraulisError(f"{where}: replica {r} micro-batch {m} has index {i}, outside 0..{n - 1}")
+                    seen[i] += 1
+                if cap is not None:
+                    tokens = sum(self.lengths[i] for i in mb)
+                    if tokens > cap:
+                        raise HydraulisError(
+                            f"{where}: replica {r} ({config.name}) micro-batch {m} holds {tokens} tokens, "
+                            f"over its cap of {cap}"
+                        )
+        missing = np.flatnonzero(seen == 0)
+        twice = np.flatnonzero(seen > 1)
+        if len(missing):
+            raise HydraulisError(f"{where}: sequence {int(missing[0])} is not assigned ({len(missing)} missing)")
+        if len(twice):
+            raise HydraulisError(f"{where}: sequence {int(twice[0])} is assigned more than once")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "lengths": [int(s) for s in self.lengths],
+            "deployment": [
+                {"tp": r.config.tp, "pp": r.config.pp, "cp": r.config.cp, "devices": list(r.devices)}
+                for r in self.deployment.replicas
+            ],
+            "replicas": [{"micro_batches": [list(mb) for mb in r.micro_batches]} for r in self.replicas],
+            "predicted_time_s": self.predicted_time_s,
+            "planning_time_s": self.planning_time_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, cluster: ClusterSpec, where: str) -> IterationPlan:
+        f = Fields(data, where)
+        lengths = f.int_list("lengths", minimum=1)
+        configs, devices = [], []
+        for i, row in enumerate(f.list("deployment")):
+            r = Fields(row, f"{where}.deployment[{i}]")
+            configs.append(
+                ParallelConfig(r.int("tp", minimum=1), r.int("pp", minimum=1), r.int("cp", default=1, minimum=1))
+            )
+            devices.append(r.int_list("devices", minimum=0))
+        try:
+            deployment = Deployment.from_devices(configs, devices, cluster)
+        except HydraulisError as exc:
+            raise HydraulisError(f"{where}.deployment: {exc}") from None
+        replicas = []
+        for i, row in enumerate(f.list("replicas")):
+            r = Fields(row, f"{where}.replicas[{i}]")
+            mbs = []
+            for j, mb in enumerate(r.list("micro_batches")):
+                if not isinstance(mb, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in mb):
+                    raise HydraulisError(f"{where}.replicas[{i}].micro_batches[{j}]: expected a list of integers")
+                mbs.append(tuple(mb))
+            replicas.append(ReplicaPlan(tuple(mbs)))
+        plan = cls(
+            step=f.int("step", default=0, minimum=0),
+            lengths=tuple(lengths),
+            deployment=deployment,
+            replicas=tuple(replicas),
+            predicted_time_s=f.float("predicted_time_s", default=0.0, minimum=0),
+            planning_time_s=f.float("planning_time_s", default=0.0, minimum=0),
+        )
+        plan.validate(where=where)
+        return plan
+
+
+@dataclass(frozen=True)
+class PlanFile:
+    profile: str
+    num_gpus: int
+    iterations: tuple[IterationPlan, ...]
+    gpus_per_node: int = 8
+
+    @property
+    def cluster(self) -> ClusterSpec:
+        return ClusterSpec(self.num_gpus, self.gpus_per_node)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": PLAN_SCHEMA,
+            "profile": self.profile,
+            "num_gpus": self.num_gpus,
+            "gpus_per_node": self.gpus_per_node,
+            "iterations": [it.to_dict() for it in self.iterations],
+        }
+
+
+def save_plan(path: str | Path, plan: PlanFile) -> None:
+    write_json_atomic(path, plan.to_dict())
+
+
+def load_plan(path: str | Path) -> PlanFile:
+    data = load_json(path, PLAN_SCHEMA)
+    f = Fields(data, str(path))
+    cluster = ClusterSpec(f.int("num_gpus", minimum=1), f.int("gpus_per_node", default=8, minimum=1))
+    iterations = tuple(
+        IterationPlan.from_dict(it, cluster, f"{path}: iterations[{i}]") for i, it in enumerate(f.list("iterations"))
+    )
+    if not iterations:
+        raise HydraulisError(f"{path}: no iterations")
+    return PlanFile(f.str("profile"), cluster.num_gpus, iterations, cluster.gpus_per_node)
+
+
+def plan_from_assignment(
+    step: int,
+    lengths: Sequence[int],
+    deployment: Deployment,
+    micro_batches: Sequence[Sequence[Sequence[int]]],
+    predicted_time_s: float,
+    planning_time_s: float = 0.0,
+) -> IterationPlan:
+    return IterationPlan(
+        step=step,
+        lengths=tuple(int(s) for s in lengths),
+        deployment=deployment,
+        replicas=tuple(ReplicaPlan(tuple(tuple(int(i) for i in mb) for mb in mbs)) for mbs in micro_batches),
+        predicted_time_s=float(predicted_time_s),
+        planning_time_s=float(planning_time_s),
+    )

@@ -1,0 +1,125 @@
+"""Model shapes, device specs and cluster specs, with presets.
+
+Plain data: the cost model, the planner and the runtime all read these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hydraulis.errors import HydraulisError
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A LLaMA-style decoder: RMSNorm, RoPE, SwiGLU, GQA, untied head."""
+
+    name: str
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int
+
+    def __post_init__(self) -> None:
+        for field in ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab"):
+            if getattr(self, field) <= 0:
+                raise HydraulisError(f"model {self.name!r}: {field} must be positive")
+        if self.hidden % self.heads:
+            raise HydraulisError(f"model {self.name!r}: hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.heads % self.kv_heads:
+            raise HydraulisError(
+                f"model {self.name!r}: heads {self.heads} is not divisible by kv_heads {self.kv_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def params_per_layer(self) -> int:
+        """Q, O (h*h each), K, V (h*kv_dim each), SwiGLU (3*h*ffn), two norms."""
+        kv_dim = self.kv_heads * self.head_dim
+        return 2 * self.hidden * self.hidden + 2 * self.hidden * kv_dim + 3 * self.hidden * self.ffn + 2 * self.hidden
+
+    @property
+    def embedding_params(self) -> int:
+        """Input embedding plus the untied output head plus the final norm."""
+        return 2 * self.vocab * self.hidden + self.hidden
+
+    @property
+    def num_params(self) -> int:
+        return self.layers * self.params_per_layer + self.embedding_params
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator. Bandwidths are per GPU, per direction, in bytes/s."""
+
+    name: str
+    memory_bytes: int
+    peak_flops: float  # dense bf16
+    intra_node_bw: float
+    inter_node_bw: float
+    gpus_per_node: int = 8
+    p2p_latency_s: float = 10e-6
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    num_gpus: int
+    gpus_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        if self.num_gpus <= 0:
+            raise HydraulisError(f"cluster: number of GPUs must be positive, got {self.num_gpus}")
+        if self.gpus_per_node <= 0:
+            raise HydraulisError(f"cluster: GPUs per node must be positive, got {self.gpus_per_node}")
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.num_gpus // self.gpus_per_node)
+
+
+MODELS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in (
+        # Tiny shapes for CPU tests: divisible by tp in {1, 2, 4} and pp in {1, 2, 4}.
+        ModelSpec("tiny", layers=4, hidden=64, ffn=176, heads=4, kv_heads=2, vocab=512),
+        ModelSpec("tiny-mha", layers=4, hidden=64, ffn=176, heads=4, kv_heads=4, vocab=512),
+        ModelSpec("small", layers=8, hidden=256, ffn=688, heads=8, kv_heads=4, vocab=50304),
+        # Shapes of the published work (DESIGN section 5).
+        ModelSpec("llama-7b", layers=32, hidden=4096, ffn=11008, heads=32, kv_heads=32, vocab=32000),
+        ModelSpec("llama-13b", layers=40, hidden=5120, ffn=13824, heads=40, kv_heads=40, vocab=32000),
+        ModelSpec("llama-32b", layers=60, hidden=6656, ffn=17920, heads=64, kv_heads=64, vocab=32000),
+        ModelSpec("llama-70b", layers=80, hidden=8192, ffn=28672, heads=64, kv_heads=8, vocab=32000),
+    )
+}
+
+DEVICES: dict[str, DeviceSpec] = {
+    d.name: d
+    for d in (
+        # NVLink per direction; one 200/400 Gb/s NIC per GPU for inter-node.
+        DeviceSpec("a100-40g", 40 * GiB, 312e12, intra_node_bw=300e9, inter_node_bw=25e9),
+        DeviceSpec("a800-80g", 80 * GiB, 312e12, intra_node_bw=200e9, inter_node_bw=25e9),
+        DeviceSpec("h100-80g", 80 * GiB, 989e12, intra_node_bw=450e9, inter_node_bw=50e9),
+        DeviceSpec("h200-141g", 141 * GiB, 989e12, intra_node_bw=450e9, inter_node_bw=50e9),
+    )
+}
+
+
+def get_model(name: str) -> ModelSpec:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise HydraulisError(f"unknown model {name!r}; known models: {', '.join(MODELS)}") from None
+
+
+def get_device(name: str) -> DeviceSpec:
+    try:
+        return DEVICES[name]
+    except KeyError:
+        raise HydraulisError(f"unknown device {name!r}; known devices: {', '.join(DEVICES)}") from None
