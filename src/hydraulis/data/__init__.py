@@ -1,0 +1,1 @@
+"""Data: workloads (length distributions), and later tokenizers, corpora and samplers."""
