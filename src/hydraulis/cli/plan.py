@@ -1,0 +1,90 @@
+"""`hydraulis plan`: plan every global batch of a workload and write a `hydraulis.plan/1` file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from hydraulis.cli.app import app
+from hydraulis.cli.common import ProfileOption, console, err_console, table
+from hydraulis.errors import HydraulisError
+
+
+@app.command()
+def plan(
+    profile: str = ProfileOption,
+    gpus: int = typer.Option(..., "--gpus", "-n", help="GPUs in the job."),
+    workload: Path = typer.Option(..., "--workload", "-w", help="A hydraulis.workload/1 file."),
+    out: Path = typer.Option(..., "--out", "-o", help="Where to write the hydraulis.plan/1 file."),
+    pool: str = typer.Option(
+        None, "--pool", help="Deployments separated by ';' (e.g. '16x(tp2,pp1); 1x(tp8,pp1) + 12x(tp2,pp1)')."
+    ),
+    policy: str = typer.Option("hydraulis", "--policy", help="hydraulis or a baseline (see `hydraulis bench`)."),
+    overlong: str = typer.Option("error", "--overlong", help="Sequences longer than every cap: error|truncate|drop."),
+    gpus_per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs per node."),
+    tokens_per_batch: int = typer.Option(None, "--tokens-per-batch", help="Histogram workloads: token budget."),
+    num_batches: int = typer.Option(None, "--num-batches", help="Histogram workloads: how many batches."),
+    seed: int = typer.Option(None, "--seed", help="Histogram workloads: sampling seed."),
+) -> None:
+    """Choose a deployment, dispatch and pack each global batch of a workload."""
+    from rich.progress import Progress
+
+    from hydraulis.baselines import make_policy
+    from hydraulis.cost import load_cost_model
+    from hydraulis.data.workload import load_workload
+    from hydraulis.planner.plan import PlanFile, save_plan
+    from hydraulis.planner.planner import apply_overlong
+    from hydraulis.planner.policy import PolicyContext
+    from hydraulis.planner.pool import parse_pool, replicable_cap
+    from hydraulis.specs import ClusterSpec
+
+    if gpus < 1:
+        raise HydraulisError(f"--gpus must be positive, got {gpus}")
+    cluster = ClusterSpec(gpus, gpus_per_node)
+    cost = load_cost_model(profile)
+    work = load_workload(workload, tokens_per_batch, num_batches, seed)
+    deployments = parse_pool(pool, cluster) if pool else None
+    if deployments:
+        configs = {g for d in deployments for g in d.configs}
+        top = max(configs, key=lambda g: cost.cap(g, gpus))
+        cap, cap_name = cost.cap(top, gpus), top.name
+    else:
+        cap, cap_name = replicable_cap(cost, cluster)
+    batches, changed = [], 0
+    for i, b in enumerate(work.batches):
+        fixed = apply_overlong(b, cap, cap_name, overlong, where=f"{workload}: batch {i}")
+        batches.append(fixed.lengths)
+        changed += fixed.changed
+    if changed:
+        verb = "truncated" if overlong == "truncate" else "dropped"
+        err_console.print(f"{verb} {changed} sequence(s) longer than the largest cap {cap} ({cap_name})")
+    ctx = PolicyContext.build(cost, cluster, batches, deployments)
+    chosen = make_policy(policy, ctx)
+    plans = []
+    with Progress(console=err_console, transient=True) as progress:
+        task = progress.add_task(f"planning {len(batches)} iteration(s)", total=len(batches))
+        for step, b in enumerate(batches):
+            schedule = chosen.schedule(b, step)
+            if len(schedule.phases) != 1:
+                raise HydraulisError(
+                    f"policy {policy} runs {len(schedule.phases)} phases per iteration; a plan file holds one "
+                    "deployment per step (compare it with `hydraulis bench`)"
+                )
+            plans.append(schedule.phases[0])
+            progress.advance(task)
+    save_plan(out, PlanFile(cost.name, gpus, tuple(plans), gpus_per_node))
+    rows = [
+        [
+            p.step,
+            str(p.deployment),
+            p.num_tokens,
+            len(p.lengths),
+            f"{p.predicted_time_s:.3f}",
+            f"{p.num_tokens / p.predicted_time_s:,.0f}",
+            f"{p.planning_time_s * 1e3:.1f}",
+        ]
+        for p in plans
+    ]
+    columns = ["step", "deployment", "tokens", "seqs", "time s", "tokens/s", "plan ms"]
+    console.print(table(f"{policy} plan for {work.name} on {gpus} GPUs ({cost.name}) -> {out}", columns, rows))

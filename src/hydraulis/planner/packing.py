@@ -1,0 +1,146 @@
+"""Stage 2: pack one replica's sequences into micro-batches and order them.
+
+pp = 1: the replica's time is sum(t) = W + v*c, so the fewest micro-batches
+win: first-fit decreasing by tokens under the cap.
+
+pp > 1: 1F1B adds (pp - 1) x the largest micro-batch, so more micro-batches
+shrink the bubble but each adds c. Around v* = sqrt((pp-1) W / c) (within the
+cap's minimum and the busy threshold: no micro-batch below min_efficient_tokens
+when the replica has tokens to spare) we balance cost with LPT under the token
+cap, keep the v with the best closed form, then pick the execution order by
+simulation: the first micro-batch sets the warm-up and the last the cool-down,
+so small ones belong at the ends.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from hydraulis.cost.model import CostModel
+from hydraulis.planner.replicas import ReplicaCost, micro_batch_range
+from hydraulis.sim import simulate_replica
+
+
+@dataclass(frozen=True)
+class Packing:
+    micro_batches: tuple[np.ndarray, ...]  # sequence indices (of the batch), in execution order
+    time_s: float  # simulated 1F1B time of the replica
+
+
+def first_fit_decreasing(lengths: np.ndarray, cap: int) -> list[list[int]]:
+    """Positions into `lengths`, packed by tokens into as few bins of `cap` as FFD finds."""
+    rooms: list[int] = []
+    bins: list[list[int]] = []
+    for k in np.argsort(-lengths, kind="stable").tolist():
+        s = int(lengths[k])
+        for j, room in enumerate(rooms):
+            if room >= s:
+                rooms[j] -= s
+                bins[j].append(k)
+                break
+        else:
+            rooms.append(cap - s)
+            bins.append([k])
+    return bins
+
+
+def balanced_bins(lengths: np.ndarray, costs: np.ndarray, cap: int, v: int) -> list[list[int]] | None:
+    """LPT by cost into exactly v bins under the token cap; None if a sequence finds no room."""
+    heap = [(0.0, j) for j in range(v)]
+    rooms = [cap] * v
+    bins: list[list[int]] = [[] for _ in range(v)]
+    L = lengths.tolist()
+    w = costs.tolist()
+    for k in np.argsort(-costs, kind="stable").tolist():
+        s = L[k]
+        skipped = []
+        while heap:
+            load, j = heapq.heappop(heap)
+            if rooms[j] >= s:
+                break
+            skipped.append((load, j))
+        else:
+            return None
+        rooms[j] -= s
+        bins[j].append(k)
+        heapq.heappush(heap, (load + w[k], j))
+        for item in skipped:
+            heapq.heappush(heap, item)
+    if any(not b for b in bins):
+        return None
+    return bins
+
+
+def execution_orders(times: np.ndarray) -> list[np.ndarray]:
+    """Candidate orders of micro-batches with these stage times (positions)."""
+    v = len(times)
+    desc = np.argsort(-times, kind="stable")
+    asc = desc[::-1]
+    if v < 3:
+        return [desc, asc]
+    ends = np.concatenate([asc[:1], asc[2:], asc[1:2]])  # smallest first, second smallest last
+    middle = np.concatenate([asc[:1], desc[:-2], asc[1:2]])
+    pyramid = np.concatenate([asc[0::2], asc[1::2][::-1]])  # ramp up, then down
+    return [desc, asc, ends, middle, pyramid]
+
+
+def order_by_simulation(
+    micro_batches: list[np.ndarray], lengths: np.ndarray, replica: ReplicaCost, cost: CostModel
+) -> Packing:
+    """Put the micro-batches in the order whose simulated 1F1B time is least."""
+    if not micro_batches:
+        return Packing((), 0.0)
+    tokens = np.array([int(lengths[mb].sum()) for mb in micro_batches])
+    times = np.array([cost.stage_time(replica.config, lengths[mb]) for mb in micro_batches])
+    comm = np.array([cost.p2p_time(replica.config, int(t)) for t in tokens])
+    if replica.pp == 1:
+        return Packing(tuple(micro_batches), simulate_replica(times, 1, comm, keep_events=False).time_s)
+    best: tuple[float, np.ndarray] | None = None
+    for order in execution_orders(times):
+        t = simulate_replica(times[order], replica.pp, comm[order], keep_events=False).time_s
+        if best is None or t < best[0]:
+            best = (t, order)
+    assert best is not None
+    return Packing(tuple(micro_batches[k] for k in best[1].tolist()), best[0])
+
+
+def pack_replica(indices: np.ndarray, lengths: np.ndarray, replica: ReplicaCost, cost: CostModel) -> Packing:
+    """Micro-batches (of batch indices) for the sequences `indices` on `replica`, ordered."""
+    indices = np.asarray(indices, dtype=np.int64)
+    if len(indices) == 0:
+        return Packing((), 0.0)
+    s = np.asarray(lengths, dtype=np.int64)[indices]
+    bins = choose_bins(s, replica)
+    return order_by_simulation([indices[b] for b in bins], np.asarray(lengths), replica, cost)
+
+
+def choose_bins(s: np.ndarray, replica: ReplicaCost) -> list[np.ndarray]:
+    """Positions into `s` per micro-batch: the packing with the best closed-form 1F1B time."""
+    ffd = [np.array(b, dtype=np.int64) for b in first_fit_decreasing(s, replica.cap)]
+    if replica.pp == 1 or len(s) == 1:
+        return ffd
+    w = replica.seq_costs(s)
+    W, T, n = float(w.sum()), int(s.sum()), len(s)
+    pp1 = replica.pp - 1
+    vmin, vmax = (int(x) for x in micro_batch_range(T, n, replica.cap, replica.min_efficient))
+    vstar = math.floor(math.sqrt(pp1 * W / max(replica.c, 1e-12)))
+    candidates = sorted({min(max(v, vmin), vmax) for v in (vstar - 1, vstar, vstar + 1, vstar + 2, vmin)})
+
+    def closed(bins: list[np.ndarray]) -> float:
+        t = np.array([w[b].sum() for b in bins]) + replica.c
+        return float(t.sum() + pp1 * t.max())
+
+    best_bins, best = ffd, closed(ffd)
+    for v in candidates:
+        found = balanced_bins(s, w, replica.cap, v)
+        if found is None:
+            continue
+        bins = [np.array(b, dtype=np.int64) for b in found]
+        value = closed(bins)
+        if value < best:
+            best_bins, best = bins, value
+    return best_bins

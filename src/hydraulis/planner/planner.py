@@ -1,0 +1,206 @@
+"""Joint planning of one iteration: choose a deployment from the pool, dispatch, pack.
+
+For every pool deployment that holds the batch's longest sequence, stage 1
+dispatches by estimate; the most promising deployments are then packed
+(stage 2) and simulated, and the fastest simulated plan wins. Packing feeds
+back into dispatch: the gap between each replica's simulated and estimated
+time becomes a per-replica bias and dispatch runs again while that pays.
+The plan's predicted time is the simulator's iteration time for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hydraulis.cost.model import CostModel
+from hydraulis.errors import HydraulisError
+from hydraulis.parallel import Deployment
+from hydraulis.planner.dispatch import Dispatch, dispatch, exact_assignment, improve
+from hydraulis.planner.packing import Packing, order_by_simulation, pack_replica
+from hydraulis.planner.plan import IterationPlan, plan_from_assignment
+from hydraulis.planner.policy import Schedule
+from hydraulis.planner.replicas import ReplicaTable
+from hydraulis.sim import simulate
+
+OVERLONG_POLICIES = ("error", "truncate", "drop")
+METHODS = ("heuristic", "milp")
+
+
+def check_lengths(lengths: Sequence[int] | np.ndarray, where: str = "batch") -> np.ndarray:
+    """A non-empty array of positive integer lengths, or a clear error."""
+    arr = np.asarray(lengths)
+    if arr.ndim != 1 or len(arr) == 0:
+        raise HydraulisError(f"{where}: empty batch; a global batch needs at least one sequence")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise HydraulisError(f"{where}: sequence lengths must be integers")
+    if (arr < 1).any():
+        bad = int(arr[arr < 1][0])
+        raise HydraulisError(f"{where}: sequence length must be positive, got {bad}")
+    return arr.astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Overlong:
+    lengths: np.ndarray  # the batch after the policy
+    changed: int  # sequences truncated or dropped
+
+
+def apply_overlong(lengths: np.ndarray, cap: int, cap_name: str, policy: str, where: str = "batch") -> Overlong:
+    """error: name the length and the largest cap; truncate: cut to the cap; drop: leave out."""
+    if policy not in OVERLONG_POLICIES:
+        raise HydraulisError(f"unknown overlong policy {policy!r}; use one of {', '.join(OVERLONG_POLICIES)}")
+    over = lengths > cap
+    if not over.any():
+        return Overlong(lengths, 0)
+    if policy == "error":
+        raise HydraulisError(
+            f"{where}: a sequence of {int(lengths[over].max())} tokens is longer than the largest cap "
+            f"{cap} ({cap_name}); use --overlong truncate|drop, a pool with larger replicas, or more GPUs"
+        )
+    if policy == "truncate":
+        return Overlong(np.minimum(lengths, cap), int(over.sum()))
+    kept = lengths[~over]
+    if len(kept) == 0:
+        raise HydraulisError(f"{where}: every sequence is longer than the largest cap {cap} ({cap_name})")
+    return Overlong(kept, int(over.sum()))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One deployment planned for one batch."""
+
+    deployment: Deployment
+    micro_batches: tuple[tuple[np.ndarray, ...], ...]  # per replica, in execution order
+    replica_times_s: np.ndarray
+
+    @property
+    def compute_s(self) -> float:
+        return float(self.replica_times_s.max())
+
+
+class Planner:
+    """Plans global batches on a pool of deployments (the Policy for `hydraulis`)."""
+
+    name = "hydraulis"
+
+    def __init__(
+        self,
+        cost: CostModel,
+        num_gpus: int,
+        pool: Sequence[Deployment],
+        *,
+        method: str = "heuristic",
+        milp_time_limit_s: float = 5.0,
+        full_candidates: int = 2,
+        refine_rounds: int = 2,
+    ) -> None:
+        if method not in METHODS:
+            raise HydraulisError(f"unknown dispatch method {method!r}; use one of {', '.join(METHODS)}")
+        if not pool:
+            raise HydraulisError("the deployment pool is empty")
+        for d in pool:
+            if d.num_gpus != num_gpus:
+                raise HydraulisError(f"pool deployment {d} uses {d.num_gpus} GPUs but the job has {num_gpus}")
+        self.cost = cost
+        self.num_gpus = num_gpus
+        self.pool = tuple(pool)
+        self.method = method
+        self.milp_time_limit_s = milp_time_limit_s
+        self.full_candidates = full_candidates
+        self.refine_rounds = refine_rounds
+        self._tables = [ReplicaTable.of(cost, d, num_gpus) for d in self.pool]
+
+    @property
+    def largest_cap(self) -> int:
+        return int(max(t.cap.max() for t in self._tables))
+
+    def plan(self, lengths: Sequence[int] | np.ndarray, step: int = 0) -> IterationPlan:
+        """The fastest plan (by simulation) over the pool deployments that hold the batch."""
+        start = time.perf_counter()
+        lengths = check_lengths(lengths)
+        longest = int(lengths.max())
+        usable = [k for k, t in enumerate(self._tables) if int(t.cap.max()) >= longest]
+        if not usable:
+            cap_of = {g.name: self.cost.cap(g, self.num_gpus) for d in self.pool for g in d.configs}
+            name = max(cap_of, key=cap_of.get)
+            raise HydraulisError(
+                f"a sequence of {longest} tokens is longer than the largest cap in the pool "
+                f"({cap_of[name]} tokens, {name}); use --overlong truncate|drop or a pool with larger replicas"
+            )
+        # Screen the pool with the greedy alone; search, pack and simulate the most promising.
+        screened = [(dispatch(lengths, self._tables[k], search=False), k) for k in usable]
+        screened.sort(key=lambda x: x[0].makespan_s)
+        best: Candidate | None = None
+        for d, k in screened[: self.full_candidates]:
+            cand = self._pack_and_refine(lengths, k, improve(lengths, self._tables[k], d))
+            if best is None or cand.compute_s < best.compute_s:
+                best = cand
+        assert best is not None
+        if self.method == "milp":
+            best = self._exact(lengths, best)
+        return self._finish(step, lengths, best, start)
+
+    def plan_on(self, lengths: Sequence[int] | np.ndarray, deployment: Deployment, step: int = 0) -> IterationPlan:
+        """Plan a batch on one given deployment (for proposal and tests)."""
+        start = time.perf_counter()
+        lengths = check_lengths(lengths)
+        table = ReplicaTable.of(self.cost, deployment, self.num_gpus)
+        if int(table.cap.max()) < int(lengths.max()):
+            raise HydraulisError(f"{deployment} cannot hold a sequence of {int(lengths.max())} tokens")
+        cand = self._pack_and_refine(lengths, table, dispatch(lengths, table), deployment)
+        if self.method == "milp":
+            cand = self._exact(lengths, cand)
+        return self._finish(step, lengths, cand, start)
+
+    def schedule(self, lengths: np.ndarray, step: int = 0) -> Schedule:
+        return Schedule.single(self.plan(lengths, step))
+
+    # -- internals -----------------------------------------------------------------
+    def _pack(self, lengths: np.ndarray, table: ReplicaTable, d: Dispatch) -> list[Packing]:
+        return [pack_replica(d.members(r), lengths, table.replicas[r], self.cost) for r in range(len(table))]
+
+    def _pack_and_refine(
+        self, lengths: np.ndarray, which: int | ReplicaTable, d: Dispatch, deployment: Deployment | None = None
+    ) -> Candidate:
+        table = self._tables[which] if isinstance(which, int) else which
+        deployment = self.pool[which] if isinstance(which, int) else deployment
+        assert deployment is not None
+        packs = self._pack(lengths, table, d)
+        times = np.array([p.time_s for p in packs])
+        bias = np.zeros(len(table))
+        pipelined = bool((table.pp > 1).any())  # with pp = 1 the estimate is exact
+        for _ in range(self.refine_rounds if pipelined else 0):
+            # What packing and 1F1B add to (or save on) each replica's estimate.
+            bias = bias + (times - d.estimate_s)
+            d2 = dispatch(lengths, table, bias)
+            packs2 = self._pack(lengths, table, d2)
+            times2 = np.array([p.time_s for p in packs2])
+            if times2.max() >= times.max() - 1e-12:
+                break
+            d, packs, times = d2, packs2, times2
+        return Candidate(deployment, tuple(p.micro_batches for p in packs), times)
+
+    def _exact(self, lengths: np.ndarray, cand: Candidate) -> Candidate:
+        table = ReplicaTable.of(self.cost, cand.deployment, self.num_gpus)
+        start = [[mb.tolist() for mb in mbs] for mbs in cand.micro_batches]
+        found = exact_assignment(lengths, table, start, self.milp_time_limit_s)
+        if found is None:
+            return cand
+        packs = [
+            order_by_simulation([np.array(mb) for mb in mbs], lengths, table.replicas[r], self.cost)
+            for r, mbs in enumerate(found[0])
+        ]
+        times = np.array([p.time_s for p in packs])
+        if times.max() >= cand.compute_s:
+            return cand
+        return Candidate(cand.deployment, tuple(p.micro_batches for p in packs), times)
+
+    def _finish(self, step: int, lengths: np.ndarray, cand: Candidate, start: float) -> IterationPlan:
+        plan = plan_from_assignment(step, lengths, cand.deployment, cand.micro_batches, 0.0)
+        predicted = simulate(plan, self.cost, keep_events=False).iteration_time_s
+        return dataclasses.replace(plan, predicted_time_s=predicted, planning_time_s=time.perf_counter() - start)

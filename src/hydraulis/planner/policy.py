@@ -1,0 +1,109 @@
+"""What every policy (the planner and the baselines) returns: a Schedule of one or more phases.
+
+Most policies run a global batch on one deployment: one phase. Temporal
+switching (hotspa) runs several phases one after another, each a homogeneous
+deployment over the whole cluster on part of the batch, and pays a switch
+between phases. Gradients accumulate over the phases and are synchronised once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from hydraulis.cost.model import CostModel
+from hydraulis.parallel import Deployment
+from hydraulis.planner.plan import IterationPlan
+from hydraulis.sim import simulate
+from hydraulis.specs import ClusterSpec
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One iteration: phases in execution order; `indices[k]` maps phase k's sequences to the batch."""
+
+    step: int
+    lengths: tuple[int, ...]
+    phases: tuple[IterationPlan, ...]
+    indices: tuple[tuple[int, ...], ...]
+    switch_s: float  # paid once between consecutive phases
+    iteration_time_s: float
+    planning_time_s: float
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.lengths))
+
+    @classmethod
+    def single(cls, plan: IterationPlan) -> Schedule:
+        return cls(
+            plan.step,
+            plan.lengths,
+            (plan,),
+            (tuple(range(len(plan.lengths))),),
+            0.0,
+            plan.predicted_time_s,
+            plan.planning_time_s,
+        )
+
+
+def phases_time(phases: list[IterationPlan] | tuple[IterationPlan, ...], cost: CostModel, switch_s: float) -> float:
+    """Simulated compute of each phase, one switch between phases, one gradient sync."""
+    if len(phases) == 1:
+        return simulate(phases[0], cost, keep_events=False).iteration_time_s
+    compute = sum(simulate(p, cost, keep_events=False).compute_time_s for p in phases)
+    return compute + switch_s * (len(phases) - 1) + cost.grad_sync_time(phases[0].deployment.num_gpus)
+
+
+def check_schedule(schedule: Schedule) -> None:
+    """Each sequence of the batch in exactly one phase, with its own length."""
+    seen = np.zeros(len(schedule.lengths), dtype=np.int64)
+    for plan, idx in zip(schedule.phases, schedule.indices, strict=True):
+        plan.validate()
+        assert tuple(schedule.lengths[i] for i in idx) == plan.lengths
+        seen[list(idx)] += 1
+    assert (seen == 1).all()
+
+
+class Policy(Protocol):
+    """Plans global batches on a fixed cluster with a fixed cost model."""
+
+    name: str
+
+    def schedule(self, lengths: np.ndarray, step: int = 0) -> Schedule: ...
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What every policy is built from: the same cost model, cluster, pool and run facts."""
+
+    cost: CostModel
+    cluster: ClusterSpec
+    pool: tuple[Deployment, ...]  # the planner's (and the reference's) deployments; pool[0] the fallback
+    run_max_length: int  # the longest sequence of the run (homogeneous baselines must hold it)
+    sample: tuple[np.ndarray, ...]  # sample batches, for choosing configs
+
+    @property
+    def num_gpus(self) -> int:
+        return self.cluster.num_gpus
+
+    @classmethod
+    def build(
+        cls,
+        cost: CostModel,
+        cluster: ClusterSpec,
+        batches: Sequence[np.ndarray],
+        pool: Sequence[Deployment] | None = None,
+        sample: Sequence[np.ndarray] | None = None,
+    ) -> PolicyContext:
+        """The default pool is built from `sample` (default: the batches themselves)."""
+        from hydraulis.planner.pool import default_pool
+
+        sample = tuple(np.asarray(b, dtype=np.int64) for b in (sample if sample is not None else batches))
+        longest = max(int(np.max(b)) for b in list(batches) + list(sample))
+        if pool is None:
+            pool = default_pool(cost, cluster, sample, max_length=longest)
+        return cls(cost, cluster, tuple(pool), longest, sample)

@@ -1,0 +1,111 @@
+"""What the planner needs to know about a replica, and the 1F1B time estimate both stages share.
+
+Dispatch cannot afford to pack and simulate for every candidate move, so it
+works with an estimate of the packed replica's 1F1B time from four sums of its
+sequences (cost W, tokens T, count n, largest cost w_max):
+
+    est = min over v of  W + v*c + (pp - 1) * (max(W / v, w_max) + c)
+
+v runs from the token-cap minimum ceil(T / cap) up to the count n (and down to
+T / min_efficient_tokens, below which a micro-batch leaves the GPU idle); the
+unconstrained optimum is v* = sqrt((pp - 1) * W / c). For pp = 1 this is W + c*ceil(T/cap).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hydraulis.cost.model import CostModel
+from hydraulis.parallel import Deployment, ParallelConfig
+
+
+@dataclass(frozen=True)
+class ReplicaCost:
+    """Coefficients, cap and busy threshold of one config in a job of N GPUs."""
+
+    config: ParallelConfig
+    a: float
+    b: float
+    c: float
+    cap: int
+    min_efficient: int
+
+    @property
+    def pp(self) -> int:
+        return self.config.pp
+
+    @classmethod
+    def of(cls, cost: CostModel, config: ParallelConfig, num_gpus: int) -> ReplicaCost:
+        k = cost.coefficients(config)
+        return cls(config, k.a, k.b, k.c, cost.cap(config, num_gpus), cost.min_efficient_tokens(config))
+
+    def seq_costs(self, lengths: np.ndarray) -> np.ndarray:
+        s = np.asarray(lengths, dtype=np.float64)
+        return self.a * s * s + self.b * s
+
+
+@dataclass(frozen=True)
+class ReplicaTable:
+    """Per-replica arrays of a deployment, for vectorised estimates."""
+
+    replicas: tuple[ReplicaCost, ...]
+    c: np.ndarray
+    pp: np.ndarray
+    cap: np.ndarray
+    min_efficient: np.ndarray
+    group: np.ndarray  # index into `configs` per replica
+    configs: tuple[ReplicaCost, ...]  # distinct configs, first-appearance order
+
+    @classmethod
+    def of(cls, cost: CostModel, deployment: Deployment | Sequence[ParallelConfig], num_gpus: int) -> ReplicaTable:
+        configs = deployment.configs if isinstance(deployment, Deployment) else tuple(deployment)
+        distinct: dict[ParallelConfig, int] = {}
+        for g in configs:
+            distinct.setdefault(g, len(distinct))
+        models = tuple(ReplicaCost.of(cost, g, num_gpus) for g in distinct)
+        reps = tuple(models[distinct[g]] for g in configs)
+        return cls(
+            replicas=reps,
+            c=np.array([r.c for r in reps]),
+            pp=np.array([r.pp for r in reps], dtype=np.float64),
+            cap=np.array([r.cap for r in reps], dtype=np.int64),
+            min_efficient=np.array([r.min_efficient for r in reps], dtype=np.int64),
+            group=np.array([distinct[g] for g in configs], dtype=np.int64),
+            configs=models,
+        )
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    def cost_matrix(self, lengths: np.ndarray) -> np.ndarray:
+        """[distinct configs x sequences] of a*s^2 + b*s."""
+        s = np.asarray(lengths, dtype=np.float64)[None, :]
+        a = np.array([m.a for m in self.configs])[:, None]
+        b = np.array([m.b for m in self.configs])[:, None]
+        return a * s * s + b * s
+
+
+def micro_batch_range(tokens, count, cap, min_efficient):
+    """Smallest and largest sensible micro-batch counts (arrays or scalars)."""
+    tokens = np.asarray(tokens)
+    vmin = np.maximum(1, -(-tokens // np.maximum(cap, 1)))
+    busy = tokens // np.maximum(min_efficient, 1)
+    vmax = np.maximum(vmin, np.minimum(count, busy))
+    return vmin, vmax
+
+
+def estimate_time(W, T, n, wmax, c, pp, cap, min_efficient) -> np.ndarray:
+    """Estimated 1F1B time of replicas holding sequences with these sums (broadcasts; 0 if empty)."""
+    W = np.asarray(W, dtype=np.float64)
+    c = np.asarray(c, dtype=np.float64)
+    pp1 = np.asarray(pp, dtype=np.float64) - 1.0
+    vmin, vmax = micro_batch_range(T, n, cap, min_efficient)
+    vstar = np.sqrt(pp1 * W / np.maximum(c, 1e-12))
+    v1 = np.clip(np.floor(vstar), vmin, vmax)
+    v2 = np.clip(v1 + 1.0, vmin, vmax)
+    f1 = W + v1 * c + pp1 * (np.maximum(W / v1, wmax) + c)
+    f2 = W + v2 * c + pp1 * (np.maximum(W / v2, wmax) + c)
+    return np.where(np.asarray(n) > 0, np.minimum(f1, f2), 0.0)

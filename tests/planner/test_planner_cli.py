@@ -1,0 +1,85 @@
+"""`hydraulis plan` through the real command, good and bad input."""
+
+from __future__ import annotations
+
+import json
+
+from hydraulis.planner.plan import load_plan
+
+
+def write(path, batches):
+    path.write_text(json.dumps({"schema": "hydraulis.workload/1", "name": path.stem, "batches": batches}))
+    return path
+
+
+def one_line_error(res, *needles):
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr
+    assert res.stderr.strip().count("\n") == 0, res.stderr
+    for needle in needles:
+        assert needle in res.stderr, res.stderr
+
+
+def test_plan_writes_a_valid_plan(cli, tmp_path):
+    w = write(tmp_path / "w.json", [[4000, 300, 120, 9000, 700] * 20, [16000, 200, 50] * 10])
+    out = tmp_path / "plan.json"
+    res = cli("plan", "--profile", "llama-7b@a800-80g", "--gpus", "16", "--workload", str(w), "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    plan = load_plan(out)
+    assert plan.num_gpus == 16 and len(plan.iterations) == 2
+    assert [it.step for it in plan.iterations] == [0, 1]
+    sim = cli("simulate", "--plan", str(out), "--json")
+    assert sim.returncode == 0, sim.stderr
+    for it, row in zip(plan.iterations, json.loads(sim.stdout)["iterations"], strict=True):
+        assert abs(row["iteration_time_s"] - it.predicted_time_s) < 1e-9
+
+
+def test_plan_with_inline_pool(cli, tmp_path):
+    w = write(tmp_path / "w.json", [[4000, 300, 120, 9000, 700] * 8])
+    out = tmp_path / "plan.json"
+    pool = "8x(tp2,pp1); 1x(tp8,pp1) + 4x(tp2,pp1)"
+    res = cli("plan", "--gpus", "16", "--workload", str(w), "--pool", pool, "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert str(load_plan(out).iterations[0].deployment) in {"8x(tp2,pp1)", "1x(tp8,pp1) + 4x(tp2,pp1)"}
+
+
+def test_overlong_error_names_length_and_cap(cli, tmp_path):
+    w = write(tmp_path / "w.json", [[100, 200, 300000]])
+    out = tmp_path / "plan.json"
+    res = cli("plan", "--gpus", "16", "--workload", str(w), "--out", str(out))
+    one_line_error(res, "300000 tokens", "largest cap 132480", "tp16pp1")
+    assert not out.exists()
+    res = cli("plan", "--gpus", "16", "--workload", str(w), "--pool", "8x(tp2,pp1)", "--out", str(out))
+    one_line_error(res, "300000 tokens", "largest cap 20864", "tp2pp1")
+    assert not out.exists()
+
+
+def test_overlong_truncate_and_drop_say_how_many(cli, tmp_path):
+    w = write(tmp_path / "w.json", [[100, 30000, 300, 25000], [500, 600]])
+    out = tmp_path / "plan.json"
+    base = ("plan", "--gpus", "16", "--workload", str(w), "--pool", "8x(tp2,pp1)", "--out", str(out))
+    res = cli(*base, "--overlong", "truncate")
+    assert res.returncode == 0, res.stderr
+    assert "truncated 2 sequence(s)" in res.stderr
+    assert load_plan(out).iterations[0].lengths == (100, 20864, 300, 20864)
+    res = cli(*base, "--overlong", "drop")
+    assert res.returncode == 0, res.stderr
+    assert "dropped 2 sequence(s)" in res.stderr
+    assert load_plan(out).iterations[0].lengths == (100, 300)
+
+
+def test_bad_input_is_one_line_exit_2_and_no_output(cli, tmp_path):
+    out = tmp_path / "plan.json"
+    cases = [
+        (write(tmp_path / "empty.json", [[]]), (), ("empty",)),
+        (write(tmp_path / "neg.json", [[100, -5]]), (), ("-5",)),
+        (write(tmp_path / "ok.json", [[100, 200]]), ("--pool", "4x(tp2,pp1)"), ("8 GPUs", "16")),
+        (write(tmp_path / "ok2.json", [[100, 200]]), ("--pool", "8x(tp3,pp1)"), ("tp3",)),
+        (write(tmp_path / "ok3.json", [[100, 200]]), ("--policy", "nonsense"), ("nonsense",)),
+        (write(tmp_path / "ok4.json", [[100, 200]]), ("--overlong", "shrug"), ("shrug",)),
+    ]
+    for workload, extra, needles in cases:
+        res = cli("plan", "--gpus", "16", "--workload", str(workload), "--out", str(out), *extra)
+        one_line_error(res, *needles)
+        assert not out.exists()
+    assert not list(tmp_path.glob(".plan.json*"))

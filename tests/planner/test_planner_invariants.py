@@ -1,0 +1,107 @@
+"""Invariants of the planner on random batches: assignment, caps, JSON round trip, predicted = simulated."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hydraulis.cost import load_cost_model
+from hydraulis.errors import HydraulisError
+from hydraulis.parallel import Deployment
+from hydraulis.planner.plan import IterationPlan
+from hydraulis.planner.planner import Planner, apply_overlong, check_lengths
+from hydraulis.sim import simulate
+from hydraulis.specs import ClusterSpec
+
+CLUSTER = ClusterSpec(16)
+POOL_TEXT = (
+    "8x(tp2,pp1)",
+    "4x(tp2,pp2)",
+    "1x(tp8,pp1) + 4x(tp2,pp1)",
+    "2x(tp4,pp1) + 2x(tp1,pp4)",
+    "1x(tp4,pp2) + 2x(tp2,pp2)",
+)
+
+
+@functools.cache
+def planner() -> Planner:
+    cost = load_cost_model("llama-7b@a800-80g")
+    return Planner(cost, CLUSTER.num_gpus, [Deployment.parse(t, CLUSTER) for t in POOL_TEXT])
+
+
+batches = st.lists(
+    st.one_of(st.integers(8, 2048), st.integers(2048, 20000), st.integers(20000, 80000)), min_size=1, max_size=120
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=batches, step=st.integers(0, 5))
+def test_plan_invariants(batch, step):
+    p = planner()
+    plan = p.plan(np.array(batch), step)
+    plan.validate(p.cost, CLUSTER.num_gpus)  # every sequence exactly once; caps hold
+    assert plan.lengths == tuple(batch)
+    assert plan.predicted_time_s == simulate(plan, p.cost, keep_events=False).iteration_time_s
+    again = IterationPlan.from_dict(plan.to_dict(), CLUSTER, "round trip")
+    assert again == plan
+    assert plan.planning_time_s > 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=batches, which=st.integers(0, len(POOL_TEXT) - 1))
+def test_plan_on_each_deployment(batch, which):
+    p = planner()
+    deployment = p.pool[which]
+    lengths = np.array(batch)
+    if lengths.max() > max(p.cost.cap(g, 16) for g in deployment.configs):
+        with pytest.raises(HydraulisError):
+            p.plan_on(lengths, deployment)
+        return
+    plan = p.plan_on(lengths, deployment)
+    plan.validate(p.cost, 16)
+    assert plan.deployment == deployment
+    assert plan.predicted_time_s == simulate(plan, p.cost, keep_events=False).iteration_time_s
+
+
+def test_plan_never_slower_than_any_single_deployment_by_much():
+    p = planner()
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        batch = np.minimum(rng.lognormal(6, 1.3, 200).astype(np.int64) + 8, 60000)
+        best = p.plan(batch).predicted_time_s
+        for d in p.pool:
+            if max(p.cost.cap(g, 16) for g in d.configs) >= batch.max():
+                assert best <= p.plan_on(batch, d).predicted_time_s * 1.05
+
+
+def test_a_replica_may_stay_empty():
+    p = planner()
+    plan = p.plan_on(np.array([30000]), p.pool[2])
+    sizes = [len(r.micro_batches) for r in plan.replicas]
+    assert sum(sizes) == 1 and sizes.count(0) == 4
+
+
+def test_bad_batches():
+    with pytest.raises(HydraulisError, match="empty batch"):
+        check_lengths([])
+    with pytest.raises(HydraulisError, match="positive, got -3"):
+        check_lengths([5, -3])
+    p = planner()
+    with pytest.raises(HydraulisError, match=r"200000 tokens.*largest cap in the pool \(\d+ tokens, tp8pp1\)"):
+        p.plan(np.array([10, 200000]))
+
+
+def test_overlong_policies():
+    lengths = np.array([10, 500, 90, 700])
+    with pytest.raises(HydraulisError, match="700 tokens is longer than the largest cap 128 "):
+        apply_overlong(lengths, 128, "tp1pp1", "error")
+    t = apply_overlong(lengths, 128, "tp1pp1", "truncate")
+    assert t.changed == 2 and t.lengths.tolist() == [10, 128, 90, 128]
+    d = apply_overlong(lengths, 128, "tp1pp1", "drop")
+    assert d.changed == 2 and d.lengths.tolist() == [10, 90]
+    with pytest.raises(HydraulisError, match="every sequence"):
+        apply_overlong(np.array([500]), 128, "tp1pp1", "drop")
