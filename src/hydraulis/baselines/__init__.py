@@ -18,8 +18,34 @@ def _hydraulis(ctx: PolicyContext) -> Policy:
     return Planner(ctx.cost, ctx.num_gpus, ctx.pool)
 
 
+def _homogeneous(name: str) -> Callable[[PolicyContext], Policy]:
+    def make(ctx: PolicyContext) -> Policy:
+        from hydraulis.baselines.homogeneous import Homogeneous
+
+        return Homogeneous(ctx, name)
+
+    return make
+
+
+def _hotspa(ctx: PolicyContext) -> Policy:
+    from hydraulis.baselines.hotspa import HotSpa
+
+    return HotSpa(ctx)
+
+
+def _reference(ctx: PolicyContext) -> Policy:
+    from hydraulis.baselines.reference import Reference
+
+    return Reference(ctx)
+
+
 POLICIES: dict[str, Callable[[PolicyContext], Policy]] = {
     "hydraulis": _hydraulis,
+    "megatron": _homogeneous("megatron"),
+    "token-balanced": _homogeneous("token-balanced"),
+    "flops-balanced": _homogeneous("flops-balanced"),
+    "hotspa": _hotspa,
+    "hydraulis-reference": _reference,
 }
 
 

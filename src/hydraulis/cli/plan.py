@@ -36,7 +36,7 @@ def plan(
     from hydraulis.planner.plan import PlanFile, save_plan
     from hydraulis.planner.planner import apply_overlong
     from hydraulis.planner.policy import PolicyContext
-    from hydraulis.planner.pool import parse_pool, replicable_cap
+    from hydraulis.planner.pool import largest_cap, parse_pool
     from hydraulis.specs import ClusterSpec
 
     if gpus < 1:
@@ -45,12 +45,7 @@ def plan(
     cost = load_cost_model(profile)
     work = load_workload(workload, tokens_per_batch, num_batches, seed)
     deployments = parse_pool(pool, cluster) if pool else None
-    if deployments:
-        configs = {g for d in deployments for g in d.configs}
-        top = max(configs, key=lambda g: cost.cap(g, gpus))
-        cap, cap_name = cost.cap(top, gpus), top.name
-    else:
-        cap, cap_name = replicable_cap(cost, cluster)
+    cap, cap_name = largest_cap(cost, cluster, deployments)
     batches, changed = [], 0
     for i, b in enumerate(work.batches):
         fixed = apply_overlong(b, cap, cap_name, overlong, where=f"{workload}: batch {i}")

@@ -24,8 +24,10 @@ from hydraulis.planner.dispatch import Dispatch, dispatch, exact_assignment, imp
 from hydraulis.planner.packing import Packing, order_by_simulation, pack_replica
 from hydraulis.planner.plan import IterationPlan, plan_from_assignment
 from hydraulis.planner.policy import Schedule
+from hydraulis.planner.pool import largest_cap
 from hydraulis.planner.replicas import ReplicaTable
 from hydraulis.sim import simulate
+from hydraulis.specs import ClusterSpec
 
 OVERLONG_POLICIES = ("error", "truncate", "drop")
 METHODS = ("heuristic", "milp")
@@ -115,10 +117,6 @@ class Planner:
         self.refine_rounds = refine_rounds
         self._tables = [ReplicaTable.of(cost, d, num_gpus) for d in self.pool]
 
-    @property
-    def largest_cap(self) -> int:
-        return int(max(t.cap.max() for t in self._tables))
-
     def plan(self, lengths: Sequence[int] | np.ndarray, step: int = 0) -> IterationPlan:
         """The fastest plan (by simulation) over the pool deployments that hold the batch."""
         start = time.perf_counter()
@@ -126,11 +124,10 @@ class Planner:
         longest = int(lengths.max())
         usable = [k for k, t in enumerate(self._tables) if int(t.cap.max()) >= longest]
         if not usable:
-            cap_of = {g.name: self.cost.cap(g, self.num_gpus) for d in self.pool for g in d.configs}
-            name = max(cap_of, key=cap_of.get)
+            cap, name = largest_cap(self.cost, ClusterSpec(self.num_gpus), self.pool)
             raise HydraulisError(
                 f"a sequence of {longest} tokens is longer than the largest cap in the pool "
-                f"({cap_of[name]} tokens, {name}); use --overlong truncate|drop or a pool with larger replicas"
+                f"({cap} tokens, {name}); use --overlong truncate|drop or a pool with larger replicas"
             )
         # Screen the pool with the greedy alone; search, pack and simulate the most promising.
         screened = [(dispatch(lengths, self._tables[k], search=False), k) for k in usable]
@@ -201,6 +198,18 @@ class Planner:
         return Candidate(cand.deployment, tuple(p.micro_batches for p in packs), times)
 
     def _finish(self, step: int, lengths: np.ndarray, cand: Candidate, start: float) -> IterationPlan:
-        plan = plan_from_assignment(step, lengths, cand.deployment, cand.micro_batches, 0.0)
-        predicted = simulate(plan, self.cost, keep_events=False).iteration_time_s
-        return dataclasses.replace(plan, predicted_time_s=predicted, planning_time_s=time.perf_counter() - start)
+        return finalize(step, lengths, cand.deployment, cand.micro_batches, self.cost, start)
+
+
+def finalize(
+    step: int,
+    lengths: np.ndarray,
+    deployment: Deployment,
+    micro_batches: Sequence[Sequence[Sequence[int]]],
+    cost: CostModel,
+    started: float,
+) -> IterationPlan:
+    """An IterationPlan whose predicted time is the simulator's, and whose planning time ends now."""
+    plan = plan_from_assignment(step, lengths, deployment, micro_batches, 0.0)
+    predicted = simulate(plan, cost, keep_events=False).iteration_time_s
+    return dataclasses.replace(plan, predicted_time_s=predicted, planning_time_s=time.perf_counter() - started)

@@ -36,11 +36,11 @@ def usable_configs(cost: CostModel, cluster: ClusterSpec) -> list[ParallelConfig
 
 
 def largest_cap(cost: CostModel, cluster: ClusterSpec, pool: Sequence[Deployment] | None = None) -> tuple[int, str]:
-    """The largest cap (and its config) among the pool's replicas, or among all usable configs."""
-    configs = {g for d in pool for g in d.configs} if pool else set(usable_configs(cost, cluster))
+    """The largest cap (and its config) in the pool, or, without one, what a default pool can hold."""
+    configs = {g for d in pool for g in d.configs} if pool else set(replicable_configs(cost, cluster))
     if not configs:
-        return 0, "none"
-    best = max(configs, key=lambda g: cost.cap(g, cluster.num_gpus))
+        raise HydraulisError(f"no parallel config of {cost.name} replicates over {cluster.num_gpus} GPUs")
+    best = max(configs, key=lambda g: (cost.cap(g, cluster.num_gpus), -g.num_gpus))
     return cost.cap(best, cluster.num_gpus), best.name
 
 
@@ -81,11 +81,7 @@ def fallback_config(
 ) -> ParallelConfig:
     """The cheapest config that holds `max_length` and replicates over the whole cluster."""
     N = cluster.num_gpus
-    holding = [
-        g
-        for g in usable_configs(cost, cluster)
-        if cost.cap(g, N) >= max_length and N % g.num_gpus == 0 and place([g] * (N // g.num_gpus), cluster)
-    ]
+    holding = [g for g in replicable_configs(cost, cluster) if cost.cap(g, N) >= max_length]
     if not holding:
         cap, name = largest_cap(cost, cluster)
         raise HydraulisError(
@@ -95,14 +91,10 @@ def fallback_config(
     return min(holding, key=lambda g: (homogeneous_estimate(cost, g, N, batches), g.num_gpus))
 
 
-def replicable_cap(cost: CostModel, cluster: ClusterSpec) -> tuple[int, str]:
-    """The largest cap of a config that replicates over the whole cluster: what a default pool can hold."""
+def replicable_configs(cost: CostModel, cluster: ClusterSpec) -> list[ParallelConfig]:
+    """Usable configs that replicate over the whole cluster (homogeneous deployments)."""
     N = cluster.num_gpus
-    fits = [g for g in usable_configs(cost, cluster) if N % g.num_gpus == 0 and place([g] * (N // g.num_gpus), cluster)]
-    if not fits:
-        raise HydraulisError(f"no parallel config of {cost.name} replicates over {N} GPUs")
-    best = max(fits, key=lambda g: cost.cap(g, N))
-    return cost.cap(best, N), best.name
+    return [g for g in usable_configs(cost, cluster) if N % g.num_gpus == 0 and place([g] * (N // g.num_gpus), cluster)]
 
 
 def parse_pool(text: str, cluster: ClusterSpec) -> tuple[Deployment, ...]:

@@ -1,0 +1,106 @@
+"""Homogeneous baselines (DESIGN section 7): one config for the whole run, replicated over all GPUs.
+
+The config is the cheapest that holds the run's longest sequence (the same
+choice as the planner's fallback).
+
+- megatron: pack greedily in data order to the token cap, spread the
+  micro-batches over replicas by count.
+- token-balanced: Karmarkar-Karp on tokens across replicas, token-capped packing.
+- flops-balanced: Karmarkar-Karp on a*s^2 + b*s across replicas, token-capped packing.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from hydraulis.parallel import Deployment
+from hydraulis.planner.packing import first_fit_decreasing
+from hydraulis.planner.plan import IterationPlan
+from hydraulis.planner.planner import check_lengths, finalize
+from hydraulis.planner.policy import PolicyContext, Schedule
+from hydraulis.planner.pool import fallback_config, homogeneous
+from hydraulis.planner.replicas import ReplicaCost
+
+
+def karmarkar_karp(weights: np.ndarray, k: int) -> list[list[int]]:
+    """k-way largest differencing: indices per part, parts of near-equal total weight."""
+    if k == 1:
+        return [list(range(len(weights)))]
+    # Entry: (-(spread), tiebreak, sums descending, parts aligned with sums).
+    heap: list[tuple[float, int, list[float], list[list[int]]]] = []
+    for i, w in enumerate(np.asarray(weights, dtype=np.float64).tolist()):
+        heap.append((-w, i, [w] + [0.0] * (k - 1), [[i]] + [[] for _ in range(k - 1)]))
+    heapq.heapify(heap)
+    tie = len(heap)
+    while len(heap) > 1:
+        _, _, sa, pa = heapq.heappop(heap)
+        _, _, sb, pb = heapq.heappop(heap)
+        # Largest of one with smallest of the other.
+        merged = sorted(
+            ((sa[j] + sb[k - 1 - j], pa[j] + pb[k - 1 - j]) for j in range(k)), key=lambda x: x[0], reverse=True
+        )
+        sums = [m[0] for m in merged]
+        heapq.heappush(heap, (-(sums[0] - sums[-1]), tie, sums, [m[1] for m in merged]))
+        tie += 1
+    return heap[0][3]
+
+
+def data_order_packing(lengths: np.ndarray, cap: int) -> list[list[int]]:
+    """Fill micro-batches in data order; start a new one when the next sequence would overflow."""
+    out: list[list[int]] = []
+    room = -1
+    for i, s in enumerate(lengths.tolist()):
+        if s > room:
+            out.append([])
+            room = cap
+        out[-1].append(i)
+        room -= s
+    return out
+
+
+class Homogeneous:
+    """One homogeneous deployment for the run; `assign` decides which replica runs which sequences."""
+
+    def __init__(self, ctx: PolicyContext, name: str, deployment: Deployment | None = None) -> None:
+        self.name = name
+        self.ctx = ctx
+        if deployment is None:
+            config = fallback_config(ctx.cost, ctx.cluster, ctx.run_max_length, ctx.sample)
+            deployment = homogeneous(config, ctx.cluster)
+        self.deployment = deployment
+        self.replica = ReplicaCost.of(ctx.cost, deployment.configs[0], ctx.num_gpus)
+        assigners: dict[str, Callable[[np.ndarray], list[list[list[int]]]]] = {
+            "megatron": self._megatron,
+            "token-balanced": lambda s: self._balanced(s, s.astype(np.float64)),
+            "flops-balanced": lambda s: self._balanced(s, self.replica.seq_costs(s)),
+        }
+        self._assign = assigners[name]
+
+    @classmethod
+    def on(cls, ctx: PolicyContext, deployment: Deployment, name: str) -> Homogeneous:
+        """The same assignment on a given homogeneous deployment (hotspa's phases)."""
+        return cls(ctx, name, deployment)
+
+    def plan(self, lengths: np.ndarray, step: int = 0) -> IterationPlan:
+        start = time.perf_counter()
+        lengths = check_lengths(lengths)
+        return finalize(step, lengths, self.deployment, self._assign(lengths), self.ctx.cost, start)
+
+    def schedule(self, lengths: np.ndarray, step: int = 0) -> Schedule:
+        return Schedule.single(self.plan(lengths, step))
+
+    def _megatron(self, lengths: np.ndarray) -> list[list[list[int]]]:
+        mbs = data_order_packing(lengths, self.replica.cap)
+        chunks = np.array_split(np.arange(len(mbs)), len(self.deployment))
+        return [[mbs[j] for j in chunk.tolist()] for chunk in chunks]
+
+    def _balanced(self, lengths: np.ndarray, weights: np.ndarray) -> list[list[list[int]]]:
+        out = []
+        for part in karmarkar_karp(weights, len(self.deployment)):
+            idx = np.array(part, dtype=np.int64)
+            out.append([idx[b].tolist() for b in first_fit_decreasing(lengths[idx], self.replica.cap)] if part else [])
+        return out

@@ -1,0 +1,85 @@
+"""hotspa (DESIGN section 7): temporal switching between homogeneous configs within an iteration.
+
+The batch, sorted by length, is split into length ranges at config caps; each
+range runs as one phase on the whole cluster with the homogeneous config that
+runs it fastest (flops-balanced over replicas, token-capped packing), one phase
+after another, paying a switch between phases: one all-gather of the bf16
+parameters into the next layout. The split minimises the estimated total by a
+dynamic programme over the cap levels; phases are then planned and simulated.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from hydraulis.baselines.homogeneous import Homogeneous
+from hydraulis.planner.planner import check_lengths
+from hydraulis.planner.policy import PolicyContext, Schedule, phases_time
+from hydraulis.planner.pool import homogeneous, homogeneous_estimate, replicable_configs
+
+
+def switch_time(ctx: PolicyContext) -> float:
+    """Gather the parameters into another layout: half of a gradient sync (reduce + gather)."""
+    return ctx.cost.grad_sync_time(ctx.num_gpus) / 2
+
+
+class HotSpa:
+    name = "hotspa"
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        self.ctx = ctx
+        self.configs = replicable_configs(ctx.cost, ctx.cluster)
+        self.caps = np.array([ctx.cost.cap(g, ctx.num_gpus) for g in self.configs])
+        self.switch_s = switch_time(ctx)
+        self._phase = {g: Homogeneous.on(ctx, homogeneous(g, ctx.cluster), "flops-balanced") for g in self.configs}
+
+    def split(self, lengths: np.ndarray) -> list[tuple[np.ndarray, int]]:
+        """(batch positions, config index) per phase, shortest range first."""
+        order = np.argsort(lengths, kind="stable")
+        s = lengths[order]
+        levels = sorted({int(c) for c in self.caps if c >= s[0]})
+        cuts = [0] + [int(np.searchsorted(s, lv, side="right")) for lv in levels]
+        cuts = sorted(set(cuts))  # cut positions: ranges [cuts[i], cuts[j])
+        m = len(cuts)
+        best = np.full(m, np.inf)
+        best[0] = 0.0
+        choice: list[tuple[int, int]] = [(-1, -1)] * m
+        N = self.ctx.num_gpus
+        for j in range(1, m):
+            for i in range(j):
+                part = s[cuts[i] : cuts[j]]
+                fits = [k for k, cap in enumerate(self.caps) if cap >= part[-1]]
+                if not fits:
+                    continue
+                t = {k: homogeneous_estimate(self.ctx.cost, self.configs[k], N, [part]) for k in fits}
+                k = min(t, key=t.get)
+                total = best[i] + t[k] + (self.switch_s if i > 0 else 0.0)
+                if total < best[j]:
+                    best[j], choice[j] = total, (i, k)
+        phases = []
+        j = m - 1
+        while j > 0:
+            i, k = choice[j]
+            phases.append((order[cuts[i] : cuts[j]], k))
+            j = i
+        return phases[::-1]
+
+    def schedule(self, lengths: np.ndarray, step: int = 0) -> Schedule:
+        start = time.perf_counter()
+        lengths = check_lengths(lengths)
+        plans, indices = [], []
+        for idx, k in self.split(lengths):
+            plans.append(self._phase[self.configs[k]].plan(lengths[idx], step))
+            indices.append(tuple(int(i) for i in idx))
+        total = phases_time(plans, self.ctx.cost, self.switch_s)
+        return Schedule(
+            step,
+            tuple(int(s) for s in lengths),
+            tuple(plans),
+            tuple(indices),
+            self.switch_s,
+            total,
+            time.perf_counter() - start,
+        )

@@ -1,0 +1,130 @@
+"""The baselines behave as DESIGN section 7 specifies, under the same interface as the planner."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from hydraulis.baselines import POLICIES, make_policy
+from hydraulis.baselines.homogeneous import data_order_packing, karmarkar_karp
+from hydraulis.baselines.hotspa import switch_time
+from hydraulis.baselines.reference import milp_bins, pack_reference, randomized_greedy
+from hydraulis.cost import load_cost_model
+from hydraulis.errors import HydraulisError
+from hydraulis.parallel import Deployment
+from hydraulis.planner.policy import PolicyContext, check_schedule
+from hydraulis.planner.pool import fallback_config
+from hydraulis.planner.replicas import ReplicaCost, ReplicaTable
+from hydraulis.sim import simulate
+from hydraulis.specs import ClusterSpec
+
+COST = load_cost_model("llama-7b@a800-80g")
+CLUSTER = ClusterSpec(16)
+
+
+def batch(seed: int, n: int = 150, top: int = 30000) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.minimum(rng.lognormal(6.5, 1.3, n).astype(np.int64) + 8, top)
+
+
+@functools.cache
+def context() -> PolicyContext:
+    pool = [Deployment.parse(t, CLUSTER) for t in ("4x(tp4,pp1)", "1x(tp4,pp1) + 6x(tp2,pp1)", "8x(tp2,pp1)")]
+    batches = [batch(s) for s in range(3)]
+    return PolicyContext.build(COST, CLUSTER, batches, pool)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_every_policy_schedules_validly(name):
+    ctx = context()
+    policy = make_policy(name, ctx)
+    for step, b in enumerate(ctx.sample):
+        schedule = policy.schedule(b, step)
+        check_schedule(schedule)
+        assert schedule.lengths == tuple(int(x) for x in b)
+        for plan in schedule.phases:
+            plan.validate(COST, 16)
+            assert plan.predicted_time_s == simulate(plan, COST, keep_events=False).iteration_time_s
+        if len(schedule.phases) == 1:
+            assert schedule.iteration_time_s == schedule.phases[0].predicted_time_s
+
+
+def test_karmarkar_karp_partitions_and_balances():
+    w = np.random.default_rng(0).integers(1, 1000, 200).astype(float)
+    parts = karmarkar_karp(w, 7)
+    assert sorted(i for p in parts for i in p) == list(range(200))
+    sums = [w[p].sum() for p in parts]
+    assert max(sums) - min(sums) <= w.max()
+
+
+def test_megatron_packs_in_data_order_and_spreads_by_count():
+    ctx = context()
+    policy = make_policy("megatron", ctx)
+    config = fallback_config(COST, CLUSTER, ctx.run_max_length, ctx.sample)
+    b = ctx.sample[0]
+    plan = policy.schedule(b).phases[0]
+    assert plan.deployment.is_homogeneous and plan.deployment.configs[0] == config
+    flat = [mb for r in plan.replicas for mb in r.micro_batches]
+    assert [i for mb in flat for i in mb] == list(range(len(b)))  # data order
+    assert flat == [tuple(mb) for mb in data_order_packing(b, COST.cap(config, 16))]
+    counts = [len(r.micro_batches) for r in plan.replicas]
+    assert max(counts) - min(counts) <= 1
+
+
+@pytest.mark.parametrize("name", ["token-balanced", "flops-balanced"])
+def test_balanced_baselines_balance_their_key(name):
+    ctx = context()
+    plan = make_policy(name, ctx).schedule(ctx.sample[1]).phases[0]
+    config = plan.deployment.configs[0]
+    assert plan.deployment.is_homogeneous
+    lengths = np.array(plan.lengths)
+    key = lengths.astype(float) if name == "token-balanced" else COST.seq_costs(config, lengths)
+    sums = [sum(key[i] for mb in r.micro_batches for i in mb) for r in plan.replicas]
+    assert max(sums) - min(sums) <= key.max() + 1e-9
+
+
+def test_hotspa_runs_homogeneous_phases_by_length_with_switches():
+    ctx = context()
+    policy = make_policy("hotspa", ctx)
+    b = np.concatenate([np.full(60, 300), np.full(6, 28000)])
+    schedule = policy.schedule(b)
+    check_schedule(schedule)
+    tops = []
+    for plan, idx in zip(schedule.phases, schedule.indices, strict=True):
+        assert plan.deployment.is_homogeneous and plan.deployment.num_gpus == 16
+        tops.append((min(b[list(idx)]), max(b[list(idx)])))
+    assert all(tops[k][1] <= tops[k + 1][0] for k in range(len(tops) - 1))  # length ranges, in order
+    compute = sum(simulate(p, COST, keep_events=False).compute_time_s for p in schedule.phases)
+    expected = compute + switch_time(ctx) * (len(schedule.phases) - 1) + COST.grad_sync_time(16)
+    assert schedule.iteration_time_s == pytest.approx(expected)
+
+
+def test_reference_greedy_and_packing():
+    ctx = context()
+    table = ReplicaTable.of(COST, ctx.pool[1], 16)
+    b = batch(5)
+    replica_of, obj = randomized_greedy(b, table, np.random.default_rng(0), shuffles=5)
+    assert (table.cap[replica_of] >= b).all()
+    w = table.cost_matrix(b)[table.group[replica_of], np.arange(len(b))]
+    per = [w[replica_of == r].sum() + (table.pp[r] - 1) * w[replica_of == r].max(initial=0) for r in range(len(table))]
+    assert obj == pytest.approx(max(per))
+    replica = ReplicaCost.of(COST, Deployment.parse("1x(tp2,pp2)", ClusterSpec(4)).configs[0], 16)
+    s = np.array([3000, 2500, 2000, 1500, 1000, 800, 400, 300])
+    bins = pack_reference(s, replica)
+    assert sorted(i for mb in bins for i in mb) == list(range(len(s)))
+    assert all(s[mb].sum() <= replica.cap for mb in bins)
+    w = replica.seq_costs(s)
+
+    def objective(bins) -> float:
+        return (max(w[mb].sum() for mb in bins) + replica.c) * (len(bins) + 1)
+
+    got = objective(bins)
+    for u in range(2, 6):  # no other micro-batch count does better by the published objective
+        assert got <= objective(milp_bins(s, w, replica.cap, u, 5.0)) + 1e-9
+
+
+def test_unknown_policy():
+    with pytest.raises(HydraulisError, match="unknown policy"):
+        make_policy("magic", context())
