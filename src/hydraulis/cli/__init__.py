@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from hydraulis.cli import common, foundation  # noqa: F401  (registers commands)
+from hydraulis.cli import common, data, foundation  # noqa: F401  (registers commands)
 from hydraulis.cli.app import app
 from hydraulis.errors import HydraulisError
 
