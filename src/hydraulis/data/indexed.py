@@ -36,7 +36,7 @@ import numpy as np
 from hydraulis.data.readers import ReadCounts, ReadReport
 from hydraulis.data.tokenizer import Tokenizer, get_tokenizer, token_dtype
 from hydraulis.errors import HydraulisError
-from hydraulis.jsonio import Fields, load_json, write_json_atomic
+from hydraulis.jsonio import Fields, default_mode, load_json, write_json_atomic
 
 CORPUS_SCHEMA = "hydraulis.corpus/1"
 TOKENS_FILE = "tokens.bin"
@@ -357,12 +357,10 @@ def _publish(tmp: Path, out: Path, if_exists: IfExists, manifest: CorpusManifest
 
 
 def _default_permissions(tmp: Path) -> None:
-    """mkdtemp/mkstemp create private (0700/0600) entries; a corpus gets the usual umask-based modes."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)
+    """A corpus directory and its files get the usual umask-based modes."""
+    default_mode(tmp)
     for p in tmp.iterdir():
-        os.chmod(p, 0o666 & ~umask)
+        default_mode(p)
 
 
 def _occupied(out: Path) -> bool:
