@@ -55,20 +55,31 @@ def _custom(name: str):
 
 
 def run_replica(
-    model_name: str, config: ParallelConfig, ranks: tuple[int, ...], micro_batches, sequence_parallel: bool
+    model_name: str,
+    config: ParallelConfig,
+    ranks: tuple[int, ...],
+    micro_batches,
+    sequence_parallel: bool,
+    calls: int = 1,
 ) -> dict:
     """Train one step on this rank's replica and compare with the single-process reference."""
     spec = MODELS[model_name] if model_name in MODELS else _custom(model_name)
     groups = build_replica_groups([Replica(config, ranks)], sequence_parallel=sequence_parallel)
-    return _compare(spec, model_name, groups, micro_batches)
+    return _compare(spec, model_name, groups, micro_batches, calls)
 
 
-def _compare(spec, model_name, groups, micro_batches) -> dict:
+def _compare(spec, model_name, groups, micro_batches, calls: int = 1) -> dict:
+    """`calls` > 1 splits the micro-batches over several train_step calls that accumulate gradients."""
     model = StageModel(spec, groups.tp, groups.stage, groups.config.pp)
     model.reset_parameters(SEED)
     docs = documents(spec.vocab)
     packed = [pack_documents([docs[i] for i in mb], pad_to_multiple=groups.config.tp) for mb in micro_batches]
-    result = train_step(model, groups, packed, count_targets(LENGTHS))
+    per_call = -(-len(packed) // calls)
+    results = [
+        train_step(model, groups, packed[i : i + per_call], count_targets(LENGTHS))
+        for i in range(0, len(packed), per_call)
+    ]
+    loss = None if results[0].loss is None else sum(r.loss for r in results)
     grads = model.full_grads()
     ref_loss, ref_grads = reference(model_name, tuple(i for mb in micro_batches for i in mb))
     errors = {}
@@ -80,7 +91,7 @@ def _compare(spec, model_name, groups, micro_batches) -> dict:
         "config": groups.config.name,
         "stage": groups.stage,
         "tp_rank": groups.tp.rank,
-        "loss": result.loss,
+        "loss": loss,
         "ref_loss": ref_loss,
         "errors": errors,
         "all_params": sorted(ref_grads),
@@ -92,7 +103,8 @@ def check_configs(rank: int, world: int) -> dict:
     out = {}
     # tp2 x pp2 on contiguous ranks, then with sequence parallelism on a permuted rank list.
     out["tp2pp2"] = run_replica("tiny", ParallelConfig(2, 2), (0, 1, 2, 3), MICRO_BATCHES, False)
-    out["tp2pp2-sp"] = run_replica("tiny", ParallelConfig(2, 2), (3, 1, 0, 2), MICRO_BATCHES, True)
+    # (also accumulating gradients over two train_step calls)
+    out["tp2pp2-sp"] = run_replica("tiny", ParallelConfig(2, 2), (3, 1, 0, 2), MICRO_BATCHES, True, calls=2)
     # Two replicas with different configs in one job, each on part of the batch (non-contiguous ranks).
     a, b = Replica(ParallelConfig(2, 1), (0, 2)), Replica(ParallelConfig(1, 2), (3, 1))
     groups = build_replica_groups([a, b], sequence_parallel=True)

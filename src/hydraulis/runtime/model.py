@@ -253,18 +253,38 @@ class StageModel(nn.Module):
             full = torch.empty(layout.full_shape).normal_(0.0, INIT_STD, generator=generator)
             p.copy_(shard_tensor(full, layout.shard, self.tp))
 
-    def finish_grads(self) -> None:
-        """Sum the partial gradients of replicated parameters over the TP group (after all micro-batches)."""
+    def _partial_params(self) -> list[nn.Parameter]:
         if self.tp.size == 1:
+            return []
+        return [p for p in self.parameters() if get_shard(p).partial_grad]
+
+    def stash_partial_grads(self) -> list[torch.Tensor | None]:
+        """Set aside the already-summed gradients of partial-gradient parameters (before a step's backward)."""
+        stashed = []
+        for p in self._partial_params():
+            stashed.append(p.grad)
+            p.grad = None
+        return stashed
+
+    def finish_grads(self, stashed: list[torch.Tensor | None] | None = None) -> None:
+        """Sum this step's partial gradients over the TP group, then add back what was stashed.
+
+        Stashing keeps gradient accumulation over several steps exact: an
+        earlier step's gradients, already summed, are not summed again.
+        """
+        params = self._partial_params()
+        if not params:
             return
-        partial = [p.grad for p in self.parameters() if get_shard(p).partial_grad and p.grad is not None]
-        if partial:
-            flat = torch.cat([g.reshape(-1) for g in partial])
-            torch.distributed.all_reduce(flat, group=self.tp.group)
-            offset = 0
-            for g in partial:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat, group=self.tp.group)
+        offset = 0
+        for i, p in enumerate(params):
+            summed = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if stashed is not None and stashed[i] is not None:
+                summed = summed + stashed[i]
+            p.grad = summed.clone()
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Gradients in full shape (a collective over the TP group), keyed by full-model name."""

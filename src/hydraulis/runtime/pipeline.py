@@ -104,10 +104,11 @@ def train_step(
     micro_batches: Sequence[PackedBatch],
     num_global_targets: int,
 ) -> StepResult:
-    """Forward and backward of this replica's micro-batches in 1F1B order; gradients accumulate into `.grad`.
+    """Forward and backward of this replica's micro-batches in 1F1B order; gradients add into `.grad`.
 
     Every rank of the replica calls it with the same micro-batches in execution
-    order. The caller zeroes gradients before and steps the optimizer after.
+    order. The caller zeroes gradients before an iteration and steps the
+    optimizer after it; several calls in between accumulate exactly.
     """
     if not micro_batches:
         raise HydraulisError("train_step needs at least one micro-batch")
@@ -118,6 +119,7 @@ def train_step(
             f"model is stage {model.stage} of {model.num_stages}, groups say {groups.stage} of {groups.config.pp}"
         )
     device = next(model.parameters()).device
+    stashed = model.stash_partial_grads()
     p2p = _P2P(groups, device)
     first, last = groups.is_first_stage, groups.is_last_stage
     batches = [b.to(device) for b in micro_batches]
@@ -175,7 +177,7 @@ def train_step(
         if not first:
             p2p.exchange(grad_in, groups.prev_rank, None)
 
-    model.finish_grads()
+    model.finish_grads(stashed)
     return StepResult(
         loss_sum=float(loss_sum) if last else None,
         num_targets=sum(b.num_targets for b in micro_batches),
