@@ -92,6 +92,8 @@ def _compare(spec, model_name, groups, micro_batches, calls: int = 1) -> dict:
         "stage": groups.stage,
         "tp_rank": groups.tp.rank,
         "loss": loss,
+        "pp": groups.config.pp,
+        "schedules": [r.schedule for r in results],
         "ref_loss": ref_loss,
         "errors": errors,
         "all_params": sorted(ref_grads),

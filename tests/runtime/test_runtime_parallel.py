@@ -8,6 +8,8 @@ import dist_workers
 import pytest
 from dist_launcher import WorkerFailed, run_workers
 
+from hydraulis.sim import one_f_one_b_order
+
 pytestmark = pytest.mark.dist
 
 RTOL = 1e-5
@@ -36,6 +38,14 @@ def test_gradients_match_reference(four_rank_results, scenario):
     # Together the ranks of every replica hold every parameter of the model.
     for config, names in by_config.items():
         assert names == set(reports[0]["all_params"]), config
+
+
+@pytest.mark.parametrize("scenario", ["tp2pp2", "tp2pp2-sp", "hetero", "pp2-one-mb"])
+def test_stages_run_the_simulators_1f1b_order(four_rank_results, scenario):
+    for rep in _reports(four_rank_results, scenario):
+        for schedule in rep["schedules"]:
+            count = len(schedule) // 2
+            assert list(schedule) == one_f_one_b_order(rep["pp"], count, rep["stage"])
 
 
 def test_replica_losses_add_up_to_global_loss(four_rank_results):

@@ -34,6 +34,7 @@ from hydraulis.runtime.batch import PackedBatch
 from hydraulis.runtime.groups import ReplicaGroups
 from hydraulis.runtime.model import StageModel
 from hydraulis.runtime.tensor_parallel import vocab_parallel_cross_entropy
+from hydraulis.sim import BACKWARD, FORWARD
 
 HEADER_LEN = 6  # dtype code, ndim, up to 4 dims
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -46,6 +47,7 @@ class StepResult:
     loss_sum: float | None  # sum of token losses over this replica's micro-batches
     num_targets: int  # real targets of this replica's micro-batches
     num_global_targets: int
+    schedule: tuple[tuple[int, int], ...]  # (FORWARD or BACKWARD, micro-batch) as run; equals sim.one_f_one_b_order
 
     @property
     def loss(self) -> float | None:
@@ -125,7 +127,8 @@ def train_step(
     batches = [b.to(device) for b in micro_batches]
     count = len(batches)
     warmup = min(groups.config.pp - groups.stage - 1, count)
-    in_flight: deque[tuple[torch.Tensor | None, torch.Tensor]] = deque()  # (input, output or loss)
+    in_flight: deque[tuple[int, torch.Tensor | None, torch.Tensor]] = deque()  # (micro-batch, input, output)
+    schedule: list[tuple[int, int]] = []
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     next_forward = 0
 
@@ -134,8 +137,9 @@ def train_step(
 
     def forward(x: torch.Tensor | None) -> torch.Tensor:
         nonlocal next_forward, loss_sum
-        batch = batches[next_forward]
+        index, batch = next_forward, batches[next_forward]
         next_forward += 1
+        schedule.append((FORWARD, index))
         if first:
             x = batch.tokens
         else:
@@ -145,11 +149,12 @@ def train_step(
             token_loss_sum = micro_batch_loss(model, out, batch)
             loss_sum = loss_sum + token_loss_sum.detach()
             out = token_loss_sum / num_global_targets
-        in_flight.append((None if first else x, out))
+        in_flight.append((index, None if first else x, out))
         return out
 
     def backward(grad_out: torch.Tensor | None) -> torch.Tensor | None:
-        x, out = in_flight.popleft()
+        index, x, out = in_flight.popleft()
+        schedule.append((BACKWARD, index))
         torch.autograd.backward(out, grad_tensors=None if last else grad_out)
         return None if x is None else x.grad
 
@@ -182,4 +187,5 @@ def train_step(
         loss_sum=float(loss_sum) if last else None,
         num_targets=sum(b.num_targets for b in micro_batches),
         num_global_targets=num_global_targets,
+        schedule=tuple(schedule),
     )
