@@ -120,6 +120,13 @@ def train_step(
         raise HydraulisError(
             f"model is stage {model.stage} of {model.num_stages}, groups say {groups.stage} of {groups.config.pp}"
         )
+    tp = groups.tp
+    if tp.sequence_parallel and any(b.num_tokens % tp.size for b in micro_batches):
+        # Checked before any communication, so every rank of the replica fails alike instead of hanging.
+        raise HydraulisError(
+            f"sequence parallelism needs micro-batches of a multiple of tp={tp.size} tokens; "
+            "pack them with pad_to_multiple=tp"
+        )
     device = next(model.parameters()).device
     stashed = model.stash_partial_grads()
     p2p = _P2P(groups, device)
