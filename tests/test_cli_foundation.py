@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 
 def test_caps_json_matches_design(cli):
     res = cli("caps", "--profile", "llama-7b@a800-80g", "--gpus", "32", "--json")
@@ -19,3 +21,67 @@ def test_unknown_preset_is_one_line_exit_2(cli):
     assert "Traceback" not in res.stderr
     assert res.stderr.strip().count("\n") == 0
     assert "llama-9b" in res.stderr
+
+
+def _write_plan(tmp_path, mutate=None):
+    from hydraulis.parallel import Deployment
+    from hydraulis.planner.plan import PlanFile, plan_from_assignment, save_plan
+    from hydraulis.specs import ClusterSpec
+
+    dep = Deployment.parse("1x(tp4,pp1) + 2x(tp1,pp2)", ClusterSpec(8))
+    it = plan_from_assignment(3, [30000, 2000, 2000, 1000, 500], dep, [[[0]], [[1, 2]], [[3], [4]]], 1.5)
+    path = tmp_path / "plan.json"
+    save_plan(path, PlanFile("llama-7b@a800-80g", 8, (it,)))
+    if mutate:
+        data = json.loads(path.read_text())
+        mutate(data)
+        path.write_text(json.dumps(data))
+    return path
+
+
+def test_simulate_reports_each_iteration(cli, tmp_path):
+    res = cli("simulate", "--plan", str(_write_plan(tmp_path)), "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    (it,) = out["iterations"]
+    assert it["step"] == 3
+    assert it["deployment"] == "1x(tp4,pp1) + 2x(tp1,pp2)"
+    assert it["iteration_time_s"] > it["compute_time_s"] > 0
+    table = cli("simulate", "--plan", str(_write_plan(tmp_path)))
+    assert table.returncode == 0 and "tp4" in table.stdout
+
+
+def _set(path, value):
+    def mutate(d):
+        obj = d
+        for key in path[:-1]:
+            obj = obj[key]
+        obj[path[-1]] = value
+
+    return mutate
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (_set(["iterations", 0, "replicas", 1, "micro_batches"], [[1]]), "sequence 2 is not assigned"),
+        (_set(["iterations", 0, "replicas", 1, "micro_batches"], [[1, 2, 2]]), "more than once"),
+        (_set(["iterations", 0, "lengths", 1], -5), "must be at least 1"),
+        (_set(["iterations", 0, "deployment", 0, "devices"], [0, 1, 2, 9]), "outside"),
+        (_set(["iterations", 0, "lengths", 0], 90000), "over its cap"),
+        (_set(["num_gpus"], 16), "cluster has 16"),
+        (_set(["schema"], "hydraulis.plan/0"), "expected 'hydraulis.plan/1'"),
+    ],
+)
+def test_bad_plan_is_one_line_exit_2(cli, tmp_path, mutate, message):
+    res = cli("simulate", "--plan", str(_write_plan(tmp_path, mutate)))
+    assert res.returncode == 2, res.stdout
+    assert "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert message in res.stderr
+
+
+def test_missing_plan_file(cli, tmp_path):
+    res = cli("simulate", "--plan", str(tmp_path / "nope.json"))
+    assert res.returncode == 2
+    assert "no such file" in res.stderr

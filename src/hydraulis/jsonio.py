@@ -37,6 +37,13 @@ def load_json(path: str | Path, schema: str) -> dict[str, Any]:
     return data
 
 
+def default_mode(path: str | Path) -> None:
+    """mkstemp/mkdtemp make private (0600/0700) entries; published files get the usual umask-based mode."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
+
+
 def write_json_atomic(path: str | Path, data: Any) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -45,6 +52,7 @@ def write_json_atomic(path: str | Path, data: Any) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(data, fh, indent=1)
             fh.write("\n")
+        default_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import sys
 
-from hydraulis.cli import common, foundation, plan  # noqa: F401  (registers commands)
+# Each command module registers its commands on import; one per line keeps merges clean.
+from hydraulis.cli import common  # noqa: F401
+from hydraulis.cli import data  # noqa: F401
+from hydraulis.cli import foundation  # noqa: F401
+from hydraulis.cli import plan  # noqa: F401
 from hydraulis.cli.app import app
 from hydraulis.errors import HydraulisError
 

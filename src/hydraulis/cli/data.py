@@ -1,0 +1,116 @@
+"""`hydraulis data build|stats` and `hydraulis workload`: real corpora in, length distributions out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from hydraulis.cli.app import app
+from hydraulis.cli.common import console, print_json, table
+from hydraulis.errors import HydraulisError
+
+data_app = typer.Typer(help="Tokenize corpora into indexed form and describe their length distributions.")
+app.add_typer(data_app, name="data")
+
+TokenizerOption = typer.Option("gpt2", "--tokenizer", "-t", help="gpt2 (BPE, needs tiktoken) or bytes.")
+
+
+@data_app.command("build")
+def build(
+    source: str = typer.Argument(..., help="A jsonl file, a text file, a directory, or a built-in corpus name."),
+    out: Path = typer.Option(..., "--out", "-o", help="Corpus directory to create."),
+    tokenizer: str = TokenizerOption,
+    field: str = typer.Option("text", "--field", help="jsonl: the field that holds each document's text."),
+    skip_missing: bool = typer.Option(False, "--skip-missing", help="jsonl: skip lines without the field."),
+    glob: str = typer.Option("**/*", "--glob", help="Directory: which files to read (.jsonl files as jsonl)."),
+    force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
+    as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
+) -> None:
+    """Tokenize a source into an indexed corpus (tokens.bin + index.idx + manifest.json)."""
+    from hydraulis.data.builtin import BUILTINS, build_builtin
+    from hydraulis.data.indexed import build_corpus, byte_progress
+    from hydraulis.data.readers import InputOptions, ReadCounts, read_source, source_bytes
+
+    if_exists = "replace" if force else "error"
+    path = Path(source)
+    if not path.exists() and source in BUILTINS:
+        corpus = build_builtin(source, out, tokenizer, progress=True, if_exists=if_exists)
+    else:
+        options = InputOptions(field=field, skip_missing=skip_missing, glob=glob)
+        total = source_bytes(path, options)
+        counts = ReadCounts()
+        with byte_progress(total, f"tokenizing {path.name} ({tokenizer})") as advance:
+            docs = read_source(path, counts, options, advance)
+            corpus = build_corpus(docs, out, tokenizer, str(path.resolve()), counts, if_exists=if_exists)
+    m = corpus.manifest
+    if as_json:
+        print_json(m.to_dict())
+        return
+    console.print(
+        f"built {out}: {m.documents:,} documents, {m.tokens:,} tokens ({m.tokenizer}, {m.dtype}), "
+        f"longest {m.max_length:,}"
+    )
+    rows = [[k.replace("_", " "), v] for k, v in m.report.to_dict().items()]
+    console.print(table("input", ["", "count"], rows))
+
+
+@data_app.command("stats")
+def stats(
+    corpus: str = typer.Argument(..., help="A built corpus directory or a built-in name (python-stdlib, ...)."),
+    tokenizer: str = TokenizerOption,
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    plot: Path = typer.Option(None, "--plot", help="Write a length histogram (log x-axis) to this .png/.svg/.pdf."),
+) -> None:
+    """Length distribution of a corpus: percentiles, long-tail shares, quadratic share of the top 1%."""
+    from hydraulis.data.builtin import resolve_corpus
+    from hydraulis.data.stats import THRESHOLDS, length_stats, plot_histogram
+
+    if plot is not None and plot.suffix.lower() not in (".png", ".svg", ".pdf"):
+        raise HydraulisError(f"{plot}: plot file must end in .png, .svg or .pdf")
+    c = resolve_corpus(corpus, tokenizer, progress=True)
+    st = length_stats(c.lengths)
+    if plot is not None:
+        plot_histogram(c.lengths, plot, title=f"{c.name} ({c.manifest.tokenizer}): {st.count:,} documents")
+    if as_json:
+        print_json({"corpus": c.name, "path": str(c.path), "tokenizer": c.manifest.tokenizer, **st.to_dict()})
+        return
+    columns = ["corpus", "docs", "tokens", "p50", "p90", "p99", "max"]
+    columns += [f">{t // 1024}K" for t in THRESHOLDS] + ["top1% s²"]
+    row = [c.name, f"{st.count:,}", f"{st.tokens:,}", st.p50, st.p90, st.p99, st.max]
+    row += [f"{st.share_above[t]:.1%}" for t in THRESHOLDS] + [f"{st.top1_sq_share:.1%}"]
+    console.print(table(f"{c.path} ({c.manifest.tokenizer})", columns, [row]))
+    if plot is not None:
+        console.print(f"wrote {plot}")
+
+
+@app.command()
+def workload(
+    corpus: str = typer.Option(..., "--corpus", "-c", help="A built corpus directory or a built-in name."),
+    out: Path = typer.Option(..., "--out", "-o", help="Workload file to write (hydraulis.workload/1)."),
+    tokens_per_batch: int = typer.Option(262144, "--tokens-per-batch", "-T", help="Token budget of a global batch."),
+    batches: int = typer.Option(8, "--batches", "-k", help="Global batches to write."),
+    max_len: int = typer.Option(32768, "--max-len", "-L", help="Longest sequence; longer documents follow --policy."),
+    seed: int = typer.Option(0, "--seed", "-s", help="Shuffle seed."),
+    policy: str = typer.Option("split", "--policy", help="Over-long documents: split, truncate or drop."),
+    tokenizer: str = TokenizerOption,
+    name: str = typer.Option(None, "--name", help="Workload name (default: CORPUS-T-L-sSEED)."),
+) -> None:
+    """Sample global batches of a real corpus with the token-budget sampler and write their lengths."""
+    from hydraulis.data.builtin import resolve_corpus
+    from hydraulis.data.sampler import TokenBudgetSampler
+    from hydraulis.data.workload import Workload, save_workload
+
+    if batches < 1:
+        raise HydraulisError(f"--batches must be positive, got {batches}")
+    c = resolve_corpus(corpus, tokenizer, progress=True)
+    sampler = TokenBudgetSampler(c.lengths, tokens_per_batch, max_len=max_len, seed=seed, policy=policy)  # type: ignore[arg-type]
+    drawn = sampler.batches(batches)
+    label = name or f"{c.name}-{tokens_per_batch}-{max_len}-s{seed}"
+    save_workload(out, Workload(label, tuple(b.lengths for b in drawn)))
+    sizes = [len(b) for b in drawn]
+    console.print(
+        f"wrote {out}: {batches} batches of about {tokens_per_batch:,} tokens from {c.name} "
+        f"({min(sizes)}-{max(sizes)} sequences each, ends at epoch {sampler.state.epoch} "
+        f"position {sampler.state.position})"
+    )

@@ -1,0 +1,233 @@
+"""The token-budget sampler: global batches of whole documents filled to a token budget.
+
+Hydraulis plans per global batch, and a global batch is a token budget (e.g.
+256K tokens), not a count of sequences: that is what keeps the work per
+iteration comparable when lengths vary by 1000x.
+
+- Every epoch visits each document once, in an order shuffled by
+  (seed, epoch) only, so every rank computes the same global batches without
+  communicating.
+- A document longer than `max_len` follows the policy: `split` into
+  consecutive pieces of at most max_len (default; no token is lost),
+  `truncate` to its first max_len tokens, or `drop`.
+- The state is (epoch, position): position counts the pieces of the epoch's
+  order already handed out. Restoring a state continues with exactly the
+  batches an uninterrupted run would have produced.
+- At an epoch's end a batch continues into the next epoch's order by default,
+  so every batch is filled; with `cross_epochs=False` an epoch's last batch is
+  short instead and no batch mixes two epochs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from hydraulis.errors import HydraulisError
+
+Policy = Literal["split", "truncate", "drop"]
+POLICIES: tuple[str, ...] = ("split", "truncate", "drop")
+
+
+@dataclass(frozen=True)
+class SamplerState:
+    """Where the sampler is: the next batch starts at piece `position` of epoch `epoch`'s order."""
+
+    epoch: int = 0
+    position: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SamplerState:
+        try:
+            epoch, position = data["epoch"], data["position"]
+        except (KeyError, TypeError):
+            raise HydraulisError(f"sampler state needs 'epoch' and 'position', got {data!r}") from None
+        for key, v in (("epoch", epoch), ("position", position)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise HydraulisError(f"sampler state {key} must be a non-negative integer, got {v!r}")
+        return cls(epoch, position)
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """One global batch: piece i is tokens [starts[i], starts[i] + lengths[i]) of document docs[i]."""
+
+    docs: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+    state: SamplerState  # where this batch started
+    next_state: SamplerState  # where the next one starts
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def tokens(self, corpus: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The pieces' tokens from an indexed corpus (each an O(1) memory-map slice)."""
+        return [
+            corpus[int(d)][int(s) : int(s) + int(n)]
+            for d, s, n in zip(self.docs, self.starts, self.lengths, strict=True)
+        ]
+
+
+@dataclass(frozen=True)
+class _Epoch:
+    docs: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+    cumsum: np.ndarray  # cumsum[i] = tokens in pieces [0, i)
+
+
+class TokenBudgetSampler:
+    """Deterministic, resumable global batches over document lengths (see the module docstring)."""
+
+    def __init__(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        tokens_per_batch: int,
+        max_len: int | None = None,
+        seed: int = 0,
+        policy: Policy = "split",
+        state: SamplerState = SamplerState(),
+        cross_epochs: bool = True,
+        shuffle: bool = True,
+    ) -> None:
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        if self.lengths.ndim != 1 or len(self.lengths) == 0:
+            raise HydraulisError("the sampler needs at least one document length")
+        if np.any(self.lengths < 1):
+            raise HydraulisError("document lengths must be positive")
+        if tokens_per_batch < 1:
+            raise HydraulisError(f"tokens per batch must be positive, got {tokens_per_batch}")
+        if max_len is not None and max_len < 1:
+            raise HydraulisError(f"max_len must be positive, got {max_len}")
+        if max_len is not None and max_len > tokens_per_batch:
+            raise HydraulisError(
+                f"max_len {max_len} is above the batch budget of {tokens_per_batch} tokens; "
+                "a sequence could never fit in a batch"
+            )
+        if max_len is None and int(self.lengths.max()) > tokens_per_batch:
+            raise HydraulisError(
+                f"the longest document has {int(self.lengths.max())} tokens, above the batch budget of "
+                f"{tokens_per_batch}; set max_len with a policy (split, truncate, drop)"
+            )
+        if policy not in POLICIES:
+            raise HydraulisError(f"unknown over-long policy {policy!r}; choose one of: {', '.join(POLICIES)}")
+        if max_len is not None and policy == "drop" and not np.any(self.lengths <= max_len):
+            raise HydraulisError(f"every document is longer than max_len {max_len}; policy 'drop' leaves nothing")
+        if seed < 0:
+            raise HydraulisError(f"seed must be non-negative, got {seed}")
+        self.tokens_per_batch = int(tokens_per_batch)
+        self.max_len = max_len
+        self.seed = int(seed)
+        self.policy = policy
+        self.cross_epochs = cross_epochs
+        self.shuffle = shuffle
+        self._epoch_cache: tuple[int, _Epoch] | None = None
+        self._state = SamplerState()
+        self.state = state
+
+    @property
+    def state(self) -> SamplerState:
+        return self._state
+
+    @state.setter
+    def state(self, state: SamplerState) -> None:
+        if state.epoch < 0 or state.position < 0:
+            raise HydraulisError(f"invalid sampler state {state}")
+        pieces = len(self._epoch(state.epoch).lengths)
+        if state.position > pieces:
+            raise HydraulisError(
+                f"sampler state position {state.position} is past the end of epoch {state.epoch} "
+                f"({pieces} pieces): it was saved with other data or settings"
+            )
+        self._state = state
+
+    def pieces_per_epoch(self) -> int:
+        return len(self._epoch(0).lengths)
+
+    def tokens_per_epoch(self) -> int:
+        return int(self._epoch(0).cumsum[-1])
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The document order of an epoch: a function of (seed, epoch) alone, the same on every rank."""
+        if not self.shuffle:
+            return np.arange(len(self.lengths))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.lengths))
+
+    def _epoch(self, epoch: int) -> _Epoch:
+        if self._epoch_cache is not None and self._epoch_cache[0] == epoch:
+            return self._epoch_cache[1]
+        docs = self.order(epoch)
+        lens = self.lengths[docs]
+        if self.max_len is None:
+            pieces = _Epoch(docs, np.zeros_like(lens), lens, _cumsum(lens))
+        elif self.policy == "drop":
+            keep = lens <= self.max_len
+            pieces = _Epoch(docs[keep], np.zeros(int(keep.sum()), np.int64), lens[keep], _cumsum(lens[keep]))
+        elif self.policy == "truncate":
+            cut = np.minimum(lens, self.max_len)
+            pieces = _Epoch(docs, np.zeros_like(lens), cut, _cumsum(cut))
+        else:  # split: consecutive pieces of max_len, the last one holds the rest
+            n_pieces = -(-lens // self.max_len)
+            piece_docs = np.repeat(docs, n_pieces)
+            first = np.repeat(_cumsum(n_pieces)[:-1], n_pieces)
+            k = np.arange(len(piece_docs)) - first  # piece number within its document
+            starts = k * self.max_len
+            piece_lens = np.minimum(self.max_len, np.repeat(lens, n_pieces) - starts)
+            pieces = _Epoch(piece_docs, starts, piece_lens, _cumsum(piece_lens))
+        self._epoch_cache = (epoch, pieces)
+        return pieces
+
+    def next_batch(self) -> GlobalBatch:
+        """The next global batch: pieces in order until the next one would exceed the budget."""
+        start = self._state
+        epoch, pos = start.epoch, start.position
+        parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        room = self.tokens_per_batch
+        while True:
+            ep = self._epoch(epoch)
+            n = len(ep.lengths)
+            if pos >= n:
+                epoch, pos = epoch + 1, 0
+                if parts and not self.cross_epochs:
+                    break
+                continue
+            # pieces pos..end-1 fit: their summed length stays within the room left
+            end = int(np.searchsorted(ep.cumsum, ep.cumsum[pos] + room, side="right")) - 1
+            end = min(end, n)
+            if end > pos:
+                parts.append((ep.docs[pos:end], ep.starts[pos:end], ep.lengths[pos:end]))
+                room -= int(ep.cumsum[end] - ep.cumsum[pos])
+                pos = end
+            if pos < n:
+                break  # the next piece does not fit: the batch is full
+        if pos >= len(self._epoch(epoch).lengths):  # normalise an exhausted epoch to the next one's start
+            epoch, pos = epoch + 1, 0
+        self._state = SamplerState(epoch, pos)
+        docs, starts, lens = (np.concatenate(x) for x in zip(*parts, strict=True))
+        return GlobalBatch(docs, starts, lens, start, self._state)
+
+    def batches(self, count: int) -> list[GlobalBatch]:
+        if count < 0:
+            raise HydraulisError(f"number of batches must be non-negative, got {count}")
+        return [self.next_batch() for _ in range(count)]
+
+    def __iter__(self) -> Iterator[GlobalBatch]:
+        while True:
+            yield self.next_batch()
+
+
+def _cumsum(values: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(values) + 1, dtype=np.int64)
+    np.cumsum(values, out=out[1:])
+    return out

@@ -1,0 +1,36 @@
+"""The runtime that executes plans on torch.distributed (the only package that imports torch).
+
+One process per GPU (gloo on CPU). A replica is (ParallelConfig, global
+ranks); `build_replica_groups` makes its process groups, `StageModel` is the
+part of the model one rank holds, and `train_step` runs its micro-batches
+with 1F1B. See batch.py for how documents become model input.
+"""
+
+from hydraulis.runtime.attention import attention_backend, packed_attention, per_document_attention
+from hydraulis.runtime.batch import IGNORE_INDEX, PackedBatch, count_targets, pack_documents
+from hydraulis.runtime.groups import ReplicaGroups, build_replica_groups, single_process_groups
+from hydraulis.runtime.model import ParamLayout, StageModel, stage_layers
+from hydraulis.runtime.pipeline import StepResult, micro_batch_loss, train_step
+from hydraulis.runtime.tensor_parallel import ShardSpec, TensorParallel, vocab_parallel_cross_entropy
+
+__all__ = [
+    "IGNORE_INDEX",
+    "PackedBatch",
+    "ParamLayout",
+    "ReplicaGroups",
+    "ShardSpec",
+    "StageModel",
+    "StepResult",
+    "TensorParallel",
+    "attention_backend",
+    "build_replica_groups",
+    "count_targets",
+    "micro_batch_loss",
+    "pack_documents",
+    "packed_attention",
+    "per_document_attention",
+    "single_process_groups",
+    "stage_layers",
+    "train_step",
+    "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,102 @@
+"""How a micro-batch of documents becomes model input.
+
+A micro-batch is a few whole documents packed end to end, without padding
+between them (DESIGN section 4). For documents d_1..d_k of lengths s_1..s_k:
+
+- `tokens` is their concatenation: T = s_1 + ... + s_k input tokens, exactly
+  the tokens the planner counted against the replica's cap.
+- `targets[t]` is the next token of the same document, and `IGNORE_INDEX` at
+  the last token of every document: no target ever crosses a document
+  boundary, so a document of s tokens has s - 1 real targets.
+- `positions` restart at 0 at each document (RoPE sees each document as if
+  it were alone).
+- `cu_seqlens` holds the document boundaries [0, s_1, s_1 + s_2, ..., T];
+  attention never crosses them.
+
+With sequence parallelism the token count must divide by the TP degree;
+`pad_to_multiple` then appends a padding "document" of token 0 with no
+targets, which attends only to itself and so changes no real token's output,
+loss or gradient.
+
+The loss divides by the real targets of the WHOLE global batch
+(`count_targets` over all its documents), so any split into micro-batches and
+replicas gives the gradient of one device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hydraulis.errors import HydraulisError
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """One micro-batch as the model takes it; every tensor is 1-D on CPU until `to`."""
+
+    tokens: torch.Tensor  # (T,) int64
+    targets: torch.Tensor  # (T,) int64, IGNORE_INDEX where there is none
+    positions: torch.Tensor  # (T,) int64, restarting at each document
+    cu_seqlens: torch.Tensor  # (num_segments + 1,) int32, padding segment included
+    max_seqlen: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def num_targets(self) -> int:
+        return int((self.targets != IGNORE_INDEX).sum())
+
+    @property
+    def seqlens(self) -> list[int]:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+
+    def to(self, device: torch.device | str) -> PackedBatch:
+        return PackedBatch(
+            tokens=self.tokens.to(device, non_blocking=True),
+            targets=self.targets.to(device, non_blocking=True),
+            positions=self.positions.to(device, non_blocking=True),
+            cu_seqlens=self.cu_seqlens.to(device, non_blocking=True),
+            max_seqlen=self.max_seqlen,
+        )
+
+
+def count_targets(lengths: Sequence[int]) -> int:
+    """Real target tokens of documents with these lengths: s - 1 each."""
+    return int(sum(max(int(s) - 1, 0) for s in lengths))
+
+
+def pack_documents(documents: Sequence[Sequence[int] | torch.Tensor], pad_to_multiple: int = 1) -> PackedBatch:
+    """Concatenate whole documents into one micro-batch (see the module docstring)."""
+    if not documents:
+        raise HydraulisError("a micro-batch needs at least one document")
+    if pad_to_multiple < 1:
+        raise HydraulisError(f"pad_to_multiple must be positive, got {pad_to_multiple}")
+    docs = [torch.as_tensor(d, dtype=torch.int64).reshape(-1) for d in documents]
+    for i, d in enumerate(docs):
+        if d.numel() == 0:
+            raise HydraulisError(f"micro-batch document {i} is empty")
+    lengths = [int(d.numel()) for d in docs]
+    pad = -sum(lengths) % pad_to_multiple
+    if pad:
+        docs.append(torch.zeros(pad, dtype=torch.int64))
+        lengths.append(pad)
+    targets = []
+    for i, d in enumerate(docs):
+        t = torch.full_like(d, IGNORE_INDEX)
+        if not (pad and i == len(docs) - 1):
+            t[:-1] = d[1:]
+        targets.append(t)
+    return PackedBatch(
+        tokens=torch.cat(docs),
+        targets=torch.cat(targets),
+        positions=torch.cat([torch.arange(s, dtype=torch.int64) for s in lengths]),
+        cu_seqlens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
+        max_seqlen=max(lengths),
+    )

@@ -1,0 +1,149 @@
+"""Process groups of one replica, built from any list of global ranks.
+
+A replica is (ParallelConfig, global ranks), exactly `parallel.Replica` with
+device ids read as global ranks (one process per GPU). Ranks are stage-major:
+stage s owns ranks[s * tp : (s + 1) * tp]; within a stage, TP ranks follow
+global rank order (torch numbers a group's members in sorted order). The
+ranks need not be contiguous or sorted, so several replicas with different
+configs can share one job (the next runtime issue runs a heterogeneous
+deployment this way).
+
+`torch.distributed.new_group` must be called by every rank of the job in the
+same order, so `build_replica_groups` takes the WHOLE deployment's replicas
+and every rank calls it; it returns the groups of the replica that holds the
+calling rank. Groups are cached by their rank tuple, so deployments of a pool
+that share replicas share groups.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hydraulis.errors import HydraulisError
+from hydraulis.parallel import ParallelConfig, Replica
+from hydraulis.runtime.tensor_parallel import TensorParallel
+
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+@dataclass(frozen=True)
+class ReplicaGroups:
+    """One rank's view of its replica: stage, TP group, pipeline neighbours."""
+
+    config: ParallelConfig
+    ranks: tuple[int, ...]
+    rank: int
+    stage: int
+    tp: TensorParallel
+    pp_group: dist.ProcessGroup | None  # same TP rank on every stage: the p2p lane
+    replica_group: dist.ProcessGroup | None  # all ranks of the replica
+    prev_rank: int | None  # global rank of the same TP rank on the previous stage
+    next_rank: int | None
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.config.pp - 1
+
+    @property
+    def stage_ranks(self) -> tuple[int, ...]:
+        return stage_ranks(self.config, self.ranks, self.stage)
+
+
+def stage_ranks(config: ParallelConfig, ranks: Sequence[int], stage: int) -> tuple[int, ...]:
+    """A stage's ranks in TP-rank order: sorted, because torch numbers a group's ranks in sorted order."""
+    return tuple(sorted(ranks[stage * config.tp : (stage + 1) * config.tp]))
+
+
+def lane_ranks(config: ParallelConfig, ranks: Sequence[int], tp_rank: int) -> tuple[int, ...]:
+    """The ranks with one TP rank across all stages, in stage order: they pass activations to each other."""
+    return tuple(stage_ranks(config, ranks, s)[tp_rank] for s in range(config.pp))
+
+
+def check_replica(config: ParallelConfig, ranks: Sequence[int], world_size: int) -> None:
+    if config.cp != 1:
+        raise HydraulisError(f"{config.name}: context parallelism is not supported by the runtime yet")
+    if len(ranks) != config.num_gpus:
+        raise HydraulisError(f"replica {config.name} needs {config.num_gpus} ranks, got {len(ranks)}")
+    if len(set(ranks)) != len(ranks):
+        raise HydraulisError(f"replica {config.name}: ranks {list(ranks)} repeat a rank")
+    for r in ranks:
+        if not 0 <= r < world_size:
+            raise HydraulisError(f"replica {config.name}: rank {r} is outside 0..{world_size - 1}")
+
+
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+
+
+def _group(ranks: tuple[int, ...], timeout: datetime.timedelta) -> dist.ProcessGroup | None:
+    """A cached group for these ranks (every rank of the job must call this in the same order)."""
+    if len(ranks) == 1:
+        return None
+    key = tuple(sorted(ranks))
+    if key not in _GROUPS:
+        group = dist.new_group(list(key), timeout=timeout)
+        member = dist.get_rank() in key
+        _GROUPS[key] = group if member else None
+        if member and dist.get_backend(group) == "nccl":
+            # Create the NCCL communicator now with all members, so later p2p batches
+            # that involve only some of them do not hang on a lazy init.
+            dist.all_reduce(torch.zeros(1, device="cuda"), group=group)
+    return _GROUPS[key]
+
+
+def build_replica_groups(
+    replicas: Sequence[Replica],
+    sequence_parallel: bool = False,
+    timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+) -> ReplicaGroups | None:
+    """Groups for every replica of a deployment; returns this rank's (None if it is in no replica).
+
+    A collective: every rank of the job calls it with the same replicas in the same order.
+    """
+    if not dist.is_initialized():
+        raise HydraulisError("torch.distributed is not initialized; start the job with torchrun")
+    world, me = dist.get_world_size(), dist.get_rank()
+    seen: set[int] = set()
+    for replica in replicas:
+        check_replica(replica.config, replica.devices, world)
+        if seen & set(replica.devices):
+            raise HydraulisError(f"replica {replica.config.name}: ranks {list(replica.devices)} overlap another")
+        seen |= set(replica.devices)
+    mine = None
+    for replica in replicas:
+        config, ranks = replica.config, tuple(replica.devices)
+        tp_groups = [_group(stage_ranks(config, ranks, s), timeout) for s in range(config.pp)]
+        lanes = [_group(lane_ranks(config, ranks, t), timeout) for t in range(config.tp)]
+        whole = _group(ranks, timeout)
+        if me not in ranks:
+            continue
+        stage = ranks.index(me) // config.tp
+        tp_rank = stage_ranks(config, ranks, stage).index(me)
+        lane = lane_ranks(config, ranks, tp_rank)
+        mine = ReplicaGroups(
+            config=config,
+            ranks=ranks,
+            rank=me,
+            stage=stage,
+            tp=TensorParallel(config.tp, tp_rank, tp_groups[stage], sequence_parallel and config.tp > 1),
+            pp_group=lanes[tp_rank],
+            replica_group=whole,
+            prev_rank=lane[stage - 1] if stage > 0 else None,
+            next_rank=lane[stage + 1] if stage < config.pp - 1 else None,
+        )
+    return mine
+
+
+def single_process_groups(config: ParallelConfig = ParallelConfig()) -> ReplicaGroups:
+    """The trivial replica of one process (tp = pp = 1): no torch.distributed needed."""
+    if config.num_gpus != 1:
+        raise HydraulisError(f"{config.name} needs {config.num_gpus} processes, not one")
+    return ReplicaGroups(config, (0,), 0, 0, TensorParallel(), None, None, None, None)

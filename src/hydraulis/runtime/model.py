@@ -1,0 +1,295 @@
+"""A LLaMA-style decoder, split into pipeline stages and tensor-parallel shards.
+
+RMSNorm, RoPE with positions that restart at each document, SwiGLU, GQA and
+an untied output head, with the shapes of a `ModelSpec`. `StageModel` is the
+part one rank holds: stage s of pp holds a contiguous range of layers, the
+first stage also the embedding, the last the final norm and the head; every
+weight is this rank's TP shard. With tp = pp = 1 it is the whole model, which
+the tests use as the single-device reference.
+
+Parameter names are those of the full model (`layers.7.attn.wq.weight`)
+whatever the stage, so a full state dict maps onto any layout
+(`load_full_state_dict`, `full_grads`).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hydraulis.errors import HydraulisError
+from hydraulis.runtime.attention import packed_attention
+from hydraulis.runtime.batch import PackedBatch
+from hydraulis.runtime.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    ShardSpec,
+    TensorParallel,
+    VocabParallelEmbedding,
+    enter_tp_region,
+    gather_tensor,
+    get_shard,
+    set_shard,
+    shard_tensor,
+)
+from hydraulis.specs import ModelSpec
+
+ROPE_THETA = 10000.0
+NORM_EPS = 1e-5
+INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Where a local parameter sits in the full model."""
+
+    name: str
+    full_shape: tuple[int, ...]
+    shard: ShardSpec
+
+
+def stage_layers(num_layers: int, pp: int, stage: int) -> range:
+    """The contiguous layers of one stage; equal counts per stage."""
+    if num_layers % pp:
+        raise HydraulisError(f"{num_layers} layers cannot be split evenly into {pp} pipeline stages")
+    per = num_layers // pp
+    return range(stage * per, (stage + 1) * per)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, sequence_parallel: bool, dtype=torch.float32, device=None):
+        super().__init__()
+        # Under SP each TP rank normalises only its tokens: its weight gradient is partial.
+        self.weight = set_shard(
+            nn.Parameter(torch.ones(dim, dtype=dtype, device=device)), ShardSpec(partial_grad=sequence_parallel)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + NORM_EPS)).to(x.dtype) * self.weight
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, (T, head_dim / 2), for per-document positions; computed once per micro-batch."""
+    # fp64 angles: fp32 would lose about position * 6e-8 radians, visible on long documents.
+    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim
+    angles = positions.to(torch.float64).unsqueeze(-1) * ROPE_THETA**-exponents
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + D/2) of x (T, H, D) by each token's angle (the LLaMA "half" layout)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class Attention(nn.Module):
+    """GQA self-attention; query heads split over TP ranks, KV heads split or, if fewer than tp, replicated."""
+
+    def __init__(self, spec: ModelSpec, tp: TensorParallel, dtype=torch.float32, device=None):
+        super().__init__()
+        self.tp = tp
+        self.head_dim = spec.head_dim
+        self.local_heads = tp.split(spec.heads, "attention heads")
+        kv_dim = spec.kv_heads * spec.head_dim
+        self.wq = ColumnParallelLinear(spec.hidden, spec.hidden, tp, dtype, device)
+        if spec.kv_heads % tp.size == 0:
+            self.wk = ColumnParallelLinear(spec.hidden, kv_dim, tp, dtype, device)
+            self.wv = ColumnParallelLinear(spec.hidden, kv_dim, tp, dtype, device)
+            self.kv_rows = None
+        elif tp.size % spec.kv_heads == 0:
+            # More TP ranks than KV heads: every rank keeps all KV weights and uses the one
+            # head its query heads share; its gradient covers only its queries (partial).
+            self.wk = _ReplicatedLinear(spec.hidden, kv_dim, dtype, device)
+            self.wv = _ReplicatedLinear(spec.hidden, kv_dim, dtype, device)
+            head = tp.rank * spec.kv_heads // tp.size
+            self.kv_rows = slice(head * spec.head_dim, (head + 1) * spec.head_dim)
+        else:
+            raise HydraulisError(f"kv_heads {spec.kv_heads} and tp {tp.size}: one must divide the other")
+        self.wo = RowParallelLinear(spec.hidden, spec.hidden, tp, dtype, device)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: PackedBatch) -> torch.Tensor:
+        tokens = x.shape[0]
+        if self.kv_rows is None:
+            k, v = self.wk(x), self.wv(x)
+        else:
+            k = F.linear(x, self.wk.weight[self.kv_rows])
+            v = F.linear(x, self.wv.weight[self.kv_rows])
+        q = self.wq(x).view(tokens, self.local_heads, self.head_dim)
+        k = k.view(tokens, -1, self.head_dim)
+        v = v.view(tokens, -1, self.head_dim)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = packed_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen)
+        return self.wo(out.reshape(tokens, -1))
+
+
+class _ReplicatedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, dtype=torch.float32, device=None):
+        super().__init__()
+        weight = torch.empty(out_features, in_features, dtype=dtype, device=device)
+        nn.init.normal_(weight, std=1.0 / math.sqrt(in_features))
+        self.weight = set_shard(nn.Parameter(weight), ShardSpec(partial_grad=True))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x); w1 and w3 column-parallel, w2 row-parallel."""
+
+    def __init__(self, spec: ModelSpec, tp: TensorParallel, dtype=torch.float32, device=None):
+        super().__init__()
+        self.w1 = ColumnParallelLinear(spec.hidden, spec.ffn, tp, dtype, device)
+        self.w3 = ColumnParallelLinear(spec.hidden, spec.ffn, tp, dtype, device)
+        self.w2 = RowParallelLinear(spec.ffn, spec.hidden, tp, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, spec: ModelSpec, tp: TensorParallel, dtype=torch.float32, device=None):
+        super().__init__()
+        self.tp = tp
+        self.attn_norm = RMSNorm(spec.hidden, tp.sequence_parallel, dtype, device)
+        self.attn = Attention(spec, tp, dtype, device)
+        self.ffn_norm = RMSNorm(spec.hidden, tp.sequence_parallel, dtype, device)
+        self.ffn = FeedForward(spec, tp, dtype, device)
+
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: PackedBatch) -> torch.Tensor:
+        h = h + self.attn(enter_tp_region(self.attn_norm(h), self.tp), rope, batch)
+        return h + self.ffn(enter_tp_region(self.ffn_norm(h), self.tp))
+
+
+class StageModel(nn.Module):
+    """The layers, embedding and head that one rank holds, as TP shards.
+
+    forward(x, batch): x is the token ids (first stage) or the previous stage's
+    hidden states; returns hidden states (T or T / tp under SP, hidden) or, on
+    the last stage, this rank's vocab shard of the logits (T, vocab / tp).
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        tp: TensorParallel = TensorParallel(),
+        stage: int = 0,
+        num_stages: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.spec, self.tp, self.stage, self.num_stages = spec, tp, stage, num_stages
+        self.layer_range = stage_layers(spec.layers, num_stages, stage)
+        self.embedding = VocabParallelEmbedding(spec.vocab, spec.hidden, tp, dtype, device) if self.is_first else None
+        self.layers = nn.ModuleDict({str(i): Block(spec, tp, dtype, device) for i in self.layer_range})
+        if self.is_last:
+            self.norm = RMSNorm(spec.hidden, tp.sequence_parallel, dtype, device)
+            self.output = ColumnParallelLinear(spec.hidden, spec.vocab, tp, dtype, device)
+        else:
+            self.norm = self.output = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    @property
+    def vocab_start(self) -> int:
+        """First vocabulary id of this rank's logits shard."""
+        return self.tp.rank * (self.spec.vocab // self.tp.size)
+
+    def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        h = self.embedding(x) if self.embedding is not None else x
+        rope = rope_tables(batch.positions, self.spec.head_dim, h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, rope, batch)
+        if self.output is None:
+            return h
+        return self.output(enter_tp_region(self.norm(h), self.tp))
+
+    # ------------------------------------------------------------ layouts
+
+    def param_layouts(self) -> dict[str, ParamLayout]:
+        layouts = {}
+        for name, p in self.named_parameters():
+            shard = get_shard(p)
+            full = list(p.shape)
+            if shard.dim is not None:
+                full[shard.dim] *= self.tp.size
+            layouts[name] = ParamLayout(name, tuple(full), shard)
+        return layouts
+
+    @torch.no_grad()
+    def load_full_state_dict(self, full: Mapping[str, torch.Tensor]) -> None:
+        """Copy this rank's shards out of full-model tensors (extra names, e.g. other stages', are ignored)."""
+        for name, p in self.named_parameters():
+            if name not in full:
+                raise HydraulisError(f"full state dict has no {name!r}")
+            local = shard_tensor(full[name], get_shard(p), self.tp)
+            if tuple(local.shape) != tuple(p.shape):
+                raise HydraulisError(
+                    f"{name}: full shape {tuple(full[name].shape)} does not fit shard {tuple(p.shape)}"
+                )
+            p.copy_(local)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """Deterministic init of the full model, whatever the layout: each tensor from its own seeded stream."""
+        params = dict(self.named_parameters())
+        for name, layout in self.param_layouts().items():
+            p = params[name]
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            full = torch.empty(layout.full_shape).normal_(0.0, INIT_STD, generator=generator)
+            p.copy_(shard_tensor(full, layout.shard, self.tp))
+
+    def _partial_params(self) -> list[nn.Parameter]:
+        if self.tp.size == 1:
+            return []
+        return [p for p in self.parameters() if get_shard(p).partial_grad]
+
+    def stash_partial_grads(self) -> list[torch.Tensor | None]:
+        """Set aside the already-summed gradients of partial-gradient parameters (before a step's backward)."""
+        stashed = []
+        for p in self._partial_params():
+            stashed.append(p.grad)
+            p.grad = None
+        return stashed
+
+    def finish_grads(self, stashed: list[torch.Tensor | None] | None = None) -> None:
+        """Sum this step's partial gradients over the TP group, then add back what was stashed.
+
+        Stashing keeps gradient accumulation over several steps exact: an
+        earlier step's gradients, already summed, are not summed again.
+        """
+        params = self._partial_params()
+        if not params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat, group=self.tp.group)
+        offset = 0
+        for i, p in enumerate(params):
+            summed = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if stashed is not None and stashed[i] is not None:
+                summed = summed + stashed[i]
+            p.grad = summed.clone()
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Gradients in full shape (a collective over the TP group), keyed by full-model name."""
+        return {
+            name: gather_tensor(p.grad, get_shard(p), self.tp)
+            for name, p in self.named_parameters()
+            if p.grad is not None
+        }

@@ -1,0 +1,125 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hydraulis.data.workload import WORKLOAD_SCHEMA, load_workload
+
+
+def hidden(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+def one_line_error(res) -> str:  # noqa: ANN001
+    assert res.returncode == 2, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def messy(tmp_path: Path) -> Path:
+    """A directory with every kind of bad input the readers handle."""
+    src = tmp_path / "in"
+    (src / "sub").mkdir(parents=True)
+    (src / "docs.jsonl").write_bytes(b'{"text": "hello there"}\n\n{"title": "no text"}\n{"text": "caf\xe9"}\n')
+    (src / "sub" / "a.txt").write_text("a plain text document " * 50, encoding="utf-8")
+    (src / "sub" / "empty.txt").write_text("  \n", encoding="utf-8")
+    (src / "blob.bin").write_bytes(b"\x00\x01\x02binary")
+    return src
+
+
+def test_build_report_stats_and_plot(cli, tmp_path: Path, messy: Path) -> None:  # noqa: ANN001
+    out = tmp_path / "corpus"
+    res = cli("data", "build", str(messy), "--out", str(out), "--tokenizer", "bytes", "--skip-missing", "--json")
+    assert res.returncode == 0, res.stderr
+    manifest = json.loads(res.stdout)
+    assert manifest["documents"] == 3 and manifest["tokenizer"]["name"] == "bytes"
+    assert manifest["input"] == {
+        "files": 4,
+        "documents": 3,
+        "non_utf8_replaced": 1,
+        "empty_skipped": 1,
+        "binary_skipped": 1,
+        "missing_field_skipped": 1,
+        "blank_lines": 1,
+    }
+    res = cli("data", "stats", str(out), "--json", "--plot", str(tmp_path / "h.png"))
+    assert res.returncode == 0, res.stderr
+    st = json.loads(res.stdout)
+    assert st["count"] == 3 and st["max"] == len("a plain text document " * 50) + 1
+    assert (tmp_path / "h.png").stat().st_size > 1000
+    res = cli("data", "stats", str(out))
+    assert res.returncode == 0 and "top1% s²" in res.stdout and "p99" in res.stdout
+
+
+def test_build_errors_leave_nothing_behind(cli, tmp_path: Path, messy: Path) -> None:  # noqa: ANN001
+    out = tmp_path / "corpus"
+    msg = one_line_error(cli("data", "build", str(messy), "--out", str(out)))
+    assert "docs.jsonl:3: no field 'text'" in msg and "--skip-missing" in msg
+    assert not out.exists() and hidden(tmp_path) == []
+    msg = one_line_error(cli("data", "build", str(tmp_path / "nope"), "--out", str(out)))
+    assert "no such file or directory" in msg
+    msg = one_line_error(cli("data", "build", str(messy), "--out", str(out), "--tokenizer", "wordpiece"))
+    assert "unknown tokenizer 'wordpiece'" in msg
+    assert not out.exists() and hidden(tmp_path) == []
+
+
+def test_existing_output_and_force(cli, tmp_path: Path) -> None:  # noqa: ANN001
+    src = tmp_path / "one.txt"
+    src.write_text("just one document", encoding="utf-8")
+    out = tmp_path / "c"
+    assert cli("data", "build", str(src), "--out", str(out), "-t", "bytes").returncode == 0
+    assert "already exists" in one_line_error(cli("data", "build", str(src), "--out", str(out), "-t", "bytes"))
+    res = cli("data", "build", str(src), "--out", str(out), "-t", "gpt2", "--force")
+    assert res.returncode == 0, res.stderr
+    assert json.loads((out / "manifest.json").read_text())["tokenizer"]["name"] == "gpt2"
+    (out / "index.idx").write_bytes((out / "index.idx").read_bytes()[:-3])
+    msg = one_line_error(cli("data", "stats", str(out)))
+    assert str(out / "index.idx") in msg and "truncated" in msg
+    msg = one_line_error(cli("data", "stats", "no-such-corpus"))
+    assert "neither a corpus directory nor a built-in corpus" in msg
+
+
+def test_builtin_by_name(cli, tmp_path: Path) -> None:  # noqa: ANN001
+    res = cli("data", "build", "wiki-sample", "--out", str(tmp_path / "w"), "--tokenizer", "bytes")
+    assert res.returncode == 0, res.stderr
+    assert "206 documents" in res.stdout
+    res = cli("data", "stats", "wiki-sample", "--tokenizer", "bytes", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["count"] == 206
+
+
+def test_workload(cli, tmp_path: Path) -> None:  # noqa: ANN001
+    src = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"text": "w " * (5 * (i % 37) ** 2 + 3)}) for i in range(400)]
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    corpus = tmp_path / "c"
+    assert cli("data", "build", str(src), "--out", str(corpus), "-t", "bytes").returncode == 0
+    args = ["--corpus", str(corpus), "--tokens-per-batch", "20000", "--batches", "12", "--max-len", "4096"]
+    res = cli("workload", *args, "--seed", "5", "--out", str(tmp_path / "w1.json"))
+    assert res.returncode == 0, res.stderr
+    w = load_workload(tmp_path / "w1.json")
+    assert json.loads((tmp_path / "w1.json").read_text())["schema"] == WORKLOAD_SCHEMA
+    assert len(w.batches) == 12
+    assert all(b.sum() <= 20000 and b.max() <= 4096 for b in w.batches)
+    assert sum(int(b.sum()) for b in w.batches) > 0.8 * 12 * 20000  # filled to the budget (pieces are at most 4096)
+    assert cli("workload", *args, "--seed", "5", "--out", str(tmp_path / "w2.json")).returncode == 0
+    assert (tmp_path / "w1.json").read_bytes() == (tmp_path / "w2.json").read_bytes()
+    assert cli("workload", *args, "--seed", "6", "--out", str(tmp_path / "w3.json")).returncode == 0
+    assert (tmp_path / "w1.json").read_bytes() != (tmp_path / "w3.json").read_bytes()
+
+    bad = [
+        "--corpus",
+        str(corpus),
+        "--tokens-per-batch",
+        "1000",
+        "--max-len",
+        "4096",
+        "--out",
+        str(tmp_path / "x.json"),
+    ]
+    assert "above the batch budget" in one_line_error(cli("workload", *bad))
+    assert not (tmp_path / "x.json").exists()

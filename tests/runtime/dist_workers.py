@@ -1,0 +1,138 @@
+"""Functions the multi-process tests run on every rank (importable by spawned children)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hydraulis.parallel import ParallelConfig, Replica
+from hydraulis.runtime import (
+    IGNORE_INDEX,
+    StageModel,
+    build_replica_groups,
+    count_targets,
+    pack_documents,
+    train_step,
+)
+from hydraulis.specs import MODELS
+
+SEED = 1234
+# Ten documents of different lengths; micro-batches of different token counts, several documents each.
+LENGTHS = (17, 5, 31, 9, 12, 3, 26, 8, 14, 21)
+MICRO_BATCHES = ((0, 1, 5), (2, 3), (4, 6, 7), (8, 9))
+
+
+def documents(vocab: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(SEED)
+    return [torch.randint(0, vocab, (s,), generator=g) for s in LENGTHS]
+
+
+def reference(model_name: str, doc_ids: tuple[int, ...]) -> tuple[float, dict[str, torch.Tensor]]:
+    """One process, one document at a time, F.cross_entropy: loss share and gradients of these documents."""
+    spec = MODELS[model_name] if model_name in MODELS else _custom(model_name)
+    model = StageModel(spec)
+    model.reset_parameters(SEED)
+    docs = documents(spec.vocab)
+    total = count_targets(LENGTHS)
+    loss = torch.zeros(())
+    for i in doc_ids:
+        batch = pack_documents([docs[i]])
+        logits = model(batch.tokens, batch)
+        loss = loss + F.cross_entropy(logits, batch.targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    (loss / total).backward()
+    return float(loss.detach() / total), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _custom(name: str):
+    # "tiny-mqa": one KV head, so tp=2 replicates it.
+    assert name == "tiny-mqa"
+    return replace(MODELS["tiny"], name="tiny-mqa", kv_heads=1)
+
+
+def run_replica(
+    model_name: str,
+    config: ParallelConfig,
+    ranks: tuple[int, ...],
+    micro_batches,
+    sequence_parallel: bool,
+    calls: int = 1,
+) -> dict:
+    """Train one step on this rank's replica and compare with the single-process reference."""
+    spec = MODELS[model_name] if model_name in MODELS else _custom(model_name)
+    groups = build_replica_groups([Replica(config, ranks)], sequence_parallel=sequence_parallel)
+    return _compare(spec, model_name, groups, micro_batches, calls)
+
+
+def _compare(spec, model_name, groups, micro_batches, calls: int = 1) -> dict:
+    """`calls` > 1 splits the micro-batches over several train_step calls that accumulate gradients."""
+    model = StageModel(spec, groups.tp, groups.stage, groups.config.pp)
+    model.reset_parameters(SEED)
+    docs = documents(spec.vocab)
+    packed = [pack_documents([docs[i] for i in mb], pad_to_multiple=groups.config.tp) for mb in micro_batches]
+    per_call = -(-len(packed) // calls)
+    results = [
+        train_step(model, groups, packed[i : i + per_call], count_targets(LENGTHS))
+        for i in range(0, len(packed), per_call)
+    ]
+    loss = None if results[0].loss is None else sum(r.loss for r in results)
+    grads = model.full_grads()
+    ref_loss, ref_grads = reference(model_name, tuple(i for mb in micro_batches for i in mb))
+    errors = {}
+    for name, g in grads.items():
+        ref = ref_grads[name]
+        assert g.shape == ref.shape, (name, g.shape, ref.shape)
+        errors[name] = float((g - ref).norm() / ref.norm())
+    return {
+        "config": groups.config.name,
+        "stage": groups.stage,
+        "tp_rank": groups.tp.rank,
+        "loss": loss,
+        "pp": groups.config.pp,
+        "schedules": [r.schedule for r in results],
+        "ref_loss": ref_loss,
+        "errors": errors,
+        "all_params": sorted(ref_grads),
+    }
+
+
+def check_configs(rank: int, world: int) -> dict:
+    """Several layouts on 4 ranks; each rank reports what it holds."""
+    out = {}
+    # tp2 x pp2 on contiguous ranks, then with sequence parallelism on a permuted rank list.
+    out["tp2pp2"] = run_replica("tiny", ParallelConfig(2, 2), (0, 1, 2, 3), MICRO_BATCHES, False)
+    # (also accumulating gradients over two train_step calls)
+    out["tp2pp2-sp"] = run_replica("tiny", ParallelConfig(2, 2), (3, 1, 0, 2), MICRO_BATCHES, True, calls=2)
+    # Two replicas with different configs in one job, each on part of the batch (non-contiguous ranks).
+    a, b = Replica(ParallelConfig(2, 1), (0, 2)), Replica(ParallelConfig(1, 2), (3, 1))
+    groups = build_replica_groups([a, b], sequence_parallel=True)
+    mbs = MICRO_BATCHES[:2] if rank in a.devices else MICRO_BATCHES[2:]
+    out["hetero"] = _compare(MODELS["tiny"], "tiny", groups, mbs)
+    # One micro-batch on two stages (warm-up and cool-down only); MQA with tp2 (replicated KV head).
+    c, d = Replica(ParallelConfig(1, 2), (2, 0)), Replica(ParallelConfig(2, 1), (1, 3))
+    groups = build_replica_groups([c, d], sequence_parallel=False)
+    if rank in c.devices:
+        out["pp2-one-mb"] = _compare(MODELS["tiny-mha"], "tiny-mha", groups, MICRO_BATCHES[2:3])
+    else:
+        out["tp2-mqa"] = _compare(_custom("tiny-mqa"), "tiny-mqa", groups, MICRO_BATCHES)
+    return out
+
+
+def raise_on_rank_one(rank: int, world: int) -> None:
+    """Rank 1 raises; rank 0 waits in a collective that can never complete."""
+    if rank == 1:
+        raise ValueError("rank 1 failed on purpose")
+    dist.all_reduce(torch.ones(1))
+    time.sleep(120)
+
+
+def abort_on_rank_one(rank: int, world: int) -> None:
+    """Rank 1 dies by a signal, as a gloo abort would; rank 0 waits in a collective."""
+    if rank == 1:
+        os.abort()
+    dist.all_reduce(torch.ones(1))
+    time.sleep(120)

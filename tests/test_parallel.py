@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hydraulis.errors import HydraulisError
+from hydraulis.parallel import Deployment, ParallelConfig, format_configs, parse_configs
+from hydraulis.specs import ClusterSpec, get_model
+
+
+def test_compact_text_round_trips():
+    text = "1x(tp8,pp1) + 6x(tp2,pp2)"
+    configs = parse_configs(text)
+    assert configs == [ParallelConfig(8, 1)] + [ParallelConfig(2, 2)] * 6
+    assert format_configs(configs) == text
+    assert str(Deployment.parse(text, ClusterSpec(32))) == text
+
+
+def test_config_parse_forms():
+    assert ParallelConfig.parse("tp2pp4") == ParallelConfig(2, 4)
+    assert ParallelConfig.parse("(tp2, pp4, cp2)") == ParallelConfig(2, 4, 2)
+    with pytest.raises(HydraulisError, match="cannot parse"):
+        ParallelConfig.parse("tp2xx")
+
+
+def test_placement_keeps_tp_groups_in_a_node():
+    cluster = ClusterSpec(32, 8)
+    dep = Deployment.parse("1x(tp8,pp1) + 1x(tp4,pp2) + 4x(tp2,pp1) + 4x(tp1,pp2)", cluster)
+    dep.validate(cluster)
+    for replica in dep.replicas:
+        for s in range(replica.config.pp):
+            assert len({d // 8 for d in replica.stage_devices(s)}) == 1
+    assert sorted(d for r in dep.replicas for d in r.devices) == list(range(32))
+
+
+def test_tp_above_node_takes_whole_nodes():
+    cluster = ClusterSpec(32, 8)
+    dep = Deployment.parse("1x(tp16,pp1) + 2x(tp8,pp1)", cluster)
+    big = dep.replicas[0]
+    assert sorted({d // 8 for d in big.devices}) in ([0, 1], [1, 2], [2, 3], [0, 2], [0, 3], [1, 3])
+    assert len(big.devices) == 16
+
+
+@pytest.mark.parametrize(
+    ("text", "gpus", "gpn", "message"),
+    [
+        ("2x(tp8,pp1)", 32, 8, "uses 16 GPUs but the cluster has 32"),
+        ("1x(tp3,pp1) + 1x(tp3,pp1) + 1x(tp2,pp1)", 8, 4, "no node has 2 free GPUs"),
+        ("1x(tp12,pp1) + 1x(tp4,pp1)", 16, 8, "not a multiple"),
+        ("3y(tp1,pp1)", 3, 8, "cannot parse"),
+    ],
+)
+def test_impossible_deployments_are_named(text, gpus, gpn, message):
+    with pytest.raises(HydraulisError, match=message):
+        Deployment.parse(text, ClusterSpec(gpus, gpn))
+
+
+def test_validate_against_model():
+    model = get_model("llama-7b")
+    with pytest.raises(HydraulisError, match="not divisible by pp=3"):
+        ParallelConfig(1, 3).validate(model)
+    with pytest.raises(HydraulisError, match="heads, not divisible by tp=3"):
+        ParallelConfig(3, 1).validate(model)
+    ParallelConfig(8, 4).validate(model)
+
+
+def test_explicit_devices_are_checked():
+    cluster = ClusterSpec(8, 8)
+    c = ParallelConfig(4, 1)
+    with pytest.raises(HydraulisError, match="used by two replicas"):
+        Deployment.from_devices([c, c], [[0, 1, 2, 3], [3, 4, 5, 6]], cluster)
+    with pytest.raises(HydraulisError, match="outside"):
+        Deployment.from_devices([c, c], [[0, 1, 2, 3], [4, 5, 6, 9]], cluster)
+    with pytest.raises(HydraulisError, match="spans nodes"):
+        Deployment.from_devices(
+            [ParallelConfig(4, 1)] * 4,
+            [[6, 7, 8, 9], [0, 1, 2, 3], [4, 5, 10, 11], [12, 13, 14, 15]],
+            ClusterSpec(16, 8),
+        )
+
+
+@given(
+    st.lists(st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (4, 2), (8, 1), (1, 4)]), min_size=1, max_size=12)
+)
+def test_power_of_two_deployments_always_place(pairs):
+    configs = [ParallelConfig(tp, pp) for tp, pp in pairs]
+    n = sum(c.num_gpus for c in configs)
+    # Pad to whole nodes with single GPUs so the cluster is full.
+    pad = (-n) % 8
+    configs += [ParallelConfig(1, 1)] * pad
+    cluster = ClusterSpec(n + pad, 8)
+    dep = Deployment.place(configs, cluster)
+    dep.validate(cluster)
+    assert dep.configs == tuple(configs)
