@@ -9,10 +9,12 @@ from __future__ import annotations
 import sys
 
 # Each command module registers its commands on import; one per line keeps merges clean.
-from hydraulis.cli import common  # noqa: F401
-from hydraulis.cli import data  # noqa: F401
-from hydraulis.cli import foundation  # noqa: F401
-from hydraulis.cli import plan  # noqa: F401
+from hydraulis.cli import (
+    common,  # noqa: F401
+    data,  # noqa: F401
+    foundation,  # noqa: F401
+    plan,  # noqa: F401
+)
 from hydraulis.cli.app import app
 from hydraulis.errors import HydraulisError
 
