@@ -14,6 +14,7 @@ from hydraulis.cli import (
     data,  # noqa: F401
     foundation,  # noqa: F401
     plan,  # noqa: F401
+    propose,  # noqa: F401
 )
 from hydraulis.cli.app import app
 from hydraulis.errors import HydraulisError

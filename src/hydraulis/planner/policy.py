@@ -100,10 +100,10 @@ class PolicyContext:
         sample: Sequence[np.ndarray] | None = None,
     ) -> PolicyContext:
         """The default pool is built from `sample` (default: the batches themselves)."""
-        from hydraulis.planner.pool import default_pool
+        from hydraulis.planner.proposal import propose
 
         sample = tuple(np.asarray(b, dtype=np.int64) for b in (sample if sample is not None else batches))
         longest = max(int(np.max(b)) for b in list(batches) + list(sample))
         if pool is None:
-            pool = default_pool(cost, cluster, sample, max_length=longest)
+            pool = propose(cost, cluster, sample, max_length=longest).pool.deployments
         return cls(cost, cluster, tuple(pool), longest, sample)

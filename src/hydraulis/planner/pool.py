@@ -1,27 +1,118 @@
-"""The deployment pool the planner chooses from, and the homogeneous fallback.
+"""The deployment pool the planner chooses from, its file format, and the candidates it is built from.
 
-`default_pool` is a stand-in for the data-aware proposal (issue 4), kept small
-so that it can be swapped: it scores a handful of candidates (every homogeneous
-deployment, and mixes of a few large replicas that hold the longest sequence
-with many small ones) by dispatch estimates on sample batches and keeps the
-few that together serve the batches best. The first deployment is always the
-homogeneous fallback: the cheapest config that holds the longest sequence,
-replicated over all GPUs.
+A pool is the few deployments the planner may choose from each iteration; the
+first is the homogeneous fallback (the cheapest config that holds the longest
+sequence, replicated over all GPUs). `hydraulis propose` (proposal.py) builds
+pools; this module holds what a pool is and the pieces proposal starts from.
+
+File format `hydraulis.pool/1`:
+
+    {"schema": "hydraulis.pool/1", "profile": "llama-7b@a800-80g", "num_gpus": 32, "gpus_per_node": 8,
+     "deployments": [{"text": "1x(tp8,pp1) + 12x(tp2,pp1)",
+                      "replicas": [{"tp": 8, "pp": 1, "cp": 1, "devices": [0, 1, ...]}, ...],
+                      "usage": 0.25}, ...]}
+
+`text` is the compact form; `replicas` pins the devices (without it the
+deployment is placed from `text`). `usage`, optional, is the share of sampled
+batches on which the planner chose that deployment when the pool was proposed.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
+from hydraulis.jsonio import Fields, load_json, write_json_atomic
 from hydraulis.parallel import Deployment, ParallelConfig, format_configs
 from hydraulis.planner.replicas import ReplicaCost, estimate_time
 from hydraulis.specs import ClusterSpec
+
+POOL_SCHEMA = "hydraulis.pool/1"
+
+
+@dataclass(frozen=True)
+class Pool:
+    profile: str
+    cluster: ClusterSpec
+    deployments: tuple[Deployment, ...]
+    usage: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not self.deployments:
+            raise HydraulisError("a pool needs at least one deployment")
+        for d in self.deployments:
+            d.validate(self.cluster)
+        if self.usage is not None and len(self.usage) != len(self.deployments):
+            raise HydraulisError("pool usage needs one share per deployment")
+
+    def to_dict(self) -> dict[str, Any]:
+        rows = []
+        for i, d in enumerate(self.deployments):
+            row: dict[str, Any] = {
+                "text": str(d),
+                "replicas": [
+                    {"tp": r.config.tp, "pp": r.config.pp, "cp": r.config.cp, "devices": list(r.devices)}
+                    for r in d.replicas
+                ],
+            }
+            if self.usage is not None:
+                row["usage"] = round(float(self.usage[i]), 4)
+            rows.append(row)
+        return {
+            "schema": POOL_SCHEMA,
+            "profile": self.profile,
+            "num_gpus": self.cluster.num_gpus,
+            "gpus_per_node": self.cluster.gpus_per_node,
+            "deployments": rows,
+        }
+
+
+def save_pool(path: str | Path, pool: Pool) -> None:
+    write_json_atomic(path, pool.to_dict())
+
+
+def load_pool(path: str | Path, cluster: ClusterSpec | None = None) -> Pool:
+    """Read a pool file; if `cluster` is given, the pool must match its GPU count."""
+    f = Fields(load_json(path, POOL_SCHEMA), str(path))
+    pool_cluster = ClusterSpec(f.int("num_gpus", minimum=1), f.int("gpus_per_node", default=8, minimum=1))
+    if cluster is not None and cluster.num_gpus != pool_cluster.num_gpus:
+        raise HydraulisError(f"{path}: the pool is for {pool_cluster.num_gpus} GPUs but --gpus is {cluster.num_gpus}")
+    deployments, usage = [], []
+    for i, row in enumerate(f.list("deployments")):
+        r = Fields(row, f"{path}: deployments[{i}]")
+        try:
+            if "replicas" in row:
+                configs, devices = [], []
+                for j, rep in enumerate(r.list("replicas")):
+                    rf = Fields(rep, f"{r.where}.replicas[{j}]")
+                    configs.append(
+                        ParallelConfig(
+                            rf.int("tp", minimum=1), rf.int("pp", minimum=1), rf.int("cp", default=1, minimum=1)
+                        )
+                    )
+                    devices.append(rf.int_list("devices", minimum=0))
+                deployments.append(Deployment.from_devices(configs, devices, pool_cluster))
+            else:
+                deployments.append(Deployment.parse(r.str("text"), pool_cluster))
+        except HydraulisError as exc:
+            if str(exc).startswith(str(path)):
+                raise
+            raise HydraulisError(f"{r.where}: {exc}") from None
+        if "usage" in row:
+            usage.append(r.float("usage", minimum=0))
+    return Pool(
+        f.str("profile", default="?"),
+        pool_cluster,
+        tuple(deployments),
+        tuple(usage) if len(usage) == len(deployments) else None,
+    )
 
 
 def usable_configs(cost: CostModel, cluster: ClusterSpec) -> list[ParallelConfig]:
@@ -100,16 +191,11 @@ def replicable_configs(cost: CostModel, cluster: ClusterSpec) -> list[ParallelCo
 def parse_pool(text: str, cluster: ClusterSpec) -> tuple[Deployment, ...]:
     """`--pool`: compact deployments separated by ';', or a `hydraulis.pool/1` file."""
     if text.strip().endswith(".json") or Path(text).is_file():
-        return load_pool_file(text, cluster)
+        return load_pool(text, cluster).deployments
     items = [t for t in text.split(";") if t.strip()]
     if not items:
         raise HydraulisError("--pool is empty; give deployments like '16x(tp2,pp1); 1x(tp8,pp1) + 12x(tp2,pp1)'")
     return tuple(Deployment.parse(t, cluster) for t in items)
-
-
-def load_pool_file(path: str | Path, cluster: ClusterSpec) -> tuple[Deployment, ...]:
-    """Hook for the `hydraulis.pool/1` format of the proposal (issue 4)."""
-    raise HydraulisError(f"{path}: pool files (hydraulis.pool/1) are not supported yet; give the pool inline")
 
 
 def homogeneous(config: ParallelConfig, cluster: ClusterSpec) -> Deployment:
@@ -141,39 +227,3 @@ def candidate_deployments(
             if (d := place(configs_, cluster)) is not None:
                 out[format_configs(configs_)] = d
     return list(out.values())
-
-
-def default_pool(
-    cost: CostModel,
-    cluster: ClusterSpec,
-    batches: Sequence[np.ndarray],
-    max_length: int | None = None,
-    size: int = 5,
-) -> tuple[Deployment, ...]:
-    """The fallback plus up to size - 1 deployments that most lower the sample batches' estimated times."""
-    from hydraulis.planner.dispatch import dispatch
-    from hydraulis.planner.replicas import ReplicaTable
-
-    batches = [np.asarray(b, dtype=np.int64) for b in batches if len(b)]
-    if not batches:
-        raise HydraulisError("cannot build a deployment pool without sample batches")
-    longest = max_length or max(int(b.max()) for b in batches)
-    fallback = homogeneous(fallback_config(cost, cluster, longest, batches), cluster)
-    sample = batches[:4]
-    scores = []
-    candidates = candidate_deployments(cost, cluster, longest, sample)
-    for d in candidates:
-        table = ReplicaTable.of(cost, d, cluster.num_gpus)
-        top = int(table.cap.max())
-        scores.append([dispatch(b, table).makespan_s if int(b.max()) <= top else np.inf for b in sample])
-    score = np.array(scores)  # [candidates, batches]
-    chosen = [next(i for i, d in enumerate(candidates) if str(d) == str(fallback))]
-    best = score[chosen[0]].copy()
-    while len(chosen) < size:
-        gain = (best[None, :] - np.minimum(score, best[None, :])).sum(axis=1)
-        k = int(np.argmax(gain))
-        if gain[k] <= 1e-3 * best.sum():
-            break
-        chosen.append(k)
-        best = np.minimum(best, score[k])
-    return tuple(candidates[i] for i in chosen)

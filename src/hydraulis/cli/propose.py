@@ -1,0 +1,94 @@
+"""`hydraulis propose`: generate the deployment pool from a workload's length distribution."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from hydraulis.cli.app import app
+from hydraulis.cli.common import ProfileOption, console, err_console, print_json, table
+from hydraulis.errors import HydraulisError
+
+
+@app.command()
+def propose(
+    profile: str = ProfileOption,
+    gpus: int = typer.Option(..., "--gpus", "-n", help="GPUs in the job."),
+    workload: Path = typer.Option(..., "--workload", "-w", help="A hydraulis.workload/1 file."),
+    out: Path = typer.Option(..., "--out", "-o", help="Where to write the hydraulis.pool/1 file."),
+    max_pool: int = typer.Option(6, "--max-pool", "-k", help="Most deployments in the pool."),
+    method: str = typer.Option("hydraulis", "--method", help="hydraulis (data-aware) or published (the DP)."),
+    gpus_per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs per node."),
+    tokens_per_batch: int = typer.Option(None, "--tokens-per-batch", help="Histogram workloads: token budget."),
+    num_batches: int = typer.Option(None, "--num-batches", help="Histogram workloads: how many batches."),
+    seed: int = typer.Option(None, "--seed", help="Histogram workloads: sampling seed."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """Propose a pool: the homogeneous fallback plus heterogeneous deployments the planner will pick."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from hydraulis.cost import load_cost_model
+    from hydraulis.data.workload import load_workload
+    from hydraulis.planner.pool import save_pool
+    from hydraulis.planner.proposal import propose as run_proposal
+    from hydraulis.specs import ClusterSpec
+
+    if gpus < 1:
+        raise HydraulisError(f"--gpus must be positive, got {gpus}")
+    cluster = ClusterSpec(gpus, gpus_per_node)
+    cost = load_cost_model(profile)
+    work = load_workload(workload, tokens_per_batch, num_batches, seed)
+    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}")]
+    with Progress(*columns, TimeElapsedColumn(), console=err_console, transient=True) as progress:
+        task = progress.add_task("proposing", total=None)
+
+        def report(what: str, done: int, total: int) -> None:
+            progress.update(task, description=what, completed=done, total=total)
+
+        result = run_proposal(cost, cluster, list(work.batches), max_pool=max_pool, method=method, progress=report)
+    save_pool(out, result.pool)
+    mean_times = [float(t[t < float("inf")].mean()) if (t < float("inf")).any() else None for t in result.times_s]
+    rows = [
+        {
+            "deployment": str(d),
+            "replicas": len(d),
+            "largest_cap": max(cost.cap(c, gpus) for c in d.configs),
+            "usage": u,
+            "mean_time_s": m,
+        }
+        for d, u, m in zip(result.pool.deployments, result.pool.usage or (), mean_times, strict=True)
+    ]
+    fallback_tps = float(result.sample_tokens.sum() / result.times_s[0].sum())
+    summary = {
+        "profile": cost.name,
+        "num_gpus": gpus,
+        "method": method,
+        "out": str(out),
+        "samples": int(result.times_s.shape[1]),
+        "candidates": len(result.candidates),
+        "tokens_per_s": result.throughput,
+        "fallback_tokens_per_s": fallback_tps,
+        "elapsed_s": result.elapsed_s,
+        "deployments": rows,
+    }
+    if as_json:
+        print_json(summary)
+        return
+    body = [
+        [
+            i,
+            r["deployment"],
+            r["largest_cap"],
+            f"{r['usage']:.0%}",
+            f"{r['mean_time_s']:.3f}" if r["mean_time_s"] is not None else "-",
+        ]
+        for i, r in enumerate(rows)
+    ]
+    title = f"{method} pool for {work.name} on {gpus} GPUs ({cost.name}) -> {out}"
+    console.print(table(title, ["#", "deployment", "largest cap", "chosen", "mean time s"], body))
+    console.print(
+        f"{summary['samples']} sample batches, {summary['candidates']} candidates planned: "
+        f"{result.throughput:,.0f} tokens/s with the pool vs {fallback_tps:,.0f} with the fallback alone "
+        f"({result.throughput / fallback_tps:.2f}x), in {result.elapsed_s:.1f} s"
+    )

@@ -1,0 +1,258 @@
+"""Data-aware strategy proposal: generate the deployment pool from the length distribution.
+
+The published generator runs a dynamic programme over (GPUs x length ranges)
+once per possible batch maximum length and keeps the distinct deployments.
+It scores a range by its total work divided by its replicas, so it misses
+what decides real iterations: a long sequence cannot be divided, every
+micro-batch pays a fixed cost and a pipeline bubble, caps force extra
+micro-batches, and batches differ from each other.
+
+This proposal keeps the programme as a generator of candidates (with the
+published and a data-aware group time, see range_dp.py) and adds the
+homogeneous deployments and large-plus-small mixes. It then samples global
+batches, plans every sample on every promising candidate with the real
+planner and simulator, and builds the pool greedily: first the homogeneous
+fallback that holds the longest sequence, then, one at a time, the candidate
+that most lowers the mean iteration time when the planner picks the best pool
+deployment per batch. Diversity follows from that objective: a deployment
+enters only if the planner would actually choose it for some batches. How
+often it was chosen is recorded as its usage.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hydraulis.cost.model import CostModel
+from hydraulis.errors import HydraulisError
+from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.planner.dispatch import dispatch
+from hydraulis.planner.pool import (
+    Pool,
+    candidate_deployments,
+    fallback_config,
+    homogeneous,
+    place,
+    usable_configs,
+)
+from hydraulis.planner.range_dp import (
+    LengthHistogram,
+    RangeGroup,
+    aware_group_time,
+    published_group_time,
+    range_dp,
+)
+from hydraulis.planner.replicas import ReplicaTable
+from hydraulis.specs import ClusterSpec
+
+METHODS = ("hydraulis", "published")
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class Proposal:
+    pool: Pool
+    method: str
+    candidates: tuple[Deployment, ...]
+    times_s: np.ndarray  # [pool deployments, sample batches]: planned iteration time, inf if it cannot hold
+    sample_tokens: np.ndarray  # tokens of each sample batch
+    elapsed_s: float
+
+    @property
+    def best_times_s(self) -> np.ndarray:
+        return self.times_s.min(axis=0)
+
+    @property
+    def throughput(self) -> float:
+        """Tokens per second over the sample batches, the planner choosing per batch."""
+        return float(self.sample_tokens.sum() / self.best_times_s.sum())
+
+
+def length_boundaries(hist: LengthHistogram, caps: Sequence[int], points: int = 16) -> list[int]:
+    """Where ranges may split: every cap below the longest sequence, token-weighted quantiles, the maximum."""
+    weights = hist.lengths * hist.per_batch
+    cdf = np.cumsum(weights) / weights.sum()
+    quantiles = hist.lengths[np.minimum(np.searchsorted(cdf, np.linspace(0, 1, points + 1)[1:-1]), len(cdf) - 1)]
+    top = hist.max_length
+    return sorted({int(c) for c in caps if 0 < c < top} | {int(q) for q in quantiles} | {top})
+
+
+def groups_to_deployment(groups: Sequence[RangeGroup], cluster: ClusterSpec) -> Deployment | None:
+    """Replicas of each range group, largest first; GPUs the programme left free join the shortest range."""
+    configs: list[ParallelConfig] = []
+    for g in sorted(groups, key=lambda g: -g.hi):
+        configs += [g.config] * g.replicas
+    free = cluster.num_gpus - sum(c.num_gpus for c in configs)
+    if free < 0:
+        return None
+    if free:
+        short = min(groups, key=lambda g: g.hi).config
+        if free % short.num_gpus:
+            return None
+        configs += [short] * (free // short.num_gpus)
+    return place(configs, cluster)
+
+
+def dp_deployments(
+    cost: CostModel, cluster: ClusterSpec, hist: LengthHistogram, aware: bool
+) -> list[tuple[int, Deployment]]:
+    """(batch max length, deployment) for each boundary, from the range programme."""
+    N = cluster.num_gpus
+    configs = usable_configs(cost, cluster)
+    group_time = aware_group_time(cost, configs, hist, N) if aware else published_group_time(cost, configs, hist)
+    bounds = length_boundaries(hist, [cost.cap(c, N) for c in configs])
+    out = []
+    for max_length, _, groups in range_dp(cost, N, hist, configs, group_time, bounds):
+        deployment = groups_to_deployment(groups, cluster)
+        if deployment is not None:
+            out.append((max_length, deployment))
+    return out
+
+
+def _unique(deployments: Sequence[Deployment]) -> list[Deployment]:
+    seen: dict[str, Deployment] = {}
+    for d in deployments:
+        seen.setdefault(str(d), d)
+    return list(seen.values())
+
+
+def _plan_times(
+    cost: CostModel,
+    cluster: ClusterSpec,
+    candidates: Sequence[Deployment],
+    batches: Sequence[np.ndarray],
+    progress: Progress | None,
+) -> np.ndarray:
+    """Planned and simulated iteration time of every batch on every candidate (inf where it cannot hold)."""
+    from hydraulis.planner.planner import Planner
+
+    planner = Planner(cost, cluster.num_gpus, candidates[:1])
+    times = np.full((len(candidates), len(batches)), np.inf)
+    for i, d in enumerate(candidates):
+        top = max(cost.cap(c, cluster.num_gpus) for c in d.configs)
+        for j, b in enumerate(batches):
+            if int(b.max()) <= top:
+                times[i, j] = planner.plan_on(b, d).predicted_time_s
+        if progress:
+            progress("planning samples", i + 1, len(candidates))
+    return times
+
+
+def _screen(
+    cost: CostModel, cluster: ClusterSpec, candidates: Sequence[Deployment], batches: Sequence[np.ndarray], keep: int
+) -> list[int]:
+    """Successive halving on cheap dispatch estimates: the candidates best on average, and the best per batch.
+
+    Each round estimates the surviving candidates on one more batch and keeps
+    the better half (at least 2 x keep), so most candidates cost one estimate.
+    """
+    est = np.full((len(candidates), len(batches)), np.nan)
+    tables = [ReplicaTable.of(cost, d, cluster.num_gpus) for d in candidates]
+    alive = np.arange(len(candidates))
+    for j, b in enumerate(batches):
+        for i in alive:
+            if int(tables[i].cap.max()) >= int(b.max()):
+                est[i, j] = dispatch(b, tables[i], search=False).makespan_s
+        seen = est[:, : j + 1]
+        ratio = seen / np.nanmin(seen, axis=0, keepdims=True)
+        # Mean ratio to the best over the batches a candidate was estimated on; unusable ones rank last.
+        score = np.where(np.isnan(ratio), 10.0, ratio)[alive].mean(axis=1)
+        alive = alive[np.argsort(score, kind="stable")]
+        if j < len(batches) - 1:
+            alive = alive[: max(2 * keep, -(-len(alive) // 2))]
+    chosen = set(int(i) for i in alive[:keep])
+    for j in range(len(batches)):
+        column = np.where(np.isnan(est[:, j]), np.inf, est[:, j])
+        if np.isfinite(column).any():
+            chosen.add(int(np.argmin(column)))
+    return sorted(chosen)
+
+
+def greedy_pool(times: np.ndarray, first: int, max_pool: int, min_gain: float = 0.002) -> list[int]:
+    """Row indices: `first`, then the rows that most lower sum over batches of the row-wise minimum."""
+    chosen = [first]
+    best = times[first].copy()
+    while len(chosen) < max_pool:
+        gain = np.where(np.isfinite(best), best, 1e30)[None, :] - np.minimum(times, best[None, :])
+        gain = np.where(np.isfinite(gain), gain, 0.0).sum(axis=1)
+        gain[chosen] = -np.inf
+        k = int(np.argmax(gain))
+        if gain[k] <= min_gain * float(best[np.isfinite(best)].sum()):
+            break
+        chosen.append(k)
+        best = np.minimum(best, times[k])
+    return chosen
+
+
+def propose(
+    cost: CostModel,
+    cluster: ClusterSpec,
+    batches: Sequence[np.ndarray],
+    max_pool: int = 6,
+    method: str = "hydraulis",
+    max_samples: int | None = None,
+    screen: int = 10,
+    max_length: int | None = None,
+    progress: Progress | None = None,
+) -> Proposal:
+    """Propose a pool of at most `max_pool` deployments for batches like `batches`.
+
+    The fallback holds `max_length` (default: the longest sampled sequence).
+    """
+    start = time.perf_counter()
+    if method not in METHODS:
+        raise HydraulisError(f"unknown proposal method {method!r}; use one of {', '.join(METHODS)}")
+    if max_pool < 1:
+        raise HydraulisError(f"--max-pool must be at least 1, got {max_pool}")
+    batches = [np.asarray(b, dtype=np.int64) for b in batches if len(b)]
+    if not batches:
+        raise HydraulisError("cannot propose a pool without sample batches")
+    hist = LengthHistogram.from_batches(batches)
+    longest = max(hist.max_length, max_length or 0)
+    fallback = homogeneous(fallback_config(cost, cluster, longest, batches), cluster)
+    if max_samples is None:
+        # Planning cost grows with the batch: fewer samples for larger jobs keep proposal within a minute.
+        tokens = float(np.mean([b.sum() for b in batches]))
+        max_samples = int(np.clip(4e6 / max(tokens, 1.0), 4, 16))
+    sample = batches[:max_samples]
+
+    if method == "published":
+        found = _unique([fallback] + [d for _, d in dp_deployments(cost, cluster, hist, aware=False)])
+        if len(found) > max_pool:
+            # One deployment per batch maximum length; keep the fallback and evenly spread maxima.
+            keep = np.unique(np.linspace(1, len(found) - 1, max_pool - 1).round().astype(int))
+            found = [found[0]] + [found[i] for i in keep]
+        times = _plan_times(cost, cluster, found, sample, progress)
+        pool_idx = list(range(len(found)))
+        candidates = found
+    else:
+        candidates = _unique(
+            [fallback]
+            + [d for _, d in dp_deployments(cost, cluster, hist, aware=True)]
+            + [d for _, d in dp_deployments(cost, cluster, hist, aware=False)]
+            + candidate_deployments(cost, cluster, longest, sample[:4])
+        )
+        kept = _screen(cost, cluster, candidates, sample, screen)
+        if 0 not in kept:
+            kept = [0] + kept
+        candidates = [candidates[i] for i in kept]
+        times_all = _plan_times(cost, cluster, candidates, sample, progress)
+        pool_idx = greedy_pool(times_all, 0, max_pool)
+        times = times_all[pool_idx]
+    pool_deployments = tuple(candidates[i] for i in pool_idx)
+    winners = np.argmin(times, axis=0)
+    usage = tuple(float(np.mean(winners == k)) for k in range(len(pool_deployments)))
+    pool = Pool(cost.name, cluster, pool_deployments, usage)
+    return Proposal(
+        pool=pool,
+        method=method,
+        candidates=tuple(candidates),
+        times_s=times,
+        sample_tokens=np.array([float(b.sum()) for b in sample]),
+        elapsed_s=time.perf_counter() - start,
+    )

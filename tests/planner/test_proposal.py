@@ -1,0 +1,143 @@
+"""Strategy proposal: the pool it builds, the pool file, and `hydraulis propose` through the real command."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hydraulis.cost import load_cost_model
+from hydraulis.data.synthetic import get_mixture
+from hydraulis.data.workload import sample_batches
+from hydraulis.errors import HydraulisError
+from hydraulis.parallel import Deployment
+from hydraulis.planner.planner import Planner
+from hydraulis.planner.pool import Pool, load_pool, save_pool
+from hydraulis.planner.proposal import greedy_pool, propose
+from hydraulis.specs import ClusterSpec
+
+COST = load_cost_model("llama-7b@a800-80g")
+
+
+def batches(mixture: str, max_length: int, tokens: int, k: int, seed: int) -> list[np.ndarray]:
+    lengths, probs = get_mixture(mixture).histogram(max_length)
+    return sample_batches(lengths, probs, tokens, k, seed)
+
+
+@pytest.fixture(scope="module")
+def wiki16():
+    cluster = ClusterSpec(16)
+    train = batches("wiki", 16384, 131072, 6, 1)
+    return cluster, train, propose(COST, cluster, train, max_pool=4)
+
+
+def test_pool_starts_with_a_fallback_that_holds_everything(wiki16):
+    cluster, train, result = wiki16
+    pool = result.pool
+    assert 1 <= len(pool.deployments) <= 4
+    fallback = pool.deployments[0]
+    assert fallback.is_homogeneous
+    longest = max(int(b.max()) for b in train)
+    assert COST.cap(fallback.configs[0], 16) >= longest
+    for d in pool.deployments:
+        d.validate(cluster)
+    assert pool.usage is not None and sum(pool.usage) == pytest.approx(1.0)
+    assert result.times_s.shape == (len(pool.deployments), result.sample_tokens.size)
+
+
+def test_pool_is_never_slower_than_its_fallback(wiki16):
+    _, _, result = wiki16
+    assert np.all(result.best_times_s <= result.times_s[0] + 1e-12)
+    assert result.throughput >= float(result.sample_tokens.sum() / result.times_s[0].sum())
+
+
+def test_proposed_pool_beats_the_fallback_on_fresh_batches(wiki16):
+    cluster, _, result = wiki16
+    test = batches("wiki", 16384, 131072, 4, 7)
+    with_pool = Planner(COST, 16, result.pool.deployments)
+    alone = Planner(COST, 16, result.pool.deployments[:1])
+    t_pool = sum(with_pool.plan(b).predicted_time_s for b in test)
+    t_alone = sum(alone.plan(b).predicted_time_s for b in test)
+    assert t_pool <= t_alone + 1e-9
+
+
+def test_published_method_gives_distinct_dp_deployments():
+    cluster = ClusterSpec(16)
+    result = propose(COST, cluster, batches("code", 16384, 131072, 4, 3), max_pool=5, method="published")
+    texts = [str(d) for d in result.pool.deployments]
+    assert len(set(texts)) == len(texts) <= 5
+    assert result.pool.deployments[0].is_homogeneous
+
+
+def test_greedy_pool_picks_complementary_rows():
+    times = np.array([[10.0, 10.0, 10.0], [5.0, 20.0, 20.0], [20.0, 5.0, 20.0], [6.0, 6.0, 30.0]])
+    # Row 3 lowers two batches at once (gain 8), then rows 1 and 2 each shave one batch.
+    assert greedy_pool(times, 0, 4) == [0, 3, 1, 2]
+    assert greedy_pool(times, 0, 1) == [0]
+
+
+def test_pool_file_round_trips(tmp_path, wiki16):
+    cluster, _, result = wiki16
+    path = tmp_path / "pool.json"
+    save_pool(path, result.pool)
+    back = load_pool(path, cluster)
+    assert [str(d) for d in back.deployments] == [str(d) for d in result.pool.deployments]
+    assert [r.devices for d in back.deployments for r in d.replicas] == [
+        r.devices for d in result.pool.deployments for r in d.replicas
+    ]
+    assert back.usage == pytest.approx(result.pool.usage, abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d.update(num_gpus=32), "the pool is for 32 GPUs but --gpus is 16"),
+        (lambda d: d["deployments"][0]["replicas"][0].update(devices=[0, 0]), "used by two replicas"),
+        (lambda d: d.update(deployments=[]), "at least one deployment"),
+        (lambda d: d["deployments"][0].update(replicas="x"), "expected a list"),
+    ],
+)
+def test_bad_pool_file_is_named(tmp_path, mutate, message):
+    cluster = ClusterSpec(16)
+    path = tmp_path / "pool.json"
+    save_pool(path, Pool("p", cluster, (Deployment.parse("8x(tp2,pp1)", cluster),)))
+    data = json.loads(path.read_text())
+    mutate(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(HydraulisError, match=message):
+        load_pool(path, cluster)
+
+
+def test_propose_and_plan_through_the_command(cli, tmp_path):
+    lengths, probs = get_mixture("wiki").histogram(16384)
+    workload = tmp_path / "w.json"
+    workload.write_text(
+        json.dumps(
+            {
+                "schema": "hydraulis.workload/1",
+                "name": "wiki",
+                "lengths": lengths.tolist(),
+                "counts": probs.tolist(),
+                "tokens_per_batch": 131072,
+                "num_batches": 4,
+                "seed": 0,
+            }
+        )
+    )
+    pool = tmp_path / "pool.json"
+    res = cli("propose", "-n", "16", "-w", str(workload), "-o", str(pool), "--max-pool", "3", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert 1 <= len(out["deployments"]) <= 3
+    assert out["tokens_per_s"] >= out["fallback_tokens_per_s"]
+    plan = tmp_path / "plan.json"
+    res = cli("plan", "-n", "16", "-w", str(workload), "--pool", str(pool), "-o", str(plan))
+    assert res.returncode == 0, res.stderr
+    chosen = {it["deployment"] and json.dumps(it["deployment"]) for it in json.loads(plan.read_text())["iterations"]}
+    assert chosen
+    # The same pool file for another GPU count is refused, and nothing is written.
+    bad = tmp_path / "bad.json"
+    res = cli("plan", "-n", "32", "-w", str(workload), "--pool", str(pool), "-o", str(bad))
+    assert res.returncode == 2 and "the pool is for 16 GPUs but --gpus is 32" in res.stderr
+    assert not bad.exists()
