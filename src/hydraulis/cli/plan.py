@@ -83,3 +83,37 @@ def plan(
     ]
     columns = ["step", "deployment", "tokens", "seqs", "time s", "tokens/s", "plan ms"]
     console.print(table(f"{policy} plan for {work.name} on {gpus} GPUs ({cost.name}) -> {out}", columns, rows))
+
+
+@app.command()
+def bench(
+    scenario: list[str] = typer.Option(None, "--scenario", "-s", help="Scenario name (repeatable); default: all."),
+    policy: list[str] = typer.Option(None, "--policy", help="Policy (repeatable); default: all."),
+    out: Path = typer.Option(Path("bench-out"), "--out", "-o", help="Directory for bench.json and bench.png."),
+    list_only: bool = typer.Option(False, "--list", help="List scenarios and policies, run nothing."),
+) -> None:
+    """Run every policy on built-in scenarios; print a table, write JSON and a PNG bar chart."""
+    from rich.progress import Progress
+
+    from hydraulis.baselines import POLICIES
+    from hydraulis.bench import get_scenarios, run_bench
+    from hydraulis.jsonio import write_json_atomic
+    from hydraulis.report import bench_plot, bench_table, summary_lines
+
+    chosen = get_scenarios(scenario)
+    policies = list(policy) if policy else list(POLICIES)
+    if list_only:
+        rows = [[s.name, s.profile, s.num_gpus, s.tokens_per_batch, s.max_length, s.lengths] for s in chosen]
+        console.print(table("scenarios", ["name", "profile", "GPUs", "tokens/batch", "max len", "lengths"], rows))
+        console.print("policies: " + ", ".join(POLICIES))
+        return
+    with Progress(console=err_console, transient=True) as progress:
+        task = progress.add_task(f"{len(chosen)} scenario(s)", total=len(chosen))
+        report = run_bench(chosen, policies, lambda s: progress.advance(task))
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "bench.json", report)
+    bench_plot(report, out / "bench.png")
+    console.print(bench_table(report))
+    for line in summary_lines(report):
+        console.print(line)
+    console.print(f"wrote {out / 'bench.json'} and {out / 'bench.png'} ({report['wall_s']:.0f} s)")

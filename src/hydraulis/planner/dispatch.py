@@ -93,7 +93,6 @@ def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray |
     for h in heaps:
         heapq.heapify(h)
     params = [(m.c, m.pp - 1, m.cap, m.min_efficient) for m in table.configs]
-    caps = [m.cap for m in table.configs]
     W = [0.0] * R
     T = [0] * R
     n = [0] * R
@@ -103,12 +102,16 @@ def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray |
         s = L[i]
         best, best_g, best_r = math.inf, -1, -1
         for g in groups:
-            if caps[g] < s:
+            c, pp1, cap, me = params[g]
+            if cap < s:
                 continue
             r = heaps[g][0][1]
             wi = w[g][i]
-            c, pp1, cap, me = params[g]
-            e = _scalar_estimate(W[r] + wi, T[r] + s, n[r] + 1, max(wmax[r], wi), c, pp1, cap, me) + bias_l[r]
+            if pp1 == 0:  # the common case, inlined: W + c * ceil(T / cap)
+                T_new = T[r] + s
+                e = W[r] + wi + c * max(1, -(-T_new // cap)) + bias_l[r]
+            else:
+                e = _scalar_estimate(W[r] + wi, T[r] + s, n[r] + 1, max(wmax[r], wi), c, pp1, cap, me) + bias_l[r]
             if e < best:
                 best, best_g, best_r = e, g, r
         if best_g < 0:
@@ -117,7 +120,8 @@ def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray |
         W[best_r] += wi
         T[best_r] += s
         n[best_r] += 1
-        wmax[best_r] = max(wmax[best_r], wi)
+        if wi > wmax[best_r]:
+            wmax[best_r] = wi
         heapq.heapreplace(heaps[best_g], (best, best_r))
         out[i] = best_r
     return np.array(out, dtype=np.int64)
@@ -158,6 +162,7 @@ def local_search(
     max_rounds: int = 100,
     swap_partners: int = 4,
     rel_tol: float = 1e-4,
+    targets_per_config: int = 8,
 ) -> np.ndarray:
     """Move or swap sequences off the bottleneck replica while that lowers it below its current time."""
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -181,30 +186,45 @@ def local_search(
         w_bk = wg[group[b], items]
         wmax_wo = _without_each(w_bk)
         e_b = estimate_time(sums.W[b] - w_bk, sums.T[b] - s_k, sums.n[b] - 1, wmax_wo, *(x[b] for x in p)) + bias[b]
-        # Moves: every item of b to every other replica, at once.
-        w_rk = wg[group][:, items]  # [R, k]
+        # Moves: every item of b to each of the least loaded replicas of every config, at once.
+        cand = _least_loaded(est, group, targets_per_config)
+        w_rk = wg[group[cand]][:, items]  # [candidates, k]
         e_r = (
             estimate_time(
-                sums.W[:, None] + w_rk,
-                sums.T[:, None] + s_k[None, :],
-                sums.n[:, None] + 1,
-                np.maximum(sums.wmax[:, None], w_rk),
-                *(x[:, None] for x in p),
+                sums.W[cand, None] + w_rk,
+                sums.T[cand, None] + s_k[None, :],
+                sums.n[cand, None] + 1,
+                np.maximum(sums.wmax[cand, None], w_rk),
+                *(x[cand, None] for x in p),
             )
-            + bias[:, None]
+            + bias[cand, None]
         )
-        e_r[b] = np.inf
-        e_r[table.cap[:, None] < s_k[None, :]] = np.inf
+        e_r[cand == b] = np.inf
+        e_r[table.cap[cand, None] < s_k[None, :]] = np.inf
         worst = np.maximum(e_r, e_b[None, :])
-        r, k = np.unravel_index(int(np.argmin(worst)), worst.shape)
-        if worst[r, k] < top - tol:
-            _apply(sums, replica_of, lengths, wg, group, items[k], b, int(r))
+        j, k = np.unravel_index(int(np.argmin(worst)), worst.shape)
+        r = int(cand[j])
+        if worst[j, k] < top - tol:
+            _apply(sums, replica_of, lengths, wg, group, items[k], b, r)
             est[[b, r]] = _estimates(sums, table, bias, np.array([b, r]))
             continue
         # Swaps: an item of b against an item of one of the least loaded replicas.
         if not _best_swap(sums, table, bias, est, replica_of, lengths, wg, b, items, w_bk, wmax_wo, swap_partners, tol):
             break
     return replica_of
+
+
+def _least_loaded(est: np.ndarray, group: np.ndarray, per_group: int) -> np.ndarray:
+    """Indices of the `per_group` least loaded replicas of each config."""
+    if len(est) <= per_group * (int(group.max()) + 1):
+        return np.arange(len(est))
+    out = []
+    for g in np.unique(group):
+        members = np.flatnonzero(group == g)
+        if len(members) > per_group:
+            members = members[np.argpartition(est[members], per_group)[:per_group]]
+        out.append(members)
+    return np.concatenate(out)
 
 
 def _apply(sums: _Sums, replica_of, lengths, wg, group, i: int, src: int, dst: int) -> None:

@@ -6,6 +6,7 @@ exactly once; a micro-batch never holds more tokens than its replica's cap.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,8 +43,13 @@ class IterationPlan:
     def num_tokens(self) -> int:
         return int(sum(self.lengths))
 
+    @functools.cached_property
+    def lengths_array(self) -> np.ndarray:
+        """The lengths as an array, converted once (simulating a large plan asks per replica)."""
+        return np.asarray(self.lengths, dtype=np.int64)
+
     def micro_batch_lengths(self, replica: int) -> list[np.ndarray]:
-        lengths = np.asarray(self.lengths, dtype=np.int64)
+        lengths = self.lengths_array
         return [lengths[list(mb)] for mb in self.replicas[replica].micro_batches]
 
     def stage_times(self, replica: int, cost: CostModel) -> list[float]:

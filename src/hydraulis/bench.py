@@ -1,0 +1,187 @@
+"""`hydraulis bench`: every policy on built-in scenarios, with the same cost model and batches.
+
+Scenarios are a small data table. A scenario's `lengths` names a source in
+LENGTH_SOURCES: a function from the scenario's maximum length to a length
+histogram. Synthetic mixtures are registered here; real corpora register
+theirs with `register_length_source`.
+
+Each policy gets the same global batches; the pool (for the planner and the
+reference) is built from other batches of the same distribution, so it is not
+fitted to the batches it is measured on.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from hydraulis.baselines import POLICIES, make_policy
+from hydraulis.cost import load_cost_model
+from hydraulis.data.synthetic import MIXTURES
+from hydraulis.data.workload import sample_batches
+from hydraulis.errors import HydraulisError
+from hydraulis.planner.bounds import lower_bound
+from hydraulis.planner.policy import PolicyContext
+from hydraulis.specs import ClusterSpec
+
+BENCH_SCHEMA = "hydraulis.bench/1"
+BASELINE = "megatron"
+REFERENCE = "hydraulis-reference"
+
+LengthSource = Callable[[int], tuple[np.ndarray, np.ndarray]]
+LENGTH_SOURCES: dict[str, LengthSource] = {name: m.histogram for name, m in MIXTURES.items()}
+
+
+def register_length_source(name: str, source: LengthSource) -> None:
+    """Add a lengths source (max_length -> (lengths, counts)), e.g. a real corpus's histogram."""
+    LENGTH_SOURCES[name] = source
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    profile: str
+    num_gpus: int
+    tokens_per_batch: int
+    max_length: int
+    lengths: str  # a key of LENGTH_SOURCES
+    batches: int = 3
+    seed: int = 1
+
+    def sample(self, seed: int, count: int | None = None) -> list[np.ndarray]:
+        try:
+            source = LENGTH_SOURCES[self.lengths]
+        except KeyError:
+            raise HydraulisError(
+                f"scenario {self.name}: unknown lengths source {self.lengths!r}; known: {', '.join(LENGTH_SOURCES)}"
+            ) from None
+        lengths, counts = source(self.max_length)
+        return sample_batches(lengths, counts, self.tokens_per_batch, count or self.batches, seed)
+
+
+K = 1024
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("7b-16g-wiki-256k-8k", "llama-7b@a800-80g", 16, 256 * K, 8 * K, "wiki"),
+    Scenario("7b-32g-wiki-512k-16k", "llama-7b@a800-80g", 32, 512 * K, 16 * K, "wiki"),
+    Scenario("7b-32g-code-256k-32k", "llama-7b@a800-80g", 32, 256 * K, 32 * K, "code"),
+    Scenario("7b-64g-wiki-1m-32k", "llama-7b@a800-80g", 64, 1024 * K, 32 * K, "wiki"),
+    Scenario("13b-32g-code-512k-16k", "llama-13b@a800-80g", 32, 512 * K, 16 * K, "code"),
+    Scenario("13b-64g-wiki-1m-32k", "llama-13b@a800-80g", 64, 1024 * K, 32 * K, "wiki"),
+    Scenario("32b-16g-code-256k-16k", "llama-32b@a800-80g", 16, 256 * K, 16 * K, "code"),
+    Scenario("32b-64g-wiki-1m-32k", "llama-32b@a800-80g", 64, 1024 * K, 32 * K, "wiki"),
+)
+
+
+def get_scenarios(names: Iterable[str] | None) -> list[Scenario]:
+    known = {s.name: s for s in SCENARIOS}
+    if not names:
+        return list(SCENARIOS)
+    out = []
+    for n in names:
+        if n not in known:
+            raise HydraulisError(f"unknown scenario {n!r}; scenarios: {', '.join(known)}")
+        out.append(known[n])
+    return out
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    scenario: str
+    policy: str
+    tokens_per_s: float
+    balance_efficiency: float  # mean over batches of lower bound / iteration time
+    planning_ms: float  # mean per iteration
+    iteration_times_s: tuple[float, ...]
+    deployments: dict[str, int] = field(default_factory=dict)  # phase deployment -> how often used
+    speedup_vs_megatron: float = math.nan
+
+
+def run_scenario(scenario: Scenario, policies: Iterable[str]) -> list[PolicyResult]:
+    cost = load_cost_model(scenario.profile)
+    cluster = ClusterSpec(scenario.num_gpus)
+    batches = scenario.sample(scenario.seed)
+    ctx = PolicyContext.build(cost, cluster, batches, sample=scenario.sample(scenario.seed + 1000, 4))
+    bounds = [lower_bound(b, cost, scenario.num_gpus) for b in batches]
+    tokens = sum(int(b.sum()) for b in batches)
+    results = []
+    for name in policies:
+        policy = make_policy(name, ctx)
+        times, planning, used = [], [], {}
+        for step, b in enumerate(batches):
+            schedule = policy.schedule(b, step)
+            times.append(schedule.iteration_time_s)
+            planning.append(schedule.planning_time_s)
+            for phase in schedule.phases:
+                used[str(phase.deployment)] = used.get(str(phase.deployment), 0) + 1
+        results.append(
+            PolicyResult(
+                scenario.name,
+                name,
+                tokens / sum(times),
+                float(np.mean([lb / t for lb, t in zip(bounds, times, strict=True)])),
+                float(np.mean(planning) * 1e3),
+                tuple(times),
+                used,
+            )
+        )
+    base = next((r.tokens_per_s for r in results if r.policy == BASELINE), math.nan)
+    return [
+        PolicyResult(
+            **{**asdict(r), "speedup_vs_megatron": r.tokens_per_s / base, "iteration_times_s": r.iteration_times_s}
+        )
+        for r in results
+    ]
+
+
+def summarize(results: list[PolicyResult], scenarios: list[Scenario]) -> dict:
+    """The issue's targets, measured."""
+    by = {(r.scenario, r.policy): r for r in results}
+    out: dict = {}
+    ours = [r for r in results if r.policy == "hydraulis"]
+    if ours:
+        out["min_balance_efficiency"] = min(r.balance_efficiency for r in ours)
+        out["max_planning_ms"] = max(r.planning_ms for r in ours)
+    vs_ref = [
+        by[(s.name, "hydraulis")].tokens_per_s / by[(s.name, REFERENCE)].tokens_per_s
+        for s in scenarios
+        if (s.name, "hydraulis") in by and (s.name, REFERENCE) in by
+    ]
+    if vs_ref:
+        out["speedup_vs_reference_geomean"] = float(np.exp(np.mean(np.log(vs_ref))))
+        out["speedup_vs_reference_min"] = float(min(vs_ref))
+    long = [
+        by[(s.name, "hydraulis")].speedup_vs_megatron
+        for s in scenarios
+        if s.max_length >= 16 * K and (s.name, "hydraulis") in by and (s.name, BASELINE) in by
+    ]
+    if long:
+        out["speedup_vs_megatron_min_long"] = float(min(long))
+    return out
+
+
+def run_bench(
+    scenarios: list[Scenario], policies: list[str], on_scenario: Callable[[Scenario], None] | None = None
+) -> dict:
+    for p in policies:
+        if p not in POLICIES:
+            raise HydraulisError(f"unknown policy {p!r}; policies: {', '.join(POLICIES)}")
+    if BASELINE not in policies:
+        policies = [BASELINE, *policies]
+    start = time.perf_counter()
+    results: list[PolicyResult] = []
+    for s in scenarios:
+        results += run_scenario(s, policies)
+        if on_scenario:
+            on_scenario(s)
+    return {
+        "schema": BENCH_SCHEMA,
+        "scenarios": [asdict(s) for s in scenarios],
+        "policies": policies,
+        "results": [{**asdict(r), "iteration_times_s": list(r.iteration_times_s)} for r in results],
+        "summary": summarize(results, scenarios),
+        "wall_s": time.perf_counter() - start,
+    }

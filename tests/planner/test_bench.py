@@ -1,0 +1,65 @@
+"""Synthetic length mixtures, scenarios and `hydraulis bench` through the real command."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from hydraulis.bench import LENGTH_SOURCES, SCENARIOS, Scenario, register_length_source, run_scenario
+from hydraulis.data.synthetic import get_mixture
+
+
+def quantile(lengths: np.ndarray, probs: np.ndarray, q: float) -> int:
+    return int(lengths[np.searchsorted(np.cumsum(probs), q)])
+
+
+def test_wiki_mixture_matches_public_statistics():
+    lengths, probs = get_mixture("wiki").histogram(200_000)
+    assert 250 <= quantile(lengths, probs, 0.5) <= 350
+    assert 2000 <= quantile(lengths, probs, 0.95) <= 3000
+    assert 0.004 <= probs[lengths > 8192].sum() <= 0.008
+
+
+def test_code_mixture_matches_public_statistics_and_clips():
+    lengths, probs = get_mixture("code").histogram(200_000)
+    assert 2500 <= quantile(lengths, probs, 0.5) <= 3500
+    assert 65_000 <= quantile(lengths, probs, 0.99) <= 95_000
+    clipped, p = get_mixture("code").histogram(32768)
+    assert clipped.max() == 32768 and abs(p.sum() - 1) < 1e-12 and p[-1] > 0.03
+
+
+def test_scenarios_cover_the_issue_grid():
+    assert {s.num_gpus for s in SCENARIOS} == {16, 32, 64}
+    assert {s.profile.split("@")[0] for s in SCENARIOS} == {"llama-7b", "llama-13b", "llama-32b"}
+    assert all(256 * 1024 <= s.tokens_per_batch <= 1024 * 1024 for s in SCENARIOS)
+    assert all(8 * 1024 <= s.max_length <= 32 * 1024 for s in SCENARIOS)
+
+
+def test_a_new_lengths_source_is_one_registration():
+    register_length_source("flat-test", lambda top: (np.arange(100, top + 1), np.ones(top - 99)))
+    try:
+        s = Scenario("flat", "llama-7b@a800-80g", 16, 64 * 1024, 4096, "flat-test", batches=1)
+        results = run_scenario(s, ["megatron", "hydraulis"])
+        assert [r.policy for r in results] == ["megatron", "hydraulis"]
+        assert results[0].speedup_vs_megatron == 1.0
+        assert results[1].tokens_per_s >= 0.99 * results[0].tokens_per_s
+        assert 0 < results[1].balance_efficiency <= 1
+    finally:
+        del LENGTH_SOURCES["flat-test"]
+
+
+def test_bench_cli_writes_json_and_png(cli, tmp_path):
+    res = cli("bench", "--scenario", SCENARIOS[0].name, "--policy", "hydraulis", "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["schema"] == "hydraulis.bench/1"
+    assert {r["policy"] for r in report["results"]} == {"megatron", "hydraulis"}
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    assert "tokens/s" in res.stdout
+
+
+def test_bench_rejects_unknown_names(cli, tmp_path):
+    for args in (("--scenario", "nope"), ("--policy", "nope")):
+        res = cli("bench", *args, "--out", str(tmp_path))
+        assert res.returncode == 2 and "nope" in res.stderr and "Traceback" not in res.stderr
