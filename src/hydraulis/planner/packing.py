@@ -114,15 +114,23 @@ def pack_replica(indices: np.ndarray, lengths: np.ndarray, replica: ReplicaCost,
     if len(indices) == 0:
         return Packing((), 0.0)
     s = np.asarray(lengths, dtype=np.int64)[indices]
-    bins = choose_bins(s, replica)
-    return order_by_simulation([indices[b] for b in bins], np.asarray(lengths), replica, cost)
+    best: Packing | None = None
+    for bins in choose_bins(s, replica)[:SIMULATED_PACKINGS]:
+        packing = order_by_simulation([indices[b] for b in bins], np.asarray(lengths), replica, cost)
+        if best is None or packing.time_s < best.time_s:
+            best = packing
+    assert best is not None
+    return best
 
 
-def choose_bins(s: np.ndarray, replica: ReplicaCost) -> list[np.ndarray]:
-    """Positions into `s` per micro-batch: the packing with the best closed-form 1F1B time."""
+SIMULATED_PACKINGS = 3  # the closed form ranks packings; this many of the best are simulated
+
+
+def choose_bins(s: np.ndarray, replica: ReplicaCost) -> list[list[np.ndarray]]:
+    """Candidate packings (positions into `s` per micro-batch), best closed-form 1F1B time first."""
     ffd = [np.array(b, dtype=np.int64) for b in first_fit_decreasing(s, replica.cap)]
     if replica.pp == 1 or len(s) == 1:
-        return ffd
+        return [ffd]
     w = replica.seq_costs(s)
     W, T, n = float(w.sum()), int(s.sum()), len(s)
     pp1 = replica.pp - 1
@@ -134,13 +142,10 @@ def choose_bins(s: np.ndarray, replica: ReplicaCost) -> list[np.ndarray]:
         t = np.array([w[b].sum() for b in bins]) + replica.c
         return float(t.sum() + pp1 * t.max())
 
-    best_bins, best = ffd, closed(ffd)
+    ranked = [(closed(ffd), 0, ffd)]
     for v in candidates:
         found = balanced_bins(s, w, replica.cap, v)
-        if found is None:
-            continue
-        bins = [np.array(b, dtype=np.int64) for b in found]
-        value = closed(bins)
-        if value < best:
-            best_bins, best = bins, value
-    return best_bins
+        if found is not None:
+            bins = [np.array(b, dtype=np.int64) for b in found]
+            ranked.append((closed(bins), len(ranked), bins))
+    return [bins for _, _, bins in sorted(ranked, key=lambda x: x[:2])]

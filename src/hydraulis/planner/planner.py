@@ -98,7 +98,7 @@ class Planner:
         *,
         method: str = "heuristic",
         milp_time_limit_s: float = 5.0,
-        full_candidates: int = 2,
+        full_candidates: int = 3,
         refine_rounds: int = 2,
     ) -> None:
         if method not in METHODS:

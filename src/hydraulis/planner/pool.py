@@ -208,22 +208,33 @@ def homogeneous(config: ParallelConfig, cluster: ClusterSpec) -> Deployment:
 def candidate_deployments(
     cost: CostModel, cluster: ClusterSpec, max_length: int, batches: Sequence[np.ndarray], per_role: int = 3
 ) -> list[Deployment]:
-    """Homogeneous deployments, and k large replicas (holding max_length) plus small ones filling the rest."""
+    """Homogeneous deployments; k large replicas plus small ones filling the rest; and three tiers
+    (a few replicas holding max_length, some mid-size, many small)."""
     N = cluster.num_gpus
     configs = usable_configs(cost, cluster)
     ranked = sorted(configs, key=lambda g: homogeneous_estimate(cost, g, N, [b[b <= cost.cap(g, N)] for b in batches]))
+    cap = {g: cost.cap(g, N) for g in configs}
     out: dict[str, Deployment] = {}
+
+    def add(configs_: list[ParallelConfig]) -> None:
+        key = format_configs(configs_)
+        if key not in out and sum(g.num_gpus for g in configs_) == N and (d := place(configs_, cluster)):
+            out[key] = d
+
     for g in ranked:
-        if N % g.num_gpus == 0 and (d := place([g] * (N // g.num_gpus), cluster)):
-            out[str(d)] = d
-    large = [g for g in ranked if cost.cap(g, N) >= max_length]
-    for big in large:
-        small = [g for g in ranked if cost.cap(g, N) < cost.cap(big, N)][:per_role]
-        for k, sm in itertools.product((1, 2, 3, 4, 6, 8), small):
+        if N % g.num_gpus == 0:
+            add([g] * (N // g.num_gpus))
+    counts = (1, 2, 3, 4, 6, 8)
+    for big in ranked:
+        for k, sm in itertools.product(counts, [g for g in ranked if cap[g] < cap[big]][:per_role]):
             rest = N - k * big.num_gpus
-            if rest <= 0 or rest % sm.num_gpus:
-                continue
-            configs_ = [big] * k + [sm] * (rest // sm.num_gpus)
-            if (d := place(configs_, cluster)) is not None:
-                out[format_configs(configs_)] = d
+            if rest > 0 and rest % sm.num_gpus == 0:
+                add([big] * k + [sm] * (rest // sm.num_gpus))
+    for top in [g for g in ranked if cap[g] >= max_length][:2]:
+        for mid in [g for g in ranked if cap[g] < cap[top]][:per_role]:
+            for sm in [g for g in ranked if cap[g] < cap[mid]][:2]:
+                for k_top, k_mid in itertools.product((1, 2), (1, 2, 4)):
+                    rest = N - k_top * top.num_gpus - k_mid * mid.num_gpus
+                    if rest > 0 and rest % sm.num_gpus == 0:
+                        add([top] * k_top + [mid] * k_mid + [sm] * (rest // sm.num_gpus))
     return list(out.values())
