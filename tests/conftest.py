@@ -26,3 +26,11 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subpro
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Built-in corpora go to a per-session cache, never the user's ~/.cache."""
+    cache = tmp_path_factory.getbasetemp() / "hydraulis-cache"
+    monkeypatch.setenv("HYDRAULIS_CACHE", str(cache))
+    return cache

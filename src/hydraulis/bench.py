@@ -12,6 +12,7 @@ fitted to the batches it is measured on.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -25,7 +26,7 @@ from hydraulis.data.synthetic import MIXTURES
 from hydraulis.data.workload import sample_batches
 from hydraulis.errors import HydraulisError
 from hydraulis.planner.bounds import lower_bound
-from hydraulis.planner.policy import PolicyContext
+from hydraulis.planner.policy import PolicyContext, Schedule
 from hydraulis.specs import ClusterSpec
 
 BENCH_SCHEMA = "hydraulis.bench/1"
@@ -39,6 +40,24 @@ LENGTH_SOURCES: dict[str, LengthSource] = {name: m.histogram for name, m in MIXT
 def register_length_source(name: str, source: LengthSource) -> None:
     """Add a lengths source (max_length -> (lengths, counts)), e.g. a real corpus's histogram."""
     LENGTH_SOURCES[name] = source
+
+
+def corpus_source(name: str) -> LengthSource:
+    """A built-in corpus's pieces after the sampler's split policy, as a histogram (built on first use)."""
+
+    def source(max_length: int) -> tuple[np.ndarray, np.ndarray]:
+        from hydraulis.data.builtin import corpus_lengths
+        from hydraulis.data.sampler import TokenBudgetSampler
+
+        pieces = TokenBudgetSampler(corpus_lengths(name), max(max_length, 1), max_length).piece_lengths()
+        lengths, counts = np.unique(pieces, return_counts=True)
+        return lengths, counts.astype(np.float64)
+
+    return source
+
+
+for _corpus in ("python-stdlib", "wiki-sample", "bbc-news"):
+    register_length_source(_corpus, corpus_source(_corpus))
 
 
 @dataclass(frozen=True)
@@ -65,6 +84,13 @@ class Scenario:
 
 K = 1024
 SCENARIOS: tuple[Scenario, ...] = (
+    # Real corpora (GPT-2 tokens; documents above the max length split into pieces).
+    Scenario("7b-32g-stdlib-256k-32k", "llama-7b@a800-80g", 32, 256 * K, 32 * K, "python-stdlib"),
+    Scenario("13b-64g-stdlib-1m-32k", "llama-13b@a800-80g", 64, 1024 * K, 32 * K, "python-stdlib"),
+    Scenario("7b-32g-wikisample-512k-16k", "llama-7b@a800-80g", 32, 512 * K, 16 * K, "wiki-sample"),
+    Scenario("32b-64g-wikisample-1m-32k", "llama-32b@a800-80g", 64, 1024 * K, 32 * K, "wiki-sample"),
+    Scenario("7b-16g-bbc-256k-8k", "llama-7b@a800-80g", 16, 256 * K, 8 * K, "bbc-news"),
+    # Synthetic mixtures calibrated to public statistics.
     Scenario("7b-16g-wiki-256k-8k", "llama-7b@a800-80g", 16, 256 * K, 8 * K, "wiki"),
     Scenario("7b-32g-wiki-512k-16k", "llama-7b@a800-80g", 32, 512 * K, 16 * K, "wiki"),
     Scenario("7b-32g-code-256k-32k", "llama-7b@a800-80g", 32, 256 * K, 32 * K, "code"),
@@ -100,27 +126,32 @@ class PolicyResult:
     speedup_vs_megatron: float = math.nan
 
 
-def run_scenario(scenario: Scenario, policies: Iterable[str]) -> list[PolicyResult]:
-    cost = load_cost_model(scenario.profile)
-    cluster = ClusterSpec(scenario.num_gpus)
-    batches = scenario.sample(scenario.seed)
-    ctx = PolicyContext.build(cost, cluster, batches, sample=scenario.sample(scenario.seed + 1000, 4))
-    bounds = [lower_bound(b, cost, scenario.num_gpus) for b in batches]
+def run_policies(
+    name: str,
+    ctx: PolicyContext,
+    batches: list[np.ndarray],
+    policies: Iterable[str],
+    keep: Callable[[str, int, Schedule], None] | None = None,
+) -> list[PolicyResult]:
+    """Every policy on the same batches and context; `keep(policy, step, schedule)` sees each schedule."""
+    bounds = [lower_bound(b, ctx.cost, ctx.num_gpus) for b in batches]
     tokens = sum(int(b.sum()) for b in batches)
     results = []
-    for name in policies:
-        policy = make_policy(name, ctx)
+    for policy_name in policies:
+        policy = make_policy(policy_name, ctx)
         times, planning, used = [], [], {}
         for step, b in enumerate(batches):
             schedule = policy.schedule(b, step)
+            if keep:
+                keep(policy_name, step, schedule)
             times.append(schedule.iteration_time_s)
             planning.append(schedule.planning_time_s)
             for phase in schedule.phases:
                 used[str(phase.deployment)] = used.get(str(phase.deployment), 0) + 1
         results.append(
             PolicyResult(
-                scenario.name,
                 name,
+                policy_name,
                 tokens / sum(times),
                 float(np.mean([lb / t for lb, t in zip(bounds, times, strict=True)])),
                 float(np.mean(planning) * 1e3),
@@ -129,12 +160,15 @@ def run_scenario(scenario: Scenario, policies: Iterable[str]) -> list[PolicyResu
             )
         )
     base = next((r.tokens_per_s for r in results if r.policy == BASELINE), math.nan)
-    return [
-        PolicyResult(
-            **{**asdict(r), "speedup_vs_megatron": r.tokens_per_s / base, "iteration_times_s": r.iteration_times_s}
-        )
-        for r in results
-    ]
+    return [dataclasses.replace(r, speedup_vs_megatron=r.tokens_per_s / base) for r in results]
+
+
+def run_scenario(scenario: Scenario, policies: Iterable[str]) -> list[PolicyResult]:
+    cost = load_cost_model(scenario.profile)
+    cluster = ClusterSpec(scenario.num_gpus)
+    batches = scenario.sample(scenario.seed)
+    ctx = PolicyContext.build(cost, cluster, batches, sample=scenario.sample(scenario.seed + 1000, 4))
+    return run_policies(scenario.name, ctx, batches, policies)
 
 
 def summarize(results: list[PolicyResult], scenarios: list[Scenario]) -> dict:

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from hydraulis.bench import PolicyResult
+    from hydraulis.planner.plan import IterationPlan
+    from hydraulis.sim import SimResult
 
 
 def bench_table(report: dict) -> Table:
@@ -41,13 +48,33 @@ def summary_lines(report: dict) -> list[str]:
     return [f"{label}: {fmt.format(s[k])}  {target}".rstrip() for k, (label, fmt, target) in names.items() if k in s]
 
 
-def bench_plot(report: dict, path: str | Path) -> None:
-    """Grouped bars: throughput relative to megatron, per scenario and policy."""
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str | Path) -> None:
+    """Write through a temporary name, so a failed plot never leaves a partial file."""
+    plt = _pyplot()
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    try:
+        fig.savefig(tmp, dpi=120)
+        tmp.replace(path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
+
+
+def bench_plot(report: dict, path: str | Path) -> None:
+    """Grouped bars: throughput relative to megatron, per scenario and policy."""
     import numpy as np
+
+    plt = _pyplot()
 
     scenarios = [s["name"] for s in report["scenarios"]]
     policies = report["policies"]
@@ -62,8 +89,90 @@ def bench_plot(report: dict, path: str | Path) -> None:
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.legend(fontsize=8, ncols=3)
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    tmp.replace(path)
+    _save(fig, path)
+
+
+def comparison_plot(results: Sequence[PolicyResult], path: str | Path, title: str) -> None:
+    """Horizontal bars of throughput per policy on the same batches, labelled with the speedup."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * len(results)))
+    names = [r.policy for r in results]
+    values = [r.tokens_per_s for r in results]
+    bars = ax.barh(names, values, color=["#d62728" if n == "hydraulis" else "#7f7f7f" for n in names])
+    for bar, r in zip(bars, results, strict=True):
+        ax.text(
+            bar.get_width(),
+            bar.get_y() + bar.get_height() / 2,
+            f" {r.speedup_vs_megatron:.2f}x",
+            va="center",
+            fontsize=8,
+        )
+    ax.invert_yaxis()
+    ax.set_xlabel("tokens/s (simulated)")
+    ax.set_xlim(0, max(values) * 1.15)
+    ax.set_title(title, fontsize=9, loc="left")
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def timeline_plot(runs: Sequence[tuple[str, IterationPlan, SimResult]], path: str | Path) -> None:
+    """1F1B timelines of iterations, one panel each on a shared time axis: where the GPUs wait.
+
+    Rows are pipeline stages of each replica (labelled by config); forward
+    blocks are light, backward blocks dark, each micro-batch in its own colour;
+    the gradient synchronisation closes each panel.
+    """
+    plt = _pyplot()
+    from matplotlib.patches import Patch
+
+    horizon = max(res.iteration_time_s for _, _, res in runs)
+    heights = [sum(r.config.pp for r in plan.deployment.replicas) for _, plan, _ in runs]
+    fig, axes = plt.subplots(
+        len(runs),
+        1,
+        figsize=(11, 1.2 + 0.16 * sum(heights) + 0.5 * len(runs)),
+        gridspec_kw={"height_ratios": [max(h, 2) for h in heights]},
+        squeeze=False,
+    )
+    colours = plt.get_cmap("tab20").colors
+    for ax, (label, plan, res), rows in zip(axes[:, 0], runs, heights, strict=True):
+        y, ticks, names = 0, [], []
+        for r, (replica, timeline) in enumerate(zip(plan.deployment.replicas, res.timelines, strict=True)):
+            for stage, mb, kind, start, end in timeline.events if timeline.events is not None else ():
+                ax.barh(
+                    y + stage,
+                    end - start,
+                    left=start,
+                    height=0.85,
+                    linewidth=0,
+                    color=colours[(2 * int(mb) + r) % len(colours)],
+                    alpha=0.55 if kind == 0 else 1.0,
+                )
+            ticks.append(y + (replica.config.pp - 1) / 2)
+            names.append(f"{r}: {replica.config.name}")
+            y += replica.config.pp
+        ax.axvspan(res.compute_time_s, res.iteration_time_s, color="grey", alpha=0.3)
+        ax.set_ylim(rows - 0.5, -0.5)
+        ax.set_xlim(0, horizon * 1.01)
+        step = max(1, len(ticks) // 24)
+        ax.set_yticks(ticks[::step], names[::step], fontsize=7)
+        ax.set_title(
+            f"{label}: {plan.deployment} - {res.iteration_time_s:.2f} s, bubble {res.bubble_fraction:.0%}",
+            fontsize=9,
+            loc="left",
+        )
+    axes[-1, 0].set_xlabel("seconds")
+    axes[0, 0].legend(
+        handles=[
+            Patch(color="0.6", alpha=0.55, label="forward"),
+            Patch(color="0.3", label="backward"),
+            Patch(color="grey", alpha=0.3, label="gradient sync"),
+        ],
+        fontsize=7,
+        loc="lower right",
+        bbox_to_anchor=(1.0, 1.0),
+        ncols=3,
+        frameon=False,
+    )
+    fig.tight_layout()
+    _save(fig, path)

@@ -1,4 +1,7 @@
-"""hydraulis-reference: the published Hydraulis algorithm (DESIGN section 7), on the same pool.
+"""hydraulis-reference: the published Hydraulis system (DESIGN section 7) on its own pool.
+
+The pool is the published range DP's (PolicyContext.reference_pool), or the
+user's pool when one is given; then:
 
 1. Dispatch, for each pool deployment that holds the batch: randomised greedy
    over 50 shuffles of the batch, each sequence to the cap-feasible replica
@@ -117,7 +120,7 @@ class Reference:
 
     def __init__(self, ctx: PolicyContext, seed: int = 0) -> None:
         self.ctx = ctx
-        self.tables = [ReplicaTable.of(ctx.cost, d, ctx.num_gpus) for d in ctx.pool]
+        self.tables = [ReplicaTable.of(ctx.cost, d, ctx.num_gpus) for d in ctx.reference_pool]
         self.seed = seed
 
     def schedule(self, lengths: np.ndarray, step: int = 0) -> Schedule:
@@ -134,7 +137,9 @@ class Reference:
         if best is None:
             from hydraulis.planner.planner import Planner
 
-            Planner(self.ctx.cost, self.ctx.num_gpus, self.ctx.pool).plan(lengths)  # raises the overlong error
+            Planner(self.ctx.cost, self.ctx.num_gpus, self.ctx.reference_pool).plan(
+                lengths
+            )  # raises the overlong error
         assert best is not None
         _, k, replica_of = best
         table = self.tables[k]
@@ -146,5 +151,5 @@ class Reference:
                 continue
             bins = pack_reference(lengths[idx], table.replicas[r])
             micro_batches.append([idx[b].tolist() for b in bins])
-        plan = finalize(step, lengths, self.ctx.pool[k], micro_batches, self.ctx.cost, start)
+        plan = finalize(step, lengths, self.ctx.reference_pool[k], micro_batches, self.ctx.cost, start)
         return Schedule.single(plan)

@@ -12,6 +12,7 @@ import sys
 from hydraulis.cli import (
     common,  # noqa: F401
     data,  # noqa: F401
+    demo,  # noqa: F401
     foundation,  # noqa: F401
     plan,  # noqa: F401
     propose,  # noqa: F401

@@ -58,6 +58,7 @@ def simulate(
     plan: Path = typer.Option(..., "--plan", help="A hydraulis.plan/1 file."),
     profile: str = typer.Option(None, "--profile", "-p", help="Cost model; default: the plan's own profile."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    timeline: Path = typer.Option(None, "--timeline", help="Write a PNG of the 1F1B timelines (first 4 steps)."),
 ) -> None:
     """Simulate each iteration of a plan with 1F1B and report its times."""
     from hydraulis.cost import load_cost_model
@@ -66,10 +67,12 @@ def simulate(
 
     plan_file = load_plan(plan)
     cost = load_cost_model(profile or plan_file.profile)
-    results = []
+    results, drawn = [], []
     for i, it in enumerate(plan_file.iterations):
         it.validate(cost, plan_file.num_gpus, where=f"{plan}: iterations[{i}]")
-        res = run_sim(it, cost, keep_events=False)
+        res = run_sim(it, cost, keep_events=timeline is not None and i < 4)
+        if timeline is not None and i < 4:
+            drawn.append((f"step {it.step}", it, res))
         results.append(
             {
                 "step": it.step,
@@ -85,6 +88,10 @@ def simulate(
                 "tokens_per_s": it.num_tokens / res.iteration_time_s,
             }
         )
+    if timeline is not None:
+        from hydraulis.report import timeline_plot
+
+        timeline_plot(drawn, timeline)
     if as_json:
         print_json({"profile": cost.name, "num_gpus": plan_file.num_gpus, "iterations": results})
         return

@@ -155,6 +155,10 @@ class TokenBudgetSampler:
     def pieces_per_epoch(self) -> int:
         return len(self._epoch(0).lengths)
 
+    def piece_lengths(self) -> np.ndarray:
+        """Lengths of the pieces an epoch serves (after the over-long policy): the real length distribution."""
+        return self._epoch(0).lengths.copy()
+
     def tokens_per_epoch(self) -> int:
         return int(self._epoch(0).cumsum[-1])
 

@@ -8,6 +8,7 @@ between phases. Gradients accumulate over the phases and are synchronised once.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -82,13 +83,25 @@ class PolicyContext:
 
     cost: CostModel
     cluster: ClusterSpec
-    pool: tuple[Deployment, ...]  # the planner's (and the reference's) deployments; pool[0] the fallback
+    pool: tuple[Deployment, ...]  # the planner's deployments; pool[0] the fallback
     run_max_length: int  # the longest sequence of the run (homogeneous baselines must hold it)
     sample: tuple[np.ndarray, ...]  # sample batches, for choosing configs
+    pool_given: bool = False  # the user chose the pool: every pool-based policy uses it
 
     @property
     def num_gpus(self) -> int:
         return self.cluster.num_gpus
+
+    @functools.cached_property
+    def reference_pool(self) -> tuple[Deployment, ...]:
+        """The published system's own pool: its range DP, unless the user gave a pool for all."""
+        if self.pool_given:
+            return self.pool
+        from hydraulis.planner.proposal import propose
+
+        return propose(
+            self.cost, self.cluster, self.sample, method="published", max_length=self.run_max_length
+        ).pool.deployments
 
     @classmethod
     def build(
@@ -104,6 +117,7 @@ class PolicyContext:
 
         sample = tuple(np.asarray(b, dtype=np.int64) for b in (sample if sample is not None else batches))
         longest = max(int(np.max(b)) for b in list(batches) + list(sample))
+        given = pool is not None
         if pool is None:
             pool = propose(cost, cluster, sample, max_length=longest).pool.deployments
-        return cls(cost, cluster, tuple(pool), longest, sample)
+        return cls(cost, cluster, tuple(pool), longest, sample, given)
