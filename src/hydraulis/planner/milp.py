@@ -7,12 +7,31 @@ planner works without it unless an exact method is asked for.
 
 from __future__ import annotations
 
+import functools
+import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 from scipy import sparse
 
 from hydraulis.errors import HydraulisError
+
+
+@functools.cache
+def _swallow_banner() -> None:
+    """HiGHS prints a banner on stdout when a process builds its first solver, before options apply."""
+    import highspy
+
+    sys.stdout.flush()
+    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
 
 
 @dataclass(frozen=True)
@@ -52,6 +71,7 @@ def solve_milp(
     lp.a_matrix_.index_ = a.indices.astype(np.int32)
     lp.a_matrix_.value_ = a.data.astype(np.float64)
     lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in integer]
+    _swallow_banner()
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit_s))
