@@ -15,7 +15,7 @@ from hydraulis.cost import load_cost_model
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
 from hydraulis.planner.policy import PolicyContext, check_schedule
-from hydraulis.planner.pool import fallback_config
+from hydraulis.planner.pool import fallback_config, largest_cap
 from hydraulis.planner.replicas import ReplicaCost, ReplicaTable
 from hydraulis.sim import simulate
 from hydraulis.specs import ClusterSpec
@@ -128,3 +128,12 @@ def test_reference_greedy_and_packing():
 def test_unknown_policy():
     with pytest.raises(HydraulisError, match="unknown policy"):
         make_policy("magic", context())
+
+
+@pytest.mark.parametrize("short", [True, False])
+def test_hotspa_refuses_a_sequence_longer_than_every_homogeneous_cap(short):
+    ctx = context()
+    cap, name = largest_cap(COST, CLUSTER)
+    b = np.array(([300] * 20 if short else []) + [cap + 1000], dtype=np.int64)
+    with pytest.raises(HydraulisError, match=rf"{cap + 1000} tokens .* largest homogeneous cap .*{cap} tokens, {name}"):
+        make_policy("hotspa", ctx).schedule(b)
