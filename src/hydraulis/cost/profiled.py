@@ -82,6 +82,8 @@ class ProfiledCostModel(CostModel):
             except ValueError:
                 raise HydraulisError(f"{act.where}: key {key!r} is not a TP degree") from None
             activation[tp] = act.float(key, minimum=0)
+            if activation[tp] <= 0:  # the cap divides by it
+                raise HydraulisError(f"{act.where}.{key}: must be positive, got {activation[tp]}")
         if not activation:
             raise HydraulisError(f"{act.where}: empty")
         memory = MemoryModel(

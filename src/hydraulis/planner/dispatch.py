@@ -71,7 +71,7 @@ def _scalar_estimate(W: float, T: int, n: int, wmax: float, c: float, pp1: int, 
     if pp1 == 0:
         return W + vmin * c
     vmax = max(vmin, min(n, T // max(me, 1)))
-    v = math.floor(math.sqrt(pp1 * W / c))
+    v = math.floor(math.sqrt(pp1 * W / max(c, 1e-12)))  # c = 0: as many micro-batches as allowed
     best = math.inf
     for u in (min(max(v, vmin), vmax), min(max(v + 1, vmin), vmax)):
         best = min(best, W + u * c + pp1 * (max(W / u, wmax) + c))
