@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -14,6 +15,8 @@ from hydraulis.baselines.reference import milp_bins, pack_reference, randomized_
 from hydraulis.cost import load_cost_model
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
+from hydraulis.planner.packing import first_fit_decreasing
+from hydraulis.planner.planner import finalize
 from hydraulis.planner.policy import PolicyContext, check_schedule
 from hydraulis.planner.pool import fallback_config, largest_cap
 from hydraulis.planner.replicas import ReplicaCost, ReplicaTable
@@ -137,3 +140,64 @@ def test_hotspa_refuses_a_sequence_longer_than_every_homogeneous_cap(short):
     b = np.array(([300] * 20 if short else []) + [cap + 1000], dtype=np.int64)
     with pytest.raises(HydraulisError, match=rf"{cap + 1000} tokens .* largest homogeneous cap .*{cap} tokens, {name}"):
         make_policy("hotspa", ctx).schedule(b)
+
+
+@pytest.mark.parametrize("name", ["megatron", "token-balanced", "flops-balanced"])
+def test_homogeneous_baselines_refuse_a_sequence_over_their_cap(name):
+    """The config is chosen for the run's longest sequence; a longer one must not become an over-cap micro-batch."""
+    ctx = PolicyContext(COST, CLUSTER, context().pool, 1000, (np.array([500, 1000]),))
+    policy = make_policy(name, ctx)
+    cap = COST.cap(policy.deployment.configs[0], 16)
+    assert cap < 100000
+    with pytest.raises(HydraulisError, match=rf"sequence of 100000 tokens .* cap .*\b{cap} tokens"):
+        policy.schedule(np.array([500, 100000]))
+
+
+@pytest.mark.parametrize("pack", [data_order_packing, first_fit_decreasing])
+def test_packers_refuse_a_sequence_over_the_cap(pack):
+    with pytest.raises(HydraulisError, match="sequence of 100000 tokens is longer than the micro-batch cap of 1000"):
+        pack(np.array([500, 100000]), 1000)
+    assert sorted(i for b in pack(np.array([500, 1000, 300]), 1000) for i in b) == [0, 1, 2]
+
+
+def test_finalize_validates_caps_and_coverage():
+    d = context().pool[2]  # 8x(tp2,pp1)
+    cap = COST.cap(d.configs[0], 16)
+    lengths = np.array([cap, 1] + [100] * 6)
+    fits = [[[i]] for i in range(8)]
+    assert finalize(0, lengths, d, fits, COST, 0.0).predicted_time_s > 0
+    with pytest.raises(HydraulisError, match=f"holds {cap + 1} tokens, over its cap of {cap}"):
+        finalize(0, lengths, d, [[[0, 1]], []] + fits[2:], COST, 0.0)
+    with pytest.raises(HydraulisError, match="sequence 1 is not assigned"):
+        finalize(0, lengths, d, [[[0]], []] + fits[2:], COST, 0.0)
+
+
+def test_check_schedule_raises_a_hydraulis_error():
+    ctx = context()
+    good = make_policy("megatron", ctx).schedule(ctx.sample[0])
+    check_schedule(good, COST)
+    n = len(good.lengths)
+    dropped = dataclasses.replace(good, lengths=good.lengths + (300,))
+    with pytest.raises(HydraulisError, match=f"sequence {n} is in 0 phases"):
+        check_schedule(dropped)
+    swapped = dataclasses.replace(good, indices=(good.indices[0][::-1],))
+    with pytest.raises(HydraulisError, match="lengths are not the batch's"):
+        check_schedule(swapped)
+
+
+def test_bench_checks_every_schedule(monkeypatch):
+    """A policy that leaves a sequence out must fail the bench, not inflate its tokens/s."""
+    import hydraulis.bench as bench
+
+    ctx = context()
+
+    class Dropper:
+        name = "dropper"
+
+        def schedule(self, lengths, step=0):
+            s = make_policy("megatron", ctx).schedule(lengths[:-1], step)
+            return dataclasses.replace(s, lengths=tuple(int(x) for x in lengths))
+
+    monkeypatch.setattr(bench, "make_policy", lambda name, c: Dropper())
+    with pytest.raises(HydraulisError, match="is in 0 phases"):
+        bench.run_policies("t", ctx, [ctx.sample[0]], ["dropper"])

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hydraulis.cost.model import CostModel
+from hydraulis.errors import HydraulisError
 from hydraulis.planner.replicas import ReplicaCost, micro_batch_range
 from hydraulis.sim import simulate_replica
 
@@ -31,8 +32,17 @@ class Packing:
     time_s: float  # simulated 1F1B time of the replica
 
 
+def check_cap(lengths: np.ndarray, cap: int) -> None:
+    """A sequence longer than the micro-batch cap cannot be packed: say so."""
+    if len(lengths) and int(np.max(lengths)) > cap:
+        raise HydraulisError(
+            f"a sequence of {int(np.max(lengths))} tokens is longer than the micro-batch cap of {cap} tokens"
+        )
+
+
 def first_fit_decreasing(lengths: np.ndarray, cap: int) -> list[list[int]]:
     """Positions into `lengths`, packed by tokens into as few bins of `cap` as FFD finds."""
+    check_cap(lengths, cap)
     rooms: list[int] = []
     bins: list[list[int]] = []
     for k in np.argsort(-lengths, kind="stable").tolist():
