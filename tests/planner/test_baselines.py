@@ -201,3 +201,33 @@ def test_bench_checks_every_schedule(monkeypatch):
     monkeypatch.setattr(bench, "make_policy", lambda name, c: Dropper())
     with pytest.raises(HydraulisError, match="is in 0 phases"):
         bench.run_policies("t", ctx, [ctx.sample[0]], ["dropper"])
+
+
+def test_reference_packing_tries_at_most_max_counts(monkeypatch):
+    import hydraulis.baselines.reference as reference
+
+    tried = []
+
+    def no_solution(s, w, cap, v, time_limit_s):
+        tried.append(v)
+        return None  # nothing found: no count is pruned by a best objective
+
+    monkeypatch.setattr(reference, "milp_bins", no_solution)
+    replica = ReplicaCost.of(COST, Deployment.parse("1x(tp2,pp2)", ClusterSpec(4)).configs[0], 16)
+    s = np.full(200, replica.cap // 4)  # vmin = 50
+    bins = reference.pack_reference(s, replica)
+    vmin = -(-int(s.sum()) // replica.cap)
+    assert tried == list(range(vmin, vmin + reference.MAX_COUNTS))
+    assert sorted(i for b in bins for i in b) == list(range(200))  # first-fit decreasing fallback
+
+
+def test_reference_names_its_pools_largest_cap_for_an_overlong_sequence(monkeypatch):
+    import hydraulis.planner.planner as planner
+
+    monkeypatch.setattr(planner.Planner, "plan", lambda *a, **k: pytest.fail("no planning needed to refuse"))
+    ctx = context()  # the user's pool: 4x(tp4,pp1) holds the most
+    cap = COST.cap(Deployment.parse("1x(tp4,pp1)", ClusterSpec(4)).configs[0], 16)
+    with pytest.raises(
+        HydraulisError, match=rf"{cap + 128} tokens .* largest cap in its pool \({cap} tokens, tp4pp1\)"
+    ):
+        make_policy("hydraulis-reference", ctx).schedule(np.array([100, cap + 128]))
