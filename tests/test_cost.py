@@ -130,3 +130,21 @@ def test_a_profile_without_per_micro_batch_overhead_plans():
     plan = Planner(cost, 16, pool).plan(lengths)
     plan.validate(cost, 16)
     assert np.isfinite(plan.predicted_time_s) and plan.predicted_time_s > 0
+
+
+def test_analytic_context_parallelism_splits_per_token_work_too():
+    configs = [ParallelConfig(2, 1), ParallelConfig(2, 1, 2)]
+    cost = AnalyticCostModel(get_model("llama-7b"), get_device("a800-80g"), configs=configs)
+    one, two = cost.coefficients(configs[0]), cost.coefficients(configs[1])
+    assert two.a == pytest.approx(one.a / 2)
+    assert two.b == pytest.approx(one.b / 2)
+    assert two.c == one.c
+
+
+def test_lower_bound_without_a_config_that_fits_is_a_clear_error():
+    from hydraulis.planner.bounds import lower_bound
+
+    cost = load_cost_model("llama-7b@a800-80g")  # its smallest config takes 2 GPUs
+    with pytest.raises(HydraulisError, match="no parallel config of llama-7b@a800-80g fits 1 GPU"):
+        lower_bound(np.array([100, 200]), cost, 1)
+    assert lower_bound(np.array([100, 200]), cost, 2) > 0

@@ -6,15 +6,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rich.table import Table
+from hydraulis.errors import HydraulisError
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
     from hydraulis.bench import PolicyResult
     from hydraulis.planner.plan import IterationPlan
     from hydraulis.sim import SimResult
 
 
 def bench_table(report: dict) -> Table:
+    from rich.table import Table
+
     t = Table(title="hydraulis bench (simulated; same cost model and batches for every policy)", title_justify="left")
     for i, col in enumerate(["scenario", "policy", "tokens/s", "vs megatron", "balance eff.", "plan ms/iter"]):
         t.add_column(col, justify="left" if i < 2 else "right")
@@ -49,11 +53,14 @@ def summary_lines(report: dict) -> list[str]:
 
 
 def _pyplot():
-    import matplotlib
+    """matplotlib's pyplot on the Agg backend, or a HydraulisError saying how to install it."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise HydraulisError("plotting needs matplotlib: pip install 'hydraulis[cli]'") from None
     return plt
 
 
