@@ -64,7 +64,7 @@ class ProfiledCostModel(CostModel):
         coefficients: dict[ParallelConfig, Coefficients] = {}
         for i, row in enumerate(f.list("time_ms")):
             r = Fields(row, f"{where}.time_ms[{i}]")
-            config = ParallelConfig(r.int("tp", minimum=1), r.int("pp", minimum=1), r.int("cp", default=1, minimum=1))
+            config = ParallelConfig.from_fields(r)
             if config in coefficients:
                 raise HydraulisError(f"{where}.time_ms[{i}]: {config.name} appears twice")
             coefficients[config] = Coefficients(

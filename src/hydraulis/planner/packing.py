@@ -23,7 +23,7 @@ import numpy as np
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.planner.replicas import ReplicaCost, micro_batch_range
-from hydraulis.sim import simulate_replica
+from hydraulis.sim import closed_form_replica_time, simulate_replica
 
 
 @dataclass(frozen=True)
@@ -149,8 +149,7 @@ def choose_bins(s: np.ndarray, replica: ReplicaCost) -> list[list[np.ndarray]]:
     candidates = sorted({min(max(v, vmin), vmax) for v in (vstar - 1, vstar, vstar + 1, vstar + 2, vmin)})
 
     def closed(bins: list[np.ndarray]) -> float:
-        t = np.array([w[b].sum() for b in bins]) + replica.c
-        return float(t.sum() + pp1 * t.max())
+        return closed_form_replica_time([w[b].sum() + replica.c for b in bins], replica.pp)
 
     ranked = [(closed(ffd), 0, ffd)]
     for v in candidates:

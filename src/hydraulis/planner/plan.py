@@ -53,10 +53,6 @@ class IterationPlan:
         lengths = self.lengths_array
         return [lengths[list(mb)] for mb in self.replicas[replica].micro_batches]
 
-    def stage_times(self, replica: int, cost: CostModel) -> list[float]:
-        config = self.deployment.replicas[replica].config
-        return [cost.stage_time(config, s) for s in self.micro_batch_lengths(replica)]
-
     def validate(self, cost: CostModel | None = None, num_gpus: int | None = None, where: str = "plan") -> None:
         """Every sequence exactly once, in range; caps hold if a cost model is given. O(sequences), vectorised."""
         n = len(self.lengths)
@@ -109,10 +105,7 @@ class IterationPlan:
         return {
             "step": self.step,
             "lengths": [int(s) for s in self.lengths],
-            "deployment": [
-                {"tp": r.config.tp, "pp": r.config.pp, "cp": r.config.cp, "devices": list(r.devices)}
-                for r in self.deployment.replicas
-            ],
+            "deployment": self.deployment.to_rows(),
             "replicas": [{"micro_batches": [list(mb) for mb in r.micro_batches]} for r in self.replicas],
             "predicted_time_s": self.predicted_time_s,
             "planning_time_s": self.planning_time_s,
@@ -122,17 +115,7 @@ class IterationPlan:
     def from_dict(cls, data: Any, cluster: ClusterSpec, where: str) -> IterationPlan:
         f = Fields(data, where)
         lengths = f.int_list("lengths", minimum=1)
-        configs, devices = [], []
-        for i, row in enumerate(f.list("deployment")):
-            r = Fields(row, f"{where}.deployment[{i}]")
-            configs.append(
-                ParallelConfig(r.int("tp", minimum=1), r.int("pp", minimum=1), r.int("cp", default=1, minimum=1))
-            )
-            devices.append(r.int_list("devices", minimum=0))
-        try:
-            deployment = Deployment.from_devices(configs, devices, cluster)
-        except HydraulisError as exc:
-            raise HydraulisError(f"{where}.deployment: {exc}") from None
+        deployment = Deployment.from_rows(f.list("deployment"), cluster, f"{where}.deployment")
         replicas = []
         for i, row in enumerate(f.list("replicas")):
             r = Fields(row, f"{where}.replicas[{i}]")
