@@ -71,11 +71,11 @@ def test_plots_without_matplotlib_are_a_clear_error(monkeypatch):
     import pytest
 
     from hydraulis.errors import HydraulisError
-    from hydraulis.report import _pyplot
+    from hydraulis.report import pyplot
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(HydraulisError, match="plotting needs matplotlib"):
-        _pyplot()
+        pyplot()
 
 
 def test_bench_cli_leaves_no_half_result_when_the_plot_fails(monkeypatch, tmp_path):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from scipy import sparse
 
 from hydraulis.errors import HydraulisError
 from hydraulis.planner.milp import solve_milp
@@ -66,6 +65,8 @@ def randomized_greedy(
 
 def milp_bins(s: np.ndarray, w: np.ndarray, cap: int, v: int, time_limit_s: float) -> list[list[int]] | None:
     """min max-bin cost over v bins under the token cap; positions per non-empty bin, or None."""
+    from scipy import sparse  # imported on first use, as in milp.py
+
     n = len(s)
     nx = n * v
     ncol = nx + 1  # x[i, j] at i * v + j, then M

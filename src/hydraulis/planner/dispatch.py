@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import sparse
 
 from hydraulis.planner.milp import solve_milp
 from hydraulis.planner.replicas import ReplicaTable, estimate_time
@@ -329,6 +328,8 @@ def exact_assignment(
     fixes at least its slot count. Returns (micro-batches per replica, objective, proven
     optimal), or None when no solution was found in time.
     """
+    from scipy import sparse  # here, not at import: it costs ~0.1 s and only the exact method needs it
+
     lengths = np.asarray(lengths, dtype=np.int64)
     n, R = len(lengths), len(table)
     wg = table.cost_matrix(lengths)
