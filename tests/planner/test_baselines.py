@@ -7,6 +7,8 @@ import functools
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hydraulis.baselines import POLICIES, make_policy
 from hydraulis.baselines.homogeneous import data_order_packing, karmarkar_karp
@@ -15,6 +17,7 @@ from hydraulis.baselines.reference import milp_bins, pack_reference, randomized_
 from hydraulis.cost import load_cost_model
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
+from hydraulis.planner.bounds import lower_bound
 from hydraulis.planner.packing import first_fit_decreasing
 from hydraulis.planner.planner import finalize
 from hydraulis.planner.policy import PolicyContext, check_schedule
@@ -231,3 +234,28 @@ def test_reference_names_its_pools_largest_cap_for_an_overlong_sequence(monkeypa
         HydraulisError, match=rf"{cap + 128} tokens .* largest cap in its pool \({cap} tokens, tp4pp1\)"
     ):
         make_policy("hydraulis-reference", ctx).schedule(np.array([100, cap + 128]))
+
+
+small_batches = st.lists(
+    st.one_of(st.integers(8, 2048), st.integers(2048, 12000), st.integers(12000, 40000)), min_size=1, max_size=40
+)
+
+
+def _bound_holds(name: str, lengths: list[int], step: int) -> None:
+    b = np.array(lengths, dtype=np.int64)
+    ctx = PolicyContext.build(COST, CLUSTER, [b], context().pool)
+    schedule = make_policy(name, ctx).schedule(b, step)
+    assert lower_bound(b, COST, 16) <= schedule.iteration_time_s
+
+
+@pytest.mark.parametrize("name", [p for p in POLICIES if p != "hydraulis-reference"])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=small_batches, step=st.integers(0, 3))
+def test_no_policy_beats_the_lower_bound(name, lengths, step):
+    _bound_holds(name, lengths, step)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=small_batches.filter(lambda s: len(s) <= 16), step=st.integers(0, 3))
+def test_the_reference_does_not_beat_the_lower_bound(lengths, step):
+    _bound_holds("hydraulis-reference", lengths, step)
