@@ -7,8 +7,8 @@ user's pool when one is given; then:
    over 50 shuffles of the batch, each sequence to the cap-feasible replica
    whose objective sum + (pp - 1) * max of sequence costs is least once the
    sequence is added (min-max greedy, as published; not the replica whose
-   objective grows least); keep the shuffle with the least max over replicas. The deployment with the least such
-   objective runs the batch.
+   objective grows least); keep the shuffle with the least max over
+   replicas. The deployment with the least such objective runs the batch.
 2. Packing, per replica and micro-batch count v (from the token-cap minimum,
    up to 16 counts): a MILP balancing micro-batch cost under the token cap,
    0.5 s limit (HiGHS for the published CBC); keep the v minimising
