@@ -9,7 +9,7 @@ import pytest
 from hydraulis.cost import AnalyticCostModel, ProfiledCostModel, load_cost_model
 from hydraulis.cost.fit import fit_coefficients
 from hydraulis.errors import HydraulisError
-from hydraulis.parallel import ParallelConfig
+from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.specs import get_device, get_model
 
 P = ParallelConfig
@@ -94,6 +94,10 @@ def _profile_dict():
         (lambda d: d["memory"].pop("safety_margin_bytes"), "safety_margin_bytes"),
         (lambda d: d.update(schema="other/1"), "schema is 'other/1'"),
         (lambda d: d["time_ms"].append(dict(d["time_ms"][0])), "appears twice"),
+        (
+            lambda d: d["memory"]["activation_bytes_per_token_hidden_layer"].update({"2": 0}),
+            r"activation_bytes_per_token_hidden_layer\.2: must be positive",
+        ),
     ],
 )
 def test_malformed_profile_is_named(tmp_path, mutate, message):
@@ -110,3 +114,37 @@ def test_not_json_names_line(tmp_path):
     path.write_text('{"schema": "hydraulis.profile/1",\n oops}')
     with pytest.raises(HydraulisError, match="line 2"):
         load_cost_model(str(path))
+
+
+def test_a_profile_without_per_micro_batch_overhead_plans():
+    """c = 0 is a valid measurement: dispatch then packs as many micro-batches as the caps allow."""
+    from hydraulis.planner.planner import Planner
+    from hydraulis.specs import ClusterSpec
+
+    data = _profile_dict()
+    for row in data["time_ms"]:
+        row["c"] = 0.0
+    cost = ProfiledCostModel.from_dict(data)
+    pool = [Deployment.parse(t, ClusterSpec(16)) for t in ("4x(tp2,pp2)", "2x(tp2,pp4)")]
+    lengths = np.random.default_rng(0).integers(100, 6000, 80)
+    plan = Planner(cost, 16, pool).plan(lengths)
+    plan.validate(cost, 16)
+    assert np.isfinite(plan.predicted_time_s) and plan.predicted_time_s > 0
+
+
+def test_analytic_context_parallelism_splits_per_token_work_too():
+    configs = [ParallelConfig(2, 1), ParallelConfig(2, 1, 2)]
+    cost = AnalyticCostModel(get_model("llama-7b"), get_device("a800-80g"), configs=configs)
+    one, two = cost.coefficients(configs[0]), cost.coefficients(configs[1])
+    assert two.a == pytest.approx(one.a / 2)
+    assert two.b == pytest.approx(one.b / 2)
+    assert two.c == one.c
+
+
+def test_lower_bound_without_a_config_that_fits_is_a_clear_error():
+    from hydraulis.planner.bounds import lower_bound
+
+    cost = load_cost_model("llama-7b@a800-80g")  # its smallest config takes 2 GPUs
+    with pytest.raises(HydraulisError, match="no parallel config of llama-7b@a800-80g fits 1 GPU"):
+        lower_bound(np.array([100, 200]), cost, 1)
+    assert lower_bound(np.array([100, 200]), cost, 2) > 0

@@ -93,3 +93,19 @@ def test_power_of_two_deployments_always_place(pairs):
     dep = Deployment.place(configs, cluster)
     dep.validate(cluster)
     assert dep.configs == tuple(configs)
+
+
+def test_deployment_rows_round_trip_and_name_the_bad_field():
+    cluster = ClusterSpec(16)
+    dep = Deployment.parse("1x(tp8,pp1) + 2x(tp2,pp2)", cluster)
+    rows = dep.to_rows()
+    assert rows[0] == {"tp": 8, "pp": 1, "cp": 1, "devices": list(dep.replicas[0].devices)}
+    assert Deployment.from_rows(rows, cluster, "f.deployment") == dep
+    bad = [dict(r) for r in rows]
+    bad[1]["pp"] = 0
+    with pytest.raises(HydraulisError, match=r"f\.deployment\[1\]\.pp: must be at least 1"):
+        Deployment.from_rows(bad, cluster, "f.deployment")
+    bad = [dict(r) for r in rows]
+    bad[2]["devices"] = bad[1]["devices"]
+    with pytest.raises(HydraulisError, match=r"^f\.deployment: .*used by two replicas"):
+        Deployment.from_rows(bad, cluster, "f.deployment")

@@ -26,7 +26,7 @@ from hydraulis.data.synthetic import MIXTURES
 from hydraulis.data.workload import sample_batches
 from hydraulis.errors import HydraulisError
 from hydraulis.planner.bounds import lower_bound
-from hydraulis.planner.policy import PolicyContext, Schedule
+from hydraulis.planner.policy import PolicyContext, Schedule, check_schedule
 from hydraulis.specs import ClusterSpec
 
 BENCH_SCHEMA = "hydraulis.bench/1"
@@ -142,6 +142,7 @@ def run_policies(
         times, planning, used = [], [], {}
         for step, b in enumerate(batches):
             schedule = policy.schedule(b, step)
+            check_schedule(schedule, ctx.cost)  # every sequence once, caps hold: else tokens/s would lie
             if keep:
                 keep(policy_name, step, schedule)
             times.append(schedule.iteration_time_s)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hydraulis.errors import HydraulisError
+from hydraulis.jsonio import Fields
 from hydraulis.specs import ClusterSpec, ModelSpec
 
 
@@ -57,6 +59,11 @@ class ParallelConfig:
             raise HydraulisError(f"cannot parse parallel config {text!r}; write it like 'tp2pp1' or '(tp2,pp1)'")
         tp, pp, cp = match.groups()
         return cls(int(tp), int(pp), int(cp or 1))
+
+    @classmethod
+    def from_fields(cls, f: Fields) -> ParallelConfig:
+        """A config from a JSON row's `tp`, `pp` and `cp` (default 1) fields."""
+        return cls(f.int("tp", minimum=1), f.int("pp", minimum=1), f.int("cp", default=1, minimum=1))
 
     def validate(self, model: ModelSpec) -> None:
         if model.layers % self.pp:
@@ -172,6 +179,27 @@ class Deployment:
     @classmethod
     def parse(cls, text: str, cluster: ClusterSpec) -> Deployment:
         return cls.place(parse_configs(text), cluster)
+
+    def to_rows(self) -> list[dict[str, Any]]:
+        """The JSON form of plan and pool files: one {tp, pp, cp, devices} row per replica."""
+        return [
+            {"tp": r.config.tp, "pp": r.config.pp, "cp": r.config.cp, "devices": list(r.devices)} for r in self.replicas
+        ]
+
+    @classmethod
+    def from_rows(cls, rows: Any, cluster: ClusterSpec, where: str) -> Deployment:
+        """Read `to_rows` rows (a JSON list at `where`), devices checked against the cluster."""
+        if not isinstance(rows, list):
+            raise HydraulisError(f"{where}: expected a list, got {type(rows).__name__}")
+        configs, devices = [], []
+        for i, row in enumerate(rows):
+            r = Fields(row, f"{where}[{i}]")
+            configs.append(ParallelConfig.from_fields(r))
+            devices.append(r.int_list("devices", minimum=0))
+        try:
+            return cls.from_devices(configs, devices, cluster)
+        except HydraulisError as exc:
+            raise HydraulisError(f"{where}: {exc}") from None
 
     def validate(self, cluster: ClusterSpec, model: ModelSpec | None = None) -> None:
         if self.num_gpus != cluster.num_gpus:

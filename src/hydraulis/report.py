@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rich.table import Table
+from hydraulis.errors import HydraulisError
+from hydraulis.jsonio import default_mode
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
     from hydraulis.bench import PolicyResult
     from hydraulis.planner.plan import IterationPlan
     from hydraulis.sim import SimResult
 
 
 def bench_table(report: dict) -> Table:
+    from rich.table import Table
+
     t = Table(title="hydraulis bench (simulated; same cost model and batches for every policy)", title_justify="left")
     for i, col in enumerate(["scenario", "policy", "tokens/s", "vs megatron", "balance eff.", "plan ms/iter"]):
         t.add_column(col, justify="left" if i < 2 else "right")
@@ -48,33 +55,39 @@ def summary_lines(report: dict) -> list[str]:
     return [f"{label}: {fmt.format(s[k])}  {target}".rstrip() for k, (label, fmt, target) in names.items() if k in s]
 
 
-def _pyplot():
-    import matplotlib
+def pyplot():
+    """matplotlib's pyplot on the Agg backend, or a HydraulisError saying how to install it."""
+    try:
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise HydraulisError("plotting needs matplotlib: pip install 'hydraulis[cli]'") from None
     return plt
 
 
-def _save(fig, path: str | Path) -> None:
-    """Write through a temporary name, so a failed plot never leaves a partial file."""
-    plt = _pyplot()
+def save_figure(fig, path: str | Path, dpi: float | str = 120) -> None:
+    """Write through a temporary file next to `path` (same format), so a failed plot never leaves a
+    partial file; the figure is closed either way."""
+    plt = pyplot()
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.png")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=120)
-        tmp.replace(path)
+        fig.savefig(tmp, dpi=dpi)
+        default_mode(tmp)
+        os.replace(tmp, path)
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
+        Path(tmp).unlink(missing_ok=True)
 
 
 def bench_plot(report: dict, path: str | Path) -> None:
     """Grouped bars: throughput relative to megatron, per scenario and policy."""
     import numpy as np
 
-    plt = _pyplot()
+    plt = pyplot()
 
     scenarios = [s["name"] for s in report["scenarios"]]
     policies = report["policies"]
@@ -89,12 +102,12 @@ def bench_plot(report: dict, path: str | Path) -> None:
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.legend(fontsize=8, ncols=3)
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def comparison_plot(results: Sequence[PolicyResult], path: str | Path, title: str) -> None:
     """Horizontal bars of throughput per policy on the same batches, labelled with the speedup."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * len(results)))
     names = [r.policy for r in results]
     values = [r.tokens_per_s for r in results]
@@ -112,7 +125,7 @@ def comparison_plot(results: Sequence[PolicyResult], path: str | Path, title: st
     ax.set_xlim(0, max(values) * 1.15)
     ax.set_title(title, fontsize=9, loc="left")
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def timeline_plot(runs: Sequence[tuple[str, IterationPlan, SimResult]], path: str | Path) -> None:
@@ -122,7 +135,7 @@ def timeline_plot(runs: Sequence[tuple[str, IterationPlan, SimResult]], path: st
     blocks are light, backward blocks dark, each micro-batch in its own colour;
     the gradient synchronisation closes each panel.
     """
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.patches import Patch
 
     horizon = max(res.iteration_time_s for _, _, res in runs)
@@ -175,4 +188,4 @@ def timeline_plot(runs: Sequence[tuple[str, IterationPlan, SimResult]], path: st
         frameon=False,
     )
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)

@@ -53,3 +53,17 @@ def test_plot(tmp_path: Path) -> None:
         plot_histogram(lengths, tmp_path / "h.txt")
     with pytest.raises(HydraulisError, match="no such directory"):
         plot_histogram(lengths, tmp_path / "missing" / "h.png")
+
+
+def test_plots_go_through_the_shared_atomic_save(tmp_path, monkeypatch):
+    import hydraulis.report
+
+    saved = []
+    real = hydraulis.report.save_figure
+    monkeypatch.setattr(
+        hydraulis.report, "save_figure", lambda fig, path, **kw: saved.append(path) or real(fig, path, **kw)
+    )
+    out = plot_histogram(np.array([100, 2000, 30000] * 20), tmp_path / "h.svg")
+    assert saved == [out]
+    assert out.read_text()[:200].lstrip().startswith("<?xml")
+    assert [p.name for p in tmp_path.iterdir()] == ["h.svg"]  # no temporary left behind

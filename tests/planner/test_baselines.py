@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hydraulis.baselines import POLICIES, make_policy
 from hydraulis.baselines.homogeneous import data_order_packing, karmarkar_karp
@@ -14,8 +17,11 @@ from hydraulis.baselines.reference import milp_bins, pack_reference, randomized_
 from hydraulis.cost import load_cost_model
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
+from hydraulis.planner.bounds import lower_bound
+from hydraulis.planner.packing import first_fit_decreasing
+from hydraulis.planner.planner import finalize
 from hydraulis.planner.policy import PolicyContext, check_schedule
-from hydraulis.planner.pool import fallback_config
+from hydraulis.planner.pool import fallback_config, largest_cap
 from hydraulis.planner.replicas import ReplicaCost, ReplicaTable
 from hydraulis.sim import simulate
 from hydraulis.specs import ClusterSpec
@@ -128,3 +134,128 @@ def test_reference_greedy_and_packing():
 def test_unknown_policy():
     with pytest.raises(HydraulisError, match="unknown policy"):
         make_policy("magic", context())
+
+
+@pytest.mark.parametrize("short", [True, False])
+def test_hotspa_refuses_a_sequence_longer_than_every_homogeneous_cap(short):
+    ctx = context()
+    cap, name = largest_cap(COST, CLUSTER)
+    b = np.array(([300] * 20 if short else []) + [cap + 1000], dtype=np.int64)
+    with pytest.raises(HydraulisError, match=rf"{cap + 1000} tokens .* largest homogeneous cap .*{cap} tokens, {name}"):
+        make_policy("hotspa", ctx).schedule(b)
+
+
+@pytest.mark.parametrize("name", ["megatron", "token-balanced", "flops-balanced"])
+def test_homogeneous_baselines_refuse_a_sequence_over_their_cap(name):
+    """The config is chosen for the run's longest sequence; a longer one must not become an over-cap micro-batch."""
+    ctx = PolicyContext(COST, CLUSTER, context().pool, 1000, (np.array([500, 1000]),))
+    policy = make_policy(name, ctx)
+    cap = COST.cap(policy.deployment.configs[0], 16)
+    assert cap < 100000
+    with pytest.raises(HydraulisError, match=rf"sequence of 100000 tokens .* cap .*\b{cap} tokens"):
+        policy.schedule(np.array([500, 100000]))
+
+
+@pytest.mark.parametrize("pack", [data_order_packing, first_fit_decreasing])
+def test_packers_refuse_a_sequence_over_the_cap(pack):
+    with pytest.raises(HydraulisError, match="sequence of 100000 tokens is longer than the micro-batch cap of 1000"):
+        pack(np.array([500, 100000]), 1000)
+    assert sorted(i for b in pack(np.array([500, 1000, 300]), 1000) for i in b) == [0, 1, 2]
+
+
+def test_finalize_validates_caps_and_coverage():
+    d = context().pool[2]  # 8x(tp2,pp1)
+    cap = COST.cap(d.configs[0], 16)
+    lengths = np.array([cap, 1] + [100] * 6)
+    fits = [[[i]] for i in range(8)]
+    assert finalize(0, lengths, d, fits, COST, 0.0).predicted_time_s > 0
+    with pytest.raises(HydraulisError, match=f"holds {cap + 1} tokens, over its cap of {cap}"):
+        finalize(0, lengths, d, [[[0, 1]], []] + fits[2:], COST, 0.0)
+    with pytest.raises(HydraulisError, match="sequence 1 is not assigned"):
+        finalize(0, lengths, d, [[[0]], []] + fits[2:], COST, 0.0)
+
+
+def test_check_schedule_raises_a_hydraulis_error():
+    ctx = context()
+    good = make_policy("megatron", ctx).schedule(ctx.sample[0])
+    check_schedule(good, COST)
+    n = len(good.lengths)
+    dropped = dataclasses.replace(good, lengths=good.lengths + (300,))
+    with pytest.raises(HydraulisError, match=f"sequence {n} is in 0 phases"):
+        check_schedule(dropped)
+    swapped = dataclasses.replace(good, indices=(good.indices[0][::-1],))
+    with pytest.raises(HydraulisError, match="lengths are not the batch's"):
+        check_schedule(swapped)
+
+
+def test_bench_checks_every_schedule(monkeypatch):
+    """A policy that leaves a sequence out must fail the bench, not inflate its tokens/s."""
+    import hydraulis.bench as bench
+
+    ctx = context()
+
+    class Dropper:
+        name = "dropper"
+
+        def schedule(self, lengths, step=0):
+            s = make_policy("megatron", ctx).schedule(lengths[:-1], step)
+            return dataclasses.replace(s, lengths=tuple(int(x) for x in lengths))
+
+    monkeypatch.setattr(bench, "make_policy", lambda name, c: Dropper())
+    with pytest.raises(HydraulisError, match="is in 0 phases"):
+        bench.run_policies("t", ctx, [ctx.sample[0]], ["dropper"])
+
+
+def test_reference_packing_tries_at_most_max_counts(monkeypatch):
+    import hydraulis.baselines.reference as reference
+
+    tried = []
+
+    def no_solution(s, w, cap, v, time_limit_s):
+        tried.append(v)
+        return None  # nothing found: no count is pruned by a best objective
+
+    monkeypatch.setattr(reference, "milp_bins", no_solution)
+    replica = ReplicaCost.of(COST, Deployment.parse("1x(tp2,pp2)", ClusterSpec(4)).configs[0], 16)
+    s = np.full(200, replica.cap // 4)  # vmin = 50
+    bins = reference.pack_reference(s, replica)
+    vmin = -(-int(s.sum()) // replica.cap)
+    assert tried == list(range(vmin, vmin + reference.MAX_COUNTS))
+    assert sorted(i for b in bins for i in b) == list(range(200))  # first-fit decreasing fallback
+
+
+def test_reference_names_its_pools_largest_cap_for_an_overlong_sequence(monkeypatch):
+    import hydraulis.planner.planner as planner
+
+    monkeypatch.setattr(planner.Planner, "plan", lambda *a, **k: pytest.fail("no planning needed to refuse"))
+    ctx = context()  # the user's pool: 4x(tp4,pp1) holds the most
+    cap = COST.cap(Deployment.parse("1x(tp4,pp1)", ClusterSpec(4)).configs[0], 16)
+    with pytest.raises(
+        HydraulisError, match=rf"{cap + 128} tokens .* largest cap in its pool \({cap} tokens, tp4pp1\)"
+    ):
+        make_policy("hydraulis-reference", ctx).schedule(np.array([100, cap + 128]))
+
+
+small_batches = st.lists(
+    st.one_of(st.integers(8, 2048), st.integers(2048, 12000), st.integers(12000, 40000)), min_size=1, max_size=40
+)
+
+
+def _bound_holds(name: str, lengths: list[int], step: int) -> None:
+    b = np.array(lengths, dtype=np.int64)
+    ctx = PolicyContext.build(COST, CLUSTER, [b], context().pool)
+    schedule = make_policy(name, ctx).schedule(b, step)
+    assert lower_bound(b, COST, 16) <= schedule.iteration_time_s
+
+
+@pytest.mark.parametrize("name", [p for p in POLICIES if p != "hydraulis-reference"])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=small_batches, step=st.integers(0, 3))
+def test_no_policy_beats_the_lower_bound(name, lengths, step):
+    _bound_holds(name, lengths, step)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=small_batches.filter(lambda s: len(s) <= 16), step=st.integers(0, 3))
+def test_the_reference_does_not_beat_the_lower_bound(lengths, step):
+    _bound_holds("hydraulis-reference", lengths, step)

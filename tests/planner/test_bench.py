@@ -63,3 +63,35 @@ def test_bench_rejects_unknown_names(cli, tmp_path):
     for args in (("--scenario", "nope"), ("--policy", "nope")):
         res = cli("bench", *args, "--out", str(tmp_path))
         assert res.returncode == 2 and "nope" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_plots_without_matplotlib_are_a_clear_error(monkeypatch):
+    import sys
+
+    import pytest
+
+    from hydraulis.errors import HydraulisError
+    from hydraulis.report import pyplot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(HydraulisError, match="plotting needs matplotlib"):
+        pyplot()
+
+
+def test_bench_cli_leaves_no_half_result_when_the_plot_fails(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    import hydraulis.bench
+    import hydraulis.report
+    from hydraulis.cli import app
+    from hydraulis.errors import HydraulisError
+
+    def broken_plot(report, path):
+        raise HydraulisError("plot failed")
+
+    report = {"schema": "hydraulis.bench/1", "scenarios": [], "policies": [], "results": [], "summary": {}}
+    monkeypatch.setattr(hydraulis.bench, "run_bench", lambda *a, **k: {**report, "wall_s": 0.0})
+    monkeypatch.setattr(hydraulis.report, "bench_plot", broken_plot)
+    res = CliRunner().invoke(app, ["bench", "--scenario", SCENARIOS[0].name, "--out", str(tmp_path)])
+    assert isinstance(res.exception, HydraulisError)
+    assert list(tmp_path.iterdir()) == []

@@ -105,3 +105,20 @@ def test_overlong_policies():
     assert d.changed == 2 and d.lengths.tolist() == [10, 90]
     with pytest.raises(HydraulisError, match="every sequence"):
         apply_overlong(np.array([500]), 128, "tp1pp1", "drop")
+
+
+def test_importing_the_planner_leaves_scipy_sparse_for_the_exact_methods():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys, hydraulis.planner.planner, hydraulis.baselines.reference; "
+        "print('scipy.sparse' in sys.modules, 'highspy' in sys.modules)"
+    )
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=src)
+    )
+    assert out.stdout.split() == ["False", "False"], out.stderr

@@ -10,7 +10,7 @@ from hydraulis.parallel import Deployment
 from hydraulis.planner.dispatch import exact_assignment
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.replicas import ReplicaTable
-from hydraulis.sim import closed_form_replica_time, simulate
+from hydraulis.sim import closed_form_replica_time, replica_stage_times, simulate
 from hydraulis.specs import ClusterSpec
 
 # The default heuristic's closed-form time (sum t + (pp-1) max t) stays within this factor of the optimum.
@@ -21,7 +21,10 @@ COST = load_cost_model("llama-7b@a800-80g")
 
 
 def closed_form(plan, cost) -> float:
-    return max(closed_form_replica_time(plan.stage_times(r, cost), c.pp) for r, c in enumerate(plan.deployment.configs))
+    return max(
+        closed_form_replica_time(replica_stage_times(plan, r, cost)[0], c.pp)
+        for r, c in enumerate(plan.deployment.configs)
+    )
 
 
 @pytest.mark.parametrize("spec", ["1x(tp2,pp2) + 2x(tp2,pp1)", "2x(tp1,pp2) + 1x(tp4,pp1)", "4x(tp2,pp1)"])

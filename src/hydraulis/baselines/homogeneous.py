@@ -17,8 +17,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
-from hydraulis.planner.packing import first_fit_decreasing
+from hydraulis.planner.packing import check_cap, first_fit_decreasing
 from hydraulis.planner.plan import IterationPlan
 from hydraulis.planner.planner import check_lengths, finalize
 from hydraulis.planner.policy import PolicyContext, Schedule
@@ -51,6 +52,7 @@ def karmarkar_karp(weights: np.ndarray, k: int) -> list[list[int]]:
 
 def data_order_packing(lengths: np.ndarray, cap: int) -> list[list[int]]:
     """Fill micro-batches in data order; start a new one when the next sequence would overflow."""
+    check_cap(lengths, cap)
     out: list[list[int]] = []
     room = -1
     for i, s in enumerate(lengths.tolist()):
@@ -88,6 +90,12 @@ class Homogeneous:
     def plan(self, lengths: np.ndarray, step: int = 0) -> IterationPlan:
         start = time.perf_counter()
         lengths = check_lengths(lengths)
+        longest, cap = int(lengths.max()), self.replica.cap
+        if longest > cap:
+            raise HydraulisError(
+                f"{self.name}: a sequence of {longest} tokens is longer than the cap of its deployment "
+                f"{self.deployment} ({cap} tokens; the run's longest sequence was given as {self.ctx.run_max_length})"
+            )
         return finalize(step, lengths, self.deployment, self._assign(lengths), self.ctx.cost, start)
 
     def schedule(self, lengths: np.ndarray, step: int = 0) -> Schedule:

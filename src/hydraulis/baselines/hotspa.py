@@ -15,9 +15,10 @@ import time
 import numpy as np
 
 from hydraulis.baselines.homogeneous import Homogeneous
+from hydraulis.errors import HydraulisError
 from hydraulis.planner.planner import check_lengths
 from hydraulis.planner.policy import PolicyContext, Schedule, phases_time
-from hydraulis.planner.pool import homogeneous, homogeneous_estimate, replicable_configs
+from hydraulis.planner.pool import homogeneous, homogeneous_estimate, largest_cap, replicable_configs
 
 
 def switch_time(ctx: PolicyContext) -> float:
@@ -36,9 +37,16 @@ class HotSpa:
         self._phase = {g: Homogeneous.on(ctx, homogeneous(g, ctx.cluster), "flops-balanced") for g in self.configs}
 
     def split(self, lengths: np.ndarray) -> list[tuple[np.ndarray, int]]:
-        """(batch positions, config index) per phase, shortest range first."""
+        """(batch positions, config index) per phase, shortest range first; every sequence in one phase."""
         order = np.argsort(lengths, kind="stable")
         s = lengths[order]
+        if not len(self.caps) or int(s[-1]) > int(self.caps.max()):
+            # The cuts stop at the largest cap: a longer sequence would be in no phase.
+            cap, name = largest_cap(self.ctx.cost, self.ctx.cluster)
+            raise HydraulisError(
+                f"hotspa: a sequence of {int(s[-1])} tokens is longer than the largest homogeneous cap on "
+                f"{self.ctx.num_gpus} GPUs ({cap} tokens, {name}); use --overlong truncate|drop or more GPUs"
+            )
         levels = sorted({int(c) for c in self.caps if c >= s[0]})
         cuts = [0] + [int(np.searchsorted(s, lv, side="right")) for lv in levels]
         cuts = sorted(set(cuts))  # cut positions: ranges [cuts[i], cuts[j])

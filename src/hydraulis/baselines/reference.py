@@ -5,9 +5,10 @@ user's pool when one is given; then:
 
 1. Dispatch, for each pool deployment that holds the batch: randomised greedy
    over 50 shuffles of the batch, each sequence to the cap-feasible replica
-   whose sum + (pp - 1) * max of sequence costs grows least; keep the shuffle
-   with the least max over replicas. The deployment with the least such
-   objective runs the batch.
+   whose objective sum + (pp - 1) * max of sequence costs is least once the
+   sequence is added (min-max greedy, as published; not the replica whose
+   objective grows least); keep the shuffle with the least max over
+   replicas. The deployment with the least such objective runs the batch.
 2. Packing, per replica and micro-batch count v (from the token-cap minimum,
    up to 16 counts): a MILP balancing micro-batch cost under the token cap,
    0.5 s limit (HiGHS for the published CBC); keep the v minimising
@@ -20,12 +21,13 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from scipy import sparse
 
+from hydraulis.errors import HydraulisError
 from hydraulis.planner.milp import solve_milp
 from hydraulis.planner.packing import first_fit_decreasing
 from hydraulis.planner.planner import check_lengths, finalize
 from hydraulis.planner.policy import PolicyContext, Schedule
+from hydraulis.planner.pool import largest_cap
 from hydraulis.planner.replicas import ReplicaCost, ReplicaTable
 
 SHUFFLES = 50
@@ -36,7 +38,9 @@ MAX_COUNTS = 16
 def randomized_greedy(
     lengths: np.ndarray, table: ReplicaTable, rng: np.random.Generator, shuffles: int = SHUFFLES
 ) -> tuple[np.ndarray, float]:
-    """Best of `shuffles` greedy passes: (replica per sequence, max over replicas of sum + (pp-1) max)."""
+    """Best of `shuffles` greedy passes: (replica per sequence, max over replicas of sum + (pp-1) max).
+
+    Each pass puts each sequence on the replica whose sum + (pp-1) max is least after adding it."""
     w = table.cost_matrix(lengths)[table.group]  # [R, n]
     pp1 = table.pp - 1
     fits = table.cap[:, None] >= lengths[None, :]
@@ -61,6 +65,8 @@ def randomized_greedy(
 
 def milp_bins(s: np.ndarray, w: np.ndarray, cap: int, v: int, time_limit_s: float) -> list[list[int]] | None:
     """min max-bin cost over v bins under the token cap; positions per non-empty bin, or None."""
+    from scipy import sparse  # imported on first use, as in milp.py
+
     n = len(s)
     nx = n * v
     ncol = nx + 1  # x[i, j] at i * v + j, then M
@@ -103,7 +109,7 @@ def pack_reference(s: np.ndarray, replica: ReplicaCost, time_limit_s: float = MI
     W, wmax, pp1 = float(w.sum()), float(w.max()), replica.pp - 1
     vmin = max(1, -(-int(s.sum()) // replica.cap))
     best, best_obj = None, np.inf
-    for v in range(vmin, min(vmin + MAX_COUNTS, len(s)) + 1):
+    for v in range(vmin, min(vmin + MAX_COUNTS - 1, len(s)) + 1):  # at most MAX_COUNTS counts
         if (max(W / v, wmax) + replica.c) * (v + pp1) >= best_obj:
             continue
         bins = [list(range(len(s)))] if v == 1 else milp_bins(s, w, replica.cap, v, time_limit_s)
@@ -135,12 +141,11 @@ class Reference:
             if best is None or obj < best[0]:
                 best = (obj, k, replica_of)
         if best is None:
-            from hydraulis.planner.planner import Planner
-
-            Planner(self.ctx.cost, self.ctx.num_gpus, self.ctx.reference_pool).plan(
-                lengths
-            )  # raises the overlong error
-        assert best is not None
+            cap, name = largest_cap(self.ctx.cost, self.ctx.cluster, self.ctx.reference_pool)
+            raise HydraulisError(
+                f"{self.name}: a sequence of {int(lengths.max())} tokens is longer than the largest cap in its "
+                f"pool ({cap} tokens, {name}); use --overlong truncate|drop or a pool with larger replicas"
+            )
         _, k, replica_of = best
         table = self.tables[k]
         micro_batches = []

@@ -111,8 +111,15 @@ def bench(
         task = progress.add_task(f"{len(chosen)} scenario(s)", total=len(chosen))
         report = run_bench(chosen, policies, lambda s: progress.advance(task))
     out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / "bench.json", report)
-    bench_plot(report, out / "bench.png")
+    # The plot first, under a temporary name: a plot failure leaves neither file, and the pair
+    # appears together (the JSON's rename, then the PNG's).
+    partial = out / ".bench.png.partial.png"
+    try:
+        bench_plot(report, partial)
+        write_json_atomic(out / "bench.json", report)
+        partial.replace(out / "bench.png")
+    finally:
+        partial.unlink(missing_ok=True)
     console.print(bench_table(report))
     for line in summary_lines(report):
         console.print(line)

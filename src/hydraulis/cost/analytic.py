@@ -3,7 +3,8 @@
 Per layer and token, forward: 2 x (parameters per layer) GEMM FLOPs; causal
 attention adds 2*s*h per token (so a*s^2 per sequence). Training is 3x forward,
 4x with full recompute. TP adds 4*2*(tp-1)/tp*S*h elements of collectives per
-layer and micro-batch (forward plus backward). The default efficiencies and
+layer and micro-batch (forward plus backward). Context parallelism (cp > 1)
+splits each sequence's tokens over cp GPUs, so a and b both divide by cp. The default efficiencies and
 memory constants are calibrated against the published LLaMA-7B A800 profile,
 so analytic and profiled caps and times agree to within about 15 to 30 percent.
 """
@@ -62,7 +63,9 @@ class AnalyticCostModel(CostModel):
             head = 2 * H * V * train / (tp * pp * device.peak_flops * gemm_efficiency)
             comm = layers * 4 * 2 * (tp - 1) / tp * H * 2 / tp_bw if tp > 1 else 0.0
             overhead = layers * layer_overhead_s * (1 + 0.5 * math.log2(tp))
-            coefficients[config] = Coefficients(attn, gemm + head + comm, overhead)
+            # Context parallelism splits each sequence's tokens over cp GPUs: the per-token work
+            # (GEMMs, head, TP collectives) divides by cp as the attention does.
+            coefficients[config] = Coefficients(attn, (gemm + head + comm) / config.cp, overhead)
         # Mixed-precision Adam: 16 bytes per parameter, about 9% more for buffers;
         # the fp32 master weights and moments (12 of 16) are sharded over all GPUs.
         state = 17.4 * model.params_per_layer / (H * H)

@@ -64,7 +64,7 @@ class ProfiledCostModel(CostModel):
         coefficients: dict[ParallelConfig, Coefficients] = {}
         for i, row in enumerate(f.list("time_ms")):
             r = Fields(row, f"{where}.time_ms[{i}]")
-            config = ParallelConfig(r.int("tp", minimum=1), r.int("pp", minimum=1), r.int("cp", default=1, minimum=1))
+            config = ParallelConfig.from_fields(r)
             if config in coefficients:
                 raise HydraulisError(f"{where}.time_ms[{i}]: {config.name} appears twice")
             coefficients[config] = Coefficients(
@@ -82,6 +82,8 @@ class ProfiledCostModel(CostModel):
             except ValueError:
                 raise HydraulisError(f"{act.where}: key {key!r} is not a TP degree") from None
             activation[tp] = act.float(key, minimum=0)
+            if activation[tp] <= 0:  # the cap divides by it
+                raise HydraulisError(f"{act.where}.{key}: must be positive, got {activation[tp]}")
         if not activation:
             raise HydraulisError(f"{act.where}: empty")
         memory = MemoryModel(

@@ -10,8 +10,6 @@ replicas imbalanced even when their token counts are equal.
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,13 +88,9 @@ def plot_histogram(lengths: Sequence[int] | np.ndarray, out: str | Path, title: 
         raise HydraulisError(f"{out}: plot file must end in .png, .svg or .pdf")
     if not out.parent.is_dir():
         raise HydraulisError(f"{out.parent}: no such directory for the plot")
-    try:
-        import matplotlib
+    from hydraulis.report import pyplot, save_figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise HydraulisError("plotting needs matplotlib: pip install 'hydraulis[cli]'") from None
+    plt = pyplot()
     lo, hi = max(1, int(s.min())), max(2, int(s.max()))
     bins = np.geomspace(lo, hi * 1.0001, num=min(60, max(10, int(np.sqrt(len(s))))))
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -112,14 +106,7 @@ def plot_histogram(lengths: Sequence[int] | np.ndarray, out: str | Path, title: 
         st = length_stats(s)
         ax.set_title(title or f"{st.count} sequences, {st.tokens:,} tokens")
         fig.tight_layout()
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=out.suffix, dir=out.parent)
-        os.close(fd)
-        try:
-            fig.savefig(tmp)
-            os.replace(tmp, out)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        save_figure(fig, out, dpi="figure")
     finally:
         plt.close(fig)
     return out

@@ -18,6 +18,9 @@ def lower_bound(lengths: np.ndarray, cost: CostModel, num_gpus: int) -> float:
     lengths = np.asarray(lengths, dtype=np.int64)
     caps = cost.caps(num_gpus)
     configs = list(caps)
+    if not configs:
+        smallest = min(g.num_gpus for g in cost.configs)
+        raise HydraulisError(f"no parallel config of {cost.name} fits {num_gpus} GPU(s); the smallest needs {smallest}")
     cap = np.array([caps[g] for g in configs])[:, None]
     w = cost.cost_matrix(lengths, configs)
     gpus = np.array([g.num_gpus for g in configs], dtype=np.float64)[:, None]

@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import sparse
 
 from hydraulis.planner.milp import solve_milp
 from hydraulis.planner.replicas import ReplicaTable, estimate_time
@@ -71,7 +70,7 @@ def _scalar_estimate(W: float, T: int, n: int, wmax: float, c: float, pp1: int, 
     if pp1 == 0:
         return W + vmin * c
     vmax = max(vmin, min(n, T // max(me, 1)))
-    v = math.floor(math.sqrt(pp1 * W / c))
+    v = math.floor(math.sqrt(pp1 * W / max(c, 1e-12)))  # c = 0: as many micro-batches as allowed
     best = math.inf
     for u in (min(max(v, vmin), vmax), min(max(v + 1, vmin), vmax)):
         best = min(best, W + u * c + pp1 * (max(W / u, wmax) + c))
@@ -329,6 +328,8 @@ def exact_assignment(
     fixes at least its slot count. Returns (micro-batches per replica, objective, proven
     optimal), or None when no solution was found in time.
     """
+    from scipy import sparse  # here, not at import: it costs ~0.1 s and only the exact method needs it
+
     lengths = np.asarray(lengths, dtype=np.int64)
     n, R = len(lengths), len(table)
     wg = table.cost_matrix(lengths)

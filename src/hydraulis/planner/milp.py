@@ -1,8 +1,8 @@
 """A thin, time-limited MILP call on HiGHS (highspy), with an optional warm start.
 
 Used by the exact dispatch oracle and by the reference baseline's packing. highspy
-is imported on first use so that `import hydraulis.planner` stays fast and the
-planner works without it unless an exact method is asked for.
+and scipy.sparse are imported on first use so that `import hydraulis.planner` stays
+fast and the planner works without highspy unless an exact method is asked for.
 """
 
 from __future__ import annotations
@@ -11,11 +11,14 @@ import functools
 import os
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from scipy import sparse
 
 from hydraulis.errors import HydraulisError
+
+if TYPE_CHECKING:
+    from scipy import sparse
 
 
 @functools.cache
@@ -54,6 +57,8 @@ def solve_milp(
     rel_gap: float = 1e-4,
 ) -> MilpResult:
     """min cost.x s.t. row_lo <= rows.x <= row_hi, col bounds, `integer` columns integral."""
+    from scipy import sparse  # here, not at import: `import hydraulis.planner` stays fast
+
     try:
         import highspy
     except ImportError:  # pragma: no cover - highspy is a dependency of the cli extra

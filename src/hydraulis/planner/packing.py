@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from hydraulis.cost.model import CostModel
+from hydraulis.errors import HydraulisError
 from hydraulis.planner.replicas import ReplicaCost, micro_batch_range
-from hydraulis.sim import simulate_replica
+from hydraulis.sim import closed_form_replica_time, simulate_replica
 
 
 @dataclass(frozen=True)
@@ -31,8 +32,17 @@ class Packing:
     time_s: float  # simulated 1F1B time of the replica
 
 
+def check_cap(lengths: np.ndarray, cap: int) -> None:
+    """A sequence longer than the micro-batch cap cannot be packed: say so."""
+    if len(lengths) and int(np.max(lengths)) > cap:
+        raise HydraulisError(
+            f"a sequence of {int(np.max(lengths))} tokens is longer than the micro-batch cap of {cap} tokens"
+        )
+
+
 def first_fit_decreasing(lengths: np.ndarray, cap: int) -> list[list[int]]:
     """Positions into `lengths`, packed by tokens into as few bins of `cap` as FFD finds."""
+    check_cap(lengths, cap)
     rooms: list[int] = []
     bins: list[list[int]] = []
     for k in np.argsort(-lengths, kind="stable").tolist():
@@ -139,8 +149,7 @@ def choose_bins(s: np.ndarray, replica: ReplicaCost) -> list[list[np.ndarray]]:
     candidates = sorted({min(max(v, vmin), vmax) for v in (vstar - 1, vstar, vstar + 1, vstar + 2, vmin)})
 
     def closed(bins: list[np.ndarray]) -> float:
-        t = np.array([w[b].sum() for b in bins]) + replica.c
-        return float(t.sum() + pp1 * t.max())
+        return closed_form_replica_time([w[b].sum() + replica.c for b in bins], replica.pp)
 
     ranked = [(closed(ffd), 0, ffd)]
     for v in candidates:

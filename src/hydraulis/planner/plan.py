@@ -7,6 +7,7 @@ exactly once; a micro-batch never holds more tokens than its replica's cap.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,35 +53,47 @@ class IterationPlan:
         lengths = self.lengths_array
         return [lengths[list(mb)] for mb in self.replicas[replica].micro_batches]
 
-    def stage_times(self, replica: int, cost: CostModel) -> list[float]:
-        config = self.deployment.replicas[replica].config
-        return [cost.stage_time(config, s) for s in self.micro_batch_lengths(replica)]
-
     def validate(self, cost: CostModel | None = None, num_gpus: int | None = None, where: str = "plan") -> None:
-        """Every sequence exactly once, in range; caps hold if a cost model is given."""
+        """Every sequence exactly once, in range; caps hold if a cost model is given. O(sequences), vectorised."""
         n = len(self.lengths)
         if len(self.replicas) != len(self.deployment.replicas):
             raise HydraulisError(
                 f"{where}: {len(self.replicas)} replica plans for {len(self.deployment.replicas)} replicas"
             )
+        lengths = self.lengths_array
         seen = np.zeros(n, dtype=np.int64)
+        caps: dict[ParallelConfig, int] = {}
         for r, replica in enumerate(self.replicas):
+            mbs = replica.micro_batches
+            if not mbs:
+                continue
             config = self.deployment.replicas[r].config
-            cap = cost.cap(config, num_gpus or self.deployment.num_gpus) if cost is not None else None
-            for m, mb in enumerate(replica.micro_batches):
-                if not mb:
-                    raise HydraulisError(f"{where}: replica {r} micro-batch {m} is empty")
-                for i in mb:
-                    if not 0 <= i < n:
-                        raise HydraulisError(f"{where}: replica {r} micro-batch {m} has index {i}, outside 0..{n - 1}")
-                    seen[i] += 1
-                if cap is not None:
-                    tokens = sum(self.lengths[i] for i in mb)
-                    if tokens > cap:
-                        raise HydraulisError(
-                            f"{where}: replica {r} ({config.name}) micro-batch {m} holds {tokens} tokens, "
-                            f"over its cap of {cap}"
-                        )
+            sizes = np.fromiter((len(mb) for mb in mbs), dtype=np.int64, count=len(mbs))
+            if (sizes == 0).any():
+                raise HydraulisError(f"{where}: replica {r} micro-batch {int(np.argmin(sizes))} is empty")
+            ends = np.cumsum(sizes)
+            try:
+                flat = np.fromiter(itertools.chain.from_iterable(mbs), dtype=np.int64, count=int(ends[-1]))
+            except OverflowError:  # an index beyond int64
+                flat = np.array([i if 0 <= i < n else -1 for mb in mbs for i in mb], dtype=np.int64)
+            bad = (flat < 0) | (flat >= n)
+            if bad.any():
+                k = int(np.argmax(bad))
+                m = int(np.searchsorted(ends, k, side="right"))
+                i = mbs[m][k - (int(ends[m - 1]) if m else 0)]
+                raise HydraulisError(f"{where}: replica {r} micro-batch {m} has index {i}, outside 0..{n - 1}")
+            seen += np.bincount(flat, minlength=n)
+            if cost is not None:
+                if config not in caps:
+                    caps[config] = cost.cap(config, num_gpus or self.deployment.num_gpus)
+                cap = caps[config]
+                tokens = np.add.reduceat(lengths[flat], ends - sizes)
+                if (tokens > cap).any():
+                    m = int(np.argmax(tokens > cap))
+                    raise HydraulisError(
+                        f"{where}: replica {r} ({config.name}) micro-batch {m} holds {int(tokens[m])} tokens, "
+                        f"over its cap of {cap}"
+                    )
         missing = np.flatnonzero(seen == 0)
         twice = np.flatnonzero(seen > 1)
         if len(missing):
@@ -92,10 +105,7 @@ class IterationPlan:
         return {
             "step": self.step,
             "lengths": [int(s) for s in self.lengths],
-            "deployment": [
-                {"tp": r.config.tp, "pp": r.config.pp, "cp": r.config.cp, "devices": list(r.devices)}
-                for r in self.deployment.replicas
-            ],
+            "deployment": self.deployment.to_rows(),
             "replicas": [{"micro_batches": [list(mb) for mb in r.micro_batches]} for r in self.replicas],
             "predicted_time_s": self.predicted_time_s,
             "planning_time_s": self.planning_time_s,
@@ -105,17 +115,7 @@ class IterationPlan:
     def from_dict(cls, data: Any, cluster: ClusterSpec, where: str) -> IterationPlan:
         f = Fields(data, where)
         lengths = f.int_list("lengths", minimum=1)
-        configs, devices = [], []
-        for i, row in enumerate(f.list("deployment")):
-            r = Fields(row, f"{where}.deployment[{i}]")
-            configs.append(
-                ParallelConfig(r.int("tp", minimum=1), r.int("pp", minimum=1), r.int("cp", default=1, minimum=1))
-            )
-            devices.append(r.int_list("devices", minimum=0))
-        try:
-            deployment = Deployment.from_devices(configs, devices, cluster)
-        except HydraulisError as exc:
-            raise HydraulisError(f"{where}.deployment: {exc}") from None
+        deployment = Deployment.from_rows(f.list("deployment"), cluster, f"{where}.deployment")
         replicas = []
         for i, row in enumerate(f.list("replicas")):
             r = Fields(row, f"{where}.replicas[{i}]")

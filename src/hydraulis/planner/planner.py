@@ -209,7 +209,11 @@ def finalize(
     cost: CostModel,
     started: float,
 ) -> IterationPlan:
-    """An IterationPlan whose predicted time is the simulator's, and whose planning time ends now."""
+    """A validated IterationPlan whose predicted time is the simulator's, and whose planning time ends now.
+
+    Every sequence exactly once and every micro-batch within its replica's cap, else a HydraulisError.
+    """
     plan = plan_from_assignment(step, lengths, deployment, micro_batches, 0.0)
+    plan.validate(cost, deployment.num_gpus, where=f"step {step}")
     predicted = simulate(plan, cost, keep_events=False).iteration_time_s
     return dataclasses.replace(plan, predicted_time_s=predicted, planning_time_s=time.perf_counter() - started)

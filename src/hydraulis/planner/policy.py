@@ -16,6 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from hydraulis.cost.model import CostModel
+from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
 from hydraulis.planner.plan import IterationPlan
 from hydraulis.sim import simulate
@@ -59,14 +60,26 @@ def phases_time(phases: list[IterationPlan] | tuple[IterationPlan, ...], cost: C
     return compute + switch_s * (len(phases) - 1) + cost.grad_sync_time(phases[0].deployment.num_gpus)
 
 
-def check_schedule(schedule: Schedule) -> None:
-    """Each sequence of the batch in exactly one phase, with its own length."""
-    seen = np.zeros(len(schedule.lengths), dtype=np.int64)
-    for plan, idx in zip(schedule.phases, schedule.indices, strict=True):
-        plan.validate()
-        assert tuple(schedule.lengths[i] for i in idx) == plan.lengths
+def check_schedule(schedule: Schedule, cost: CostModel | None = None) -> None:
+    """Each sequence of the batch in exactly one phase, with its own length; each phase a valid plan
+    (within its caps too if `cost` is given). A HydraulisError names what is wrong."""
+    where = f"step {schedule.step}"
+    n = len(schedule.lengths)
+    if not schedule.phases:
+        raise HydraulisError(f"{where}: the schedule has no phases")
+    if len(schedule.phases) != len(schedule.indices):
+        raise HydraulisError(f"{where}: {len(schedule.phases)} phases but {len(schedule.indices)} index maps")
+    seen = np.zeros(n, dtype=np.int64)
+    for k, (plan, idx) in enumerate(zip(schedule.phases, schedule.indices, strict=True)):
+        plan.validate(cost, where=f"{where} phase {k}")
+        if any(not 0 <= i < n for i in idx):
+            raise HydraulisError(f"{where} phase {k}: a batch position outside 0..{n - 1}")
+        if tuple(schedule.lengths[i] for i in idx) != plan.lengths:
+            raise HydraulisError(f"{where} phase {k}: its lengths are not the batch's at its positions")
         seen[list(idx)] += 1
-    assert (seen == 1).all()
+    if (seen != 1).any():
+        i = int(np.flatnonzero(seen != 1)[0])
+        raise HydraulisError(f"{where}: sequence {i} is in {int(seen[i])} phases, not one")
 
 
 class Policy(Protocol):

@@ -55,13 +55,7 @@ class Pool:
     def to_dict(self) -> dict[str, Any]:
         rows = []
         for i, d in enumerate(self.deployments):
-            row: dict[str, Any] = {
-                "text": str(d),
-                "replicas": [
-                    {"tp": r.config.tp, "pp": r.config.pp, "cp": r.config.cp, "devices": list(r.devices)}
-                    for r in d.replicas
-                ],
-            }
+            row: dict[str, Any] = {"text": str(d), "replicas": d.to_rows()}
             if self.usage is not None:
                 row["usage"] = round(float(self.usage[i]), 4)
             rows.append(row)
@@ -89,16 +83,7 @@ def load_pool(path: str | Path, cluster: ClusterSpec | None = None) -> Pool:
         r = Fields(row, f"{path}: deployments[{i}]")
         try:
             if "replicas" in row:
-                configs, devices = [], []
-                for j, rep in enumerate(r.list("replicas")):
-                    rf = Fields(rep, f"{r.where}.replicas[{j}]")
-                    configs.append(
-                        ParallelConfig(
-                            rf.int("tp", minimum=1), rf.int("pp", minimum=1), rf.int("cp", default=1, minimum=1)
-                        )
-                    )
-                    devices.append(rf.int_list("devices", minimum=0))
-                deployments.append(Deployment.from_devices(configs, devices, pool_cluster))
+                deployments.append(Deployment.from_rows(r.list("replicas"), pool_cluster, f"{r.where}.replicas"))
             else:
                 deployments.append(Deployment.parse(r.str("text"), pool_cluster))
         except HydraulisError as exc:
