@@ -7,7 +7,17 @@ from pathlib import Path
 import typer
 
 from hydraulis.cli.app import app
-from hydraulis.cli.common import ProfileOption, console, err_console, table
+from hydraulis.cli.common import (
+    GpusPerNodeOption,
+    NumBatchesOption,
+    ProfileOption,
+    SeedOption,
+    TokensPerBatchOption,
+    console,
+    err_console,
+    load_job,
+    table,
+)
 from hydraulis.errors import HydraulisError
 
 
@@ -22,28 +32,21 @@ def plan(
     ),
     policy: str = typer.Option("hydraulis", "--policy", help="hydraulis or a baseline (see `hydraulis bench`)."),
     overlong: str = typer.Option("error", "--overlong", help="Sequences longer than every cap: error|truncate|drop."),
-    gpus_per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs per node."),
-    tokens_per_batch: int = typer.Option(None, "--tokens-per-batch", help="Histogram workloads: token budget."),
-    num_batches: int = typer.Option(None, "--num-batches", help="Histogram workloads: how many batches."),
-    seed: int = typer.Option(None, "--seed", help="Histogram workloads: sampling seed."),
+    gpus_per_node: int = GpusPerNodeOption,
+    tokens_per_batch: int = TokensPerBatchOption,
+    num_batches: int = NumBatchesOption,
+    seed: int = SeedOption,
 ) -> None:
     """Choose a deployment, dispatch and pack each global batch of a workload."""
     from rich.progress import Progress
 
     from hydraulis.baselines import make_policy
-    from hydraulis.cost import load_cost_model
-    from hydraulis.data.workload import load_workload
     from hydraulis.planner.plan import PlanFile, save_plan
     from hydraulis.planner.planner import apply_overlong
     from hydraulis.planner.policy import PolicyContext
     from hydraulis.planner.pool import largest_cap, parse_pool
-    from hydraulis.specs import ClusterSpec
 
-    if gpus < 1:
-        raise HydraulisError(f"--gpus must be positive, got {gpus}")
-    cluster = ClusterSpec(gpus, gpus_per_node)
-    cost = load_cost_model(profile)
-    work = load_workload(workload, tokens_per_batch, num_batches, seed)
+    cost, cluster, work = load_job(profile, gpus, gpus_per_node, workload, tokens_per_batch, num_batches, seed)
     deployments = parse_pool(pool, cluster) if pool else None
     cap, cap_name = largest_cap(cost, cluster, deployments)
     batches, changed = [], 0

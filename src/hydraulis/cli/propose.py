@@ -7,8 +7,18 @@ from pathlib import Path
 import typer
 
 from hydraulis.cli.app import app
-from hydraulis.cli.common import ProfileOption, console, err_console, print_json, table
-from hydraulis.errors import HydraulisError
+from hydraulis.cli.common import (
+    GpusPerNodeOption,
+    NumBatchesOption,
+    ProfileOption,
+    SeedOption,
+    TokensPerBatchOption,
+    console,
+    err_console,
+    load_job,
+    print_json,
+    table,
+)
 
 
 @app.command()
@@ -19,26 +29,19 @@ def propose(
     out: Path = typer.Option(..., "--out", "-o", help="Where to write the hydraulis.pool/1 file."),
     max_pool: int = typer.Option(6, "--max-pool", "-k", help="Most deployments in the pool."),
     method: str = typer.Option("hydraulis", "--method", help="hydraulis (data-aware) or published (the DP)."),
-    gpus_per_node: int = typer.Option(8, "--gpus-per-node", help="GPUs per node."),
-    tokens_per_batch: int = typer.Option(None, "--tokens-per-batch", help="Histogram workloads: token budget."),
-    num_batches: int = typer.Option(None, "--num-batches", help="Histogram workloads: how many batches."),
-    seed: int = typer.Option(None, "--seed", help="Histogram workloads: sampling seed."),
+    gpus_per_node: int = GpusPerNodeOption,
+    tokens_per_batch: int = TokensPerBatchOption,
+    num_batches: int = NumBatchesOption,
+    seed: int = SeedOption,
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Propose a pool: the homogeneous fallback plus heterogeneous deployments the planner will pick."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from hydraulis.cost import load_cost_model
-    from hydraulis.data.workload import load_workload
     from hydraulis.planner.pool import save_pool
     from hydraulis.planner.proposal import propose as run_proposal
-    from hydraulis.specs import ClusterSpec
 
-    if gpus < 1:
-        raise HydraulisError(f"--gpus must be positive, got {gpus}")
-    cluster = ClusterSpec(gpus, gpus_per_node)
-    cost = load_cost_model(profile)
-    work = load_workload(workload, tokens_per_batch, num_batches, seed)
+    cost, cluster, work = load_job(profile, gpus, gpus_per_node, workload, tokens_per_batch, num_batches, seed)
     columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}")]
     with Progress(*columns, TimeElapsedColumn(), console=err_console, transient=True) as progress:
         task = progress.add_task("proposing", total=None)
