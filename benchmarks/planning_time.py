@@ -14,7 +14,7 @@ import numpy as np
 from hydraulis.bench import Scenario
 from hydraulis.cost import load_cost_model
 from hydraulis.planner.planner import Planner
-from hydraulis.planner.pool import default_pool
+from hydraulis.planner.proposal import propose
 from hydraulis.specs import ClusterSpec
 
 K = 1024
@@ -31,7 +31,8 @@ def main(quick: bool) -> int:
         cost = load_cost_model(scenario.profile)
         cluster = ClusterSpec(scenario.num_gpus)
         t = time.perf_counter()
-        pool = default_pool(cost, cluster, scenario.sample(scenario.seed + 1000, 2), max_length=scenario.max_length)
+        sample = scenario.sample(scenario.seed + 1000, 2)
+        pool = propose(cost, cluster, sample, max_length=scenario.max_length).pool.deployments
         built = time.perf_counter() - t
         planner = Planner(cost, scenario.num_gpus, pool)
         times = []
