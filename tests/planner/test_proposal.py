@@ -144,3 +144,37 @@ def test_propose_and_plan_through_the_command(cli, tmp_path):
     res = cli("plan", "-n", "32", "-w", str(workload), "--pool", str(pool), "-o", str(bad))
     assert res.returncode == 2 and "the pool is for 16 GPUs but --gpus is 32" in res.stderr
     assert not bad.exists()
+
+
+def test_fluid_estimate_of_a_homogeneous_deployment_is_its_share_of_the_work():
+    from hydraulis.planner.proposal import _fluid_estimates
+
+    cluster = ClusterSpec(16)
+    deployment = Deployment.parse("8x(tp2,pp1)", cluster)
+    batch = np.array([1000] * 64)
+    (est,) = _fluid_estimates(COST, cluster, [deployment], [batch])[:, 0]
+    k = COST.coefficients(deployment.configs[0])
+    cap = COST.cap(deployment.configs[0], 16)
+    work = k.a * (batch**2).sum() + k.b * batch.sum() + k.c * batch.sum() / cap
+    assert est == pytest.approx(work / 8, rel=1e-6)
+
+
+def test_screening_falls_back_to_the_fluid_proxy_past_its_budget(monkeypatch):
+    import hydraulis.planner.proposal as proposal
+
+    calls = []
+    real = proposal._fluid_estimates
+
+    def recording(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(out.shape)
+        return out
+
+    monkeypatch.setattr(proposal, "SCREEN_BUDGET_S", 1e-9)
+    monkeypatch.setattr(proposal, "_fluid_estimates", recording)
+    cluster = ClusterSpec(32)
+    train = batches("code", 32768, 262144, 3, 5)
+    result = propose(COST, cluster, train, max_pool=3)
+    assert calls and calls[0][0] > 30  # every candidate got a fluid estimate
+    assert 1 <= len(result.pool.deployments) <= 3
+    result.pool.deployments[0].validate(cluster)
