@@ -100,11 +100,10 @@ def demo(
             f"{r.speedup_vs_megatron:.2f}x",
             f"{r.balance_efficiency:.2f}",
             f"{r.planning_ms:.0f}",
-            max(r.deployments, key=r.deployments.get),
         ]
         for r in results
     ]
-    columns = ["policy", "tokens/s", "vs megatron", "balance eff.", "plan ms", "most used deployment"]
+    columns = ["policy", "tokens/s", "vs megatron", "balance eff.", "plan ms/iter"]
     console.print(table(f"{batches} batches of {c.name} -> {out / 'plan.json'}", columns, rows))
     comparison_plot(results, out / "compare.png", f"{c.name}, {cost.name}, {gpus} GPUs")
     megatron = schedules[("megatron", 0)].phases[0]

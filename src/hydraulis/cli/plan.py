@@ -57,7 +57,8 @@ def plan(
     if changed:
         verb = "truncated" if overlong == "truncate" else "dropped"
         err_console.print(f"{verb} {changed} sequence(s) longer than the largest cap {cap} ({cap_name})")
-    ctx = PolicyContext.build(cost, cluster, batches, deployments)
+    with err_console.status("proposing a deployment pool from the workload" if deployments is None else "planning"):
+        ctx = PolicyContext.build(cost, cluster, batches, deployments)
     chosen = make_policy(policy, ctx)
     plans = []
     with Progress(console=err_console, transient=True) as progress:
@@ -86,6 +87,8 @@ def plan(
     ]
     columns = ["step", "deployment", "tokens", "seqs", "time s", "tokens/s", "plan ms"]
     console.print(table(f"{policy} plan for {work.name} on {gpus} GPUs ({cost.name}) -> {out}", columns, rows))
+    if deployments is None:
+        console.print(f"proposed pool (`hydraulis propose` saves one): {'; '.join(str(d) for d in ctx.pool)}")
 
 
 @app.command()
