@@ -24,6 +24,15 @@ from hydraulis.specs import DeviceSpec, ModelSpec
 CAP_GRANULARITY = 128
 
 
+def sequence_costs(a: float | np.ndarray, b: float | np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """a*s^2 + b*s: what each sequence adds to a micro-batch's stage time (c is per micro-batch).
+
+    `a` and `b` broadcast against the lengths: scalars for one config, [configs, 1] columns for a matrix.
+    """
+    s = np.asarray(lengths, dtype=np.float64)
+    return a * s * s + b * s
+
+
 @dataclass(frozen=True)
 class Coefficients:
     """Seconds: a per squared token, b per token, c per micro-batch (one stage, fwd+bwd)."""
@@ -135,14 +144,12 @@ class CostModel:
     def seq_costs(self, config: ParallelConfig, lengths: np.ndarray) -> np.ndarray:
         """a*s^2 + b*s per sequence: the part of stage time each sequence adds (no c)."""
         i = self.index(config)
-        s = np.asarray(lengths, dtype=np.float64)
-        return self.a[i] * s * s + self.b[i] * s
+        return sequence_costs(self.a[i], self.b[i], lengths)
 
     def cost_matrix(self, lengths: np.ndarray, configs: Sequence[ParallelConfig] | None = None) -> np.ndarray:
         """[configs x sequences] of a*s^2 + b*s, in one vectorised expression."""
         idx = np.array([self.index(c) for c in configs]) if configs is not None else np.arange(len(self.configs))
-        s = np.asarray(lengths, dtype=np.float64)[None, :]
-        return self.a[idx, None] * s * s + self.b[idx, None] * s
+        return sequence_costs(self.a[idx, None], self.b[idx, None], np.asarray(lengths)[None, :])
 
     # -- memory -----------------------------------------------------------------
     def cap(self, config: ParallelConfig, num_gpus: int) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hydraulis.cost.model import CostModel
+from hydraulis.cost.model import CostModel, sequence_costs
 from hydraulis.parallel import Deployment, ParallelConfig
 
 
@@ -43,8 +43,7 @@ class ReplicaCost:
         return cls(config, k.a, k.b, k.c, cost.cap(config, num_gpus), cost.min_efficient_tokens(config))
 
     def seq_costs(self, lengths: np.ndarray) -> np.ndarray:
-        s = np.asarray(lengths, dtype=np.float64)
-        return self.a * s * s + self.b * s
+        return sequence_costs(self.a, self.b, lengths)
 
 
 @dataclass(frozen=True)
@@ -82,10 +81,9 @@ class ReplicaTable:
 
     def cost_matrix(self, lengths: np.ndarray) -> np.ndarray:
         """[distinct configs x sequences] of a*s^2 + b*s."""
-        s = np.asarray(lengths, dtype=np.float64)[None, :]
         a = np.array([m.a for m in self.configs])[:, None]
         b = np.array([m.b for m in self.configs])[:, None]
-        return a * s * s + b * s
+        return sequence_costs(a, b, np.asarray(lengths)[None, :])
 
 
 def micro_batch_range(tokens, count, cap, min_efficient):
