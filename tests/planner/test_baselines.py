@@ -148,7 +148,7 @@ def test_hotspa_refuses_a_sequence_longer_than_every_homogeneous_cap(short):
 @pytest.mark.parametrize("name", ["megatron", "token-balanced", "flops-balanced"])
 def test_homogeneous_baselines_refuse_a_sequence_over_their_cap(name):
     """The config is chosen for the run's longest sequence; a longer one must not become an over-cap micro-batch."""
-    ctx = PolicyContext(COST, CLUSTER, context().pool, 1000, (np.array([500, 1000]),))
+    ctx = PolicyContext(COST, CLUSTER, 1000, (np.array([500, 1000]),))
     policy = make_policy(name, ctx)
     cap = COST.cap(policy.deployment.configs[0], 16)
     assert cap < 100000

@@ -9,7 +9,6 @@ comparison chart and 1F1B timelines to the output directory.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import typer
@@ -83,9 +82,8 @@ def demo(
     console.print(table(f"pool -> {out / 'pool.json'}", ["#", "deployment", "largest cap", "chosen"], rows))
 
     console.rule("3. plan and compare (simulated with the cost model)")
-    ctx = PolicyContext.build(cost, cluster, work, pool=proposal.pool.deployments, sample=sample)
     # The pool is ours, not the user's: the reference keeps its own (the published range DP's).
-    ctx = dataclasses.replace(ctx, pool_given=False)
+    ctx = PolicyContext.build(cost, cluster, work, sample=sample, proposed=proposal.pool.deployments)
     schedules: dict[tuple[str, int], object] = {}
     with err_console.status("planning every batch under every policy"):
         results = run_policies(

@@ -57,9 +57,10 @@ def plan(
     if changed:
         verb = "truncated" if overlong == "truncate" else "dropped"
         err_console.print(f"{verb} {changed} sequence(s) longer than the largest cap {cap} ({cap_name})")
-    with err_console.status("proposing a deployment pool from the workload" if deployments is None else "planning"):
-        ctx = PolicyContext.build(cost, cluster, batches, deployments)
-    chosen = make_policy(policy, ctx)
+    ctx = PolicyContext.build(cost, cluster, batches, deployments)
+    proposes = deployments is None and policy == "hydraulis"
+    with err_console.status("proposing a deployment pool from the workload" if proposes else "preparing"):
+        chosen = make_policy(policy, ctx)
     plans = []
     with Progress(console=err_console, transient=True) as progress:
         task = progress.add_task(f"planning {len(batches)} iteration(s)", total=len(batches))
@@ -87,7 +88,7 @@ def plan(
     ]
     columns = ["step", "deployment", "tokens", "seqs", "time s", "tokens/s", "plan ms"]
     console.print(table(f"{policy} plan for {work.name} on {gpus} GPUs ({cost.name}) -> {out}", columns, rows))
-    if deployments is None:
+    if proposes:
         console.print(f"proposed pool (`hydraulis propose` saves one): {'; '.join(str(d) for d in ctx.pool)}")
 
 

@@ -92,28 +92,44 @@ class Policy(Protocol):
 
 @dataclass(frozen=True)
 class PolicyContext:
-    """What every policy is built from: the same cost model, cluster, pool and run facts."""
+    """What every policy is built from: the same cost model, cluster, pools and run facts.
+
+    Pools are proposed on first use, so policies that need none (the
+    homogeneous baselines, hotspa) never pay for a proposal.
+    """
 
     cost: CostModel
     cluster: ClusterSpec
-    pool: tuple[Deployment, ...]  # the planner's deployments; pool[0] the fallback
     run_max_length: int  # the longest sequence of the run (homogeneous baselines must hold it)
-    sample: tuple[np.ndarray, ...]  # sample batches, for choosing configs
-    pool_given: bool = False  # the user chose the pool: every pool-based policy uses it
+    sample: tuple[np.ndarray, ...]  # sample batches, for choosing configs and proposing pools
+    user_pool: tuple[Deployment, ...] | None = None  # the user's pool: every pool-based policy uses it
+    proposed_pool: tuple[Deployment, ...] | None = None  # a pool already proposed from this data
 
     @property
     def num_gpus(self) -> int:
         return self.cluster.num_gpus
 
     @functools.cached_property
+    def pool(self) -> tuple[Deployment, ...]:
+        """The planner's deployments (pool[0] the fallback): the user's, or proposed from the sample."""
+        if self.user_pool is not None:
+            return self.user_pool
+        if self.proposed_pool is not None:
+            return self.proposed_pool
+        return self._propose("hydraulis")
+
+    @functools.cached_property
     def reference_pool(self) -> tuple[Deployment, ...]:
         """The published system's own pool: its range DP, unless the user gave a pool for all."""
-        if self.pool_given:
-            return self.pool
+        if self.user_pool is not None:
+            return self.user_pool
+        return self._propose("published")
+
+    def _propose(self, method: str) -> tuple[Deployment, ...]:
         from hydraulis.planner.proposal import propose
 
         return propose(
-            self.cost, self.cluster, self.sample, method="published", max_length=self.run_max_length
+            self.cost, self.cluster, self.sample, method=method, max_length=self.run_max_length
         ).pool.deployments
 
     @classmethod
@@ -124,13 +140,16 @@ class PolicyContext:
         batches: Sequence[np.ndarray],
         pool: Sequence[Deployment] | None = None,
         sample: Sequence[np.ndarray] | None = None,
+        proposed: Sequence[Deployment] | None = None,
     ) -> PolicyContext:
-        """The default pool is built from `sample` (default: the batches themselves)."""
-        from hydraulis.planner.proposal import propose
-
+        """`pool` is the user's; `proposed` one proposed beforehand; `sample` defaults to the batches."""
         sample = tuple(np.asarray(b, dtype=np.int64) for b in (sample if sample is not None else batches))
         longest = max(int(np.max(b)) for b in list(batches) + list(sample))
-        given = pool is not None
-        if pool is None:
-            pool = propose(cost, cluster, sample, max_length=longest).pool.deployments
-        return cls(cost, cluster, tuple(pool), longest, sample, given)
+        return cls(
+            cost,
+            cluster,
+            longest,
+            sample,
+            tuple(pool) if pool is not None else None,
+            tuple(proposed) if proposed is not None else None,
+        )
