@@ -107,6 +107,9 @@ DEVICES: dict[str, DeviceSpec] = {
         DeviceSpec("a800-80g", 80 * GiB, 312e12, intra_node_bw=200e9, inter_node_bw=25e9),
         DeviceSpec("h100-80g", 80 * GiB, 989e12, intra_node_bw=450e9, inter_node_bw=50e9),
         DeviceSpec("h200-141g", 141 * GiB, 989e12, intra_node_bw=450e9, inter_node_bw=50e9),
+        # One CPU process per rank (gloo over loopback): numbers of the right shape for planning tests
+        # and CPU runs until `hydraulis profile` measures the machine.
+        DeviceSpec("cpu", 16 * GiB, 50e9, intra_node_bw=2e9, inter_node_bw=1e9, gpus_per_node=64, p2p_latency_s=100e-6),
     )
 }
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from hydraulis.cost.model import Coefficients, CostModel, MemoryModel
+from hydraulis.cost.model import Coefficients, CostModel, MemoryModel, TrainingState
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import DeviceSpec, GiB, ModelSpec
 
@@ -66,17 +66,19 @@ class AnalyticCostModel(CostModel):
             # Context parallelism splits each sequence's tokens over cp GPUs: the per-token work
             # (GEMMs, head, TP collectives) divides by cp as the attention does.
             coefficients[config] = Coefficients(attn, (gemm + head + comm) / config.cp, overhead)
-        # Mixed-precision Adam: 16 bytes per parameter, about 9% more for buffers;
-        # the fp32 master weights and moments (12 of 16) are sharded over all GPUs.
-        state = 17.4 * model.params_per_layer / (H * H)
+        # The runtime's training state (bf16 compute shard and its gradient; fp32 master, moments
+        # and reduced gradient sharded over all GPUs), about 9% more for buffers.
+        held = TrainingState()
+        state = held.total_bytes * 1.09 * model.params_per_layer / (H * H)
         activation = {tp: 36.5 + 1.5 * tp for tp in (1, 2, 4, 8, 16)}
         memory = MemoryModel(
             memory_bytes=device.memory_bytes,
             activation_bytes_per_token_hidden_layer=activation,
             state_bytes_per_hidden2_layer=state,
-            optimizer_sharded_fraction=0.75,
+            optimizer_sharded_fraction=held.sharded_fraction,
             context_overhead_bytes=5 * 1000 * 2**20,
             safety_margin_bytes=max(6 * GiB, 0.075 * device.memory_bytes),
+            embedding_state_bytes=held.total_bytes,
         )
         min_eff = {tp: 256 * (1 + int(math.log2(tp))) for tp in (1, 2, 4, 8, 16)}
         super().__init__(f"{model.name}@{device.name}", model, device, coefficients, memory, min_eff)

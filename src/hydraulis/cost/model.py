@@ -43,6 +43,41 @@ class Coefficients:
 
 
 @dataclass(frozen=True)
+class TrainingState:
+    """Bytes per parameter of training state, exactly as the runtime holds it (runtime/optimizer.py).
+
+    With the compute shard (replicated across replicas): parameters and
+    gradients in the compute dtype. Sharded over all N ranks (the fixed
+    optimizer layout): fp32 master weights, two fp32 AdamW moments and the
+    fp32 reduced gradient. The analytic memory model and the runtime's memory
+    test both read this one definition.
+    """
+
+    param_bytes: int = 2
+    grad_bytes: int = 2
+    master_bytes: int = 4
+    moment_bytes: int = 8
+    reduced_grad_bytes: int = 4
+
+    @property
+    def replicated_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes
+
+    @property
+    def sharded_bytes(self) -> int:
+        return self.master_bytes + self.moment_bytes + self.reduced_grad_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.replicated_bytes + self.sharded_bytes
+
+    @property
+    def sharded_fraction(self) -> float:
+        """The memory model's optimizer_sharded_fraction (alpha)."""
+        return self.sharded_bytes / self.total_bytes
+
+
+@dataclass(frozen=True)
 class MemoryModel:
     """Per-GPU memory of a config when optimizer states are sharded over all N GPUs."""
 
@@ -52,6 +87,7 @@ class MemoryModel:
     optimizer_sharded_fraction: float
     context_overhead_bytes: float
     safety_margin_bytes: float
+    embedding_state_bytes: float = 16.0  # training-state bytes per embedding or head parameter (DESIGN: 16)
 
     def activation_factor(self, tp: int) -> float:
         table = self.activation_bytes_per_token_hidden_layer
@@ -66,12 +102,13 @@ class MemoryModel:
         L, H, V = model.layers, model.hidden, model.vocab
         B, alpha = self.state_bytes_per_hidden2_layer, self.optimizer_sharded_fraction
         tp, pp = config.tp, config.pp
-        e = 32 if pp == 1 else 16  # embedding and head on one GPU when pp = 1
+        per_matrix = self.embedding_state_bytes
+        e = 2 * per_matrix if pp == 1 else per_matrix  # embedding and head on one GPU when pp = 1
         return (
             (L / pp) * (H * H / tp) * B * (1 - alpha)
             + L * H * H * B * alpha / num_gpus
             + (H * V / tp) * e * (1 - alpha)
-            + H * V * 32 * alpha / num_gpus
+            + H * V * 2 * per_matrix * alpha / num_gpus
         )
 
     def bytes_per_token(self, config: ParallelConfig, model: ModelSpec) -> float:

@@ -32,7 +32,7 @@ from hydraulis.errors import HydraulisError
 from hydraulis.jsonio import Fields, load_json, write_json_atomic
 from hydraulis.parallel import Deployment, ParallelConfig, format_configs
 from hydraulis.planner.replicas import ReplicaCost, estimate_time
-from hydraulis.specs import ClusterSpec
+from hydraulis.specs import ClusterSpec, ModelSpec
 
 POOL_SCHEMA = "hydraulis.pool/1"
 
@@ -118,6 +118,41 @@ def largest_cap(cost: CostModel, cluster: ClusterSpec, pool: Sequence[Deployment
         raise HydraulisError(f"no parallel config of {cost.name} replicates over {cluster.num_gpus} GPUs")
     best = max(configs, key=lambda g: (cost.cap(g, cluster.num_gpus), -g.num_gpus))
     return cost.cap(best, cluster.num_gpus), best.name
+
+
+def check_job_pool(pool: Sequence[Deployment], world: int, model: ModelSpec, cost: CostModel, max_len: int) -> None:
+    """A pool a training job of `world` ranks can run, for sequences up to `max_len`; else one clear error.
+
+    Checked before any rank starts work: every deployment covers ranks
+    0..world-1 exactly, every config suits the model's shape and is known to
+    the cost model, and some config of the pool holds a max_len sequence.
+    """
+    if not pool:
+        raise HydraulisError("the deployment pool is empty")
+    shape = ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab")
+    if any(getattr(cost.model, k) != getattr(model, k) for k in shape):
+        raise HydraulisError(
+            f"profile {cost.name} describes model {cost.model.name}, not the model trained ({model.name}); "
+            "use a profile of this model (or MODEL@DEVICE for the analytic one)"
+        )
+    for d in pool:
+        if d.num_gpus != world:
+            raise HydraulisError(
+                f"pool deployment {d} uses {d.num_gpus} GPUs but the job has {world} ranks; "
+                "give a pool for this world size or change the number of processes"
+            )
+        ranks = sorted(dev for r in d.replicas for dev in r.devices)
+        if ranks != list(range(world)):
+            raise HydraulisError(f"pool deployment {d} places replicas on ranks {ranks}, not 0..{world - 1} once each")
+        for g in d.configs:
+            g.validate(model)
+            cost.index(g)
+    cap, name = largest_cap(cost, ClusterSpec(world, max(world, 1)), pool)
+    if max_len > cap:
+        raise HydraulisError(
+            f"model {model.name} fits no config of the pool at max_len {max_len}: the largest cap is {cap} tokens "
+            f"({name}); lower max_len or add replicas with more TP or PP"
+        )
 
 
 def place(configs: Sequence[ParallelConfig], cluster: ClusterSpec) -> Deployment | None:

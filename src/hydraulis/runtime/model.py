@@ -15,15 +15,16 @@ whatever the stage, so a full state dict maps onto any layout
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from hydraulis.errors import HydraulisError
+from hydraulis.parallel import ParallelConfig
 from hydraulis.runtime.attention import packed_attention
 from hydraulis.runtime.batch import PackedBatch
 from hydraulis.runtime.tensor_parallel import (
@@ -42,7 +43,6 @@ from hydraulis.specs import ModelSpec
 
 ROPE_THETA = 10000.0
 NORM_EPS = 1e-5
-INIT_STD = 0.02
 
 
 @dataclass(frozen=True)
@@ -181,9 +181,12 @@ class StageModel(nn.Module):
         num_stages: int = 1,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        recompute: bool = False,
     ):
         super().__init__()
         self.spec, self.tp, self.stage, self.num_stages = spec, tp, stage, num_stages
+        # Full activation recompute: keep only each block's input, run its forward again in backward.
+        self.recompute = recompute
         self.layer_range = stage_layers(spec.layers, num_stages, stage)
         self.embedding = VocabParallelEmbedding(spec.vocab, spec.hidden, tp, dtype, device) if self.is_first else None
         self.layers = nn.ModuleDict({str(i): Block(spec, tp, dtype, device) for i in self.layer_range})
@@ -210,7 +213,10 @@ class StageModel(nn.Module):
         h = self.embedding(x) if self.embedding is not None else x
         rope = rope_tables(batch.positions, self.spec.head_dim, h.dtype)
         for layer in self.layers.values():
-            h = layer(h, rope, batch)
+            if self.recompute and torch.is_grad_enabled():
+                h = torch.utils.checkpoint.checkpoint(layer, h, rope, batch, use_reentrant=False)
+            else:
+                h = layer(h, rope, batch)
         if self.output is None:
             return h
         return self.output(enter_tp_region(self.norm(h), self.tp))
@@ -242,16 +248,14 @@ class StageModel(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
-        """Deterministic init of the full model, whatever the layout: each tensor from its own seeded stream."""
-        params = dict(self.named_parameters())
-        for name, layout in self.param_layouts().items():
-            p = params[name]
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-                continue
-            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            full = torch.empty(layout.full_shape).normal_(0.0, INIT_STD, generator=generator)
-            p.copy_(shard_tensor(full, layout.shard, self.tp))
+        """Deterministic init, whatever the layout: the values the optimizer's owners start from (layout.py)."""
+        from hydraulis.runtime.layout import ModelLayout, Role
+
+        layout = ModelLayout(self.spec, 1)
+        role = Role(ParallelConfig(self.tp.size, self.num_stages), self.stage, self.tp.rank)
+        named = dict(self.named_parameters())
+        for lp in layout.local_params(role):
+            named[lp.name].copy_(lp.from_canonical(layout.init_range(*lp.gather, seed)))
 
     def _partial_params(self) -> list[nn.Parameter]:
         if self.tp.size == 1:

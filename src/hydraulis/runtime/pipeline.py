@@ -2,8 +2,8 @@
 
 `torch.distributed.pipelining` assumes one activation shape for every
 micro-batch (and aborts the process otherwise); packed micro-batches differ
-in length. Here every p2p transfer is preceded by a small shape header, so
-the receiver allocates exactly what comes.
+in length. Every rank knows each micro-batch's shape from the plan, so
+receivers allocate exactly what comes, with no shape header.
 
 Schedule on stage s of pp, with M micro-batches (as Megatron-core's
 non-interleaved 1F1B):
@@ -36,18 +36,19 @@ from hydraulis.runtime.model import StageModel
 from hydraulis.runtime.tensor_parallel import vocab_parallel_cross_entropy
 from hydraulis.sim import BACKWARD, FORWARD
 
-HEADER_LEN = 6  # dtype code, ndim, up to 4 dims
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 @dataclass(frozen=True)
 class StepResult:
     """What one rank learns from a step; the loss is known on the last stage only."""
 
-    loss_sum: float | None  # sum of token losses over this replica's micro-batches
+    loss_sum_tensor: torch.Tensor | None  # sum of token losses (last stage); a tensor, so no device sync here
     num_targets: int  # real targets of this replica's micro-batches
     num_global_targets: int
     schedule: tuple[tuple[int, int], ...]  # (FORWARD or BACKWARD, micro-batch) as run; equals sim.one_f_one_b_order
+
+    @property
+    def loss_sum(self) -> float | None:
+        return None if self.loss_sum_tensor is None else float(self.loss_sum_tensor)
 
     @property
     def loss(self) -> float | None:
@@ -61,43 +62,66 @@ def micro_batch_loss(model: StageModel, logits: torch.Tensor, batch: PackedBatch
 
 
 class _P2P:
-    """Shape-headed p2p along one pipeline lane; sends and receives of one step go in one batch."""
+    """P2p along one pipeline lane; the sends and receives of one step go in one batch.
 
-    def __init__(self, groups: ReplicaGroups, device: torch.device):
-        self.groups, self.device = groups, device
+    No shape header: every rank knows each micro-batch's activation shape
+    from the plan (tokens, or tokens / tp under SP, by hidden), so it
+    allocates the receive buffer itself.
+    """
+
+    def __init__(self, groups: ReplicaGroups, device: torch.device, dtype: torch.dtype, hidden: int):
+        self.groups, self.device, self.dtype, self.hidden = groups, device, dtype, hidden
         self.group = groups.pp_group
+        self.tp = groups.tp
 
-    def exchange(self, send: torch.Tensor | None, send_to: int | None, recv_from: int | None) -> torch.Tensor | None:
+    def shape(self, batch: PackedBatch) -> tuple[int, int]:
+        tokens = batch.num_tokens // self.tp.size if self.tp.sequence_parallel else batch.num_tokens
+        return tokens, self.hidden
+
+    def exchange(
+        self,
+        send: torch.Tensor | None,
+        send_to: int | None,
+        recv_from: int | None,
+        recv_batch: PackedBatch | None = None,
+    ) -> torch.Tensor | None:
         send_to = send_to if send is not None else None
-        if send_to is None and recv_from is None:
-            return None
-        header_in = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device) if recv_from is not None else None
-        header_out = _header(send, self.device) if send_to is not None else None
-        self._run(header_out, send_to, header_in, recv_from)
-        payload_in = _alloc(header_in, self.device) if header_in is not None else None
-        self._run(send.contiguous() if send_to is not None else None, send_to, payload_in, recv_from)
-        return payload_in
-
-    def _run(self, out: torch.Tensor | None, dst: int | None, into: torch.Tensor | None, src: int | None) -> None:
+        into = None
+        if recv_from is not None:
+            into = torch.empty(self.shape(recv_batch), dtype=self.dtype, device=self.device)
         ops = []
-        if out is not None:
-            ops.append(dist.P2POp(dist.isend, out, dst, group=self.group))
+        if send_to is not None:
+            ops.append(dist.P2POp(dist.isend, send.contiguous(), send_to, group=self.group))
         if into is not None:
-            ops.append(dist.P2POp(dist.irecv, into, src, group=self.group))
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+            ops.append(dist.P2POp(dist.irecv, into, recv_from, group=self.group))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return into
 
 
-def _header(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if t.dim() > HEADER_LEN - 2:
-        raise HydraulisError(f"pipeline: cannot send a {t.dim()}-D tensor")
-    values = [_DTYPES.index(t.dtype), t.dim(), *t.shape]
-    return torch.tensor(values + [0] * (HEADER_LEN - len(values)), dtype=torch.int64, device=device)
+def deallocate_output(out: torch.Tensor) -> None:
+    """Free a sent stage output's storage but keep its autograd node (Megatron's deallocate_output_tensor).
+
+    The next stage holds its own copy; this stage needs only the graph behind
+    the output for its backward, which `_backward_from` runs without the
+    shape check that the freed tensor would fail.
+    """
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
 
 
-def _alloc(header: torch.Tensor, device: torch.device) -> torch.Tensor:
-    code, ndim, *dims = header.tolist()
-    return torch.empty(dims[:ndim], dtype=_DTYPES[code], device=device)
+def _backward_from(out: torch.Tensor, grad: torch.Tensor) -> None:
+    from torch.autograd.variable import Variable
+
+    Variable._execution_engine.run_backward(
+        tensors=(out,),
+        grad_tensors=(grad,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
 
 
 def train_step(
@@ -105,15 +129,18 @@ def train_step(
     groups: ReplicaGroups,
     micro_batches: Sequence[PackedBatch],
     num_global_targets: int,
+    reduce_partial_grads: bool = True,
 ) -> StepResult:
     """Forward and backward of this replica's micro-batches in 1F1B order; gradients add into `.grad`.
 
     Every rank of the replica calls it with the same micro-batches in execution
     order. The caller zeroes gradients before an iteration and steps the
-    optimizer after it; several calls in between accumulate exactly.
+    optimizer after it; several calls in between accumulate exactly. A
+    replica without micro-batches returns at once (no communication), and
+    its gradients stay untouched. `reduce_partial_grads=False` leaves partial
+    gradients (SP norms, replicated KV heads) unsummed over the TP group, for
+    a caller whose gradient reduce sums them anyway (the disaggregated optimizer).
     """
-    if not micro_batches:
-        raise HydraulisError("train_step needs at least one micro-batch")
     if num_global_targets <= 0:
         raise HydraulisError(f"the global batch has {num_global_targets} target tokens; it needs at least one")
     if (model.stage, model.num_stages) != (groups.stage, groups.config.pp):
@@ -127,10 +154,13 @@ def train_step(
             f"sequence parallelism needs micro-batches of a multiple of tp={tp.size} tokens; "
             "pack them with pad_to_multiple=tp"
         )
-    device = next(model.parameters()).device
-    stashed = model.stash_partial_grads()
-    p2p = _P2P(groups, device)
     first, last = groups.is_first_stage, groups.is_last_stage
+    if not micro_batches:
+        return StepResult(None, 0, num_global_targets, ())
+    param = next(model.parameters())
+    device = param.device
+    stashed = model.stash_partial_grads() if reduce_partial_grads else None
+    p2p = _P2P(groups, device, param.dtype, model.spec.hidden)
     batches = [b.to(device) for b in micro_batches]
     count = len(batches)
     warmup = min(groups.config.pp - groups.stage - 1, count)
@@ -140,7 +170,7 @@ def train_step(
     next_forward = 0
 
     def recv_forward() -> torch.Tensor | None:
-        return None if first else p2p.exchange(None, None, groups.prev_rank)
+        return None if first else p2p.exchange(None, None, groups.prev_rank, batches[next_forward])
 
     def forward(x: torch.Tensor | None) -> torch.Tensor:
         nonlocal next_forward, loss_sum
@@ -162,12 +192,16 @@ def train_step(
     def backward(grad_out: torch.Tensor | None) -> torch.Tensor | None:
         index, x, out = in_flight.popleft()
         schedule.append((BACKWARD, index))
-        torch.autograd.backward(out, grad_tensors=None if last else grad_out)
+        if last:
+            out.backward()
+        else:
+            _backward_from(out, grad_out)
         return None if x is None else x.grad
 
     def send_forward(y: torch.Tensor) -> None:
         if not last:
             p2p.exchange(y.detach(), groups.next_rank, None)
+            deallocate_output(y)
 
     for _ in range(warmup):
         send_forward(forward(recv_forward()))
@@ -176,22 +210,27 @@ def train_step(
     for i in range(count - warmup):
         y = forward(x)
         # Send this forward's output and receive the gradient for the oldest in-flight micro-batch.
-        grad_out = None if last else p2p.exchange(y.detach(), groups.next_rank, groups.next_rank)
+        grad_out = None
+        if not last:
+            grad_out = p2p.exchange(y.detach(), groups.next_rank, groups.next_rank, batches[in_flight[0][0]])
+            deallocate_output(y)
         grad_in = backward(grad_out)
         # Send the input gradient back and receive the next forward's input (none after the last).
         final = i == count - warmup - 1
         if not first:
-            x = p2p.exchange(grad_in, groups.prev_rank, None if final else groups.prev_rank)
+            nxt = None if final else batches[next_forward]
+            x = p2p.exchange(grad_in, groups.prev_rank, None if final else groups.prev_rank, nxt)
 
     for _ in range(warmup):
-        grad_out = None if last else p2p.exchange(None, None, groups.next_rank)
+        grad_out = None if last else p2p.exchange(None, None, groups.next_rank, batches[in_flight[0][0]])
         grad_in = backward(grad_out)
         if not first:
             p2p.exchange(grad_in, groups.prev_rank, None)
 
-    model.finish_grads(stashed)
+    if reduce_partial_grads:
+        model.finish_grads(stashed)
     return StepResult(
-        loss_sum=float(loss_sum) if last else None,
+        loss_sum_tensor=loss_sum if last else None,
         num_targets=sum(b.num_targets for b in micro_batches),
         num_global_targets=num_global_targets,
         schedule=tuple(schedule),

@@ -51,12 +51,18 @@ class TensorParallel:
     rank: int = 0
     group: dist.ProcessGroup | None = None
     sequence_parallel: bool = False
+    describe_only: bool = False  # shapes only (meta models for exchange plans); its collectives never run
 
     def __post_init__(self) -> None:
-        if self.size > 1 and self.group is None:
+        if self.size > 1 and self.group is None and not self.describe_only:
             raise HydraulisError(f"tensor parallel size {self.size} needs a process group")
         if not 0 <= self.rank < self.size:
             raise HydraulisError(f"tensor parallel rank {self.rank} is outside 0..{self.size - 1}")
+
+    @classmethod
+    def describing(cls, size: int, rank: int, sequence_parallel: bool = False) -> TensorParallel:
+        """A TP rank of another process, for building shapes on the meta device without its group."""
+        return cls(size, rank, None, sequence_parallel and size > 1, describe_only=True)
 
     def split(self, n: int, what: str) -> int:
         """This rank's share of n (features, heads, vocab); n must divide evenly."""
@@ -112,10 +118,15 @@ def _all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     return x
 
 
+# torch 2.13 renames the tensor collectives; 2.11 has only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _all_gather_tokens(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(tp.size)]
-    dist.all_gather(parts, x.contiguous(), group=tp.group)
-    return torch.cat(parts)
+    out = torch.empty((x.shape[0] * tp.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(out, x.contiguous(), group=tp.group)
+    return out
 
 
 def _reduce_scatter_tokens(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -125,7 +136,7 @@ def _reduce_scatter_tokens(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
             "pack micro-batches with pad_to_multiple=tp"
         )
     out = torch.empty((x.shape[0] // tp.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter(out, [c.contiguous() for c in x.chunk(tp.size)], group=tp.group)
+    _reduce_scatter_single(out, x.contiguous(), group=tp.group)
     return out
 
 

@@ -1,0 +1,108 @@
+"""The pool's deployments as one rank runs them: groups, stage models and exchange plans, built once.
+
+`torch.distributed.new_group` is a collective of the whole job, so the
+groups of EVERY deployment in the pool are built at start-up, on every rank,
+in pool order; `build_replica_groups` caches them by rank list, so
+deployments that share a replica share its groups. Each rank keeps one
+`StageModel` per role it can take (a deployment's replica config, stage and
+TP rank); only the active deployment's model holds parameter storage, and a
+switch frees the old one's and gathers the new one's from the optimizer's
+owners. Nothing of the optimizer moves.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hydraulis.errors import HydraulisError
+from hydraulis.parallel import Deployment
+from hydraulis.runtime.groups import DEFAULT_TIMEOUT, ReplicaGroups, build_replica_groups
+from hydraulis.runtime.model import StageModel
+from hydraulis.runtime.optimizer import DisaggregatedOptimizer, ExchangePlan
+from hydraulis.specs import ModelSpec
+
+
+@dataclass
+class Active:
+    """This rank's part of one deployment."""
+
+    deployment: Deployment
+    replica: int  # index of this rank's replica in the deployment
+    groups: ReplicaGroups
+    model: StageModel
+    exchange: ExchangePlan
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """The compute shard in the exchange plan's order."""
+        named = dict(self.model.named_parameters())
+        return [named[p.name] for p in self.exchange.local]
+
+
+class Deployments:
+    """Every deployment of the pool, ready to run on this rank."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        pool: Sequence[Deployment],
+        optimizer: DisaggregatedOptimizer,
+        dtype: torch.dtype,
+        device: torch.device,
+        sequence_parallel: bool = False,
+        recompute: bool = False,
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    ) -> None:
+        self.pool = tuple(pool)
+        self.optimizer, self.dtype, self.device = optimizer, dtype, device
+        rank = optimizer.rank
+        models: dict[tuple, StageModel] = {}
+        self.parts: list[Active] = []
+        for deployment in self.pool:
+            groups = build_replica_groups(deployment.replicas, sequence_parallel, timeout)
+            if groups is None:
+                raise HydraulisError(f"deployment {deployment} gives rank {rank} no replica")
+            replica = next(i for i, r in enumerate(deployment.replicas) if rank in r.devices)
+            key = (groups.ranks, groups.config, groups.stage, groups.tp.rank)
+            if key not in models:
+                model = StageModel(spec, groups.tp, groups.stage, groups.config.pp, dtype, device, recompute=recompute)
+                release(model)
+                models[key] = model
+            exchange = optimizer.plan(deployment, sequence_parallel)
+            self.parts.append(Active(deployment, replica, groups, models[key], exchange))
+        self.current: int | None = None
+
+    def activate(self, index: int) -> tuple[Active, bool]:
+        """Make deployment `index` the one that computes; returns it and whether this was a switch."""
+        part = self.parts[index]
+        switched = self.current is not None and self.current != index
+        if self.current is not None and self.parts[self.current].model is not part.model:
+            release(self.parts[self.current].model)
+        self.current = index
+        allocate(part.model, self.dtype, self.device)
+        return part, switched
+
+    def gather(self, part: Active) -> None:
+        """The compute shard's current values from the owners (every rank, every iteration)."""
+        self.optimizer.gather(part.exchange, part.params, self.dtype)
+
+
+def release(model: StageModel) -> None:
+    """Drop a model's parameter and gradient storage, keeping the modules (and their shard specs)."""
+    for p in model.parameters():
+        p.grad = None
+        if p.numel():
+            p.hydraulis_shape = tuple(p.shape)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def allocate(model: StageModel, dtype: torch.dtype, device: torch.device) -> None:
+    """Give a released model storage of its own shapes again (values come from the next gather)."""
+    for p in model.parameters():
+        shape = getattr(p, "hydraulis_shape", None)
+        if shape is not None and p.numel() == 0:
+            p.data = torch.empty(shape, dtype=dtype, device=device)

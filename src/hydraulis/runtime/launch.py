@@ -1,0 +1,151 @@
+"""Process start-up: one process per GPU under torchrun, or N local gloo processes without one.
+
+`init_distributed` reads torchrun's environment (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT), pins the CUDA device BEFORE any CUDA
+tensor or NCCL communicator exists, and picks NCCL on GPUs, gloo otherwise.
+`spawn` is the local launcher behind `hydraulis train --nproc N`: it starts N
+gloo processes and watches them, so that one rank that fails (an exception,
+a signal, a gloo abort without a Python error) ends the whole job with that
+rank's error instead of leaving its peers blocked in a collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hydraulis.errors import HydraulisError
+
+PG_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def init_distributed(device: str = "auto", timeout: datetime.timedelta = PG_TIMEOUT) -> DistEnv:
+    """Join the job described by the environment (a job of one when nothing is set)."""
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise HydraulisError("device cuda was asked for, but torch sees no GPU")
+        torch.cuda.set_device(local_rank)  # before any CUDA tensor or NCCL group
+        dev, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        dev, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            if world > 1:
+                raise HydraulisError("MASTER_PORT is not set: start multi-process jobs with torchrun or --nproc")
+            os.environ["MASTER_PORT"] = str(free_port())
+        kwargs = {"device_id": dev} if use_cuda else {}
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
+    return DistEnv(rank, world, local_rank, dev, backend)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankFailed(HydraulisError):
+    """A rank of a local job failed; the message names it and its error, `detail` has its traceback."""
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
+def _child(fn: Callable[..., Any], rank: int, world: int, port: int, outdir: str, args: tuple) -> None:
+    out = Path(outdir)
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    try:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        result = fn(*args)
+        (out / f"{rank}.pkl").write_bytes(pickle.dumps(result))
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    except KeyboardInterrupt:
+        os._exit(130)
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+        message = str(exc) if isinstance(exc, HydraulisError) else traceback.format_exc()
+        (out / f"{rank}.err").write_text(message)
+        os._exit(2 if isinstance(exc, HydraulisError) else 1)
+    os._exit(0)
+
+
+def _exit_reason(rank: int, code: int) -> str:
+    if code < 0:
+        return f"rank {rank} died by signal {signal.Signals(-code).name}"
+    return f"rank {rank} exited with code {code}"
+
+
+def spawn(fn: Callable[..., Any], nproc: int, *args: Any, poll_s: float = 0.05) -> list[Any]:
+    """fn(*args) on `nproc` local processes (env set as torchrun would); their results in rank order.
+
+    The first rank to fail ends the others; the error names it, with its
+    message (a user error) or traceback (a bug).
+    """
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="hydraulis-job-") as outdir:
+        procs = [ctx.Process(target=_child, args=(fn, r, nproc, port, outdir, args)) for r in range(nproc)]
+        for p in procs:
+            p.start()
+        failed: tuple[int, int] | None = None
+        try:
+            while any(p.exitcode is None for p in procs):
+                bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if bad:
+                    # The first failure is the cause; a peer that it left stuck is not.
+                    failed = min(bad, key=lambda rc: (not (Path(outdir) / f"{rc[0]}.err").exists(), rc[0]))
+                    break
+                time.sleep(poll_s)
+            else:
+                bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+                failed = bad[0] if bad else None
+        finally:
+            for p in procs:
+                if p.exitcode is None:
+                    p.kill()
+            for p in procs:
+                p.join(timeout=10)
+        if failed is not None:
+            rank, code = failed
+            err = Path(outdir) / f"{rank}.err"
+            detail = err.read_text().strip() if err.exists() else ""
+            if code == 130 and not detail:
+                raise KeyboardInterrupt
+            last = detail.splitlines()[-1] if detail else ""
+            reason = _exit_reason(rank, code)
+            raise RankFailed(f"{reason}: {last}" if last else reason, detail)
+        return [pickle.loads((Path(outdir) / f"{r}.pkl").read_bytes()) for r in range(nproc)]

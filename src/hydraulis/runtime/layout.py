@@ -1,0 +1,205 @@
+"""The fixed, deployment-independent layout of the model's parameters (the optimizer's view).
+
+Every parameter of the full model is flattened into ONE global vector, in the
+order of the full model's parameters, and rank r of N owns the contiguous
+range `owner_range(r)` of it: its fp32 master weights, AdamW moments and
+reduced gradients. No deployment changes this layout, so switching
+deployments moves no optimizer state.
+
+The trick that keeps every exchange cheap is the *canonical order* of each
+parameter: the dimension that tensor parallelism splits comes first. A
+column-parallel weight (split along dim 0) is flattened as it is; a
+row-parallel weight (split along dim 1) is flattened transposed. Then the TP
+shard r of t of any parameter, for ANY degree t, is one contiguous range of
+the global vector, so a rank's whole compute shard is a handful of ranges
+and the exchange plan between the fixed layout and any deployment is a list
+of range intersections (no per-element index).
+
+Initialisation is defined on the canonical vector in blocks, so an owner
+initialises exactly its range without ever building a full tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hydraulis.errors import HydraulisError
+from hydraulis.parallel import ParallelConfig
+from hydraulis.runtime.tensor_parallel import ShardSpec, TensorParallel
+from hydraulis.specs import ModelSpec
+
+INIT_STD = 0.02
+INIT_BLOCK = 1 << 20  # elements of one seeded init stream
+
+
+@dataclass(frozen=True)
+class FlatParam:
+    """One parameter of the full model in the global vector."""
+
+    name: str
+    full_shape: tuple[int, ...]
+    offset: int  # first element in the global vector
+    transposed: bool  # canonical order is the transpose (row-parallel weights)
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.full_shape))
+
+    @property
+    def canonical_shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.full_shape)) if self.transposed else self.full_shape
+
+    @property
+    def decay(self) -> bool:
+        """Weight decay for matrices (linears, embedding), not for norm weights (nanoGPT's rule)."""
+        return len(self.full_shape) >= 2
+
+    @property
+    def is_norm(self) -> bool:
+        return self.name.endswith("norm.weight")
+
+
+@dataclass(frozen=True)
+class LocalParam:
+    """One parameter of a rank's compute shard and the global ranges it exchanges."""
+
+    name: str
+    flat: FlatParam
+    local_shape: tuple[int, ...]
+    gather: tuple[int, int]  # global range whose values this rank computes with
+    reduce: tuple[int, int]  # global range whose gradient this rank contributes (a sub-range of gather)
+
+    @property
+    def numel(self) -> int:
+        return self.gather[1] - self.gather[0]
+
+    def to_canonical(self, local: torch.Tensor) -> torch.Tensor:
+        """The local tensor as a flat vector in canonical order."""
+        return (local.t() if self.flat.transposed else local).reshape(-1)
+
+    def from_canonical(self, flat: torch.Tensor) -> torch.Tensor:
+        """A canonical flat vector as a tensor of the local shape (a view where possible)."""
+        if self.flat.transposed:
+            rows, cols = self.local_shape
+            return flat.view(cols, rows).t()
+        return flat.view(self.local_shape)
+
+
+@dataclass(frozen=True)
+class Role:
+    """What a rank computes in one deployment: its replica's config, its stage and TP rank."""
+
+    config: ParallelConfig
+    stage: int
+    tp_rank: int
+    sequence_parallel: bool = False
+
+
+class ModelLayout:
+    """The global vector of a model and its split over N owners."""
+
+    def __init__(self, spec: ModelSpec, world_size: int) -> None:
+        if world_size < 1:
+            raise HydraulisError(f"world size must be positive, got {world_size}")
+        self.spec = spec
+        self.world_size = world_size
+        params, offset = [], 0
+        for name, shape, shard in _param_shapes(spec, Role(ParallelConfig(), 0, 0)):
+            flat = FlatParam(name, shape, offset, transposed=shard.dim == 1)
+            params.append(flat)
+            offset += flat.numel
+        self.params: tuple[FlatParam, ...] = tuple(params)
+        self.by_name = {p.name: p for p in self.params}
+        self.total = offset
+        self.bounds = np.array([r * offset // world_size for r in range(world_size + 1)], dtype=np.int64)
+
+    def owner_range(self, rank: int) -> tuple[int, int]:
+        return int(self.bounds[rank]), int(self.bounds[rank + 1])
+
+    def local_params(self, role: Role) -> tuple[LocalParam, ...]:
+        """The parameters a rank of this role holds, in global order, with their gather and reduce ranges."""
+        return _local_params(self.spec, role, self)
+
+    def init_range(self, start: int, stop: int, seed: int) -> torch.Tensor:
+        """Initial values of global elements [start, stop) in fp32, built block by block."""
+        out = torch.empty(max(stop - start, 0), dtype=torch.float32)
+        for p in self.params:
+            lo, hi = max(start, p.offset), min(stop, p.offset + p.numel)
+            if lo < hi:
+                out[lo - start : hi - start] = init_param_range(p, lo - p.offset, hi - p.offset, seed)
+        return out
+
+    def full_state_dict(self, seed: int) -> dict[str, torch.Tensor]:
+        """The whole initial model, full shapes (for single-process references and exports only)."""
+        return {
+            p.name: _from_canonical_full(p, init_param_range(p, 0, p.numel, seed)) for p in self.params
+        }
+
+
+def init_param_range(p: FlatParam, start: int, stop: int, seed: int) -> torch.Tensor:
+    """Elements [start, stop) of a parameter's canonical vector: norms 1, else N(0, INIT_STD^2).
+
+    Each INIT_BLOCK of the canonical vector is its own seeded stream, so a
+    range is produced without generating the rest of the parameter.
+    """
+    if p.is_norm:
+        return torch.ones(stop - start, dtype=torch.float32)
+    parts = []
+    for block in range(start // INIT_BLOCK, (stop - 1) // INIT_BLOCK + 1):
+        b0 = block * INIT_BLOCK
+        size = min(INIT_BLOCK, p.numel - b0)
+        g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(p.name.encode())) * 65_537 + block)
+        values = torch.empty(size, dtype=torch.float32).normal_(0.0, INIT_STD, generator=g)
+        parts.append(values[max(start - b0, 0) : min(stop - b0, size)])
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _from_canonical_full(p: FlatParam, flat: torch.Tensor) -> torch.Tensor:
+    t = flat.view(p.canonical_shape)
+    return t.t().contiguous() if p.transposed else t
+
+
+def full_to_canonical(p: FlatParam, full: torch.Tensor) -> torch.Tensor:
+    """A full-shape tensor as its canonical flat vector (for loading full checkpoints into the layout)."""
+    if tuple(full.shape) != p.full_shape:
+        raise HydraulisError(f"{p.name}: shape {tuple(full.shape)} does not match the model's {p.full_shape}")
+    return (full.t() if p.transposed else full).reshape(-1)
+
+
+@functools.cache
+def _param_shapes(spec: ModelSpec, role: Role) -> tuple[tuple[str, tuple[int, ...], ShardSpec], ...]:
+    """(name, full shape, shard spec) of a role's parameters, from a model built on the meta device."""
+    from hydraulis.runtime.model import StageModel
+
+    tp = TensorParallel.describing(role.config.tp, role.tp_rank, role.sequence_parallel)
+    model = StageModel(spec, tp, role.stage, role.config.pp, device="meta")
+    return tuple((name, layout.full_shape, layout.shard) for name, layout in model.param_layouts().items())
+
+
+def _local_params(spec: ModelSpec, role: Role, layout: ModelLayout) -> tuple[LocalParam, ...]:
+    tp, r = role.config.tp, role.tp_rank
+    out = []
+    for name, full_shape, shard in _param_shapes(spec, role):
+        flat = layout.by_name[name]
+        n, off = flat.numel, flat.offset
+        local_shape = list(full_shape)
+        if shard.dim is not None:
+            local_shape[shard.dim] //= tp
+            size = n // tp
+            gather = (off + r * size, off + (r + 1) * size)
+            reduce = gather
+        else:
+            gather = (off, off + n)
+            if shard.partial_grad or tp == 1:
+                reduce = gather  # each TP rank holds a partial gradient: the owner's sum completes it
+            else:
+                # Replicated with identical gradients on every TP rank: each sends 1/tp of it, so none counts twice.
+                cuts = [off + k * n // tp for k in range(tp + 1)]
+                reduce = (cuts[r], cuts[r + 1])
+        out.append(LocalParam(name, flat, tuple(local_shape), gather, reduce))
+    return tuple(sorted(out, key=lambda p: p.gather[0]))

@@ -1,0 +1,319 @@
+"""The training loop: sampler -> planner -> deployment -> 1F1B -> disaggregated AdamW.
+
+One `Trainer` per rank. Each `step`:
+
+1. takes the global batch the sampler drew (every rank draws the same
+   batches from the seed, without communicating) and its plan, which rank 0
+   made in a background thread while the previous iteration computed, and
+   broadcasts as a compact int64 vector; only planning time that compute
+   did not hide is waited for (and logged);
+2. activates the plan's deployment (groups and models were built at start-up)
+   and gathers the compute shard from the optimizer's owners;
+3. reads only this rank's replica's documents from the corpus, packs them into
+   the plan's micro-batches and runs them in 1F1B (a replica without
+   micro-batches skips this and still takes part in everything else);
+4. reduces gradients into the owners, clips by the global norm and steps
+   AdamW; the loss (sum over all replicas / the batch's target tokens) rides
+   in the same all-reduce as the norm.
+
+The loss of a step is the mean over all real target tokens of the global
+batch, whatever the deployment, so runs on different deployments or world
+sizes see the same losses.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hydraulis.cost.model import CostModel
+from hydraulis.data.sampler import GlobalBatch, TokenBudgetSampler
+from hydraulis.errors import HydraulisError
+from hydraulis.parallel import Deployment
+from hydraulis.planner.plan import IterationPlan, plan_from_assignment
+from hydraulis.planner.planner import Planner
+from hydraulis.planner.pool import check_job_pool
+from hydraulis.runtime.batch import PackedBatch, count_targets, pack_documents
+from hydraulis.runtime.deployments import Active, Deployments
+from hydraulis.runtime.launch import DistEnv, init_distributed
+from hydraulis.runtime.layout import ModelLayout
+from hydraulis.runtime.optimizer import AdamW, DisaggregatedOptimizer
+from hydraulis.runtime.pipeline import train_step
+from hydraulis.sim import simulate
+from hydraulis.specs import ModelSpec
+
+SCHEDULES = ("cosine", "linear", "constant")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    lr: float = 3e-4
+    warmup: int = 10
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio at the last step
+    adamw: AdamW = field(default_factory=AdamW)
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise HydraulisError(f"unknown LR schedule {self.schedule!r}; use one of {', '.join(SCHEDULES)}")
+        if self.lr <= 0 or self.warmup < 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise HydraulisError("lr must be positive, warmup non-negative, min_lr_ratio within [0, 1]")
+
+    def lr_at(self, step: int, total_steps: int) -> float:
+        """Linear warm-up over `warmup` steps, then the schedule down to lr * min_lr_ratio."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        if self.schedule == "constant":
+            return self.lr
+        progress = min(1.0, (step - self.warmup) / max(1, total_steps - 1 - self.warmup))
+        floor = self.lr * self.min_lr_ratio
+        if self.schedule == "linear":
+            return self.lr - (self.lr - floor) * progress
+        return floor + (self.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    model: ModelSpec
+    pool: tuple[Deployment, ...]
+    cost: CostModel
+    optim: OptimSettings
+    steps: int
+    seed: int = 1
+    dtype: str = "fp32"
+    sequence_parallel: bool = False
+    recompute: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise HydraulisError(f"unknown dtype {self.dtype!r}; use one of {', '.join(DTYPES)}")
+        if self.steps < 0:
+            raise HydraulisError(f"steps must be non-negative, got {self.steps}")
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One iteration as rank 0 reports it (times in seconds)."""
+
+    step: int
+    loss: float
+    tokens: int
+    sequences: int
+    deployment: str
+    deployment_index: int
+    switched: bool
+    iteration_s: float
+    predicted_s: float
+    planning_s: float  # the planner's own time for this batch (hidden behind the previous iteration)
+    planning_unhidden_s: float  # what the iteration waited for it
+    gather_s: float
+    reduce_s: float
+    lr: float
+    grad_norm: float
+    replica_s: tuple[float, ...]
+    replica_predicted_s: tuple[float, ...]
+    micro_batches: tuple[int, ...]
+    epoch: int
+    position: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.iteration_s if self.iteration_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["replica_s"] = list(self.replica_s)
+        d["replica_predicted_s"] = list(self.replica_predicted_s)
+        d["micro_batches"] = list(self.micro_batches)
+        d["tokens_per_s"] = self.tokens_per_s
+        return d
+
+
+def encode_plan(plan: IterationPlan, pool_index: int) -> np.ndarray:
+    """[pool index, replicas, micro-batches per replica..., sizes..., sequence indices..., 2 float64s as bits]."""
+    mbs = [mb for r in plan.replicas for mb in r.micro_batches]
+    head = [pool_index, len(plan.replicas), *(len(r.micro_batches) for r in plan.replicas), *(len(m) for m in mbs)]
+    floats = np.array([plan.predicted_time_s, plan.planning_time_s], dtype=np.float64).view(np.int64)
+    return np.concatenate([np.array(head, np.int64), np.array([i for m in mbs for i in m], np.int64), floats])
+
+
+def decode_plan(data: np.ndarray, step: int, lengths: Sequence[int], pool: Sequence[Deployment]) -> IterationPlan:
+    index, replicas = int(data[0]), int(data[1])
+    counts = data[2 : 2 + replicas]
+    pos = 2 + replicas
+    sizes = data[pos : pos + int(counts.sum())]
+    pos += len(sizes)
+    flat = data[pos : pos + int(sizes.sum())]
+    predicted, planning = data[-2:].view(np.float64)
+    cuts = np.cumsum(sizes)[:-1]
+    mbs = np.split(flat, cuts) if len(sizes) else []
+    per_replica, k = [], 0
+    for c in counts:
+        per_replica.append(mbs[k : k + int(c)])
+        k += int(c)
+    return plan_from_assignment(step, lengths, pool[index], per_replica, float(predicted), float(planning))
+
+
+class Trainer:
+    """One rank's training loop (see the module docstring). Every rank of the job builds one."""
+
+    def __init__(
+        self,
+        settings: TrainSettings,
+        corpus: Sequence[np.ndarray],
+        sampler: TokenBudgetSampler,
+        env: DistEnv | None = None,
+    ) -> None:
+        self.settings = settings
+        self.env = env or init_distributed()
+        self.rank, self.world = self.env.rank, self.env.world_size
+        self.corpus, self.sampler = corpus, sampler
+        max_len = sampler.max_len if sampler.max_len is not None else int(sampler.piece_lengths().max())
+        check_job_pool(settings.pool, self.world, settings.model, settings.cost, max_len)
+        self.dtype = DTYPES[settings.dtype]
+        self.layout = ModelLayout(settings.model, self.world)
+        self.optimizer = DisaggregatedOptimizer(self.layout, self.rank, settings.optim.adamw, self.env.device)
+        self.optimizer.init(settings.seed)
+        # Plans travel on a CPU group: NCCL cannot broadcast host memory.
+        self.control = dist.new_group(backend="gloo") if self.env.backend != "gloo" else None
+        self.deployments = Deployments(
+            settings.model,
+            settings.pool,
+            self.optimizer,
+            self.dtype,
+            self.env.device,
+            settings.sequence_parallel,
+            settings.recompute,
+        )
+        self.planner = Planner(settings.cost, self.world, settings.pool) if self.rank == 0 else None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner") if self.rank == 0 else None
+        self.step_index = 0
+        self._pending: tuple[GlobalBatch, Future | None] | None = None
+
+    # -- plans ---------------------------------------------------------------------------
+    def _draw(self) -> None:
+        """Draw the next batch (every rank) and start planning it in the background (rank 0)."""
+        batch = self.sampler.next_batch()
+        future = None
+        if self.planner is not None:
+            future = self._executor.submit(self.planner.plan, batch.lengths, self.step_index)
+        self._pending = (batch, future)
+
+    def _next_plan(self) -> tuple[GlobalBatch, IterationPlan, float]:
+        if self._pending is None:
+            self._draw()
+        batch, future = self._pending
+        self._pending = None
+        waited = time.perf_counter()
+        payload = None
+        if future is not None:
+            try:
+                plan = future.result()
+                payload = encode_plan(plan, self.settings.pool.index(plan.deployment))
+            except HydraulisError as exc:
+                self._broadcast(None)
+                raise HydraulisError(f"planning step {self.step_index}: {exc}") from None
+        waited = time.perf_counter() - waited
+        data = self._broadcast(payload)
+        if data is None:
+            raise HydraulisError(f"rank 0 could not plan step {self.step_index}")
+        return batch, decode_plan(data, self.step_index, batch.lengths, self.settings.pool), waited
+
+    def _broadcast(self, payload: np.ndarray | None) -> np.ndarray | None:
+        """Rank 0's payload on every rank: its length first (-1: rank 0 failed), then the values."""
+        if self.world == 1:
+            return payload
+        size = torch.tensor([-1 if payload is None else len(payload)], dtype=torch.int64)
+        dist.broadcast(size, 0, group=self.control)
+        if int(size) < 0:
+            return None
+        data = torch.from_numpy(payload) if payload is not None else torch.empty(int(size), dtype=torch.int64)
+        dist.broadcast(data, 0, group=self.control)
+        return data.numpy()
+
+    # -- iterations -------------------------------------------------------------------------
+    def step(self) -> StepMetrics:
+        """Plan (already in flight), run and report one iteration; the next batch's planning starts at once."""
+        batch, plan, waited = self._next_plan()
+        self._draw()  # plan i + 1 while iteration i computes
+        return self.run_iteration(batch, plan, planning_unhidden_s=waited)
+
+    def micro_batches(self, batch: GlobalBatch, plan: IterationPlan, part: Active) -> list[PackedBatch]:
+        """This rank's replica's micro-batches: only its own documents are read from the corpus."""
+        pad = part.groups.config.tp if part.groups.tp.sequence_parallel else 1
+        out = []
+        for mb in plan.replicas[part.replica].micro_batches:
+            docs = []
+            for i in mb:
+                start = int(batch.starts[i])
+                piece = self.corpus[int(batch.docs[i])][start : start + int(batch.lengths[i])]
+                docs.append(torch.from_numpy(np.asarray(piece, dtype=np.int64)))
+            out.append(pack_documents(docs, pad_to_multiple=pad))
+        return out
+
+    def run_iteration(self, batch: GlobalBatch, plan: IterationPlan, planning_unhidden_s: float = 0.0) -> StepMetrics:
+        """Execute one plan on one batch (every rank, the same plan); returns the metrics (meaningful on rank 0)."""
+        start = time.perf_counter()
+        pool_index = self.settings.pool.index(plan.deployment)
+        part, switched = self.deployments.activate(pool_index)
+        self.deployments.gather(part)
+        gathered = time.perf_counter()
+        micro_batches = self.micro_batches(batch, plan, part)
+        model = part.model
+        for p in model.parameters():
+            p.grad = None
+        result = train_step(model, part.groups, micro_batches, count_targets(batch.lengths), reduce_partial_grads=False)
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize()
+        computed = time.perf_counter()
+        self.optimizer.reduce(part.exchange, part.params)
+        reduced = time.perf_counter()
+        counts_loss = result.loss_sum_tensor is not None and part.groups.tp.rank == 0
+        loss_part = result.loss_sum_tensor if counts_loss else torch.zeros((), device=self.env.device)
+        norm, extra = self.optimizer.global_norm(extra=loss_part.reshape(1))
+        lr = self.settings.optim.lr_at(self.step_index, self.settings.steps)
+        self.optimizer.step(lr, norm)
+        for p in model.parameters():
+            p.grad = None
+        times = torch.zeros(len(plan.deployment.replicas), dtype=torch.float64)
+        times[part.replica] = computed - gathered
+        if self.world > 1:
+            dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.control)
+        predicted = simulate(plan, self.settings.cost, keep_events=False)
+        values = torch.stack([norm.detach().double().cpu(), extra[0].double().cpu()]).tolist()  # one sync per step
+        metrics = StepMetrics(
+            step=self.step_index,
+            loss=values[1] / count_targets(batch.lengths),
+            tokens=batch.num_tokens,
+            sequences=len(batch),
+            deployment=str(plan.deployment),
+            deployment_index=pool_index,
+            switched=switched,
+            iteration_s=time.perf_counter() - start,
+            predicted_s=float(predicted.iteration_time_s),
+            planning_s=plan.planning_time_s,
+            planning_unhidden_s=planning_unhidden_s,
+            gather_s=gathered - start,
+            reduce_s=reduced - computed,
+            lr=lr,
+            grad_norm=values[0],
+            replica_s=tuple(times.tolist()),
+            replica_predicted_s=tuple(float(t) for t in predicted.replica_times_s),
+            micro_batches=tuple(len(r.micro_batches) for r in plan.replicas),
+            epoch=batch.state.epoch,
+            position=batch.state.position,
+        )
+        self.step_index += 1
+        return metrics
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)

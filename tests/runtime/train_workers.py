@@ -1,0 +1,140 @@
+"""Trainer scenarios that the multi-process tests run on every rank, and their single-process reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hydraulis.cost import AnalyticCostModel
+from hydraulis.data.sampler import TokenBudgetSampler
+from hydraulis.parallel import Deployment
+from hydraulis.planner.plan import IterationPlan
+from hydraulis.planner.planner import Planner
+from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, pack_documents
+from hydraulis.runtime.launch import init_distributed
+from hydraulis.runtime.layout import ModelLayout
+from hydraulis.runtime.optimizer import AdamW, state_bytes_formula
+from hydraulis.runtime.trainer import OptimSettings, Trainer, TrainSettings
+from hydraulis.specs import MODELS, ClusterSpec, get_device
+
+SEED = 5
+WORLD = 4
+POOL_TEXT = ("1x(tp2,pp1) + 2x(tp1,pp1)", "2x(tp1,pp2)", "1x(tp2,pp2)")
+STEPS = 8
+CRAFTED = 5  # steps run on plans made here (one with an idle replica); the rest plan inside the trainer
+# The deployment of each crafted step: switches every step, back and forth.
+CRAFTED_DEPLOYMENTS = (0, 1, 0, 2, 1)
+IDLE_STEP = 2  # in this crafted step, replica 2 of deployment 0 gets no micro-batch
+
+
+def corpus(vocab: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(SEED)
+    lengths = rng.integers(4, 120, size=48)
+    return [rng.integers(0, vocab, size=int(n)).astype(np.uint16) for n in lengths]
+
+
+def sampler(docs: list[np.ndarray]) -> TokenBudgetSampler:
+    return TokenBudgetSampler([len(d) for d in docs], tokens_per_batch=700, max_len=160, seed=SEED)
+
+
+def settings(model: str = "tiny", sequence_parallel: bool = False) -> TrainSettings:
+    spec = MODELS[model]
+    cluster = ClusterSpec(WORLD, gpus_per_node=WORLD)
+    return TrainSettings(
+        model=spec,
+        pool=tuple(Deployment.parse(t, cluster) for t in POOL_TEXT),
+        cost=AnalyticCostModel(spec, get_device("cpu")),
+        optim=OptimSettings(lr=3e-3, warmup=2, schedule="cosine", adamw=AdamW(weight_decay=0.1, grad_clip=0.5)),
+        steps=STEPS,
+        seed=SEED,
+        sequence_parallel=sequence_parallel,
+    )
+
+
+def crafted_plans(s: TrainSettings) -> list[IterationPlan]:
+    """Plans of the first CRAFTED batches on chosen deployments, one leaving a replica idle."""
+    docs = corpus(s.model.vocab)
+    smp = sampler(docs)
+    planner = Planner(s.cost, WORLD, s.pool)
+    plans = []
+    for step, k in enumerate(CRAFTED_DEPLOYMENTS):
+        plan = planner.plan_on(smp.next_batch().lengths, s.pool[k], step)
+        if step == IDLE_STEP:
+            r = plan.replicas
+            moved = type(r[0])(r[1].micro_batches + r[2].micro_batches)
+            plan = IterationPlan(plan.step, plan.lengths, plan.deployment, (r[0], moved, type(r[0])(())),
+                                 plan.predicted_time_s)
+        plans.append(plan)
+    return plans
+
+
+def train(rank: int, world: int, s: TrainSettings, plans: list[IterationPlan]) -> dict:
+    env = init_distributed("cpu")
+    docs = corpus(s.model.vocab)
+    smp = sampler(docs)
+    trainer = Trainer(s, docs, smp, env)
+    metrics = [trainer.run_iteration(smp.next_batch(), plan) for plan in plans]
+    metrics += [trainer.step() for _ in range(STEPS - len(plans))]
+    trainer.close()
+    opt = trainer.optimizer
+    traffic = {str(d): opt.plan(d, s.sequence_parallel).traffic() for d in s.pool}
+    splits = {
+        str(d): {
+            "gather_recv": sum(opt.plan(d, s.sequence_parallel).gather_recv_splits),
+            "gather_send": sum(opt.plan(d, s.sequence_parallel).gather_send_splits),
+            "reduce_send": sum(opt.plan(d, s.sequence_parallel).reduce_send_splits),
+            "reduce_recv": sum(opt.plan(d, s.sequence_parallel).reduce_recv_splits),
+        }
+        for d in s.pool
+    }
+    part = trainer.deployments.parts[trainer.deployments.current]
+    held = opt.state_bytes(part.params)
+    formula = state_bytes_formula(trainer.layout, part.exchange.local, rank, dtype_bytes=4)
+    return {
+        "metrics": [m.to_dict() for m in metrics],
+        "master": opt.master.clone(),
+        "traffic": traffic,
+        "splits": splits,
+        "held": held,
+        "formula": formula,
+        "owned": trainer.layout.owner_range(rank),
+    }
+
+
+def reference(s: TrainSettings) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the full model, one document at a time, torch.optim.AdamW and clip_grad_norm_."""
+    spec = s.model
+    docs = corpus(spec.vocab)
+    smp = sampler(docs)
+    model = StageModel(spec)
+    model.load_full_state_dict(ModelLayout(spec, 1).full_state_dict(s.seed))
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    a = s.optim.adamw
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=s.optim.lr,
+        betas=a.betas,
+        eps=a.eps,
+        foreach=False,
+    )
+    losses = []
+    for step in range(s.steps):
+        batch = smp.next_batch()
+        total = count_targets(batch.lengths)
+        loss = torch.zeros(())
+        for d, start, n in zip(batch.docs, batch.starts, batch.lengths, strict=True):
+            tokens = torch.from_numpy(docs[int(d)][int(start) : int(start + n)].astype(np.int64))
+            packed = pack_documents([tokens])
+            logits = model(packed.tokens, packed)
+            loss = loss + F.cross_entropy(logits, packed.targets, ignore_index=IGNORE_INDEX, reduction="sum")
+        loss = loss / total
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
+        for group in opt.param_groups:
+            group["lr"] = s.optim.lr_at(step, s.steps)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
