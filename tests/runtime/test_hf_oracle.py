@@ -28,7 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 from dist_launcher import run_workers  # noqa: E402
 
 from hydraulis.errors import HydraulisError  # noqa: E402
-from hydraulis.runtime import StageModel, count_targets, micro_batch_loss, pack_documents  # noqa: E402
+from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, micro_batch_loss, pack_documents  # noqa: E402
 from hydraulis.runtime.hf import (  # noqa: E402
     from_hf_state_dict,
     full_shapes,
@@ -46,6 +46,7 @@ LENGTHS = (13, 4, 29, 1, 17, 8)  # a one-token document has no target, but still
 GQA = MODELS["tiny"]  # heads 4, kv_heads 2
 MHA = MODELS["tiny-mha"]
 MQA = replace(GQA, name="tiny-mqa", kv_heads=1)
+MICRO_BATCHES = ((0, 1, 3), (2,), (4, 5))  # for the gloo runs: 3 micro-batches of different token counts
 
 
 def documents(vocab: int) -> list[torch.Tensor]:
@@ -110,7 +111,8 @@ def test_packed_model_matches_hf_per_document(spec):
     bounds = batch.cu_seqlens.tolist()
     for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
         torch.testing.assert_close(logits[start:end], ref["logits"][i], rtol=RTOL, atol=RTOL)
-        doc_loss = F.cross_entropy(logits[start:end], batch.targets[start:end], ignore_index=-100, reduction="sum")
+        targets = batch.targets[start:end]
+        doc_loss = F.cross_entropy(logits[start:end], targets, ignore_index=IGNORE_INDEX, reduction="sum")
         assert float(doc_loss.detach()) == pytest.approx(ref["losses"][i], rel=RTOL, abs=1e-6), f"document {i}"
     loss = micro_batch_loss(model, logits, batch) / count_targets(LENGTHS)
     assert float(loss.detach()) == pytest.approx(ref["loss"], rel=RTOL)
@@ -124,15 +126,11 @@ def test_packed_model_matches_hf_per_document(spec):
 # ------------------------------------------------------------ tensor parallel, 4 gloo ranks
 
 
-def _micro_batches():
-    return ((0, 1, 3), (2,), (4, 5))
-
-
 @pytest.fixture(scope="module")
 def four_rank_results():
     cases = {}
     for scenario, spec in (("tp4-gqa", GQA), ("tp4-gqa-sp", GQA), ("tp2pp2-mqa", MQA)):
-        cases[scenario] = (spec, hf_reference(spec)["state"], documents(spec.vocab), _micro_batches())
+        cases[scenario] = (spec, hf_reference(spec)["state"], documents(spec.vocab), MICRO_BATCHES)
     return cases, run_workers(hf_workers.run_scenarios, 4, cases, deadline_s=90)
 
 
