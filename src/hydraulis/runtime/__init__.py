@@ -3,12 +3,14 @@
 One process per GPU (gloo on CPU). A replica is (ParallelConfig, global
 ranks); `build_replica_groups` makes its process groups, `StageModel` is the
 part of the model one rank holds, and `train_step` runs its micro-batches
-with 1F1B. See batch.py for how documents become model input.
+with 1F1B. See batch.py for how documents become model input, hf.py for
+Hugging Face LLaMA configs and weights (transformers imported only when used).
 """
 
 from hydraulis.runtime.attention import attention_backend, packed_attention, per_document_attention
 from hydraulis.runtime.batch import IGNORE_INDEX, PackedBatch, count_targets, pack_documents
 from hydraulis.runtime.groups import ReplicaGroups, build_replica_groups, single_process_groups
+from hydraulis.runtime.hf import from_hf_state_dict, hf_config, hf_name, spec_from_hf_config, to_hf_state_dict
 from hydraulis.runtime.model import ParamLayout, StageModel, stage_layers
 from hydraulis.runtime.pipeline import StepResult, micro_batch_loss, train_step
 from hydraulis.runtime.tensor_parallel import ShardSpec, TensorParallel, vocab_parallel_cross_entropy
@@ -25,12 +27,17 @@ __all__ = [
     "attention_backend",
     "build_replica_groups",
     "count_targets",
+    "from_hf_state_dict",
+    "hf_config",
+    "hf_name",
     "micro_batch_loss",
     "pack_documents",
     "packed_attention",
     "per_document_attention",
     "single_process_groups",
+    "spec_from_hf_config",
     "stage_layers",
+    "to_hf_state_dict",
     "train_step",
     "vocab_parallel_cross_entropy",
 ]
