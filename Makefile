@@ -23,8 +23,12 @@ lint: $(STAMP)
 test: lint
 	$(VENV)/bin/pytest -q
 
+# The demo trains for real (4 CPU ranks, about a minute and a half), then shows the simulated
+# comparison at cluster scale. Its run directory is the demo's own, so it starts fresh each time.
 demo: $(STAMP)
-	$(VENV)/bin/hydraulis demo
+	rm -rf demo-out/train
+	$(VENV)/bin/hydraulis train --config examples/tiny-cpu.toml --nproc 4 --out demo-out/train
+	$(VENV)/bin/hydraulis demo --out demo-out/simulated
 
 bench: $(STAMP)
 	$(VENV)/bin/hydraulis bench

@@ -109,7 +109,7 @@ DEVICES: dict[str, DeviceSpec] = {
         DeviceSpec("h200-141g", 141 * GiB, 989e12, intra_node_bw=450e9, inter_node_bw=50e9),
         # One CPU process per rank (gloo over loopback): numbers of the right shape for planning tests
         # and CPU runs until `hydraulis profile` measures the machine.
-        DeviceSpec("cpu", 16 * GiB, 50e9, intra_node_bw=2e9, inter_node_bw=1e9, gpus_per_node=64, p2p_latency_s=100e-6),
+        DeviceSpec("cpu", 16 * GiB, 20e9, intra_node_bw=2e9, inter_node_bw=1e9, gpus_per_node=64, p2p_latency_s=100e-6),
     )
 }
 

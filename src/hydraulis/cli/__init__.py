@@ -16,6 +16,7 @@ from hydraulis.cli import (
     foundation,  # noqa: F401
     plan,  # noqa: F401
     propose,  # noqa: F401
+    train,  # noqa: F401
 )
 from hydraulis.cli.app import app
 from hydraulis.errors import HydraulisError

@@ -114,6 +114,7 @@ class StepMetrics:
     predicted_s: float
     planning_s: float  # the planner's own time for this batch (hidden behind the previous iteration)
     planning_unhidden_s: float  # what the iteration waited for it
+    switch_s: float  # activating another deployment (freeing and allocating compute shards)
     gather_s: float
     reduce_s: float
     lr: float
@@ -264,6 +265,7 @@ class Trainer:
         start = time.perf_counter()
         pool_index = self.settings.pool.index(plan.deployment)
         part, switched = self.deployments.activate(pool_index)
+        activated = time.perf_counter()
         self.deployments.gather(part)
         gathered = time.perf_counter()
         micro_batches = self.micro_batches(batch, plan, part)
@@ -301,7 +303,8 @@ class Trainer:
             predicted_s=float(predicted.iteration_time_s),
             planning_s=plan.planning_time_s,
             planning_unhidden_s=planning_unhidden_s,
-            gather_s=gathered - start,
+            switch_s=activated - start,
+            gather_s=gathered - activated,
             reduce_s=reduced - computed,
             lr=lr,
             grad_norm=values[0],

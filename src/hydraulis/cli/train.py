@@ -1,0 +1,28 @@
+"""`hydraulis train`: train a model on a corpus with heterogeneous replicas that switch between iterations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from hydraulis.cli.app import app
+
+
+@app.command()
+def train(
+    config: Path = typer.Option(..., "--config", "-c", help="The run config (TOML); see examples/tiny-cpu.toml."),
+    nproc: int = typer.Option(None, "--nproc", help="Local gloo processes to spawn (default: the pool's GPUs)."),
+    out: str = typer.Option(None, "--out", "-o", help="Run directory (default: train.out of the config)."),
+    steps: int = typer.Option(None, "--steps", help="Train this many steps (default: train.steps)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its newest checkpoint."),
+) -> None:
+    """Train; under torchrun every process is one rank, without it --nproc local gloo ranks are spawned."""
+    from hydraulis.config import load_config
+    from hydraulis.errors import HydraulisError
+    from hydraulis.train import prepare, run
+
+    if steps is not None and steps < 1:
+        raise HydraulisError(f"--steps must be positive, got {steps}")
+    job = prepare(load_config(config), nproc, out, steps, resume)
+    run(job)

@@ -1,0 +1,206 @@
+"""The run config of `hydraulis train`: a TOML file, validated at the boundary by pydantic.
+
+Every bad field gets one line naming its key (`data.tokens_per_batch`) and
+what is allowed; unknown keys are refused, so a typo never silently falls
+back to a default. `load_config` returns the validated model; `resolve`
+turns it into the frozen values the trainer takes (model spec, cost model,
+pool placed on the world size), checking everything that can be checked
+before any rank starts.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from hydraulis.errors import HydraulisError
+from hydraulis.specs import MODELS, ModelSpec
+
+MAX_TOKENS = 2**31 - 1
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    preset: str | None = "tiny"
+    layers: int | None = Field(None, ge=1, le=4096)
+    hidden: int | None = Field(None, ge=1, le=1 << 17)
+    ffn: int | None = Field(None, ge=1, le=1 << 19)
+    heads: int | None = Field(None, ge=1, le=1024)
+    kv_heads: int | None = Field(None, ge=1, le=1024)
+    vocab: int | None = Field(None, ge=2, le=1 << 22)
+    init_from: str | None = None  # a Hugging Face LLaMA directory
+
+    @field_validator("preset")
+    @classmethod
+    def _known(cls, v: str | None) -> str | None:
+        if v is not None and v not in MODELS:
+            raise ValueError(f"unknown model preset {v!r}; known: {', '.join(MODELS)}")
+        return v
+
+    def spec(self) -> ModelSpec:
+        shape = {k: getattr(self, k) for k in ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab")}
+        given = {k: v for k, v in shape.items() if v is not None}
+        if self.preset is None and len(given) < 5:
+            missing = [k for k, v in shape.items() if v is None and k != "kv_heads"]
+            raise HydraulisError(f"model: without a preset, give {', '.join(missing)}")
+        base = MODELS[self.preset] if self.preset else None
+        values = {k: given.get(k, getattr(base, k) if base else None) for k in shape}
+        if values["kv_heads"] is None:
+            values["kv_heads"] = values["heads"]
+        name = self.preset if base and not given else "custom"
+        return ModelSpec(name=name, **values)
+
+
+class DataSection(_Section):
+    corpus: str = "python-stdlib"
+    tokenizer: Literal["auto", "gpt2", "bytes"] = "auto"
+    tokens_per_batch: int = Field(16384, ge=1, le=MAX_TOKENS)
+    max_len: int = Field(2048, ge=2, le=MAX_TOKENS)
+    overlong: Literal["split", "truncate", "drop"] = "split"
+    seed: int = Field(1, ge=0, le=2**32 - 1)
+
+    @model_validator(mode="after")
+    def _fits(self) -> DataSection:
+        if self.max_len > self.tokens_per_batch:
+            raise ValueError(
+                f"max_len {self.max_len} is above tokens_per_batch {self.tokens_per_batch}: "
+                "a sequence could never fit in a batch"
+            )
+        return self
+
+    def tokenizer_for(self, spec: ModelSpec) -> str:
+        """GPT-2 when the vocabulary holds it, else bytes (the tiny models' 512 entries)."""
+        if self.tokenizer != "auto":
+            return self.tokenizer
+        return "gpt2" if spec.vocab >= 50257 else "bytes"
+
+
+class ParallelSection(_Section):
+    pool: str = "auto"  # "auto", a hydraulis.pool/1 file, or deployments separated by ';'
+    profile: str = "tiny@cpu"  # a profile file, a preset, MODEL@DEVICE (analytic), or @DEVICE (this model, analytic)
+    gpus_per_node: int | None = Field(None, ge=1, le=1024)
+    sequence_parallel: bool = False
+    recompute: bool = False
+    max_pool: int = Field(3, ge=1, le=16)
+
+
+class OptimSection(_Section):
+    lr: float = Field(3e-4, gt=0, le=10)
+    warmup: int = Field(10, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    weight_decay: float = Field(0.1, ge=0, le=10)
+    grad_clip: float = Field(1.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0, le=1)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError(f"each beta must lie in [0, 1), got {list(v)}")
+        return v
+
+
+class TrainSection(_Section):
+    steps: int = Field(100, ge=1, le=10**9)
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    log_every: int = Field(1, ge=1)
+    out: str = "runs/demo"
+    checkpoint_every: int = Field(0, ge=0)
+    keep_checkpoints: int = Field(2, ge=1, le=1000)
+
+
+class RunConfig(_Section):
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    parallel: ParallelSection = ParallelSection()
+    optim: OptimSection = OptimSection()
+    train: TrainSection = TrainSection()
+
+    def to_toml(self) -> str:
+        """The resolved config as TOML (every key, defaults included), so a run can be repeated from it."""
+        lines = []
+        for section, values in self.model_dump().items():
+            lines.append(f"[{section}]")
+            for key, value in values.items():
+                if value is not None:
+                    lines.append(f"{key} = {_toml_value(value)}")
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def first_error(exc: ValidationError, where: str) -> str:
+    """One line for a pydantic error: the key path, what was given, what is allowed."""
+    err = exc.errors()[0]
+    key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        section = key.rsplit(".", 1)[0] if "." in key else None
+        allowed = RunConfig.model_fields if section is None else RunConfig.model_fields[section].annotation.model_fields
+        return f"{where}: unknown key {key!r}; allowed: {', '.join(allowed)}"
+    given = err.get("input")
+    shown = "" if isinstance(given, dict) or given is None else f" (got {given!r})"
+    return f"{where}: {key}: {message}{shown}"
+
+
+def parse_config(data: dict[str, Any], where: str = "config") -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise HydraulisError(first_error(exc, where)) from None
+
+
+def load_config(path: str | Path) -> RunConfig:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise HydraulisError(f"{path}: no such config file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise HydraulisError(f"{path}: cannot read the config ({exc})") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise HydraulisError(f"{path}: not valid TOML ({exc})") from None
+    return parse_config(data, str(path))
+
+
+@dataclass(frozen=True)
+class PoolText:
+    """A pool as the config gives it: the world size it needs and its deployments' compact texts."""
+
+    world: int
+    deployments: tuple[str, ...]
+
+
+def pool_world(text: str) -> PoolText:
+    """The GPU count of an inline pool (every deployment must use the same count)."""
+    from hydraulis.parallel import parse_configs
+
+    items = tuple(t.strip() for t in text.split(";") if t.strip())
+    if not items:
+        raise HydraulisError(f"parallel.pool: {text!r} names no deployment")
+    sizes = [sum(c.num_gpus for c in parse_configs(t)) for t in items]
+    if len(set(sizes)) != 1:
+        listed = ", ".join(f"{t} ({n} GPUs)" for t, n in zip(items, sizes, strict=True))
+        raise HydraulisError(f"parallel.pool: deployments use different GPU counts: {listed}")
+    return PoolText(sizes[0], items)

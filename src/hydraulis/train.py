@@ -1,0 +1,390 @@
+"""A training job: from a run config to ranks that train and a run directory that shows it.
+
+`prepare` does everything that can fail on bad input BEFORE any rank starts
+or any file is written: it validates the config, opens (or builds) the
+corpus, loads the cost model, places or proposes the pool for the world
+size, and checks that the model fits some config of the pool at max_len.
+`run_rank` is what every rank executes (under torchrun, or spawned by
+`hydraulis train --nproc N`); rank 0 writes the run directory:
+
+- `metrics.jsonl`: one object per step (flushed as it goes, so a failed run
+  keeps what it measured), and a last `{"summary": ...}` line;
+- TensorBoard event files (`tb/`), `config.toml` (the resolved config),
+  `pool.json`, `summary.json` and, at the end, `report.png`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hydraulis.config import RunConfig, pool_world
+from hydraulis.cost import CostModel, load_cost_model
+from hydraulis.errors import HydraulisError
+from hydraulis.jsonio import default_mode
+from hydraulis.parallel import Deployment
+from hydraulis.planner.pool import Pool, check_job_pool, load_pool, parse_pool, save_pool
+from hydraulis.specs import ClusterSpec, ModelSpec
+
+RUN_FILES = ("metrics.jsonl", "config.toml", "pool.json", "summary.json", "report.png", "tb")
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything a rank needs, resolved and checked in the parent (picklable for spawn)."""
+
+    config: RunConfig
+    spec: ModelSpec
+    cost: CostModel
+    pool: tuple[Deployment, ...]
+    world: int
+    corpus_path: str
+    tokenizer: str
+    out: str
+    steps: int
+
+
+def _world_from_env() -> int | None:
+    """The world size torchrun gives this process, or None when it runs alone."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def prepare(config: RunConfig, nproc: int | None, out: str | None, steps: int | None, resume: bool) -> Job:
+    """A checked job; raises HydraulisError (one line) on any bad input, having written nothing."""
+    from hydraulis.data.builtin import resolve_corpus
+    from hydraulis.data.sampler import TokenBudgetSampler
+
+    run_dir = Path(out or config.train.out)
+    steps = steps if steps is not None else config.train.steps
+    # The resolved config: what config.toml records, so a run directory says what it ran.
+    config = config.model_copy(update={"train": config.train.model_copy(update={"out": str(run_dir), "steps": steps})})
+    spec = config.model.spec()
+    cost = job_cost_model(config.parallel.profile, spec)
+    tokenizer = config.data.tokenizer_for(spec)
+    _check_out(run_dir, config, resume)
+    env_world = _world_from_env()
+    pool_spec = config.parallel.pool
+    inline = pool_spec != "auto" and not Path(pool_spec).is_file() and not pool_spec.endswith(".json")
+    pool_gpus = pool_world(pool_spec).world if inline else None
+    if pool_spec != "auto" and not inline:
+        pool_gpus = load_pool(pool_spec).cluster.num_gpus
+    if env_world is not None:
+        if nproc is not None and nproc != env_world:
+            raise HydraulisError(f"--nproc {nproc} differs from torchrun's world size {env_world}; drop --nproc")
+        world = env_world
+    else:
+        world = nproc if nproc is not None else (pool_gpus or 1)
+    if world < 1:
+        raise HydraulisError(f"--nproc must be positive, got {world}")
+    if pool_gpus is not None and world > pool_gpus:
+        raise HydraulisError(
+            f"--nproc {world} is larger than the pool's {pool_gpus} GPUs; give a pool for {world} ranks or fewer ranks"
+        )
+    if pool_gpus is not None and world < pool_gpus:
+        raise HydraulisError(
+            f"the pool's deployments use {pool_gpus} GPUs but the job has {world} ranks; "
+            f"run {pool_gpus} ranks (--nproc {pool_gpus}) or give a pool for {world}"
+        )
+    gpn = config.parallel.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    cluster = ClusterSpec(world, min(gpn, world))
+    corpus = resolve_corpus(config.data.corpus, tokenizer, progress=True)
+    if corpus.manifest.tokenizer != tokenizer:
+        raise HydraulisError(
+            f"corpus {config.data.corpus} is tokenized with {corpus.manifest.tokenizer}, "
+            f"the model needs {tokenizer}; rebuild it or set data.tokenizer"
+        )
+    vocab_needed = get_vocab(tokenizer)
+    if vocab_needed > spec.vocab:
+        raise HydraulisError(f"model.vocab {spec.vocab} is smaller than the {tokenizer} tokenizer's {vocab_needed}")
+    d = config.data
+    sampler = TokenBudgetSampler(corpus.lengths, d.tokens_per_batch, d.max_len, d.seed, d.overlong)
+    if pool_spec == "auto":
+        pool = _propose(cost, cluster, sampler, config, d.max_len)
+    elif inline:
+        pool = parse_pool(pool_spec, cluster)
+    else:
+        pool = load_pool(pool_spec, cluster).deployments
+    check_job_pool(pool, world, spec, cost, d.max_len)
+    return Job(
+        config=config,
+        spec=spec,
+        cost=cost,
+        pool=tuple(pool),
+        world=world,
+        corpus_path=str(corpus.path),
+        tokenizer=tokenizer,
+        out=str(run_dir),
+        steps=steps,
+    )
+
+
+def job_cost_model(profile: str, spec: ModelSpec) -> CostModel:
+    """load_cost_model, plus `@DEVICE`: the analytic model of the trained model's own shape on DEVICE."""
+    if profile.startswith("@"):
+        from hydraulis.cost import AnalyticCostModel
+        from hydraulis.specs import get_device
+
+        return AnalyticCostModel(spec, get_device(profile[1:]))
+    return load_cost_model(profile)
+
+
+def get_vocab(tokenizer: str) -> int:
+    from hydraulis.data.tokenizer import get_tokenizer
+
+    return get_tokenizer(tokenizer).vocab_size
+
+
+def _propose(cost: CostModel, cluster: ClusterSpec, sampler, config: RunConfig, max_len: int):
+    """Pool "auto": a pool proposed from sample batches of this data (another seed than training's)."""
+    from hydraulis.data.sampler import TokenBudgetSampler
+    from hydraulis.planner.proposal import propose
+
+    d = config.data
+    sample = TokenBudgetSampler(sampler.lengths, d.tokens_per_batch, d.max_len, d.seed + 1, d.overlong).batches(8)
+    proposal = propose(cost, cluster, [b.lengths for b in sample], max_pool=config.parallel.max_pool,
+                       max_length=max_len)
+    return proposal.pool.deployments
+
+
+def _check_out(run_dir: Path, config: RunConfig, resume: bool) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise HydraulisError(f"{run_dir}: exists and is not a directory; choose another --out")
+    if resume:
+        return
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        previous = run_dir / "config.toml"
+        if previous.is_file() and previous.read_text(encoding="utf-8") == config.to_toml():
+            raise HydraulisError(f"{run_dir}: already holds this run; add --resume to continue it or choose --out")
+        raise HydraulisError(f"{run_dir}: already holds a different run (or other files); choose another --out")
+
+
+# ---------------------------------------------------------------------------------------------- ranks
+
+
+def run_rank(job: Job) -> dict[str, Any] | None:
+    """One rank's training; rank 0 returns the run summary."""
+    from hydraulis.data.indexed import open_corpus
+    from hydraulis.data.sampler import TokenBudgetSampler
+    from hydraulis.runtime.launch import init_distributed
+    from hydraulis.runtime.optimizer import AdamW
+    from hydraulis.runtime.trainer import OptimSettings, Trainer, TrainSettings
+
+    c = job.config
+    env = init_distributed(c.train.device)
+    corpus = open_corpus(job.corpus_path)
+    d = c.data
+    sampler = TokenBudgetSampler(corpus.lengths, d.tokens_per_batch, d.max_len, d.seed, d.overlong)
+    o = c.optim
+    settings = TrainSettings(
+        model=job.spec,
+        pool=job.pool,
+        cost=job.cost,
+        optim=OptimSettings(
+            lr=o.lr,
+            warmup=o.warmup,
+            schedule=o.schedule,
+            min_lr_ratio=o.min_lr_ratio,
+            adamw=AdamW(betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay, grad_clip=o.grad_clip),
+        ),
+        steps=job.steps,
+        seed=d.seed,
+        dtype=c.train.dtype,
+        sequence_parallel=c.parallel.sequence_parallel,
+        recompute=c.parallel.recompute,
+    )
+    trainer = Trainer(settings, corpus, sampler, env)
+    log = RunLog(job) if env.rank == 0 else None
+    try:
+        for _ in range(job.steps):
+            metrics = trainer.step()
+            if log is not None:
+                log.step(metrics)
+    finally:
+        trainer.close()
+        if log is not None:
+            log.close()
+    return log.finish() if log is not None else None
+
+
+class RunLog:
+    """Rank 0's view of the run: metrics file, TensorBoard, terminal progress, summary and report."""
+
+    def __init__(self, job: Job) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.job = job
+        self.out = Path(job.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.out / "config.toml", job.config.to_toml())
+        save_pool(self.out / "pool.json", Pool(job.cost.name, ClusterSpec(job.world, job.world), job.pool))
+        self.metrics_file = open(self.out / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self.tb = _tensorboard(self.out / "tb")
+        self.rows: list[dict[str, Any]] = []
+        self.console = Console()
+        self.progress = Progress(
+            TextColumn("training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=True,
+        )
+        self.task = self.progress.add_task("train", total=job.steps, info="")
+        self.progress.start()
+        self.console.print(
+            f"training {job.spec.name} ({job.spec.num_params / 1e6:.2f}M parameters) on {job.world} rank(s); pool: "
+            + "; ".join(str(d) for d in job.pool)
+        )
+
+    def step(self, m) -> None:
+        row = m.to_dict()
+        self.rows.append(row)
+        self.metrics_file.write(json.dumps(row) + "\n")
+        self.metrics_file.flush()
+        if self.tb is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "iteration_s", "predicted_s", "planning_s"):
+                self.tb.add_scalar(f"train/{key}", row[key], m.step)
+            self.tb.add_scalar("train/deployment", m.deployment_index, m.step)
+        info = f"loss {m.loss:.3f}"
+        self.progress.update(self.task, advance=1, info=info)
+        if m.step % self.job.config.train.log_every == 0 or m.step == self.job.steps - 1:
+            measured = ", ".join(f"{t:.3f}" for t in m.replica_s)
+            predicted = ", ".join(f"{t:.3f}" for t in m.replica_predicted_s)
+            self.console.print(
+                f"step {m.step:>4}  loss {m.loss:6.3f}  {m.tokens_per_s:>7,.0f} tok/s  {m.deployment}"
+                f"  {m.iteration_s:.2f} s (predicted {m.predicted_s:.2f})" + ("  switched" if m.switched else ""),
+                highlight=False,
+            )
+            self.console.print(f"      replicas measured [{measured}] s, predicted [{predicted}] s", highlight=False)
+
+    def close(self) -> None:
+        self.progress.stop()
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+        if not self.metrics_file.closed:
+            self.metrics_file.close()
+
+    def finish(self) -> dict[str, Any]:
+        summary = summarize(self.rows)
+        with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"summary": summary}) + "\n")
+        from hydraulis.jsonio import write_json_atomic
+
+        write_json_atomic(self.out / "summary.json", summary)
+        if self.rows:
+            report_plot(self.rows, self.out / "report.png", f"{self.job.spec.name} on {self.job.world} rank(s)")
+        shares = ", ".join(f"{k}: {v:.0%}" for k, v in summary["deployment_share"].items())
+        self.console.print(
+            f"done: {summary['steps']} steps, loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}, "
+            f"mean {summary['tokens_per_s']:,.0f} tokens/s; steps per deployment: {shares}; "
+            f"{summary['switches']} switch(es) costing {summary['switch_s']:.3f} s; "
+            f"planning not hidden {summary['planning_unhidden_s']:.3f} s of {summary['planning_s']:.3f} s; "
+            f"iteration time predicted/measured median error {summary['iteration_error_median']:.0%}"
+        )
+        self.console.print(f"run directory: {self.out} (metrics.jsonl, report.png, tb/, config.toml, pool.json)")
+        return summary
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    if not rows:
+        return {"steps": 0}
+    tokens = sum(r["tokens"] for r in rows)
+    seconds = sum(r["iteration_s"] for r in rows)
+    counts = Counter(r["deployment"] for r in rows)
+    errors = [abs(r["predicted_s"] - r["iteration_s"]) / r["iteration_s"] for r in rows if r["iteration_s"] > 0]
+    return {
+        "steps": len(rows),
+        "loss_first": rows[0]["loss"],
+        "loss_last": rows[-1]["loss"],
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "deployment_share": {k: v / len(rows) for k, v in counts.most_common()},
+        "switches": sum(1 for r in rows if r["switched"]),
+        "switch_s": sum(r["switch_s"] for r in rows if r["switched"]),
+        "planning_s": sum(r["planning_s"] for r in rows),
+        "planning_unhidden_s": sum(r["planning_unhidden_s"] for r in rows),
+        "iteration_error_median": statistics.median(errors) if errors else 0.0,
+        "iteration_error_max": max(errors) if errors else 0.0,
+    }
+
+
+def _tensorboard(path: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None  # tensorboard is optional for training; metrics.jsonl has everything
+    return SummaryWriter(str(path))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        default_mode(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def report_plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Loss, tokens/s, deployment per step, and predicted against measured replica times."""
+    from hydraulis.report import pyplot, save_figure
+
+    plt = pyplot()
+    steps = np.array([r["step"] for r in rows])
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5))
+    ax = axes[0, 0]
+    ax.plot(steps, [r["loss"] for r in rows], color="tab:blue")
+    ax.set(title="loss (mean over the global batch's target tokens)", xlabel="step", ylabel="loss")
+    ax = axes[0, 1]
+    ax.plot(steps, [r["tokens_per_s"] for r in rows], color="tab:green")
+    ax.set(title="throughput", xlabel="step", ylabel="tokens/s")
+    ax = axes[1, 0]
+    names = list(dict.fromkeys(r["deployment"] for r in rows))
+    ax.scatter(steps, [names.index(r["deployment"]) for r in rows], s=12, c="tab:purple")
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.set(title="deployment of each step", xlabel="step")
+    ax = axes[1, 1]
+    predicted = np.array([t for r in rows for t in r["replica_predicted_s"]])
+    measured = np.array([t for r in rows for t in r["replica_s"]])
+    busy = measured > 0
+    ax.scatter(predicted[busy], measured[busy], s=10, alpha=0.6, label="replica (busy)")
+    ax.scatter([r["predicted_s"] for r in rows], [r["iteration_s"] for r in rows], s=10, alpha=0.6,
+               label="iteration", color="tab:red")
+    top = float(max(predicted.max(initial=0), measured.max(initial=0), max(r["iteration_s"] for r in rows))) * 1.05
+    ax.plot([0, top], [0, top], color="gray", lw=1, ls="--", label="measured = predicted")
+    ax.set(title="cost model: predicted vs measured", xlabel="predicted s", ylabel="measured s")
+    ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def run(job: Job) -> dict[str, Any] | None:
+    """Run the job here (under torchrun) or on `job.world` local processes; returns rank 0's summary."""
+    from hydraulis.runtime.launch import spawn
+
+    if _world_from_env() is not None or job.world == 1:
+        return run_rank(job)
+    start = time.perf_counter()
+    results = spawn(run_rank, job.world, job)
+    summary = results[0]
+    if summary is not None:
+        summary["wall_s"] = time.perf_counter() - start
+    return summary
