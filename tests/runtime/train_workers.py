@@ -48,7 +48,9 @@ def settings(model: str = "tiny", sequence_parallel: bool = False) -> TrainSetti
         model=spec,
         pool=tuple(Deployment.parse(t, cluster) for t in POOL_TEXT),
         cost=AnalyticCostModel(spec, get_device("cpu")),
-        optim=OptimSettings(lr=1e-3, warmup=2, schedule="cosine", adamw=AdamW(eps=1e-6, weight_decay=0.1, grad_clip=0.5)),
+        optim=OptimSettings(
+            lr=1e-3, warmup=2, schedule="cosine", adamw=AdamW(eps=1e-6, weight_decay=0.1, grad_clip=0.5)
+        ),
         steps=STEPS,
         seed=SEED,
         sequence_parallel=sequence_parallel,
