@@ -115,8 +115,8 @@ class StepMetrics:
     planning_s: float  # the planner's own time for this batch (hidden behind the previous iteration)
     planning_unhidden_s: float  # what the iteration waited for it
     switch_s: float  # activating another deployment (freeing and allocating compute shards)
-    gather_s: float
-    reduce_s: float
+    gather_s: float  # includes waiting for the last rank to arrive
+    reduce_s: float  # includes waiting for the slowest replica (imbalance), not only the exchange
     lr: float
     grad_norm: float
     replica_s: tuple[float, ...]

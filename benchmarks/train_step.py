@@ -1,0 +1,173 @@
+"""Training iterations on local gloo ranks: Hydraulis against a megatron-style plan, measured in one run.
+
+Three ratios, every number measured here in the same job (CPU figures are
+informative: 4 ranks share this machine's cores):
+
+1. tokens/s of the same model on the same ranks and global batches, planned
+   by Hydraulis on its pool against the megatron baseline's homogeneous
+   plan (one config, greedy packing in data order);
+2. the optimizer's gather plus reduce per iteration against a DDP-style
+   all-reduce of the same model's gradients;
+3. an iteration that switches deployment against one that does not (same
+   batch, same deployment, only the previous iteration differs).
+
+    .venv/bin/python benchmarks/train_step.py [--steps 10] [--corpus bbc-news] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+from hydraulis.baselines import make_policy
+from hydraulis.cost import load_cost_model
+from hydraulis.data.builtin import ensure_builtin
+from hydraulis.data.sampler import TokenBudgetSampler
+from hydraulis.planner.planner import Planner
+from hydraulis.planner.policy import PolicyContext
+from hydraulis.planner.pool import parse_pool
+from hydraulis.specs import ClusterSpec, get_model
+
+WORLD = 4
+POOL = "4x(tp1,pp1); 1x(tp2,pp1) + 2x(tp1,pp1)"
+
+
+def worker(job: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from hydraulis.data.indexed import open_corpus
+    from hydraulis.runtime.launch import init_distributed
+    from hydraulis.runtime.trainer import OptimSettings, Trainer, TrainSettings
+
+    env = init_distributed("cpu")
+    corpus = open_corpus(job["corpus"])
+    settings = TrainSettings(job["spec"], job["pool"], job["cost"], OptimSettings(lr=1e-3, warmup=2), job["steps"])
+    sampler = TokenBudgetSampler(corpus.lengths, 2048, 1024, seed=1)
+    trainer = Trainer(settings, corpus, sampler, env)
+    out: dict = {}
+    batches = job["batches"]
+    for name, plans in job["plans"].items():
+        trainer.run_iteration(batches[0], plans[0])  # warm-up on this policy's first deployment
+        rows = [trainer.run_iteration(b, p) for b, p in zip(batches, plans, strict=True)]
+        out[name] = {"tokens": sum(r.tokens for r in rows), "seconds": sum(r.iteration_s for r in rows)}
+
+    def timed(fn, repeats: int = 9) -> float:
+        """Median over repeats, each started together after a barrier (in training, gather and reduce
+        also absorb the wait for the slowest rank, which is imbalance, not exchange cost)."""
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    # The optimizer's exchanges on each deployment of the pool, against a DDP-style all-reduce of
+    # the whole model's fp32 gradients on every rank.
+    flat = torch.zeros(trainer.layout.total)
+    out["allreduce_s"] = timed(lambda: dist.all_reduce(flat))
+    out["exchange_s"] = {}
+    for index, part in enumerate(trainer.deployments.parts):
+        trainer.deployments.activate(index)
+        for p in part.params:
+            p.grad = torch.ones_like(p)
+        gather = timed(lambda part=part: trainer.deployments.gather(part))
+        reduce = timed(lambda part=part: trainer.optimizer.reduce(part.exchange, part.params))
+        out["exchange_s"][str(part.deployment)] = gather + reduce
+        for p in part.params:
+            p.grad = None
+    # Switch cost: the same batch on deployment A, after A (no switch) or after B (a switch).
+    a, b = job["switch_plans"]
+    stay, switch = [], []
+    for _ in range(5):
+        trainer.run_iteration(batches[0], a)
+        stay.append(trainer.run_iteration(batches[0], a).iteration_s)
+        trainer.run_iteration(batches[0], b)
+        switch.append(trainer.run_iteration(batches[0], a).iteration_s)
+    out["stay_s"], out["switch_s"] = statistics.median(stay), statistics.median(switch)
+    trainer.close()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--corpus", default="bbc-news")
+    parser.add_argument("--profile", default="tiny@cpu")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+
+    from hydraulis.runtime.launch import spawn
+
+    spec = get_model("tiny")
+    cost = load_cost_model(args.profile)
+    cluster = ClusterSpec(WORLD, WORLD)
+    pool = parse_pool(POOL, cluster)
+    corpus = ensure_builtin(args.corpus, "bytes")
+    batches = TokenBudgetSampler(corpus.lengths, 2048, 1024, seed=1).batches(args.steps)
+    lengths = [b.lengths for b in batches]
+    ctx = PolicyContext.build(cost, cluster, lengths, pool)
+    megatron = make_policy("megatron", ctx)
+    hydraulis = Planner(cost, WORLD, pool)
+    plans = {
+        "megatron": [megatron.schedule(x, i).phases[0] for i, x in enumerate(lengths)],
+        "hydraulis": [hydraulis.plan(x, i) for i, x in enumerate(lengths)],
+    }
+    deployments = list(dict.fromkeys(list(pool) + [p.deployment for p in plans["megatron"]]))
+    switch_plans = [hydraulis.plan_on(lengths[0], d) for d in pool[:2]]
+    job = {
+        "spec": spec,
+        "cost": cost,
+        "pool": tuple(deployments),
+        "corpus": str(corpus.path),
+        "batches": batches,
+        "plans": plans,
+        "switch_plans": switch_plans,
+        "steps": args.steps,
+    }
+    start = time.perf_counter()
+    r = spawn(worker, WORLD, job)[0]
+    tput = {k: r[k]["tokens"] / r[k]["seconds"] for k in plans}
+    used = {k: sorted({str(p.deployment) for p in v}) for k, v in plans.items()}
+    report = {
+        "world": WORLD,
+        "steps": args.steps,
+        "corpus": args.corpus,
+        "profile": args.profile,
+        "tokens_per_s": tput,
+        "speedup_vs_megatron": tput["hydraulis"] / tput["megatron"],
+        "predicted_speedup": float(
+            np.sum([p.predicted_time_s for p in plans["megatron"]])
+            / np.sum([p.predicted_time_s for p in plans["hydraulis"]])
+        ),
+        "deployments": used,
+        "exchange_s": r["exchange_s"],
+        "allreduce_s": r["allreduce_s"],
+        "exchange_vs_allreduce": {k: v / r["allreduce_s"] for k, v in r["exchange_s"].items()},
+        "iteration_stay_s": r["stay_s"],
+        "iteration_switch_s": r["switch_s"],
+        "switch_vs_stay": r["switch_s"] / r["stay_s"],
+        "wall_s": time.perf_counter() - start,
+    }
+    print(f"train_step on {WORLD} gloo ranks, tiny model, {args.steps} batches of {args.corpus} (CPU: informative)")
+    for k in plans:
+        print(f"  {k:<10} {tput[k]:>8,.0f} tokens/s   deployments {', '.join(used[k])}")
+    print(f"  hydraulis / megatron: {report['speedup_vs_megatron']:.2f}x measured "
+          f"({report['predicted_speedup']:.2f}x predicted by the cost model)")
+    for k, v in report["exchange_s"].items():
+        print(f"  optimizer gather+reduce on {k}: {v * 1e3:.1f} ms vs DDP all-reduce "
+              f"{report['allreduce_s'] * 1e3:.1f} ms: {report['exchange_vs_allreduce'][k]:.2f}x")
+    print(f"  iteration after a switch {report['iteration_switch_s']:.3f} s vs without {report['iteration_stay_s']:.3f}"
+          f" s: {report['switch_vs_stay']:.2f}x")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
