@@ -23,9 +23,9 @@ pytestmark = pytest.mark.dist
 ROW_PARALLEL = ("attn.wo.weight", "ffn.w2.weight")  # stored transposed in the optimizer's global vector
 
 
-@pytest.fixture(scope="module")
-def run():
-    s = settings()
+@pytest.fixture(scope="module", params=[False, True], ids=["tp", "tp+sp"])
+def run(request):
+    s = settings(sequence_parallel=request.param)
     plans = crafted_plans(s)
     results = run_workers(train, WORLD, s, plans, deadline_s=240)
     losses, params = reference(s)
@@ -79,7 +79,12 @@ def test_final_parameters_match_single_process(run):
 
 
 def shard_elements(s, tp: int, pp: int, stage: int) -> tuple[int, int]:
-    """(compute shard, gradient sent) elements of one rank, from the model's shape alone (no SP)."""
+    """(compute shard, gradient sent) elements of one rank, from the model's shape alone.
+
+    Norm weights are replicated over TP; without SP their gradients are equal on every TP rank, so
+    each sends 1/tp; with SP each rank's is partial, so each sends all of it and the owner sums.
+    """
+    sp = s.sequence_parallel and tp > 1
     m = s.model
     kv_dim = m.kv_heads * m.head_dim
     kv_split = m.kv_heads % tp == 0
@@ -88,13 +93,13 @@ def shard_elements(s, tp: int, pp: int, stage: int) -> tuple[int, int]:
     norms = 2 * m.hidden
     layers = m.layers // pp
     shard = layers * (split // tp + kv_full + norms)
-    sent = layers * (split // tp + kv_full + norms // tp)
+    sent = layers * (split // tp + kv_full + (norms if sp else norms // tp))
     if stage == 0:
         shard += m.vocab * m.hidden // tp
         sent += m.vocab * m.hidden // tp
     if stage == pp - 1:
         shard += m.vocab * m.hidden // tp + m.hidden
-        sent += m.vocab * m.hidden // tp + m.hidden // tp
+        sent += m.vocab * m.hidden // tp + (m.hidden if sp else m.hidden // tp)
     return shard, sent
 
 
@@ -112,8 +117,10 @@ def test_exchanges_move_exactly_each_ranks_shards(run):
                 assert splits["reduce_send"] == sent, (key, rank)
         for r in results:
             lo, hi = r["owned"]
-            # Every replica contributes each owned gradient element exactly once.
-            assert r["splits"][key]["reduce_recv"] == len(deployment.replicas) * (hi - lo)
+            # Every replica contributes each owned gradient element exactly once (under SP, the TP ranks
+            # of a replica each send their partial norm gradients, which the owner sums).
+            received, once = r["splits"][key]["reduce_recv"], len(deployment.replicas) * (hi - lo)
+            assert received == once if not s.sequence_parallel else received >= once
             assert r["traffic"][key]["gather_recv"] <= r["splits"][key]["gather_recv"]
         assert sum(r["splits"][key]["gather_send"] for r in results) == sum(
             r["splits"][key]["gather_recv"] for r in results
