@@ -148,3 +148,21 @@ def test_lower_bound_without_a_config_that_fits_is_a_clear_error():
     with pytest.raises(HydraulisError, match="no parallel config of llama-7b@a800-80g fits 1 GPU"):
         lower_bound(np.array([100, 200]), cost, 1)
     assert lower_bound(np.array([100, 200]), cost, 2) > 0
+
+
+def test_recompute_raises_the_cap_and_costs_a_forward():
+    from hydraulis.cost import AnalyticCostModel
+    from hydraulis.cost.model import RECOMPUTE_TIME
+    from hydraulis.parallel import ParallelConfig
+    from hydraulis.specs import get_device, get_model
+
+    cost = AnalyticCostModel(get_model("llama-7b"), get_device("a800-80g"))
+    g, other = ParallelConfig(2, 1), ParallelConfig(4, 1)
+    rc = cost.with_recompute([g])
+    assert rc.cap(g, 32) > 2 * cost.cap(g, 32)
+    assert rc.cap(other, 32) == cost.cap(other, 32)
+    i = cost.index(g)
+    assert rc.a[i] == pytest.approx(cost.a[i] * RECOMPUTE_TIME) and rc.b[i] == pytest.approx(cost.b[i] * RECOMPUTE_TIME)
+    assert rc.c[i] == cost.c[i] and cost.recompute == frozenset() and rc.recompute == {g}
+    whole = AnalyticCostModel(get_model("llama-7b"), get_device("a800-80g"), recompute=True)
+    assert whole.recompute == set(whole.configs) and whole.cap(g, 32) == rc.cap(g, 32)

@@ -87,8 +87,35 @@ class ParallelSection(_Section):
     profile: str = "tiny@cpu"  # a profile file, a preset, MODEL@DEVICE (analytic), or @DEVICE (this model, analytic)
     gpus_per_node: int | None = Field(None, ge=1, le=1024)
     sequence_parallel: bool = False
-    recompute: bool = False
+    recompute: bool | list[str] = False  # true: every config; or the configs that recompute, e.g. ["tp1pp1"]
     max_pool: int = Field(3, ge=1, le=16)
+
+    @field_validator("recompute")
+    @classmethod
+    def _configs(cls, v: bool | list[str]) -> bool | list[str]:
+        if isinstance(v, list):
+            from hydraulis.parallel import ParallelConfig
+
+            for text in v:
+                try:
+                    ParallelConfig.parse(text)
+                except HydraulisError as exc:
+                    raise ValueError(str(exc)) from None
+        return v
+
+    def recompute_configs(self, configs) -> frozenset:
+        """The configs (of those given) whose replicas recompute activations."""
+        from hydraulis.parallel import ParallelConfig
+
+        if isinstance(self.recompute, bool):
+            return frozenset(configs) if self.recompute else frozenset()
+        named = {ParallelConfig.parse(t) for t in self.recompute}
+        unknown = named - set(configs)
+        if unknown:
+            raise HydraulisError(
+                f"parallel.recompute: {', '.join(sorted(g.name for g in unknown))} is not a config of the profile"
+            )
+        return frozenset(named)
 
 
 class OptimSection(_Section):

@@ -71,6 +71,7 @@ def prepare(config: RunConfig, nproc: int | None, out: str | None, steps: int | 
     config = config.model_copy(update={"train": config.train.model_copy(update={"out": str(run_dir), "steps": steps})})
     spec = config.model.spec()
     cost = job_cost_model(config.parallel.profile, spec)
+    cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
     tokenizer = config.data.tokenizer_for(spec)
     _check_out(run_dir, config, resume)
     env_world = _world_from_env()
@@ -201,7 +202,6 @@ def run_rank(job: Job) -> dict[str, Any] | None:
         seed=d.seed,
         dtype=c.train.dtype,
         sequence_parallel=c.parallel.sequence_parallel,
-        recompute=c.parallel.recompute,
     )
     trainer = Trainer(settings, corpus, sampler, env)
     log = RunLog(job) if env.rank == 0 else None

@@ -148,3 +148,19 @@ def test_single_process_step_equals_per_document_reference():
 def test_layout_errors_are_user_errors():
     with pytest.raises(HydraulisError, match="split evenly"):
         StageModel(MODELS["tiny"], num_stages=3)
+
+
+def test_recompute_gives_the_same_gradients():
+    """Activation recompute (checkpointed blocks) changes memory, never the loss or a gradient."""
+    spec = MODELS["tiny"]
+    batch = pack_documents([torch.randint(0, spec.vocab, (n,), generator=torch.Generator().manual_seed(n))
+                            for n in (9, 30, 4)])
+    grads = []
+    for recompute in (False, True):
+        model = StageModel(spec, recompute=recompute)
+        model.reset_parameters(3)
+        logits = model(batch.tokens, batch)
+        torch.nn.functional.cross_entropy(logits, batch.targets, ignore_index=IGNORE_INDEX).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-6, atol=1e-7)

@@ -47,8 +47,7 @@ class AnalyticCostModel(CostModel):
     ) -> None:
         self.gemm_efficiency = gemm_efficiency
         self.attention_efficiency = attention_efficiency
-        self.recompute = recompute
-        train = 4.0 if recompute else 3.0
+        train = 3.0
         H, L, V = model.hidden, model.layers, model.vocab
         coefficients = {}
         for config in configs or candidate_configs(model):
@@ -82,3 +81,6 @@ class AnalyticCostModel(CostModel):
         )
         min_eff = {tp: 256 * (1 + int(math.log2(tp))) for tp in (1, 2, 4, 8, 16)}
         super().__init__(f"{model.name}@{device.name}", model, device, coefficients, memory, min_eff)
+        if recompute:
+            recomputed = self.with_recompute(self.configs)
+            self.a, self.b, self.recompute = recomputed.a, recomputed.b, recomputed.recompute

@@ -12,7 +12,8 @@ simulator, baselines, proposal) costs things the same way.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +23,8 @@ from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import DeviceSpec, ModelSpec
 
 CAP_GRANULARITY = 128
+RECOMPUTE_INPUT_BYTES = 2  # a layer's input kept under full recompute (bf16)
+RECOMPUTE_TIME = 4 / 3  # training is 4 forwards instead of 3 when each layer's forward runs twice
 
 
 def sequence_costs(a: float | np.ndarray, b: float | np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -111,12 +114,17 @@ class MemoryModel:
             + H * V * 2 * per_matrix * alpha / num_gpus
         )
 
-    def bytes_per_token(self, config: ParallelConfig, model: ModelSpec) -> float:
+    def bytes_per_token(self, config: ParallelConfig, model: ModelSpec, recompute: bool = False) -> float:
         # 1F1B keeps pp micro-batches in flight on the first stage, L/pp layers each: L in all.
         # Context parallelism splits each sequence's activations over cp GPUs.
-        return model.layers * (model.hidden / config.tp) * self.activation_factor(config.tp) / config.cp
+        full = (model.hidden / config.tp) * self.activation_factor(config.tp)
+        if recompute:
+            # Only each layer's input is kept (compute dtype, full hidden), plus the one layer whose
+            # activations are being recomputed in backward.
+            return (model.layers * model.hidden * RECOMPUTE_INPUT_BYTES + full) / config.cp
+        return model.layers * full / config.cp
 
-    def cap(self, config: ParallelConfig, model: ModelSpec, num_gpus: int) -> int:
+    def cap(self, config: ParallelConfig, model: ModelSpec, num_gpus: int, recompute: bool = False) -> int:
         free = (
             self.memory_bytes
             - self.safety_margin_bytes
@@ -125,7 +133,7 @@ class MemoryModel:
         )
         if free <= 0:
             return 0
-        tokens = free / self.bytes_per_token(config, model)
+        tokens = free / self.bytes_per_token(config, model, recompute)
         return int(tokens // CAP_GRANULARITY) * CAP_GRANULARITY
 
 
@@ -155,6 +163,22 @@ class CostModel:
         self.a = np.array([coefficients[c].a for c in self.configs])
         self.b = np.array([coefficients[c].b for c in self.configs])
         self.c = np.array([coefficients[c].c for c in self.configs])
+        self.recompute: frozenset[ParallelConfig] = frozenset()
+
+    def with_recompute(self, configs: Iterable[ParallelConfig]) -> CostModel:
+        """A copy in which these configs recompute activations: a larger cap, a and b x RECOMPUTE_TIME.
+
+        The runtime checkpoints every transformer block of exactly these configs' replicas, so
+        the planner's caps and times describe what runs.
+        """
+        new = frozenset(configs) - self.recompute
+        out = copy.copy(self)
+        idx = [self.index(g) for g in new]
+        out.a, out.b = self.a.copy(), self.b.copy()
+        out.a[idx] *= RECOMPUTE_TIME
+        out.b[idx] *= RECOMPUTE_TIME
+        out.recompute = self.recompute | new
+        return out
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, {len(self.configs)} configs)"
@@ -191,7 +215,7 @@ class CostModel:
     # -- memory -----------------------------------------------------------------
     def cap(self, config: ParallelConfig, num_gpus: int) -> int:
         """Most tokens one micro-batch may hold on `config` in a job of `num_gpus`."""
-        return self.memory.cap(config, self.model, num_gpus)
+        return self.memory.cap(config, self.model, num_gpus, config in self.recompute)
 
     def caps(self, num_gpus: int) -> dict[ParallelConfig, int]:
         return {c: self.cap(c, num_gpus) for c in self.configs if c.num_gpus <= num_gpus}

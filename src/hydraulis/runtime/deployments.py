@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from hydraulis.errors import HydraulisError
-from hydraulis.parallel import Deployment
+from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.runtime.groups import DEFAULT_TIMEOUT, ReplicaGroups, build_replica_groups
 from hydraulis.runtime.model import StageModel
 from hydraulis.runtime.optimizer import DisaggregatedOptimizer, ExchangePlan
@@ -54,7 +54,7 @@ class Deployments:
         dtype: torch.dtype,
         device: torch.device,
         sequence_parallel: bool = False,
-        recompute: bool = False,
+        recompute: frozenset[ParallelConfig] = frozenset(),
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     ) -> None:
         self.pool = tuple(pool)
@@ -69,7 +69,8 @@ class Deployments:
             replica = next(i for i, r in enumerate(deployment.replicas) if rank in r.devices)
             key = (groups.ranks, groups.config, groups.stage, groups.tp.rank)
             if key not in models:
-                model = StageModel(spec, groups.tp, groups.stage, groups.config.pp, dtype, device, recompute=recompute)
+                g = groups.config
+                model = StageModel(spec, groups.tp, groups.stage, g.pp, dtype, device, recompute=g in recompute)
                 release(model)
                 models[key] = model
             exchange = optimizer.plan(deployment, sequence_parallel)

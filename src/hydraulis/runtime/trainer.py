@@ -89,8 +89,7 @@ class TrainSettings:
     steps: int
     seed: int = 1
     dtype: str = "fp32"
-    sequence_parallel: bool = False
-    recompute: bool = False
+    sequence_parallel: bool = False  # activation recompute: the configs in cost.recompute (one definition)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -192,7 +191,7 @@ class Trainer:
             self.dtype,
             self.env.device,
             settings.sequence_parallel,
-            settings.recompute,
+            settings.cost.recompute,
         )
         self.planner = Planner(settings.cost, self.world, settings.pool) if self.rank == 0 else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner") if self.rank == 0 else None
