@@ -73,8 +73,9 @@ def prepare(config: RunConfig, nproc: int | None, out: str | None, steps: int | 
     cost = job_cost_model(config.parallel.profile, spec)
     cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
     tokenizer = config.data.tokenizer_for(spec)
-    _check_out(run_dir, config, resume)
     env_world = _world_from_env()
+    if env_world is None or int(os.environ["RANK"]) == 0:
+        _check_out(run_dir, config, resume)  # under torchrun rank 0 writes the run directory, and checks it
     pool_spec = config.parallel.pool
     inline = pool_spec != "auto" and not Path(pool_spec).is_file() and not pool_spec.endswith(".json")
     pool_gpus = pool_world(pool_spec).world if inline else None

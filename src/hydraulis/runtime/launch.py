@@ -103,6 +103,19 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, outdir: str
     os._exit(0)
 
 
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Timed out", "timed out")
+
+
+def _blame(code: int, err: Path) -> int:
+    """How likely a failed rank is the cause (lower: more): a signal or a user error, a bug, a lost peer."""
+    if code < 0:
+        return 0
+    if code == 2:
+        return 1
+    text = err.read_text() if err.exists() else ""
+    return 3 if any(s in text for s in _PEER_LOST) else 2
+
+
 def _exit_reason(rank: int, code: int) -> str:
     if code < 0:
         return f"rank {rank} died by signal {signal.Signals(-code).name}"
@@ -126,13 +139,14 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, poll_s: float = 0.05) 
             while any(p.exitcode is None for p in procs):
                 bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if bad:
-                    # The first failure is the cause; a peer that it left stuck is not.
-                    failed = min(bad, key=lambda rc: (not (Path(outdir) / f"{rc[0]}.err").exists(), rc[0]))
+                    time.sleep(0.2)  # let peers that the failure broke exit too, then pick the cause
+                    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    failed = min(bad, key=lambda rc: (_blame(rc[1], Path(outdir) / f"{rc[0]}.err"), rc[0]))
                     break
                 time.sleep(poll_s)
             else:
                 bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-                failed = bad[0] if bad else None
+                failed = min(bad, key=lambda rc: (_blame(rc[1], Path(outdir) / f"{rc[0]}.err"), rc[0])) if bad else None
         finally:
             for p in procs:
                 if p.exitcode is None:
