@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import numpy as np
@@ -65,9 +66,12 @@ def first_run(rank: int, world: int, corpus_dir: Path, ckpt: Path, other: Path) 
     t.close()
     part = make_trainer(world, POOL_4, corpus_dir)
     first = []
-    for _ in range(SAVE_AT):
+    for i in range(SAVE_AT):
         first.append(part.step())
+        if i == SAVE_AT - 1:
+            seed_rngs(100 + rank)  # each rank's own RNG states, which the resumed run must get back
         save_checkpoint(part, ckpt, keep=KEEP)  # the next batch is already drawn: the lookahead must not count
+    after_save = draw_rngs()
     part.close()
     mha = make_trainer(world, POOL_4, corpus_dir, model="tiny-mha")  # another shape (kv_heads 4, not 2)
     save_checkpoint(mha, other)
@@ -78,7 +82,18 @@ def first_run(rank: int, world: int, corpus_dir: Path, ckpt: Path, other: Path) 
         "first": [m.loss for m in first],
         "master": t.optimizer.master.clone(),
         "exp_avg": t.optimizer.exp_avg.clone(),
+        "rng": after_save,
     }
+
+
+def seed_rngs(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def draw_rngs() -> tuple:
+    return torch.rand(3).tolist(), np.random.rand(3).tolist(), random.random()
 
 
 def _error(fn) -> str | None:
@@ -103,6 +118,7 @@ def resume_same(rank: int, world: int, corpus_dir: Path, bad: dict[str, Path], g
     )
     fell_back = resume(t, fallback)
     info = resume(t, good)
+    rng = draw_rngs()
     losses = [t.step() for _ in range(STEPS - SAVE_AT)]
     t.close()
     return {
@@ -111,6 +127,7 @@ def resume_same(rank: int, world: int, corpus_dir: Path, bad: dict[str, Path], g
         "fallback_step": None if fell_back is None else fell_back.step,
         "step": info.step,
         "saved_world": info.world_size,
+        "rng": rng,
         "losses": [m.loss for m in losses],
         "positions": [(m.epoch, m.position) for m in losses],
         "master": t.optimizer.master.clone(),

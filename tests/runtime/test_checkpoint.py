@@ -237,6 +237,8 @@ def test_resume_continues_bit_for_bit(work, resumed):
         assert r["step"] == SAVE_AT and r["saved_world"] == 4
         assert r["losses"] == full["full"][SAVE_AT:]  # ==: the same bits
         assert r["positions"] == full["full_positions"][SAVE_AT:]
+    assert [r["rng"] for r in resumed] == [r["rng"] for r in work[4]]  # each rank's torch, numpy, python RNGs
+    assert len({str(r["rng"]) for r in resumed}) == len(resumed)
     for key in ("master", "exp_avg"):
         got = torch.cat([r[key] for r in resumed])
         want = torch.cat([r[key] for r in work[4]])
@@ -365,4 +367,3 @@ def test_export_bad_input_is_one_line_and_writes_nothing(work, cli, tmp_path):
     done = cli("export", "--checkpoint", str(ckpt / LAST), "--out", str(existing))
     assert done.returncode == 2 and "--force" in done.stderr
     assert [p.name for p in existing.iterdir()] == ["keep.txt"]
-

@@ -301,6 +301,12 @@ def _gather(trainer: Trainer, obj: Any) -> list[Any]:
     return out
 
 
+def _writer(name: str) -> int:
+    """The rank that wrote a checkpoint file (`__R_0.distcp`, `rng-R.json`; rank 0 the rest): it hashes it."""
+    m = re.fullmatch(r"(?:optimizer/__(\d+)_\d+\.distcp|rng-(\d+)\.json)", name)
+    return int(m.group(1) or m.group(2)) if m else 0
+
+
 def _sharded(trainer: Trainer, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Owned ranges as local shards of 1-D DTensors over the world (Shard(0): the layout's owner ranges)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -322,10 +328,15 @@ def rng_state(device: torch.device) -> dict[str, Any]:
     version, state, gauss_next = random.getstate()
     out: dict[str, Any] = {
         "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
-        "numpy": {"kind": kind, "keys": [int(k) for k in keys], "pos": int(pos), "has_gauss": int(has_gauss),
-                  "cached_gaussian": float(cached)},
+        "numpy": {
+            "kind": kind,
+            "keys": [int(k) for k in keys],
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "python": {"version": version, "state": list(state), "gauss_next": gauss_next},
-    }  # fmt: skip
+    }
     if device.type == "cuda":
         out["cuda"] = base64.b64encode(torch.cuda.get_rng_state(device).numpy().tobytes()).decode()
     return out
@@ -335,8 +346,9 @@ def set_rng_state(data: dict[str, Any], device: torch.device, where: str) -> Non
     try:
         torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(data["torch"])), dtype=torch.uint8))
         n = data["numpy"]
-        np.random.set_state((n["kind"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
-                             n["cached_gaussian"]))  # fmt: skip
+        np.random.set_state(
+            (n["kind"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+        )
         p = data["python"]
         random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))
         if device.type == "cuda" and "cuda" in data:
@@ -366,8 +378,13 @@ def _manifest(trainer: Trainer, files: dict[str, FileEntry]) -> dict[str, Any]:
         "corpus": corpus,
         "optimizer": {"step": trainer.optimizer.step_count, "adamw": asdict(o.adamw)},
         "sampler": trainer.next_sampler_state().to_dict(),
-        "schedule": {"lr": o.lr, "warmup": o.warmup, "schedule": o.schedule, "min_lr_ratio": o.min_lr_ratio,
-                     "total_steps": s.steps},  # fmt: skip
+        "schedule": {
+            "lr": o.lr,
+            "warmup": o.warmup,
+            "schedule": o.schedule,
+            "min_lr_ratio": o.min_lr_ratio,
+            "total_steps": s.steps,
+        },
         "seed": s.seed,
         "dtype": s.dtype,
         "pool": [{"text": str(d), "replicas": d.to_rows()} for d in s.pool],
@@ -408,7 +425,7 @@ def save_checkpoint(trainer: Trainer, out_dir: str | Path, keep: int = DEFAULT_K
     write_json_atomic(tmp / rng_file(rank), rng_state(opt.device))
     _gather(trainer, None)  # a barrier: every rank's files are written
     names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file() and not p.name.endswith(".tmp"))
-    mine = {n: FileEntry((tmp / n).stat().st_size, sha256_file(tmp / n)) for n in names[rank :: trainer.world]}
+    mine = {n: FileEntry((tmp / n).stat().st_size, sha256_file(tmp / n)) for n in names if _writer(n) == rank}
     files = {k: v for part in _gather(trainer, mine) for k, v in part.items()}
 
     def publish() -> None:
@@ -472,8 +489,11 @@ def load_checkpoint(trainer: Trainer, path: str | Path, verify: bool = True, log
 
     def read() -> None:
         try:
-            dcp.load(_sharded(trainer, fresh), storage_reader=dcp.FileSystemReader(str(path / OPTIM_DIR)),
-                     process_group=_control(trainer))  # fmt: skip
+            dcp.load(
+                _sharded(trainer, fresh),
+                storage_reader=dcp.FileSystemReader(str(path / OPTIM_DIR)),
+                process_group=_control(trainer),
+            )
         except Exception as exc:  # noqa: BLE001 - DCP wraps every rank's read error
             raise HydraulisError(f"{path / OPTIM_DIR}: cannot read the optimizer state: {exc}") from None
         own = path / rng_file(rank)
@@ -487,12 +507,19 @@ def load_checkpoint(trainer: Trainer, path: str | Path, verify: bool = True, log
     opt.step_count = info.optimizer_step
     trainer.restore(info.step, info.sampler)
     s = trainer.settings
-    now = {"lr": s.optim.lr, "warmup": s.optim.warmup, "schedule": s.optim.schedule,
-           "min_lr_ratio": s.optim.min_lr_ratio, "total_steps": s.steps}  # fmt: skip
+    now = {
+        "lr": s.optim.lr,
+        "warmup": s.optim.warmup,
+        "schedule": s.optim.schedule,
+        "min_lr_ratio": s.optim.min_lr_ratio,
+        "total_steps": s.steps,
+    }
     changed = [k for k, v in now.items() if info.schedule.get(k) != v]
     if changed and rank == 0:
-        log(f"resuming {path} with another LR schedule: " + ", ".join(
-            f"{k} {info.schedule.get(k)} -> {now[k]}" for k in changed))  # fmt: skip
+        log(
+            f"resuming {path} with another LR schedule: "
+            + ", ".join(f"{k} {info.schedule.get(k)} -> {now[k]}" for k in changed)
+        )
     return info
 
 
@@ -515,15 +542,17 @@ def resume(trainer: Trainer, path: str | Path, verify: bool = True, log: Log = s
     Rank 0 picks it (sweeping temporary directories, skipping incomplete
     checkpoints, one line each) and tells the others; None when there is none.
     """
-    chosen: list[Any] = [None]
-    if trainer.rank == 0:
+
+    def pick() -> str | None:
+        if trainer.rank != 0:
+            return None
         found = resolve_checkpoint(path, log=log)
-        chosen = [None if found is None else str(found)]
-    if trainer.world > 1:
-        dist.broadcast_object_list(chosen, src=0, group=_control(trainer))
-    if chosen[0] is None:
+        return None if found is None else str(found)
+
+    chosen = _gather(trainer, _agree(trainer, pick))[0]
+    if chosen is None:
         return None
-    return load_checkpoint(trainer, chosen[0], verify=verify, log=log)
+    return load_checkpoint(trainer, chosen, verify=verify, log=log)
 
 
 # -- single-process reading (export) ------------------------------------------------------------------
