@@ -145,7 +145,8 @@ def resume_resharded_and_hf(rank: int, world: int, corpus_dir: Path, ckpt: Path,
     init_from(h, hf_dir)
     initial = h.optimizer.master.clone()
     hf_losses = [h.step() for _ in range(3)]
-    saved = save_checkpoint(h, hf_ckpt)
+    save_checkpoint(h, hf_ckpt)
+    saved = save_checkpoint(h, hf_ckpt)  # the same step again replaces it
     h.close()
     return {
         "step": info.step,

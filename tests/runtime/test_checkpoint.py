@@ -329,6 +329,7 @@ def test_export_loads_in_transformers_with_our_loss(work, resharded, cli, tmp_pa
     transformers = pytest.importorskip("transformers")
     _, _, results = resharded
     ckpt = Path(results[0]["hf_saved"])
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == [ckpt.name]  # replaced, nothing left beside it
     out = tmp_path / "hf-out"
     done = cli("export", "--checkpoint", str(ckpt), "--out", str(out))
     assert done.returncode == 0, done.stderr

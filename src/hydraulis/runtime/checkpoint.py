@@ -431,14 +431,18 @@ def save_checkpoint(trainer: Trainer, out_dir: str | Path, keep: int = DEFAULT_K
     def publish() -> None:
         if rank != 0:
             return
-        write_json_atomic(tmp / MANIFEST_FILE, _manifest(trainer, files))  # last: marks the checkpoint complete
         old = out / f".{name}.old"
-        if final.exists():
-            os.replace(final, old)
-        os.replace(tmp, final)
+        try:
+            write_json_atomic(tmp / MANIFEST_FILE, _manifest(trainer, files))  # last: marks it complete
+            shutil.rmtree(old, ignore_errors=True)
+            if final.exists():  # the same step saved again (e.g. right after a resume): replace it
+                os.replace(final, old)
+            os.replace(tmp, final)
+        except OSError as exc:
+            raise HydraulisError(f"{final}: cannot publish the checkpoint: {exc.strerror or exc}") from None
         shutil.rmtree(old, ignore_errors=True)
         if keep > 0:
-            complete = [p for step, p in list_checkpoints(out) if (p / MANIFEST_FILE).is_file()]
+            complete = [p for _, p in list_checkpoints(out) if (p / MANIFEST_FILE).is_file()]
             for p in complete[:-keep]:
                 if p != final:
                     shutil.rmtree(p, ignore_errors=True)

@@ -3,8 +3,8 @@
 Every parameter of the full model is flattened into ONE global vector, in the
 order of the full model's parameters, and rank r of N owns the contiguous
 range `owner_range(r)` of it (torch.chunk sizes, as DTensor's Shard(0)): its
-fp32 master weights, AdamW moments and reduced gradients. No deployment changes this layout, so switching
-deployments moves no optimizer state.
+fp32 master weights, AdamW moments and reduced gradients. No deployment
+changes this layout, so switching deployments moves no optimizer state.
 
 The trick that keeps every exchange cheap is the *canonical order* of each
 parameter: the dimension that tensor parallelism splits comes first. A
