@@ -13,6 +13,7 @@ from hydraulis.cli import (
     common,  # noqa: F401
     data,  # noqa: F401
     demo,  # noqa: F401
+    export,  # noqa: F401
     foundation,  # noqa: F401
     plan,  # noqa: F401
     propose,  # noqa: F401

@@ -21,10 +21,13 @@ manifest last, is written: a crash leaves no directory that `open_corpus` accept
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import glob
 import hashlib
 import os
 import shutil
 import struct
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -257,7 +260,10 @@ def build_corpus(
         raise HydraulisError(f"{out}: already exists (pass --force to replace it)")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        _sweep_stale_builds(out)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+        lock = os.open(tmp, os.O_RDONLY)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held while building: marks the directory as a live build's
     except OSError as exc:
         raise HydraulisError(f"{out}: cannot create the corpus directory: {exc.strerror or exc}") from None
     try:
@@ -266,6 +272,31 @@ def build_corpus(
         return _publish(tmp, out, if_exists, manifest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        os.close(lock)
+
+
+def _sweep_stale_builds(out: Path) -> None:
+    """Remove the hidden temporary directories that killed builds of `out` left behind, one line each.
+
+    A running build holds an exclusive flock on its temporary directory, and
+    the kernel drops it when the process dies, even by SIGKILL: a directory
+    whose lock can be taken belongs to no live build (a concurrent build of the
+    same corpus keeps its own).
+    """
+    for tmp in sorted(out.parent.glob(f".{glob.escape(out.name)}.*.tmp")):
+        try:
+            fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live build's
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+            print(f"removed {tmp}: left by a build of {out.name} that did not finish", file=sys.stderr)
+        finally:
+            os.close(fd)
 
 
 def _write(tmp: Path, documents: Iterable[str], tok: Tokenizer, source: str, counts: ReadCounts, name: str):

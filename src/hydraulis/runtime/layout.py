@@ -2,9 +2,9 @@
 
 Every parameter of the full model is flattened into ONE global vector, in the
 order of the full model's parameters, and rank r of N owns the contiguous
-range `owner_range(r)` of it: its fp32 master weights, AdamW moments and
-reduced gradients. No deployment changes this layout, so switching
-deployments moves no optimizer state.
+range `owner_range(r)` of it (torch.chunk sizes, as DTensor's Shard(0)): its
+fp32 master weights, AdamW moments and reduced gradients. No deployment
+changes this layout, so switching deployments moves no optimizer state.
 
 The trick that keeps every exchange cheap is the *canonical order* of each
 parameter: the dimension that tensor parallelism splits comes first. A
@@ -116,7 +116,10 @@ class ModelLayout:
         self.params: tuple[FlatParam, ...] = tuple(params)
         self.by_name = {p.name: p for p in self.params}
         self.total = offset
-        self.bounds = np.array([r * offset // world_size for r in range(world_size + 1)], dtype=np.int64)
+        # torch.chunk sizes (ceil(total / N), the last ranks smaller or empty): DTensor's Shard(0) split, so a
+        # rank's owned range is exactly its local shard of a 1-D DTensor and checkpoints reshard (checkpoint.py).
+        chunk = -(-offset // world_size)
+        self.bounds = np.array([min(r * chunk, offset) for r in range(world_size + 1)], dtype=np.int64)
 
     def owner_range(self, rank: int) -> tuple[int, int]:
         return int(self.bounds[rank]), int(self.bounds[rank + 1])

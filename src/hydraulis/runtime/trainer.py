@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from hydraulis.cost.model import CostModel
-from hydraulis.data.sampler import GlobalBatch, TokenBudgetSampler
+from hydraulis.data.sampler import GlobalBatch, SamplerState, TokenBudgetSampler
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
 from hydraulis.planner.plan import IterationPlan, plan_from_assignment
@@ -315,6 +315,19 @@ class Trainer:
         )
         self.step_index += 1
         return metrics
+
+    # -- checkpoints (checkpoint.py) ------------------------------------------------------------
+    def next_sampler_state(self) -> SamplerState:
+        """Where the first batch not yet trained starts (the sampler has already drawn one ahead)."""
+        return self._pending[0].state if self._pending is not None else self.sampler.state
+
+    def restore(self, step_index: int, sampler_state: SamplerState) -> None:
+        """Continue at `step_index` with the batch at `sampler_state`: a batch drawn ahead is dropped."""
+        if self._pending is not None and self._pending[1] is not None:
+            self._pending[1].cancel()  # a plan already running finishes; its result is never read
+        self._pending = None
+        self.sampler.state = sampler_state
+        self.step_index = step_index
 
     def close(self) -> None:
         if self._executor is not None:

@@ -1,0 +1,22 @@
+"""`hydraulis export`: a training checkpoint as a Hugging Face LlamaForCausalLM directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from hydraulis.cli.app import app
+
+
+@app.command("export")
+def export(
+    checkpoint: Path = typer.Option(..., "--checkpoint", "-c", help="A checkpoint directory (step-NNNNNN)."),
+    out: Path = typer.Option(..., "--out", "-o", help="HF directory to write (config.json, model.safetensors)."),
+    force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
+    max_positions: int = typer.Option(4096, "--max-positions", help="max_position_embeddings to advertise."),
+) -> None:
+    """Assemble the full fp32 model of a checkpoint on one process and write it for transformers."""
+    from hydraulis.runtime.hf_io import export_hf
+
+    export_hf(checkpoint, out, force=force, max_position_embeddings=max_positions, log=typer.echo)

@@ -1,0 +1,210 @@
+"""Hugging Face checkpoints in and out: `config.json` + `model.safetensors` of LlamaForCausalLM.
+
+- `export_hf`: a hydraulis checkpoint (checkpoint.py) to an HF directory, on
+  ONE process without torch.distributed: DCP reads the whole fp32 master
+  vector, the layout's canonical order turns it into full tensors, hf.py
+  renames them. Written into a hidden temporary directory and renamed into
+  place, so a crash leaves no half-written model.
+- `init_from`: an HF directory into the optimizer's owned range. Each owner
+  reads from the safetensors file only the rows (or, for the row-parallel
+  weights stored transposed in canonical order, the columns) that overlap
+  its range, so no rank ever loads the whole model.
+
+transformers is needed only to write `config.json` on export; import reads
+the config as plain JSON and the weights with safetensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hydraulis.errors import HydraulisError
+from hydraulis.jsonio import default_mode
+from hydraulis.runtime.checkpoint import describe, load_master, same_shape
+from hydraulis.runtime.hf import hf_config, hf_name, spec_from_hf_config, to_hf_state_dict
+from hydraulis.runtime.layout import FlatParam, ModelLayout
+from hydraulis.specs import ModelSpec
+
+if TYPE_CHECKING:
+    from hydraulis.runtime.optimizer import DisaggregatedOptimizer
+    from hydraulis.runtime.trainer import Trainer
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+def unflatten(layout: ModelLayout, vector: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The whole global vector as full-shape tensors (contiguous), in model order."""
+    if vector.numel() != layout.total:
+        raise HydraulisError(f"global vector of {vector.numel()} elements, the model has {layout.total}")
+    out = {}
+    for p in layout.params:
+        flat = vector[p.offset : p.offset + p.numel]
+        t = flat.view(p.canonical_shape)
+        out[p.name] = (t.t() if p.transposed else t).contiguous()
+    return out
+
+
+# -- export ----------------------------------------------------------------------------------------
+def export_hf(
+    checkpoint: str | Path,
+    out: str | Path,
+    force: bool = False,
+    max_position_embeddings: int = 4096,
+    log: Callable[[str], None] | None = None,
+) -> list[Path]:
+    """Write a checkpoint's model as an HF LlamaForCausalLM directory; returns the files written.
+
+    Everything is read and checked before anything is written; `out` must not
+    exist (or be empty) unless `force`.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise HydraulisError(f"{out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise HydraulisError(f"{out}: already exists (pass --force to replace it)")
+    info, master = load_master(checkpoint)
+    spec = info.model
+    tensors = to_hf_state_dict(unflatten(ModelLayout(spec, 1), master), spec)
+    config = hf_config(spec, max_position_embeddings).to_dict()
+    config["architectures"] = ["LlamaForCausalLM"]
+    config["dtype" if "dtype" in config else "torch_dtype"] = "float32"  # transformers 5 / 4
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    except OSError as exc:
+        raise HydraulisError(f"{out}: cannot create the output directory: {exc.strerror or exc}") from None
+    try:
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        meta = {"format": "pt", "hydraulis_checkpoint": str(info.path), "hydraulis_step": str(info.step)}
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata=meta)
+        default_mode(tmp)
+        for p in tmp.iterdir():
+            default_mode(p)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            os.replace(out, old / out.name)
+            try:
+                os.replace(tmp, out)
+            except BaseException:
+                os.replace(old / out.name, out)
+                raise
+            finally:
+                shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    written = [out / CONFIG_FILE, out / WEIGHTS_FILE]
+    if log is not None:
+        for p in written:
+            log(f"wrote {p} ({p.stat().st_size:,} bytes)")
+    return written
+
+
+# -- import ----------------------------------------------------------------------------------------
+def read_hf_config(hf_dir: str | Path) -> tuple[Path, dict[str, Any], ModelSpec]:
+    """(config path, config dict, spec) of an HF directory; a config we cannot compute names the file."""
+    path = Path(hf_dir) / CONFIG_FILE
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise HydraulisError(f"{path}: no such file (not a Hugging Face model directory)") from None
+    except (OSError, ValueError) as exc:
+        raise HydraulisError(f"{path}: cannot read: {exc}") from None
+    if not isinstance(config, dict):
+        raise HydraulisError(f"{path}: expected a JSON object")
+    try:
+        spec = spec_from_hf_config(config, Path(hf_dir).name or "hf")
+    except HydraulisError as exc:
+        raise HydraulisError(f"{path}: {exc}") from None
+    return path, config, spec
+
+
+def _weight_files(hf_dir: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it (one file, or a sharded index)."""
+    index = hf_dir / WEIGHTS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise HydraulisError(f"{index}: not a safetensors index ({type(exc).__name__}: {exc})") from None
+        return {name: hf_dir / file for name, file in weight_map.items()}
+    single = hf_dir / WEIGHTS_FILE
+    if not single.is_file():
+        raise HydraulisError(f"{single}: no such file (only safetensors weights are read)")
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(single), framework="pt") as fh:
+            names = list(fh.keys())
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise HydraulisError(f"{single}: not a safetensors file ({exc})") from None
+    return dict.fromkeys(names, single)
+
+
+def _read_range(sl: Any, p: FlatParam, start: int, stop: int) -> torch.Tensor:
+    """Canonical elements [start, stop) of one parameter, read as a slice of its full tensor."""
+    if len(p.full_shape) == 1:
+        return sl[start:stop].float().reshape(-1)
+    cols = p.canonical_shape[1]  # canonical rows: full rows, or full columns when transposed
+    r0, r1 = start // cols, -(-stop // cols)
+    block = sl[:, r0:r1].t() if p.transposed else sl[r0:r1]
+    return block.float().reshape(-1)[start - r0 * cols : stop - r0 * cols]
+
+
+@torch.no_grad()
+def init_from(target: Trainer | DisaggregatedOptimizer, hf_dir: str | Path) -> ModelSpec:
+    """Fill the owned range of the master weights from an HF LlamaForCausalLM directory.
+
+    Each rank reads only the slices of tensors in its range; every name and
+    shape is checked before the master changes. Call it before training (the
+    AdamW moments stay zero and the step count is untouched).
+    """
+    from safetensors import safe_open
+
+    opt = getattr(target, "optimizer", target)
+    layout: ModelLayout = opt.layout
+    hf_dir = Path(hf_dir)
+    config_path, _, spec = read_hf_config(hf_dir)
+    if not same_shape(spec, layout.spec):
+        raise HydraulisError(f"{config_path}: model {describe(spec)}, this run's model is {describe(layout.spec)}")
+    files = _weight_files(hf_dir)
+    lo, hi = opt.lo, opt.hi
+    fresh = torch.empty(hi - lo, dtype=torch.float32)
+    with contextlib.ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+        todo = []
+        for p in layout.params:  # first every name and shape, then the values
+            a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
+            if a >= b:
+                continue
+            name = hf_name(p.name)
+            if name not in files:
+                raise HydraulisError(f"{hf_dir}: the weights have no {name!r}")
+            file = files[name]
+            if file not in handles:
+                try:
+                    handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+                except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+                    raise HydraulisError(f"{file}: cannot open as safetensors ({exc})") from None
+            shape = tuple(handles[file].get_slice(name).get_shape())
+            if shape != p.full_shape:
+                raise HydraulisError(f"{file}: {name} has shape {shape}, the model's is {p.full_shape}")
+            todo.append((p, name, file, a, b))
+        for p, name, file, a, b in todo:
+            fresh[a - lo : b - lo] = _read_range(handles[file].get_slice(name), p, a - p.offset, b - p.offset)
+    opt.master.copy_(fresh.to(opt.device))
+    return spec

@@ -1,0 +1,61 @@
+"""A build killed by SIGKILL leaves its hidden temporary directory; the next build of that corpus removes it."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hydraulis.data.indexed import build_corpus, open_corpus
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+KILLED_BUILD = """
+import os, signal, sys
+from hydraulis.data import indexed
+
+def documents():
+    for i in range(3000):
+        if i == 2500:  # past the first chunk: tokens are on disk in the temporary directory
+            os.kill(os.getpid(), signal.SIGKILL)
+        yield f"document {i} " * 5
+
+indexed.build_corpus(documents(), sys.argv[1], "bytes", source="killed")
+"""
+
+
+def temporary(parent: Path, name: str) -> list[Path]:
+    return sorted(parent.glob(f".{name}.*.tmp"))
+
+
+def test_next_build_removes_what_a_killed_build_left(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "corpus"
+    env = dict(os.environ, PYTHONPATH=str(SRC))
+    done = subprocess.run([sys.executable, "-c", KILLED_BUILD, str(out)], env=env, capture_output=True, timeout=120)
+    assert done.returncode == -9, done.stderr
+    left = temporary(tmp_path, "corpus")
+    assert len(left) == 1 and (left[0] / "tokens.bin").stat().st_size > 0
+    assert not out.exists()
+    build_corpus(["a", "bb"], out, "bytes", source="again")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(left[0]) in err[0] and "did not finish" in err[0]
+    assert temporary(tmp_path, "corpus") == []
+    assert len(open_corpus(out)) == 2
+
+
+def test_a_live_build_keeps_its_directory(tmp_path: Path, capsys) -> None:
+    live = tmp_path / ".corpus.live1234.tmp"
+    live.mkdir()
+    fd = os.open(live, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as a build in progress holds it
+    try:
+        build_corpus(["a"], tmp_path / "corpus", "bytes", source="concurrent")
+    finally:
+        os.close(fd)
+    assert live.is_dir() and capsys.readouterr().err == ""
+    other = tmp_path / ".other.dead.tmp"  # another corpus's leftovers are not this build's to judge
+    other.mkdir()
+    build_corpus(["a"], tmp_path / "corpus2", "bytes", source="x")
+    assert other.is_dir()

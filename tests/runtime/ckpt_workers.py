@@ -1,0 +1,159 @@
+"""Checkpoint scenarios that the multi-process tests run on every gloo rank (importable by spawned children)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hydraulis.cost import AnalyticCostModel
+from hydraulis.data.indexed import build_corpus, open_corpus
+from hydraulis.data.sampler import SamplerState, TokenBudgetSampler
+from hydraulis.errors import HydraulisError
+from hydraulis.parallel import Deployment
+from hydraulis.runtime.checkpoint import load_checkpoint, resume, save_checkpoint
+from hydraulis.runtime.hf_io import init_from
+from hydraulis.runtime.launch import init_distributed
+from hydraulis.runtime.optimizer import AdamW
+from hydraulis.runtime.trainer import OptimSettings, Trainer, TrainSettings
+from hydraulis.specs import MODELS, ClusterSpec, get_device
+
+SEED = 7
+STEPS = 6
+SAVE_AT = 3  # the interrupted run stops after this many steps
+KEEP = 2
+POOL_4 = ("1x(tp2,pp1) + 2x(tp1,pp1)", "2x(tp1,pp2)", "1x(tp2,pp2)")
+POOL_2 = ("1x(tp2,pp1)", "2x(tp1,pp1)")
+TOKENS_PER_BATCH = 700
+MAX_LEN = 160
+
+
+def make_corpus(path: Path, seed: int = SEED, documents: int = 48) -> Path:
+    """A small byte-tokenized corpus with a real manifest (so checkpoints record its checksums)."""
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz .,\n"))
+    texts = ["".join(rng.choice(letters, size=int(n))) for n in rng.integers(4, 120, size=documents)]
+    build_corpus(texts, path, "bytes", source="ckpt-test")
+    return path
+
+
+def settings(world: int, pool: tuple[str, ...], model: str = "tiny") -> TrainSettings:
+    spec = MODELS[model]
+    cluster = ClusterSpec(world, gpus_per_node=world)
+    return TrainSettings(
+        model=spec,
+        pool=tuple(Deployment.parse(t, cluster) for t in pool),
+        cost=AnalyticCostModel(spec, get_device("cpu")),
+        optim=OptimSettings(lr=3e-3, warmup=2, schedule="cosine", adamw=AdamW(weight_decay=0.1, grad_clip=0.5)),
+        steps=STEPS,
+        seed=SEED,
+    )
+
+
+def make_trainer(world: int, pool: tuple[str, ...], corpus_dir: Path, model: str = "tiny") -> Trainer:
+    env = init_distributed("cpu")
+    corpus = open_corpus(corpus_dir)
+    sampler = TokenBudgetSampler(corpus.lengths, TOKENS_PER_BATCH, max_len=MAX_LEN, seed=SEED)
+    return Trainer(settings(world, pool, model), corpus, sampler, env)
+
+
+def first_run(rank: int, world: int, corpus_dir: Path, ckpt: Path, other: Path) -> dict:
+    """An uninterrupted run of STEPS, then a run that saves after each of its SAVE_AT steps (keeping KEEP)."""
+    t = make_trainer(world, POOL_4, corpus_dir)
+    full = [t.step() for _ in range(STEPS)]
+    t.close()
+    part = make_trainer(world, POOL_4, corpus_dir)
+    first = []
+    for i in range(SAVE_AT):
+        first.append(part.step())
+        if i == SAVE_AT - 1:
+            seed_rngs(100 + rank)  # each rank's own RNG states, which the resumed run must get back
+        save_checkpoint(part, ckpt, keep=KEEP)  # the next batch is already drawn: the lookahead must not count
+    after_save = draw_rngs()
+    part.close()
+    mha = make_trainer(world, POOL_4, corpus_dir, model="tiny-mha")  # another shape (kv_heads 4, not 2)
+    save_checkpoint(mha, other)
+    mha.close()
+    return {
+        "full": [m.loss for m in full],
+        "full_positions": [(m.epoch, m.position) for m in full],
+        "first": [m.loss for m in first],
+        "master": t.optimizer.master.clone(),
+        "exp_avg": t.optimizer.exp_avg.clone(),
+        "rng": after_save,
+    }
+
+
+def seed_rngs(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def draw_rngs() -> tuple:
+    return torch.rand(3).tolist(), np.random.rand(3).tolist(), random.random()
+
+
+def _error(fn) -> str | None:
+    try:
+        fn()
+    except HydraulisError as exc:
+        return str(exc)
+    return None
+
+
+def resume_same(rank: int, world: int, corpus_dir: Path, bad: dict[str, Path], good: Path, fallback: Path) -> dict:
+    """In new processes: refused loads leave the trainer as it was; a damaged newest falls back; then resume."""
+    t = make_trainer(world, POOL_4, corpus_dir)
+    errors = {name: _error(lambda p=p: load_checkpoint(t, p)) for name, p in bad.items()}
+    opt = t.optimizer
+    untouched = (
+        t.step_index == 0
+        and opt.step_count == 0
+        and float(opt.exp_avg.abs().sum()) == 0
+        and bool(torch.equal(opt.master, t.layout.init_range(opt.lo, opt.hi, SEED)))
+        and t.sampler.state == SamplerState()
+    )
+    fell_back = resume(t, fallback)
+    info = resume(t, good)
+    rng = draw_rngs()
+    losses = [t.step() for _ in range(STEPS - SAVE_AT)]
+    t.close()
+    return {
+        "errors": errors,
+        "untouched": untouched,
+        "fallback_step": None if fell_back is None else fell_back.step,
+        "step": info.step,
+        "saved_world": info.world_size,
+        "rng": rng,
+        "losses": [m.loss for m in losses],
+        "positions": [(m.epoch, m.position) for m in losses],
+        "master": t.optimizer.master.clone(),
+        "exp_avg": t.optimizer.exp_avg.clone(),
+    }
+
+
+def resume_resharded_and_hf(rank: int, world: int, corpus_dir: Path, ckpt: Path, hf_dir: Path, hf_ckpt: Path) -> dict:
+    """On 2 ranks and another pool: resume the 4-rank checkpoint; then train from an HF model and save."""
+    t = make_trainer(world, POOL_2, corpus_dir)
+    info = resume(t, ckpt)
+    losses = [t.step() for _ in range(STEPS - SAVE_AT)]
+    t.close()
+    h = make_trainer(world, POOL_2, corpus_dir)
+    init_from(h, hf_dir)
+    initial = h.optimizer.master.clone()
+    hf_losses = [h.step() for _ in range(3)]
+    save_checkpoint(h, hf_ckpt)
+    saved = save_checkpoint(h, hf_ckpt)  # the same step again replaces it
+    h.close()
+    return {
+        "step": info.step,
+        "losses": [m.loss for m in losses],
+        "master": t.optimizer.master.clone(),
+        "hf_initial": initial,
+        "hf_losses": [m.loss for m in hf_losses],
+        "hf_master": h.optimizer.master.clone(),
+        "hf_saved": str(saved),
+    }
