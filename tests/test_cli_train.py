@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import string
 from pathlib import Path
 
 import numpy as np
@@ -11,41 +10,13 @@ import pytest
 
 pytest.importorskip("torch")
 
-from hydraulis.data.indexed import build_corpus  # noqa: E402
+from train_helpers import losses, make_corpus, write_config  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
-BASE = {
-    "model": 'preset = "tiny"',
-    "data": 'tokens_per_batch = 768\nmax_len = 256\nseed = 3\ntokenizer = "bytes"',
-    "parallel": 'pool = "1x(tp2,pp1) + 2x(tp1,pp1); 2x(tp1,pp2); 4x(tp1,pp1)"\nprofile = "tiny@cpu"',
-    "optim": "lr = 3e-3\nwarmup = 2",
-    "train": "steps = 6\nlog_every = 2",
-}
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small byte-level corpus of documents of very different lengths."""
-    rng = np.random.default_rng(0)
-    words = ["".join(rng.choice(list(string.ascii_lowercase), size=int(n))) for n in rng.integers(2, 9, size=300)]
-    docs = [" ".join(rng.choice(words, size=int(n))) for n in rng.integers(3, 90, size=120)]
-    out = tmp_path_factory.mktemp("corpus") / "docs"
-    build_corpus(docs, out, "bytes", "test documents", name="docs")
-    return out
-
-
-def write_config(path: Path, corpus: Path, **overrides: str) -> Path:
-    sections = dict(BASE)
-    sections["data"] = f'corpus = "{corpus}"\n' + sections["data"]
-    sections.update(overrides)
-    path.write_text("\n".join(f"[{k}]\n{v}\n" for k, v in sections.items()))
-    return path
-
-
-def losses(out: Path) -> list[float]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
+    return make_corpus(tmp_path_factory.mktemp("corpus") / "docs")
 
 
 @pytest.fixture(scope="module")

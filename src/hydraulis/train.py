@@ -51,6 +51,12 @@ class Job:
     tokenizer: str
     out: str
     steps: int
+    resume: bool = False
+    max_restarts: int = 0
+
+    @property
+    def checkpoints(self) -> Path:
+        return Path(self.out) / "checkpoints"
 
 
 def _world_from_env() -> int | None:
@@ -60,7 +66,14 @@ def _world_from_env() -> int | None:
     return None
 
 
-def prepare(config: RunConfig, nproc: int | None, out: str | None, steps: int | None, resume: bool) -> Job:
+def prepare(
+    config: RunConfig,
+    nproc: int | None,
+    out: str | None,
+    steps: int | None,
+    resume: bool,
+    max_restarts: int = 0,
+) -> Job:
     """A checked job; raises HydraulisError (one line) on any bad input, having written nothing."""
     from hydraulis.data.builtin import resolve_corpus
     from hydraulis.data.sampler import TokenBudgetSampler
@@ -69,7 +82,11 @@ def prepare(config: RunConfig, nproc: int | None, out: str | None, steps: int | 
     steps = steps if steps is not None else config.train.steps
     # The resolved config: what config.toml records, so a run directory says what it ran.
     config = config.model_copy(update={"train": config.train.model_copy(update={"out": str(run_dir), "steps": steps})})
-    spec = config.model.spec()
+    # torchrun restarts every worker with the same arguments after a failure: continue, don't start over.
+    resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    if max_restarts < 0:
+        raise HydraulisError(f"--max-restarts must be non-negative, got {max_restarts}")
+    spec = model_spec(config)
     cost = job_cost_model(config.parallel.profile, spec)
     cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
     tokenizer = config.data.tokenizer_for(spec)
@@ -128,7 +145,28 @@ def prepare(config: RunConfig, nproc: int | None, out: str | None, steps: int | 
         tokenizer=tokenizer,
         out=str(run_dir),
         steps=steps,
+        resume=resume,
+        max_restarts=max_restarts,
     )
+
+
+def model_spec(config: RunConfig) -> ModelSpec:
+    """The model of the config; with init_from, the Hugging Face directory's own shape."""
+    m = config.model
+    if m.init_from is None:
+        return m.spec()
+    from hydraulis.runtime.hf_io import read_hf_config
+
+    path, _, spec = read_hf_config(m.init_from)
+    given = m.model_fields_set - {"init_from"}
+    if given:
+        mine = m.spec()
+        shape = ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab")
+        differ = [k for k in shape if getattr(mine, k) != getattr(spec, k)]
+        if differ:
+            k = differ[0]
+            raise HydraulisError(f"model.{k} is {getattr(mine, k)} but {path} says {getattr(spec, k)}; drop it")
+    return spec
 
 
 def job_cost_model(profile: str, spec: ModelSpec) -> CostModel:
@@ -163,7 +201,9 @@ def _check_out(run_dir: Path, config: RunConfig, resume: bool) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise HydraulisError(f"{run_dir}: exists and is not a directory; choose another --out")
     if resume:
-        return
+        if run_dir.is_dir() and (run_dir / "config.toml").is_file():
+            return
+        raise HydraulisError(f"{run_dir}: holds no run to resume (no config.toml); drop --resume or fix --out")
     if run_dir.is_dir() and any(run_dir.iterdir()):
         previous = run_dir / "config.toml"
         if previous.is_file() and previous.read_text(encoding="utf-8") == config.to_toml():
@@ -205,23 +245,92 @@ def run_rank(job: Job) -> dict[str, Any] | None:
         sequence_parallel=c.parallel.sequence_parallel,
     )
     trainer = Trainer(settings, corpus, sampler, env)
-    log = RunLog(job) if env.rank == 0 else None
+    say = _say(env.rank)
+    if job.resume:
+        from hydraulis.runtime.checkpoint import resume
+
+        info = resume(trainer, job.checkpoints, log=say)
+        say(f"resuming at step {trainer.step_index}" if info else "no checkpoint yet: starting from step 0")
+    elif c.model.init_from:
+        from hydraulis.runtime.hf_io import init_from
+
+        init_from(trainer, c.model.init_from)
+        say(f"initialised from {c.model.init_from}")
+    log = RunLog(job, trainer.step_index) if env.rank == 0 else None
+    stop = StopRequest()
     try:
-        for _ in range(job.steps):
+        while trainer.step_index < job.steps:
             metrics = trainer.step()
             if log is not None:
                 log.step(metrics)
+            stopping = stop.agreed(trainer)
+            every = c.train.checkpoint_every
+            if stopping or trainer.step_index == job.steps or (every and trainer.step_index % every == 0):
+                from hydraulis.runtime.checkpoint import save_checkpoint
+
+                path = save_checkpoint(trainer, job.checkpoints, keep=c.train.keep_checkpoints, log=say)
+                say(f"saved {path}")
+            if stopping:
+                say(f"stopped by {stop.name} at step {trainer.step_index}; continue with --resume")
+                break
     finally:
+        stop.restore()
         trainer.close()
         if log is not None:
             log.close()
     return log.finish() if log is not None else None
 
 
+def _say(rank: int):
+    def say(message: str) -> None:
+        if rank == 0:
+            print(message, flush=True)
+
+    return say
+
+
+class StopRequest:
+    """SIGTERM or SIGINT (preemption, Ctrl-C): finish the step, save, and leave with exit code 0.
+
+    Ranks may see the signal at different times, so at every step boundary
+    they agree (one tiny all-reduce) and stop together.
+    """
+
+    def __init__(self) -> None:
+        import signal
+
+        self.name: str | None = None
+        self._previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        import signal
+
+        self.name = signal.Signals(signum).name
+
+    def agreed(self, trainer) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if self.name else 0], dtype=torch.int64)
+        if trainer.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=trainer.control)
+        if int(flag) and self.name is None:
+            self.name = "a signal to another rank"
+        return bool(int(flag))
+
+    def restore(self) -> None:
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 class RunLog:
     """Rank 0's view of the run: metrics file, TensorBoard, terminal progress, summary and report."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, start_step: int = 0) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -230,9 +339,11 @@ class RunLog:
         self.out.mkdir(parents=True, exist_ok=True)
         write_text_atomic(self.out / "config.toml", job.config.to_toml())
         save_pool(self.out / "pool.json", Pool(job.cost.name, ClusterSpec(job.world, job.world), job.pool))
+        # On resume, keep the steps before the checkpoint; later ones (and old summaries) are redone.
+        self.rows = _metrics_before(self.out / "metrics.jsonl", start_step)
+        write_text_atomic(self.out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self.rows))
         self.metrics_file = open(self.out / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         self.tb = _tensorboard(self.out / "tb")
-        self.rows: list[dict[str, Any]] = []
         self.console = Console()
         self.progress = Progress(
             TextColumn("training"),
@@ -243,7 +354,7 @@ class RunLog:
             console=self.console,
             transient=True,
         )
-        self.task = self.progress.add_task("train", total=job.steps, info="")
+        self.task = self.progress.add_task("train", total=job.steps, completed=start_step, info="")
         self.progress.start()
         self.console.print(
             f"training {job.spec.name} ({job.spec.num_params / 1e6:.2f}M parameters) on {job.world} rank(s); pool: "
@@ -298,6 +409,20 @@ class RunLog:
         )
         self.console.print(f"run directory: {self.out} (metrics.jsonl, report.png, tb/, config.toml, pool.json)")
         return summary
+
+
+def _metrics_before(path: Path, step: int) -> list[dict[str, Any]]:
+    if step == 0 or not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a crash
+        if isinstance(row, dict) and "step" in row and row["step"] < step:
+            rows.append(row)
+    return rows
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -383,8 +508,20 @@ def run(job: Job) -> dict[str, Any] | None:
 
     if _world_from_env() is not None or job.world == 1:
         return run_rank(job)
+    from dataclasses import replace
+
+    from hydraulis.runtime.launch import RankFailed
+
     start = time.perf_counter()
-    results = spawn(run_rank, job.world, job)
+    for attempt in range(job.max_restarts + 1):
+        try:
+            results = spawn(run_rank, job.world, job)
+            break
+        except RankFailed as exc:
+            if attempt == job.max_restarts:
+                raise
+            print(f"{exc}; restarting from the last checkpoint ({attempt + 1} of {job.max_restarts})", flush=True)
+            job = replace(job, resume=True)
     summary = results[0]
     if summary is not None:
         summary["wall_s"] = time.perf_counter() - start

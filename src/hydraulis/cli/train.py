@@ -16,6 +16,9 @@ def train(
     out: str = typer.Option(None, "--out", "-o", help="Run directory (default: train.out of the config)."),
     steps: int = typer.Option(None, "--steps", help="Train this many steps (default: train.steps)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its newest checkpoint."),
+    max_restarts: int = typer.Option(
+        0, "--max-restarts", help="Local runs: after a rank fails, restart this often from the last checkpoint."
+    ),
 ) -> None:
     """Train; under torchrun every process is one rank, without it --nproc local gloo ranks are spawned."""
     from hydraulis.config import load_config
@@ -24,5 +27,5 @@ def train(
 
     if steps is not None and steps < 1:
         raise HydraulisError(f"--steps must be positive, got {steps}")
-    job = prepare(load_config(config), nproc, out, steps, resume)
+    job = prepare(load_config(config), nproc, out, steps, resume, max_restarts)
     run(job)

@@ -388,7 +388,7 @@ def _manifest(trainer: Trainer, files: dict[str, FileEntry]) -> dict[str, Any]:
         "seed": s.seed,
         "dtype": s.dtype,
         "pool": [{"text": str(d), "replicas": d.to_rows()} for d in s.pool],
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "files": {k: asdict(v) for k, v in sorted(files.items())},
     }
 

@@ -122,11 +122,36 @@ def _exit_reason(rank: int, code: int) -> str:
     return f"rank {rank} exited with code {code}"
 
 
-def spawn(fn: Callable[..., Any], nproc: int, *args: Any, poll_s: float = 0.05) -> list[Any]:
+class _Forward:
+    """While the launcher waits: SIGINT or SIGTERM goes on to the ranks as SIGTERM (they finish their
+    step, save and exit 0); a second one, or ranks still running after `grace_s`, ends them at once."""
+
+    def __init__(self, procs: list, grace_s: float) -> None:
+        self.procs, self.grace_s = procs, grace_s
+        self.since: float | None = None
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum, frame) -> None:
+        if self.since is not None:
+            raise KeyboardInterrupt
+        self.since = time.monotonic()
+        for p in self.procs:
+            if p.exitcode is None and p.pid is not None:
+                os.kill(p.pid, signal.SIGTERM)
+
+    def overdue(self) -> bool:
+        return self.since is not None and time.monotonic() - self.since > self.grace_s
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def spawn(fn: Callable[..., Any], nproc: int, *args: Any, poll_s: float = 0.05, grace_s: float = 120) -> list[Any]:
     """fn(*args) on `nproc` local processes (env set as torchrun would); their results in rank order.
 
     The first rank to fail ends the others; the error names it, with its
-    message (a user error) or traceback (a bug).
+    message (a user error) or traceback (a bug). No rank outlives the call.
     """
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
@@ -135,8 +160,11 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, poll_s: float = 0.05) 
         for p in procs:
             p.start()
         failed: tuple[int, int] | None = None
+        forward = _Forward(procs, grace_s)
         try:
             while any(p.exitcode is None for p in procs):
+                if forward.overdue():
+                    raise KeyboardInterrupt
                 bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if bad:
                     time.sleep(0.2)  # let peers that the failure broke exit too, then pick the cause
@@ -148,6 +176,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, poll_s: float = 0.05) 
                 bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
                 failed = min(bad, key=lambda rc: (_blame(rc[1], Path(outdir) / f"{rc[0]}.err"), rc[0])) if bad else None
         finally:
+            forward.restore()
             for p in procs:
                 if p.exitcode is None:
                     p.kill()

@@ -1,0 +1,41 @@
+"""A small byte-level corpus and run configs for the `hydraulis train` tests."""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+import numpy as np
+
+from hydraulis.data.indexed import build_corpus
+
+BASE = {
+    "model": 'preset = "tiny"',
+    "data": 'tokens_per_batch = 768\nmax_len = 256\nseed = 3\ntokenizer = "bytes"',
+    "parallel": 'pool = "1x(tp2,pp1) + 2x(tp1,pp1); 2x(tp1,pp2); 4x(tp1,pp1)"\nprofile = "tiny@cpu"',
+    "optim": "lr = 3e-3\nwarmup = 2",
+    "train": "steps = 6\nlog_every = 2",
+}
+
+
+def make_corpus(out: Path) -> Path:
+    """A small byte-level corpus of documents of very different lengths."""
+    rng = np.random.default_rng(0)
+    words = ["".join(rng.choice(list(string.ascii_lowercase), size=int(n))) for n in rng.integers(2, 9, size=300)]
+    docs = [" ".join(rng.choice(words, size=int(n))) for n in rng.integers(3, 90, size=120)]
+    build_corpus(docs, out, "bytes", "test documents", name="docs")
+    return out
+
+
+def write_config(path: Path, corpus: Path, **overrides: str) -> Path:
+    sections = dict(BASE)
+    sections["data"] = f'corpus = "{corpus}"\n' + sections["data"]
+    sections.update(overrides)
+    path.write_text("\n".join(f"[{k}]\n{v}\n" for k, v in sections.items()))
+    return path
+
+
+def losses(out: Path) -> list[float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
