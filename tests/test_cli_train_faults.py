@@ -16,7 +16,6 @@ import pytest
 
 pytest.importorskip("torch")
 
-from conftest import SRC  # noqa: E402
 from train_helpers import losses, make_corpus, write_config  # noqa: E402
 
 from hydraulis.data.indexed import open_corpus  # noqa: E402
@@ -24,6 +23,7 @@ from hydraulis.data.sampler import TokenBudgetSampler  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
+SRC = Path(__file__).resolve().parents[1] / "src"
 TWO = {"parallel": 'pool = "2x(tp1,pp1); 1x(tp2,pp1)"\nprofile = "tiny@cpu"'}
 
 
