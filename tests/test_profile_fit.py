@@ -34,8 +34,9 @@ def test_fit_recovers_known_coefficients_from_noisy_timings(a, b, c, seed):
     true = np.array([a * sum(s * s for s in mb) + b * sum(mb) + c for mb in mbs])
     noisy = true * (1 + rng.normal(0, 0.02, len(true)))
     fit = fit_robust(mbs, noisy)
-    predicted = np.array([fit.coefficients.a * sum(s * s for s in mb) + fit.coefficients.b * sum(mb)
-                          + fit.coefficients.c for mb in mbs])
+    predicted = np.array(
+        [fit.coefficients.a * sum(s * s for s in mb) + fit.coefficients.b * sum(mb) + fit.coefficients.c for mb in mbs]
+    )
     # Times are what the planner consumes: every prediction within a few noise widths.
     assert np.max(np.abs(predicted - true) / true) < 0.06
     assert len(fit.residuals) == len(mbs)

@@ -15,6 +15,7 @@ from hydraulis.cli import (
     demo,  # noqa: F401
     foundation,  # noqa: F401
     plan,  # noqa: F401
+    profile,  # noqa: F401
     propose,  # noqa: F401
 )
 from hydraulis.cli.app import app
