@@ -8,11 +8,14 @@ the `hydraulis.profile/1` data (`ProfiledCostModel.from_dict` reads it).
 
 What is timed, and why:
 
-- One config at a time, as N / (tp*pp) replicas at once (the config's size
-  must divide N): a training deployment keeps every rank busy, and on a CPU
-  the ranks share cores and memory bandwidth, so one replica alone would
-  look faster than training ever runs. Ranks outside the config (none when
-  it divides N) wait at a barrier.
+- Each config as N / (tp*pp) replicas at once (the config's size must
+  divide N): a training deployment keeps every rank busy, and on a CPU the
+  ranks share cores and memory bandwidth, so one replica alone would look
+  faster than training ever runs. Configs take turns by rounds (warm-up,
+  each timed repeat, memory), so that load from other processes, which
+  drifts over minutes, spreads over all configs instead of biasing the
+  planner's comparison of them; ranks outside the running config (none
+  when its size divides N) wait at a barrier.
 - Per pipeline stage, forward plus backward of ONE micro-batch. With pp = 1
   that is `train_step` itself. With pp > 1 every stage runs its
   `StageModel` forward and backward at once, its neighbours faked: a random
@@ -24,8 +27,8 @@ What is timed, and why:
   time is its slowest stage (the first holds the embedding, the last the
   head): in 1F1B's steady state the slowest stage sets the pace.
 - Warm-up runs, then repeats taken round-robin over the sweep (a burst of
-  load from another process then hits one repeat of many points, and the
-  median drops it, instead of every repeat of one point). A repeat starts
+  load then hits one repeat of many points, and the median drops it,
+  instead of every repeat of one point). A repeat starts
   after a barrier of the replica; a stage's time is the slowest of its TP
   ranks; a point's is the median over repeats, then over replicas. CPU:
   `time.perf_counter`; GPU: CUDA events.
@@ -207,63 +210,63 @@ class _StageRunner:
             out.backward(self.grads[i])
 
 
-def _measure_config(
-    spec: ModelSpec,
-    groups: ReplicaGroups,
-    batches: Sequence[PackedBatch],
-    settings: ProfileSettings,
-    device: torch.device,
-    dtype: torch.dtype,
-    report: Callable[[str, int], None] | None,
-) -> dict[str, Any]:
-    config = groups.config
-    model = StageModel(spec, groups.tp, groups.stage, config.pp, dtype, device)
-    run = _StageRunner(model, groups, batches, settings.seed)
-    clock = _Clock(device)
-    name = config.name
-    for i in range(len(batches)):
-        for _ in range(settings.warmup):
-            run(i)
-        if report:
-            report(name, settings.warmup)
-    times = [[0.0] * settings.repeats for _ in batches]
-    for r in range(settings.repeats):
-        for i in range(len(batches)):
-            _barrier(groups.replica_group, clock)
-            times[i][r] = clock.time(lambda i=i: run(i))
-            if report:
-                report(name, 1)
-    params = list(model.parameters())
-    activation = []
-    static = 0
-    for i in range(len(batches)):
-        _barrier(groups.replica_group, clock)
-        if clock.cuda:
+class _ConfigRun:
+    """One config's measurements on this rank, taken a round at a time (see `measure` for the order)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        groups: ReplicaGroups,
+        batches: Sequence[PackedBatch],
+        settings: ProfileSettings,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.groups, self.settings = groups, settings
+        self.model = StageModel(spec, groups.tp, groups.stage, groups.config.pp, dtype, device)
+        self.run = _StageRunner(self.model, groups, batches, settings.seed)
+        self.clock = _Clock(device)
+        self.count = len(batches)
+        self.times = [[0.0] * settings.repeats for _ in batches]
+        self.activation = [0] * len(batches)
+        self.static = 0
+
+    def warmup(self, i: int) -> None:
+        for _ in range(self.settings.warmup):
+            self.run(i)
+
+    def timed(self, i: int, repeat: int) -> None:
+        _barrier(self.groups.replica_group, self.clock)
+        self.times[i][repeat] = self.clock.time(lambda: self.run(i))
+
+    def memory(self, i: int) -> None:
+        _barrier(self.groups.replica_group, self.clock)
+        params = list(self.model.parameters())
+        if self.clock.cuda:
             torch.cuda.synchronize()
-            static = torch.cuda.memory_allocated()
+            before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            run(i)
+            self.run(i)
             torch.cuda.synchronize()
-            activation.append(int(torch.cuda.max_memory_allocated() - static))
+            self.activation[i] = int(torch.cuda.max_memory_allocated() - before)
         else:
             saved = _SavedTensors(params)
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-                run(i)
-            activation.append(saved.total)
-            static = sum(_tensor_bytes(p) for p in params) + sum(
-                _tensor_bytes(p.grad) for p in params if p.grad is not None
-            )
-        if report:
-            report(name, 1)
-    return {
-        "config": name,
-        "stage": groups.stage,
-        "tp_rank": groups.tp.rank,
-        "times_s": times,
-        "activation_bytes": activation,
-        "static_bytes": int(static),
-        "params": int(sum(p.numel() for p in params)),
-    }
+                self.run(i)
+            self.activation[i] = saved.total
+        grads = [p.grad for p in params if p.grad is not None]
+        self.static = sum(_tensor_bytes(p) for p in params) + sum(_tensor_bytes(g) for g in grads)
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "config": self.groups.config.name,
+            "stage": self.groups.stage,
+            "tp_rank": self.groups.tp.rank,
+            "times_s": self.times,
+            "activation_bytes": self.activation,
+            "static_bytes": int(self.static),
+            "params": int(sum(p.numel() for p in self.model.parameters())),
+        }
 
 
 def _measure_collectives(
@@ -345,15 +348,38 @@ def measure(
         pack_documents([torch.randint(0, spec.vocab, (s,), generator=g) for s in lengths])
         for lengths in sweep(settings)
     ]
-    measured: dict[str, Any] = {}
-    for config in configs:
+    groups: dict[ParallelConfig, ReplicaGroups | None] = {}
+    for config in configs:  # new_group is a collective of the whole job: every rank, same order
         n = config.num_gpus
         replicas = [Replica(config, tuple(range(j * n, (j + 1) * n))) for j in range(env.world_size // n)]
-        groups = build_replica_groups(replicas, timeout=JOB_TIMEOUT)
-        if groups is not None:
-            measured[config.name] = _measure_config(spec, groups, batches, settings, env.device, dtype, report)
-        if env.device.type == "cuda":
-            torch.cuda.empty_cache()
+        groups[config] = build_replica_groups(replicas, timeout=JOB_TIMEOUT)
+    rounds = 1 + settings.repeats + 1  # warm-up, timed repeats, memory
+    order = (
+        [(r, c) for r in range(rounds) for c in configs]
+        if settings.interleave
+        else [(r, c) for c in configs for r in range(rounds)]
+    )
+    runs: dict[ParallelConfig, _ConfigRun] = {}
+    measured: dict[str, Any] = {}
+    for r, config in order:
+        mine = groups[config]
+        if mine is not None:
+            if config not in runs:
+                runs[config] = _ConfigRun(spec, mine, batches, settings, env.device, dtype)
+            run = runs[config]
+            for i in range(run.count):
+                if r == 0:
+                    run.warmup(i)
+                elif r <= settings.repeats:
+                    run.timed(i, r - 1)
+                else:
+                    run.memory(i)
+                if report:
+                    report(config.name, 1)
+            if r == rounds - 1:  # the config's last round: free its model
+                measured[config.name] = runs.pop(config).result()
+                if env.device.type == "cuda":
+                    torch.cuda.empty_cache()
         dist.barrier()  # ranks without a replica of this config wait here
     collectives = _measure_collectives(env, settings, report) if env.world_size > 1 else None
     return {

@@ -35,6 +35,9 @@ def profile(
     max_doc: int = typer.Option(1024, "--max-doc", help="Sweep: longest document."),
     warmup: int = typer.Option(1, "--warmup", help="Untimed runs of each micro-batch first."),
     repeats: int = typer.Option(5, "--repeats", help="Timed runs of each micro-batch (the median counts)."),
+    interleave: bool = typer.Option(
+        True, "--interleave/--one-config-at-a-time", help="Configs take turns by rounds (holds all models at once)."
+    ),
     threads: int = typer.Option(None, "--threads", help="torch threads per rank (default: cores / processes)."),
     dtype: str = typer.Option(None, "--dtype", help="fp32 or bf16 (default: fp32 on cpu, bf16 on cuda)."),
     collective_bytes: str = typer.Option(
@@ -56,6 +59,7 @@ def profile(
         repeats=repeats,
         dtype=dtype,
         threads=threads,
+        interleave=interleave,
         collective_bytes=_ints(collective_bytes, "--collective-bytes"),
     )
     if out.is_dir():

@@ -32,6 +32,10 @@ class ProfileSettings:
     seed: int = 0
     collective_bytes: tuple[int, ...] = (2**10, 2**13, 2**16, 2**19, 2**22)  # per rank, all it sends
     collective_repeats: int = 5
+    # Rounds of every config in turn, not each config's sweep at once: load from other processes
+    # drifts over minutes, and interleaving spreads it over all configs instead of biasing some.
+    # All configs' models are then held at once; False frees each before the next (large models).
+    interleave: bool = True
     threads: int | None = None  # torch threads per rank; None: as `hydraulis train --nproc` (cores / ranks)
 
     def __post_init__(self) -> None:
