@@ -104,9 +104,30 @@ def test_measured_collectives_replace_the_device_constants():
         ProfiledCostModel.from_dict(data)
 
 
-def _preset_dict() -> dict:
+def _preset_dict(name: str = "llama-7b-a800.json") -> dict:
     import json
     from importlib import resources
 
-    path = resources.files("hydraulis.cost") / "profiles" / "llama-7b-a800.json"
+    path = resources.files("hydraulis.cost") / "profiles" / name
     return copy.deepcopy(json.loads(path.read_text()))
+
+
+def test_the_shipped_cpu_profile_was_measured_and_plans(cli, tmp_path):
+    cost = ProfiledCostModel.preset("tiny@cpu-measured")
+    assert cost.model.name == "tiny" and cost.device.name == "cpu"
+    assert {c.name for c in cost.configs} == {"tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2", "tp4pp1", "tp1pp4"}
+    assert cost.collectives is not None and cost.collectives.world_size == 4
+    assert cost.collectives.all_to_all is not None and cost.collectives.p2p is not None
+    data = _preset_dict("tiny-cpu-measured.json")
+    assert data["memory"]["method"].startswith("cpu: counted tensor bytes")
+    for fid in data["fidelity"].values():
+        assert 0 <= fid["holdout"]["median_abs_rel_error"] <= fid["holdout"]["worst_abs_rel_error"]
+    # Deeper pipelines split the layers: the measured per-stage a falls with pp.
+    a = {c.name: cost.coefficients(c).a for c in cost.configs}
+    assert a["tp1pp4"] < a["tp1pp2"] < a["tp1pp1"]
+    work = tmp_path / "w.json"
+    work.write_text(
+        '{"schema": "hydraulis.workload/1", "name": "w", "batches": [[300, 120, 64, 900, 40, 500, 800, 77]]}'
+    )
+    res = cli("plan", "-p", "tiny@cpu-measured", "-n", "4", "-w", str(work), "--out", str(tmp_path / "plan.json"))
+    assert res.returncode == 0, res.stderr

@@ -20,6 +20,8 @@ PRESETS = {
     "llama-7b@a800-80g": "llama-7b-a800.json",
     "llama-13b@a800-80g": "llama-13b-a800.json",
     "llama-32b@a800-80g": "llama-32b-a800.json",
+    # `hydraulis profile --model tiny --configs tp1pp1,tp2pp1,tp1pp2,tp2pp2,tp4pp1,tp1pp4 --nproc 4` on CPU.
+    "tiny@cpu-measured": "tiny-cpu-measured.json",
 }
 
 
