@@ -16,6 +16,7 @@ from hydraulis.cli import (
     export,  # noqa: F401
     foundation,  # noqa: F401
     plan,  # noqa: F401
+    profile,  # noqa: F401
     propose,  # noqa: F401
     train,  # noqa: F401
 )

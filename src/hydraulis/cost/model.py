@@ -137,6 +137,31 @@ class MemoryModel:
         return int(tokens // CAP_GRANULARITY) * CAP_GRANULARITY
 
 
+@dataclass(frozen=True)
+class Link:
+    """A measured link: t = latency_s + bytes / bandwidth_Bps."""
+
+    latency_s: float
+    bandwidth_Bps: float
+
+    def time(self, num_bytes: float) -> float:
+        return self.latency_s + num_bytes / self.bandwidth_Bps
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """Links measured by `hydraulis profile` on one node of `world_size` ranks; None where not measured.
+
+    all_to_all: the optimizer's gather and reduce (`all_to_all_single` with
+    split sizes), bytes = what one rank sends to the others; p2p: one
+    pipeline activation transfer between neighbouring ranks.
+    """
+
+    world_size: int
+    all_to_all: Link | None = None
+    p2p: Link | None = None
+
+
 class CostModel:
     """Coefficients per config, a memory model, and the vectorised costing built on them."""
 
@@ -148,6 +173,7 @@ class CostModel:
         coefficients: dict[ParallelConfig, Coefficients],
         memory: MemoryModel,
         min_efficient_tokens: dict[int, int],
+        collectives: Collectives | None = None,
     ) -> None:
         if not coefficients:
             raise HydraulisError(f"cost model {name!r} has no parallel configs")
@@ -155,6 +181,7 @@ class CostModel:
         self.model = model
         self.device = device
         self.memory = memory
+        self.collectives = collectives  # measured links replace the device constants within a node
         self._min_efficient = dict(min_efficient_tokens)
         self.configs: tuple[ParallelConfig, ...] = tuple(
             sorted(coefficients, key=lambda c: (c.num_gpus, c.tp, c.pp, c.cp))
@@ -234,6 +261,9 @@ class CostModel:
     # -- communication ---------------------------------------------------------
     def p2p_time(self, config: ParallelConfig, tokens: int) -> float:
         """One stage boundary crossing of a micro-batch's activations (bf16), one way."""
+        measured = self.collectives.p2p if self.collectives is not None else None
+        if measured is not None and config.num_gpus <= self.device.gpus_per_node:
+            return measured.time(tokens * self.model.hidden * 2 / config.tp)
         bandwidth = (
             self.device.inter_node_bw if config.num_gpus > self.device.gpus_per_node else self.device.intra_node_bw
         )
@@ -242,9 +272,14 @@ class CostModel:
     def grad_sync_time(self, num_gpus: int) -> float:
         """Reduce gradients into the sharded optimizer layout and gather parameters back.
 
-        About 2 x parameter bytes (bf16) / N per GPU at the slowest link (DESIGN section 5).
+        About 2 x parameter bytes (bf16) / N per GPU at the slowest link (DESIGN section 5). A
+        profile's measured all-to-all link replaces the device constants within a node (one
+        gather plus one reduce, each paying its latency); across nodes the constants stay.
         """
         if num_gpus <= 1:
             return 0.0
+        measured = self.collectives.all_to_all if self.collectives is not None else None
+        if measured is not None and num_gpus <= self.device.gpus_per_node:
+            return 2 * measured.time(2 * self.model.num_params / num_gpus)
         bandwidth = self.device.inter_node_bw if num_gpus > self.device.gpus_per_node else self.device.intra_node_bw
         return 2 * (2 * self.model.num_params) / num_gpus / bandwidth

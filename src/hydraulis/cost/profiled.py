@@ -7,7 +7,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from hydraulis.cost.model import Coefficients, CostModel, MemoryModel
+from hydraulis.cost.model import Coefficients, Collectives, CostModel, Link, MemoryModel
 from hydraulis.errors import HydraulisError
 from hydraulis.jsonio import Fields, load_json
 from hydraulis.parallel import ParallelConfig
@@ -20,6 +20,8 @@ PRESETS = {
     "llama-7b@a800-80g": "llama-7b-a800.json",
     "llama-13b@a800-80g": "llama-13b-a800.json",
     "llama-32b@a800-80g": "llama-32b-a800.json",
+    # `hydraulis profile --model tiny --configs tp1pp1,tp2pp1,tp1pp2,tp2pp2,tp4pp1,tp1pp4 --nproc 4` on CPU.
+    "tiny@cpu-measured": "tiny-cpu-measured.json",
 }
 
 
@@ -93,6 +95,7 @@ class ProfiledCostModel(CostModel):
             optimizer_sharded_fraction=mem.float("optimizer_sharded_fraction", minimum=0),
             context_overhead_bytes=mem.float("context_overhead_bytes", minimum=0),
             safety_margin_bytes=mem.float("safety_margin_bytes", minimum=0),
+            embedding_state_bytes=mem.float("embedding_state_bytes", default=16.0, minimum=0),
         )
         if memory.optimizer_sharded_fraction > 1:
             raise HydraulisError(f"{mem.where}.optimizer_sharded_fraction: must be at most 1")
@@ -106,4 +109,21 @@ class ProfiledCostModel(CostModel):
                     raise HydraulisError(f"{me.where}: key {key!r} is not a TP degree") from None
         for config in coefficients:
             config.validate(model)
-        return cls(f.str("name"), model, device, coefficients, memory, min_eff)
+        collectives = _collectives(f) if "collectives" in data else None
+        return cls(f.str("name"), model, device, coefficients, memory, min_eff, collectives)
+
+
+def _collectives(f: Fields) -> Collectives:
+    """The optional measured links of `hydraulis profile` (a profile without them uses the device constants)."""
+    c = f.obj("collectives")
+    links: dict[str, Link | None] = {}
+    for key in ("all_to_all", "p2p"):
+        if key not in c.data:
+            links[key] = None
+            continue
+        link = c.obj(key)
+        bandwidth = link.float("bandwidth_Bps", minimum=0)
+        if bandwidth <= 0:
+            raise HydraulisError(f"{link.where}.bandwidth_Bps: must be positive, got {bandwidth}")
+        links[key] = Link(link.float("latency_s", minimum=0), bandwidth)
+    return Collectives(c.int("world_size", minimum=1), links["all_to_all"], links["p2p"])

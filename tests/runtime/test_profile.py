@@ -1,0 +1,164 @@
+"""`hydraulis profile`: a real gloo run writes a profile that caps and plan accept; bad input fails fast."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from hydraulis.cost import ProfiledCostModel
+from hydraulis.cost.fit import fit_robust
+from hydraulis.parallel import ParallelConfig
+from hydraulis.profile import CPU_MEMORY_METHOD, ProfileSettings, build_profile, parse_configs, sweep
+from hydraulis.specs import get_model
+
+FAST = ("--totals", "64,128", "--min-doc", "32", "--repeats", "2", "--warmup", "1", "--collective-bytes", "1024,65536")
+
+
+def one_line_error(res, *needles):
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr
+    assert res.stderr.strip().count("\n") == 0, res.stderr
+    for needle in needles:
+        assert needle in res.stderr, res.stderr
+
+
+@pytest.mark.dist
+def test_profile_on_gloo_writes_a_profile_that_caps_and_plan_accept(cli, tmp_path):
+    out = tmp_path / "profile.json"
+    res = cli(
+        "profile",
+        "--model",
+        "tiny",
+        "--configs",
+        "tp1pp1,tp2pp1,tp1pp2",
+        "--nproc",
+        "2",
+        *FAST,
+        "--out",
+        str(out),
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "held-out" in res.stdout and "counted tensor bytes" in res.stdout
+    data = json.loads(out.read_text())
+    cost = ProfiledCostModel.from_file(out)
+    assert {c.name for c in cost.configs} == {"tp1pp1", "tp2pp1", "tp1pp2"}
+    assert data["memory"]["method"] == CPU_MEMORY_METHOD
+    assert set(data["fidelity"]) == {"tp1pp1", "tp2pp1", "tp1pp2"}
+    for fid in data["fidelity"].values():
+        assert (
+            fid["holdout"]["n"] >= 1 and fid["holdout"]["worst_abs_rel_error"] >= fid["holdout"]["median_abs_rel_error"]
+        )
+    points = data["measurements"]["points"]
+    assert len(points) == 3 * len(sweep(ProfileSettings(totals=(64, 128), min_doc=32)))
+    assert all(p["time_ms"] > 0 and len(p["stage_ms"]) == ParallelConfig.parse(p["config"]).pp for p in points)
+    # The measured links are in the profile and in the cost model.
+    assert cost.collectives is not None and cost.collectives.world_size == 2
+    for key in ("all_to_all", "p2p"):
+        assert data["collectives"][key]["bandwidth_Bps"] > 0
+    assert cost.grad_sync_time(2) == pytest.approx(2 * cost.collectives.all_to_all.time(2 * cost.model.num_params / 2))
+    caps = cli("caps", "-p", str(out), "-n", "4", "--json")
+    assert caps.returncode == 0, caps.stderr
+    assert {r["config"] for r in json.loads(caps.stdout)["configs"]} == {"tp1pp1", "tp2pp1", "tp1pp2"}
+    work = tmp_path / "w.json"
+    work.write_text(json.dumps({"schema": "hydraulis.workload/1", "name": "w", "batches": [[300, 120, 64, 900] * 4]}))
+    plan = cli("plan", "-p", str(out), "-n", "4", "-w", str(work), "--out", str(tmp_path / "plan.json"))
+    assert plan.returncode == 0, plan.stderr
+    assert (tmp_path / "plan.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (("--model", "tiny", "--configs", "tp1pp1,tpXpp1"), ("tpXpp1",)),
+        (("--model", "tiny", "--configs", "tp1pp1,tp4pp1", "--nproc", "2"), ("tp4pp1", "4 processes", "2")),
+        (("--model", "tiny", "--configs", "tp2pp1", "--nproc", "3"), ("tp2pp1", "does not divide", "3")),
+        (("--model", "tiny", "--configs", "tp1pp3", "--nproc", "3"), ("tp1pp3", "layers")),
+        (("--model", "small", "--configs", "tp3pp1", "--nproc", "3"), ("tp3pp1", "heads")),
+        (("--model", "nonesuch", "--configs", "tp1pp1"), ("nonesuch",)),
+        (("--model", "tiny", "--configs", "tp1pp1,tp1pp1"), ("tp1pp1", "twice")),
+        (("--model", "tiny", "--configs", "tp1pp1", "--device", "tpu"), ("tpu",)),
+        (("--model", "tiny", "--configs", "tp1pp1", "--totals", "64,x"), ("--totals",)),
+        (("--model", "tiny", "--configs", "tp1pp1", "--totals", "64", "--min-doc", "64"), ("at least 4",)),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_no_file(cli, tmp_path, args, needles):
+    out = tmp_path / "profile.json"
+    one_line_error(cli("profile", *args, "--out", str(out), timeout=60), *needles)
+    assert not out.exists()
+
+
+def test_sweep_varies_sum_and_sum_of_squares_independently():
+    points = sweep(ProfileSettings())
+    X = np.array([[sum(s * s for s in p), sum(p), 1.0] for p in points])
+    assert np.linalg.matrix_rank(X) == 3
+    by_total: dict[int, set[int]] = {}
+    for p in points:
+        by_total.setdefault(sum(p), set()).add(sum(s * s for s in p))
+    assert sum(len(v) >= 3 for v in by_total.values()) >= 3  # one long document vs many short ones, per total
+    assert all(128 <= s <= 1024 for p in points for s in p)
+
+
+def test_parse_configs_keeps_parenthesised_configs_whole():
+    assert parse_configs("tp1pp1, (tp2,pp1),tp1pp2") == [
+        ParallelConfig(1, 1),
+        ParallelConfig(2, 1),
+        ParallelConfig(1, 2),
+    ]
+
+
+def _rank(rank: int, config: str, stage: int, times: list[list[float]], activation: list[int]) -> dict:
+    return {
+        "rank": rank,
+        "context_bytes": 1000,
+        "threads": 1,
+        "collectives": None,
+        "configs": {
+            config: {
+                "config": config,
+                "stage": stage,
+                "tp_rank": 0,
+                "times_s": times,
+                "activation_bytes": activation,
+                "static_bytes": 800,
+                "params": 100,
+            }
+        },
+    }
+
+
+def test_build_profile_takes_the_slowest_stage_and_the_median_repeat():
+    spec = get_model("tiny")
+    settings = ProfileSettings(totals=(256, 512, 1024), min_doc=128, repeats=3)
+    points = sweep(settings)
+    a, b, c = 1e-8, 2e-5, 3e-3
+    true = [a * sum(s * s for s in p) + b * sum(p) + c for p in points]
+    # Stage 1 is the slow one; one repeat of each point is disturbed (the median of repeats drops it).
+    slow = [[t, 5 * t, t] for t in true]
+    fast = [[0.5 * t, 0.5 * t, 0.5 * t] for t in true]
+    tokens = [sum(p) for p in points]
+    ranks = [
+        _rank(0, "tp1pp2", 0, fast, [100 * n for n in tokens]),
+        _rank(1, "tp1pp2", 1, slow, [300 * n for n in tokens]),
+    ]
+    device = {
+        "name": "cpu",
+        "kind": "cpu",
+        "memory_bytes": 2**33,
+        "gpus_per_node": 64,
+        "backend": "gloo",
+        "dtype": "fp32",
+        "description": "test",
+    }
+    data = build_profile(spec, [ParallelConfig(1, 2)], settings, ranks, device)
+    cost = ProfiledCostModel.from_dict(data)
+    for p, t in zip(points, true, strict=True):
+        assert cost.stage_time(ParallelConfig(1, 2), p) == pytest.approx(t, rel=1e-3)
+    assert fit_robust(points, true).coefficients.a == pytest.approx(a, rel=1e-3)
+    assert data["fidelity"]["tp1pp2"]["holdout"]["worst_abs_rel_error"] < 1e-3
+    # Stage 0 holds two micro-batches at 100 B/token, stage 1 one at 300: 300 B/token over L * H / tp.
+    assert data["memory"]["activation_bytes_per_token_hidden_layer"]["1"] == pytest.approx(300 / (4 * 64))
+    assert data["memory"]["measured_state_bytes_per_param"] == 8.0
+    assert "collectives" not in data

@@ -1,0 +1,133 @@
+"""The profiler's torch-free parts: robust fits, held-out fidelity, measured links in the cost model."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hydraulis.cost import ProfiledCostModel
+from hydraulis.cost.fit import fidelity, fit_link, fit_robust, holdout_fidelity, holdout_split
+from hydraulis.cost.model import Link
+from hydraulis.errors import HydraulisError
+from hydraulis.parallel import ParallelConfig
+
+
+def sweep() -> list[list[int]]:
+    """The profiler's kind of sweep: one long document vs many short ones of the same total."""
+    return [[total // k] * k for total in (256, 512, 1024, 2048, 4096) for k in (1, 2, 4, 8) if total // k >= 64]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    a=st.floats(1e-9, 1e-6),
+    b=st.floats(1e-6, 1e-3),
+    c=st.floats(1e-4, 5e-2),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_fit_recovers_known_coefficients_from_noisy_timings(a, b, c, seed):
+    rng = np.random.default_rng(seed)
+    mbs = sweep()
+    true = np.array([a * sum(s * s for s in mb) + b * sum(mb) + c for mb in mbs])
+    noisy = true * (1 + rng.normal(0, 0.02, len(true)))
+    fit = fit_robust(mbs, noisy)
+    predicted = np.array(
+        [fit.coefficients.a * sum(s * s for s in mb) + fit.coefficients.b * sum(mb) + fit.coefficients.c for mb in mbs]
+    )
+    # Times are what the planner consumes: every prediction within a few noise widths.
+    assert np.max(np.abs(predicted - true) / true) < 0.06
+    assert len(fit.residuals) == len(mbs)
+    assert min(fit.coefficients.a, fit.coefficients.b, fit.coefficients.c) >= 0
+
+
+def test_fit_recovers_each_coefficient_and_ignores_an_outlier():
+    rng = np.random.default_rng(7)
+    a, b, c = 2e-8, 3e-5, 4e-3
+    mbs = sweep()
+    t = np.array([a * sum(s * s for s in mb) + b * sum(mb) + c for mb in mbs]) * (1 + rng.normal(0, 0.01, len(mbs)))
+    t[3] *= 3.0  # one timing disturbed by another process
+    fit = fit_robust(mbs, t).coefficients
+    assert fit.a == pytest.approx(a, rel=0.1)
+    assert fit.b == pytest.approx(b, rel=0.1)
+    assert fit.c == pytest.approx(c, rel=0.2)
+
+
+def test_holdout_fidelity_of_exact_data_is_near_zero():
+    mbs = sweep()
+    t = [1e-8 * sum(s * s for s in mb) + 2e-5 * sum(mb) + 1e-3 for mb in mbs]
+    f = holdout_fidelity(mbs, t)
+    assert f["worst_abs_rel_error"] < 1e-3 and f["n"] == round(len(mbs) / 3)
+    fit_idx, held = holdout_split(len(mbs))
+    assert sorted([*fit_idx, *held]) == list(range(len(mbs)))
+
+
+def test_fidelity_is_median_and_worst_relative_error():
+    f = fidelity([1.1, 2.0, 2.5], [1.0, 2.0, 2.0])
+    assert f["median_abs_rel_error"] == pytest.approx(0.1)
+    assert f["worst_abs_rel_error"] == pytest.approx(0.25)
+    with pytest.raises(HydraulisError):
+        fidelity([1.0], [1.0, 2.0])
+    with pytest.raises(HydraulisError):
+        fidelity([1.0], [0.0])
+
+
+def test_fit_link_recovers_latency_and_bandwidth():
+    sizes = [2.0**k for k in range(10, 24, 2)]
+    times = [50e-6 + s / 2e9 for s in sizes]
+    latency, bandwidth = fit_link(sizes, times)
+    assert latency == pytest.approx(50e-6, rel=0.05)
+    assert bandwidth == pytest.approx(2e9, rel=0.05)
+
+
+def test_measured_collectives_replace_the_device_constants():
+    base = ProfiledCostModel.preset("llama-7b@a800-80g")
+    data = _preset_dict()
+    data["collectives"] = {
+        "world_size": 8,
+        "all_to_all": {"latency_s": 1e-3, "bandwidth_Bps": 1e9},
+        "p2p": {"latency_s": 2e-4, "bandwidth_Bps": 5e8},
+    }
+    measured = ProfiledCostModel.from_dict(data)
+    config = ParallelConfig(2, 2)
+    assert measured.p2p_time(config, 4096) == pytest.approx(Link(2e-4, 5e8).time(4096 * 4096 * 2 / 2))
+    assert measured.grad_sync_time(8) == pytest.approx(2 * (1e-3 + 2 * measured.model.num_params / 8 / 1e9))
+    # Beyond one node the device constants stay; without collectives, today's behaviour.
+    assert measured.grad_sync_time(16) == pytest.approx(base.grad_sync_time(16))
+    assert base.collectives is None
+    del data["collectives"]["p2p"]
+    assert ProfiledCostModel.from_dict(data).p2p_time(config, 4096) == pytest.approx(base.p2p_time(config, 4096))
+    data["collectives"]["all_to_all"]["bandwidth_Bps"] = 0
+    with pytest.raises(HydraulisError, match="bandwidth_Bps"):
+        ProfiledCostModel.from_dict(data)
+
+
+def _preset_dict(name: str = "llama-7b-a800.json") -> dict:
+    import json
+    from importlib import resources
+
+    path = resources.files("hydraulis.cost") / "profiles" / name
+    return copy.deepcopy(json.loads(path.read_text()))
+
+
+def test_the_shipped_cpu_profile_was_measured_and_plans(cli, tmp_path):
+    cost = ProfiledCostModel.preset("tiny@cpu-measured")
+    assert cost.model.name == "tiny" and cost.device.name == "cpu"
+    assert {c.name for c in cost.configs} == {"tp1pp1", "tp2pp1", "tp1pp2", "tp2pp2", "tp4pp1", "tp1pp4"}
+    assert cost.collectives is not None and cost.collectives.world_size == 4
+    assert cost.collectives.all_to_all is not None and cost.collectives.p2p is not None
+    data = _preset_dict("tiny-cpu-measured.json")
+    assert data["memory"]["method"].startswith("cpu: counted tensor bytes")
+    for fid in data["fidelity"].values():
+        assert 0 <= fid["holdout"]["median_abs_rel_error"] <= fid["holdout"]["worst_abs_rel_error"]
+    # Deeper pipelines split the layers: the measured per-stage a falls with pp.
+    a = {c.name: cost.coefficients(c).a for c in cost.configs}
+    assert a["tp1pp4"] < a["tp1pp2"] < a["tp1pp1"]
+    work = tmp_path / "w.json"
+    work.write_text(
+        '{"schema": "hydraulis.workload/1", "name": "w", "batches": [[300, 120, 64, 900, 40, 500, 800, 77]]}'
+    )
+    res = cli("plan", "-p", "tiny@cpu-measured", "-n", "4", "-w", str(work), "--out", str(tmp_path / "plan.json"))
+    assert res.returncode == 0, res.stderr
