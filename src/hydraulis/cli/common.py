@@ -57,8 +57,65 @@ def load_job(
 
 def fail(message: str) -> NoReturn:
     """One line on stderr, exit code 2: the contract for bad input."""
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {' '.join(message.split())}", file=sys.stderr)
     sys.exit(2)
+
+
+def run_app(app: typer.Typer) -> NoReturn:
+    """The error boundary of every command.
+
+    Bad input of any kind (our own errors, the file system's, numbers Python or
+    numpy refuse, typer's argument errors) is one line and exit code 2;
+    SIGINT/SIGTERM are one line and 128 + the signal, after every cleanup ran.
+    Anything else is a bug and keeps its traceback.
+    """
+    from hydraulis import interrupt
+
+    interrupt.install()
+    try:
+        code = app(prog_name="hydraulis", standalone_mode=False)
+    except interrupt.Interrupted as exc:
+        print(f"interrupted ({exc}); nothing was written", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except typer.Abort:  # typer's own KeyboardInterrupt handling
+        print("interrupted (SIGINT); nothing was written", file=sys.stderr)
+        sys.exit(130)
+    except typer.TyperException as exc:  # argument errors: one line, not a box
+        ctx = getattr(exc, "ctx", None)
+        if type(exc).__name__ == "NoArgsIsHelpError" and ctx is not None:
+            print(ctx.get_help())
+            sys.exit(2)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        fail(exc.format_message() + hint)
+    except HydraulisError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(describe_os_error(exc))
+    except (ValueError, OverflowError) as exc:
+        fail(f"a value is out of range: {exc}; check the numbers in the input")
+    except MemoryError:
+        fail("out of memory; use smaller batches, a smaller token budget or fewer sequences")
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def describe_os_error(exc: OSError) -> str:
+    """The file and the reason, and what to do about the common ones."""
+    what = exc.strerror or str(exc)
+    name = exc.filename if exc.filename is not None else ""
+    if exc.filename2 is not None:
+        name = f"{name} -> {exc.filename2}"
+    advice = {
+        "ENOSPC": "free some space or write elsewhere",
+        "EACCES": "check the permissions or write elsewhere",
+        "EROFS": "write elsewhere",
+        "ENAMETOOLONG": "use a shorter name",
+        "EISDIR": "give a file name",
+        "ENOTDIR": "a part of the path is a file",
+    }
+    import errno
+
+    hint = advice.get(errno.errorcode.get(exc.errno or 0, ""), "")
+    return f"{name}: {what}" + (f"; {hint}" if hint else "") if name else what + (f"; {hint}" if hint else "")
 
 
 def print_json(data: Any) -> None:
