@@ -7,8 +7,8 @@ leaves a half-written file behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import math
 import os
 import tempfile
 from pathlib import Path
@@ -159,10 +159,8 @@ class OutputSet:
             tmp.unlink(missing_ok=True)
         self._staged.clear()
         for d in reversed(self._made):
-            try:
+            with contextlib.suppress(OSError):  # not empty: something else wrote there meanwhile
                 d.rmdir()
-            except OSError:
-                pass  # not empty: something else wrote there meanwhile
         self._made.clear()
 
 
