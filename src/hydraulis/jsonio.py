@@ -61,42 +61,52 @@ def check_output(path: str | Path, what: str = "output") -> Path:
     """Refuse, before any work, an output path that cannot be written: a directory, under a file, a name
     too long for the file system, or in a directory without write permission."""
     path = Path(path)
+    _check_parents(path, what)
     if path.is_dir():
         raise HydraulisError(f"{path}: is a directory; the {what} needs a file name")
-    _check_parents(path, what)
     return path
 
 
 def check_output_dir(path: str | Path, what: str = "output directory") -> Path:
     """Like check_output, for a directory that a command fills (it may exist already)."""
     path = Path(path)
+    _check_parents(path, what)
     if path.exists() and not path.is_dir():
-        raise HydraulisError(f"{path}: exists and is not a directory; give a directory for the {what}")
-    if not path.exists():
-        _check_parents(path, what)
-    elif not os.access(path, os.W_OK | os.X_OK):
+        raise HydraulisError(f"{path}: exists and is not a directory; the {what} must be one")
+    if path.exists() and not os.access(path, os.W_OK | os.X_OK):
         raise HydraulisError(f"{path}: no permission to write in it; choose another {what}")
     return path
 
 
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long, for one
+        return False
+
+
 def _check_parents(path: Path, what: str) -> None:
-    missing = [path]
-    ancestor = path.absolute().parent
-    while not ancestor.exists():
+    """Names that fit, an ancestor that is a writable directory (the path itself may or may not exist)."""
+    missing = []
+    ancestor = path.absolute()
+    while not _exists(ancestor):
         missing.append(ancestor)
         ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise HydraulisError(f"{path}: {ancestor} is a file, not a directory; choose another {what} path")
     try:
         name_max = os.pathconf(ancestor, "PC_NAME_MAX")
     except (OSError, ValueError):
         name_max = 255
     for p in missing:
-        if len(os.fsencode(p.name)) > name_max:
+        size = len(os.fsencode(p.name))
+        if size > name_max:
             raise HydraulisError(
-                f"{str(path)[:80]}...: the name {p.name[:24]}... has {len(os.fsencode(p.name))} bytes, more than "
-                f"the {name_max} this file system allows; use a shorter {what} name"
+                f"{p.name[:40]}...: a name of {size} bytes, more than the {name_max} this file system allows; "
+                f"use a shorter {what} name"
             )
+    if ancestor == path.absolute():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise HydraulisError(f"{path}: {ancestor} is a file, not a directory; choose another {what} path")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise HydraulisError(f"{path}: no permission to write in {ancestor}; choose another {what} path")
 

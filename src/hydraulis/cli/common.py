@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hydraulis.errors import HydraulisError
+from hydraulis.limits import MAX_BATCHES, MAX_GPUS, MAX_SEED, MAX_TOKENS_PER_BATCH
 
 if TYPE_CHECKING:
     from hydraulis.cost import CostModel
@@ -29,10 +30,19 @@ ProfileOption = typer.Option(
 )
 
 
-GpusPerNodeOption = typer.Option(8, "--gpus-per-node", help="GPUs per node.")
-TokensPerBatchOption = typer.Option(None, "--tokens-per-batch", help="Histogram workloads: token budget.")
-NumBatchesOption = typer.Option(None, "--num-batches", help="Histogram workloads: how many batches.")
-SeedOption = typer.Option(None, "--seed", help="Histogram workloads: sampling seed.")
+GpusPerNodeOption = typer.Option(8, "--gpus-per-node", help="GPUs per node.", min=1, max=MAX_GPUS)
+TokensPerBatchOption = typer.Option(
+    None, "--tokens-per-batch", help="Histogram workloads: token budget.", min=1, max=MAX_TOKENS_PER_BATCH
+)
+NumBatchesOption = typer.Option(
+    None, "--num-batches", help="Histogram workloads: how many batches.", min=1, max=MAX_BATCHES
+)
+SeedOption = typer.Option(None, "--seed", help="Histogram workloads: sampling seed.", min=0, max=MAX_SEED)
+
+
+def gpus_option(default: Any = ...) -> Any:
+    """`--gpus/-n`, bounded: the planner's work grows with the GPU count."""
+    return typer.Option(default, "--gpus", "-n", help="GPUs in the job.", min=1, max=MAX_GPUS)
 
 
 def load_job(
@@ -98,12 +108,17 @@ def run_app(app: typer.Typer) -> NoReturn:
     sys.exit(code if isinstance(code, int) else 0)
 
 
+def _clip(name: object) -> str:
+    text = "" if name is None else str(name)
+    return text if len(text) <= 120 else text[:60] + "..." + text[-40:]
+
+
 def describe_os_error(exc: OSError) -> str:
     """The file and the reason, and what to do about the common ones."""
     what = exc.strerror or str(exc)
-    name = exc.filename if exc.filename is not None else ""
+    name = _clip(exc.filename)
     if exc.filename2 is not None:
-        name = f"{name} -> {exc.filename2}"
+        name = f"{name} -> {_clip(exc.filename2)}"
     advice = {
         "ENOSPC": "free some space or write elsewhere",
         "EACCES": "check the permissions or write elsewhere",
