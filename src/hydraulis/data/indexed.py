@@ -21,10 +21,12 @@ manifest last, is written: a crash leaves no directory that `open_corpus` accept
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import os
 import shutil
 import struct
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -36,7 +38,7 @@ import numpy as np
 from hydraulis.data.readers import ReadCounts, ReadReport
 from hydraulis.data.tokenizer import Tokenizer, get_tokenizer, token_dtype
 from hydraulis.errors import HydraulisError
-from hydraulis.jsonio import Fields, default_mode, load_json, write_json_atomic
+from hydraulis.jsonio import Fields, default_mode, load_json, temp_prefix, write_json_atomic
 
 CORPUS_SCHEMA = "hydraulis.corpus/1"
 TOKENS_FILE = "tokens.bin"
@@ -257,11 +259,18 @@ def build_corpus(
         raise HydraulisError(f"{out}: already exists (pass --force to replace it)")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+        swept = sweep_temporaries(out)
+        tmp = _temp_dir(out, ".tmp")
     except OSError as exc:
         raise HydraulisError(f"{out}: cannot create the corpus directory: {exc.strerror or exc}") from None
+    if swept:
+        print(
+            f"removed {swept} temporary director{'y' if swept == 1 else 'ies'} left by an interrupted build of {out}",
+            file=sys.stderr,
+        )
     try:
         manifest = _write(tmp, documents, tok, source, counts, name or out.name)
+        (tmp / OWNER_FILE).unlink()
         _default_permissions(tmp)
         return _publish(tmp, out, if_exists, manifest)
     finally:
@@ -337,7 +346,7 @@ def _publish(tmp: Path, out: Path, if_exists: IfExists, manifest: CorpusManifest
             return open_corpus(out)
         if if_exists == "error":
             raise HydraulisError(f"{out}: appeared while building (pass --force to replace it)")
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+        old = _temp_dir(out, ".old")
         os.replace(out, old / out.name)
         try:
             os.replace(tmp, out)
@@ -354,6 +363,43 @@ def _publish(tmp: Path, out: Path, if_exists: IfExists, manifest: CorpusManifest
                 return open_corpus(out)
             raise
     return open_corpus(out)
+
+
+OWNER_FILE = ".owner"  # the building process's id, inside each temporary directory
+
+
+def _temp_dir(out: Path, suffix: str) -> Path:
+    """`.NAME.XXXX.tmp` (or `.old`) next to `out`, marked with our pid so that sweeps spare it while we live."""
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out.name), suffix=suffix, dir=out.parent))
+    (tmp / OWNER_FILE).write_text(str(os.getpid()))
+    return tmp
+
+
+def sweep_temporaries(out: Path) -> int:
+    """Remove the temporary directories of builds of `out` whose process is gone (SIGKILL, power loss)."""
+    swept = 0
+    for p in out.parent.glob(f"{glob.escape(temp_prefix(out.name))}*"):
+        if p.suffix not in (".tmp", ".old") or not p.is_dir() or p.is_symlink():
+            continue
+        try:
+            pid = int((p / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            pid = None  # from a build that died before marking it
+        if pid is not None and _alive(pid):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        swept += not p.exists()
+    return swept
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0
+    return True
 
 
 def _default_permissions(tmp: Path) -> None:

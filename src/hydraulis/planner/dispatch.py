@@ -181,9 +181,11 @@ def local_search(
         items = np.flatnonzero(replica_of == b)
         if len(items) == 0:
             break
-        s_k = lengths[items]
         w_bk = wg[group[b], items]
         wmax_wo = _without_each(w_bk)
+        keep = representatives(lengths[items])
+        items, w_bk, wmax_wo = items[keep], w_bk[keep], wmax_wo[keep]
+        s_k = lengths[items]
         e_b = estimate_time(sums.W[b] - w_bk, sums.T[b] - s_k, sums.n[b] - 1, wmax_wo, *(x[b] for x in p)) + bias[b]
         # Moves: every item of b to each of the least loaded replicas of every config, at once.
         cand = _least_loaded(est, group, targets_per_config)
@@ -211,6 +213,21 @@ def local_search(
         if not _best_swap(sums, table, bias, est, replica_of, lengths, wg, b, items, w_bk, wmax_wo, swap_partners, tol):
             break
     return replica_of
+
+
+SEARCH_ITEMS = 384  # distinct lengths per replica that a move or swap considers
+
+
+def representatives(lengths: np.ndarray, limit: int = SEARCH_ITEMS) -> np.ndarray:
+    """Positions of one sequence per distinct length (at most `limit`, spread over the range).
+
+    Sequences of equal length are interchangeable in a move or a swap, so one of
+    each loses nothing, and the search costs O(distinct^2), not O(sequences^2).
+    """
+    _, first = np.unique(lengths, return_index=True)
+    if len(first) > limit:
+        first = first[np.unique(np.linspace(0, len(first) - 1, limit).round().astype(np.int64))]
+    return np.sort(first)
 
 
 def _least_loaded(est: np.ndarray, group: np.ndarray, per_group: int) -> np.ndarray:
@@ -249,10 +266,13 @@ def _best_swap(sums, table, bias, est, replica_of, lengths, wg, b, items, w_bk, 
         mine = np.flatnonzero(replica_of == r)
         if len(mine) == 0:
             continue
+        w_rm = wg[group[r], mine]
+        wmax_wo_r = _without_each(w_rm)
+        keep = representatives(lengths[mine])
+        mine, w_rm, wmax_wo_r = mine[keep], w_rm[keep], wmax_wo_r[keep]
         s_k, s_m = lengths[items], lengths[mine]
         w_bm = wg[group[b], mine]  # r's items costed on b
         w_rk = wg[group[r], items]  # b's items costed on r
-        w_rm = wg[group[r], mine]
         fits_b = table.cap[b] >= s_m
         fits_r = table.cap[r] >= s_k
         pb = [x[b] for x in (table.c, table.pp, table.cap, table.min_efficient)]
@@ -272,7 +292,7 @@ def _best_swap(sums, table, bias, est, replica_of, lengths, wg, b, items, w_bk, 
                 sums.W[r] - w_rm[None, :] + w_rk[:, None],
                 sums.T[r] - s_m[None, :] + s_k[:, None],
                 sums.n[r],
-                np.maximum(_without_each(w_rm)[None, :], w_rk[:, None]),
+                np.maximum(wmax_wo_r[None, :], w_rk[:, None]),
                 *pr,
             )
             + bias[r]
