@@ -53,25 +53,34 @@ def first_fit_decreasing(lengths: np.ndarray, cap: int) -> list[list[int]]:
     sorted_lengths = lengths[order]
     starts = np.flatnonzero(np.r_[True, sorted_lengths[1:] != sorted_lengths[:-1]])
     ends = np.r_[starts[1:], len(order)]
-    rooms = np.zeros(0, dtype=np.int64)
     bins: list[list[int]] = []
+    order_l, sorted_l = order.tolist(), sorted_lengths.tolist()
+    room_l: list[int] = []  # while there are few bins: a plain scan beats numpy's per-call cost
+    rooms = np.zeros(0, dtype=np.int64)
     for a, e in zip(starts.tolist(), ends.tolist(), strict=True):
-        s, m = int(sorted_lengths[a]), e - a
-        items = order[a:e].tolist()
+        s, m = sorted_l[a], e - a
         used = 0
-        if len(rooms) <= 64:  # few bins: a plain scan beats numpy's per-call cost
-            for j, room in enumerate(rooms.tolist()):
+        if len(room_l) <= 64:
+            for j, room in enumerate(room_l):
                 if room >= s:
                     k = min(room // s, m - used)
-                    bins[j].extend(items[used : used + k])
-                    rooms[j] -= k * s
+                    bins[j].extend(order_l[a + used : a + used + k])
+                    room_l[j] -= k * s
                     used += k
                     if used == m:
                         break
-            take = rooms[:0]
-        else:
-            take = np.minimum(rooms // s, m)
-        if len(take) and take.any():
+            if used < m:
+                per_bin = cap // s
+                for i in range(a + used, e, per_bin):
+                    chunk = order_l[i : min(i + per_bin, e)]
+                    bins.append(chunk)
+                    room_l.append(cap - s * len(chunk))
+            if len(room_l) > 64:
+                rooms = np.array(room_l, dtype=np.int64)
+            continue
+        items = order_l[a:e]
+        take = np.minimum(rooms // s, m)
+        if take.any():
             cum = np.cumsum(take)
             last = int(np.searchsorted(cum, m))  # bins 0..last take items (the last one perhaps fewer)
             take = take.copy()

@@ -189,9 +189,18 @@ def plan_from_assignment(
 ) -> IterationPlan:
     return IterationPlan(
         step=step,
-        lengths=tuple(int(s) for s in lengths),
+        lengths=tuple(_ints(lengths)),
         deployment=deployment,
-        replicas=tuple(ReplicaPlan(tuple(tuple(int(i) for i in mb) for mb in mbs)) for mbs in micro_batches),
+        replicas=tuple(ReplicaPlan(tuple(tuple(_ints(mb)) for mb in mbs)) for mbs in micro_batches),
         predicted_time_s=float(predicted_time_s),
         planning_time_s=float(planning_time_s),
     )
+
+
+def _ints(values: Sequence[int] | np.ndarray) -> list[int]:
+    """Python ints (numpy's tolist is one C call; a generator of int() is one Python call per value)."""
+    if isinstance(values, np.ndarray):
+        if not np.issubdtype(values.dtype, np.integer):
+            raise HydraulisError("sequence lengths and indices must be integers")
+        return values.tolist()
+    return [int(v) for v in values]

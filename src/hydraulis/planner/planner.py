@@ -20,7 +20,7 @@ import numpy as np
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
-from hydraulis.planner.dispatch import Dispatch, dispatch, exact_assignment, improve
+from hydraulis.planner.dispatch import BULK_MIN_SEQUENCES, Dispatch, dispatch, exact_assignment, improve
 from hydraulis.planner.packing import Packing, order_by_simulation, pack_replica
 from hydraulis.planner.plan import IterationPlan, plan_from_assignment
 from hydraulis.planner.policy import Schedule
@@ -30,6 +30,7 @@ from hydraulis.sim import simulate
 from hydraulis.specs import ClusterSpec
 
 OVERLONG_POLICIES = ("error", "truncate", "drop")
+LARGE_BATCH_MARGIN = 0.02
 METHODS = ("heuristic", "milp")
 
 
@@ -133,7 +134,7 @@ class Planner:
         screened = [(dispatch(lengths, self._tables[k], search=False), k) for k in usable]
         screened.sort(key=lambda x: x[0].makespan_s)
         best: Candidate | None = None
-        for d, k in screened[: self.full_candidates]:
+        for d, k in self._worth_packing(screened, len(lengths)):
             cand = self._pack_and_refine(lengths, k, improve(lengths, self._tables[k], d))
             if best is None or cand.compute_s < best.compute_s:
                 best = cand
@@ -158,8 +159,18 @@ class Planner:
         return Schedule.single(self.plan(lengths, step))
 
     # -- internals -----------------------------------------------------------------
+    def _worth_packing(self, screened: list[tuple[Dispatch, int]], n: int) -> list[tuple[Dispatch, int]]:
+        """The best screened deployments. In a large batch of light sequences the estimate is close to the
+        packed time, so only those within LARGE_BATCH_MARGIN of the best estimate are packed."""
+        top = screened[: self.full_candidates]
+        if n < BULK_MIN_SEQUENCES:
+            return top
+        bound = top[0][0].makespan_s * (1 + LARGE_BATCH_MARGIN)
+        return [x for x in top if x[0].makespan_s <= bound]
+
     def _pack(self, lengths: np.ndarray, table: ReplicaTable, d: Dispatch) -> list[Packing]:
-        return [pack_replica(d.members(r), lengths, table.replicas[r], self.cost) for r in range(len(table))]
+        members = d.all_members()
+        return [pack_replica(members[r], lengths, table.replicas[r], self.cost) for r in range(len(table))]
 
     def _pack_and_refine(
         self, lengths: np.ndarray, which: int | ReplicaTable, d: Dispatch, deployment: Deployment | None = None
