@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hydraulis.planner.milp import solve_milp
-from hydraulis.planner.replicas import ReplicaTable, estimate_time
+from hydraulis.planner.replicas import BULK_MIN_SEQUENCES, HEAVY_SHARE, ReplicaTable, estimate_time
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,7 @@ def _scalar_estimate(W: float, T: int, n: int, wmax: float, c: float, pp1: int, 
     return best
 
 
-BULK_MIN_SEQUENCES = 8192  # smaller batches place every sequence one by one
 BULK_RUNS = 128  # slices of the light tail that are water-filled at once
-HEAVY_SHARE = 1 / 16  # a sequence costing more than this share of a replica's fair load goes one by one
 
 
 def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray | None = None) -> np.ndarray:

@@ -22,7 +22,7 @@ import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
-from hydraulis.planner.replicas import ReplicaCost, micro_batch_range
+from hydraulis.planner.replicas import HEAVY_SHARE, ReplicaCost, micro_batch_range
 from hydraulis.sim import closed_form_replica_time, simulate_replica
 
 
@@ -101,8 +101,15 @@ def first_fit_decreasing(lengths: np.ndarray, cap: int) -> list[list[int]]:
     return bins
 
 
+BULK_PACK_ITEMS = 2048  # a replica with more sequences packs its light tail in chunks
+
+
 def balanced_bins(lengths: np.ndarray, costs: np.ndarray, cap: int, v: int) -> list[list[int]] | None:
     """LPT by cost into exactly v bins under the token cap; None if a sequence finds no room."""
+    if len(lengths) >= BULK_PACK_ITEMS:
+        found = _balanced_bins_bulk(np.asarray(lengths), np.asarray(costs, dtype=np.float64), cap, v)
+        if found is not None:
+            return found
     heap = [(0.0, j) for j in range(v)]
     rooms = [cap] * v
     bins: list[list[int]] = [[] for _ in range(v)]
@@ -126,6 +133,39 @@ def balanced_bins(lengths: np.ndarray, costs: np.ndarray, cap: int, v: int) -> l
     if any(not b for b in bins):
         return None
     return bins
+
+
+def _balanced_bins_bulk(lengths: np.ndarray, costs: np.ndarray, cap: int, v: int) -> list[list[int]] | None:
+    """LPT for many sequences: the heavy head one at a time, the light tail v at a time (the next v by cost
+    to the v least loaded bins), so Python steps number n / v. None when a chunk meets a full bin (the
+    exact LPT decides then)."""
+    order = np.argsort(-costs, kind="stable")
+    w = costs[order]
+    heavy = int(np.searchsorted(-w, -float(w.sum()) / v * HEAVY_SHARE, side="left"))
+    loads = np.zeros(v)
+    rooms = np.full(v, cap, dtype=np.int64)
+    assign = np.empty(len(order), dtype=np.int64)
+    for k in order[:heavy].tolist():
+        fits = np.flatnonzero(rooms >= lengths[k])
+        if len(fits) == 0:
+            return None
+        j = int(fits[np.argmin(loads[fits])])
+        assign[k] = j
+        loads[j] += costs[k]
+        rooms[j] -= lengths[k]
+    for start in range(heavy, len(order), v):
+        chunk = order[start : start + v]
+        targets = np.argsort(loads, kind="stable")[: len(chunk)]
+        if (rooms[targets] < lengths[chunk]).any():
+            return None
+        assign[chunk] = targets
+        loads[targets] += costs[chunk]
+        rooms[targets] -= lengths[chunk]
+    counts = np.bincount(assign, minlength=v)
+    if (counts == 0).any():
+        return None
+    grouped = np.argsort(assign, kind="stable")
+    return [b.tolist() for b in np.split(grouped, np.cumsum(counts)[:-1])]
 
 
 def execution_orders(times: np.ndarray) -> list[np.ndarray]:
@@ -153,7 +193,10 @@ def order_by_simulation(
     if replica.pp == 1:
         return Packing(tuple(micro_batches), simulate_replica(times, 1, comm, keep_events=False).time_s)
     best: tuple[float, np.ndarray] | None = None
-    for order in execution_orders(times):
+    orders = execution_orders(times)
+    if sum(len(mb) for mb in micro_batches) >= BULK_PACK_ITEMS:
+        orders = orders[2:]  # many light micro-batches: the orders with small ones at the ends
+    for order in orders:
         t = simulate_replica(times[order], replica.pp, comm[order], keep_events=False).time_s
         if best is None or t < best[0]:
             best = (t, order)
@@ -168,7 +211,9 @@ def pack_replica(indices: np.ndarray, lengths: np.ndarray, replica: ReplicaCost,
         return Packing((), 0.0)
     s = np.asarray(lengths, dtype=np.int64)[indices]
     best: Packing | None = None
-    for bins in choose_bins(s, replica)[:SIMULATED_PACKINGS]:
+    # With many sequences the closed form ranks packings as the simulation would: simulate only the best.
+    simulated = SIMULATED_PACKINGS if len(s) < BULK_PACK_ITEMS else 1
+    for bins in choose_bins(s, replica)[:simulated]:
         packing = order_by_simulation([indices[b] for b in bins], np.asarray(lengths), replica, cost)
         if best is None or packing.time_s < best.time_s:
             best = packing
@@ -189,7 +234,8 @@ def choose_bins(s: np.ndarray, replica: ReplicaCost) -> list[list[np.ndarray]]:
     pp1 = replica.pp - 1
     vmin, vmax = (int(x) for x in micro_batch_range(T, n, replica.cap, replica.min_efficient))
     vstar = math.floor(math.sqrt(pp1 * W / max(replica.c, 1e-12)))
-    candidates = sorted({min(max(v, vmin), vmax) for v in (vstar - 1, vstar, vstar + 1, vstar + 2, vmin)})
+    tries = (vstar - 1, vstar, vstar + 1, vstar + 2, vmin) if len(s) < BULK_PACK_ITEMS else (vstar, vstar + 1)
+    candidates = sorted({min(max(v, vmin), vmax) for v in tries})
 
     def closed(bins: list[np.ndarray]) -> float:
         return closed_form_replica_time([w[b].sum() + replica.c for b in bins], replica.pp)
