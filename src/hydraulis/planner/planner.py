@@ -23,9 +23,9 @@ from hydraulis.parallel import Deployment
 from hydraulis.planner.dispatch import BULK_MIN_SEQUENCES, Dispatch, dispatch, exact_assignment, improve
 from hydraulis.planner.packing import Packing, order_by_simulation, pack_replica
 from hydraulis.planner.plan import IterationPlan, plan_from_assignment
-from hydraulis.planner.policy import Schedule
 from hydraulis.planner.pool import largest_cap
 from hydraulis.planner.replicas import ReplicaTable
+from hydraulis.planner.schedule import Schedule
 from hydraulis.sim import simulate
 from hydraulis.specs import ClusterSpec
 

@@ -31,6 +31,7 @@ from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.dispatch import dispatch
+from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import (
     Pool,
     candidate_deployments,
@@ -130,8 +131,6 @@ def _plan_times(
     progress: Progress | None,
 ) -> np.ndarray:
     """Planned and simulated iteration time of every batch on every candidate (inf where it cannot hold)."""
-    from hydraulis.planner.planner import Planner
-
     planner = Planner(cost, cluster.num_gpus, candidates[:1])
     times = np.full((len(candidates), len(batches)), np.inf)
     for i, d in enumerate(candidates):
