@@ -19,6 +19,7 @@ import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
+from hydraulis.limits import MAX_LENGTH, MAX_SEQUENCES
 from hydraulis.parallel import Deployment
 from hydraulis.planner.dispatch import BULK_MIN_SEQUENCES, Dispatch, dispatch, exact_assignment, improve
 from hydraulis.planner.packing import Packing, order_by_simulation, pack_replica
@@ -44,6 +45,10 @@ def check_lengths(lengths: Sequence[int] | np.ndarray, where: str = "batch") -> 
     if (arr < 1).any():
         bad = int(arr[arr < 1][0])
         raise HydraulisError(f"{where}: sequence length must be positive, got {bad}")
+    if (arr > MAX_LENGTH).any():
+        raise HydraulisError(f"{where}: a sequence of {int(arr.max())} tokens; lengths must be below 2^31")
+    if len(arr) > MAX_SEQUENCES:
+        raise HydraulisError(f"{where}: {len(arr):,} sequences, more than the {MAX_SEQUENCES:,} a batch may hold")
     return arr.astype(np.int64)
 
 
