@@ -104,18 +104,26 @@ def first_fit_decreasing(lengths: np.ndarray, cap: int) -> list[list[int]]:
 BULK_PACK_ITEMS = 2048  # a replica with more sequences packs its light tail in chunks
 
 
-def balanced_bins(lengths: np.ndarray, costs: np.ndarray, cap: int, v: int) -> list[list[int]] | None:
-    """LPT by cost into exactly v bins under the token cap; None if a sequence finds no room."""
-    if len(lengths) >= BULK_PACK_ITEMS:
-        found = _balanced_bins_bulk(np.asarray(lengths), np.asarray(costs, dtype=np.float64), cap, v)
-        if found is not None:
-            return found
+def balanced_bins(
+    lengths: np.ndarray, costs: np.ndarray, cap: int, v: int, bulk: bool = False
+) -> list[list[int]] | None:
+    """LPT by cost into exactly v bins under the token cap; None if a sequence finds no room.
+
+    `bulk` (or many sequences): only the heavy head goes one at a time; the light tail goes v at a time,
+    the next v by cost to the v least loaded bins, so Python steps number about n / v. If a chunk meets
+    a full bin, the exact LPT decides.
+    """
+    order = np.argsort(-costs, kind="stable")
+    head = len(order)
+    if bulk or len(order) >= BULK_PACK_ITEMS:
+        w_sorted = np.asarray(costs, dtype=np.float64)[order]
+        head = int(np.searchsorted(-w_sorted, -float(w_sorted.sum()) / v * HEAVY_SHARE, side="left"))
     heap = [(0.0, j) for j in range(v)]
     rooms = [cap] * v
     bins: list[list[int]] = [[] for _ in range(v)]
     L = lengths.tolist()
     w = costs.tolist()
-    for k in np.argsort(-costs, kind="stable").tolist():
+    for k in order[:head].tolist():
         s = L[k]
         skipped = []
         while heap:
@@ -130,42 +138,38 @@ def balanced_bins(lengths: np.ndarray, costs: np.ndarray, cap: int, v: int) -> l
         heapq.heappush(heap, (load + w[k], j))
         for item in skipped:
             heapq.heappush(heap, item)
+    if head < len(order):
+        tail = _fill_tail(order[head:], np.asarray(lengths), np.asarray(costs, dtype=np.float64), heap, rooms)
+        if tail is None:
+            return balanced_bins(lengths, costs, cap, v, bulk=False) if len(order) < BULK_PACK_ITEMS else None
+        for j, items in enumerate(tail):
+            bins[j].extend(items)
     if any(not b for b in bins):
         return None
     return bins
 
 
-def _balanced_bins_bulk(lengths: np.ndarray, costs: np.ndarray, cap: int, v: int) -> list[list[int]] | None:
-    """LPT for many sequences: the heavy head one at a time, the light tail v at a time (the next v by cost
-    to the v least loaded bins), so Python steps number n / v. None when a chunk meets a full bin (the
-    exact LPT decides then)."""
-    order = np.argsort(-costs, kind="stable")
-    w = costs[order]
-    heavy = int(np.searchsorted(-w, -float(w.sum()) / v * HEAVY_SHARE, side="left"))
+def _fill_tail(
+    tail: np.ndarray, lengths: np.ndarray, costs: np.ndarray, heap: list[tuple[float, int]], room: list[int]
+) -> list[list[int]] | None:
+    """The light tail, v at a time, onto bins with these loads (heap) and rooms; None if one has no room."""
+    v = len(room)
     loads = np.zeros(v)
-    rooms = np.full(v, cap, dtype=np.int64)
-    assign = np.empty(len(order), dtype=np.int64)
-    for k in order[:heavy].tolist():
-        fits = np.flatnonzero(rooms >= lengths[k])
-        if len(fits) == 0:
-            return None
-        j = int(fits[np.argmin(loads[fits])])
-        assign[k] = j
-        loads[j] += costs[k]
-        rooms[j] -= lengths[k]
-    for start in range(heavy, len(order), v):
-        chunk = order[start : start + v]
+    for load, j in heap:
+        loads[j] = load
+    rooms = np.array(room, dtype=np.int64)
+    assign = np.empty(len(tail), dtype=np.int64)
+    for start in range(0, len(tail), v):
+        chunk = tail[start : start + v]
         targets = np.argsort(loads, kind="stable")[: len(chunk)]
         if (rooms[targets] < lengths[chunk]).any():
             return None
-        assign[chunk] = targets
+        assign[start : start + v] = targets
         loads[targets] += costs[chunk]
         rooms[targets] -= lengths[chunk]
+    by_bin = np.argsort(assign, kind="stable")
     counts = np.bincount(assign, minlength=v)
-    if (counts == 0).any():
-        return None
-    grouped = np.argsort(assign, kind="stable")
-    return [b.tolist() for b in np.split(grouped, np.cumsum(counts)[:-1])]
+    return [tail[b].tolist() for b in np.split(by_bin, np.cumsum(counts)[:-1])]
 
 
 def execution_orders(times: np.ndarray) -> list[np.ndarray]:
@@ -182,7 +186,7 @@ def execution_orders(times: np.ndarray) -> list[np.ndarray]:
 
 
 def order_by_simulation(
-    micro_batches: list[np.ndarray], lengths: np.ndarray, replica: ReplicaCost, cost: CostModel
+    micro_batches: list[np.ndarray], lengths: np.ndarray, replica: ReplicaCost, cost: CostModel, bulk: bool = False
 ) -> Packing:
     """Put the micro-batches in the order whose simulated 1F1B time is least."""
     if not micro_batches:
@@ -194,7 +198,7 @@ def order_by_simulation(
         return Packing(tuple(micro_batches), simulate_replica(times, 1, comm, keep_events=False).time_s)
     best: tuple[float, np.ndarray] | None = None
     orders = execution_orders(times)
-    if sum(len(mb) for mb in micro_batches) >= BULK_PACK_ITEMS:
+    if bulk or sum(len(mb) for mb in micro_batches) >= BULK_PACK_ITEMS:
         orders = orders[2:]  # many light micro-batches: the orders with small ones at the ends
     for order in orders:
         t = simulate_replica(times[order], replica.pp, comm[order], keep_events=False).time_s
@@ -204,17 +208,23 @@ def order_by_simulation(
     return Packing(tuple(micro_batches[k] for k in best[1].tolist()), best[0])
 
 
-def pack_replica(indices: np.ndarray, lengths: np.ndarray, replica: ReplicaCost, cost: CostModel) -> Packing:
-    """Micro-batches (of batch indices) for the sequences `indices` on `replica`, ordered."""
+def pack_replica(
+    indices: np.ndarray, lengths: np.ndarray, replica: ReplicaCost, cost: CostModel, bulk: bool = False
+) -> Packing:
+    """Micro-batches (of batch indices) for the sequences `indices` on `replica`, ordered.
+
+    `bulk` (a large batch of light sequences, or a replica with many): the closed form ranks packings
+    as the simulation would, so fewer are built and only the best is simulated, in two orders.
+    """
     indices = np.asarray(indices, dtype=np.int64)
     if len(indices) == 0:
         return Packing((), 0.0)
     s = np.asarray(lengths, dtype=np.int64)[indices]
     best: Packing | None = None
     # With many sequences the closed form ranks packings as the simulation would: simulate only the best.
-    simulated = SIMULATED_PACKINGS if len(s) < BULK_PACK_ITEMS else 1
-    for bins in choose_bins(s, replica)[:simulated]:
-        packing = order_by_simulation([indices[b] for b in bins], np.asarray(lengths), replica, cost)
+    bulk = bulk or len(s) >= BULK_PACK_ITEMS
+    for bins in choose_bins(s, replica, bulk)[: 1 if bulk else SIMULATED_PACKINGS]:
+        packing = order_by_simulation([indices[b] for b in bins], np.asarray(lengths), replica, cost, bulk)
         if best is None or packing.time_s < best.time_s:
             best = packing
     assert best is not None
@@ -224,7 +234,7 @@ def pack_replica(indices: np.ndarray, lengths: np.ndarray, replica: ReplicaCost,
 SIMULATED_PACKINGS = 3  # the closed form ranks packings; this many of the best are simulated
 
 
-def choose_bins(s: np.ndarray, replica: ReplicaCost) -> list[list[np.ndarray]]:
+def choose_bins(s: np.ndarray, replica: ReplicaCost, bulk: bool = False) -> list[list[np.ndarray]]:
     """Candidate packings (positions into `s` per micro-batch), best closed-form 1F1B time first."""
     ffd = [np.array(b, dtype=np.int64) for b in first_fit_decreasing(s, replica.cap)]
     if replica.pp == 1 or len(s) == 1:
@@ -234,7 +244,7 @@ def choose_bins(s: np.ndarray, replica: ReplicaCost) -> list[list[np.ndarray]]:
     pp1 = replica.pp - 1
     vmin, vmax = (int(x) for x in micro_batch_range(T, n, replica.cap, replica.min_efficient))
     vstar = math.floor(math.sqrt(pp1 * W / max(replica.c, 1e-12)))
-    tries = (vstar - 1, vstar, vstar + 1, vstar + 2, vmin) if len(s) < BULK_PACK_ITEMS else (vstar, vstar + 1)
+    tries = (vstar, vstar + 1) if bulk or len(s) >= BULK_PACK_ITEMS else (vstar - 1, vstar, vstar + 1, vstar + 2, vmin)
     candidates = sorted({min(max(v, vmin), vmax) for v in tries})
 
     def closed(bins: list[np.ndarray]) -> float:
@@ -242,7 +252,7 @@ def choose_bins(s: np.ndarray, replica: ReplicaCost) -> list[list[np.ndarray]]:
 
     ranked = [(closed(ffd), 0, ffd)]
     for v in candidates:
-        found = balanced_bins(s, w, replica.cap, v)
+        found = balanced_bins(s, w, replica.cap, v, bulk)
         if found is not None:
             bins = [np.array(b, dtype=np.int64) for b in found]
             ranked.append((closed(bins), len(ranked), bins))

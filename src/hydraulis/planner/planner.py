@@ -175,7 +175,8 @@ class Planner:
 
     def _pack(self, lengths: np.ndarray, table: ReplicaTable, d: Dispatch) -> list[Packing]:
         members = d.all_members()
-        return [pack_replica(members[r], lengths, table.replicas[r], self.cost) for r in range(len(table))]
+        bulk = len(lengths) >= BULK_MIN_SEQUENCES
+        return [pack_replica(members[r], lengths, table.replicas[r], self.cost, bulk) for r in range(len(table))]
 
     def _pack_and_refine(
         self, lengths: np.ndarray, which: int | ReplicaTable, d: Dispatch, deployment: Deployment | None = None
