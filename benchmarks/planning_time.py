@@ -1,7 +1,13 @@
 """Planning time per iteration of the default planner (targets: <= 50 ms for 32 GPUs / 256K tokens,
 <= 1 s for 1024 GPUs / 16M tokens). The pool is built beforehand from other batches (not timed).
 
-    PYTHONPATH=src python benchmarks/planning_time.py [--quick]
+Then the growth with the number of sequences: SFT-like batches (lengths
+uniform in 50-400) of 10K, 50K and 200K sequences on 64 and 1024 GPUs, and
+the ratio time(200K) / time(10K) (20x the sequences; n log n would be about
+26x, quadratic 400x). `--proposal` also times proposing a pool for 100K
+sequences on 64 GPUs and 200K on 1024 (targets: 60 s each).
+
+    PYTHONPATH=src python benchmarks/planning_time.py [--quick] [--proposal]
 """
 
 from __future__ import annotations
@@ -25,7 +31,42 @@ CASES = (
 )
 
 
-def main(quick: bool) -> int:
+GROWTH_SIZES = (10_000, 50_000, 200_000)
+GROWTH_JOBS = ((64, "32x(tp2,pp1); 16x(tp1,pp4)"), (1024, "512x(tp2,pp1); 256x(tp1,pp4)"))
+PROPOSAL_JOBS = ((64, 100_000), (1024, 200_000))
+
+
+def sft_batch(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(50, 401, n)
+
+
+def growth(quick: bool) -> None:
+    from hydraulis.planner.pool import parse_pool
+
+    cost = load_cost_model("llama-7b@a800-80g")
+    for gpus, pool in GROWTH_JOBS[:1] if quick else GROWTH_JOBS:
+        planner = Planner(cost, gpus, parse_pool(pool, ClusterSpec(gpus)))
+        times = {}
+        for n in GROWTH_SIZES:
+            # Best of three: the machine is shared, the planner is deterministic.
+            times[n] = min(planner.plan(sft_batch(n, k)).planning_time_s for k in range(3))
+        sizes = ", ".join(f"{n // 1000}K {t:.3f} s" for n, t in times.items())
+        ratio = times[GROWTH_SIZES[-1]] / times[GROWTH_SIZES[0]]
+        print(f"growth, {gpus} GPUs, pool {pool}: {sizes}; time(200K) / time(10K) = {ratio:.1f}")
+
+
+def proposal_times() -> None:
+    from hydraulis.planner.proposal import propose
+
+    cost = load_cost_model("llama-7b@a800-80g")
+    for gpus, n in PROPOSAL_JOBS:
+        start = time.perf_counter()
+        found = propose(cost, ClusterSpec(gpus), [sft_batch(n, 100 + k) for k in range(2)])
+        pool = "; ".join(str(d) for d in found.pool.deployments)
+        print(f"proposal, {gpus} GPUs, {n // 1000}K sequences: {time.perf_counter() - start:.1f} s -> {pool}")
+
+
+def main(quick: bool, with_proposal: bool = False) -> int:
     failed = 0
     for scenario, target in CASES[:2] if quick else CASES:
         cost = load_cost_model(scenario.profile)
@@ -47,8 +88,11 @@ def main(quick: bool) -> int:
             f"planning mean {np.mean(times) * 1e3:.1f} ms, max {worst * 1e3:.1f} ms "
             f"(target {target * 1e3:.0f} ms) {'ok' if ok else 'MISSED'}"
         )
+    growth(quick)
+    if with_proposal:
+        proposal_times()
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main("--quick" in sys.argv))
+    sys.exit(main("--quick" in sys.argv, "--proposal" in sys.argv))

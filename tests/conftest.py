@@ -1,26 +1,9 @@
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-SRC = Path(__file__).resolve().parents[1] / "src"
-
-
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run the real `hydraulis` command (this checkout's source) and capture its output."""
-    env = dict(os.environ, PYTHONPATH=str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="200")
-    return subprocess.run(
-        [sys.executable, "-m", "hydraulis.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=env,
-        timeout=timeout,
-    )
+from cli_helpers import SRC, run_cli, start_cli  # noqa: F401
 
 
 @pytest.fixture

@@ -26,7 +26,8 @@ from hydraulis.data.synthetic import MIXTURES
 from hydraulis.data.workload import sample_batches
 from hydraulis.errors import HydraulisError
 from hydraulis.planner.bounds import lower_bound
-from hydraulis.planner.policy import PolicyContext, Schedule, check_schedule
+from hydraulis.planner.policy import PolicyContext
+from hydraulis.planner.schedule import Schedule, check_schedule
 from hydraulis.specs import ClusterSpec
 
 BENCH_SCHEMA = "hydraulis.bench/1"

@@ -7,14 +7,16 @@ leaves a half-written file behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import math
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from hydraulis import interrupt
 from hydraulis.errors import HydraulisError
+from hydraulis.limits import INT64_MAX, finite, short_repr
 
 
 def load_json(path: str | Path, schema: str) -> dict[str, Any]:
@@ -26,15 +28,21 @@ def load_json(path: str | Path, schema: str) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:
         raise HydraulisError(f"{path}: cannot read: {exc}") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
         raise HydraulisError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    except ValueError as exc:  # NaN, Infinity, or an integer of more digits than Python parses
+        raise HydraulisError(f"{path}: {exc}") from None
     if not isinstance(data, dict):
         raise HydraulisError(f"{path}: expected a JSON object with schema {schema!r}")
     found = data.get("schema")
     if found != schema:
         raise HydraulisError(f"{path}: schema is {found!r}, expected {schema!r}")
     return data
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number JSON allows; give a finite value")
 
 
 def default_mode(path: str | Path) -> None:
@@ -44,19 +52,135 @@ def default_mode(path: str | Path) -> None:
     os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
 
 
-def write_json_atomic(path: str | Path, data: Any) -> None:
+def temp_prefix(name: str) -> str:
+    """`.NAME.` for temporaries next to NAME, short enough that the temporary's name fits wherever NAME fits."""
+    return f".{name[:96]}."
+
+
+def check_output(path: str | Path, what: str = "output") -> Path:
+    """Refuse, before any work, an output path that cannot be written: a directory, under a file, a name
+    too long for the file system, or in a directory without write permission."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    _check_parents(path, what)
+    if path.is_dir():
+        raise HydraulisError(f"{path}: is a directory; the {what} needs a file name")
+    return path
+
+
+def check_output_dir(path: str | Path, what: str = "output directory") -> Path:
+    """Like check_output, for a directory that a command fills (it may exist already)."""
+    path = Path(path)
+    _check_parents(path, what)
+    if path.exists() and not path.is_dir():
+        raise HydraulisError(f"{path}: exists and is not a directory; the {what} must be one")
+    if path.exists() and not os.access(path, os.W_OK | os.X_OK):
+        raise HydraulisError(f"{path}: no permission to write in it; choose another {what}")
+    return path
+
+
+def _exists(path: Path) -> bool:
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        return path.exists()
+    except OSError:  # a name too long, for one
+        return False
+
+
+def _check_parents(path: Path, what: str) -> None:
+    """Names that fit, an ancestor that is a writable directory (the path itself may or may not exist)."""
+    missing = []
+    ancestor = path.absolute()
+    while not _exists(ancestor):
+        missing.append(ancestor)
+        ancestor = ancestor.parent
+    try:
+        name_max = os.pathconf(ancestor, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    for p in missing:
+        size = len(os.fsencode(p.name))
+        if size > name_max:
+            raise HydraulisError(
+                f"{p.name[:40]}...: a name of {size} bytes, more than the {name_max} this file system allows; "
+                f"use a shorter {what} name"
+            )
+    if ancestor == path.absolute():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise HydraulisError(f"{path}: {ancestor} is a file, not a directory; choose another {what} path")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise HydraulisError(f"{path}: no permission to write in {ancestor}; choose another {what} path")
+
+
+class OutputSet:
+    """The files one command writes: published together when the `with` block succeeds, else none.
+
+    `stage(target)` returns a temporary path next to the target (same suffix) to
+    write to. Leaving the block normally renames every temporary into place
+    with SIGINT/SIGTERM held back, so the set never appears half; an exception
+    (interruption included) removes the temporaries and the directories the set
+    created.
+    """
+
+    def __init__(self) -> None:
+        self._staged: list[tuple[Path, Path]] = []
+        self._made: list[Path] = []
+
+    def __enter__(self) -> OutputSet:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self._discard()
+            return
+        try:
+            with interrupt.held():
+                for tmp, target in self._staged:
+                    default_mode(tmp)
+                    os.replace(tmp, target)
+                self._staged.clear()
+        except BaseException:
+            self._discard()
+            raise
+
+    def directory(self, path: str | Path) -> Path:
+        """Create `path` (and missing parents), to be removed again if the set is discarded."""
+        path = Path(path)
+        check_output_dir(path)
+        missing = []
+        p = path
+        while not p.exists():
+            missing.append(p)
+            p = p.parent
+        for d in reversed(missing):
+            d.mkdir()
+            self._made.append(d)
+        return path
+
+    def stage(self, target: str | Path) -> Path:
+        target = check_output(target)
+        self.directory(target.parent)
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(target.name), suffix=".tmp" + target.suffix, dir=target.parent)
+        os.close(fd)
+        self._staged.append((Path(tmp), target))
+        return Path(tmp)
+
+    def _discard(self) -> None:
+        for tmp, _ in self._staged:
+            tmp.unlink(missing_ok=True)
+        self._staged.clear()
+        for d in reversed(self._made):
+            with contextlib.suppress(OSError):  # not empty: something else wrote there meanwhile
+                d.rmdir()
+        self._made.clear()
+
+
+def write_json_atomic(path: str | Path, data: Any) -> None:
+    """JSON through a temporary file and a rename: a crash or an interruption never leaves half a file."""
+    with OutputSet() as outputs:
+        tmp = outputs.stage(path)
+        with tmp.open("w", encoding="utf-8") as fh:
             json.dump(data, fh, indent=1)
             fh.write("\n")
-        default_mode(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class Fields:
@@ -81,21 +205,24 @@ class Fields:
             raise HydraulisError(f"{self.where}.{key}: expected a string, got {value!r}")
         return value
 
-    def int(self, key: str, default: Any = None, minimum: int | None = None) -> int:
+    def int(self, key: str, default: Any = None, minimum: int | None = None, maximum: int = INT64_MAX) -> int:
         value = self._get(key, _MISSING if default is None else default)
         if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
+            # 2.0 is 2; 1e30 is not an integer anyone meant (floats are exact only up to 2^53).
+            if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
                 value = int(value)
             else:
                 raise HydraulisError(f"{self.where}.{key}: expected an integer, got {value!r}")
         if minimum is not None and value < minimum:
-            raise HydraulisError(f"{self.where}.{key}: must be at least {minimum}, got {value}")
+            raise HydraulisError(f"{self.where}.{key}: must be at least {minimum}, got {short_repr(value)}")
+        if value > maximum:
+            raise HydraulisError(f"{self.where}.{key}: must be at most {maximum}, got {short_repr(value)}")
         return value
 
     def float(self, key: str, default: Any = None, minimum: float | None = None) -> float:
         value = self._get(key, _MISSING if default is None else default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise HydraulisError(f"{self.where}.{key}: expected a finite number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not finite(value):
+            raise HydraulisError(f"{self.where}.{key}: expected a finite number, got {short_repr(value)}")
         if minimum is not None and value < minimum:
             raise HydraulisError(f"{self.where}.{key}: must be at least {minimum}, got {value}")
         return float(value)
@@ -109,14 +236,16 @@ class Fields:
     def obj(self, key: str) -> Fields:
         return Fields(self._get(key, _MISSING), f"{self.where}.{key}")
 
-    def int_list(self, key: str, minimum: int | None = None) -> list[int]:
+    def int_list(self, key: str, minimum: int | None = None, maximum: int = INT64_MAX) -> list[int]:
         values = self.list(key)
         out: list[int] = []
         for i, v in enumerate(values):
             if isinstance(v, bool) or not isinstance(v, int):
-                raise HydraulisError(f"{self.where}.{key}[{i}]: expected an integer, got {v!r}")
+                raise HydraulisError(f"{self.where}.{key}[{i}]: expected an integer, got {short_repr(v)}")
             if minimum is not None and v < minimum:
-                raise HydraulisError(f"{self.where}.{key}[{i}]: must be at least {minimum}, got {v}")
+                raise HydraulisError(f"{self.where}.{key}[{i}]: must be at least {minimum}, got {short_repr(v)}")
+            if v > maximum:
+                raise HydraulisError(f"{self.where}.{key}[{i}]: must be at most {maximum}, got {short_repr(v)}")
             out.append(v)
         return out
 

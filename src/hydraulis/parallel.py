@@ -15,6 +15,7 @@ from typing import Any
 
 from hydraulis.errors import HydraulisError
 from hydraulis.jsonio import Fields
+from hydraulis.limits import MAX_GPUS
 from hydraulis.specs import ClusterSpec, ModelSpec
 
 
@@ -63,7 +64,11 @@ class ParallelConfig:
     @classmethod
     def from_fields(cls, f: Fields) -> ParallelConfig:
         """A config from a JSON row's `tp`, `pp` and `cp` (default 1) fields."""
-        return cls(f.int("tp", minimum=1), f.int("pp", minimum=1), f.int("cp", default=1, minimum=1))
+        return cls(
+            f.int("tp", minimum=1, maximum=MAX_GPUS),
+            f.int("pp", minimum=1, maximum=MAX_GPUS),
+            f.int("cp", default=1, minimum=1, maximum=MAX_GPUS),
+        )
 
     def validate(self, model: ModelSpec) -> None:
         if model.layers % self.pp:
@@ -195,7 +200,7 @@ class Deployment:
         for i, row in enumerate(rows):
             r = Fields(row, f"{where}[{i}]")
             configs.append(ParallelConfig.from_fields(r))
-            devices.append(r.int_list("devices", minimum=0))
+            devices.append(r.int_list("devices", minimum=0, maximum=MAX_GPUS))
         try:
             return cls.from_devices(configs, devices, cluster)
         except HydraulisError as exc:

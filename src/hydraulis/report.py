@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hydraulis.errors import HydraulisError
-from hydraulis.jsonio import default_mode
+from hydraulis.jsonio import OutputSet, check_output
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -67,20 +65,26 @@ def pyplot():
     return plt
 
 
+PLOT_FORMATS = (".png", ".svg", ".pdf")
+
+
+def check_plot_path(path: str | Path, what: str = "plot") -> Path:
+    """A writable file name with a format matplotlib writes, checked before any work."""
+    path = check_output(path, what)
+    if path.suffix.lower() not in PLOT_FORMATS:
+        raise HydraulisError(f"{path}: a {what} file must end in {', '.join(PLOT_FORMATS)}")
+    return path
+
+
 def save_figure(fig, path: str | Path, dpi: float | str = 120) -> None:
-    """Write through a temporary file next to `path` (same format), so a failed plot never leaves a
-    partial file; the figure is closed either way."""
+    """Write through the atomic writer (a failed plot leaves no file); the figure is closed either way."""
     plt = pyplot()
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
+    path = check_plot_path(path)
     try:
-        fig.savefig(tmp, dpi=dpi)
-        default_mode(tmp)
-        os.replace(tmp, path)
+        with OutputSet() as outputs:
+            fig.savefig(outputs.stage(path), dpi=dpi, format=path.suffix[1:].lower())
     finally:
         plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)
 
 
 def bench_plot(report: dict, path: str | Path) -> None:

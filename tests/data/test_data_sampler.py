@@ -119,7 +119,7 @@ def test_pieces_fetch_tokens_from_a_corpus() -> None:
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(lengths=[10, 20], tokens_per_batch=0), "tokens per batch must be positive"),
+        (dict(lengths=[10, 20], tokens_per_batch=0), "tokens per batch must be between 1 and"),
         (dict(lengths=[], tokens_per_batch=100), "at least one document"),
         (dict(lengths=[10, 0], tokens_per_batch=100), "must be positive"),
         (dict(lengths=[10, 20], tokens_per_batch=100, max_len=200), "above the batch budget"),
@@ -127,7 +127,7 @@ def test_pieces_fetch_tokens_from_a_corpus() -> None:
         (dict(lengths=[10, 20], tokens_per_batch=100, max_len=50, policy="wrap"), "unknown over-long policy"),
         (dict(lengths=[60, 70], tokens_per_batch=100, max_len=50, policy="drop"), "leaves nothing"),
         (dict(lengths=[10, 20], tokens_per_batch=100, state=SamplerState(0, 3)), "past the end of epoch 0"),
-        (dict(lengths=[10, 20], tokens_per_batch=100, seed=-1), "seed must be non-negative"),
+        (dict(lengths=[10, 20], tokens_per_batch=100, seed=-1), "seed must be between 0 and"),
     ],
 )
 def test_bad_arguments(kwargs: dict, message: str) -> None:

@@ -51,8 +51,10 @@ def test_plot(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["h.png"]
     with pytest.raises(HydraulisError, match="must end in .png"):
         plot_histogram(lengths, tmp_path / "h.txt")
-    with pytest.raises(HydraulisError, match="no such directory"):
-        plot_histogram(lengths, tmp_path / "missing" / "h.png")
+    with pytest.raises(HydraulisError, match="is a directory"):
+        plot_histogram(lengths, tmp_path)
+    # Like every output, a plot creates its directory.
+    assert plot_histogram(lengths, tmp_path / "new" / "h.png").is_file()
 
 
 def test_plots_go_through_the_shared_atomic_save(tmp_path, monkeypatch):

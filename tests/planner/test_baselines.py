@@ -20,9 +20,10 @@ from hydraulis.parallel import Deployment
 from hydraulis.planner.bounds import lower_bound
 from hydraulis.planner.packing import first_fit_decreasing
 from hydraulis.planner.planner import finalize
-from hydraulis.planner.policy import PolicyContext, check_schedule
+from hydraulis.planner.policy import PolicyContext
 from hydraulis.planner.pool import fallback_config, largest_cap
 from hydraulis.planner.replicas import ReplicaCost, ReplicaTable
+from hydraulis.planner.schedule import check_schedule
 from hydraulis.sim import simulate
 from hydraulis.specs import ClusterSpec
 

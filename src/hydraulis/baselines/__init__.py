@@ -49,6 +49,9 @@ POLICIES: dict[str, Callable[[PolicyContext], Policy]] = {
 }
 
 
+MULTI_PHASE = ("hotspa",)  # several deployments per iteration: no plan file can hold them
+
+
 def make_policy(name: str, ctx: PolicyContext) -> Policy:
     try:
         factory = POLICIES[name]

@@ -22,9 +22,10 @@ from hydraulis.parallel import Deployment
 from hydraulis.planner.packing import check_cap, first_fit_decreasing
 from hydraulis.planner.plan import IterationPlan
 from hydraulis.planner.planner import check_lengths, finalize
-from hydraulis.planner.policy import PolicyContext, Schedule
+from hydraulis.planner.policy import PolicyContext
 from hydraulis.planner.pool import fallback_config, homogeneous
 from hydraulis.planner.replicas import ReplicaCost
+from hydraulis.planner.schedule import Schedule
 
 
 def karmarkar_karp(weights: np.ndarray, k: int) -> list[list[int]]:

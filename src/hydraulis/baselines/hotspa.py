@@ -17,8 +17,9 @@ import numpy as np
 from hydraulis.baselines.homogeneous import Homogeneous
 from hydraulis.errors import HydraulisError
 from hydraulis.planner.planner import check_lengths
-from hydraulis.planner.policy import PolicyContext, Schedule, phases_time
+from hydraulis.planner.policy import PolicyContext
 from hydraulis.planner.pool import homogeneous, homogeneous_estimate, largest_cap, replicable_configs
+from hydraulis.planner.schedule import Schedule, phases_time
 
 
 def switch_time(ctx: PolicyContext) -> float:

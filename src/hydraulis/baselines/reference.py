@@ -26,9 +26,10 @@ from hydraulis.errors import HydraulisError
 from hydraulis.planner.milp import solve_milp
 from hydraulis.planner.packing import first_fit_decreasing
 from hydraulis.planner.planner import check_lengths, finalize
-from hydraulis.planner.policy import PolicyContext, Schedule
+from hydraulis.planner.policy import PolicyContext
 from hydraulis.planner.pool import largest_cap
 from hydraulis.planner.replicas import ReplicaCost, ReplicaTable
+from hydraulis.planner.schedule import Schedule
 
 SHUFFLES = 50
 MILP_LIMIT_S = 0.5

@@ -1,12 +1,10 @@
 """The `hydraulis` command.
 
-User errors (HydraulisError) print one line and exit with code 2; anything
-else is a bug and keeps its traceback.
+Bad input prints one line and exits with code 2; an interruption one line and
+130/143 (see common.run_app); anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
-
-import sys
 
 # Each command module registers its commands on import; one per line keeps merges clean.
 from hydraulis.cli import (
@@ -21,14 +19,7 @@ from hydraulis.cli import (
     train,  # noqa: F401
 )
 from hydraulis.cli.app import app
-from hydraulis.errors import HydraulisError
 
 
 def main() -> None:
-    try:
-        app()
-    except HydraulisError as exc:
-        common.fail(str(exc))
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    common.run_app(app)

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hydraulis.errors import HydraulisError
+from hydraulis.limits import MAX_BATCHES, MAX_GPUS, MAX_SEED, MAX_TOKENS_PER_BATCH
 
 if TYPE_CHECKING:
     from hydraulis.cost import CostModel
@@ -29,10 +30,19 @@ ProfileOption = typer.Option(
 )
 
 
-GpusPerNodeOption = typer.Option(8, "--gpus-per-node", help="GPUs per node.")
-TokensPerBatchOption = typer.Option(None, "--tokens-per-batch", help="Histogram workloads: token budget.")
-NumBatchesOption = typer.Option(None, "--num-batches", help="Histogram workloads: how many batches.")
-SeedOption = typer.Option(None, "--seed", help="Histogram workloads: sampling seed.")
+GpusPerNodeOption = typer.Option(8, "--gpus-per-node", help="GPUs per node.", min=1, max=MAX_GPUS)
+TokensPerBatchOption = typer.Option(
+    None, "--tokens-per-batch", help="Histogram workloads: token budget.", min=1, max=MAX_TOKENS_PER_BATCH
+)
+NumBatchesOption = typer.Option(
+    None, "--num-batches", help="Histogram workloads: how many batches.", min=1, max=MAX_BATCHES
+)
+SeedOption = typer.Option(None, "--seed", help="Histogram workloads: sampling seed.", min=0, max=MAX_SEED)
+
+
+def gpus_option(default: Any = ...) -> Any:
+    """`--gpus/-n`, bounded: the planner's work grows with the GPU count."""
+    return typer.Option(default, "--gpus", "-n", help="GPUs in the job.", min=1, max=MAX_GPUS)
 
 
 def load_job(
@@ -57,8 +67,70 @@ def load_job(
 
 def fail(message: str) -> NoReturn:
     """One line on stderr, exit code 2: the contract for bad input."""
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {' '.join(message.split())}", file=sys.stderr)
     sys.exit(2)
+
+
+def run_app(app: typer.Typer) -> NoReturn:
+    """The error boundary of every command.
+
+    Bad input of any kind (our own errors, the file system's, numbers Python or
+    numpy refuse, typer's argument errors) is one line and exit code 2;
+    SIGINT/SIGTERM are one line and 128 + the signal, after every cleanup ran.
+    Anything else is a bug and keeps its traceback.
+    """
+    from hydraulis import interrupt
+
+    interrupt.install()
+    try:
+        code = app(prog_name="hydraulis", standalone_mode=False)
+    except interrupt.Interrupted as exc:
+        print(f"interrupted ({exc}); nothing was written", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except typer.Abort:  # typer's own KeyboardInterrupt handling
+        print("interrupted (SIGINT); nothing was written", file=sys.stderr)
+        sys.exit(130)
+    except typer.TyperException as exc:  # argument errors: one line, not a box
+        ctx = getattr(exc, "ctx", None)
+        if type(exc).__name__ == "NoArgsIsHelpError" and ctx is not None:
+            print(ctx.get_help())
+            sys.exit(2)
+        hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+        fail(exc.format_message() + hint)
+    except HydraulisError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(describe_os_error(exc))
+    except (ValueError, OverflowError) as exc:
+        fail(f"a value is out of range: {exc}; check the numbers in the input")
+    except MemoryError:
+        fail("out of memory; use smaller batches, a smaller token budget or fewer sequences")
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _clip(name: object) -> str:
+    text = "" if name is None else str(name)
+    return text if len(text) <= 120 else text[:60] + "..." + text[-40:]
+
+
+def describe_os_error(exc: OSError) -> str:
+    """The file and the reason, and what to do about the common ones."""
+    what = exc.strerror or str(exc)
+    name = _clip(exc.filename)
+    if exc.filename2 is not None:
+        name = f"{name} -> {_clip(exc.filename2)}"
+    advice = {
+        "ENOSPC": "free some space or write elsewhere",
+        "EACCES": "check the permissions or write elsewhere",
+        "EROFS": "write elsewhere",
+        "ENAMETOOLONG": "use a shorter name",
+        "EISDIR": "give a file name",
+        "ENOTDIR": "a part of the path is a file",
+    }
+    import errno
+
+    hint = advice.get(errno.errorcode.get(exc.errno or 0, ""), "")
+    return f"{name}: {what}" + (f"; {hint}" if hint else "") if name else what + (f"; {hint}" if hint else "")
 
 
 def print_json(data: Any) -> None:

@@ -8,7 +8,7 @@ import typer
 
 from hydraulis.cli.app import app
 from hydraulis.cli.common import console, print_json, table
-from hydraulis.errors import HydraulisError
+from hydraulis.limits import MAX_BATCHES, MAX_LENGTH, MAX_SEED, MAX_TOKENS_PER_BATCH
 
 data_app = typer.Typer(help="Tokenize corpora into indexed form and describe their length distributions.")
 app.add_typer(data_app, name="data")
@@ -66,8 +66,10 @@ def stats(
     from hydraulis.data.builtin import resolve_corpus
     from hydraulis.data.stats import THRESHOLDS, length_stats, plot_histogram
 
-    if plot is not None and plot.suffix.lower() not in (".png", ".svg", ".pdf"):
-        raise HydraulisError(f"{plot}: plot file must end in .png, .svg or .pdf")
+    if plot is not None:
+        from hydraulis.report import check_plot_path
+
+        check_plot_path(plot, "--plot")
     c = resolve_corpus(corpus, tokenizer, progress=True)
     st = length_stats(c.lengths)
     if plot is not None:
@@ -88,10 +90,14 @@ def stats(
 def workload(
     corpus: str = typer.Option(..., "--corpus", "-c", help="A built corpus directory or a built-in name."),
     out: Path = typer.Option(..., "--out", "-o", help="Workload file to write (hydraulis.workload/1)."),
-    tokens_per_batch: int = typer.Option(262144, "--tokens-per-batch", "-T", help="Token budget of a global batch."),
-    batches: int = typer.Option(8, "--batches", "-k", help="Global batches to write."),
-    max_len: int = typer.Option(32768, "--max-len", "-L", help="Longest sequence; longer documents follow --policy."),
-    seed: int = typer.Option(0, "--seed", "-s", help="Shuffle seed."),
+    tokens_per_batch: int = typer.Option(
+        262144, "--tokens-per-batch", "-T", help="Token budget of a global batch.", min=1, max=MAX_TOKENS_PER_BATCH
+    ),
+    batches: int = typer.Option(8, "--batches", "-k", help="Global batches to write.", min=1, max=MAX_BATCHES),
+    max_len: int = typer.Option(
+        32768, "--max-len", "-L", help="Longest sequence; longer documents follow --policy.", min=1, max=MAX_LENGTH
+    ),
+    seed: int = typer.Option(0, "--seed", "-s", help="Shuffle seed.", min=0, max=MAX_SEED),
     policy: str = typer.Option("split", "--policy", help="Over-long documents: split, truncate or drop."),
     tokenizer: str = TokenizerOption,
     name: str = typer.Option(None, "--name", help="Workload name (default: CORPUS-T-L-sSEED)."),
@@ -100,9 +106,9 @@ def workload(
     from hydraulis.data.builtin import resolve_corpus
     from hydraulis.data.sampler import TokenBudgetSampler
     from hydraulis.data.workload import Workload, save_workload
+    from hydraulis.jsonio import check_output
 
-    if batches < 1:
-        raise HydraulisError(f"--batches must be positive, got {batches}")
+    check_output(out, "--out")
     c = resolve_corpus(corpus, tokenizer, progress=True)
     sampler = TokenBudgetSampler(c.lengths, tokens_per_batch, max_len=max_len, seed=seed, policy=policy)  # type: ignore[arg-type]
     drawn = sampler.batches(batches)

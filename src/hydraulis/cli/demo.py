@@ -15,7 +15,8 @@ import typer
 
 from hydraulis.cli.app import app
 from hydraulis.cli.common import ProfileOption, console, err_console, table
-from hydraulis.errors import HydraulisError
+from hydraulis.jsonio import OutputSet, check_output, check_output_dir
+from hydraulis.limits import MAX_GPUS, MAX_LENGTH, MAX_TOKENS_PER_BATCH
 
 DEMO_POLICIES = ("megatron", "flops-balanced", "hotspa", "hydraulis-reference", "hydraulis")
 
@@ -24,13 +25,35 @@ DEMO_POLICIES = ("megatron", "flops-balanced", "hotspa", "hydraulis-reference", 
 def demo(
     corpus: str = typer.Option("python-stdlib", "--corpus", "-c", help="Built-in corpus or a built corpus directory."),
     profile: str = ProfileOption,
-    gpus: int = typer.Option(32, "--gpus", "-n", help="GPUs in the simulated job."),
-    tokens_per_batch: int = typer.Option(256 * 1024, "--tokens-per-batch", "-T", help="Global batch token budget."),
-    max_len: int = typer.Option(32 * 1024, "--max-len", "-L", help="Longest sequence; longer documents are split."),
-    batches: int = typer.Option(4, "--batches", "-k", help="Global batches to plan and compare."),
+    gpus: int = typer.Option(32, "--gpus", "-n", help="GPUs in the simulated job.", min=1, max=MAX_GPUS),
+    tokens_per_batch: int = typer.Option(
+        256 * 1024, "--tokens-per-batch", "-T", help="Global batch token budget.", min=1, max=MAX_TOKENS_PER_BATCH
+    ),
+    max_len: int = typer.Option(
+        32 * 1024, "--max-len", "-L", help="Longest sequence; longer documents are split.", min=1, max=MAX_LENGTH
+    ),
+    batches: int = typer.Option(4, "--batches", "-k", help="Global batches to plan and compare.", min=1, max=64),
     out: Path = typer.Option(Path("demo-out"), "--out", "-o", help="Directory for the demo's files."),
 ) -> None:
     """Propose a pool, plan real batches and compare with the baselines (simulated)."""
+    names = ("workload.json", "pool.json", "plan.json", "compare.png", "timeline.png")
+    check_output_dir(out, "--out directory")
+    for name in names:
+        check_output(out / name)
+    with OutputSet() as outputs:  # every file or none, even on Ctrl-C
+        _demo(corpus, profile, gpus, tokens_per_batch, max_len, batches, out, outputs)
+
+
+def _demo(
+    corpus: str,
+    profile: str,
+    gpus: int,
+    tokens_per_batch: int,
+    max_len: int,
+    batches: int,
+    out: Path,
+    outputs: OutputSet,
+) -> None:
     from hydraulis.bench import run_policies
     from hydraulis.cost import load_cost_model
     from hydraulis.data.builtin import resolve_corpus
@@ -45,10 +68,6 @@ def demo(
     from hydraulis.sim import simulate
     from hydraulis.specs import ClusterSpec
 
-    if batches < 1:
-        raise HydraulisError(f"--batches must be positive, got {batches}")
-    if gpus < 1:
-        raise HydraulisError(f"--gpus must be positive, got {gpus}")
     cost = load_cost_model(profile)
     cluster = ClusterSpec(gpus)
 
@@ -64,8 +83,7 @@ def demo(
     work = [b.lengths for b in sampler.batches(batches)]
     # The pool is proposed from other batches of the same data, not fitted to the measured ones.
     sample = [b.lengths for b in TokenBudgetSampler(c.lengths, tokens_per_batch, max_len=max_len, seed=1).batches(4)]
-    out.mkdir(parents=True, exist_ok=True)
-    save_workload(out / "workload.json", Workload(f"{c.name}-demo", tuple(work)))
+    save_workload(outputs.stage(out / "workload.json"), Workload(f"{c.name}-demo", tuple(work)))
     console.print(
         f"{batches} global batches of {tokens_per_batch:,} tokens (documents over {max_len:,} split): "
         f"{', '.join(str(len(b)) for b in work)} sequences -> {out / 'workload.json'}"
@@ -74,7 +92,7 @@ def demo(
     console.rule(f"2. deployment pool for {cost.name} on {gpus} GPUs")
     with err_console.status("proposing a pool from sample batches"):
         proposal = propose(cost, cluster, sample, max_length=max(int(b.max()) for b in work + sample))
-    save_pool(out / "pool.json", proposal.pool)
+    save_pool(outputs.stage(out / "pool.json"), proposal.pool)
     rows = [
         [i, str(d), max(cost.cap(g, gpus) for g in d.configs), f"{u:.0%}"]
         for i, (d, u) in enumerate(zip(proposal.pool.deployments, proposal.pool.usage or (), strict=True))
@@ -90,7 +108,7 @@ def demo(
             "demo", ctx, work, DEMO_POLICIES, keep=lambda p, step, s: schedules.__setitem__((p, step), s)
         )
     plans = tuple(schedules[("hydraulis", step)].phases[0] for step in range(batches))
-    save_plan(out / "plan.json", PlanFile(cost.name, gpus, plans))
+    save_plan(outputs.stage(out / "plan.json"), PlanFile(cost.name, gpus, plans))
     rows = [
         [
             r.policy,
@@ -103,14 +121,14 @@ def demo(
     ]
     columns = ["policy", "tokens/s", "vs megatron", "balance eff.", "plan ms/iter"]
     console.print(table(f"{batches} batches of {c.name} -> {out / 'plan.json'}", columns, rows))
-    comparison_plot(results, out / "compare.png", f"{c.name}, {cost.name}, {gpus} GPUs")
+    comparison_plot(results, outputs.stage(out / "compare.png"), f"{c.name}, {cost.name}, {gpus} GPUs")
     megatron = schedules[("megatron", 0)].phases[0]
     timeline_plot(
         [
             ("megatron", megatron, simulate(megatron, cost)),
             ("hydraulis", plans[0], simulate(plans[0], cost)),
         ],
-        out / "timeline.png",
+        outputs.stage(out / "timeline.png"),
     )
     ours = next(r for r in results if r.policy == "hydraulis")
     console.print(

@@ -9,6 +9,7 @@ import typer
 from hydraulis.cli.app import app
 from hydraulis.cli.common import ProfileOption, console, print_json, table
 from hydraulis.errors import HydraulisError
+from hydraulis.limits import MAX_GPUS
 
 CAPS_LENGTHS = (1024, 4096, 16384, 32768)
 
@@ -16,7 +17,9 @@ CAPS_LENGTHS = (1024, 4096, 16384, 32768)
 @app.command()
 def caps(
     profile: str = ProfileOption,
-    gpus: int = typer.Option(32, "--gpus", "-n", help="GPUs in the job (optimizer states shard over all)."),
+    gpus: int = typer.Option(
+        32, "--gpus", "-n", help="GPUs in the job (optimizer states shard over all).", min=1, max=MAX_GPUS
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Token cap and cost of each parallel config."""
@@ -58,13 +61,19 @@ def simulate(
     plan: Path = typer.Option(..., "--plan", help="A hydraulis.plan/1 file."),
     profile: str = typer.Option(None, "--profile", "-p", help="Cost model; default: the plan's own profile."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
-    timeline: Path = typer.Option(None, "--timeline", help="Write a PNG of the 1F1B timelines (first 4 steps)."),
+    timeline: Path = typer.Option(
+        None, "--timeline", help="Write a plot (.png/.svg/.pdf) of the 1F1B timelines (first 4 steps)."
+    ),
 ) -> None:
     """Simulate each iteration of a plan with 1F1B and report its times."""
     from hydraulis.cost import load_cost_model
     from hydraulis.planner.plan import load_plan
     from hydraulis.sim import simulate as run_sim
 
+    if timeline is not None:
+        from hydraulis.report import check_plot_path
+
+        check_plot_path(timeline, "--timeline")
     plan_file = load_plan(plan)
     cost = load_cost_model(profile or plan_file.profile)
     results, drawn = [], []

@@ -15,6 +15,7 @@ from hydraulis.cli.common import (
     TokensPerBatchOption,
     console,
     err_console,
+    gpus_option,
     load_job,
     table,
 )
@@ -24,7 +25,7 @@ from hydraulis.errors import HydraulisError
 @app.command()
 def plan(
     profile: str = ProfileOption,
-    gpus: int = typer.Option(..., "--gpus", "-n", help="GPUs in the job."),
+    gpus: int = gpus_option(),
     workload: Path = typer.Option(..., "--workload", "-w", help="A hydraulis.workload/1 file."),
     out: Path = typer.Option(..., "--out", "-o", help="Where to write the hydraulis.plan/1 file."),
     pool: str = typer.Option(
@@ -40,12 +41,19 @@ def plan(
     """Choose a deployment, dispatch and pack each global batch of a workload."""
     from rich.progress import Progress
 
-    from hydraulis.baselines import make_policy
+    from hydraulis.baselines import MULTI_PHASE, make_policy
+    from hydraulis.jsonio import check_output
     from hydraulis.planner.plan import PlanFile, save_plan
     from hydraulis.planner.planner import apply_overlong
     from hydraulis.planner.policy import PolicyContext
     from hydraulis.planner.pool import largest_cap, parse_pool
 
+    check_output(out, "--out")
+    if policy in MULTI_PHASE:
+        raise HydraulisError(
+            f"policy {policy} switches deployments within an iteration, and a plan file holds one deployment per "
+            f"step; compare it with `hydraulis bench --policy {policy}` instead"
+        )
     cost, cluster, work = load_job(profile, gpus, gpus_per_node, workload, tokens_per_batch, num_batches, seed)
     deployments = parse_pool(pool, cluster) if pool else None
     cap, cap_name = largest_cap(cost, cluster, deployments)
@@ -104,10 +112,14 @@ def bench(
 
     from hydraulis.baselines import POLICIES
     from hydraulis.bench import get_scenarios, run_bench
-    from hydraulis.jsonio import write_json_atomic
-    from hydraulis.report import bench_plot, bench_table, summary_lines
+    from hydraulis.jsonio import OutputSet, check_output, check_output_dir, write_json_atomic
+    from hydraulis.report import bench_plot, bench_table, check_plot_path, summary_lines
 
     chosen = get_scenarios(scenario)
+    if not list_only:
+        check_output_dir(out, "--out directory")
+        check_output(out / "bench.json")
+        check_plot_path(out / "bench.png")
     policies = list(policy) if policy else list(POLICIES)
     if list_only:
         rows = [[s.name, s.profile, s.num_gpus, s.tokens_per_batch, s.max_length, s.lengths] for s in chosen]
@@ -117,16 +129,9 @@ def bench(
     with Progress(console=err_console, transient=True) as progress:
         task = progress.add_task(f"{len(chosen)} scenario(s)", total=len(chosen))
         report = run_bench(chosen, policies, lambda s: progress.advance(task))
-    out.mkdir(parents=True, exist_ok=True)
-    # The plot first, under a temporary name: a plot failure leaves neither file, and the pair
-    # appears together (the JSON's rename, then the PNG's).
-    partial = out / ".bench.png.partial.png"
-    try:
-        bench_plot(report, partial)
-        write_json_atomic(out / "bench.json", report)
-        partial.replace(out / "bench.png")
-    finally:
-        partial.unlink(missing_ok=True)
+    with OutputSet() as outputs:  # both files or neither
+        write_json_atomic(outputs.stage(out / "bench.json"), report)
+        bench_plot(report, outputs.stage(out / "bench.png"))
     console.print(bench_table(report))
     for line in summary_lines(report):
         console.print(line)

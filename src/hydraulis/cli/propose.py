@@ -15,6 +15,7 @@ from hydraulis.cli.common import (
     TokensPerBatchOption,
     console,
     err_console,
+    gpus_option,
     load_job,
     print_json,
     table,
@@ -24,10 +25,10 @@ from hydraulis.cli.common import (
 @app.command()
 def propose(
     profile: str = ProfileOption,
-    gpus: int = typer.Option(..., "--gpus", "-n", help="GPUs in the job."),
+    gpus: int = gpus_option(),
     workload: Path = typer.Option(..., "--workload", "-w", help="A hydraulis.workload/1 file."),
     out: Path = typer.Option(..., "--out", "-o", help="Where to write the hydraulis.pool/1 file."),
-    max_pool: int = typer.Option(6, "--max-pool", "-k", help="Most deployments in the pool."),
+    max_pool: int = typer.Option(6, "--max-pool", "-k", help="Most deployments in the pool.", min=1, max=64),
     method: str = typer.Option("hydraulis", "--method", help="hydraulis (data-aware) or published (the DP)."),
     gpus_per_node: int = GpusPerNodeOption,
     tokens_per_batch: int = TokensPerBatchOption,
@@ -38,9 +39,11 @@ def propose(
     """Propose a pool: the homogeneous fallback plus heterogeneous deployments the planner will pick."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from hydraulis.jsonio import check_output
     from hydraulis.planner.pool import save_pool
     from hydraulis.planner.proposal import propose as run_proposal
 
+    check_output(out, "--out")
     cost, cluster, work = load_job(profile, gpus, gpus_per_node, workload, tokens_per_batch, num_batches, seed)
     columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}")]
     with Progress(*columns, TimeElapsedColumn(), console=err_console, transient=True) as progress:

@@ -10,6 +10,7 @@ from typing import Any
 from hydraulis.cost.model import Coefficients, Collectives, CostModel, Link, MemoryModel
 from hydraulis.errors import HydraulisError
 from hydraulis.jsonio import Fields, load_json
+from hydraulis.limits import MAX_GPUS, MAX_LAYERS, MAX_LENGTH, MAX_MODEL_DIM
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import DEVICES, DeviceSpec, ModelSpec
 
@@ -46,17 +47,17 @@ class ProfiledCostModel(CostModel):
         m = f.obj("model")
         model = ModelSpec(
             name=m.str("name"),
-            layers=m.int("layers", minimum=1),
-            hidden=m.int("hidden", minimum=1),
-            ffn=m.int("ffn", minimum=1),
-            heads=m.int("heads", minimum=1),
-            kv_heads=m.int("kv_heads", default=m.int("heads", minimum=1), minimum=1),
-            vocab=m.int("vocab", minimum=1),
+            layers=m.int("layers", minimum=1, maximum=MAX_LAYERS),
+            hidden=m.int("hidden", minimum=1, maximum=MAX_MODEL_DIM),
+            ffn=m.int("ffn", minimum=1, maximum=MAX_MODEL_DIM),
+            heads=m.int("heads", minimum=1, maximum=MAX_MODEL_DIM),
+            kv_heads=m.int("kv_heads", default=m.int("heads", minimum=1), minimum=1, maximum=MAX_MODEL_DIM),
+            vocab=m.int("vocab", minimum=1, maximum=MAX_MODEL_DIM),
         )
         d = f.obj("device")
         device_name = d.str("name")
-        memory_bytes = d.int("memory_bytes", minimum=1)
-        gpus_per_node = d.int("gpus_per_node", default=8, minimum=1)
+        memory_bytes = d.int("memory_bytes", minimum=1, maximum=2**50)
+        gpus_per_node = d.int("gpus_per_node", default=8, minimum=1, maximum=MAX_GPUS)
         base = DEVICES.get(device_name)
         if base is None:
             # Unknown hardware: bandwidths only matter for p2p and gradient sync.
@@ -104,7 +105,7 @@ class ProfiledCostModel(CostModel):
             me = f.obj("min_efficient_tokens")
             for key in me.data:
                 try:
-                    min_eff[int(key)] = me.int(key, minimum=0)
+                    min_eff[int(key)] = me.int(key, minimum=0, maximum=MAX_LENGTH)
                 except ValueError:
                     raise HydraulisError(f"{me.where}: key {key!r} is not a TP degree") from None
         for config in coefficients:

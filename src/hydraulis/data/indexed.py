@@ -21,7 +21,6 @@ manifest last, is written: a crash leaves no directory that `open_corpus` accept
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import glob
 import hashlib
 import os
@@ -39,7 +38,7 @@ import numpy as np
 from hydraulis.data.readers import ReadCounts, ReadReport
 from hydraulis.data.tokenizer import Tokenizer, get_tokenizer, token_dtype
 from hydraulis.errors import HydraulisError
-from hydraulis.jsonio import Fields, default_mode, load_json, write_json_atomic
+from hydraulis.jsonio import Fields, default_mode, load_json, temp_prefix, write_json_atomic
 
 CORPUS_SCHEMA = "hydraulis.corpus/1"
 TOKENS_FILE = "tokens.bin"
@@ -260,43 +259,22 @@ def build_corpus(
         raise HydraulisError(f"{out}: already exists (pass --force to replace it)")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        _sweep_stale_builds(out)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-        lock = os.open(tmp, os.O_RDONLY)
-        fcntl.flock(lock, fcntl.LOCK_EX)  # held while building: marks the directory as a live build's
+        swept = sweep_temporaries(out)
+        tmp = _temp_dir(out, ".tmp")
     except OSError as exc:
         raise HydraulisError(f"{out}: cannot create the corpus directory: {exc.strerror or exc}") from None
+    if swept:
+        print(
+            f"removed {swept} temporary director{'y' if swept == 1 else 'ies'} left by an interrupted build of {out}",
+            file=sys.stderr,
+        )
     try:
         manifest = _write(tmp, documents, tok, source, counts, name or out.name)
+        (tmp / OWNER_FILE).unlink()
         _default_permissions(tmp)
         return _publish(tmp, out, if_exists, manifest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.close(lock)
-
-
-def _sweep_stale_builds(out: Path) -> None:
-    """Remove the hidden temporary directories that killed builds of `out` left behind, one line each.
-
-    A running build holds an exclusive flock on its temporary directory, and
-    the kernel drops it when the process dies, even by SIGKILL: a directory
-    whose lock can be taken belongs to no live build (a concurrent build of the
-    same corpus keeps its own).
-    """
-    for tmp in sorted(out.parent.glob(f".{glob.escape(out.name)}.*.tmp")):
-        try:
-            fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # a live build's
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
-            print(f"removed {tmp}: left by a build of {out.name} that did not finish", file=sys.stderr)
-        finally:
-            os.close(fd)
 
 
 def _write(tmp: Path, documents: Iterable[str], tok: Tokenizer, source: str, counts: ReadCounts, name: str):
@@ -368,7 +346,7 @@ def _publish(tmp: Path, out: Path, if_exists: IfExists, manifest: CorpusManifest
             return open_corpus(out)
         if if_exists == "error":
             raise HydraulisError(f"{out}: appeared while building (pass --force to replace it)")
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+        old = _temp_dir(out, ".old")
         os.replace(out, old / out.name)
         try:
             os.replace(tmp, out)
@@ -385,6 +363,43 @@ def _publish(tmp: Path, out: Path, if_exists: IfExists, manifest: CorpusManifest
                 return open_corpus(out)
             raise
     return open_corpus(out)
+
+
+OWNER_FILE = ".owner"  # the building process's id, inside each temporary directory
+
+
+def _temp_dir(out: Path, suffix: str) -> Path:
+    """`.NAME.XXXX.tmp` (or `.old`) next to `out`, marked with our pid so that sweeps spare it while we live."""
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out.name), suffix=suffix, dir=out.parent))
+    (tmp / OWNER_FILE).write_text(str(os.getpid()))
+    return tmp
+
+
+def sweep_temporaries(out: Path) -> int:
+    """Remove the temporary directories of builds of `out` whose process is gone (SIGKILL, power loss)."""
+    swept = 0
+    for p in out.parent.glob(f"{glob.escape(temp_prefix(out.name))}*"):
+        if p.suffix not in (".tmp", ".old") or not p.is_dir() or p.is_symlink():
+            continue
+        try:
+            pid = int((p / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            pid = None  # from a build that died before marking it
+        if pid is not None and _alive(pid):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        swept += not p.exists()
+    return swept
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0
+    return True
 
 
 def _default_permissions(tmp: Path) -> None:

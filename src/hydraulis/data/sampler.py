@@ -27,6 +27,9 @@ from typing import Literal
 import numpy as np
 
 from hydraulis.errors import HydraulisError
+from hydraulis.limits import MAX_LENGTH, MAX_SEED, MAX_TOKENS_PER_BATCH, check_batch_size, check_int
+
+MAX_EPOCHS_PER_BATCH = 65536
 
 Policy = Literal["split", "truncate", "drop"]
 POLICIES: tuple[str, ...] = ("split", "truncate", "drop")
@@ -106,10 +109,9 @@ class TokenBudgetSampler:
             raise HydraulisError("the sampler needs at least one document length")
         if np.any(self.lengths < 1):
             raise HydraulisError("document lengths must be positive")
-        if tokens_per_batch < 1:
-            raise HydraulisError(f"tokens per batch must be positive, got {tokens_per_batch}")
-        if max_len is not None and max_len < 1:
-            raise HydraulisError(f"max_len must be positive, got {max_len}")
+        check_int(tokens_per_batch, "tokens per batch", 1, MAX_TOKENS_PER_BATCH)
+        if max_len is not None:
+            check_int(max_len, "max_len", 1, MAX_LENGTH)
         if max_len is not None and max_len > tokens_per_batch:
             raise HydraulisError(
                 f"max_len {max_len} is above the batch budget of {tokens_per_batch} tokens; "
@@ -124,8 +126,7 @@ class TokenBudgetSampler:
             raise HydraulisError(f"unknown over-long policy {policy!r}; choose one of: {', '.join(POLICIES)}")
         if max_len is not None and policy == "drop" and not np.any(self.lengths <= max_len):
             raise HydraulisError(f"every document is longer than max_len {max_len}; policy 'drop' leaves nothing")
-        if seed < 0:
-            raise HydraulisError(f"seed must be non-negative, got {seed}")
+        check_int(seed, "seed", 0, MAX_SEED)
         self.tokens_per_batch = int(tokens_per_batch)
         self.max_len = max_len
         self.seed = int(seed)
@@ -135,6 +136,17 @@ class TokenBudgetSampler:
         self._epoch_cache: tuple[int, _Epoch] | None = None
         self._state = SamplerState()
         self.state = state
+        self._check_batch_size()
+
+    def _check_batch_size(self) -> None:
+        """A batch spans at most MAX_EPOCHS_PER_BATCH epochs and about MAX_SEQUENCES pieces: bounded work."""
+        epochs = self.tokens_per_batch / self.tokens_per_epoch()
+        if epochs > MAX_EPOCHS_PER_BATCH:
+            raise HydraulisError(
+                f"a global batch of {self.tokens_per_batch:,} tokens would span {epochs:,.0f} epochs of a corpus "
+                f"of {self.tokens_per_epoch():,} tokens (at most {MAX_EPOCHS_PER_BATCH}); lower the token budget"
+            )
+        check_batch_size(epochs * self.pieces_per_epoch(), "token-budget sampler")
 
     @property
     def state(self) -> SamplerState:

@@ -83,12 +83,9 @@ def plot_histogram(lengths: Sequence[int] | np.ndarray, out: str | Path, title: 
     s = np.asarray(lengths, dtype=np.int64)
     if len(s) == 0:
         raise HydraulisError("cannot plot an empty length distribution")
-    out = Path(out)
-    if out.suffix.lower() not in (".png", ".svg", ".pdf"):
-        raise HydraulisError(f"{out}: plot file must end in .png, .svg or .pdf")
-    if not out.parent.is_dir():
-        raise HydraulisError(f"{out.parent}: no such directory for the plot")
-    from hydraulis.report import pyplot, save_figure
+    from hydraulis.report import check_plot_path, pyplot, save_figure
+
+    out = check_plot_path(out)
 
     plt = pyplot()
     lo, hi = max(1, int(s.min())), max(2, int(s.max()))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hydraulis.planner.milp import solve_milp
-from hydraulis.planner.replicas import ReplicaTable, estimate_time
+from hydraulis.planner.replicas import BULK_MIN_SEQUENCES, HEAVY_SHARE, ReplicaTable, estimate_time
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,12 @@ class Dispatch:
 
     def members(self, replica: int) -> np.ndarray:
         return np.flatnonzero(self.replica_of == replica)
+
+    def all_members(self) -> list[np.ndarray]:
+        """`members(r)` for every replica, in one sort instead of one scan per replica."""
+        order = np.argsort(self.replica_of, kind="stable")
+        counts = np.bincount(self.replica_of, minlength=len(self.estimate_s))
+        return np.split(order, np.cumsum(counts)[:-1])
 
 
 @dataclass
@@ -77,13 +83,30 @@ def _scalar_estimate(W: float, T: int, n: int, wmax: float, c: float, pp1: int, 
     return best
 
 
+BULK_RUNS = 128  # slices of the light tail that are water-filled at once
+
+
 def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray | None = None) -> np.ndarray:
-    """Longest first to the replica that finishes earliest with it (cap permitting)."""
+    """Longest first to the replica that finishes earliest with it (cap permitting).
+
+    In a large batch only the heavy head goes one by one; the light tail (each
+    sequence a small share of a replica's load) is water-filled in runs, which
+    keeps the greedy O(n log n) in numpy instead of O(n) steps of Python.
+    """
     lengths = np.asarray(lengths, dtype=np.int64)
     R = len(table)
-    bias_l = (np.zeros(R) if bias is None else np.asarray(bias, dtype=np.float64)).tolist()
-    w = table.cost_matrix(lengths).tolist()
-    order = np.argsort(-lengths, kind="stable").tolist()
+    bias_a = np.zeros(R) if bias is None else np.asarray(bias, dtype=np.float64)
+    bias_l = bias_a.tolist()
+    w_arr = table.cost_matrix(lengths)
+    order_a = np.argsort(-lengths, kind="stable")
+    head = len(lengths)
+    if len(lengths) >= BULK_MIN_SEQUENCES:
+        w0 = w_arr[0][order_a]
+        fair = float(w0.sum()) / R
+        head = int(np.searchsorted(-w0, -fair * HEAVY_SHARE, side="left"))
+    w = w_arr[:, order_a[:head]].tolist() if head < len(lengths) else w_arr.tolist()
+    order = order_a[:head].tolist()
+    positions = range(head) if head < len(lengths) else order
     L = lengths.tolist()
     groups = range(len(table.configs))
     heaps: list[list[tuple[float, int]]] = [[] for _ in groups]
@@ -97,7 +120,7 @@ def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray |
     n = [0] * R
     wmax = [0.0] * R
     out = [0] * len(L)
-    for i in order:
+    for i, p in zip(order, positions, strict=True):
         s = L[i]
         best, best_g, best_r = math.inf, -1, -1
         for g in groups:
@@ -105,7 +128,7 @@ def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray |
             if cap < s:
                 continue
             r = heaps[g][0][1]
-            wi = w[g][i]
+            wi = w[g][p]
             if pp1 == 0:  # the common case, inlined: W + c * ceil(T / cap)
                 T_new = T[r] + s
                 e = W[r] + wi + c * max(1, -(-T_new // cap)) + bias_l[r]
@@ -115,7 +138,7 @@ def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray |
                 best, best_g, best_r = e, g, r
         if best_g < 0:
             raise ValueError(f"no replica holds a sequence of {s} tokens")  # callers check caps first
-        wi = w[best_g][i]
+        wi = w[best_g][p]
         W[best_r] += wi
         T[best_r] += s
         n[best_r] += 1
@@ -123,7 +146,94 @@ def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray |
             wmax[best_r] = wi
         heapq.heapreplace(heaps[best_g], (best, best_r))
         out[i] = best_r
-    return np.array(out, dtype=np.int64)
+    replica_of = np.array(out, dtype=np.int64)
+    if head < len(lengths):
+        sums = _Sums(np.array(W), np.array(T, dtype=np.int64), np.array(n, dtype=np.int64), np.array(wmax))
+        _water_fill(lengths, w_arr, order_a[head:], table, bias_a, sums, replica_of)
+    return replica_of
+
+
+def _water_fill(
+    lengths: np.ndarray,
+    w: np.ndarray,
+    tail: np.ndarray,
+    table: ReplicaTable,
+    bias: np.ndarray,
+    sums: _Sums,
+    replica_of: np.ndarray,
+) -> None:
+    """Light sequences (longest first, in runs) to replicas, each run raising the least loaded to one level.
+
+    Within a run every replica's estimate is taken as linear in the count it
+    receives (slope from a probe of the run's fair share), the common level is
+    solved exactly, and counts are rounded so that the run is placed whole.
+    Caps hold: a run only goes to replicas whose cap holds its longest sequence.
+    """
+    group = table.group
+    p = (table.c, table.pp, table.cap, table.min_efficient)
+    for run in np.array_split(tail, min(BULK_RUNS, len(tail))):
+        m = len(run)
+        if m == 0:
+            continue
+        s_run = lengths[run]
+        w_run = w[:, run]  # [configs, m]
+        ok = np.flatnonzero(table.cap >= int(s_run[0]))
+        if len(ok) == 0:
+            raise ValueError(f"no replica holds a sequence of {int(s_run[0])} tokens")  # callers check caps first
+        g = group[ok]
+        wbar, sbar = w_run.mean(axis=1)[g], float(s_run.mean())
+        e0 = estimate_time(sums.W[ok], sums.T[ok], sums.n[ok], sums.wmax[ok], *(x[ok] for x in p)) + bias[ok]
+        probe = max(1, -(-m // len(ok)))
+        e1 = (
+            estimate_time(
+                sums.W[ok] + probe * wbar,
+                sums.T[ok] + probe * sbar,
+                sums.n[ok] + probe,
+                np.maximum(sums.wmax[ok], w_run[g, 0]),
+                *(x[ok] for x in p),
+            )
+            + bias[ok]
+        )
+        slope = np.maximum((e1 - e0) / probe, 1e-15)
+        counts = _level_counts(e0, slope, m)
+        # The least loaded replicas take the longest of the run.
+        rank = np.argsort(e0, kind="stable")
+        takers = ok[rank]
+        per = counts[rank]
+        dest = np.repeat(takers, per)
+        replica_of[run] = dest
+        w_own = w_run[group[dest], np.arange(m)]
+        R = len(table)
+        sums.W += np.bincount(dest, weights=w_own, minlength=R)
+        sums.T += np.bincount(dest, weights=s_run, minlength=R).astype(np.int64)
+        sums.n += np.bincount(dest, minlength=R)
+        np.maximum.at(sums.wmax, dest, w_own)
+
+
+def _level_counts(e0: np.ndarray, slope: np.ndarray, m: int) -> np.ndarray:
+    """Integer counts k >= 0 summing to m that bring e0 + k * slope to one level (the lowest possible)."""
+    order = np.argsort(e0, kind="stable")
+    e, inv = e0[order], 1.0 / slope[order]
+    # With the j lowest replicas active, the level is (m + sum e/slope) / sum 1/slope; the first j whose
+    # level does not reach the next replica's start is the answer.
+    level = (m + np.cumsum(e * inv)) / np.cumsum(inv)
+    nxt = np.r_[e[1:], np.inf]
+    j = int(np.argmax(level <= nxt))
+    lam = level[j]
+    k = np.floor(np.maximum(lam - e0, 0.0) / slope).astype(np.int64)
+    short = m - int(k.sum())
+    after = e0 + (k + 1) * slope
+    if short > 0:  # the rounding's remainder to those who stay lowest with one more
+        k[np.argsort(after, kind="stable")[:short]] += 1
+    elif short < 0:
+        top = np.argsort(-(e0 + k * slope), kind="stable")
+        for r in top.tolist():
+            if short == 0:
+                break
+            if k[r] > 0:
+                k[r] -= 1
+                short += 1
+    return k
 
 
 def _estimates(
@@ -158,13 +268,19 @@ def local_search(
     table: ReplicaTable,
     replica_of: np.ndarray,
     bias: np.ndarray | None = None,
-    max_rounds: int = 100,
+    max_rounds: int | None = None,
     swap_partners: int = 4,
     rel_tol: float = 1e-4,
     targets_per_config: int = 8,
 ) -> np.ndarray:
-    """Move or swap sequences off the bottleneck replica while that lowers it below its current time."""
+    """Move or swap sequences off the bottleneck replica while that lowers it below its current time.
+
+    After a water-filled greedy (large batches) the bottleneck is within a light
+    sequence of the others, so fewer rounds are worth their cost there.
+    """
     lengths = np.asarray(lengths, dtype=np.int64)
+    if max_rounds is None:
+        max_rounds = 100 if len(lengths) < BULK_MIN_SEQUENCES else 16
     R = len(table)
     bias = np.zeros(R) if bias is None else np.asarray(bias, dtype=np.float64)
     replica_of = replica_of.copy()
@@ -181,9 +297,11 @@ def local_search(
         items = np.flatnonzero(replica_of == b)
         if len(items) == 0:
             break
-        s_k = lengths[items]
         w_bk = wg[group[b], items]
         wmax_wo = _without_each(w_bk)
+        keep = representatives(lengths[items])
+        items, w_bk, wmax_wo = items[keep], w_bk[keep], wmax_wo[keep]
+        s_k = lengths[items]
         e_b = estimate_time(sums.W[b] - w_bk, sums.T[b] - s_k, sums.n[b] - 1, wmax_wo, *(x[b] for x in p)) + bias[b]
         # Moves: every item of b to each of the least loaded replicas of every config, at once.
         cand = _least_loaded(est, group, targets_per_config)
@@ -211,6 +329,21 @@ def local_search(
         if not _best_swap(sums, table, bias, est, replica_of, lengths, wg, b, items, w_bk, wmax_wo, swap_partners, tol):
             break
     return replica_of
+
+
+SEARCH_ITEMS = 384  # distinct lengths per replica that a move or swap considers
+
+
+def representatives(lengths: np.ndarray, limit: int = SEARCH_ITEMS) -> np.ndarray:
+    """Positions of one sequence per distinct length (at most `limit`, spread over the range).
+
+    Sequences of equal length are interchangeable in a move or a swap, so one of
+    each loses nothing, and the search costs O(distinct^2), not O(sequences^2).
+    """
+    _, first = np.unique(lengths, return_index=True)
+    if len(first) > limit:
+        first = first[np.unique(np.linspace(0, len(first) - 1, limit).round().astype(np.int64))]
+    return np.sort(first)
 
 
 def _least_loaded(est: np.ndarray, group: np.ndarray, per_group: int) -> np.ndarray:
@@ -249,10 +382,13 @@ def _best_swap(sums, table, bias, est, replica_of, lengths, wg, b, items, w_bk, 
         mine = np.flatnonzero(replica_of == r)
         if len(mine) == 0:
             continue
+        w_rm = wg[group[r], mine]
+        wmax_wo_r = _without_each(w_rm)
+        keep = representatives(lengths[mine])
+        mine, w_rm, wmax_wo_r = mine[keep], w_rm[keep], wmax_wo_r[keep]
         s_k, s_m = lengths[items], lengths[mine]
         w_bm = wg[group[b], mine]  # r's items costed on b
         w_rk = wg[group[r], items]  # b's items costed on r
-        w_rm = wg[group[r], mine]
         fits_b = table.cap[b] >= s_m
         fits_r = table.cap[r] >= s_k
         pb = [x[b] for x in (table.c, table.pp, table.cap, table.min_efficient)]
@@ -272,7 +408,7 @@ def _best_swap(sums, table, bias, est, replica_of, lengths, wg, b, items, w_bk, 
                 sums.W[r] - w_rm[None, :] + w_rk[:, None],
                 sums.T[r] - s_m[None, :] + s_k[:, None],
                 sums.n[r],
-                np.maximum(_without_each(w_rm)[None, :], w_rk[:, None]),
+                np.maximum(wmax_wo_r[None, :], w_rk[:, None]),
                 *pr,
             )
             + bias[r]

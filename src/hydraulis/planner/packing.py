@@ -22,7 +22,7 @@ import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
-from hydraulis.planner.replicas import ReplicaCost, micro_batch_range
+from hydraulis.planner.replicas import HEAVY_SHARE, ReplicaCost, micro_batch_range
 from hydraulis.sim import closed_form_replica_time, simulate_replica
 
 
@@ -41,31 +41,89 @@ def check_cap(lengths: np.ndarray, cap: int) -> None:
 
 
 def first_fit_decreasing(lengths: np.ndarray, cap: int) -> list[list[int]]:
-    """Positions into `lengths`, packed by tokens into as few bins of `cap` as FFD finds."""
+    """Positions into `lengths`, packed by tokens into as few bins of `cap` as FFD finds.
+
+    Equal lengths go in runs: first fit puts a run's items into the earliest bins
+    with room, floor(room / s) each, so a run costs one pass over the bins, not
+    one per item (100K short sequences are a few hundred runs).
+    """
     check_cap(lengths, cap)
-    rooms: list[int] = []
+    lengths = np.asarray(lengths, dtype=np.int64)
+    order = np.argsort(-lengths, kind="stable")
+    sorted_lengths = lengths[order]
+    starts = np.flatnonzero(np.r_[True, sorted_lengths[1:] != sorted_lengths[:-1]])
+    ends = np.r_[starts[1:], len(order)]
     bins: list[list[int]] = []
-    for k in np.argsort(-lengths, kind="stable").tolist():
-        s = int(lengths[k])
-        for j, room in enumerate(rooms):
-            if room >= s:
-                rooms[j] -= s
-                bins[j].append(k)
-                break
-        else:
-            rooms.append(cap - s)
-            bins.append([k])
+    order_l, sorted_l = order.tolist(), sorted_lengths.tolist()
+    room_l: list[int] = []  # while there are few bins: a plain scan beats numpy's per-call cost
+    rooms = np.zeros(0, dtype=np.int64)
+    for a, e in zip(starts.tolist(), ends.tolist(), strict=True):
+        s, m = sorted_l[a], e - a
+        used = 0
+        if len(room_l) <= 64:
+            for j, room in enumerate(room_l):
+                if room >= s:
+                    k = min(room // s, m - used)
+                    bins[j].extend(order_l[a + used : a + used + k])
+                    room_l[j] -= k * s
+                    used += k
+                    if used == m:
+                        break
+            if used < m:
+                per_bin = cap // s
+                for i in range(a + used, e, per_bin):
+                    chunk = order_l[i : min(i + per_bin, e)]
+                    bins.append(chunk)
+                    room_l.append(cap - s * len(chunk))
+            if len(room_l) > 64:
+                rooms = np.array(room_l, dtype=np.int64)
+            continue
+        items = order_l[a:e]
+        take = np.minimum(rooms // s, m)
+        if take.any():
+            cum = np.cumsum(take)
+            last = int(np.searchsorted(cum, m))  # bins 0..last take items (the last one perhaps fewer)
+            take = take.copy()
+            if last < len(take):
+                take[last] = m - (int(cum[last - 1]) if last else 0)
+                take[last + 1 :] = 0
+            for j in np.flatnonzero(take).tolist():
+                k = int(take[j])
+                bins[j].extend(items[used : used + k])
+                rooms[j] -= k * s
+                used += k
+        if used < m:
+            per_bin = cap // s
+            rest = items[used:]
+            new_bins = [rest[i : i + per_bin] for i in range(0, len(rest), per_bin)]
+            bins.extend(new_bins)
+            rooms = np.concatenate([rooms, np.array([cap - s * len(b) for b in new_bins], dtype=np.int64)])
     return bins
 
 
-def balanced_bins(lengths: np.ndarray, costs: np.ndarray, cap: int, v: int) -> list[list[int]] | None:
-    """LPT by cost into exactly v bins under the token cap; None if a sequence finds no room."""
+BULK_PACK_ITEMS = 2048  # a replica with more sequences packs its light tail in chunks
+
+
+def balanced_bins(
+    lengths: np.ndarray, costs: np.ndarray, cap: int, v: int, bulk: bool = False
+) -> list[list[int]] | None:
+    """LPT by cost into exactly v bins under the token cap; None if a sequence finds no room.
+
+    `bulk` (or many sequences): only the heavy head goes one at a time; the light tail goes v at a time,
+    the next v by cost to the v least loaded bins, so Python steps number about n / v. If a chunk meets
+    a full bin, the exact LPT decides.
+    """
+    order = np.argsort(-costs, kind="stable")
+    head = len(order)
+    if bulk or len(order) >= BULK_PACK_ITEMS:
+        w_sorted = np.asarray(costs, dtype=np.float64)[order]
+        head = int(np.searchsorted(-w_sorted, -float(w_sorted.sum()) / v * HEAVY_SHARE, side="left"))
     heap = [(0.0, j) for j in range(v)]
     rooms = [cap] * v
     bins: list[list[int]] = [[] for _ in range(v)]
     L = lengths.tolist()
     w = costs.tolist()
-    for k in np.argsort(-costs, kind="stable").tolist():
+    for k in order[:head].tolist():
         s = L[k]
         skipped = []
         while heap:
@@ -80,9 +138,38 @@ def balanced_bins(lengths: np.ndarray, costs: np.ndarray, cap: int, v: int) -> l
         heapq.heappush(heap, (load + w[k], j))
         for item in skipped:
             heapq.heappush(heap, item)
+    if head < len(order):
+        tail = _fill_tail(order[head:], np.asarray(lengths), np.asarray(costs, dtype=np.float64), heap, rooms)
+        if tail is None:
+            return balanced_bins(lengths, costs, cap, v, bulk=False) if len(order) < BULK_PACK_ITEMS else None
+        for j, items in enumerate(tail):
+            bins[j].extend(items)
     if any(not b for b in bins):
         return None
     return bins
+
+
+def _fill_tail(
+    tail: np.ndarray, lengths: np.ndarray, costs: np.ndarray, heap: list[tuple[float, int]], room: list[int]
+) -> list[list[int]] | None:
+    """The light tail, v at a time, onto bins with these loads (heap) and rooms; None if one has no room."""
+    v = len(room)
+    loads = np.zeros(v)
+    for load, j in heap:
+        loads[j] = load
+    rooms = np.array(room, dtype=np.int64)
+    assign = np.empty(len(tail), dtype=np.int64)
+    for start in range(0, len(tail), v):
+        chunk = tail[start : start + v]
+        targets = np.argsort(loads, kind="stable")[: len(chunk)]
+        if (rooms[targets] < lengths[chunk]).any():
+            return None
+        assign[start : start + v] = targets
+        loads[targets] += costs[chunk]
+        rooms[targets] -= lengths[chunk]
+    by_bin = np.argsort(assign, kind="stable")
+    counts = np.bincount(assign, minlength=v)
+    return [tail[b].tolist() for b in np.split(by_bin, np.cumsum(counts)[:-1])]
 
 
 def execution_orders(times: np.ndarray) -> list[np.ndarray]:
@@ -99,7 +186,7 @@ def execution_orders(times: np.ndarray) -> list[np.ndarray]:
 
 
 def order_by_simulation(
-    micro_batches: list[np.ndarray], lengths: np.ndarray, replica: ReplicaCost, cost: CostModel
+    micro_batches: list[np.ndarray], lengths: np.ndarray, replica: ReplicaCost, cost: CostModel, bulk: bool = False
 ) -> Packing:
     """Put the micro-batches in the order whose simulated 1F1B time is least."""
     if not micro_batches:
@@ -110,7 +197,10 @@ def order_by_simulation(
     if replica.pp == 1:
         return Packing(tuple(micro_batches), simulate_replica(times, 1, comm, keep_events=False).time_s)
     best: tuple[float, np.ndarray] | None = None
-    for order in execution_orders(times):
+    orders = execution_orders(times)
+    if bulk or sum(len(mb) for mb in micro_batches) >= BULK_PACK_ITEMS:
+        orders = orders[2:]  # many light micro-batches: the orders with small ones at the ends
+    for order in orders:
         t = simulate_replica(times[order], replica.pp, comm[order], keep_events=False).time_s
         if best is None or t < best[0]:
             best = (t, order)
@@ -118,15 +208,23 @@ def order_by_simulation(
     return Packing(tuple(micro_batches[k] for k in best[1].tolist()), best[0])
 
 
-def pack_replica(indices: np.ndarray, lengths: np.ndarray, replica: ReplicaCost, cost: CostModel) -> Packing:
-    """Micro-batches (of batch indices) for the sequences `indices` on `replica`, ordered."""
+def pack_replica(
+    indices: np.ndarray, lengths: np.ndarray, replica: ReplicaCost, cost: CostModel, bulk: bool = False
+) -> Packing:
+    """Micro-batches (of batch indices) for the sequences `indices` on `replica`, ordered.
+
+    `bulk` (a large batch of light sequences, or a replica with many): the closed form ranks packings
+    as the simulation would, so fewer are built and only the best is simulated, in two orders.
+    """
     indices = np.asarray(indices, dtype=np.int64)
     if len(indices) == 0:
         return Packing((), 0.0)
     s = np.asarray(lengths, dtype=np.int64)[indices]
     best: Packing | None = None
-    for bins in choose_bins(s, replica)[:SIMULATED_PACKINGS]:
-        packing = order_by_simulation([indices[b] for b in bins], np.asarray(lengths), replica, cost)
+    # With many sequences the closed form ranks packings as the simulation would: simulate only the best.
+    bulk = bulk or len(s) >= BULK_PACK_ITEMS
+    for bins in choose_bins(s, replica, bulk)[: 1 if bulk else SIMULATED_PACKINGS]:
+        packing = order_by_simulation([indices[b] for b in bins], np.asarray(lengths), replica, cost, bulk)
         if best is None or packing.time_s < best.time_s:
             best = packing
     assert best is not None
@@ -136,7 +234,7 @@ def pack_replica(indices: np.ndarray, lengths: np.ndarray, replica: ReplicaCost,
 SIMULATED_PACKINGS = 3  # the closed form ranks packings; this many of the best are simulated
 
 
-def choose_bins(s: np.ndarray, replica: ReplicaCost) -> list[list[np.ndarray]]:
+def choose_bins(s: np.ndarray, replica: ReplicaCost, bulk: bool = False) -> list[list[np.ndarray]]:
     """Candidate packings (positions into `s` per micro-batch), best closed-form 1F1B time first."""
     ffd = [np.array(b, dtype=np.int64) for b in first_fit_decreasing(s, replica.cap)]
     if replica.pp == 1 or len(s) == 1:
@@ -146,14 +244,15 @@ def choose_bins(s: np.ndarray, replica: ReplicaCost) -> list[list[np.ndarray]]:
     pp1 = replica.pp - 1
     vmin, vmax = (int(x) for x in micro_batch_range(T, n, replica.cap, replica.min_efficient))
     vstar = math.floor(math.sqrt(pp1 * W / max(replica.c, 1e-12)))
-    candidates = sorted({min(max(v, vmin), vmax) for v in (vstar - 1, vstar, vstar + 1, vstar + 2, vmin)})
+    tries = (vstar, vstar + 1) if bulk or len(s) >= BULK_PACK_ITEMS else (vstar - 1, vstar, vstar + 1, vstar + 2, vmin)
+    candidates = sorted({min(max(v, vmin), vmax) for v in tries})
 
     def closed(bins: list[np.ndarray]) -> float:
         return closed_form_replica_time([w[b].sum() + replica.c for b in bins], replica.pp)
 
     ranked = [(closed(ffd), 0, ffd)]
     for v in candidates:
-        found = balanced_bins(s, w, replica.cap, v)
+        found = balanced_bins(s, w, replica.cap, v, bulk)
         if found is not None:
             bins = [np.array(b, dtype=np.int64) for b in found]
             ranked.append((closed(bins), len(ranked), bins))

@@ -18,6 +18,7 @@ import numpy as np
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.jsonio import Fields, load_json, write_json_atomic
+from hydraulis.limits import MAX_GPUS, MAX_LENGTH, MAX_SEQUENCES
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.specs import ClusterSpec
 
@@ -114,7 +115,9 @@ class IterationPlan:
     @classmethod
     def from_dict(cls, data: Any, cluster: ClusterSpec, where: str) -> IterationPlan:
         f = Fields(data, where)
-        lengths = f.int_list("lengths", minimum=1)
+        lengths = f.int_list("lengths", minimum=1, maximum=MAX_LENGTH)
+        if len(lengths) > MAX_SEQUENCES:
+            raise HydraulisError(f"{where}.lengths: {len(lengths)} sequences, more than the {MAX_SEQUENCES} allowed")
         deployment = Deployment.from_rows(f.list("deployment"), cluster, f"{where}.deployment")
         replicas = []
         for i, row in enumerate(f.list("replicas")):
@@ -165,7 +168,9 @@ def save_plan(path: str | Path, plan: PlanFile) -> None:
 def load_plan(path: str | Path) -> PlanFile:
     data = load_json(path, PLAN_SCHEMA)
     f = Fields(data, str(path))
-    cluster = ClusterSpec(f.int("num_gpus", minimum=1), f.int("gpus_per_node", default=8, minimum=1))
+    cluster = ClusterSpec(
+        f.int("num_gpus", minimum=1, maximum=MAX_GPUS), f.int("gpus_per_node", default=8, minimum=1, maximum=MAX_GPUS)
+    )
     iterations = tuple(
         IterationPlan.from_dict(it, cluster, f"{path}: iterations[{i}]") for i, it in enumerate(f.list("iterations"))
     )
@@ -184,9 +189,18 @@ def plan_from_assignment(
 ) -> IterationPlan:
     return IterationPlan(
         step=step,
-        lengths=tuple(int(s) for s in lengths),
+        lengths=tuple(_ints(lengths)),
         deployment=deployment,
-        replicas=tuple(ReplicaPlan(tuple(tuple(int(i) for i in mb) for mb in mbs)) for mbs in micro_batches),
+        replicas=tuple(ReplicaPlan(tuple(tuple(_ints(mb)) for mb in mbs)) for mbs in micro_batches),
         predicted_time_s=float(predicted_time_s),
         planning_time_s=float(planning_time_s),
     )
+
+
+def _ints(values: Sequence[int] | np.ndarray) -> list[int]:
+    """Python ints (numpy's tolist is one C call; a generator of int() is one Python call per value)."""
+    if isinstance(values, np.ndarray):
+        if not np.issubdtype(values.dtype, np.integer):
+            raise HydraulisError("sequence lengths and indices must be integers")
+        return values.tolist()
+    return [int(v) for v in values]

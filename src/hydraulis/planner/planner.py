@@ -19,17 +19,19 @@ import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
+from hydraulis.limits import MAX_LENGTH, MAX_SEQUENCES
 from hydraulis.parallel import Deployment
-from hydraulis.planner.dispatch import Dispatch, dispatch, exact_assignment, improve
+from hydraulis.planner.dispatch import BULK_MIN_SEQUENCES, Dispatch, dispatch, exact_assignment, improve
 from hydraulis.planner.packing import Packing, order_by_simulation, pack_replica
 from hydraulis.planner.plan import IterationPlan, plan_from_assignment
-from hydraulis.planner.policy import Schedule
 from hydraulis.planner.pool import largest_cap
 from hydraulis.planner.replicas import ReplicaTable
+from hydraulis.planner.schedule import Schedule
 from hydraulis.sim import simulate
 from hydraulis.specs import ClusterSpec
 
 OVERLONG_POLICIES = ("error", "truncate", "drop")
+LARGE_BATCH_MARGIN = 0.02
 METHODS = ("heuristic", "milp")
 
 
@@ -43,6 +45,10 @@ def check_lengths(lengths: Sequence[int] | np.ndarray, where: str = "batch") -> 
     if (arr < 1).any():
         bad = int(arr[arr < 1][0])
         raise HydraulisError(f"{where}: sequence length must be positive, got {bad}")
+    if (arr > MAX_LENGTH).any():
+        raise HydraulisError(f"{where}: a sequence of {int(arr.max())} tokens; lengths must be below 2^31")
+    if len(arr) > MAX_SEQUENCES:
+        raise HydraulisError(f"{where}: {len(arr):,} sequences, more than the {MAX_SEQUENCES:,} a batch may hold")
     return arr.astype(np.int64)
 
 
@@ -133,7 +139,7 @@ class Planner:
         screened = [(dispatch(lengths, self._tables[k], search=False), k) for k in usable]
         screened.sort(key=lambda x: x[0].makespan_s)
         best: Candidate | None = None
-        for d, k in screened[: self.full_candidates]:
+        for d, k in self._worth_packing(screened, len(lengths)):
             cand = self._pack_and_refine(lengths, k, improve(lengths, self._tables[k], d))
             if best is None or cand.compute_s < best.compute_s:
                 best = cand
@@ -158,8 +164,19 @@ class Planner:
         return Schedule.single(self.plan(lengths, step))
 
     # -- internals -----------------------------------------------------------------
+    def _worth_packing(self, screened: list[tuple[Dispatch, int]], n: int) -> list[tuple[Dispatch, int]]:
+        """The best screened deployments. In a large batch of light sequences the estimate is close to the
+        packed time, so only those within LARGE_BATCH_MARGIN of the best estimate are packed."""
+        top = screened[: self.full_candidates]
+        if n < BULK_MIN_SEQUENCES:
+            return top
+        bound = top[0][0].makespan_s * (1 + LARGE_BATCH_MARGIN)
+        return [x for x in top if x[0].makespan_s <= bound]
+
     def _pack(self, lengths: np.ndarray, table: ReplicaTable, d: Dispatch) -> list[Packing]:
-        return [pack_replica(d.members(r), lengths, table.replicas[r], self.cost) for r in range(len(table))]
+        members = d.all_members()
+        bulk = len(lengths) >= BULK_MIN_SEQUENCES
+        return [pack_replica(members[r], lengths, table.replicas[r], self.cost, bulk) for r in range(len(table))]
 
     def _pack_and_refine(
         self, lengths: np.ndarray, which: int | ReplicaTable, d: Dispatch, deployment: Deployment | None = None
@@ -171,7 +188,9 @@ class Planner:
         times = np.array([p.time_s for p in packs])
         bias = np.zeros(len(table))
         pipelined = bool((table.pp > 1).any())  # with pp = 1 the estimate is exact
-        for _ in range(self.refine_rounds if pipelined else 0):
+        # Light sequences in bulk: the estimate is within a fraction of a percent, feedback adds nothing.
+        rounds = self.refine_rounds if len(lengths) < BULK_MIN_SEQUENCES else 0
+        for _ in range(rounds if pipelined else 0):
             # What packing and 1F1B add to (or save on) each replica's estimate.
             bias = bias + (times - d.estimate_s)
             d2 = dispatch(lengths, table, bias)

@@ -30,6 +30,7 @@ import numpy as np
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.jsonio import Fields, load_json, write_json_atomic
+from hydraulis.limits import MAX_GPUS
 from hydraulis.parallel import Deployment, ParallelConfig, format_configs
 from hydraulis.planner.replicas import ReplicaCost, estimate_time
 from hydraulis.specs import ClusterSpec, ModelSpec
@@ -75,7 +76,9 @@ def save_pool(path: str | Path, pool: Pool) -> None:
 def load_pool(path: str | Path, cluster: ClusterSpec | None = None) -> Pool:
     """Read a pool file; if `cluster` is given, the pool must match its GPU count."""
     f = Fields(load_json(path, POOL_SCHEMA), str(path))
-    pool_cluster = ClusterSpec(f.int("num_gpus", minimum=1), f.int("gpus_per_node", default=8, minimum=1))
+    pool_cluster = ClusterSpec(
+        f.int("num_gpus", minimum=1, maximum=MAX_GPUS), f.int("gpus_per_node", default=8, minimum=1, maximum=MAX_GPUS)
+    )
     if cluster is not None and cluster.num_gpus != pool_cluster.num_gpus:
         raise HydraulisError(f"{path}: the pool is for {pool_cluster.num_gpus} GPUs but --gpus is {cluster.num_gpus}")
     deployments, usage = [], []

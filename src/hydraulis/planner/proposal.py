@@ -31,6 +31,7 @@ from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.dispatch import dispatch
+from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import (
     Pool,
     candidate_deployments,
@@ -46,11 +47,12 @@ from hydraulis.planner.range_dp import (
     published_group_time,
     range_dp,
 )
-from hydraulis.planner.replicas import ReplicaTable
+from hydraulis.planner.replicas import BULK_MIN_SEQUENCES, ReplicaTable
 from hydraulis.specs import ClusterSpec
 
 METHODS = ("hydraulis", "published")
-SCREEN_BUDGET_S = 10.0  # dispatch estimates in screening, before the fluid proxy takes over
+SCREEN_BUDGET_S = 10.0
+LARGE_BATCH_SCREEN = 4  # dispatch estimates in screening, before the fluid proxy takes over
 
 Progress = Callable[[str, int, int], None]
 
@@ -130,8 +132,6 @@ def _plan_times(
     progress: Progress | None,
 ) -> np.ndarray:
     """Planned and simulated iteration time of every batch on every candidate (inf where it cannot hold)."""
-    from hydraulis.planner.planner import Planner
-
     planner = Planner(cost, cluster.num_gpus, candidates[:1])
     times = np.full((len(candidates), len(batches)), np.inf)
     for i, d in enumerate(candidates):
@@ -316,6 +316,10 @@ def propose(
             + [d for _, d in dp_deployments(cost, cluster, hist, aware=False)]
             + candidate_deployments(cost, cluster, longest, sample[:4])
         )
+        if np.mean([len(b) for b in sample]) >= BULK_MIN_SEQUENCES:
+            # Large batches of light sequences: the dispatch estimate ranks as planning would, and each
+            # planned candidate costs seconds, so fewer survive the screen.
+            screen = min(screen, LARGE_BATCH_SCREEN)
         kept = _screen(cost, cluster, candidates, sample, screen)
         if 0 not in kept:
             kept = [0] + kept

@@ -21,6 +21,11 @@ import numpy as np
 from hydraulis.cost.model import CostModel, sequence_costs
 from hydraulis.parallel import Deployment, ParallelConfig
 
+# Large batches: below this many sequences every step goes one sequence at a time (the bench's batches);
+# above it, sequences lighter than HEAVY_SHARE of a fair share of the work are placed in bulk.
+BULK_MIN_SEQUENCES = 8192
+HEAVY_SHARE = 1 / 16
+
 
 @dataclass(frozen=True)
 class ReplicaCost:

@@ -1,0 +1,58 @@
+"""Bounds on every number a user can give, so that work, memory and int64 arithmetic stay bounded.
+
+With lengths below 2^31 and at most 2^22 sequences per batch, any sum of
+lengths stays below 2^53: int64 sums cannot overflow and float64 holds them
+exactly (squares go through float64, see cost.model.sequence_costs).
+"""
+
+from __future__ import annotations
+
+import math
+
+from hydraulis.errors import HydraulisError
+
+INT64_MAX = 2**63 - 1
+MAX_LENGTH = 2**31 - 1  # tokens in one sequence
+MAX_SEQUENCES = 2**22  # sequences in one global batch
+MAX_TOKENS_PER_BATCH = 2**32  # a global batch's token budget (ordinary batches: 2^24-2^25)
+MAX_BATCHES = 100_000  # global batches in one workload
+MAX_GPUS = 16384
+MAX_SEED = 2**63 - 1
+MAX_MODEL_DIM = 2**24  # hidden, ffn, vocab, heads of a model
+MAX_LAYERS = 4096
+
+
+def check_int(value: int, name: str, minimum: int, maximum: int, hint: str = "") -> int:
+    """`value` within [minimum, maximum], or a HydraulisError naming it and the range."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
+            value = int(value)
+        else:
+            raise HydraulisError(f"{name}: expected an integer, got {value!r}")
+    if not minimum <= value <= maximum:
+        raise HydraulisError(f"{name} must be between {minimum} and {maximum}, got {short_repr(value)}{hint}")
+    return value
+
+
+def check_batch_size(expected_sequences: float, where: str) -> None:
+    """Refuse a batch that would hold more sequences than the planner is bounded for."""
+    if not math.isfinite(expected_sequences) or expected_sequences > MAX_SEQUENCES:
+        raise HydraulisError(
+            f"{where}: a global batch would hold about {expected_sequences:.3g} sequences, more than the "
+            f"{MAX_SEQUENCES:,} allowed; lower the token budget or use longer sequences"
+        )
+
+
+def finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def short_repr(value: object) -> str:
+    """A value for an error line: huge integers as 1e+30, not thirty digits."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**15:
+        return f"{float(value):.3g}" if finite(value) else f"an integer of {len(str(abs(value)))} digits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

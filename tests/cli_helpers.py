@@ -1,0 +1,38 @@
+"""Running the real `hydraulis` command from tests (a module of its own: tests/runtime has a conftest too)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="200")
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run the real `hydraulis` command (this checkout's source) and capture its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "hydraulis.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=_env(),
+        timeout=timeout,
+    )
+
+
+def start_cli(*args: str, cwd: Path | None = None) -> subprocess.Popen[str]:
+    """Start the real command without waiting (to signal it); output unbuffered, so it can be followed."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "hydraulis.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=cwd,
+        env=dict(_env(), PYTHONUNBUFFERED="1"),
+    )
