@@ -162,3 +162,18 @@ def test_build_profile_takes_the_slowest_stage_and_the_median_repeat():
     assert data["memory"]["activation_bytes_per_token_hidden_layer"]["1"] == pytest.approx(300 / (4 * 64))
     assert data["memory"]["measured_state_bytes_per_param"] == 8.0
     assert "collectives" not in data
+
+
+def test_cpu_memory_counts_saved_activations_once_and_no_parameters():
+    import torch
+
+    from hydraulis.profile import _SavedTensors
+
+    layer = torch.nn.Linear(16, 32)
+    x = torch.randn(10, 16, requires_grad=True)
+    saved = _SavedTensors(list(layer.parameters()))
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        h = layer(x)  # saves x (the weight is a parameter: not counted)
+        y = (h * h).sum()  # saves h, twice as the same storage: counted once
+    y.backward()
+    assert saved.total == x.numel() * 4 + h.numel() * 4
