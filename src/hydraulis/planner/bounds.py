@@ -1,4 +1,4 @@
-"""The balance-efficiency lower bound of DESIGN section 7.
+"""The balance-efficiency lower bound (docs/design.md section 5).
 
     LB = max( sum_i min_g n_g * (a_g s_i^2 + b_g s_i) / N ,  max_i min_g pp_g * (a_g s_i^2 + b_g s_i) )
 
