@@ -163,3 +163,24 @@ def test_bad_cp_pools_are_one_line(cli, tmp_path, pool, needle):
     )
     _one_line_error(res, needle)
     assert not out.exists()
+
+
+def test_workload_keeps_documents_longer_than_every_tp_pp_cap_whole_for_a_cp_pool(cli, tmp_path):
+    from hydraulis.data.workload import load_workload
+    from hydraulis.planner.plan import load_plan
+
+    long = PLAIN_CAP + 30_000  # bytes tokenizer: one token per byte, and an end-of-document token
+    docs = ["x" * (long - 1), "y" * (2 * long + 5)] + ["w " * (100 * (i % 50) + 10) for i in range(300)]
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs), encoding="utf-8")
+    corpus = tmp_path / "c"
+    assert cli("data", "build", str(src), "--out", str(corpus), "-t", "bytes").returncode == 0
+    w = tmp_path / "w.json"
+    res = cli("workload", "-c", str(corpus), "-T", str(4 * long), "-k", "2", "-L", str(long + 10), "--out", str(w))
+    assert res.returncode == 0, res.stderr
+    lengths = np.concatenate(load_workload(w).batches)
+    assert (lengths == long).sum() == 1 and lengths.max() == long + 10  # whole, and the longer one split at max_len
+    out = tmp_path / "plan.json"
+    res = cli("plan", "--profile", "llama-7b@a800-80g+cp", "--gpus", str(GPUS), "--workload", str(w), "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert sum(it.lengths.count(long) for it in load_plan(out).iterations) == 1
