@@ -222,6 +222,18 @@ def test_shipped_profiles_extend_to_cp_analytically(profile):
         assert cost.coefficients(g) == base.coefficients(g) and cost.cap(g, 64) == base.cap(g, 64)
 
 
+def test_analytic_cp_is_opt_in_and_matches_the_extension():
+    from hydraulis.cost import extend_to_cp
+
+    plain = load_cost_model("llama-7b@h100-80g")
+    assert all(g.cp == 1 for g in plain.configs)  # the runtime must support CP before pools get it
+    cost = load_cost_model("llama-7b@h100-80g+cp")
+    g = ParallelConfig(8, 1, 4)
+    direct = AnalyticCostModel(plain.model, plain.device, configs=[ParallelConfig(8, 1), g])
+    assert cost.coefficients(g) == pytest.approx(direct.coefficients(g))
+    assert extend_to_cp(cost) is cost
+
+
 def test_a_profile_may_carry_measured_cp_entries():
     data = _profile_dict()
     data["time_ms"].append({"tp": 2, "pp": 2, "cp": 2, "a": 1e-7, "b": 0.02, "c": 20.0})
@@ -242,11 +254,13 @@ def test_a_profile_may_carry_measured_cp_entries():
     st.booleans(),
 )
 def test_cp_caps_hold_exactly(tp_pp, cp, model, seed, recompute):
+    from hydraulis.cost import extend_to_cp
     from hydraulis.cost.model import CAP_GRANULARITY, kv_buffer_bytes
 
     spec = get_model(model)
-    cost = AnalyticCostModel(spec, get_device("a800-80g"), recompute=recompute)
+    cost = extend_to_cp(AnalyticCostModel(spec, get_device("a800-80g"), recompute=recompute))
     g = ParallelConfig(*tp_pp, cp)
+    assert (g in cost.recompute) == recompute
     cap, mem = cost.cap(g, 64), cost.memory
     if cap == 0:
         return

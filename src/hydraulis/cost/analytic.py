@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from hydraulis.cost.model import Coefficients, CostModel, MemoryModel, TrainingState, cp_configs, kv_exchange
+from hydraulis.cost.model import Coefficients, CostModel, MemoryModel, TrainingState, kv_exchange
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import DeviceSpec, GiB, ModelSpec
 
@@ -22,9 +22,11 @@ MAX_TP = 16
 MAX_PP = 16
 
 
-def candidate_configs(model: ModelSpec, max_gpus: int = 1024, cp: bool = True) -> list[ParallelConfig]:
-    """Power-of-two TP that divides the heads, PP that divides the layers (up to MAX_PP); with `cp`, the
-    CP degrees of model.CP_DEGREES on those with pp <= CP_MAX_PP."""
+def candidate_configs(model: ModelSpec, max_gpus: int = 1024) -> list[ParallelConfig]:
+    """Power-of-two TP that divides the heads, PP that divides the layers (up to MAX_PP).
+
+    CP configs are opt-in (`MODEL@DEVICE+cp`, model.extend_to_cp): the runtime must support them.
+    """
     configs = []
     tp = 1
     while tp <= MAX_TP:
@@ -33,7 +35,7 @@ def candidate_configs(model: ModelSpec, max_gpus: int = 1024, cp: bool = True) -
                 if model.layers % pp == 0 and (pp & (pp - 1) == 0 or pp in (3, 6)) and tp * pp <= max_gpus:
                     configs.append(ParallelConfig(tp, pp))
         tp *= 2
-    return configs + cp_configs(configs, max_gpus) if cp else configs
+    return configs
 
 
 class AnalyticCostModel(CostModel):
