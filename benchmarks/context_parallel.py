@@ -54,6 +54,7 @@ class Result(NamedTuple):
     tokens_per_s: float
     deployments: tuple[str, ...]
     cp_token_share: float  # share of the tokens that ran on CP replicas
+    planning_s: float  # the slowest iteration's planning time
 
 
 def measure(policy: Policy, batches: list[np.ndarray]) -> Result:
@@ -65,7 +66,8 @@ def measure(policy: Policy, batches: list[np.ndarray]) -> Result:
             if replica.config.cp > 1:
                 on_cp += sum(p.lengths[i] for mb in rp.micro_batches for i in mb)
     deployments = tuple(dict.fromkeys(str(p.deployment) for p in plans))
-    return Result(tokens / sum(p.predicted_time_s for p in plans), deployments, on_cp / tokens)
+    slowest = max(p.planning_time_s for p in plans)
+    return Result(tokens / sum(p.predicted_time_s for p in plans), deployments, on_cp / tokens, slowest)
 
 
 def split(batches: list[np.ndarray], cost: CostModel, cluster: ClusterSpec) -> list[np.ndarray]:
@@ -110,7 +112,7 @@ def main() -> None:
         fresh, samples = 3, 4
     print(f"{CORPUS} lengths; profiles extended to CP analytically (+cp); predicted tokens/s, same batches")
     header = f"{'profile':20s} {'GPUs':>5s} {'max_len':>7s} {'hydraulis+cp':>13s} {'vs split':>9s} {'vs meg-cp':>9s}"
-    print(header + f" {'on CP':>6s}  megatron-cp config")
+    print(header + f" {'on CP':>6s} {'plan s':>6s}  megatron-cp config")
     rows, vs_split, vs_megatron = [], [], []
     for profile, n, m in grid:
         row = run(profile, n, m, fresh, samples)
@@ -124,7 +126,7 @@ def main() -> None:
         vs_megatron.append(ours.tokens_per_s / meg.tokens_per_s)
         print(
             f"{label} {ours.tokens_per_s:>13,.0f} {vs_split[-1]:>8.3f}x {vs_megatron[-1]:>8.3f}x "
-            f"{ours.cp_token_share:>6.1%}  {meg.deployments[0]}  ({row['seconds']:.0f} s)",
+            f"{ours.cp_token_share:>6.1%} {ours.planning_s:>6.2f}  {meg.deployments[0]}  ({row['seconds']:.0f} s)",
             flush=True,
         )
     if vs_split:
