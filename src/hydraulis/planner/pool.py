@@ -117,7 +117,9 @@ def usable_configs(cost: CostModel, cluster: ClusterSpec) -> list[ParallelConfig
     return out
 
 
-def cp_roles(cost: CostModel, configs: Sequence[ParallelConfig], num_gpus: int, max_length: int, k: int = 3):
+def cp_roles(
+    cost: CostModel, configs: Sequence[ParallelConfig], num_gpus: int, max_length: int, k: int = 3
+) -> list[ParallelConfig]:
     """The few CP configs worth a place in candidate deployments, of those that hold `max_length`: where a
     cp = 1 config holds it too, only those that run it faster (a CP replica pays only on the longest
     sequences). The k fastest on it, then the smallest."""
