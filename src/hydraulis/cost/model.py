@@ -19,7 +19,7 @@ cp = 1 ones (an analytic extension, labelled `+cp`).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -377,19 +377,22 @@ class CostModel:
         return 2 * (2 * self.model.num_params) / num_gpus / bandwidth
 
 
-def extend_to_cp(cost: CostModel, degrees: Sequence[int] = CP_DEGREES) -> CostModel:
+def extend_to_cp(
+    cost: CostModel, degrees: Sequence[int] = CP_DEGREES, only: Callable[[ParallelConfig], bool] | None = None
+) -> CostModel:
     """`cost` plus cp > 1 configs derived analytically from its cp = 1 entries (named NAME+cp).
 
     A CP config splits every sequence over cp ranks: a / cp and b / cp of the measured (tp, pp), plus
     the K/V exchange (`kv_exchange`) at the device's bandwidths. Entries the cost model already has
     (measured cp > 1) are kept as they are. The recompute set carries over to the derived configs.
+    `only`, if given, chooses which derived configs to add (a benchmark's CP-only-where-needed model).
     """
     if cost.name.endswith(CP_SUFFIX):
         return cost
     coefficients = {g: cost.coefficients(g) for g in cost.configs}
     recompute = set(cost.recompute)
     for g in cp_configs(cost.configs):
-        if g.cp not in degrees or g in coefficients:
+        if g.cp not in degrees or g in coefficients or (only is not None and not only(g)):
             continue
         base = ParallelConfig(g.tp, g.pp)
         k = coefficients[base]
