@@ -134,7 +134,7 @@ def test_plan_refuses_what_even_the_largest_cp_replica_cannot_hold(cli, tmp_path
     # Without CP configs the same document names the way out.
     w = _workload(tmp_path / "w2.json", [[100, PLAIN_CAP + 20_000]])
     res = cli("plan", "--gpus", str(GPUS), "--workload", str(w), "--out", str(out))
-    _one_line_error(res, f"{PLAIN_CAP + 20_000} tokens", "split")
+    _one_line_error(res, f"{PLAIN_CAP + 20_000} tokens", "split", "--profile llama-7b@a800-80g+cp")
     assert not out.exists()
     res = cli("plan", "--gpus", str(GPUS), "--workload", str(w), "--out", str(out), "--overlong", "split")
     assert res.returncode == 0, res.stderr

@@ -63,8 +63,11 @@ def plan(
     deployments = parse_pool(pool, cluster) if pool else None
     cap, cap_name = largest_cap(cost, cluster, deployments)
     batches, changed = [], 0
+    remedy = "a pool with larger (CP) replicas, or more GPUs"
+    if not any(g.cp > 1 for g in cost.configs):
+        remedy = f"CP replicas (--profile {cost.name}+cp), or more GPUs"
     for i, b in enumerate(work.batches):
-        fixed = apply_overlong(b, cap, cap_name, overlong, where=f"{workload}: batch {i}")
+        fixed = apply_overlong(b, cap, cap_name, overlong, where=f"{workload}: batch {i}", remedy=remedy)
         batches.append(fixed.lengths)
         changed += fixed.changed
     if changed:

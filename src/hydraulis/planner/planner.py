@@ -59,7 +59,14 @@ class Overlong:
     changed: int  # sequences truncated or dropped
 
 
-def apply_overlong(lengths: np.ndarray, cap: int, cap_name: str, policy: str, where: str = "batch") -> Overlong:
+def apply_overlong(
+    lengths: np.ndarray,
+    cap: int,
+    cap_name: str,
+    policy: str,
+    where: str = "batch",
+    remedy: str = "a pool with larger (CP) replicas, or more GPUs",
+) -> Overlong:
     """Sequences longer than `cap`, the largest cap of the pool (CP replicas included).
 
     auto (default; `error` is its older name): every sequence the pool holds stays whole, even when
@@ -75,7 +82,7 @@ def apply_overlong(lengths: np.ndarray, cap: int, cap_name: str, policy: str, wh
     if policy in ("auto", "error"):
         raise HydraulisError(
             f"{where}: a sequence of {int(lengths[over].max())} tokens is longer than the largest cap "
-            f"{cap} ({cap_name}); use --overlong split|truncate|drop, a pool with larger (CP) replicas, or more GPUs"
+            f"{cap} ({cap_name}); use --overlong split|truncate|drop, {remedy}"
         )
     if policy == "split":
         return Overlong(split_pieces(lengths, cap)[2], int(over.sum()))
