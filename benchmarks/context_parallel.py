@@ -16,10 +16,11 @@ Three systems on the same documents of the same batches, in the same run:
 - megatron-cp: megatron on the +cp profile, i.e. every replica the same (tp, pp, cp), the cheapest
   static config that holds max_len, documents packed by tokens in data order.
 
-and, to tell the two effects of CP apart, hydraulis on a +cp profile with only the CP configs whose
-cap is above every TP x PP cap ("needed"): the extension prices CP configs below TP configs of the
-same GPUs (b / cp scales perfectly where measured TP does not), so hydraulis+cp also uses CP where
-it merely pays; "needed" / split is the gain of keeping documents whole alone.
+and, to tell the effects of CP apart, hydraulis on a +cp profile with only the CP configs whose cap
+is above every TP x PP cap ("beyond"): the extension prices CP configs below measured TP configs of
+the same GPUs (b / cp scales perfectly where measured TP does not), so hydraulis+cp also uses small
+CP configs where they merely pay. "beyond" / split is what large CP replicas gain: whole documents,
+and CP instead of cross-node TP (tp16) for the longest ones.
 
 Throughput is predicted tokens per second (simulated iterations); the ratios are what to read.
 Splitting trains on different sequences (no attention across pieces), so split's throughput is not
@@ -97,8 +98,8 @@ def run(profile: str, num_gpus: int, max_len: int, fresh: int, samples: int) -> 
         row["error"] = str(exc)
         return row
     plain_cap = largest_cap(plain, cluster)[0]
-    needed = extend_to_cp(plain, only=lambda g: with_cp.cap(g, num_gpus) > plain_cap)
-    row["needed"] = measure(make_policy("hydraulis", PolicyContext.build(needed, cluster, test, sample=train)), test)
+    beyond = extend_to_cp(plain, only=lambda g: with_cp.cap(g, num_gpus) > plain_cap)
+    row["beyond"] = measure(make_policy("hydraulis", PolicyContext.build(beyond, cluster, test, sample=train)), test)
     split_test = split(test, plain, cluster)
     split_ctx = PolicyContext.build(plain, cluster, split_test, sample=split(train, plain, cluster))
     row["split"] = measure(make_policy("hydraulis", split_ctx), split_test)
@@ -120,8 +121,8 @@ def main() -> None:
         fresh, samples = 3, 4
     print(f"{CORPUS} lengths; profiles extended to CP analytically (+cp); predicted tokens/s, same batches")
     header = f"{'profile':20s} {'GPUs':>5s} {'max_len':>7s} {'hydraulis+cp':>13s} {'vs split':>9s} {'vs meg-cp':>9s}"
-    print(header + f" {'on CP':>6s} {'plan s':>6s} {'needed/split':>12s} {'on CP':>6s}  megatron-cp config")
-    rows, vs_split, vs_megatron, needed_split = [], [], [], []
+    print(header + f" {'on CP':>6s} {'plan s':>6s} {'beyond/split':>12s} {'on CP':>6s}  megatron-cp config")
+    rows, vs_split, vs_megatron, beyond_split = [], [], [], []
     for profile, n, m in grid:
         row = run(profile, n, m, fresh, samples)
         rows.append(row)
@@ -129,14 +130,14 @@ def main() -> None:
         if "error" in row:
             print(f"{label} does not fit: {row['error']}", flush=True)
             continue
-        ours, theirs, meg, need = row["hydraulis+cp"], row["split"], row["megatron-cp"], row["needed"]
+        ours, theirs, meg, big = row["hydraulis+cp"], row["split"], row["megatron-cp"], row["beyond"]
         vs_split.append(ours.tokens_per_s / theirs.tokens_per_s)
         vs_megatron.append(ours.tokens_per_s / meg.tokens_per_s)
-        needed_split.append(need.tokens_per_s / theirs.tokens_per_s)
+        beyond_split.append(big.tokens_per_s / theirs.tokens_per_s)
         print(
             f"{label} {ours.tokens_per_s:>13,.0f} {vs_split[-1]:>8.3f}x {vs_megatron[-1]:>8.3f}x "
-            f"{ours.cp_token_share:>6.1%} {ours.planning_s:>6.2f} {needed_split[-1]:>11.3f}x "
-            f"{need.cp_token_share:>6.1%}  {meg.deployments[0]}  ({row['seconds']:.0f} s)",
+            f"{ours.cp_token_share:>6.1%} {ours.planning_s:>6.2f} {beyond_split[-1]:>11.3f}x "
+            f"{big.cp_token_share:>6.1%}  {meg.deployments[0]}  ({row['seconds']:.0f} s)",
             flush=True,
         )
     if vs_split:
@@ -144,7 +145,7 @@ def main() -> None:
         def gm(x: list[float]) -> str:
             return f"{float(np.exp(np.mean(np.log(x)))):.3f}x (min {min(x):.3f}x, max {max(x):.3f}x)"
 
-        print(f"geomean: vs split {gm(vs_split)}; vs megatron-cp {gm(vs_megatron)}; needed vs split {gm(needed_split)}")
+        print(f"geomean: vs split {gm(vs_split)}; vs megatron-cp {gm(vs_megatron)}; beyond vs split {gm(beyond_split)}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             out = [{k: v._asdict() if isinstance(v, Result) else v for k, v in r.items()} for r in rows]
