@@ -5,6 +5,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hydraulis.cost import AnalyticCostModel, ProfiledCostModel, load_cost_model
 from hydraulis.cost.fit import fit_coefficients
@@ -133,12 +135,16 @@ def test_a_profile_without_per_micro_batch_overhead_plans():
 
 
 def test_analytic_context_parallelism_splits_per_token_work_too():
+    from hydraulis.cost.model import kv_exchange
+
+    model, device = get_model("llama-7b"), get_device("a800-80g")
     configs = [ParallelConfig(2, 1), ParallelConfig(2, 1, 2)]
-    cost = AnalyticCostModel(get_model("llama-7b"), get_device("a800-80g"), configs=configs)
+    cost = AnalyticCostModel(model, device, configs=configs)
     one, two = cost.coefficients(configs[0]), cost.coefficients(configs[1])
+    kv_b, kv_c = kv_exchange(model, device, configs[1])
     assert two.a == pytest.approx(one.a / 2)
-    assert two.b == pytest.approx(one.b / 2)
-    assert two.c == one.c
+    assert two.b == pytest.approx(one.b / 2 + kv_b) and kv_b > 0
+    assert two.c == pytest.approx(one.c + kv_c) and kv_c > 0
 
 
 def test_lower_bound_without_a_config_that_fits_is_a_clear_error():
@@ -166,3 +172,109 @@ def test_recompute_raises_the_cap_and_costs_a_forward():
     assert rc.c[i] == cost.c[i] and cost.recompute == frozenset() and rc.recompute == {g}
     whole = AnalyticCostModel(get_model("llama-7b"), get_device("a800-80g"), recompute=True)
     assert whole.recompute == set(whole.configs) and whole.cap(g, 32) == rc.cap(g, 32)
+
+
+# -- context parallelism --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["a100-40g", "a800-80g", "h100-80g", "h200-141g", "cpu"])
+def test_kv_exchange_is_the_cp_groups_kv_bytes_at_the_right_link(device):
+    from hydraulis.cost.model import kv_exchange, kv_exchange_bytes
+
+    spec, dev = get_model("llama-70b"), get_device(device)  # GQA: 8 KV heads of 128
+    g = ParallelConfig(4, 2, 4)
+    # Per token, per stage: (K + V) x (all-gather forward + reduce-scatter backward) x L/pp layers x the
+    # TP rank's 2 KV heads x 2 bytes x the (cp - 1) / cp a rank lacks.
+    assert kv_exchange_bytes(spec, g) == pytest.approx(2 * 2 * 40 * 256 * 2 * 3 / 4)
+    b, c = kv_exchange(spec, dev, g)
+    spans = g.group_size > dev.gpus_per_node
+    assert b == pytest.approx(kv_exchange_bytes(spec, g) / (dev.inter_node_bw if spans else dev.intra_node_bw))
+    assert c == pytest.approx(2 * 40 * 3 * dev.p2p_latency_s)
+    # More TP ranks than KV heads: each holds one whole head.
+    assert kv_exchange_bytes(spec, ParallelConfig(16, 1, 2)) == pytest.approx(2 * 2 * 80 * 128 * 2 / 2)
+    assert kv_exchange(spec, dev, ParallelConfig(4, 2)) == (0.0, 0.0)
+
+
+def test_kv_exchange_across_nodes_costs_the_nic():
+    from hydraulis.cost.model import kv_exchange
+
+    spec, dev = get_model("llama-7b"), get_device("a800-80g")
+    inside, across = kv_exchange(spec, dev, ParallelConfig(2, 1, 4)), kv_exchange(spec, dev, ParallelConfig(8, 1, 2))
+    # tp8cp2 moves a quarter of tp2cp4's bytes per token (tp 4x, (cp-1)/cp 2/3x) but over an 8x slower link.
+    assert across[0] / inside[0] == pytest.approx((1 / 4) * (1 / 2) / (3 / 4) * 8)
+
+
+@pytest.mark.parametrize("profile", ["llama-7b@a800-80g", "llama-13b@a800-80g", "llama-32b@a800-80g"])
+def test_shipped_profiles_extend_to_cp_analytically(profile):
+    from hydraulis.cost.model import CP_DEGREES, kv_exchange
+
+    base = load_cost_model(profile)
+    cost = load_cost_model(profile + "+cp")
+    assert cost.name == profile + "+cp"  # labelled as the analytic extension, and loadable by that name
+    assert set(base.configs) < set(cost.configs)
+    assert all(g.cp in (1, *CP_DEGREES) and (g.cp == 1 or g.pp <= 2) for g in cost.configs)
+    for g in (g for g in cost.configs if g.cp > 1):
+        k, one = cost.coefficients(g), base.coefficients(ParallelConfig(g.tp, g.pp))
+        kv_b, kv_c = kv_exchange(cost.model, cost.device, g)
+        assert (k.a, k.b, k.c) == pytest.approx((one.a / g.cp, one.b / g.cp + kv_b, one.c + kv_c))
+        assert cost.min_efficient_tokens(g) == base.min_efficient_tokens(ParallelConfig(g.tp, g.pp)) * g.cp
+    for g in base.configs:  # measured entries stay as measured
+        assert cost.coefficients(g) == base.coefficients(g) and cost.cap(g, 64) == base.cap(g, 64)
+
+
+def test_analytic_cp_is_opt_in_and_matches_the_extension():
+    from hydraulis.cost import extend_to_cp
+
+    plain = load_cost_model("llama-7b@h100-80g")
+    assert all(g.cp == 1 for g in plain.configs)  # the runtime must support CP before pools get it
+    cost = load_cost_model("llama-7b@h100-80g+cp")
+    g = ParallelConfig(8, 1, 4)
+    direct = AnalyticCostModel(plain.model, plain.device, configs=[ParallelConfig(8, 1), g])
+    assert cost.coefficients(g) == pytest.approx(direct.coefficients(g))
+    assert extend_to_cp(cost) is cost
+
+
+def test_a_profile_may_carry_measured_cp_entries():
+    data = _profile_dict()
+    data["time_ms"].append({"tp": 2, "pp": 2, "cp": 2, "a": 1e-7, "b": 0.02, "c": 20.0})
+    cost = ProfiledCostModel.from_dict(data)
+    g = ParallelConfig(2, 2, 2)
+    assert cost.coefficients(g).c == pytest.approx(0.02)
+    from hydraulis.cost import extend_to_cp
+
+    assert extend_to_cp(cost).coefficients(g) == cost.coefficients(g)  # measured wins over the extension
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([(1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (4, 2)]),
+    st.sampled_from([1, 2, 4, 8, 16]),
+    st.sampled_from(["llama-7b", "llama-13b", "llama-70b"]),
+    st.integers(0, 10**9),
+    st.booleans(),
+)
+def test_cp_caps_hold_exactly(tp_pp, cp, model, seed, recompute):
+    from hydraulis.cost import extend_to_cp
+    from hydraulis.cost.model import CAP_GRANULARITY, kv_buffer_bytes
+
+    spec = get_model(model)
+    cost = extend_to_cp(AnalyticCostModel(spec, get_device("a800-80g"), recompute=recompute))
+    g = ParallelConfig(*tp_pp, cp)
+    assert (g in cost.recompute) == recompute
+    cap, mem = cost.cap(g, 64), cost.memory
+    if cap == 0:
+        return
+    free = mem.free_bytes(g, spec, 64)
+    per_token = mem.bytes_per_token(g, spec, recompute)
+
+    def fullest_rank(total: int) -> float:  # the runtime's bound: ceil(T / cp) + 2 cp tokens, K/V buffers
+        held = total if cp == 1 else -(-total // cp) + 2 * cp
+        return held * per_token + total * kv_buffer_bytes(spec, g)
+
+    assert cap % CAP_GRANULARITY == 0
+    assert fullest_rank(cap) <= free < fullest_rank(cap + CAP_GRANULARITY)
+    below = np.random.default_rng(seed).integers(1, cap + 1)
+    assert fullest_rank(int(below)) <= free
+    if cp > 1:  # about cp x (per-rank cap - 2 cp), less the K/V buffers (large next to recompute's inputs)
+        assert cap <= cp * (int(free / per_token) - 2 * cp)
+        assert recompute or cap >= 0.9 * cp * (int(free / per_token) - 2 * cp) - CAP_GRANULARITY

@@ -109,3 +109,82 @@ def test_deployment_rows_round_trip_and_name_the_bad_field():
     bad[2]["devices"] = bad[1]["devices"]
     with pytest.raises(HydraulisError, match=r"^f\.deployment: .*used by two replicas"):
         Deployment.from_rows(bad, cluster, "f.deployment")
+
+
+def _tp_groups_in_a_node(dep: Deployment, gpn: int) -> None:
+    for replica in dep.replicas:
+        for s in range(replica.config.pp):
+            for k in range(replica.config.cp):
+                group = replica.tp_group(s, k)
+                assert len(group) == replica.config.tp
+                assert len({d // gpn for d in group}) == max(1, replica.config.tp // gpn)
+
+
+def test_cp_spans_nodes_while_tp_stays_in_one():
+    cluster = ClusterSpec(32, 8)
+    dep = Deployment.parse("1x(tp8,pp1,cp4)", cluster)
+    dep.validate(cluster)
+    (replica,) = dep.replicas
+    _tp_groups_in_a_node(dep, 8)
+    # Layout contract: local index cp_rank*tp + tp_rank, so CP rank k's TP group is node k here.
+    assert [sorted({d // 8 for d in replica.tp_group(0, k)}) for k in range(4)] == [[0], [1], [2], [3]]
+    assert replica.config.cp_spans_nodes(8)
+
+
+def test_cp_group_that_fits_a_node_stays_in_it():
+    cluster = ClusterSpec(24, 8)
+    dep = Deployment.parse("2x(tp2,pp2,cp2) + 1x(tp4,pp1,cp2)", cluster)
+    dep.validate(cluster)
+    for replica in dep.replicas:
+        for s in range(replica.config.pp):
+            assert len({d // 8 for d in replica.stage_devices(s)}) == 1
+        assert not replica.config.cp_spans_nodes(8)
+
+
+def test_cp_group_not_a_multiple_of_a_node_places_tp_groups_apart():
+    cluster = ClusterSpec(16, 8)
+    dep = Deployment.parse("1x(tp4,pp1,cp3) + 1x(tp4,pp1)", cluster)
+    dep.validate(cluster)
+    _tp_groups_in_a_node(dep, 8)
+    assert len({d // 8 for d in dep.replicas[0].devices}) == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "gpus", "gpn", "message"),
+    [
+        ("1x(tp12,pp1,cp2)", 24, 8, "TP group of 12 GPUs is larger than a node of 8 but not a multiple"),
+    ],
+)
+def test_impossible_cp_deployments_are_named(text, gpus, gpn, message):
+    with pytest.raises(HydraulisError, match=message):
+        Deployment.parse(text, ClusterSpec(gpus, gpn))
+
+
+def test_explicit_cp_devices_may_span_nodes_but_not_split_a_tp_group():
+    cluster = ClusterSpec(16, 8)
+    c = ParallelConfig(4, 1, 2)
+    Deployment.from_devices([c, c], [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]], cluster)
+    with pytest.raises(HydraulisError, match="TP group spans nodes"):
+        Deployment.from_devices([c, c], [[0, 1, 2, 8, 3, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]], cluster)
+
+
+@given(
+    st.lists(
+        st.sampled_from(
+            [(1, 1, 2), (2, 1, 2), (2, 2, 2), (4, 1, 2), (8, 1, 2), (4, 1, 4), (8, 1, 4), (2, 1, 8), (1, 2, 1)]
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_power_of_two_cp_deployments_always_place_with_tp_in_a_node(triples):
+    configs = [ParallelConfig(tp, pp, cp) for tp, pp, cp in triples]
+    n = sum(c.num_gpus for c in configs)
+    pad = (-n) % 8
+    configs += [ParallelConfig(1, 1)] * pad
+    cluster = ClusterSpec(n + pad, 8)
+    dep = Deployment.place(configs, cluster)
+    dep.validate(cluster)
+    assert dep.configs == tuple(configs)
+    assert sorted(d for r in dep.replicas for d in r.devices) == list(range(cluster.num_gpus))
+    _tp_groups_in_a_node(dep, 8)

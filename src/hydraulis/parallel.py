@@ -1,9 +1,13 @@
 """Parallel configs, replicas and deployments, and their placement on devices.
 
 A deployment splits the cluster into replicas; each replica computes with one
-ParallelConfig. Placement follows the hardware: a TP (x CP) group never
-crosses a node, a group larger than a node takes whole nodes, and pipeline
-stages may sit on different nodes.
+ParallelConfig. Placement follows the hardware: a TP group never crosses a
+node (a TP group larger than a node takes whole nodes), a CP group may span
+nodes but is kept in one node where it fits, and pipeline stages may sit on
+different nodes.
+
+Device layout of a replica (the contract with the runtime): devices are
+stage-major; within a stage of tp*cp devices, local index = cp_rank*tp + tp_rank.
 """
 
 from __future__ import annotations
@@ -37,8 +41,12 @@ class ParallelConfig:
 
     @property
     def group_size(self) -> int:
-        """GPUs of one pipeline stage: they must share a node (or take whole nodes)."""
+        """GPUs of one pipeline stage: cp TP groups of tp GPUs each."""
         return self.tp * self.cp
+
+    def cp_spans_nodes(self, gpus_per_node: int) -> bool:
+        """Whether a stage's CP group crosses nodes (placement keeps a stage that fits in one node)."""
+        return self.cp > 1 and self.group_size > gpus_per_node
 
     @property
     def name(self) -> str:
@@ -99,6 +107,11 @@ class Replica:
         g = self.config.group_size
         return self.devices[stage * g : (stage + 1) * g]
 
+    def tp_group(self, stage: int, cp_rank: int) -> tuple[int, ...]:
+        """The TP group of one CP rank of one stage (local index cp_rank*tp + tp_rank)."""
+        tp = self.config.tp
+        return self.stage_devices(stage)[cp_rank * tp : (cp_rank + 1) * tp]
+
 
 @dataclass(frozen=True)
 class Deployment:
@@ -138,35 +151,20 @@ class Deployment:
         free = [list(range(n * gpn, min((n + 1) * gpn, cluster.num_gpus))) for n in range(cluster.num_nodes)]
         devices: dict[int, list[int]] = {}
         # Largest groups first keeps nodes unfragmented (first-fit decreasing).
-        for index in sorted(range(len(configs)), key=lambda i: -configs[i].group_size):
+        for index in sorted(range(len(configs)), key=lambda i: (-configs[i].group_size, -configs[i].tp)):
             config = configs[index]
-            g = config.group_size
+            if config.cp > 1 and config.tp > gpn and config.tp % gpn:
+                raise _placement_error(configs, config, gpn)
             placed: list[int] = []
             for _ in range(config.pp):
-                if g >= gpn:
-                    if g % gpn:
-                        raise HydraulisError(
-                            f"{config.name}: a group of {g} GPUs is larger than a node of {gpn} "
-                            f"but not a multiple of it; use tp*cp that divides {gpn} or is a multiple of it"
-                        )
-                    nodes = [n for n, f in enumerate(free) if len(f) == gpn][: g // gpn]
-                    if len(nodes) < g // gpn:
-                        raise HydraulisError(
-                            f"cannot place {format_configs(configs)}: {config.name} needs {g // gpn} "
-                            "whole free nodes per stage"
-                        )
-                    for n in nodes:
-                        placed += free[n]
-                        free[n] = []
-                else:
-                    node = next((n for n, f in enumerate(free) if len(f) >= g), None)
-                    if node is None:
-                        raise HydraulisError(
-                            f"cannot place {format_configs(configs)}: no node has {g} free GPUs for a "
-                            f"{config.name} stage (a TP group never crosses a node)"
-                        )
-                    placed += free[node][:g]
-                    free[node] = free[node][g:]
+                # A stage in one node, or on whole nodes; else (CP only) each CP rank's TP group on its own.
+                stage = _take(free, config.group_size, gpn)
+                if stage is None and config.cp > 1:
+                    groups = [_take(free, config.tp, gpn) for _ in range(config.cp)]
+                    stage = None if any(g is None for g in groups) else [d for g in groups for d in g or ()]
+                if stage is None:
+                    raise _placement_error(configs, config, gpn)
+                placed += stage
             devices[index] = placed
         return cls(tuple(Replica(c, tuple(devices[i])) for i, c in enumerate(configs)))
 
@@ -218,15 +216,52 @@ class Deployment:
                 if d in seen:
                     raise HydraulisError(f"deployment {self}: device {d} is used by two replicas")
                 seen.add(d)
+            tp = replica.config.tp
             for s in range(replica.config.pp):
-                nodes = {d // gpn for d in replica.stage_devices(s)}
-                g = replica.config.group_size
-                if len(nodes) > max(1, g // gpn):
-                    raise HydraulisError(
-                        f"deployment {self}: a {replica.config.name} TP group spans nodes {sorted(nodes)}"
-                    )
+                for k in range(replica.config.cp):
+                    nodes = {d // gpn for d in replica.tp_group(s, k)}
+                    if len(nodes) > max(1, -(-tp // gpn)):
+                        raise HydraulisError(
+                            f"deployment {self}: a {replica.config.name} TP group spans nodes {sorted(nodes)}"
+                        )
             if model is not None:
                 replica.config.validate(model)
+
+
+def _take(free: list[list[int]], size: int, gpn: int) -> list[int] | None:
+    """`size` devices from the first node with room, or size/gpn whole free nodes; None where none has room."""
+    if size <= gpn:
+        node = next((n for n, f in enumerate(free) if len(f) >= size), None)
+        if node is None:
+            return None
+        taken, free[node] = free[node][:size], free[node][size:]
+        return taken
+    nodes = [n for n, f in enumerate(free) if len(f) == gpn][: size // gpn]
+    if size % gpn or len(nodes) < size // gpn:
+        return None
+    taken = []
+    for n in nodes:
+        taken += free[n]
+        free[n] = []
+    return taken
+
+
+def _placement_error(configs: Sequence[ParallelConfig], config: ParallelConfig, gpn: int) -> HydraulisError:
+    """Why a stage of `config` found no devices, in one line."""
+    what, unit = format_configs(configs), config.tp if config.cp > 1 else config.group_size
+    if unit > gpn and unit % gpn:
+        group, degree = ("TP group", "tp") if config.cp > 1 else ("group", "tp*cp")
+        return HydraulisError(
+            f"{config.name}: a {group} of {unit} GPUs is larger than a node of {gpn} "
+            f"but not a multiple of it; use {degree} that divides {gpn} or is a multiple of it"
+        )
+    if unit > gpn:
+        per = "TP group" if config.cp > 1 else "stage"
+        return HydraulisError(f"cannot place {what}: {config.name} needs {unit // gpn} whole free nodes per {per}")
+    return HydraulisError(
+        f"cannot place {what}: no node has {unit} free GPUs for a {config.name} "
+        f"{'TP group' if config.cp > 1 else 'stage'} (a TP group never crosses a node)"
+    )
 
 
 _ITEM = re.compile(r"^(?:(\d+)\s*[x*]\s*)?(\(?\s*tp\s*\d+.*)$")

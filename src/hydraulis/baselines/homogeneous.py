@@ -1,7 +1,9 @@
 """Homogeneous baselines (DESIGN section 7): one config for the whole run, replicated over all GPUs.
 
 The config is the cheapest that holds the run's longest sequence (the same
-choice as the planner's fallback).
+choice as the planner's fallback). On a cost model with CP configs (`+cp`)
+that may be a CP config: megatron is then static CP, every replica the same
+(tp, pp, cp), documents packed by tokens.
 
 - megatron: pack greedily in data order to the token cap, spread the
   micro-batches over replicas by count.

@@ -26,7 +26,8 @@ ProfileOption = typer.Option(
     "llama-7b@a800-80g",
     "--profile",
     "-p",
-    help="Profile file, preset (llama-7b@a800-80g, ...) or MODEL@DEVICE for the analytic model.",
+    help="Profile file, preset (llama-7b@a800-80g, ...) or MODEL@DEVICE for the analytic model; "
+    "append +cp for context-parallel configs (analytic: a/cp, b/cp plus the K/V exchange).",
 )
 
 

@@ -32,7 +32,12 @@ def plan(
         None, "--pool", help="Deployments separated by ';' (e.g. '16x(tp2,pp1); 1x(tp8,pp1) + 12x(tp2,pp1)')."
     ),
     policy: str = typer.Option("hydraulis", "--policy", help="hydraulis or a baseline (see `hydraulis bench`)."),
-    overlong: str = typer.Option("error", "--overlong", help="Sequences longer than every cap: error|truncate|drop."),
+    overlong: str = typer.Option(
+        "auto",
+        "--overlong",
+        help="Sequences longer than every cap of the pool (CP replicas included): auto (keep whole what "
+        "the pool holds, refuse the rest), split, truncate or drop.",
+    ),
     gpus_per_node: int = GpusPerNodeOption,
     tokens_per_batch: int = TokensPerBatchOption,
     num_batches: int = NumBatchesOption,
@@ -58,12 +63,15 @@ def plan(
     deployments = parse_pool(pool, cluster) if pool else None
     cap, cap_name = largest_cap(cost, cluster, deployments)
     batches, changed = [], 0
+    remedy = "a pool with larger (CP) replicas, or more GPUs"
+    if not any(g.cp > 1 for g in cost.configs):
+        remedy = f"CP replicas (--profile {cost.name}+cp), or more GPUs"
     for i, b in enumerate(work.batches):
-        fixed = apply_overlong(b, cap, cap_name, overlong, where=f"{workload}: batch {i}")
+        fixed = apply_overlong(b, cap, cap_name, overlong, where=f"{workload}: batch {i}", remedy=remedy)
         batches.append(fixed.lengths)
         changed += fixed.changed
     if changed:
-        verb = "truncated" if overlong == "truncate" else "dropped"
+        verb = {"split": "split", "truncate": "truncated"}.get(overlong, "dropped")
         err_console.print(f"{verb} {changed} sequence(s) longer than the largest cap {cap} ({cap_name})")
     ctx = PolicyContext.build(cost, cluster, batches, deployments)
     proposes = deployments is None and policy == "hydraulis"

@@ -4,7 +4,8 @@ Per layer and token, forward: 2 x (parameters per layer) GEMM FLOPs; causal
 attention adds 2*s*h per token (so a*s^2 per sequence). Training is 3x forward,
 4x with full recompute. TP adds 4*2*(tp-1)/tp*S*h elements of collectives per
 layer and micro-batch (forward plus backward). Context parallelism (cp > 1)
-splits each sequence's tokens over cp GPUs, so a and b both divide by cp. The default efficiencies and
+splits each sequence's tokens over cp GPUs, so a and b both divide by cp, and
+the K/V exchange over the CP group adds to b and c (model.kv_exchange). The default efficiencies and
 memory constants are calibrated against the published LLaMA-7B A800 profile,
 so analytic and profiled caps and times agree to within about 15 to 30 percent.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from hydraulis.cost.model import Coefficients, CostModel, MemoryModel, TrainingState
+from hydraulis.cost.model import Coefficients, CostModel, MemoryModel, TrainingState, kv_exchange
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import DeviceSpec, GiB, ModelSpec
 
@@ -22,7 +23,10 @@ MAX_PP = 16
 
 
 def candidate_configs(model: ModelSpec, max_gpus: int = 1024) -> list[ParallelConfig]:
-    """Power-of-two TP that divides the heads, PP that divides the layers (up to MAX_PP)."""
+    """Power-of-two TP that divides the heads, PP that divides the layers (up to MAX_PP).
+
+    CP configs are opt-in (`MODEL@DEVICE+cp`, model.extend_to_cp): the runtime must support them.
+    """
     configs = []
     tp = 1
     while tp <= MAX_TP:
@@ -63,8 +67,9 @@ class AnalyticCostModel(CostModel):
             comm = layers * 4 * 2 * (tp - 1) / tp * H * 2 / tp_bw if tp > 1 else 0.0
             overhead = layers * layer_overhead_s * (1 + 0.5 * math.log2(tp))
             # Context parallelism splits each sequence's tokens over cp GPUs: the per-token work
-            # (GEMMs, head, TP collectives) divides by cp as the attention does.
-            coefficients[config] = Coefficients(attn, (gemm + head + comm) / config.cp, overhead)
+            # (GEMMs, head, TP collectives) divides by cp as the attention does; K/V cross the CP group.
+            kv_b, kv_c = kv_exchange(model, device, config)
+            coefficients[config] = Coefficients(attn, (gemm + head + comm) / config.cp + kv_b, overhead + kv_c)
         # The runtime's training state (bf16 compute shard and its gradient; fp32 master, moments
         # and reduced gradient sharded over all GPUs), about 9% more for buffers.
         held = TrainingState()

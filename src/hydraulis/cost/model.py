@@ -8,23 +8,36 @@ forward plus backward (DESIGN section 5):
 Subclasses only supply the coefficients per config and the memory constants;
 everything else, vectorised, lives here so that every consumer (planner,
 simulator, baselines, proposal) costs things the same way.
+
+Context parallelism (cp > 1) splits every sequence of a micro-batch over cp
+GPUs: a and b divide by cp, and the K/V exchange over the CP group (an
+all-gather per layer forward, a reduce-scatter of dK/dV backward) adds to b
+and c (`kv_exchange`). `extend_to_cp` derives cp > 1 entries from measured
+cp = 1 ones (an analytic extension, labelled `+cp`).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from hydraulis.errors import HydraulisError
+from hydraulis.limits import MAX_GPUS
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import DeviceSpec, ModelSpec
 
 CAP_GRANULARITY = 128
 RECOMPUTE_INPUT_BYTES = 2  # a layer's input kept under full recompute (bf16)
 RECOMPUTE_TIME = 4 / 3  # training is 4 forwards instead of 3 when each layer's forward runs twice
+KV_BYTES = 2  # K and V travel over the CP group in the compute dtype (bf16)
+# CP degrees the cost models offer. CP serves long sequences, whose activation memory pipeline stages do
+# not lower (1F1B keeps L layers' worth in flight), so it is combined with pp <= CP_MAX_PP only.
+CP_DEGREES = (2, 4, 8, 16)
+CP_MAX_PP = 2
+CP_SUFFIX = "+cp"
 
 
 def sequence_costs(a: float | np.ndarray, b: float | np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -34,6 +47,59 @@ def sequence_costs(a: float | np.ndarray, b: float | np.ndarray, lengths: np.nda
     """
     s = np.asarray(lengths, dtype=np.float64)
     return a * s * s + b * s
+
+
+def kv_shard_dim(model: ModelSpec, tp: int) -> int:
+    """K (or V) columns one TP rank holds: its share of the KV heads, one whole head when tp > kv_heads."""
+    return model.kv_heads * model.head_dim // min(tp, model.kv_heads)
+
+
+def rank_tokens(tokens: int | np.ndarray, cp: int) -> int | np.ndarray:
+    """Most tokens one rank holds of a micro-batch of `tokens` (the runtime's split guarantees it)."""
+    if cp == 1:
+        return tokens
+    return -(-np.asarray(tokens) // cp) + 2 * cp
+
+
+def kv_exchange_bytes(model: ModelSpec, config: ParallelConfig) -> float:
+    """Bytes one rank moves per token of a micro-batch, one stage, forward plus backward, for CP.
+
+    Forward all-gathers each layer's K and V over the CP group (a rank receives the (cp - 1) / cp it
+    lacks of its TP shard); backward reduce-scatters dK and dV, the same bytes again.
+    """
+    if config.cp == 1:
+        return 0.0
+    layers = model.layers / config.pp
+    return 2 * 2 * layers * kv_shard_dim(model, config.tp) * KV_BYTES * (config.cp - 1) / config.cp
+
+
+def kv_exchange(model: ModelSpec, device: DeviceSpec, config: ParallelConfig) -> tuple[float, float]:
+    """(b, c) seconds the K/V exchange adds per token and per micro-batch: NVLink inside a node, the NIC
+    when the CP group spans nodes; a ring of cp - 1 steps pays cp - 1 latencies per collective."""
+    if config.cp == 1:
+        return 0.0, 0.0
+    spans = config.cp_spans_nodes(device.gpus_per_node)
+    bandwidth = device.inter_node_bw if spans else device.intra_node_bw
+    collectives = 2 * model.layers / config.pp
+    return kv_exchange_bytes(model, config) / bandwidth, collectives * (config.cp - 1) * device.p2p_latency_s
+
+
+def kv_buffer_bytes(model: ModelSpec, config: ParallelConfig) -> float:
+    """Transient bytes per token of a micro-batch under CP: one layer's gathered K/V and their gradients."""
+    if config.cp == 1:
+        return 0.0
+    return 2 * 2 * kv_shard_dim(model, config.tp) * KV_BYTES * (config.cp - 1) / config.cp
+
+
+def cp_configs(base: Sequence[ParallelConfig], max_gpus: int = MAX_GPUS) -> list[ParallelConfig]:
+    """The CP configs built on cp = 1 ones: each CP_DEGREES degree on each base with pp <= CP_MAX_PP."""
+    return [
+        ParallelConfig(g.tp, g.pp, cp)
+        for g in base
+        if g.cp == 1 and g.pp <= CP_MAX_PP
+        for cp in CP_DEGREES
+        if g.num_gpus * cp <= max_gpus
+    ]
 
 
 @dataclass(frozen=True)
@@ -115,26 +181,51 @@ class MemoryModel:
         )
 
     def bytes_per_token(self, config: ParallelConfig, model: ModelSpec, recompute: bool = False) -> float:
+        """Activation bytes per token one rank holds (under CP, per token of the rank's share)."""
         # 1F1B keeps pp micro-batches in flight on the first stage, L/pp layers each: L in all.
-        # Context parallelism splits each sequence's activations over cp GPUs.
         full = (model.hidden / config.tp) * self.activation_factor(config.tp)
         if recompute:
             # Only each layer's input is kept (compute dtype, full hidden), plus the one layer whose
             # activations are being recomputed in backward.
-            return (model.layers * model.hidden * RECOMPUTE_INPUT_BYTES + full) / config.cp
-        return model.layers * full / config.cp
+            return model.layers * model.hidden * RECOMPUTE_INPUT_BYTES + full
+        return model.layers * full
 
-    def cap(self, config: ParallelConfig, model: ModelSpec, num_gpus: int, recompute: bool = False) -> int:
-        free = (
+    def free_bytes(self, config: ParallelConfig, model: ModelSpec, num_gpus: int) -> float:
+        """What a GPU has left for activations after the margin, the context and the static state."""
+        return (
             self.memory_bytes
             - self.safety_margin_bytes
             - self.context_overhead_bytes
             - self.static_bytes(config, model, num_gpus)
         )
+
+    def activation_bytes(
+        self, config: ParallelConfig, model: ModelSpec, tokens: int, recompute: bool = False
+    ) -> float:
+        """Activation bytes on the fullest rank for a micro-batch of `tokens` (CP: its share plus K/V buffers)."""
+        held = rank_tokens(tokens, config.cp)
+        return float(held) * self.bytes_per_token(config, model, recompute) + tokens * kv_buffer_bytes(model, config)
+
+    def cap(self, config: ParallelConfig, model: ModelSpec, num_gpus: int, recompute: bool = False) -> int:
+        """Most tokens (a multiple of 128) whose activation_bytes fit in free_bytes.
+
+        Under CP a rank holds at most ceil(T/cp) + 2*cp tokens of a micro-batch of T, so the cap is about
+        cp * (per-rank cap - 2*cp), less the transient K/V buffers.
+        """
+        free = self.free_bytes(config, model, num_gpus)
         if free <= 0:
             return 0
-        tokens = free / self.bytes_per_token(config, model, recompute)
-        return int(tokens // CAP_GRANULARITY) * CAP_GRANULARITY
+        per_token = self.bytes_per_token(config, model, recompute)
+        cp = config.cp
+        if cp == 1:
+            tokens = int(free / per_token)
+        else:
+            # T/cp + 2cp + T*buffer/per_token <= free/per_token, then down past the ceiling's rounding.
+            share = 1 / cp + kv_buffer_bytes(model, config) / per_token
+            tokens = max(0, int((free / per_token - 2 * cp) / share))
+            while tokens > 0 and self.activation_bytes(config, model, tokens, recompute) > free:
+                tokens -= 1
+        return tokens // CAP_GRANULARITY * CAP_GRANULARITY
 
 
 @dataclass(frozen=True)
@@ -248,26 +339,27 @@ class CostModel:
         return {c: self.cap(c, num_gpus) for c in self.configs if c.num_gpus <= num_gpus}
 
     def min_efficient_tokens(self, config: ParallelConfig) -> int:
-        """Fewest tokens a micro-batch needs to keep the GPU busy."""
+        """Fewest tokens a micro-batch needs to keep the GPU busy (under CP, each of its cp ranks)."""
         table = self._min_efficient
         if not table:
             return 0
         if config.tp in table:
-            return table[config.tp]
+            return table[config.tp] * config.cp
         keys = sorted(table)
         below = [k for k in keys if k <= config.tp]
-        return table[below[-1]] if below else table[keys[0]]
+        return (table[below[-1]] if below else table[keys[0]]) * config.cp
 
     # -- communication ---------------------------------------------------------
     def p2p_time(self, config: ParallelConfig, tokens: int) -> float:
         """One stage boundary crossing of a micro-batch's activations (bf16), one way."""
         measured = self.collectives.p2p if self.collectives is not None else None
+        share = tokens * self.model.hidden * 2 / (config.tp * config.cp)  # each CP rank sends its share
         if measured is not None and config.num_gpus <= self.device.gpus_per_node:
-            return measured.time(tokens * self.model.hidden * 2 / config.tp)
+            return measured.time(share)
         bandwidth = (
             self.device.inter_node_bw if config.num_gpus > self.device.gpus_per_node else self.device.intra_node_bw
         )
-        return self.device.p2p_latency_s + tokens * self.model.hidden * 2 / (config.tp * bandwidth)
+        return self.device.p2p_latency_s + share / bandwidth
 
     def grad_sync_time(self, num_gpus: int) -> float:
         """Reduce gradients into the sharded optimizer layout and gather parameters back.
@@ -283,3 +375,42 @@ class CostModel:
             return 2 * measured.time(2 * self.model.num_params / num_gpus)
         bandwidth = self.device.inter_node_bw if num_gpus > self.device.gpus_per_node else self.device.intra_node_bw
         return 2 * (2 * self.model.num_params) / num_gpus / bandwidth
+
+
+def extend_to_cp(
+    cost: CostModel, degrees: Sequence[int] = CP_DEGREES, only: Callable[[ParallelConfig], bool] | None = None
+) -> CostModel:
+    """`cost` plus cp > 1 configs derived analytically from its cp = 1 entries (named NAME+cp).
+
+    A CP config splits every sequence over cp ranks: a / cp and b / cp of the measured (tp, pp), plus
+    the K/V exchange (`kv_exchange`) at the device's bandwidths. Entries the cost model already has
+    (measured cp > 1) are kept as they are. The recompute set carries over to the derived configs.
+    `only`, if given, chooses which derived configs to add (a benchmark's CP-only-where-needed model).
+    """
+    if cost.name.endswith(CP_SUFFIX):
+        return cost
+    coefficients = {g: cost.coefficients(g) for g in cost.configs}
+    recompute = set(cost.recompute)
+    for g in cp_configs(cost.configs):
+        if g.cp not in degrees or g in coefficients or (only is not None and not only(g)):
+            continue
+        base = ParallelConfig(g.tp, g.pp)
+        k = coefficients[base]
+        db, dc = kv_exchange(cost.model, cost.device, g)
+        scale = RECOMPUTE_TIME if base in cost.recompute else 1.0  # the exchange is rerun with the forward
+        coefficients[g] = Coefficients(k.a / g.cp, k.b / g.cp + db * scale, k.c + dc)
+        if base in cost.recompute:
+            recompute.add(g)
+    out = copy.copy(cost)
+    CostModel.__init__(
+        out,
+        cost.name + CP_SUFFIX,
+        cost.model,
+        cost.device,
+        coefficients,
+        cost.memory,
+        dict(cost._min_efficient),
+        cost.collectives,
+    )
+    out.recompute = frozenset(recompute)
+    return out

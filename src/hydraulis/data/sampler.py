@@ -35,6 +35,18 @@ Policy = Literal["split", "truncate", "drop"]
 POLICIES: tuple[str, ...] = ("split", "truncate", "drop")
 
 
+def split_pieces(lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split each length into consecutive pieces of max_len, the last holding the rest.
+
+    Returns the pieces per document, each piece's start within its document and each piece's length.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n_pieces = -(-lengths // max_len)
+    first = np.repeat(_cumsum(n_pieces)[:-1], n_pieces)
+    starts = (np.arange(int(n_pieces.sum())) - first) * max_len  # piece number within its document x max_len
+    return n_pieces, starts, np.minimum(max_len, np.repeat(lengths, n_pieces) - starts)
+
+
 @dataclass(frozen=True)
 class SamplerState:
     """Where the sampler is: the next batch starts at piece `position` of epoch `epoch`'s order."""
@@ -194,13 +206,8 @@ class TokenBudgetSampler:
             cut = np.minimum(lens, self.max_len)
             pieces = _Epoch(docs, np.zeros_like(lens), cut, _cumsum(cut))
         else:  # split: consecutive pieces of max_len, the last one holds the rest
-            n_pieces = -(-lens // self.max_len)
-            piece_docs = np.repeat(docs, n_pieces)
-            first = np.repeat(_cumsum(n_pieces)[:-1], n_pieces)
-            k = np.arange(len(piece_docs)) - first  # piece number within its document
-            starts = k * self.max_len
-            piece_lens = np.minimum(self.max_len, np.repeat(lens, n_pieces) - starts)
-            pieces = _Epoch(piece_docs, starts, piece_lens, _cumsum(piece_lens))
+            n_pieces, starts, piece_lens = split_pieces(lens, self.max_len)
+            pieces = _Epoch(np.repeat(docs, n_pieces), starts, piece_lens, _cumsum(piece_lens))
         self._epoch_cache = (epoch, pieces)
         return pieces
 

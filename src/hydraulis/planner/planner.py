@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hydraulis.cost.model import CostModel
+from hydraulis.data.sampler import split_pieces
 from hydraulis.errors import HydraulisError
 from hydraulis.limits import MAX_LENGTH, MAX_SEQUENCES
 from hydraulis.parallel import Deployment
@@ -30,7 +31,7 @@ from hydraulis.planner.schedule import Schedule
 from hydraulis.sim import simulate
 from hydraulis.specs import ClusterSpec
 
-OVERLONG_POLICIES = ("error", "truncate", "drop")
+OVERLONG_POLICIES = ("auto", "error", "split", "truncate", "drop")
 LARGE_BATCH_MARGIN = 0.02
 METHODS = ("heuristic", "milp")
 
@@ -58,18 +59,33 @@ class Overlong:
     changed: int  # sequences truncated or dropped
 
 
-def apply_overlong(lengths: np.ndarray, cap: int, cap_name: str, policy: str, where: str = "batch") -> Overlong:
-    """error: name the length and the largest cap; truncate: cut to the cap; drop: leave out."""
+def apply_overlong(
+    lengths: np.ndarray,
+    cap: int,
+    cap_name: str,
+    policy: str,
+    where: str = "batch",
+    remedy: str = "a pool with larger (CP) replicas, or more GPUs",
+) -> Overlong:
+    """Sequences longer than `cap`, the largest cap of the pool (CP replicas included).
+
+    auto (default; `error` is its older name): every sequence the pool holds stays whole, even when
+    only a CP replica holds it; a longer one is an error naming its length and the cap. split:
+    consecutive pieces of at most the cap (what the sampler does at max_len); truncate: cut to the
+    cap; drop: leave out.
+    """
     if policy not in OVERLONG_POLICIES:
         raise HydraulisError(f"unknown overlong policy {policy!r}; use one of {', '.join(OVERLONG_POLICIES)}")
     over = lengths > cap
     if not over.any():
         return Overlong(lengths, 0)
-    if policy == "error":
+    if policy in ("auto", "error"):
         raise HydraulisError(
             f"{where}: a sequence of {int(lengths[over].max())} tokens is longer than the largest cap "
-            f"{cap} ({cap_name}); use --overlong truncate|drop, a pool with larger replicas, or more GPUs"
+            f"{cap} ({cap_name}); use --overlong split|truncate|drop, {remedy}"
         )
+    if policy == "split":
+        return Overlong(split_pieces(lengths, cap)[2], int(over.sum()))
     if policy == "truncate":
         return Overlong(np.minimum(lengths, cap), int(over.sum()))
     kept = lengths[~over]
@@ -133,7 +149,7 @@ class Planner:
             cap, name = largest_cap(self.cost, ClusterSpec(self.num_gpus), self.pool)
             raise HydraulisError(
                 f"a sequence of {longest} tokens is longer than the largest cap in the pool "
-                f"({cap} tokens, {name}); use --overlong truncate|drop or a pool with larger replicas"
+                f"({cap} tokens, {name}); use --overlong split|truncate|drop or a pool with larger (CP) replicas"
             )
         # Screen the pool with the greedy alone; search, pack and simulate the most promising.
         screened = [(dispatch(lengths, self._tables[k], search=False), k) for k in usable]

@@ -104,14 +104,37 @@ def load_pool(path: str | Path, cluster: ClusterSpec | None = None) -> Pool:
 
 
 def usable_configs(cost: CostModel, cluster: ClusterSpec) -> list[ParallelConfig]:
-    """Configs with room for tokens that fit the cluster and its nodes."""
+    """Configs with room for tokens that fit the cluster and its nodes (a TP group in a node or whole
+    nodes; a CP group of those may span nodes)."""
     gpn = cluster.gpus_per_node
     out = []
     for g, cap in cost.caps(cluster.num_gpus).items():
-        group_ok = gpn % g.group_size == 0 or g.group_size % gpn == 0
+        group_ok = gpn % g.tp == 0 or g.tp % gpn == 0
+        if g.cp == 1:
+            group_ok = gpn % g.group_size == 0 or g.group_size % gpn == 0
         if cap > 0 and group_ok:
             out.append(g)
     return out
+
+
+def cp_roles(
+    cost: CostModel, configs: Sequence[ParallelConfig], num_gpus: int, max_length: int, k: int = 3
+) -> list[ParallelConfig]:
+    """The few CP configs worth a place in candidate deployments, of those that hold `max_length`: where a
+    cp = 1 config holds it too, only those that run it faster (a CP replica pays only on the longest
+    sequences). The k fastest on it, then the smallest."""
+    plain = [g for g in configs if g.cp == 1]
+    cps = [g for g in configs if g.cp > 1 and cost.cap(g, num_gpus) >= max_length]
+
+    def trip(g: ParallelConfig) -> float:
+        return g.pp * float(cost.stage_time(g, [max_length]))
+
+    holding = [trip(g) for g in plain if cost.cap(g, num_gpus) >= max_length]
+    best_plain = min(holding) if holding else np.inf
+    paying = [g for g in cps if trip(g) < best_plain]
+    fastest = sorted(paying, key=lambda g: (trip(g), g.num_gpus))[:k]
+    smallest = sorted(paying, key=lambda g: (g.num_gpus, trip(g)))[: max(1, k - 1)]
+    return list(dict.fromkeys(fastest + smallest))
 
 
 def largest_cap(cost: CostModel, cluster: ClusterSpec, pool: Sequence[Deployment] | None = None) -> tuple[int, str]:
@@ -154,7 +177,7 @@ def check_job_pool(pool: Sequence[Deployment], world: int, model: ModelSpec, cos
     if max_len > cap:
         raise HydraulisError(
             f"model {model.name} fits no config of the pool at max_len {max_len}: the largest cap is {cap} tokens "
-            f"({name}); lower max_len or add replicas with more TP or PP"
+            f"({name}); lower max_len or add replicas with more TP, PP or CP"
         )
 
 
@@ -200,7 +223,8 @@ def fallback_config(
         cap, name = largest_cap(cost, cluster)
         raise HydraulisError(
             f"a sequence of {max_length} tokens is longer than the largest cap on {N} GPUs "
-            f"({cap} tokens, {name}); use --overlong truncate|drop or more GPUs"
+            f"({cap} tokens, {name}); use --overlong split|truncate|drop, more GPUs"
+            + ("" if any(g.cp > 1 for g in cost.configs) else f" or CP configs (--profile {cost.name}+cp)")
         )
     return min(holding, key=lambda g: (homogeneous_estimate(cost, g, N, batches), g.num_gpus))
 
@@ -232,11 +256,16 @@ def candidate_deployments(
     cost: CostModel, cluster: ClusterSpec, max_length: int, batches: Sequence[np.ndarray], per_role: int = 3
 ) -> list[Deployment]:
     """Homogeneous deployments; k large replicas plus small ones filling the rest; and three tiers
-    (a few replicas holding max_length, some mid-size, many small)."""
+    (a few replicas holding max_length, some mid-size, many small). CP configs (`cp_roles`) only as
+    the large replicas or the top tier."""
     N = cluster.num_gpus
     configs = usable_configs(cost, cluster)
+    # CP configs take the large roles only, and few of them: for short sequences cp replicas of a
+    # config do the same work as one CP replica without its K/V exchange.
+    cps = cp_roles(cost, configs, N, max_length, per_role)
+    configs = [g for g in configs if g.cp == 1]
     ranked = sorted(configs, key=lambda g: homogeneous_estimate(cost, g, N, [b[b <= cost.cap(g, N)] for b in batches]))
-    cap = {g: cost.cap(g, N) for g in configs}
+    cap = {g: cost.cap(g, N) for g in configs + cps}
     out: dict[str, Deployment] = {}
 
     def add(configs_: list[ParallelConfig]) -> None:
@@ -244,16 +273,16 @@ def candidate_deployments(
         if key not in out and sum(g.num_gpus for g in configs_) == N and (d := place(configs_, cluster)):
             out[key] = d
 
-    for g in ranked:
+    for g in ranked + cps:
         if N % g.num_gpus == 0:
             add([g] * (N // g.num_gpus))
     counts = (1, 2, 3, 4, 6, 8)
-    for big in ranked:
+    for big in ranked + cps:
         for k, sm in itertools.product(counts, [g for g in ranked if cap[g] < cap[big]][:per_role]):
             rest = N - k * big.num_gpus
             if rest > 0 and rest % sm.num_gpus == 0:
                 add([big] * k + [sm] * (rest // sm.num_gpus))
-    for top in [g for g in ranked if cap[g] >= max_length][:2]:
+    for top in cps[:2] + [g for g in ranked if cap[g] >= max_length][:2]:
         for mid in [g for g in ranked if cap[g] < cap[top]][:per_role]:
             for sm in [g for g in ranked if cap[g] < cap[mid]][:2]:
                 for k_top, k_mid in itertools.product((1, 2), (1, 2, 4)):

@@ -107,6 +107,10 @@ def dp_deployments(
     """(batch max length, deployment) for each boundary, from the range programme."""
     N = cluster.num_gpus
     configs = usable_configs(cost, cluster)
+    # CP configs enter the programme only for ranges no cp = 1 config holds (candidate_deployments
+    # offers them where they pay on long sequences that cp = 1 configs hold too).
+    plain_cap = max((cost.cap(g, N) for g in configs if g.cp == 1), default=0)
+    configs = [g for g in configs if g.cp == 1 or (plain_cap < hist.max_length and cost.cap(g, N) > plain_cap)]
     group_time = aware_group_time(cost, configs, hist, N) if aware else published_group_time(cost, configs, hist)
     bounds = length_boundaries(hist, [cost.cap(c, N) for c in configs])
     out = []
