@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import datetime
+import json
 
+import numpy as np
 import torch
 
-from hydraulis.parallel import ParallelConfig, Replica
+from hydraulis.data.sampler import TokenBudgetSampler
+from hydraulis.parallel import Deployment, ParallelConfig, Replica
 from hydraulis.runtime import StageModel, build_replica_groups, count_targets
 from hydraulis.runtime.batch import pack_cp_shard
+from hydraulis.runtime.launch import init_distributed
+from hydraulis.runtime.optimizer import AdamW
 from hydraulis.runtime.pipeline import train_step
-from hydraulis.specs import ModelSpec
+from hydraulis.runtime.trainer import OptimSettings, Trainer, TrainSettings
+from hydraulis.specs import MODELS, ClusterSpec, ModelSpec
 
 TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -47,3 +53,60 @@ def run_scenarios(rank: int, world: int, spec: ModelSpec, state: dict, docs: lis
         }
         torch.distributed.barrier()
     return out
+
+
+# ------------------------------------------------------------ training: a pool of 1x(tp1,pp1,cp4)
+
+CP_TRAIN_STEPS = 4
+LONG_DOC = 512  # 4x the tp1pp1 cap of the profile below: only the cp4 replica can hold it
+
+
+def cp_train_cost():
+    """tiny's measured CPU profile with a cp4 row and memory for 128 tokens on tp1pp1 (so 512 on cp4)."""
+    from importlib import resources
+
+    from hydraulis.cost.profiled import ProfiledCostModel
+
+    data = json.loads(resources.files("hydraulis.cost.profiles").joinpath("tiny-cpu-measured.json").read_text())
+    base = ProfiledCostModel.from_dict(data)
+    mem, g = base.memory, ParallelConfig(1, 1)
+    data["device"]["memory_bytes"] = int(
+        mem.safety_margin_bytes + mem.context_overhead_bytes + mem.static_bytes(g, base.model, 4)
+        + mem.bytes_per_token(g, base.model, False) * (LONG_DOC // 4 + 0.5)
+    )
+    row = next(r for r in data["time_ms"] if (r["tp"], r["pp"]) == (1, 1))
+    data["time_ms"].append({**row, "cp": 4})
+    return ProfiledCostModel.from_dict(data)
+
+
+def cp_train_corpus(vocab: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    lengths = [LONG_DOC, *rng.integers(4, 60, size=20).tolist()]
+    return [rng.integers(0, vocab, size=int(n)).astype(np.uint16) for n in lengths]
+
+
+def cp_train_sampler(docs: list[np.ndarray]) -> TokenBudgetSampler:
+    return TokenBudgetSampler([len(d) for d in docs], tokens_per_batch=800, max_len=LONG_DOC, seed=7)
+
+
+def cp_train_settings() -> TrainSettings:
+    spec = MODELS["tiny"]
+    cluster = ClusterSpec(4, gpus_per_node=4)
+    return TrainSettings(
+        model=spec,
+        pool=(Deployment.parse("1x(tp1,pp1,cp4)", cluster),),
+        cost=cp_train_cost(),
+        optim=OptimSettings(lr=1e-3, warmup=1, schedule="cosine", adamw=AdamW(eps=1e-6, grad_clip=0.5)),
+        steps=CP_TRAIN_STEPS,
+        seed=3,
+    )
+
+
+def train_cp(rank: int, world: int, s: TrainSettings) -> dict:
+    """The trainer on 4 ranks, planning every step itself; rank 0's metrics and every owner's master range."""
+    env = init_distributed("cpu")
+    docs = cp_train_corpus(s.model.vocab)
+    trainer = Trainer(s, docs, cp_train_sampler(docs), env)
+    metrics = [trainer.step().to_dict() for _ in range(s.steps)]
+    trainer.close()
+    return {"metrics": metrics, "master": trainer.optimizer.master.clone()}

@@ -185,3 +185,28 @@ def test_bad_cp_input_is_one_line():
     with pytest.raises(HydraulisError, match=r"tp2pp1cp2 needs 4 ranks, got 3"):
         check_replica(ParallelConfig(2, 1, 2), (0, 1, 2), 4)
     assert np.isfinite(our_reference()[0])
+
+
+# ------------------------------------------------------------ training on a pool of 1x(tp1,pp1,cp4)
+
+
+@pytest.mark.dist
+def test_cp4_training_matches_single_process():
+    """A document 4x the tp1pp1 cap, trained a few steps on cp4: the losses and weights of one process."""
+    from test_trainer import unflatten
+    from train_workers import reference
+
+    s = cp_workers.cp_train_settings()
+    assert s.cost.cap(ParallelConfig(1, 1), 4) * 4 == cp_workers.LONG_DOC <= s.cost.cap(ParallelConfig(1, 1, 4), 4)
+    docs = cp_workers.cp_train_corpus(s.model.vocab)
+    smp = cp_workers.cp_train_sampler(docs)
+    assert any(cp_workers.LONG_DOC in smp.next_batch().lengths for _ in range(s.steps))
+    results = run_workers(cp_workers.train_cp, 4, s, deadline_s=150)
+    ref_losses, ref_params = reference(s, docs, cp_workers.cp_train_sampler(docs))
+    got = [m["loss"] for m in results[0]["metrics"]]
+    print("cp4 training losses", got, "reference", ref_losses)
+    np.testing.assert_allclose(got, ref_losses, rtol=1e-5)
+    params = unflatten(torch.cat([r["master"] for r in results]), ref_params)
+    worst = max(rel_err(params[n], ref_params[n]) for n in ref_params)
+    print("cp4 training: worst parameter rel err", worst)
+    assert worst < 1e-5
