@@ -110,3 +110,10 @@ def train_cp(rank: int, world: int, s: TrainSettings) -> dict:
     metrics = [trainer.step().to_dict() for _ in range(s.steps)]
     trainer.close()
     return {"metrics": metrics, "master": trainer.optimizer.master.clone()}
+
+
+def measure_configs(rank: int, world: int, configs, settings) -> dict:
+    """`hydraulis.profile.measure` on this rank (the profiler's per-rank work, without its up-front checks)."""
+    from hydraulis.profile import measure
+
+    return measure(MODELS["tiny"], configs, settings, init_distributed("cpu"))
