@@ -20,14 +20,16 @@ from hydraulis.specs import MODELS, ClusterSpec, ModelSpec
 
 TIMEOUT = datetime.timedelta(seconds=60)
 
-# scenario -> (replicas on the 4 ranks, sequence parallel); every replica trains every micro-batch.
+# scenario -> (replicas on the 4 ranks, sequence parallel, recompute); every replica trains every micro-batch.
 # Rank lists are permuted in some, so CP-rank order differs from torch's sorted group order.
 SCENARIOS = {
-    "cp2": ((Replica(ParallelConfig(1, 1, 2), (0, 1)), Replica(ParallelConfig(1, 1, 2), (3, 2))), False),
-    "cp4": ((Replica(ParallelConfig(1, 1, 4), (2, 0, 3, 1)),), False),
-    "tp2cp2": ((Replica(ParallelConfig(2, 1, 2), (0, 1, 2, 3)),), False),
-    "tp2cp2-sp": ((Replica(ParallelConfig(2, 1, 2), (3, 1, 0, 2)),), True),
-    "cp2pp2": ((Replica(ParallelConfig(1, 2, 2), (0, 1, 2, 3)),), False),
+    "cp2": ((Replica(ParallelConfig(1, 1, 2), (0, 1)), Replica(ParallelConfig(1, 1, 2), (3, 2))), False, False),
+    "cp4": ((Replica(ParallelConfig(1, 1, 4), (2, 0, 3, 1)),), False, False),
+    "tp2cp2": ((Replica(ParallelConfig(2, 1, 2), (0, 1, 2, 3)),), False, False),
+    "tp2cp2-sp": ((Replica(ParallelConfig(2, 1, 2), (3, 1, 0, 2)),), True, False),
+    "cp2pp2": ((Replica(ParallelConfig(1, 2, 2), (0, 1, 2, 3)),), False, False),
+    # activation recompute reruns the K/V all-gather in backward, on every CP rank alike
+    "cp2pp2-recompute": ((Replica(ParallelConfig(1, 2, 2), (1, 3, 0, 2)),), False, True),
 }
 
 
@@ -35,10 +37,10 @@ def run_scenarios(rank: int, world: int, spec: ModelSpec, state: dict, docs: lis
     """One step of every scenario: this rank's loss share and its stage's full gradients (summed over CP)."""
     out = {}
     total = count_targets([len(d) for d in docs])
-    for scenario, (replicas, sp) in SCENARIOS.items():
+    for scenario, (replicas, sp, recompute) in SCENARIOS.items():
         groups = build_replica_groups(replicas, sp, TIMEOUT)
         config = groups.config
-        model = StageModel(spec, groups.tp, groups.stage, config.pp, cp=groups.cp)
+        model = StageModel(spec, groups.tp, groups.stage, config.pp, recompute=recompute, cp=groups.cp)
         model.load_full_state_dict(state)
         pad = config.tp if sp else 1
         packed = [pack_cp_shard([docs[i] for i in mb], config.cp, groups.cp.rank, pad) for mb in micro_batches]

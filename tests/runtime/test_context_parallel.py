@@ -5,7 +5,8 @@ zigzag chunks over the CP ranks, with short ones that stay whole (a one-token
 document too). Weights are random and scaled so that attention is far from
 uniform (a wrong causal mask or a wrong position would show). cp2 (two
 replicas, one on a permuted rank list), cp4 (permuted), tp2 x cp2 (with and
-without sequence parallelism) and cp2 x pp2 each train one step.
+without sequence parallelism) and cp2 x pp2 (also with recompute) each
+train one step.
 """
 
 from __future__ import annotations
