@@ -21,10 +21,6 @@ def feasible(lengths: list[int], cp: int) -> bool:
 @settings(max_examples=300, deadline=None)
 @given(micro_batches, degrees)
 def test_every_token_exactly_once_and_bound_holds(lengths, cp):
-    if not feasible(lengths, cp):
-        with pytest.raises(HydraulisError, match=f"cp={cp}"):
-            split_for_cp(lengths, cp)
-        return
     s = split_for_cp(lengths, cp)
     for d, n in enumerate(lengths):
         mine = s.doc == d
@@ -36,7 +32,8 @@ def test_every_token_exactly_once_and_bound_holds(lengths, cp):
     tokens = s.rank_tokens()
     assert tokens.sum() == sum(lengths)
     assert tokens.max() <= max_rank_tokens(sum(lengths), cp)
-    assert tokens.min() > 0
+    # Only a micro-batch of fewer than cp documents, all shorter than 2cp, leaves a rank empty.
+    assert tokens.min() > 0 or not feasible(lengths, cp)
     # The segments of one rank, in its order, hold its tokens.
     assert sum(int((c - b).sum()) for _, b, c in (s.segments(r) for r in range(cp))) == sum(lengths)
 
@@ -44,8 +41,6 @@ def test_every_token_exactly_once_and_bound_holds(lengths, cp):
 @settings(max_examples=300, deadline=None)
 @given(micro_batches, degrees)
 def test_short_documents_stay_whole_and_split_ones_zigzag(lengths, cp):
-    if not feasible(lengths, cp):
-        return
     s = split_for_cp(lengths, cp)
     lengths_arr = np.asarray(lengths)
     assert not s.split[lengths_arr < 2 * cp].any()
@@ -100,6 +95,11 @@ def test_balanced_whole_documents_are_not_split():
     assert sorted(s.rank.tolist()) == [0, 1, 2, 3]
 
 
+def test_tiny_micro_batch_leaves_ranks_empty_rather_than_fail():
+    s = split_for_cp([3, 1], 4)
+    assert not s.split.any() and sorted(s.rank_tokens().tolist()) == [0, 0, 1, 3]
+
+
 def test_cp1_keeps_everything_on_one_rank():
     s = split_for_cp([5, 9], 1)
     assert not s.split.any() and s.rank_tokens().tolist() == [14]
@@ -114,8 +114,6 @@ def test_zigzag_chunks_give_extras_in_order():
 @pytest.mark.parametrize(
     ("lengths", "cp", "message"),
     [
-        ([3], 2, r"leaves CP rank 1 of cp=2 without tokens"),
-        ([1, 2, 1], 4, r"cp=4 needs at least 4 documents or one of at least 8 tokens"),
         ([], 2, r"at least one document"),
         ([4, 0], 2, r"document 1 is empty"),
         ([4], 0, r"cp=0"),

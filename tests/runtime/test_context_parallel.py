@@ -2,8 +2,9 @@
 
 Each micro-batch mixes one long document, which `split_for_cp` cuts into
 zigzag chunks over the CP ranks, with short ones that stay whole (a one-token
-document too). Weights are random and scaled so that attention is far from
-uniform (a wrong causal mask or a wrong position would show). cp2 (two
+document too); one more is too small to give every CP rank a token, so some
+run on zero tokens. Weights are random and scaled so that attention is far
+from uniform (a wrong causal mask or a wrong position would show). cp2 (two
 replicas, one on a permuted rank list), cp4 (permuted), tp2 x cp2 (with and
 without sequence parallelism) and cp2 x pp2 (also with recompute) each
 train one step.
@@ -31,8 +32,8 @@ from hydraulis.specs import MODELS
 
 RTOL = 1e-5
 SPEC = MODELS["tiny"]  # 4 heads, 2 KV heads (GQA)
-LENGTHS = (61, 5, 3, 9, 40, 7, 1, 12)
-MICRO_BATCHES = ((0, 1, 2), (3, 4, 5, 6), (7,))
+LENGTHS = (61, 5, 3, 9, 40, 7, 1, 12, 3)
+MICRO_BATCHES = ((0, 1, 2), (3, 4, 5, 6), (7,), (8,))
 
 
 @functools.cache
@@ -103,6 +104,8 @@ def test_micro_batches_mix_split_and_whole_documents():
         for mb in MICRO_BATCHES[:2]:
             split = split_for_cp([LENGTHS[i] for i in mb], cp).split
             assert split.any() and not split.all(), (cp, mb)
+        # the last micro-batch, one document of 3 tokens, leaves CP ranks without tokens
+        assert (split_for_cp([LENGTHS[i] for i in MICRO_BATCHES[-1]], cp).rank_tokens() == 0).any()
 
 
 def check(results, scenario: str, ref_loss: float, ref_grads: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -180,8 +183,8 @@ def test_shards_cover_the_micro_batch_once_with_its_targets():
 
 
 def test_bad_cp_input_is_one_line():
-    with pytest.raises(HydraulisError, match=r"leaves CP rank 1 of cp=2 without tokens") as info:
-        pack_cp_shard([torch.arange(3)], 2, 0)
+    with pytest.raises(HydraulisError, match=r"CP rank 2 is outside 0\.\.1") as info:
+        pack_cp_shard([torch.arange(9)], 2, 2)
     assert "\n" not in str(info.value)
     with pytest.raises(HydraulisError, match=r"tp2pp1cp2 needs 4 ranks, got 3"):
         check_replica(ParallelConfig(2, 1, 2), (0, 1, 2), 4)

@@ -136,6 +136,6 @@ def pack_cp_shard(
         targets=targets,
         positions=positions,
         cu_seqlens=torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32),
-        max_seqlen=int(lens.max()),
+        max_seqlen=int(lens.max()) if len(lens) else 0,
         context=shard,
     )

@@ -87,24 +87,21 @@ class ContextShard:
 def shard_layout(lengths: np.ndarray, cp: int, cp_rank: int) -> tuple[np.ndarray, np.ndarray, ContextShard]:
     """This rank's rows of the packed micro-batch, its segment lengths, and its attention plan."""
     split = split_for_cp(lengths, cp)
+    doc, start, stop = split.segments(cp_rank)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    per_rank = [split.segments(r) for r in range(cp)]
-
-    def split_rows(r: int) -> np.ndarray:
-        """Micro-batch rows of rank r's split-document tokens, in its local order."""
-        doc, start, stop = per_rank[r]
-        keep = split.split[doc]
-        return _ranges(offsets[doc[keep]] + start[keep], offsets[doc[keep]] + stop[keep])
-
-    doc, start, stop = per_rank[cp_rank]
+    # micro-batch rows of each rank's split-document tokens, in that rank's local order
+    split_rows = []
+    for r in range(cp):
+        d, a, b = split.segments(r)
+        keep = split.split[d]
+        split_rows.append(_ranges(offsets[d[keep]] + a[keep], offsets[d[keep]] + b[keep]))
     rows = _ranges(offsets[doc] + start, offsets[doc] + stop)
     lens = stop - start
     local_start = np.concatenate([[0], np.cumsum(lens)])[:-1]
-    pad = max(len(split_rows(r)) for r in range(cp))
+    pad = max(len(r) for r in split_rows)
     # gathered position of every micro-batch row that takes part in the gather (CP-rank-major blocks of pad)
     where = np.full(int(offsets[-1]), -1, dtype=np.int64)
-    for r in range(cp):
-        mine = split_rows(r)
+    for r, mine in enumerate(split_rows):
         where[mine] = r * pad + np.arange(len(mine))
     whole, queries, keys = [], [], []
     for d in np.flatnonzero(split.split):
@@ -200,6 +197,8 @@ def context_attention(
             )
             pieces.append(out.transpose(0, 1))
             rows.append(query_rows)
+    if not pieces:  # a CP rank without tokens in this micro-batch (it has no split documents either)
+        return torch.empty_like(q)
     order = torch.cat(rows)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(len(order), device=order.device)

@@ -127,14 +127,15 @@ class Attention(nn.Module):
             k = F.linear(x, self.wk.weight[self.kv_rows])
             v = F.linear(x, self.wv.weight[self.kv_rows])
         q = self.wq(x).view(tokens, self.local_heads, self.head_dim)
-        k = k.view(tokens, -1, self.head_dim)
-        v = v.view(tokens, -1, self.head_dim)
+        # explicit head counts, not -1: a CP rank may hold no tokens of a tiny micro-batch
+        k = k.view(tokens, k.shape[-1] // self.head_dim, self.head_dim)
+        v = v.view(tokens, v.shape[-1] // self.head_dim, self.head_dim)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if batch.context is not None:
             out = context_attention(q, k, v, batch.positions, batch.context, self.cp)
         else:
             out = packed_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen)
-        return self.wo(out.reshape(tokens, -1))
+        return self.wo(out.reshape(tokens, self.local_heads * self.head_dim))
 
 
 class _ReplicatedLinear(nn.Module):
