@@ -57,14 +57,14 @@ def run_scenarios(rank: int, world: int, spec: ModelSpec, state: dict, docs: lis
     return out
 
 
-# ------------------------------------------------------------ training: a pool of 1x(tp1,pp1,cp4)
+# ------------------------------------------------------------ training: a pool with cp4 and cp2 deployments
 
 CP_TRAIN_STEPS = 4
 LONG_DOC = 512  # 4x the tp1pp1 cap of the profile below: only the cp4 replica can hold it
 
 
 def cp_train_cost():
-    """tiny's measured CPU profile with a cp4 row and memory for 128 tokens on tp1pp1 (so 512 on cp4)."""
+    """tiny's measured CPU profile with cp rows and memory for 128 tokens on tp1pp1 (so 512 on cp4)."""
     from importlib import resources
 
     from hydraulis.cost.profiled import ProfiledCostModel
@@ -77,7 +77,7 @@ def cp_train_cost():
         + mem.bytes_per_token(g, base.model, False) * (LONG_DOC // 4 + 0.5)
     )
     row = next(r for r in data["time_ms"] if (r["tp"], r["pp"]) == (1, 1))
-    data["time_ms"].append({**row, "cp": 4})
+    data["time_ms"] += [{**row, "cp": 4}, {**row, "cp": 2}]
     return ProfiledCostModel.from_dict(data)
 
 
@@ -96,7 +96,8 @@ def cp_train_settings() -> TrainSettings:
     cluster = ClusterSpec(4, gpus_per_node=4)
     return TrainSettings(
         model=spec,
-        pool=(Deployment.parse("1x(tp1,pp1,cp4)", cluster),),
+        # cp4 alone holds the long document; batches without it may take cp2 next to two tp1pp1 replicas
+        pool=tuple(Deployment.parse(t, cluster) for t in ("1x(tp1,pp1,cp4)", "1x(tp1,pp1,cp2) + 2x(tp1,pp1)")),
         cost=cp_train_cost(),
         optim=OptimSettings(lr=1e-3, warmup=1, schedule="cosine", adamw=AdamW(eps=1e-6, grad_clip=0.5)),
         steps=CP_TRAIN_STEPS,

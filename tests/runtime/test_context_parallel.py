@@ -186,17 +186,22 @@ def test_bad_cp_input_is_one_line():
     with pytest.raises(HydraulisError, match=r"CP rank 2 is outside 0\.\.1") as info:
         pack_cp_shard([torch.arange(9)], 2, 2)
     assert "\n" not in str(info.value)
+    model = StageModel(SPEC)  # no CP group
+    model.load_full_state_dict(weights())
+    batch = pack_cp_shard([documents()[0]], 2, 0)
+    with pytest.raises(HydraulisError, match=r"micro-batch was split for cp=2, the group has cp=1"):
+        model(batch.tokens, batch)
     with pytest.raises(HydraulisError, match=r"tp2pp1cp2 needs 4 ranks, got 3"):
         check_replica(ParallelConfig(2, 1, 2), (0, 1, 2), 4)
     assert np.isfinite(our_reference()[0])
 
 
-# ------------------------------------------------------------ training on a pool of 1x(tp1,pp1,cp4)
+# ------------------------------------------------------------ training: 1x(tp1,pp1,cp4) and cp2 + 2x(tp1,pp1)
 
 
 @pytest.mark.dist
-def test_cp4_training_matches_single_process():
-    """A document 4x the tp1pp1 cap, trained a few steps on cp4: the losses and weights of one process."""
+def test_cp_training_matches_single_process():
+    """A document 4x the tp1pp1 cap, trained a few steps with a cp pool: the losses and weights of one process."""
     from test_trainer import unflatten
     from train_workers import reference
 
@@ -208,9 +213,11 @@ def test_cp4_training_matches_single_process():
     results = run_workers(cp_workers.train_cp, 4, s, deadline_s=150)
     ref_losses, ref_params = reference(s, docs, cp_workers.cp_train_sampler(docs))
     got = [m["loss"] for m in results[0]["metrics"]]
-    print("cp4 training losses", got, "reference", ref_losses)
+    print("cp training losses", got, "reference", ref_losses, [m["deployment"] for m in results[0]["metrics"]])
     np.testing.assert_allclose(got, ref_losses, rtol=1e-5)
+    # both deployments ran, switching: the long document's batches on cp4, the others on cp2 + 2x tp1pp1
+    assert {m["deployment_index"] for m in results[0]["metrics"]} == {0, 1}
     params = unflatten(torch.cat([r["master"] for r in results]), ref_params)
     worst = max(rel_err(params[n], ref_params[n]) for n in ref_params)
-    print("cp4 training: worst parameter rel err", worst)
+    print("cp training: worst parameter rel err", worst)
     assert worst < 1e-5
