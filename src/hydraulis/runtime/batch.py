@@ -130,7 +130,7 @@ def pack_cp_shard(
         targets = torch.cat([targets, torch.full((pad,), IGNORE_INDEX, dtype=torch.int64)])
         positions = torch.cat([positions, torch.arange(pad, dtype=torch.int64)])
         lens = np.append(lens, pad)
-        shard = replace(shard, whole=(*shard.whole, (len(rows), len(rows) + pad)))
+        shard = replace(shard, segments=(*shard.segments, (len(rows), len(rows) + pad)), keys=(*shard.keys, None))
     return PackedBatch(
         tokens=tokens,
         targets=targets,

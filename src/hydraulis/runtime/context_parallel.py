@@ -7,9 +7,10 @@ Attention of a split document needs keys and values of the whole document:
 
 - forward: the K/V rows of this rank's split-document tokens are all-gathered
   over the CP group (padded to one size per rank, which gloo's tensor
-  collectives need); each rank attends with its local queries to the gathered
-  K/V of the same document, masked causally by GLOBAL positions within the
-  document (a query at position p sees keys 0..p);
+  collectives need); each chunk's queries attend to the gathered K/V of
+  their document up to the chunk's end, masked causally by GLOBAL positions
+  within the document (a query at position p sees keys 0..p), so a rank's
+  work is what the zigzag balances;
 - backward: the gathered K/V's gradient is reduce-scattered back, so each
   rank receives the sum of every rank's dK/dV for the rows it owns.
 
@@ -55,33 +56,29 @@ class ContextParallel:
 
 @dataclass(frozen=True)
 class ContextShard:
-    """What one CP rank needs to attend over its group, for one micro-batch (index tensors, 1-D int64).
+    """What one CP rank needs to attend over its group, for one micro-batch.
 
-    The rank's tokens are `rows` of the micro-batch in local order; its split
-    tokens (`gather_rows`, local rows) go to the K/V all-gather, `pad` rows per
-    rank. For each split document: the local rows of its queries and, for each
-    global position 0..s-1, the row of the gathered K/V (CP-rank-major) holding it.
+    The rank's tokens are local segments in order: whole documents and chunks
+    of split ones (and a padding segment under SP). Its split tokens
+    (`gather_rows`, local rows) go to the K/V all-gather, `pad` rows per rank.
+    A chunk at global positions [a, b) of its document attends to positions
+    0..b-1 only: `keys` holds their rows of the gathered K/V (CP-rank-major),
+    so each rank computes (b - a) * b scores per chunk, which the zigzag balances.
     """
 
     cp: int
     pad: int
-    gather_rows: torch.Tensor
-    whole: tuple[tuple[int, int], ...]  # (start, end) local rows of documents held whole
-    split_queries: tuple[torch.Tensor, ...]
-    split_keys: tuple[torch.Tensor, ...]
+    gather_rows: torch.Tensor  # (split tokens,) int64
+    segments: tuple[tuple[int, int], ...]  # (start, end) local rows
+    keys: tuple[torch.Tensor | None, ...]  # per segment: gathered rows of its keys, None for a whole document
+
+    @property
+    def has_split(self) -> bool:
+        return any(k is not None for k in self.keys)
 
     def to(self, device: torch.device | str) -> ContextShard:
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=True)
-
-        return ContextShard(
-            self.cp,
-            self.pad,
-            move(self.gather_rows),
-            self.whole,
-            tuple(move(t) for t in self.split_queries),
-            tuple(move(t) for t in self.split_keys),
-        )
+        keys = tuple(None if k is None else k.to(device, non_blocking=True) for k in self.keys)
+        return ContextShard(self.cp, self.pad, self.gather_rows.to(device, non_blocking=True), self.segments, keys)
 
 
 def shard_layout(lengths: np.ndarray, cp: int, cp_rank: int) -> tuple[np.ndarray, np.ndarray, ContextShard]:
@@ -103,16 +100,13 @@ def shard_layout(lengths: np.ndarray, cp: int, cp_rank: int) -> tuple[np.ndarray
     where = np.full(int(offsets[-1]), -1, dtype=np.int64)
     for r, mine in enumerate(split_rows):
         where[mine] = r * pad + np.arange(len(mine))
-    whole, queries, keys = [], [], []
-    for d in np.flatnonzero(split.split):
-        here = doc == d
-        queries.append(torch.from_numpy(_ranges(local_start[here], local_start[here] + lens[here])))
-        keys.append(torch.from_numpy(where[offsets[d] : offsets[d + 1]].copy()))
-    for i in np.flatnonzero(~split.split[doc]):
-        whole.append((int(local_start[i]), int(local_start[i] + lens[i])))
+    segments = tuple(zip(local_start.tolist(), (local_start + lens).tolist(), strict=True))
+    keys = tuple(
+        torch.from_numpy(where[offsets[d] : offsets[d] + b].copy()) if split.split[d] else None
+        for d, b in zip(doc.tolist(), stop.tolist(), strict=True)
+    )
     gather_rows = np.flatnonzero(split.split[doc].repeat(lens))
-    shard = ContextShard(cp, pad, torch.from_numpy(gather_rows), tuple(whole), tuple(queries), tuple(keys))
-    return rows, lens, shard
+    return rows, lens, ContextShard(cp, pad, torch.from_numpy(gather_rows), segments, keys)
 
 
 def _ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
@@ -169,37 +163,31 @@ def context_attention(
 ) -> torch.Tensor:
     """Causal attention of this rank's queries (T, Hq, D) within their documents, over the CP group.
 
-    Whole documents: causal SDPA on their local rows. Split documents: local
-    queries against the whole document's gathered K/V, masked by global position.
+    Whole documents: causal SDPA on their local rows. A chunk of a split
+    document: its queries against the gathered K/V of its document's positions
+    up to the chunk's end, masked by global position.
     """
     if shard.cp != cp.size:
         raise HydraulisError(f"micro-batch was split for cp={shard.cp}, the group has cp={cp.size}")
     gqa = q.shape[1] != k.shape[1]
-    pieces, rows = [], []
-    for start, end in shard.whole:
-        out = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
-            is_causal=True, enable_gqa=gqa,
-        )
-        pieces.append(out.transpose(0, 1))
-        rows.append(torch.arange(start, end, device=q.device))
-    if shard.split_queries:
+    if shard.has_split:
         heads = k.shape[1]
-        kv = torch.cat([k, v], dim=1)[shard.gather_rows]
-        gathered = gather_kv(kv, shard.pad, cp)
+        gathered = gather_kv(torch.cat([k, v], dim=1)[shard.gather_rows], shard.pad, cp)
         k_all, v_all = gathered[:, :heads], gathered[:, heads:]
-        for query_rows, key_rows in zip(shard.split_queries, shard.split_keys, strict=True):
-            # global position of each query vs each key position 0..s-1 of the document
-            mask = positions[query_rows].unsqueeze(1) >= torch.arange(len(key_rows), device=q.device)
+    pieces = []
+    for (start, end), key_rows in zip(shard.segments, shard.keys, strict=True):
+        if key_rows is None:  # a whole document (or padding): causal within its local rows
             out = F.scaled_dot_product_attention(
-                q[query_rows].transpose(0, 1), k_all[key_rows].transpose(0, 1), v_all[key_rows].transpose(0, 1),
+                q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
+                is_causal=True, enable_gqa=gqa,
+            )
+        else:  # a chunk at global positions [a, b): keys 0..b-1, causal by global position
+            mask = positions[start:end].unsqueeze(1) >= torch.arange(len(key_rows), device=q.device)
+            out = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), k_all[key_rows].transpose(0, 1), v_all[key_rows].transpose(0, 1),
                 attn_mask=mask, enable_gqa=gqa,
             )
-            pieces.append(out.transpose(0, 1))
-            rows.append(query_rows)
+        pieces.append(out.transpose(0, 1))
     if not pieces:  # a CP rank without tokens in this micro-batch (it has no split documents either)
         return torch.empty_like(q)
-    order = torch.cat(rows)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(len(order), device=order.device)
-    return torch.cat(pieces)[inverse]
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
