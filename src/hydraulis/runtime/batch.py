@@ -118,12 +118,12 @@ def pack_cp_shard(
     """CP rank `cp_rank`'s share of one micro-batch (see the module docstring); cp = 1 is `pack_documents`."""
     if cp == 1:
         return pack_documents(documents, pad_to_multiple)
+    if pad_to_multiple < 1:
+        raise HydraulisError(f"pad_to_multiple must be positive, got {pad_to_multiple}")
     full = pack_documents(documents)
     rows, lens, shard = shard_layout(np.asarray(full.seqlens, dtype=np.int64), cp, cp_rank)
     index = torch.from_numpy(rows)
     tokens, targets, positions = full.tokens[index], full.targets[index], full.positions[index]
-    if pad_to_multiple < 1:
-        raise HydraulisError(f"pad_to_multiple must be positive, got {pad_to_multiple}")
     pad = -len(rows) % pad_to_multiple
     if pad:  # a padding segment, whole on this rank: it attends only to itself and has no targets
         tokens = torch.cat([tokens, torch.zeros(pad, dtype=torch.int64)])
