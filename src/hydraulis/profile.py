@@ -8,7 +8,7 @@ the `hydraulis.profile/1` data (`ProfiledCostModel.from_dict` reads it).
 
 What is timed, and why:
 
-- Each config as N / (tp*pp) replicas at once (the config's size must
+- Each config as N / (tp*pp*cp) replicas at once (the config's size must
   divide N): a training deployment keeps every rank busy, and on a CPU the
   ranks share cores and memory bandwidth, so one replica alone would look
   faster than training ever runs. Configs take turns by rounds (warm-up,
@@ -35,6 +35,10 @@ What is timed, and why:
 - The sweep varies sum(s) and sum(s^2) independently: at each total T,
   k documents of T/k tokens (one long document down to many short ones)
   and one mixed micro-batch (T/2 plus four of T/8).
+- With cp > 1 each CP rank runs its share of the micro-batch
+  (`pack_cp_shard`: long documents split in zigzag chunks, K/V gathered over
+  the CP group), as training does; its activation bytes per token count its
+  own tokens, which is what the memory model divides by cp.
 
 Memory: on GPUs `torch.cuda.max_memory_allocated` over one forward and
 backward, minus what was allocated before it (static: parameters,
@@ -74,7 +78,7 @@ from hydraulis.cost.profiled import PROFILE_SCHEMA
 from hydraulis.cost.sweep import ProfileSettings, check_configs, parse_configs, sweep
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig, Replica
-from hydraulis.runtime.batch import PackedBatch, pack_documents
+from hydraulis.runtime.batch import PackedBatch, pack_cp_shard
 from hydraulis.runtime.groups import ReplicaGroups, build_replica_groups
 from hydraulis.runtime.launch import DistEnv, init_distributed, spawn
 from hydraulis.runtime.model import StageModel
@@ -217,13 +221,14 @@ class _ConfigRun:
         self,
         spec: ModelSpec,
         groups: ReplicaGroups,
-        batches: Sequence[PackedBatch],
+        documents: Sequence[Sequence[torch.Tensor]],
         settings: ProfileSettings,
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
         self.groups, self.settings = groups, settings
-        self.model = StageModel(spec, groups.tp, groups.stage, groups.config.pp, dtype, device)
+        batches = [pack_cp_shard(docs, groups.cp.size, groups.cp.rank) for docs in documents]
+        self.model = StageModel(spec, groups.tp, groups.stage, groups.config.pp, dtype, device, cp=groups.cp)
         self.run = _StageRunner(self.model, groups, batches, settings.seed)
         self.clock = _Clock(device)
         self.count = len(batches)
@@ -262,6 +267,8 @@ class _ConfigRun:
             "config": self.groups.config.name,
             "stage": self.groups.stage,
             "tp_rank": self.groups.tp.rank,
+            "cp_rank": self.groups.cp.rank,
+            "tokens": [b.num_tokens for b in self.run.batches],
             "times_s": self.times,
             "activation_bytes": self.activation,
             "static_bytes": int(self.static),
@@ -344,10 +351,7 @@ def measure(
     dtype = DTYPES[settings.dtype_for(env.device.type)]
     context = _context_bytes(env.device)
     g = torch.Generator().manual_seed(settings.seed)
-    batches = [
-        pack_documents([torch.randint(0, spec.vocab, (s,), generator=g) for s in lengths])
-        for lengths in sweep(settings)
-    ]
+    documents = [[torch.randint(0, spec.vocab, (s,), generator=g) for s in lengths] for lengths in sweep(settings)]
     groups: dict[ParallelConfig, ReplicaGroups | None] = {}
     for config in configs:  # new_group is a collective of the whole job: every rank, same order
         n = config.num_gpus
@@ -365,7 +369,7 @@ def measure(
         mine = groups[config]
         if mine is not None:
             if config not in runs:
-                runs[config] = _ConfigRun(spec, mine, batches, settings, env.device, dtype)
+                runs[config] = _ConfigRun(spec, mine, documents, settings, env.device, dtype)
             run = runs[config]
             for i in range(run.count):
                 if r == 0:
@@ -418,9 +422,10 @@ def _point_times(config: ParallelConfig, ranks: Sequence[dict[str, Any]], world:
     replica_times, replica_stages = [], []
     for j in range(world // n):
         stages = []
+        size = config.tp * config.cp  # ranks of one stage
         for s in range(config.pp):
-            members = range(j * n + s * config.tp, j * n + (s + 1) * config.tp)
-            stages.append(np.max([per_rank[m] for m in members], axis=0))  # slowest TP rank, per repeat
+            members = range(j * n + s * size, j * n + (s + 1) * size)
+            stages.append(np.max([per_rank[m] for m in members], axis=0))  # slowest TP (and CP) rank, per repeat
         stages_arr = np.stack(stages)  # [stage, point, repeat]
         replica_times.append(np.median(stages_arr.max(axis=0), axis=1))
         replica_stages.append(np.median(stages_arr, axis=2))
@@ -474,6 +479,7 @@ def build_profile(
             {
                 "tp": config.tp,
                 "pp": config.pp,
+                **({"cp": config.cp} if config.cp > 1 else {}),
                 "a": co.a * 1e3,
                 "b": co.b * 1e3,
                 "c": co.c * 1e3,
@@ -486,7 +492,9 @@ def build_profile(
         rows = [r["configs"][config.name] for r in ranks]
         per_stage = [0.0] * config.pp
         for row in rows:
-            per_token = max(b / sum(p) for b, p in zip(row["activation_bytes"], points, strict=True))
+            # per token the rank holds (its CP share), as the memory model's per-token bytes / cp assumes
+            held_tokens = row.get("tokens") or [sum(p) for p in points]
+            per_token = max(b / t for b, t in zip(row["activation_bytes"], held_tokens, strict=True))
             per_stage[row["stage"]] = max(per_stage[row["stage"]], per_token)
             state_per_param = max(state_per_param, row["static_bytes"] / max(1, row["params"]))
         # 1F1B: stage s holds pp - s micro-batches at its peak; the memory model's factor covers all L layers.

@@ -177,3 +177,30 @@ def test_cpu_memory_counts_saved_activations_once_and_no_parameters():
         y = (h * h).sum()  # saves h, twice as the same storage: counted once
     y.backward()
     assert saved.total == x.numel() * 4 + h.numel() * 4
+
+
+@pytest.mark.dist
+def test_profiler_measures_context_parallel_configs():
+    """cp2 runs each CP rank's share (fewer tokens per rank) and becomes a cp row the cost model reads."""
+    import cp_workers
+    from dist_launcher import run_workers
+
+    from hydraulis.profile import describe_device
+
+    spec = get_model("tiny")
+    configs = [ParallelConfig(1, 1), ParallelConfig(1, 1, 2)]
+    settings = ProfileSettings(totals=(64, 128), min_doc=32, repeats=2, warmup=1, collective_bytes=(1024, 4096),
+                               collective_repeats=1)
+    ranks = run_workers(cp_workers.measure_configs, 2, configs, settings, deadline_s=120)
+    points = sweep(settings)
+    for r in ranks:
+        cp = r["configs"]["tp1pp1cp2"]
+        assert cp["cp_rank"] == r["rank"]
+        assert all(t <= -(-sum(p) // 2) + 4 for t, p in zip(cp["tokens"], points, strict=True))
+        assert r["configs"]["tp1pp1"]["tokens"] == [sum(p) for p in points]
+    assert sum(r["configs"]["tp1pp1cp2"]["tokens"][-1] for r in ranks) == sum(points[-1])
+    data = build_profile(spec, configs, settings, ranks, describe_device("cpu", 2, "fp32", 1))
+    assert [row.get("cp", 1) for row in data["time_ms"]] == [1, 2]
+    cost = ProfiledCostModel.from_dict(data)
+    assert set(cost.configs) == set(configs)
+    assert cost.cap(ParallelConfig(1, 1, 2), 2) > cost.cap(ParallelConfig(1, 1), 2)

@@ -107,11 +107,13 @@ def train(rank: int, world: int, s: TrainSettings, plans: list[IterationPlan]) -
     }
 
 
-def reference(s: TrainSettings) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(
+    s: TrainSettings, docs: list[np.ndarray] | None = None, smp: TokenBudgetSampler | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the full model, one document at a time, torch.optim.AdamW and clip_grad_norm_."""
     spec = s.model
-    docs = corpus(spec.vocab)
-    smp = sampler(docs)
+    docs = corpus(spec.vocab) if docs is None else docs
+    smp = sampler(docs) if smp is None else smp
     model = StageModel(spec)
     model.load_full_state_dict(ModelLayout(spec, 1).full_state_dict(s.seed))
     decay = [p for p in model.parameters() if p.dim() >= 2]

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hydraulis.context import max_rank_tokens
 from hydraulis.errors import HydraulisError
 from hydraulis.limits import MAX_GPUS
 from hydraulis.parallel import ParallelConfig
@@ -54,13 +55,6 @@ def kv_shard_dim(model: ModelSpec, tp: int) -> int:
     return model.kv_heads * model.head_dim // min(tp, model.kv_heads)
 
 
-def rank_tokens(tokens: int | np.ndarray, cp: int) -> int | np.ndarray:
-    """Most tokens one rank holds of a micro-batch of `tokens` (the runtime's split guarantees it)."""
-    if cp == 1:
-        return tokens
-    return -(-np.asarray(tokens) // cp) + 2 * cp
-
-
 def kv_exchange_bytes(model: ModelSpec, config: ParallelConfig) -> float:
     """Bytes one rank moves per token of a micro-batch, one stage, forward plus backward, for CP.
 
@@ -84,11 +78,19 @@ def kv_exchange(model: ModelSpec, device: DeviceSpec, config: ParallelConfig) ->
     return kv_exchange_bytes(model, config) / bandwidth, collectives * (config.cp - 1) * device.p2p_latency_s
 
 
-def kv_buffer_bytes(model: ModelSpec, config: ParallelConfig) -> float:
-    """Transient bytes per token of a micro-batch under CP: one layer's gathered K/V and their gradients."""
+def kv_buffer_bytes(model: ModelSpec, config: ParallelConfig, recompute: bool = False) -> float:
+    """Bytes per token of a micro-batch that CP adds on a rank, beyond its share of the activations.
+
+    Each chunk of a split document attends to the gathered keys and values up to its end, and
+    attention keeps that copy for backward: about (1 + 1 / 2cp) x the document's K/V per layer, for
+    every layer in flight (L under 1F1B, one under full recompute). On top, one layer's gathered K/V
+    and their gradients are live while it runs.
+    """
     if config.cp == 1:
         return 0.0
-    return 2 * 2 * kv_shard_dim(model, config.tp) * KV_BYTES * (config.cp - 1) / config.cp
+    per_layer = 2 * kv_shard_dim(model, config.tp) * KV_BYTES
+    kept_layers = 1 if recompute else model.layers
+    return kept_layers * per_layer * (1 + 1 / (2 * config.cp)) + 2 * per_layer
 
 
 def cp_configs(base: Sequence[ParallelConfig], max_gpus: int = MAX_GPUS) -> list[ParallelConfig]:
@@ -203,14 +205,15 @@ class MemoryModel:
         self, config: ParallelConfig, model: ModelSpec, tokens: int, recompute: bool = False
     ) -> float:
         """Activation bytes on the fullest rank for a micro-batch of `tokens` (CP: its share plus K/V buffers)."""
-        held = rank_tokens(tokens, config.cp)
-        return float(held) * self.bytes_per_token(config, model, recompute) + tokens * kv_buffer_bytes(model, config)
+        held = max_rank_tokens(tokens, config.cp)
+        per_token = self.bytes_per_token(config, model, recompute)
+        return float(held) * per_token + tokens * kv_buffer_bytes(model, config, recompute)
 
     def cap(self, config: ParallelConfig, model: ModelSpec, num_gpus: int, recompute: bool = False) -> int:
         """Most tokens (a multiple of 128) whose activation_bytes fit in free_bytes.
 
         Under CP a rank holds at most ceil(T/cp) + 2*cp tokens of a micro-batch of T, so the cap is about
-        cp * (per-rank cap - 2*cp), less the transient K/V buffers.
+        cp * (per-rank cap - 2*cp), less the K/V that attention keeps (`kv_buffer_bytes`).
         """
         free = self.free_bytes(config, model, num_gpus)
         if free <= 0:
@@ -221,7 +224,7 @@ class MemoryModel:
             tokens = int(free / per_token)
         else:
             # T/cp + 2cp + T*buffer/per_token <= free/per_token, then down past the ceiling's rounding.
-            share = 1 / cp + kv_buffer_bytes(model, config) / per_token
+            share = 1 / cp + kv_buffer_bytes(model, config, recompute) / per_token
             tokens = max(0, int((free / per_token - 2 * cp) / share))
             while tokens > 0 and self.activation_bytes(config, model, tokens, recompute) > free:
                 tokens -= 1

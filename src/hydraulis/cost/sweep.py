@@ -97,8 +97,6 @@ def check_configs(spec: ModelSpec, configs: Sequence[ParallelConfig], nproc: int
         if config in seen:
             raise HydraulisError(f"{config.name} is given twice")
         seen.add(config)
-        if config.cp != 1:
-            raise HydraulisError(f"{config.name}: the runtime does not support context parallelism yet")
         config.validate(spec)
     world = max(c.num_gpus for c in configs) if nproc is None else nproc
     if world < 1:

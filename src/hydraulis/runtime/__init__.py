@@ -3,12 +3,14 @@
 One process per GPU (gloo on CPU). A replica is (ParallelConfig, global
 ranks); `build_replica_groups` makes its process groups, `StageModel` is the
 part of the model one rank holds, and `train_step` runs its micro-batches
-with 1F1B. See batch.py for how documents become model input, hf.py for
+with 1F1B. See batch.py for how documents become model input,
+context_parallel.py for micro-batches spread over CP ranks, hf.py for
 Hugging Face LLaMA configs and weights (transformers imported only when used).
 """
 
 from hydraulis.runtime.attention import attention_backend, packed_attention, per_document_attention
-from hydraulis.runtime.batch import IGNORE_INDEX, PackedBatch, count_targets, pack_documents
+from hydraulis.runtime.batch import IGNORE_INDEX, PackedBatch, count_targets, pack_cp_shard, pack_documents
+from hydraulis.runtime.context_parallel import ContextParallel
 from hydraulis.runtime.groups import ReplicaGroups, build_replica_groups, single_process_groups
 from hydraulis.runtime.hf import from_hf_state_dict, hf_config, hf_name, spec_from_hf_config, to_hf_state_dict
 from hydraulis.runtime.model import ParamLayout, StageModel, stage_layers
@@ -17,6 +19,7 @@ from hydraulis.runtime.tensor_parallel import ShardSpec, TensorParallel, vocab_p
 
 __all__ = [
     "IGNORE_INDEX",
+    "ContextParallel",
     "PackedBatch",
     "ParamLayout",
     "ReplicaGroups",
@@ -31,6 +34,7 @@ __all__ = [
     "hf_config",
     "hf_name",
     "micro_batch_loss",
+    "pack_cp_shard",
     "pack_documents",
     "packed_attention",
     "per_document_attention",

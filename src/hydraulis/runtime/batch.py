@@ -21,16 +21,24 @@ loss or gradient.
 The loss divides by the real targets of the WHOLE global batch
 (`count_targets` over all its documents), so any split into micro-batches and
 replicas gives the gradient of one device.
+
+With context parallelism (`pack_cp_shard`) a CP rank holds only its tokens of
+the micro-batch (`hydraulis.context.split_for_cp`): targets and positions are
+built on the whole micro-batch first and then sliced, so a chunk's last
+token keeps the next chunk's first token as its target and RoPE sees global
+positions. `context` then tells attention which rows to gather.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from hydraulis.errors import HydraulisError
+from hydraulis.runtime.context_parallel import ContextShard, shard_layout
 
 IGNORE_INDEX = -100
 
@@ -44,6 +52,7 @@ class PackedBatch:
     positions: torch.Tensor  # (T,) int64, restarting at each document
     cu_seqlens: torch.Tensor  # (num_segments + 1,) int32, padding segment included
     max_seqlen: int
+    context: ContextShard | None = None  # this CP rank's attention plan; None without context parallelism
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +73,7 @@ class PackedBatch:
             positions=self.positions.to(device, non_blocking=True),
             cu_seqlens=self.cu_seqlens.to(device, non_blocking=True),
             max_seqlen=self.max_seqlen,
+            context=None if self.context is None else self.context.to(device),
         )
 
 
@@ -99,4 +109,33 @@ def pack_documents(documents: Sequence[Sequence[int] | torch.Tensor], pad_to_mul
         positions=torch.cat([torch.arange(s, dtype=torch.int64) for s in lengths]),
         cu_seqlens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
         max_seqlen=max(lengths),
+    )
+
+
+def pack_cp_shard(
+    documents: Sequence[Sequence[int] | torch.Tensor], cp: int, cp_rank: int, pad_to_multiple: int = 1
+) -> PackedBatch:
+    """CP rank `cp_rank`'s share of one micro-batch (see the module docstring); cp = 1 is `pack_documents`."""
+    if cp == 1:
+        return pack_documents(documents, pad_to_multiple)
+    if pad_to_multiple < 1:
+        raise HydraulisError(f"pad_to_multiple must be positive, got {pad_to_multiple}")
+    full = pack_documents(documents)
+    rows, lens, shard = shard_layout(np.asarray(full.seqlens, dtype=np.int64), cp, cp_rank)
+    index = torch.from_numpy(rows)
+    tokens, targets, positions = full.tokens[index], full.targets[index], full.positions[index]
+    pad = -len(rows) % pad_to_multiple
+    if pad:  # a padding segment, whole on this rank: it attends only to itself and has no targets
+        tokens = torch.cat([tokens, torch.zeros(pad, dtype=torch.int64)])
+        targets = torch.cat([targets, torch.full((pad,), IGNORE_INDEX, dtype=torch.int64)])
+        positions = torch.cat([positions, torch.arange(pad, dtype=torch.int64)])
+        lens = np.append(lens, pad)
+        shard = replace(shard, segments=(*shard.segments, (len(rows), len(rows) + pad)), keys=(*shard.keys, None))
+    return PackedBatch(
+        tokens=tokens,
+        targets=targets,
+        positions=positions,
+        cu_seqlens=torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32),
+        max_seqlen=int(lens.max()) if len(lens) else 0,
+        context=shard,
     )

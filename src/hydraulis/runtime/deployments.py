@@ -5,7 +5,7 @@ groups of EVERY deployment in the pool are built at start-up, on every rank,
 in pool order; `build_replica_groups` caches them by rank list, so
 deployments that share a replica share its groups. Each rank keeps one
 `StageModel` per role it can take (a deployment's replica config, stage and
-TP rank); only the active deployment's model holds parameter storage, and a
+TP and CP rank); only the active deployment's model holds parameter storage, and a
 switch frees the old one's and gathers the new one's from the optimizer's
 owners. Nothing of the optimizer moves.
 """
@@ -67,10 +67,12 @@ class Deployments:
             if groups is None:
                 raise HydraulisError(f"deployment {deployment} gives rank {rank} no replica")
             replica = next(i for i, r in enumerate(deployment.replicas) if rank in r.devices)
-            key = (groups.ranks, groups.config, groups.stage, groups.tp.rank)
+            key = (groups.ranks, groups.config, groups.stage, groups.tp.rank, groups.cp.rank)
             if key not in models:
                 g = groups.config
-                model = StageModel(spec, groups.tp, groups.stage, g.pp, dtype, device, recompute=g in recompute)
+                model = StageModel(
+                    spec, groups.tp, groups.stage, g.pp, dtype, device, recompute=g in recompute, cp=groups.cp
+                )
                 release(model)
                 models[key] = model
             exchange = optimizer.plan(deployment, sequence_parallel)

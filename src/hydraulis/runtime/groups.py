@@ -2,11 +2,14 @@
 
 A replica is (ParallelConfig, global ranks), exactly `parallel.Replica` with
 device ids read as global ranks (one process per GPU). Ranks are stage-major:
-stage s owns ranks[s * tp : (s + 1) * tp]; within a stage, TP ranks follow
-global rank order (torch numbers a group's members in sorted order). The
-ranks need not be contiguous or sorted, so several replicas with different
-configs can share one job (the next runtime issue runs a heterogeneous
-deployment this way).
+stage s owns ranks[s * tp * cp : (s + 1) * tp * cp]. Within a stage, local
+index i = cp_rank * tp + tp_rank: TP groups are contiguous
+(stage[c * tp : (c + 1) * tp] is CP rank c's TP group), CP groups strided
+(one rank of each TP group). Within a TP group, TP ranks follow global rank
+order (torch numbers a group's members in sorted order); a CP group's ranks
+keep CP-rank order, and `ContextParallel.blocks` maps them to torch's
+numbering. The ranks need not be contiguous or sorted, so several replicas
+with different configs can share one job.
 
 `torch.distributed.new_group` must be called by every rank of the job in the
 same order, so `build_replica_groups` takes the WHOLE deployment's replicas
@@ -26,6 +29,7 @@ import torch.distributed as dist
 
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig, Replica
+from hydraulis.runtime.context_parallel import ContextParallel
 from hydraulis.runtime.tensor_parallel import TensorParallel
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=60)
@@ -33,17 +37,18 @@ DEFAULT_TIMEOUT = datetime.timedelta(seconds=60)
 
 @dataclass(frozen=True)
 class ReplicaGroups:
-    """One rank's view of its replica: stage, TP group, pipeline neighbours."""
+    """One rank's view of its replica: stage, TP and CP groups, pipeline neighbours."""
 
     config: ParallelConfig
     ranks: tuple[int, ...]
     rank: int
     stage: int
     tp: TensorParallel
-    pp_group: dist.ProcessGroup | None  # same TP rank on every stage: the p2p lane
+    pp_group: dist.ProcessGroup | None  # same (CP, TP) rank on every stage: the p2p lane
     replica_group: dist.ProcessGroup | None  # all ranks of the replica
-    prev_rank: int | None  # global rank of the same TP rank on the previous stage
+    prev_rank: int | None  # global rank of the same (CP, TP) rank on the previous stage
     next_rank: int | None
+    cp: ContextParallel = ContextParallel()
 
     @property
     def is_first_stage(self) -> bool:
@@ -55,22 +60,36 @@ class ReplicaGroups:
 
     @property
     def stage_ranks(self) -> tuple[int, ...]:
-        return stage_ranks(self.config, self.ranks, self.stage)
+        return stage_ranks(self.config, self.ranks, self.stage, self.cp.rank)
 
 
-def stage_ranks(config: ParallelConfig, ranks: Sequence[int], stage: int) -> tuple[int, ...]:
-    """A stage's ranks in TP-rank order: sorted, because torch numbers a group's ranks in sorted order."""
-    return tuple(sorted(ranks[stage * config.tp : (stage + 1) * config.tp]))
+def stage_ranks(config: ParallelConfig, ranks: Sequence[int], stage: int, cp_rank: int = 0) -> tuple[int, ...]:
+    """One TP group of a stage (CP rank `cp_rank`'s) in TP-rank order: sorted, as torch numbers a group's ranks."""
+    first = (stage * config.cp + cp_rank) * config.tp
+    return tuple(sorted(ranks[first : first + config.tp]))
 
 
-def lane_ranks(config: ParallelConfig, ranks: Sequence[int], tp_rank: int) -> tuple[int, ...]:
-    """The ranks with one TP rank across all stages, in stage order: they pass activations to each other."""
-    return tuple(stage_ranks(config, ranks, s)[tp_rank] for s in range(config.pp))
+def cp_ranks(config: ParallelConfig, ranks: Sequence[int], stage: int, tp_rank: int) -> tuple[int, ...]:
+    """One CP group of a stage (TP rank `tp_rank`'s), in CP-rank order."""
+    return tuple(stage_ranks(config, ranks, stage, c)[tp_rank] for c in range(config.cp))
+
+
+def lane_ranks(config: ParallelConfig, ranks: Sequence[int], tp_rank: int, cp_rank: int = 0) -> tuple[int, ...]:
+    """The ranks with one (CP, TP) rank across all stages, in stage order: they pass activations to each other."""
+    return tuple(stage_ranks(config, ranks, s, cp_rank)[tp_rank] for s in range(config.pp))
+
+
+def rank_roles(config: ParallelConfig, ranks: Sequence[int]) -> dict[int, tuple[int, int, int]]:
+    """Every rank of a replica -> (stage, cp_rank, tp_rank), by the layout of the module docstring."""
+    return {
+        rank: (stage, c, t)
+        for stage in range(config.pp)
+        for c in range(config.cp)
+        for t, rank in enumerate(stage_ranks(config, ranks, stage, c))
+    }
 
 
 def check_replica(config: ParallelConfig, ranks: Sequence[int], world_size: int) -> None:
-    if config.cp != 1:
-        raise HydraulisError(f"{config.name}: context parallelism is not supported by the runtime yet")
     if len(ranks) != config.num_gpus:
         raise HydraulisError(f"replica {config.name} needs {config.num_gpus} ranks, got {len(ranks)}")
     if len(set(ranks)) != len(ranks):
@@ -120,24 +139,29 @@ def build_replica_groups(
     mine = None
     for replica in replicas:
         config, ranks = replica.config, tuple(replica.devices)
-        tp_groups = [_group(stage_ranks(config, ranks, s), timeout) for s in range(config.pp)]
-        lanes = [_group(lane_ranks(config, ranks, t), timeout) for t in range(config.tp)]
+        stages, cps, tps = range(config.pp), range(config.cp), range(config.tp)
+        tp_groups = {(s, c): _group(stage_ranks(config, ranks, s, c), timeout) for s in stages for c in cps}
+        cp_groups = {(s, t): _group(cp_ranks(config, ranks, s, t), timeout) for s in stages for t in tps}
+        lanes = {(c, t): _group(lane_ranks(config, ranks, t, c), timeout) for c in cps for t in tps}
         whole = _group(ranks, timeout)
         if me not in ranks:
             continue
-        stage = ranks.index(me) // config.tp
-        tp_rank = stage_ranks(config, ranks, stage).index(me)
-        lane = lane_ranks(config, ranks, tp_rank)
+        stage, cp_rank, tp_rank = rank_roles(config, ranks)[me]
+        lane = lane_ranks(config, ranks, tp_rank, cp_rank)
+        cp_members = cp_ranks(config, ranks, stage, tp_rank)
         mine = ReplicaGroups(
             config=config,
             ranks=ranks,
             rank=me,
             stage=stage,
-            tp=TensorParallel(config.tp, tp_rank, tp_groups[stage], sequence_parallel and config.tp > 1),
-            pp_group=lanes[tp_rank],
+            tp=TensorParallel(config.tp, tp_rank, tp_groups[stage, cp_rank], sequence_parallel and config.tp > 1),
+            pp_group=lanes[cp_rank, tp_rank],
             replica_group=whole,
             prev_rank=lane[stage - 1] if stage > 0 else None,
             next_rank=lane[stage + 1] if stage < config.pp - 1 else None,
+            cp=ContextParallel(
+                config.cp, cp_rank, cp_groups[stage, tp_rank], tuple(sorted(cp_members).index(r) for r in cp_members)
+            ),
         )
     return mine
 

@@ -27,6 +27,7 @@ from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig
 from hydraulis.runtime.attention import packed_attention
 from hydraulis.runtime.batch import PackedBatch
+from hydraulis.runtime.context_parallel import ContextParallel, context_attention
 from hydraulis.runtime.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -93,9 +94,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """GQA self-attention; query heads split over TP ranks, KV heads split or, if fewer than tp, replicated."""
 
-    def __init__(self, spec: ModelSpec, tp: TensorParallel, dtype=torch.float32, device=None):
+    def __init__(
+        self, spec: ModelSpec, tp: TensorParallel, dtype=torch.float32, device=None, cp: ContextParallel | None = None
+    ):
         super().__init__()
         self.tp = tp
+        self.cp = cp or ContextParallel()
         self.head_dim = spec.head_dim
         self.local_heads = tp.split(spec.heads, "attention heads")
         kv_dim = spec.kv_heads * spec.head_dim
@@ -123,11 +127,15 @@ class Attention(nn.Module):
             k = F.linear(x, self.wk.weight[self.kv_rows])
             v = F.linear(x, self.wv.weight[self.kv_rows])
         q = self.wq(x).view(tokens, self.local_heads, self.head_dim)
-        k = k.view(tokens, -1, self.head_dim)
-        v = v.view(tokens, -1, self.head_dim)
+        # explicit head counts, not -1: a CP rank may hold no tokens of a tiny micro-batch
+        k = k.view(tokens, k.shape[-1] // self.head_dim, self.head_dim)
+        v = v.view(tokens, v.shape[-1] // self.head_dim, self.head_dim)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = packed_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen)
-        return self.wo(out.reshape(tokens, -1))
+        if batch.context is not None:
+            out = context_attention(q, k, v, batch.positions, batch.context, self.cp)
+        else:
+            out = packed_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen)
+        return self.wo(out.reshape(tokens, self.local_heads * self.head_dim))
 
 
 class _ReplicatedLinear(nn.Module):
@@ -152,11 +160,13 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, spec: ModelSpec, tp: TensorParallel, dtype=torch.float32, device=None):
+    def __init__(
+        self, spec: ModelSpec, tp: TensorParallel, dtype=torch.float32, device=None, cp: ContextParallel | None = None
+    ):
         super().__init__()
         self.tp = tp
         self.attn_norm = RMSNorm(spec.hidden, tp.sequence_parallel, dtype, device)
-        self.attn = Attention(spec, tp, dtype, device)
+        self.attn = Attention(spec, tp, dtype, device, cp)
         self.ffn_norm = RMSNorm(spec.hidden, tp.sequence_parallel, dtype, device)
         self.ffn = FeedForward(spec, tp, dtype, device)
 
@@ -182,14 +192,17 @@ class StageModel(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         recompute: bool = False,
+        cp: ContextParallel | None = None,
     ):
         super().__init__()
         self.spec, self.tp, self.stage, self.num_stages = spec, tp, stage, num_stages
+        # Context parallelism: this rank holds only its CP rank's tokens; attention gathers K/V over the group.
+        self.cp = cp or ContextParallel()
         # Full activation recompute: keep only each block's input, run its forward again in backward.
         self.recompute = recompute
         self.layer_range = stage_layers(spec.layers, num_stages, stage)
         self.embedding = VocabParallelEmbedding(spec.vocab, spec.hidden, tp, dtype, device) if self.is_first else None
-        self.layers = nn.ModuleDict({str(i): Block(spec, tp, dtype, device) for i in self.layer_range})
+        self.layers = nn.ModuleDict({str(i): Block(spec, tp, dtype, device, self.cp) for i in self.layer_range})
         if self.is_last:
             self.norm = RMSNorm(spec.hidden, tp.sequence_parallel, dtype, device)
             self.output = ColumnParallelLinear(spec.hidden, spec.vocab, tp, dtype, device)
@@ -258,6 +271,9 @@ class StageModel(nn.Module):
             named[lp.name].copy_(lp.from_canonical(layout.init_range(*lp.gather, seed)))
 
     def _partial_params(self) -> list[nn.Parameter]:
+        """Parameters whose gradient on this rank is only a share: all of them under CP (each rank's tokens)."""
+        if self.cp.size > 1:
+            return list(self.parameters())
         if self.tp.size == 1:
             return []
         return [p for p in self.parameters() if get_shard(p).partial_grad]
@@ -271,7 +287,7 @@ class StageModel(nn.Module):
         return stashed
 
     def finish_grads(self, stashed: list[torch.Tensor | None] | None = None) -> None:
-        """Sum this step's partial gradients over the TP group, then add back what was stashed.
+        """Sum this step's partial gradients over the TP group (and all over the CP group), then add back the stash.
 
         Stashing keeps gradient accumulation over several steps exact: an
         earlier step's gradients, already summed, are not summed again.
@@ -280,12 +296,19 @@ class StageModel(nn.Module):
         if not params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        torch.distributed.all_reduce(flat, group=self.tp.group)
-        offset = 0
+        if self.tp.size > 1:
+            tp_partial = [i for i, p in enumerate(params) if get_shard(p).partial_grad]
+            if tp_partial:
+                flat = torch.cat([grads[i].reshape(-1) for i in tp_partial])
+                torch.distributed.all_reduce(flat, group=self.tp.group)
+                for i, part in zip(tp_partial, flat.split([params[i].numel() for i in tp_partial]), strict=True):
+                    grads[i] = part.view_as(params[i])
+        if self.cp.size > 1:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            torch.distributed.all_reduce(flat, group=self.cp.group)
+            grads = [part.view_as(p) for p, part in zip(params, flat.split([p.numel() for p in params]), strict=True)]
         for i, p in enumerate(params):
-            summed = flat[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
+            summed = grads[i]
             if stashed is not None and stashed[i] is not None:
                 summed = summed + stashed[i]
             p.grad = summed.clone()

@@ -8,7 +8,7 @@ runs. An iteration is
    its stage) from the owners, cast to the compute dtype;
 2. forward and backward of the rank's micro-batches (pipeline.py);
 3. `reduce`: every rank sends its gradients to their owners, which sum the
-   contributions of all replicas (the loss is already divided by the global
+   contributions of all replicas and of the CP ranks within one (the loss is already divided by the global
    batch's target tokens, so the sum is the gradient of the whole batch);
 4. `step`: global-norm clipping over the owned gradients (each element is
    owned once, so nothing is counted twice) and AdamW on the owned range.
@@ -33,18 +33,21 @@ import torch.distributed as dist
 from hydraulis.cost.model import TrainingState
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
-from hydraulis.runtime.groups import stage_ranks
+from hydraulis.runtime.groups import rank_roles
 from hydraulis.runtime.layout import LocalParam, ModelLayout, Role
 
 
 def deployment_roles(deployment: Deployment, sequence_parallel: bool = False) -> dict[int, Role]:
-    """Every global rank's role in a deployment (ranks are stage-major within a replica, as groups.py builds them)."""
+    """Every global rank's role in a deployment (ranks are stage-major within a replica, as groups.py builds them).
+
+    The CP ranks of a TP rank share its role: the same parameter shard, each
+    with the gradient of its own tokens, which the owners sum as they sum replicas.
+    """
     roles = {}
     for replica in deployment.replicas:
         config = replica.config
-        for stage in range(config.pp):
-            for tp_rank, rank in enumerate(stage_ranks(config, replica.devices, stage)):
-                roles[rank] = Role(config, stage, tp_rank, sequence_parallel and config.tp > 1)
+        for rank, (stage, _, tp_rank) in rank_roles(config, replica.devices).items():
+            roles[rank] = Role(config, stage, tp_rank, sequence_parallel and config.tp > 1)
     return roles
 
 

@@ -13,8 +13,12 @@ One `Trainer` per rank. Each `step`:
    the plan's micro-batches and runs them in 1F1B (a replica without
    micro-batches skips this and still takes part in everything else);
 4. reduces gradients into the owners, clips by the global norm and steps
-   AdamW; the loss (sum over all replicas / the batch's target tokens) rides
-   in the same all-reduce as the norm.
+   AdamW; the loss (sum over all replicas and CP ranks / the batch's target
+   tokens) rides in the same all-reduce as the norm.
+
+Under context parallelism each CP rank packs only its share of every
+micro-batch (`pack_cp_shard`); its loss and gradients cover its tokens, and
+the sums over CP ranks happen in the same reduce and all-reduce.
 
 The loss of a step is the mean over all real target tokens of the global
 batch, whatever the deployment, so runs on different deployments or world
@@ -40,7 +44,7 @@ from hydraulis.parallel import Deployment
 from hydraulis.planner.plan import IterationPlan, plan_from_assignment
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import check_job_pool
-from hydraulis.runtime.batch import PackedBatch, count_targets, pack_documents
+from hydraulis.runtime.batch import PackedBatch, count_targets, pack_cp_shard
 from hydraulis.runtime.deployments import Active, Deployments
 from hydraulis.runtime.launch import DistEnv, init_distributed
 from hydraulis.runtime.layout import ModelLayout
@@ -247,8 +251,9 @@ class Trainer:
         return self.run_iteration(batch, plan, planning_unhidden_s=waited)
 
     def micro_batches(self, batch: GlobalBatch, plan: IterationPlan, part: Active) -> list[PackedBatch]:
-        """This rank's replica's micro-batches: only its own documents are read from the corpus."""
+        """This rank's replica's micro-batches (its CP rank's share of each): only its documents are read."""
         pad = part.groups.config.tp if part.groups.tp.sequence_parallel else 1
+        cp = part.groups.cp
         out = []
         for mb in plan.replicas[part.replica].micro_batches:
             docs = []
@@ -256,7 +261,7 @@ class Trainer:
                 start = int(batch.starts[i])
                 piece = self.corpus[int(batch.docs[i])][start : start + int(batch.lengths[i])]
                 docs.append(torch.from_numpy(np.asarray(piece, dtype=np.int64)))
-            out.append(pack_documents(docs, pad_to_multiple=pad))
+            out.append(pack_cp_shard(docs, cp.size, cp.rank, pad_to_multiple=pad))
         return out
 
     def run_iteration(self, batch: GlobalBatch, plan: IterationPlan, planning_unhidden_s: float = 0.0) -> StepMetrics:

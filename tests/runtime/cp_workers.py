@@ -1,0 +1,123 @@
+"""What the context-parallel tests run on every gloo rank (importable by spawned children; no transformers)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import numpy as np
+import torch
+
+from hydraulis.data.sampler import TokenBudgetSampler
+from hydraulis.parallel import Deployment, ParallelConfig, Replica
+from hydraulis.runtime import StageModel, build_replica_groups, count_targets
+from hydraulis.runtime.batch import pack_cp_shard
+from hydraulis.runtime.launch import init_distributed
+from hydraulis.runtime.optimizer import AdamW
+from hydraulis.runtime.pipeline import train_step
+from hydraulis.runtime.trainer import OptimSettings, Trainer, TrainSettings
+from hydraulis.specs import MODELS, ClusterSpec, ModelSpec
+
+TIMEOUT = datetime.timedelta(seconds=60)
+
+# scenario -> (replicas on the 4 ranks, sequence parallel, recompute); every replica trains every micro-batch.
+# Rank lists are permuted in some, so CP-rank order differs from torch's sorted group order.
+SCENARIOS = {
+    "cp2": ((Replica(ParallelConfig(1, 1, 2), (0, 1)), Replica(ParallelConfig(1, 1, 2), (3, 2))), False, False),
+    "cp4": ((Replica(ParallelConfig(1, 1, 4), (2, 0, 3, 1)),), False, False),
+    "tp2cp2": ((Replica(ParallelConfig(2, 1, 2), (0, 1, 2, 3)),), False, False),
+    "tp2cp2-sp": ((Replica(ParallelConfig(2, 1, 2), (3, 1, 0, 2)),), True, False),
+    "cp2pp2": ((Replica(ParallelConfig(1, 2, 2), (0, 1, 2, 3)),), False, False),
+    # activation recompute reruns the K/V all-gather in backward, on every CP rank alike
+    "cp2pp2-recompute": ((Replica(ParallelConfig(1, 2, 2), (1, 3, 0, 2)),), False, True),
+}
+
+
+def run_scenarios(rank: int, world: int, spec: ModelSpec, state: dict, docs: list, micro_batches) -> dict:
+    """One step of every scenario: this rank's loss share and its stage's full gradients (summed over CP)."""
+    out = {}
+    total = count_targets([len(d) for d in docs])
+    for scenario, (replicas, sp, recompute) in SCENARIOS.items():
+        groups = build_replica_groups(replicas, sp, TIMEOUT)
+        config = groups.config
+        model = StageModel(spec, groups.tp, groups.stage, config.pp, recompute=recompute, cp=groups.cp)
+        model.load_full_state_dict(state)
+        pad = config.tp if sp else 1
+        packed = [pack_cp_shard([docs[i] for i in mb], config.cp, groups.cp.rank, pad) for mb in micro_batches]
+        result = train_step(model, groups, packed, total)
+        out[scenario] = {
+            "replica": replicas.index(next(r for r in replicas if rank in r.devices)),
+            "loss": result.loss if groups.tp.rank == 0 else None,  # one share per CP rank of the last stage
+            "grads": model.full_grads(),
+            "stage": groups.stage,
+            "cp_rank": groups.cp.rank,
+            "tokens": [b.num_tokens for b in packed],
+        }
+        torch.distributed.barrier()
+    return out
+
+
+# ------------------------------------------------------------ training: a pool with cp4 and cp2 deployments
+
+CP_TRAIN_STEPS = 4
+LONG_DOC = 512  # 4x the tp1pp1 cap of the profile below: only the cp4 replica can hold it
+
+
+def cp_train_cost():
+    """tiny's measured CPU profile with cp rows and memory for 200 tokens on tp1pp1: its cap is 128, and
+    cp4's rank holds ceil(512 / 4) + 8 tokens plus the kept K/V (cap 640), cp2's cap is 384."""
+    from importlib import resources
+
+    from hydraulis.cost.profiled import ProfiledCostModel
+
+    data = json.loads(resources.files("hydraulis.cost.profiles").joinpath("tiny-cpu-measured.json").read_text())
+    base = ProfiledCostModel.from_dict(data)
+    mem, g = base.memory, ParallelConfig(1, 1)
+    data["device"]["memory_bytes"] = int(
+        mem.safety_margin_bytes + mem.context_overhead_bytes + mem.static_bytes(g, base.model, 4)
+        + mem.bytes_per_token(g, base.model, False) * (LONG_DOC // 4 + 72)
+    )
+    row = next(r for r in data["time_ms"] if (r["tp"], r["pp"]) == (1, 1))
+    data["time_ms"] += [{**row, "cp": 4}, {**row, "cp": 2}]
+    return ProfiledCostModel.from_dict(data)
+
+
+def cp_train_corpus(vocab: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(7)
+    lengths = [LONG_DOC, *rng.integers(4, 60, size=20).tolist()]
+    return [rng.integers(0, vocab, size=int(n)).astype(np.uint16) for n in lengths]
+
+
+def cp_train_sampler(docs: list[np.ndarray]) -> TokenBudgetSampler:
+    return TokenBudgetSampler([len(d) for d in docs], tokens_per_batch=800, max_len=LONG_DOC, seed=7)
+
+
+def cp_train_settings() -> TrainSettings:
+    spec = MODELS["tiny"]
+    cluster = ClusterSpec(4, gpus_per_node=4)
+    return TrainSettings(
+        model=spec,
+        # cp4 alone holds the long document; batches without it may take cp2 next to two tp1pp1 replicas
+        pool=tuple(Deployment.parse(t, cluster) for t in ("1x(tp1,pp1,cp4)", "1x(tp1,pp1,cp2) + 2x(tp1,pp1)")),
+        cost=cp_train_cost(),
+        optim=OptimSettings(lr=1e-3, warmup=1, schedule="cosine", adamw=AdamW(eps=1e-6, grad_clip=0.5)),
+        steps=CP_TRAIN_STEPS,
+        seed=3,
+    )
+
+
+def train_cp(rank: int, world: int, s: TrainSettings) -> dict:
+    """The trainer on 4 ranks, planning every step itself; rank 0's metrics and every owner's master range."""
+    env = init_distributed("cpu")
+    docs = cp_train_corpus(s.model.vocab)
+    trainer = Trainer(s, docs, cp_train_sampler(docs), env)
+    metrics = [trainer.step().to_dict() for _ in range(s.steps)]
+    trainer.close()
+    return {"metrics": metrics, "master": trainer.optimizer.master.clone()}
+
+
+def measure_configs(rank: int, world: int, configs, settings) -> dict:
+    """`hydraulis.profile.measure` on this rank (the profiler's per-rank work, without its up-front checks)."""
+    from hydraulis.profile import measure
+
+    return measure(MODELS["tiny"], configs, settings, init_distributed("cpu"))
