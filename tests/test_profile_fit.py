@@ -131,3 +131,30 @@ def test_the_shipped_cpu_profile_was_measured_and_plans(cli, tmp_path):
     )
     res = cli("plan", "-p", "tiny@cpu-measured", "-n", "4", "-w", str(work), "--out", str(tmp_path / "plan.json"))
     assert res.returncode == 0, res.stderr
+
+
+def test_shared_cores_rescale_a_plan_by_the_ranks_it_keeps_busy():
+    from hydraulis.parallel import Deployment
+    from hydraulis.planner.plan import plan_from_assignment
+    from hydraulis.sim import simulate
+    from hydraulis.specs import ClusterSpec
+
+    data = _preset_dict("tiny-cpu-measured.json")
+    plain_data = copy.deepcopy(data)
+    plain_data.pop("shared_cores", None)
+    for row in plain_data["time_ms"]:
+        row.pop("busy_ranks", None)
+    data["shared_cores"] = {"cores": 2, "threads_per_rank": 1}
+    for row in data["time_ms"]:
+        row["busy_ranks"] = 2  # measured with two ranks computing on the two cores
+    shared, plain = ProfiledCostModel.from_dict(data), ProfiledCostModel.from_dict(plain_data)
+    dep = Deployment.parse("4x(tp1,pp1)", ClusterSpec(4))
+    two = plan_from_assignment(0, [512, 300], dep, [[[0]], [[1]], [], []], 0.0)
+    four = plan_from_assignment(0, [512, 300, 200, 100], dep, [[[0]], [[1]], [[2]], [[3]]], 0.0)
+    # Two busy ranks on two cores: as measured. Four: each rank gets half a core, twice as slow.
+    np.testing.assert_allclose(simulate(two, shared).replica_times_s, simulate(two, plain).replica_times_s)
+    np.testing.assert_allclose(simulate(four, shared).replica_times_s, 2 * simulate(four, plain).replica_times_s)
+    assert simulate(four, shared).grad_sync_s == simulate(four, plain).grad_sync_s
+    data["time_ms"][0]["busy_ranks"] = 0
+    with pytest.raises(HydraulisError, match="busy_ranks"):
+        ProfiledCostModel.from_dict(data)

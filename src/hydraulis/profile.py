@@ -9,9 +9,13 @@ the `hydraulis.profile/1` data (`ProfiledCostModel.from_dict` reads it).
 What is timed, and why:
 
 - Each config as N / (tp*pp) replicas at once (the config's size must
-  divide N): a training deployment keeps every rank busy, and on a CPU the
-  ranks share cores and memory bandwidth, so one replica alone would look
-  faster than training ever runs. Configs take turns by rounds (warm-up,
+  divide N), as a training deployment that keeps every rank busy. On a CPU
+  with fewer cores than ranks x threads only as many replicas run at once
+  as the cores hold (at least one): ranks beyond that would only time-slice
+  the cores, and training often leaves replicas idle. The profile records
+  the cores, the threads per rank and the ranks busy per config
+  (`shared_cores`, `busy_ranks`), and the simulator rescales a plan's times
+  by the ranks it keeps busy (cost.model.SharedCores). Configs take turns by rounds (warm-up,
   each timed repeat, memory), so that load from other processes, which
   drifts over minutes, spreads over all configs instead of biasing the
   planner's comparison of them; ranks outside the running config (none
@@ -327,6 +331,22 @@ def _context_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
+def cpu_cores() -> int:
+    """Cores this process may run on (the affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def replicas_at_once(config: ParallelConfig, world: int, cores: int | None, threads: int) -> int:
+    """Replicas of `config` that compute at once: all on GPUs; on a CPU as many as the cores hold, at least one."""
+    replicas = world // config.num_gpus
+    if cores is None:
+        return replicas
+    return max(1, min(replicas, (cores // threads) // config.num_gpus))
+
+
 def measure(
     spec: ModelSpec,
     configs: Sequence[ParallelConfig],
@@ -348,11 +368,17 @@ def measure(
         pack_documents([torch.randint(0, spec.vocab, (s,), generator=g) for s in lengths])
         for lengths in sweep(settings)
     ]
+    cores = cpu_cores() if env.device.type == "cpu" else None
+    threads = torch.get_num_threads()
     groups: dict[ParallelConfig, ReplicaGroups | None] = {}
+    busy: dict[str, int] = {}
     for config in configs:  # new_group is a collective of the whole job: every rank, same order
         n = config.num_gpus
         replicas = [Replica(config, tuple(range(j * n, (j + 1) * n))) for j in range(env.world_size // n)]
-        groups[config] = build_replica_groups(replicas, timeout=JOB_TIMEOUT)
+        mine = build_replica_groups(replicas, timeout=JOB_TIMEOUT)
+        at_once = replicas_at_once(config, env.world_size, cores, threads)
+        busy[config.name] = at_once * n
+        groups[config] = mine if env.rank // n < at_once else None  # the others wait at the barrier
     rounds = 1 + settings.repeats + 1  # warm-up, timed repeats, memory
     order = (
         [(r, c) for r in range(rounds) for c in configs]
@@ -385,7 +411,9 @@ def measure(
     return {
         "rank": env.rank,
         "context_bytes": context,
-        "threads": torch.get_num_threads(),
+        "threads": threads,
+        "cores": cores,
+        "busy_ranks": busy,
         "configs": measured,
         "collectives": collectives,
     }
@@ -413,10 +441,14 @@ def progress_steps(configs: Sequence[ParallelConfig], settings: ProfileSettings,
 def _point_times(config: ParallelConfig, ranks: Sequence[dict[str, Any]], world: int) -> tuple[list, list]:
     """Per point: the config's time (slowest stage, median over repeats, then replicas) and per-stage times."""
     n = config.num_gpus
-    per_rank = {r["rank"]: np.asarray(r["configs"][config.name]["times_s"]) for r in ranks}  # [points, repeats]
+    per_rank = {
+        r["rank"]: np.asarray(r["configs"][config.name]["times_s"]) for r in ranks if config.name in r["configs"]
+    }  # [points, repeats]
     points = next(iter(per_rank.values())).shape[0]
     replica_times, replica_stages = [], []
     for j in range(world // n):
+        if any(m not in per_rank for m in range(j * n, (j + 1) * n)):
+            continue  # a replica that waited while the CPU's cores were taken
         stages = []
         for s in range(config.pp):
             members = range(j * n + s * config.tp, j * n + (s + 1) * config.tp)
@@ -458,6 +490,7 @@ def build_profile(
     """The `hydraulis.profile/1` data from every rank's `measure` result."""
     world = len(ranks)
     points = sweep(settings)
+    shared = ranks[0].get("cores") is not None  # CPU ranks sharing cores (see SharedCores)
     time_rows, measurements, fits = [], [], {}
     activation: dict[int, float] = {}
     min_eff: dict[int, int] = {}
@@ -470,20 +503,21 @@ def build_profile(
         co = fit.coefficients
         predicted = [t * (1 + r) for t, r in zip(times, fit.residuals, strict=True)]
         fits[config.name] = {"holdout": held, "fit": fidelity(predicted, times)}
-        time_rows.append(
-            {
-                "tp": config.tp,
-                "pp": config.pp,
-                "a": co.a * 1e3,
-                "b": co.b * 1e3,
-                "c": co.c * 1e3,
-                "fit_loss": "soft_l1 on relative residuals, a, b, c >= 0",
-                "holdout_median_abs_rel_error": held["median_abs_rel_error"],
-                "holdout_worst_abs_rel_error": held["worst_abs_rel_error"],
-            }
-        )
+        row = {
+            "tp": config.tp,
+            "pp": config.pp,
+            "a": co.a * 1e3,
+            "b": co.b * 1e3,
+            "c": co.c * 1e3,
+            "fit_loss": "soft_l1 on relative residuals, a, b, c >= 0",
+            "holdout_median_abs_rel_error": held["median_abs_rel_error"],
+            "holdout_worst_abs_rel_error": held["worst_abs_rel_error"],
+        }
+        if shared:
+            row["busy_ranks"] = ranks[0]["busy_ranks"][config.name]
+        time_rows.append(row)
         # Memory: per stage, activation bytes per token (most over the points, the TP ranks, the replicas).
-        rows = [r["configs"][config.name] for r in ranks]
+        rows = [r["configs"][config.name] for r in ranks if config.name in r["configs"]]
         per_stage = [0.0] * config.pp
         for row in rows:
             per_token = max(b / sum(p) for b, p in zip(row["activation_bytes"], points, strict=True))
@@ -541,6 +575,9 @@ def build_profile(
             "points": measurements,
         },
     }
+    data["measurements"]["world_size"] = world
+    if shared:
+        data["shared_cores"] = {"cores": ranks[0]["cores"], "threads_per_rank": ranks[0]["threads"]}
     if world > 1 and ranks[0]["collectives"] is not None:
         a2a = _link([r["collectives"]["all_to_all"] for r in ranks])
         p2p = _link([r["collectives"]["p2p"] for r in ranks])

@@ -162,6 +162,29 @@ class Collectives:
     p2p: Link | None = None
 
 
+@dataclass(frozen=True)
+class SharedCores:
+    """CPU ranks that share `cores` cores, and how many computed at once when each config was measured.
+
+    Why: with more ranks than cores (gloo on a laptop) a replica's time depends on how many
+    ranks compute beside it, and a plan that leaves replicas idle runs the busy ones faster.
+    Processor sharing: k busy ranks of `threads_per_rank` threads each are slowed by
+    max(1, k * threads / cores), so a time measured at one load is rescaled to another.
+    """
+
+    cores: int
+    threads_per_rank: int
+    busy_ranks: dict[ParallelConfig, int]  # ranks computing at once while the config was measured
+
+    def load(self, busy: int) -> float:
+        return max(1.0, busy * self.threads_per_rank / self.cores)
+
+    def scale(self, config: ParallelConfig, busy: int) -> float:
+        """Factor on `config`'s measured times when `busy` ranks compute at once (1 when not measured)."""
+        measured = self.busy_ranks.get(config)
+        return 1.0 if measured is None else self.load(busy) / self.load(measured)
+
+
 class CostModel:
     """Coefficients per config, a memory model, and the vectorised costing built on them."""
 
@@ -174,6 +197,7 @@ class CostModel:
         memory: MemoryModel,
         min_efficient_tokens: dict[int, int],
         collectives: Collectives | None = None,
+        shared_cores: SharedCores | None = None,
     ) -> None:
         if not coefficients:
             raise HydraulisError(f"cost model {name!r} has no parallel configs")
@@ -182,6 +206,7 @@ class CostModel:
         self.device = device
         self.memory = memory
         self.collectives = collectives  # measured links replace the device constants within a node
+        self.shared_cores = shared_cores  # CPU profiles: the simulator rescales times by the ranks busy at once
         self._min_efficient = dict(min_efficient_tokens)
         self.configs: tuple[ParallelConfig, ...] = tuple(
             sorted(coefficients, key=lambda c: (c.num_gpus, c.tp, c.pp, c.cp))
