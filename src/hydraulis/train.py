@@ -141,7 +141,8 @@ def prepare(
     if auto:
         from hydraulis.cost import ProfiledCostModel
 
-        request = AutoProfile.of(config, spec, _pool_configs(pool_spec, inline, spec, world), world)
+        configs = _pool_configs(pool_spec, inline, spec, world)
+        request = AutoProfile.of(config, spec, configs, world, sampler.piece_lengths())
         cached = request.cached(run_dir / AUTO_PROFILE)
         fresh = None if cached is not None else request.measure(torchrun=env_world is not None)
         cost = ProfiledCostModel.from_dict(cached or fresh, str(run_dir / AUTO_PROFILE))
@@ -217,6 +218,23 @@ def _pool_configs(pool_spec: str, inline: bool, spec: ModelSpec, world: int) -> 
     return tuple(sorted(set(configs), key=lambda c: (c.num_gpus, c.tp, c.pp)))
 
 
+def _sweep_for(max_len: int, lengths: np.ndarray) -> dict[str, Any]:
+    """The sweep of profile = "auto": the documents this job trains, from its 10th percentile up to max_len.
+
+    Why: a, b, c are fitted where the planner will use them. Below the data's
+    short tail, per-document overheads the model has no term for would pull
+    the fit (and under-predict the long documents that set iteration times).
+    Powers of two: the longest is max_len rounded up (at least 256), the shortest
+    at least 128 and at most a quarter of it (three sizes to separate a from b);
+    totals up to two of the longest.
+    """
+    top = 1 << max(8, (max_len - 1).bit_length())
+    tenth = int(np.percentile(lengths, 10)) if len(lengths) else 128
+    low = min(max(128, 1 << max(0, tenth.bit_length() - 1)), max(128, top // 4))
+    totals = tuple(1 << k for k in range(low.bit_length() - 1, top.bit_length() + 1))
+    return {"totals": totals, "min_doc": low, "max_doc": top}
+
+
 @dataclass(frozen=True)
 class AutoProfile:
     """`profile = "auto"`: these configs of this model, measured on this job's device, dtype and world size."""
@@ -228,7 +246,9 @@ class AutoProfile:
     settings: ProfileSettings
 
     @classmethod
-    def of(cls, config: RunConfig, spec: ModelSpec, configs: tuple[ParallelConfig, ...], world: int) -> AutoProfile:
+    def of(
+        cls, config: RunConfig, spec: ModelSpec, configs: tuple[ParallelConfig, ...], world: int, lengths: np.ndarray
+    ) -> AutoProfile:
         from hydraulis.cost.sweep import check_configs
 
         device = config.train.device
@@ -236,10 +256,7 @@ class AutoProfile:
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        # The sweep reaches max_len (a power of two, at least 256) and micro-batches of two such documents.
-        top = 1 << max(8, (config.data.max_len - 1).bit_length())
-        totals = tuple(1 << k for k in range(7, top.bit_length() + 1))
-        settings = ProfileSettings(totals=totals, max_doc=top, dtype=config.train.dtype)
+        settings = ProfileSettings(**_sweep_for(config.data.max_len, lengths), dtype=config.train.dtype)
         try:
             check_configs(spec, configs, world, device)
         except HydraulisError as exc:
@@ -565,7 +582,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     tokens = sum(r["tokens"] for r in rows)
     seconds = sum(r["iteration_s"] for r in rows)
     counts = Counter(r["deployment"] for r in rows)
-    errors = [abs(r["predicted_s"] - r["iteration_s"]) / r["iteration_s"] for r in rows if r["iteration_s"] > 0]
+    errors = iteration_errors(rows)
     return {
         "steps": len(rows),
         "loss_first": rows[0]["loss"],
@@ -580,6 +597,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "iteration_error_median": statistics.median(errors) if errors else 0.0,
         "iteration_error_max": max(errors) if errors else 0.0,
     }
+
+
+def iteration_errors(rows: list[dict[str, Any]]) -> list[float]:
+    """|predicted - measured| / measured iteration time of each step: the cost model's fidelity in training."""
+    return [abs(r["predicted_s"] - r["iteration_s"]) / r["iteration_s"] for r in rows if r["iteration_s"] > 0]
 
 
 def _tensorboard(path: Path):
@@ -629,7 +651,12 @@ def report_plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
                label="iteration", color="tab:red")
     top = float(max(predicted.max(initial=0), measured.max(initial=0), max(r["iteration_s"] for r in rows))) * 1.05
     ax.plot([0, top], [0, top], color="gray", lw=1, ls="--", label="measured = predicted")
-    ax.set(title="cost model: predicted vs measured", xlabel="predicted s", ylabel="measured s")
+    ax.fill_between([0, top], [0, top / 1.15], [0, top / 0.85], color="gray", alpha=0.12, lw=0, label="within 15%")
+    errors = iteration_errors(rows)
+    median = f"{statistics.median(errors):.0%}" if errors else "n/a"
+    worst = f"{max(errors):.0%}" if errors else "n/a"
+    ax.set(title=f"cost model: predicted vs measured\niteration time error: median {median}, worst {worst}",
+           xlabel="predicted s", ylabel="measured s", xlim=(0, top), ylim=(0, top))
     ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
