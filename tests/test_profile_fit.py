@@ -158,3 +158,27 @@ def test_shared_cores_rescale_a_plan_by_the_ranks_it_keeps_busy():
     data["time_ms"][0]["busy_ranks"] = 0
     with pytest.raises(HydraulisError, match="busy_ranks"):
         ProfiledCostModel.from_dict(data)
+
+
+def test_a_measured_optimizer_step_is_the_iteration_time_after_compute():
+    from hydraulis.parallel import Deployment
+    from hydraulis.planner.plan import plan_from_assignment
+    from hydraulis.sim import simulate
+    from hydraulis.specs import ClusterSpec
+
+    data = _preset_dict("tiny-cpu-measured.json")
+    data.pop("optimizer_step", None)
+    estimate = ProfiledCostModel.from_dict(data)
+    data["optimizer_step"] = {"world_size": 4, "ms": {"tp1pp1": 20.0, "tp2pp1": 30.0}}
+    measured = ProfiledCostModel.from_dict(data)
+    hetero = Deployment.parse("1x(tp2,pp1) + 2x(tp1,pp1)", ClusterSpec(4))
+    plan = plan_from_assignment(0, [512, 300], hetero, [[[0]], [[1]], []], 0.0)
+    res = simulate(plan, measured)
+    assert res.grad_sync_s == pytest.approx(0.030)  # the slowest config's measured step
+    assert res.iteration_time_s == pytest.approx(res.compute_time_s + 0.030)
+    # A config or a world size the profile did not measure: the exchange estimate.
+    assert measured.step_time(Deployment.parse("2x(tp1,pp2)", ClusterSpec(4)).configs) == estimate.grad_sync_time(4)
+    assert measured.step_time(Deployment.parse("8x(tp1,pp1)", ClusterSpec(8)).configs) == estimate.grad_sync_time(8)
+    data["optimizer_step"]["ms"]["tp9"] = 1.0
+    with pytest.raises(HydraulisError, match="tp9"):
+        ProfiledCostModel.from_dict(data)

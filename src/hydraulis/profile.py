@@ -323,6 +323,62 @@ def _measure_collectives(
     return {"all_to_all": a2a, "p2p": p2p if env.rank == 0 else []}
 
 
+def _filling(config: ParallelConfig, world: int) -> tuple[Replica, ...]:
+    """Replicas of `config` on consecutive ranks, as many as fill the job."""
+    n = config.num_gpus
+    return tuple(Replica(config, tuple(range(j * n, (j + 1) * n))) for j in range(world // n))
+
+
+def _measure_optimizer_step(
+    spec: ModelSpec,
+    configs: Sequence[ParallelConfig],
+    settings: ProfileSettings,
+    env: DistEnv,
+    dtype: torch.dtype,
+    report: Callable[[str, int], None] | None,
+) -> dict[str, list[float]]:
+    """Seconds of the trainer's phase after compute, per config, on a deployment of it filling the job.
+
+    Exactly what `Trainer.run_iteration` runs besides the micro-batches: gather
+    the compute shard from the optimizer's owners, reduce the gradients into
+    them, the global norm's all-reduce and AdamW on the owned range. A
+    repeat starts after a barrier; the slowest rank counts (build_profile).
+    """
+    from hydraulis.parallel import Deployment
+    from hydraulis.runtime.deployments import Deployments
+    from hydraulis.runtime.layout import ModelLayout
+    from hydraulis.runtime.optimizer import AdamW, DisaggregatedOptimizer
+
+    world, clock = env.world_size, _Clock(env.device)
+    optimizer = DisaggregatedOptimizer(ModelLayout(spec, world), env.rank, AdamW(), env.device)
+    optimizer.init(settings.seed)
+    pool = [Deployment(_filling(c, world)) for c in configs]
+    deployments = Deployments(spec, pool, optimizer, dtype, env.device, timeout=JOB_TIMEOUT)
+    times: dict[str, list[float]] = {}
+    for i, config in enumerate(configs):
+        part, _ = deployments.activate(i)
+
+        def phase(part=part) -> None:
+            deployments.gather(part)
+            optimizer.reduce(part.exchange, part.params)
+            norm, _ = optimizer.global_norm()
+            optimizer.step(1e-6, norm)
+
+        durations = []
+        for repeat in range(settings.collective_repeats + 1):
+            for q in part.params:
+                q.grad = torch.zeros_like(q)
+            _barrier(dist.group.WORLD, clock)
+            t = clock.time(phase)
+            if repeat:  # the first is a warm-up
+                durations.append(t)
+        times[config.name] = durations
+        if report:
+            report("optimizer step", 1)
+    dist.barrier()
+    return times
+
+
 def _context_bytes(device: torch.device) -> int:
     """Memory the process holds before any model: the CUDA context (GPU) or the interpreter and libraries (CPU)."""
     if device.type == "cuda":
@@ -374,8 +430,7 @@ def measure(
     busy: dict[str, int] = {}
     for config in configs:  # new_group is a collective of the whole job: every rank, same order
         n = config.num_gpus
-        replicas = [Replica(config, tuple(range(j * n, (j + 1) * n))) for j in range(env.world_size // n)]
-        mine = build_replica_groups(replicas, timeout=JOB_TIMEOUT)
+        mine = build_replica_groups(_filling(config, env.world_size), timeout=JOB_TIMEOUT)
         at_once = replicas_at_once(config, env.world_size, cores, threads)
         busy[config.name] = at_once * n
         groups[config] = mine if env.rank // n < at_once else None  # the others wait at the barrier
@@ -408,6 +463,7 @@ def measure(
                     torch.cuda.empty_cache()
         dist.barrier()  # ranks without a replica of this config wait here
     collectives = _measure_collectives(env, settings, report) if env.world_size > 1 else None
+    step = _measure_optimizer_step(spec, configs, settings, env, dtype, report)
     return {
         "rank": env.rank,
         "context_bytes": context,
@@ -416,6 +472,7 @@ def measure(
         "busy_ranks": busy,
         "configs": measured,
         "collectives": collectives,
+        "optimizer_step_s": step,
     }
 
 
@@ -431,7 +488,7 @@ def _worker(
 
 def progress_steps(configs: Sequence[ParallelConfig], settings: ProfileSettings, world: int) -> int:
     """How many `report` steps a job makes (for a progress bar's total)."""
-    per_config = len(sweep(settings)) * (1 + settings.repeats + 1)
+    per_config = len(sweep(settings)) * (1 + settings.repeats + 1) + 1  # + the optimizer step
     return len(configs) * per_config + (2 * len(settings.collective_bytes) if world > 1 else 0)
 
 
@@ -576,6 +633,13 @@ def build_profile(
         },
     }
     data["measurements"]["world_size"] = world
+    if all("optimizer_step_s" in r for r in ranks):
+        # Per repeat the slowest rank (the collectives wait for it), then the median over repeats.
+        step = {
+            c.name: float(np.median(np.max([r["optimizer_step_s"][c.name] for r in ranks], axis=0))) * 1e3
+            for c in configs
+        }
+        data["optimizer_step"] = {"world_size": world, "ms": step}
     if shared:
         data["shared_cores"] = {"cores": ranks[0]["cores"], "threads_per_rank": ranks[0]["threads"]}
     if world > 1 and ranks[0]["collectives"] is not None:

@@ -169,7 +169,7 @@ def simulate(plan: IterationPlan, cost: CostModel, keep_events: bool = True) -> 
             busy[list(replica.stage_devices(s))] = timeline.stage_busy_s[s]
     replica_times = np.array([tl.time_s for tl in timelines])
     compute = float(replica_times.max()) if len(replica_times) else 0.0
-    sync = cost.grad_sync_time(num_gpus)
+    sync = cost.step_time(plan.deployment.configs)
     return SimResult(
         iteration_time_s=compute + sync,
         compute_time_s=compute,

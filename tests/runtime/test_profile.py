@@ -66,6 +66,10 @@ def test_profile_on_gloo_writes_a_profile_that_caps_and_plan_accept(cli, tmp_pat
     for key in ("all_to_all", "p2p"):
         assert data["collectives"][key]["bandwidth_Bps"] > 0
     assert cost.grad_sync_time(2) == pytest.approx(2 * cost.collectives.all_to_all.time(2 * cost.model.num_params / 2))
+    # The trainer's phase after compute, measured per config on the job's world size.
+    assert data["optimizer_step"]["world_size"] == 2
+    assert set(data["optimizer_step"]["ms"]) == {"tp1pp1", "tp2pp1", "tp1pp2"}
+    assert cost.optimizer_step is not None and all(t > 0 for t in cost.optimizer_step.seconds.values())
     caps = cli("caps", "-p", str(out), "-n", "4", "--json")
     assert caps.returncode == 0, caps.stderr
     assert {r["config"] for r in json.loads(caps.stdout)["configs"]} == {"tp1pp1", "tp2pp1", "tp1pp2"}

@@ -185,6 +185,18 @@ class SharedCores:
         return 1.0 if measured is None else self.load(busy) / self.load(measured)
 
 
+@dataclass(frozen=True)
+class OptimizerStep:
+    """The trainer's phase after compute (gather, gradient reduce, norm, AdamW), measured per config.
+
+    Seconds on a deployment of each config filling a job of `world_size`
+    ranks; a deployment costs its slowest config's (the exchange waits for it).
+    """
+
+    world_size: int
+    seconds: dict[ParallelConfig, float]
+
+
 class CostModel:
     """Coefficients per config, a memory model, and the vectorised costing built on them."""
 
@@ -198,6 +210,7 @@ class CostModel:
         min_efficient_tokens: dict[int, int],
         collectives: Collectives | None = None,
         shared_cores: SharedCores | None = None,
+        optimizer_step: OptimizerStep | None = None,
     ) -> None:
         if not coefficients:
             raise HydraulisError(f"cost model {name!r} has no parallel configs")
@@ -207,6 +220,7 @@ class CostModel:
         self.memory = memory
         self.collectives = collectives  # measured links replace the device constants within a node
         self.shared_cores = shared_cores  # CPU profiles: the simulator rescales times by the ranks busy at once
+        self.optimizer_step = optimizer_step  # measured step after compute; else grad_sync_time's estimate
         self._min_efficient = dict(min_efficient_tokens)
         self.configs: tuple[ParallelConfig, ...] = tuple(
             sorted(coefficients, key=lambda c: (c.num_gpus, c.tp, c.pp, c.cp))
@@ -308,3 +322,16 @@ class CostModel:
             return 2 * measured.time(2 * self.model.num_params / num_gpus)
         bandwidth = self.device.inter_node_bw if num_gpus > self.device.gpus_per_node else self.device.intra_node_bw
         return 2 * (2 * self.model.num_params) / num_gpus / bandwidth
+
+    def step_time(self, configs: Sequence[ParallelConfig]) -> float:
+        """Seconds after compute of an iteration on a deployment of these configs: measured where profiled.
+
+        A profile's measured optimizer step (same world size, every config
+        measured) counts the gather, the reduce, the norm and AdamW as the
+        trainer runs them; otherwise the exchange estimate of grad_sync_time.
+        """
+        num_gpus = sum(c.num_gpus for c in configs)
+        step = self.optimizer_step
+        if step is not None and step.world_size == num_gpus and all(c in step.seconds for c in configs):
+            return max(step.seconds[c] for c in configs)
+        return self.grad_sync_time(num_gpus)

@@ -7,7 +7,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from hydraulis.cost.model import Coefficients, Collectives, CostModel, Link, MemoryModel, SharedCores
+from hydraulis.cost.model import (
+    Coefficients,
+    Collectives,
+    CostModel,
+    Link,
+    MemoryModel,
+    OptimizerStep,
+    SharedCores,
+)
 from hydraulis.errors import HydraulisError
 from hydraulis.jsonio import Fields, load_json
 from hydraulis.limits import MAX_GPUS, MAX_LAYERS, MAX_LENGTH, MAX_MODEL_DIM
@@ -121,7 +129,8 @@ class ProfiledCostModel(CostModel):
                 sc.int("cores", minimum=1, maximum=MAX_GPUS), sc.int("threads_per_rank", minimum=1, maximum=MAX_GPUS),
                 busy_ranks,
             )
-        return cls(f.str("name"), model, device, coefficients, memory, min_eff, collectives, shared)
+        step = _optimizer_step(f) if "optimizer_step" in data else None
+        return cls(f.str("name"), model, device, coefficients, memory, min_eff, collectives, shared, step)
 
 
 def _collectives(f: Fields) -> Collectives:
@@ -138,3 +147,17 @@ def _collectives(f: Fields) -> Collectives:
             raise HydraulisError(f"{link.where}.bandwidth_Bps: must be positive, got {bandwidth}")
         links[key] = Link(link.float("latency_s", minimum=0), bandwidth)
     return Collectives(c.int("world_size", minimum=1), links["all_to_all"], links["p2p"])
+
+
+def _optimizer_step(f: Fields) -> OptimizerStep:
+    """The optional measured optimizer phase of `hydraulis profile`: milliseconds per config name."""
+    o = f.obj("optimizer_step")
+    ms = o.obj("ms")
+    seconds = {}
+    for key in ms.data:
+        try:
+            config = ParallelConfig.parse(key)
+        except HydraulisError:
+            raise HydraulisError(f"{ms.where}: key {key!r} is not a parallel config") from None
+        seconds[config] = ms.float(key, minimum=0) / 1e3
+    return OptimizerStep(o.int("world_size", minimum=1, maximum=MAX_GPUS), seconds)
