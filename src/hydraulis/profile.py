@@ -3,8 +3,9 @@
 `profile_model` starts one job of N local processes (gloo on CPU, NCCL on
 GPUs) and, for each parallel config in turn, runs the real runtime modules
 (`StageModel`, `train_step`, `build_replica_groups`) on a sweep of packed
-micro-batches; then it measures the collectives the runtime uses and writes
-the `hydraulis.profile/1` data (`ProfiledCostModel.from_dict` reads it).
+micro-batches; then it measures the collectives the runtime uses and the
+trainer's phase after compute (gather, reduce, norm, AdamW: `optimizer_step`),
+and writes the `hydraulis.profile/1` data (`ProfiledCostModel.from_dict` reads it).
 
 What is timed, and why:
 
@@ -15,11 +16,11 @@ What is timed, and why:
   the cores, and training often leaves replicas idle. The profile records
   the cores, the threads per rank and the ranks busy per config
   (`shared_cores`, `busy_ranks`), and the simulator rescales a plan's times
-  by the ranks it keeps busy (cost.model.SharedCores). Configs take turns by rounds (warm-up,
-  each timed repeat, memory), so that load from other processes, which
-  drifts over minutes, spreads over all configs instead of biasing the
-  planner's comparison of them; ranks outside the running config (none
-  when its size divides N) wait at a barrier.
+  by the ranks it keeps busy (cost.model.SharedCores). Configs take turns
+  by rounds (warm-up, each timed repeat, memory), so that load from other
+  processes, which drifts over minutes, spreads over all configs instead
+  of biasing the planner's comparison of them; ranks not running the
+  config wait at a barrier.
 - Per pipeline stage, forward plus backward of ONE micro-batch. With pp = 1
   that is `train_step` itself. With pp > 1 every stage runs its
   `StageModel` forward and backward at once, its neighbours faked: a random
