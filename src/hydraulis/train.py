@@ -142,6 +142,7 @@ def prepare(
         from hydraulis.cost import ProfiledCostModel
 
         configs = _pool_configs(pool_spec, inline, spec, world)
+        config.parallel.recompute_configs(configs)  # a bad recompute list fails before minutes of profiling
         request = AutoProfile.of(config, spec, configs, world, sampler.piece_lengths())
         cached = request.cached(run_dir / AUTO_PROFILE)
         fresh = None if cached is not None else request.measure(torchrun=env_world is not None)
