@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +56,55 @@ def test_losses_do_not_depend_on_the_deployment(hetero_run, tmp_path, corpus, cl
     assert losses(hetero_out)[-1] < losses(hetero_out)[0]
 
 
+AUTO = 'pool = "1x(tp2,pp1) + 2x(tp1,pp1); 4x(tp1,pp1)"\nprofile = "auto"'
+
+
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory, corpus, session_cli):
+    tmp = tmp_path_factory.mktemp("auto")
+    config = write_config(tmp / "auto.toml", corpus, parallel=AUTO, train="steps = 3\nlog_every = 1")
+    result = session_cli("train", "--config", str(config), "--nproc", "4", "--out", str(tmp / "out"), timeout=300)
+    return result, config, tmp / "out"
+
+
+def test_profile_auto_measures_the_pool_configs_here_and_trains_on_them(auto_run):
+    result, _, out = auto_run
+    assert result.returncode == 0, result.stderr
+    assert "profiling tiny (tp1pp1, tp2pp1) on 4 cpu rank(s)" in result.stdout
+    assert "held-out median error per config" in result.stdout
+    data = json.loads((out / "profile.json").read_text())
+    assert data["schema"] == "hydraulis.profile/1"
+    assert {(r["tp"], r["pp"]) for r in data["time_ms"]} == {(1, 1), (2, 1)}
+    assert data["measurements"]["world_size"] == 4 and data["device"]["kind"] == "cpu"
+    assert max(max(p["lengths"]) for p in data["measurements"]["points"]) == 256  # the sweep reaches max_len
+    assert json.loads((out / "pool.json").read_text())["profile"] == data["name"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["predicted_s"] > 0 for r in rows[:-1])
+    assert rows[-1]["summary"]["iteration_error_median"] >= 0
+
+
+def test_profile_auto_is_reused_when_it_matches_and_measured_again_otherwise(auto_run, tmp_path, cli):
+    result, config, out = auto_run
+    assert result.returncode == 0, result.stderr
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    cached = (run / "profile.json").read_bytes()
+    resumed = cli("train", "--config", str(config), "--nproc", "4", "--out", str(run), "--resume", "--steps", "4")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "profiled before" in resumed.stdout and "profiling tiny" not in resumed.stdout
+    assert (run / "profile.json").read_bytes() == cached
+    # A directory holding only a profile that lacks a config of the pool: measured again, then trained.
+    again = tmp_path / "again"
+    again.mkdir()
+    stale = json.loads(cached)
+    stale["time_ms"] = [r for r in stale["time_ms"] if r["tp"] == 1]
+    (again / "profile.json").write_text(json.dumps(stale))
+    rerun = cli("train", "--config", str(config), "--nproc", "4", "--out", str(again), "--steps", "1")
+    assert rerun.returncode == 0, rerun.stderr
+    assert "profiling again" in rerun.stdout and "lacks tp2pp1" in rerun.stdout
+    assert {(r["tp"], r["pp"]) for r in json.loads((again / "profile.json").read_text())["time_ms"]} == {(1, 1), (2, 1)}
+
+
 BAD = {
     "missing config": (None, "no such config file"),
     "malformed toml": ("[model\npreset = 1", "not valid TOML"),
@@ -67,6 +117,10 @@ BAD = {
     "model fits no config": (
         {"data": "tokens_per_batch = 2000000\nmax_len = 1500000\ntokenizer = \"bytes\""},
         "fits no config of the pool at max_len 1500000",
+    ),
+    "auto profile of a config that does not divide the world": (
+        {"parallel": 'pool = "1x(tp2,pp1) + 1x(tp1,pp1)"\nprofile = "auto"', "_nproc": "3"},
+        'parallel.profile = "auto": tp2pp1 uses 2 processes, which does not divide',
     ),
     "heads not divisible by tp": (
         {

@@ -131,3 +131,54 @@ def test_the_shipped_cpu_profile_was_measured_and_plans(cli, tmp_path):
     )
     res = cli("plan", "-p", "tiny@cpu-measured", "-n", "4", "-w", str(work), "--out", str(tmp_path / "plan.json"))
     assert res.returncode == 0, res.stderr
+
+
+def test_shared_cores_rescale_a_plan_by_the_ranks_it_keeps_busy():
+    from hydraulis.parallel import Deployment
+    from hydraulis.planner.plan import plan_from_assignment
+    from hydraulis.sim import simulate
+    from hydraulis.specs import ClusterSpec
+
+    data = _preset_dict("tiny-cpu-measured.json")
+    plain_data = copy.deepcopy(data)
+    plain_data.pop("shared_cores", None)
+    for row in plain_data["time_ms"]:
+        row.pop("busy_ranks", None)
+    data["shared_cores"] = {"cores": 2, "threads_per_rank": 1}
+    for row in data["time_ms"]:
+        row["busy_ranks"] = 2  # measured with two ranks computing on the two cores
+    shared, plain = ProfiledCostModel.from_dict(data), ProfiledCostModel.from_dict(plain_data)
+    dep = Deployment.parse("4x(tp1,pp1)", ClusterSpec(4))
+    two = plan_from_assignment(0, [512, 300], dep, [[[0]], [[1]], [], []], 0.0)
+    four = plan_from_assignment(0, [512, 300, 200, 100], dep, [[[0]], [[1]], [[2]], [[3]]], 0.0)
+    # Two busy ranks on two cores: as measured. Four: each rank gets half a core, twice as slow.
+    np.testing.assert_allclose(simulate(two, shared).replica_times_s, simulate(two, plain).replica_times_s)
+    np.testing.assert_allclose(simulate(four, shared).replica_times_s, 2 * simulate(four, plain).replica_times_s)
+    assert simulate(four, shared).grad_sync_s == simulate(four, plain).grad_sync_s
+    data["time_ms"][0]["busy_ranks"] = 0
+    with pytest.raises(HydraulisError, match="busy_ranks"):
+        ProfiledCostModel.from_dict(data)
+
+
+def test_a_measured_optimizer_step_is_the_iteration_time_after_compute():
+    from hydraulis.parallel import Deployment
+    from hydraulis.planner.plan import plan_from_assignment
+    from hydraulis.sim import simulate
+    from hydraulis.specs import ClusterSpec
+
+    data = _preset_dict("tiny-cpu-measured.json")
+    data.pop("optimizer_step", None)
+    estimate = ProfiledCostModel.from_dict(data)
+    data["optimizer_step"] = {"world_size": 4, "ms": {"tp1pp1": 20.0, "tp2pp1": 30.0}}
+    measured = ProfiledCostModel.from_dict(data)
+    hetero = Deployment.parse("1x(tp2,pp1) + 2x(tp1,pp1)", ClusterSpec(4))
+    plan = plan_from_assignment(0, [512, 300], hetero, [[[0]], [[1]], []], 0.0)
+    res = simulate(plan, measured)
+    assert res.grad_sync_s == pytest.approx(0.030)  # the slowest config's measured step
+    assert res.iteration_time_s == pytest.approx(res.compute_time_s + 0.030)
+    # A config or a world size the profile did not measure: the exchange estimate.
+    assert measured.step_time(Deployment.parse("2x(tp1,pp2)", ClusterSpec(4)).configs) == estimate.grad_sync_time(4)
+    assert measured.step_time(Deployment.parse("8x(tp1,pp1)", ClusterSpec(8)).configs) == estimate.grad_sync_time(8)
+    data["optimizer_step"]["ms"]["tp9"] = 1.0
+    with pytest.raises(HydraulisError, match="tp9"):
+        ProfiledCostModel.from_dict(data)

@@ -1,4 +1,4 @@
-"""Reading and writing the JSON file formats (DESIGN section 6) with clear errors.
+"""Reading and writing the JSON file formats (docs/design.md, section 8) with clear errors.
 
 Every format carries a `schema` key. Readers name the file and the field that
 is wrong; writers go through a temporary file and a rename, so a crash never

@@ -3,19 +3,24 @@
 `profile_model` starts one job of N local processes (gloo on CPU, NCCL on
 GPUs) and, for each parallel config in turn, runs the real runtime modules
 (`StageModel`, `train_step`, `build_replica_groups`) on a sweep of packed
-micro-batches; then it measures the collectives the runtime uses and writes
-the `hydraulis.profile/1` data (`ProfiledCostModel.from_dict` reads it).
+micro-batches; then it measures the collectives the runtime uses and the
+trainer's phase after compute (gather, reduce, norm, AdamW: `optimizer_step`),
+and writes the `hydraulis.profile/1` data (`ProfiledCostModel.from_dict` reads it).
 
 What is timed, and why:
 
 - Each config as N / (tp*pp*cp) replicas at once (the config's size must
-  divide N): a training deployment keeps every rank busy, and on a CPU the
-  ranks share cores and memory bandwidth, so one replica alone would look
-  faster than training ever runs. Configs take turns by rounds (warm-up,
-  each timed repeat, memory), so that load from other processes, which
-  drifts over minutes, spreads over all configs instead of biasing the
-  planner's comparison of them; ranks outside the running config (none
-  when its size divides N) wait at a barrier.
+  divide N), as a training deployment that keeps every rank busy. On a CPU
+  with fewer cores than ranks x threads only as many replicas run at once
+  as the cores hold (at least one): ranks beyond that would only time-slice
+  the cores, and training often leaves replicas idle. The profile records
+  the cores, the threads per rank and the ranks busy per config
+  (`shared_cores`, `busy_ranks`), and the simulator rescales a plan's times
+  by the ranks it keeps busy (cost.model.SharedCores). Configs take turns
+  by rounds (warm-up, each timed repeat, memory), so that load from other
+  processes, which drifts over minutes, spreads over all configs instead
+  of biasing the planner's comparison of them; ranks not running the
+  config wait at a barrier.
 - Per pipeline stage, forward plus backward of ONE micro-batch. With pp = 1
   that is `train_step` itself. With pp > 1 every stage runs its
   `StageModel` forward and backward at once, its neighbours faked: a random
@@ -326,12 +331,84 @@ def _measure_collectives(
     return {"all_to_all": a2a, "p2p": p2p if env.rank == 0 else []}
 
 
+def _filling(config: ParallelConfig, world: int) -> tuple[Replica, ...]:
+    """Replicas of `config` on consecutive ranks, as many as fill the job."""
+    n = config.num_gpus
+    return tuple(Replica(config, tuple(range(j * n, (j + 1) * n))) for j in range(world // n))
+
+
+def _measure_optimizer_step(
+    spec: ModelSpec,
+    configs: Sequence[ParallelConfig],
+    settings: ProfileSettings,
+    env: DistEnv,
+    dtype: torch.dtype,
+    report: Callable[[str, int], None] | None,
+) -> dict[str, list[float]]:
+    """Seconds of the trainer's phase after compute, per config, on a deployment of it filling the job.
+
+    Exactly what `Trainer.run_iteration` runs besides the micro-batches: gather
+    the compute shard from the optimizer's owners, reduce the gradients into
+    them, the global norm's all-reduce and AdamW on the owned range. A
+    repeat starts after a barrier; the slowest rank counts (build_profile).
+    """
+    from hydraulis.parallel import Deployment
+    from hydraulis.runtime.deployments import Deployments
+    from hydraulis.runtime.layout import ModelLayout
+    from hydraulis.runtime.optimizer import AdamW, DisaggregatedOptimizer
+
+    world, clock = env.world_size, _Clock(env.device)
+    optimizer = DisaggregatedOptimizer(ModelLayout(spec, world), env.rank, AdamW(), env.device)
+    optimizer.init(settings.seed)
+    pool = [Deployment(_filling(c, world)) for c in configs]
+    deployments = Deployments(spec, pool, optimizer, dtype, env.device, timeout=JOB_TIMEOUT)
+    times: dict[str, list[float]] = {}
+    for i, config in enumerate(configs):
+        part, _ = deployments.activate(i)
+
+        def phase(part=part) -> None:
+            deployments.gather(part)
+            optimizer.reduce(part.exchange, part.params)
+            norm, _ = optimizer.global_norm()
+            optimizer.step(1e-6, norm)
+
+        durations = []
+        for repeat in range(settings.collective_repeats + 1):
+            for q in part.params:
+                q.grad = torch.zeros_like(q)
+            _barrier(dist.group.WORLD, clock)
+            t = clock.time(phase)
+            if repeat:  # the first is a warm-up
+                durations.append(t)
+        times[config.name] = durations
+        if report:
+            report("optimizer step", 1)
+    dist.barrier()
+    return times
+
+
 def _context_bytes(device: torch.device) -> int:
     """Memory the process holds before any model: the CUDA context (GPU) or the interpreter and libraries (CPU)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return int(max(0, total - free - torch.cuda.memory_reserved(device)))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on (the affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def replicas_at_once(config: ParallelConfig, world: int, cores: int | None, threads: int) -> int:
+    """Replicas of `config` that compute at once: all on GPUs; on a CPU as many as the cores hold, at least one."""
+    replicas = world // config.num_gpus
+    if cores is None:
+        return replicas
+    return max(1, min(replicas, (cores // threads) // config.num_gpus))
 
 
 def measure(
@@ -352,11 +429,16 @@ def measure(
     context = _context_bytes(env.device)
     g = torch.Generator().manual_seed(settings.seed)
     documents = [[torch.randint(0, spec.vocab, (s,), generator=g) for s in lengths] for lengths in sweep(settings)]
+    cores = cpu_cores() if env.device.type == "cpu" else None
+    threads = torch.get_num_threads()
     groups: dict[ParallelConfig, ReplicaGroups | None] = {}
+    busy: dict[str, int] = {}
     for config in configs:  # new_group is a collective of the whole job: every rank, same order
         n = config.num_gpus
-        replicas = [Replica(config, tuple(range(j * n, (j + 1) * n))) for j in range(env.world_size // n)]
-        groups[config] = build_replica_groups(replicas, timeout=JOB_TIMEOUT)
+        mine = build_replica_groups(_filling(config, env.world_size), timeout=JOB_TIMEOUT)
+        at_once = replicas_at_once(config, env.world_size, cores, threads)
+        busy[config.name] = at_once * n
+        groups[config] = mine if env.rank // n < at_once else None  # the others wait at the barrier
     rounds = 1 + settings.repeats + 1  # warm-up, timed repeats, memory
     order = (
         [(r, c) for r in range(rounds) for c in configs]
@@ -386,12 +468,16 @@ def measure(
                     torch.cuda.empty_cache()
         dist.barrier()  # ranks without a replica of this config wait here
     collectives = _measure_collectives(env, settings, report) if env.world_size > 1 else None
+    step = _measure_optimizer_step(spec, configs, settings, env, dtype, report)
     return {
         "rank": env.rank,
         "context_bytes": context,
-        "threads": torch.get_num_threads(),
+        "threads": threads,
+        "cores": cores,
+        "busy_ranks": busy,
         "configs": measured,
         "collectives": collectives,
+        "optimizer_step_s": step,
     }
 
 
@@ -407,7 +493,7 @@ def _worker(
 
 def progress_steps(configs: Sequence[ParallelConfig], settings: ProfileSettings, world: int) -> int:
     """How many `report` steps a job makes (for a progress bar's total)."""
-    per_config = len(sweep(settings)) * (1 + settings.repeats + 1)
+    per_config = len(sweep(settings)) * (1 + settings.repeats + 1) + 1  # + the optimizer step
     return len(configs) * per_config + (2 * len(settings.collective_bytes) if world > 1 else 0)
 
 
@@ -417,10 +503,14 @@ def progress_steps(configs: Sequence[ParallelConfig], settings: ProfileSettings,
 def _point_times(config: ParallelConfig, ranks: Sequence[dict[str, Any]], world: int) -> tuple[list, list]:
     """Per point: the config's time (slowest stage, median over repeats, then replicas) and per-stage times."""
     n = config.num_gpus
-    per_rank = {r["rank"]: np.asarray(r["configs"][config.name]["times_s"]) for r in ranks}  # [points, repeats]
+    per_rank = {
+        r["rank"]: np.asarray(r["configs"][config.name]["times_s"]) for r in ranks if config.name in r["configs"]
+    }  # [points, repeats]
     points = next(iter(per_rank.values())).shape[0]
     replica_times, replica_stages = [], []
     for j in range(world // n):
+        if any(m not in per_rank for m in range(j * n, (j + 1) * n)):
+            continue  # a replica that waited while the CPU's cores were taken
         stages = []
         size = config.tp * config.cp  # ranks of one stage
         for s in range(config.pp):
@@ -463,6 +553,7 @@ def build_profile(
     """The `hydraulis.profile/1` data from every rank's `measure` result."""
     world = len(ranks)
     points = sweep(settings)
+    shared = ranks[0].get("cores") is not None  # CPU ranks sharing cores (see SharedCores)
     time_rows, measurements, fits = [], [], {}
     activation: dict[int, float] = {}
     min_eff: dict[int, int] = {}
@@ -475,21 +566,22 @@ def build_profile(
         co = fit.coefficients
         predicted = [t * (1 + r) for t, r in zip(times, fit.residuals, strict=True)]
         fits[config.name] = {"holdout": held, "fit": fidelity(predicted, times)}
-        time_rows.append(
-            {
-                "tp": config.tp,
-                "pp": config.pp,
-                **({"cp": config.cp} if config.cp > 1 else {}),
-                "a": co.a * 1e3,
-                "b": co.b * 1e3,
-                "c": co.c * 1e3,
-                "fit_loss": "soft_l1 on relative residuals, a, b, c >= 0",
-                "holdout_median_abs_rel_error": held["median_abs_rel_error"],
-                "holdout_worst_abs_rel_error": held["worst_abs_rel_error"],
-            }
-        )
+        row = {
+            "tp": config.tp,
+            "pp": config.pp,
+            **({"cp": config.cp} if config.cp > 1 else {}),
+            "a": co.a * 1e3,
+            "b": co.b * 1e3,
+            "c": co.c * 1e3,
+            "fit_loss": "soft_l1 on relative residuals, a, b, c >= 0",
+            "holdout_median_abs_rel_error": held["median_abs_rel_error"],
+            "holdout_worst_abs_rel_error": held["worst_abs_rel_error"],
+        }
+        if shared:
+            row["busy_ranks"] = ranks[0]["busy_ranks"][config.name]
+        time_rows.append(row)
         # Memory: per stage, activation bytes per token (most over the points, the TP ranks, the replicas).
-        rows = [r["configs"][config.name] for r in ranks]
+        rows = [r["configs"][config.name] for r in ranks if config.name in r["configs"]]
         per_stage = [0.0] * config.pp
         for row in rows:
             # per token the rank holds (its CP share), as the memory model's per-token bytes / cp assumes
@@ -549,6 +641,16 @@ def build_profile(
             "points": measurements,
         },
     }
+    data["measurements"]["world_size"] = world
+    if all("optimizer_step_s" in r for r in ranks):
+        # Per repeat the slowest rank (the collectives wait for it), then the median over repeats.
+        step = {
+            c.name: float(np.median(np.max([r["optimizer_step_s"][c.name] for r in ranks], axis=0))) * 1e3
+            for c in configs
+        }
+        data["optimizer_step"] = {"world_size": world, "ms": step}
+    if shared:
+        data["shared_cores"] = {"cores": ranks[0]["cores"], "threads_per_rank": ranks[0]["threads"]}
     if world > 1 and ranks[0]["collectives"] is not None:
         a2a = _link([r["collectives"]["all_to_all"] for r in ranks])
         p2p = _link([r["collectives"]["p2p"] for r in ranks])

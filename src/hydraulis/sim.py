@@ -153,15 +153,23 @@ def simulate(plan: IterationPlan, cost: CostModel, keep_events: bool = True) -> 
     num_gpus = plan.deployment.num_gpus
     timelines = []
     busy = np.zeros(num_gpus)
+    shared = cost.shared_cores
+    # On shared CPU cores only the ranks of replicas with work compete for them.
+    busy_ranks = sum(
+        d.config.num_gpus for d, p in zip(plan.deployment.replicas, plan.replicas, strict=True) if p.micro_batches
+    )
     for r, replica in enumerate(plan.deployment.replicas):
         times, comm = replica_stage_times(plan, r, cost)
+        if shared is not None:
+            scale = shared.scale(replica.config, busy_ranks)
+            times = [t * scale for t in times]
         timeline = simulate_replica(times, replica.config.pp, comm, keep_events=keep_events)
         timelines.append(timeline)
         for s in range(replica.config.pp):
             busy[list(replica.stage_devices(s))] = timeline.stage_busy_s[s]
     replica_times = np.array([tl.time_s for tl in timelines])
     compute = float(replica_times.max()) if len(replica_times) else 0.0
-    sync = cost.grad_sync_time(num_gpus)
+    sync = cost.step_time(plan.deployment.configs)
     return SimResult(
         iteration_time_s=compute + sync,
         compute_time_s=compute,

@@ -91,7 +91,7 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("tiny", layers=4, hidden=64, ffn=176, heads=4, kv_heads=2, vocab=512),
         ModelSpec("tiny-mha", layers=4, hidden=64, ffn=176, heads=4, kv_heads=4, vocab=512),
         ModelSpec("small", layers=8, hidden=256, ffn=688, heads=8, kv_heads=4, vocab=50304),
-        # Shapes of the published work (DESIGN section 5).
+        # Shapes of the published work (docs/design.md, section 4).
         ModelSpec("llama-7b", layers=32, hidden=4096, ffn=11008, heads=32, kv_heads=32, vocab=32000),
         ModelSpec("llama-13b", layers=40, hidden=5120, ffn=13824, heads=40, kv_heads=40, vocab=32000),
         ModelSpec("llama-32b", layers=60, hidden=6656, ffn=17920, heads=64, kv_heads=64, vocab=32000),

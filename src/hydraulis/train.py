@@ -10,7 +10,12 @@ size, and checks that the model fits some config of the pool at max_len.
 - `metrics.jsonl`: one object per step (flushed as it goes, so a failed run
   keeps what it measured), and a last `{"summary": ...}` line;
 - TensorBoard event files (`tb/`), `config.toml` (the resolved config),
-  `pool.json`, `summary.json` and, at the end, `report.png`.
+  `pool.json`, `summary.json` and, at the end, `report.png`;
+- with `[parallel] profile = "auto"`, `profile.json`: the pool's configs
+  measured by `hydraulis profile`'s machinery on this job's device and world
+  size before training, the cost model of the run. A later run in the same
+  directory (--resume, or a rerun after a failed start) reuses it when it
+  describes the same model, configs, device, dtype, world size and sweep.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import statistics
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +34,15 @@ import numpy as np
 
 from hydraulis.config import RunConfig, pool_world
 from hydraulis.cost import CostModel, load_cost_model
+from hydraulis.cost.sweep import ProfileSettings
 from hydraulis.errors import HydraulisError
 from hydraulis.jsonio import default_mode
-from hydraulis.parallel import Deployment
+from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.pool import Pool, check_job_pool, load_pool, parse_pool, save_pool
 from hydraulis.specs import ClusterSpec, ModelSpec
 
-RUN_FILES = ("metrics.jsonl", "config.toml", "pool.json", "summary.json", "report.png", "tb")
+RUN_FILES = ("metrics.jsonl", "config.toml", "pool.json", "summary.json", "report.png", "tb", "profile.json")
+AUTO_PROFILE = "profile.json"  # profile = "auto": the measured profile, cached in the run directory
 
 
 @dataclass(frozen=True)
@@ -87,8 +94,10 @@ def prepare(
     if max_restarts < 0:
         raise HydraulisError(f"--max-restarts must be non-negative, got {max_restarts}")
     spec = model_spec(config)
-    cost = job_cost_model(config.parallel.profile, spec)
-    cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
+    auto = config.parallel.profile == "auto"  # measured below, once the world size and the pool are known
+    cost = None if auto else job_cost_model(config.parallel.profile, spec)
+    if cost is not None:
+        cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
     tokenizer = config.data.tokenizer_for(spec)
     env_world = _world_from_env()
     if env_world is None or int(os.environ["RANK"]) == 0:
@@ -128,6 +137,17 @@ def prepare(
         raise HydraulisError(f"model.vocab {spec.vocab} is smaller than the {tokenizer} tokenizer's {vocab_needed}")
     d = config.data
     sampler = TokenBudgetSampler(corpus.lengths, d.tokens_per_batch, d.max_len, d.seed, d.overlong)
+    fresh = None  # profile = "auto": a profile measured now, written once every check has passed
+    if auto:
+        from hydraulis.cost import ProfiledCostModel
+
+        configs = _pool_configs(pool_spec, inline, spec, world)
+        config.parallel.recompute_configs(configs)  # a bad recompute list fails before minutes of profiling
+        request = AutoProfile.of(config, spec, configs, world, sampler.piece_lengths())
+        cached = request.cached(run_dir / AUTO_PROFILE)
+        fresh = None if cached is not None else request.measure(torchrun=env_world is not None)
+        cost = ProfiledCostModel.from_dict(cached or fresh, str(run_dir / AUTO_PROFILE))
+        cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
     if pool_spec == "auto":
         pool = _propose(cost, cluster, sampler, config, d.max_len)
     elif inline:
@@ -135,6 +155,11 @@ def prepare(
     else:
         pool = load_pool(pool_spec, cluster).deployments
     check_job_pool(pool, world, spec, cost, d.max_len)
+    if fresh is not None:  # written only now: bad input leaves nothing behind
+        from hydraulis.jsonio import write_json_atomic
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(run_dir / AUTO_PROFILE, fresh)
     return Job(
         config=config,
         spec=spec,
@@ -179,6 +204,132 @@ def job_cost_model(profile: str, spec: ModelSpec) -> CostModel:
     return load_cost_model(profile)
 
 
+def _pool_configs(pool_spec: str, inline: bool, spec: ModelSpec, world: int) -> tuple[ParallelConfig, ...]:
+    """The configs profile = "auto" measures: the pool's; with pool = "auto" every config the proposal may use."""
+    if inline:
+        from hydraulis.parallel import parse_configs
+
+        configs = [c for text in pool_world(pool_spec).deployments for c in parse_configs(text)]
+    elif pool_spec != "auto":
+        configs = [r.config for d in load_pool(pool_spec).deployments for r in d.replicas]
+    else:
+        from hydraulis.cost.analytic import candidate_configs
+
+        configs = [c for c in candidate_configs(spec, world) if world % c.num_gpus == 0 and c.cp == 1]
+    return tuple(sorted(set(configs), key=lambda c: (c.num_gpus, c.tp, c.pp)))
+
+
+def _sweep_for(max_len: int, lengths: np.ndarray) -> dict[str, Any]:
+    """The sweep of profile = "auto": the documents this job trains, from its 10th percentile up to max_len.
+
+    Why: a, b, c are fitted where the planner will use them. Below the data's
+    short tail, per-document overheads the model has no term for would pull
+    the fit (and under-predict the long documents that set iteration times).
+    Powers of two: the longest is max_len rounded up (at least 256), the shortest
+    at least 128 and at most a quarter of it (three sizes to separate a from b);
+    totals up to two of the longest.
+    """
+    top = 1 << max(8, (max_len - 1).bit_length())
+    tenth = int(np.percentile(lengths, 10)) if len(lengths) else 128
+    low = min(max(128, 1 << max(0, tenth.bit_length() - 1)), max(128, top // 4))
+    totals = tuple(1 << k for k in range(low.bit_length() - 1, top.bit_length() + 1))
+    return {"totals": totals, "min_doc": low, "max_doc": top}
+
+
+@dataclass(frozen=True)
+class AutoProfile:
+    """`profile = "auto"`: these configs of this model, measured on this job's device, dtype and world size."""
+
+    spec: ModelSpec
+    configs: tuple[ParallelConfig, ...]
+    world: int
+    device: str  # cpu or cuda, as the ranks will train
+    settings: ProfileSettings
+
+    @classmethod
+    def of(
+        cls, config: RunConfig, spec: ModelSpec, configs: tuple[ParallelConfig, ...], world: int, lengths: np.ndarray
+    ) -> AutoProfile:
+        from hydraulis.cost.sweep import check_configs
+
+        device = config.train.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        settings = ProfileSettings(**_sweep_for(config.data.max_len, lengths), dtype=config.train.dtype)
+        try:
+            check_configs(spec, configs, world, device)
+        except HydraulisError as exc:
+            raise HydraulisError(f'parallel.profile = "auto": {exc}') from None
+        return cls(spec, configs, world, device, settings)
+
+    def mismatch(self, data: dict[str, Any]) -> str | None:
+        """Why a cached profile does not describe this job (None: it does)."""
+        device = data.get("device") or {}
+        measurements = data.get("measurements") or {}
+        settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.settings).items()}
+        have = {(r.get("tp"), r.get("pp")) for r in data.get("time_ms") or [] if isinstance(r, dict)}
+        missing = [c.name for c in self.configs if (c.tp, c.pp) not in have]
+        if data.get("model") != asdict(self.spec):
+            return "another model"
+        if device.get("kind") != self.device or device.get("dtype") != self.settings.dtype_for(self.device):
+            return "another device or dtype"
+        if measurements.get("world_size") != self.world:
+            return "another world size"
+        if measurements.get("settings") != settings:
+            return "another sweep"
+        if missing:
+            return f"it lacks {', '.join(missing)}"
+        return None
+
+    def cached(self, path: Path) -> dict[str, Any] | None:
+        """The profile at `path` if it describes this job; None (and why, on the terminal) otherwise."""
+        if not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            data = None
+        reason = "unreadable" if not isinstance(data, dict) else self.mismatch(data)
+        if reason is None:
+            print(f"cost model: {path} (profiled before for this model, pool, device and world size)", flush=True)
+            return data
+        print(f"profiling again: {path} does not describe this job ({reason})", flush=True)
+        return None
+
+    def measure(self, torchrun: bool) -> dict[str, Any]:
+        """Profile the configs now on `world` local processes, with a progress bar; returns the profile data."""
+        if torchrun:
+            raise HydraulisError(
+                'parallel.profile = "auto" cannot profile under torchrun: run `hydraulis train --nproc` once, '
+                "or `hydraulis profile` and set parallel.profile to its file"
+            )
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        from hydraulis.profile import check_job, profile_model, progress_steps
+
+        check_job(self.spec, self.configs, self.world, self.device)
+        names = ", ".join(c.name for c in self.configs)
+        print(f"profiling {self.spec.name} ({names}) on {self.world} {self.device} rank(s) for the cost model",
+              flush=True)
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+            task = progress.add_task("profiling", total=progress_steps(self.configs, self.settings, self.world))
+
+            def advance(label: str, steps: int) -> None:
+                progress.update(task, advance=steps, description=f"profiling {label}")
+
+            data = profile_model(self.spec, self.configs, self.world, self.device, self.settings, progress=advance)
+        held = ", ".join(
+            f"{name} {fid['holdout']['median_abs_rel_error']:.0%}" for name, fid in data["fidelity"].items()
+        )
+        print(f"profiled in {data['measurements']['wall_s']:.0f} s; held-out median error per config: {held}",
+              flush=True)
+        return data
+
+
 def get_vocab(tokenizer: str) -> int:
     from hydraulis.data.tokenizer import get_tokenizer
 
@@ -204,7 +355,8 @@ def _check_out(run_dir: Path, config: RunConfig, resume: bool) -> None:
         if run_dir.is_dir() and (run_dir / "config.toml").is_file():
             return
         raise HydraulisError(f"{run_dir}: holds no run to resume (no config.toml); drop --resume or fix --out")
-    if run_dir.is_dir() and any(run_dir.iterdir()):
+    # A directory holding only an auto profile (a run that failed to start) is run into again.
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} - {AUTO_PROFILE}:
         previous = run_dir / "config.toml"
         if previous.is_file() and previous.read_text(encoding="utf-8") == config.to_toml():
             raise HydraulisError(f"{run_dir}: already holds this run; add --resume to continue it or choose --out")
@@ -431,7 +583,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     tokens = sum(r["tokens"] for r in rows)
     seconds = sum(r["iteration_s"] for r in rows)
     counts = Counter(r["deployment"] for r in rows)
-    errors = [abs(r["predicted_s"] - r["iteration_s"]) / r["iteration_s"] for r in rows if r["iteration_s"] > 0]
+    errors = iteration_errors(rows)
     return {
         "steps": len(rows),
         "loss_first": rows[0]["loss"],
@@ -446,6 +598,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "iteration_error_median": statistics.median(errors) if errors else 0.0,
         "iteration_error_max": max(errors) if errors else 0.0,
     }
+
+
+def iteration_errors(rows: list[dict[str, Any]]) -> list[float]:
+    """|predicted - measured| / measured iteration time of each step: the cost model's fidelity in training."""
+    return [abs(r["predicted_s"] - r["iteration_s"]) / r["iteration_s"] for r in rows if r["iteration_s"] > 0]
 
 
 def _tensorboard(path: Path):
@@ -495,7 +652,12 @@ def report_plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
                label="iteration", color="tab:red")
     top = float(max(predicted.max(initial=0), measured.max(initial=0), max(r["iteration_s"] for r in rows))) * 1.05
     ax.plot([0, top], [0, top], color="gray", lw=1, ls="--", label="measured = predicted")
-    ax.set(title="cost model: predicted vs measured", xlabel="predicted s", ylabel="measured s")
+    ax.fill_between([0, top], [0, top / 1.15], [0, top / 0.85], color="gray", alpha=0.12, lw=0, label="within 15%")
+    errors = iteration_errors(rows)
+    median = f"{statistics.median(errors):.0%}" if errors else "n/a"
+    worst = f"{max(errors):.0%}" if errors else "n/a"
+    ax.set(title=f"cost model: predicted vs measured\niteration time error: median {median}, worst {worst}",
+           xlabel="predicted s", ylabel="measured s", xlim=(0, top), ylim=(0, top))
     ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()

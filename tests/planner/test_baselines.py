@@ -1,4 +1,4 @@
-"""The baselines behave as DESIGN section 7 specifies, under the same interface as the planner."""
+"""The baselines behave as docs/design.md section 5 specifies, under the same interface as the planner."""
 
 from __future__ import annotations
 

@@ -10,7 +10,14 @@ import pytest
 from hydraulis.cost import ProfiledCostModel
 from hydraulis.cost.fit import fit_robust
 from hydraulis.parallel import ParallelConfig
-from hydraulis.profile import CPU_MEMORY_METHOD, ProfileSettings, build_profile, parse_configs, sweep
+from hydraulis.profile import (
+    CPU_MEMORY_METHOD,
+    ProfileSettings,
+    build_profile,
+    parse_configs,
+    replicas_at_once,
+    sweep,
+)
 from hydraulis.specs import get_model
 
 FAST = ("--totals", "64,128", "--min-doc", "32", "--repeats", "2", "--warmup", "1", "--collective-bytes", "1024,65536")
@@ -59,6 +66,10 @@ def test_profile_on_gloo_writes_a_profile_that_caps_and_plan_accept(cli, tmp_pat
     for key in ("all_to_all", "p2p"):
         assert data["collectives"][key]["bandwidth_Bps"] > 0
     assert cost.grad_sync_time(2) == pytest.approx(2 * cost.collectives.all_to_all.time(2 * cost.model.num_params / 2))
+    # The trainer's phase after compute, measured per config on the job's world size.
+    assert data["optimizer_step"]["world_size"] == 2
+    assert set(data["optimizer_step"]["ms"]) == {"tp1pp1", "tp2pp1", "tp1pp2"}
+    assert cost.optimizer_step is not None and all(t > 0 for t in cost.optimizer_step.seconds.values())
     caps = cli("caps", "-p", str(out), "-n", "4", "--json")
     assert caps.returncode == 0, caps.stderr
     assert {r["config"] for r in json.loads(caps.stdout)["configs"]} == {"tp1pp1", "tp2pp1", "tp1pp2"}
@@ -162,6 +173,34 @@ def test_build_profile_takes_the_slowest_stage_and_the_median_repeat():
     assert data["memory"]["activation_bytes_per_token_hidden_layer"]["1"] == pytest.approx(300 / (4 * 64))
     assert data["memory"]["measured_state_bytes_per_param"] == 8.0
     assert "collectives" not in data
+
+
+def test_replicas_at_once_fill_the_cores_and_never_fewer_than_one():
+    assert replicas_at_once(ParallelConfig(1, 1), 4, None, 1) == 4  # GPUs: every replica
+    assert replicas_at_once(ParallelConfig(1, 1), 4, 2, 1) == 2
+    assert replicas_at_once(ParallelConfig(2, 1), 4, 2, 1) == 1
+    assert replicas_at_once(ParallelConfig(4, 1), 4, 2, 1) == 1  # more ranks than cores: one replica still runs
+    assert replicas_at_once(ParallelConfig(1, 1), 4, 16, 2) == 4
+
+
+def test_build_profile_uses_the_replicas_that_ran_and_records_the_shared_cores():
+    spec = get_model("tiny")
+    settings = ProfileSettings(totals=(256, 512, 1024), min_doc=128, repeats=3)
+    points = sweep(settings)
+    true = [1e-8 * sum(s * s for s in p) + 2e-5 * sum(p) + 3e-3 for p in points]
+    ran = _rank(0, "tp1pp1", 0, [[t, t, t] for t in true], [100 * sum(p) for p in points])
+    waited = dict(_rank(1, "tp1pp1", 0, [], []), configs={})  # one core: rank 1's replica waited
+    for r in (ran, waited):
+        r.update(cores=1, busy_ranks={"tp1pp1": 1})
+    device = {"name": "cpu", "kind": "cpu", "memory_bytes": 2**33, "gpus_per_node": 64, "backend": "gloo",
+              "dtype": "fp32", "description": "test"}
+    data = build_profile(spec, [ParallelConfig(1, 1)], settings, [ran, waited], device)
+    assert data["shared_cores"] == {"cores": 1, "threads_per_rank": 1}
+    assert data["time_ms"][0]["busy_ranks"] == 1 and data["measurements"]["world_size"] == 2
+    cost = ProfiledCostModel.from_dict(data)
+    assert cost.shared_cores is not None and cost.shared_cores.busy_ranks == {ParallelConfig(1, 1): 1}
+    for p, t in zip(points, true, strict=True):
+        assert cost.stage_time(ParallelConfig(1, 1), p) == pytest.approx(t, rel=1e-3)
 
 
 def test_cpu_memory_counts_saved_activations_once_and_no_parameters():

@@ -1,7 +1,7 @@
 """The policies compared by `hydraulis bench`: the planner and the other systems' algorithms.
 
 Every policy is built from one PolicyContext (same cost model, cluster, pool)
-and returns a Schedule per global batch (DESIGN section 7).
+and returns a Schedule per global batch (docs/design.md, section 5).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Homogeneous baselines (DESIGN section 7): one config for the whole run, replicated over all GPUs.
+"""Homogeneous baselines (docs/design.md, section 5): one config for the whole run, replicated over all GPUs.
 
 The config is the cheapest that holds the run's longest sequence (the same
 choice as the planner's fallback). On a cost model with CP configs (`+cp`)

@@ -1,4 +1,4 @@
-"""hotspa (DESIGN section 7): temporal switching between homogeneous configs within an iteration.
+"""hotspa (docs/design.md, section 5): temporal switching between homogeneous configs within an iteration.
 
 The batch, sorted by length, is split into length ranges at config caps; each
 range runs as one phase on the whole cluster with the homogeneous config that

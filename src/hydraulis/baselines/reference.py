@@ -1,4 +1,4 @@
-"""hydraulis-reference: the published Hydraulis system (DESIGN section 7) on its own pool.
+"""hydraulis-reference: the published Hydraulis system (docs/design.md, section 5) on its own pool.
 
 The pool is the published range DP's (PolicyContext.reference_pool), or the
 user's pool when one is given; then:

@@ -1,7 +1,7 @@
 """The cost model interface: time of a micro-batch, memory cap, busy threshold.
 
 Time of one packed micro-batch (lengths s_i) on one pipeline stage of config g,
-forward plus backward (DESIGN section 5):
+forward plus backward (docs/design.md, section 4):
 
     t_g(mb) = a_g * sum(s_i^2) + b_g * sum(s_i) + c_g
 
@@ -158,7 +158,7 @@ class MemoryModel:
     optimizer_sharded_fraction: float
     context_overhead_bytes: float
     safety_margin_bytes: float
-    embedding_state_bytes: float = 16.0  # training-state bytes per embedding or head parameter (DESIGN: 16)
+    embedding_state_bytes: float = 16.0  # training-state bytes per embedding or head parameter (design section 4)
 
     def activation_factor(self, tp: int) -> float:
         table = self.activation_bytes_per_token_hidden_layer
@@ -256,6 +256,41 @@ class Collectives:
     p2p: Link | None = None
 
 
+@dataclass(frozen=True)
+class SharedCores:
+    """CPU ranks that share `cores` cores, and how many computed at once when each config was measured.
+
+    Why: with more ranks than cores (gloo on a laptop) a replica's time depends on how many
+    ranks compute beside it, and a plan that leaves replicas idle runs the busy ones faster.
+    Processor sharing: k busy ranks of `threads_per_rank` threads each are slowed by
+    max(1, k * threads / cores), so a time measured at one load is rescaled to another.
+    """
+
+    cores: int
+    threads_per_rank: int
+    busy_ranks: dict[ParallelConfig, int]  # ranks computing at once while the config was measured
+
+    def load(self, busy: int) -> float:
+        return max(1.0, busy * self.threads_per_rank / self.cores)
+
+    def scale(self, config: ParallelConfig, busy: int) -> float:
+        """Factor on `config`'s measured times when `busy` ranks compute at once (1 when not measured)."""
+        measured = self.busy_ranks.get(config)
+        return 1.0 if measured is None else self.load(busy) / self.load(measured)
+
+
+@dataclass(frozen=True)
+class OptimizerStep:
+    """The trainer's phase after compute (gather, gradient reduce, norm, AdamW), measured per config.
+
+    Seconds on a deployment of each config filling a job of `world_size`
+    ranks; a deployment costs its slowest config's (the exchange waits for it).
+    """
+
+    world_size: int
+    seconds: dict[ParallelConfig, float]
+
+
 class CostModel:
     """Coefficients per config, a memory model, and the vectorised costing built on them."""
 
@@ -268,6 +303,8 @@ class CostModel:
         memory: MemoryModel,
         min_efficient_tokens: dict[int, int],
         collectives: Collectives | None = None,
+        shared_cores: SharedCores | None = None,
+        optimizer_step: OptimizerStep | None = None,
     ) -> None:
         if not coefficients:
             raise HydraulisError(f"cost model {name!r} has no parallel configs")
@@ -276,6 +313,8 @@ class CostModel:
         self.device = device
         self.memory = memory
         self.collectives = collectives  # measured links replace the device constants within a node
+        self.shared_cores = shared_cores  # CPU profiles: the simulator rescales times by the ranks busy at once
+        self.optimizer_step = optimizer_step  # measured step after compute; else grad_sync_time's estimate
         self._min_efficient = dict(min_efficient_tokens)
         self.configs: tuple[ParallelConfig, ...] = tuple(
             sorted(coefficients, key=lambda c: (c.num_gpus, c.tp, c.pp, c.cp))
@@ -367,7 +406,7 @@ class CostModel:
     def grad_sync_time(self, num_gpus: int) -> float:
         """Reduce gradients into the sharded optimizer layout and gather parameters back.
 
-        About 2 x parameter bytes (bf16) / N per GPU at the slowest link (DESIGN section 5). A
+        About 2 x parameter bytes (bf16) / N per GPU at the slowest link (docs/design.md, section 4). A
         profile's measured all-to-all link replaces the device constants within a node (one
         gather plus one reduce, each paying its latency); across nodes the constants stay.
         """
@@ -379,6 +418,18 @@ class CostModel:
         bandwidth = self.device.inter_node_bw if num_gpus > self.device.gpus_per_node else self.device.intra_node_bw
         return 2 * (2 * self.model.num_params) / num_gpus / bandwidth
 
+    def step_time(self, configs: Sequence[ParallelConfig]) -> float:
+        """Seconds after compute of an iteration on a deployment of these configs: measured where profiled.
+
+        A profile's measured optimizer step (same world size, every config
+        measured) counts the gather, the reduce, the norm and AdamW as the
+        trainer runs them; otherwise the exchange estimate of grad_sync_time.
+        """
+        num_gpus = sum(c.num_gpus for c in configs)
+        step = self.optimizer_step
+        if step is not None and step.world_size == num_gpus and all(c in step.seconds for c in configs):
+            return max(step.seconds[c] for c in configs)
+        return self.grad_sync_time(num_gpus)
 
 def extend_to_cp(
     cost: CostModel, degrees: Sequence[int] = CP_DEGREES, only: Callable[[ParallelConfig], bool] | None = None
@@ -414,6 +465,8 @@ def extend_to_cp(
         cost.memory,
         dict(cost._min_efficient),
         cost.collectives,
+        cost.shared_cores,
+        cost.optimizer_step,
     )
     out.recompute = frozenset(recompute)
     return out

@@ -7,7 +7,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from hydraulis.cost.model import Coefficients, Collectives, CostModel, Link, MemoryModel
+from hydraulis.cost.model import (
+    Coefficients,
+    Collectives,
+    CostModel,
+    Link,
+    MemoryModel,
+    OptimizerStep,
+    SharedCores,
+)
 from hydraulis.errors import HydraulisError
 from hydraulis.jsonio import Fields, load_json
 from hydraulis.limits import MAX_GPUS, MAX_LAYERS, MAX_LENGTH, MAX_MODEL_DIM
@@ -65,6 +73,7 @@ class ProfiledCostModel(CostModel):
         device = dataclasses.replace(base, memory_bytes=memory_bytes, gpus_per_node=gpus_per_node)
 
         coefficients: dict[ParallelConfig, Coefficients] = {}
+        busy_ranks: dict[ParallelConfig, int] = {}
         for i, row in enumerate(f.list("time_ms")):
             r = Fields(row, f"{where}.time_ms[{i}]")
             config = ParallelConfig.from_fields(r)
@@ -73,6 +82,8 @@ class ProfiledCostModel(CostModel):
             coefficients[config] = Coefficients(
                 r.float("a", minimum=0) / 1e3, r.float("b", minimum=0) / 1e3, r.float("c", minimum=0) / 1e3
             )
+            if "busy_ranks" in row:
+                busy_ranks[config] = r.int("busy_ranks", minimum=1, maximum=MAX_GPUS)
         if not coefficients:
             raise HydraulisError(f"{where}.time_ms: no configs")
 
@@ -111,7 +122,15 @@ class ProfiledCostModel(CostModel):
         for config in coefficients:
             config.validate(model)
         collectives = _collectives(f) if "collectives" in data else None
-        return cls(f.str("name"), model, device, coefficients, memory, min_eff, collectives)
+        shared = None
+        if "shared_cores" in data:
+            sc = f.obj("shared_cores")
+            shared = SharedCores(
+                sc.int("cores", minimum=1, maximum=MAX_GPUS), sc.int("threads_per_rank", minimum=1, maximum=MAX_GPUS),
+                busy_ranks,
+            )
+        step = _optimizer_step(f) if "optimizer_step" in data else None
+        return cls(f.str("name"), model, device, coefficients, memory, min_eff, collectives, shared, step)
 
 
 def _collectives(f: Fields) -> Collectives:
@@ -128,3 +147,17 @@ def _collectives(f: Fields) -> Collectives:
             raise HydraulisError(f"{link.where}.bandwidth_Bps: must be positive, got {bandwidth}")
         links[key] = Link(link.float("latency_s", minimum=0), bandwidth)
     return Collectives(c.int("world_size", minimum=1), links["all_to_all"], links["p2p"])
+
+
+def _optimizer_step(f: Fields) -> OptimizerStep:
+    """The optional measured optimizer phase of `hydraulis profile`: milliseconds per config name."""
+    o = f.obj("optimizer_step")
+    ms = o.obj("ms")
+    seconds = {}
+    for key in ms.data:
+        try:
+            config = ParallelConfig.parse(key)
+        except HydraulisError:
+            raise HydraulisError(f"{ms.where}: key {key!r} is not a parallel config") from None
+        seconds[config] = ms.float(key, minimum=0) / 1e3
+    return OptimizerStep(o.int("world_size", minimum=1, maximum=MAX_GPUS), seconds)

@@ -1,6 +1,6 @@
 """IterationPlan: the planner's output and the runtime's input, and its JSON form.
 
-Format `hydraulis.plan/1` (DESIGN section 6). Every sequence index appears
+Format `hydraulis.plan/1` (docs/design.md, section 8). Every sequence index appears
 exactly once; a micro-batch never holds more tokens than its replica's cap.
 """
 

@@ -1,7 +1,7 @@
 """How a micro-batch of documents becomes model input.
 
 A micro-batch is a few whole documents packed end to end, without padding
-between them (DESIGN section 4). For documents d_1..d_k of lengths s_1..s_k:
+between them (docs/design.md, section 6). For documents d_1..d_k of lengths s_1..s_k:
 
 - `tokens` is their concatenation: T = s_1 + ... + s_k input tokens, exactly
   the tokens the planner counted against the replica's cap.

@@ -287,6 +287,9 @@ class Trainer:
         norm, extra = self.optimizer.global_norm(extra=loss_part.reshape(1))
         lr = self.settings.optim.lr_at(self.step_index, self.settings.steps)
         self.optimizer.step(lr, norm)
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize()
+        finished = time.perf_counter()  # the iteration ends here; what follows only reports on it
         for p in model.parameters():
             p.grad = None
         times = torch.zeros(len(plan.deployment.replicas), dtype=torch.float64)
@@ -303,7 +306,7 @@ class Trainer:
             deployment=str(plan.deployment),
             deployment_index=pool_index,
             switched=switched,
-            iteration_s=time.perf_counter() - start,
+            iteration_s=finished - start,
             predicted_s=float(predicted.iteration_time_s),
             planning_s=plan.planning_time_s,
             planning_unhidden_s=planning_unhidden_s,

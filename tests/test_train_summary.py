@@ -1,0 +1,31 @@
+"""The run summary's and report's fidelity figures: predicted against measured iteration time."""
+
+from __future__ import annotations
+
+import pytest
+
+from hydraulis.train import iteration_errors, report_plot, summarize
+
+
+def _row(step: int, predicted: float, measured: float) -> dict:
+    return {
+        "step": step, "loss": 5.0 - step, "tokens": 1000, "tokens_per_s": 1000 / measured, "deployment": "4x(tp1,pp1)",
+        "switched": False, "switch_s": 0.0, "planning_s": 0.01, "planning_unhidden_s": 0.0,
+        "iteration_s": measured, "predicted_s": predicted, "replica_s": [measured, 0.0],
+        "replica_predicted_s": [predicted, 0.0],
+    }
+
+
+def test_summary_carries_the_median_and_worst_absolute_relative_iteration_error():
+    rows = [_row(0, 1.0, 1.0), _row(1, 1.2, 1.0), _row(2, 0.5, 1.0), _row(3, 2.2, 2.0)]
+    assert iteration_errors(rows) == pytest.approx([0.0, 0.2, 0.5, 0.1])
+    summary = summarize(rows)
+    assert summary["iteration_error_median"] == pytest.approx(0.15)
+    assert summary["iteration_error_max"] == pytest.approx(0.5)
+
+
+def test_report_plots_the_fidelity_panel(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "report.png"
+    report_plot([_row(0, 1.0, 1.1), _row(1, 0.8, 0.7)], path, "test")
+    assert path.stat().st_size > 10_000
