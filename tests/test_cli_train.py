@@ -56,6 +56,20 @@ def test_losses_do_not_depend_on_the_deployment(hetero_run, tmp_path, corpus, cl
     assert losses(hetero_out)[-1] < losses(hetero_out)[0]
 
 
+def test_a_context_parallel_pool_trains_with_the_same_losses(hetero_run, tmp_path, corpus, cli):
+    """Every deployment of this pool has CP replicas: the documents are split over CP ranks, yet the
+    losses are those of the heterogeneous TP x PP run (itself equal to one process)."""
+    result, hetero_out = hetero_run
+    assert result.returncode == 0, result.stderr
+    parallel = 'pool = "1x(tp1,pp1,cp4); 1x(tp1,pp1,cp2) + 2x(tp1,pp1)"\nprofile = "tiny@cpu+cp"'
+    config = write_config(tmp_path / "cp.toml", corpus, parallel=parallel)
+    cp = cli("train", "--config", str(config), "--nproc", "4", "--out", str(tmp_path / "cp"))
+    assert cp.returncode == 0, cp.stderr
+    rows = [json.loads(line) for line in (tmp_path / "cp" / "metrics.jsonl").read_text().splitlines()][:-1]
+    assert all("cp" in r["deployment"] for r in rows)
+    np.testing.assert_allclose(losses(tmp_path / "cp"), losses(hetero_out), rtol=1e-5)
+
+
 AUTO = 'pool = "1x(tp2,pp1) + 2x(tp1,pp1); 4x(tp1,pp1)"\nprofile = "auto"'
 
 

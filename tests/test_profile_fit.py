@@ -150,11 +150,16 @@ def test_shared_cores_rescale_a_plan_by_the_ranks_it_keeps_busy():
     shared, plain = ProfiledCostModel.from_dict(data), ProfiledCostModel.from_dict(plain_data)
     dep = Deployment.parse("4x(tp1,pp1)", ClusterSpec(4))
     two = plan_from_assignment(0, [512, 300], dep, [[[0]], [[1]], [], []], 0.0)
-    four = plan_from_assignment(0, [512, 300, 200, 100], dep, [[[0]], [[1]], [[2]], [[3]]], 0.0)
-    # Two busy ranks on two cores: as measured. Four: each rank gets half a core, twice as slow.
+    four = plan_from_assignment(0, [300, 300, 300, 300], dep, [[[0]], [[1]], [[2]], [[3]]], 0.0)
+    # Two busy ranks on two cores: as measured. Four equal ones: each gets half a core, twice as slow.
     np.testing.assert_allclose(simulate(two, shared).replica_times_s, simulate(two, plain).replica_times_s)
     np.testing.assert_allclose(simulate(four, shared).replica_times_s, 2 * simulate(four, plain).replica_times_s)
     assert simulate(four, shared).grad_sync_s == simulate(four, plain).grad_sync_s
+    # Three busy ranks, one replica short (a) and two long (b): all run at 2/3 speed until the short
+    # one ends at 1.5a; the long ones have done a, and finish b - a at full speed: b + 0.5a.
+    three = plan_from_assignment(0, [100, 900, 900], dep, [[[0]], [[1]], [[2]], []], 0.0)
+    a, b = simulate(three, plain).replica_times_s[:2]
+    np.testing.assert_allclose(simulate(three, shared).replica_times_s, [1.5 * a, b + 0.5 * a, b + 0.5 * a, 0.0])
     data["time_ms"][0]["busy_ranks"] = 0
     with pytest.raises(HydraulisError, match="busy_ranks"):
         ProfiledCostModel.from_dict(data)

@@ -15,8 +15,8 @@ What is timed, and why:
   as the cores hold (at least one): ranks beyond that would only time-slice
   the cores, and training often leaves replicas idle. The profile records
   the cores, the threads per rank and the ranks busy per config
-  (`shared_cores`, `busy_ranks`), and the simulator rescales a plan's times
-  by the ranks it keeps busy (cost.model.SharedCores). Configs take turns
+  (`shared_cores`, `busy_ranks`), and the simulator replays a plan's
+  replicas sharing the cores (cost.model.SharedCores). Configs take turns
   by rounds (warm-up, each timed repeat, memory), so that load from other
   processes, which drifts over minutes, spreads over all configs instead
   of biasing the planner's comparison of them; ranks not running the
@@ -208,6 +208,8 @@ class _StageRunner:
     def __call__(self, i: int) -> None:
         batch, groups = self.batches[i], self.groups
         targets = max(1, batch.num_targets)
+        for p in self.model.parameters():
+            p.grad = None  # as the trainer leaves them: backward allocates the gradients afresh
         if groups.config.pp == 1:
             train_step(self.model, groups, [batch], targets, reduce_partial_grads=False)
             return

@@ -154,15 +154,17 @@ def simulate(plan: IterationPlan, cost: CostModel, keep_events: bool = True) -> 
     timelines = []
     busy = np.zeros(num_gpus)
     shared = cost.shared_cores
-    # On shared CPU cores only the ranks of replicas with work compete for them.
-    busy_ranks = sum(
-        d.config.num_gpus for d, p in zip(plan.deployment.replicas, plan.replicas, strict=True) if p.micro_batches
-    )
-    for r, replica in enumerate(plan.deployment.replicas):
-        times, comm = replica_stage_times(plan, r, cost)
-        if shared is not None:
-            scale = shared.scale(replica.config, busy_ranks)
-            times = [t * scale for t in times]
+    stage_times = [replica_stage_times(plan, r, cost) for r in range(len(plan.deployment.replicas))]
+    if shared is not None:
+        # On shared CPU cores only replicas with work compete, and each speeds up as others finish.
+        alone = [simulate_replica(t, d.config.pp, c, keep_events=False).time_s
+                 for (t, c), d in zip(stage_times, plan.deployment.replicas, strict=True)]
+        finish = shared.finish_times(plan.deployment.configs, np.array(alone))
+        stage_times = [
+            ([x * f / a for x in t] if a > 0 else t, c)
+            for (t, c), a, f in zip(stage_times, alone, finish, strict=True)
+        ]
+    for replica, (times, comm) in zip(plan.deployment.replicas, stage_times, strict=True):
         timeline = simulate_replica(times, replica.config.pp, comm, keep_events=keep_events)
         timelines.append(timeline)
         for s in range(replica.config.pp):
