@@ -742,7 +742,7 @@ def summary_rows(data: dict[str, Any]) -> list[list[str]]:
     """One table row per config: coefficients and how well they predict held-out micro-batches."""
     rows = []
     for row in data["time_ms"]:
-        config = ParallelConfig(row["tp"], row["pp"]).name
+        config = ParallelConfig(row["tp"], row["pp"], row.get("cp", 1)).name
         fid = data["fidelity"][config]
         rows.append(
             [

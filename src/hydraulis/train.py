@@ -305,23 +305,15 @@ class AutoProfile:
                 'parallel.profile = "auto" cannot profile under torchrun: run `hydraulis train --nproc` once, '
                 "or `hydraulis profile` and set parallel.profile to its file"
             )
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
         from hydraulis.profile import check_job, profile_model, progress_steps
+        from hydraulis.progress import steps_progress
 
         check_job(self.spec, self.configs, self.world, self.device)
         names = ", ".join(c.name for c in self.configs)
         print(f"profiling {self.spec.name} ({names}) on {self.world} {self.device} rank(s) for the cost model",
               flush=True)
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
-            task = progress.add_task("profiling", total=progress_steps(self.configs, self.settings, self.world))
-
-            def advance(label: str, steps: int) -> None:
-                progress.update(task, advance=steps, description=f"profiling {label}")
-
-            data = profile_model(self.spec, self.configs, self.world, self.device, self.settings, progress=advance)
+        with steps_progress("profiling", progress_steps(self.configs, self.settings, self.world)) as step:
+            data = profile_model(self.spec, self.configs, self.world, self.device, self.settings, progress=step)
         held = ", ".join(
             f"{name} {fid['holdout']['median_abs_rel_error']:.0%}" for name, fid in data["fidelity"].items()
         )

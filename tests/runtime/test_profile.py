@@ -16,6 +16,7 @@ from hydraulis.profile import (
     build_profile,
     parse_configs,
     replicas_at_once,
+    summary_rows,
     sweep,
 )
 from hydraulis.specs import get_model
@@ -49,6 +50,9 @@ def test_profile_on_gloo_writes_a_profile_that_caps_and_plan_accept(cli, tmp_pat
     )
     assert res.returncode == 0, res.stderr
     assert "held-out" in res.stdout and "counted tensor bytes" in res.stdout
+    # stderr is a pipe here, as in a cluster log: progress comes as plain lines, ending at 100%
+    progress = [line for line in res.stderr.splitlines() if line.startswith("profiling tiny on 2 process(es): ")]
+    assert progress and "(100%" in progress[-1], res.stderr
     data = json.loads(out.read_text())
     cost = ProfiledCostModel.from_file(out)
     assert {c.name for c in cost.configs} == {"tp1pp1", "tp2pp1", "tp1pp2"}
@@ -240,6 +244,7 @@ def test_profiler_measures_context_parallel_configs():
     assert sum(r["configs"]["tp1pp1cp2"]["tokens"][-1] for r in ranks) == sum(points[-1])
     data = build_profile(spec, configs, settings, ranks, describe_device("cpu", 2, "fp32", 1))
     assert [row.get("cp", 1) for row in data["time_ms"]] == [1, 2]
+    assert [r[0] for r in summary_rows(data)] == ["tp1pp1", "tp1pp1cp2"]  # the closing table names the cp row
     cost = ProfiledCostModel.from_dict(data)
     assert set(cost.configs) == set(configs)
     assert cost.cap(ParallelConfig(1, 1, 2), 2) > cost.cap(ParallelConfig(1, 1), 2)

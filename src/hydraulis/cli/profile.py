@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from hydraulis.cli.app import app
-from hydraulis.cli.common import console, err_console, table
+from hydraulis.cli.common import console, table
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:
@@ -45,8 +45,6 @@ def profile(
     ),
 ) -> None:
     """Time forward+backward per stage on this machine, fit a, b, c per config, and check the fit on held-out points."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from hydraulis.errors import HydraulisError
     from hydraulis.specs import get_model
 
@@ -74,16 +72,11 @@ def profile(
     from hydraulis.profile import check_job, profile_model, progress_steps, summary_rows
 
     world = check_job(spec, chosen, nproc, device)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err_console, transient=True) as progress:
-        task = progress.add_task(
-            f"profiling {spec.name} on {world} process(es)", total=progress_steps(chosen, settings, world)
-        )
+    from hydraulis.progress import steps_progress
 
-        def advance(label: str, steps: int) -> None:
-            progress.update(task, advance=steps, description=f"profiling {spec.name}: {label}")
-
-        data = profile_model(spec, chosen, world, device, settings, name, progress=advance)
+    total = progress_steps(chosen, settings, world)
+    with steps_progress(f"profiling {spec.name} on {world} process(es)", total) as step:
+        data = profile_model(spec, chosen, world, device, settings, name, progress=step)
     write_json_atomic(out, data)
     columns_ = ["config", "a ms/tok^2", "b ms/tok", "c ms", "fit median", "held-out median", "held-out worst"]
     console.print(table(f"{data['name']}: fitted per-stage forward+backward -> {out}", columns_, summary_rows(data)))
