@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import SRC
+from cli_helpers import SRC
 
 
 @pytest.mark.parametrize(
