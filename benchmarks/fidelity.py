@@ -28,7 +28,7 @@ EXAMPLE = ROOT / "examples" / "tiny-cpu.toml"
 def run_once(workdir: Path, steps: int, nproc: int) -> dict:
     lines = EXAMPLE.read_text().splitlines()
     text = "\n".join(
-        'profile = "auto"' if line.startswith("profile") else f"steps = {steps}" if line.startswith("steps") else line
+        'profile = "auto"' if line.startswith("profile =") else f"steps = {steps}" if line.startswith("steps") else line
         for line in lines
     )
     path = workdir / "fidelity.toml"
