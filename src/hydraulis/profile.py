@@ -504,20 +504,16 @@ def progress_steps(configs: Sequence[ParallelConfig], settings: ProfileSettings,
 
 def _point_times(config: ParallelConfig, ranks: Sequence[dict[str, Any]], world: int) -> tuple[list, list]:
     """Per point: the config's time (slowest stage, median over repeats, then replicas) and per-stage times."""
-    n = config.num_gpus
     per_rank = {
         r["rank"]: np.asarray(r["configs"][config.name]["times_s"]) for r in ranks if config.name in r["configs"]
     }  # [points, repeats]
     points = next(iter(per_rank.values())).shape[0]
     replica_times, replica_stages = [], []
-    for j in range(world // n):
-        if any(m not in per_rank for m in range(j * n, (j + 1) * n)):
+    for replica in _filling(config, world):  # the replicas `measure` ran, on the same ranks
+        if any(m not in per_rank for m in replica.devices):
             continue  # a replica that waited while the CPU's cores were taken
-        stages = []
-        size = config.tp * config.cp  # ranks of one stage
-        for s in range(config.pp):
-            members = range(j * n + s * size, j * n + (s + 1) * size)
-            stages.append(np.max([per_rank[m] for m in members], axis=0))  # slowest TP (and CP) rank, per repeat
+        # per stage and repeat, its slowest TP (and CP) rank
+        stages = [np.max([per_rank[m] for m in replica.stage_devices(s)], axis=0) for s in range(config.pp)]
         stages_arr = np.stack(stages)  # [stage, point, repeat]
         replica_times.append(np.median(stages_arr.max(axis=0), axis=1))
         replica_stages.append(np.median(stages_arr, axis=2))
@@ -639,11 +635,11 @@ def build_profile(
         "min_efficient_tokens": {str(tp): v for tp, v in sorted(min_eff.items())},
         "fidelity": fits,
         "measurements": {
-            "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
+            "settings": settings.to_json(),
             "points": measurements,
+            "world_size": world,
         },
     }
-    data["measurements"]["world_size"] = world
     if all("optimizer_step_s" in r for r in ranks):
         # Per repeat the slowest rank (the collectives wait for it), then the median over repeats.
         step = {

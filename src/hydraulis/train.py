@@ -268,7 +268,6 @@ class AutoProfile:
         """Why a cached profile does not describe this job (None: it does)."""
         device = data.get("device") or {}
         measurements = data.get("measurements") or {}
-        settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self.settings).items()}
         have = {(r.get("tp"), r.get("pp")) for r in data.get("time_ms") or [] if isinstance(r, dict)}
         missing = [c.name for c in self.configs if (c.tp, c.pp) not in have]
         if data.get("model") != asdict(self.spec):
@@ -277,7 +276,7 @@ class AutoProfile:
             return "another device or dtype"
         if measurements.get("world_size") != self.world:
             return "another world size"
-        if measurements.get("settings") != settings:
+        if measurements.get("settings") != self.settings.to_json():
             return "another sweep"
         if missing:
             return f"it lacks {', '.join(missing)}"

@@ -455,6 +455,7 @@ class CostModel:
             return max(step.seconds[c] for c in configs)
         return self.grad_sync_time(num_gpus)
 
+
 def extend_to_cp(
     cost: CostModel, degrees: Sequence[int] = CP_DEGREES, only: Callable[[ParallelConfig], bool] | None = None
 ) -> CostModel:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig
@@ -61,6 +62,10 @@ class ProfileSettings:
 
     def dtype_for(self, device: str) -> str:
         return self.dtype or ("bf16" if device == "cuda" else "fp32")
+
+    def to_json(self) -> dict[str, Any]:
+        """As a profile's `measurements.settings` stores them (tuples as lists), for writing and comparing."""
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
 
 
 def sweep(settings: ProfileSettings) -> list[tuple[int, ...]]:

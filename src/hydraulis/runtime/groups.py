@@ -65,8 +65,7 @@ class ReplicaGroups:
 
 def stage_ranks(config: ParallelConfig, ranks: Sequence[int], stage: int, cp_rank: int = 0) -> tuple[int, ...]:
     """One TP group of a stage (CP rank `cp_rank`'s) in TP-rank order: sorted, as torch numbers a group's ranks."""
-    first = (stage * config.cp + cp_rank) * config.tp
-    return tuple(sorted(ranks[first : first + config.tp]))
+    return tuple(sorted(Replica(config, tuple(ranks)).tp_group(stage, cp_rank)))
 
 
 def cp_ranks(config: ParallelConfig, ranks: Sequence[int], stage: int, tp_rank: int) -> tuple[int, ...]:

@@ -299,14 +299,11 @@ class StageModel(nn.Module):
         if self.tp.size > 1:
             tp_partial = [i for i, p in enumerate(params) if get_shard(p).partial_grad]
             if tp_partial:
-                flat = torch.cat([grads[i].reshape(-1) for i in tp_partial])
-                torch.distributed.all_reduce(flat, group=self.tp.group)
-                for i, part in zip(tp_partial, flat.split([params[i].numel() for i in tp_partial]), strict=True):
-                    grads[i] = part.view_as(params[i])
+                reduced = _all_reduce_flat([grads[i] for i in tp_partial], self.tp.group)
+                for i, g in zip(tp_partial, reduced, strict=True):
+                    grads[i] = g
         if self.cp.size > 1:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            torch.distributed.all_reduce(flat, group=self.cp.group)
-            grads = [part.view_as(p) for p, part in zip(params, flat.split([p.numel() for p in params]), strict=True)]
+            grads = _all_reduce_flat(grads, self.cp.group)
         for i, p in enumerate(params):
             summed = grads[i]
             if stashed is not None and stashed[i] is not None:
@@ -320,3 +317,10 @@ class StageModel(nn.Module):
             for name, p in self.named_parameters()
             if p.grad is not None
         }
+
+
+def _all_reduce_flat(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """Sum tensors over a process group in one all-reduce of their concatenation; views in their shapes."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    torch.distributed.all_reduce(flat, group=group)
+    return [part.view_as(t) for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True)]
