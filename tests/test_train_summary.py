@@ -29,3 +29,25 @@ def test_report_plots_the_fidelity_panel(tmp_path):
     path = tmp_path / "report.png"
     report_plot([_row(0, 1.0, 1.1), _row(1, 0.8, 0.7)], path, "test")
     assert path.stat().st_size > 10_000
+
+
+def test_a_cached_auto_profile_without_a_cp_config_of_the_pool_is_measured_again():
+    """A profile with tp1pp1 only does not describe a pool with tp1pp1cp2: the cp row is missing."""
+    from dataclasses import asdict
+
+    from hydraulis.cost.sweep import ProfileSettings
+    from hydraulis.parallel import ParallelConfig
+    from hydraulis.specs import get_model
+    from hydraulis.train import AutoProfile
+
+    spec, settings = get_model("tiny"), ProfileSettings()
+    request = AutoProfile(spec, (ParallelConfig(1, 1), ParallelConfig(1, 1, 2)), 4, "cpu", settings)
+    data = {
+        "model": asdict(spec),
+        "device": {"kind": "cpu", "dtype": "fp32"},
+        "measurements": {"world_size": 4, "settings": settings.to_json()},
+        "time_ms": [{"tp": 1, "pp": 1}],
+    }
+    assert request.mismatch(data) == "it lacks tp1pp1cp2"
+    data["time_ms"].append({"tp": 1, "pp": 1, "cp": 2})
+    assert request.mismatch(data) is None

@@ -216,7 +216,7 @@ def _pool_configs(pool_spec: str, inline: bool, spec: ModelSpec, world: int) -> 
         from hydraulis.cost.analytic import candidate_configs
 
         configs = [c for c in candidate_configs(spec, world) if world % c.num_gpus == 0 and c.cp == 1]
-    return tuple(sorted(set(configs), key=lambda c: (c.num_gpus, c.tp, c.pp)))
+    return tuple(sorted(set(configs), key=lambda c: (c.num_gpus, c.tp, c.pp, c.cp)))
 
 
 def _sweep_for(max_len: int, lengths: np.ndarray) -> dict[str, Any]:
@@ -268,8 +268,8 @@ class AutoProfile:
         """Why a cached profile does not describe this job (None: it does)."""
         device = data.get("device") or {}
         measurements = data.get("measurements") or {}
-        have = {(r.get("tp"), r.get("pp")) for r in data.get("time_ms") or [] if isinstance(r, dict)}
-        missing = [c.name for c in self.configs if (c.tp, c.pp) not in have]
+        have = {(r.get("tp"), r.get("pp"), r.get("cp", 1)) for r in data.get("time_ms") or [] if isinstance(r, dict)}
+        missing = [c.name for c in self.configs if (c.tp, c.pp, c.cp) not in have]
         if data.get("model") != asdict(self.spec):
             return "another model"
         if device.get("kind") != self.device or device.get("dtype") != self.settings.dtype_for(self.device):
