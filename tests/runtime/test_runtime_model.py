@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hydraulis.errors import HydraulisError
 from hydraulis.runtime import (
@@ -53,6 +54,35 @@ def test_packed_attention_equals_dense_masked_reference(kv_heads):
     ref_grads = torch.autograd.grad(ref, (q, k, v), upstream)
     for a, b in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_packed_attention_takes_the_fused_kernel_on_cpu(kv_heads):
+    """With SDPA limited to its flash kernel, the math fallback raises: the packed path must never need it."""
+    seqlens = [96, 1, 33, 7]
+    total = sum(seqlens)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(total, 4, 16, generator=g, requires_grad=True)
+    k = torch.randn(total, kv_heads, 16, generator=g, requires_grad=True)
+    v = torch.randn(total, kv_heads, 16, generator=g, requires_grad=True)
+    cu = torch.tensor([0, 96, 97, 130, 137], dtype=torch.int32)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        out = packed_attention(q, k, v, cu, max(seqlens))
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    ref = dense_masked_attention(q, k, v, seqlens)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_model_step_runs_on_the_fused_kernel_only():
+    model = StageModel(MODELS["tiny"])
+    batch = pack_documents([list(range(1, 40)), list(range(5, 70))])
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        logits = model(batch.tokens, batch)
+        logits.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
 
 
 def test_cpu_uses_per_document_sdpa():

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from hydraulis.context import split_for_cp
 from hydraulis.errors import HydraulisError
+from hydraulis.runtime.attention import causal_sdpa
 
 
 @dataclass(frozen=True)
@@ -169,7 +169,6 @@ def context_attention(
     """
     if shard.cp != cp.size:
         raise HydraulisError(f"micro-batch was split for cp={shard.cp}, the group has cp={cp.size}")
-    gqa = q.shape[1] != k.shape[1]
     if shard.has_split:
         heads = k.shape[1]
         gathered = gather_kv(torch.cat([k, v], dim=1)[shard.gather_rows], shard.pad, cp)
@@ -177,17 +176,11 @@ def context_attention(
     pieces = []
     for (start, end), key_rows in zip(shard.segments, shard.keys, strict=True):
         if key_rows is None:  # a whole document (or padding): causal within its local rows
-            out = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1),
-                is_causal=True, enable_gqa=gqa,
-            )
+            out = causal_sdpa(q[start:end], k[start:end], v[start:end])
         else:  # a chunk at global positions [a, b): keys 0..b-1, causal by global position
             mask = positions[start:end].unsqueeze(1) >= torch.arange(len(key_rows), device=q.device)
-            out = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1), k_all[key_rows].transpose(0, 1), v_all[key_rows].transpose(0, 1),
-                attn_mask=mask, enable_gqa=gqa,
-            )
-        pieces.append(out.transpose(0, 1))
+            out = causal_sdpa(q[start:end], k_all[key_rows], v_all[key_rows], attn_mask=mask)
+        pieces.append(out)
     if not pieces:  # a CP rank without tokens in this micro-batch (it has no split documents either)
         return torch.empty_like(q)
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
