@@ -190,3 +190,23 @@ def test_a_measured_optimizer_step_is_the_iteration_time_after_compute():
     data["optimizer_step"]["ms"]["tp9"] = 1.0
     with pytest.raises(HydraulisError, match="tp9"):
         ProfiledCostModel.from_dict(data)
+
+
+def test_the_planner_chooses_by_the_whole_simulated_iteration():
+    """A deployment whose compute is fastest but whose optimizer step is slow loses to one that is faster overall."""
+    from hydraulis.parallel import Deployment
+    from hydraulis.planner.planner import Planner
+    from hydraulis.sim import simulate
+    from hydraulis.specs import ClusterSpec
+
+    data = _preset_dict("tiny-cpu-measured.json")
+    data["optimizer_step"] = {"world_size": 4, "ms": {"tp1pp1": 2000.0, "tp2pp1": 1.0}}
+    cost = ProfiledCostModel.from_dict(data)
+    pool = [Deployment.parse(p, ClusterSpec(4)) for p in ("4x(tp1,pp1)", "2x(tp2,pp1)")]
+    lengths = np.array([300, 280, 260, 240, 200, 120])
+    planner = Planner(cost, 4, pool)
+    on = {str(d): planner.plan_on(lengths, d) for d in pool}
+    tp1, tp2 = (simulate(on[str(d)], cost) for d in pool)
+    assert tp1.compute_time_s < tp2.compute_time_s  # the trap: faster compute...
+    assert tp1.iteration_time_s > tp2.iteration_time_s  # ...slower iteration
+    assert str(planner.plan(lengths).deployment) == "2x(tp2,pp1)"

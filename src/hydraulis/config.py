@@ -144,6 +144,10 @@ class TrainSection(_Section):
     out: str = "runs/demo"
     checkpoint_every: int = Field(0, ge=0)
     keep_checkpoints: int = Field(2, ge=1, le=1000)
+    # After training, the last compare_steps batches again on each homogeneous deployment of the pool
+    # and as planned, compare_repeats times interleaved: the measured speedup beside the predicted one.
+    compare_steps: int = Field(0, ge=0, le=10_000)
+    compare_repeats: int = Field(3, ge=1, le=100)
 
 
 class RunConfig(_Section):

@@ -386,6 +386,7 @@ def run_rank(job: Job) -> dict[str, Any] | None:
         seed=d.seed,
         dtype=c.train.dtype,
         sequence_parallel=c.parallel.sequence_parallel,
+        compare_steps=c.train.compare_steps,
     )
     trainer = Trainer(settings, corpus, sampler, env)
     say = _say(env.rank)
@@ -416,6 +417,12 @@ def run_rank(job: Job) -> dict[str, Any] | None:
             if stopping:
                 say(f"stopped by {stop.name} at step {trainer.step_index}; continue with --resume")
                 break
+        else:
+            if c.train.compare_steps:
+                say(f"measuring the last {len(trainer.recent)} batches again on each homogeneous deployment")
+                comparison = trainer.compare(c.train.compare_repeats)
+                if log is not None:
+                    log.compared(comparison)
     finally:
         stop.restore()
         trainer.close()
@@ -498,6 +505,7 @@ class RunLog:
             transient=True,
         )
         self.task = self.progress.add_task("train", total=job.steps, completed=start_step, info="")
+        self.comparison = None
         self.progress.start()
         self.console.print(
             f"training {job.spec.name} ({job.spec.num_params / 1e6:.2f}M parameters) on {job.world} rank(s); pool: "
@@ -525,6 +533,10 @@ class RunLog:
             )
             self.console.print(f"      replicas measured [{measured}] s, predicted [{predicted}] s", highlight=False)
 
+    def compared(self, comparison) -> None:
+        """The measured comparison (`Trainer.compare`) goes into the summary and the closing lines."""
+        self.comparison = comparison
+
     def close(self) -> None:
         self.progress.stop()
         if self.tb is not None:
@@ -535,6 +547,8 @@ class RunLog:
 
     def finish(self) -> dict[str, Any]:
         summary = summarize(self.rows)
+        if self.comparison is not None:
+            summary["comparison"] = self.comparison.to_dict()
         with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as fh:
             fh.write(json.dumps({"summary": summary}) + "\n")
         from hydraulis.jsonio import write_json_atomic
@@ -550,8 +564,23 @@ class RunLog:
             f"planning not hidden {summary['planning_unhidden_s']:.3f} s of {summary['planning_s']:.3f} s; "
             f"iteration time predicted/measured median error {summary['iteration_error_median']:.0%}"
         )
+        if self.comparison is not None:
+            self.console.print(comparison_lines(self.comparison.to_dict()), highlight=False)
         self.console.print(f"run directory: {self.out} (metrics.jsonl, report.png, tb/, config.toml, pool.json)")
         return summary
+
+
+def comparison_lines(c: dict[str, Any]) -> str:
+    """The headline: measured speedup over the best homogeneous deployment beside the predicted one."""
+    tps = {name: c["tokens"] / float(np.median(s)) for name, s in c["measured_s"].items()}
+    best = c["best_homogeneous"]
+    rows = [f"measured here, the same {c['tokens']:,} tokens, {c['repeats']} interleaved repeats (tokens/s, median):"]
+    rows += [f"  {name:<32} {v:>9,.0f}" for name, v in tps.items()]
+    rows.append(
+        f"  planned / best homogeneous ({best}): {c['measured_speedup']:.2f}x measured, "
+        f"{c['predicted_speedup']:.2f}x predicted"
+    )
+    return "\n".join(rows)
 
 
 def _metrics_before(path: Path, step: int) -> list[dict[str, Any]]:

@@ -55,6 +55,17 @@ def test_plans_switch_and_leave_a_replica_idle(run):
     assert any(not plan.deployment.is_homogeneous for plan in plans)
 
 
+def test_a_measured_comparison_mid_run_changes_nothing(run):
+    """The losses and parameters below match one process although `compare` ran real iterations."""
+    _, _, results, _, _ = run
+    c = results[0]["comparison"]
+    homogeneous = {"2x(tp1,pp2)", "1x(tp2,pp2)"}  # the pool's homogeneous deployments
+    assert set(c["measured_s"]) == {"planned", *homogeneous} and all(len(v) == 1 for v in c["measured_s"].values())
+    assert c["best_homogeneous"] in homogeneous
+    assert c["measured_speedup"] > 0 and c["predicted_speedup"] > 0
+    assert c["tokens"] == sum(m["tokens"] for m in results[0]["metrics"][5:7])  # the two steps before it
+
+
 def test_losses_match_single_process(run):
     _, _, results, losses, _ = run
     got = [m["loss"] for m in results[0]["metrics"]]

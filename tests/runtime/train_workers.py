@@ -54,6 +54,7 @@ def settings(model: str = "tiny", sequence_parallel: bool = False) -> TrainSetti
         steps=STEPS,
         seed=SEED,
         sequence_parallel=sequence_parallel,
+        compare_steps=2,
     )
 
 
@@ -80,7 +81,10 @@ def train(rank: int, world: int, s: TrainSettings, plans: list[IterationPlan]) -
     smp = sampler(docs)
     trainer = Trainer(s, docs, smp, env)
     metrics = [trainer.run_iteration(smp.next_batch(), plan) for plan in plans]
-    metrics += [trainer.step() for _ in range(STEPS - len(plans))]
+    metrics += [trainer.step() for _ in range(2)]
+    # The measured comparison runs real iterations mid-run: training must go on as if it had not.
+    comparison = trainer.compare(repeats=1)
+    metrics += [trainer.step() for _ in range(STEPS - len(metrics))]
     trainer.close()
     opt = trainer.optimizer
     traffic = {str(d): opt.plan(d, s.sequence_parallel).traffic() for d in s.pool}
@@ -98,6 +102,7 @@ def train(rank: int, world: int, s: TrainSettings, plans: list[IterationPlan]) -
     formula = state_bytes_formula(trainer.layout, part.exchange.local, rank, dtype_bytes=4)
     return {
         "metrics": [m.to_dict() for m in metrics],
+        "comparison": comparison.to_dict() if comparison is not None else None,
         "master": opt.master.clone(),
         "traffic": traffic,
         "splits": splits,

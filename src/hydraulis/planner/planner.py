@@ -155,14 +155,23 @@ class Planner:
         screened = [(dispatch(lengths, self._tables[k], search=False), k) for k in usable]
         screened.sort(key=lambda x: x[0].makespan_s)
         best: Candidate | None = None
+        best_s = float("inf")
         for d, k in self._worth_packing(screened, len(lengths)):
             cand = self._pack_and_refine(lengths, k, improve(lengths, self._tables[k], d))
-            if best is None or cand.compute_s < best.compute_s:
-                best = cand
+            # The whole iteration decides, as the simulator runs it: replicas sharing CPU cores slow
+            # each other, and deployments differ in their optimizer step.
+            predicted = simulate(plan_from_assignment(step, lengths, cand.deployment, cand.micro_batches, 0.0),
+                                 self.cost, keep_events=False).iteration_time_s
+            if predicted < best_s:
+                best, best_s = cand, predicted
         assert best is not None
         if self.method == "milp":
             best = self._exact(lengths, best)
         return self._finish(step, lengths, best, start)
+
+    def holds(self, deployment: Deployment, longest: int) -> bool:
+        """Whether some replica of `deployment` fits a sequence of `longest` tokens."""
+        return int(ReplicaTable.of(self.cost, deployment, self.num_gpus).cap.max()) >= longest
 
     def plan_on(self, lengths: Sequence[int] | np.ndarray, deployment: Deployment, step: int = 0) -> IterationPlan:
         """Plan a batch on one given deployment (for proposal and tests)."""

@@ -268,6 +268,13 @@ class DisaggregatedOptimizer:
             "step": self.step_count,
         }
 
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor | int]) -> None:
+        """Copy a `state_dict` of the same owned range back in place."""
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            getattr(self, name).copy_(state[name])
+        self.step_count = int(state["step"])
+
 
 def state_bytes_formula(layout: ModelLayout, local: Sequence[LocalParam], rank: int, dtype_bytes: int) -> dict:
     """What the memory model says this rank holds (cost.model.TrainingState), to compare with `state_bytes`."""

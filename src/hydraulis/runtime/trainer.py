@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -94,6 +95,7 @@ class TrainSettings:
     seed: int = 1
     dtype: str = "fp32"
     sequence_parallel: bool = False  # activation recompute: the configs in cost.recompute (one definition)
+    compare_steps: int = 0  # the last batches kept for `Trainer.compare`
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -166,6 +168,35 @@ def decode_plan(data: np.ndarray, step: int, lengths: Sequence[int], pool: Seque
     return plan_from_assignment(step, lengths, pool[index], per_replica, float(predicted), float(planning))
 
 
+@dataclass(frozen=True)
+class Comparison:
+    """The same batches as planned and on each homogeneous deployment: measured and predicted seconds."""
+
+    tokens: int
+    repeats: int
+    measured_s: dict[str, list[float]]  # per variant ("planned" or a deployment), one total per repeat
+    predicted_s: dict[str, float]
+
+    def median(self, name: str) -> float:
+        return float(np.median(self.measured_s[name]))
+
+    @property
+    def best_homogeneous(self) -> str:
+        return min((k for k in self.measured_s if k != "planned"), key=self.median)
+
+    def to_dict(self) -> dict:
+        best = self.best_homogeneous
+        return {
+            "tokens": self.tokens,
+            "repeats": self.repeats,
+            "measured_s": self.measured_s,
+            "predicted_s": self.predicted_s,
+            "best_homogeneous": best,
+            "measured_speedup": self.median(best) / self.median("planned"),
+            "predicted_speedup": self.predicted_s[best] / self.predicted_s["planned"],
+        }
+
+
 class Trainer:
     """One rank's training loop (see the module docstring). Every rank of the job builds one."""
 
@@ -201,6 +232,7 @@ class Trainer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner") if self.rank == 0 else None
         self.step_index = 0
         self._pending: tuple[GlobalBatch, Future | None] | None = None
+        self.recent: deque[tuple[GlobalBatch, IterationPlan]] = deque(maxlen=settings.compare_steps)
 
     # -- plans ---------------------------------------------------------------------------
     def _draw(self) -> None:
@@ -248,6 +280,7 @@ class Trainer:
         """Plan (already in flight), run and report one iteration; the next batch's planning starts at once."""
         batch, plan, waited = self._next_plan()
         self._draw()  # plan i + 1 while iteration i computes
+        self.recent.append((batch, plan))
         return self.run_iteration(batch, plan, planning_unhidden_s=waited)
 
     def micro_batches(self, batch: GlobalBatch, plan: IterationPlan, part: Active) -> list[PackedBatch]:
@@ -323,6 +356,50 @@ class Trainer:
         )
         self.step_index += 1
         return metrics
+
+    # -- measured comparison ------------------------------------------------------------------
+    def compare(self, repeats: int = 3) -> Comparison | None:
+        """The recent batches again, as planned and on each homogeneous deployment of the pool, interleaved.
+
+        Real iterations (gather, 1F1B, reduce, AdamW), timed as `run_iteration` times them; the
+        optimizer state and step index are restored afterwards, so training is unchanged.
+        Returns None when no batch was kept or no homogeneous deployment holds them all.
+        """
+        pairs = list(self.recent)
+        if not pairs:
+            return None
+        pool = self.settings.pool
+        candidates = [k for k, d in enumerate(pool) if d.is_homogeneous]
+        payload = None
+        if self.planner is not None:
+            longest = max(int(b.lengths.max()) for b, _ in pairs)
+            usable = [k for k in candidates if self.planner.holds(pool[k], longest)]
+            payload = np.array([len(usable), *usable], dtype=np.int64)
+        usable = [int(k) for k in self._broadcast(payload)[1:]]
+        if not usable:
+            return None
+        plans: dict[str, list[IterationPlan]] = {"planned": [p for _, p in pairs]}
+        for k in usable:
+            homogeneous = []
+            for batch, plan in pairs:
+                made = None
+                if self.planner is not None:
+                    made = encode_plan(self.planner.plan_on(batch.lengths, pool[k], plan.step), k)
+                homogeneous.append(decode_plan(self._broadcast(made), plan.step, batch.lengths, pool))
+            plans[str(pool[k])] = homogeneous
+        saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.optimizer.state_dict().items()}
+        step_index = self.step_index
+        seconds: dict[str, list[float]] = {name: [] for name in plans}
+        for _ in range(repeats):
+            for name, chosen in plans.items():
+                self.step_index = step_index
+                rows = [self.run_iteration(b, p) for (b, _), p in zip(pairs, chosen, strict=True)]
+                seconds[name].append(sum(r.iteration_s for r in rows))
+        self.step_index = step_index
+        self.optimizer.load_state_dict(saved)
+        tokens = sum(b.num_tokens for b, _ in pairs)
+        predicted = {name: sum(p.predicted_time_s for p in chosen) for name, chosen in plans.items()}
+        return Comparison(tokens, repeats, seconds, predicted)
 
     # -- checkpoints (checkpoint.py) ------------------------------------------------------------
     def next_sampler_state(self) -> SamplerState:
