@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 
 from hydraulis.parallel import ParallelConfig, Replica
 from hydraulis.runtime import StageModel, build_replica_groups, count_targets, pack_documents, train_step
+from hydraulis.runtime.layout import reset_parameters
 from hydraulis.specs import get_model
 
 
@@ -55,7 +56,7 @@ def worker(rank: int, args: argparse.Namespace, config: ParallelConfig, sp: bool
     spec = get_model(args.model)
     groups = build_replica_groups([Replica(config, tuple(range(world)))], sequence_parallel=sp)
     model = StageModel(spec, groups.tp, groups.stage, config.pp)
-    model.reset_parameters(0)
+    reset_parameters(model, 0)
     docs = make_micro_batches(spec.vocab, args.micro_batches, args.tokens, seed=1)
     packed = [pack_documents(mb, pad_to_multiple=config.tp) for mb in docs]
     total_targets = count_targets([len(d) for mb in docs for d in mb])

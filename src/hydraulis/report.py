@@ -6,15 +6,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hydraulis.errors import HydraulisError
-from hydraulis.jsonio import OutputSet, check_output
+from hydraulis.plots import pyplot, save_figure
 
 if TYPE_CHECKING:
     from rich.table import Table
 
     from hydraulis.bench import PolicyResult
     from hydraulis.planner.plan import IterationPlan
-    from hydraulis.sim import SimResult
+    from hydraulis.planner.sim import SimResult
 
 
 def bench_table(report: dict) -> Table:
@@ -51,40 +50,6 @@ def summary_lines(report: dict) -> list[str]:
         "max_planning_ms": ("hydraulis planning per iteration, worst scenario", "{:.1f} ms", ""),
     }
     return [f"{label}: {fmt.format(s[k])}  {target}".rstrip() for k, (label, fmt, target) in names.items() if k in s]
-
-
-def pyplot():
-    """matplotlib's pyplot on the Agg backend, or a HydraulisError saying how to install it."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise HydraulisError("plotting needs matplotlib: pip install 'hydraulis[cli]'") from None
-    return plt
-
-
-PLOT_FORMATS = (".png", ".svg", ".pdf")
-
-
-def check_plot_path(path: str | Path, what: str = "plot") -> Path:
-    """A writable file name with a format matplotlib writes, checked before any work."""
-    path = check_output(path, what)
-    if path.suffix.lower() not in PLOT_FORMATS:
-        raise HydraulisError(f"{path}: a {what} file must end in {', '.join(PLOT_FORMATS)}")
-    return path
-
-
-def save_figure(fig, path: str | Path, dpi: float | str = 120) -> None:
-    """Write through the atomic writer (a failed plot leaves no file); the figure is closed either way."""
-    plt = pyplot()
-    path = check_plot_path(path)
-    try:
-        with OutputSet() as outputs:
-            fig.savefig(outputs.stage(path), dpi=dpi, format=path.suffix[1:].lower())
-    finally:
-        plt.close(fig)
 
 
 def bench_plot(report: dict, path: str | Path) -> None:

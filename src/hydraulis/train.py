@@ -618,7 +618,7 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 def report_plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     """Loss, tokens/s, deployment per step, and predicted against measured replica times."""
-    from hydraulis.report import pyplot, save_figure
+    from hydraulis.plots import pyplot, save_figure
 
     plt = pyplot()
     steps = np.array([r["step"] for r in rows])

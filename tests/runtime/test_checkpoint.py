@@ -42,9 +42,9 @@ from hydraulis.runtime.checkpoint import (
     read_manifest,
     step_dir_name,
 )
-from hydraulis.runtime.hf import full_shapes, hf_config, hf_name
+from hydraulis.runtime.hf import hf_config, hf_name
 from hydraulis.runtime.hf_io import init_from, unflatten
-from hydraulis.runtime.layout import ModelLayout, full_to_canonical
+from hydraulis.runtime.layout import ModelLayout, full_shapes, full_to_canonical
 from hydraulis.runtime.optimizer import AdamW, DisaggregatedOptimizer
 from hydraulis.specs import MODELS
 

@@ -67,7 +67,7 @@ def stats(
     from hydraulis.data.stats import THRESHOLDS, length_stats, plot_histogram
 
     if plot is not None:
-        from hydraulis.report import check_plot_path
+        from hydraulis.plots import check_plot_path
 
         check_plot_path(plot, "--plot")
     c = resolve_corpus(corpus, tokenizer, progress=True)

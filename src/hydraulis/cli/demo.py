@@ -64,8 +64,8 @@ def _demo(
     from hydraulis.planner.policy import PolicyContext
     from hydraulis.planner.pool import save_pool
     from hydraulis.planner.proposal import propose
+    from hydraulis.planner.sim import simulate
     from hydraulis.report import comparison_plot, timeline_plot
-    from hydraulis.sim import simulate
     from hydraulis.specs import ClusterSpec
 
     cost = load_cost_model(profile)

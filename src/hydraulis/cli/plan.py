@@ -121,7 +121,8 @@ def bench(
     from hydraulis.baselines import POLICIES
     from hydraulis.bench import get_scenarios, run_bench
     from hydraulis.jsonio import OutputSet, check_output, check_output_dir, write_json_atomic
-    from hydraulis.report import bench_plot, bench_table, check_plot_path, summary_lines
+    from hydraulis.plots import check_plot_path
+    from hydraulis.report import bench_plot, bench_table, summary_lines
 
     chosen = get_scenarios(scenario)
     if not list_only:

@@ -28,7 +28,7 @@ from hydraulis.planner.plan import IterationPlan, plan_from_assignment
 from hydraulis.planner.pool import largest_cap
 from hydraulis.planner.replicas import ReplicaTable
 from hydraulis.planner.schedule import Schedule
-from hydraulis.sim import simulate
+from hydraulis.planner.sim import simulate
 from hydraulis.specs import ClusterSpec
 
 OVERLONG_POLICIES = ("auto", "error", "split", "truncate", "drop")

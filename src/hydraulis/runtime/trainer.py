@@ -44,13 +44,13 @@ from hydraulis.parallel import Deployment
 from hydraulis.planner.plan import IterationPlan, plan_from_assignment
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import check_job_pool
+from hydraulis.planner.sim import simulate
 from hydraulis.runtime.batch import PackedBatch, count_targets, pack_cp_shard
 from hydraulis.runtime.deployments import Active, Deployments
 from hydraulis.runtime.launch import DistEnv, init_distributed
 from hydraulis.runtime.layout import ModelLayout
 from hydraulis.runtime.optimizer import AdamW, DisaggregatedOptimizer
 from hydraulis.runtime.pipeline import train_step
-from hydraulis.sim import simulate
 from hydraulis.specs import ModelSpec
 
 SCHEDULES = ("cosine", "linear", "constant")
