@@ -17,8 +17,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from hydraulis.checkpoints import DEFAULT_KEEP
 from hydraulis.errors import HydraulisError
-from hydraulis.specs import MODELS, ModelSpec
+from hydraulis.files import read_text
+from hydraulis.specs import MODELS, SHAPE_FIELDS, ModelSpec
 
 MAX_TOKENS = 2**31 - 1
 
@@ -45,7 +47,7 @@ class ModelSection(_Section):
         return v
 
     def spec(self) -> ModelSpec:
-        shape = {k: getattr(self, k) for k in ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab")}
+        shape = {k: getattr(self, k) for k in SHAPE_FIELDS}
         given = {k: v for k, v in shape.items() if v is not None}
         if self.preset is None and len(given) < 5:
             missing = [k for k, v in shape.items() if v is None and k != "kv_heads"]
@@ -143,7 +145,7 @@ class TrainSection(_Section):
     log_every: int = Field(1, ge=1)
     out: str = "runs/demo"
     checkpoint_every: int = Field(0, ge=0)
-    keep_checkpoints: int = Field(2, ge=1, le=1000)
+    keep_checkpoints: int = Field(DEFAULT_KEEP, ge=1, le=1000)
 
 
 class RunConfig(_Section):
@@ -198,12 +200,7 @@ def parse_config(data: dict[str, Any], where: str = "config") -> RunConfig:
 
 def load_config(path: str | Path) -> RunConfig:
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise HydraulisError(f"{path}: no such config file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise HydraulisError(f"{path}: cannot read the config ({exc})") from None
+    text = read_text(path, missing="no such config file")
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hydraulis.errors import HydraulisError
-from hydraulis.jsonio import OutputSet, check_output
+from hydraulis.files import OutputSet, check_output
 
 
 def pyplot():

@@ -78,7 +78,7 @@ import torch
 import torch.distributed as dist
 
 from hydraulis.cost.fit import fidelity, fit_link, fit_robust, holdout_fidelity
-from hydraulis.cost.model import CAP_GRANULARITY, TrainingState
+from hydraulis.cost.memory import CAP_GRANULARITY, TrainingState
 from hydraulis.cost.profiled import PROFILE_SCHEMA
 from hydraulis.cost.sweep import ProfileSettings, check_configs, parse_configs, sweep
 from hydraulis.errors import HydraulisError

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -36,7 +35,7 @@ from hydraulis.config import RunConfig, pool_world
 from hydraulis.cost import CostModel, load_cost_model
 from hydraulis.cost.sweep import ProfileSettings
 from hydraulis.errors import HydraulisError
-from hydraulis.jsonio import default_mode
+from hydraulis.files import write_text_atomic
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.pool import Pool, check_job_pool, load_pool, parse_pool, save_pool
 from hydraulis.specs import ClusterSpec, ModelSpec
@@ -186,8 +185,7 @@ def model_spec(config: RunConfig) -> ModelSpec:
     given = m.model_fields_set - {"init_from"}
     if given:
         mine = m.spec()
-        shape = ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab")
-        differ = [k for k in shape if getattr(mine, k) != getattr(spec, k)]
+        differ = mine.shape_differences(spec)
         if differ:
             k = differ[0]
             raise HydraulisError(f"model.{k} is {getattr(mine, k)} but {path} says {getattr(spec, k)}; drop it")
@@ -602,18 +600,6 @@ def _tensorboard(path: Path):
     except ImportError:
         return None  # tensorboard is optional for training; metrics.jsonl has everything
     return SummaryWriter(str(path))
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        default_mode(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def report_plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:

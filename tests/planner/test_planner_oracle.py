@@ -7,7 +7,7 @@ import pytest
 
 from hydraulis.cost import load_cost_model
 from hydraulis.parallel import Deployment
-from hydraulis.planner.dispatch import exact_assignment
+from hydraulis.planner.milp import exact_assignment
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.replicas import ReplicaTable
 from hydraulis.planner.sim import closed_form_replica_time, replica_stage_times, simulate

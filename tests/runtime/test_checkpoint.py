@@ -29,19 +29,19 @@ from ckpt_workers import (
 )
 from dist_launcher import run_workers
 
-from hydraulis.data.indexed import open_corpus
-from hydraulis.data.sampler import TokenBudgetSampler
-from hydraulis.errors import HydraulisError
-from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, pack_documents
-from hydraulis.runtime.checkpoint import (
+from hydraulis.checkpoints import (
     CHECKPOINT_SCHEMA,
     MANIFEST_FILE,
     latest_checkpoint,
     list_checkpoints,
-    load_master,
     read_manifest,
     step_dir_name,
 )
+from hydraulis.data.indexed import open_corpus
+from hydraulis.data.sampler import TokenBudgetSampler
+from hydraulis.errors import HydraulisError
+from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, pack_documents
+from hydraulis.runtime.checkpoint import load_master
 from hydraulis.runtime.hf import hf_config, hf_name
 from hydraulis.runtime.hf_io import init_from, unflatten
 from hydraulis.runtime.layout import ModelLayout, full_shapes, full_to_canonical

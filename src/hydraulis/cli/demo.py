@@ -15,7 +15,7 @@ import typer
 
 from hydraulis.cli.app import app
 from hydraulis.cli.common import ProfileOption, console, err_console, table
-from hydraulis.jsonio import OutputSet, check_output, check_output_dir
+from hydraulis.files import OutputSet, check_output, check_output_dir
 from hydraulis.limits import MAX_GPUS, MAX_LENGTH, MAX_TOKENS_PER_BATCH
 
 DEMO_POLICIES = ("megatron", "flops-balanced", "hotspa", "hydraulis-reference", "hydraulis")

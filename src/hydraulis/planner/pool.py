@@ -155,8 +155,7 @@ def check_job_pool(pool: Sequence[Deployment], world: int, model: ModelSpec, cos
     """
     if not pool:
         raise HydraulisError("the deployment pool is empty")
-    shape = ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab")
-    if any(getattr(cost.model, k) != getattr(model, k) for k in shape):
+    if not cost.model.same_shape(model):
         raise HydraulisError(
             f"profile {cost.name} describes model {cost.model.name}, not the model trained ({model.name}); "
             "use a profile of this model (or MODEL@DEVICE for the analytic one)"

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hydraulis.cost.model import TrainingState
+from hydraulis.cost.memory import TrainingState
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
 from hydraulis.runtime.groups import rank_roles

@@ -32,6 +32,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -94,6 +95,17 @@ class TrainSettings:
     seed: int = 1
     dtype: str = "fp32"
     sequence_parallel: bool = False  # activation recompute: the configs in cost.recompute (one definition)
+
+    def schedule_state(self) -> dict[str, Any]:
+        """What the LR at each step depends on; a checkpoint records it, a resume says what changed."""
+        o = self.optim
+        return {
+            "lr": o.lr,
+            "warmup": o.warmup,
+            "schedule": o.schedule,
+            "min_lr_ratio": o.min_lr_ratio,
+            "total_steps": self.steps,
+        }
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
