@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import shutil
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from hydraulis.data.sampler import SamplerState
 from hydraulis.errors import HydraulisError
 from hydraulis.files import sha256_file
 from hydraulis.jsonio import Fields, load_json
+from hydraulis.progress import Log
 from hydraulis.specs import SHAPE_FIELDS, ModelSpec
 
 CHECKPOINT_SCHEMA = "hydraulis.checkpoint/1"
@@ -29,11 +30,10 @@ OPTIM_DIR = "optimizer"
 OPTIM_KEYS = ("master", "exp_avg", "exp_avg_sq")
 STEP_DIR = re.compile(r"step-(\d+)")
 DEFAULT_KEEP = 2  # the config's [train] keep_checkpoints default (config.TrainSection)
-Log = Callable[[str], None]
 
 
 def say(message: str) -> None:
-    """Default log: one line on stderr."""
+    """The default log of checkpoint discovery outside a run (`hydraulis export`): one line on stderr."""
     print(message, file=sys.stderr, flush=True)
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from hydraulis.errors import HydraulisError
 
 GiB = 2**30
+DTYPE_NAMES = ("fp32", "bf16")  # compute dtypes; runtime/trainer.py maps them to torch's
 
 
 @dataclass(frozen=True)

@@ -31,15 +31,23 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hydraulis.plots",
         "hydraulis.files",
     ),
-    ("hydraulis.parallel", "hydraulis.context"),
+    ("hydraulis.parallel", "hydraulis.context", "hydraulis.optim"),
     ("hydraulis.cost", "hydraulis.data", "hydraulis.checkpoints"),
     ("hydraulis.planner",),
     ("hydraulis.baselines",),
     ("hydraulis.runtime",),
-    ("hydraulis.bench", "hydraulis.report", "hydraulis.profile", "hydraulis.config", "hydraulis.train"),
+    (
+        "hydraulis.bench",
+        "hydraulis.report",
+        "hydraulis.config",
+        "hydraulis.auto_profile",
+        "hydraulis.job",
+        "hydraulis.run_log",
+        "hydraulis.loop",
+    ),
     ("hydraulis.cli", "hydraulis.__main__"),
 )
-TORCH_ALLOWED = ("hydraulis.runtime", "hydraulis.profile", "hydraulis.train")
+TORCH_ALLOWED = ("hydraulis.runtime", "hydraulis.loop")
 
 
 def _module_name(path: Path) -> str:

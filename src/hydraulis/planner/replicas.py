@@ -91,7 +91,12 @@ class ReplicaTable:
         return sequence_costs(a, b, np.asarray(lengths)[None, :])
 
 
-def micro_batch_range(tokens, count, cap, min_efficient):
+ArrayLike = np.ndarray | float | int  # the estimate broadcasts: arrays of replicas, or one replica's scalars
+
+
+def micro_batch_range(
+    tokens: ArrayLike, count: ArrayLike, cap: ArrayLike, min_efficient: ArrayLike
+) -> tuple[np.ndarray, np.ndarray]:
     """Smallest and largest sensible micro-batch counts (arrays or scalars)."""
     tokens = np.asarray(tokens)
     vmin = np.maximum(1, -(-tokens // np.maximum(cap, 1)))
@@ -100,7 +105,16 @@ def micro_batch_range(tokens, count, cap, min_efficient):
     return vmin, vmax
 
 
-def estimate_time(W, T, n, wmax, c, pp, cap, min_efficient) -> np.ndarray:
+def estimate_time(
+    W: ArrayLike,
+    T: ArrayLike,
+    n: ArrayLike,
+    wmax: ArrayLike,
+    c: ArrayLike,
+    pp: ArrayLike,
+    cap: ArrayLike,
+    min_efficient: ArrayLike,
+) -> np.ndarray:
     """Estimated 1F1B time of replicas holding sequences with these sums (broadcasts; 0 if empty)."""
     W = np.asarray(W, dtype=np.float64)
     c = np.asarray(c, dtype=np.float64)

@@ -38,7 +38,7 @@ import re
 import shutil
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -136,8 +136,7 @@ def _sharded(trainer: Trainer, tensors: dict[str, torch.Tensor]) -> dict[str, An
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    opt = trainer.optimizer
-    mesh = init_device_mesh(opt.device.type, (trainer.world,))
+    mesh = init_device_mesh(trainer.env.device.type, (trainer.world,))
     total = torch.Size([trainer.layout.total])
     return {
         k: DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=total, stride=(1,))
@@ -146,9 +145,8 @@ def _sharded(trainer: Trainer, tensors: dict[str, torch.Tensor]) -> dict[str, An
 
 
 # -- save ----------------------------------------------------------------------------------------------
-def _manifest(trainer: Trainer, files: dict[str, FileEntry]) -> dict[str, Any]:
+def _manifest(trainer: Trainer, state: dict[str, Any], files: dict[str, FileEntry]) -> dict[str, Any]:
     s = trainer.settings
-    o = s.optim
     corpus_manifest = getattr(trainer.corpus, "manifest", None)
     corpus = None
     tokenizer = None
@@ -157,15 +155,15 @@ def _manifest(trainer: Trainer, files: dict[str, FileEntry]) -> dict[str, Any]:
         corpus = {"name": corpus_manifest.name, "sha256": dict(corpus_manifest.checksums)}
     return {
         "schema": CHECKPOINT_SCHEMA,
-        "step": trainer.step_index,
+        "step": state["step"],
         "world_size": trainer.world,
         "model": asdict(s.model),
         "parameters": trainer.layout.total,
         "tokenizer": tokenizer,
         "corpus": corpus,
-        "optimizer": {"step": trainer.optimizer.step_count, "adamw": asdict(o.adamw)},
-        "sampler": trainer.next_sampler_state().to_dict(),
-        "schedule": s.schedule_state(),
+        "optimizer": {"step": state["optimizer"]["step"], "adamw": asdict(s.optim.adamw)},
+        "sampler": state["sampler"].to_dict(),
+        "schedule": state["schedule"],
         "seed": s.seed,
         "dtype": s.dtype,
         "pool": [{"text": str(d), "replicas": d.to_rows()} for d in s.pool],
@@ -183,7 +181,8 @@ def save_checkpoint(trainer: Trainer, out_dir: str | Path, keep: int = DEFAULT_K
     import torch.distributed.checkpoint as dcp
 
     out = Path(out_dir)
-    name = step_dir_name(trainer.step_index)
+    state = trainer.state_dict()
+    name = step_dir_name(state["step"])
     final, tmp = out / name, out / f".{name}.tmp"
     rank = trainer.rank
 
@@ -200,10 +199,9 @@ def save_checkpoint(trainer: Trainer, out_dir: str | Path, keep: int = DEFAULT_K
             raise HydraulisError(f"{out}: cannot create the checkpoint directory: {exc.strerror or exc}") from None
 
     _agree(trainer, prepare)
-    opt = trainer.optimizer
-    state = _sharded(trainer, {k: getattr(opt, k) for k in OPTIM_KEYS})
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp / OPTIM_DIR)), process_group=_control(trainer))
-    write_json_atomic(tmp / rng_file(rank), rng_state(opt.device))
+    sharded = _sharded(trainer, {k: state["optimizer"][k] for k in OPTIM_KEYS})
+    dcp.save(sharded, storage_writer=dcp.FileSystemWriter(str(tmp / OPTIM_DIR)), process_group=_control(trainer))
+    write_json_atomic(tmp / rng_file(rank), rng_state(trainer.env.device))
     _gather(trainer, None)  # a barrier: every rank's files are written
     names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file() and not p.name.endswith(".tmp"))
     mine = {n: FileEntry((tmp / n).stat().st_size, sha256_file(tmp / n)) for n in names if _writer(n) == rank}
@@ -213,7 +211,7 @@ def save_checkpoint(trainer: Trainer, out_dir: str | Path, keep: int = DEFAULT_K
         if rank != 0:
             return
         try:
-            write_json_atomic(tmp / MANIFEST_FILE, _manifest(trainer, files))  # last: marks it complete
+            write_json_atomic(tmp / MANIFEST_FILE, _manifest(trainer, state, files))  # last: marks it complete
             replace_directory(tmp, final)  # the same step saved again (e.g. right after a resume) replaces it
         except OSError as exc:
             raise HydraulisError(f"{final}: cannot publish the checkpoint: {exc.strerror or exc}") from None
@@ -260,8 +258,8 @@ def load_checkpoint(trainer: Trainer, path: str | Path, verify: bool = True, log
         return info
 
     info = _agree(trainer, check)
-    opt = trainer.optimizer
-    fresh = {k: torch.zeros_like(getattr(opt, k)) for k in OPTIM_KEYS}
+    current = trainer.state_dict()
+    fresh = {k: torch.zeros_like(current["optimizer"][k]) for k in OPTIM_KEYS}
 
     def read() -> None:
         try:
@@ -275,14 +273,13 @@ def load_checkpoint(trainer: Trainer, path: str | Path, verify: bool = True, log
         own = path / rng_file(rank)
         source = own if own.name in info.files else path / rng_file(0)
         rng = read_json_object(source)
-        set_rng_state(rng, opt.device, str(source))
+        set_rng_state(rng, trainer.env.device, str(source))
 
     _agree(trainer, read)
-    for k, t in fresh.items():
-        getattr(opt, k).copy_(t)
-    opt.step_count = info.optimizer_step
-    trainer.restore(info.step, info.sampler)
-    now = trainer.settings.schedule_state()
+    trainer.load_state_dict(
+        {"step": info.step, "sampler": info.sampler, "optimizer": {**fresh, "step": info.optimizer_step}}
+    )
+    now = current["schedule"]
     changed = [k for k, v in now.items() if info.schedule.get(k) != v]
     if changed and rank == 0:
         log(
@@ -331,3 +328,33 @@ def load_master(path: str | Path, verify: bool = True) -> tuple[CheckpointInfo, 
     except Exception as exc:  # noqa: BLE001
         raise HydraulisError(f"{info.path / OPTIM_DIR}: cannot read the master weights: {exc}") from None
     return info, state["master"]
+
+
+@dataclass(frozen=True)
+class CheckpointManager:
+    """When a run saves and how many checkpoints it keeps: the loop asks it after every step.
+
+    It saves every `every` steps (0: never), at `last_step` and when the ranks
+    agreed to stop; it keeps the newest `keep` complete checkpoints.
+    """
+
+    directory: Path
+    every: int
+    keep: int
+    last_step: int
+    log: Log = say
+
+    def resume(self, trainer: Trainer, verify: bool = True) -> CheckpointInfo | None:
+        """The newest complete checkpoint loaded into the trainer (every rank calls it); None without one."""
+        return resume(trainer, self.directory, verify=verify, log=self.log)
+
+    def due(self, step: int, stopping: bool = False) -> bool:
+        return stopping or step == self.last_step or (self.every > 0 and step % self.every == 0)
+
+    def maybe_save(self, trainer: Trainer, stopping: bool = False) -> Path | None:
+        """Save if one is due after the trainer's last step (every rank calls it); the directory, or None."""
+        if not self.due(trainer.step_index, stopping):
+            return None
+        path = save_checkpoint(trainer, self.directory, keep=self.keep, log=self.log)
+        self.log(f"saved {path}")
+        return path
