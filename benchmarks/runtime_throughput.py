@@ -15,19 +15,17 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hydraulis.parallel import ParallelConfig, Replica
 from hydraulis.runtime import StageModel, build_replica_groups, count_targets, pack_documents, train_step
+from hydraulis.runtime.launch import spawn
+from hydraulis.runtime.layout import reset_parameters
 from hydraulis.specs import get_model
 
 
@@ -45,17 +43,15 @@ def make_micro_batches(vocab: int, micro_batches: int, tokens: int, seed: int) -
     return batches
 
 
-def worker(rank: int, args: argparse.Namespace, config: ParallelConfig, sp: bool, port: int, out: str) -> None:
+def worker(args: argparse.Namespace, config: ParallelConfig, sp: bool) -> dict:
+    """One rank (started by the runtime's launcher, which sets RANK, WORLD_SIZE and MASTER_PORT)."""
     torch.set_num_threads(args.threads)
     world = config.num_gpus
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )  # fmt: skip
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     spec = get_model(args.model)
     groups = build_replica_groups([Replica(config, tuple(range(world)))], sequence_parallel=sp)
     model = StageModel(spec, groups.tp, groups.stage, config.pp)
-    model.reset_parameters(0)
+    reset_parameters(model, 0)
     docs = make_micro_batches(spec.vocab, args.micro_batches, args.tokens, seed=1)
     packed = [pack_documents(mb, pad_to_multiple=config.tp) for mb in docs]
     total_targets = count_targets([len(d) for mb in docs for d in mb])
@@ -68,15 +64,7 @@ def worker(rank: int, args: argparse.Namespace, config: ParallelConfig, sp: bool
         dist.barrier()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
-    if rank == 0:
-        Path(out).write_text(json.dumps({"tokens": sum(len(d) for mb in docs for d in mb), "times": times}))
-    dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return {"tokens": sum(len(d) for mb in docs for d in mb), "times": times}
 
 
 def main() -> None:
@@ -95,10 +83,7 @@ def main() -> None:
     for name in args.configs.split(","):
         sp = name.endswith("-sp")
         config = ParallelConfig.parse(name.removesuffix("-sp"))
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "result.json")
-            mp.spawn(worker, args=(args, config, sp, free_port(), out), nprocs=config.num_gpus, join=True)
-            result = json.loads(Path(out).read_text())
+        result = spawn(worker, config.num_gpus, args, config, sp)[0]
         step_s = statistics.median(result["times"])
         rows.append(
             {

@@ -13,7 +13,7 @@ import numpy as np
 from hydraulis.cost import load_cost_model
 from hydraulis.parallel import Deployment
 from hydraulis.planner.plan import plan_from_assignment
-from hydraulis.sim import simulate
+from hydraulis.planner.sim import simulate
 from hydraulis.specs import ClusterSpec
 
 

@@ -41,8 +41,9 @@ def worker(job: dict) -> dict:
     import torch.distributed as dist
 
     from hydraulis.data.indexed import open_corpus
+    from hydraulis.optim import OptimSettings
     from hydraulis.runtime.launch import init_distributed
-    from hydraulis.runtime.trainer import OptimSettings, Trainer, TrainSettings
+    from hydraulis.runtime.trainer import Trainer, TrainSettings
 
     env = init_distributed("cpu")
     corpus = open_corpus(job["corpus"])

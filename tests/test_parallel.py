@@ -5,13 +5,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hydraulis.errors import HydraulisError
-from hydraulis.parallel import Deployment, ParallelConfig, format_configs, parse_configs
+from hydraulis.parallel import Deployment, ParallelConfig, format_configs, parse_deployment_configs
 from hydraulis.specs import ClusterSpec, get_model
 
 
 def test_compact_text_round_trips():
     text = "1x(tp8,pp1) + 6x(tp2,pp2)"
-    configs = parse_configs(text)
+    configs = parse_deployment_configs(text)
     assert configs == [ParallelConfig(8, 1)] + [ParallelConfig(2, 2)] * 6
     assert format_configs(configs) == text
     assert str(Deployment.parse(text, ClusterSpec(32))) == text

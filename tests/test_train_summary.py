@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hydraulis.train import iteration_errors, report_plot, summarize
+from hydraulis.report import iteration_errors
+from hydraulis.report import training_plot as report_plot
+from hydraulis.run_log import summarize
 
 
 def _row(step: int, predicted: float, measured: float) -> dict:
@@ -35,10 +37,10 @@ def test_a_cached_auto_profile_without_a_cp_config_of_the_pool_is_measured_again
     """A profile with tp1pp1 only does not describe a pool with tp1pp1cp2: the cp row is missing."""
     from dataclasses import asdict
 
+    from hydraulis.auto_profile import AutoProfile
     from hydraulis.cost.sweep import ProfileSettings
     from hydraulis.parallel import ParallelConfig
     from hydraulis.specs import get_model
-    from hydraulis.train import AutoProfile
 
     spec, settings = get_model("tiny"), ProfileSettings()
     request = AutoProfile(spec, (ParallelConfig(1, 1), ParallelConfig(1, 1, 2)), 4, "cpu", settings)

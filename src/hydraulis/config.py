@@ -11,14 +11,16 @@ before any rank starts.
 from __future__ import annotations
 
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from hydraulis.checkpoints import DEFAULT_KEEP
 from hydraulis.errors import HydraulisError
-from hydraulis.specs import MODELS, ModelSpec
+from hydraulis.files import read_text
+from hydraulis.optim import SCHEDULES, AdamWSettings, OptimSettings
+from hydraulis.specs import DTYPE_NAMES, MODELS, SHAPE_FIELDS, ModelSpec
 
 MAX_TOKENS = 2**31 - 1
 
@@ -45,7 +47,7 @@ class ModelSection(_Section):
         return v
 
     def spec(self) -> ModelSpec:
-        shape = {k: getattr(self, k) for k in ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab")}
+        shape = {k: getattr(self, k) for k in SHAPE_FIELDS}
         given = {k: v for k, v in shape.items() if v is not None}
         if self.preset is None and len(given) < 5:
             missing = [k for k, v in shape.items() if v is None and k != "kv_heads"]
@@ -118,15 +120,23 @@ class ParallelSection(_Section):
         return frozenset(named)
 
 
+_OPTIM, _ADAMW = OptimSettings(), AdamWSettings()  # the defaults, written once in optim.py
+
+
 class OptimSection(_Section):
-    lr: float = Field(3e-4, gt=0, le=10)
-    warmup: int = Field(10, ge=0)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    weight_decay: float = Field(0.1, ge=0, le=10)
-    grad_clip: float = Field(1.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0, le=1)
+    lr: float = Field(_OPTIM.lr, gt=0, le=10)
+    warmup: int = Field(_OPTIM.warmup, ge=0)
+    schedule: Literal[SCHEDULES] = _OPTIM.schedule  # type: ignore[valid-type]
+    min_lr_ratio: float = Field(_OPTIM.min_lr_ratio, ge=0, le=1)
+    weight_decay: float = Field(_ADAMW.weight_decay, ge=0, le=10)
+    grad_clip: float = Field(_ADAMW.grad_clip, ge=0)
+    betas: tuple[float, float] = _ADAMW.betas
+    eps: float = Field(_ADAMW.eps, gt=0, le=1)
+
+    def settings(self) -> OptimSettings:
+        """The optimizer's settings record, built from this section."""
+        adamw = AdamWSettings(tuple(self.betas), self.eps, self.weight_decay, self.grad_clip)
+        return OptimSettings(self.lr, self.warmup, self.schedule, self.min_lr_ratio, adamw)
 
     @field_validator("betas")
     @classmethod
@@ -138,12 +148,12 @@ class OptimSection(_Section):
 
 class TrainSection(_Section):
     steps: int = Field(100, ge=1, le=10**9)
-    dtype: Literal["fp32", "bf16"] = "fp32"
+    dtype: Literal[DTYPE_NAMES] = DTYPE_NAMES[0]  # type: ignore[valid-type]
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_every: int = Field(1, ge=1)
     out: str = "runs/demo"
     checkpoint_every: int = Field(0, ge=0)
-    keep_checkpoints: int = Field(2, ge=1, le=1000)
+    keep_checkpoints: int = Field(DEFAULT_KEEP, ge=1, le=1000)
     # After training, the last compare_steps batches again on each homogeneous deployment of the pool
     # and as planned, compare_repeats times interleaved: the measured speedup beside the predicted one.
     compare_steps: int = Field(0, ge=0, le=10_000)
@@ -202,36 +212,9 @@ def parse_config(data: dict[str, Any], where: str = "config") -> RunConfig:
 
 def load_config(path: str | Path) -> RunConfig:
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise HydraulisError(f"{path}: no such config file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise HydraulisError(f"{path}: cannot read the config ({exc})") from None
+    text = read_text(path, missing="no such config file")
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise HydraulisError(f"{path}: not valid TOML ({exc})") from None
     return parse_config(data, str(path))
-
-
-@dataclass(frozen=True)
-class PoolText:
-    """A pool as the config gives it: the world size it needs and its deployments' compact texts."""
-
-    world: int
-    deployments: tuple[str, ...]
-
-
-def pool_world(text: str) -> PoolText:
-    """The GPU count of an inline pool (every deployment must use the same count)."""
-    from hydraulis.parallel import parse_configs
-
-    items = tuple(t.strip() for t in text.split(";") if t.strip())
-    if not items:
-        raise HydraulisError(f"parallel.pool: {text!r} names no deployment")
-    sizes = [sum(c.num_gpus for c in parse_configs(t)) for t in items]
-    if len(set(sizes)) != 1:
-        listed = ", ".join(f"{t} ({n} GPUs)" for t, n in zip(items, sizes, strict=True))
-        raise HydraulisError(f"parallel.pool: deployments use different GPU counts: {listed}")
-    return PoolText(sizes[0], items)

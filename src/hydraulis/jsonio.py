@@ -1,32 +1,27 @@
 """Reading and writing the JSON file formats (docs/design.md, section 8) with clear errors.
 
 Every format carries a `schema` key. Readers name the file and the field that
-is wrong; writers go through a temporary file and a rename, so a crash never
-leaves a half-written file behind.
+is wrong; writers publish through files.OutputSet, so a crash never leaves a
+half-written file behind.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from hydraulis import interrupt
 from hydraulis.errors import HydraulisError
+from hydraulis.files import OutputSet, read_text
 from hydraulis.limits import INT64_MAX, finite, short_repr
 
 
-def load_json(path: str | Path, schema: str) -> dict[str, Any]:
+def read_json_object(
+    path: str | Path, missing: str = "no such file", expected: str = "a JSON object"
+) -> dict[str, Any]:
+    """A file holding one JSON object (finite numbers only), or a HydraulisError naming the file."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise HydraulisError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise HydraulisError(f"{path}: cannot read: {exc}") from None
+    text = read_text(path, missing)
     try:
         data = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
@@ -34,7 +29,13 @@ def load_json(path: str | Path, schema: str) -> dict[str, Any]:
     except ValueError as exc:  # NaN, Infinity, or an integer of more digits than Python parses
         raise HydraulisError(f"{path}: {exc}") from None
     if not isinstance(data, dict):
-        raise HydraulisError(f"{path}: expected a JSON object with schema {schema!r}")
+        raise HydraulisError(f"{path}: expected {expected}")
+    return data
+
+
+def load_json(path: str | Path, schema: str) -> dict[str, Any]:
+    """A JSON file of one of our formats: an object whose `schema` key is `schema`."""
+    data = read_json_object(path, expected=f"a JSON object with schema {schema!r}")
     found = data.get("schema")
     if found != schema:
         raise HydraulisError(f"{path}: schema is {found!r}, expected {schema!r}")
@@ -43,135 +44,6 @@ def load_json(path: str | Path, schema: str) -> dict[str, Any]:
 
 def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a number JSON allows; give a finite value")
-
-
-def default_mode(path: str | Path) -> None:
-    """mkstemp/mkdtemp make private (0600/0700) entries; published files get the usual umask-based mode."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
-
-
-def temp_prefix(name: str) -> str:
-    """`.NAME.` for temporaries next to NAME, short enough that the temporary's name fits wherever NAME fits."""
-    return f".{name[:96]}."
-
-
-def check_output(path: str | Path, what: str = "output") -> Path:
-    """Refuse, before any work, an output path that cannot be written: a directory, under a file, a name
-    too long for the file system, or in a directory without write permission."""
-    path = Path(path)
-    _check_parents(path, what)
-    if path.is_dir():
-        raise HydraulisError(f"{path}: is a directory; the {what} needs a file name")
-    return path
-
-
-def check_output_dir(path: str | Path, what: str = "output directory") -> Path:
-    """Like check_output, for a directory that a command fills (it may exist already)."""
-    path = Path(path)
-    _check_parents(path, what)
-    if path.exists() and not path.is_dir():
-        raise HydraulisError(f"{path}: exists and is not a directory; the {what} must be one")
-    if path.exists() and not os.access(path, os.W_OK | os.X_OK):
-        raise HydraulisError(f"{path}: no permission to write in it; choose another {what}")
-    return path
-
-
-def _exists(path: Path) -> bool:
-    try:
-        return path.exists()
-    except OSError:  # a name too long, for one
-        return False
-
-
-def _check_parents(path: Path, what: str) -> None:
-    """Names that fit, an ancestor that is a writable directory (the path itself may or may not exist)."""
-    missing = []
-    ancestor = path.absolute()
-    while not _exists(ancestor):
-        missing.append(ancestor)
-        ancestor = ancestor.parent
-    try:
-        name_max = os.pathconf(ancestor, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        name_max = 255
-    for p in missing:
-        size = len(os.fsencode(p.name))
-        if size > name_max:
-            raise HydraulisError(
-                f"{p.name[:40]}...: a name of {size} bytes, more than the {name_max} this file system allows; "
-                f"use a shorter {what} name"
-            )
-    if ancestor == path.absolute():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise HydraulisError(f"{path}: {ancestor} is a file, not a directory; choose another {what} path")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise HydraulisError(f"{path}: no permission to write in {ancestor}; choose another {what} path")
-
-
-class OutputSet:
-    """The files one command writes: published together when the `with` block succeeds, else none.
-
-    `stage(target)` returns a temporary path next to the target (same suffix) to
-    write to. Leaving the block normally renames every temporary into place
-    with SIGINT/SIGTERM held back, so the set never appears half; an exception
-    (interruption included) removes the temporaries and the directories the set
-    created.
-    """
-
-    def __init__(self) -> None:
-        self._staged: list[tuple[Path, Path]] = []
-        self._made: list[Path] = []
-
-    def __enter__(self) -> OutputSet:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            self._discard()
-            return
-        try:
-            with interrupt.held():
-                for tmp, target in self._staged:
-                    default_mode(tmp)
-                    os.replace(tmp, target)
-                self._staged.clear()
-        except BaseException:
-            self._discard()
-            raise
-
-    def directory(self, path: str | Path) -> Path:
-        """Create `path` (and missing parents), to be removed again if the set is discarded."""
-        path = Path(path)
-        check_output_dir(path)
-        missing = []
-        p = path
-        while not p.exists():
-            missing.append(p)
-            p = p.parent
-        for d in reversed(missing):
-            d.mkdir()
-            self._made.append(d)
-        return path
-
-    def stage(self, target: str | Path) -> Path:
-        target = check_output(target)
-        self.directory(target.parent)
-        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(target.name), suffix=".tmp" + target.suffix, dir=target.parent)
-        os.close(fd)
-        self._staged.append((Path(tmp), target))
-        return Path(tmp)
-
-    def _discard(self) -> None:
-        for tmp, _ in self._staged:
-            tmp.unlink(missing_ok=True)
-        self._staged.clear()
-        for d in reversed(self._made):
-            with contextlib.suppress(OSError):  # not empty: something else wrote there meanwhile
-                d.rmdir()
-        self._made.clear()
 
 
 def write_json_atomic(path: str | Path, data: Any) -> None:

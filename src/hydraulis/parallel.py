@@ -181,7 +181,7 @@ class Deployment:
 
     @classmethod
     def parse(cls, text: str, cluster: ClusterSpec) -> Deployment:
-        return cls.place(parse_configs(text), cluster)
+        return cls.place(parse_deployment_configs(text), cluster)
 
     def to_rows(self) -> list[dict[str, Any]]:
         """The JSON form of plan and pool files: one {tp, pp, cp, devices} row per replica."""
@@ -267,7 +267,7 @@ def _placement_error(configs: Sequence[ParallelConfig], config: ParallelConfig, 
 _ITEM = re.compile(r"^(?:(\d+)\s*[x*]\s*)?(\(?\s*tp\s*\d+.*)$")
 
 
-def parse_configs(text: str) -> list[ParallelConfig]:
+def parse_deployment_configs(text: str) -> list[ParallelConfig]:
     """`1x(tp8,pp1) + 6x(tp2,pp2)` -> [tp8pp1, tp2pp2 x 6]."""
     configs: list[ParallelConfig] = []
     for item in text.lower().split("+"):

@@ -13,6 +13,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 LOG_EVERY_S = 60.0
+Log = Callable[[str], None]  # what components report through, instead of printing
+
+
+def say(message: str) -> None:
+    """The run's log: one line on stdout, flushed at once (a cluster job's log may be a file)."""
+    print(message, flush=True)
 
 
 @contextmanager

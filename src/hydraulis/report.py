@@ -1,20 +1,22 @@
-"""Tables and plots of benchmark results (matplotlib is imported only to plot, with Agg)."""
+"""Tables and plots of results: benchmarks, plans, and a training run's report.png (matplotlib only to plot)."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from hydraulis.errors import HydraulisError
-from hydraulis.jsonio import OutputSet, check_output
+import numpy as np
+
+from hydraulis.plots import pyplot, save_figure
 
 if TYPE_CHECKING:
     from rich.table import Table
 
     from hydraulis.bench import PolicyResult
     from hydraulis.planner.plan import IterationPlan
-    from hydraulis.sim import SimResult
+    from hydraulis.planner.sim import SimResult
 
 
 def bench_table(report: dict) -> Table:
@@ -51,40 +53,6 @@ def summary_lines(report: dict) -> list[str]:
         "max_planning_ms": ("hydraulis planning per iteration, worst scenario", "{:.1f} ms", ""),
     }
     return [f"{label}: {fmt.format(s[k])}  {target}".rstrip() for k, (label, fmt, target) in names.items() if k in s]
-
-
-def pyplot():
-    """matplotlib's pyplot on the Agg backend, or a HydraulisError saying how to install it."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise HydraulisError("plotting needs matplotlib: pip install 'hydraulis[cli]'") from None
-    return plt
-
-
-PLOT_FORMATS = (".png", ".svg", ".pdf")
-
-
-def check_plot_path(path: str | Path, what: str = "plot") -> Path:
-    """A writable file name with a format matplotlib writes, checked before any work."""
-    path = check_output(path, what)
-    if path.suffix.lower() not in PLOT_FORMATS:
-        raise HydraulisError(f"{path}: a {what} file must end in {', '.join(PLOT_FORMATS)}")
-    return path
-
-
-def save_figure(fig, path: str | Path, dpi: float | str = 120) -> None:
-    """Write through the atomic writer (a failed plot leaves no file); the figure is closed either way."""
-    plt = pyplot()
-    path = check_plot_path(path)
-    try:
-        with OutputSet() as outputs:
-            fig.savefig(outputs.stage(path), dpi=dpi, format=path.suffix[1:].lower())
-    finally:
-        plt.close(fig)
 
 
 def bench_plot(report: dict, path: str | Path) -> None:
@@ -191,5 +159,58 @@ def timeline_plot(runs: Sequence[tuple[str, IterationPlan, SimResult]], path: st
         ncols=3,
         frameon=False,
     )
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def iteration_errors(rows: list[dict[str, Any]]) -> list[float]:
+    """|predicted - measured| / measured iteration time of each step: the cost model's fidelity in training."""
+    return [abs(r["predicted_s"] - r["iteration_s"]) / r["iteration_s"] for r in rows if r["iteration_s"] > 0]
+
+
+def training_plot(rows: list[dict[str, Any]], path: str | Path, title: str) -> None:
+    """Loss, tokens/s, deployment per step, and predicted against measured replica times."""
+    plt = pyplot()
+    steps = np.array([r["step"] for r in rows])
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5))
+    ax = axes[0, 0]
+    ax.plot(steps, [r["loss"] for r in rows], color="tab:blue")
+    ax.set(title="loss (mean over the global batch's target tokens)", xlabel="step", ylabel="loss")
+    ax = axes[0, 1]
+    ax.plot(steps, [r["tokens_per_s"] for r in rows], color="tab:green")
+    ax.set(title="throughput", xlabel="step", ylabel="tokens/s")
+    ax = axes[1, 0]
+    names = list(dict.fromkeys(r["deployment"] for r in rows))
+    ax.scatter(steps, [names.index(r["deployment"]) for r in rows], s=12, c="tab:purple")
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.set(title="deployment of each step", xlabel="step")
+    ax = axes[1, 1]
+    predicted = np.array([t for r in rows for t in r["replica_predicted_s"]])
+    measured = np.array([t for r in rows for t in r["replica_s"]])
+    busy = measured > 0
+    ax.scatter(predicted[busy], measured[busy], s=10, alpha=0.6, label="replica (busy)")
+    ax.scatter(
+        [r["predicted_s"] for r in rows],
+        [r["iteration_s"] for r in rows],
+        s=10,
+        alpha=0.6,
+        label="iteration",
+        color="tab:red",
+    )
+    top = float(max(predicted.max(initial=0), measured.max(initial=0), max(r["iteration_s"] for r in rows))) * 1.05
+    ax.plot([0, top], [0, top], color="gray", lw=1, ls="--", label="measured = predicted")
+    ax.fill_between([0, top], [0, top / 1.15], [0, top / 0.85], color="gray", alpha=0.12, lw=0, label="within 15%")
+    errors = iteration_errors(rows)
+    median = f"{statistics.median(errors):.0%}" if errors else "n/a"
+    worst = f"{max(errors):.0%}" if errors else "n/a"
+    ax.set(
+        title=f"cost model: predicted vs measured\niteration time error: median {median}, worst {worst}",
+        xlabel="predicted s",
+        ylabel="measured s",
+        xlim=(0, top),
+        ylim=(0, top),
+    )
+    ax.legend(fontsize=8)
+    fig.suptitle(title)
     fig.tight_layout()
     save_figure(fig, path)

@@ -5,11 +5,12 @@ Plain data: the cost model, the planner and the runtime all read these.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from hydraulis.errors import HydraulisError
 
 GiB = 2**30
+DTYPE_NAMES = ("fp32", "bf16")  # compute dtypes; runtime/trainer.py maps them to torch's
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,7 @@ class ModelSpec:
     vocab: int
 
     def __post_init__(self) -> None:
-        for field in ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab"):
+        for field in SHAPE_FIELDS:
             if getattr(self, field) <= 0:
                 raise HydraulisError(f"model {self.name!r}: {field} must be positive")
         if self.hidden % self.heads:
@@ -34,6 +35,21 @@ class ModelSpec:
             raise HydraulisError(
                 f"model {self.name!r}: heads {self.heads} is not divisible by kv_heads {self.kv_heads}"
             )
+
+    def shape(self) -> dict[str, int]:
+        """The fields that define the model's tensors (everything but the name)."""
+        return {k: getattr(self, k) for k in SHAPE_FIELDS}
+
+    def shape_differences(self, other: ModelSpec) -> list[str]:
+        """The shape fields in which `other` differs from this model (names do not count)."""
+        return [k for k in SHAPE_FIELDS if getattr(self, k) != getattr(other, k)]
+
+    def same_shape(self, other: ModelSpec) -> bool:
+        return not self.shape_differences(other)
+
+    def describe(self) -> str:
+        """`tiny (layers=4, hidden=256, ...)`: the name and the shape, for error messages."""
+        return f"{self.name} ({', '.join(f'{k}={v}' for k, v in self.shape().items())})"
 
     @property
     def head_dim(self) -> int:
@@ -53,6 +69,9 @@ class ModelSpec:
     @property
     def num_params(self) -> int:
         return self.layers * self.params_per_layer + self.embedding_params
+
+
+SHAPE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ModelSpec) if f.name != "name")
 
 
 @dataclass(frozen=True)

@@ -58,12 +58,12 @@ def test_plot(tmp_path: Path) -> None:
 
 
 def test_plots_go_through_the_shared_atomic_save(tmp_path, monkeypatch):
-    import hydraulis.report
+    import hydraulis.plots
 
     saved = []
-    real = hydraulis.report.save_figure
+    real = hydraulis.plots.save_figure
     monkeypatch.setattr(
-        hydraulis.report, "save_figure", lambda fig, path, **kw: saved.append(path) or real(fig, path, **kw)
+        hydraulis.plots, "save_figure", lambda fig, path, **kw: saved.append(path) or real(fig, path, **kw)
     )
     out = plot_histogram(np.array([100, 2000, 30000] * 20), tmp_path / "h.svg")
     assert saved == [out]

@@ -71,7 +71,7 @@ def test_plots_without_matplotlib_are_a_clear_error(monkeypatch):
     import pytest
 
     from hydraulis.errors import HydraulisError
-    from hydraulis.report import pyplot
+    from hydraulis.plots import pyplot
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(HydraulisError, match="plotting needs matplotlib"):

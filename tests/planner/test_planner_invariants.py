@@ -14,7 +14,7 @@ from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
 from hydraulis.planner.plan import IterationPlan
 from hydraulis.planner.planner import Planner, apply_overlong, check_lengths
-from hydraulis.sim import simulate
+from hydraulis.planner.sim import simulate
 from hydraulis.specs import ClusterSpec
 
 CLUSTER = ClusterSpec(16)

@@ -7,10 +7,10 @@ import pytest
 
 from hydraulis.cost import load_cost_model
 from hydraulis.parallel import Deployment
-from hydraulis.planner.dispatch import exact_assignment
+from hydraulis.planner.milp import exact_assignment
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.replicas import ReplicaTable
-from hydraulis.sim import closed_form_replica_time, replica_stage_times, simulate
+from hydraulis.planner.sim import closed_form_replica_time, replica_stage_times, simulate
 from hydraulis.specs import ClusterSpec
 
 # The default heuristic's closed-form time (sum t + (pp-1) max t) stays within this factor of the optimum.

@@ -12,12 +12,12 @@ from hydraulis.cost import AnalyticCostModel
 from hydraulis.data.indexed import build_corpus, open_corpus
 from hydraulis.data.sampler import SamplerState, TokenBudgetSampler
 from hydraulis.errors import HydraulisError
+from hydraulis.optim import AdamWSettings, OptimSettings
 from hydraulis.parallel import Deployment
 from hydraulis.runtime.checkpoint import load_checkpoint, resume, save_checkpoint
 from hydraulis.runtime.hf_io import init_from
 from hydraulis.runtime.launch import init_distributed
-from hydraulis.runtime.optimizer import AdamW
-from hydraulis.runtime.trainer import OptimSettings, Trainer, TrainSettings
+from hydraulis.runtime.trainer import Trainer, TrainSettings
 from hydraulis.specs import MODELS, ClusterSpec, get_device
 
 SEED = 7
@@ -46,7 +46,7 @@ def settings(world: int, pool: tuple[str, ...], model: str = "tiny") -> TrainSet
         model=spec,
         pool=tuple(Deployment.parse(t, cluster) for t in pool),
         cost=AnalyticCostModel(spec, get_device("cpu")),
-        optim=OptimSettings(lr=3e-3, warmup=2, schedule="cosine", adamw=AdamW(weight_decay=0.1, grad_clip=0.5)),
+        optim=OptimSettings(lr=3e-3, warmup=2, schedule="cosine", adamw=AdamWSettings(weight_decay=0.1, grad_clip=0.5)),
         steps=STEPS,
         seed=SEED,
     )

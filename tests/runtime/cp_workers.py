@@ -9,13 +9,13 @@ import numpy as np
 import torch
 
 from hydraulis.data.sampler import TokenBudgetSampler
+from hydraulis.optim import AdamWSettings, OptimSettings
 from hydraulis.parallel import Deployment, ParallelConfig, Replica
 from hydraulis.runtime import StageModel, build_replica_groups, count_targets
 from hydraulis.runtime.batch import pack_cp_shard
 from hydraulis.runtime.launch import init_distributed
-from hydraulis.runtime.optimizer import AdamW
 from hydraulis.runtime.pipeline import train_step
-from hydraulis.runtime.trainer import OptimSettings, Trainer, TrainSettings
+from hydraulis.runtime.trainer import Trainer, TrainSettings
 from hydraulis.specs import MODELS, ClusterSpec, ModelSpec
 
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -100,7 +100,7 @@ def cp_train_settings() -> TrainSettings:
         # cp4 alone holds the long document; batches without it may take cp2 next to two tp1pp1 replicas
         pool=tuple(Deployment.parse(t, cluster) for t in ("1x(tp1,pp1,cp4)", "1x(tp1,pp1,cp2) + 2x(tp1,pp1)")),
         cost=cp_train_cost(),
-        optim=OptimSettings(lr=1e-3, warmup=1, schedule="cosine", adamw=AdamW(eps=1e-6, grad_clip=0.5)),
+        optim=OptimSettings(lr=1e-3, warmup=1, schedule="cosine", adamw=AdamWSettings(eps=1e-6, grad_clip=0.5)),
         steps=CP_TRAIN_STEPS,
         seed=3,
     )
@@ -117,7 +117,7 @@ def train_cp(rank: int, world: int, s: TrainSettings) -> dict:
 
 
 def measure_configs(rank: int, world: int, configs, settings) -> dict:
-    """`hydraulis.profile.measure` on this rank (the profiler's per-rank work, without its up-front checks)."""
-    from hydraulis.profile import measure
+    """`hydraulis.runtime.profiler.measure` on this rank (the profiler's per-rank work, without its up-front checks)."""
+    from hydraulis.runtime.profiler import measure
 
     return measure(MODELS["tiny"], configs, settings, init_distributed("cpu"))

@@ -19,6 +19,7 @@ from hydraulis.runtime import (
     pack_documents,
     train_step,
 )
+from hydraulis.runtime.layout import reset_parameters
 from hydraulis.specs import MODELS
 
 SEED = 1234
@@ -36,7 +37,7 @@ def reference(model_name: str, doc_ids: tuple[int, ...]) -> tuple[float, dict[st
     """One process, one document at a time, F.cross_entropy: loss share and gradients of these documents."""
     spec = MODELS[model_name] if model_name in MODELS else _custom(model_name)
     model = StageModel(spec)
-    model.reset_parameters(SEED)
+    reset_parameters(model, SEED)
     docs = documents(spec.vocab)
     total = count_targets(LENGTHS)
     loss = torch.zeros(())
@@ -71,7 +72,7 @@ def run_replica(
 def _compare(spec, model_name, groups, micro_batches, calls: int = 1) -> dict:
     """`calls` > 1 splits the micro-batches over several train_step calls that accumulate gradients."""
     model = StageModel(spec, groups.tp, groups.stage, groups.config.pp)
-    model.reset_parameters(SEED)
+    reset_parameters(model, SEED)
     docs = documents(spec.vocab)
     packed = [pack_documents([docs[i] for i in mb], pad_to_multiple=groups.config.tp) for mb in micro_batches]
     per_call = -(-len(packed) // calls)

@@ -29,23 +29,24 @@ from ckpt_workers import (
 )
 from dist_launcher import run_workers
 
-from hydraulis.data.indexed import open_corpus
-from hydraulis.data.sampler import TokenBudgetSampler
-from hydraulis.errors import HydraulisError
-from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, pack_documents
-from hydraulis.runtime.checkpoint import (
+from hydraulis.checkpoints import (
     CHECKPOINT_SCHEMA,
     MANIFEST_FILE,
     latest_checkpoint,
     list_checkpoints,
-    load_master,
     read_manifest,
     step_dir_name,
 )
-from hydraulis.runtime.hf import full_shapes, hf_config, hf_name
+from hydraulis.data.indexed import open_corpus
+from hydraulis.data.sampler import TokenBudgetSampler
+from hydraulis.errors import HydraulisError
+from hydraulis.optim import AdamWSettings
+from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, pack_documents
+from hydraulis.runtime.checkpoint import load_master
+from hydraulis.runtime.hf import hf_config, hf_name
 from hydraulis.runtime.hf_io import init_from, unflatten
-from hydraulis.runtime.layout import ModelLayout, full_to_canonical
-from hydraulis.runtime.optimizer import AdamW, DisaggregatedOptimizer
+from hydraulis.runtime.layout import ModelLayout, full_shapes, full_to_canonical
+from hydraulis.runtime.optimizer import DisaggregatedOptimizer
 from hydraulis.specs import MODELS
 
 pytestmark = pytest.mark.dist
@@ -304,14 +305,14 @@ def test_init_from_reads_only_each_owners_range(resharded):
     state = {k: v.detach() for k, v in model.state_dict().items()}
     parts = []
     for rank in range(3):  # uneven ranges that cut tensors anywhere, row- and column-wise
-        opt = DisaggregatedOptimizer(ModelLayout(TINY, 3), rank, AdamW())
+        opt = DisaggregatedOptimizer(ModelLayout(TINY, 3), rank, AdamWSettings())
         assert init_from(opt, hf_dir).hidden == TINY.hidden
         parts.append(opt.master)
     assert torch.equal(torch.cat(parts), canonical_vector(TINY, state))
 
 
 def test_init_from_refuses_other_configs(tmp_path):
-    opt = DisaggregatedOptimizer(ModelLayout(TINY, 1), 0, AdamW())
+    opt = DisaggregatedOptimizer(ModelLayout(TINY, 1), 0, AdamWSettings())
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
     with pytest.raises(HydraulisError, match="model_type") as exc:
         init_from(opt, tmp_path)

@@ -31,13 +31,13 @@ from hydraulis.errors import HydraulisError  # noqa: E402
 from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, micro_batch_loss, pack_documents  # noqa: E402
 from hydraulis.runtime.hf import (  # noqa: E402
     from_hf_state_dict,
-    full_shapes,
     hf_config,
     hf_name,
     our_name,
     spec_from_hf_config,
     to_hf_state_dict,
 )
+from hydraulis.runtime.layout import full_shapes, reset_parameters  # noqa: E402
 from hydraulis.specs import MODELS  # noqa: E402
 
 RTOL = 1e-5
@@ -159,7 +159,7 @@ def test_tensor_parallel_beyond_kv_heads_matches_hf(four_rank_results, scenario)
 
 def test_state_dict_round_trip_is_identity():
     ours = StageModel(GQA)
-    ours.reset_parameters(7)
+    reset_parameters(ours, 7)
     state = dict(ours.state_dict())
     hf = to_hf_state_dict(state, GQA)
     assert set(hf) == set(hf_reference(GQA)["hf_state"])  # exactly HF's parameter names

@@ -9,16 +9,10 @@ import pytest
 
 from hydraulis.cost import ProfiledCostModel
 from hydraulis.cost.fit import fit_robust
+from hydraulis.cost.measured import CPU_MEMORY_METHOD, build_profile, summary_rows
+from hydraulis.cost.sweep import ProfileSettings, parse_config_list, sweep
 from hydraulis.parallel import ParallelConfig
-from hydraulis.profile import (
-    CPU_MEMORY_METHOD,
-    ProfileSettings,
-    build_profile,
-    parse_configs,
-    replicas_at_once,
-    summary_rows,
-    sweep,
-)
+from hydraulis.runtime.profiler import replicas_at_once
 from hydraulis.specs import get_model
 
 FAST = ("--totals", "64,128", "--min-doc", "32", "--repeats", "2", "--warmup", "1", "--collective-bytes", "1024,65536")
@@ -117,7 +111,7 @@ def test_sweep_varies_sum_and_sum_of_squares_independently():
 
 
 def test_parse_configs_keeps_parenthesised_configs_whole():
-    assert parse_configs("tp1pp1, (tp2,pp1),tp1pp2") == [
+    assert parse_config_list("tp1pp1, (tp2,pp1),tp1pp2") == [
         ParallelConfig(1, 1),
         ParallelConfig(2, 1),
         ParallelConfig(1, 2),
@@ -210,7 +204,7 @@ def test_build_profile_uses_the_replicas_that_ran_and_records_the_shared_cores()
 def test_cpu_memory_counts_saved_activations_once_and_no_parameters():
     import torch
 
-    from hydraulis.profile import _SavedTensors
+    from hydraulis.runtime.measurements import SavedTensors as _SavedTensors
 
     layer = torch.nn.Linear(16, 32)
     x = torch.randn(10, 16, requires_grad=True)
@@ -228,7 +222,7 @@ def test_profiler_measures_context_parallel_configs():
     import cp_workers
     from dist_launcher import run_workers
 
-    from hydraulis.profile import describe_device
+    from hydraulis.runtime.profiler import describe_device
 
     spec = get_model("tiny")
     configs = [ParallelConfig(1, 1), ParallelConfig(1, 1, 2)]

@@ -27,7 +27,8 @@ from hydraulis.parallel import ParallelConfig
 from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, pack_documents
 from hydraulis.runtime.batch import pack_cp_shard
 from hydraulis.runtime.groups import check_replica, cp_ranks, rank_roles
-from hydraulis.runtime.hf import full_shapes, hf_config, to_hf_state_dict
+from hydraulis.runtime.hf import hf_config, to_hf_state_dict
+from hydraulis.runtime.layout import full_shapes
 from hydraulis.specs import MODELS
 
 RTOL = 1e-5

@@ -20,6 +20,7 @@ from hydraulis.runtime import (
     train_step,
     vocab_parallel_cross_entropy,
 )
+from hydraulis.runtime.layout import reset_parameters
 from hydraulis.runtime.model import apply_rope, rope_tables
 from hydraulis.specs import MODELS
 
@@ -111,7 +112,7 @@ def test_pack_documents_rejects_empty():
 def test_rope_positions_restart_at_each_document():
     spec = MODELS["tiny"]
     model = StageModel(spec)
-    model.reset_parameters(7)
+    reset_parameters(model, 7)
     g = torch.Generator().manual_seed(3)
     docs = [torch.randint(0, spec.vocab, (n,), generator=g) for n in (9, 5, 12)]
     packed = pack_documents(docs)
@@ -158,12 +159,12 @@ def test_single_process_step_equals_per_document_reference():
     total = count_targets(lengths)
 
     model = StageModel(spec)
-    model.reset_parameters(11)
+    reset_parameters(model, 11)
     batches = [pack_documents(docs[0:2]), pack_documents(docs[2:5]), pack_documents(docs[5:])]
     result = train_step(model, single_process_groups(), batches, total)
 
     ref = StageModel(spec)
-    ref.reset_parameters(11)
+    reset_parameters(ref, 11)
     loss = sum(
         F.cross_entropy(ref(b.tokens, b), b.targets, ignore_index=IGNORE_INDEX, reduction="sum")
         for b in (pack_documents([d]) for d in docs)
@@ -188,7 +189,7 @@ def test_recompute_gives_the_same_gradients():
     grads = []
     for recompute in (False, True):
         model = StageModel(spec, recompute=recompute)
-        model.reset_parameters(3)
+        reset_parameters(model, 3)
         logits = model(batch.tokens, batch)
         torch.nn.functional.cross_entropy(logits, batch.targets, ignore_index=IGNORE_INDEX).backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})

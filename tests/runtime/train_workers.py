@@ -8,14 +8,15 @@ import torch.nn.functional as F
 
 from hydraulis.cost import AnalyticCostModel
 from hydraulis.data.sampler import TokenBudgetSampler
+from hydraulis.optim import AdamWSettings, OptimSettings
 from hydraulis.parallel import Deployment
 from hydraulis.planner.plan import IterationPlan
 from hydraulis.planner.planner import Planner
 from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, pack_documents
 from hydraulis.runtime.launch import init_distributed
 from hydraulis.runtime.layout import ModelLayout
-from hydraulis.runtime.optimizer import AdamW, state_bytes_formula
-from hydraulis.runtime.trainer import OptimSettings, Trainer, TrainSettings
+from hydraulis.runtime.optimizer import state_bytes_formula
+from hydraulis.runtime.trainer import Trainer, TrainSettings
 from hydraulis.specs import MODELS, ClusterSpec, get_device
 
 SEED = 5
@@ -49,7 +50,7 @@ def settings(model: str = "tiny", sequence_parallel: bool = False) -> TrainSetti
         pool=tuple(Deployment.parse(t, cluster) for t in POOL_TEXT),
         cost=AnalyticCostModel(spec, get_device("cpu")),
         optim=OptimSettings(
-            lr=1e-3, warmup=2, schedule="cosine", adamw=AdamW(eps=1e-6, weight_decay=0.1, grad_clip=0.5)
+            lr=1e-3, warmup=2, schedule="cosine", adamw=AdamWSettings(eps=1e-6, weight_decay=0.1, grad_clip=0.5)
         ),
         steps=STEPS,
         seed=SEED,

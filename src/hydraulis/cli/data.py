@@ -67,7 +67,7 @@ def stats(
     from hydraulis.data.stats import THRESHOLDS, length_stats, plot_histogram
 
     if plot is not None:
-        from hydraulis.report import check_plot_path
+        from hydraulis.plots import check_plot_path
 
         check_plot_path(plot, "--plot")
     c = resolve_corpus(corpus, tokenizer, progress=True)
@@ -106,7 +106,7 @@ def workload(
     from hydraulis.data.builtin import resolve_corpus
     from hydraulis.data.sampler import TokenBudgetSampler
     from hydraulis.data.workload import Workload, save_workload
-    from hydraulis.jsonio import check_output
+    from hydraulis.files import check_output
 
     check_output(out, "--out")
     c = resolve_corpus(corpus, tokenizer, progress=True)

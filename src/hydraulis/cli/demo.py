@@ -15,7 +15,7 @@ import typer
 
 from hydraulis.cli.app import app
 from hydraulis.cli.common import ProfileOption, console, err_console, table
-from hydraulis.jsonio import OutputSet, check_output, check_output_dir
+from hydraulis.files import OutputSet, check_output, check_output_dir
 from hydraulis.limits import MAX_GPUS, MAX_LENGTH, MAX_TOKENS_PER_BATCH
 
 DEMO_POLICIES = ("megatron", "flops-balanced", "hotspa", "hydraulis-reference", "hydraulis")
@@ -64,8 +64,8 @@ def _demo(
     from hydraulis.planner.policy import PolicyContext
     from hydraulis.planner.pool import save_pool
     from hydraulis.planner.proposal import propose
+    from hydraulis.planner.sim import simulate
     from hydraulis.report import comparison_plot, timeline_plot
-    from hydraulis.sim import simulate
     from hydraulis.specs import ClusterSpec
 
     cost = load_cost_model(profile)

@@ -68,10 +68,10 @@ def simulate(
     """Simulate each iteration of a plan with 1F1B and report its times."""
     from hydraulis.cost import load_cost_model
     from hydraulis.planner.plan import load_plan
-    from hydraulis.sim import simulate as run_sim
+    from hydraulis.planner.sim import simulate as run_sim
 
     if timeline is not None:
-        from hydraulis.report import check_plot_path
+        from hydraulis.plots import check_plot_path
 
         check_plot_path(timeline, "--timeline")
     plan_file = load_plan(plan)

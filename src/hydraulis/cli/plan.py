@@ -47,7 +47,7 @@ def plan(
     from rich.progress import Progress
 
     from hydraulis.baselines import MULTI_PHASE, make_policy
-    from hydraulis.jsonio import check_output
+    from hydraulis.files import check_output
     from hydraulis.planner.plan import PlanFile, save_plan
     from hydraulis.planner.planner import apply_overlong
     from hydraulis.planner.policy import PolicyContext
@@ -120,8 +120,10 @@ def bench(
 
     from hydraulis.baselines import POLICIES
     from hydraulis.bench import get_scenarios, run_bench
-    from hydraulis.jsonio import OutputSet, check_output, check_output_dir, write_json_atomic
-    from hydraulis.report import bench_plot, bench_table, check_plot_path, summary_lines
+    from hydraulis.files import OutputSet, check_output, check_output_dir
+    from hydraulis.jsonio import write_json_atomic
+    from hydraulis.plots import check_plot_path
+    from hydraulis.report import bench_plot, bench_table, summary_lines
 
     chosen = get_scenarios(scenario)
     if not list_only:

@@ -8,6 +8,13 @@ import typer
 
 from hydraulis.cli.app import app
 from hydraulis.cli.common import console, table
+from hydraulis.cost.sweep import ProfileSettings
+
+DEFAULT = ProfileSettings()  # the options' defaults: written once, in the settings record
+
+
+def _csv(values: tuple[int, ...]) -> str:
+    return ",".join(str(v) for v in values)
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:
@@ -30,18 +37,22 @@ def profile(
     nproc: int = typer.Option(None, "--nproc", "-n", help="Processes (default: the largest config's size)."),
     device: str = typer.Option("cpu", "--device", help="cpu (gloo) or cuda (NCCL, one GPU per process)."),
     name: str = typer.Option(None, "--name", help="Profile name (default MODEL@DEVICE-measured)."),
-    totals: str = typer.Option("128,256,512,1024,2048", "--totals", help="Sweep: tokens per micro-batch."),
-    min_doc: int = typer.Option(128, "--min-doc", help="Sweep: shortest document."),
-    max_doc: int = typer.Option(1024, "--max-doc", help="Sweep: longest document."),
-    warmup: int = typer.Option(1, "--warmup", help="Untimed runs of each micro-batch first."),
-    repeats: int = typer.Option(5, "--repeats", help="Timed runs of each micro-batch (the median counts)."),
+    totals: str = typer.Option(_csv(DEFAULT.totals), "--totals", help="Sweep: tokens per micro-batch."),
+    min_doc: int = typer.Option(DEFAULT.min_doc, "--min-doc", help="Sweep: shortest document."),
+    max_doc: int = typer.Option(DEFAULT.max_doc, "--max-doc", help="Sweep: longest document."),
+    warmup: int = typer.Option(DEFAULT.warmup, "--warmup", help="Untimed runs of each micro-batch first."),
+    repeats: int = typer.Option(
+        DEFAULT.repeats, "--repeats", help="Timed runs of each micro-batch (the median counts)."
+    ),
     interleave: bool = typer.Option(
-        True, "--interleave/--one-config-at-a-time", help="Configs take turns by rounds (holds all models at once)."
+        DEFAULT.interleave,
+        "--interleave/--one-config-at-a-time",
+        help="Configs take turns by rounds (holds all models at once).",
     ),
     threads: int = typer.Option(None, "--threads", help="torch threads per rank (default: cores / processes)."),
     dtype: str = typer.Option(None, "--dtype", help="fp32 or bf16 (default: fp32 on cpu, bf16 on cuda)."),
     collective_bytes: str = typer.Option(
-        "1024,8192,65536,524288,4194304", "--collective-bytes", help="Collective sizes: bytes each rank sends."
+        _csv(DEFAULT.collective_bytes), "--collective-bytes", help="Collective sizes: bytes each rank sends."
     ),
 ) -> None:
     """Time forward+backward per stage on this machine, fit a, b, c per config, and check the fit on held-out points."""
@@ -62,14 +73,15 @@ def profile(
     )
     if out.is_dir():
         raise HydraulisError(f"--out {out} is a directory")
-    from hydraulis.cost.sweep import ProfileSettings, check_configs, parse_configs
+    from hydraulis.cost.sweep import check_configs, parse_config_list
 
     settings = ProfileSettings(**settings_kwargs)
-    chosen = parse_configs(configs)
+    chosen = parse_config_list(configs)
     check_configs(spec, chosen, nproc, device)
     # torch only now: bad input above fails fast, without it.
+    from hydraulis.cost.measured import summary_rows
     from hydraulis.jsonio import write_json_atomic
-    from hydraulis.profile import check_job, profile_model, progress_steps, summary_rows
+    from hydraulis.runtime.profiler import check_job, profile_model, progress_steps
 
     world = check_job(spec, chosen, nproc, device)
     from hydraulis.progress import steps_progress

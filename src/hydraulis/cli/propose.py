@@ -39,7 +39,7 @@ def propose(
     """Propose a pool: the homogeneous fallback plus heterogeneous deployments the planner will pick."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from hydraulis.jsonio import check_output
+    from hydraulis.files import check_output
     from hydraulis.planner.pool import save_pool
     from hydraulis.planner.proposal import propose as run_proposal
 

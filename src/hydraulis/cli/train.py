@@ -23,9 +23,11 @@ def train(
     """Train; under torchrun every process is one rank, without it --nproc local gloo ranks are spawned."""
     from hydraulis.config import load_config
     from hydraulis.errors import HydraulisError
-    from hydraulis.train import prepare, run
+    from hydraulis.job import prepare
 
     if steps is not None and steps < 1:
         raise HydraulisError(f"--steps must be positive, got {steps}")
     job = prepare(load_config(config), nproc, out, steps, resume, max_restarts)
+    from hydraulis.loop import run  # torch only now: bad input above fails fast, without it
+
     run(job)

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from hydraulis.cost.analytic import AnalyticCostModel
-from hydraulis.cost.model import CAP_GRANULARITY, CP_SUFFIX, Coefficients, CostModel, MemoryModel, extend_to_cp
+from hydraulis.cost.context_parallel import CP_SUFFIX, extend_to_cp
+from hydraulis.cost.memory import CAP_GRANULARITY, MemoryModel
+from hydraulis.cost.model import Coefficients, CostModel
 from hydraulis.cost.profiled import PRESETS, ProfiledCostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.specs import DEVICES, MODELS, get_device, get_model

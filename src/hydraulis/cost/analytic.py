@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import math
 
-from hydraulis.cost.model import Coefficients, CostModel, MemoryModel, TrainingState, kv_exchange
+from hydraulis.cost.context_parallel import kv_exchange
+from hydraulis.cost.memory import MemoryModel, TrainingState
+from hydraulis.cost.model import Coefficients, CostModel
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import DeviceSpec, GiB, ModelSpec
 

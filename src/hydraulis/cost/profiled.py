@@ -7,12 +7,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from hydraulis.cost.memory import MemoryModel
 from hydraulis.cost.model import (
     Coefficients,
     Collectives,
     CostModel,
     Link,
-    MemoryModel,
     OptimizerStep,
     SharedCores,
 )

@@ -2,7 +2,7 @@
 
 Torch-free, so that bad input fails before any process (or torch) starts,
 and so that a caller (the train command's `profile = "auto"`) can check a
-profiling job up front; hydraulis/profile.py runs it.
+profiling job up front; runtime/profiler.py runs it.
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ from typing import Any
 
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig
-from hydraulis.specs import ModelSpec
-
-DTYPE_NAMES = ("fp32", "bf16")
+from hydraulis.specs import DTYPE_NAMES, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -83,7 +81,7 @@ def sweep(settings: ProfileSettings) -> list[tuple[int, ...]]:
     return list(dict.fromkeys(points))
 
 
-def parse_configs(text: str) -> list[ParallelConfig]:
+def parse_config_list(text: str) -> list[ParallelConfig]:
     """`tp1pp1,tp2pp1` or `(tp1,pp1),(tp2,pp1)`: commas inside parentheses belong to a config."""
     parts = [p.strip() for p in re.split(r",(?![^()]*\))", text) if p.strip()]
     if not parts:

@@ -38,7 +38,8 @@ import numpy as np
 from hydraulis.data.readers import ReadCounts, ReadReport
 from hydraulis.data.tokenizer import Tokenizer, get_tokenizer, token_dtype
 from hydraulis.errors import HydraulisError
-from hydraulis.jsonio import Fields, default_mode, load_json, temp_prefix, write_json_atomic
+from hydraulis.files import default_mode, replace_directory, sha256_file, temp_prefix
+from hydraulis.jsonio import Fields, load_json, write_json_atomic
 
 CORPUS_SCHEMA = "hydraulis.corpus/1"
 TOKENS_FILE = "tokens.bin"
@@ -346,15 +347,7 @@ def _publish(tmp: Path, out: Path, if_exists: IfExists, manifest: CorpusManifest
             return open_corpus(out)
         if if_exists == "error":
             raise HydraulisError(f"{out}: appeared while building (pass --force to replace it)")
-        old = _temp_dir(out, ".old")
-        os.replace(out, old / out.name)
-        try:
-            os.replace(tmp, out)
-        except BaseException:
-            os.replace(old / out.name, out)  # put the previous corpus back
-            raise
-        finally:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_directory(tmp, out, old=_temp_dir(out, ".old"))  # marked, so that sweeps spare it
     else:
         try:
             os.replace(tmp, out)
@@ -415,14 +408,10 @@ def _occupied(out: Path) -> bool:
 
 
 def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
     try:
-        with path.open("rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
+        return sha256_file(path)
     except FileNotFoundError:
         raise HydraulisError(f"{path}: missing (rebuild the corpus)") from None
-    return h.hexdigest()
 
 
 @contextlib.contextmanager

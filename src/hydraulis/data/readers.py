@@ -18,28 +18,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from hydraulis.errors import HydraulisError
 
 BINARY_SNIFF_BYTES = 8192
-
-
-@dataclass
-class ReadCounts:
-    """Running counters while reading (mutable); frozen into a `ReadReport` at the end."""
-
-    files: int = 0
-    documents: int = 0
-    non_utf8_replaced: int = 0
-    empty_skipped: int = 0
-    binary_skipped: int = 0
-    missing_field_skipped: int = 0
-    blank_lines: int = 0
-
-    def freeze(self) -> ReadReport:
-        return ReadReport(**asdict(self))
 
 
 @dataclass(frozen=True)
@@ -56,6 +40,17 @@ class ReadReport:
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
+
+
+class ReadCounts:
+    """The counters of a `ReadReport` while reading (the readers add to them), frozen into one at the end."""
+
+    def __init__(self) -> None:
+        for f in fields(ReadReport):
+            setattr(self, f.name, 0)
+
+    def freeze(self) -> ReadReport:
+        return ReadReport(**{f.name: getattr(self, f.name) for f in fields(ReadReport)})
 
 
 @dataclass(frozen=True)

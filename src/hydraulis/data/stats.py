@@ -83,7 +83,7 @@ def plot_histogram(lengths: Sequence[int] | np.ndarray, out: str | Path, title: 
     s = np.asarray(lengths, dtype=np.int64)
     if len(s) == 0:
         raise HydraulisError("cannot plot an empty length distribution")
-    from hydraulis.report import check_plot_path, pyplot, save_figure
+    from hydraulis.plots import check_plot_path, pyplot, save_figure
 
     out = check_plot_path(out)
 

@@ -1,6 +1,10 @@
-"""A thin, time-limited MILP call on HiGHS (highspy), with an optional warm start.
+"""MILPs on HiGHS (highspy): a thin time-limited call with a warm start, and the exact dispatch.
 
-Used by the exact dispatch oracle and by the reference baseline's packing. highspy
+`exact_assignment` is dispatch's exact method (an option, and the test
+oracle): one MILP over sequences x replicas x micro-batch slots with the
+closed-form objective sum t + (pp - 1) * max t, warm-started from the
+heuristic's plan and time-limited. `solve_milp` also serves the reference
+baseline's packing. highspy
 and scipy.sparse are imported on first use so that `import hydraulis.planner` stays
 fast and the planner works without highspy unless an exact method is asked for.
 """
@@ -10,12 +14,14 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hydraulis.errors import HydraulisError
+from hydraulis.planner.replicas import ReplicaTable
 
 if TYPE_CHECKING:
     from scipy import sparse
@@ -94,3 +100,119 @@ def solve_milp(
         return MilpResult(None, float("inf"), False)
     x = np.asarray(h.getSolution().col_value)
     return MilpResult(x, float(info.objective_function_value), h.getModelStatus() == highspy.HighsModelStatus.kOptimal)
+
+
+def exact_assignment(
+    lengths: np.ndarray,
+    table: ReplicaTable,
+    start: Sequence[Sequence[Sequence[int]]] | None = None,
+    time_limit_s: float = 10.0,
+    max_slots: int = 8,
+) -> tuple[list[list[list[int]]], float, bool] | None:
+    """MILP over sequences x replicas x micro-batch slots minimising max_r (sum t + (pp-1) max t).
+
+    `start` (micro-batches per replica, e.g. the heuristic's) warm-starts the solver and
+    fixes at least its slot count. Returns (micro-batches per replica, objective, proven
+    optimal), or None when no solution was found in time.
+    """
+    from scipy import sparse  # here, not at import: it costs ~0.1 s and only the exact method needs it
+
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n, R = len(lengths), len(table)
+    wg = table.cost_matrix(lengths)
+    slots = [min(n, max_slots) for _ in range(R)]
+    if start is not None:
+        slots = [max(slots[r], len(start[r])) for r in range(R)]
+    # Column layout: x[i, r, j] for feasible (i, r), then y[r, j], m[r], Z.
+    x_cols: list[tuple[int, int, int]] = [
+        (i, r, j) for r in range(R) for i in range(n) if table.cap[r] >= lengths[i] for j in range(slots[r])
+    ]
+    y_off = len(x_cols)
+    y_index: dict[tuple[int, int], int] = {}
+    for r in range(R):
+        for j in range(slots[r]):
+            y_index[(r, j)] = y_off + len(y_index)
+    m_off = y_off + len(y_index)
+    z = m_off + R
+    ncol = z + 1
+    rows_i, cols_i, vals = [], [], []
+    lo, hi = [], []
+
+    def row(entries: list[tuple[int, float]], low: float, high: float) -> None:
+        k = len(lo)
+        for col, v in entries:
+            rows_i.append(k)
+            cols_i.append(col)
+            vals.append(v)
+        lo.append(low)
+        hi.append(high)
+
+    by_item: dict[int, list[int]] = {i: [] for i in range(n)}
+    by_slot: dict[tuple[int, int], list[int]] = {}
+    for col, (i, r, j) in enumerate(x_cols):
+        by_item[i].append(col)
+        by_slot.setdefault((r, j), []).append(col)
+    for i in range(n):
+        row([(col, 1.0) for col in by_item[i]], 1.0, 1.0)
+    for r in range(R):
+        g = int(table.group[r])
+        c, pp1 = float(table.c[r]), float(table.pp[r] - 1)
+        total: list[tuple[int, float]] = [(z, -1.0), (m_off + r, pp1)]
+        for j in range(slots[r]):
+            cols = by_slot.get((r, j), [])
+            y = y_index[(r, j)]
+            row([(col, float(lengths[x_cols[col][0]])) for col in cols] + [(y, -float(table.cap[r]))], -np.inf, 0.0)
+            row([(col, float(wg[g, x_cols[col][0]])) for col in cols] + [(y, c), (m_off + r, -1.0)], -np.inf, 0.0)
+            total += [(col, float(wg[g, x_cols[col][0]])) for col in cols] + [(y, c)]
+            if j + 1 < slots[r]:
+                row([(y, 1.0), (y_index[(r, j + 1)], -1.0)], 0.0, np.inf)
+        row(total, -np.inf, 0.0)
+    a = sparse.csc_matrix((vals, (rows_i, cols_i)), shape=(len(lo), ncol))
+    cost = np.zeros(ncol)
+    cost[z] = 1.0
+    integer = np.zeros(ncol, dtype=bool)
+    integer[:m_off] = True
+    col_hi = np.full(ncol, np.inf)
+    col_hi[:m_off] = 1.0
+    x0 = None
+    if start is not None:
+        x0 = _start_vector(start, lengths, table, x_cols, y_index, m_off, z, ncol)
+    res = solve_milp(cost, a, np.array(lo), np.array(hi), np.zeros(ncol), col_hi, integer, time_limit_s, x0)
+    if res.x is None:
+        return None
+    out: list[list[list[int]]] = [[[] for _ in range(slots[r])] for r in range(R)]
+    for col in np.flatnonzero(res.x[:y_off] > 0.5).tolist():
+        i, r, j = x_cols[col]
+        out[r][j].append(i)
+    return [[mb for mb in mbs if mb] for mbs in out], res.objective, res.optimal
+
+
+def _start_vector(
+    start: Sequence[Sequence[Sequence[int]]],
+    lengths: np.ndarray,
+    table: ReplicaTable,
+    x_cols: list[tuple[int, int, int]],
+    y_index: dict[tuple[int, int], int],
+    m_off: int,
+    z: int,
+    ncol: int,
+) -> np.ndarray:
+    """The warm start as a column vector: the heuristic's micro-batches, longest first per replica."""
+    x0 = np.zeros(ncol)
+    where = {key: col for col, key in enumerate(x_cols)}
+    wg = table.cost_matrix(lengths)
+    worst = 0.0
+    for r, mbs in enumerate(start):
+        g = int(table.group[r])
+        c, pp1 = float(table.c[r]), float(table.pp[r] - 1)
+        times = []
+        for j, mb in enumerate(sorted(mbs, key=len, reverse=True)):
+            x0[y_index[(r, j)]] = 1.0
+            for i in mb:
+                x0[where[(int(i), r, j)]] = 1.0
+            times.append(float(wg[g, list(mb)].sum()) + c)
+        if times:
+            x0[m_off + r] = max(times)
+            worst = max(worst, sum(times) + pp1 * max(times))
+    x0[z] = worst
+    return x0

@@ -23,7 +23,7 @@ import numpy as np
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.planner.replicas import HEAVY_SHARE, ReplicaCost, micro_batch_range
-from hydraulis.sim import closed_form_replica_time, simulate_replica
+from hydraulis.planner.sim import closed_form_replica_time, simulate_replica
 
 
 @dataclass(frozen=True)

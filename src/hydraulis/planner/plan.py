@@ -197,6 +197,36 @@ def plan_from_assignment(
     )
 
 
+# -- the wire format of a plan ------------------------------------------------------------------------
+def encode_plan(plan: IterationPlan, pool_index: int) -> np.ndarray:
+    """The plan's wire format: rank 0 broadcasts it as one int64 vector over a CPU group (runtime/trainer.py).
+
+    [pool index, replicas, micro-batches per replica..., sizes..., sequence indices..., 2 float64s as bits].
+    """
+    mbs = [mb for r in plan.replicas for mb in r.micro_batches]
+    head = [pool_index, len(plan.replicas), *(len(r.micro_batches) for r in plan.replicas), *(len(m) for m in mbs)]
+    floats = np.array([plan.predicted_time_s, plan.planning_time_s], dtype=np.float64).view(np.int64)
+    return np.concatenate([np.array(head, np.int64), np.array([i for m in mbs for i in m], np.int64), floats])
+
+
+def decode_plan(data: np.ndarray, step: int, lengths: Sequence[int], pool: Sequence[Deployment]) -> IterationPlan:
+    """The plan `encode_plan` wrote, given what every rank knows already: the step, the batch and the pool."""
+    index, replicas = int(data[0]), int(data[1])
+    counts = data[2 : 2 + replicas]
+    pos = 2 + replicas
+    sizes = data[pos : pos + int(counts.sum())]
+    pos += len(sizes)
+    flat = data[pos : pos + int(sizes.sum())]
+    predicted, planning = data[-2:].view(np.float64)
+    cuts = np.cumsum(sizes)[:-1]
+    mbs = np.split(flat, cuts) if len(sizes) else []
+    per_replica, k = [], 0
+    for c in counts:
+        per_replica.append(mbs[k : k + int(c)])
+        k += int(c)
+    return plan_from_assignment(step, lengths, pool[index], per_replica, float(predicted), float(planning))
+
+
 def _ints(values: Sequence[int] | np.ndarray) -> list[int]:
     """Python ints (numpy's tolist is one C call; a generator of int() is one Python call per value)."""
     if isinstance(values, np.ndarray):

@@ -22,13 +22,14 @@ from hydraulis.data.sampler import split_pieces
 from hydraulis.errors import HydraulisError
 from hydraulis.limits import MAX_LENGTH, MAX_SEQUENCES
 from hydraulis.parallel import Deployment
-from hydraulis.planner.dispatch import BULK_MIN_SEQUENCES, Dispatch, dispatch, exact_assignment, improve
+from hydraulis.planner.dispatch import BULK_MIN_SEQUENCES, Dispatch, dispatch, improve
+from hydraulis.planner.milp import exact_assignment
 from hydraulis.planner.packing import Packing, order_by_simulation, pack_replica
 from hydraulis.planner.plan import IterationPlan, plan_from_assignment
 from hydraulis.planner.pool import largest_cap
 from hydraulis.planner.replicas import ReplicaTable
 from hydraulis.planner.schedule import Schedule
-from hydraulis.sim import simulate
+from hydraulis.planner.sim import simulate
 from hydraulis.specs import ClusterSpec
 
 OVERLONG_POLICIES = ("auto", "error", "split", "truncate", "drop")

@@ -31,7 +31,7 @@ from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.jsonio import Fields, load_json, write_json_atomic
 from hydraulis.limits import MAX_GPUS
-from hydraulis.parallel import Deployment, ParallelConfig, format_configs
+from hydraulis.parallel import Deployment, ParallelConfig, format_configs, parse_deployment_configs
 from hydraulis.planner.replicas import ReplicaCost, estimate_time
 from hydraulis.specs import ClusterSpec, ModelSpec
 
@@ -155,8 +155,7 @@ def check_job_pool(pool: Sequence[Deployment], world: int, model: ModelSpec, cos
     """
     if not pool:
         raise HydraulisError("the deployment pool is empty")
-    shape = ("layers", "hidden", "ffn", "heads", "kv_heads", "vocab")
-    if any(getattr(cost.model, k) != getattr(model, k) for k in shape):
+    if not cost.model.same_shape(model):
         raise HydraulisError(
             f"profile {cost.name} describes model {cost.model.name}, not the model trained ({model.name}); "
             "use a profile of this model (or MODEL@DEVICE for the analytic one)"
@@ -239,10 +238,27 @@ def parse_pool(text: str, cluster: ClusterSpec) -> tuple[Deployment, ...]:
     """`--pool`: compact deployments separated by ';', or a `hydraulis.pool/1` file."""
     if text.strip().endswith(".json") or Path(text).is_file():
         return load_pool(text, cluster).deployments
-    items = [t for t in text.split(";") if t.strip()]
+    return tuple(Deployment.parse(t, cluster) for t in pool_items(text))
+
+
+def pool_items(text: str, where: str = "--pool") -> tuple[str, ...]:
+    """The deployments of an inline pool, compact texts separated by ';' (the one grammar of inline pools)."""
+    items = tuple(t.strip() for t in text.split(";") if t.strip())
     if not items:
-        raise HydraulisError("--pool is empty; give deployments like '16x(tp2,pp1); 1x(tp8,pp1) + 12x(tp2,pp1)'")
-    return tuple(Deployment.parse(t, cluster) for t in items)
+        raise HydraulisError(
+            f"{where}: {text!r} names no deployment; give deployments like '16x(tp2,pp1); 1x(tp8,pp1) + 12x(tp2,pp1)'"
+        )
+    return items
+
+
+def inline_pool_world(text: str, where: str = "parallel.pool") -> int:
+    """The GPU count of an inline pool, checked before any placement: every deployment must use the same."""
+    items = pool_items(text, where)
+    sizes = [sum(c.num_gpus for c in parse_deployment_configs(t)) for t in items]
+    if len(set(sizes)) != 1:
+        listed = ", ".join(f"{t} ({n} GPUs)" for t, n in zip(items, sizes, strict=True))
+        raise HydraulisError(f"{where}: deployments use different GPU counts: {listed}")
+    return sizes[0]
 
 
 def homogeneous(config: ParallelConfig, cluster: ClusterSpec) -> Deployment:

@@ -91,7 +91,12 @@ class ReplicaTable:
         return sequence_costs(a, b, np.asarray(lengths)[None, :])
 
 
-def micro_batch_range(tokens, count, cap, min_efficient):
+ArrayLike = np.ndarray | float | int  # the estimate broadcasts: arrays of replicas, or one replica's scalars
+
+
+def micro_batch_range(
+    tokens: ArrayLike, count: ArrayLike, cap: ArrayLike, min_efficient: ArrayLike
+) -> tuple[np.ndarray, np.ndarray]:
     """Smallest and largest sensible micro-batch counts (arrays or scalars)."""
     tokens = np.asarray(tokens)
     vmin = np.maximum(1, -(-tokens // np.maximum(cap, 1)))
@@ -100,7 +105,16 @@ def micro_batch_range(tokens, count, cap, min_efficient):
     return vmin, vmax
 
 
-def estimate_time(W, T, n, wmax, c, pp, cap, min_efficient) -> np.ndarray:
+def estimate_time(
+    W: ArrayLike,
+    T: ArrayLike,
+    n: ArrayLike,
+    wmax: ArrayLike,
+    c: ArrayLike,
+    pp: ArrayLike,
+    cap: ArrayLike,
+    min_efficient: ArrayLike,
+) -> np.ndarray:
     """Estimated 1F1B time of replicas holding sequences with these sums (broadcasts; 0 if empty)."""
     W = np.asarray(W, dtype=np.float64)
     c = np.asarray(c, dtype=np.float64)
@@ -112,3 +126,43 @@ def estimate_time(W, T, n, wmax, c, pp, cap, min_efficient) -> np.ndarray:
     f1 = W + v1 * c + pp1 * (np.maximum(W / v1, wmax) + c)
     f2 = W + v2 * c + pp1 * (np.maximum(W / v2, wmax) + c)
     return np.where(np.asarray(n) > 0, np.minimum(f1, f2), 0.0)
+
+
+@dataclass
+class ReplicaSums:
+    """Per replica, the sums of its sequences that the estimate reads: cost W, tokens T, count n, largest w_max."""
+
+    W: np.ndarray
+    T: np.ndarray
+    n: np.ndarray
+    wmax: np.ndarray
+
+    @classmethod
+    def of(cls, lengths: np.ndarray, w_seq: np.ndarray, replica_of: np.ndarray, R: int) -> ReplicaSums:
+        wmax = np.zeros(R)
+        np.maximum.at(wmax, replica_of, w_seq)
+        return cls(
+            np.bincount(replica_of, weights=w_seq, minlength=R),
+            np.bincount(replica_of, weights=lengths, minlength=R).astype(np.int64),
+            np.bincount(replica_of, minlength=R),
+            wmax,
+        )
+
+
+def estimates(
+    sums: ReplicaSums, table: ReplicaTable, bias: np.ndarray, rows: np.ndarray | slice = slice(None)
+) -> np.ndarray:
+    """`estimate_time` of the replicas `rows` from their sums, plus each one's bias."""
+    return (
+        estimate_time(
+            sums.W[rows],
+            sums.T[rows],
+            sums.n[rows],
+            sums.wmax[rows],
+            table.c[rows],
+            table.pp[rows],
+            table.cap[rows],
+            table.min_efficient[rows],
+        )
+        + bias[rows]
+    )

@@ -15,7 +15,7 @@ import numpy as np
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.planner.plan import IterationPlan
-from hydraulis.sim import simulate
+from hydraulis.planner.sim import simulate
 
 
 @dataclass(frozen=True)

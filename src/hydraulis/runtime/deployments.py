@@ -27,8 +27,8 @@ from hydraulis.specs import ModelSpec
 
 
 @dataclass
-class Active:
-    """This rank's part of one deployment."""
+class RankDeployment:
+    """This rank's part of one deployment (a `parallel.Deployment`): its replica, groups, model and exchange."""
 
     deployment: Deployment
     replica: int  # index of this rank's replica in the deployment
@@ -43,8 +43,8 @@ class Active:
         return [named[p.name] for p in self.exchange.local]
 
 
-class Deployments:
-    """Every deployment of the pool, ready to run on this rank."""
+class RankPool:
+    """Every deployment of the pool, ready to run on this rank; one of them active at a time."""
 
     def __init__(
         self,
@@ -61,7 +61,7 @@ class Deployments:
         self.optimizer, self.dtype, self.device = optimizer, dtype, device
         rank = optimizer.rank
         models: dict[tuple, StageModel] = {}
-        self.parts: list[Active] = []
+        self.parts: list[RankDeployment] = []
         for deployment in self.pool:
             groups = build_replica_groups(deployment.replicas, sequence_parallel, timeout)
             if groups is None:
@@ -76,10 +76,10 @@ class Deployments:
                 release(model)
                 models[key] = model
             exchange = optimizer.plan(deployment, sequence_parallel)
-            self.parts.append(Active(deployment, replica, groups, models[key], exchange))
+            self.parts.append(RankDeployment(deployment, replica, groups, models[key], exchange))
         self.current: int | None = None
 
-    def activate(self, index: int) -> tuple[Active, bool]:
+    def activate(self, index: int) -> tuple[RankDeployment, bool]:
         """Make deployment `index` the one that computes; returns it and whether this was a switch."""
         part = self.parts[index]
         switched = self.current is not None and self.current != index
@@ -89,7 +89,7 @@ class Deployments:
         allocate(part.model, self.dtype, self.device)
         return part, switched
 
-    def gather(self, part: Active) -> None:
+    def gather(self, part: RankDeployment) -> None:
         """The compute shard's current values from the owners (every rank, every iteration)."""
         self.optimizer.gather(part.exchange, part.params, self.dtype)
 

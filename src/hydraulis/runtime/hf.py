@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hydraulis.errors import HydraulisError
+from hydraulis.runtime.layout import full_shapes
 from hydraulis.runtime.model import NORM_EPS, ROPE_THETA
 from hydraulis.specs import ModelSpec
 
@@ -74,28 +75,6 @@ def our_name(hf_tensor_name: str) -> str:
     if m and m.group(2) in _HF_LAYER_NAMES:
         return f"layers.{m.group(1)}.{_HF_LAYER_NAMES[m.group(2)]}"
     raise HydraulisError(f"HF tensor {hf_tensor_name!r} has no counterpart in a hydraulis LLaMA model")
-
-
-def full_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every full-model parameter of `spec` (ours; HF's are the same under `hf_name`)."""
-    h, kv = spec.hidden, spec.kv_heads * spec.head_dim
-    layer = {
-        "attn_norm.weight": (h,),
-        "attn.wq.weight": (h, h),
-        "attn.wk.weight": (kv, h),
-        "attn.wv.weight": (kv, h),
-        "attn.wo.weight": (h, h),
-        "ffn_norm.weight": (h,),
-        "ffn.w1.weight": (spec.ffn, h),
-        "ffn.w3.weight": (spec.ffn, h),
-        "ffn.w2.weight": (h, spec.ffn),
-    }
-    shapes = {"embedding.weight": (spec.vocab, h)}
-    for i in range(spec.layers):
-        shapes.update({f"layers.{i}.{k}": v for k, v in layer.items()})
-    shapes["norm.weight"] = (h,)
-    shapes["output.weight"] = (spec.vocab, h)
-    return shapes
 
 
 def hf_config(spec: ModelSpec, max_position_embeddings: int = 4096) -> LlamaConfig:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -28,8 +27,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hydraulis.errors import HydraulisError
-from hydraulis.jsonio import default_mode
-from hydraulis.runtime.checkpoint import describe, load_master, same_shape
+from hydraulis.files import default_mode, replace_directory
+from hydraulis.jsonio import read_json_object
+from hydraulis.runtime.checkpoint import load_master
 from hydraulis.runtime.hf import hf_config, hf_name, spec_from_hf_config, to_hf_state_dict
 from hydraulis.runtime.layout import FlatParam, ModelLayout
 from hydraulis.specs import ModelSpec
@@ -93,18 +93,7 @@ def export_hf(
         default_mode(tmp)
         for p in tmp.iterdir():
             default_mode(p)
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            os.replace(out, old / out.name)
-            try:
-                os.replace(tmp, out)
-            except BaseException:
-                os.replace(old / out.name, out)
-                raise
-            finally:
-                shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        replace_directory(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     written = [out / CONFIG_FILE, out / WEIGHTS_FILE]
@@ -118,14 +107,7 @@ def export_hf(
 def read_hf_config(hf_dir: str | Path) -> tuple[Path, dict[str, Any], ModelSpec]:
     """(config path, config dict, spec) of an HF directory; a config we cannot compute names the file."""
     path = Path(hf_dir) / CONFIG_FILE
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise HydraulisError(f"{path}: no such file (not a Hugging Face model directory)") from None
-    except (OSError, ValueError) as exc:
-        raise HydraulisError(f"{path}: cannot read: {exc}") from None
-    if not isinstance(config, dict):
-        raise HydraulisError(f"{path}: expected a JSON object")
+    config = read_json_object(path, missing="no such file (not a Hugging Face model directory)")
     try:
         spec = spec_from_hf_config(config, Path(hf_dir).name or "hf")
     except HydraulisError as exc:
@@ -179,8 +161,8 @@ def init_from(target: Trainer | DisaggregatedOptimizer, hf_dir: str | Path) -> M
     layout: ModelLayout = opt.layout
     hf_dir = Path(hf_dir)
     config_path, _, spec = read_hf_config(hf_dir)
-    if not same_shape(spec, layout.spec):
-        raise HydraulisError(f"{config_path}: model {describe(spec)}, this run's model is {describe(layout.spec)}")
+    if not spec.same_shape(layout.spec):
+        raise HydraulisError(f"{config_path}: model {spec.describe()}, this run's model is {layout.spec.describe()}")
     files = _weight_files(hf_dir)
     lo, hi = opt.lo, opt.hi
     fresh = torch.empty(hi - lo, dtype=torch.float32)

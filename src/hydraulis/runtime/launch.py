@@ -29,7 +29,10 @@ import torch
 import torch.distributed as dist
 
 from hydraulis.errors import HydraulisError
+from hydraulis.specs import DTYPE_NAMES
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the torch dtype of each of specs.DTYPE_NAMES
+assert tuple(DTYPES) == DTYPE_NAMES
 PG_TIMEOUT = datetime.timedelta(seconds=60)
 
 
@@ -42,6 +45,13 @@ class DistEnv:
     backend: str
 
 
+def device_kind(device: str = "auto") -> str:
+    """cpu or cuda: what a job asking for `device` (auto, cpu or cuda) trains on here."""
+    if device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def init_distributed(device: str = "auto", timeout: datetime.timedelta = PG_TIMEOUT) -> DistEnv:
     """Join the job described by the environment (a job of one when nothing is set)."""
     if dist.is_initialized():
@@ -49,7 +59,7 @@ def init_distributed(device: str = "auto", timeout: datetime.timedelta = PG_TIME
     else:
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    use_cuda = device_kind(device) == "cuda"
     if use_cuda:
         if not torch.cuda.is_available():
             raise HydraulisError("device cuda was asked for, but torch sees no GPU")
@@ -147,11 +157,20 @@ class _Forward:
             signal.signal(sig, handler)
 
 
-def spawn(fn: Callable[..., Any], nproc: int, *args: Any, poll_s: float = 0.05, grace_s: float = 120) -> list[Any]:
+def spawn(
+    fn: Callable[..., Any],
+    nproc: int,
+    *args: Any,
+    poll_s: float = 0.05,
+    grace_s: float = 120,
+    deadline_s: float | None = None,
+) -> list[Any]:
     """fn(*args) on `nproc` local processes (env set as torchrun would); their results in rank order.
 
     The first rank to fail ends the others; the error names it, with its
-    message (a user error) or traceback (a bug). No rank outlives the call.
+    message (a user error) or traceback (a bug). No rank outlives the call,
+    nor, with `deadline_s`, the deadline (the one launcher of the job, the
+    profiler, the tests and the benchmarks).
     """
     ctx = multiprocessing.get_context("spawn")
     port = free_port()
@@ -161,10 +180,13 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, poll_s: float = 0.05, 
             p.start()
         failed: tuple[int, int] | None = None
         forward = _Forward(procs, grace_s)
+        start = time.monotonic()
         try:
             while any(p.exitcode is None for p in procs):
                 if forward.overdue():
                     raise KeyboardInterrupt
+                if deadline_s is not None and time.monotonic() - start > deadline_s:
+                    raise RankFailed(f"the deadline of {deadline_s:.0f} s passed with ranks still running")
                 bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if bad:
                     time.sleep(0.2)  # let peers that the failure broke exit too, then pick the cause

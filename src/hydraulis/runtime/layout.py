@@ -30,6 +30,7 @@ import torch
 
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig
+from hydraulis.runtime.model import StageModel
 from hydraulis.runtime.tensor_parallel import ShardSpec, TensorParallel
 from hydraulis.specs import ModelSpec
 
@@ -162,6 +163,21 @@ def init_param_range(p: FlatParam, start: int, stop: int, seed: int) -> torch.Te
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
+@torch.no_grad()
+def reset_parameters(model: StageModel, seed: int) -> None:
+    """Deterministic init of a stage model, whatever its layout: the values the optimizer's owners start from."""
+    layout = ModelLayout(model.spec, 1)
+    role = Role(ParallelConfig(model.tp.size, model.num_stages), model.stage, model.tp.rank)
+    named = dict(model.named_parameters())
+    for lp in layout.local_params(role):
+        named[lp.name].copy_(lp.from_canonical(layout.init_range(*lp.gather, seed)))
+
+
+def full_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every full-model parameter of `spec`, in the global order."""
+    return {p.name: p.full_shape for p in ModelLayout(spec, 1).params}
+
+
 def _from_canonical_full(p: FlatParam, flat: torch.Tensor) -> torch.Tensor:
     t = flat.view(p.canonical_shape)
     return t.t().contiguous() if p.transposed else t
@@ -177,8 +193,6 @@ def full_to_canonical(p: FlatParam, full: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _param_shapes(spec: ModelSpec, role: Role) -> tuple[tuple[str, tuple[int, ...], ShardSpec], ...]:
     """(name, full shape, shard spec) of a role's parameters, from a model built on the meta device."""
-    from hydraulis.runtime.model import StageModel
-
     tp = TensorParallel.describing(role.config.tp, role.tp_rank, role.sequence_parallel)
     model = StageModel(spec, tp, role.stage, role.config.pp, device="meta")
     return tuple((name, layout.full_shape, layout.shard) for name, layout in model.param_layouts().items())

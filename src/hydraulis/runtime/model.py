@@ -9,7 +9,8 @@ the tests use as the single-device reference.
 
 Parameter names are those of the full model (`layers.7.attn.wq.weight`)
 whatever the stage, so a full state dict maps onto any layout
-(`load_full_state_dict`, `full_grads`).
+(`load_full_state_dict`, `full_grads`). Initial values come from the optimizer
+layout (`layout.reset_parameters`), which depends on this module, not the other way.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import torch.utils.checkpoint
 from torch import nn
 
 from hydraulis.errors import HydraulisError
-from hydraulis.parallel import ParallelConfig
 from hydraulis.runtime.attention import packed_attention
 from hydraulis.runtime.batch import PackedBatch
 from hydraulis.runtime.context_parallel import ContextParallel, context_attention
@@ -258,17 +258,6 @@ class StageModel(nn.Module):
                     f"{name}: full shape {tuple(full[name].shape)} does not fit shard {tuple(p.shape)}"
                 )
             p.copy_(local)
-
-    @torch.no_grad()
-    def reset_parameters(self, seed: int) -> None:
-        """Deterministic init, whatever the layout: the values the optimizer's owners start from (layout.py)."""
-        from hydraulis.runtime.layout import ModelLayout, Role
-
-        layout = ModelLayout(self.spec, 1)
-        role = Role(ParallelConfig(self.tp.size, self.num_stages), self.stage, self.tp.rank)
-        named = dict(self.named_parameters())
-        for lp in layout.local_params(role):
-            named[lp.name].copy_(lp.from_canonical(layout.init_range(*lp.gather, seed)))
 
     def _partial_params(self) -> list[nn.Parameter]:
         """Parameters whose gradient on this rank is only a share: all of them under CP (each rank's tokens)."""

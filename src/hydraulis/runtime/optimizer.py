@@ -23,15 +23,17 @@ tensor.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from hydraulis.cost.model import TrainingState
+from hydraulis.cost.memory import TrainingState
 from hydraulis.errors import HydraulisError
+from hydraulis.optim import AdamWSettings
 from hydraulis.parallel import Deployment
 from hydraulis.runtime.groups import rank_roles
 from hydraulis.runtime.layout import LocalParam, ModelLayout, Role
@@ -129,23 +131,6 @@ class ExchangePlan:
         }
 
 
-@dataclass(frozen=True)
-class AdamW:
-    """AdamW settings (decoupled weight decay, as torch.optim.AdamW)."""
-
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0  # max global norm; 0 turns clipping off
-
-    def __post_init__(self) -> None:
-        b1, b2 = self.betas
-        if not (0 <= b1 < 1 and 0 <= b2 < 1):
-            raise HydraulisError(f"betas must lie in [0, 1), got {self.betas}")
-        if self.eps <= 0 or self.weight_decay < 0 or self.grad_clip < 0:
-            raise HydraulisError("eps must be positive; weight_decay and grad_clip non-negative")
-
-
 class DisaggregatedOptimizer:
     """This rank's owned range of master weights and AdamW state, and the exchanges with compute shards."""
 
@@ -153,7 +138,7 @@ class DisaggregatedOptimizer:
         self,
         layout: ModelLayout,
         rank: int,
-        settings: AdamW,
+        settings: AdamWSettings,
         device: torch.device | str = "cpu",
         group: dist.ProcessGroup | None = None,
     ) -> None:
@@ -175,6 +160,16 @@ class DisaggregatedOptimizer:
         self._plans: dict[tuple[Deployment, bool], ExchangePlan] = {}
 
     # -- state ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's owned state: fp32 master and both AdamW moments (the live tensors) and the step count."""
+        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "step": self.step_count}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Copy owned ranges of the shapes `state_dict` gives (a checkpoint resharded to this layout)."""
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            getattr(self, key).copy_(state[key])
+        self.step_count = int(state["step"])
+
     def init(self, seed: int) -> None:
         self.master.copy_(self.layout.init_range(self.lo, self.hi, seed))
 
@@ -259,21 +254,6 @@ class DisaggregatedOptimizer:
         bias2 = 1 - b2**self.step_count
         denom = (self.exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(s.eps)
         self.master.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
-
-    def state_dict(self) -> dict[str, torch.Tensor | int]:
-        return {
-            "master": self.master,
-            "exp_avg": self.exp_avg,
-            "exp_avg_sq": self.exp_avg_sq,
-            "step": self.step_count,
-        }
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict[str, torch.Tensor | int]) -> None:
-        """Copy a `state_dict` of the same owned range back in place."""
-        for name in ("master", "exp_avg", "exp_avg_sq"):
-            getattr(self, name).copy_(state[name])
-        self.step_count = int(state["step"])
 
 
 def state_bytes_formula(layout: ModelLayout, local: Sequence[LocalParam], rank: int, dtype_bytes: int) -> dict:

@@ -30,11 +30,11 @@ import torch
 import torch.distributed as dist
 
 from hydraulis.errors import HydraulisError
+from hydraulis.planner.sim import BACKWARD, FORWARD
 from hydraulis.runtime.batch import PackedBatch
 from hydraulis.runtime.groups import ReplicaGroups
 from hydraulis.runtime.model import StageModel
 from hydraulis.runtime.tensor_parallel import vocab_parallel_cross_entropy
-from hydraulis.sim import BACKWARD, FORWARD
 
 
 @dataclass(frozen=True)

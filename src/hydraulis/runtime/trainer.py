@@ -1,6 +1,6 @@
-"""The training loop: sampler -> planner -> deployment -> 1F1B -> disaggregated AdamW.
+"""One training step per call: sampler -> planner -> deployment -> 1F1B -> disaggregated AdamW.
 
-One `Trainer` per rank. Each `step`:
+One `Trainer` per rank; the loop that calls it is hydraulis/loop.py. Each `step`:
 
 1. takes the global batch the sampler drew (every rank draws the same
    batches from the seed, without communicating) and its plan, which rank 0
@@ -27,12 +27,12 @@ sizes see the same losses.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,48 +41,19 @@ import torch.distributed as dist
 from hydraulis.cost.model import CostModel
 from hydraulis.data.sampler import GlobalBatch, SamplerState, TokenBudgetSampler
 from hydraulis.errors import HydraulisError
+from hydraulis.optim import OptimSettings
 from hydraulis.parallel import Deployment
-from hydraulis.planner.plan import IterationPlan, plan_from_assignment
+from hydraulis.planner.plan import IterationPlan, decode_plan, encode_plan
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import check_job_pool
+from hydraulis.planner.sim import simulate
 from hydraulis.runtime.batch import PackedBatch, count_targets, pack_cp_shard
-from hydraulis.runtime.deployments import Active, Deployments
-from hydraulis.runtime.launch import DistEnv, init_distributed
+from hydraulis.runtime.deployments import RankDeployment, RankPool
+from hydraulis.runtime.launch import DTYPES, DistEnv, init_distributed
 from hydraulis.runtime.layout import ModelLayout
-from hydraulis.runtime.optimizer import AdamW, DisaggregatedOptimizer
+from hydraulis.runtime.optimizer import DisaggregatedOptimizer
 from hydraulis.runtime.pipeline import train_step
-from hydraulis.sim import simulate
 from hydraulis.specs import ModelSpec
-
-SCHEDULES = ("cosine", "linear", "constant")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class OptimSettings:
-    lr: float = 3e-4
-    warmup: int = 10
-    schedule: str = "cosine"
-    min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio at the last step
-    adamw: AdamW = field(default_factory=AdamW)
-
-    def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise HydraulisError(f"unknown LR schedule {self.schedule!r}; use one of {', '.join(SCHEDULES)}")
-        if self.lr <= 0 or self.warmup < 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise HydraulisError("lr must be positive, warmup non-negative, min_lr_ratio within [0, 1]")
-
-    def lr_at(self, step: int, total_steps: int) -> float:
-        """Linear warm-up over `warmup` steps, then the schedule down to lr * min_lr_ratio."""
-        if step < self.warmup:
-            return self.lr * (step + 1) / self.warmup
-        if self.schedule == "constant":
-            return self.lr
-        progress = min(1.0, (step - self.warmup) / max(1, total_steps - 1 - self.warmup))
-        floor = self.lr * self.min_lr_ratio
-        if self.schedule == "linear":
-            return self.lr - (self.lr - floor) * progress
-        return floor + (self.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 @dataclass(frozen=True)
@@ -94,8 +65,19 @@ class TrainSettings:
     steps: int
     seed: int = 1
     dtype: str = "fp32"
-    sequence_parallel: bool = False  # activation recompute: the configs in cost.recompute (one definition)
+    sequence_parallel: bool = False
     compare_steps: int = 0  # the last batches kept for `Trainer.compare`
+
+    def schedule_state(self) -> dict[str, Any]:
+        """What the LR at each step depends on; a checkpoint records it, a resume says what changed."""
+        o = self.optim
+        return {
+            "lr": o.lr,
+            "warmup": o.warmup,
+            "schedule": o.schedule,
+            "min_lr_ratio": o.min_lr_ratio,
+            "total_steps": self.steps,
+        }
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -141,31 +123,6 @@ class StepMetrics:
         d["micro_batches"] = list(self.micro_batches)
         d["tokens_per_s"] = self.tokens_per_s
         return d
-
-
-def encode_plan(plan: IterationPlan, pool_index: int) -> np.ndarray:
-    """[pool index, replicas, micro-batches per replica..., sizes..., sequence indices..., 2 float64s as bits]."""
-    mbs = [mb for r in plan.replicas for mb in r.micro_batches]
-    head = [pool_index, len(plan.replicas), *(len(r.micro_batches) for r in plan.replicas), *(len(m) for m in mbs)]
-    floats = np.array([plan.predicted_time_s, plan.planning_time_s], dtype=np.float64).view(np.int64)
-    return np.concatenate([np.array(head, np.int64), np.array([i for m in mbs for i in m], np.int64), floats])
-
-
-def decode_plan(data: np.ndarray, step: int, lengths: Sequence[int], pool: Sequence[Deployment]) -> IterationPlan:
-    index, replicas = int(data[0]), int(data[1])
-    counts = data[2 : 2 + replicas]
-    pos = 2 + replicas
-    sizes = data[pos : pos + int(counts.sum())]
-    pos += len(sizes)
-    flat = data[pos : pos + int(sizes.sum())]
-    predicted, planning = data[-2:].view(np.float64)
-    cuts = np.cumsum(sizes)[:-1]
-    mbs = np.split(flat, cuts) if len(sizes) else []
-    per_replica, k = [], 0
-    for c in counts:
-        per_replica.append(mbs[k : k + int(c)])
-        k += int(c)
-    return plan_from_assignment(step, lengths, pool[index], per_replica, float(predicted), float(planning))
 
 
 @dataclass(frozen=True)
@@ -219,14 +176,14 @@ class Trainer:
         self.optimizer.init(settings.seed)
         # Plans travel on a CPU group: NCCL cannot broadcast host memory.
         self.control = dist.new_group(backend="gloo") if self.env.backend != "gloo" else None
-        self.deployments = Deployments(
+        self.deployments = RankPool(
             settings.model,
             settings.pool,
             self.optimizer,
             self.dtype,
             self.env.device,
             settings.sequence_parallel,
-            settings.cost.recompute,
+            settings.cost.recompute,  # activation recompute: the cost model's set is the one definition
         )
         self.planner = Planner(settings.cost, self.world, settings.pool) if self.rank == 0 else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner") if self.rank == 0 else None
@@ -283,7 +240,7 @@ class Trainer:
         self.recent.append((batch, plan))
         return self.run_iteration(batch, plan, planning_unhidden_s=waited)
 
-    def micro_batches(self, batch: GlobalBatch, plan: IterationPlan, part: Active) -> list[PackedBatch]:
+    def micro_batches(self, batch: GlobalBatch, plan: IterationPlan, part: RankDeployment) -> list[PackedBatch]:
         """This rank's replica's micro-batches (its CP rank's share of each): only its documents are read."""
         pad = part.groups.config.tp if part.groups.tp.sequence_parallel else 1
         cp = part.groups.cp
@@ -405,6 +362,21 @@ class Trainer:
     def next_sampler_state(self) -> SamplerState:
         """Where the first batch not yet trained starts (the sampler has already drawn one ahead)."""
         return self._pending[0].state if self._pending is not None else self.sampler.state
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this rank's training: the next step, the sampler's position there, the
+        LR schedule's inputs and the optimizer's owned state (its tensors live, not copied)."""
+        return {
+            "step": self.step_index,
+            "sampler": self.next_sampler_state(),
+            "schedule": self.settings.schedule_state(),
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a `state_dict` (the schedule is this run's settings; the caller compares it)."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.restore(state["step"], state["sampler"])
 
     def restore(self, step_index: int, sampler_state: SamplerState) -> None:
         """Continue at `step_index` with the batch at `sampler_state`: a batch drawn ahead is dropped."""

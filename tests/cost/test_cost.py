@@ -135,7 +135,7 @@ def test_a_profile_without_per_micro_batch_overhead_plans():
 
 
 def test_analytic_context_parallelism_splits_per_token_work_too():
-    from hydraulis.cost.model import kv_exchange
+    from hydraulis.cost.context_parallel import kv_exchange
 
     model, device = get_model("llama-7b"), get_device("a800-80g")
     configs = [ParallelConfig(2, 1), ParallelConfig(2, 1, 2)]
@@ -179,7 +179,7 @@ def test_recompute_raises_the_cap_and_costs_a_forward():
 
 @pytest.mark.parametrize("device", ["a100-40g", "a800-80g", "h100-80g", "h200-141g", "cpu"])
 def test_kv_exchange_is_the_cp_groups_kv_bytes_at_the_right_link(device):
-    from hydraulis.cost.model import kv_exchange, kv_exchange_bytes
+    from hydraulis.cost.context_parallel import kv_exchange, kv_exchange_bytes
 
     spec, dev = get_model("llama-70b"), get_device(device)  # GQA: 8 KV heads of 128
     g = ParallelConfig(4, 2, 4)
@@ -196,7 +196,7 @@ def test_kv_exchange_is_the_cp_groups_kv_bytes_at_the_right_link(device):
 
 
 def test_kv_exchange_across_nodes_costs_the_nic():
-    from hydraulis.cost.model import kv_exchange
+    from hydraulis.cost.context_parallel import kv_exchange
 
     spec, dev = get_model("llama-7b"), get_device("a800-80g")
     inside, across = kv_exchange(spec, dev, ParallelConfig(2, 1, 4)), kv_exchange(spec, dev, ParallelConfig(8, 1, 2))
@@ -206,7 +206,7 @@ def test_kv_exchange_across_nodes_costs_the_nic():
 
 @pytest.mark.parametrize("profile", ["llama-7b@a800-80g", "llama-13b@a800-80g", "llama-32b@a800-80g"])
 def test_shipped_profiles_extend_to_cp_analytically(profile):
-    from hydraulis.cost.model import CP_DEGREES, kv_exchange
+    from hydraulis.cost.context_parallel import CP_DEGREES, kv_exchange
 
     base = load_cost_model(profile)
     cost = load_cost_model(profile + "+cp")
@@ -255,7 +255,7 @@ def test_a_profile_may_carry_measured_cp_entries():
 )
 def test_cp_caps_hold_exactly(tp_pp, cp, model, seed, recompute):
     from hydraulis.cost import extend_to_cp
-    from hydraulis.cost.model import CAP_GRANULARITY, kv_buffer_bytes
+    from hydraulis.cost.memory import CAP_GRANULARITY, kv_buffer_bytes
 
     spec = get_model(model)
     cost = extend_to_cp(AnalyticCostModel(spec, get_device("a800-80g"), recompute=recompute))
@@ -283,7 +283,7 @@ def test_cp_memory_counts_the_keys_attention_keeps() -> None:
     """Per token of a split document a CP rank keeps its keys' copy in every layer in flight (L under
     1F1B), independent arithmetic: 2 (K, V) x kv columns x 2 bytes x (1 + 1/2cp), plus one layer live."""
     from hydraulis.cost import extend_to_cp
-    from hydraulis.cost.model import kv_buffer_bytes
+    from hydraulis.cost.memory import kv_buffer_bytes
 
     spec = get_model("llama-7b")
     kv = spec.kv_heads * spec.head_dim

@@ -139,7 +139,7 @@ def test_the_shipped_cpu_profile_was_measured_and_plans(cli, tmp_path):
 def test_shared_cores_rescale_a_plan_by_the_ranks_it_keeps_busy():
     from hydraulis.parallel import Deployment
     from hydraulis.planner.plan import plan_from_assignment
-    from hydraulis.sim import simulate
+    from hydraulis.planner.sim import simulate
     from hydraulis.specs import ClusterSpec
 
     data = _preset_dict("tiny-cpu-measured.json")
@@ -171,7 +171,7 @@ def test_shared_cores_rescale_a_plan_by_the_ranks_it_keeps_busy():
 def test_a_measured_optimizer_step_is_the_iteration_time_after_compute():
     from hydraulis.parallel import Deployment
     from hydraulis.planner.plan import plan_from_assignment
-    from hydraulis.sim import simulate
+    from hydraulis.planner.sim import simulate
     from hydraulis.specs import ClusterSpec
 
     data = _preset_dict("tiny-cpu-measured.json")
@@ -196,7 +196,7 @@ def test_the_planner_chooses_by_the_whole_simulated_iteration():
     """A deployment whose compute is fastest but whose optimizer step is slow loses to one that is faster overall."""
     from hydraulis.parallel import Deployment
     from hydraulis.planner.planner import Planner
-    from hydraulis.sim import simulate
+    from hydraulis.planner.sim import simulate
     from hydraulis.specs import ClusterSpec
 
     data = _preset_dict("tiny-cpu-measured.json")

@@ -19,7 +19,7 @@ from cli_helpers import start_cli
 
 from hydraulis.planner.plan import load_plan
 
-PROFILE = Path(__file__).resolve().parents[1] / "src" / "hydraulis" / "cost" / "profiles" / "llama-7b-a800.json"
+PROFILE = Path(__file__).resolve().parents[2] / "src" / "hydraulis" / "cost" / "profiles" / "llama-7b-a800.json"
 
 
 def tree(root: Path) -> set[str]:

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hydraulis.cost import load_cost_model
 from hydraulis.parallel import Deployment
 from hydraulis.planner.plan import plan_from_assignment
-from hydraulis.sim import BACKWARD, FORWARD, closed_form_replica_time, simulate, simulate_replica
+from hydraulis.planner.sim import BACKWARD, FORWARD, closed_form_replica_time, simulate, simulate_replica
 from hydraulis.specs import ClusterSpec
 
 

@@ -24,7 +24,7 @@ from hydraulis.planner.policy import PolicyContext
 from hydraulis.planner.pool import fallback_config, largest_cap
 from hydraulis.planner.replicas import ReplicaCost, ReplicaTable
 from hydraulis.planner.schedule import check_schedule
-from hydraulis.sim import simulate
+from hydraulis.planner.sim import simulate
 from hydraulis.specs import ClusterSpec
 
 COST = load_cost_model("llama-7b@a800-80g")

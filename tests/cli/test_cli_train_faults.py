@@ -23,7 +23,7 @@ from hydraulis.data.sampler import TokenBudgetSampler  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 TWO = {"parallel": 'pool = "2x(tp1,pp1); 1x(tp2,pp1)"\nprofile = "tiny@cpu"'}
 
 

@@ -1,0 +1,202 @@
+"""Checkpoint directories on disk: names, the manifest, discovery and retention (no torch).
+
+A checkpoint is a directory `step-000123` (the trainer step it resumes at)
+whose `manifest.json` (`hydraulis.checkpoint/1`) is written last and lists
+every file with its size and sha256; runtime/checkpoint.py writes and reads
+the tensors. Everything here runs without torch, so a job is checked before
+any rank starts.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydraulis.data.sampler import SamplerState
+from hydraulis.errors import HydraulisError
+from hydraulis.files import sha256_file
+from hydraulis.jsonio import Fields, load_json
+from hydraulis.progress import Log
+from hydraulis.specs import SHAPE_FIELDS, ModelSpec
+
+CHECKPOINT_SCHEMA = "hydraulis.checkpoint/1"
+MANIFEST_FILE = "manifest.json"
+OPTIM_DIR = "optimizer"
+OPTIM_KEYS = ("master", "exp_avg", "exp_avg_sq")
+STEP_DIR = re.compile(r"step-(\d+)")
+DEFAULT_KEEP = 2  # the config's [train] keep_checkpoints default (config.TrainSection)
+
+
+def say(message: str) -> None:
+    """The default log of checkpoint discovery outside a run (`hydraulis export`): one line on stderr."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-{rank:05d}.json"
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A checkpoint file as the manifest records it."""
+
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a checkpoint's manifest says (read without torch.distributed)."""
+
+    path: Path
+    step: int
+    world_size: int
+    model: ModelSpec
+    parameters: int
+    optimizer_step: int
+    sampler: SamplerState
+    schedule: dict[str, Any]  # lr, warmup, schedule, min_lr_ratio, total_steps
+    seed: int
+    pool: tuple[str, ...]
+    tokenizer: str | None
+    corpus_sha256: dict[str, str] | None
+    files: dict[str, FileEntry]
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / MANIFEST_FILE
+
+
+def read_manifest(path: str | Path) -> CheckpointInfo:
+    """A checkpoint directory's manifest, checked field by field (errors name the file)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise HydraulisError(f"{path}: no such checkpoint directory")
+    manifest = path / MANIFEST_FILE
+    if not manifest.is_file():
+        raise HydraulisError(f"{path}: incomplete checkpoint (no {MANIFEST_FILE})")
+    data = load_json(manifest, CHECKPOINT_SCHEMA)
+    f = Fields(data, str(manifest))
+    m = f.obj("model")
+    try:
+        spec = ModelSpec(m.str("name"), **{k: m.int(k, minimum=1) for k in SHAPE_FIELDS})
+    except HydraulisError as exc:
+        raise HydraulisError(f"{manifest}: {exc}") from None
+    files = {}
+    for name, entry in f.obj("files").data.items():
+        e = Fields(entry, f"{manifest}.files.{name}")
+        files[name] = FileEntry(e.int("bytes", minimum=0), e.str("sha256"))
+    try:
+        sampler = SamplerState.from_dict(data.get("sampler"))
+    except HydraulisError as exc:
+        raise HydraulisError(f"{manifest}: {exc}") from None
+    sums = None
+    if data.get("corpus") is not None:
+        sha = f.obj("corpus").obj("sha256")
+        sums = {k: sha.str(k) for k in sha.data}
+    pool = tuple(Fields(row, f"{manifest}.pool").str("text") for row in f.list("pool"))
+    tokenizer = data.get("tokenizer")
+    if tokenizer is not None and not isinstance(tokenizer, str):
+        raise HydraulisError(f"{manifest}.tokenizer: expected a string or null, got {tokenizer!r}")
+    info = CheckpointInfo(
+        path=path,
+        step=f.int("step", minimum=0),
+        world_size=f.int("world_size", minimum=1),
+        model=spec,
+        parameters=f.int("parameters", minimum=1),
+        optimizer_step=f.obj("optimizer").int("step", minimum=0),
+        sampler=sampler,
+        schedule=dict(f.obj("schedule").data),
+        seed=f.int("seed", minimum=0),
+        pool=pool,
+        tokenizer=tokenizer,
+        corpus_sha256=sums,
+        files=files,
+    )
+    if f"{OPTIM_DIR}/.metadata" not in files:
+        raise HydraulisError(f"{manifest}: lists no {OPTIM_DIR}/.metadata")
+    return info
+
+
+def check_files(info: CheckpointInfo, names: Iterable[str] | None = None, hashes: bool = True) -> None:
+    """Every listed file (or `names` of them) is there with its size and, with `hashes`, its checksum."""
+    for name in info.files if names is None else names:
+        entry = info.files[name]
+        p = info.path / name
+        try:
+            size = p.stat().st_size
+        except FileNotFoundError:
+            raise HydraulisError(f"{p}: missing (the checkpoint is incomplete)") from None
+        if size != entry.bytes:
+            state = "truncated" if size < entry.bytes else "too long"
+            raise HydraulisError(f"{p}: {state}: {size} bytes, {info.manifest_path} says {entry.bytes}")
+        if hashes and sha256_file(p) != entry.sha256:
+            raise HydraulisError(f"{p}: corrupt: its checksum differs from {info.manifest_path}")
+
+
+def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every `step-N` directory under out_dir, oldest first (complete or not)."""
+    out = Path(out_dir)
+    if not out.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in out.iterdir() if p.is_dir() and (m := STEP_DIR.fullmatch(p.name))]
+    return sorted(found)
+
+
+def sweep_temporary(out_dir: str | Path, log: Log = say) -> list[Path]:
+    """Remove the hidden temporary directories of saves that did not finish (one line each)."""
+    out = Path(out_dir)
+    swept = []
+    if out.is_dir():
+        for p in sorted(out.iterdir()):
+            if p.is_dir() and p.name.startswith(".step-") and p.name.endswith((".tmp", ".old")):
+                shutil.rmtree(p, ignore_errors=True)
+                log(f"removed {p}: a checkpoint save that did not finish")
+                swept.append(p)
+    return swept
+
+
+def latest_checkpoint(out_dir: str | Path, sweep: bool = True, log: Log = say) -> Path | None:
+    """The newest complete checkpoint under out_dir (None if there is none).
+
+    Complete: a manifest of our schema whose files are all there with their
+    sizes (checksums are checked when loading). Incomplete ones are skipped
+    with one line each; with `sweep`, temporary directories are removed.
+    """
+    if sweep:
+        sweep_temporary(out_dir, log)
+    for _, path in reversed(list_checkpoints(out_dir)):
+        try:
+            check_files(read_manifest(path), hashes=False)
+        except HydraulisError as exc:
+            log(f"skipping an incomplete checkpoint: {exc}")
+            continue
+        return path
+    return None
+
+
+def resolve_checkpoint(path: str | Path, log: Log = say) -> Path | None:
+    """A checkpoint directory itself, or the newest complete one under an output directory."""
+    path = Path(path)
+    if (path / MANIFEST_FILE).exists() or STEP_DIR.fullmatch(path.name):
+        return path
+    return latest_checkpoint(path, log=log)
+
+
+def prune(out_dir: str | Path, keep: int, spare: Path) -> None:
+    """Delete complete checkpoints beyond the newest `keep` (keep <= 0 keeps all); never `spare`."""
+    if keep <= 0:
+        return
+    complete = [p for _, p in list_checkpoints(out_dir) if (p / MANIFEST_FILE).is_file()]
+    for p in complete[:-keep]:
+        if p != spare:
+            shutil.rmtree(p, ignore_errors=True)

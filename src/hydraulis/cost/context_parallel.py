@@ -1,0 +1,86 @@
+"""Context parallelism in the cost model: the K/V exchange, the CP configs, the analytic extension.
+
+Context parallelism (cp > 1) splits every sequence of a micro-batch over cp
+GPUs: a and b divide by cp, and the K/V exchange over the CP group (an
+all-gather per layer forward, a reduce-scatter of dK/dV backward) adds to b
+and c (`kv_exchange`). `extend_to_cp` derives cp > 1 entries from measured
+cp = 1 ones (an analytic extension, labelled `+cp`). The K/V buffers a CP
+rank keeps are memory (memory.kv_buffer_bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from hydraulis.cost.memory import KV_BYTES, kv_shard_dim
+from hydraulis.cost.model import RECOMPUTE_TIME, Coefficients, CostModel
+from hydraulis.limits import MAX_GPUS
+from hydraulis.parallel import ParallelConfig
+from hydraulis.specs import DeviceSpec, ModelSpec
+
+# CP degrees the cost models offer. CP serves long sequences, whose activation memory pipeline stages do
+# not lower (1F1B keeps L layers' worth in flight), so it is combined with pp <= CP_MAX_PP only.
+CP_DEGREES = (2, 4, 8, 16)
+CP_MAX_PP = 2
+CP_SUFFIX = "+cp"
+
+
+def kv_exchange_bytes(model: ModelSpec, config: ParallelConfig) -> float:
+    """Bytes one rank moves per token of a micro-batch, one stage, forward plus backward, for CP.
+
+    Forward all-gathers each layer's K and V over the CP group (a rank receives the (cp - 1) / cp it
+    lacks of its TP shard); backward reduce-scatters dK and dV, the same bytes again.
+    """
+    if config.cp == 1:
+        return 0.0
+    layers = model.layers / config.pp
+    return 2 * 2 * layers * kv_shard_dim(model, config.tp) * KV_BYTES * (config.cp - 1) / config.cp
+
+
+def kv_exchange(model: ModelSpec, device: DeviceSpec, config: ParallelConfig) -> tuple[float, float]:
+    """(b, c) seconds the K/V exchange adds per token and per micro-batch: NVLink inside a node, the NIC
+    when the CP group spans nodes; a ring of cp - 1 steps pays cp - 1 latencies per collective."""
+    if config.cp == 1:
+        return 0.0, 0.0
+    spans = config.cp_spans_nodes(device.gpus_per_node)
+    bandwidth = device.inter_node_bw if spans else device.intra_node_bw
+    collectives = 2 * model.layers / config.pp
+    return kv_exchange_bytes(model, config) / bandwidth, collectives * (config.cp - 1) * device.p2p_latency_s
+
+
+def cp_configs(base: Sequence[ParallelConfig], max_gpus: int = MAX_GPUS) -> list[ParallelConfig]:
+    """The CP configs built on cp = 1 ones: each CP_DEGREES degree on each base with pp <= CP_MAX_PP."""
+    return [
+        ParallelConfig(g.tp, g.pp, cp)
+        for g in base
+        if g.cp == 1 and g.pp <= CP_MAX_PP
+        for cp in CP_DEGREES
+        if g.num_gpus * cp <= max_gpus
+    ]
+
+
+def extend_to_cp(
+    cost: CostModel, degrees: Sequence[int] = CP_DEGREES, only: Callable[[ParallelConfig], bool] | None = None
+) -> CostModel:
+    """`cost` plus cp > 1 configs derived analytically from its cp = 1 entries (named NAME+cp).
+
+    A CP config splits every sequence over cp ranks: a / cp and b / cp of the measured (tp, pp), plus
+    the K/V exchange (`kv_exchange`) at the device's bandwidths. Entries the cost model already has
+    (measured cp > 1) are kept as they are. The recompute set carries over to the derived configs.
+    `only`, if given, chooses which derived configs to add (a benchmark's CP-only-where-needed model).
+    """
+    if cost.name.endswith(CP_SUFFIX):
+        return cost
+    coefficients = {g: cost.coefficients(g) for g in cost.configs}
+    recompute = set(cost.recompute)
+    for g in cp_configs(cost.configs):
+        if g.cp not in degrees or g in coefficients or (only is not None and not only(g)):
+            continue
+        base = ParallelConfig(g.tp, g.pp)
+        k = coefficients[base]
+        db, dc = kv_exchange(cost.model, cost.device, g)
+        scale = RECOMPUTE_TIME if base in cost.recompute else 1.0  # the exchange is rerun with the forward
+        coefficients[g] = Coefficients(k.a / g.cp, k.b / g.cp + db * scale, k.c + dc)
+        if base in cost.recompute:
+            recompute.add(g)
+    return cost.with_configs(cost.name + CP_SUFFIX, coefficients, recompute)

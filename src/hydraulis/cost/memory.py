@@ -1,0 +1,159 @@
+"""Memory: the training state the runtime holds, and the per-GPU cap it leaves for activations.
+
+`TrainingState` is the one definition of bytes per parameter that the
+analytic memory model and the runtime's memory test both read;
+`MemoryModel.cap` is the most tokens a micro-batch of a config may hold
+(docs/design.md, section 4), under CP with the K/V buffers attention keeps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hydraulis.context import max_rank_tokens
+from hydraulis.parallel import ParallelConfig
+from hydraulis.specs import ModelSpec
+
+CAP_GRANULARITY = 128
+RECOMPUTE_INPUT_BYTES = 2  # a layer's input kept under full recompute (bf16)
+KV_BYTES = 2  # K and V travel over the CP group in the compute dtype (bf16)
+
+
+def kv_shard_dim(model: ModelSpec, tp: int) -> int:
+    """K (or V) columns one TP rank holds: its share of the KV heads, one whole head when tp > kv_heads."""
+    return model.kv_heads * model.head_dim // min(tp, model.kv_heads)
+
+
+def kv_buffer_bytes(model: ModelSpec, config: ParallelConfig, recompute: bool = False) -> float:
+    """Bytes per token of a micro-batch that CP adds on a rank, beyond its share of the activations.
+
+    Each chunk of a split document attends to the gathered keys and values up to its end, and
+    attention keeps that copy for backward: about (1 + 1 / 2cp) x the document's K/V per layer, for
+    every layer in flight (L under 1F1B, one under full recompute). On top, one layer's gathered K/V
+    and their gradients are live while it runs.
+    """
+    if config.cp == 1:
+        return 0.0
+    per_layer = 2 * kv_shard_dim(model, config.tp) * KV_BYTES
+    kept_layers = 1 if recompute else model.layers
+    return kept_layers * per_layer * (1 + 1 / (2 * config.cp)) + 2 * per_layer
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """Bytes per parameter of training state, exactly as the runtime holds it (runtime/optimizer.py).
+
+    With the compute shard (replicated across replicas): parameters and
+    gradients in the compute dtype. Sharded over all N ranks (the fixed
+    optimizer layout): fp32 master weights, two fp32 AdamW moments and the
+    fp32 reduced gradient. The analytic memory model and the runtime's memory
+    test both read this one definition.
+    """
+
+    param_bytes: int = 2
+    grad_bytes: int = 2
+    master_bytes: int = 4
+    moment_bytes: int = 8
+    reduced_grad_bytes: int = 4
+
+    @property
+    def replicated_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes
+
+    @property
+    def sharded_bytes(self) -> int:
+        return self.master_bytes + self.moment_bytes + self.reduced_grad_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.replicated_bytes + self.sharded_bytes
+
+    @property
+    def sharded_fraction(self) -> float:
+        """The memory model's optimizer_sharded_fraction (alpha)."""
+        return self.sharded_bytes / self.total_bytes
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Per-GPU memory of a config when optimizer states are sharded over all N GPUs."""
+
+    memory_bytes: int
+    activation_bytes_per_token_hidden_layer: dict[int, float]
+    state_bytes_per_hidden2_layer: float
+    optimizer_sharded_fraction: float
+    context_overhead_bytes: float
+    safety_margin_bytes: float
+    embedding_state_bytes: float = 16.0  # training-state bytes per embedding or head parameter (design section 4)
+
+    def activation_factor(self, tp: int) -> float:
+        table = self.activation_bytes_per_token_hidden_layer
+        if tp in table:
+            return table[tp]
+        # Between measured TP degrees, interpolate in log2(tp); outside, hold the edge.
+        keys = np.array(sorted(table), dtype=float)
+        values = np.array([table[int(k)] for k in keys])
+        return float(np.interp(np.log2(tp), np.log2(keys), values))
+
+    def static_bytes(self, config: ParallelConfig, model: ModelSpec, num_gpus: int) -> float:
+        L, H, V = model.layers, model.hidden, model.vocab
+        B, alpha = self.state_bytes_per_hidden2_layer, self.optimizer_sharded_fraction
+        tp, pp = config.tp, config.pp
+        per_matrix = self.embedding_state_bytes
+        e = 2 * per_matrix if pp == 1 else per_matrix  # embedding and head on one GPU when pp = 1
+        return (
+            (L / pp) * (H * H / tp) * B * (1 - alpha)
+            + L * H * H * B * alpha / num_gpus
+            + (H * V / tp) * e * (1 - alpha)
+            + H * V * 2 * per_matrix * alpha / num_gpus
+        )
+
+    def bytes_per_token(self, config: ParallelConfig, model: ModelSpec, recompute: bool = False) -> float:
+        """Activation bytes per token one rank holds (under CP, per token of the rank's share)."""
+        # 1F1B keeps pp micro-batches in flight on the first stage, L/pp layers each: L in all.
+        full = (model.hidden / config.tp) * self.activation_factor(config.tp)
+        if recompute:
+            # Only each layer's input is kept (compute dtype, full hidden), plus the one layer whose
+            # activations are being recomputed in backward.
+            return model.layers * model.hidden * RECOMPUTE_INPUT_BYTES + full
+        return model.layers * full
+
+    def free_bytes(self, config: ParallelConfig, model: ModelSpec, num_gpus: int) -> float:
+        """What a GPU has left for activations after the margin, the context and the static state."""
+        return (
+            self.memory_bytes
+            - self.safety_margin_bytes
+            - self.context_overhead_bytes
+            - self.static_bytes(config, model, num_gpus)
+        )
+
+    def activation_bytes(
+        self, config: ParallelConfig, model: ModelSpec, tokens: int, recompute: bool = False
+    ) -> float:
+        """Activation bytes on the fullest rank for a micro-batch of `tokens` (CP: its share plus K/V buffers)."""
+        held = max_rank_tokens(tokens, config.cp)
+        per_token = self.bytes_per_token(config, model, recompute)
+        return float(held) * per_token + tokens * kv_buffer_bytes(model, config, recompute)
+
+    def cap(self, config: ParallelConfig, model: ModelSpec, num_gpus: int, recompute: bool = False) -> int:
+        """Most tokens (a multiple of 128) whose activation_bytes fit in free_bytes.
+
+        Under CP a rank holds at most ceil(T/cp) + 2*cp tokens of a micro-batch of T, so the cap is about
+        cp * (per-rank cap - 2*cp), less the K/V that attention keeps (`kv_buffer_bytes`).
+        """
+        free = self.free_bytes(config, model, num_gpus)
+        if free <= 0:
+            return 0
+        per_token = self.bytes_per_token(config, model, recompute)
+        cp = config.cp
+        if cp == 1:
+            tokens = int(free / per_token)
+        else:
+            # T/cp + 2cp + T*buffer/per_token <= free/per_token, then down past the ceiling's rounding.
+            share = 1 / cp + kv_buffer_bytes(model, config, recompute) / per_token
+            tokens = max(0, int((free / per_token - 2 * cp) / share))
+            while tokens > 0 and self.activation_bytes(config, model, tokens, recompute) > free:
+                tokens -= 1
+        return tokens // CAP_GRANULARITY * CAP_GRANULARITY

@@ -1,0 +1,235 @@
+"""A training job, resolved and checked before any rank starts (no torch).
+
+`prepare` does everything that can fail on bad input BEFORE any rank starts
+or any file is written: it validates the config, opens (or builds) the
+corpus, loads the cost model (measuring it first with `profile = "auto"`,
+auto_profile.py), places or proposes the pool for the world size, and
+checks that the model fits some config of the pool at max_len. The `Job` it
+returns is what every rank of loop.py receives.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from hydraulis.auto_profile import AUTO_PROFILE, AutoProfile
+from hydraulis.checkpoints import Log
+from hydraulis.config import RunConfig
+from hydraulis.cost import CostModel, load_cost_model
+from hydraulis.data.sampler import TokenBudgetSampler
+from hydraulis.errors import HydraulisError
+from hydraulis.jsonio import write_json_atomic
+from hydraulis.parallel import Deployment, ParallelConfig, parse_deployment_configs
+from hydraulis.planner.pool import check_job_pool, inline_pool_world, load_pool, parse_pool, pool_items
+from hydraulis.progress import say
+from hydraulis.specs import ClusterSpec, ModelSpec
+
+RUN_FILES = ("metrics.jsonl", "config.toml", "pool.json", "summary.json", "report.png", "tb", AUTO_PROFILE)
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything a rank needs, resolved and checked in the parent (picklable for spawn)."""
+
+    config: RunConfig
+    spec: ModelSpec
+    cost: CostModel
+    pool: tuple[Deployment, ...]
+    world: int
+    corpus_path: str
+    tokenizer: str
+    out: str
+    steps: int
+    resume: bool = False
+    max_restarts: int = 0
+
+    @property
+    def checkpoints(self) -> Path:
+        return Path(self.out) / "checkpoints"
+
+
+def torchrun_world() -> int | None:
+    """The world size torchrun gives this process, or None when it runs alone."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def prepare(
+    config: RunConfig,
+    nproc: int | None,
+    out: str | None,
+    steps: int | None,
+    resume: bool,
+    max_restarts: int = 0,
+    log: Log = say,
+) -> Job:
+    """A checked job; raises HydraulisError (one line) on any bad input, having written nothing."""
+    from hydraulis.data.builtin import resolve_corpus
+
+    run_dir = Path(out or config.train.out)
+    steps = steps if steps is not None else config.train.steps
+    # The resolved config: what config.toml records, so a run directory says what it ran.
+    config = config.model_copy(update={"train": config.train.model_copy(update={"out": str(run_dir), "steps": steps})})
+    # torchrun restarts every worker with the same arguments after a failure: continue, don't start over.
+    resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    if max_restarts < 0:
+        raise HydraulisError(f"--max-restarts must be non-negative, got {max_restarts}")
+    spec = model_spec(config)
+    auto = config.parallel.profile == "auto"  # measured below, once the world size and the pool are known
+    cost = None if auto else job_cost_model(config.parallel.profile, spec)
+    if cost is not None:
+        cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
+    tokenizer = config.data.tokenizer_for(spec)
+    env_world = torchrun_world()
+    if env_world is None or int(os.environ["RANK"]) == 0:
+        _check_out(run_dir, config, resume)  # under torchrun rank 0 writes the run directory, and checks it
+    pool_spec = config.parallel.pool
+    inline = pool_spec != "auto" and not Path(pool_spec).is_file() and not pool_spec.endswith(".json")
+    pool_gpus = inline_pool_world(pool_spec) if inline else None
+    if pool_spec != "auto" and not inline:
+        pool_gpus = load_pool(pool_spec).cluster.num_gpus
+    if env_world is not None:
+        if nproc is not None and nproc != env_world:
+            raise HydraulisError(f"--nproc {nproc} differs from torchrun's world size {env_world}; drop --nproc")
+        world = env_world
+    else:
+        world = nproc if nproc is not None else (pool_gpus or 1)
+    if world < 1:
+        raise HydraulisError(f"--nproc must be positive, got {world}")
+    if pool_gpus is not None and world > pool_gpus:
+        raise HydraulisError(
+            f"--nproc {world} is larger than the pool's {pool_gpus} GPUs; give a pool for {world} ranks or fewer ranks"
+        )
+    if pool_gpus is not None and world < pool_gpus:
+        raise HydraulisError(
+            f"the pool's deployments use {pool_gpus} GPUs but the job has {world} ranks; "
+            f"run {pool_gpus} ranks (--nproc {pool_gpus}) or give a pool for {world}"
+        )
+    gpn = config.parallel.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    cluster = ClusterSpec(world, min(gpn, world))
+    corpus = resolve_corpus(config.data.corpus, tokenizer, progress=True)
+    if corpus.manifest.tokenizer != tokenizer:
+        raise HydraulisError(
+            f"corpus {config.data.corpus} is tokenized with {corpus.manifest.tokenizer}, "
+            f"the model needs {tokenizer}; rebuild it or set data.tokenizer"
+        )
+    vocab_needed = get_vocab(tokenizer)
+    if vocab_needed > spec.vocab:
+        raise HydraulisError(f"model.vocab {spec.vocab} is smaller than the {tokenizer} tokenizer's {vocab_needed}")
+    data = config.data
+    sampler = TokenBudgetSampler(corpus.lengths, data.tokens_per_batch, data.max_len, data.seed, data.overlong)
+    fresh = None  # profile = "auto": a profile measured now, written once every check has passed
+    if auto:
+        from hydraulis.cost import ProfiledCostModel
+
+        configs = _pool_configs(pool_spec, inline, spec, world)
+        config.parallel.recompute_configs(configs)  # a bad recompute list fails before minutes of profiling
+        request = AutoProfile.of(config, spec, configs, world, sampler.piece_lengths())
+        cached = request.cached(run_dir / AUTO_PROFILE, log)
+        fresh = None if cached is not None else request.measure(torchrun=env_world is not None, log=log)
+        cost = ProfiledCostModel.from_dict(cached or fresh, str(run_dir / AUTO_PROFILE))
+        cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
+    if pool_spec == "auto":
+        pool = _propose(cost, cluster, sampler, config, data.max_len)
+    elif inline:
+        pool = parse_pool(pool_spec, cluster)
+    else:
+        pool = load_pool(pool_spec, cluster).deployments
+    check_job_pool(pool, world, spec, cost, data.max_len)
+    if fresh is not None:  # written only now: bad input leaves nothing behind
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(run_dir / AUTO_PROFILE, fresh)
+    return Job(
+        config=config,
+        spec=spec,
+        cost=cost,
+        pool=tuple(pool),
+        world=world,
+        corpus_path=str(corpus.path),
+        tokenizer=tokenizer,
+        out=str(run_dir),
+        steps=steps,
+        resume=resume,
+        max_restarts=max_restarts,
+    )
+
+
+def model_spec(config: RunConfig) -> ModelSpec:
+    """The model of the config; with init_from, the Hugging Face directory's own shape."""
+    section = config.model
+    if section.init_from is None:
+        return section.spec()
+    from hydraulis.runtime.hf_io import read_hf_config
+
+    path, _, spec = read_hf_config(section.init_from)
+    given = section.model_fields_set - {"init_from"}
+    if given:
+        mine = section.spec()
+        differ = mine.shape_differences(spec)
+        if differ:
+            key = differ[0]
+            raise HydraulisError(f"model.{key} is {getattr(mine, key)} but {path} says {getattr(spec, key)}; drop it")
+    return spec
+
+
+def job_cost_model(profile: str, spec: ModelSpec) -> CostModel:
+    """load_cost_model, plus `@DEVICE`: the analytic model of the trained model's own shape on DEVICE."""
+    if profile.startswith("@"):
+        from hydraulis.cost import AnalyticCostModel
+        from hydraulis.specs import get_device
+
+        return AnalyticCostModel(spec, get_device(profile[1:]))
+    return load_cost_model(profile)
+
+
+def _pool_configs(pool_spec: str, inline: bool, spec: ModelSpec, world: int) -> tuple[ParallelConfig, ...]:
+    """The configs profile = "auto" measures: the pool's; with pool = "auto" every config the proposal may use."""
+    if inline:
+        configs = [c for text in pool_items(pool_spec, "parallel.pool") for c in parse_deployment_configs(text)]
+    elif pool_spec != "auto":
+        configs = [r.config for d in load_pool(pool_spec).deployments for r in d.replicas]
+    else:
+        from hydraulis.cost.analytic import candidate_configs
+
+        configs = [c for c in candidate_configs(spec, world) if world % c.num_gpus == 0 and c.cp == 1]
+    return tuple(sorted(set(configs), key=lambda c: (c.num_gpus, c.tp, c.pp, c.cp)))
+
+
+def get_vocab(tokenizer: str) -> int:
+    from hydraulis.data.tokenizer import get_tokenizer
+
+    return get_tokenizer(tokenizer).vocab_size
+
+
+def _propose(
+    cost: CostModel, cluster: ClusterSpec, sampler: TokenBudgetSampler, config: RunConfig, max_len: int
+) -> tuple[Deployment, ...]:
+    """Pool "auto": a pool proposed from sample batches of this data (another seed than training's)."""
+    from hydraulis.planner.proposal import propose
+
+    data = config.data
+    sample = TokenBudgetSampler(
+        sampler.lengths, data.tokens_per_batch, data.max_len, data.seed + 1, data.overlong
+    ).batches(8)
+    proposal = propose(
+        cost, cluster, [b.lengths for b in sample], max_pool=config.parallel.max_pool, max_length=max_len
+    )
+    return tuple(proposal.pool.deployments)
+
+
+def _check_out(run_dir: Path, config: RunConfig, resume: bool) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise HydraulisError(f"{run_dir}: exists and is not a directory; choose another --out")
+    if resume:
+        if run_dir.is_dir() and (run_dir / "config.toml").is_file():
+            return
+        raise HydraulisError(f"{run_dir}: holds no run to resume (no config.toml); drop --resume or fix --out")
+    # A directory holding only an auto profile (a run that failed to start) is run into again.
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} - {AUTO_PROFILE}:
+        previous = run_dir / "config.toml"
+        if previous.is_file() and previous.read_text(encoding="utf-8") == config.to_toml():
+            raise HydraulisError(f"{run_dir}: already holds this run; add --resume to continue it or choose --out")
+        raise HydraulisError(f"{run_dir}: already holds a different run (or other files); choose another --out")

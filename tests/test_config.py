@@ -1,0 +1,72 @@
+"""The run config (config.py): defaults written once, one-line errors, a resolved config that round-trips."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from hydraulis.checkpoints import DEFAULT_KEEP
+from hydraulis.config import RunConfig, load_config, parse_config
+from hydraulis.errors import HydraulisError
+from hydraulis.optim import AdamWSettings, OptimSettings
+from hydraulis.specs import MODELS
+
+
+def test_defaults_come_from_the_settings_records():
+    config = RunConfig()
+    assert config.optim.settings() == OptimSettings()  # lr, warmup, schedule, min_lr_ratio and AdamW's settings
+    assert config.optim.settings().adamw == AdamWSettings()
+    assert config.train.keep_checkpoints == DEFAULT_KEEP
+
+
+def test_optim_section_builds_its_settings():
+    config = parse_config({"optim": {"lr": 1e-3, "warmup": 3, "schedule": "linear", "betas": [0.8, 0.9], "eps": 1e-6}})
+    settings = config.optim.settings()
+    assert (settings.lr, settings.warmup, settings.schedule) == (1e-3, 3, "linear")
+    assert settings.adamw.betas == (0.8, 0.9) and settings.adamw.eps == 1e-6
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"optim": {"lr": 0}}, "optim.lr"),
+        ({"optim": {"schedule": "step"}}, "optim.schedule"),
+        ({"train": {"dtype": "fp16"}}, "train.dtype"),
+        ({"optim": {"betas": [0.9, 1.0]}}, "each beta must lie in [0, 1)"),
+        ({"data": {"max_len": 4096, "tokens_per_batch": 1024}}, "max_len 4096 is above tokens_per_batch"),
+        ({"model": {"preset": "nope"}}, "unknown model preset"),
+        ({"trian": {}}, "unknown key 'trian'"),
+        ({"train": {"stpes": 3}}, "unknown key 'train.stpes'"),
+    ],
+)
+def test_bad_values_are_one_line_naming_the_key(data, needle):
+    with pytest.raises(HydraulisError) as info:
+        parse_config(data, "run.toml")
+    message = str(info.value)
+    assert message.startswith("run.toml: ") and needle in message and "\n" not in message
+
+
+def test_model_section_fills_a_preset_and_needs_every_field_without_one():
+    assert parse_config({"model": {"preset": "tiny"}}).model.spec() == MODELS["tiny"]
+    custom = parse_config({"model": {"preset": "tiny", "layers": 3}}).model.spec()
+    assert custom.name == "custom" and custom.layers == 3 and custom.same_shape(MODELS["tiny"]) is False
+    with pytest.raises(HydraulisError, match="without a preset, give"):
+        parse_config({"model": {"preset": None, "hidden": 64}}).model.spec()
+
+
+def test_to_toml_round_trips(tmp_path):
+    config = parse_config({"model": {"preset": "tiny"}, "optim": {"lr": 2e-3}, "parallel": {"recompute": ["tp1pp1"]}})
+    path = tmp_path / "run.toml"
+    path.write_text(config.to_toml())
+    assert load_config(path) == config
+    assert tomllib.loads(config.to_toml())["optim"]["lr"] == 2e-3
+
+
+def test_load_config_names_the_file(tmp_path):
+    with pytest.raises(HydraulisError, match="no such config file"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\n")
+    with pytest.raises(HydraulisError, match="not valid TOML"):
+        load_config(bad)
