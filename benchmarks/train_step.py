@@ -1,17 +1,21 @@
-"""Training iterations on local gloo ranks: Hydraulis against a megatron-style plan, measured in one run.
+"""Training iterations on local gloo ranks: Hydraulis against the best homogeneous deployment, measured in one run.
 
-Three ratios, every number measured here in the same job (CPU figures are
-informative: 4 ranks share this machine's cores):
+Three ratios, every number measured here in the same job (CPU figures are informative: 4 ranks
+share this machine's cores):
 
-1. tokens/s of the same model on the same ranks and global batches, planned
-   by Hydraulis on its pool against the megatron baseline's homogeneous
-   plan (one config, greedy packing in data order);
-2. the optimizer's gather plus reduce per iteration against a DDP-style
-   all-reduce of the same model's gradients;
-3. an iteration that switches deployment against one that does not (same
-   batch, same deployment, only the previous iteration differs).
+1. tokens/s of the same model on the same ranks and global batches, planned by Hydraulis on its
+   pool against the best MEASURED homogeneous deployment of that pool: each homogeneous deployment
+   runs the same batches through the same Trainer (planned by `Planner.plan_on`), interleaved with
+   Hydraulis (`for rep: for variant: all batches`, one warm-up pass each first), and the one with
+   the highest median tokens/s is the baseline;
+2. the optimizer's gather plus reduce per iteration against a DDP-style all-reduce of the same
+   model's gradients;
+3. an iteration that switches deployment against one that does not (same batch, same deployment,
+   only the previous iteration differs).
 
-    .venv/bin/python benchmarks/train_step.py [--steps 10] [--corpus bbc-news] [--json out.json]
+benchmarks/peers.py compares Hydraulis with transformers' model under DDP and FSDP2 as well.
+
+    .venv/bin/python benchmarks/train_step.py [--steps 10] [--reps 3] [--corpus bbc-news] [--json out.json]
 """
 
 from __future__ import annotations
@@ -23,17 +27,15 @@ import time
 
 import numpy as np
 
-from hydraulis.baselines import make_policy
 from hydraulis.cost import load_cost_model
 from hydraulis.data.builtin import ensure_builtin
 from hydraulis.data.sampler import TokenBudgetSampler
 from hydraulis.planner.planner import Planner
-from hydraulis.planner.policy import PolicyContext
 from hydraulis.planner.pool import parse_pool
 from hydraulis.specs import ClusterSpec, get_model
 
 WORLD = 4
-POOL = "4x(tp1,pp1); 1x(tp2,pp1) + 2x(tp1,pp1)"
+POOL = "4x(tp1,pp1); 2x(tp2,pp1); 1x(tp2,pp1) + 2x(tp1,pp1)"  # as benchmarks/peers.py
 
 
 def worker(job: dict) -> dict:
@@ -50,12 +52,15 @@ def worker(job: dict) -> dict:
     settings = TrainSettings(job["spec"], job["pool"], job["cost"], OptimSettings(lr=1e-3, warmup=2), job["steps"])
     sampler = TokenBudgetSampler(corpus.lengths, 2048, 1024, seed=1)
     trainer = Trainer(settings, corpus, sampler, env)
-    out: dict = {}
     batches = job["batches"]
-    for name, plans in job["plans"].items():
-        trainer.run_iteration(batches[0], plans[0])  # warm-up on this policy's first deployment
-        rows = [trainer.run_iteration(b, p) for b, p in zip(batches, plans, strict=True)]
-        out[name] = {"tokens": sum(r.tokens for r in rows), "seconds": sum(r.iteration_s for r in rows)}
+    out: dict = {"tokens_per_s": {name: [] for name in job["plans"]}}
+    for plans in job["plans"].values():  # one warm-up pass each
+        for b, p in zip(batches, plans, strict=True):
+            trainer.run_iteration(b, p)
+    for _ in range(job["reps"]):  # interleaved: a slow spell of the machine hits every variant alike
+        for name, plans in job["plans"].items():
+            rows = [trainer.run_iteration(b, p) for b, p in zip(batches, plans, strict=True)]
+            out["tokens_per_s"][name].append(sum(r.tokens for r in rows) / sum(r.iteration_s for r in rows))
 
     def timed(fn, repeats: int = 9) -> float:
         """Median over repeats, each started together after a barrier (in training, gather and reduce
@@ -98,6 +103,7 @@ def worker(job: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--corpus", default="bbc-news")
     parser.add_argument("--profile", default="tiny@cpu")
     parser.add_argument("--json", default=None)
@@ -112,40 +118,42 @@ def main() -> None:
     corpus = ensure_builtin(args.corpus, "bytes")
     batches = TokenBudgetSampler(corpus.lengths, 2048, 1024, seed=1).batches(args.steps)
     lengths = [b.lengths for b in batches]
-    ctx = PolicyContext.build(cost, cluster, lengths, pool)
-    megatron = make_policy("megatron", ctx)
-    hydraulis = Planner(cost, WORLD, pool)
-    plans = {
-        "megatron": [megatron.schedule(x, i).phases[0] for i, x in enumerate(lengths)],
-        "hydraulis": [hydraulis.plan(x, i) for i, x in enumerate(lengths)],
-    }
-    deployments = list(dict.fromkeys(list(pool) + [p.deployment for p in plans["megatron"]]))
-    switch_plans = [hydraulis.plan_on(lengths[0], d) for d in pool[:2]]
+    planner = Planner(cost, WORLD, pool)
+    plans = {"hydraulis": [planner.plan(x, i) for i, x in enumerate(lengths)]}
+    homogeneous = [str(d) for d in pool if d.is_homogeneous]
+    for d in pool:
+        if d.is_homogeneous:
+            plans[str(d)] = [planner.plan_on(x, d, i) for i, x in enumerate(lengths)]
+    switch_plans = [planner.plan_on(lengths[0], d) for d in (pool[0], pool[-1])]
     job = {
         "spec": spec,
         "cost": cost,
-        "pool": tuple(deployments),
+        "pool": pool,
         "corpus": str(corpus.path),
         "batches": batches,
         "plans": plans,
         "switch_plans": switch_plans,
         "steps": args.steps,
+        "reps": args.reps,
     }
     start = time.perf_counter()
     r = spawn(worker, WORLD, job)[0]
-    tput = {k: r[k]["tokens"] / r[k]["seconds"] for k in plans}
+    tput = {k: statistics.median(v) for k, v in r["tokens_per_s"].items()}
+    best = max(homogeneous, key=tput.get)  # the baseline: the best homogeneous deployment as measured
+    predicted = {k: float(np.sum([p.predicted_time_s for p in v])) for k, v in plans.items()}
     used = {k: sorted({str(p.deployment) for p in v}) for k, v in plans.items()}
     report = {
         "world": WORLD,
         "steps": args.steps,
+        "reps": args.reps,
         "corpus": args.corpus,
         "profile": args.profile,
+        "pool": POOL,
         "tokens_per_s": tput,
-        "speedup_vs_megatron": tput["hydraulis"] / tput["megatron"],
-        "predicted_speedup": float(
-            np.sum([p.predicted_time_s for p in plans["megatron"]])
-            / np.sum([p.predicted_time_s for p in plans["hydraulis"]])
-        ),
+        "tokens_per_s_reps": r["tokens_per_s"],
+        "baseline": best,
+        "speedup_vs_best_homogeneous": tput["hydraulis"] / tput[best],
+        "predicted_speedup": predicted[best] / predicted["hydraulis"],
         "deployments": used,
         "exchange_s": r["exchange_s"],
         "allreduce_s": r["allreduce_s"],
@@ -155,10 +163,13 @@ def main() -> None:
         "switch_vs_stay": r["switch_s"] / r["stay_s"],
         "wall_s": time.perf_counter() - start,
     }
-    print(f"train_step on {WORLD} gloo ranks, tiny model, {args.steps} batches of {args.corpus} (CPU: informative)")
-    for k in plans:
-        print(f"  {k:<10} {tput[k]:>8,.0f} tokens/s   deployments {', '.join(used[k])}")
-    print(f"  hydraulis / megatron: {report['speedup_vs_megatron']:.2f}x measured "
+    print(f"train_step on {WORLD} gloo ranks, tiny model, {args.steps} batches of {args.corpus} x {args.reps} reps "
+          "(CPU: informative)")
+    for k, v in r["tokens_per_s"].items():
+        label = "hydraulis" if k == "hydraulis" else f"{k} (homogeneous{', best measured' if k == best else ''})"
+        print(f"  {label:<40} {tput[k]:>8,.0f} tokens/s [{min(v):,.0f}-{max(v):,.0f}]   "
+              f"deployments {', '.join(used[k])}")
+    print(f"  hydraulis / best measured homogeneous ({best}): {report['speedup_vs_best_homogeneous']:.2f}x measured "
           f"({report['predicted_speedup']:.2f}x predicted by the cost model)")
     for k, v in report["exchange_s"].items():
         print(f"  optimizer gather+reduce on {k}: {v * 1e3:.1f} ms vs DDP all-reduce "

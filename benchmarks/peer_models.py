@@ -1,0 +1,231 @@
+"""The plain-PyTorch peers of `benchmarks/peers.py`: transformers' LlamaForCausalLM under DDP or FSDP2.
+
+A separate module so that peers.py stays short and tests can import the peers' step bodies
+(tests/test_benchmark_peers.py checks them against Hydraulis's single-process `StageModel`).
+
+The peers train the objective Hydraulis trains, so that tokens/s compare like with like:
+
+- the same model and initial weights: `hf_config(spec)` and `to_hf_state_dict` of the values
+  Hydraulis's optimizer owners start from (`ModelLayout(spec, 1).full_state_dict(seed)`);
+- the same loss: the sum of token cross-entropies of every document of the global batch, divided
+  by the batch's real targets (`count_targets`); targets never cross a document and positions
+  restart at each document (`pack_documents` builds both, as for Hydraulis);
+- the same AdamW (decay on matrices only), learning-rate schedule and global-norm clipping.
+
+Documents are split over the ranks by tokens, greedily: each document, in batch order, goes to the
+rank with the fewest tokens so far (the lowest rank on ties). DDP and FSDP2 AVERAGE gradients over
+ranks, so each rank's loss is multiplied by the world size: the average is then the gradient of the
+global objective. A rank without documents still runs one forward and backward of one token with
+zero loss, because DDP's all-reduce and FSDP2's collectives need every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hydraulis.runtime.batch import IGNORE_INDEX, pack_documents
+from hydraulis.runtime.hf import hf_config, to_hf_state_dict
+from hydraulis.runtime.layout import ModelLayout
+from hydraulis.runtime.trainer import OptimSettings
+from hydraulis.specs import ModelSpec
+
+PEERS = ("ddp-doc", "ddp-packed", "fsdp2")
+Accumulate = Callable[[bool], AbstractContextManager]  # is it the last document? -> the context it runs in
+
+
+def split_by_tokens(lengths: Sequence[int], world: int) -> list[list[int]]:
+    """Document indices per rank: each document, in batch order, to the rank with the fewest tokens so far."""
+    load = [0] * world
+    out: list[list[int]] = [[] for _ in range(world)]
+    for i, s in enumerate(lengths):
+        r = min(range(world), key=lambda k: (load[k], k))
+        out[r].append(i)
+        load[r] += int(s)
+    return out
+
+
+def rank_documents(batch, corpus: Sequence[np.ndarray], indices: Sequence[int]) -> list[torch.Tensor]:
+    """The batch's documents `indices` as int64 tensors, read from the memory-mapped corpus (only these)."""
+    docs = []
+    for i in indices:
+        start, n = int(batch.starts[i]), int(batch.lengths[i])
+        docs.append(torch.from_numpy(np.asarray(corpus[int(batch.docs[i])][start : start + n], dtype=np.int64)))
+    return docs
+
+
+def hf_model(spec: ModelSpec, seed: int, attention: str = "sdpa") -> nn.Module:
+    """transformers' LlamaForCausalLM (fp32) holding exactly the initial weights Hydraulis starts from."""
+    from transformers import LlamaForCausalLM
+
+    config = hf_config(spec)
+    config._attn_implementation = attention  # sdpa: 4-D inputs, so CPU takes the fused flash kernel
+    model = LlamaForCausalLM(config).float()
+    model.load_state_dict(to_hf_state_dict(ModelLayout(spec, 1).full_state_dict(seed), spec), strict=True)
+    return model.train()
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """(1, 1, T, T) bool, True where query t may attend key u: same document and u <= t."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    same = doc[:, None] == doc[None, :]
+    return (same & torch.ones_like(same).tril())[None, None]
+
+
+def _token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _idle_backward(model: nn.Module) -> None:
+    """One token with zero loss: this rank joins the gradient collectives without contributing."""
+    model(input_ids=torch.zeros((1, 1), dtype=torch.int64), use_cache=False).logits.sum().mul(0.0).backward()
+
+
+def document_backward(
+    model: nn.Module, docs: Sequence[torch.Tensor], total_targets: int, scale: float = 1.0,
+    accumulate: Accumulate = lambda last: nullcontext(),
+) -> torch.Tensor:
+    """One forward and backward per document (batch of one, no padding), gradients accumulated.
+
+    Returns the detached sum of token losses; the backward runs on that sum * scale / total_targets.
+    `accumulate(last)` is the context of each document (DDP: no_sync for all but the last).
+    """
+    loss_sum = torch.zeros(())
+    if not docs:
+        with accumulate(True):
+            _idle_backward(model)
+        return loss_sum
+    for i, doc in enumerate(docs):
+        packed = pack_documents([doc])
+        with accumulate(i == len(docs) - 1):
+            logits = model(input_ids=packed.tokens[None], use_cache=False).logits[0]
+            loss = _token_loss(logits, packed.targets)
+            (loss * (scale / total_targets)).backward()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
+def packed_backward(
+    model: nn.Module, docs: Sequence[torch.Tensor], total_targets: int, scale: float = 1.0
+) -> torch.Tensor:
+    """All documents in one row: positions restart per document, a 4-D block-diagonal causal mask.
+
+    Exact (attention never crosses a document), but attention is dense over the row: SDPA computes
+    T x T scores and masks them, where Hydraulis runs SDPA per document.
+    """
+    if not docs:
+        _idle_backward(model)
+        return torch.zeros(())
+    packed = pack_documents(docs)
+    logits = model(
+        input_ids=packed.tokens[None],
+        position_ids=packed.positions[None],
+        attention_mask=block_causal_mask(packed.cu_seqlens),
+        use_cache=False,
+    ).logits[0]
+    loss = _token_loss(logits, packed.targets)
+    (loss * (scale / total_targets)).backward()
+    return loss.detach()
+
+
+def adamw(model: nn.Module, optim: OptimSettings) -> torch.optim.AdamW:
+    """torch's AdamW with Hydraulis's settings: weight decay on matrices (embedding included), not on norms."""
+    a = optim.adamw
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": a.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=a.betas, eps=a.eps, foreach=True)
+
+
+@dataclass
+class Peer:
+    """One peer on one rank: a wrapped model, its optimizer and how it runs a global batch."""
+
+    name: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    optim: OptimSettings
+    total_steps: int
+    world: int
+    packed: bool
+    accumulate: Accumulate
+
+    def step(self, docs: Sequence[torch.Tensor], total_targets: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward, backward, clip and AdamW on this rank's documents; (local loss sum, global grad norm)."""
+        if self.packed:
+            loss_sum = packed_backward(self.model, docs, total_targets, self.world)
+        else:
+            loss_sum = document_backward(self.model, docs, total_targets, self.world, self.accumulate)
+        clip = self.optim.adamw.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else math.inf)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.optim.lr_at(step, self.total_steps)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, norm
+
+
+def build_peer(name: str, spec: ModelSpec, seed: int, optim: OptimSettings, total_steps: int, world: int) -> Peer:
+    """ddp-doc, ddp-packed (torch DDP, default buckets) or fsdp2 (fully_shard per decoder layer and the root).
+
+    FSDP2 keeps parameters unsharded from a step's first forward to its last backward
+    (reshard_after_forward=False, no resharding or reduce-scatter until the last document): one
+    all-gather and one reduce-scatter per step, FSDP2's recommended set-up for gradient
+    accumulation, and it lets ranks run different numbers of documents.
+    """
+    import torch.distributed as dist
+
+    model = hf_model(spec, seed)
+    if name in ("ddp-doc", "ddp-packed"):
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model)
+        accumulate: Accumulate = lambda last: nullcontext() if last else ddp.no_sync()  # noqa: E731
+        return Peer(name, ddp, adamw(ddp, optim), optim, total_steps, world, name == "ddp-packed", accumulate)
+    if name != "fsdp2":
+        raise ValueError(f"unknown peer {name!r}; one of {', '.join(PEERS)}")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+
+    @contextlib.contextmanager
+    def accumulate_fsdp(last: bool):
+        model.set_requires_gradient_sync(last)
+        model.set_reshard_after_backward(last)
+        yield
+
+    return Peer(name, model, adamw(model, optim), optim, total_steps, world, False, accumulate_fsdp)
+
+
+def scalar(t: torch.Tensor | float) -> float:
+    """A float from a tensor, a DTensor (FSDP2's grad norm) or a float."""
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return float(t)
+
+
+def status_bytes(field: str) -> int:
+    """A /proc/self/status memory field (VmRSS, VmHWM) in bytes; 0 where the file does not exist."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0

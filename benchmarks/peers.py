@@ -1,0 +1,355 @@
+"""Hydraulis against plain PyTorch peers: the same global batches on 4 gloo ranks, measured side by side.
+
+The project's yardstick for training speed. Variants, all on the same global batches (the
+token-budget sampler over a built-in corpus):
+
+- `hydraulis`: the real Trainer with its Planner on POOL; plans are made up front (in training
+  rank 0 plans in the background, hidden behind compute), as benchmarks/train_step.py does;
+- each homogeneous deployment of the pool (`4x(tp1,pp1)`, `2x(tp2,pp1)`): the same Trainer, its
+  pool that one deployment, planned by `Planner.plan_on`;
+- `ddp-doc`, `ddp-packed`: torch DDP of transformers' LlamaForCausalLM, one forward per document,
+  or one packed row per rank with a block-diagonal causal mask; `fsdp2`: FSDP2, one forward per
+  document. benchmarks/peer_models.py says how they train Hydraulis's exact objective (same weights,
+  loss, AdamW, clipping) and how documents are split over ranks (greedy by tokens, in batch order).
+
+Measurement. `for rep in range(reps): for variant in variants:` a fresh job of 4 processes builds the
+variant, runs one warm-up pass over the batches, then the timed pass. Every step starts after a
+barrier; its time is the slowest rank's, from the step's start to the end of that rank's optimizer
+step (Hydraulis: `StepMetrics.iteration_s`, which ends there too; its per-step reporting is left
+out). tokens/s = the batches' real tokens / the summed step times; median [min-max] over reps.
+
+Memory per rank: VmHWM, the process's high-water mark (it cannot be reset), minus VmRSS after the
+imports (torch, transformers, hydraulis: the same for every variant) and before the variant is built:
+what the variant itself added at its peak, warm-up and timed pass included. Each variant runs in
+processes of its own, so no other variant's memory is in it. Printed: the largest rank, median of reps.
+
+Bytes sent per rank per iteration: DDP and FSDP2 by the ring formula, 2 (N-1)/N x parameter bytes
+(one all-reduce; one all-gather plus one reduce-scatter); Hydraulis's optimizer gather and reduce
+from its exchange plans, averaged over the iterations, largest rank (tensor-parallel activation
+all-reduces inside compute are not counted). The planner's predicted speedup over the best
+homogeneous deployment (sums of `plan.predicted_time_s`) is printed next to the measured one.
+CPU figures are informative: the 4 ranks share this machine's cores.
+
+    .venv/bin/python benchmarks/peers.py [--setting all|longtail|sft|small] [--reps 3] [--steps 12]
+        [--tokens N] [--profile P] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from typing import Any, NamedTuple
+
+import numpy as np
+from peer_models import PEERS, build_peer, rank_documents, scalar, split_by_tokens, status_bytes
+
+from hydraulis.cost import load_cost_model
+from hydraulis.cost.model import CostModel
+from hydraulis.data.builtin import ensure_builtin
+from hydraulis.data.sampler import TokenBudgetSampler
+from hydraulis.errors import HydraulisError
+from hydraulis.planner.planner import Planner
+from hydraulis.planner.pool import check_job_pool, parse_pool
+from hydraulis.runtime.batch import count_targets
+from hydraulis.runtime.layout import ModelLayout
+from hydraulis.runtime.trainer import OptimSettings
+from hydraulis.specs import ClusterSpec, ModelSpec, get_model
+
+WORLD = 4
+POOL = "4x(tp1,pp1); 2x(tp2,pp1); 1x(tp2,pp1) + 2x(tp1,pp1)"
+SEED = 1  # sampler order and initial weights (TrainSettings.seed's default)
+MiB = 2**20
+
+
+class Setting(NamedTuple):
+    model: str
+    corpus: str
+    tokenizer: str
+    max_len: int
+    tokens: int  # per global batch
+    profile: str  # the default cost model
+    about: str
+
+
+SETTINGS = {
+    "longtail": Setting("tiny", "bbc-news", "bytes", 2048, 8192, "tiny@cpu-measured",
+                        "BBC articles as bytes, pieces up to 2,048 (p10 417, p50 1,633, 36% at the cap)"),
+    "sft": Setting("tiny", "bbc-news", "bytes", 512, 4096, "tiny@cpu-measured",
+                   "short sequences: BBC articles as bytes in pieces up to 512"),
+    "small": Setting("small", "bbc-news", "gpt2", 2048, 4096, "small@cpu",
+                     "GPT-2 tokens of BBC articles (p50 422, p90 776, up to 2,048)"),
+}
+
+
+# -- the parent: batches, plans, predictions -------------------------------------------------------
+def cost_model(profile: str, spec: ModelSpec, pool, lengths: np.ndarray, max_len: int) -> tuple[CostModel, Any]:
+    """The named cost model, or with `auto` a profile of the pool's configs measured here first."""
+    if profile != "auto":
+        return load_cost_model(profile), None
+    from hydraulis.cost import ProfiledCostModel
+    from hydraulis.profile import ProfileSettings, profile_model
+    from hydraulis.train import _sweep_for  # the sweep of `profile = "auto"`: this data's lengths up to max_len
+
+    configs = sorted({g for d in pool for g in d.configs}, key=lambda g: (g.num_gpus, g.tp, g.pp))
+    print(f"  profiling {spec.name} ({', '.join(g.name for g in configs)}) on {WORLD} CPU ranks ...", flush=True)
+    data = profile_model(spec, configs, WORLD, "cpu", ProfileSettings(**_sweep_for(max_len, lengths)))
+    return ProfiledCostModel.from_dict(data, "auto"), data
+
+
+def exchange_bytes(spec: ModelSpec, plans) -> float:
+    """Hydraulis's optimizer gather + reduce, bytes sent per iteration by the busiest rank (fp32 both ways)."""
+    from hydraulis.runtime.optimizer import ExchangePlan
+
+    layout, per_deployment = ModelLayout(spec, WORLD), {}
+    for d in {p.deployment for p in plans}:
+        sent = [ExchangePlan.build(layout, d, r).traffic() for r in range(WORLD)]
+        per_deployment[d] = max(4 * (t["gather_send"] + t["reduce_send"]) for t in sent)
+    return float(np.mean([per_deployment[p.deployment] for p in plans]))
+
+
+def prepare(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    s = SETTINGS[name]
+    spec = get_model(s.model)
+    tokens = args.tokens or s.tokens
+    corpus = ensure_builtin(s.corpus, s.tokenizer)
+    sampler = TokenBudgetSampler(corpus.lengths, tokens, s.max_len, seed=SEED)
+    batches = sampler.batches(args.steps)
+    pool = parse_pool(POOL, ClusterSpec(WORLD, WORLD))
+    profile = args.profile or s.profile
+    cost, profile_data = cost_model(profile, spec, pool, sampler.piece_lengths(), s.max_len)
+    check_job_pool(pool, WORLD, spec, cost, s.max_len)
+    planner = Planner(cost, WORLD, pool)
+    plans = {"hydraulis": [planner.plan(b.lengths, i) for i, b in enumerate(batches)]}
+    for d in pool:
+        if d.is_homogeneous:
+            plans[str(d)] = [planner.plan_on(b.lengths, d, i) for i, b in enumerate(batches)]
+    params = ModelLayout(spec, 1).total
+    ring = 2 * (WORLD - 1) / WORLD * 4 * params
+    return {
+        "setting": name, "spec": spec, "corpus": str(corpus.path), "tokenizer": s.tokenizer, "max_len": s.max_len,
+        "tokens": tokens, "about": s.about, "profile": profile, "profile_data": profile_data, "cost": cost,
+        "pool": pool, "batches": batches, "plans": plans, "optim": OptimSettings(), "params": params,
+        "sent_bytes": {**{v: exchange_bytes(spec, p) for v, p in plans.items()}, **dict.fromkeys(PEERS, ring)},
+    }
+
+
+# -- the ranks: one variant, a warm-up pass and a timed pass ---------------------------------------
+def hydraulis_runner(job: dict, variant: str, env, corpus, total_steps: int):
+    from hydraulis.runtime.trainer import Trainer, TrainSettings
+
+    plans = job["plans"][variant]
+    pool = job["pool"] if variant == "hydraulis" else (plans[0].deployment,)
+    sampler = TokenBudgetSampler(corpus.lengths, job["tokens"], job["max_len"], seed=SEED)
+    trainer = Trainer(TrainSettings(job["spec"], pool, job["cost"], job["optim"], total_steps), corpus, sampler, env)
+    parts = []
+
+    def step(i: int):
+        m = trainer.run_iteration(job["batches"][i], plans[i])
+        parts.append({k: getattr(m, k) for k in ("iteration_s", "switch_s", "gather_s", "reduce_s", "replica_s")})
+        return m.iteration_s, (m.loss if env.rank == 0 else 0.0), m.grad_norm
+
+    return step, trainer.close, parts
+
+
+def peer_runner(job: dict, variant: str, env, corpus, total_steps: int):
+    peer = build_peer(variant, job["spec"], SEED, job["optim"], total_steps, env.world_size)
+    done = [0]
+
+    def step(i: int):
+        start = time.perf_counter()
+        batch = job["batches"][i]
+        total = count_targets(batch.lengths)
+        mine = split_by_tokens(batch.lengths, env.world_size)[env.rank]
+        loss_sum, norm = peer.step(rank_documents(batch, corpus, mine), total, done[0])
+        done[0] += 1
+        return time.perf_counter() - start, loss_sum / total, norm
+
+    return step, lambda: None, None
+
+
+def run_pass(step, steps: int) -> dict[str, list[float]]:
+    """Every step after a barrier; the slowest rank's time per step, the global loss, the grad norm."""
+    import torch
+    import torch.distributed as dist
+
+    seconds, shares, norms = [], [], []
+    for i in range(steps):
+        dist.barrier()
+        s, share, norm = step(i)
+        seconds.append(s)
+        shares.append(float(share))
+        norms.append(scalar(norm))
+    t = torch.tensor(seconds, dtype=torch.float64)
+    losses = torch.tensor(shares, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(losses)  # each rank's share of the global loss (Hydraulis: rank 0 holds all of it)
+    return {"step_s": t.tolist(), "loss": losses.tolist(), "grad_norm": norms}
+
+
+def worker(job: dict, variant: str) -> dict:
+    import transformers  # noqa: F401 - imported before the baseline by every variant alike
+
+    from hydraulis.data.indexed import open_corpus
+    from hydraulis.runtime.launch import init_distributed
+
+    env = init_distributed("cpu")
+    corpus = open_corpus(job["corpus"])
+    steps = len(job["batches"])
+    base = status_bytes("VmRSS")
+    if variant in job["plans"]:
+        step, close, parts = hydraulis_runner(job, variant, env, corpus, 2 * steps)
+    else:
+        step, close, parts = peer_runner(job, variant, env, corpus, 2 * steps)
+    warm = run_pass(step, steps)
+    timed = run_pass(step, steps)
+    close()
+    return {"warm": warm, "timed": timed, "parts": parts[steps:] if parts else None,
+            "rss_base": base, "hwm": status_bytes("VmHWM")}
+
+
+# -- measuring and reporting ---------------------------------------------------------------------
+def measure(job: dict, reps: int) -> dict[str, list[dict]]:
+    """Interleaved: every variant once per repetition, each in a fresh job of WORLD processes."""
+    from hydraulis.runtime.launch import spawn
+
+    variants = [*job["plans"], *PEERS]
+    tokens = sum(b.num_tokens for b in job["batches"])
+    rows: dict[str, list[dict]] = {v: [] for v in variants}
+    for rep in range(reps):
+        for v in variants:
+            ranks = spawn(worker, WORLD, {k: x for k, x in job.items() if k != "profile_data"}, v)
+            seconds = sum(ranks[0]["timed"]["step_s"])
+            rows[v].append({
+                "tokens_per_s": tokens / seconds, "seconds": seconds, "step_s": ranks[0]["timed"]["step_s"],
+                "loss": ranks[0]["timed"]["loss"], "first_loss": ranks[0]["warm"]["loss"][0],
+                "first_grad_norm": ranks[0]["warm"]["grad_norm"][0],
+                "peak_increase_bytes": [r["hwm"] - r["rss_base"] for r in ranks],
+                "vmhwm_bytes": [r["hwm"] for r in ranks], "hydraulis_parts": ranks[0]["parts"],
+            })
+            print(f"    rep {rep + 1}/{reps}  {v:<14} {tokens / seconds:>9,.0f} tokens/s", flush=True)
+    return rows
+
+
+def breakdown(parts: list[dict]) -> dict[str, float]:
+    """Median seconds per step of Hydraulis's phases on rank 0. Compute is the slowest replica's (rank 0's
+    reduce waits for it); the rest is the reduce's exchange, the norm all-reduce and AdamW after it."""
+    rows = [{"iteration": p["iteration_s"], "switch": p["switch_s"], "gather": p["gather_s"],
+             "compute_slowest": max(p["replica_s"]), "compute_mean": statistics.fmean(p["replica_s"]),
+             "reduce_norm_adamw": p["iteration_s"] - p["switch_s"] - p["gather_s"] - max(p["replica_s"])}
+            for p in parts]
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+def summarize(job: dict, rows: dict[str, list[dict]]) -> dict[str, Any]:
+    tokens = sum(b.num_tokens for b in job["batches"])
+    out: dict[str, Any] = {"variants": {}}
+    for v, reps in rows.items():
+        tput = [r["tokens_per_s"] for r in reps]
+        predicted = sum(p.predicted_time_s for p in job["plans"][v]) if v in job["plans"] else None
+        out["variants"][v] = {
+            "tokens_per_s_median": statistics.median(tput), "tokens_per_s_min": min(tput),
+            "tokens_per_s_max": max(tput), "tokens_per_s": tput,
+            "predicted_tokens_per_s": tokens / predicted if predicted else None,
+            "peak_increase_mib": statistics.median(max(r["peak_increase_bytes"]) for r in reps) / MiB,
+            "vmhwm_mib": statistics.median(max(r["vmhwm_bytes"]) for r in reps) / MiB,
+            "sent_mib_per_iteration": job["sent_bytes"][v] / MiB,
+            "first_loss": reps[0]["first_loss"], "first_grad_norm": reps[0]["first_grad_norm"],
+            "reps": reps,
+        }
+        if reps[0]["hydraulis_parts"]:
+            parts = [p for r in reps for p in r["hydraulis_parts"]]
+            out["variants"][v]["breakdown_s"] = breakdown(parts)
+    var = out["variants"]
+    homog = [v for v in job["plans"] if v != "hydraulis"]
+    best_measured = max(homog, key=lambda v: var[v]["tokens_per_s_median"])
+    best_predicted = max(homog, key=lambda v: var[v]["predicted_tokens_per_s"])
+    hyd = var["hydraulis"]
+    out["best_homogeneous_measured"], out["best_homogeneous_predicted"] = best_measured, best_predicted
+    out["predicted_speedup"] = hyd["predicted_tokens_per_s"] / var[best_predicted]["predicted_tokens_per_s"]
+    out["ratios"] = {f"hydraulis/{v}": hyd["tokens_per_s_median"] / var[v]["tokens_per_s_median"]
+                     for v in [*PEERS, best_measured]}
+    # The same weights, batches and optimizer: losses should agree at the first step (batch 0, initial
+    # weights) and still at the last (after 2 x steps optimizer steps), to fp32 rounding. Grad norms
+    # agree less on large models: Hydraulis sums squares in fp64, torch's clip_grad_norm_ in fp32
+    # (1e-4 apart on small, where fp64 on one process gives Hydraulis's value).
+    out["agreement"] = {v: {"first_loss_diff": abs(var[v]["first_loss"] - hyd["first_loss"]),
+                            "first_grad_norm_rel_diff": abs(var[v]["first_grad_norm"] / hyd["first_grad_norm"] - 1),
+                            "last_loss_diff": abs(var[v]["reps"][0]["loss"][-1] - hyd["reps"][0]["loss"][-1])}
+                        for v in var if v != "hydraulis"}
+    out["hydraulis_deployments"] = dict(Counter(str(p.deployment) for p in job["plans"]["hydraulis"]))
+    return out
+
+
+def print_report(job: dict, summary: dict) -> None:
+    var = summary["variants"]
+    print(f"  {'variant':<14} {'tokens/s median [min-max]':>32} {'predicted':>10} {'peak +MiB':>10}"
+          f" {'sent MiB/it':>12} {'first loss':>11}")
+    for v, r in var.items():
+        spread = f"{r['tokens_per_s_median']:,.0f} [{r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f}]"
+        pred = f"{r['predicted_tokens_per_s']:,.0f}" if r["predicted_tokens_per_s"] else "-"
+        print(f"  {v:<14} {spread:>32} {pred:>10} {r['peak_increase_mib']:>10.1f}"
+              f" {r['sent_mib_per_iteration']:>12.2f} {r['first_loss']:>11.7f}")
+    used = ", ".join(f"{d} x{n}" for d, n in summary["hydraulis_deployments"].items())
+    print(f"  hydraulis chose: {used}")
+    for v, r in var.items():
+        if "breakdown_s" in r:
+            b = r["breakdown_s"]
+            print(f"  {v:<14} median step {b['iteration']:.3f} s: switch {b['switch']:.3f}, gather {b['gather']:.3f},"
+                  f" compute {b['compute_slowest']:.3f} (slowest replica; mean {b['compute_mean']:.3f}),"
+                  f" reduce+norm+AdamW {b['reduce_norm_adamw']:.3f}")
+    best = summary["best_homogeneous_measured"]
+    print(f"  speedup over the best homogeneous: predicted {summary['predicted_speedup']:.2f}x (over "
+          f"{summary['best_homogeneous_predicted']}), measured {summary['ratios'][f'hydraulis/{best}']:.2f}x "
+          f"(over {best}, best measured)")
+    print("  " + "   ".join(f"{k} {x:.2f}x" for k, x in summary["ratios"].items()))
+    print("  against hydraulis, |loss difference| at the first step (relative grad-norm difference) and the last:")
+    print("    " + ", ".join(f"{v} {d['first_loss_diff']:.1e} ({d['first_grad_norm_rel_diff']:.1e}) "
+                           f"{d['last_loss_diff']:.1e}" for v, d in summary["agreement"].items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--setting", default="all", choices=["all", *SETTINGS])
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=12, help="global batches per repetition")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per global batch (default: the setting's)")
+    parser.add_argument("--profile", default=None,
+                        help="cost model for every setting: a profile file, a preset, MODEL@DEVICE or auto "
+                             "(default: tiny@cpu-measured for the tiny settings, the analytic small@cpu for small; "
+                             "auto profiles the pool's configs here first, over ten minutes for small on 2 cores)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if args.reps < 1 or args.steps < 1:
+        parser.error("--reps and --steps must be at least 1")
+    names = list(SETTINGS) if args.setting == "all" else [args.setting]
+    report: dict[str, Any] = {"world": WORLD, "pool": POOL, "reps": args.reps, "steps": args.steps, "settings": {}}
+    for name in names:
+        start = time.perf_counter()
+        s = SETTINGS[name]
+        print(f"{name}: {s.model} on {s.about}; {args.tokens or s.tokens:,} tokens per batch, max_len {s.max_len}, "
+              f"{args.steps} batches x {args.reps} reps, {WORLD} gloo ranks (CPU: informative)", flush=True)
+        try:
+            job = prepare(name, args)
+        except HydraulisError as exc:
+            sys.exit(f"{name}: {exc}")
+        print(f"  cost model {job['profile']}; pool {POOL}; {job['params']:,} parameters", flush=True)
+        summary = summarize(job, measure(job, args.reps))
+        print_report(job, summary)
+        report["settings"][name] = {
+            "model": s.model, "corpus": s.corpus, "tokenizer": s.tokenizer, "max_len": s.max_len,
+            "tokens_per_batch": job["tokens"], "profile": job["profile"], "parameters": job["params"],
+            "batch_lengths": [b.lengths.tolist() for b in job["batches"]],
+            "predicted_s": {v: [p.predicted_time_s for p in ps] for v, ps in job["plans"].items()},
+            "profile_data": job["profile_data"], "wall_s": time.perf_counter() - start, **summary,
+        }
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
