@@ -32,10 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hydraulis.optim import OptimSettings
 from hydraulis.runtime.batch import IGNORE_INDEX, pack_documents
 from hydraulis.runtime.hf import hf_config, to_hf_state_dict
 from hydraulis.runtime.layout import ModelLayout
-from hydraulis.runtime.trainer import OptimSettings
 from hydraulis.specs import ModelSpec
 
 PEERS = ("ddp-doc", "ddp-packed", "fsdp2")

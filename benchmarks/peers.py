@@ -52,11 +52,11 @@ from hydraulis.cost.model import CostModel
 from hydraulis.data.builtin import ensure_builtin
 from hydraulis.data.sampler import TokenBudgetSampler
 from hydraulis.errors import HydraulisError
+from hydraulis.optim import OptimSettings
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import check_job_pool, parse_pool
 from hydraulis.runtime.batch import count_targets
 from hydraulis.runtime.layout import ModelLayout
-from hydraulis.runtime.trainer import OptimSettings
 from hydraulis.specs import ClusterSpec, ModelSpec, get_model
 
 WORLD = 4
@@ -90,9 +90,10 @@ def cost_model(profile: str, spec: ModelSpec, pool, lengths: np.ndarray, max_len
     """The named cost model, or with `auto` a profile of the pool's configs measured here first."""
     if profile != "auto":
         return load_cost_model(profile), None
+    from hydraulis.auto_profile import _sweep_for  # the sweep of `profile = "auto"`: this data's lengths up to max_len
     from hydraulis.cost import ProfiledCostModel
-    from hydraulis.profile import ProfileSettings, profile_model
-    from hydraulis.train import _sweep_for  # the sweep of `profile = "auto"`: this data's lengths up to max_len
+    from hydraulis.cost.sweep import ProfileSettings
+    from hydraulis.runtime.profiler import profile_model
 
     configs = sorted({g for d in pool for g in d.configs}, key=lambda g: (g.num_gpus, g.tp, g.pp))
     print(f"  profiling {spec.name} ({', '.join(g.name for g in configs)}) on {WORLD} CPU ranks ...", flush=True)
