@@ -172,13 +172,19 @@ class Planner:
 
     def holds(self, deployment: Deployment, longest: int) -> bool:
         """Whether some replica of `deployment` fits a sequence of `longest` tokens."""
-        return int(ReplicaTable.of(self.cost, deployment, self.num_gpus).cap.max()) >= longest
+        return int(self._table(deployment).cap.max()) >= longest
+
+    def _table(self, deployment: Deployment) -> ReplicaTable:
+        """The replica table of a pool deployment (built once, in __init__), or a new one for another."""
+        if deployment in self.pool:
+            return self._tables[self.pool.index(deployment)]
+        return ReplicaTable.of(self.cost, deployment, self.num_gpus)
 
     def plan_on(self, lengths: Sequence[int] | np.ndarray, deployment: Deployment, step: int = 0) -> IterationPlan:
         """Plan a batch on one given deployment (for proposal and tests)."""
         start = time.perf_counter()
         lengths = check_lengths(lengths)
-        table = ReplicaTable.of(self.cost, deployment, self.num_gpus)
+        table = self._table(deployment)
         if int(table.cap.max()) < int(lengths.max()):
             raise HydraulisError(f"{deployment} cannot hold a sequence of {int(lengths.max())} tokens")
         cand = self._pack_and_refine(lengths, table, dispatch(lengths, table), deployment)
