@@ -33,11 +33,14 @@ SCENARIOS = {
 }
 
 
-def run_scenarios(rank: int, world: int, spec: ModelSpec, state: dict, docs: list, micro_batches) -> dict:
-    """One step of every scenario: this rank's loss share and its stage's full gradients (summed over CP)."""
+def run_scenarios(
+    rank: int, world: int, spec: ModelSpec, state: dict, docs: list, micro_batches, names=tuple(SCENARIOS)
+) -> dict:
+    """One step of each named scenario: this rank's loss share and its stage's full gradients (summed over CP)."""
     out = {}
     total = count_targets([len(d) for d in docs])
-    for scenario, (replicas, sp, recompute) in SCENARIOS.items():
+    for scenario in names:
+        replicas, sp, recompute = SCENARIOS[scenario]
         groups = build_replica_groups(replicas, sp, TIMEOUT)
         config = groups.config
         model = StageModel(spec, groups.tp, groups.stage, config.pp, recompute=recompute, cp=groups.cp)

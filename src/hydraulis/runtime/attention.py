@@ -48,10 +48,8 @@ def per_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     return torch.cat(outputs) if len(outputs) > 1 else outputs[0].contiguous()
 
 
-def causal_sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None
-) -> torch.Tensor:
-    """SDPA on one document's rows, (s, H, D) in and out: causal, or under `attn_mask` (s, keys) when given.
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA on one document's rows, (s, H, D) in and out.
 
     SDPA's fused kernels (CPU flash among them) take only 4-D inputs; 3-D falls
     back to the math path, 3-7x slower on CPU. Hence the leading batch of one.
@@ -60,8 +58,7 @@ def causal_sdpa(
         q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0),
-        attn_mask=attn_mask,
-        is_causal=attn_mask is None,
+        is_causal=True,
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return out.squeeze(0).transpose(0, 1)
@@ -100,7 +97,7 @@ def _find_varlen_kernel() -> tuple[str, Kernel | None]:
             if k.shape[1] != q.shape[1]:
                 if native_gqa:
                     return varlen_attn(q, k, v, cu, cu, max_len, max_len, enable_gqa=True, **causal)
-                k, v = _repeat_kv(k, q.shape[1]), _repeat_kv(v, q.shape[1])
+                k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
             return varlen_attn(q, k, v, cu, cu, max_len, max_len, **causal)
 
         return "torch-varlen-flash", torch_varlen
@@ -116,5 +113,9 @@ def _find_varlen_kernel() -> tuple[str, Kernel | None]:
     return "flash-attn-varlen", flash_attn_varlen
 
 
-def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
-    return x.repeat_interleave(heads // x.shape[1], dim=1)
+def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Each K/V head repeated for its group of query heads (GQA), for kernels without native GQA.
+
+    Heads are dim 1, in (rows, H, D) as in (1, H, rows, D).
+    """
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
