@@ -19,7 +19,7 @@ Block kernels (`block_kernel`), chosen by device and dtype:
 - `cpu-flash`: aten's `_scaled_dot_product_flash_attention_for_cpu` and its
   backward (they return / take the LSE; present in torch 2.11 and 2.13);
 - `cuda-flash`: aten's `_scaled_dot_product_flash_attention` and its
-  backward, for fp16/bf16 on CUDA;
+  backward, where CUDA flash kernels apply (`attention.flash_applies`);
 - `math`: a tiled online softmax in fp32 (tiles of `MATH_TILE` keys), any
   device and dtype; the fallback where neither op is present or applies.
 
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from hydraulis.runtime.attention import repeat_kv
+from hydraulis.runtime.attention import flash_applies, repeat_kv
 
 MATH_TILE = 512  # keys per tile of the math kernel: its transient scores are (Hq, chunk, MATH_TILE)
 
@@ -63,7 +63,7 @@ def chunk_attention(
     q (s, Hq, D), k and v (s, Hkv, D): the chunk's rows; k_prefix and v_prefix (p, Hkv, D): the keys
     before it (p may be 0). Equals causal attention over the concatenation prefix + chunk.
     """
-    kernel = kernel or block_kernel(q.device, q.dtype)
+    kernel = kernel or block_kernel(q.device, q.dtype, q.shape[-1])
     heads = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731  (rows, H, D) -> (1, H, rows, D), a view
     out = _MergedBlocks.apply(heads(q), heads(k), heads(v), heads(k_prefix), heads(v_prefix), kernel)
     return out.squeeze(0).transpose(0, 1)
@@ -101,12 +101,11 @@ class _MergedBlocks(torch.autograd.Function):
 # ------------------------------------------------------------------ block kernels
 
 
-def block_kernel(device: torch.device | str, dtype: torch.dtype) -> BlockKernel:
-    """The fastest block kernel for tensors of this device and dtype (see the module docstring)."""
-    device = torch.device(device)
-    if device.type == "cpu" and _cpu_flash() is not None:
+def block_kernel(device: torch.device | str, dtype: torch.dtype, head_dim: int = 128) -> BlockKernel:
+    """The fastest block kernel for tensors of this device, dtype and head size (see the module docstring)."""
+    if torch.device(device).type == "cpu" and _cpu_flash() is not None:
         return _cpu_flash()
-    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _cuda_flash() is not None:
+    if flash_applies(device, dtype, head_dim) and _cuda_flash() is not None:
         return _cuda_flash()
     return MATH
 

@@ -173,7 +173,7 @@ def context_attention(
     if shard.cp != cp.size:
         raise HydraulisError(f"micro-batch was split for cp={shard.cp}, the group has cp={cp.size}")
     if shard.has_split:
-        kernel = block_kernel(q.device, q.dtype)
+        kernel = block_kernel(q.device, q.dtype, q.shape[-1])
         heads = k.shape[1]
         gathered = gather_kv(torch.cat([k, v], dim=1)[shard.gather_rows], shard.pad, cp)
         k_all, v_all = gathered[:, :heads], gathered[:, heads:]
