@@ -66,8 +66,8 @@ class ContextShard:
     A chunk at global positions [a, b) of its document attends to its own
     rows causally and to positions 0..a-1 in full: `keys` holds the rows of
     those prefix positions in the gathered K/V (CP-rank-major; empty for a
-    document's first chunk), so each rank computes about (b - a) * b scores
-    per chunk, which the zigzag balances.
+    document's first chunk), so each rank computes (b - a) * a + (b - a)^2 / 2
+    scores per chunk, the causal share that the zigzag balances.
     """
 
     cp: int
