@@ -13,7 +13,12 @@ from hydraulis.limits import MAX_BATCHES, MAX_LENGTH, MAX_SEED, MAX_TOKENS_PER_B
 data_app = typer.Typer(help="Tokenize corpora into indexed form and describe their length distributions.")
 app.add_typer(data_app, name="data")
 
-TokenizerOption = typer.Option("gpt2", "--tokenizer", "-t", help="gpt2 (BPE, needs tiktoken) or bytes.")
+TokenizerOption = typer.Option(
+    "gpt2",
+    "--tokenizer",
+    "-t",
+    help="gpt2 (BPE, needs tiktoken), bytes, or a Hugging Face tokenizer.json or model directory.",
+)
 
 
 @data_app.command("build")
@@ -22,7 +27,13 @@ def build(
     out: Path = typer.Option(..., "--out", "-o", help="Corpus directory to create."),
     tokenizer: str = TokenizerOption,
     field: str = typer.Option("text", "--field", help="jsonl: the field that holds each document's text."),
-    skip_missing: bool = typer.Option(False, "--skip-missing", help="jsonl: skip lines without the field."),
+    skip_missing: bool = typer.Option(False, "--skip-missing", help="jsonl: skip records without the field."),
+    fmt: str = typer.Option(
+        "auto", "--format", help="Records: auto (by their keys), text (the field), sft (prompt/completion, messages)."
+    ),
+    skip_bad: bool = typer.Option(
+        False, "--skip-bad", help="SFT: skip (and count) records with nothing to train on, e.g. an empty completion."
+    ),
     glob: str = typer.Option("**/*", "--glob", help="Directory: which files to read (.jsonl files as jsonl)."),
     force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
@@ -31,25 +42,28 @@ def build(
     from hydraulis.data.builtin import BUILTINS, build_builtin
     from hydraulis.data.indexed import build_corpus, byte_progress
     from hydraulis.data.readers import InputOptions, ReadCounts, read_source, source_bytes
+    from hydraulis.data.records import check_format
+    from hydraulis.data.tokenizer import get_tokenizer
 
+    tok = get_tokenizer(tokenizer)  # a bad tokenizer fails here, before anything is read or written
     if_exists = "replace" if force else "error"
     path = Path(source)
     if not path.exists() and source in BUILTINS:
         corpus = build_builtin(source, out, tokenizer, progress=True, if_exists=if_exists)
     else:
-        options = InputOptions(field=field, skip_missing=skip_missing, glob=glob)
+        options = InputOptions(field=field, skip_missing=skip_missing, glob=glob, format=check_format(fmt))
         total = source_bytes(path, options)
         counts = ReadCounts()
-        with byte_progress(total, f"tokenizing {path.name} ({tokenizer})") as advance:
+        with byte_progress(total, f"tokenizing {path.name} ({tok.name})") as advance:
             docs = read_source(path, counts, options, advance)
-            corpus = build_corpus(docs, out, tokenizer, str(path.resolve()), counts, if_exists=if_exists)
+            corpus = build_corpus(docs, out, tok, str(path.resolve()), counts, if_exists=if_exists, skip_bad=skip_bad)
     m = corpus.manifest
     if as_json:
         print_json(m.to_dict())
         return
     console.print(
-        f"built {out}: {m.documents:,} documents, {m.tokens:,} tokens ({m.tokenizer}, {m.dtype}), "
-        f"longest {m.max_length:,}"
+        f"built {out}: {m.documents:,} documents, {m.tokens:,} tokens, {m.target_tokens:,} targets "
+        f"({m.tokenizer}, {m.dtype}), longest {m.max_length:,}"
     )
     rows = [[k.replace("_", " "), v] for k, v in m.report.to_dict().items()]
     console.print(table("input", ["", "count"], rows))

@@ -34,6 +34,7 @@ import numpy as np
 
 from hydraulis.data.indexed import IfExists, IndexedCorpus, build_corpus, byte_progress, open_corpus
 from hydraulis.data.readers import ReadCounts, read_text_file
+from hydraulis.data.tokenizer import get_tokenizer
 from hydraulis.errors import HydraulisError
 
 WIKI_FILE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
@@ -169,7 +170,7 @@ def build_builtin(
 def ensure_builtin(name: str, tokenizer: str = "gpt2", progress: bool = False) -> IndexedCorpus:
     """The cached build of a built-in corpus, built (or rebuilt, if stale or damaged) on first use."""
     builtin = get_builtin(name)
-    path = cache_dir() / "corpora" / f"{name}-{tokenizer}"
+    path = cache_dir() / "corpora" / f"{name}-{get_tokenizer(tokenizer).name}"  # a path's tokenizer: hf-HASH
     if path.exists():
         try:
             corpus = open_corpus(path)
