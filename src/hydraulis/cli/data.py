@@ -76,7 +76,8 @@ def stats(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     plot: Path = typer.Option(None, "--plot", help="Write a length histogram (log x-axis) to this .png/.svg/.pdf."),
 ) -> None:
-    """Length distribution of a corpus: percentiles, long-tail shares, quadratic share of the top 1%."""
+    """Length distribution of a corpus: tokens and target tokens (SFT: the completions), percentiles,
+    long-tail shares, quadratic share of the top 1%."""
     from hydraulis.data.builtin import resolve_corpus
     from hydraulis.data.stats import THRESHOLDS, length_stats, plot_histogram
 
@@ -89,11 +90,14 @@ def stats(
     if plot is not None:
         plot_histogram(c.lengths, plot, title=f"{c.name} ({c.manifest.tokenizer}): {st.count:,} documents")
     if as_json:
-        print_json({"corpus": c.name, "path": str(c.path), "tokenizer": c.manifest.tokenizer, **st.to_dict()})
+        targets = {"target_tokens": c.manifest.target_tokens, "masked": c.manifest.masked}
+        print_json(
+            {"corpus": c.name, "path": str(c.path), "tokenizer": c.manifest.tokenizer, **st.to_dict(), **targets}
+        )
         return
-    columns = ["corpus", "docs", "tokens", "p50", "p90", "p99", "max"]
+    columns = ["corpus", "docs", "tokens", "targets", "p50", "p90", "p99", "max"]
     columns += [f">{t // 1024}K" for t in THRESHOLDS] + ["top1% s²"]
-    row = [c.name, f"{st.count:,}", f"{st.tokens:,}", st.p50, st.p90, st.p99, st.max]
+    row = [c.name, f"{st.count:,}", f"{st.tokens:,}", f"{c.manifest.target_tokens:,}", st.p50, st.p90, st.p99, st.max]
     row += [f"{st.share_above[t]:.1%}" for t in THRESHOLDS] + [f"{st.top1_sq_share:.1%}"]
     console.print(table(f"{c.path} ({c.manifest.tokenizer})", columns, [row]))
     if plot is not None:

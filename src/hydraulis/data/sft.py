@@ -132,13 +132,35 @@ def _compile(template: str) -> Any:
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _generation_tag()]
+    )
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     try:
         return env.from_string(template)
     except TemplateError as exc:
         raise HydraulisError(f"the tokenizer's chat template is not valid Jinja2: {exc}") from None
+
+
+def _generation_tag() -> Any:
+    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask markers) render their body:
+    the turn-by-turn rendering finds the assistant tokens without them."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    return Generation
 
 
 def _render(template: Any, tok: Tokenizer, where: str, messages: list[dict[str, Any]], generation: bool) -> str:
