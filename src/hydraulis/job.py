@@ -111,7 +111,7 @@ def prepare(
         )
     gpn = config.parallel.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     cluster = ClusterSpec(world, min(gpn, world))
-    corpus = resolve_corpus(config.data.corpus, tokenizer, progress=True)
+    corpus = resolve_corpus(config.data.corpus, tokenizer, progress=True, log=log)
     if corpus.manifest.tokenizer != token_ids:
         made = corpus.manifest.tokenizer_source or corpus.manifest.tokenizer
         raise HydraulisError(

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from hydraulis.data.readers import InputOptions, ReadCounts, read_source
+from hydraulis.data.readers import InputOptions, ReadCounts
+from hydraulis.data.sources import read_source
 from hydraulis.errors import HydraulisError
 
 

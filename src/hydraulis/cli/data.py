@@ -23,11 +23,16 @@ TokenizerOption = typer.Option(
 
 @data_app.command("build")
 def build(
-    source: str = typer.Argument(..., help="A jsonl file, a text file, a directory, or a built-in corpus name."),
+    source: str = typer.Argument(
+        ...,
+        help="A jsonl, parquet, arrow or text file, a directory (datasets.save_to_disk too), or a built-in name.",
+    ),
     out: Path = typer.Option(..., "--out", "-o", help="Corpus directory to create."),
     tokenizer: str = TokenizerOption,
-    field: str = typer.Option("text", "--field", help="jsonl: the field that holds each document's text."),
-    skip_missing: bool = typer.Option(False, "--skip-missing", help="jsonl: skip records without the field."),
+    field: str = typer.Option(
+        "text", "--field", help="jsonl, parquet, arrow: the field that holds each document's text."
+    ),
+    skip_missing: bool = typer.Option(False, "--skip-missing", help="Records: skip those without the field."),
     fmt: str = typer.Option(
         "auto", "--format", help="Records: auto (by their keys), text (the field), sft (prompt/completion, messages)."
     ),
@@ -41,8 +46,9 @@ def build(
     """Tokenize a source into an indexed corpus (tokens.bin + index.idx + manifest.json)."""
     from hydraulis.data.builtin import BUILTINS, build_builtin
     from hydraulis.data.indexed import build_corpus, byte_progress
-    from hydraulis.data.readers import InputOptions, ReadCounts, read_source, source_bytes
+    from hydraulis.data.readers import InputOptions, ReadCounts
     from hydraulis.data.records import check_format
+    from hydraulis.data.sources import read_source, source_bytes
     from hydraulis.data.tokenizer import get_tokenizer
 
     tok = get_tokenizer(tokenizer)  # a bad tokenizer fails here, before anything is read or written

@@ -1,4 +1,4 @@
-"""Input readers: jsonl, plain text files, directory trees.
+"""Input readers: jsonl, plain text files, directory trees (parquet, arrow and `datasets`: columnar.py).
 
 Real inputs are messy. Rather than failing on the first odd file, the readers
 repair or skip what they safely can and count every case, so the user sees
@@ -152,43 +152,3 @@ def record_sample(record: object, options: InputOptions, where: str, counts: Rea
 
 def is_jsonl(path: Path) -> bool:
     return path.suffix.lower() in (".jsonl", ".ndjson")
-
-
-def list_files(root: Path, glob: str) -> list[Path]:
-    """The files a directory source contributes, sorted, hidden files and folders left out."""
-    if not glob:
-        raise HydraulisError("--glob must not be empty")
-    files = []
-    for p in root.glob(glob):
-        rel = p.relative_to(root).parts
-        if p.is_file() and not any(part.startswith(".") for part in rel):
-            files.append(p)
-    return sorted(files)
-
-
-def source_files(source: Path, options: InputOptions) -> list[Path]:
-    """The input files of a source path (a file, or a directory's files matching the glob)."""
-    if source.is_file():
-        return [source]
-    if source.is_dir():
-        files = list_files(source, options.glob)
-        if not files:
-            raise HydraulisError(f"{source}: no files match {options.glob!r}")
-        return files
-    raise HydraulisError(f"{source}: no such file or directory")
-
-
-def read_source(
-    source: Path, counts: ReadCounts, options: InputOptions = InputOptions(), progress: Progress | None = None
-) -> Iterator[Sample]:
-    """Documents of a file or directory: `.jsonl`/`.ndjson` files as jsonl, every other file as one document."""
-    for path in source_files(source, options):
-        if is_jsonl(path):
-            yield from read_jsonl(path, counts, options, progress)
-        else:
-            yield from read_text_file(path, counts, progress)
-
-
-def source_bytes(source: Path, options: InputOptions = InputOptions()) -> int:
-    """Total input size, for the progress bar."""
-    return sum(p.stat().st_size for p in source_files(source, options))

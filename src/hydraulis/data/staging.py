@@ -3,7 +3,8 @@
 A build writes into `.NAME.XXXX.tmp` next to the corpus and renames it into
 place when complete; the directory holds the builder's pid (`.owner`), so a
 later build removes the leftovers of a builder that is gone (SIGKILL, power
-loss) and spares those of one still running.
+loss) and spares those of one still running. `cache_dir` is where built-in
+corpora and sources named in a run config are built.
 """
 
 from __future__ import annotations
@@ -15,6 +16,13 @@ import tempfile
 from pathlib import Path
 
 from hydraulis.files import default_mode, temp_prefix
+
+
+def cache_dir() -> Path:
+    """Where built corpora are kept: $HYDRAULIS_CACHE, else ~/.cache/hydraulis."""
+    env = os.environ.get("HYDRAULIS_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "hydraulis"
+
 
 OWNER_FILE = ".owner"  # the building process's id, inside each temporary directory
 
