@@ -17,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from hf_helpers import spread_weights  # noqa: E402
 from tokenizer_helpers import TEXT, train_bpe  # noqa: E402
 from train_helpers import losses  # noqa: E402
 
@@ -57,15 +58,7 @@ def hf_model(path: Path):  # noqa: ANN201
     from hydraulis.specs import MODELS
 
     torch.manual_seed(SEED)
-    model = transformers.LlamaForCausalLM(hf_config(MODELS["tiny"])).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif name == "model.embed_tokens.weight":
-                p.normal_()
-            else:
-                p.normal_(std=p.shape[1] ** -0.5)
+    model = spread_weights(transformers.LlamaForCausalLM(hf_config(MODELS["tiny"])).float())
     model.save_pretrained(str(path))
     return model
 
