@@ -85,7 +85,7 @@ def sft(tmp_path_factory: pytest.TempPathFactory, session_cli) -> dict:  # noqa:
         out = tmp / name
         result = session_cli("train", "--config", str(config), "--nproc", str(nproc), "--out", str(out), timeout=300)
         runs[name] = (result, out)
-    return {"model": model, "corpus": corpus, "runs": runs}
+    return {"model": model, "corpus": corpus, "runs": runs, "hf": hf, "source": src}
 
 
 def hf_first_loss(model, corpus_dir: Path) -> tuple[float, int, int]:  # noqa: ANN001
@@ -128,3 +128,26 @@ def test_masked_losses_do_not_depend_on_the_deployment(sft):
         np.testing.assert_allclose(losses(sft["runs"][name][1]), one, rtol=1e-5, err_msg=name)
     rows = [json.loads(x) for x in (sft["runs"]["cp"][1] / "metrics.jsonl").read_text().splitlines()][:-1]
     assert all("cp2" in r["deployment"] for r in rows)
+
+
+def test_the_example_config_prepares_with_a_jsonl_corpus_and_the_checkpoint_tokenizer(sft, tmp_path):
+    """examples/sft.toml with its two paths replaced (and a pool that needs no profiling)."""
+    import tomllib
+
+    from hydraulis.config import load_config, parse_config
+    from hydraulis.data.tokenizer import get_tokenizer
+    from hydraulis.job import prepare
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "sft.toml"
+    load_config(example)  # valid as shipped
+    data = tomllib.loads(example.read_text())
+    data["model"]["init_from"] = str(sft["hf"])
+    data["data"].update(corpus=str(sft["source"]), tokens_per_batch=TOKENS_PER_BATCH, max_len=MAX_LEN)
+    data["parallel"] = {"pool": "1x(tp1,pp1)", "profile": "tiny@cpu"}
+    said: list[str] = []
+    job = prepare(parse_config(data), nproc=1, out=str(tmp_path / "run"), steps=1, resume=False, log=said.append)
+    assert job.tokenizer == str(sft["hf"])
+    built = open_corpus(job.corpus_path)
+    assert built.manifest.tokenizer == get_tokenizer(str(sft["hf"])).name and built.manifest.masked
+    assert built.manifest.target_tokens == open_corpus(sft["corpus"]).manifest.target_tokens
+    assert any("sft.jsonl: built into the cache once" in line for line in said), said
