@@ -91,7 +91,8 @@ def ensure_source(
     key = f"{path.resolve()}: " + ", ".join(f"{p.name} {p.stat().st_size} {p.stat().st_mtime_ns}" for p in files)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     out = cache_dir() / "sources" / f"{path.stem or path.name}-{digest}-{tok.name}"
-    if out.exists():
+    existed = out.exists()
+    if existed:
         try:
             corpus = open_corpus(out)
             if corpus.manifest.source == key:
@@ -102,7 +103,9 @@ def ensure_source(
     counts = ReadCounts()
     with byte_progress(source_bytes(path), f"tokenizing {path.name} ({tok.name})", enabled=progress) as advance:
         docs = read_source(path, counts, InputOptions(), advance)
-        corpus = build_corpus(docs, out, tok, key, counts, name=path.stem or path.name, if_exists="replace")
+        # Under torchrun every rank prepares the job: the first build to finish is the one all of them keep.
+        if_exists = "replace" if existed else "keep"
+        corpus = build_corpus(docs, out, tok, key, counts, name=path.stem or path.name, if_exists=if_exists)
     m = corpus.manifest
     log(
         f"{path}: built into the cache once ({m.documents:,} documents, {m.tokens:,} tokens, "
