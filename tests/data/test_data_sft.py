@@ -89,6 +89,22 @@ def test_chat_targets_are_transformers_assistant_mask(tok_dir: Path, tmp_path: P
         assert sum(out["assistant_masks"]) > 0
 
 
+def test_a_chat_template_jinja_file_is_the_template(tok_dir: Path, tmp_path: Path) -> None:
+    """Where transformers 4.43+ saves the template: chat_template.jinja beside tokenizer.json."""
+    own = tmp_path / "tok"
+    own.mkdir()
+    (own / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (own / "tokenizer_config.json").write_text(json.dumps(config))
+    (own / "chat_template.jinja").write_text(GENERATION_CHATML)
+    ref = transformers.AutoTokenizer.from_pretrained(str(own))
+    corpus = build(write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHATS[0]}]), tmp_path / "c", str(own))
+    out = ref.apply_chat_template(CHATS[0], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert corpus.target_mask(0).tolist() == list(out["assistant_masks"]) + [0]
+    assert "chat_template.jinja" in dict(corpus.manifest.tokenizer_sha256)
+
+
 def test_text_documents_before_sft_records_get_full_masks(tok_dir: Path, tmp_path: Path) -> None:
     records = [{"text": "plain text first"}, {"prompt": "Q", "completion": " A"}, {"text": "plain again"}]
     corpus = build(write_jsonl(tmp_path / "m.jsonl", records), tmp_path / "c", str(tok_dir))

@@ -3,8 +3,8 @@
 A fine-tuned model must see the ids of its own vocabulary, so the corpus
 records WHICH tokenizer made its ids: `name` is `hf-` and the first 16 hex
 digits of the sha256 over the tokenizer's files (`tokenizer.json`, and
-`tokenizer_config.json` when present: it names the eos token and holds the
-chat template). Two corpora built with the same files share the name; a
+`tokenizer_config.json` and `chat_template.jinja` when present: they name
+the eos token and hold the chat template). Two corpora built with the same files share the name; a
 different vocabulary, eos token or template is a different name.
 
 - `encode` adds no special tokens (as the GPT-2 and byte tokenizers); the
@@ -34,6 +34,7 @@ from hydraulis.errors import HydraulisError
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"
 USUAL_EOS = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<|im_end|>", "<eos>", "<|eot_id|>")
 
 
@@ -102,12 +103,17 @@ def load_hf_tokenizer(spec: str | Path) -> HFTokenizer:
     Loaded once per process while its files stay the same (size and modification time).
     """
     main, config_path = tokenizer_files(spec)
-    stamp = tuple((p.stat().st_size, p.stat().st_mtime_ns) for p in (main, config_path) if p is not None)
-    return _load(str(spec), main, config_path, stamp)
+    jinja = main.parent / TEMPLATE_FILE
+    files = [p for p in (main, config_path, jinja if jinja.is_file() else None) if p is not None]
+    try:
+        stamp = tuple((p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+        return _load(str(spec), main, config_path, jinja if jinja.is_file() else None, stamp)
+    except OSError as exc:
+        raise HydraulisError(f"tokenizer {spec}: cannot read: {exc.strerror or exc}") from None
 
 
 @functools.cache
-def _load(spec: str, main: Path, config_path: Path | None, stamp: tuple) -> HFTokenizer:
+def _load(spec: str, main: Path, config_path: Path | None, jinja: Path | None, stamp: tuple) -> HFTokenizer:
     from tokenizers import Tokenizer as Backend
 
     raw = main.read_bytes()
@@ -144,6 +150,10 @@ def _load(spec: str, main: Path, config_path: Path | None, stamp: tuple) -> HFTo
     if isinstance(template, list):  # several named templates: the "default" one
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
+    if jinja is not None:  # where transformers 4.43+ saves it: this file wins over the config's
+        template_raw = jinja.read_bytes()
+        template = template_raw.decode("utf-8", errors="replace")
+        hashes.append((TEMPLATE_FILE, hashlib.sha256(template_raw).hexdigest()))
     identity = hashlib.sha256("".join(f"{n}:{h};" for n, h in hashes).encode()).hexdigest()
     return HFTokenizer(
         backend=backend,
