@@ -110,6 +110,11 @@ def prepare(
         )
     gpn = config.parallel.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     cluster = ClusterSpec(world, min(gpn, world))
+    # The model against every config the pool may use, before any corpus build, profile or rank.
+    configs = _pool_configs(pool_spec, inline, spec, world)
+    for g in configs:
+        g.validate(spec)
+    spec = spec.padded_for({g.tp for g in configs} | ({g.tp for g in cost.configs} if cost is not None else set()))
     corpus = resolve_corpus(config.data.corpus, tokenizer, progress=True)
     if corpus.manifest.tokenizer != tokenizer:
         raise HydraulisError(
@@ -125,7 +130,6 @@ def prepare(
     if auto:
         from hydraulis.cost import ProfiledCostModel
 
-        configs = _pool_configs(pool_spec, inline, spec, world)
         config.parallel.recompute_configs(configs)  # a bad recompute list fails before minutes of profiling
         request = AutoProfile.of(config, spec, configs, world, sampler.piece_lengths())
         cached = request.cached(run_dir / AUTO_PROFILE, log)
@@ -162,9 +166,9 @@ def model_spec(config: RunConfig) -> ModelSpec:
     section = config.model
     if section.init_from is None:
         return section.spec()
-    from hydraulis.runtime.hf_io import read_hf_config
+    from hydraulis.families import read_hf_config
 
-    path, _, spec = read_hf_config(section.init_from)
+    path, _, spec = read_hf_config(section.init_from, config.data.max_len)
     given = section.model_fields_set - {"init_from"}
     if given:
         mine = section.spec()
