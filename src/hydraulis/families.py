@@ -149,7 +149,6 @@ def hf_config_kwargs(spec: ModelSpec, max_position_embeddings: int = 4096) -> di
         "num_hidden_layers": spec.layers,
         "num_attention_heads": spec.heads,
         "num_key_value_heads": spec.kv_heads,
-        "head_dim": spec.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": a.norm_eps,
         "rope_theta": a.rope_theta,
@@ -161,6 +160,8 @@ def hf_config_kwargs(spec: ModelSpec, max_position_embeddings: int = 4096) -> di
     if a.rope_llama3 is not None:
         kwargs["rope_scaling"] = {"rope_type": "llama3", "rope_theta": a.rope_theta,
                                   **dict(zip(_LLAMA3_KEYS, a.rope_llama3, strict=True))}  # fmt: skip
+    if a.family != "qwen2":  # Qwen2Config has no head_dim: always hidden / heads
+        kwargs["head_dim"] = spec.head_dim
     if a.family in ("llama", "qwen3"):
         kwargs["attention_bias"] = False
     if a.family == "llama":

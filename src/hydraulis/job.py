@@ -114,7 +114,9 @@ def prepare(
     configs = _pool_configs(pool_spec, inline, spec, world)
     for g in configs:
         g.validate(spec)
-    spec = spec.padded_for({g.tp for g in configs} | ({g.tp for g in cost.configs} if cost is not None else set()))
+    # Vocabulary padding for every TP degree the pool has (with pool = "auto": may have).
+    proposable = cost.configs if cost is not None and pool_spec == "auto" else ()
+    spec = spec.padded_for({g.tp for g in (*configs, *proposable)})
     corpus = resolve_corpus(config.data.corpus, tokenizer, progress=True)
     if corpus.manifest.tokenizer != tokenizer:
         raise HydraulisError(
