@@ -117,15 +117,15 @@ def prepare(
     # Vocabulary padding for every TP degree the pool has (with pool = "auto": may have).
     proposable = cost.configs if cost is not None and pool_spec == "auto" else ()
     spec = spec.padded_for({g.tp for g in (*configs, *proposable)})
+    vocab_needed = get_vocab(tokenizer)
+    if vocab_needed > spec.vocab:
+        raise HydraulisError(f"model.vocab {spec.vocab} is smaller than the {tokenizer} tokenizer's {vocab_needed}")
     corpus = resolve_corpus(config.data.corpus, tokenizer, progress=True)
     if corpus.manifest.tokenizer != tokenizer:
         raise HydraulisError(
             f"corpus {config.data.corpus} is tokenized with {corpus.manifest.tokenizer}, "
             f"the model needs {tokenizer}; rebuild it or set data.tokenizer"
         )
-    vocab_needed = get_vocab(tokenizer)
-    if vocab_needed > spec.vocab:
-        raise HydraulisError(f"model.vocab {spec.vocab} is smaller than the {tokenizer} tokenizer's {vocab_needed}")
     data = config.data
     sampler = TokenBudgetSampler(corpus.lengths, data.tokens_per_batch, data.max_len, data.seed, data.overlong)
     fresh = None  # profile = "auto": a profile measured now, written once every check has passed

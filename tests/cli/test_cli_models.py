@@ -131,3 +131,41 @@ def test_export_is_the_same_family_and_the_trained_model(family_run):
         mine = ours(packed.tokens, packed)
         theirs = torch.cat([reloaded(d[None]).logits[0] for d in docs])
     torch.testing.assert_close(mine[:, :vocab], theirs, rtol=1e-4, atol=1e-4)
+
+
+def _hf_dir(path: Path, **config: object) -> Path:
+    """A model directory holding only config.json: the launcher refuses it before it reads any weight."""
+    path.mkdir()
+    base = {"model_type": "llama", "vocab_size": 320, "hidden_act": "silu", **{k: v for k, v in SHAPE.items()}}
+    (path / "config.json").write_text(json.dumps({**base, **config}))
+    return path
+
+
+BAD = {
+    "unsupported model_type": ({"model_type": "gemma"}, None, "model_type is 'gemma'"),
+    "unsupported option": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, None, "rope_type is 'yarn'"),
+    "a sliding window that would act": ({"model_type": "mistral", "sliding_window": 64}, None,
+                                        "sliding_window is 64, below max_len 256"),  # fmt: skip
+    # checked against every config of the pool before profile = "auto" measures anything
+    "heads against a TP degree": ({"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32},
+                                  'pool = "1x(tp4,pp1); 2x(tp2,pp1)"\nprofile = "auto"',
+                                  "tp4pp1: hf has 2 heads, not divisible by tp=4"),  # fmt: skip
+    "KV heads against a TP degree": ({"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 96},
+                                     'pool = "2x(tp2,pp1)"\nprofile = "auto"', "hf has 3 KV heads; tp=2"),  # fmt: skip
+    "vocabulary below the tokenizer's": ({"vocab_size": 200}, None, "smaller than the bytes tokenizer's 257"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_models_are_one_line_before_any_rank_or_profile(case, tmp_path, corpus, cli):
+    change, parallel, expected = BAD[case]
+    hf = _hf_dir(tmp_path / "hf", **change)
+    sections = {"model": f'init_from = "{hf}"', "data": f'corpus = "{corpus}"\n{DATA}', "parallel": parallel or POOL}
+    config = write_config(tmp_path / "bad.toml", corpus, **sections)
+    out = tmp_path / "out"
+    result = cli("train", "--config", str(config), "--nproc", "4" if parallel else "2", "--out", str(out))
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+    assert "profil" not in result.stdout + result.stderr
+    assert not out.exists()
