@@ -12,6 +12,7 @@ pool: padded to 50258 rows while training, exported with exactly 50257.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -80,21 +81,40 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_corpus(tmp_path_factory.mktemp("corpus") / "docs")
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family_run(request, tmp_path_factory, corpus, session_cli):
-    family = request.param
-    tmp = tmp_path_factory.mktemp(family)
-    model = hf_model(family)
-    model.save_pretrained(tmp / "hf-in")
-    sections = {"model": f'init_from = "{tmp / "hf-in"}"', "data": f'corpus = "{corpus}"\n{DATA}', "parallel": POOL,
-                "train": "steps = 2\ncheckpoint_every = 2"}  # fmt: skip
-    config = write_config(tmp / "run.toml", corpus, **sections)
-    trained = session_cli("train", "--config", str(config), "--nproc", "2", "--out", str(tmp / "run"), timeout=300)
-    assert trained.returncode == 0, trained.stderr
-    ckpt = tmp / "run" / "checkpoints" / "step-000002"
-    exported = session_cli("export", "--checkpoint", str(ckpt), "--out", str(tmp / "hf-out"))
-    assert exported.returncode == 0, exported.stderr
-    return family, model, tmp, ckpt
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus, session_cli):
+    """family -> (family, source model, directory, checkpoint): each trained and exported once per module."""
+    runs: dict[str, tuple] = {}
+
+    def run(family: str) -> tuple:
+        if family not in runs:
+            tmp = tmp_path_factory.mktemp(family)
+            model = hf_model(family)
+            model.save_pretrained(tmp / "hf-in")
+            sections = {"model": f'init_from = "{tmp / "hf-in"}"', "data": f'corpus = "{corpus}"\n{DATA}',
+                        "parallel": POOL, "train": "steps = 2\ncheckpoint_every = 2"}  # fmt: skip
+            config = write_config(tmp / "run.toml", corpus, **sections)
+            out = str(tmp / "run")
+            done = session_cli("train", "--config", str(config), "--nproc", "2", "--out", out, timeout=300)
+            assert done.returncode == 0, done.stderr
+            ckpt = tmp / "run" / "checkpoints" / "step-000002"
+            exported = session_cli("export", "--checkpoint", str(ckpt), "--out", str(tmp / "hf-out"))
+            assert exported.returncode == 0, exported.stderr
+            runs[family] = (family, model, tmp, ckpt)
+        return runs[family]
+
+    return run
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family_run(request, trained):
+    return trained(request.param)
+
+
+@pytest.fixture
+def qwen2_run(trained):
+    """One family is enough for the tokenizer: it does not depend on the model."""
+    return trained("qwen2-tied")
 
 
 def test_first_loss_is_transformers_loss_on_the_same_batch(family_run, corpus):
@@ -120,6 +140,10 @@ def test_export_is_the_same_family_and_the_trained_model(family_run):
     vocab = want["vocab_size"]
     assert reloaded.model.embed_tokens.weight.shape[0] == vocab
     assert reloaded.lm_head.weight.shape[0] == vocab
+    # the run's tokenizer is the built-in bytes one: its end of document is 256, and it has no files
+    assert (config["eos_token_id"], config["bos_token_id"]) == (256, None)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 256
+    assert config["max_position_embeddings"] == 512  # the source's, not the default 4096
     info, master = load_master(ckpt)
     ours = StageModel(info.model)
     ours.load_full_state_dict(unflatten(ModelLayout(info.model, 1), master))
@@ -169,3 +193,63 @@ def test_bad_models_are_one_line_before_any_rank_or_profile(case, tmp_path, corp
     assert len(lines) == 1 and expected in lines[0], result.stderr
     assert "profil" not in result.stdout + result.stderr
     assert not out.exists()
+
+
+def bpe_tokenizer(corpus_text: list[str]):
+    """A byte-level BPE trained by `tokenizers` on shipped text, as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|bos|>", "<|eos|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(corpus_text, trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>")
+
+
+@pytest.mark.parametrize("as_file", [False, True], ids=["directory", "saved tokenizer.json"])
+def test_export_copies_the_runs_hf_tokenizer(qwen2_run, tmp_path, cli, as_file):
+    """A run whose tokenizer is a Hugging Face one (a directory or a tokenizer.json, as `[data] tokenizer`
+    names it): the export carries its files and its ids, and AutoTokenizer loads it."""
+    _, _, _, ckpt = qwen2_run
+    readme = (Path(__file__).parents[2] / "README.md").read_text().splitlines()
+    tokenizer = bpe_tokenizer(readme)
+    tokenizer.save_pretrained(tmp_path / "tok")
+    source = tmp_path / "tok" / "tokenizer.json" if as_file else tmp_path / "tok"
+    run = tmp_path / "run"
+    shutil.copytree(ckpt, run / "checkpoints" / ckpt.name)
+    manifest = run / "checkpoints" / ckpt.name / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "tokenizer": str(source)}))
+    (run / "config.toml").write_text(f'[data]\ntokenizer = "{source}"\n')
+    out = tmp_path / "hf-out"
+    done = cli("export", "--checkpoint", str(run / "checkpoints" / ckpt.name), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
+    reloaded = transformers.AutoTokenizer.from_pretrained(out)
+    text = "Fine-tune a model on your own data."
+    assert reloaded.encode(text) == tokenizer.encode(text)
+    eos = tokenizer.convert_tokens_to_ids("<|eos|>")
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == eos and config["bos_token_id"] == tokenizer.convert_tokens_to_ids("<|bos|>")
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == eos
+    assert reloaded.eos_token == "<|eos|>"  # the directory's tokenizer config travels, special tokens included
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert model.generation_config.eos_token_id == eos
+
+
+def test_a_lone_tokenizer_json_is_copied_without_ids(qwen2_run, tmp_path, cli):
+    _, _, _, ckpt = qwen2_run
+    bpe_tokenizer(["some text to learn from"] * 10).backend_tokenizer.save(str(tmp_path / "bpe.json"))
+    run = tmp_path / "run"
+    shutil.copytree(ckpt, run / "checkpoints" / ckpt.name)
+    (run / "config.toml").write_text(f'[data]\ntokenizer = "{tmp_path / "bpe.json"}"\n')
+    manifest = run / "checkpoints" / ckpt.name / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "tokenizer": None}))
+    out = tmp_path / "hf-out"
+    done = cli("export", "--checkpoint", str(run / "checkpoints" / ckpt.name), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert (out / "tokenizer.json").read_text() == (tmp_path / "bpe.json").read_text()
+    reloaded = transformers.AutoTokenizer.from_pretrained(out)
+    assert reloaded.decode(reloaded.encode("some text")) == "some text"
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] is None  # nothing declares one

@@ -30,6 +30,13 @@ from hydraulis.errors import HydraulisError
 from hydraulis.families import ARCHITECTURES, CONFIG_FILE, read_hf_config
 from hydraulis.files import default_mode, replace_directory
 from hydraulis.runtime.checkpoint import load_master
+from hydraulis.runtime.export_files import (
+    GENERATION_FILE,
+    copy_tokenizer,
+    export_source,
+    generation_config,
+    with_special_ids,
+)
 from hydraulis.runtime.hf import VOCAB_TENSORS, hf_config, hf_name, to_hf_state_dict
 from hydraulis.runtime.layout import FlatParam, ModelLayout
 from hydraulis.specs import ModelSpec
@@ -59,11 +66,14 @@ def export_hf(
     checkpoint: str | Path,
     out: str | Path,
     force: bool = False,
-    max_position_embeddings: int = 4096,
+    max_position_embeddings: int | None = None,
     log: Callable[[str], None] | None = None,
 ) -> list[Path]:
     """Write a checkpoint's model as an HF directory of its family; returns the files written.
 
+    Beside the weights: config.json with the tokenizer's special ids,
+    generation_config.json and the tokenizer's files (export_files.py).
+    max_position_embeddings: None takes the source model's (init_from), else 4096.
     Everything is read and checked before anything is written; `out` must not
     exist (or be empty) unless `force`.
     """
@@ -76,10 +86,14 @@ def export_hf(
         raise HydraulisError(f"{out}: already exists (pass --force to replace it)")
     info, master = load_master(checkpoint)
     spec = info.model
+    source = export_source(info)
     tensors = to_hf_state_dict(unflatten(ModelLayout(spec, 1), master), spec)
+    if max_position_embeddings is None:
+        max_position_embeddings = (source.source_config or {}).get("max_position_embeddings") or 4096
     config = hf_config(spec, max_position_embeddings).to_dict()
     config["architectures"] = [ARCHITECTURES[spec.arch.family]]
     config["dtype" if "dtype" in config else "torch_dtype"] = "float32"  # transformers 5 / 4
+    config = with_special_ids(config, source)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
@@ -87,15 +101,18 @@ def export_hf(
         raise HydraulisError(f"{out}: cannot create the output directory: {exc.strerror or exc}") from None
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        gen = json.dumps(generation_config(source), indent=2, sort_keys=True) + "\n"
+        (tmp / GENERATION_FILE).write_text(gen, encoding="utf-8")
         meta = {"format": "pt", "hydraulis_checkpoint": str(info.path), "hydraulis_step": str(info.step)}
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata=meta)
+        tokenizer_files = [out / p.name for p in copy_tokenizer(source, tmp)]
         default_mode(tmp)
         for p in tmp.iterdir():
             default_mode(p)
         replace_directory(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    written = [out / CONFIG_FILE, out / WEIGHTS_FILE]
+    written = [out / CONFIG_FILE, out / GENERATION_FILE, out / WEIGHTS_FILE, *tokenizer_files]
     if log is not None:
         for p in written:
             log(f"wrote {p} ({p.stat().st_size:,} bytes)")
