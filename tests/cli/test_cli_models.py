@@ -21,12 +21,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import torch.nn.functional as F  # noqa: E402
-from train_helpers import make_corpus, write_config  # noqa: E402
+from train_helpers import hf_loss, make_corpus, write_config  # noqa: E402
 
 from hydraulis.data.indexed import open_corpus  # noqa: E402
 from hydraulis.data.sampler import TokenBudgetSampler  # noqa: E402
-from hydraulis.runtime import StageModel, count_targets, pack_documents  # noqa: E402
+from hydraulis.runtime import StageModel, pack_documents  # noqa: E402
 from hydraulis.runtime.checkpoint import load_master  # noqa: E402
 from hydraulis.runtime.hf_io import unflatten  # noqa: E402
 from hydraulis.runtime.layout import ModelLayout  # noqa: E402
@@ -63,17 +62,6 @@ def hf_model(family: str):
             else:
                 p.normal_(std=p.shape[-1] ** -0.5 if "embed" not in name else 0.5)
     return model
-
-
-def hf_loss(model, docs: list[np.ndarray]) -> float:
-    """transformers on each document alone: summed token cross-entropy / the batch's targets."""
-    total = torch.zeros((), dtype=torch.float64)
-    with torch.no_grad():
-        for d in docs:
-            ids = torch.from_numpy(np.asarray(d, dtype=np.int64))[None]
-            logits = model(ids).logits[0]
-            total += F.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum").double()
-    return float(total) / count_targets([len(d) for d in docs])
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from ckpt_workers import (
     resume_same,
 )
 from dist_launcher import run_workers
+from train_helpers import hf_loss
 
 from hydraulis.checkpoints import (
     CHECKPOINT_SCHEMA,
@@ -142,17 +143,6 @@ def resharded(work):
 
 
 # -- helpers ----------------------------------------------------------------------------------------
-def hf_loss(model, docs: list[np.ndarray]) -> float:
-    """HF on each document alone: summed token cross-entropy over all documents / their targets."""
-    total = torch.zeros((), dtype=torch.float64)
-    with torch.no_grad():
-        for d in docs:
-            ids = torch.from_numpy(np.asarray(d, dtype=np.int64))[None]
-            logits = model(ids).logits[0]
-            total += F.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum").double()
-    return float(total) / count_targets([len(d) for d in docs])
-
-
 def our_loss(spec, state: dict[str, torch.Tensor], docs: list[np.ndarray]) -> float:
     model = StageModel(spec)
     model.load_full_state_dict(state)
