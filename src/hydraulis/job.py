@@ -11,7 +11,7 @@ returns is what every rank of loop.py receives.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hydraulis.auto_profile import AUTO_PROFILE, AutoProfile
@@ -116,7 +116,7 @@ def prepare(
         g.validate(spec)
     # Vocabulary padding for every TP degree the pool has (with pool = "auto": may have).
     proposable = cost.configs if cost is not None and pool_spec == "auto" else ()
-    spec = spec.padded_for({g.tp for g in (*configs, *proposable)})
+    spec = _padded(spec, {g.tp for g in (*configs, *proposable)}, run_dir if resume else None)
     vocab_needed = get_vocab(tokenizer)
     if vocab_needed > spec.vocab:
         raise HydraulisError(f"model.vocab {spec.vocab} is smaller than the {tokenizer} tokenizer's {vocab_needed}")
@@ -179,6 +179,22 @@ def model_spec(config: RunConfig) -> ModelSpec:
             key = differ[0]
             raise HydraulisError(f"model.{key} is {getattr(mine, key)} but {path} says {getattr(spec, key)}; drop it")
     return spec
+
+
+def _padded(spec: ModelSpec, tp_degrees: set[int], resumed: Path | None) -> ModelSpec:
+    """The model padded for these TP degrees; a resumed run keeps its checkpoint's padding if they all split it."""
+    padded = spec.padded_for(tp_degrees)
+    if resumed is None:
+        return padded
+    from hydraulis.checkpoints import latest_checkpoint, read_manifest
+
+    latest = latest_checkpoint(resumed / "checkpoints", sweep=False, log=lambda _: None)
+    if latest is None:
+        return padded
+    before = read_manifest(latest).model
+    if before.vocab == spec.vocab and all(before.vocab_rows % tp == 0 for tp in tp_degrees):
+        return replace(spec, padded_vocab=before.padded_vocab)
+    return padded
 
 
 def job_cost_model(profile: str, spec: ModelSpec) -> CostModel:

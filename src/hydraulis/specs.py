@@ -133,8 +133,11 @@ class ModelSpec:
         return {"name": self.name, **self.shape(), "padded_vocab": self.padded_vocab, "arch": self.arch.to_dict()}
 
     def describe(self) -> str:
-        """`tiny (layers=4, hidden=256, ...)`: the name and the shape, for error messages."""
-        return f"{self.name} ({', '.join(f'{k}={v}' for k, v in self.shape().items())})"
+        """`tiny (layers=4, hidden=256, ...)`: the name and the shape (padding, family), for error messages."""
+        extra = {"padded_vocab": self.padded_vocab} if self.padded_vocab else {}
+        if self.arch != Architecture():
+            extra["family"] = self.arch.family
+        return f"{self.name} ({', '.join(f'{k}={v}' for k, v in {**self.shape(), **extra}.items())})"
 
     @property
     def head_dim(self) -> int:

@@ -241,3 +241,20 @@ def test_a_lone_tokenizer_json_is_copied_without_ids(qwen2_run, tmp_path, cli):
     reloaded = transformers.AutoTokenizer.from_pretrained(out)
     assert reloaded.decode(reloaded.encode("some text")) == "some text"
     assert json.loads((out / "config.json").read_text())["eos_token_id"] is None  # nothing declares one
+
+
+def test_resume_on_a_pool_without_tp_keeps_the_padding(trained, tmp_path, corpus, cli):
+    """Trained padded for tp2 (50258 rows); resumed on tp1 replicas, which need no padding: the run
+    keeps its checkpoint's rows instead of failing on a model of another shape."""
+    _, _, tmp, _ = trained("llama3-50257")
+    run = tmp_path / "run"
+    shutil.copytree(tmp / "run", run)
+    sections = {"model": f'init_from = "{tmp / "hf-in"}"', "data": f'corpus = "{corpus}"\n{DATA}',
+                "parallel": 'pool = "2x(tp1,pp1)"\nprofile = "@cpu"', "train": "steps = 3"}  # fmt: skip
+    config = write_config(tmp_path / "resume.toml", corpus, **sections)
+    done = cli("train", "--config", str(config), "--nproc", "2", "--out", str(run), "--resume")
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "step" in r][-1] == 2
+    manifest = json.loads((run / "checkpoints" / "step-000003" / "manifest.json").read_text())
+    assert manifest["model"]["padded_vocab"] == 50258
