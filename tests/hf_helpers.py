@@ -5,8 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 
-def spread_weights(model: Any) -> Any:
-    """Random weights, scaled so that attention is far from uniform and norms are not all ones (in place)."""
+def spread_weights(model: Any, tied_hidden: int | None = None) -> Any:
+    """Random weights, scaled so that attention is far from uniform and norms are not all ones (in place).
+
+    With tied embeddings (`tied_hidden`: the model's hidden size) the embedding is also the head, so it
+    is scaled down to keep the logits of order one."""
     import torch
 
     with torch.no_grad():
@@ -14,7 +17,9 @@ def spread_weights(model: Any) -> Any:
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
             elif name == "model.embed_tokens.weight":
-                p.normal_()
+                p.normal_(std=1.0 if tied_hidden is None else tied_hidden**-0.5 * 4)
+            elif name.endswith(".bias"):
+                p.normal_(std=0.3)
             else:  # (out, in): unit-variance outputs, attention logits of order one
                 p.normal_(std=p.shape[1] ** -0.5)
     return model

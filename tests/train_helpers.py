@@ -39,3 +39,19 @@ def write_config(path: Path, corpus: Path, **overrides: str) -> Path:
 def losses(out: Path) -> list[float]:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in rows if "loss" in r]
+
+
+def hf_loss(model, docs: list[np.ndarray]) -> float:
+    """transformers on each document alone: summed token cross-entropy over all documents / their targets."""
+    import torch
+    import torch.nn.functional as F
+
+    from hydraulis.runtime import count_targets
+
+    total = torch.zeros((), dtype=torch.float64)
+    with torch.no_grad():
+        for d in docs:
+            ids = torch.from_numpy(np.asarray(d, dtype=np.int64))[None]
+            logits = model(ids).logits[0]
+            total += F.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum").double()
+    return float(total) / count_targets([len(d) for d in docs])

@@ -8,7 +8,7 @@ dtype, world size and sweep match, and profiles again otherwise.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +77,7 @@ class AutoProfile:
         measurements = data.get("measurements") or {}
         have = {(r.get("tp"), r.get("pp"), r.get("cp", 1)) for r in data.get("time_ms") or [] if isinstance(r, dict)}
         missing = [c.name for c in self.configs if (c.tp, c.pp, c.cp) not in have]
-        if data.get("model") != asdict(self.spec):
+        if data.get("model") != self.spec.to_dict():
             return "another model"
         if device.get("kind") != self.device or device.get("dtype") != self.settings.dtype_for(self.device):
             return "another device or dtype"

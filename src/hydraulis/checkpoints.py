@@ -22,7 +22,7 @@ from hydraulis.errors import HydraulisError
 from hydraulis.files import sha256_file
 from hydraulis.jsonio import Fields, load_json
 from hydraulis.progress import Log
-from hydraulis.specs import SHAPE_FIELDS, ModelSpec
+from hydraulis.specs import SHAPE_FIELDS, Architecture, ModelSpec
 
 CHECKPOINT_SCHEMA = "hydraulis.checkpoint/1"
 MANIFEST_FILE = "manifest.json"
@@ -88,7 +88,9 @@ def read_manifest(path: str | Path) -> CheckpointInfo:
     f = Fields(data, str(manifest))
     m = f.obj("model")
     try:
-        spec = ModelSpec(m.str("name"), **{k: m.int(k, minimum=1) for k in SHAPE_FIELDS})
+        arch = Architecture.from_dict(m.data.get("arch") or {}, f"{manifest}.model.arch")
+        shape = {k: m.int(k, minimum=1) for k in SHAPE_FIELDS}
+        spec = ModelSpec(m.str("name"), **shape, padded_vocab=m.int("padded_vocab", default=0, minimum=0), arch=arch)
     except HydraulisError as exc:
         raise HydraulisError(f"{manifest}: {exc}") from None
     files = {}

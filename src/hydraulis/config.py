@@ -37,7 +37,7 @@ class ModelSection(_Section):
     heads: int | None = Field(None, ge=1, le=1024)
     kv_heads: int | None = Field(None, ge=1, le=1024)
     vocab: int | None = Field(None, ge=2, le=1 << 22)
-    init_from: str | None = None  # a Hugging Face LLaMA directory
+    init_from: str | None = None  # a Hugging Face model directory (families.py: llama, mistral, qwen2, qwen3)
 
     @field_validator("preset")
     @classmethod

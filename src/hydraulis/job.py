@@ -11,7 +11,7 @@ returns is what every rank of loop.py receives.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hydraulis.auto_profile import AUTO_PROFILE, AutoProfile
@@ -111,6 +111,13 @@ def prepare(
         )
     gpn = config.parallel.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     cluster = ClusterSpec(world, min(gpn, world))
+    # The model against every config the pool may use, before any corpus build, profile or rank.
+    configs = _pool_configs(pool_spec, inline, spec, world)
+    for g in configs:
+        g.validate(spec)
+    # Vocabulary padding for every TP degree the pool has (with pool = "auto": may have).
+    proposable = cost.configs if cost is not None and pool_spec == "auto" else ()
+    spec = _padded(spec, {g.tp for g in (*configs, *proposable)}, run_dir if resume else None)
     corpus = resolve_corpus(config.data.corpus, tokenizer, progress=True, log=log)
     if corpus.manifest.tokenizer != token_ids:
         made = corpus.manifest.tokenizer_source or corpus.manifest.tokenizer
@@ -124,7 +131,6 @@ def prepare(
     if auto:
         from hydraulis.cost import ProfiledCostModel
 
-        configs = _pool_configs(pool_spec, inline, spec, world)
         config.parallel.recompute_configs(configs)  # a bad recompute list fails before minutes of profiling
         request = AutoProfile.of(config, spec, configs, world, sampler.piece_lengths())
         cached = request.cached(run_dir / AUTO_PROFILE, log)
@@ -161,9 +167,9 @@ def model_spec(config: RunConfig) -> ModelSpec:
     section = config.model
     if section.init_from is None:
         return section.spec()
-    from hydraulis.runtime.hf_io import read_hf_config
+    from hydraulis.families import read_hf_config
 
-    path, _, spec = read_hf_config(section.init_from)
+    path, _, spec = read_hf_config(section.init_from, config.data.max_len)
     given = section.model_fields_set - {"init_from"}
     if given:
         mine = section.spec()
@@ -172,6 +178,22 @@ def model_spec(config: RunConfig) -> ModelSpec:
             key = differ[0]
             raise HydraulisError(f"model.{key} is {getattr(mine, key)} but {path} says {getattr(spec, key)}; drop it")
     return spec
+
+
+def _padded(spec: ModelSpec, tp_degrees: set[int], resumed: Path | None) -> ModelSpec:
+    """The model padded for these TP degrees; a resumed run keeps its checkpoint's padding if they all split it."""
+    padded = spec.padded_for(tp_degrees)
+    if resumed is None:
+        return padded
+    from hydraulis.checkpoints import latest_checkpoint, read_manifest
+
+    latest = latest_checkpoint(resumed / "checkpoints", sweep=False, log=lambda _: None)
+    if latest is None:
+        return padded
+    before = read_manifest(latest).model
+    if before.vocab == spec.vocab and all(before.vocab_rows % tp == 0 for tp in tp_degrees):
+        return replace(spec, padded_vocab=before.padded_vocab)
+    return padded
 
 
 def job_cost_model(profile: str, spec: ModelSpec) -> CostModel:

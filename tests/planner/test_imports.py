@@ -31,7 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hydraulis.plots",
         "hydraulis.files",
     ),
-    ("hydraulis.parallel", "hydraulis.context", "hydraulis.optim"),
+    ("hydraulis.parallel", "hydraulis.context", "hydraulis.optim", "hydraulis.families"),
     ("hydraulis.cost", "hydraulis.data", "hydraulis.checkpoints"),
     ("hydraulis.planner",),
     ("hydraulis.baselines",),

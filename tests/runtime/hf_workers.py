@@ -22,6 +22,10 @@ SCENARIOS = {
     "tp4-gqa": (4, 1, False),  # kv_heads 2 < tp 4: each KV head replicated on 2 ranks
     "tp4-gqa-sp": (4, 1, True),
     "tp2pp2-mqa": (2, 2, False),  # kv_heads 1 < tp 2, through the pipeline
+    "tp4-qwen2-padded": (4, 1, False),  # q/k/v biases with KV heads replicated; vocab 509 padded to 512
+    "tp2pp2-qwen2-tied": (2, 2, False),  # the head on stage 1 tied to the embedding on stage 0
+    "tp4-qwen3-sp": (4, 1, True),  # q/k norms over a rank's heads, sequence parallel
+    "tp2pp2-llama3": (2, 2, True),
 }
 
 

@@ -28,6 +28,7 @@ from ckpt_workers import (
     resume_same,
 )
 from dist_launcher import run_workers
+from train_helpers import hf_loss
 
 from hydraulis.checkpoints import (
     CHECKPOINT_SCHEMA,
@@ -142,17 +143,6 @@ def resharded(work):
 
 
 # -- helpers ----------------------------------------------------------------------------------------
-def hf_loss(model, docs: list[np.ndarray]) -> float:
-    """HF on each document alone: summed token cross-entropy over all documents / their targets."""
-    total = torch.zeros((), dtype=torch.float64)
-    with torch.no_grad():
-        for d in docs:
-            ids = torch.from_numpy(np.asarray(d, dtype=np.int64))[None]
-            logits = model(ids).logits[0]
-            total += F.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum").double()
-    return float(total) / count_targets([len(d) for d in docs])
-
-
 def our_loss(spec, state: dict[str, torch.Tensor], docs: list[np.ndarray]) -> float:
     model = StageModel(spec)
     model.load_full_state_dict(state)
@@ -335,8 +325,12 @@ def test_export_loads_in_transformers_with_our_loss(work, resharded, cli, tmp_pa
     done = cli("export", "--checkpoint", str(ckpt), "--out", str(out))
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
-    assert len(lines) == 2 and "config.json" in lines[0] and "model.safetensors" in lines[1]
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    files = ["config.json", "generation_config.json", "model.safetensors"]
+    assert [Path(line.split()[1]).name for line in lines] == files
+    assert sorted(p.name for p in out.iterdir()) == files
+    config = json.loads((out / "config.json").read_text())
+    assert (config["eos_token_id"], config["bos_token_id"]) == (256, None)  # the bytes tokenizer's end of document
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 256
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     model = transformers.LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
     info, master = load_master(ckpt)

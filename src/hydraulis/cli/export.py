@@ -1,4 +1,4 @@
-"""`hydraulis export`: a training checkpoint as a Hugging Face LlamaForCausalLM directory."""
+"""`hydraulis export`: a training checkpoint as a Hugging Face directory of its model family, with its tokenizer."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from hydraulis.cli.app import app
 @app.command("export")
 def export(
     checkpoint: Path = typer.Option(..., "--checkpoint", "-c", help="A checkpoint directory (step-NNNNNN)."),
-    out: Path = typer.Option(..., "--out", "-o", help="HF directory to write (config.json, model.safetensors)."),
+    out: Path = typer.Option(..., "--out", "-o", help="HF directory to write (config, weights, tokenizer)."),
     force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
-    max_positions: int = typer.Option(4096, "--max-positions", help="max_position_embeddings to advertise."),
+    max_positions: int | None = typer.Option(
+        None, "--max-positions", help="max_position_embeddings to advertise (default: the source model's, or 4096)."
+    ),
 ) -> None:
     """Assemble the full fp32 model of a checkpoint on one process and write it for transformers."""
     from hydraulis.runtime.hf_io import export_hf

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -163,7 +162,7 @@ def build_profile(
             "Per stage forward+backward of one packed micro-batch (neighbouring stages faked for pp > 1), "
             "median of repeats, slowest stage; robust fit. " + memory["method"]
         ),
-        "model": asdict(spec),
+        "model": spec.to_dict(),
         "device": {k: device[k] for k in ("name", "memory_bytes", "gpus_per_node", "kind", "dtype", "description")},
         "time_ms": time_rows,
         "memory": memory,

@@ -171,6 +171,10 @@ def check_job_pool(pool: Sequence[Deployment], world: int, model: ModelSpec, cos
             raise HydraulisError(f"pool deployment {d} places replicas on ranks {ranks}, not 0..{world - 1} once each")
         for g in d.configs:
             g.validate(model)
+            if model.vocab_rows % g.tp:  # job.prepare pads for every config it expects; a safety net
+                raise HydraulisError(
+                    f"{g.name}: the vocabulary of {model.vocab_rows} rows is not divisible by tp={g.tp}"
+                )
             cost.index(g)
     cap, name = largest_cap(cost, ClusterSpec(world, max(world, 1)), pool)
     if max_len > cap:

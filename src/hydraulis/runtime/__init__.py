@@ -8,11 +8,12 @@ context_parallel.py for micro-batches spread over CP ranks, hf.py for
 Hugging Face LLaMA configs and weights (transformers imported only when used).
 """
 
+from hydraulis.families import spec_from_hf_config
 from hydraulis.runtime.attention import attention_backend, packed_attention, per_document_attention
 from hydraulis.runtime.batch import IGNORE_INDEX, PackedBatch, count_targets, pack_cp_shard, pack_documents
 from hydraulis.runtime.context_parallel import ContextParallel
 from hydraulis.runtime.groups import ReplicaGroups, build_replica_groups, single_process_groups
-from hydraulis.runtime.hf import from_hf_state_dict, hf_config, hf_name, spec_from_hf_config, to_hf_state_dict
+from hydraulis.runtime.hf import from_hf_state_dict, hf_config, hf_name, to_hf_state_dict
 from hydraulis.runtime.model import ParamLayout, StageModel, stage_layers
 from hydraulis.runtime.pipeline import StepResult, micro_batch_loss, train_step
 from hydraulis.runtime.tensor_parallel import ShardSpec, TensorParallel, vocab_parallel_cross_entropy

@@ -76,10 +76,11 @@ T = TypeVar("T")
 
 def check_compatible(info: CheckpointInfo, layout: ModelLayout) -> None:
     """The checkpoint holds this model's global vector (manifest and DCP metadata agree with the layout)."""
-    if not info.model.same_shape(layout.spec):
+    differ = info.model.tensor_differences(layout.spec)
+    if differ:
         raise HydraulisError(
             f"{info.manifest_path}: checkpoint of model {info.model.describe()}, "
-            f"this run's model is {layout.spec.describe()}"
+            f"this run's model is {layout.spec.describe()} ({differ[0]} differs)"
         )
     meta_path = info.path / OPTIM_DIR / ".metadata"
     try:
@@ -157,7 +158,7 @@ def _manifest(trainer: Trainer, state: dict[str, Any], files: dict[str, FileEntr
         "schema": CHECKPOINT_SCHEMA,
         "step": state["step"],
         "world_size": trainer.world,
-        "model": asdict(s.model),
+        "model": s.model.to_dict(),
         "parameters": trainer.layout.total,
         "tokenizer": tokenizer,
         "corpus": corpus,

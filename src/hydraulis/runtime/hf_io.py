@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: `config.json` + `model.safetensors` of LlamaForCausalLM.
+"""Hugging Face checkpoints in and out: `config.json` + `model.safetensors` of the LLaMA line (families.py).
 
 - `export_hf`: a hydraulis checkpoint (checkpoint.py) to an HF directory, on
   ONE process without torch.distributed: DCP reads the whole fp32 master
@@ -27,10 +27,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hydraulis.errors import HydraulisError
+from hydraulis.families import ARCHITECTURES, CONFIG_FILE, read_hf_config
 from hydraulis.files import default_mode, replace_directory
-from hydraulis.jsonio import read_json_object
 from hydraulis.runtime.checkpoint import load_master
-from hydraulis.runtime.hf import hf_config, hf_name, spec_from_hf_config, to_hf_state_dict
+from hydraulis.runtime.export_files import (
+    GENERATION_FILE,
+    copy_tokenizer,
+    export_source,
+    generation_config,
+    with_special_ids,
+)
+from hydraulis.runtime.hf import VOCAB_TENSORS, hf_config, hf_name, to_hf_state_dict
 from hydraulis.runtime.layout import FlatParam, ModelLayout
 from hydraulis.specs import ModelSpec
 
@@ -38,7 +45,6 @@ if TYPE_CHECKING:
     from hydraulis.runtime.optimizer import DisaggregatedOptimizer
     from hydraulis.runtime.trainer import Trainer
 
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
@@ -60,11 +66,14 @@ def export_hf(
     checkpoint: str | Path,
     out: str | Path,
     force: bool = False,
-    max_position_embeddings: int = 4096,
+    max_position_embeddings: int | None = None,
     log: Callable[[str], None] | None = None,
 ) -> list[Path]:
-    """Write a checkpoint's model as an HF LlamaForCausalLM directory; returns the files written.
+    """Write a checkpoint's model as an HF directory of its family; returns the files written.
 
+    Beside the weights: config.json with the tokenizer's special ids,
+    generation_config.json and the tokenizer's files (export_files.py).
+    max_position_embeddings: None takes the source model's (init_from), else 4096.
     Everything is read and checked before anything is written; `out` must not
     exist (or be empty) unless `force`.
     """
@@ -77,10 +86,14 @@ def export_hf(
         raise HydraulisError(f"{out}: already exists (pass --force to replace it)")
     info, master = load_master(checkpoint)
     spec = info.model
+    source = export_source(info)
     tensors = to_hf_state_dict(unflatten(ModelLayout(spec, 1), master), spec)
+    if max_position_embeddings is None:
+        max_position_embeddings = (source.source_config or {}).get("max_position_embeddings") or 4096
     config = hf_config(spec, max_position_embeddings).to_dict()
-    config["architectures"] = ["LlamaForCausalLM"]
+    config["architectures"] = [ARCHITECTURES[spec.arch.family]]
     config["dtype" if "dtype" in config else "torch_dtype"] = "float32"  # transformers 5 / 4
+    config = with_special_ids(config, source)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
@@ -88,15 +101,18 @@ def export_hf(
         raise HydraulisError(f"{out}: cannot create the output directory: {exc.strerror or exc}") from None
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        gen = json.dumps(generation_config(source), indent=2, sort_keys=True) + "\n"
+        (tmp / GENERATION_FILE).write_text(gen, encoding="utf-8")
         meta = {"format": "pt", "hydraulis_checkpoint": str(info.path), "hydraulis_step": str(info.step)}
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata=meta)
+        tokenizer_files = [out / p.name for p in copy_tokenizer(source, tmp)]
         default_mode(tmp)
         for p in tmp.iterdir():
             default_mode(p)
         replace_directory(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    written = [out / CONFIG_FILE, out / WEIGHTS_FILE]
+    written = [out / CONFIG_FILE, out / GENERATION_FILE, out / WEIGHTS_FILE, *tokenizer_files]
     if log is not None:
         for p in written:
             log(f"wrote {p} ({p.stat().st_size:,} bytes)")
@@ -104,17 +120,6 @@ def export_hf(
 
 
 # -- import ----------------------------------------------------------------------------------------
-def read_hf_config(hf_dir: str | Path) -> tuple[Path, dict[str, Any], ModelSpec]:
-    """(config path, config dict, spec) of an HF directory; a config we cannot compute names the file."""
-    path = Path(hf_dir) / CONFIG_FILE
-    config = read_json_object(path, missing="no such file (not a Hugging Face model directory)")
-    try:
-        spec = spec_from_hf_config(config, Path(hf_dir).name or "hf")
-    except HydraulisError as exc:
-        raise HydraulisError(f"{path}: {exc}") from None
-    return path, config, spec
-
-
 def _weight_files(hf_dir: Path) -> dict[str, Path]:
     """HF tensor name -> the safetensors file holding it (one file, or a sharded index)."""
     index = hf_dir / WEIGHTS_INDEX
@@ -137,19 +142,27 @@ def _weight_files(hf_dir: Path) -> dict[str, Path]:
     return dict.fromkeys(names, single)
 
 
-def _read_range(sl: Any, p: FlatParam, start: int, stop: int) -> torch.Tensor:
-    """Canonical elements [start, stop) of one parameter, read as a slice of its full tensor."""
+def _read_range(sl: Any, p: FlatParam, start: int, stop: int, rows: int) -> torch.Tensor:
+    """Canonical elements [start, stop) of one parameter, read as a slice of its full tensor.
+
+    The file holds `rows` canonical rows; those beyond (a padded vocabulary's) are zeros.
+    """
     if len(p.full_shape) == 1:
         return sl[start:stop].float().reshape(-1)
     cols = p.canonical_shape[1]  # canonical rows: full rows, or full columns when transposed
     r0, r1 = start // cols, -(-stop // cols)
-    block = sl[:, r0:r1].t() if p.transposed else sl[r0:r1]
+    if p.transposed:
+        block = sl[:, r0:r1].t()
+    else:  # rows past the file's (a padded vocabulary) are zeros
+        block = sl[r0 : min(r1, rows)] if r0 < rows else torch.empty(0, cols)
+        if r1 > rows:
+            block = torch.cat([block.float(), torch.zeros(r1 - max(r0, rows), cols)])
     return block.float().reshape(-1)[start - r0 * cols : stop - r0 * cols]
 
 
 @torch.no_grad()
 def init_from(target: Trainer | DisaggregatedOptimizer, hf_dir: str | Path) -> ModelSpec:
-    """Fill the owned range of the master weights from an HF LlamaForCausalLM directory.
+    """Fill the owned range of the master weights from an HF directory (families.py); padded rows are zeros.
 
     Each rank reads only the slices of tensors in its range; every name and
     shape is checked before the master changes. Call it before training (the
@@ -161,8 +174,10 @@ def init_from(target: Trainer | DisaggregatedOptimizer, hf_dir: str | Path) -> M
     layout: ModelLayout = opt.layout
     hf_dir = Path(hf_dir)
     config_path, _, spec = read_hf_config(hf_dir)
-    if not spec.same_shape(layout.spec):
-        raise HydraulisError(f"{config_path}: model {spec.describe()}, this run's model is {layout.spec.describe()}")
+    differ = [d for d in spec.tensor_differences(layout.spec) if d != "padded_vocab"]
+    if differ:
+        mine = layout.spec.describe()
+        raise HydraulisError(f"{config_path}: model {spec.describe()}, this run's model is {mine} ({differ[0]})")
     files = _weight_files(hf_dir)
     lo, hi = opt.lo, opt.hi
     fresh = torch.empty(hi - lo, dtype=torch.float32)
@@ -183,10 +198,12 @@ def init_from(target: Trainer | DisaggregatedOptimizer, hf_dir: str | Path) -> M
                 except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
                     raise HydraulisError(f"{file}: cannot open as safetensors ({exc})") from None
             shape = tuple(handles[file].get_slice(name).get_shape())
-            if shape != p.full_shape:
-                raise HydraulisError(f"{file}: {name} has shape {shape}, the model's is {p.full_shape}")
-            todo.append((p, name, file, a, b))
-        for p, name, file, a, b in todo:
-            fresh[a - lo : b - lo] = _read_range(handles[file].get_slice(name), p, a - p.offset, b - p.offset)
+            rows = spec.vocab if p.name in VOCAB_TENSORS else p.full_shape[0]
+            if shape != (rows, *p.full_shape[1:]):
+                raise HydraulisError(f"{file}: {name} has shape {shape}, the model's is {(rows, *p.full_shape[1:])}")
+            todo.append((p, name, file, a, b, rows))
+        for p, name, file, a, b, rows in todo:
+            sl = handles[file].get_slice(name)
+            fresh[a - lo : b - lo] = _read_range(sl, p, a - p.offset, b - p.offset, rows)
     opt.master.copy_(fresh.to(opt.device))
     return spec

@@ -146,13 +146,15 @@ class ModelLayout:
 
 
 def init_param_range(p: FlatParam, start: int, stop: int, seed: int) -> torch.Tensor:
-    """Elements [start, stop) of a parameter's canonical vector: norms 1, else N(0, INIT_STD^2).
+    """Elements [start, stop) of a parameter's canonical vector: norms 1, biases 0, else N(0, INIT_STD^2).
 
     Each INIT_BLOCK of the canonical vector is its own seeded stream, so a
     range is produced without generating the rest of the parameter.
     """
     if p.is_norm:
         return torch.ones(stop - start, dtype=torch.float32)
+    if p.name.endswith(".bias"):  # Qwen2's q/k/v biases start at zero, as transformers initialises them
+        return torch.zeros(stop - start, dtype=torch.float32)
     parts = []
     for block in range(start // INIT_BLOCK, (stop - 1) // INIT_BLOCK + 1):
         b0 = block * INIT_BLOCK

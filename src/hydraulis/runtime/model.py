@@ -1,7 +1,12 @@
 """A LLaMA-style decoder, split into pipeline stages and tensor-parallel shards.
 
 RMSNorm, RoPE with positions that restart at each document, SwiGLU, GQA and
-an untied output head, with the shapes of a `ModelSpec`. `StageModel` is the
+an output head, with the shapes of a `ModelSpec`. The families of the LLaMA
+line differ by options of `spec.arch`, read here where they act: q/k/v
+biases (Qwen2), RMSNorm of each q and k head (Qwen3), a head tied to the
+embedding, RoPE theta and LLaMA 3's frequency scaling, the norms' eps. A
+padded vocabulary (`spec.padded_vocab`) adds embedding and head rows whose
+logits are -inf, so they never win and take no loss. `StageModel` is the
 part one rank holds: stage s of pp holds a contiguous range of layers, the
 first stage also the embedding, the last the final norm and the head; every
 weight is this rank's TP shard. With tp = pp = 1 it is the whole model, which
@@ -40,10 +45,7 @@ from hydraulis.runtime.tensor_parallel import (
     set_shard,
     shard_tensor,
 )
-from hydraulis.specs import ModelSpec
-
-ROPE_THETA = 10000.0
-NORM_EPS = 1e-5
+from hydraulis.specs import Architecture, ModelSpec
 
 
 @dataclass(frozen=True)
@@ -64,23 +66,40 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, sequence_parallel: bool, dtype=torch.float32, device=None):
+    def __init__(self, dim: int, partial_grad: bool, dtype=torch.float32, device=None, eps: float = 1e-5):
         super().__init__()
-        # Under SP each TP rank normalises only its tokens: its weight gradient is partial.
+        self.eps = eps
+        # Under SP each TP rank normalises only its tokens (q/k norms: only its heads): the gradient is partial.
         self.weight = set_shard(
-            nn.Parameter(torch.ones(dim, dtype=dtype, device=device)), ShardSpec(partial_grad=sequence_parallel)
+            nn.Parameter(torch.ones(dim, dtype=dtype, device=device)), ShardSpec(partial_grad=partial_grad)
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + NORM_EPS)).to(x.dtype) * self.weight
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def inverse_frequencies(head_dim: int, arch: Architecture, device=None) -> torch.Tensor:
+    """RoPE's theta^(-2i/D) in fp64, with LLaMA 3's scaling of the low frequencies when `arch.rope_llama3`."""
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim
+    inv = arch.rope_theta**-exponents
+    if arch.rope_llama3 is None:
+        return inv
+    factor, low, high, original = arch.rope_llama3
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > original / low, inv / factor, inv)  # long wavelengths: divided by factor
+    smooth = (original / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_tables(
+    positions: torch.Tensor, head_dim: int, dtype: torch.dtype, arch: Architecture = Architecture()
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, (T, head_dim / 2), for per-document positions; computed once per micro-batch."""
     # fp64 angles: fp32 would lose about position * 6e-8 radians, visible on long documents.
-    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim
-    angles = positions.to(torch.float64).unsqueeze(-1) * ROPE_THETA**-exponents
+    angles = positions.to(torch.float64).unsqueeze(-1) * inverse_frequencies(head_dim, arch, positions.device)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -102,34 +121,40 @@ class Attention(nn.Module):
         self.cp = cp or ContextParallel()
         self.head_dim = spec.head_dim
         self.local_heads = tp.split(spec.heads, "attention heads")
-        kv_dim = spec.kv_heads * spec.head_dim
-        self.wq = ColumnParallelLinear(spec.hidden, spec.hidden, tp, dtype, device)
+        q_dim, kv_dim, bias = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim, spec.arch.qkv_bias
+        self.wq = ColumnParallelLinear(spec.hidden, q_dim, tp, dtype, device, bias=bias)
         if spec.kv_heads % tp.size == 0:
-            self.wk = ColumnParallelLinear(spec.hidden, kv_dim, tp, dtype, device)
-            self.wv = ColumnParallelLinear(spec.hidden, kv_dim, tp, dtype, device)
+            self.wk = ColumnParallelLinear(spec.hidden, kv_dim, tp, dtype, device, bias=bias)
+            self.wv = ColumnParallelLinear(spec.hidden, kv_dim, tp, dtype, device, bias=bias)
             self.kv_rows = None
         elif tp.size % spec.kv_heads == 0:
             # More TP ranks than KV heads: every rank keeps all KV weights and uses the one
             # head its query heads share; its gradient covers only its queries (partial).
-            self.wk = _ReplicatedLinear(spec.hidden, kv_dim, dtype, device)
-            self.wv = _ReplicatedLinear(spec.hidden, kv_dim, dtype, device)
+            self.wk = _ReplicatedLinear(spec.hidden, kv_dim, dtype, device, bias=bias)
+            self.wv = _ReplicatedLinear(spec.hidden, kv_dim, dtype, device, bias=bias)
             head = tp.rank * spec.kv_heads // tp.size
             self.kv_rows = slice(head * spec.head_dim, (head + 1) * spec.head_dim)
         else:
             raise HydraulisError(f"kv_heads {spec.kv_heads} and tp {tp.size}: one must divide the other")
-        self.wo = RowParallelLinear(spec.hidden, spec.hidden, tp, dtype, device)
+        self.wo = RowParallelLinear(q_dim, spec.hidden, tp, dtype, device)
+        if spec.arch.qk_norm:  # one weight over head_dim, shared by all heads; each TP rank sees only its heads
+            self.q_norm = RMSNorm(spec.head_dim, tp.size > 1, dtype, device, spec.arch.norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, tp.size > 1, dtype, device, spec.arch.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: PackedBatch) -> torch.Tensor:
         tokens = x.shape[0]
         if self.kv_rows is None:
             k, v = self.wk(x), self.wv(x)
         else:
-            k = F.linear(x, self.wk.weight[self.kv_rows])
-            v = F.linear(x, self.wv.weight[self.kv_rows])
+            k, v = self.wk(x, self.kv_rows), self.wv(x, self.kv_rows)
         q = self.wq(x).view(tokens, self.local_heads, self.head_dim)
         # explicit head counts, not -1: a CP rank may hold no tokens of a tiny micro-batch
         k = k.view(tokens, k.shape[-1] // self.head_dim, self.head_dim)
         v = v.view(tokens, v.shape[-1] // self.head_dim, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if batch.context is not None:
             out = context_attention(q, k, v, batch.context, self.cp)
@@ -139,11 +164,18 @@ class Attention(nn.Module):
 
 
 class _ReplicatedLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, dtype=torch.float32, device=None):
+    """K or V with fewer heads than TP ranks: all of it on every rank, applied to the rows of one head."""
+
+    def __init__(self, in_features: int, out_features: int, dtype=torch.float32, device=None, bias: bool = False):
         super().__init__()
         weight = torch.empty(out_features, in_features, dtype=dtype, device=device)
         nn.init.normal_(weight, std=1.0 / math.sqrt(in_features))
         self.weight = set_shard(nn.Parameter(weight), ShardSpec(partial_grad=True))
+        zeros = torch.zeros(out_features, dtype=dtype, device=device)
+        self.bias = set_shard(nn.Parameter(zeros), ShardSpec(partial_grad=True)) if bias else None
+
+    def forward(self, x: torch.Tensor, rows: slice) -> torch.Tensor:
+        return F.linear(x, self.weight[rows], None if self.bias is None else self.bias[rows])
 
 
 class FeedForward(nn.Module):
@@ -165,9 +197,10 @@ class Block(nn.Module):
     ):
         super().__init__()
         self.tp = tp
-        self.attn_norm = RMSNorm(spec.hidden, tp.sequence_parallel, dtype, device)
+        eps = spec.arch.norm_eps
+        self.attn_norm = RMSNorm(spec.hidden, tp.sequence_parallel, dtype, device, eps)
         self.attn = Attention(spec, tp, dtype, device, cp)
-        self.ffn_norm = RMSNorm(spec.hidden, tp.sequence_parallel, dtype, device)
+        self.ffn_norm = RMSNorm(spec.hidden, tp.sequence_parallel, dtype, device, eps)
         self.ffn = FeedForward(spec, tp, dtype, device)
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: PackedBatch) -> torch.Tensor:
@@ -180,7 +213,12 @@ class StageModel(nn.Module):
 
     forward(x, batch): x is the token ids (first stage) or the previous stage's
     hidden states; returns hidden states (T or T / tp under SP, hidden) or, on
-    the last stage, this rank's vocab shard of the logits (T, vocab / tp).
+    the last stage, this rank's vocab shard of the logits (T, vocab_rows / tp).
+
+    A tied head multiplies by the embedding's weight. When the last stage is
+    not the first it holds its own copy under the same name
+    (`embedding.weight`), so the optimizer layout sums the two stages'
+    gradients into one master tensor, as it sums replicas'.
     """
 
     def __init__(
@@ -201,13 +239,16 @@ class StageModel(nn.Module):
         # Full activation recompute: keep only each block's input, run its forward again in backward.
         self.recompute = recompute
         self.layer_range = stage_layers(spec.layers, num_stages, stage)
-        self.embedding = VocabParallelEmbedding(spec.vocab, spec.hidden, tp, dtype, device) if self.is_first else None
+        tied = spec.arch.tied_embeddings
+        has_embedding = self.is_first or (tied and self.is_last)
+        rows = spec.vocab_rows
+        self.embedding = VocabParallelEmbedding(rows, spec.hidden, tp, dtype, device) if has_embedding else None
         self.layers = nn.ModuleDict({str(i): Block(spec, tp, dtype, device, self.cp) for i in self.layer_range})
+        self.norm = self.output = None
         if self.is_last:
-            self.norm = RMSNorm(spec.hidden, tp.sequence_parallel, dtype, device)
-            self.output = ColumnParallelLinear(spec.hidden, spec.vocab, tp, dtype, device)
-        else:
-            self.norm = self.output = None
+            self.norm = RMSNorm(spec.hidden, tp.sequence_parallel, dtype, device, spec.arch.norm_eps)
+            if not tied:
+                self.output = ColumnParallelLinear(spec.hidden, rows, tp, dtype, device)
 
     @property
     def is_first(self) -> bool:
@@ -220,19 +261,25 @@ class StageModel(nn.Module):
     @property
     def vocab_start(self) -> int:
         """First vocabulary id of this rank's logits shard."""
-        return self.tp.rank * (self.spec.vocab // self.tp.size)
+        return self.tp.rank * (self.spec.vocab_rows // self.tp.size)
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-        h = self.embedding(x) if self.embedding is not None else x
-        rope = rope_tables(batch.positions, self.spec.head_dim, h.dtype)
+        h = self.embedding(x) if self.is_first else x
+        rope = rope_tables(batch.positions, self.spec.head_dim, h.dtype, self.spec.arch)
         for layer in self.layers.values():
             if self.recompute and torch.is_grad_enabled():
                 h = torch.utils.checkpoint.checkpoint(layer, h, rope, batch, use_reentrant=False)
             else:
                 h = layer(h, rope, batch)
-        if self.output is None:
+        if not self.is_last:
             return h
-        return self.output(enter_tp_region(self.norm(h), self.tp))
+        head = self.embedding.weight if self.output is None else self.output.weight
+        logits = F.linear(enter_tp_region(self.norm(h), self.tp), head)
+        padding = self.vocab_start + logits.shape[-1] - self.spec.vocab  # padded rows in this shard
+        if padding > 0:
+            keep = torch.arange(logits.shape[-1], device=logits.device) < logits.shape[-1] - padding
+            logits = logits.masked_fill(~keep, float("-inf"))
+        return logits
 
     # ------------------------------------------------------------ layouts
 

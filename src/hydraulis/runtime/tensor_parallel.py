@@ -213,15 +213,20 @@ class ColumnParallelLinear(nn.Module):
     linears that share an input.
     """
 
-    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, dtype=torch.float32, device=None):
+    def __init__(
+        self, in_features: int, out_features: int, tp: TensorParallel, dtype=torch.float32, device=None,
+        bias: bool = False,
+    ):  # fmt: skip
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = set_shard(
-            _init_weight(tp.split(out_features, "output features"), in_features, dtype, device), ShardSpec(dim=0)
-        )
+        local = tp.split(out_features, "output features")
+        self.weight = set_shard(_init_weight(local, in_features, dtype, device), ShardSpec(dim=0))
+        # A bias splits with the output features (Qwen2's q, k, v).
+        zeros = torch.zeros(local, dtype=dtype, device=device)
+        self.bias = set_shard(nn.Parameter(zeros), ShardSpec(dim=0)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):

@@ -1,0 +1,260 @@
+"""Hugging Face families through the real commands: init_from, train on 2 ranks, export, reload in transformers.
+
+Each model is built and randomised by transformers itself (its own class of
+the family), saved with `save_pretrained`, trained by `hydraulis train` with
+`init_from`, and exported by `hydraulis export`. The oracle is transformers:
+the first step's loss must be its loss on the same batch, and the exported
+directory, loaded by `AutoModelForCausalLM`, must be the trained checkpoint
+(its logits equal ours). One model has GPT-2's vocabulary of 50257 on a tp2
+pool: padded to 50258 rows while training, exported with exactly 50257.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from train_helpers import hf_loss, make_corpus, write_config  # noqa: E402
+
+from hydraulis.data.indexed import open_corpus  # noqa: E402
+from hydraulis.data.sampler import TokenBudgetSampler  # noqa: E402
+from hydraulis.runtime import StageModel, pack_documents  # noqa: E402
+from hydraulis.runtime.checkpoint import load_master  # noqa: E402
+from hydraulis.runtime.hf_io import unflatten  # noqa: E402
+from hydraulis.runtime.layout import ModelLayout  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+SHAPE = {"hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6}  # fmt: skip
+FAMILIES = {
+    # LLaMA 3: RoPE scaling, GPT-2's vocabulary, which tp2 cannot split
+    "llama3-50257": ("LlamaConfig", {"vocab_size": 50257, "rope_theta": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}}),  # fmt: skip
+    # Qwen2: q/k/v biases, a head tied to the embedding (across pipeline stages), 301 rows padded to 302
+    "qwen2-tied": ("Qwen2Config", {"vocab_size": 301, "tie_word_embeddings": True, "rope_theta": 1e6}),
+    # Qwen3: q/k norms and a head_dim of its own (4 heads x 32 != hidden 64)
+    "qwen3": ("Qwen3Config", {"vocab_size": 320, "head_dim": 32}),
+}
+DATA = 'tokens_per_batch = 768\nmax_len = 256\nseed = 3\ntokenizer = "bytes"'
+POOL = 'pool = "1x(tp2,pp1); 1x(tp1,pp2)"\nprofile = "@cpu"'
+
+
+def hf_model(family: str):
+    config_class, options = FAMILIES[family]
+    config = getattr(transformers, config_class)(**SHAPE, **options)
+    torch.manual_seed(11)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.normal_(std=0.3)
+            else:
+                p.normal_(std=p.shape[-1] ** -0.5 if "embed" not in name else 0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_corpus(tmp_path_factory.mktemp("corpus") / "docs")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus, session_cli):
+    """family -> (family, source model, directory, checkpoint): each trained and exported once per module."""
+    runs: dict[str, tuple] = {}
+
+    def run(family: str) -> tuple:
+        if family not in runs:
+            tmp = tmp_path_factory.mktemp(family)
+            model = hf_model(family)
+            model.save_pretrained(tmp / "hf-in")
+            sections = {"model": f'init_from = "{tmp / "hf-in"}"', "data": f'corpus = "{corpus}"\n{DATA}',
+                        "parallel": POOL, "train": "steps = 2\ncheckpoint_every = 2"}  # fmt: skip
+            config = write_config(tmp / "run.toml", corpus, **sections)
+            out = str(tmp / "run")
+            done = session_cli("train", "--config", str(config), "--nproc", "2", "--out", out, timeout=300)
+            assert done.returncode == 0, done.stderr
+            ckpt = tmp / "run" / "checkpoints" / "step-000002"
+            exported = session_cli("export", "--checkpoint", str(ckpt), "--out", str(tmp / "hf-out"))
+            assert exported.returncode == 0, exported.stderr
+            runs[family] = (family, model, tmp, ckpt)
+        return runs[family]
+
+    return run
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family_run(request, trained):
+    return trained(request.param)
+
+
+@pytest.fixture
+def qwen2_run(trained):
+    """One family is enough for the tokenizer: it does not depend on the model."""
+    return trained("qwen2-tied")
+
+
+def test_first_loss_is_transformers_loss_on_the_same_batch(family_run, corpus):
+    _, model, tmp, _ = family_run
+    data = open_corpus(corpus)
+    batch = TokenBudgetSampler(data.lengths, 768, max_len=256, seed=3).next_batch()
+    want = hf_loss(model, [np.asarray(t) for t in batch.tokens(data)])
+    rows = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    got = rows[0]["loss"]
+    assert got == pytest.approx(want, rel=1e-4)
+
+
+def test_export_is_the_same_family_and_the_trained_model(family_run):
+    family, source, tmp, ckpt = family_run
+    out = tmp / "hf-out"
+    config = json.loads((out / "config.json").read_text())
+    want = source.config.to_dict()
+    assert config["model_type"] == want["model_type"] and config["architectures"] == want["architectures"]
+    for key in ("vocab_size", "tie_word_embeddings", "head_dim", "rope_parameters", "rms_norm_eps"):
+        assert config.get(key) == want.get(key), key
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(reloaded) is type(source)
+    vocab = want["vocab_size"]
+    assert reloaded.model.embed_tokens.weight.shape[0] == vocab
+    assert reloaded.lm_head.weight.shape[0] == vocab
+    # the run's tokenizer is the built-in bytes one: its end of document is 256, and it has no files
+    assert (config["eos_token_id"], config["bos_token_id"]) == (256, None)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 256
+    assert config["max_position_embeddings"] == 512  # the source's, not the default 4096
+    info, master = load_master(ckpt)
+    ours = StageModel(info.model)
+    ours.load_full_state_dict(unflatten(ModelLayout(info.model, 1), master))
+    if family == "llama3-50257":
+        assert info.model.vocab_rows == 50258  # padded for tp2 while training
+    docs = [torch.from_numpy(np.random.default_rng(5).integers(0, 257, size=n)) for n in (9, 40)]
+    packed = pack_documents(docs)
+    with torch.no_grad():
+        mine = ours(packed.tokens, packed)
+        theirs = torch.cat([reloaded(d[None]).logits[0] for d in docs])
+    torch.testing.assert_close(mine[:, :vocab], theirs, rtol=1e-4, atol=1e-4)
+
+
+def _hf_dir(path: Path, **config: object) -> Path:
+    """A model directory holding only config.json: the launcher refuses it before it reads any weight."""
+    path.mkdir()
+    base = {"model_type": "llama", "vocab_size": 320, "hidden_act": "silu", **{k: v for k, v in SHAPE.items()}}
+    (path / "config.json").write_text(json.dumps({**base, **config}))
+    return path
+
+
+BAD = {
+    "unsupported model_type": ({"model_type": "gemma"}, None, "model_type is 'gemma'"),
+    "unsupported option": ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, None, "rope_type is 'yarn'"),
+    "a sliding window that would act": ({"model_type": "mistral", "sliding_window": 64}, None,
+                                        "sliding_window is 64, below max_len 256"),  # fmt: skip
+    # checked against every config of the pool before profile = "auto" measures anything
+    "heads against a TP degree": ({"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 32},
+                                  'pool = "1x(tp4,pp1); 2x(tp2,pp1)"\nprofile = "auto"',
+                                  "tp4pp1: hf has 2 heads, not divisible by tp=4"),  # fmt: skip
+    "KV heads against a TP degree": ({"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 96},
+                                     'pool = "2x(tp2,pp1)"\nprofile = "auto"', "hf has 3 KV heads; tp=2"),  # fmt: skip
+    "vocabulary below the tokenizer's": ({"vocab_size": 200}, None, "smaller than the bytes tokenizer's 257"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_models_are_one_line_before_any_rank_or_profile(case, tmp_path, corpus, cli):
+    change, parallel, expected = BAD[case]
+    hf = _hf_dir(tmp_path / "hf", **change)
+    sections = {"model": f'init_from = "{hf}"', "data": f'corpus = "{corpus}"\n{DATA}', "parallel": parallel or POOL}
+    config = write_config(tmp_path / "bad.toml", corpus, **sections)
+    out = tmp_path / "out"
+    result = cli("train", "--config", str(config), "--nproc", "4" if parallel else "2", "--out", str(out))
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], result.stderr
+    assert "profil" not in result.stdout + result.stderr
+    assert not out.exists()
+
+
+def bpe_tokenizer(corpus_text: list[str]):
+    """A byte-level BPE trained by `tokenizers` on shipped text, as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|bos|>", "<|eos|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(corpus_text, trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>")
+
+
+@pytest.mark.parametrize("as_file", [False, True], ids=["directory", "saved tokenizer.json"])
+def test_export_copies_the_runs_hf_tokenizer(qwen2_run, tmp_path, cli, as_file):
+    """A run whose tokenizer is a Hugging Face one (a directory or a tokenizer.json, as `[data] tokenizer`
+    names it): the export carries its files and its ids, and AutoTokenizer loads it."""
+    _, _, _, ckpt = qwen2_run
+    readme = (Path(__file__).parents[2] / "README.md").read_text().splitlines()
+    tokenizer = bpe_tokenizer(readme)
+    tokenizer.save_pretrained(tmp_path / "tok")
+    source = tmp_path / "tok" / "tokenizer.json" if as_file else tmp_path / "tok"
+    run = tmp_path / "run"
+    shutil.copytree(ckpt, run / "checkpoints" / ckpt.name)
+    manifest = run / "checkpoints" / ckpt.name / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "tokenizer": str(source)}))
+    (run / "config.toml").write_text(f'[data]\ntokenizer = "{source}"\n')
+    out = tmp_path / "hf-out"
+    done = cli("export", "--checkpoint", str(run / "checkpoints" / ckpt.name), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
+    reloaded = transformers.AutoTokenizer.from_pretrained(out)
+    text = "Fine-tune a model on your own data."
+    assert reloaded.encode(text) == tokenizer.encode(text)
+    eos = tokenizer.convert_tokens_to_ids("<|eos|>")
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == eos and config["bos_token_id"] == tokenizer.convert_tokens_to_ids("<|bos|>")
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == eos
+    assert reloaded.eos_token == "<|eos|>"  # the directory's tokenizer config travels, special tokens included
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert model.generation_config.eos_token_id == eos
+
+
+def test_a_lone_tokenizer_json_is_copied_without_ids(qwen2_run, tmp_path, cli):
+    _, _, _, ckpt = qwen2_run
+    bpe_tokenizer(["some text to learn from"] * 10).backend_tokenizer.save(str(tmp_path / "bpe.json"))
+    run = tmp_path / "run"
+    shutil.copytree(ckpt, run / "checkpoints" / ckpt.name)
+    (run / "config.toml").write_text(f'[data]\ntokenizer = "{tmp_path / "bpe.json"}"\n')
+    manifest = run / "checkpoints" / ckpt.name / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "tokenizer": None}))
+    out = tmp_path / "hf-out"
+    done = cli("export", "--checkpoint", str(run / "checkpoints" / ckpt.name), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert (out / "tokenizer.json").read_text() == (tmp_path / "bpe.json").read_text()
+    reloaded = transformers.AutoTokenizer.from_pretrained(out)
+    assert reloaded.decode(reloaded.encode("some text")) == "some text"
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] is None  # nothing declares one
+
+
+def test_resume_on_a_pool_without_tp_keeps_the_padding(trained, tmp_path, corpus, cli):
+    """Trained padded for tp2 (50258 rows); resumed on tp1 replicas, which need no padding: the run
+    keeps its checkpoint's rows instead of failing on a model of another shape."""
+    _, _, tmp, _ = trained("llama3-50257")
+    run = tmp_path / "run"
+    shutil.copytree(tmp / "run", run)
+    sections = {"model": f'init_from = "{tmp / "hf-in"}"', "data": f'corpus = "{corpus}"\n{DATA}',
+                "parallel": 'pool = "2x(tp1,pp1)"\nprofile = "@cpu"', "train": "steps = 3"}  # fmt: skip
+    config = write_config(tmp_path / "resume.toml", corpus, **sections)
+    done = cli("train", "--config", str(config), "--nproc", "2", "--out", str(run), "--resume")
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "step" in r][-1] == 2
+    manifest = json.loads((run / "checkpoints" / "step-000003" / "manifest.json").read_text())
+    assert manifest["model"]["padded_vocab"] == 50258
