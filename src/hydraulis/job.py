@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hydraulis.auto_profile import AUTO_PROFILE, AutoProfile
-from hydraulis.checkpoints import Log
+from hydraulis.checkpoints import Log, latest_checkpoint, sweep_temporary
 from hydraulis.config import RunConfig
 from hydraulis.cost import CostModel, load_cost_model
 from hydraulis.data.sampler import TokenBudgetSampler
@@ -44,6 +44,7 @@ class Job:
     steps: int
     resume: bool = False
     max_restarts: int = 0
+    resume_from: str | None = None  # the verified checkpoint rank 0 resumes from, picked before any rank starts
 
     @property
     def checkpoints(self) -> Path:
@@ -84,8 +85,12 @@ def prepare(
         cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
     tokenizer = config.data.tokenizer_for(spec)
     env_world = torchrun_world()
+    resume_from = None
     if env_world is None or int(os.environ["RANK"]) == 0:
         _check_out(run_dir, config, resume)  # under torchrun rank 0 writes the run directory, and checks it
+        if resume:  # damaged checkpoints are skipped (one line); none verifying is refused here, before any rank
+            found = latest_checkpoint(run_dir / "checkpoints", sweep=False, log=log)
+            resume_from = None if found is None else str(found)
     pool_spec = config.parallel.pool
     inline = pool_spec != "auto" and not Path(pool_spec).is_file() and not pool_spec.endswith(".json")
     pool_gpus = inline_pool_world(pool_spec) if inline else None
@@ -142,6 +147,8 @@ def prepare(
     if fresh is not None:  # written only now: bad input leaves nothing behind
         run_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(run_dir / AUTO_PROFILE, fresh)
+    if resume_from is not None:
+        sweep_temporary(run_dir / "checkpoints", log)
     return Job(
         config=config,
         spec=spec,
@@ -154,6 +161,7 @@ def prepare(
         steps=steps,
         resume=resume,
         max_restarts=max_restarts,
+        resume_from=resume_from,
     )
 
 

@@ -46,7 +46,7 @@ def run(job: Job) -> dict[str, Any] | None:
             if attempt == job.max_restarts:
                 raise
             say(f"{exc}; restarting from the last checkpoint ({attempt + 1} of {job.max_restarts})")
-            job = replace(job, resume=True)
+            job = replace(job, resume=True, resume_from=None)  # rank 0 picks again
     summary = results[0]
     if summary is not None:
         summary["wall_s"] = time.perf_counter() - start
@@ -77,14 +77,15 @@ def run_rank(job: Job) -> dict[str, Any] | None:
         job.checkpoints, config.train.checkpoint_every, config.train.keep_checkpoints, job.steps, log
     )
     if job.resume:
-        info = checkpoints.resume(trainer)
+        info = checkpoints.resume(trainer, chosen=job.resume_from)
         log(f"resuming at step {trainer.step_index}" if info else "no checkpoint yet: starting from step 0")
     elif config.model.init_from:
         from hydraulis.runtime.hf_io import init_from
 
         init_from(trainer, config.model.init_from)
         log(f"initialised from {config.model.init_from}")
-    run_log = RunLog(job, trainer.step_index, tensorboard(Path(job.out) / "tb")) if env.rank == 0 else None
+    start = trainer.step_index
+    run_log = RunLog(job, start, tensorboard(Path(job.out) / "tb", start)) if env.rank == 0 else None
     stop = StopRequest()
     try:
         while trainer.step_index < job.steps:
@@ -114,13 +115,16 @@ def _silent(message: str) -> None:
     """The log of ranks other than 0: rank 0 speaks for the job."""
 
 
-def tensorboard(path: Path) -> Any:
-    """A TensorBoard writer for the run log, or None without tensorboard (metrics.jsonl has everything)."""
+def tensorboard(path: Path, start_step: int = 0) -> Any:
+    """A TensorBoard writer for the run log, or None without tensorboard (metrics.jsonl has everything).
+
+    Resuming at step k purges the events of steps >= k, so no step appears twice.
+    """
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         return None
-    return SummaryWriter(str(path))
+    return SummaryWriter(str(path), purge_step=start_step or None)
 
 
 class StopRequest:
