@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hydraulis.auto_profile import AUTO_PROFILE, AutoProfile
-from hydraulis.checkpoints import Log, latest_checkpoint, sweep_temporary
+from hydraulis.checkpoints import Log, sweep_temporary
 from hydraulis.config import RunConfig
 from hydraulis.cost import CostModel, load_cost_model
 from hydraulis.data.sampler import TokenBudgetSampler
@@ -24,6 +24,7 @@ from hydraulis.jsonio import write_json_atomic
 from hydraulis.parallel import Deployment, ParallelConfig, parse_deployment_configs
 from hydraulis.planner.pool import check_job_pool, inline_pool_world, load_pool, parse_pool, pool_items
 from hydraulis.progress import say
+from hydraulis.resume import check_stop_at, resume_point
 from hydraulis.specs import ClusterSpec, ModelSpec
 
 RUN_FILES = ("metrics.jsonl", "config.toml", "pool.json", "summary.json", "report.png", "tb", AUTO_PROFILE)
@@ -45,6 +46,12 @@ class Job:
     resume: bool = False
     max_restarts: int = 0
     resume_from: str | None = None  # the verified checkpoint rank 0 resumes from, picked before any rank starts
+    stop_at: int | None = None  # --stop-at: end this invocation at that step; `steps` stays the schedule's length
+
+    @property
+    def end_step(self) -> int:
+        """The step this invocation trains up to (exclusive)."""
+        return self.stop_at or self.steps
 
     @property
     def checkpoints(self) -> Path:
@@ -66,6 +73,8 @@ def prepare(
     resume: bool,
     max_restarts: int = 0,
     log: Log = say,
+    stop_at: int | None = None,
+    change_schedule: bool = False,
 ) -> Job:
     """A checked job; raises HydraulisError (one line) on any bad input, having written nothing."""
     from hydraulis.data.builtin import resolve_corpus
@@ -89,8 +98,11 @@ def prepare(
     if env_world is None or int(os.environ["RANK"]) == 0:
         _check_out(run_dir, config, resume)  # under torchrun rank 0 writes the run directory, and checks it
         if resume:  # damaged checkpoints are skipped (one line); none verifying is refused here, before any rank
-            found = latest_checkpoint(run_dir / "checkpoints", sweep=False, log=log)
-            resume_from = None if found is None else str(found)
+            schedule = config.optim.settings().schedule_state(steps)
+            point = resume_point(run_dir / "checkpoints", schedule, change_schedule, log)
+            resume_from = point.checkpoint
+            check_stop_at(stop_at, steps, point.step)
+    check_stop_at(stop_at, steps, 0)
     pool_spec = config.parallel.pool
     inline = pool_spec != "auto" and not Path(pool_spec).is_file() and not pool_spec.endswith(".json")
     pool_gpus = inline_pool_world(pool_spec) if inline else None
@@ -162,6 +174,7 @@ def prepare(
         resume=resume,
         max_restarts=max_restarts,
         resume_from=resume_from,
+        stop_at=stop_at,
     )
 
 

@@ -74,7 +74,7 @@ def run_rank(job: Job) -> dict[str, Any] | None:
     trainer = Trainer(settings, corpus, sampler, env)
     log = say if env.rank == 0 else _silent
     checkpoints = CheckpointManager(
-        job.checkpoints, config.train.checkpoint_every, config.train.keep_checkpoints, job.steps, log
+        job.checkpoints, config.train.checkpoint_every, config.train.keep_checkpoints, job.end_step, log
     )
     if job.resume:
         info = checkpoints.resume(trainer, chosen=job.resume_from)
@@ -88,7 +88,7 @@ def run_rank(job: Job) -> dict[str, Any] | None:
     run_log = RunLog(job, start, tensorboard(Path(job.out) / "tb", start)) if env.rank == 0 else None
     stop = StopRequest()
     try:
-        while trainer.step_index < job.steps:
+        while trainer.step_index < job.end_step:
             metrics = trainer.step()
             if run_log is not None:
                 run_log.step(metrics)
@@ -98,7 +98,9 @@ def run_rank(job: Job) -> dict[str, Any] | None:
                 log(f"stopped by {stop.name} at step {trainer.step_index}; continue with --resume")
                 break
         else:
-            if config.train.compare_steps:
+            if trainer.step_index < job.steps:
+                log(f"stopped at step {trainer.step_index} (--stop-at) of {job.steps}; continue with --resume")
+            elif config.train.compare_steps:
                 log(f"measuring the last {len(trainer.recent)} batches again on each homogeneous deployment")
                 comparison = trainer.compare(config.train.compare_repeats)
                 if run_log is not None and comparison is not None:

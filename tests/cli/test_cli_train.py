@@ -103,7 +103,8 @@ def test_profile_auto_is_reused_when_it_matches_and_measured_again_otherwise(aut
     run = tmp_path / "run"
     shutil.copytree(out, run)
     cached = (run / "profile.json").read_bytes()
-    resumed = cli("train", "--config", str(config), "--nproc", "4", "--out", str(run), "--resume", "--steps", "4")
+    args = ("--nproc", "4", "--out", str(run), "--resume", "--steps", "4", "--change-schedule")
+    resumed = cli("train", "--config", str(config), *args)
     assert resumed.returncode == 0, resumed.stderr
     assert "profiled before" in resumed.stdout and "profiling tiny" not in resumed.stdout
     assert (run / "profile.json").read_bytes() == cached

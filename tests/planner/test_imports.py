@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hydraulis.files",
     ),
     ("hydraulis.parallel", "hydraulis.context", "hydraulis.optim"),
-    ("hydraulis.cost", "hydraulis.data", "hydraulis.checkpoints"),
+    ("hydraulis.cost", "hydraulis.data", "hydraulis.checkpoints", "hydraulis.resume"),
     ("hydraulis.planner",),
     ("hydraulis.baselines",),
     ("hydraulis.runtime",),

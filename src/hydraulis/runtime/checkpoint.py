@@ -279,13 +279,6 @@ def load_checkpoint(trainer: Trainer, path: str | Path, verify: bool = True, log
     trainer.load_state_dict(
         {"step": info.step, "sampler": info.sampler, "optimizer": {**fresh, "step": info.optimizer_step}}
     )
-    now = current["schedule"]
-    changed = [k for k, v in now.items() if info.schedule.get(k) != v]
-    if changed and rank == 0:
-        log(
-            f"resuming {path} with another LR schedule: "
-            + ", ".join(f"{k} {info.schedule.get(k)} -> {now[k]}" for k in changed)
-        )
     return info
 
 

@@ -69,15 +69,8 @@ class TrainSettings:
     compare_steps: int = 0  # the last batches kept for `Trainer.compare`
 
     def schedule_state(self) -> dict[str, Any]:
-        """What the LR at each step depends on; a checkpoint records it, a resume says what changed."""
-        o = self.optim
-        return {
-            "lr": o.lr,
-            "warmup": o.warmup,
-            "schedule": o.schedule,
-            "min_lr_ratio": o.min_lr_ratio,
-            "total_steps": self.steps,
-        }
+        """What the LR at each step depends on (optim.OptimSettings.schedule_state)."""
+        return self.optim.schedule_state(self.steps)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
