@@ -154,6 +154,7 @@ class TrainSection(_Section):
     out: str = "runs/demo"
     checkpoint_every: int = Field(0, ge=0)
     keep_checkpoints: int = Field(DEFAULT_KEEP, ge=1, le=1000)
+    max_bad_steps: int = Field(3, ge=1, le=10**6)  # steps with a non-finite loss or grad norm before the run stops
     # After training, the last compare_steps batches again on each homogeneous deployment of the pool
     # and as planned, compare_repeats times interleaved: the measured speedup beside the predicted one.
     compare_steps: int = Field(0, ge=0, le=10_000)

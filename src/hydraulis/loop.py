@@ -26,6 +26,7 @@ from hydraulis.job import Job, torchrun_world
 from hydraulis.progress import say
 from hydraulis.run_log import RunLog
 from hydraulis.runtime.checkpoint import CheckpointManager
+from hydraulis.runtime.divergence import DivergenceGuard
 from hydraulis.runtime.launch import RankFailed, init_distributed, spawn
 from hydraulis.runtime.trainer import Trainer, TrainSettings
 
@@ -87,11 +88,15 @@ def run_rank(job: Job) -> dict[str, Any] | None:
     start = trainer.step_index
     run_log = RunLog(job, start, tensorboard(Path(job.out) / "tb", start)) if env.rank == 0 else None
     stop = StopRequest()
+    guard = DivergenceGuard(config.train.max_bad_steps)
     try:
         while trainer.step_index < job.end_step:
             metrics = trainer.step()
             if run_log is not None:
                 run_log.step(metrics)
+            skipped = guard.check(metrics.step, metrics.loss, metrics.grad_norm, metrics.skipped)  # raises at the limit
+            if skipped:
+                log(skipped)
             stopping = stop.agreed(trainer)
             checkpoints.maybe_save(trainer, stopping)
             if stopping:
