@@ -83,6 +83,13 @@ def read_manifest(path: str | Path) -> CheckpointInfo:
         raise HydraulisError(f"{path}: no such checkpoint directory")
     manifest = path / MANIFEST_FILE
     if not manifest.is_file():
+        for holder in (path / "checkpoints", path):  # a run directory, or its checkpoints/ directory
+            found = list_checkpoints(holder)
+            if found:
+                raise HydraulisError(
+                    f"{path} is not a checkpoint but holds checkpoints; give one of them, "
+                    f"e.g. {found[-1][1]} (the newest)"
+                )
         raise HydraulisError(f"{path}: incomplete checkpoint (no {MANIFEST_FILE})")
     data = load_json(manifest, CHECKPOINT_SCHEMA)
     f = Fields(data, str(manifest))

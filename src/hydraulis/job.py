@@ -235,9 +235,14 @@ def _propose(
     sample = TokenBudgetSampler(
         sampler.lengths, data.tokens_per_batch, data.max_len, data.seed + 1, data.overlong
     ).batches(8)
-    proposal = propose(
-        cost, cluster, [b.lengths for b in sample], max_pool=config.parallel.max_pool, max_length=max_len
-    )
+    try:
+        proposal = propose(
+            cost, cluster, [b.lengths for b in sample], max_pool=config.parallel.max_pool, max_length=max_len
+        )
+    except HydraulisError as exc:  # the planner's remedy names `plan`'s flags; train has config keys
+        remedy = "lower [data] max_len ([data] overlong cuts longer documents)"
+        text = str(exc).replace("use --overlong split|truncate|drop", remedy)
+        raise HydraulisError(text.replace("--profile ", "[parallel] profile = ")) from None
     return tuple(proposal.pool.deployments)
 
 

@@ -37,6 +37,8 @@ def resume_point(
     checkpoints: Path, schedule: dict[str, Any], change_schedule: bool = False, log: Log = print
 ) -> ResumePoint:
     """The checkpoint to resume from, its schedule compared with this run's (`schedule`); raises on a mismatch."""
+    if checkpoints.exists() and not checkpoints.is_dir():
+        raise HydraulisError(f"{checkpoints}: not a directory, so it holds no checkpoint to resume; move it away")
     found = latest_checkpoint(checkpoints, sweep=False, log=log)
     if found is None:
         return ResumePoint(None, 0)

@@ -133,8 +133,9 @@ def _exit_reason(rank: int, code: int) -> str:
 
 
 class _Forward:
-    """While the launcher waits: SIGINT or SIGTERM goes on to the ranks as SIGTERM (they finish their
-    step, save and exit 0); a second one, or ranks still running after `grace_s`, ends them at once."""
+    """While the launcher waits: SIGINT or SIGTERM goes on to the ranks as itself (they finish their
+    step, save, say which signal stopped them and exit 0); a second one, or ranks still running after
+    `grace_s`, ends them at once."""
 
     def __init__(self, procs: list, grace_s: float) -> None:
         self.procs, self.grace_s = procs, grace_s
@@ -147,7 +148,7 @@ class _Forward:
         self.since = time.monotonic()
         for p in self.procs:
             if p.exitcode is None and p.pid is not None:
-                os.kill(p.pid, signal.SIGTERM)
+                os.kill(p.pid, signum)
 
     def overdue(self) -> bool:
         return self.since is not None and time.monotonic() - self.since > self.grace_s
