@@ -138,15 +138,16 @@ def prepare(
         raise HydraulisError(f"model.vocab {spec.vocab} is smaller than the {tokenizer} tokenizer's {vocab_needed}")
     data = config.data
     sampler = TokenBudgetSampler(corpus.lengths, data.tokens_per_batch, data.max_len, data.seed, data.overlong)
-    fresh = None  # profile = "auto": a profile measured now, written once every check has passed
+    fresh = None  # profile = "auto": a profile measured now (or shared), written once every check has passed
     if auto:
         from hydraulis.cost import ProfiledCostModel
 
         configs = _pool_configs(pool_spec, inline, spec, world)
         config.parallel.recompute_configs(configs)  # a bad recompute list fails before minutes of profiling
         request = AutoProfile.of(config, spec, configs, world, sampler.piece_lengths())
-        cached = request.cached(run_dir / AUTO_PROFILE, log)
-        fresh = None if cached is not None else request.measure(torchrun=env_world is not None, log=log)
+        shared = request.cached(request.shared_path(), log)  # another run's, on this machine
+        cached = shared or request.cached(run_dir / AUTO_PROFILE, log)
+        fresh = shared if shared is not None else None if cached else request.measure(env_world is not None, log)
         cost = ProfiledCostModel.from_dict(cached or fresh, str(run_dir / AUTO_PROFILE))
         cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
     if pool_spec == "auto":

@@ -97,7 +97,7 @@ def test_profile_auto_measures_the_pool_configs_here_and_trains_on_them(auto_run
     assert rows[-1]["summary"]["iteration_error_median"] >= 0
 
 
-def test_profile_auto_is_reused_when_it_matches_and_measured_again_otherwise(auto_run, tmp_path, cli):
+def test_profile_auto_is_reused_when_it_matches_and_measured_again_otherwise(auto_run, tmp_path, cli, monkeypatch):
     result, config, out = auto_run
     assert result.returncode == 0, result.stderr
     run = tmp_path / "run"
@@ -114,6 +114,7 @@ def test_profile_auto_is_reused_when_it_matches_and_measured_again_otherwise(aut
     stale = json.loads(cached)
     stale["time_ms"] = [r for r in stale["time_ms"] if r["tp"] == 1]
     (again / "profile.json").write_text(json.dumps(stale))
+    monkeypatch.setenv("HYDRAULIS_CACHE", str(tmp_path / "empty-cache"))  # the shared cache would serve it
     rerun = cli("train", "--config", str(config), "--nproc", "4", "--out", str(again), "--steps", "1")
     assert rerun.returncode == 0, rerun.stderr
     assert "profiling again" in rerun.stdout and "lacks tp2pp1" in rerun.stdout

@@ -41,6 +41,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hydraulis.report",
         "hydraulis.config",
         "hydraulis.auto_profile",
+        "hydraulis.profile_cache",
         "hydraulis.job",
         "hydraulis.run_log",
         "hydraulis.loop",
