@@ -150,6 +150,19 @@ def check_files(info: CheckpointInfo, names: Iterable[str] | None = None, hashes
             raise HydraulisError(f"{p}: corrupt: its checksum differs from {info.manifest_path}")
 
 
+def check_visible(tmp: Path, files: dict[str, FileEntry]) -> None:
+    """Before rank 0 publishes: every rank's file is there, with the size its writer reported."""
+    for name, entry in sorted(files.items()):
+        p = tmp / name
+        size = p.stat().st_size if p.is_file() else None
+        if size != entry.bytes:
+            state = "missing" if size is None else f"{size} bytes, its writer reported {entry.bytes}"
+            raise HydraulisError(
+                f"{p}: {state} as rank 0 sees it; the checkpoint is not published (is the run directory "
+                "shared by all nodes? use a shared file system path for [train] out)"
+            )
+
+
 def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
     """(step, path) of every `step-N` directory under out_dir, oldest first (complete or not)."""
     out = Path(out_dir)

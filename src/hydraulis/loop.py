@@ -28,6 +28,7 @@ from hydraulis.run_log import RunLog
 from hydraulis.runtime.checkpoint import CheckpointManager
 from hydraulis.runtime.divergence import DivergenceGuard
 from hydraulis.runtime.launch import RankFailed, init_distributed, spawn
+from hydraulis.runtime.rundir import check_shared_run_dir
 from hydraulis.runtime.trainer import Trainer, TrainSettings
 
 
@@ -73,6 +74,7 @@ def run_rank(job: Job) -> dict[str, Any] | None:
         compare_steps=config.train.compare_steps,
     )
     trainer = Trainer(settings, corpus, sampler, env)
+    check_shared_run_dir(Path(job.out), env.rank, env.world_size, trainer.control)  # before any file is written
     log = say if env.rank == 0 else _silent
     checkpoints = CheckpointManager(
         job.checkpoints, config.train.checkpoint_every, config.train.keep_checkpoints, job.end_step, log

@@ -55,6 +55,7 @@ from hydraulis.checkpoints import (
     FileEntry,
     Log,
     check_files,
+    check_visible,
     prune,
     read_manifest,
     resolve_checkpoint,
@@ -210,6 +211,7 @@ def save_checkpoint(trainer: Trainer, out_dir: str | Path, keep: int = DEFAULT_K
     def publish() -> None:
         if rank != 0:
             return
+        check_visible(tmp, files)  # every rank's shard, as its writer reported it, before the manifest exists
         try:
             write_json_atomic(tmp / MANIFEST_FILE, _manifest(trainer, state, files))  # last: marks it complete
             replace_directory(tmp, final)  # the same step saved again (e.g. right after a resume) replaces it
