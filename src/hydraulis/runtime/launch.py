@@ -74,7 +74,14 @@ def init_distributed(device: str = "auto", timeout: datetime.timedelta = PG_TIME
                 raise HydraulisError("MASTER_PORT is not set: start multi-process jobs with torchrun or --nproc")
             os.environ["MASTER_PORT"] = str(free_port())
         kwargs = {"device_id": dev} if use_cuda else {}
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
+        try:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
+        except (RuntimeError, dist.DistError) as exc:  # a rank that failed to start: one line, not a C++ trace
+            said = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            raise HydraulisError(
+                f"rank {rank} could not join the job's {world} ranks within {timeout.total_seconds():.0f} s "
+                f"({said}); a rank that failed during start-up names itself in its own error line"
+            ) from None
     return DistEnv(rank, world, local_rank, dev, backend)
 
 
