@@ -178,3 +178,51 @@ def test_ctrl_c_is_reported_as_sigint(base, tmp_path):
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr
     assert "stopped by SIGINT at step" in stdout and "SIGTERM" not in stdout, stdout
+
+
+def wait_for_line(proc, text: str, timeout: float = 120) -> list[str]:
+    """Read the command's stdout until a line holds `text` (the lines so far)."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:
+        seen.append(line)
+        if text in line:
+            return seen
+        assert time.monotonic() < deadline, seen
+    raise AssertionError(f"the command ended before saying {text!r}: {seen}")
+
+
+def test_sigterm_while_profiling_leaves_nothing(base, tmp_path, monkeypatch):
+    corpus, _, _ = base
+    monkeypatch.setenv("HYDRAULIS_CACHE", str(tmp_path / "cache"))
+    config = write_config(tmp_path / "run.toml", corpus, parallel='pool = "2x(tp1,pp1)"\nprofile = "auto"')
+    out = tmp_path / "out"
+    proc = start_cli("train", "--config", str(config), "--nproc", "2", "--out", str(out))
+    wait_for_line(proc, "profiling tiny")
+    time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode in (2, 143), (proc.returncode, stderr)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(("error: ", "interrupted")) and "Traceback" not in stderr, stderr
+    assert "SIGTERM" in lines[0], lines
+    assert not out.exists() and not list((tmp_path / "cache").rglob("*.json"))
+
+
+def test_a_second_ctrl_c_stops_at_once_and_publishes_nothing_partial(base, tmp_path):
+    corpus, _, _ = base
+    config = write_config(tmp_path / "run.toml", corpus, train="steps = 400\ncheckpoint_every = 1", **TWO)
+    out = tmp_path / "out"
+    proc = start_cli("train", "--config", str(config), "--nproc", "2", "--out", str(out))
+    wait_for_line(proc, "step    1")
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (proc.returncode, stderr)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "SIGINT" in lines[0] and "Traceback" not in stderr, stderr
+    from hydraulis.checkpoints import list_checkpoints, verify_checkpoint
+
+    for _, path in list_checkpoints(out / "checkpoints"):  # every published checkpoint is whole
+        verify_checkpoint(path)
