@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from hydraulis.data.builtin import cache_dir
+from hydraulis.data.staging import cache_dir
 from hydraulis.jsonio import write_json_atomic
 
 TIMINGS = "timings.jsonl"

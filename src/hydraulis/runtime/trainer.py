@@ -21,8 +21,8 @@ micro-batch (`pack_cp_shard`); its loss and gradients cover its tokens, and
 the sums over CP ranks happen in the same reduce and all-reduce.
 
 The loss of a step is the mean over all real target tokens of the global
-batch, whatever the deployment, so runs on different deployments or world
-sizes see the same losses.
+batch (SFT corpora: the tokens their mask marks as targets), whatever the
+deployment, so runs on different deployments or world sizes see the same losses.
 """
 
 from __future__ import annotations
@@ -239,15 +239,23 @@ class Trainer:
         """This rank's replica's micro-batches (its CP rank's share of each): only its documents are read."""
         pad = part.groups.config.tp if part.groups.tp.sequence_parallel else 1
         cp = part.groups.cp
+        mask_of = getattr(self.corpus, "target_mask", None)  # SFT corpora (data/indexed.py): which are targets
         out = []
         for mb in plan.replicas[part.replica].micro_batches:
-            docs = []
+            docs, masks = [], []
             for i in mb:
-                start = int(batch.starts[i])
-                piece = self.corpus[int(batch.docs[i])][start : start + int(batch.lengths[i])]
-                docs.append(torch.from_numpy(np.asarray(piece, dtype=np.int64)))
-            out.append(pack_cp_shard(docs, cp.size, cp.rank, pad_to_multiple=pad))
+                start, end = int(batch.starts[i]), int(batch.starts[i]) + int(batch.lengths[i])
+                docs.append(torch.from_numpy(np.asarray(self.corpus[int(batch.docs[i])][start:end], dtype=np.int64)))
+                mask = mask_of(int(batch.docs[i])) if mask_of is not None else None
+                masks.append(None if mask is None else torch.from_numpy(np.array(mask[start:end], dtype=np.uint8)))
+            out.append(pack_cp_shard(docs, cp.size, cp.rank, pad_to_multiple=pad, masks=masks))
         return out
+
+    def batch_targets(self, batch: GlobalBatch) -> int:
+        """The loss's denominator: targets of the whole global batch (SFT: the masked ones), at least 1."""
+        count = getattr(self.corpus, "piece_targets", None)
+        n = count(batch.docs, batch.starts, batch.lengths) if count is not None else count_targets(batch.lengths)
+        return max(int(n), 1)
 
     def run_iteration(self, batch: GlobalBatch, plan: IterationPlan, planning_unhidden_s: float = 0.0) -> StepMetrics:
         """Execute one plan on one batch (every rank, the same plan); returns the metrics (meaningful on rank 0)."""
@@ -261,10 +269,9 @@ class Trainer:
         model = part.model
         for p in model.parameters():
             p.grad = None
+        targets = self.batch_targets(batch)
         with poisoned(model, self.step_index, part.groups.is_last_stage):  # a test hook, off unless asked for
-            result = train_step(
-                model, part.groups, micro_batches, count_targets(batch.lengths), reduce_partial_grads=False
-            )
+            result = train_step(model, part.groups, micro_batches, targets, reduce_partial_grads=False)
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         computed = time.perf_counter()
@@ -290,7 +297,7 @@ class Trainer:
         predicted = simulate(plan, self.settings.cost, keep_events=False)
         metrics = StepMetrics(
             step=self.step_index,
-            loss=values[1] / count_targets(batch.lengths),
+            loss=values[1] / targets,
             tokens=batch.num_tokens,
             sequences=len(batch),
             deployment=str(plan.deployment),
