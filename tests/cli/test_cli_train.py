@@ -77,7 +77,9 @@ AUTO = 'pool = "1x(tp2,pp1) + 2x(tp1,pp1); 4x(tp1,pp1)"\nprofile = "auto"'
 def auto_run(tmp_path_factory, corpus, session_cli):
     tmp = tmp_path_factory.mktemp("auto")
     config = write_config(tmp / "auto.toml", corpus, parallel=AUTO, train="steps = 3\nlog_every = 1")
-    result = session_cli("train", "--config", str(config), "--nproc", "4", "--out", str(tmp / "out"), timeout=300)
+    with pytest.MonkeyPatch.context() as mp:  # module-scoped: the autouse private cache is not set up yet
+        mp.setenv("HYDRAULIS_CACHE", str(tmp / "cache"))
+        result = session_cli("train", "--config", str(config), "--nproc", "4", "--out", str(tmp / "out"), timeout=300)
     return result, config, tmp / "out"
 
 
