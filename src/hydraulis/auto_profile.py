@@ -1,9 +1,11 @@
 """`[parallel] profile = "auto"`: measure the pool's configs on this job's own device before training.
 
 The profile (`hydraulis profile`'s machinery) covers this job's device,
-dtype, world size and document lengths, and is cached as `profile.json` in
-the run directory; a resume or rerun reuses it when model, configs, device,
-dtype, world size and sweep match, and profiles again otherwise.
+dtype, world size and document lengths. It is looked up first in the shared
+cache (`profile_cache.py`: `$HYDRAULIS_CACHE/profiles`, keyed by model,
+configs, device, dtype, world size, core count and sweep), then in the run
+directory's `profile.json` (a resume), and measured otherwise, stating its
+expected time first; a measured one goes into both.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from hydraulis import profile_cache
 from hydraulis.checkpoints import Log
 from hydraulis.config import RunConfig
 from hydraulis.cost.sweep import ProfileSettings
@@ -52,6 +55,7 @@ class AutoProfile:
     world: int
     device: str  # cpu or cuda, as the ranks will train
     settings: ProfileSettings
+    device_name: str = ""  # the GPU's name (or "cpu"): part of the shared cache's key
 
     @classmethod
     def of(
@@ -69,7 +73,37 @@ class AutoProfile:
             check_configs(spec, configs, world, device)
         except HydraulisError as exc:
             raise HydraulisError(f'parallel.profile = "auto": {exc}') from None
-        return cls(spec, configs, world, device, settings)
+        from hydraulis.runtime.profiler import describe_device
+
+        name = describe_device(device, world, settings.dtype_for(device), 1)["name"]
+        return cls(spec, configs, world, device, settings, name)
+
+    def machine(self) -> dict[str, Any]:
+        return profile_cache.machine(self.device, self.device_name)
+
+    def shared_path(self) -> Path:
+        """This request's file in the shared cache."""
+        identity = {
+            "model": self.spec.to_dict(),
+            "configs": sorted(c.name for c in self.configs),
+            **self.machine(),
+            "dtype": self.settings.dtype_for(self.device),
+            "world": self.world,
+            "sweep": self.settings.to_json(),
+        }
+        return profile_cache.cache_path(identity)
+
+    def _analytic_s(self, steps: int) -> float | None:
+        """The expected time by the analytic model of this device, when it knows the device (CPU)."""
+        from hydraulis.cost.analytic import AnalyticCostModel
+        from hydraulis.cost.sweep import sweep
+        from hydraulis.specs import DEVICES
+
+        if self.device_name not in DEVICES:
+            return None
+        cost = AnalyticCostModel(self.spec, DEVICES[self.device_name], configs=list(self.configs))
+        rounds = 1 + self.settings.warmup + self.settings.repeats
+        return sum(rounds * g.pp * cost.stage_time(g, point) for g in self.configs for point in sweep(self.settings))
 
     def mismatch(self, data: dict[str, Any]) -> str | None:
         """Why a cached profile does not describe this job (None: it does)."""
@@ -116,11 +150,25 @@ class AutoProfile:
 
         check_job(self.spec, self.configs, self.world, self.device)
         names = ", ".join(c.name for c in self.configs)
-        log(f"profiling {self.spec.name} ({names}) on {self.world} {self.device} rank(s) for the cost model")
-        with steps_progress("profiling", progress_steps(self.configs, self.settings, self.world)) as step:
+        steps = progress_steps(self.configs, self.settings, self.world)
+        expected = profile_cache.expected_s(self.machine(), steps)
+        source = "from earlier profiles on this machine"
+        if expected is None:
+            expected, source = self._analytic_s(steps), "compute only, by the analytic model: a first profile here"
+        guess = f"expected about {expected:.0f} s ({source})" if expected is not None else "no estimate yet"
+        log(
+            f"profiling {self.spec.name} ({names}) on {self.world} {self.device} rank(s) for the cost model: "
+            f"{steps} measurement steps, {guess}"
+        )
+        with steps_progress("profiling", steps) as step:
             data = profile_model(self.spec, self.configs, self.world, self.device, self.settings, progress=step)
+        profile_cache.record_timing(self.machine(), steps, data["measurements"]["wall_s"])
+        profile_cache.store(self.shared_path(), data)
         held = ", ".join(
             f"{name} {fid['holdout']['median_abs_rel_error']:.0%}" for name, fid in data["fidelity"].items()
         )
-        log(f"profiled in {data['measurements']['wall_s']:.0f} s; held-out median error per config: {held}")
+        log(
+            f"profiled in {data['measurements']['wall_s']:.0f} s (kept in {self.shared_path().parent}); "
+            f"held-out median error per config: {held}"
+        )
         return data

@@ -83,6 +83,13 @@ def read_manifest(path: str | Path) -> CheckpointInfo:
         raise HydraulisError(f"{path}: no such checkpoint directory")
     manifest = path / MANIFEST_FILE
     if not manifest.is_file():
+        for holder in (path / "checkpoints", path):  # a run directory, or its checkpoints/ directory
+            found = list_checkpoints(holder)
+            if found:
+                raise HydraulisError(
+                    f"{path} is not a checkpoint but holds checkpoints; give one of them, "
+                    f"e.g. {found[-1][1]} (the newest)"
+                )
         raise HydraulisError(f"{path}: incomplete checkpoint (no {MANIFEST_FILE})")
     data = load_json(manifest, CHECKPOINT_SCHEMA)
     f = Fields(data, str(manifest))
@@ -145,6 +152,19 @@ def check_files(info: CheckpointInfo, names: Iterable[str] | None = None, hashes
             raise HydraulisError(f"{p}: corrupt: its checksum differs from {info.manifest_path}")
 
 
+def check_visible(tmp: Path, files: dict[str, FileEntry]) -> None:
+    """Before rank 0 publishes: every rank's file is there, with the size its writer reported."""
+    for name, entry in sorted(files.items()):
+        p = tmp / name
+        size = p.stat().st_size if p.is_file() else None
+        if size != entry.bytes:
+            state = "missing" if size is None else f"{size} bytes, its writer reported {entry.bytes}"
+            raise HydraulisError(
+                f"{p}: {state} as rank 0 sees it; the checkpoint is not published (is the run directory "
+                "shared by all nodes? use a shared file system path for [train] out)"
+            )
+
+
 def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
     """(step, path) of every `step-N` directory under out_dir, oldest first (complete or not)."""
     out = Path(out_dir)
@@ -155,39 +175,69 @@ def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def sweep_temporary(out_dir: str | Path, log: Log = say) -> list[Path]:
-    """Remove the hidden temporary directories of saves that did not finish (one line each)."""
+    """Remove the hidden temporary directories of saves that did not finish (one line each).
+
+    A `.old` directory still holding the only copy of a checkpoint (a save
+    killed in the middle of replacing the same step) is put back first.
+    """
     out = Path(out_dir)
     swept = []
     if out.is_dir():
         for p in sorted(out.iterdir()):
             if p.is_dir() and p.name.startswith(".step-") and p.name.endswith((".tmp", ".old")):
+                for kept in p.iterdir() if p.name.endswith(".old") else ():
+                    if STEP_DIR.fullmatch(kept.name) and not (out / kept.name).exists():
+                        kept.replace(out / kept.name)
+                        log(f"restored {out / kept.name} from {p}: a save replacing it did not finish")
                 shutil.rmtree(p, ignore_errors=True)
                 log(f"removed {p}: a checkpoint save that did not finish")
                 swept.append(p)
     return swept
 
 
-def latest_checkpoint(out_dir: str | Path, sweep: bool = True, log: Log = say) -> Path | None:
-    """The newest complete checkpoint under out_dir (None if there is none).
+def verify_checkpoint(path: str | Path) -> CheckpointInfo:
+    """The manifest of a checkpoint whose every file is there with its size and sha256 (else one line why)."""
+    info = read_manifest(path)
+    check_files(info, hashes=False)  # the cheap checks first: a missing or truncated file needs no hashing
+    check_files(info)
+    return info
 
-    Complete: a manifest of our schema whose files are all there with their
-    sizes (checksums are checked when loading). Incomplete ones are skipped
-    with one line each; with `sweep`, temporary directories are removed.
+
+def latest_checkpoint(out_dir: str | Path, sweep: bool = True, log: Log = say) -> Path | None:
+    """The newest checkpoint under out_dir that verifies completely; None when there is no checkpoint at all.
+
+    One rule for every kind of damage (no manifest, a missing, truncated or
+    byte-flipped file): the checkpoint is skipped, and one line names every
+    skipped one and why. When checkpoints exist but none verifies, it raises
+    without changing anything, so a resume never trains from scratch over
+    them. Only once one is chosen (or there are none), with `sweep`, are
+    temporary directories of unfinished saves removed.
     """
+    found = list_checkpoints(out_dir)
+    skipped: list[str] = []
+    chosen = None
+    for _, path in reversed(found):
+        try:
+            verify_checkpoint(path)
+        except HydraulisError as exc:
+            skipped.append(str(exc))
+            continue
+        chosen = path
+        break
+    if found and chosen is None:
+        raise HydraulisError(
+            f"{out_dir}: none of its {len(found)} checkpoint(s) verifies ({'; '.join(skipped)}); "
+            "nothing was changed: restore a checkpoint, or start a new run with another --out"
+        )
+    if skipped:
+        log(f"skipping {len(skipped)} damaged checkpoint(s): {'; '.join(skipped)}; using {chosen}")
     if sweep:
         sweep_temporary(out_dir, log)
-    for _, path in reversed(list_checkpoints(out_dir)):
-        try:
-            check_files(read_manifest(path), hashes=False)
-        except HydraulisError as exc:
-            log(f"skipping an incomplete checkpoint: {exc}")
-            continue
-        return path
-    return None
+    return chosen
 
 
 def resolve_checkpoint(path: str | Path, log: Log = say) -> Path | None:
-    """A checkpoint directory itself, or the newest complete one under an output directory."""
+    """A checkpoint directory itself, or the newest verifying one under an output directory."""
     path = Path(path)
     if (path / MANIFEST_FILE).exists() or STEP_DIR.fullmatch(path.name):
         return path
@@ -195,10 +245,16 @@ def resolve_checkpoint(path: str | Path, log: Log = say) -> Path | None:
 
 
 def prune(out_dir: str | Path, keep: int, spare: Path) -> None:
-    """Delete complete checkpoints beyond the newest `keep` (keep <= 0 keeps all); never `spare`."""
+    """After `spare` is published, delete older complete checkpoints beyond the newest `keep` (<= 0 keeps all).
+
+    Only checkpoints at or before `spare`'s step count and go: a newer one
+    (left by a run resumed from an earlier step) is never rotated away before
+    this run has saved past it.
+    """
     if keep <= 0:
         return
-    complete = [p for _, p in list_checkpoints(out_dir) if (p / MANIFEST_FILE).is_file()]
+    limit = int(STEP_DIR.fullmatch(spare.name).group(1))  # type: ignore[union-attr]
+    complete = [p for s, p in list_checkpoints(out_dir) if s <= limit and (p / MANIFEST_FILE).is_file()]
     for p in complete[:-keep]:
         if p != spare:
             shutil.rmtree(p, ignore_errors=True)

@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from hydraulis.checkpoints import DEFAULT_KEEP
 from hydraulis.errors import HydraulisError
@@ -27,6 +27,19 @@ MAX_TOKENS = 2**31 - 1
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """Strict numbers: `lr = "3e-3"` or `steps = true` is refused (pydantic would convert them); an int
+        is still a float. Not pydantic's strict mode, which would also refuse TOML arrays for tuples."""
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None and _numeric(field.annotation):
+            values = value if isinstance(value, list) else [value]
+            bad = next((v for v in values if isinstance(v, str | bool)), None)
+            if bad is not None:
+                raise ValueError(f"expected a number, not a {type(bad).__name__}; write a bare number like 3e-3")
+        return value
 
 
 class ModelSection(_Section):
@@ -157,6 +170,7 @@ class TrainSection(_Section):
     out: str = "runs/demo"
     checkpoint_every: int = Field(0, ge=0)
     keep_checkpoints: int = Field(DEFAULT_KEEP, ge=1, le=1000)
+    max_bad_steps: int = Field(3, ge=1, le=10**6)  # steps with a non-finite loss or grad norm before the run stops
     # After training, the last compare_steps batches again on each homogeneous deployment of the pool
     # and as planned, compare_repeats times interleaved: the measured speedup beside the predicted one.
     compare_steps: int = Field(0, ge=0, le=10_000)
@@ -180,6 +194,20 @@ class RunConfig(_Section):
                     lines.append(f"{key} = {_toml_value(value)}")
             lines.append("")
         return "\n".join(lines)
+
+
+def _numeric(annotation: Any) -> bool:
+    """A field of numbers: int, float, an optional one, or a tuple of them."""
+    import types
+    import typing
+
+    if annotation in (int, float):
+        return True
+    args = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return all(a is type(None) or _numeric(a) for a in args) and any(a is not type(None) for a in args)
+    return origin is tuple and bool(args) and all(a in (int, float) for a in args)
 
 
 def _toml_value(v: Any) -> str:

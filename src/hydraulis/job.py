@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hydraulis.auto_profile import AUTO_PROFILE, AutoProfile
-from hydraulis.checkpoints import Log
+from hydraulis.checkpoints import Log, sweep_temporary
 from hydraulis.config import RunConfig
 from hydraulis.cost import CostModel, load_cost_model
 from hydraulis.data.sampler import TokenBudgetSampler
@@ -24,6 +24,7 @@ from hydraulis.jsonio import write_json_atomic
 from hydraulis.parallel import Deployment, ParallelConfig, parse_deployment_configs
 from hydraulis.planner.pool import check_job_pool, inline_pool_world, load_pool, parse_pool, pool_items
 from hydraulis.progress import say
+from hydraulis.resume import check_stop_at, resume_point
 from hydraulis.specs import ClusterSpec, ModelSpec
 
 RUN_FILES = ("metrics.jsonl", "config.toml", "pool.json", "summary.json", "report.png", "tb", AUTO_PROFILE)
@@ -44,6 +45,13 @@ class Job:
     steps: int
     resume: bool = False
     max_restarts: int = 0
+    resume_from: str | None = None  # the verified checkpoint rank 0 resumes from, picked before any rank starts
+    stop_at: int | None = None  # --stop-at: end this invocation at that step; `steps` stays the schedule's length
+
+    @property
+    def end_step(self) -> int:
+        """The step this invocation trains up to (exclusive)."""
+        return self.stop_at or self.steps
 
     @property
     def checkpoints(self) -> Path:
@@ -65,6 +73,8 @@ def prepare(
     resume: bool,
     max_restarts: int = 0,
     log: Log = say,
+    stop_at: int | None = None,
+    change_schedule: bool = False,
 ) -> Job:
     """A checked job; raises HydraulisError (one line) on any bad input, having written nothing."""
     from hydraulis.data.builtin import resolve_corpus
@@ -85,8 +95,15 @@ def prepare(
     tokenizer = config.data.tokenizer_for(spec, config.model.init_from)
     token_ids = check_tokenizer(tokenizer, spec, config.model.init_from)  # a bad one fails before anything runs
     env_world = torchrun_world()
+    resume_from = None
     if env_world is None or int(os.environ["RANK"]) == 0:
         _check_out(run_dir, config, resume)  # under torchrun rank 0 writes the run directory, and checks it
+        if resume:  # damaged checkpoints are skipped (one line); none verifying is refused here, before any rank
+            schedule = config.optim.settings().schedule_state(steps)
+            point = resume_point(run_dir / "checkpoints", schedule, change_schedule, log)
+            resume_from = point.checkpoint
+            check_stop_at(stop_at, steps, point.step)
+    check_stop_at(stop_at, steps, 0)
     pool_spec = config.parallel.pool
     inline = pool_spec != "auto" and not Path(pool_spec).is_file() and not pool_spec.endswith(".json")
     pool_gpus = inline_pool_world(pool_spec) if inline else None
@@ -127,14 +144,15 @@ def prepare(
         )
     data = config.data
     sampler = TokenBudgetSampler(corpus.lengths, data.tokens_per_batch, data.max_len, data.seed, data.overlong)
-    fresh = None  # profile = "auto": a profile measured now, written once every check has passed
+    fresh = None  # profile = "auto": a profile measured now (or shared), written once every check has passed
     if auto:
         from hydraulis.cost import ProfiledCostModel
 
         config.parallel.recompute_configs(configs)  # a bad recompute list fails before minutes of profiling
         request = AutoProfile.of(config, spec, configs, world, sampler.piece_lengths())
-        cached = request.cached(run_dir / AUTO_PROFILE, log)
-        fresh = None if cached is not None else request.measure(torchrun=env_world is not None, log=log)
+        shared = request.cached(request.shared_path(), log)  # another run's, on this machine
+        cached = shared or request.cached(run_dir / AUTO_PROFILE, log)
+        fresh = shared if shared is not None else None if cached else request.measure(env_world is not None, log)
         cost = ProfiledCostModel.from_dict(cached or fresh, str(run_dir / AUTO_PROFILE))
         cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
     if pool_spec == "auto":
@@ -147,6 +165,8 @@ def prepare(
     if fresh is not None:  # written only now: bad input leaves nothing behind
         run_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(run_dir / AUTO_PROFILE, fresh)
+    if resume_from is not None:
+        sweep_temporary(run_dir / "checkpoints", log)
     return Job(
         config=config,
         spec=spec,
@@ -159,6 +179,8 @@ def prepare(
         steps=steps,
         resume=resume,
         max_restarts=max_restarts,
+        resume_from=resume_from,
+        stop_at=stop_at,
     )
 
 
@@ -253,9 +275,14 @@ def _propose(
     sample = TokenBudgetSampler(
         sampler.lengths, data.tokens_per_batch, data.max_len, data.seed + 1, data.overlong
     ).batches(8)
-    proposal = propose(
-        cost, cluster, [b.lengths for b in sample], max_pool=config.parallel.max_pool, max_length=max_len
-    )
+    try:
+        proposal = propose(
+            cost, cluster, [b.lengths for b in sample], max_pool=config.parallel.max_pool, max_length=max_len
+        )
+    except HydraulisError as exc:  # the planner's remedy names `plan`'s flags; train has config keys
+        remedy = "lower [data] max_len ([data] overlong cuts longer documents)"
+        text = str(exc).replace("use --overlong split|truncate|drop", remedy)
+        raise HydraulisError(text.replace("--profile ", "[parallel] profile = ")) from None
     return tuple(proposal.pool.deployments)
 
 

@@ -26,7 +26,9 @@ from hydraulis.job import Job, torchrun_world
 from hydraulis.progress import say
 from hydraulis.run_log import RunLog
 from hydraulis.runtime.checkpoint import CheckpointManager
+from hydraulis.runtime.divergence import DivergenceGuard
 from hydraulis.runtime.launch import RankFailed, init_distributed, spawn
+from hydraulis.runtime.rundir import check_shared_run_dir
 from hydraulis.runtime.trainer import Trainer, TrainSettings
 
 
@@ -46,7 +48,7 @@ def run(job: Job) -> dict[str, Any] | None:
             if attempt == job.max_restarts:
                 raise
             say(f"{exc}; restarting from the last checkpoint ({attempt + 1} of {job.max_restarts})")
-            job = replace(job, resume=True)
+            job = replace(job, resume=True, resume_from=None)  # rank 0 picks again
     summary = results[0]
     if summary is not None:
         summary["wall_s"] = time.perf_counter() - start
@@ -72,32 +74,40 @@ def run_rank(job: Job) -> dict[str, Any] | None:
         compare_steps=config.train.compare_steps,
     )
     trainer = Trainer(settings, corpus, sampler, env)
+    check_shared_run_dir(Path(job.out), env.rank, env.world_size, trainer.control)  # before any file is written
     log = say if env.rank == 0 else _silent
     checkpoints = CheckpointManager(
-        job.checkpoints, config.train.checkpoint_every, config.train.keep_checkpoints, job.steps, log
+        job.checkpoints, config.train.checkpoint_every, config.train.keep_checkpoints, job.end_step, log
     )
     if job.resume:
-        info = checkpoints.resume(trainer)
+        info = checkpoints.resume(trainer, chosen=job.resume_from)
         log(f"resuming at step {trainer.step_index}" if info else "no checkpoint yet: starting from step 0")
     elif config.model.init_from:
         from hydraulis.runtime.hf_io import init_from
 
         init_from(trainer, config.model.init_from)
         log(f"initialised from {config.model.init_from}")
-    run_log = RunLog(job, trainer.step_index, tensorboard(Path(job.out) / "tb")) if env.rank == 0 else None
+    start = trainer.step_index
+    run_log = RunLog(job, start, tensorboard(Path(job.out) / "tb", start)) if env.rank == 0 else None
     stop = StopRequest()
+    guard = DivergenceGuard(config.train.max_bad_steps)
     try:
-        while trainer.step_index < job.steps:
+        while trainer.step_index < job.end_step:
             metrics = trainer.step()
             if run_log is not None:
                 run_log.step(metrics)
+            skipped = guard.check(metrics.step, metrics.loss, metrics.grad_norm, metrics.skipped)  # raises at the limit
+            if skipped:
+                log(skipped)
             stopping = stop.agreed(trainer)
             checkpoints.maybe_save(trainer, stopping)
             if stopping:
                 log(f"stopped by {stop.name} at step {trainer.step_index}; continue with --resume")
                 break
         else:
-            if config.train.compare_steps:
+            if trainer.step_index < job.steps:
+                log(f"stopped at step {trainer.step_index} (--stop-at) of {job.steps}; continue with --resume")
+            elif config.train.compare_steps:
                 log(f"measuring the last {len(trainer.recent)} batches again on each homogeneous deployment")
                 comparison = trainer.compare(config.train.compare_repeats)
                 if run_log is not None and comparison is not None:
@@ -114,13 +124,16 @@ def _silent(message: str) -> None:
     """The log of ranks other than 0: rank 0 speaks for the job."""
 
 
-def tensorboard(path: Path) -> Any:
-    """A TensorBoard writer for the run log, or None without tensorboard (metrics.jsonl has everything)."""
+def tensorboard(path: Path, start_step: int = 0) -> Any:
+    """A TensorBoard writer for the run log, or None without tensorboard (metrics.jsonl has everything).
+
+    Resuming at step k purges the events of steps >= k, so no step appears twice.
+    """
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         return None
-    return SummaryWriter(str(path))
+    return SummaryWriter(str(path), purge_step=start_step or None)
 
 
 class StopRequest:

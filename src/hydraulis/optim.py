@@ -48,6 +48,16 @@ class OptimSettings:
         if self.lr <= 0 or self.warmup < 0 or not 0 <= self.min_lr_ratio <= 1:
             raise HydraulisError("lr must be positive, warmup non-negative, min_lr_ratio within [0, 1]")
 
+    def schedule_state(self, total_steps: int) -> dict[str, object]:
+        """What the LR at each step depends on; a checkpoint records it, a resume compares it."""
+        return {
+            "lr": self.lr,
+            "warmup": self.warmup,
+            "schedule": self.schedule,
+            "min_lr_ratio": self.min_lr_ratio,
+            "total_steps": total_steps,
+        }
+
     def lr_at(self, step: int, total_steps: int) -> float:
         """Linear warm-up over `warmup` steps, then the schedule down to lr * min_lr_ratio."""
         if step < self.warmup:

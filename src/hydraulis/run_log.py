@@ -9,6 +9,7 @@ run directory also gets `config.toml` (the resolved config), `pool.json`,
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 from collections import Counter
 from pathlib import Path
@@ -39,6 +40,7 @@ class RunLog:
         save_pool(self.out / "pool.json", Pool(job.cost.name, ClusterSpec(job.world, job.world), job.pool))
         # On resume, keep the steps before the checkpoint; later ones (and old summaries) are redone.
         self.rows = _metrics_before(self.out / "metrics.jsonl", start_step)
+        _keep_copy(self.out / "metrics.jsonl", start_step)
         write_text_atomic(self.out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self.rows))
         self.metrics_file = open(self.out / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         self.tb = tensorboard  # a SummaryWriter, or None
@@ -126,6 +128,12 @@ def comparison_lines(c: dict[str, Any]) -> str:
         f"{c['predicted_speedup']:.2f}x predicted"
     )
     return "\n".join(rows)
+
+
+def _keep_copy(path: Path, step: int) -> None:
+    """The metrics file a resume at `step` is about to cut, copied aside (`metrics.jsonl.before-step-K`)."""
+    if path.is_file() and path.stat().st_size:
+        shutil.copy2(path, path.with_name(f"{path.name}.before-step-{step}"))
 
 
 def _metrics_before(path: Path, step: int) -> list[dict[str, Any]]:

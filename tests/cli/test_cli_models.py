@@ -252,7 +252,8 @@ def test_resume_on_a_pool_without_tp_keeps_the_padding(trained, tmp_path, corpus
     sections = {"model": f'init_from = "{tmp / "hf-in"}"', "data": f'corpus = "{corpus}"\n{DATA}',
                 "parallel": 'pool = "2x(tp1,pp1)"\nprofile = "@cpu"', "train": "steps = 3"}  # fmt: skip
     config = write_config(tmp_path / "resume.toml", corpus, **sections)
-    done = cli("train", "--config", str(config), "--nproc", "2", "--out", str(run), "--resume")
+    # 3 steps where the run had 2: a longer schedule, which a resume takes only when asked
+    done = cli("train", "--config", str(config), "--nproc", "2", "--out", str(run), "--resume", "--change-schedule")
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "step" in r][-1] == 2

@@ -77,7 +77,9 @@ AUTO = 'pool = "1x(tp2,pp1) + 2x(tp1,pp1); 4x(tp1,pp1)"\nprofile = "auto"'
 def auto_run(tmp_path_factory, corpus, session_cli):
     tmp = tmp_path_factory.mktemp("auto")
     config = write_config(tmp / "auto.toml", corpus, parallel=AUTO, train="steps = 3\nlog_every = 1")
-    result = session_cli("train", "--config", str(config), "--nproc", "4", "--out", str(tmp / "out"), timeout=300)
+    with pytest.MonkeyPatch.context() as mp:  # module-scoped: the autouse private cache is not set up yet
+        mp.setenv("HYDRAULIS_CACHE", str(tmp / "cache"))
+        result = session_cli("train", "--config", str(config), "--nproc", "4", "--out", str(tmp / "out"), timeout=300)
     return result, config, tmp / "out"
 
 
@@ -97,13 +99,14 @@ def test_profile_auto_measures_the_pool_configs_here_and_trains_on_them(auto_run
     assert rows[-1]["summary"]["iteration_error_median"] >= 0
 
 
-def test_profile_auto_is_reused_when_it_matches_and_measured_again_otherwise(auto_run, tmp_path, cli):
+def test_profile_auto_is_reused_when_it_matches_and_measured_again_otherwise(auto_run, tmp_path, cli, monkeypatch):
     result, config, out = auto_run
     assert result.returncode == 0, result.stderr
     run = tmp_path / "run"
     shutil.copytree(out, run)
     cached = (run / "profile.json").read_bytes()
-    resumed = cli("train", "--config", str(config), "--nproc", "4", "--out", str(run), "--resume", "--steps", "4")
+    args = ("--nproc", "4", "--out", str(run), "--resume", "--steps", "4", "--change-schedule")
+    resumed = cli("train", "--config", str(config), *args)
     assert resumed.returncode == 0, resumed.stderr
     assert "profiled before" in resumed.stdout and "profiling tiny" not in resumed.stdout
     assert (run / "profile.json").read_bytes() == cached
@@ -113,6 +116,7 @@ def test_profile_auto_is_reused_when_it_matches_and_measured_again_otherwise(aut
     stale = json.loads(cached)
     stale["time_ms"] = [r for r in stale["time_ms"] if r["tp"] == 1]
     (again / "profile.json").write_text(json.dumps(stale))
+    monkeypatch.setenv("HYDRAULIS_CACHE", str(tmp_path / "empty-cache"))  # the shared cache would serve it
     rerun = cli("train", "--config", str(config), "--nproc", "4", "--out", str(again), "--steps", "1")
     assert rerun.returncode == 0, rerun.stderr
     assert "profiling again" in rerun.stdout and "lacks tp2pp1" in rerun.stdout

@@ -104,7 +104,7 @@ def test_resume_continues_bit_for_bit(tmp_path, corpus, cli):
     config = write_config(tmp_path / "run.toml", corpus, **TWO)
     whole = cli("train", "--config", str(config), "--nproc", "2", "--out", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr
-    half = cli("train", "--config", str(config), "--nproc", "2", "--steps", "3", "--out", str(tmp_path / "half"))
+    half = cli("train", "--config", str(config), "--nproc", "2", "--stop-at", "3", "--out", str(tmp_path / "half"))
     assert half.returncode == 0, half.stderr
     assert (tmp_path / "half" / "checkpoints" / "step-000003" / "manifest.json").is_file()
     more = cli("train", "--config", str(config), "--nproc", "2", "--out", str(tmp_path / "half"), "--resume")

@@ -106,6 +106,8 @@ def run_app(app: typer.Typer) -> NoReturn:
         fail(f"a value is out of range: {exc}; check the numbers in the input")
     except MemoryError:
         fail("out of memory; use smaller batches, a smaller token budget or fewer sequences")
+    if code == 130:  # typer turns a KeyboardInterrupt (a second Ctrl-C while ranks run) into 130, silently
+        print("interrupted (SIGINT); stopped at once", file=sys.stderr)
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -14,8 +14,14 @@ def train(
     config: Path = typer.Option(..., "--config", "-c", help="The run config (TOML); see examples/tiny-cpu.toml."),
     nproc: int = typer.Option(None, "--nproc", help="Local gloo processes to spawn (default: the pool's GPUs)."),
     out: str = typer.Option(None, "--out", "-o", help="Run directory (default: train.out of the config)."),
-    steps: int = typer.Option(None, "--steps", help="Train this many steps (default: train.steps)."),
+    steps: int = typer.Option(None, "--steps", help="The LR schedule's length in steps (default: train.steps)."),
+    stop_at: int = typer.Option(
+        None, "--stop-at", help="Stop (and save) at step K, keeping the schedule; continue later with --resume."
+    ),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its newest checkpoint."),
+    change_schedule: bool = typer.Option(
+        False, "--change-schedule", help="With --resume: accept another LR schedule than the checkpoint's."
+    ),
     max_restarts: int = typer.Option(
         0, "--max-restarts", help="Local runs: after a rank fails, restart this often from the last checkpoint."
     ),
@@ -27,7 +33,11 @@ def train(
 
     if steps is not None and steps < 1:
         raise HydraulisError(f"--steps must be positive, got {steps}")
-    job = prepare(load_config(config), nproc, out, steps, resume, max_restarts)
+    if change_schedule and not resume:
+        raise HydraulisError("--change-schedule needs --resume: a new run has no schedule to change")
+    job = prepare(
+        load_config(config), nproc, out, steps, resume, max_restarts, stop_at=stop_at, change_schedule=change_schedule
+    )
     from hydraulis.loop import run  # torch only now: bad input above fails fast, without it
 
     run(job)

@@ -29,11 +29,16 @@ def list_files(root: Path, glob: str) -> list[Path]:
     """The files a directory source contributes, sorted, hidden files and folders left out."""
     if not glob:
         raise HydraulisError("--glob must not be empty")
+    if Path(glob).is_absolute() or ".." in Path(glob).parts:
+        raise HydraulisError(f"--glob {glob!r} must be a pattern inside the directory {root}, e.g. '**/*.txt'")
     files = []
-    for p in root.glob(glob):
-        rel = p.relative_to(root).parts
-        if p.is_file() and not any(part.startswith(".") for part in rel):
-            files.append(p)
+    try:
+        for p in root.glob(glob):
+            rel = p.relative_to(root).parts
+            if p.is_file() and not any(part.startswith(".") for part in rel):
+                files.append(p)
+    except (ValueError, NotImplementedError) as exc:  # pathlib's own refusal of a malformed pattern
+        raise HydraulisError(f"--glob {glob!r}: {exc}; give a pattern such as '**/*.txt'") from None
     return sorted(files)
 
 

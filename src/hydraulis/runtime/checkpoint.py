@@ -20,9 +20,9 @@ size (and so another pool) reads the intersections of its new ranges.
 Atomic: ranks write into a hidden `.step-000123.tmp` next to the target,
 rank 0 writes the manifest and renames the directory into place, and only
 then deletes checkpoints beyond the last `keep`. A checkpoint without a
-manifest, with a missing or truncated file, or a temporary directory is
-never loaded: `latest_checkpoint` skips it (and sweeps temporary
-directories), saying so in one line. Loading checks everything (schema,
+manifest, with a missing, truncated or corrupt file, or a temporary
+directory is never loaded: `latest_checkpoint` skips every one that does
+not verify completely, saying so in one line, and refuses when none does. Loading checks everything (schema,
 model shape, corpus, files, checksums) on every rank before it changes
 anything, and all ranks raise the same `HydraulisError`.
 
@@ -55,6 +55,7 @@ from hydraulis.checkpoints import (
     FileEntry,
     Log,
     check_files,
+    check_visible,
     prune,
     read_manifest,
     resolve_checkpoint,
@@ -211,6 +212,7 @@ def save_checkpoint(trainer: Trainer, out_dir: str | Path, keep: int = DEFAULT_K
     def publish() -> None:
         if rank != 0:
             return
+        check_visible(tmp, files)  # every rank's shard, as its writer reported it, before the manifest exists
         try:
             write_json_atomic(tmp / MANIFEST_FILE, _manifest(trainer, state, files))  # last: marks it complete
             replace_directory(tmp, final)  # the same step saved again (e.g. right after a resume) replaces it
@@ -280,33 +282,30 @@ def load_checkpoint(trainer: Trainer, path: str | Path, verify: bool = True, log
     trainer.load_state_dict(
         {"step": info.step, "sampler": info.sampler, "optimizer": {**fresh, "step": info.optimizer_step}}
     )
-    now = current["schedule"]
-    changed = [k for k, v in now.items() if info.schedule.get(k) != v]
-    if changed and rank == 0:
-        log(
-            f"resuming {path} with another LR schedule: "
-            + ", ".join(f"{k} {info.schedule.get(k)} -> {now[k]}" for k in changed)
-        )
     return info
 
 
-def resume(trainer: Trainer, path: str | Path, verify: bool = True, log: Log = say) -> CheckpointInfo | None:
-    """Load the checkpoint at `path` or the newest complete one under it (every rank calls it).
+def resume(
+    trainer: Trainer, path: str | Path, verify: bool = True, log: Log = say, chosen: str | None = None
+) -> CheckpointInfo | None:
+    """Load the checkpoint at `path` or the newest verifying one under it (every rank calls it).
 
-    Rank 0 picks it (sweeping temporary directories, skipping incomplete
-    checkpoints, one line each) and tells the others; None when there is none.
+    Rank 0 picks it (`chosen`, when the job picked it before the ranks
+    started, else `resolve_checkpoint`) and tells the others; None when there
+    is none. A checkpoint picked from a directory was verified whole while
+    picking, so its checksums are not read again.
     """
 
     def pick() -> str | None:
         if trainer.rank != 0:
             return None
-        found = resolve_checkpoint(path, log=log)
+        found = chosen or resolve_checkpoint(path, log=log)
         return None if found is None else str(found)
 
-    chosen = _gather(trainer, _agree(trainer, pick))[0]
-    if chosen is None:
+    picked = _gather(trainer, _agree(trainer, pick))[0]
+    if picked is None:
         return None
-    return load_checkpoint(trainer, chosen, verify=verify, log=log)
+    return load_checkpoint(trainer, picked, verify=verify and Path(picked) == Path(path), log=log)
 
 
 # -- single-process reading (export) ------------------------------------------------------------------
@@ -345,9 +344,9 @@ class CheckpointManager:
     last_step: int
     log: Log = say
 
-    def resume(self, trainer: Trainer, verify: bool = True) -> CheckpointInfo | None:
-        """The newest complete checkpoint loaded into the trainer (every rank calls it); None without one."""
-        return resume(trainer, self.directory, verify=verify, log=self.log)
+    def resume(self, trainer: Trainer, verify: bool = True, chosen: str | None = None) -> CheckpointInfo | None:
+        """The newest verifying checkpoint (or `chosen`) in the trainer (every rank calls it); None without one."""
+        return resume(trainer, self.directory, verify=verify, log=self.log, chosen=chosen)
 
     def due(self, step: int, stopping: bool = False) -> bool:
         return stopping or step == self.last_step or (self.every > 0 and step % self.every == 0)

@@ -74,7 +74,14 @@ def init_distributed(device: str = "auto", timeout: datetime.timedelta = PG_TIME
                 raise HydraulisError("MASTER_PORT is not set: start multi-process jobs with torchrun or --nproc")
             os.environ["MASTER_PORT"] = str(free_port())
         kwargs = {"device_id": dev} if use_cuda else {}
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
+        try:
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
+        except (RuntimeError, dist.DistError) as exc:  # a rank that failed to start: one line, not a C++ trace
+            said = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            raise HydraulisError(
+                f"rank {rank} could not join the job's {world} ranks within {timeout.total_seconds():.0f} s "
+                f"({said}); a rank that failed during start-up names itself in its own error line"
+            ) from None
     return DistEnv(rank, world, local_rank, dev, backend)
 
 
@@ -133,8 +140,9 @@ def _exit_reason(rank: int, code: int) -> str:
 
 
 class _Forward:
-    """While the launcher waits: SIGINT or SIGTERM goes on to the ranks as SIGTERM (they finish their
-    step, save and exit 0); a second one, or ranks still running after `grace_s`, ends them at once."""
+    """While the launcher waits: SIGINT or SIGTERM goes on to the ranks as itself (they finish their
+    step, save, say which signal stopped them and exit 0); a second one, or ranks still running after
+    `grace_s`, ends them at once."""
 
     def __init__(self, procs: list, grace_s: float) -> None:
         self.procs, self.grace_s = procs, grace_s
@@ -147,7 +155,7 @@ class _Forward:
         self.since = time.monotonic()
         for p in self.procs:
             if p.exitcode is None and p.pid is not None:
-                os.kill(p.pid, signal.SIGTERM)
+                os.kill(p.pid, signum)
 
     def overdue(self) -> bool:
         return self.since is not None and time.monotonic() - self.since > self.grace_s

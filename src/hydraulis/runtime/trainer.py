@@ -49,6 +49,7 @@ from hydraulis.planner.pool import check_job_pool
 from hydraulis.planner.sim import simulate
 from hydraulis.runtime.batch import PackedBatch, count_targets, pack_cp_shard
 from hydraulis.runtime.deployments import RankDeployment, RankPool
+from hydraulis.runtime.divergence import finite, poisoned
 from hydraulis.runtime.launch import DTYPES, DistEnv, init_distributed
 from hydraulis.runtime.layout import ModelLayout
 from hydraulis.runtime.optimizer import DisaggregatedOptimizer
@@ -69,15 +70,8 @@ class TrainSettings:
     compare_steps: int = 0  # the last batches kept for `Trainer.compare`
 
     def schedule_state(self) -> dict[str, Any]:
-        """What the LR at each step depends on; a checkpoint records it, a resume says what changed."""
-        o = self.optim
-        return {
-            "lr": o.lr,
-            "warmup": o.warmup,
-            "schedule": o.schedule,
-            "min_lr_ratio": o.min_lr_ratio,
-            "total_steps": self.steps,
-        }
+        """What the LR at each step depends on (optim.OptimSettings.schedule_state)."""
+        return self.optim.schedule_state(self.steps)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -111,6 +105,7 @@ class StepMetrics:
     micro_batches: tuple[int, ...]
     epoch: int
     position: int
+    skipped: bool = False  # a non-finite loss or gradient norm: the optimizer did not step (divergence.py)
 
     @property
     def tokens_per_s(self) -> float:
@@ -275,7 +270,8 @@ class Trainer:
         for p in model.parameters():
             p.grad = None
         targets = self.batch_targets(batch)
-        result = train_step(model, part.groups, micro_batches, targets, reduce_partial_grads=False)
+        with poisoned(model, self.step_index, part.groups.is_last_stage):  # a test hook, off unless asked for
+            result = train_step(model, part.groups, micro_batches, targets, reduce_partial_grads=False)
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         computed = time.perf_counter()
@@ -285,7 +281,10 @@ class Trainer:
         loss_part = result.loss_sum_tensor if counts_loss else torch.zeros((), device=self.env.device)
         norm, extra = self.optimizer.global_norm(extra=loss_part.reshape(1))
         lr = self.settings.optim.lr_at(self.step_index, self.settings.steps)
-        self.optimizer.step(lr, norm)
+        values = torch.stack([norm.detach().double().cpu(), extra[0].double().cpu()]).tolist()  # one sync per step
+        skipped = not finite(values[1], values[0])  # the same numbers on every rank: they agree
+        if not skipped:
+            self.optimizer.step(lr, norm)
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         finished = time.perf_counter()  # the iteration ends here; what follows only reports on it
@@ -296,7 +295,6 @@ class Trainer:
         if self.world > 1:
             dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.control)
         predicted = simulate(plan, self.settings.cost, keep_events=False)
-        values = torch.stack([norm.detach().double().cpu(), extra[0].double().cpu()]).tolist()  # one sync per step
         metrics = StepMetrics(
             step=self.step_index,
             loss=values[1] / targets,
@@ -319,6 +317,7 @@ class Trainer:
             micro_batches=tuple(len(r.micro_batches) for r in plan.replicas),
             epoch=batch.state.epoch,
             position=batch.state.position,
+            skipped=skipped,
         )
         self.step_index += 1
         return metrics

@@ -1,0 +1,70 @@
+"""The shared cache of `profile = "auto"` profiles: `$HYDRAULIS_CACHE/profiles` (no torch).
+
+A profile measured for one run serves every later run on the same machine
+that asks for the same thing: the file name is a hash of the model, the
+configs, the device (kind and name), dtype, world size, core count and
+sweep, so a lookup is one `stat`. `timings.jsonl` beside the profiles keeps
+how long each profiling took per measurement step, so the next one states
+its expected time before it starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+from hydraulis.data.staging import cache_dir
+from hydraulis.jsonio import write_json_atomic
+
+TIMINGS = "timings.jsonl"
+
+
+def profiles_dir() -> Path:
+    """`$HYDRAULIS_CACHE/profiles` (default ~/.cache/hydraulis/profiles)."""
+    return cache_dir() / "profiles"
+
+
+def machine(device: str, device_name: str) -> dict[str, Any]:
+    """What makes two machines time alike: device kind and name, and the core count."""
+    return {"device": device, "device_name": device_name, "cores": os.cpu_count() or 1}
+
+
+def cache_path(identity: dict[str, Any]) -> Path:
+    """The cache file of a profile request (its identity: model, configs, machine, dtype, world, sweep)."""
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+    return profiles_dir() / f"{identity['model']['name']}-{digest}.json"
+
+
+def store(path: Path, data: dict[str, Any]) -> None:
+    """Write a measured profile into the cache (atomically: a reader sees all of it or none)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, data)
+
+
+def record_timing(where: dict[str, Any], steps: int, wall_s: float) -> None:
+    """One line in timings.jsonl: seconds per measurement step on this machine."""
+    if steps <= 0 or wall_s <= 0:
+        return
+    profiles_dir().mkdir(parents=True, exist_ok=True)
+    with open(profiles_dir() / TIMINGS, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({**where, "steps": steps, "wall_s": wall_s}) + "\n")
+
+
+def expected_s(where: dict[str, Any], steps: int) -> float | None:
+    """Seconds `steps` measurement steps should take here (the median rate of earlier ones); None: no history."""
+    path = profiles_dir() / TIMINGS
+    if not path.is_file():
+        return None
+    rates = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and all(row.get(k) == v for k, v in where.items()) and row.get("steps"):
+            rates.append(float(row["wall_s"]) / float(row["steps"]))
+    return statistics.median(rates) * steps if rates else None

@@ -1,0 +1,228 @@
+"""Training-side hostile input through the real command: each is one line, exit 2 (or 130/143), nothing partial.
+
+Bad configs, flags, damaged checkpoints, run directories given where a
+checkpoint is expected, and signals. (More of them, with their own checks,
+are in test_cli_train.py, test_cli_train_faults.py, test_cli_train_integrity.py,
+test_cli_train_resume.py and test_cli_train_divergence.py.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from cli_helpers import start_cli  # noqa: E402
+from train_helpers import make_corpus, write_config  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+ONE = {"parallel": 'pool = "1x(tp1,pp1)"\nprofile = "tiny@cpu"'}
+TWO = {"parallel": 'pool = "2x(tp1,pp1); 1x(tp2,pp1)"\nprofile = "tiny@cpu"'}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory, session_cli) -> tuple[Path, Path, Path]:
+    """A corpus, a config and a finished 2-step one-process run with checkpoints at steps 1 and 2."""
+    tmp = tmp_path_factory.mktemp("hostile")
+    corpus = make_corpus(tmp / "docs")
+    config = write_config(tmp / "run.toml", corpus, train="steps = 2\ncheckpoint_every = 1", **ONE)
+    result = session_cli("train", "--config", str(config), "--nproc", "1", "--out", str(tmp / "run"))
+    assert result.returncode == 0, result.stderr
+    return corpus, config, tmp / "run"
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    if not root.exists():
+        return {}
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(root.rglob("*"))}  # fmt: skip
+
+
+def one_line(result, code: int = 2) -> str:
+    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+# (config sections to change, extra arguments, what the one line must say)
+CONFIGS = {
+    "lr as a string": ({"optim": 'lr = "3e-3"'}, (), "optim.lr: expected a number, not a str"),
+    "steps as a bool": ({"train": "steps = true"}, (), "train.steps: expected a number, not a bool"),
+    "betas as strings": ({"optim": 'betas = ["0.9", "0.95"]'}, (), "optim.betas: expected a number"),
+    "max_bad_steps zero": ({"train": "max_bad_steps = 0"}, (), "train.max_bad_steps"),
+    "keep_checkpoints fractional": ({"train": "keep_checkpoints = 1.5"}, (), "train.keep_checkpoints"),
+    "stop-at past the schedule": ({}, ("--stop-at", "3"), "--stop-at 3 is outside the schedule's 1..2"),
+    "stop-at negative": ({}, ("--stop-at", "-1"), "--stop-at -1 is outside"),
+    "change-schedule on a new run": ({}, ("--change-schedule",), "--change-schedule needs --resume"),
+    "resume of an empty directory": ({}, ("--resume",), "holds no run to resume"),
+    "steps zero": ({}, ("--steps", "0"), "--steps must be positive"),
+    "nproc zero": ({}, ("--nproc", "0"), "--nproc must be positive"),
+    "max-restarts negative": ({}, ("--max-restarts", "-1"), "--max-restarts must be non-negative"),
+    "overlong with a proposed pool": (
+        {"data": 'tokens_per_batch = 2000000\nmax_len = 1500000\ntokenizer = "bytes"',
+         "parallel": 'pool = "auto"\nprofile = "tiny@cpu"'},
+        ("--nproc", "2"),
+        "lower [data] max_len ([data] overlong cuts longer documents)",
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIGS))
+def test_bad_configs_and_flags(case, base, tmp_path, cli):
+    corpus, _, _ = base
+    change, args, expected = CONFIGS[case]
+    change = dict(ONE, **change)
+    if "data" in change:
+        change["data"] = f'corpus = "{corpus}"\n' + change["data"]
+    config = write_config(tmp_path / "bad.toml", corpus, **{"train": "steps = 2", **change})
+    out = tmp_path / "out"
+    if "--resume" in args:
+        out.mkdir()
+    nproc = () if "--nproc" in args else ("--nproc", "1")
+    line = one_line(cli("train", "--config", str(config), *nproc, "--out", str(out), *args))
+    assert expected in line, line
+    assert "--overlong" not in line
+    assert snapshot(out) == ({} if "--resume" not in args else {})
+
+
+def damage_newest_manifest(run: Path) -> None:
+    (run / "checkpoints" / "step-000002" / "manifest.json").write_text('{"schema": "hydraulis.checkpoint/1", "st')
+
+
+def damage_all(run: Path) -> None:
+    for step in ("step-000001", "step-000002"):
+        (run / "checkpoints" / step / "rng-00000.json").write_text("{}")
+
+
+def other_model(config: Path) -> Path:
+    text = config.read_text().replace('preset = "tiny"', "layers = 1\nhidden = 64\nffn = 128\nheads = 4\nvocab = 512")
+    text = text.replace('profile = "tiny@cpu"', 'profile = "@cpu"')  # the analytic model of this shape
+    config.write_text(text)
+    return config
+
+
+# A run directory to damage, and what the resume must say (None: it falls back and succeeds).
+RUNS = {
+    "every checkpoint damaged": (damage_all, None, "none of its 2 checkpoint(s) verifies"),
+    "checkpoints directory is a file": (
+        lambda run: (shutil.rmtree(run / "checkpoints"), (run / "checkpoints").write_text("x")),
+        None,
+        "checkpoints: not a directory",
+    ),
+    "another model than the checkpoint": (None, other_model, "checkpoint of model"),
+}
+
+
+@pytest.mark.parametrize("case", list(RUNS))
+def test_damaged_runs_are_refused_and_left_alone(case, base, tmp_path, cli):
+    _, config, run = base
+    damage, change_config, expected = RUNS[case]
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    config = Path(shutil.copy(config, tmp_path / "run.toml"))
+    if damage:
+        damage(out)
+    if change_config:
+        change_config(config)
+    before = snapshot(out)
+    line = one_line(cli("train", "--config", str(config), "--nproc", "1", "--out", str(out), "--resume"))
+    assert expected in line, line
+    assert snapshot(out) == before
+
+
+def test_a_damaged_newest_manifest_falls_back(base, tmp_path, cli):
+    _, config, run = base
+    out = tmp_path / "run"
+    shutil.copytree(run, out)
+    damage_newest_manifest(out)
+    result = cli("train", "--config", str(config), "--nproc", "1", "--out", str(out), "--resume")
+    assert result.returncode == 0, result.stderr
+    assert "skipping 1 damaged checkpoint(s)" in result.stdout and "resuming at step 1" in result.stdout
+
+
+def test_export_of_a_run_directory_points_at_its_newest_checkpoint(base, tmp_path, cli):
+    _, _, run = base
+    for given in (run, run / "checkpoints"):
+        line = one_line(cli("export", "--checkpoint", str(given), "--out", str(tmp_path / "hf")))
+        assert f"e.g. {run / 'checkpoints' / 'step-000002'} (the newest)" in line, line
+        assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("glob", ["/etc/*", "../*", "**a"])
+def test_data_build_glob_outside_or_malformed(glob, tmp_path, cli):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("hello world")
+    out = tmp_path / "corpus"
+    line = one_line(cli("data", "build", str(tmp_path / "src"), "--glob", glob, "--out", str(out), "-t", "bytes"))
+    assert f"--glob {glob!r}" in line and not out.exists()
+
+
+def test_ctrl_c_is_reported_as_sigint(base, tmp_path):
+    corpus, _, _ = base
+    config = write_config(tmp_path / "run.toml", corpus, train="steps = 400\nlog_every = 1", **TWO)
+    out = tmp_path / "out"
+    proc = start_cli("train", "--config", str(config), "--nproc", "2", "--out", str(out))
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "stopped by SIGINT at step" in stdout and "SIGTERM" not in stdout, stdout
+
+
+def wait_for_line(proc, text: str, timeout: float = 120) -> list[str]:
+    """Read the command's stdout until a line holds `text` (the lines so far)."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:
+        seen.append(line)
+        if text in line:
+            return seen
+        assert time.monotonic() < deadline, seen
+    raise AssertionError(f"the command ended before saying {text!r}: {seen}")
+
+
+def test_sigterm_while_profiling_leaves_nothing(base, tmp_path, monkeypatch):
+    corpus, _, _ = base
+    monkeypatch.setenv("HYDRAULIS_CACHE", str(tmp_path / "cache"))
+    config = write_config(tmp_path / "run.toml", corpus, parallel='pool = "2x(tp1,pp1)"\nprofile = "auto"')
+    out = tmp_path / "out"
+    proc = start_cli("train", "--config", str(config), "--nproc", "2", "--out", str(out))
+    wait_for_line(proc, "profiling tiny")
+    time.sleep(2)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode in (2, 143), (proc.returncode, stderr)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(("error: ", "interrupted")) and "Traceback" not in stderr, stderr
+    assert "SIGTERM" in lines[0], lines
+    assert not out.exists() and not list((tmp_path / "cache").rglob("*.json"))
+
+
+def test_a_second_ctrl_c_stops_at_once_and_publishes_nothing_partial(base, tmp_path):
+    corpus, _, _ = base
+    config = write_config(tmp_path / "run.toml", corpus, train="steps = 400\ncheckpoint_every = 1", **TWO)
+    out = tmp_path / "out"
+    proc = start_cli("train", "--config", str(config), "--nproc", "2", "--out", str(out))
+    wait_for_line(proc, "step    1")
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (proc.returncode, stderr)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "SIGINT" in lines[0] and "Traceback" not in stderr, stderr
+    from hydraulis.checkpoints import list_checkpoints, verify_checkpoint
+
+    for _, path in list_checkpoints(out / "checkpoints"):  # every published checkpoint is whole
+        verify_checkpoint(path)
