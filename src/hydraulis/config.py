@@ -91,6 +91,8 @@ class ParallelSection(_Section):
     sequence_parallel: bool = False
     recompute: bool | list[str] = False  # true: every config; or the configs that recompute, e.g. ["tp1pp1"]
     max_pool: int = Field(3, ge=1, le=16)
+    # The most MiB one buffer of the optimizer's gather or reduce holds (runtime/exchange.py).
+    exchange_bucket_mb: float = Field(256.0, gt=0)
 
     @field_validator("recompute")
     @classmethod

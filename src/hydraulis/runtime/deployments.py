@@ -42,6 +42,11 @@ class RankDeployment:
         named = dict(self.model.named_parameters())
         return [named[p.name] for p in self.exchange.local]
 
+    @property
+    def grads(self) -> list[torch.Tensor | None]:
+        """The compute shard's gradients in the exchange plan's order (None where a parameter got none)."""
+        return [p.grad for p in self.params]
+
 
 class RankPool:
     """Every deployment of the pool, ready to run on this rank; one of them active at a time."""

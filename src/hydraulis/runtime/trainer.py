@@ -51,7 +51,7 @@ from hydraulis.runtime.batch import PackedBatch, count_targets, pack_cp_shard
 from hydraulis.runtime.deployments import RankDeployment, RankPool
 from hydraulis.runtime.launch import DTYPES, DistEnv, init_distributed
 from hydraulis.runtime.layout import ModelLayout
-from hydraulis.runtime.optimizer import DisaggregatedOptimizer
+from hydraulis.runtime.optimizer import DEFAULT_BUCKET_BYTES, DisaggregatedOptimizer
 from hydraulis.runtime.pipeline import train_step
 from hydraulis.specs import ModelSpec
 
@@ -67,6 +67,7 @@ class TrainSettings:
     dtype: str = "fp32"
     sequence_parallel: bool = False
     compare_steps: int = 0  # the last batches kept for `Trainer.compare`
+    exchange_bucket_bytes: int = DEFAULT_BUCKET_BYTES  # the most bytes one exchange buffer holds
 
     def schedule_state(self) -> dict[str, Any]:
         """What the LR at each step depends on; a checkpoint records it, a resume says what changed."""
@@ -172,7 +173,9 @@ class Trainer:
         check_job_pool(settings.pool, self.world, settings.model, settings.cost, max_len)
         self.dtype = DTYPES[settings.dtype]
         self.layout = ModelLayout(settings.model, self.world)
-        self.optimizer = DisaggregatedOptimizer(self.layout, self.rank, settings.optim.adamw, self.env.device)
+        self.optimizer = DisaggregatedOptimizer(
+            self.layout, self.rank, settings.optim.adamw, self.env.device, bucket_bytes=settings.exchange_bucket_bytes
+        )
         self.optimizer.init(settings.seed)
         # Plans travel on a CPU group: NCCL cannot broadcast host memory.
         self.control = dist.new_group(backend="gloo") if self.env.backend != "gloo" else None
@@ -270,7 +273,7 @@ class Trainer:
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         computed = time.perf_counter()
-        self.optimizer.reduce(part.exchange, part.params)
+        self.optimizer.reduce(part.exchange, part.grads)
         reduced = time.perf_counter()
         counts_loss = result.loss_sum_tensor is not None and part.groups.tp.rank == 0
         loss_part = result.loss_sum_tensor if counts_loss else torch.zeros((), device=self.env.device)
