@@ -151,6 +151,7 @@ class OptimSection(_Section):
 class TrainSection(_Section):
     steps: int = Field(100, ge=1, le=10**9)
     dtype: Literal[DTYPE_NAMES] = DTYPE_NAMES[0]  # type: ignore[valid-type]
+    reduce_dtype: Literal[DTYPE_NAMES] = DTYPE_NAMES[0]  # type: ignore[valid-type]
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_every: int = Field(1, ge=1)
     out: str = "runs/demo"

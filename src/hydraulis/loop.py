@@ -70,6 +70,7 @@ def run_rank(job: Job) -> dict[str, Any] | None:
         dtype=config.train.dtype,
         sequence_parallel=config.parallel.sequence_parallel,
         compare_steps=config.train.compare_steps,
+        reduce_dtype=config.train.reduce_dtype,
         exchange_bucket_bytes=int(config.parallel.exchange_bucket_mb * (1 << 20)),
     )
     trainer = Trainer(settings, corpus, sampler, env)

@@ -1,4 +1,4 @@
-"""The bucketed exchange on every rank: one training run per bucket size, the exchange's peak measured."""
+"""Training variants on every rank (bucket sizes, dtypes): one run each on the same plans, the exchange measured."""
 
 from __future__ import annotations
 
@@ -25,27 +25,29 @@ def metered(opt, name: str, peaks: list[int]) -> None:
     setattr(opt, name, call)
 
 
-def train_buckets(rank: int, world: int, s: TrainSettings, plans: list[IterationPlan], buckets: list[int]) -> dict:
-    """The same switching steps once per bucket size: final owned master, losses and exchange peaks."""
+def train_variants(
+    rank: int, world: int, s: TrainSettings, plans: list[IterationPlan], variants: list[dict]
+) -> list[dict]:
+    """The same switching steps once per variant of the settings: final owned master, losses, exchange peaks."""
     env = init_distributed("cpu")
-    out = {}
-    for bucket in buckets:
+    out = []
+    for changes in variants:
         docs = corpus(s.model.vocab)
         smp = sampler(docs)
-        trainer = Trainer(dataclasses.replace(s, exchange_bucket_bytes=bucket), docs, smp, env)
+        trainer = Trainer(dataclasses.replace(s, **changes), docs, smp, env)
         peaks: list[int] = []
         metered(trainer.optimizer, "gather", peaks)
         metered(trainer.optimizer, "reduce", peaks)
         metrics = [trainer.run_iteration(smp.next_batch(), plan) for plan in plans]
         trainer.close()
         plan_rounds = {str(d): len(trainer.optimizer.plan(d, s.sequence_parallel).rounds) for d in s.pool}
-        out[bucket] = {
+        out.append({
             "master": trainer.optimizer.master.clone(),
             "losses": [m.loss for m in metrics],
             "grad_norms": [m.grad_norm for m in metrics],
             "measured_peak": max(peaks),
             "buffer_peak": trainer.optimizer.exchange_peak_bytes,
             "rounds": plan_rounds,
-        }
+        })
     torch.distributed.barrier()
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_launcher import run_workers
-from exchange_workers import train_buckets
+from exchange_workers import train_variants
 from train_workers import WORLD, crafted_plans, settings
 
 from hydraulis.parallel import Deployment
@@ -20,9 +20,9 @@ SMALL, LARGE = 64 << 10, 256 << 20  # 64 KiB: several rounds on tiny; 256 MiB: o
 def test_small_buckets_train_bit_identically_and_bound_the_exchange_peak():
     s = settings()
     plans = crafted_plans(s)  # five steps switching deployments, one with an idle replica
-    results = run_workers(train_buckets, WORLD, s, plans, [LARGE, SMALL], deadline_s=240)
-    for r in results:
-        small, large = r[SMALL], r[LARGE]
+    variants = [{"exchange_bucket_bytes": b} for b in (LARGE, SMALL)]
+    results = run_workers(train_variants, WORLD, s, plans, variants, deadline_s=240)
+    for large, small in results:
         assert all(n == 1 for n in large["rounds"].values())
         assert all(n > 3 for n in small["rounds"].values()), small["rounds"]
         assert torch.equal(small["master"], large["master"])
@@ -33,7 +33,7 @@ def test_small_buckets_train_bit_identically_and_bound_the_exchange_peak():
     # With one large bucket the whole exchange is one round: its peak is a shard's worth (both buffers), so
     # the bound above is not one any exchange would meet.
     total_bytes = 4 * ModelLayout(s.model, 1).total
-    assert max(r[LARGE]["measured_peak"] for r in results) >= total_bytes / 2 > 2 * SMALL
+    assert max(large["measured_peak"] for large, _ in results) >= total_bytes / 2 > 2 * SMALL
 
 
 @pytest.mark.parametrize("pool", ["4x(tp1,pp1)", "1x(tp2,pp1) + 2x(tp1,pp1)", "1x(tp2,pp2)", "2x(tp1,pp2)"])

@@ -68,6 +68,7 @@ class TrainSettings:
     sequence_parallel: bool = False
     compare_steps: int = 0  # the last batches kept for `Trainer.compare`
     exchange_bucket_bytes: int = DEFAULT_BUCKET_BYTES  # the most bytes one exchange buffer holds
+    reduce_dtype: str = "fp32"  # what gradients travel in to their owners (summed in fp32 there)
 
     def schedule_state(self) -> dict[str, Any]:
         """What the LR at each step depends on; a checkpoint records it, a resume says what changed."""
@@ -81,8 +82,9 @@ class TrainSettings:
         }
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise HydraulisError(f"unknown dtype {self.dtype!r}; use one of {', '.join(DTYPES)}")
+        for key in ("dtype", "reduce_dtype"):
+            if getattr(self, key) not in DTYPES:
+                raise HydraulisError(f"unknown {key} {getattr(self, key)!r}; use one of {', '.join(DTYPES)}")
         if self.steps < 0:
             raise HydraulisError(f"steps must be non-negative, got {self.steps}")
 
@@ -267,13 +269,12 @@ class Trainer:
         gathered = time.perf_counter()
         micro_batches = self.micro_batches(batch, plan, part)
         model = part.model
-        for p in model.parameters():
-            p.grad = None
+        part.clear_grads()
         result = train_step(model, part.groups, micro_batches, count_targets(batch.lengths), reduce_partial_grads=False)
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         computed = time.perf_counter()
-        self.optimizer.reduce(part.exchange, part.grads)
+        self.optimizer.reduce(part.exchange, part.grads, DTYPES[self.settings.reduce_dtype])
         reduced = time.perf_counter()
         counts_loss = result.loss_sum_tensor is not None and part.groups.tp.rank == 0
         loss_part = result.loss_sum_tensor if counts_loss else torch.zeros((), device=self.env.device)
@@ -283,8 +284,7 @@ class Trainer:
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         finished = time.perf_counter()  # the iteration ends here; what follows only reports on it
-        for p in model.parameters():
-            p.grad = None
+        part.clear_grads()
         times = torch.zeros(len(plan.deployment.replicas), dtype=torch.float64)
         times[part.replica] = computed - gathered
         if self.world > 1:
