@@ -82,6 +82,7 @@ def prepare(
     cost = None if auto else job_cost_model(config.parallel.profile, spec)
     if cost is not None:
         cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
+        check_exchange_bucket(config, cost)
     tokenizer = config.data.tokenizer_for(spec)
     env_world = torchrun_world()
     if env_world is None or int(os.environ["RANK"]) == 0:
@@ -132,6 +133,7 @@ def prepare(
         fresh = None if cached is not None else request.measure(torchrun=env_world is not None, log=log)
         cost = ProfiledCostModel.from_dict(cached or fresh, str(run_dir / AUTO_PROFILE))
         cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
+        check_exchange_bucket(config, cost)
     if pool_spec == "auto":
         pool = _propose(cost, cluster, sampler, config, data.max_len)
     elif inline:
@@ -155,6 +157,17 @@ def prepare(
         resume=resume,
         max_restarts=max_restarts,
     )
+
+
+def check_exchange_bucket(config: RunConfig, cost: CostModel) -> None:
+    """An exchange round holds a send and a receive buffer of up to one bucket each: both must fit the device."""
+    mb = config.parallel.exchange_bucket_mb
+    memory = cost.memory.memory_bytes
+    if 2 * mb * (1 << 20) > memory:
+        raise HydraulisError(
+            f"parallel.exchange_bucket_mb {mb:g} is too large for the device's {memory / (1 << 20):.0f} MiB "
+            "(an exchange holds two buckets); use a small fraction of it, e.g. 256 on GPUs"
+        )
 
 
 def model_spec(config: RunConfig) -> ModelSpec:

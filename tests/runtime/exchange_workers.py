@@ -8,9 +8,16 @@ import torch
 from train_workers import corpus, sampler
 
 from hydraulis.planner.plan import IterationPlan
+from hydraulis.runtime import groups
 from hydraulis.runtime.launch import init_distributed
 from hydraulis.runtime.memory_meter import PeakMeter
 from hydraulis.runtime.trainer import Trainer, TrainSettings
+
+
+def timeout_s(group) -> float:
+    """The timeout a process group's gloo backend now has."""
+    group = group or torch.distributed.distributed_c10d._get_default_group()
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
 
 
 def metered(opt, name: str, peaks: list[int]) -> None:
@@ -48,6 +55,8 @@ def train_variants(
             "measured_peak": max(peaks),
             "buffer_peak": trainer.optimizer.exchange_peak_bytes,
             "rounds": plan_rounds,
+            "groups": sorted(k for k, g in groups._GROUPS.items() if g is not None),
+            "timeouts": sorted({timeout_s(g) for g in [None, *groups.built_groups()]}),
         })
     torch.distributed.barrier()
     return out

@@ -16,12 +16,20 @@ from hydraulis.specs import MODELS, ClusterSpec
 SMALL, LARGE = 64 << 10, 256 << 20  # 64 KiB: several rounds on tiny; 256 MiB: one round
 
 
-@pytest.mark.dist
-def test_small_buckets_train_bit_identically_and_bound_the_exchange_peak():
+STEADY_TIMEOUT_S = 123.0
+
+
+@pytest.fixture(scope="module")
+def runs():
     s = settings()
     plans = crafted_plans(s)  # five steps switching deployments, one with an idle replica
-    variants = [{"exchange_bucket_bytes": b} for b in (LARGE, SMALL)]
-    results = run_workers(train_variants, WORLD, s, plans, variants, deadline_s=240)
+    variants = [{"exchange_bucket_bytes": LARGE}, {"exchange_bucket_bytes": SMALL, "timeout_s": STEADY_TIMEOUT_S}]
+    return s, run_workers(train_variants, WORLD, s, plans, variants, deadline_s=240)
+
+
+@pytest.mark.dist
+def test_small_buckets_train_bit_identically_and_bound_the_exchange_peak(runs):
+    s, results = runs
     for large, small in results:
         assert all(n == 1 for n in large["rounds"].values())
         assert all(n > 3 for n in small["rounds"].values()), small["rounds"]
@@ -34,6 +42,16 @@ def test_small_buckets_train_bit_identically_and_bound_the_exchange_peak():
     # the bound above is not one any exchange would meet.
     total_bytes = 4 * ModelLayout(s.model, 1).total
     assert max(large["measured_peak"] for large, _ in results) >= total_bytes / 2 > 2 * SMALL
+
+
+@pytest.mark.dist
+def test_groups_take_the_steady_timeout_after_the_first_step_and_none_is_unused(runs):
+    _, results = runs
+    for rank, (_, small) in enumerate(results):
+        assert small["timeouts"] == [STEADY_TIMEOUT_S]
+        # The pool's 1x(tp2,pp2) would have built a group of its whole replica that nothing uses.
+        assert (0, 1, 2, 3) not in small["groups"]
+        assert all(rank in key for key in small["groups"])
 
 
 @pytest.mark.parametrize("pool", ["4x(tp1,pp1)", "1x(tp2,pp1) + 2x(tp1,pp1)", "1x(tp2,pp2)", "2x(tp1,pp2)"])

@@ -49,10 +49,12 @@ from hydraulis.planner.pool import check_job_pool
 from hydraulis.planner.sim import simulate
 from hydraulis.runtime.batch import PackedBatch, count_targets, pack_cp_shard
 from hydraulis.runtime.deployments import RankDeployment, RankPool
+from hydraulis.runtime.groups import built_groups
 from hydraulis.runtime.launch import DTYPES, DistEnv, init_distributed
 from hydraulis.runtime.layout import ModelLayout
 from hydraulis.runtime.optimizer import DEFAULT_BUCKET_BYTES, DisaggregatedOptimizer
 from hydraulis.runtime.pipeline import train_step
+from hydraulis.runtime.timeouts import DEFAULT_TIMEOUT_S, first_step_timeout, settle_timeouts
 from hydraulis.specs import ModelSpec
 
 
@@ -69,6 +71,7 @@ class TrainSettings:
     compare_steps: int = 0  # the last batches kept for `Trainer.compare`
     exchange_bucket_bytes: int = DEFAULT_BUCKET_BYTES  # the most bytes one exchange buffer holds
     reduce_dtype: str = "fp32"  # what gradients travel in to their owners (summed in fp32 there)
+    timeout_s: float = DEFAULT_TIMEOUT_S  # process-group timeout after the first step (timeouts.py)
 
     def schedule_state(self) -> dict[str, Any]:
         """What the LR at each step depends on; a checkpoint records it, a resume says what changed."""
@@ -180,7 +183,8 @@ class Trainer:
         )
         self.optimizer.init(settings.seed)
         # Plans travel on a CPU group: NCCL cannot broadcast host memory.
-        self.control = dist.new_group(backend="gloo") if self.env.backend != "gloo" else None
+        timeout = first_step_timeout(settings.timeout_s)
+        self.control = dist.new_group(backend="gloo", timeout=timeout) if self.env.backend != "gloo" else None
         self.deployments = RankPool(
             settings.model,
             settings.pool,
@@ -189,7 +193,9 @@ class Trainer:
             self.env.device,
             settings.sequence_parallel,
             settings.cost.recompute,  # activation recompute: the cost model's set is the one definition
+            timeout,
         )
+        self._timeouts_settled = False
         self.planner = Planner(settings.cost, self.world, settings.pool) if self.rank == 0 else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner") if self.rank == 0 else None
         self.step_index = 0
@@ -315,6 +321,9 @@ class Trainer:
             position=batch.state.position,
         )
         self.step_index += 1
+        if not self._timeouts_settled:  # the first step is done: every group gets the steady timeout
+            settle_timeouts(self.settings.timeout_s, [*built_groups(), self.control])
+            self._timeouts_settled = True
         return metrics
 
     # -- measured comparison ------------------------------------------------------------------
