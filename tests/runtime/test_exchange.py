@@ -8,9 +8,10 @@ from dist_launcher import run_workers
 from exchange_workers import train_variants
 from train_workers import WORLD, crafted_plans, settings
 
-from hydraulis.parallel import Deployment
+from hydraulis.cost.memory import shard_params
+from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.runtime.exchange import ExchangePlan
-from hydraulis.runtime.layout import ModelLayout
+from hydraulis.runtime.layout import ModelLayout, Role
 from hydraulis.specs import MODELS, ClusterSpec
 
 SMALL, LARGE = 64 << 10, 256 << 20  # 64 KiB: several rounds on tiny; 256 MiB: one round
@@ -88,3 +89,15 @@ def _union(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((a, b))
     return out
+
+
+@pytest.mark.parametrize("model", ["tiny", "small"])
+def test_the_memory_models_shard_is_what_the_layout_gives_each_rank(model):
+    """cost.memory.shard_params (numpy, from the shape) against the runtime's own parameter shards."""
+    spec = MODELS[model]
+    layout = ModelLayout(spec, 1)
+    for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2)):
+        config = ParallelConfig(tp, pp)
+        for stage in range(pp):
+            held = sum(p.numel for p in layout.local_params(Role(config, stage, 0)))
+            assert shard_params(spec, config, stage) == held, (model, config, stage)

@@ -28,17 +28,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
-from hydraulis.cost.memory import TrainingState
+from hydraulis.cost.memory import DEFAULT_EXCHANGE_BUCKET_BYTES
 from hydraulis.errors import HydraulisError
 from hydraulis.optim import AdamWSettings
 from hydraulis.parallel import Deployment
 from hydraulis.runtime.exchange import EXCHANGE_ELEMENT_BYTES, ExchangePlan, canonical_pieces, deployment_roles
-from hydraulis.runtime.layout import LocalParam, ModelLayout
+from hydraulis.runtime.layout import ModelLayout
 
-DEFAULT_BUCKET_BYTES = 256 << 20  # [parallel] exchange_bucket_mb's default, sized for GPUs
+EXCHANGE_WINDOW = "hydraulis.exchange"  # the profiler range of gather and reduce (memory_meter.PeakMeter)
+DEFAULT_BUCKET_BYTES = DEFAULT_EXCHANGE_BUCKET_BYTES  # [parallel] exchange_bucket_mb's default, sized for GPUs
 
-__all__ = ["DisaggregatedOptimizer", "ExchangePlan", "deployment_roles", "state_bytes_formula"]
+__all__ = ["DisaggregatedOptimizer", "ExchangePlan", "deployment_roles"]
 
 
 class DisaggregatedOptimizer:
@@ -97,13 +99,6 @@ class DisaggregatedOptimizer:
             )
         return self._plans[key]
 
-    def state_bytes(self, compute: Sequence[torch.Tensor] = ()) -> dict[str, int]:
-        """Bytes this rank really holds: owned state, plus the compute shard's parameters and gradients."""
-        owned = sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq, self.grad))
-        params = sum(p.numel() * p.element_size() for p in compute)
-        grads = sum(p.grad.numel() * p.grad.element_size() for p in compute if p.grad is not None)
-        return {"owned": owned, "params": params, "grads": grads}
-
     # -- exchanges ------------------------------------------------------------------------------
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits) -> None:
         if self.layout.world_size == 1:
@@ -125,6 +120,7 @@ class DisaggregatedOptimizer:
         return out
 
     @torch.no_grad()
+    @record_function(EXCHANGE_WINDOW)
     def gather(self, plan: ExchangePlan, params: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
         """Fill `params` (the rank's compute shard, in plan.local order) from the owners, round by round."""
         if len(params) != len(plan.local):
@@ -145,6 +141,7 @@ class DisaggregatedOptimizer:
                     pos += piece.numel()
 
     @torch.no_grad()
+    @record_function(EXCHANGE_WINDOW)
     def reduce(
         self, plan: ExchangePlan, grads: Sequence[torch.Tensor | None], dtype: torch.dtype = torch.float32
     ) -> None:
@@ -201,14 +198,9 @@ class DisaggregatedOptimizer:
         self.exp_avg_sq.mul_(b2).addcmul_(self.grad, self.grad, value=1 - b2)
         bias1 = 1 - b1**self.step_count
         bias2 = 1 - b2**self.step_count
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(s.eps)
-        self.master.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
+        # The denominator in bucket-sized chunks: one temporary of at most a bucket, not of the owned range.
+        chunk = max(1, self.bucket_bytes // EXCHANGE_ELEMENT_BYTES)
+        for a in range(0, len(self.master), chunk):
+            denom = self.exp_avg_sq[a : a + chunk].sqrt().div_(math.sqrt(bias2)).add_(s.eps)
+            self.master[a : a + chunk].addcdiv_(self.exp_avg[a : a + chunk], denom, value=-lr / bias1)
 
-
-def state_bytes_formula(layout: ModelLayout, local: Sequence[LocalParam], rank: int, dtype_bytes: int) -> dict:
-    """What the memory model says this rank holds (cost.model.TrainingState), to compare with `state_bytes`."""
-    state = TrainingState(param_bytes=dtype_bytes, grad_bytes=dtype_bytes)
-    lo, hi = layout.owner_range(rank)
-    shard = sum(p.numel for p in local)
-    return {"owned": (hi - lo) * state.sharded_bytes, "params": shard * state.param_bytes,
-            "grads": shard * state.grad_bytes}

@@ -54,6 +54,7 @@ from hydraulis.runtime.launch import DTYPES, DistEnv, init_distributed
 from hydraulis.runtime.layout import ModelLayout
 from hydraulis.runtime.optimizer import DEFAULT_BUCKET_BYTES, DisaggregatedOptimizer
 from hydraulis.runtime.pipeline import train_step
+from hydraulis.runtime.step_memory import StepMemory, predicted_peak
 from hydraulis.runtime.timeouts import DEFAULT_TIMEOUT_S, first_step_timeout, settle_timeouts
 from hydraulis.specs import ModelSpec
 
@@ -117,6 +118,11 @@ class StepMetrics:
     micro_batches: tuple[int, ...]
     epoch: int
     position: int
+    # Bytes, the largest over ranks (runtime/step_memory.py): measured by the allocator, and predicted.
+    memory_peak_bytes: int = 0
+    memory_predicted_bytes: int = 0
+    exchange_peak_bytes: int = 0
+    memory_error: float = 0.0  # the largest |measured - predicted| / predicted of any rank
 
     @property
     def tokens_per_s(self) -> float:
@@ -196,6 +202,7 @@ class Trainer:
             timeout,
         )
         self._timeouts_settled = False
+        self.memory = StepMemory(self.env.device, self.optimizer)
         self.planner = Planner(settings.cost, self.world, settings.pool) if self.rank == 0 else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner") if self.rank == 0 else None
         self.step_index = 0
@@ -267,6 +274,7 @@ class Trainer:
 
     def run_iteration(self, batch: GlobalBatch, plan: IterationPlan, planning_unhidden_s: float = 0.0) -> StepMetrics:
         """Execute one plan on one batch (every rank, the same plan); returns the metrics (meaningful on rank 0)."""
+        self.memory.start()
         start = time.perf_counter()
         pool_index = self.settings.pool.index(plan.deployment)
         part, switched = self.deployments.activate(pool_index)
@@ -290,11 +298,17 @@ class Trainer:
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         finished = time.perf_counter()  # the iteration ends here; what follows only reports on it
+        s = self.settings
+        memory = self.memory.stop(predicted_peak(s.cost, s.model, part, plan, self.world, self.dtype,
+                                                 s.exchange_bucket_bytes))
         part.clear_grads()
-        times = torch.zeros(len(plan.deployment.replicas), dtype=torch.float64)
+        replicas = len(plan.deployment.replicas)
+        times = torch.zeros(replicas + 4, dtype=torch.float64)  # replica times, then memory: max over ranks
         times[part.replica] = computed - gathered
+        times[replicas:] = torch.tensor([memory.peak, memory.predicted, memory.exchange_peak, memory.error])
         if self.world > 1:
             dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.control)
+        times, peaks = times[:replicas], times[replicas:].tolist()
         predicted = simulate(plan, self.settings.cost, keep_events=False)
         values = torch.stack([norm.detach().double().cpu(), extra[0].double().cpu()]).tolist()  # one sync per step
         metrics = StepMetrics(
@@ -319,6 +333,10 @@ class Trainer:
             micro_batches=tuple(len(r.micro_batches) for r in plan.replicas),
             epoch=batch.state.epoch,
             position=batch.state.position,
+            memory_peak_bytes=int(peaks[0]),
+            memory_predicted_bytes=int(peaks[1]),
+            exchange_peak_bytes=int(peaks[2]),
+            memory_error=peaks[3],
         )
         self.step_index += 1
         if not self._timeouts_settled:  # the first step is done: every group gets the steady timeout
