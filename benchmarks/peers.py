@@ -18,6 +18,10 @@ barrier; its time is the slowest rank's, from the step's start to the end of tha
 step (Hydraulis: `StepMetrics.iteration_s`, which ends there too; its per-step reporting is left
 out). tokens/s = the batches' real tokens / the summed step times; median [min-max] over reps.
 
+CPU seconds per iteration: every rank's process CPU time (all its threads) over the timed pass,
+summed over ranks. Divided by the wall time and the cores, it is the share of the machine the variant
+kept busy: near 100%, no better schedule of the same work can be faster here, only less work can.
+
 Memory per rank: VmHWM, the process's high-water mark (it cannot be reset), minus VmRSS after the
 imports (torch, transformers, hydraulis: the same for every variant) and before the variant is built:
 what the variant itself added at its peak, warm-up and timed pass included. Each variant runs in
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -132,7 +137,8 @@ def prepare(name: str, args: argparse.Namespace) -> dict[str, Any]:
     ring = 2 * (WORLD - 1) / WORLD * 4 * params
     return {
         "setting": name, "spec": spec, "corpus": str(corpus.path), "tokenizer": s.tokenizer, "max_len": s.max_len,
-        "tokens": tokens, "about": s.about, "profile": profile, "profile_data": profile_data, "cost": cost,
+        "tokens": tokens, "about": s.about,
+        "cores": len(os.sched_getaffinity(0)), "profile": profile, "profile_data": profile_data, "cost": cost,
         "pool": pool, "batches": batches, "plans": plans, "optim": OptimSettings(), "params": params,
         "sent_bytes": {**{v: exchange_bytes(spec, p) for v, p in plans.items()}, **dict.fromkeys(PEERS, ring)},
     }
@@ -177,18 +183,22 @@ def run_pass(step, steps: int) -> dict[str, list[float]]:
     import torch
     import torch.distributed as dist
 
-    seconds, shares, norms = [], [], []
+    seconds, cpu, shares, norms = [], [], [], []
     for i in range(steps):
         dist.barrier()
+        busy = time.process_time()  # this process's CPU seconds, all its threads
         s, share, norm = step(i)
+        cpu.append(time.process_time() - busy)
         seconds.append(s)
         shares.append(float(share))
         norms.append(scalar(norm))
     t = torch.tensor(seconds, dtype=torch.float64)
+    c = torch.tensor(cpu, dtype=torch.float64)
     losses = torch.tensor(shares, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(c)  # CPU seconds of all ranks together
     dist.all_reduce(losses)  # each rank's share of the global loss (Hydraulis: rank 0 holds all of it)
-    return {"step_s": t.tolist(), "loss": losses.tolist(), "grad_norm": norms}
+    return {"step_s": t.tolist(), "cpu_s": c.tolist(), "loss": losses.tolist(), "grad_norm": norms}
 
 
 def worker(job: dict, variant: str) -> dict:
@@ -226,6 +236,7 @@ def measure(job: dict, reps: int) -> dict[str, list[dict]]:
             seconds = sum(ranks[0]["timed"]["step_s"])
             rows[v].append({
                 "tokens_per_s": tokens / seconds, "seconds": seconds, "step_s": ranks[0]["timed"]["step_s"],
+                "cpu_s": sum(ranks[0]["timed"]["cpu_s"]),
                 "loss": ranks[0]["timed"]["loss"], "first_loss": ranks[0]["warm"]["loss"][0],
                 "first_grad_norm": ranks[0]["warm"]["grad_norm"][0],
                 "peak_increase_bytes": [r["hwm"] - r["rss_base"] for r in ranks],
@@ -255,6 +266,10 @@ def summarize(job: dict, rows: dict[str, list[dict]]) -> dict[str, Any]:
             "tokens_per_s_median": statistics.median(tput), "tokens_per_s_min": min(tput),
             "tokens_per_s_max": max(tput), "tokens_per_s": tput,
             "predicted_tokens_per_s": tokens / predicted if predicted else None,
+            "cpu_s_per_iteration": statistics.median(r["cpu_s"] for r in reps) / len(job["batches"]),
+            # the share of the cores busy during the timed pass: 1.0 means no schedule of the same work can
+            # be faster here, only less work can
+            "core_utilisation": statistics.median(r["cpu_s"] / r["seconds"] for r in reps) / job["cores"],
             "peak_increase_mib": statistics.median(max(r["peak_increase_bytes"]) for r in reps) / MiB,
             "vmhwm_mib": statistics.median(max(r["vmhwm_bytes"]) for r in reps) / MiB,
             "sent_mib_per_iteration": job["sent_bytes"][v] / MiB,
@@ -288,12 +303,13 @@ def summarize(job: dict, rows: dict[str, list[dict]]) -> dict[str, Any]:
 def print_report(job: dict, summary: dict) -> None:
     var = summary["variants"]
     print(f"  {'variant':<14} {'tokens/s median [min-max]':>32} {'predicted':>10} {'peak +MiB':>10}"
-          f" {'sent MiB/it':>12} {'first loss':>11}")
+          f" {'sent MiB/it':>12} {'CPU s/it':>9} {'cores busy':>10} {'first loss':>11}")
     for v, r in var.items():
         spread = f"{r['tokens_per_s_median']:,.0f} [{r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f}]"
         pred = f"{r['predicted_tokens_per_s']:,.0f}" if r["predicted_tokens_per_s"] else "-"
         print(f"  {v:<14} {spread:>32} {pred:>10} {r['peak_increase_mib']:>10.1f}"
-              f" {r['sent_mib_per_iteration']:>12.2f} {r['first_loss']:>11.7f}")
+              f" {r['sent_mib_per_iteration']:>12.2f} {r['cpu_s_per_iteration']:>9.3f}"
+              f" {r['core_utilisation']:>10.0%} {r['first_loss']:>11.7f}")
     used = ", ".join(f"{d} x{n}" for d, n in summary["hydraulis_deployments"].items())
     print(f"  hydraulis chose: {used}")
     for v, r in var.items():

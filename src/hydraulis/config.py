@@ -63,7 +63,7 @@ class ModelSection(_Section):
 
 class DataSection(_Section):
     corpus: str = "python-stdlib"
-    tokenizer: Literal["auto", "gpt2", "bytes"] = "auto"
+    tokenizer: str = Field("auto", min_length=1)  # auto, gpt2, bytes, or a Hugging Face tokenizer path
     tokens_per_batch: int = Field(16384, ge=1, le=MAX_TOKENS)
     max_len: int = Field(2048, ge=2, le=MAX_TOKENS)
     overlong: Literal["split", "truncate", "drop"] = "split"
@@ -78,10 +78,13 @@ class DataSection(_Section):
             )
         return self
 
-    def tokenizer_for(self, spec: ModelSpec) -> str:
-        """GPT-2 when the vocabulary holds it, else bytes (the tiny models' 512 entries)."""
+    def tokenizer_for(self, spec: ModelSpec, init_from: str | None = None) -> str:
+        """As given; `auto`: the init_from checkpoint's own tokenizer when it ships one, else GPT-2 when
+        the vocabulary holds it, else bytes (the tiny models' 512 entries)."""
         if self.tokenizer != "auto":
             return self.tokenizer
+        if init_from is not None and (Path(init_from) / "tokenizer.json").is_file():
+            return init_from
         return "gpt2" if spec.vocab >= 50257 else "bytes"
 
 

@@ -83,7 +83,8 @@ def prepare(
     if cost is not None:
         cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
         check_exchange_bucket(config, cost)
-    tokenizer = config.data.tokenizer_for(spec)
+    tokenizer = config.data.tokenizer_for(spec, config.model.init_from)
+    token_ids = check_tokenizer(tokenizer, spec, config.model.init_from)  # a bad one fails before anything runs
     env_world = torchrun_world()
     if env_world is None or int(os.environ["RANK"]) == 0:
         _check_out(run_dir, config, resume)  # under torchrun rank 0 writes the run directory, and checks it
@@ -111,15 +112,13 @@ def prepare(
         )
     gpn = config.parallel.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     cluster = ClusterSpec(world, min(gpn, world))
-    corpus = resolve_corpus(config.data.corpus, tokenizer, progress=True)
-    if corpus.manifest.tokenizer != tokenizer:
+    corpus = resolve_corpus(config.data.corpus, tokenizer, progress=True, log=log)
+    if corpus.manifest.tokenizer != token_ids:
+        made = corpus.manifest.tokenizer_source or corpus.manifest.tokenizer
         raise HydraulisError(
-            f"corpus {config.data.corpus} is tokenized with {corpus.manifest.tokenizer}, "
-            f"the model needs {tokenizer}; rebuild it or set data.tokenizer"
+            f"corpus {config.data.corpus} is tokenized with {made} ({corpus.manifest.tokenizer}), "
+            f"the model needs {tokenizer} ({token_ids}); rebuild it or set data.tokenizer"
         )
-    vocab_needed = get_vocab(tokenizer)
-    if vocab_needed > spec.vocab:
-        raise HydraulisError(f"model.vocab {spec.vocab} is smaller than the {tokenizer} tokenizer's {vocab_needed}")
     data = config.data
     sampler = TokenBudgetSampler(corpus.lengths, data.tokens_per_batch, data.max_len, data.seed, data.overlong)
     fresh = None  # profile = "auto": a profile measured now, written once every check has passed
@@ -211,10 +210,28 @@ def _pool_configs(pool_spec: str, inline: bool, spec: ModelSpec, world: int) -> 
     return tuple(sorted(set(configs), key=lambda c: (c.num_gpus, c.tp, c.pp, c.cp)))
 
 
-def get_vocab(tokenizer: str) -> int:
+def check_tokenizer(tokenizer: str, spec: ModelSpec, init_from: str | None) -> str:
+    """The tokenizer's identity, once it is known to suit the model: its ids fit the vocabulary and,
+    with init_from, it is the checkpoint's own tokenizer when the checkpoint ships one."""
     from hydraulis.data.tokenizer import get_tokenizer
 
-    return get_tokenizer(tokenizer).vocab_size
+    tok = get_tokenizer(tokenizer)
+    if tok.vocab_size > spec.vocab:
+        raise HydraulisError(
+            f"model.vocab {spec.vocab} is smaller than the {tokenizer} tokenizer's {tok.vocab_size} token ids; "
+            "choose the model's own tokenizer (data.tokenizer) or a larger vocabulary"
+        )
+    if init_from is not None and Path(tokenizer) != Path(init_from):
+        from hydraulis.data.hf_tokenizer import TOKENIZER_FILE
+
+        if (Path(init_from) / TOKENIZER_FILE).is_file():
+            own = get_tokenizer(init_from)
+            if own.name != tok.name:
+                raise HydraulisError(
+                    f"data.tokenizer {tokenizer} ({tok.name}) is not the tokenizer of model.init_from {init_from} "
+                    f"({own.name}); drop data.tokenizer to use the checkpoint's own"
+                )
+    return tok.name
 
 
 def _propose(

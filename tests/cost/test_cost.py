@@ -280,17 +280,34 @@ def test_cp_caps_hold_exactly(tp_pp, cp, model, seed, recompute):
 
 
 def test_cp_memory_counts_the_keys_attention_keeps() -> None:
-    """Per token of a split document a CP rank keeps its keys' copy in every layer in flight (L under
-    1F1B), independent arithmetic: 2 (K, V) x kv columns x 2 bytes x (1 + 1/2cp), plus one layer live."""
+    """Per token of a split document a CP rank keeps its chunks' prefix K/V in every layer in flight
+    (L under 1F1B), independent arithmetic: 2 (K, V) x kv columns x 2 bytes x (1 - 1/2cp), plus three
+    copies of one layer's K/V live in its backward."""
     from hydraulis.cost import extend_to_cp
     from hydraulis.cost.memory import kv_buffer_bytes
 
     spec = get_model("llama-7b")
     kv = spec.kv_heads * spec.head_dim
     g = ParallelConfig(1, 1, 4)
-    assert kv_buffer_bytes(spec, g) == pytest.approx(spec.layers * 2 * kv * 2 * (1 + 1 / 8) + 2 * 2 * kv * 2)
-    assert kv_buffer_bytes(spec, g, recompute=True) == pytest.approx(2 * kv * 2 * (1 + 1 / 8) + 2 * 2 * kv * 2)
+    assert kv_buffer_bytes(spec, g) == pytest.approx(spec.layers * 2 * kv * 2 * (1 - 1 / 8) + 3 * 2 * kv * 2)
+    assert kv_buffer_bytes(spec, g, recompute=True) == pytest.approx(2 * kv * 2 * (1 - 1 / 8) + 3 * 2 * kv * 2)
     assert kv_buffer_bytes(spec, ParallelConfig(1, 1, 1)) == 0.0
     cost = extend_to_cp(AnalyticCostModel(spec, get_device("a800-80g")))
     # cp grows the cap, but less than cp-fold once the kept K/V are counted
     assert cost.cap(ParallelConfig(1, 1, 1), 8) < cost.cap(g, 8) < 4 * cost.cap(ParallelConfig(1, 1, 1), 8)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_cp_kept_prefix_follows_the_zigzag_split(cp: int) -> None:
+    """The (1 - 1/2cp) of kv_buffer_bytes against the runtime's split: a chunk at [a, b) keeps prefix
+    rows 0..a-1, so the fullest rank keeps the largest sum of its chunks' starts; uneven lengths too."""
+    from hydraulis.context import split_for_cp
+    from hydraulis.cost.memory import KV_BYTES, LIVE_KV_COPIES, kv_buffer_bytes, kv_shard_dim
+
+    spec = get_model("llama-7b")
+    per_layer = 2 * kv_shard_dim(spec, 1) * KV_BYTES
+    kept_per_token = kv_buffer_bytes(spec, ParallelConfig(1, 1, cp), recompute=True) / per_layer - LIVE_KV_COPIES
+    for length in (4096 * cp, 4096 * cp + 2 * cp - 1, 1021):
+        split = split_for_cp([length], cp)
+        kept = max(int(split.segments(r)[1].sum()) for r in range(cp))
+        assert abs(kept - length * kept_per_token) <= 2 * cp, (length, kept)

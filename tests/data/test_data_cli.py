@@ -45,6 +45,8 @@ def test_build_report_stats_and_plot(cli, tmp_path: Path, messy: Path) -> None: 
         "binary_skipped": 1,
         "missing_field_skipped": 1,
         "blank_lines": 1,
+        "sft_records": 0,
+        "no_target_skipped": 0,
     }
     res = cli("data", "stats", str(out), "--json", "--plot", str(tmp_path / "h.png"))
     assert res.returncode == 0, res.stderr

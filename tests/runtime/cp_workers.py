@@ -33,11 +33,14 @@ SCENARIOS = {
 }
 
 
-def run_scenarios(rank: int, world: int, spec: ModelSpec, state: dict, docs: list, micro_batches) -> dict:
-    """One step of every scenario: this rank's loss share and its stage's full gradients (summed over CP)."""
+def run_scenarios(
+    rank: int, world: int, spec: ModelSpec, state: dict, docs: list, micro_batches, names=tuple(SCENARIOS)
+) -> dict:
+    """One step of each named scenario: this rank's loss share and its stage's full gradients (summed over CP)."""
     out = {}
     total = count_targets([len(d) for d in docs])
-    for scenario, (replicas, sp, recompute) in SCENARIOS.items():
+    for scenario in names:
+        replicas, sp, recompute = SCENARIOS[scenario]
         groups = build_replica_groups(replicas, sp, TIMEOUT)
         config = groups.config
         model = StageModel(spec, groups.tp, groups.stage, config.pp, recompute=recompute, cp=groups.cp)
@@ -65,7 +68,7 @@ LONG_DOC = 512  # 4x the tp1pp1 cap of the profile below: only the cp4 replica c
 
 def cp_train_cost():
     """tiny's measured CPU profile with cp rows and memory for 200 tokens on tp1pp1: its cap is 128, and
-    cp4's rank holds ceil(512 / 4) + 8 tokens plus the kept K/V (cap 640), cp2's cap is 384."""
+    cp4's rank holds ceil(512 / 4) + 8 tokens plus the kept K/V (cap 640), cp2's cap is 256."""
     from importlib import resources
 
     from hydraulis.cost.profiled import ProfiledCostModel

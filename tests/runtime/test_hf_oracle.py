@@ -26,6 +26,7 @@ transformers = pytest.importorskip("transformers")
 import hf_workers  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from dist_launcher import run_workers  # noqa: E402
+from hf_helpers import spread_weights  # noqa: E402
 
 from hydraulis.errors import HydraulisError  # noqa: E402
 from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, micro_batch_loss, pack_documents  # noqa: E402
@@ -68,15 +69,7 @@ def hf_reference(spec):
     torch.manual_seed(SEED)
     config = hf_config(spec)
     config._attn_implementation = "eager"  # its own matmul-softmax attention, not our SDPA path
-    model = transformers.LlamaForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif name == "model.embed_tokens.weight":
-                p.normal_()
-            else:  # (out, in): unit-variance outputs, attention logits of order one
-                p.normal_(std=p.shape[1] ** -0.5)
+    model = spread_weights(transformers.LlamaForCausalLM(config).float().eval())
     docs = documents(spec.vocab)
     total = count_targets(LENGTHS)
     logits, losses = [], []

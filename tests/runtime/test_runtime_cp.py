@@ -62,16 +62,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @functools.cache
-def our_reference() -> tuple[float, dict[str, torch.Tensor]]:
-    """One process, one document at a time, F.cross_entropy."""
+def our_reference(docs: tuple[torch.Tensor, ...] | None = None) -> tuple[float, dict[str, torch.Tensor]]:
+    """One process, one document at a time, F.cross_entropy (the test's documents unless given)."""
+    docs = documents() if docs is None else docs
     model = StageModel(SPEC)
     model.load_full_state_dict(weights())
     loss = torch.zeros(())
-    for doc in documents():
+    for doc in docs:
         batch = pack_documents([doc])
         loss = loss + F.cross_entropy(model(batch.tokens, batch), batch.targets, ignore_index=IGNORE_INDEX,
                                       reduction="sum")
-    loss = loss / count_targets(LENGTHS)
+    loss = loss / count_targets([len(d) for d in docs])
     loss.backward()
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -146,6 +147,28 @@ def test_context_parallel_matches_single_process(results, scenario):
 def test_context_parallel_matches_hf(results, scenario):
     worst = check(results, scenario, *hf_reference())
     print(f"{scenario} vs HF: {worst}")
+
+
+LONG_LENGTHS = (1021, 387, 2, 700, 650)
+LONG_MICRO_BATCHES = ((0, 1, 2), (3, 4))
+LONG_SCENARIOS = ("cp2", "cp4", "tp2cp2-sp")
+
+
+@pytest.mark.dist
+def test_context_parallel_on_long_documents_with_uneven_chunks():
+    """Documents of 387-1021 tokens cut into chunks of unequal lengths (1021 = 7 x 128 + 125 at cp4):
+    every chunk's prefix block holds up to 893 gathered keys, its diagonal block up to 256."""
+    g = torch.Generator().manual_seed(13)
+    docs = tuple(torch.randint(0, SPEC.vocab, (n,), generator=g) for n in LONG_LENGTHS)
+    for cp in (2, 4):
+        split = split_for_cp(LONG_LENGTHS[:3], cp)
+        chunks = {int(b - a) for r in range(cp) for d, a, b in zip(*split.segments(r), strict=True) if d == 0}
+        assert len(chunks) > 1, (cp, chunks)  # uneven
+    results = run_workers(cp_workers.run_scenarios, 4, SPEC, weights(), list(docs), LONG_MICRO_BATCHES,
+                          LONG_SCENARIOS, deadline_s=150)
+    for scenario in LONG_SCENARIOS:
+        worst = check(results, scenario, *our_reference(docs))
+        print(f"{scenario} on long documents vs reference: {worst}")
 
 
 @pytest.mark.dist

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,6 +91,19 @@ def test_model_step_runs_on_the_fused_kernel_only():
 def test_cpu_uses_per_document_sdpa():
     assert attention_backend("cpu", torch.float32) == "sdpa-per-document"
     assert attention_backend("cpu", torch.bfloat16) == "sdpa-per-document"
+
+
+def test_cuda_bf16_takes_a_varlen_flash_kernel():
+    """Selected by device, dtype and head size (run on a GPU by benchmarks/gpu_check.py)."""
+    from hydraulis.runtime.blockwise_attention import block_kernel
+
+    varlen = importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    expected = {"torch-varlen-flash"} if varlen else {"flash-attn-varlen", "sdpa-per-document"}
+    assert attention_backend("cuda", torch.bfloat16) in expected
+    assert attention_backend("cuda", torch.float32) == "sdpa-per-document"
+    assert attention_backend("cuda", torch.bfloat16, head_dim=12) == "sdpa-per-document"  # not a multiple of 8
+    assert block_kernel("cuda", torch.bfloat16, 128).name == "cuda-flash"
+    assert block_kernel("cuda", torch.bfloat16, 12).name == "math"
 
 
 def test_pack_documents_targets_never_cross_documents():

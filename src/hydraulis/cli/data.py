@@ -13,16 +13,32 @@ from hydraulis.limits import MAX_BATCHES, MAX_LENGTH, MAX_SEED, MAX_TOKENS_PER_B
 data_app = typer.Typer(help="Tokenize corpora into indexed form and describe their length distributions.")
 app.add_typer(data_app, name="data")
 
-TokenizerOption = typer.Option("gpt2", "--tokenizer", "-t", help="gpt2 (BPE, needs tiktoken) or bytes.")
+TokenizerOption = typer.Option(
+    "gpt2",
+    "--tokenizer",
+    "-t",
+    help="gpt2 (BPE, needs tiktoken), bytes, or a Hugging Face tokenizer.json or model directory.",
+)
 
 
 @data_app.command("build")
 def build(
-    source: str = typer.Argument(..., help="A jsonl file, a text file, a directory, or a built-in corpus name."),
+    source: str = typer.Argument(
+        ...,
+        help="A jsonl, parquet, arrow or text file, a directory (datasets.save_to_disk too), or a built-in name.",
+    ),
     out: Path = typer.Option(..., "--out", "-o", help="Corpus directory to create."),
     tokenizer: str = TokenizerOption,
-    field: str = typer.Option("text", "--field", help="jsonl: the field that holds each document's text."),
-    skip_missing: bool = typer.Option(False, "--skip-missing", help="jsonl: skip lines without the field."),
+    field: str = typer.Option(
+        "text", "--field", help="jsonl, parquet, arrow: the field that holds each document's text."
+    ),
+    skip_missing: bool = typer.Option(False, "--skip-missing", help="Records: skip those without the field."),
+    fmt: str = typer.Option(
+        "auto", "--format", help="Records: auto (by their keys), text (the field), sft (prompt/completion, messages)."
+    ),
+    skip_bad: bool = typer.Option(
+        False, "--skip-bad", help="SFT: skip (and count) records with nothing to train on, e.g. an empty completion."
+    ),
     glob: str = typer.Option("**/*", "--glob", help="Directory: which files to read (.jsonl files as jsonl)."),
     force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
@@ -30,26 +46,30 @@ def build(
     """Tokenize a source into an indexed corpus (tokens.bin + index.idx + manifest.json)."""
     from hydraulis.data.builtin import BUILTINS, build_builtin
     from hydraulis.data.indexed import build_corpus, byte_progress
-    from hydraulis.data.readers import InputOptions, ReadCounts, read_source, source_bytes
+    from hydraulis.data.readers import InputOptions, ReadCounts
+    from hydraulis.data.records import check_format
+    from hydraulis.data.sources import read_source, source_bytes
+    from hydraulis.data.tokenizer import get_tokenizer
 
+    tok = get_tokenizer(tokenizer)  # a bad tokenizer fails here, before anything is read or written
     if_exists = "replace" if force else "error"
     path = Path(source)
     if not path.exists() and source in BUILTINS:
         corpus = build_builtin(source, out, tokenizer, progress=True, if_exists=if_exists)
     else:
-        options = InputOptions(field=field, skip_missing=skip_missing, glob=glob)
+        options = InputOptions(field=field, skip_missing=skip_missing, glob=glob, format=check_format(fmt))
         total = source_bytes(path, options)
         counts = ReadCounts()
-        with byte_progress(total, f"tokenizing {path.name} ({tokenizer})") as advance:
+        with byte_progress(total, f"tokenizing {path.name} ({tok.name})") as advance:
             docs = read_source(path, counts, options, advance)
-            corpus = build_corpus(docs, out, tokenizer, str(path.resolve()), counts, if_exists=if_exists)
+            corpus = build_corpus(docs, out, tok, str(path.resolve()), counts, if_exists=if_exists, skip_bad=skip_bad)
     m = corpus.manifest
     if as_json:
         print_json(m.to_dict())
         return
     console.print(
-        f"built {out}: {m.documents:,} documents, {m.tokens:,} tokens ({m.tokenizer}, {m.dtype}), "
-        f"longest {m.max_length:,}"
+        f"built {out}: {m.documents:,} documents, {m.tokens:,} tokens, {m.target_tokens:,} targets "
+        f"({m.tokenizer}, {m.dtype}), longest {m.max_length:,}"
     )
     rows = [[k.replace("_", " "), v] for k, v in m.report.to_dict().items()]
     console.print(table("input", ["", "count"], rows))
@@ -62,7 +82,8 @@ def stats(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     plot: Path = typer.Option(None, "--plot", help="Write a length histogram (log x-axis) to this .png/.svg/.pdf."),
 ) -> None:
-    """Length distribution of a corpus: percentiles, long-tail shares, quadratic share of the top 1%."""
+    """Length distribution of a corpus: tokens and target tokens (SFT: the completions), percentiles,
+    long-tail shares, quadratic share of the top 1%."""
     from hydraulis.data.builtin import resolve_corpus
     from hydraulis.data.stats import THRESHOLDS, length_stats, plot_histogram
 
@@ -75,11 +96,14 @@ def stats(
     if plot is not None:
         plot_histogram(c.lengths, plot, title=f"{c.name} ({c.manifest.tokenizer}): {st.count:,} documents")
     if as_json:
-        print_json({"corpus": c.name, "path": str(c.path), "tokenizer": c.manifest.tokenizer, **st.to_dict()})
+        targets = {"target_tokens": c.manifest.target_tokens, "masked": c.manifest.masked}
+        print_json(
+            {"corpus": c.name, "path": str(c.path), "tokenizer": c.manifest.tokenizer, **st.to_dict(), **targets}
+        )
         return
-    columns = ["corpus", "docs", "tokens", "p50", "p90", "p99", "max"]
+    columns = ["corpus", "docs", "tokens", "targets", "p50", "p90", "p99", "max"]
     columns += [f">{t // 1024}K" for t in THRESHOLDS] + ["top1% s²"]
-    row = [c.name, f"{st.count:,}", f"{st.tokens:,}", st.p50, st.p90, st.p99, st.max]
+    row = [c.name, f"{st.count:,}", f"{st.tokens:,}", f"{c.manifest.target_tokens:,}", st.p50, st.p90, st.p99, st.max]
     row += [f"{st.share_above[t]:.1%}" for t in THRESHOLDS] + [f"{st.top1_sq_share:.1%}"]
     console.print(table(f"{c.path} ({c.manifest.tokenizer})", columns, [row]))
     if plot is not None:

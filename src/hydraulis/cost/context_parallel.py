@@ -4,7 +4,9 @@ Context parallelism (cp > 1) splits every sequence of a micro-batch over cp
 GPUs: a and b divide by cp, and the K/V exchange over the CP group (an
 all-gather per layer forward, a reduce-scatter of dK/dV backward) adds to b
 and c (`kv_exchange`). `extend_to_cp` derives cp > 1 entries from measured
-cp = 1 ones (an analytic extension, labelled `+cp`). The K/V buffers a CP
+cp = 1 ones (an analytic extension, labelled `+cp`): attention is blockwise
+(a chunk's causal diagonal plus its full prefix, no masked-out work), so
+under the zigzag its FLOPs divide by cp like the GEMMs'. The K/V buffers a CP
 rank keeps are memory (memory.kv_buffer_bytes).
 """
 

@@ -23,6 +23,7 @@ CAP_GRANULARITY = 128
 DEFAULT_EXCHANGE_BUCKET_BYTES = 256 << 20  # [parallel] exchange_bucket_mb's default
 RECOMPUTE_INPUT_BYTES = 2  # a layer's input kept under full recompute (bf16)
 KV_BYTES = 2  # K and V travel over the CP group in the compute dtype (bf16)
+LIVE_KV_COPIES = 3  # document-sized K/V copies of the one layer in CP backward (kv_buffer_bytes)
 
 
 def kv_shard_dim(model: ModelSpec, tp: int) -> int:
@@ -33,16 +34,19 @@ def kv_shard_dim(model: ModelSpec, tp: int) -> int:
 def kv_buffer_bytes(model: ModelSpec, config: ParallelConfig, recompute: bool = False) -> float:
     """Bytes per token of a micro-batch that CP adds on a rank, beyond its share of the activations.
 
-    Each chunk of a split document attends to the gathered keys and values up to its end, and
-    attention keeps that copy for backward: about (1 + 1 / 2cp) x the document's K/V per layer, for
-    every layer in flight (L under 1F1B, one under full recompute). On top, one layer's gathered K/V
-    and their gradients are live while it runs.
+    Attention is blockwise (runtime/blockwise_attention.py): a chunk at [a, b) keeps for backward
+    its own K/V (counted in the activations) and a copy of the gathered prefix 0..a-1. A rank's two
+    zigzag chunks k and 2cp-1-k start at k/2cp and (2cp-1-k)/2cp of the document, so it keeps
+    (1 - 1 / 2cp) x the document's K/V per layer, for every layer in flight (L under 1F1B, one under
+    full recompute). On top, while one layer runs backward: its gathered K/V's gradient, the
+    gathered layout of it, and the reduce-scatter's reordered copy (3 x the document's K/V). Nothing
+    is O(chunk x prefix): no mask, and the block kernels keep O(chunk) softmax statistics.
     """
     if config.cp == 1:
         return 0.0
     per_layer = 2 * kv_shard_dim(model, config.tp) * KV_BYTES
     kept_layers = 1 if recompute else model.layers
-    return kept_layers * per_layer * (1 + 1 / (2 * config.cp)) + 2 * per_layer
+    return kept_layers * per_layer * (1 - 1 / (2 * config.cp)) + LIVE_KV_COPIES * per_layer
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ import bz2
 import functools
 import importlib.metadata
 import importlib.util
-import os
 import sys
 import sysconfig
 import xml.etree.ElementTree as ET
@@ -34,6 +33,8 @@ import numpy as np
 
 from hydraulis.data.indexed import IfExists, IndexedCorpus, build_corpus, byte_progress, open_corpus
 from hydraulis.data.readers import ReadCounts, read_text_file
+from hydraulis.data.staging import cache_dir
+from hydraulis.data.tokenizer import get_tokenizer
 from hydraulis.errors import HydraulisError
 
 WIKI_FILE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
@@ -139,12 +140,6 @@ def get_builtin(name: str) -> Builtin:
         raise HydraulisError(f"unknown built-in corpus {name!r}; choose one of: {', '.join(BUILTINS)}") from None
 
 
-def cache_dir() -> Path:
-    """Where built corpora are kept: $HYDRAULIS_CACHE, else ~/.cache/hydraulis."""
-    env = os.environ.get("HYDRAULIS_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "hydraulis"
-
-
 def build_builtin(
     name: str,
     out: str | Path,
@@ -169,7 +164,7 @@ def build_builtin(
 def ensure_builtin(name: str, tokenizer: str = "gpt2", progress: bool = False) -> IndexedCorpus:
     """The cached build of a built-in corpus, built (or rebuilt, if stale or damaged) on first use."""
     builtin = get_builtin(name)
-    path = cache_dir() / "corpora" / f"{name}-{tokenizer}"
+    path = cache_dir() / "corpora" / f"{name}-{get_tokenizer(tokenizer).name}"  # a path's tokenizer: hf-HASH
     if path.exists():
         try:
             corpus = open_corpus(path)
@@ -181,10 +176,17 @@ def ensure_builtin(name: str, tokenizer: str = "gpt2", progress: bool = False) -
     return build_builtin(name, path, tokenizer, progress=progress, if_exists="keep")
 
 
-def resolve_corpus(spec: str | Path, tokenizer: str = "gpt2", progress: bool = False) -> IndexedCorpus:
-    """A corpus given as a built corpus directory or a built-in name (a path wins if both exist)."""
+def resolve_corpus(
+    spec: str | Path, tokenizer: str = "gpt2", progress: bool = False, log: Callable[[str], None] | None = None
+) -> IndexedCorpus:
+    """A corpus given as a built corpus directory, a source file or datasets directory (built into the cache
+    once: sources.py), or a built-in name (a path wins if both exist)."""
+    from hydraulis.data.sources import ensure_source, is_buildable
+
     path = Path(spec)
     if path.exists():
+        if is_buildable(path):
+            return ensure_source(path, tokenizer, progress, log) if log else ensure_source(path, tokenizer, progress)
         return open_corpus(path)
     if str(spec) in BUILTINS:
         return ensure_builtin(str(spec), tokenizer, progress)

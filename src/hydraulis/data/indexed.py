@@ -6,14 +6,18 @@ A corpus is a directory:
                    back to back, little-endian uint16 (vocabulary <= 65536) or uint32
     index.idx      32-byte header (magic, version, token size, documents, tokens),
                    then int64 offsets[documents], then int64 lengths[documents]
-    manifest.json  `hydraulis.corpus/1`: source, tokenizer, counts, what the readers
-                   skipped or repaired, and sha256 checksums of both files
+    mask.bin       SFT corpora only: one byte per token, 1 where the token is a target
+                   (the loss counts predicting it), 0 in prompts and non-assistant turns
+    manifest.json  `hydraulis.corpus/1` (manifest.py): source, tokenizer identity, counts,
+                   target tokens, what the readers skipped or repaired, sha256 of every file
 
 Reading a document is O(1): a slice of the memory map at its offset. Lengths
 (what the planner needs) come from the index without touching the tokens.
 
 The builder streams: documents are tokenized in chunks and appended, so memory
-stays bounded by the chunk, not the corpus. It writes into a hidden temporary
+stays bounded by the chunk, not the corpus. Samples are plain documents or
+SFT records (sft.py); mask.bin is written from the first SFT record on (the
+documents before it get ones). It writes into a hidden temporary
 directory next to the target and renames it into place only when everything,
 manifest last, is written: a crash leaves no directory that `open_corpus` accepts.
 """
@@ -21,30 +25,29 @@ manifest last, is written: a crash leaves no directory that `open_corpus` accept
 from __future__ import annotations
 
 import contextlib
-import glob
 import hashlib
 import os
 import shutil
 import struct
 import sys
-import tempfile
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import numpy as np
 
-from hydraulis.data.readers import ReadCounts, ReadReport
+from hydraulis.data.manifest import INDEX_FILE, MANIFEST_FILE, MASK_FILE, TOKENS_FILE, CorpusManifest
+from hydraulis.data.readers import ReadCounts
+from hydraulis.data.records import Sample
+from hydraulis.data.sft import encode_samples
+from hydraulis.data.staging import OWNER_FILE, default_permissions, occupied, sweep_temporaries, temp_dir
 from hydraulis.data.tokenizer import Tokenizer, get_tokenizer, token_dtype
 from hydraulis.errors import HydraulisError
-from hydraulis.files import default_mode, replace_directory, sha256_file, temp_prefix
-from hydraulis.jsonio import Fields, load_json, write_json_atomic
+from hydraulis.files import replace_directory, sha256_file
+from hydraulis.jsonio import write_json_atomic
 
-CORPUS_SCHEMA = "hydraulis.corpus/1"
-TOKENS_FILE = "tokens.bin"
-INDEX_FILE = "index.idx"
-MANIFEST_FILE = "manifest.json"
+__all__ = ["INDEX_FILE", "MANIFEST_FILE", "MASK_FILE", "TOKENS_FILE", "CorpusManifest", "IndexedCorpus"]
+
 INDEX_MAGIC = b"HYDIDX\x00\x01"
 INDEX_VERSION = 1
 INDEX_HEADER = struct.Struct("<8sIIQQ")  # magic, version, token itemsize, documents, tokens
@@ -54,79 +57,41 @@ CHUNK_DOCS = 1024
 IfExists = Literal["error", "replace", "keep"]
 
 
-@dataclass(frozen=True)
-class CorpusManifest:
-    """What a corpus holds and where it came from (manifest.json)."""
-
-    name: str
-    source: str
-    tokenizer: str
-    vocab_size: int
-    eod_id: int
-    dtype: str
-    documents: int
-    tokens: int
-    max_length: int
-    report: ReadReport
-    checksums: dict[str, str]
-    eod_appended: bool = True
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "schema": CORPUS_SCHEMA,
-            "name": self.name,
-            "source": self.source,
-            "tokenizer": {"name": self.tokenizer, "vocab_size": self.vocab_size, "eod_id": self.eod_id},
-            "dtype": self.dtype,
-            "eod_appended": self.eod_appended,
-            "documents": self.documents,
-            "tokens": self.tokens,
-            "max_length": self.max_length,
-            "input": self.report.to_dict(),
-            "sha256": dict(self.checksums),
-        }
-
-    @classmethod
-    def load(cls, path: Path) -> CorpusManifest:
-        data = load_json(path, CORPUS_SCHEMA)
-        f = Fields(data, str(path))
-        tok = f.obj("tokenizer")
-        inp = f.obj("input")
-        sums = f.obj("sha256")
-        report = ReadReport(**{k: inp.int(k, default=0, minimum=0) for k in ReadReport().to_dict()})
-        dtype = f.str("dtype")
-        if dtype not in ("uint16", "uint32"):
-            raise HydraulisError(f"{path}.dtype: expected uint16 or uint32, got {dtype!r}")
-        eod = data.get("eod_appended", True)
-        if not isinstance(eod, bool):
-            raise HydraulisError(f"{path}.eod_appended: expected true or false, got {eod!r}")
-        return cls(
-            name=f.str("name"),
-            source=f.str("source"),
-            tokenizer=tok.str("name"),
-            vocab_size=tok.int("vocab_size", minimum=1),
-            eod_id=tok.int("eod_id", minimum=0),
-            dtype=dtype,
-            documents=f.int("documents", minimum=1),
-            tokens=f.int("tokens", minimum=1),
-            max_length=f.int("max_length", minimum=1),
-            report=report,
-            checksums={TOKENS_FILE: sums.str(TOKENS_FILE), INDEX_FILE: sums.str(INDEX_FILE)},
-            eod_appended=eod,
-        )
-
-
 class IndexedCorpus:
     """A built corpus, opened read-only. `corpus[i]` is document i's tokens (a memory-map view, no copy)."""
 
     def __init__(
-        self, path: Path, manifest: CorpusManifest, tokens: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
+        self,
+        path: Path,
+        manifest: CorpusManifest,
+        tokens: np.ndarray,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        mask: np.ndarray | None = None,
     ):
         self.path = path
         self.manifest = manifest
         self.tokens = tokens
         self.offsets = offsets
         self.lengths = lengths  # int64, one per document, end-of-document token included
+        self.mask = mask  # uint8 per token (1: a target), or None: every token is one
+
+    def target_mask(self, i: int) -> np.ndarray | None:
+        """Document i's target mask (a memory-map view), or None when every token is a target."""
+        if self.mask is None:
+            return None
+        start = int(self.offsets[i])
+        return self.mask[start : start + int(self.lengths[i])]
+
+    def piece_targets(self, docs: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> int:
+        """Targets of document pieces: the tokens after each piece's first whose mask is set."""
+        if self.mask is None:
+            return int(np.maximum(np.asarray(lengths, dtype=np.int64) - 1, 0).sum())
+        total = 0
+        for d, s, n in zip(docs, starts, lengths, strict=True):
+            begin = int(self.offsets[int(d)]) + int(s)
+            total += int(np.count_nonzero(self.mask[begin + 1 : begin + int(n)]))
+        return total
 
     @property
     def name(self) -> str:
@@ -151,7 +116,7 @@ class IndexedCorpus:
         tokens = self[i]
         if self.manifest.eod_appended:
             tokens = tokens[:-1]
-        return get_tokenizer(self.manifest.tokenizer).decode(tokens)
+        return get_tokenizer(self.manifest.tokenizer_source or self.manifest.tokenizer).decode(tokens)
 
     def verify(self) -> None:
         """Recompute both checksums (reads every byte); raise if the files changed since the build."""
@@ -190,7 +155,13 @@ def open_corpus(path: str | Path, verify: bool = False) -> IndexedCorpus:
             f"{tokens_path}: {state}: {size} bytes, the index needs {total * itemsize} (rebuild the corpus)"
         )
     tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(total,))
-    corpus = IndexedCorpus(path, manifest, tokens, offsets, lengths)
+    mask = None
+    if manifest.masked:
+        mask_path = path / MASK_FILE
+        if not mask_path.is_file() or mask_path.stat().st_size != total:
+            raise HydraulisError(f"{mask_path}: missing or not one byte per token (rebuild the corpus)")
+        mask = np.memmap(mask_path, dtype=np.uint8, mode="r", shape=(total,))
+    corpus = IndexedCorpus(path, manifest, tokens, offsets, lengths, mask)
     if verify:
         corpus.verify()
     return corpus
@@ -236,13 +207,14 @@ def _read_index(path: Path) -> tuple[np.ndarray, np.ndarray, int, int]:
 
 
 def build_corpus(
-    documents: Iterable[str],
+    documents: Iterable[Sample],
     out: str | Path,
     tokenizer: Tokenizer | str,
     source: str,
     counts: ReadCounts | None = None,
     name: str | None = None,
     if_exists: IfExists = "error",
+    skip_bad: bool = False,
 ) -> IndexedCorpus:
     """Tokenize documents into a corpus directory at `out`, atomically.
 
@@ -250,18 +222,19 @@ def build_corpus(
     consumed); its final state goes into the manifest. `if_exists` says what
     to do when `out` already exists: fail, replace it, or keep it (used by the
     built-in cache when two processes build the same corpus at once).
+    `skip_bad` skips SFT records with no target token instead of refusing them.
     """
     out = Path(out)
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     counts = counts if counts is not None else ReadCounts()
     if out.exists() and not out.is_dir():
         raise HydraulisError(f"{out}: exists and is not a directory")
-    if _occupied(out) and if_exists == "error":
+    if occupied(out) and if_exists == "error":
         raise HydraulisError(f"{out}: already exists (pass --force to replace it)")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         swept = sweep_temporaries(out)
-        tmp = _temp_dir(out, ".tmp")
+        tmp = temp_dir(out, ".tmp")
     except OSError as exc:
         raise HydraulisError(f"{out}: cannot create the corpus directory: {exc.strerror or exc}") from None
     if swept:
@@ -270,35 +243,49 @@ def build_corpus(
             file=sys.stderr,
         )
     try:
-        manifest = _write(tmp, documents, tok, source, counts, name or out.name)
+        manifest = _write(tmp, documents, tok, source, counts, name or out.name, skip_bad)
         (tmp / OWNER_FILE).unlink()
-        _default_permissions(tmp)
+        default_permissions(tmp)
         return _publish(tmp, out, if_exists, manifest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _write(tmp: Path, documents: Iterable[str], tok: Tokenizer, source: str, counts: ReadCounts, name: str):
+def _write(
+    tmp: Path, documents: Iterable[Sample], tok: Tokenizer, source: str, counts: ReadCounts, name: str, skip_bad: bool
+) -> CorpusManifest:
     dtype = token_dtype(tok.vocab_size)
-    eod = np.array([tok.eod_id], dtype=dtype)
     lengths: list[int] = []
-    tokens_hash = hashlib.sha256()
-    with (tmp / TOKENS_FILE).open("wb") as fh:
-        for texts in _chunks(documents):
-            for ids in tok.encode_batch(texts):
-                arr = np.concatenate([ids.astype(dtype), eod])
-                data = arr.tobytes()
+    tokens_hash, mask_hash = hashlib.sha256(), hashlib.sha256()
+    mask_fh: BinaryIO | None = None
+    written = targets = 0
+    with contextlib.ExitStack() as stack:
+        fh = stack.enter_context((tmp / TOKENS_FILE).open("wb"))
+        for chunk in _chunks(documents):
+            for doc in encode_samples(chunk, tok, counts, skip_bad):
+                data = doc.ids.astype(dtype).tobytes()
                 fh.write(data)
                 tokens_hash.update(data)
-                lengths.append(len(arr))
-        fh.flush()
-        os.fsync(fh.fileno())
+                lengths.append(len(doc.ids))
+                if doc.mask is not None and mask_fh is None:  # the first SFT record: ones for what came before
+                    mask_fh = stack.enter_context((tmp / MASK_FILE).open("wb"))
+                    _write_hashed(mask_fh, mask_hash, np.ones(written, dtype=np.uint8))
+                if mask_fh is not None:
+                    mask = doc.mask if doc.mask is not None else np.ones(len(doc.ids), dtype=np.uint8)
+                    _write_hashed(mask_fh, mask_hash, mask)
+                targets += len(doc.ids) - 1 if doc.mask is None else int(np.count_nonzero(doc.mask[1:]))
+                written += len(doc.ids)
+        for f in (fh, mask_fh):
+            if f is not None:
+                f.flush()
+                os.fsync(f.fileno())
     if not lengths:
         report = counts.freeze()
         raise HydraulisError(
             f"{source}: no documents to build a corpus from ({report.files} files read, "
             f"{report.empty_skipped} empty, {report.binary_skipped} binary, "
-            f"{report.missing_field_skipped} without the field skipped)"
+            f"{report.missing_field_skipped} without the field skipped, "
+            f"{report.no_target_skipped} without a target skipped)"
         )
     lens = np.asarray(lengths, dtype="<i8")
     offsets = np.zeros_like(lens)
@@ -310,6 +297,9 @@ def _write(tmp: Path, documents: Iterable[str], tok: Tokenizer, source: str, cou
         fh.write(index)
         fh.flush()
         os.fsync(fh.fileno())
+    checksums = {TOKENS_FILE: tokens_hash.hexdigest(), INDEX_FILE: hashlib.sha256(index).hexdigest()}
+    if mask_fh is not None:
+        checksums[MASK_FILE] = mask_hash.hexdigest()
     manifest = CorpusManifest(
         name=name,
         source=source,
@@ -321,18 +311,28 @@ def _write(tmp: Path, documents: Iterable[str], tok: Tokenizer, source: str, cou
         tokens=total,
         max_length=int(lens.max()),
         report=counts.freeze(),
-        checksums={TOKENS_FILE: tokens_hash.hexdigest(), INDEX_FILE: hashlib.sha256(index).hexdigest()},
+        checksums=checksums,
+        tokenizer_source=getattr(tok, "source", None),
+        tokenizer_sha256=tuple(getattr(tok, "sha256", ())),
+        targets=targets,
+        masked=mask_fh is not None,
     )
     write_json_atomic(tmp / MANIFEST_FILE, manifest.to_dict())  # written last: its presence marks completeness
     return manifest
 
 
-def _chunks(documents: Iterable[str]) -> Iterator[list[str]]:
-    chunk: list[str] = []
+def _write_hashed(fh: BinaryIO, digest: Any, values: np.ndarray) -> None:
+    data = values.astype(np.uint8).tobytes()
+    fh.write(data)
+    digest.update(data)
+
+
+def _chunks(documents: Iterable[Sample]) -> Iterator[list[Sample]]:
+    chunk: list[Sample] = []
     chars = 0
-    for text in documents:
-        chunk.append(text)
-        chars += len(text)
+    for sample in documents:
+        chunk.append(sample)
+        chars += len(sample) if isinstance(sample, str) else 1024
         if chars >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:
             yield chunk
             chunk, chars = [], 0
@@ -342,12 +342,12 @@ def _chunks(documents: Iterable[str]) -> Iterator[list[str]]:
 
 def _publish(tmp: Path, out: Path, if_exists: IfExists, manifest: CorpusManifest) -> IndexedCorpus:
     """Rename the finished temporary directory into place (one rename: readers see all or nothing)."""
-    if _occupied(out):
+    if occupied(out):
         if if_exists == "keep":
             return open_corpus(out)
         if if_exists == "error":
             raise HydraulisError(f"{out}: appeared while building (pass --force to replace it)")
-        replace_directory(tmp, out, old=_temp_dir(out, ".old"))  # marked, so that sweeps spare it
+        replace_directory(tmp, out, old=temp_dir(out, ".old"))  # marked, so that sweeps spare it
     else:
         try:
             os.replace(tmp, out)
@@ -356,55 +356,6 @@ def _publish(tmp: Path, out: Path, if_exists: IfExists, manifest: CorpusManifest
                 return open_corpus(out)
             raise
     return open_corpus(out)
-
-
-OWNER_FILE = ".owner"  # the building process's id, inside each temporary directory
-
-
-def _temp_dir(out: Path, suffix: str) -> Path:
-    """`.NAME.XXXX.tmp` (or `.old`) next to `out`, marked with our pid so that sweeps spare it while we live."""
-    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out.name), suffix=suffix, dir=out.parent))
-    (tmp / OWNER_FILE).write_text(str(os.getpid()))
-    return tmp
-
-
-def sweep_temporaries(out: Path) -> int:
-    """Remove the temporary directories of builds of `out` whose process is gone (SIGKILL, power loss)."""
-    swept = 0
-    for p in out.parent.glob(f"{glob.escape(temp_prefix(out.name))}*"):
-        if p.suffix not in (".tmp", ".old") or not p.is_dir() or p.is_symlink():
-            continue
-        try:
-            pid = int((p / OWNER_FILE).read_text())
-        except (OSError, ValueError):
-            pid = None  # from a build that died before marking it
-        if pid is not None and _alive(pid):
-            continue
-        shutil.rmtree(p, ignore_errors=True)
-        swept += not p.exists()
-    return swept
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return pid > 0
-    return True
-
-
-def _default_permissions(tmp: Path) -> None:
-    """A corpus directory and its files get the usual umask-based modes."""
-    default_mode(tmp)
-    for p in tmp.iterdir():
-        default_mode(p)
-
-
-def _occupied(out: Path) -> bool:
-    """An existing non-empty directory (an empty one, e.g. made by the user beforehand, is fair game)."""
-    return out.is_dir() and any(out.iterdir())
 
 
 def _sha256_file(path: Path) -> str:

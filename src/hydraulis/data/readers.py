@@ -1,4 +1,4 @@
-"""Input readers: jsonl, plain text files, directory trees.
+"""Input readers: jsonl, plain text files, directory trees (parquet, arrow and `datasets`: columnar.py).
 
 Real inputs are messy. Rather than failing on the first odd file, the readers
 repair or skip what they safely can and count every case, so the user sees
@@ -7,8 +7,9 @@ what happened to their data:
 - bytes that are not UTF-8 are replaced (U+FFFD) and the document is counted;
 - empty (whitespace-only) documents are skipped;
 - binary files (a NUL byte in the first 8 KiB, as git decides) are skipped;
-- a jsonl line without the text field is an error naming the line, or is
-  skipped when the caller says so.
+- a jsonl line without the text field (or, for SFT data, without
+  prompt/completion or messages: records.py) is an error naming the line,
+  or is skipped and counted when the caller says so.
 
 Malformed JSON is always an error: it means the file is not what the user
 thinks it is. Files are read in sorted order so a build is reproducible.
@@ -21,6 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from hydraulis.data.records import BadRecord, Format, Sample, parse_record
 from hydraulis.errors import HydraulisError
 
 BINARY_SNIFF_BYTES = 8192
@@ -37,6 +39,8 @@ class ReadReport:
     binary_skipped: int = 0
     missing_field_skipped: int = 0
     blank_lines: int = 0
+    sft_records: int = 0  # prompt/completion and chat records among the documents
+    no_target_skipped: int = 0  # SFT records with nothing to learn after tokenization (--skip-bad)
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -55,11 +59,12 @@ class ReadCounts:
 
 @dataclass(frozen=True)
 class InputOptions:
-    """How to read a source: the jsonl field, whether to skip lines without it, which files of a directory."""
+    """How to read a source: the record field and format, whether to skip records without them, which files."""
 
     field: str = "text"
     skip_missing: bool = False
     glob: str = "**/*"
+    format: Format = "auto"
 
 
 Progress = Callable[[int], None]  # called with the number of input bytes just consumed
@@ -105,14 +110,13 @@ def read_text_file(path: Path, counts: ReadCounts, progress: Progress | None = N
 
 def read_jsonl(
     path: Path, counts: ReadCounts, options: InputOptions, progress: Progress | None = None
-) -> Iterator[str]:
-    """One JSON object per line; the document is its `options.field` string."""
+) -> Iterator[Sample]:
+    """One JSON object per line: a document (its `options.field` string) or an SFT record (records.py)."""
     try:
         fh = path.open("rb")
     except OSError as exc:
         raise HydraulisError(f"{path}: cannot read: {exc.strerror or exc}") from None
     counts.files += 1
-    hint = " (pass --skip-missing to skip such lines)"
     with fh:
         for number, raw in enumerate(fh, start=1):
             if progress:
@@ -125,63 +129,26 @@ def read_jsonl(
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise HydraulisError(f"{path}:{number}: not valid JSON ({exc.msg}, column {exc.colno})") from None
-            if not isinstance(record, dict) or options.field not in record:
-                if options.skip_missing:
-                    counts.missing_field_skipped += 1
-                    continue
-                what = "not a JSON object" if not isinstance(record, dict) else f"no field {options.field!r}"
-                raise HydraulisError(f"{path}:{number}: {what}{hint}")
-            text = record[options.field]
-            if not isinstance(text, str):
-                if options.skip_missing:
-                    counts.missing_field_skipped += 1
-                    continue
-                raise HydraulisError(
-                    f"{path}:{number}: field {options.field!r} is {type(text).__name__}, not a string{hint}"
-                )
-            if _keep(text, counts):
-                yield text
+            sample = record_sample(record, options, f"{path}:{number}", counts)
+            if sample is not None:
+                yield sample
+
+
+def record_sample(record: object, options: InputOptions, where: str, counts: ReadCounts) -> Sample | None:
+    """A record's sample (counted), or None when it is skipped (empty text, missing field with skip_missing)."""
+    try:
+        sample = parse_record(record, options.field, options.format, where)
+    except BadRecord as exc:
+        if options.skip_missing:
+            counts.missing_field_skipped += 1
+            return None
+        raise BadRecord(f"{exc} (pass --skip-missing to skip such records)") from None
+    if isinstance(sample, str):
+        return sample if _keep(sample, counts) else None
+    counts.documents += 1
+    counts.sft_records += 1
+    return sample
 
 
 def is_jsonl(path: Path) -> bool:
     return path.suffix.lower() in (".jsonl", ".ndjson")
-
-
-def list_files(root: Path, glob: str) -> list[Path]:
-    """The files a directory source contributes, sorted, hidden files and folders left out."""
-    if not glob:
-        raise HydraulisError("--glob must not be empty")
-    files = []
-    for p in root.glob(glob):
-        rel = p.relative_to(root).parts
-        if p.is_file() and not any(part.startswith(".") for part in rel):
-            files.append(p)
-    return sorted(files)
-
-
-def source_files(source: Path, options: InputOptions) -> list[Path]:
-    """The input files of a source path (a file, or a directory's files matching the glob)."""
-    if source.is_file():
-        return [source]
-    if source.is_dir():
-        files = list_files(source, options.glob)
-        if not files:
-            raise HydraulisError(f"{source}: no files match {options.glob!r}")
-        return files
-    raise HydraulisError(f"{source}: no such file or directory")
-
-
-def read_source(
-    source: Path, counts: ReadCounts, options: InputOptions = InputOptions(), progress: Progress | None = None
-) -> Iterator[str]:
-    """Documents of a file or directory: `.jsonl`/`.ndjson` files as jsonl, every other file as one document."""
-    for path in source_files(source, options):
-        if is_jsonl(path):
-            yield from read_jsonl(path, counts, options, progress)
-        else:
-            yield from read_text_file(path, counts, progress)
-
-
-def source_bytes(source: Path, options: InputOptions = InputOptions()) -> int:
-    """Total input size, for the progress bar."""
-    return sum(p.stat().st_size for p in source_files(source, options))

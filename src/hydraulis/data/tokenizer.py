@@ -1,4 +1,4 @@
-"""Tokenizers: GPT-2 BPE (offline) and a byte-level fallback.
+"""Tokenizers: GPT-2 BPE (offline), a byte-level fallback, and Hugging Face tokenizers by path.
 
 Both append nothing themselves: `encode` returns a document's tokens, and the
 corpus builder adds the end-of-document token (`eod_id`) so that packed
@@ -52,6 +52,11 @@ class Tokenizer(Protocol):
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]: ...
 
     def decode(self, tokens: Sequence[int] | np.ndarray) -> str: ...
+
+
+def prefix_of(tok: Tokenizer) -> tuple[int, ...]:
+    """The ids a tokenizer puts before every document (a Hugging Face tokenizer's bos); none for the others."""
+    return tuple(getattr(tok, "prefix", ()))
 
 
 @dataclass(frozen=True)
@@ -153,9 +158,21 @@ def gpt2_mergeable_ranks() -> dict[bytes, int]:
     return ranks
 
 
-@functools.cache
 def get_tokenizer(name: str) -> Tokenizer:
-    """A tokenizer by name; GPT-2 is built once per process (about 0.2 s)."""
+    """A tokenizer by name (gpt2, bytes) or by path (a Hugging Face tokenizer.json or its directory).
+
+    Built once per process (GPT-2 about 0.2 s; a path again when its files change); a path that is no
+    tokenizer is one line naming it.
+    """
+    if name in TOKENIZERS:
+        return _builtin_tokenizer(name)
+    from hydraulis.data.hf_tokenizer import load_hf_tokenizer
+
+    return load_hf_tokenizer(name)
+
+
+@functools.cache
+def _builtin_tokenizer(name: str) -> Tokenizer:
     if name == "bytes":
         return ByteTokenizer()
     if name == "gpt2":

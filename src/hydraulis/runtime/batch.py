@@ -13,13 +13,19 @@ between them (docs/design.md, section 6). For documents d_1..d_k of lengths s_1.
 - `cu_seqlens` holds the document boundaries [0, s_1, s_1 + s_2, ..., T];
   attention never crosses them.
 
+SFT data adds a target mask per document (`masks`, data/sft.py): `mask[t]`
+says whether token t is a target, so `targets[t]` is the next token only
+where that token's mask is set; elsewhere (prompts, user turns) it is
+`IGNORE_INDEX`. The mask rides with the tokens, so CP shards (sliced after
+packing) and pipeline stages (the last one computes the loss) keep it.
+
 With sequence parallelism the token count must divide by the TP degree;
 `pad_to_multiple` then appends a padding "document" of token 0 with no
 targets, which attends only to itself and so changes no real token's output,
 loss or gradient.
 
 The loss divides by the real targets of the WHOLE global batch
-(`count_targets` over all its documents), so any split into micro-batches and
+(`count_targets` over all its documents; with masks, the masked count), so any split into micro-batches and
 replicas gives the gradient of one device.
 
 With context parallelism (`pack_cp_shard`) a CP rank holds only its tokens of
@@ -82,8 +88,16 @@ def count_targets(lengths: Sequence[int]) -> int:
     return int(sum(max(int(s) - 1, 0) for s in lengths))
 
 
-def pack_documents(documents: Sequence[Sequence[int] | torch.Tensor], pad_to_multiple: int = 1) -> PackedBatch:
-    """Concatenate whole documents into one micro-batch (see the module docstring)."""
+Masks = Sequence[Sequence[int] | torch.Tensor | None] | None
+
+
+def pack_documents(
+    documents: Sequence[Sequence[int] | torch.Tensor], pad_to_multiple: int = 1, masks: Masks = None
+) -> PackedBatch:
+    """Concatenate whole documents into one micro-batch (see the module docstring).
+
+    `masks`, one per document (None: every token a target), keep targets only where the next token's is set.
+    """
     if not documents:
         raise HydraulisError("a micro-batch needs at least one document")
     if pad_to_multiple < 1:
@@ -93,6 +107,12 @@ def pack_documents(documents: Sequence[Sequence[int] | torch.Tensor], pad_to_mul
         if d.numel() == 0:
             raise HydraulisError(f"micro-batch document {i} is empty")
     lengths = [int(d.numel()) for d in docs]
+    if masks is not None and len(masks) != len(docs):
+        raise HydraulisError(f"{len(masks)} target masks for {len(docs)} documents")
+    keep = [None if m is None else torch.as_tensor(m).reshape(-1).to(torch.bool) for m in (masks or [None] * len(docs))]
+    for i, (m, n) in enumerate(zip(keep, lengths, strict=True)):
+        if m is not None and m.numel() != n:
+            raise HydraulisError(f"micro-batch document {i}: a target mask of {m.numel()} for {n} tokens")
     pad = -sum(lengths) % pad_to_multiple
     if pad:
         docs.append(torch.zeros(pad, dtype=torch.int64))
@@ -102,6 +122,8 @@ def pack_documents(documents: Sequence[Sequence[int] | torch.Tensor], pad_to_mul
         t = torch.full_like(d, IGNORE_INDEX)
         if not (pad and i == len(docs) - 1):
             t[:-1] = d[1:]
+            if i < len(keep) and keep[i] is not None:
+                t[:-1][~keep[i][1:]] = IGNORE_INDEX
         targets.append(t)
     return PackedBatch(
         tokens=torch.cat(docs),
@@ -113,14 +135,18 @@ def pack_documents(documents: Sequence[Sequence[int] | torch.Tensor], pad_to_mul
 
 
 def pack_cp_shard(
-    documents: Sequence[Sequence[int] | torch.Tensor], cp: int, cp_rank: int, pad_to_multiple: int = 1
+    documents: Sequence[Sequence[int] | torch.Tensor],
+    cp: int,
+    cp_rank: int,
+    pad_to_multiple: int = 1,
+    masks: Masks = None,
 ) -> PackedBatch:
     """CP rank `cp_rank`'s share of one micro-batch (see the module docstring); cp = 1 is `pack_documents`."""
     if cp == 1:
-        return pack_documents(documents, pad_to_multiple)
+        return pack_documents(documents, pad_to_multiple, masks)
     if pad_to_multiple < 1:
         raise HydraulisError(f"pad_to_multiple must be positive, got {pad_to_multiple}")
-    full = pack_documents(documents)
+    full = pack_documents(documents, masks=masks)
     rows, lens, shard = shard_layout(np.asarray(full.seqlens, dtype=np.int64), cp, cp_rank)
     index = torch.from_numpy(rows)
     tokens, targets, positions = full.tokens[index], full.targets[index], full.positions[index]

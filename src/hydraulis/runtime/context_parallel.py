@@ -7,10 +7,11 @@ Attention of a split document needs keys and values of the whole document:
 
 - forward: the K/V rows of this rank's split-document tokens are all-gathered
   over the CP group (padded to one size per rank, which gloo's tensor
-  collectives need); each chunk's queries attend to the gathered K/V of
-  their document up to the chunk's end, masked causally by GLOBAL positions
-  within the document (a query at position p sees keys 0..p), so a rank's
-  work is what the zigzag balances;
+  collectives need); a chunk at global positions [a, b) of its document
+  attends to keys 0..b-1 as two blocks merged by log-sum-exp
+  (runtime/blockwise_attention.py): its own keys causally and the gathered
+  keys 0..a-1 with no mask, so no (chunk x prefix) mask or score matrix is
+  built, and a rank's work is what the zigzag balances;
 - backward: the gathered K/V's gradient is reduce-scattered back, so each
   rank receives the sum of every rank's dK/dV for the rows it owns.
 
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from hydraulis.context import split_for_cp
 from hydraulis.errors import HydraulisError
 from hydraulis.runtime.attention import causal_sdpa
+from hydraulis.runtime.blockwise_attention import block_kernel, chunk_attention
 
 
 @dataclass(frozen=True)
@@ -61,16 +63,18 @@ class ContextShard:
     The rank's tokens are local segments in order: whole documents and chunks
     of split ones (and a padding segment under SP). Its split tokens
     (`gather_rows`, local rows) go to the K/V all-gather, `pad` rows per rank.
-    A chunk at global positions [a, b) of its document attends to positions
-    0..b-1 only: `keys` holds their rows of the gathered K/V (CP-rank-major),
-    so each rank computes (b - a) * b scores per chunk, which the zigzag balances.
+    A chunk at global positions [a, b) of its document attends to its own
+    rows causally and to positions 0..a-1 in full: `keys` holds the rows of
+    those prefix positions in the gathered K/V (CP-rank-major; empty for a
+    document's first chunk), so each rank computes (b - a) * a + (b - a)^2 / 2
+    scores per chunk, the causal share that the zigzag balances.
     """
 
     cp: int
     pad: int
     gather_rows: torch.Tensor  # (split tokens,) int64
     segments: tuple[tuple[int, int], ...]  # (start, end) local rows
-    keys: tuple[torch.Tensor | None, ...]  # per segment: gathered rows of its keys, None for a whole document
+    keys: tuple[torch.Tensor | None, ...]  # per segment: gathered rows of its prefix, None for a whole document
 
     @property
     def has_split(self) -> bool:
@@ -102,8 +106,8 @@ def shard_layout(lengths: np.ndarray, cp: int, cp_rank: int) -> tuple[np.ndarray
         where[mine] = r * pad + np.arange(len(mine))
     segments = tuple(zip(local_start.tolist(), (local_start + lens).tolist(), strict=True))
     keys = tuple(
-        torch.from_numpy(where[offsets[d] : offsets[d] + b].copy()) if split.split[d] else None
-        for d, b in zip(doc.tolist(), stop.tolist(), strict=True)
+        torch.from_numpy(where[offsets[d] : offsets[d] + a].copy()) if split.split[d] else None
+        for d, a in zip(doc.tolist(), start.tolist(), strict=True)
     )
     gather_rows = np.flatnonzero(split.split[doc].repeat(lens))
     return rows, lens, ContextShard(cp, pad, torch.from_numpy(gather_rows), segments, keys)
@@ -158,18 +162,18 @@ def gather_kv(local: torch.Tensor, pad: int, cp: ContextParallel) -> torch.Tenso
 
 
 def context_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, shard: ContextShard,
-    cp: ContextParallel,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: ContextShard, cp: ContextParallel
 ) -> torch.Tensor:
     """Causal attention of this rank's queries (T, Hq, D) within their documents, over the CP group.
 
     Whole documents: causal SDPA on their local rows. A chunk of a split
-    document: its queries against the gathered K/V of its document's positions
-    up to the chunk's end, masked by global position.
+    document: its own rows causally, merged by LSE with the gathered K/V of
+    its document's earlier positions (`chunk_attention`).
     """
     if shard.cp != cp.size:
         raise HydraulisError(f"micro-batch was split for cp={shard.cp}, the group has cp={cp.size}")
     if shard.has_split:
+        kernel = block_kernel(q.device, q.dtype, q.shape[-1])
         heads = k.shape[1]
         gathered = gather_kv(torch.cat([k, v], dim=1)[shard.gather_rows], shard.pad, cp)
         k_all, v_all = gathered[:, :heads], gathered[:, heads:]
@@ -177,9 +181,8 @@ def context_attention(
     for (start, end), key_rows in zip(shard.segments, shard.keys, strict=True):
         if key_rows is None:  # a whole document (or padding): causal within its local rows
             out = causal_sdpa(q[start:end], k[start:end], v[start:end])
-        else:  # a chunk at global positions [a, b): keys 0..b-1, causal by global position
-            mask = positions[start:end].unsqueeze(1) >= torch.arange(len(key_rows), device=q.device)
-            out = causal_sdpa(q[start:end], k_all[key_rows], v_all[key_rows], attn_mask=mask)
+        else:  # a chunk at global positions [a, b): its own keys causally, keys 0..a-1 in full
+            out = chunk_attention(q[start:end], k[start:end], v[start:end], k_all[key_rows], v_all[key_rows], kernel)
         pieces.append(out)
     if not pieces:  # a CP rank without tokens in this micro-batch (it has no split documents either)
         return torch.empty_like(q)

@@ -132,7 +132,7 @@ class Attention(nn.Module):
         v = v.view(tokens, v.shape[-1] // self.head_dim, self.head_dim)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if batch.context is not None:
-            out = context_attention(q, k, v, batch.positions, batch.context, self.cp)
+            out = context_attention(q, k, v, batch.context, self.cp)
         else:
             out = packed_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen)
         return self.wo(out.reshape(tokens, self.local_heads * self.head_dim))

@@ -21,8 +21,8 @@ micro-batch (`pack_cp_shard`); its loss and gradients cover its tokens, and
 the sums over CP ranks happen in the same reduce and all-reduce.
 
 The loss of a step is the mean over all real target tokens of the global
-batch, whatever the deployment, so runs on different deployments or world
-sizes see the same losses.
+batch (SFT corpora: the tokens their mask marks as targets), whatever the
+deployment, so runs on different deployments or world sizes see the same losses.
 """
 
 from __future__ import annotations
@@ -262,15 +262,23 @@ class Trainer:
         """This rank's replica's micro-batches (its CP rank's share of each): only its documents are read."""
         pad = part.groups.config.tp if part.groups.tp.sequence_parallel else 1
         cp = part.groups.cp
+        mask_of = getattr(self.corpus, "target_mask", None)  # SFT corpora (data/indexed.py): which are targets
         out = []
         for mb in plan.replicas[part.replica].micro_batches:
-            docs = []
+            docs, masks = [], []
             for i in mb:
-                start = int(batch.starts[i])
-                piece = self.corpus[int(batch.docs[i])][start : start + int(batch.lengths[i])]
-                docs.append(torch.from_numpy(np.asarray(piece, dtype=np.int64)))
-            out.append(pack_cp_shard(docs, cp.size, cp.rank, pad_to_multiple=pad))
+                start, end = int(batch.starts[i]), int(batch.starts[i]) + int(batch.lengths[i])
+                docs.append(torch.from_numpy(np.asarray(self.corpus[int(batch.docs[i])][start:end], dtype=np.int64)))
+                mask = mask_of(int(batch.docs[i])) if mask_of is not None else None
+                masks.append(None if mask is None else torch.from_numpy(np.array(mask[start:end], dtype=np.uint8)))
+            out.append(pack_cp_shard(docs, cp.size, cp.rank, pad_to_multiple=pad, masks=masks))
         return out
+
+    def batch_targets(self, batch: GlobalBatch) -> int:
+        """The loss's denominator: targets of the whole global batch (SFT: the masked ones), at least 1."""
+        count = getattr(self.corpus, "piece_targets", None)
+        n = count(batch.docs, batch.starts, batch.lengths) if count is not None else count_targets(batch.lengths)
+        return max(int(n), 1)
 
     def run_iteration(self, batch: GlobalBatch, plan: IterationPlan, planning_unhidden_s: float = 0.0) -> StepMetrics:
         """Execute one plan on one batch (every rank, the same plan); returns the metrics (meaningful on rank 0)."""
@@ -284,7 +292,8 @@ class Trainer:
         micro_batches = self.micro_batches(batch, plan, part)
         model = part.model
         part.clear_grads()
-        result = train_step(model, part.groups, micro_batches, count_targets(batch.lengths), reduce_partial_grads=False)
+        targets = self.batch_targets(batch)
+        result = train_step(model, part.groups, micro_batches, targets, reduce_partial_grads=False)
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         computed = time.perf_counter()
@@ -313,7 +322,7 @@ class Trainer:
         values = torch.stack([norm.detach().double().cpu(), extra[0].double().cpu()]).tolist()  # one sync per step
         metrics = StepMetrics(
             step=self.step_index,
-            loss=values[1] / count_targets(batch.lengths),
+            loss=values[1] / targets,
             tokens=batch.num_tokens,
             sequences=len(batch),
             deployment=str(plan.deployment),

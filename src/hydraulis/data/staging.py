@@ -1,0 +1,73 @@
+"""Atomic corpus builds: hidden temporary directories next to the target, swept when their builder died.
+
+A build writes into `.NAME.XXXX.tmp` next to the corpus and renames it into
+place when complete; the directory holds the builder's pid (`.owner`), so a
+later build removes the leftovers of a builder that is gone (SIGKILL, power
+loss) and spares those of one still running. `cache_dir` is where built-in
+corpora and sources named in a run config are built.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from hydraulis.files import default_mode, temp_prefix
+
+
+def cache_dir() -> Path:
+    """Where built corpora are kept: $HYDRAULIS_CACHE, else ~/.cache/hydraulis."""
+    env = os.environ.get("HYDRAULIS_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "hydraulis"
+
+
+OWNER_FILE = ".owner"  # the building process's id, inside each temporary directory
+
+
+def temp_dir(out: Path, suffix: str) -> Path:
+    """`.NAME.XXXX.tmp` (or `.old`) next to `out`, marked with our pid so that sweeps spare it while we live."""
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out.name), suffix=suffix, dir=out.parent))
+    (tmp / OWNER_FILE).write_text(str(os.getpid()))
+    return tmp
+
+
+def sweep_temporaries(out: Path) -> int:
+    """Remove the temporary directories of builds of `out` whose process is gone (SIGKILL, power loss)."""
+    swept = 0
+    for p in out.parent.glob(f"{glob.escape(temp_prefix(out.name))}*"):
+        if p.suffix not in (".tmp", ".old") or not p.is_dir() or p.is_symlink():
+            continue
+        try:
+            pid = int((p / OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            pid = None  # from a build that died before marking it
+        if pid is not None and _alive(pid):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        swept += not p.exists()
+    return swept
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0
+    return True
+
+
+def default_permissions(tmp: Path) -> None:
+    """A corpus directory and its files get the usual umask-based modes."""
+    default_mode(tmp)
+    for p in tmp.iterdir():
+        default_mode(p)
+
+
+def occupied(out: Path) -> bool:
+    """An existing non-empty directory (an empty one, e.g. made by the user beforehand, is fair game)."""
+    return out.is_dir() and any(out.iterdir())
