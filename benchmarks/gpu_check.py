@@ -9,12 +9,13 @@
    gather, forward, backward, reduce, AdamW), timed with CUDA events after warm-up steps; MFU from
    the model FLOPs of the batch (6 x parameters per token + 6 x hidden x layers x sum s^2, the
    analytic cost model's arithmetic) over the device's dense bf16 peak;
-4. the peak memory of those steps (`torch.cuda.max_memory_allocated`) against the memory model's
-   prediction (static state + activations of the largest micro-batch).
+4. the peak memory of those steps as the Trainer measures it (`torch.cuda.max_memory_allocated`;
+   on CPU the allocator's events) against its memory model's prediction (`cost.memory.rank_memory`),
+   both from the Trainer's own metrics (runtime/step_memory.py).
 
 Attention errors above their bf16 tolerance make the exit status 1; timing, MFU and memory are
 reported figures. Without CUDA it exits 2 with one line; `--device cpu` is a smoke mode that runs the
-same code on CPU at small sizes (no CUDA events or memory counters there: wall clock, memory n/a).
+same code on CPU at small sizes (no CUDA events there: wall clock).
 
     .venv/bin/python benchmarks/gpu_check.py [--model small] [--tokens 65536] [--steps 5] [--json out.json]
     .venv/bin/python benchmarks/gpu_check.py --device cpu
@@ -144,11 +145,8 @@ def check_step(device: torch.device, model: ModelSpec, tokens: int, steps: int) 
     planner = Planner(cost, 1, pool)
     batches = sampler.batches(warmup + steps)
     plans = [planner.plan(b.lengths, i) for i, b in enumerate(batches)]
-    times, losses = [], []
+    times, losses, timed_metrics = [], [], []
     for i, (batch, plan) in enumerate(zip(batches, plans, strict=True)):
-        if i == warmup and cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -163,6 +161,7 @@ def check_step(device: torch.device, model: ModelSpec, tokens: int, steps: int) 
         losses.append(metrics.loss)
         if i >= warmup:
             times.append(seconds)
+            timed_metrics.append(metrics)
     trainer.close()
     timed = batches[warmup:]
     flops = sum(training_flops(model, b.lengths) for b in timed)
@@ -170,8 +169,9 @@ def check_step(device: torch.device, model: ModelSpec, tokens: int, steps: int) 
     peak = next((v for k, v in PEAK_FLOPS.items() if k in name), spec.peak_flops)
     largest = max(sum(int(plan.lengths[j]) for j in mb) for plan in plans[warmup:]
                   for r in plan.replicas for mb in r.micro_batches)
-    predicted = cost.memory.static_bytes(config, model, 1) + cost.memory.activation_bytes(config, model, largest)
-    measured = torch.cuda.max_memory_allocated(device) if cuda else None
+    # The Trainer measures and predicts every iteration's peak (runtime/step_memory.py): one implementation.
+    predicted = max(m.memory_predicted_bytes for m in timed_metrics)
+    measured = max(m.memory_peak_bytes for m in timed_metrics)
     return {
         "model": model.name,
         "tokens_per_step": [int(b.lengths.sum()) for b in timed],
@@ -182,7 +182,7 @@ def check_step(device: torch.device, model: ModelSpec, tokens: int, steps: int) 
         "losses": losses,
         "memory_peak_bytes": measured,
         "memory_predicted_bytes": predicted,
-        "memory_measured_over_predicted": None if measured is None else measured / predicted,
+        "memory_measured_over_predicted": measured / predicted,
         "largest_micro_batch": largest,
         "ok": all(np.isfinite(losses)),
     }
@@ -225,11 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  training step {s['model']} 1x(tp1,pp1) bf16: {np.median(s['step_s']) * 1e3:.1f} ms median, "
           f"{s['tokens_per_s']:,.0f} tokens/s ({np.mean(s['tokens_per_step']):,.0f} tokens a step), "
           f"MFU {s['mfu']:.1%} of {s['peak_flops'] / 1e12:.3g} TFLOP/s")
-    if s["memory_peak_bytes"] is None:
-        print(f"  memory: predicted {s['memory_predicted_bytes'] / 2**30:.2f} GiB, measured n/a on CPU")
-    else:
-        print(f"  memory: peak {s['memory_peak_bytes'] / 2**30:.2f} GiB measured, "
-              f"{s['memory_predicted_bytes'] / 2**30:.2f} GiB predicted ({s['memory_measured_over_predicted']:.2f}x)")
+    print(f"  memory: peak {s['memory_peak_bytes'] / 2**30:.2f} GiB measured, "
+          f"{s['memory_predicted_bytes'] / 2**30:.2f} GiB predicted ({s['memory_measured_over_predicted']:.2f}x)")
     print(f"  wall {report['wall_s']:.1f} s")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:

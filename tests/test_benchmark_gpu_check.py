@@ -31,7 +31,8 @@ def test_smoke_mode_checks_attention_and_a_training_step(tmp_path):
     assert sum(report["cp"]["chunks"]) == report["cp"]["document"]
     step = report["step"]
     assert step["ok"] and step["mfu"] > 0 and step["tokens_per_s"] > 0
-    assert step["memory_peak_bytes"] is None and step["memory_predicted_bytes"] > 0  # no CPU counter
+    # The Trainer's own figures: the CPU allocator's peak against the memory model's prediction.
+    assert step["memory_peak_bytes"] > 0 and step["memory_predicted_bytes"] > 0
     lines = done.stdout.splitlines()
     assert lines[0].startswith("gpu_check on cpu") and any("MFU" in line for line in lines)
 

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from hydraulis.checkpoints import DEFAULT_KEEP
 from hydraulis.errors import HydraulisError
 from hydraulis.files import read_text
+from hydraulis.limits import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S
 from hydraulis.optim import SCHEDULES, AdamWSettings, OptimSettings
 from hydraulis.specs import DTYPE_NAMES, MODELS, SHAPE_FIELDS, ModelSpec
 
@@ -107,6 +108,8 @@ class ParallelSection(_Section):
     sequence_parallel: bool = False
     recompute: bool | list[str] = False  # true: every config; or the configs that recompute, e.g. ["tp1pp1"]
     max_pool: int = Field(3, ge=1, le=16)
+    # The most MiB one buffer of the optimizer's gather or reduce holds (runtime/exchange.py).
+    exchange_bucket_mb: float = Field(256.0, gt=0)
 
     @field_validator("recompute")
     @classmethod
@@ -165,6 +168,9 @@ class OptimSection(_Section):
 class TrainSection(_Section):
     steps: int = Field(100, ge=1, le=10**9)
     dtype: Literal[DTYPE_NAMES] = DTYPE_NAMES[0]  # type: ignore[valid-type]
+    reduce_dtype: Literal[DTYPE_NAMES] = DTYPE_NAMES[0]  # type: ignore[valid-type]
+    # Process-group timeout in seconds once the first step is done (which gets 3x: runtime/timeouts.py).
+    timeout_s: float = Field(DEFAULT_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_every: int = Field(1, ge=1)
     out: str = "runs/demo"

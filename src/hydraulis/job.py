@@ -92,6 +92,7 @@ def prepare(
     cost = None if auto else job_cost_model(config.parallel.profile, spec)
     if cost is not None:
         cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
+        check_exchange_bucket(config, cost)
     tokenizer = config.data.tokenizer_for(spec, config.model.init_from)
     token_ids = check_tokenizer(tokenizer, spec, config.model.init_from)  # a bad one fails before anything runs
     env_world = torchrun_world()
@@ -155,6 +156,7 @@ def prepare(
         fresh = shared if shared is not None else None if cached else request.measure(env_world is not None, log)
         cost = ProfiledCostModel.from_dict(cached or fresh, str(run_dir / AUTO_PROFILE))
         cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
+        check_exchange_bucket(config, cost)
     if pool_spec == "auto":
         pool = _propose(cost, cluster, sampler, config, data.max_len)
     elif inline:
@@ -182,6 +184,17 @@ def prepare(
         resume_from=resume_from,
         stop_at=stop_at,
     )
+
+
+def check_exchange_bucket(config: RunConfig, cost: CostModel) -> None:
+    """An exchange round holds a send and a receive buffer of up to one bucket each: both must fit the device."""
+    mb = config.parallel.exchange_bucket_mb
+    memory = cost.memory.memory_bytes
+    if 2 * mb * (1 << 20) > memory:
+        raise HydraulisError(
+            f"parallel.exchange_bucket_mb {mb:g} is too large for the device's {memory / (1 << 20):.0f} MiB "
+            "(an exchange holds two buckets); use a small fraction of it, e.g. 256 on GPUs"
+        )
 
 
 def model_spec(config: RunConfig) -> ModelSpec:

@@ -20,6 +20,8 @@ MAX_GPUS = 16384
 MAX_SEED = 2**63 - 1
 MAX_MODEL_DIM = 2**24  # hidden, ffn, vocab, heads of a model
 MAX_LAYERS = 4096
+DEFAULT_TIMEOUT_S = 600.0  # [train] timeout_s: process-group timeout after the first step (runtime/timeouts.py)
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 def check_int(value: int, name: str, minimum: int, maximum: int, hint: str = "") -> int:

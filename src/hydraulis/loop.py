@@ -29,6 +29,7 @@ from hydraulis.runtime.checkpoint import CheckpointManager
 from hydraulis.runtime.divergence import DivergenceGuard
 from hydraulis.runtime.launch import RankFailed, init_distributed, spawn
 from hydraulis.runtime.rundir import check_shared_run_dir
+from hydraulis.runtime.timeouts import first_step_timeout
 from hydraulis.runtime.trainer import Trainer, TrainSettings
 
 
@@ -58,7 +59,7 @@ def run(job: Job) -> dict[str, Any] | None:
 def run_rank(job: Job) -> dict[str, Any] | None:
     """One rank's training; rank 0 returns the run summary."""
     config = job.config
-    env = init_distributed(config.train.device)
+    env = init_distributed(config.train.device, first_step_timeout(config.train.timeout_s))
     corpus = open_corpus(job.corpus_path)
     data = config.data
     sampler = TokenBudgetSampler(corpus.lengths, data.tokens_per_batch, data.max_len, data.seed, data.overlong)
@@ -72,6 +73,9 @@ def run_rank(job: Job) -> dict[str, Any] | None:
         dtype=config.train.dtype,
         sequence_parallel=config.parallel.sequence_parallel,
         compare_steps=config.train.compare_steps,
+        reduce_dtype=config.train.reduce_dtype,
+        timeout_s=config.train.timeout_s,
+        exchange_bucket_bytes=int(config.parallel.exchange_bucket_mb * (1 << 20)),
     )
     trainer = Trainer(settings, corpus, sampler, env)
     check_shared_run_dir(Path(job.out), env.rank, env.world_size, trainer.control)  # before any file is written

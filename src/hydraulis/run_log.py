@@ -170,4 +170,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "planning_unhidden_s": sum(r["planning_unhidden_s"] for r in rows),
         "iteration_error_median": statistics.median(errors) if errors else 0.0,
         "iteration_error_max": max(errors) if errors else 0.0,
+        # The largest over steps of each rank-wise maximum (runtime/step_memory.py).
+        "memory_peak_bytes": max(r.get("memory_peak_bytes", 0) for r in rows),
+        "memory_predicted_bytes": max(r.get("memory_predicted_bytes", 0) for r in rows),
+        "exchange_peak_bytes": max(r.get("exchange_peak_bytes", 0) for r in rows),
+        "memory_error_max": max(r.get("memory_error", 0.0) for r in rows),
     }

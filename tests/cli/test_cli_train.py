@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from train_helpers import losses, make_corpus, write_config  # noqa: E402
+from train_helpers import BASE, losses, make_corpus, write_config  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -123,6 +123,7 @@ def test_profile_auto_is_reused_when_it_matches_and_measured_again_otherwise(aut
     assert {(r["tp"], r["pp"]) for r in json.loads((again / "profile.json").read_text())["time_ms"]} == {(1, 1), (2, 1)}
 
 
+_PARALLEL = BASE["parallel"]
 BAD = {
     "missing config": (None, "no such config file"),
     "malformed toml": ("[model\npreset = 1", "not valid TOML"),
@@ -147,6 +148,15 @@ BAD = {
         },
         "tp=2",
     ),
+    "zero exchange bucket": ({"parallel": f"{_PARALLEL}\nexchange_bucket_mb = 0"}, "parallel.exchange_bucket_mb"),
+    "negative exchange bucket": ({"parallel": f"{_PARALLEL}\nexchange_bucket_mb = -4"}, "parallel.exchange_bucket_mb"),
+    "exchange bucket beyond the device": (
+        {"parallel": f"{_PARALLEL}\nexchange_bucket_mb = 1e9"},
+        "parallel.exchange_bucket_mb 1e+09 is too large for the device's",
+    ),
+    "zero timeout": ({"train": "steps = 6\ntimeout_s = 0"}, "train.timeout_s"),
+    "negative timeout": ({"train": "steps = 6\ntimeout_s = -5"}, "train.timeout_s"),
+    "timeout of a year": ({"train": "steps = 6\ntimeout_s = 31536000"}, "train.timeout_s"),
 }
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from dist_launcher import run_workers
 from train_workers import (
+    GRAD_CLIP,
     IDLE_STEP,
     STEPS,
     WORLD,
@@ -28,8 +29,9 @@ def run(request):
     s = settings(sequence_parallel=request.param)
     plans = crafted_plans(s)
     results = run_workers(train, WORLD, s, plans, deadline_s=240)
-    losses, params = reference(s)
-    return s, plans, results, losses, params
+    norms: list[float] = []
+    losses, params = reference(s, norms=norms)
+    return s, plans, results, losses, params, norms
 
 
 def unflatten(master: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -46,7 +48,7 @@ def unflatten(master: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, 
 
 
 def test_plans_switch_and_leave_a_replica_idle(run):
-    _, plans, results, _, _ = run
+    _, plans, results, *_ = run
     metrics = results[0]["metrics"]
     deployments = [m["deployment_index"] for m in metrics]
     assert len(set(deployments)) >= 2
@@ -57,7 +59,7 @@ def test_plans_switch_and_leave_a_replica_idle(run):
 
 def test_a_measured_comparison_mid_run_changes_nothing(run):
     """The losses and parameters below match one process although `compare` ran real iterations."""
-    _, _, results, _, _ = run
+    _, _, results, *_ = run
     c = results[0]["comparison"]
     homogeneous = {"2x(tp1,pp2)", "1x(tp2,pp2)"}  # the pool's homogeneous deployments
     assert set(c["measured_s"]) == {"planned", *homogeneous} and all(len(v) == 1 for v in c["measured_s"].values())
@@ -67,15 +69,32 @@ def test_a_measured_comparison_mid_run_changes_nothing(run):
 
 
 def test_losses_match_single_process(run):
-    _, _, results, losses, _ = run
+    _, _, results, losses, *_ = run
     got = [m["loss"] for m in results[0]["metrics"]]
     assert len(got) == STEPS
     np.testing.assert_allclose(got, losses, rtol=1e-5)
     assert got[-1] < got[0]
 
 
+def test_grad_norms_match_single_process_with_clipping_both_inactive_and_active(run):
+    """clip_grad_norm_'s total norm of every parameter (1-D norm weights included), step by step."""
+    s, _, results, _, _, norms = run
+    got = [m["grad_norm"] for m in results[0]["metrics"]]
+    np.testing.assert_allclose(got, norms, rtol=1e-5)
+    clip = s.optim.adamw.grad_clip
+    assert clip == GRAD_CLIP
+    assert any(n < clip for n in norms) and any(n > clip for n in norms), norms
+
+
+def test_learning_rates_are_the_schedules_hand_computed_values(run):
+    """lr 1e-3, warm-up 2, cosine to 1e-4 over 8 steps (tests/test_optim.py works them out)."""
+    _, _, results, *_ = run
+    expected = [5e-4, 1e-3, 1e-3, 9.1405764747e-4, 6.8905764747e-4, 4.1094235253e-4, 1.8594235253e-4, 1e-4]
+    assert [m["lr"] for m in results[0]["metrics"]] == pytest.approx(expected, rel=1e-9, abs=0)
+
+
 def test_final_parameters_match_single_process(run):
-    s, _, results, _, params = run
+    s, _, results, _, params, _ = run
     master = torch.cat([r["master"] for r in results])
     got = unflatten(master, params)
     worst = {}
@@ -115,7 +134,7 @@ def shard_elements(s, tp: int, pp: int, stage: int) -> tuple[int, int]:
 
 
 def test_exchanges_move_exactly_each_ranks_shards(run):
-    s, _, results, _, _ = run
+    s, _, results, *_ = run
     total = ModelLayout(s.model, 1).total
     for deployment in s.pool:
         key = str(deployment)
@@ -140,9 +159,3 @@ def test_exchanges_move_exactly_each_ranks_shards(run):
     assert sorted(r["owned"] for r in results)[0][0] == 0
     assert sum(hi - lo for lo, hi in (r["owned"] for r in results)) == total
 
-
-def test_held_memory_is_what_the_memory_model_counts(run):
-    _, _, results, _, _ = run
-    for r in results:
-        assert r["held"]["owned"] == r["formula"]["owned"]
-        assert r["held"]["params"] == r["formula"]["params"]

@@ -38,6 +38,8 @@ def caps(
                 "gpus": config.num_gpus,
                 "cap_tokens": cap,
                 "min_efficient_tokens": cost.min_efficient_tokens(config),
+                # The optimizer exchange's transient per GPU: two buffers of at most one bucket each.
+                "exchange_bytes": cost.memory.exchange_buffer_bytes(cost.model),
                 "a_s": c.a,
                 "b_s": c.b,
                 "c_s": c.c,
@@ -47,9 +49,10 @@ def caps(
     if as_json:
         print_json({"profile": cost.name, "num_gpus": gpus, "configs": rows})
         return
-    columns = ["config", "GPUs", "cap (tokens)", "min eff."] + [f"t({s // 1024}K) ms" for s in CAPS_LENGTHS]
+    columns = ["config", "GPUs", "cap (tokens)", "min eff.", "exch. MiB"]
+    columns += [f"t({s // 1024}K) ms" for s in CAPS_LENGTHS]
     body = [
-        [r["config"], r["gpus"], r["cap_tokens"], r["min_efficient_tokens"]]
+        [r["config"], r["gpus"], r["cap_tokens"], r["min_efficient_tokens"], f"{r['exchange_bytes'] / 2**20:.0f}"]
         + [f"{t:.1f}" if t is not None else "-" for t in r["stage_ms"].values()]
         for r in rows
     ]

@@ -1,9 +1,12 @@
 """Memory: the training state the runtime holds, and the per-GPU cap it leaves for activations.
 
 `TrainingState` is the one definition of bytes per parameter that the
-analytic memory model and the runtime's memory test both read;
+analytic memory model and the runtime's prediction of its peak both read;
 `MemoryModel.cap` is the most tokens a micro-batch of a config may hold
-(docs/design.md, section 4), under CP with the K/V buffers attention keeps.
+(docs/design.md, section 4), under CP with the K/V buffers attention keeps,
+and zero where the optimizer exchange's buffers do not fit. `rank_memory`
+is one rank's peak buffer by buffer, which the trainer logs beside the
+peak torch's allocator measures (runtime/step_memory.py).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import ModelSpec
 
 CAP_GRANULARITY = 128
+DEFAULT_EXCHANGE_BUCKET_BYTES = 256 << 20  # [parallel] exchange_bucket_mb's default
 RECOMPUTE_INPUT_BYTES = 2  # a layer's input kept under full recompute (bf16)
 KV_BYTES = 2  # K and V travel over the CP group in the compute dtype (bf16)
 LIVE_KV_COPIES = 3  # document-sized K/V copies of the one layer in CP backward (kv_buffer_bytes)
@@ -52,8 +56,8 @@ class TrainingState:
     With the compute shard (replicated across replicas): parameters and
     gradients in the compute dtype. Sharded over all N ranks (the fixed
     optimizer layout): fp32 master weights, two fp32 AdamW moments and the
-    fp32 reduced gradient. The analytic memory model and the runtime's memory
-    test both read this one definition.
+    fp32 reduced gradient. The analytic memory model and `rank_memory` both
+    read this one definition.
     """
 
     param_bytes: int = 2
@@ -91,6 +95,13 @@ class MemoryModel:
     context_overhead_bytes: float
     safety_margin_bytes: float
     embedding_state_bytes: float = 16.0  # training-state bytes per embedding or head parameter (design section 4)
+    # The optimizer exchange's send and receive buffers (runtime/exchange.py): two buckets of the default
+    # 256 MiB. They live before the forward and after the backward, never beside the activations.
+    exchange_bytes: float = 2 * DEFAULT_EXCHANGE_BUCKET_BYTES
+
+    def exchange_buffer_bytes(self, model: ModelSpec) -> float:
+        """The exchange's two buffers: each at most a bucket, and at most the model in fp32."""
+        return min(self.exchange_bytes, 2 * 4 * model.num_params)
 
     def activation_factor(self, tp: int) -> float:
         table = self.activation_bytes_per_token_hidden_layer
@@ -148,8 +159,8 @@ class MemoryModel:
         cp * (per-rank cap - 2*cp), less the K/V that attention keeps (`kv_buffer_bytes`).
         """
         free = self.free_bytes(config, model, num_gpus)
-        if free <= 0:
-            return 0
+        if free <= 0 or free < self.exchange_buffer_bytes(model):
+            return 0  # not even the exchange's buffers fit beside the training state
         per_token = self.bytes_per_token(config, model, recompute)
         cp = config.cp
         if cp == 1:
@@ -161,3 +172,86 @@ class MemoryModel:
             while tokens > 0 and self.activation_bytes(config, model, tokens, recompute) > free:
                 tokens -= 1
         return tokens // CAP_GRANULARITY * CAP_GRANULARITY
+
+
+LOGIT_COPIES = 2  # the head's fp32 logits and their gradient, both live in the loss's backward
+LOGIT_BYTES = 4
+MAIN_GRAD_BYTES = 4  # fp32 main gradients under bf16 compute (runtime/main_grad.py)
+ACTIVATION_DTYPE_BYTES = 2  # the activation factors above are for bf16
+
+
+def shard_params(model: ModelSpec, config: ParallelConfig, stage: int) -> int:
+    """Compute-shard elements one rank holds: its stage's layers split over TP (norms replicated), plus the
+    embedding on the first stage and the final norm and head on the last (KV heads counted as split)."""
+    h, v = model.hidden, model.vocab
+    per_layer = (model.params_per_layer - 2 * h) // config.tp + 2 * h
+    n = model.layers // config.pp * per_layer
+    if stage == 0:
+        n += v * h // config.tp
+    if stage == config.pp - 1:
+        n += v * h // config.tp + h
+    return n
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """The bytes one rank holds at its peak, buffer by buffer (the runtime's, runtime/trainer.py).
+
+    The compute shard's parameters and the owned fp32 master, moments and reduced gradient are held
+    throughout. The gradients (fp32 main gradients under bf16) are freed after every step, so backward
+    allocates them afresh: with one micro-batch on one stage the activations are mostly freed by the
+    time they are, and only the head's gradient meets the logits; with more micro-batches (or 1F1B
+    stages) the next forward's activations meet all of them. After the backward, with the gradients,
+    come the exchange's send and receive buffers and the AdamW step's bucket-sized temporary.
+    """
+
+    params: float
+    grads: float
+    owned: float
+    activations: float
+    grads_with_activations: float
+    exchange: float
+    step: float
+
+    @property
+    def peak(self) -> float:
+        during = self.activations + self.grads_with_activations
+        after = self.grads + max(self.exchange, self.step)
+        return self.params + self.owned + max(during, after)
+
+
+def rank_memory(
+    memory: MemoryModel,
+    model: ModelSpec,
+    config: ParallelConfig,
+    stage: int,
+    num_gpus: int,
+    tokens: int,
+    dtype_bytes: int,
+    bucket_bytes: int,
+    recompute: bool = False,
+    micro_batches: int = 2,
+) -> RankMemory:
+    """A rank's memory for `micro_batches` micro-batches of at most `tokens` in the compute dtype's bytes."""
+    shard = shard_params(model, config, stage)
+    grad_bytes = MAIN_GRAD_BYTES if dtype_bytes < MAIN_GRAD_BYTES else dtype_bytes
+    last = stage == config.pp - 1
+    if micro_batches > 1 or config.pp > 1:
+        grads_with_activations = shard * grad_bytes
+    else:
+        grads_with_activations = model.vocab * model.hidden / config.tp * grad_bytes if last else 0.0
+    owned = -(-model.num_params // num_gpus)
+    activations = memory.activation_bytes(config, model, tokens, recompute) * dtype_bytes / ACTIVATION_DTYPE_BYTES
+    if last:
+        activations += LOGIT_COPIES * LOGIT_BYTES * max_rank_tokens(tokens, config.cp) * model.vocab / config.tp
+    return RankMemory(
+        params=shard * dtype_bytes,
+        grads=shard * grad_bytes,
+        owned=owned * TrainingState().sharded_bytes,
+        activations=activations,
+        grads_with_activations=grads_with_activations,
+        # A buffer holds at most one bucket and at most what the rank moves: its shard, or the owned range
+        # once per replica (a homogeneous pool's count of this config's replicas).
+        exchange=2 * min(bucket_bytes, 4 * max(shard, owned * max(1, num_gpus // config.num_gpus))),
+        step=min(bucket_bytes, owned * 4),
+    )

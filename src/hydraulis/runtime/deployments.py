@@ -21,6 +21,7 @@ import torch
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.runtime.groups import DEFAULT_TIMEOUT, ReplicaGroups, build_replica_groups
+from hydraulis.runtime.main_grad import attach_main_grads, clear_grads, gradient
 from hydraulis.runtime.model import StageModel
 from hydraulis.runtime.optimizer import DisaggregatedOptimizer, ExchangePlan
 from hydraulis.specs import ModelSpec
@@ -41,6 +42,14 @@ class RankDeployment:
         """The compute shard in the exchange plan's order."""
         named = dict(self.model.named_parameters())
         return [named[p.name] for p in self.exchange.local]
+
+    @property
+    def grads(self) -> list[torch.Tensor | None]:
+        """The compute shard's accumulated gradients (fp32 main grads under bf16) in the exchange plan's order."""
+        return [gradient(p) for p in self.params]
+
+    def clear_grads(self) -> None:
+        clear_grads(self.model.parameters())
 
 
 class RankPool:
@@ -74,6 +83,8 @@ class RankPool:
                     spec, groups.tp, groups.stage, g.pp, dtype, device, recompute=g in recompute, cp=groups.cp
                 )
                 release(model)
+                if dtype != torch.float32:
+                    attach_main_grads(model)  # accumulate micro-batches in fp32 (Megatron's main_grad)
                 models[key] = model
             exchange = optimizer.plan(deployment, sequence_parallel)
             self.parts.append(RankDeployment(deployment, replica, groups, models[key], exchange))
@@ -96,8 +107,8 @@ class RankPool:
 
 def release(model: StageModel) -> None:
     """Drop a model's parameter and gradient storage, keeping the modules (and their shard specs)."""
+    clear_grads(model.parameters())
     for p in model.parameters():
-        p.grad = None
         if p.numel():
             p.hydraulis_shape = tuple(p.shape)
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)

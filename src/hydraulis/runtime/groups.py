@@ -45,7 +45,7 @@ class ReplicaGroups:
     stage: int
     tp: TensorParallel
     pp_group: dist.ProcessGroup | None  # same (CP, TP) rank on every stage: the p2p lane
-    replica_group: dist.ProcessGroup | None  # all ranks of the replica
+    replica_group: dist.ProcessGroup | None  # all ranks of the replica (built only on request: the profiler's)
     prev_rank: int | None  # global rank of the same (CP, TP) rank on the previous stage
     next_rank: int | None
     cp: ContextParallel = ContextParallel()
@@ -117,14 +117,21 @@ def _group(ranks: tuple[int, ...], timeout: datetime.timedelta) -> dist.ProcessG
     return _GROUPS[key]
 
 
+def built_groups() -> list[dist.ProcessGroup]:
+    """Every group this process has built and belongs to."""
+    return [g for g in _GROUPS.values() if g is not None]
+
+
 def build_replica_groups(
     replicas: Sequence[Replica],
     sequence_parallel: bool = False,
     timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+    replica_group: bool = False,
 ) -> ReplicaGroups | None:
     """Groups for every replica of a deployment; returns this rank's (None if it is in no replica).
 
-    A collective: every rank of the job calls it with the same replicas in the same order.
+    A collective: every rank of the job calls it with the same replicas in the same order. The group
+    of a whole replica is built only when `replica_group` asks for it (training never uses it).
     """
     if not dist.is_initialized():
         raise HydraulisError("torch.distributed is not initialized; start the job with torchrun")
@@ -142,7 +149,7 @@ def build_replica_groups(
         tp_groups = {(s, c): _group(stage_ranks(config, ranks, s, c), timeout) for s in stages for c in cps}
         cp_groups = {(s, t): _group(cp_ranks(config, ranks, s, t), timeout) for s in stages for t in tps}
         lanes = {(c, t): _group(lane_ranks(config, ranks, t, c), timeout) for c in cps for t in tps}
-        whole = _group(ranks, timeout)
+        whole = _group(ranks, timeout) if replica_group else None
         if me not in ranks:
             continue
         stage, cp_rank, tp_rank = rank_roles(config, ranks)[me]

@@ -265,7 +265,7 @@ def measure_optimizer_step(
 
         def phase(part=part) -> None:
             deployments.gather(part)
-            optimizer.reduce(part.exchange, part.params)
+            optimizer.reduce(part.exchange, part.grads)
             norm, _ = optimizer.global_norm()
             optimizer.step(1e-6, norm)
 

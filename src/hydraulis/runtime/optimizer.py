@@ -13,122 +13,34 @@ runs. An iteration is
 4. `step`: global-norm clipping over the owned gradients (each element is
    owned once, so nothing is counted twice) and AdamW on the owned range.
 
-Each of `gather` and `reduce` is ONE `all_to_all_single` with split sizes
-(gloo and NCCL both have it), driven by an `ExchangePlan` that is computed
-once per deployment from range intersections and cached. A rank sends and
-receives only the elements of its own shards, and never builds a full-model
-tensor.
+`gather` and `reduce` run in rounds of an `ExchangePlan` (exchange.py):
+each round is one `all_to_all_single` with split sizes whose send and
+receive buffers each hold at most `bucket_bytes`, and the owner adds each
+round's contributions into its gradient as they arrive. A rank's transient
+exchange memory is therefore O(bucket), not O(model) or O(replicas x owned).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
-from hydraulis.cost.memory import TrainingState
+from hydraulis.cost.memory import DEFAULT_EXCHANGE_BUCKET_BYTES
 from hydraulis.errors import HydraulisError
 from hydraulis.optim import AdamWSettings
 from hydraulis.parallel import Deployment
-from hydraulis.runtime.groups import rank_roles
-from hydraulis.runtime.layout import LocalParam, ModelLayout, Role
+from hydraulis.runtime.exchange import EXCHANGE_ELEMENT_BYTES, ExchangePlan, canonical_pieces, deployment_roles
+from hydraulis.runtime.layout import ModelLayout
 
+EXCHANGE_WINDOW = "hydraulis.exchange"  # the profiler range of gather and reduce (memory_meter.PeakMeter)
+DEFAULT_BUCKET_BYTES = DEFAULT_EXCHANGE_BUCKET_BYTES  # [parallel] exchange_bucket_mb's default, sized for GPUs
 
-def deployment_roles(deployment: Deployment, sequence_parallel: bool = False) -> dict[int, Role]:
-    """Every global rank's role in a deployment (ranks are stage-major within a replica, as groups.py builds them).
-
-    The CP ranks of a TP rank share its role: the same parameter shard, each
-    with the gradient of its own tokens, which the owners sum as they sum replicas.
-    """
-    roles = {}
-    for replica in deployment.replicas:
-        config = replica.config
-        for rank, (stage, _, tp_rank) in rank_roles(config, replica.devices).items():
-            roles[rank] = Role(config, stage, tp_rank, sequence_parallel and config.tp > 1)
-    return roles
-
-
-def _clip(ranges: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """(k, 2) ranges intersected with [lo, hi), empty ones dropped."""
-    if len(ranges) == 0:
-        return ranges
-    out = np.stack([np.maximum(ranges[:, 0], lo), np.minimum(ranges[:, 1], hi)], axis=1)
-    return out[out[:, 1] > out[:, 0]]
-
-
-@dataclass(frozen=True)
-class ExchangePlan:
-    """One rank's side of the gather and the reduce for one deployment (element counts, not bytes).
-
-    gather_send: (start, length) slices of this rank's owned range, destination by destination;
-    gather_recv_splits / gather_send_splits: all_to_all_single split sizes per peer.
-    reduce_*: the reverse direction; reduce_recv pieces are (buffer position, owned offset, length).
-    """
-
-    rank: int
-    local: tuple[LocalParam, ...]
-    gather_send: tuple[tuple[int, int], ...]
-    gather_send_splits: tuple[int, ...]
-    gather_recv_splits: tuple[int, ...]
-    reduce_send_splits: tuple[int, ...]
-    reduce_recv_splits: tuple[int, ...]
-    reduce_recv: tuple[tuple[int, int, int], ...]
-
-    @classmethod
-    def build(cls, layout: ModelLayout, deployment: Deployment, rank: int, sequence_parallel: bool = False):
-        roles = deployment_roles(deployment, sequence_parallel)
-        world = layout.world_size
-        if sorted(roles) != list(range(world)):
-            raise HydraulisError(f"deployment {deployment} covers ranks {sorted(roles)}, the job has {world}")
-        lo, hi = layout.owner_range(rank)
-        local = layout.local_params(roles[rank])
-        gathers = {r: np.array([p.gather for p in layout.local_params(roles[r])], np.int64).reshape(-1, 2)
-                   for r in range(world)}
-        reduces = {r: np.array([p.reduce for p in layout.local_params(roles[r])], np.int64).reshape(-1, 2)
-                   for r in range(world)}
-        gather_send, send_splits = [], []
-        reduce_recv, recv_splits, pos = [], [], 0
-        for r in range(world):
-            mine = _clip(gathers[r], lo, hi)
-            gather_send.extend((int(a) - lo, int(b - a)) for a, b in mine)
-            send_splits.append(int((mine[:, 1] - mine[:, 0]).sum()))
-            theirs = _clip(reduces[r], lo, hi)
-            for a, b in theirs:
-                reduce_recv.append((pos, int(a) - lo, int(b - a)))
-                pos += int(b - a)
-            recv_splits.append(int((theirs[:, 1] - theirs[:, 0]).sum()))
-        own = [layout.owner_range(o) for o in range(world)]
-        g_recv = [int((lambda c: (c[:, 1] - c[:, 0]).sum())(_clip(gathers[rank], a, b))) for a, b in own]
-        r_send = [int((lambda c: (c[:, 1] - c[:, 0]).sum())(_clip(reduces[rank], a, b))) for a, b in own]
-        return cls(
-            rank=rank,
-            local=local,
-            gather_send=tuple(gather_send),
-            gather_send_splits=tuple(send_splits),
-            gather_recv_splits=tuple(g_recv),
-            reduce_send_splits=tuple(r_send),
-            reduce_recv_splits=tuple(recv_splits),
-            reduce_recv=tuple(reduce_recv),
-        )
-
-    def traffic(self) -> dict[str, int]:
-        """Elements this rank sends and receives over the network (its own range to itself excluded)."""
-        me = self.rank
-
-        def off_self(splits: tuple[int, ...]) -> int:
-            return sum(splits) - splits[me]
-
-        return {
-            "gather_send": off_self(self.gather_send_splits),
-            "gather_recv": off_self(self.gather_recv_splits),
-            "reduce_send": off_self(self.reduce_send_splits),
-            "reduce_recv": off_self(self.reduce_recv_splits),
-        }
+__all__ = ["DisaggregatedOptimizer", "ExchangePlan", "deployment_roles"]
 
 
 class DisaggregatedOptimizer:
@@ -141,8 +53,13 @@ class DisaggregatedOptimizer:
         settings: AdamWSettings,
         device: torch.device | str = "cpu",
         group: dist.ProcessGroup | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
+        if bucket_bytes < EXCHANGE_ELEMENT_BYTES:
+            raise HydraulisError(f"exchange bucket of {bucket_bytes} bytes: it must hold at least one element")
         self.layout, self.rank, self.settings = layout, rank, settings
+        self.bucket_bytes = bucket_bytes
+        self.exchange_peak_bytes = 0  # the largest send + receive buffers of any round so far (their real sizes)
         self.device = torch.device(device)
         self.group = group
         self.lo, self.hi = layout.owner_range(rank)
@@ -177,15 +94,10 @@ class DisaggregatedOptimizer:
         """The cached exchange plan of a deployment (computed on first use, from ranges only)."""
         key = (deployment, sequence_parallel)
         if key not in self._plans:
-            self._plans[key] = ExchangePlan.build(self.layout, deployment, self.rank, sequence_parallel)
+            self._plans[key] = ExchangePlan.build(
+                self.layout, deployment, self.rank, sequence_parallel, self.bucket_bytes
+            )
         return self._plans[key]
-
-    def state_bytes(self, compute: Sequence[torch.Tensor] = ()) -> dict[str, int]:
-        """Bytes this rank really holds: owned state, plus the compute shard's parameters and gradients."""
-        owned = sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq, self.grad))
-        params = sum(p.numel() * p.element_size() for p in compute)
-        grads = sum(p.grad.numel() * p.grad.element_size() for p in compute if p.grad is not None)
-        return {"owned": owned, "params": params, "grads": grads}
 
     # -- exchanges ------------------------------------------------------------------------------
     def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits) -> None:
@@ -194,43 +106,77 @@ class DisaggregatedOptimizer:
             return
         dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=self.group)
 
-    @torch.no_grad()
-    def gather(self, plan: ExchangePlan, params: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
-        """Fill `params` (the rank's compute shard, in plan.local order) from the owners."""
-        if len(params) != len(plan.local):
-            raise HydraulisError(f"gather: {len(params)} parameters, the exchange plan has {len(plan.local)}")
-        slices = [self.master[a : a + n] for a, n in plan.gather_send]
-        send = (torch.cat(slices) if slices else self.master[:0]).to(dtype)
-        recv = torch.empty(sum(plan.gather_recv_splits), dtype=dtype, device=self.device)
-        self._all_to_all(recv, send, plan.gather_recv_splits, plan.gather_send_splits)
-        pos = 0
-        for p, lp in zip(params, plan.local, strict=True):
-            p.copy_(lp.from_canonical(recv[pos : pos + lp.numel]))
-            pos += lp.numel
+    def _buffers(self, plan: ExchangePlan, send: str, recv: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """One send and one receive buffer, each the largest of its kind in any round, reused by every round.
+
+        Reused, not allocated per round: a finished collective's buffers may stay referenced by the
+        backend's worker thread for a moment, and fresh ones per round would then pile up.
+        """
+        out = tuple(
+            torch.empty(max(sum(getattr(r, f"{kind}_splits")) for r in plan.rounds), dtype=dtype, device=self.device)
+            for kind in (send, recv)
+        )
+        self.exchange_peak_bytes = max(self.exchange_peak_bytes, sum(b.numel() * b.element_size() for b in out))
+        return out
 
     @torch.no_grad()
-    def reduce(self, plan: ExchangePlan, params: Sequence[torch.Tensor]) -> None:
-        """Sum every rank's gradients into the owned `self.grad` (missing .grad counts as zero)."""
-        pieces = []
-        for p, lp in zip(params, plan.local, strict=True):
-            a = lp.reduce[0] - lp.gather[0]
-            n = lp.reduce[1] - lp.reduce[0]
-            if p.grad is None:
-                pieces.append(torch.zeros(n, dtype=torch.float32, device=self.device))
-            else:
-                pieces.append(lp.to_canonical(p.grad)[a : a + n].float())
-        send = torch.cat(pieces) if pieces else self.grad[:0]
-        recv = torch.empty(sum(plan.reduce_recv_splits), dtype=torch.float32, device=self.device)
-        self._all_to_all(recv, send, plan.reduce_recv_splits, plan.reduce_send_splits)
+    @record_function(EXCHANGE_WINDOW)
+    def gather(self, plan: ExchangePlan, params: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
+        """Fill `params` (the rank's compute shard, in plan.local order) from the owners, round by round."""
+        if len(params) != len(plan.local):
+            raise HydraulisError(f"gather: {len(params)} parameters, the exchange plan has {len(plan.local)}")
+        send_buffer, recv_buffer = self._buffers(plan, "gather_send", "gather_recv", dtype)
+        for rnd in plan.rounds:
+            send = send_buffer[: sum(rnd.gather_send_splits)]
+            pos = 0
+            for off, n in rnd.gather_send:
+                send[pos : pos + n].copy_(self.master[off : off + n])
+                pos += n
+            recv = recv_buffer[: sum(rnd.gather_recv_splits)]
+            self._all_to_all(recv, send, rnd.gather_recv_splits, rnd.gather_send_splits)
+            pos = 0
+            for i, off, n in rnd.gather_recv:
+                for piece in canonical_pieces(params[i], plan.local[i], off, off + n):
+                    piece.copy_(recv[pos : pos + piece.numel()].view(piece.shape))
+                    pos += piece.numel()
+
+    @torch.no_grad()
+    @record_function(EXCHANGE_WINDOW)
+    def reduce(
+        self, plan: ExchangePlan, grads: Sequence[torch.Tensor | None], dtype: torch.dtype = torch.float32
+    ) -> None:
+        """Sum every rank's gradients into the owned `self.grad`, round by round (None counts as zero).
+
+        `grads` are the compute shard's gradients in plan.local order; they travel in `dtype` and are
+        summed in fp32 as each round arrives.
+        """
         self.grad.zero_()
-        for pos, off, n in plan.reduce_recv:
-            self.grad[off : off + n] += recv[pos : pos + n]
+        send_buffer, recv_buffer = self._buffers(plan, "reduce_send", "reduce_recv", dtype)
+        for rnd in plan.rounds:
+            send = send_buffer[: sum(rnd.reduce_send_splits)]
+            pos = 0
+            for i, off, n in rnd.reduce_send:
+                g = grads[i]
+                if g is None:
+                    send[pos : pos + n].zero_()
+                    pos += n
+                    continue
+                for piece in canonical_pieces(g, plan.local[i], off, off + n):
+                    send[pos : pos + piece.numel()].view(piece.shape).copy_(piece)
+                    pos += piece.numel()
+            recv = recv_buffer[: sum(rnd.reduce_recv_splits)]
+            self._all_to_all(recv, send, rnd.reduce_recv_splits, rnd.reduce_send_splits)
+            pos = 0
+            for off, n in rnd.reduce_recv:
+                self.grad[off : off + n] += recv[pos : pos + n]
+                pos += n
 
     # -- step -------------------------------------------------------------------------------
     @torch.no_grad()
     def global_norm(self, extra: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The gradient's global L2 norm; `extra` (small fp32 values) is summed over ranks in the same collective."""
-        sq = self.grad.double().square().sum().float().reshape(1)
+        # vector_norm reduces without a temporary of the owned size (no float64 or squared copy).
+        sq = torch.linalg.vector_norm(self.grad).square().reshape(1)
         both = sq if extra is None else torch.cat([sq, extra.float().reshape(-1).to(self.device)])
         if self.layout.world_size > 1:
             dist.all_reduce(both, group=self.group)
@@ -252,14 +198,9 @@ class DisaggregatedOptimizer:
         self.exp_avg_sq.mul_(b2).addcmul_(self.grad, self.grad, value=1 - b2)
         bias1 = 1 - b1**self.step_count
         bias2 = 1 - b2**self.step_count
-        denom = (self.exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(s.eps)
-        self.master.addcdiv_(self.exp_avg, denom, value=-lr / bias1)
+        # The denominator in bucket-sized chunks: one temporary of at most a bucket, not of the owned range.
+        chunk = max(1, self.bucket_bytes // EXCHANGE_ELEMENT_BYTES)
+        for a in range(0, len(self.master), chunk):
+            denom = self.exp_avg_sq[a : a + chunk].sqrt().div_(math.sqrt(bias2)).add_(s.eps)
+            self.master[a : a + chunk].addcdiv_(self.exp_avg[a : a + chunk], denom, value=-lr / bias1)
 
-
-def state_bytes_formula(layout: ModelLayout, local: Sequence[LocalParam], rank: int, dtype_bytes: int) -> dict:
-    """What the memory model says this rank holds (cost.model.TrainingState), to compare with `state_bytes`."""
-    state = TrainingState(param_bytes=dtype_bytes, grad_bytes=dtype_bytes)
-    lo, hi = layout.owner_range(rank)
-    shard = sum(p.numel for p in local)
-    return {"owned": (hi - lo) * state.sharded_bytes, "params": shard * state.param_bytes,
-            "grads": shard * state.grad_bytes}

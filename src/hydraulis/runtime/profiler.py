@@ -142,7 +142,7 @@ def measure(
     busy: dict[str, int] = {}
     for config in configs:  # new_group is a collective of the whole job: every rank, same order
         n = config.num_gpus
-        mine = build_replica_groups(filling_replicas(config, env.world_size), timeout=JOB_TIMEOUT)
+        mine = build_replica_groups(filling_replicas(config, env.world_size), timeout=JOB_TIMEOUT, replica_group=True)
         at_once = replicas_at_once(config, env.world_size, cores, threads)
         busy[config.name] = at_once * n
         groups[config] = mine if env.rank // n < at_once else None  # the others wait at the barrier

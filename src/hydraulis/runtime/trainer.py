@@ -50,10 +50,13 @@ from hydraulis.planner.sim import simulate
 from hydraulis.runtime.batch import PackedBatch, count_targets, pack_cp_shard
 from hydraulis.runtime.deployments import RankDeployment, RankPool
 from hydraulis.runtime.divergence import finite, poisoned
+from hydraulis.runtime.groups import built_groups
 from hydraulis.runtime.launch import DTYPES, DistEnv, init_distributed
 from hydraulis.runtime.layout import ModelLayout
-from hydraulis.runtime.optimizer import DisaggregatedOptimizer
+from hydraulis.runtime.optimizer import DEFAULT_BUCKET_BYTES, DisaggregatedOptimizer
 from hydraulis.runtime.pipeline import train_step
+from hydraulis.runtime.step_memory import CPU_SAMPLE_EVERY, StepMemory, predicted_peak
+from hydraulis.runtime.timeouts import DEFAULT_TIMEOUT_S, first_step_timeout, settle_timeouts
 from hydraulis.specs import ModelSpec
 
 
@@ -68,14 +71,19 @@ class TrainSettings:
     dtype: str = "fp32"
     sequence_parallel: bool = False
     compare_steps: int = 0  # the last batches kept for `Trainer.compare`
+    exchange_bucket_bytes: int = DEFAULT_BUCKET_BYTES  # the most bytes one exchange buffer holds
+    reduce_dtype: str = "fp32"  # what gradients travel in to their owners (summed in fp32 there)
+    timeout_s: float = DEFAULT_TIMEOUT_S  # process-group timeout after the first step (timeouts.py)
+    memory_every: int = CPU_SAMPLE_EVERY  # on CPU, measure memory every this many steps (step_memory.py)
 
     def schedule_state(self) -> dict[str, Any]:
         """What the LR at each step depends on (optim.OptimSettings.schedule_state)."""
         return self.optim.schedule_state(self.steps)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise HydraulisError(f"unknown dtype {self.dtype!r}; use one of {', '.join(DTYPES)}")
+        for key in ("dtype", "reduce_dtype"):
+            if getattr(self, key) not in DTYPES:
+                raise HydraulisError(f"unknown {key} {getattr(self, key)!r}; use one of {', '.join(DTYPES)}")
         if self.steps < 0:
             raise HydraulisError(f"steps must be non-negative, got {self.steps}")
 
@@ -106,6 +114,11 @@ class StepMetrics:
     epoch: int
     position: int
     skipped: bool = False  # a non-finite loss or gradient norm: the optimizer did not step (divergence.py)
+    # Bytes, the largest over ranks (runtime/step_memory.py): measured by the allocator, and predicted.
+    memory_peak_bytes: int = 0
+    memory_predicted_bytes: int = 0
+    exchange_peak_bytes: int = 0
+    memory_error: float = 0.0  # the largest |measured - predicted| / predicted of any rank
 
     @property
     def tokens_per_s(self) -> float:
@@ -167,10 +180,13 @@ class Trainer:
         check_job_pool(settings.pool, self.world, settings.model, settings.cost, max_len)
         self.dtype = DTYPES[settings.dtype]
         self.layout = ModelLayout(settings.model, self.world)
-        self.optimizer = DisaggregatedOptimizer(self.layout, self.rank, settings.optim.adamw, self.env.device)
+        self.optimizer = DisaggregatedOptimizer(
+            self.layout, self.rank, settings.optim.adamw, self.env.device, bucket_bytes=settings.exchange_bucket_bytes
+        )
         self.optimizer.init(settings.seed)
         # Plans travel on a CPU group: NCCL cannot broadcast host memory.
-        self.control = dist.new_group(backend="gloo") if self.env.backend != "gloo" else None
+        timeout = first_step_timeout(settings.timeout_s)
+        self.control = dist.new_group(backend="gloo", timeout=timeout) if self.env.backend != "gloo" else None
         self.deployments = RankPool(
             settings.model,
             settings.pool,
@@ -179,7 +195,10 @@ class Trainer:
             self.env.device,
             settings.sequence_parallel,
             settings.cost.recompute,  # activation recompute: the cost model's set is the one definition
+            timeout,
         )
+        self._timeouts_settled = False
+        self.memory = StepMemory(self.env.device, self.optimizer, settings.memory_every)
         self.planner = Planner(settings.cost, self.world, settings.pool) if self.rank == 0 else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner") if self.rank == 0 else None
         self.step_index = 0
@@ -259,23 +278,23 @@ class Trainer:
 
     def run_iteration(self, batch: GlobalBatch, plan: IterationPlan, planning_unhidden_s: float = 0.0) -> StepMetrics:
         """Execute one plan on one batch (every rank, the same plan); returns the metrics (meaningful on rank 0)."""
-        start = time.perf_counter()
         pool_index = self.settings.pool.index(plan.deployment)
+        self.memory.start(pool_index, self.step_index)
+        start = time.perf_counter()
         part, switched = self.deployments.activate(pool_index)
         activated = time.perf_counter()
         self.deployments.gather(part)
         gathered = time.perf_counter()
         micro_batches = self.micro_batches(batch, plan, part)
         model = part.model
-        for p in model.parameters():
-            p.grad = None
+        part.clear_grads()
         targets = self.batch_targets(batch)
         with poisoned(model, self.step_index, part.groups.is_last_stage):  # a test hook, off unless asked for
             result = train_step(model, part.groups, micro_batches, targets, reduce_partial_grads=False)
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         computed = time.perf_counter()
-        self.optimizer.reduce(part.exchange, part.params)
+        self.optimizer.reduce(part.exchange, part.grads, DTYPES[self.settings.reduce_dtype])
         reduced = time.perf_counter()
         counts_loss = result.loss_sum_tensor is not None and part.groups.tp.rank == 0
         loss_part = result.loss_sum_tensor if counts_loss else torch.zeros((), device=self.env.device)
@@ -288,12 +307,17 @@ class Trainer:
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         finished = time.perf_counter()  # the iteration ends here; what follows only reports on it
-        for p in model.parameters():
-            p.grad = None
-        times = torch.zeros(len(plan.deployment.replicas), dtype=torch.float64)
+        s = self.settings
+        memory = self.memory.stop(predicted_peak(s.cost, s.model, part, plan, self.world, self.dtype,
+                                                 s.exchange_bucket_bytes))
+        part.clear_grads()
+        replicas = len(plan.deployment.replicas)
+        times = torch.zeros(replicas + 4, dtype=torch.float64)  # replica times, then memory: max over ranks
         times[part.replica] = computed - gathered
+        times[replicas:] = torch.tensor([memory.peak, memory.predicted, memory.exchange_peak, memory.error])
         if self.world > 1:
             dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.control)
+        times, peaks = times[:replicas], times[replicas:].tolist()
         predicted = simulate(plan, self.settings.cost, keep_events=False)
         metrics = StepMetrics(
             step=self.step_index,
@@ -318,8 +342,15 @@ class Trainer:
             epoch=batch.state.epoch,
             position=batch.state.position,
             skipped=skipped,
+            memory_peak_bytes=int(peaks[0]),
+            memory_predicted_bytes=int(peaks[1]),
+            exchange_peak_bytes=int(peaks[2]),
+            memory_error=peaks[3],
         )
         self.step_index += 1
+        if not self._timeouts_settled:  # the first step is done: every group gets the steady timeout
+            settle_timeouts(self.settings.timeout_s, [*built_groups(), self.control])
+            self._timeouts_settled = True
         return metrics
 
     # -- measured comparison ------------------------------------------------------------------

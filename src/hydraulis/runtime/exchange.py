@@ -1,0 +1,218 @@
+"""The exchange plan between the fixed optimizer layout and one deployment, in bounded rounds.
+
+Rank o owns the range [lo_o, hi_o) of the global vector (layout.py). The
+exchange runs in rounds: round k moves, for EVERY owner at once, the window
+[lo_o + kW, lo_o + (k+1)W) of its owned range. A rank's gather (or reduce)
+ranges are disjoint, so in one round it sends at most W elements to each
+owner its shard touches and an owner receives at most W elements from each
+rank whose shard touches it. With W = bucket elements / the largest such
+fan-out, every round's send buffer and receive buffer each hold at most one
+bucket, whatever the model size or the number of replicas, and the owner
+sums a round's contributions as they arrive (Megatron's bucketed
+reduce-scatter and core/resharding's cached transfer plans, applied to
+heterogeneous layouts). Each round is one `all_to_all_single` with split
+sizes, which gloo and NCCL both have.
+
+Plans hold element counts and offsets only; they are computed once per
+deployment from range intersections and cached by the optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hydraulis.errors import HydraulisError
+from hydraulis.parallel import Deployment
+from hydraulis.runtime.groups import rank_roles
+from hydraulis.runtime.layout import LocalParam, ModelLayout, Role
+
+EXCHANGE_ELEMENT_BYTES = 4  # rounds are sized for fp32 elements, the widest an exchange moves
+
+
+def deployment_roles(deployment: Deployment, sequence_parallel: bool = False) -> dict[int, Role]:
+    """Every global rank's role in a deployment (ranks are stage-major within a replica, as groups.py builds them).
+
+    The CP ranks of a TP rank share its role: the same parameter shard, each
+    with the gradient of its own tokens, which the owners sum as they sum replicas.
+    """
+    roles = {}
+    for replica in deployment.replicas:
+        config = replica.config
+        for rank, (stage, _, tp_rank) in rank_roles(config, replica.devices).items():
+            roles[rank] = Role(config, stage, tp_rank, sequence_parallel and config.tp > 1)
+    return roles
+
+
+def _clip(ranges: np.ndarray, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+    """(k, 2) ranges intersected with [lo, hi), empty ones dropped, and the indices of those kept."""
+    if len(ranges) == 0 or hi <= lo:
+        return ranges[:0], np.zeros(0, np.int64)
+    out = np.stack([np.maximum(ranges[:, 0], lo), np.minimum(ranges[:, 1], hi)], axis=1)
+    keep = np.nonzero(out[:, 1] > out[:, 0])[0]
+    return out[keep], keep
+
+
+def _fan_out(ranges: dict[int, np.ndarray], bounds: np.ndarray) -> int:
+    """The most owners one rank's ranges touch, or ranks one owner's range is touched by."""
+    world = len(bounds) - 1
+    touches = np.zeros((world, world), dtype=bool)  # [rank, owner]
+    for r, rr in ranges.items():
+        for o in range(world):
+            touches[r, o] = len(_clip(rr, int(bounds[o]), int(bounds[o + 1]))[0]) > 0
+    return int(max(touches.sum(axis=1).max(), touches.sum(axis=0).max(), 1))
+
+
+@dataclass(frozen=True)
+class ExchangeRound:
+    """One all_to_all_single of the gather and one of the reduce (element counts per peer, in rank order).
+
+    gather_send: (owned offset, length) copied from the master, peer by peer;
+    gather_recv: (local parameter index, canonical offset, length) written into the compute shard;
+    reduce_send: (local parameter index, canonical offset, length) read from the gradients;
+    reduce_recv: (owned offset, length) summed into the owned gradient, in buffer order.
+    """
+
+    gather_send: tuple[tuple[int, int], ...]
+    gather_send_splits: tuple[int, ...]
+    gather_recv: tuple[tuple[int, int, int], ...]
+    gather_recv_splits: tuple[int, ...]
+    reduce_send: tuple[tuple[int, int, int], ...]
+    reduce_send_splits: tuple[int, ...]
+    reduce_recv: tuple[tuple[int, int], ...]
+    reduce_recv_splits: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ExchangePlan:
+    """One rank's side of the gather and the reduce for one deployment, as rounds of at most one bucket each."""
+
+    rank: int
+    local: tuple[LocalParam, ...]
+    window: int  # owned elements per owner per round
+    rounds: tuple[ExchangeRound, ...]
+
+    @classmethod
+    def build(
+        cls,
+        layout: ModelLayout,
+        deployment: Deployment,
+        rank: int,
+        sequence_parallel: bool = False,
+        bucket_bytes: int = 256 << 20,
+    ) -> ExchangePlan:
+        roles = deployment_roles(deployment, sequence_parallel)
+        world = layout.world_size
+        if sorted(roles) != list(range(world)):
+            raise HydraulisError(f"deployment {deployment} covers ranks {sorted(roles)}, the job has {world}")
+        locals_ = {r: layout.local_params(roles[r]) for r in range(world)}
+        gathers = {r: np.array([p.gather for p in lp], np.int64).reshape(-1, 2) for r, lp in locals_.items()}
+        reduces = {r: np.array([p.reduce for p in lp], np.int64).reshape(-1, 2) for r, lp in locals_.items()}
+        fan = max(_fan_out(gathers, layout.bounds), _fan_out(reduces, layout.bounds))
+        window = max(1, bucket_bytes // EXCHANGE_ELEMENT_BYTES // fan)
+        longest = max(hi - lo for lo, hi in (layout.owner_range(o) for o in range(world)))
+        local = locals_[rank]
+        base = np.array([p.gather[0] for p in local], np.int64)
+        lo_me = layout.owner_range(rank)[0]
+
+        def windows(k: int) -> list[tuple[int, int]]:
+            out = []
+            for o in range(world):
+                lo, hi = layout.owner_range(o)
+                out.append((min(lo + k * window, hi), min(lo + (k + 1) * window, hi)))
+            return out
+
+        rounds = []
+        for k in range(max(1, -(-longest // window))):
+            wins = windows(k)
+            mine = wins[rank]
+            g_send, g_send_n, r_recv, r_recv_n = [], [], [], []
+            for r in range(world):  # what every peer needs of, or contributes to, this rank's window
+                clipped, _ = _clip(gathers[r], *mine)
+                g_send.extend((int(a) - lo_me, int(b - a)) for a, b in clipped)
+                g_send_n.append(int((clipped[:, 1] - clipped[:, 0]).sum()))
+                clipped, _ = _clip(reduces[r], *mine)
+                r_recv.extend((int(a) - lo_me, int(b - a)) for a, b in clipped)
+                r_recv_n.append(int((clipped[:, 1] - clipped[:, 0]).sum()))
+            g_recv, g_recv_n, r_send, r_send_n = [], [], [], []
+            for win in wins:  # what this rank needs of, or contributes to, every owner's window
+                clipped, idx = _clip(gathers[rank], *win)
+                g_recv.extend((int(i), int(a - base[i]), int(b - a)) for i, (a, b) in zip(idx, clipped, strict=True))
+                g_recv_n.append(int((clipped[:, 1] - clipped[:, 0]).sum()))
+                clipped, idx = _clip(reduces[rank], *win)
+                r_send.extend((int(i), int(a - base[i]), int(b - a)) for i, (a, b) in zip(idx, clipped, strict=True))
+                r_send_n.append(int((clipped[:, 1] - clipped[:, 0]).sum()))
+            rounds.append(ExchangeRound(
+                tuple(g_send), tuple(g_send_n), tuple(g_recv), tuple(g_recv_n),
+                tuple(r_send), tuple(r_send_n), tuple(r_recv), tuple(r_recv_n),
+            ))
+        return cls(rank=rank, local=local, window=window, rounds=tuple(rounds))
+
+    def _total(self, field: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in np.sum([getattr(r, field) for r in self.rounds], axis=0))
+
+    @property
+    def gather_send_splits(self) -> tuple[int, ...]:
+        """Elements sent to each peer over all rounds."""
+        return self._total("gather_send_splits")
+
+    @property
+    def gather_recv_splits(self) -> tuple[int, ...]:
+        return self._total("gather_recv_splits")
+
+    @property
+    def reduce_send_splits(self) -> tuple[int, ...]:
+        return self._total("reduce_send_splits")
+
+    @property
+    def reduce_recv_splits(self) -> tuple[int, ...]:
+        return self._total("reduce_recv_splits")
+
+    @property
+    def largest_buffer(self) -> int:
+        """The most elements one send or receive buffer of any round holds on this rank."""
+        return max(
+            max(sum(r.gather_send_splits), sum(r.gather_recv_splits), sum(r.reduce_send_splits),
+                sum(r.reduce_recv_splits))
+            for r in self.rounds
+        )
+
+    def traffic(self) -> dict[str, int]:
+        """Elements this rank sends and receives over the network (its own range to itself excluded)."""
+        me = self.rank
+
+        def off_self(splits: tuple[int, ...]) -> int:
+            return sum(splits) - splits[me]
+
+        return {
+            "gather_send": off_self(self.gather_send_splits),
+            "gather_recv": off_self(self.gather_recv_splits),
+            "reduce_send": off_self(self.reduce_send_splits),
+            "reduce_recv": off_self(self.reduce_recv_splits),
+        }
+
+
+def canonical_pieces(t: torch.Tensor, lp: LocalParam, start: int, stop: int) -> list[torch.Tensor]:
+    """Views of a local tensor covering its canonical elements [start, stop), in order (no copies).
+
+    A row-parallel weight's canonical order is its transpose: the range is a
+    partial row, whole rows and a partial row of `t.t()`.
+    """
+    if not lp.flat.transposed:
+        return [t.view(-1)[start:stop]]
+    c = t.t()
+    width = c.shape[1]
+    out = []
+    while start < stop:
+        i, j = divmod(start, width)
+        if j == 0 and stop - start >= width:
+            rows = (stop - start) // width
+            out.append(c[i : i + rows])
+            start += rows * width
+        else:
+            take = min(width - j, stop - start)
+            out.append(c[i, j : j + take])
+            start += take
+    return out

@@ -1,0 +1,73 @@
+"""Training variants on every rank (bucket sizes, dtypes): one run each on the same plans, the exchange measured."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from train_workers import corpus, sampler
+
+from hydraulis.planner.plan import IterationPlan
+from hydraulis.runtime import groups
+from hydraulis.runtime.launch import init_distributed
+from hydraulis.runtime.trainer import Trainer, TrainSettings
+
+
+def timeout_s(group) -> float:
+    """The timeout a process group's gloo backend now has."""
+    group = group or torch.distributed.distributed_c10d._get_default_group()
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
+def train_variants(
+    rank: int, world: int, s: TrainSettings, plans: list[IterationPlan], variants: list[dict]
+) -> list[dict]:
+    """The same switching steps once per variant of the settings: final owned master, losses, exchange peaks."""
+    env = init_distributed("cpu")
+    out = []
+    for changes in variants:
+        docs = corpus(s.model.vocab)
+        smp = sampler(docs)
+        trainer = Trainer(dataclasses.replace(s, **changes), docs, smp, env)
+        metrics = [trainer.run_iteration(smp.next_batch(), plan) for plan in plans]
+        trainer.close()
+        plan_rounds = {str(d): len(trainer.optimizer.plan(d, s.sequence_parallel).rounds) for d in s.pool}
+        out.append({
+            "master": trainer.optimizer.master.clone(),
+            "losses": [m.loss for m in metrics],
+            "grad_norms": [m.grad_norm for m in metrics],
+            "measured_peak": max(m.exchange_peak_bytes for m in metrics),  # torch's allocator, max over ranks
+            "buffer_peak": trainer.optimizer.exchange_peak_bytes,
+            "rounds": plan_rounds,
+            "groups": sorted(k for k, g in groups._GROUPS.items() if g is not None),
+            "timeouts": sorted({timeout_s(g) for g in [None, *groups.built_groups()]}),
+        })
+    torch.distributed.barrier()
+    return out
+
+
+def train_small(rank: int, world: int, steps: int, bucket_bytes: int) -> list[dict]:
+    """Model `small` on `4x(tp1,pp1)` in fp32, planned by the trainer: each step's metrics."""
+    from hydraulis.cost import AnalyticCostModel
+    from hydraulis.data.sampler import TokenBudgetSampler
+    from hydraulis.optim import OptimSettings
+    from hydraulis.parallel import Deployment
+    from hydraulis.specs import MODELS, ClusterSpec, get_device
+
+    env = init_distributed("cpu")
+    spec = MODELS["small"]
+    docs = corpus(spec.vocab)
+    smp = TokenBudgetSampler([len(d) for d in docs], tokens_per_batch=2048, max_len=160, seed=1)
+    s = TrainSettings(
+        model=spec,
+        pool=(Deployment.parse("4x(tp1,pp1)", ClusterSpec(world, gpus_per_node=world)),),
+        cost=AnalyticCostModel(spec, get_device("cpu")),
+        optim=OptimSettings(lr=1e-3, warmup=1),
+        steps=steps,
+        exchange_bucket_bytes=bucket_bytes,
+        memory_every=1,  # every step measured, not the CPU default's sample
+    )
+    trainer = Trainer(s, docs, smp, env)
+    metrics = [trainer.step().to_dict() for _ in range(steps)]
+    trainer.close()
+    return metrics

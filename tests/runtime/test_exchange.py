@@ -1,0 +1,103 @@
+"""The bucketed exchange: a small bucket trains exactly as one large bucket, within a measured memory bound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_launcher import run_workers
+from exchange_workers import train_variants
+from train_workers import WORLD, crafted_plans, settings
+
+from hydraulis.cost.memory import shard_params
+from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.runtime.exchange import ExchangePlan
+from hydraulis.runtime.layout import ModelLayout, Role
+from hydraulis.specs import MODELS, ClusterSpec
+
+SMALL, LARGE = 64 << 10, 256 << 20  # 64 KiB: several rounds on tiny; 256 MiB: one round
+
+
+STEADY_TIMEOUT_S = 123.0
+
+
+@pytest.fixture(scope="module")
+def runs():
+    s = settings()
+    plans = crafted_plans(s)  # five steps switching deployments, one with an idle replica
+    variants = [{"exchange_bucket_bytes": LARGE}, {"exchange_bucket_bytes": SMALL, "timeout_s": STEADY_TIMEOUT_S}]
+    return s, run_workers(train_variants, WORLD, s, plans, variants, deadline_s=240)
+
+
+@pytest.mark.dist
+def test_small_buckets_train_bit_identically_and_bound_the_exchange_peak(runs):
+    s, results = runs
+    for large, small in results:
+        assert all(n == 1 for n in large["rounds"].values())
+        assert all(n > 3 for n in small["rounds"].values()), small["rounds"]
+        assert torch.equal(small["master"], large["master"])
+        assert small["losses"] == large["losses"] and small["grad_norms"] == large["grad_norms"]
+        # torch's allocator, not the plan: a round holds one send and one receive buffer of at most a bucket.
+        assert small["measured_peak"] <= 2 * SMALL, small["measured_peak"]
+        assert small["buffer_peak"] <= 2 * SMALL
+    # With one large bucket the whole exchange is one round: its peak is a shard's worth (both buffers), so
+    # the bound above is not one any exchange would meet.
+    total_bytes = 4 * ModelLayout(s.model, 1).total
+    assert max(large["measured_peak"] for large, _ in results) >= total_bytes / 2 > 2 * SMALL
+
+
+@pytest.mark.dist
+def test_groups_take_the_steady_timeout_after_the_first_step_and_none_is_unused(runs):
+    _, results = runs
+    for rank, (_, small) in enumerate(results):
+        assert small["timeouts"] == [STEADY_TIMEOUT_S]
+        # The pool's 1x(tp2,pp2) would have built a group of its whole replica that nothing uses.
+        assert (0, 1, 2, 3) not in small["groups"]
+        assert all(rank in key for key in small["groups"])
+
+
+@pytest.mark.parametrize("pool", ["4x(tp1,pp1)", "1x(tp2,pp1) + 2x(tp1,pp1)", "1x(tp2,pp2)", "2x(tp1,pp2)"])
+def test_rounds_cover_each_shard_once_within_the_bucket(pool):
+    """Over all rounds, every rank receives its whole compute shard and sends its whole gradient, once."""
+    spec = MODELS["tiny"]
+    layout = ModelLayout(spec, WORLD)
+    deployment = Deployment.parse(pool, ClusterSpec(WORLD, gpus_per_node=WORLD))
+    bucket = 100_000  # not a multiple of anything in the model
+    for rank in range(WORLD):
+        plan = ExchangePlan.build(layout, deployment, rank, bucket_bytes=bucket)
+        assert plan.largest_buffer * 4 <= bucket
+        got = {i: [] for i in range(len(plan.local))}
+        sent = {i: [] for i in range(len(plan.local))}
+        for rnd in plan.rounds:
+            for i, off, n in rnd.gather_recv:
+                got[i].append((off, off + n))
+            for i, off, n in rnd.reduce_send:
+                sent[i].append((off, off + n))
+        for i, lp in enumerate(plan.local):
+            assert _union(got[i]) == [(0, lp.numel)], lp.name
+            a = lp.reduce[0] - lp.gather[0]
+            assert _union(sent[i]) == [(a, a + lp.reduce[1] - lp.reduce[0])], lp.name
+
+
+def _union(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Disjoint sorted ranges merged where they touch; overlapping ones fail (nothing moves twice)."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a < out[-1][1]:
+            raise AssertionError(f"range {(a, b)} overlaps {out[-1]}")
+        if out and a == out[-1][1]:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+@pytest.mark.parametrize("model", ["tiny", "small"])
+def test_the_memory_models_shard_is_what_the_layout_gives_each_rank(model):
+    """cost.memory.shard_params (numpy, from the shape) against the runtime's own parameter shards."""
+    spec = MODELS[model]
+    layout = ModelLayout(spec, 1)
+    for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2)):
+        config = ParallelConfig(tp, pp)
+        for stage in range(pp):
+            held = sum(p.numel for p in layout.local_params(Role(config, stage, 0)))
+            assert shard_params(spec, config, stage) == held, (model, config, stage)

@@ -1,0 +1,55 @@
+"""Memory the model predicts against memory torch's allocator measures, on 4 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from dist_launcher import run_workers
+from exchange_workers import train_small
+
+from hydraulis.run_log import summarize
+
+BUCKET = 4 << 20
+STEPS = 3
+
+
+@pytest.mark.dist
+def test_small_on_four_ranks_peaks_as_predicted_and_the_exchange_within_three_buckets():
+    metrics = run_workers(train_small, 4, STEPS, BUCKET, deadline_s=400)[0]
+    assert len(metrics) == STEPS
+    for m in metrics:
+        assert 0 < m["exchange_peak_bytes"] <= 3 * BUCKET, m["exchange_peak_bytes"]
+        # Every rank's measured peak within 15% of its prediction (memory_error is the worst rank's).
+        figures = (m["memory_peak_bytes"], m["memory_predicted_bytes"], m["micro_batches"])
+        assert m["memory_error"] <= 0.15, figures
+        # Not a vacuous bound: the parameters (31.6M x 4 bytes) and the owned state (31.6M / 4 x 16 bytes)
+        # alone are 240 MiB per rank, and the activations of a few hundred tokens about as much again.
+        assert m["memory_peak_bytes"] > 300 * 2**20, figures
+    summary = summarize(metrics)
+    assert summary["exchange_peak_bytes"] == max(m["exchange_peak_bytes"] for m in metrics)
+    assert summary["memory_error_max"] <= 0.15
+    json.dumps(summary)
+
+
+def test_cpu_iterations_are_sampled_first_use_of_each_deployment_and_every_nth_step():
+    """The CPU trace costs a large share of a small step: only due iterations are measured, others say 0."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hydraulis.runtime.step_memory import StepMemory
+
+    memory = StepMemory(torch.device("cpu"), SimpleNamespace(exchange_peak_bytes=0), every=4)
+    measured = []
+    for step, deployment in enumerate([0, 0, 1, 1, 0, 1, 2]):
+        memory.start(deployment, step)
+        x = torch.ones(1 << 18)  # 1 MiB, alive at the stop: every measured peak includes it
+        figures = memory.stop(predicted=1e6)
+        del x
+        measured.append(figures.peak > 0)
+        assert figures.predicted == 1_000_000
+        if figures.peak == 0:
+            assert figures.error == 0.0 and figures.exchange_peak == 0
+    # step 0: deployment 0 first; 2: deployment 1 first; 4: every 4th; 6: deployment 2 first
+    assert measured == [True, False, True, False, True, False, True]
