@@ -140,7 +140,10 @@ def check_step(device: torch.device, model: ModelSpec, tokens: int, steps: int) 
     corpus = [rng.integers(0, model.vocab, size=int(n)).astype(np.uint32) for n in lengths]
     sampler = TokenBudgetSampler(lengths, tokens, max_len, seed=1)
     warmup = 2
-    settings = TrainSettings(model, pool, cost, OptimSettings(lr=1e-4, warmup=1), warmup + steps, dtype="bf16")
+    # memory_every=1: every step's memory measured (CUDA always is; CPU smoke mode samples otherwise)
+    settings = TrainSettings(
+        model, pool, cost, OptimSettings(lr=1e-4, warmup=1), warmup + steps, dtype="bf16", memory_every=1
+    )
     trainer = Trainer(settings, corpus, sampler, init_distributed(device.type))
     planner = Planner(cost, 1, pool)
     batches = sampler.batches(warmup + steps)
