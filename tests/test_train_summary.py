@@ -33,6 +33,27 @@ def test_report_plots_the_fidelity_panel(tmp_path):
     assert path.stat().st_size > 10_000
 
 
+def test_the_memory_panel_plots_predicted_every_step_and_measured_where_measured(tmp_path):
+    """CPU runs sample memory: unmeasured steps (peak 0) are not drawn as a zero measurement."""
+    pytest.importorskip("matplotlib")
+    from hydraulis.plots import pyplot
+    from hydraulis.report import memory_panel
+
+    mib = 2**20
+    rows = [{**_row(k, 1.0, 1.0), "memory_predicted_bytes": 100 * mib, "memory_peak_bytes": peak * mib,
+             "exchange_peak_bytes": 8 * mib if peak else 0, "memory_error": abs(peak - 100) / 100 if peak else 0.0}
+            for k, peak in enumerate([95, 0, 0, 110])]  # fmt: skip
+    fig, ax = pyplot().subplots()
+    memory_panel(ax, rows)
+    assert list(ax.lines[0].get_ydata()) == [100.0] * 4
+    measured, exchange = ax.collections
+    assert measured.get_offsets().tolist() == [[0, 95.0], [3, 110.0]]
+    assert exchange.get_offsets().tolist() == [[0, 8.0], [3, 8.0]]
+    assert "worst error 10%" in ax.get_title()
+    report_plot(rows, tmp_path / "report.png", "with memory")
+    assert (tmp_path / "report.png").stat().st_size > 10_000
+
+
 def test_a_cached_auto_profile_without_a_cp_config_of_the_pool_is_measured_again():
     """A profile with tp1pp1 only does not describe a pool with tp1pp1cp2: the cp row is missing."""
     from dataclasses import asdict

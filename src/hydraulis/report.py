@@ -169,10 +169,12 @@ def iteration_errors(rows: list[dict[str, Any]]) -> list[float]:
 
 
 def training_plot(rows: list[dict[str, Any]], path: str | Path, title: str) -> None:
-    """Loss, tokens/s, deployment per step, and predicted against measured replica times."""
+    """Loss, tokens/s, deployment per step, predicted against measured replica times and memory."""
     plt = pyplot()
     steps = np.array([r["step"] for r in rows])
-    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5))
+    fig, axes = plt.subplots(2, 3, figsize=(17, 7.5))
+    memory_panel(axes[0, 2], rows)
+    axes[1, 2].axis("off")
     ax = axes[0, 0]
     ax.plot(steps, [r["loss"] for r in rows], color="tab:blue")
     ax.set(title="loss (mean over the global batch's target tokens)", xlabel="step", ylabel="loss")
@@ -214,3 +216,21 @@ def training_plot(rows: list[dict[str, Any]], path: str | Path, title: str) -> N
     fig.suptitle(title)
     fig.tight_layout()
     save_figure(fig, path)
+
+
+def memory_panel(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """Per step, the largest rank's peak memory: predicted (every step) and measured (where measured)."""
+    mib = 2.0**20
+    steps = [r["step"] for r in rows]
+    ax.plot(steps, [r.get("memory_predicted_bytes", 0) / mib for r in rows], color="tab:orange", label="predicted")
+    measured = [r for r in rows if r.get("memory_peak_bytes", 0) > 0]
+    ax.scatter([r["step"] for r in measured], [r["memory_peak_bytes"] / mib for r in measured], s=14,
+               color="tab:blue", label="measured (allocator)", zorder=3)
+    exchange = [r for r in measured if r.get("exchange_peak_bytes", 0) > 0]
+    ax.scatter([r["step"] for r in exchange], [r["exchange_peak_bytes"] / mib for r in exchange], s=10,
+               marker="x", color="tab:gray", label="exchange peak")
+    worst = max((r.get("memory_error", 0.0) for r in measured), default=None)
+    note = f"worst error {worst:.0%}" if worst is not None else "not measured"
+    ax.set(title=f"peak memory per rank (largest rank)\n{note}", xlabel="step", ylabel="MiB")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
