@@ -27,14 +27,36 @@ CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# ChatML whose assistant turns are marked as transformers marks them (`return_assistant_tokens_mask`):
+# transformers' own mask is then an oracle for the turn-by-turn mask of hydraulis/data/sft.py.
+CHATML_MARKED = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}<|im_start|>assistant\n"
+    "{% generation %}{{ message['content'] }}<|im_end|>\n{% endgeneration %}"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
-def train_bpe(out: Path, vocab_size: int = 400, chat_template: str | None = CHATML) -> Path:
-    """Write tokenizer.json (+ tokenizer_config.json) into `out`; returns `out`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+# Qwen2's pre-tokenizer (its published tokenizer.json): transformers' Qwen2Tokenizer rebuilds exactly this
+# (and NFC) whatever tokenizer.json says, so a Qwen2 directory's tokenizer must have it to mean the same ids.
+QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def train_bpe(out: Path, vocab_size: int = 400, chat_template: str | None = CHATML, qwen2: bool = False) -> Path:
+    """Write tokenizer.json (+ tokenizer_config.json) into `out`; returns `out`. `qwen2`: Qwen2's
+    normalizer and pre-tokenizer instead of GPT-2's byte-level one."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if qwen2:
+        tok.normalizer = normalizers.NFC()
+        split = pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False)
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()

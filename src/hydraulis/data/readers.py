@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from hydraulis.data.records import BadRecord, Format, Sample, parse_record
+from hydraulis.data.records import BadRecord, Format, Sample, SkippableRecord, parse_record
 from hydraulis.errors import HydraulisError
 
 BINARY_SNIFF_BYTES = 8192
@@ -142,7 +142,7 @@ def record_sample(record: object, options: InputOptions, where: str, counts: Rea
         if options.skip_missing:
             counts.missing_field_skipped += 1
             return None
-        raise BadRecord(f"{exc} (pass --skip-missing to skip such records)") from None
+        raise SkippableRecord(str(exc), "--skip-missing") from None
     if isinstance(sample, str):
         return sample if _keep(sample, counts) else None
     counts.documents += 1

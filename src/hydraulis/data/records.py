@@ -47,6 +47,16 @@ class BadRecord(HydraulisError):
     """A record that is not a sample of the format asked for (skippable with --skip-missing)."""
 
 
+class SkippableRecord(HydraulisError):
+    """A bad record that `hydraulis data build` skips when given `flag`; the message names the flag,
+    and a caller that is not `data build` (a `[data] corpus` built by `train`) says how to use it."""
+
+    def __init__(self, reason: str, flag: str) -> None:
+        super().__init__(f"{reason} (pass {flag} to skip such records)")
+        self.reason = reason
+        self.flag = flag
+
+
 def parse_record(record: Any, field: str, fmt: Format, where: str) -> Sample:
     """The sample a record holds; BadRecord (one line naming `where`) when it holds none."""
     if not isinstance(record, dict):

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from hydraulis.data.readers import ReadCounts
-from hydraulis.data.records import Chat, PromptCompletion, Sample
+from hydraulis.data.records import Chat, PromptCompletion, Sample, SkippableRecord
 from hydraulis.data.tokenizer import Tokenizer, prefix_of
 from hydraulis.errors import HydraulisError
 
@@ -60,7 +60,7 @@ def encode_samples(samples: Sequence[Sample], tok: Tokenizer, counts: ReadCounts
         mask = np.concatenate([np.full(len(p), m, dtype=np.uint8) for p, m in parts])
         if not mask.any():
             if not skip_bad:
-                raise HydraulisError(f"{s.where}: {_no_target(s)} (pass --skip-bad to skip such records)")
+                raise SkippableRecord(f"{s.where}: {_no_target(s)}", "--skip-bad")
             counts.no_target_skipped += 1
             counts.documents -= 1
             counts.sft_records -= 1

@@ -19,7 +19,7 @@ from pathlib import Path
 from hydraulis.data.columnar import datasets_files, is_columnar, read_columnar
 from hydraulis.data.indexed import IndexedCorpus, build_corpus, byte_progress, open_corpus
 from hydraulis.data.readers import InputOptions, Progress, ReadCounts, is_jsonl, read_jsonl, read_text_file
-from hydraulis.data.records import Sample
+from hydraulis.data.records import Sample, SkippableRecord
 from hydraulis.data.staging import cache_dir
 from hydraulis.data.tokenizer import get_tokenizer
 from hydraulis.errors import HydraulisError
@@ -106,11 +106,17 @@ def ensure_source(
         except HydraulisError:
             pass  # damaged: built again below
     counts = ReadCounts()
-    with byte_progress(source_bytes(path), f"tokenizing {path.name} ({tok.name})", enabled=progress) as advance:
-        docs = read_source(path, counts, InputOptions(), advance)
-        # Under torchrun every rank prepares the job: the first build to finish is the one all of them keep.
-        if_exists = "replace" if existed else "keep"
-        corpus = build_corpus(docs, out, tok, key, counts, name=path.stem or path.name, if_exists=if_exists)
+    try:
+        with byte_progress(source_bytes(path), f"tokenizing {path.name} ({tok.name})", enabled=progress) as advance:
+            docs = read_source(path, counts, InputOptions(), advance)
+            # Under torchrun every rank prepares the job: the first build to finish is the one all of them keep.
+            if_exists = "replace" if existed else "keep"
+            corpus = build_corpus(docs, out, tok, key, counts, name=path.stem or path.name, if_exists=if_exists)
+    except SkippableRecord as exc:  # its flag is one of `data build`'s, not of the command that got here
+        raise HydraulisError(
+            f"{exc.reason}; to skip such records, build the corpus with `hydraulis data build {path} --out DIR "
+            f"--tokenizer {tokenizer} {exc.flag}` and set [data] corpus = DIR"
+        ) from None
     m = corpus.manifest
     log(
         f"{path}: built into the cache once ({m.documents:,} documents, {m.tokens:,} tokens, "
