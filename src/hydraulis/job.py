@@ -135,7 +135,7 @@ def prepare(
         g.validate(spec)
     # Vocabulary padding for every TP degree the pool has (with pool = "auto": may have).
     proposable = cost.configs if cost is not None and pool_spec == "auto" else ()
-    spec = _padded(spec, {g.tp for g in (*configs, *proposable)}, run_dir if resume else None)
+    spec = _padded(spec, {g.tp for g in (*configs, *proposable)}, _resumed_checkpoint(run_dir, resume, resume_from))
     corpus = resolve_corpus(config.data.corpus, tokenizer, progress=True, log=log)
     if corpus.manifest.tokenizer != token_ids:
         made = corpus.manifest.tokenizer_source or corpus.manifest.tokenizer
@@ -215,17 +215,24 @@ def model_spec(config: RunConfig) -> ModelSpec:
     return spec
 
 
+def _resumed_checkpoint(run_dir: Path, resume: bool, chosen: str | None) -> Path | None:
+    """The checkpoint a resume starts from: the one verified above, or, on a torchrun rank other than 0
+    (which did not choose), the same rule's choice made again."""
+    if not resume or chosen is not None:
+        return Path(chosen) if chosen is not None else None
+    from hydraulis.checkpoints import latest_checkpoint
+
+    return latest_checkpoint(run_dir / "checkpoints", sweep=False, log=lambda _: None)
+
+
 def _padded(spec: ModelSpec, tp_degrees: set[int], resumed: Path | None) -> ModelSpec:
     """The model padded for these TP degrees; a resumed run keeps its checkpoint's padding if they all split it."""
     padded = spec.padded_for(tp_degrees)
     if resumed is None:
         return padded
-    from hydraulis.checkpoints import latest_checkpoint, read_manifest
+    from hydraulis.checkpoints import read_manifest
 
-    latest = latest_checkpoint(resumed / "checkpoints", sweep=False, log=lambda _: None)
-    if latest is None:
-        return padded
-    before = read_manifest(latest).model
+    before = read_manifest(resumed).model
     if before.vocab == spec.vocab and all(before.vocab_rows % tp == 0 for tp in tp_degrees):
         return replace(spec, padded_vocab=before.padded_vocab)
     return padded
