@@ -108,8 +108,12 @@ class ParallelSection(_Section):
     sequence_parallel: bool = False
     recompute: bool | list[str] = False  # true: every config; or the configs that recompute, e.g. ["tp1pp1"]
     max_pool: int = Field(3, ge=1, le=16)
-    # The most MiB one buffer of the optimizer's gather or reduce holds (runtime/exchange.py).
+    # The optimizer's gather and reduce run in rounds, two in flight, each with a send and a receive buffer of
+    # at most half this many MiB (runtime/exchange.py): two buckets in all.
     exchange_bucket_mb: float = Field(256.0, gt=0)
+    # Gather a layer's parameters while the one before it computes, send gradients while backward goes on
+    # (runtime/overlap.py); false: the whole gather before compute and the whole reduce after it.
+    overlap_exchange: bool = True
 
     @field_validator("recompute")
     @classmethod

@@ -29,7 +29,12 @@ def train_variants(
         docs = corpus(s.model.vocab)
         smp = sampler(docs)
         trainer = Trainer(dataclasses.replace(s, **changes), docs, smp, env)
-        metrics = [trainer.run_iteration(smp.next_batch(), plan) for plan in plans]
+        metrics, early = [], []
+        for plan in plans:
+            metrics.append(trainer.run_iteration(smp.next_batch(), plan))
+            ex = trainer.last_exchange
+            early.append((ex.gather.early, ex.reduce.early, len(trainer.deployments.parts[
+                trainer.settings.pool.index(plan.deployment)].exchange.rounds)))
         trainer.close()
         plan_rounds = {str(d): len(trainer.optimizer.plan(d, s.sequence_parallel).rounds) for d in s.pool}
         out.append({
@@ -39,6 +44,8 @@ def train_variants(
             "measured_peak": max(m.exchange_peak_bytes for m in metrics),  # torch's allocator, max over ranks
             "buffer_peak": trainer.optimizer.exchange_peak_bytes,
             "rounds": plan_rounds,
+            "early": early,  # per step: gather rounds issued from forward, reduce rounds from backward, rounds
+            "exposed": [m.exchange_exposed_s for m in metrics],
             "groups": sorted(k for k, g in groups._GROUPS.items() if g is not None),
             "timeouts": sorted({timeout_s(g) for g in [None, *groups.built_groups()]}),
         })

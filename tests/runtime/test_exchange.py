@@ -1,4 +1,5 @@
-"""The bucketed exchange: a small bucket trains exactly as one large bucket, within a measured memory bound."""
+"""The bucketed, overlapped exchange: small buckets and overlap train exactly as one large bucket per stripe with
+nothing overlapped, within a measured memory bound."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from hydraulis.runtime.exchange import ExchangePlan
 from hydraulis.runtime.layout import ModelLayout, Role
 from hydraulis.specs import MODELS, ClusterSpec
 
-SMALL, LARGE = 64 << 10, 256 << 20  # 64 KiB: several rounds on tiny; 256 MiB: one round
+SMALL, LARGE = 64 << 10, 256 << 20  # 64 KiB: several rounds per stripe on tiny; 256 MiB: one round per stripe
 
 
 STEADY_TIMEOUT_S = 123.0
@@ -24,31 +25,61 @@ STEADY_TIMEOUT_S = 123.0
 def runs():
     s = settings()
     plans = crafted_plans(s)  # five steps switching deployments, one with an idle replica
-    variants = [{"exchange_bucket_bytes": LARGE}, {"exchange_bucket_bytes": SMALL, "timeout_s": STEADY_TIMEOUT_S}]
-    return s, run_workers(train_variants, WORLD, s, plans, variants, deadline_s=240)
+    variants = [
+        {"exchange_bucket_bytes": LARGE, "overlap": False},  # the reference: nothing overlaps
+        {"exchange_bucket_bytes": SMALL, "timeout_s": STEADY_TIMEOUT_S},
+        {"exchange_bucket_bytes": LARGE},
+    ]
+    return s, run_workers(train_variants, WORLD, s, plans, variants, deadline_s=300)
 
 
 @pytest.mark.dist
-def test_small_buckets_train_bit_identically_and_bound_the_exchange_peak(runs):
+def test_small_buckets_and_overlap_train_bit_identically_and_bound_the_exchange_peak(runs):
     s, results = runs
-    for large, small in results:
-        assert all(n == 1 for n in large["rounds"].values())
-        assert all(n > 3 for n in small["rounds"].values()), small["rounds"]
-        assert torch.equal(small["master"], large["master"])
-        assert small["losses"] == large["losses"] and small["grad_norms"] == large["grad_norms"]
-        # torch's allocator, not the plan: a round holds one send and one receive buffer of at most a bucket.
+    stripes = ModelLayout(s.model, WORLD).stripes
+    for large, small, overlapped in results:
+        assert all(n == stripes for n in large["rounds"].values())
+        assert all(n > 2 * stripes for n in small["rounds"].values()), small["rounds"]
+        for other in (small, overlapped):
+            assert torch.equal(other["master"], large["master"])
+            assert other["losses"] == large["losses"] and other["grad_norms"] == large["grad_norms"]
+        # torch's allocator, not the plan: two rounds in flight, each a send and a receive buffer of at most
+        # half a bucket.
         assert small["measured_peak"] <= 2 * SMALL, small["measured_peak"]
         assert small["buffer_peak"] <= 2 * SMALL
-    # With one large bucket the whole exchange is one round: its peak is a shard's worth (both buffers), so
-    # the bound above is not one any exchange would meet.
-    total_bytes = 4 * ModelLayout(s.model, 1).total
-    assert max(large["measured_peak"] for large, _ in results) >= total_bytes / 2 > 2 * SMALL
+    # With one large bucket a round is a stripe: one buffer alone holds a stripe of the model (all 4 ranks
+    # gather everything on 4x(tp1,pp1)), so the bound above is not one any exchange would meet.
+    stripe_bytes = 4 * ModelLayout(s.model, 1).stripe
+    assert max(large["measured_peak"] for large, _, _ in results) >= stripe_bytes > 2 * SMALL
+
+
+@pytest.mark.dist
+def test_overlap_issues_rounds_from_the_layers_and_backward(runs):
+    """Overlapped: gather rounds go out from forward's hooks and reduce rounds from backward's, not all at the
+    ends; without overlap none does. A pipelined replica gathers ahead, so only its reduce overlaps."""
+    s, results = runs
+    for rank, (large, small, overlapped) in enumerate(results):
+        assert all(g == 0 and r == 0 for g, r, _ in large["early"])
+        for run in (small, overlapped):
+            for plan, (gathered, reduced, rounds) in zip(crafted_plans(s), run["early"], strict=True):
+                replica = next(r for r in plan.deployment.replicas if rank in r.devices)
+                busy = plan.replicas[plan.deployment.replicas.index(replica)].micro_batches
+                if not busy:
+                    assert gathered == reduced == 0
+                    continue
+                assert reduced > 0, (rank, str(plan.deployment))
+                if replica.config.pp == 1:
+                    assert gathered > 0, (rank, str(plan.deployment))
+                else:
+                    assert gathered == 0
+                assert gathered <= rounds and reduced <= rounds
+        assert all(t >= 0 for t in overlapped["exposed"])
 
 
 @pytest.mark.dist
 def test_groups_take_the_steady_timeout_after_the_first_step_and_none_is_unused(runs):
     _, results = runs
-    for rank, (_, small) in enumerate(results):
+    for rank, (_, small, _) in enumerate(results):
         assert small["timeouts"] == [STEADY_TIMEOUT_S]
         # The pool's 1x(tp2,pp2) would have built a group of its whole replica that nothing uses.
         assert (0, 1, 2, 3) not in small["groups"]

@@ -95,7 +95,7 @@ def test_learning_rates_are_the_schedules_hand_computed_values(run):
 
 def test_final_parameters_match_single_process(run):
     s, _, results, _, params, _ = run
-    master = torch.cat([r["master"] for r in results])
+    master = ModelLayout(s.model, len(results)).assemble([r["master"] for r in results])
     got = unflatten(master, params)
     worst = {}
     for name, ref in params.items():
@@ -146,16 +146,17 @@ def test_exchanges_move_exactly_each_ranks_shards(run):
                 assert splits["gather_recv"] == shard, (key, rank)
                 assert splits["reduce_send"] == sent, (key, rank)
         for r in results:
-            lo, hi = r["owned"]
+            owned = sum(hi - lo for lo, hi in r["owned"])
             # Every replica contributes each owned gradient element exactly once (under SP, the TP ranks
             # of a replica each send their partial norm gradients, which the owner sums).
-            received, once = r["splits"][key]["reduce_recv"], len(deployment.replicas) * (hi - lo)
+            received, once = r["splits"][key]["reduce_recv"], len(deployment.replicas) * owned
             assert received == once if not s.sequence_parallel else received >= once
             assert r["traffic"][key]["gather_recv"] <= r["splits"][key]["gather_recv"]
         assert sum(r["splits"][key]["gather_send"] for r in results) == sum(
             r["splits"][key]["gather_recv"] for r in results
         )
-    # Owners partition the global vector.
-    assert sorted(r["owned"] for r in results)[0][0] == 0
-    assert sum(hi - lo for lo, hi in (r["owned"] for r in results)) == total
+    # Owners partition the global vector: their chunks of the stripes tile it.
+    chunks = sorted((lo, hi) for r in results for lo, hi in r["owned"] if hi > lo)
+    assert chunks[0][0] == 0 and chunks[-1][1] == total
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:], strict=False))
 

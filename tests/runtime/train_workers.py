@@ -105,7 +105,7 @@ def train(rank: int, world: int, s: TrainSettings, plans: list[IterationPlan]) -
         "master": opt.master.clone(),
         "traffic": traffic,
         "splits": splits,
-        "owned": trainer.layout.owner_range(rank),
+        "owned": trainer.layout.owned_ranges(rank),
     }
 
 

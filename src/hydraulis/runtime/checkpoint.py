@@ -11,11 +11,12 @@ A checkpoint is a directory `step-000123` (the trainer step it resumes at):
     optimizer/          DCP: `.metadata` and one `__R_0.distcp` per saving rank
     rng-00000.json ...  each rank's torch, numpy and python RNG states
 
-Each rank writes only what it owns (layout.py): its ranges of the fp32
-master, exp_avg and exp_avg_sq, each as the local shard of a 1-D DTensor
-sharded on dim 0 over all ranks. The owner ranges are torch.chunk sizes,
-exactly DTensor's Shard(0), so DCP reshards on load: a job of another world
-size (and so another pool) reads the intersections of its new ranges.
+Each rank writes only what it owns (layout.py): its chunk of every stripe
+of the fp32 master, exp_avg and exp_avg_sq, each chunk the local shard of
+one 1-D DTensor per stripe (`master.00003`), sharded on dim 0 over all
+ranks. The chunks are torch.chunk sizes, exactly DTensor's Shard(0), and the
+stripes depend on the model alone, so DCP reshards on load: a job of another
+world size (and so another pool) reads the intersections of its new chunks.
 
 Atomic: ranks write into a hidden `.step-000123.tmp` next to the target,
 rank 0 writes the manifest and renames the directory into place, and only
@@ -88,14 +89,23 @@ def check_compatible(info: CheckpointInfo, layout: ModelLayout) -> None:
         import torch.distributed.checkpoint as dcp
 
         meta = dcp.FileSystemReader(str(info.path / OPTIM_DIR)).read_metadata()
-        sizes = {k: tuple(meta.state_dict_metadata[k].size) for k in OPTIM_KEYS}
+        sizes = {k: tuple(v.size) for k, v in meta.state_dict_metadata.items()}
     except Exception as exc:  # noqa: BLE001 - a damaged file may fail in many ways inside DCP
         raise HydraulisError(f"{meta_path}: cannot read the DCP metadata: {type(exc).__name__}: {exc}") from None
-    for key, size in sizes.items():
-        if size != (layout.total,) or info.parameters != layout.total:
-            raise HydraulisError(
-                f"{meta_path}: {key} has shape {size}, the model's global vector has {layout.total} elements"
-            )
+    if "master" in sizes:
+        raise HydraulisError(
+            f"{meta_path}: saved in the unstriped layout of Hydraulis before 2026-12 (one 'master' vector); "
+            "this version reads striped checkpoints only: train from the exported model with init_from"
+        )
+    for key in OPTIM_KEYS:
+        for s in range(layout.stripes):
+            want = (layout.stripe_length(s),)
+            got = sizes.get(stripe_key(key, s))
+            if got != want or info.parameters != layout.total:
+                raise HydraulisError(
+                    f"{meta_path}: {stripe_key(key, s)} has shape {got}, this model's stripe {s} has {want[0]} "
+                    f"elements ({layout.total} in all)"
+                )
 
 
 # -- collectives ------------------------------------------------------------------------------------
@@ -133,17 +143,26 @@ def _writer(name: str) -> int:
     return int(m.group(1) or m.group(2)) if m else 0
 
 
+def stripe_key(key: str, stripe: int) -> str:
+    """The DCP name of one stripe of an owned tensor."""
+    return f"{key}.{stripe:05d}"
+
+
 def _sharded(trainer: Trainer, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Owned ranges as local shards of 1-D DTensors over the world (Shard(0): the layout's owner ranges)."""
+    """Each owned tensor's chunk of every stripe as the local shard of that stripe's 1-D DTensor (views, no copy)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
     mesh = init_device_mesh(trainer.env.device.type, (trainer.world,))
-    total = torch.Size([trainer.layout.total])
-    return {
-        k: DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=total, stride=(1,))
-        for k, t in tensors.items()
-    }
+    layout, rank = trainer.layout, trainer.rank
+    out = {}
+    for k, t in tensors.items():
+        for s in range(layout.stripes):
+            lo, hi = int(layout.local_starts[s, rank]), int(layout.local_starts[s + 1, rank])
+            shape = torch.Size([layout.stripe_length(s)])
+            out[stripe_key(k, s)] = DTensor.from_local(t[lo:hi], mesh, [Shard(0)], run_check=False, shape=shape,
+                                                       stride=(1,))
+    return out
 
 
 # -- save ----------------------------------------------------------------------------------------------
@@ -320,14 +339,17 @@ def load_master(path: str | Path, verify: bool = True) -> tuple[CheckpointInfo, 
     check_files(info, hashes=verify)
     layout = ModelLayout(info.model, 1)
     check_compatible(info, layout)
-    state = {"master": torch.zeros(layout.total, dtype=torch.float32)}
+    master = torch.zeros(layout.total, dtype=torch.float32)
+    starts = layout.bounds[:, 0]
+    state = {stripe_key("master", s): master[int(starts[s]) : int(starts[s]) + layout.stripe_length(s)]
+             for s in range(layout.stripes)}
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
             dcp.load(state, storage_reader=dcp.FileSystemReader(str(info.path / OPTIM_DIR)), no_dist=True)
     except Exception as exc:  # noqa: BLE001
         raise HydraulisError(f"{info.path / OPTIM_DIR}: cannot read the master weights: {exc}") from None
-    return info, state["master"]
+    return info, master
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from hydraulis.runtime.groups import DEFAULT_TIMEOUT, ReplicaGroups, build_repli
 from hydraulis.runtime.main_grad import attach_main_grads, clear_grads, gradient
 from hydraulis.runtime.model import StageModel
 from hydraulis.runtime.optimizer import DisaggregatedOptimizer, ExchangePlan
+from hydraulis.runtime.overlap import Overlap, attach_exchange_hooks
 from hydraulis.specs import ModelSpec
 
 
@@ -85,6 +86,7 @@ class RankPool:
                 release(model)
                 if dtype != torch.float32:
                     attach_main_grads(model)  # accumulate micro-batches in fp32 (Megatron's main_grad)
+                attach_exchange_hooks(model)  # after the main grads: a gradient is sent once it is complete
                 models[key] = model
             exchange = optimizer.plan(deployment, sequence_parallel)
             self.parts.append(RankDeployment(deployment, replica, groups, models[key], exchange))
@@ -101,8 +103,21 @@ class RankPool:
         return part, switched
 
     def gather(self, part: RankDeployment) -> None:
-        """The compute shard's current values from the owners (every rank, every iteration)."""
+        """The compute shard's current values from the owners, all before compute (profiling, benchmarks)."""
         self.optimizer.gather(part.exchange, part.params, self.dtype)
+
+    def exchange(
+        self, part: RankDeployment, micro_batches: int, reduce_dtype: torch.dtype, overlap: bool = True
+    ) -> Overlap:
+        """One iteration's gather and reduce, driven by the model's hooks while it computes (overlap.py).
+
+        A pipelined replica gathers everything before its first micro-batch: waiting for a round inside
+        forward could block a neighbour stage's p2p. Its reduce still goes out from backward.
+        """
+        ex = Overlap(self.optimizer, part.exchange, part.params, self.dtype, reduce_dtype, micro_batches, overlap)
+        if not overlap or part.groups.config.pp > 1:
+            ex.gather_ahead()
+        return ex
 
 
 def release(model: StageModel) -> None:

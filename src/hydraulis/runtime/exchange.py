@@ -1,17 +1,19 @@
 """The exchange plan between the fixed optimizer layout and one deployment, in bounded rounds.
 
-Rank o owns the range [lo_o, hi_o) of the global vector (layout.py). The
-exchange runs in rounds: round k moves, for EVERY owner at once, the window
-[lo_o + kW, lo_o + (k+1)W) of its owned range. A rank's gather (or reduce)
-ranges are disjoint, so in one round it sends at most W elements to each
-owner its shard touches and an owner receives at most W elements from each
-rank whose shard touches it. With W = bucket elements / the largest such
-fan-out, every round's send buffer and receive buffer each hold at most one
-bucket, whatever the model size or the number of replicas, and the owner
-sums a round's contributions as they arrive (Megatron's bucketed
-reduce-scatter and core/resharding's cached transfer plans, applied to
-heterogeneous layouts). Each round is one `all_to_all_single` with split
-sizes, which gloo and NCCL both have.
+Rank o owns chunk o of every stripe of the global vector (layout.py). The
+exchange runs in rounds, stripe by stripe, so in model order: round k of a
+stripe moves, for EVERY owner at once, the window [lo_o + kW, lo_o + (k+1)W)
+of its chunk of that stripe. A rank's gather (or reduce) ranges are
+disjoint, so in one round it sends at most W elements to each owner its
+shard touches and an owner receives at most W elements from each rank whose
+shard touches it. With W = half a bucket / the largest such fan-out, every
+round's send buffer and receive buffer each hold at most half a bucket,
+whatever the model size or the number of replicas, so two rounds in flight
+(one computing layers hide, the next prefetched: overlap.py) hold at most
+two buckets; the owner sums a round's contributions as they arrive
+(Megatron's bucketed reduce-scatter and core/resharding's cached transfer
+plans, applied to heterogeneous layouts). Each round is one
+`all_to_all_single` with split sizes, which gloo and NCCL both have.
 
 Plans hold element counts and offsets only; they are computed once per
 deployment from range intersections and cached by the optimizer.
@@ -19,6 +21,7 @@ deployment from range intersections and cached by the optimizer.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +32,7 @@ from hydraulis.parallel import Deployment
 from hydraulis.runtime.groups import rank_roles
 from hydraulis.runtime.layout import LocalParam, ModelLayout, Role
 
+EXCHANGE_WINDOW = "hydraulis.exchange"  # the profiler range of every exchange call (memory_meter.PeakMeter)
 EXCHANGE_ELEMENT_BYTES = 4  # rounds are sized for fp32 elements, the widest an exchange moves
 
 
@@ -83,6 +87,7 @@ class ExchangeRound:
     reduce_send_splits: tuple[int, ...]
     reduce_recv: tuple[tuple[int, int], ...]
     reduce_recv_splits: tuple[int, ...]
+    stripe: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,45 +115,68 @@ class ExchangePlan:
         locals_ = {r: layout.local_params(roles[r]) for r in range(world)}
         gathers = {r: np.array([p.gather for p in lp], np.int64).reshape(-1, 2) for r, lp in locals_.items()}
         reduces = {r: np.array([p.reduce for p in lp], np.int64).reshape(-1, 2) for r, lp in locals_.items()}
-        fan = max(_fan_out(gathers, layout.bounds), _fan_out(reduces, layout.bounds))
-        window = max(1, bucket_bytes // EXCHANGE_ELEMENT_BYTES // fan)
-        longest = max(hi - lo for lo, hi in (layout.owner_range(o) for o in range(world)))
+        fan = max(
+            max(_fan_out(gathers, layout.bounds[s]), _fan_out(reduces, layout.bounds[s])) for s in range(layout.stripes)
+        )
+        window = max(1, bucket_bytes // 2 // EXCHANGE_ELEMENT_BYTES // fan)
         local = locals_[rank]
         base = np.array([p.gather[0] for p in local], np.int64)
-        lo_me = layout.owner_range(rank)[0]
-
-        def windows(k: int) -> list[tuple[int, int]]:
-            out = []
-            for o in range(world):
-                lo, hi = layout.owner_range(o)
-                out.append((min(lo + k * window, hi), min(lo + (k + 1) * window, hi)))
-            return out
 
         rounds = []
-        for k in range(max(1, -(-longest // window))):
-            wins = windows(k)
-            mine = wins[rank]
-            g_send, g_send_n, r_recv, r_recv_n = [], [], [], []
-            for r in range(world):  # what every peer needs of, or contributes to, this rank's window
-                clipped, _ = _clip(gathers[r], *mine)
-                g_send.extend((int(a) - lo_me, int(b - a)) for a, b in clipped)
-                g_send_n.append(int((clipped[:, 1] - clipped[:, 0]).sum()))
-                clipped, _ = _clip(reduces[r], *mine)
-                r_recv.extend((int(a) - lo_me, int(b - a)) for a, b in clipped)
-                r_recv_n.append(int((clipped[:, 1] - clipped[:, 0]).sum()))
-            g_recv, g_recv_n, r_send, r_send_n = [], [], [], []
-            for win in wins:  # what this rank needs of, or contributes to, every owner's window
-                clipped, idx = _clip(gathers[rank], *win)
-                g_recv.extend((int(i), int(a - base[i]), int(b - a)) for i, (a, b) in zip(idx, clipped, strict=True))
-                g_recv_n.append(int((clipped[:, 1] - clipped[:, 0]).sum()))
-                clipped, idx = _clip(reduces[rank], *win)
-                r_send.extend((int(i), int(a - base[i]), int(b - a)) for i, (a, b) in zip(idx, clipped, strict=True))
-                r_send_n.append(int((clipped[:, 1] - clipped[:, 0]).sum()))
-            rounds.append(ExchangeRound(
-                tuple(g_send), tuple(g_send_n), tuple(g_recv), tuple(g_recv_n),
-                tuple(r_send), tuple(r_send_n), tuple(r_recv), tuple(r_recv_n),
-            ))
+        for stripe in range(layout.stripes):
+            bounds = layout.bounds[stripe]
+            longest = int(np.diff(bounds).max())
+            lo_me = int(bounds[rank]) - int(layout.local_starts[stripe, rank])  # global minus local offset
+
+            def windows(k: int, bounds: np.ndarray = bounds) -> list[tuple[int, int]]:
+                return [
+                    (min(int(bounds[o]) + k * window, int(bounds[o + 1])),
+                     min(int(bounds[o]) + (k + 1) * window, int(bounds[o + 1])))
+                    for o in range(world)
+                ]
+
+            for k in range(-(-longest // window)):
+                wins = windows(k)
+                mine = wins[rank]
+                g_send, g_send_n, r_recv, r_recv_n = [], [], [], []
+                for r in range(world):  # what every peer needs of, or contributes to, this rank's window
+                    clipped, _ = _clip(gathers[r], *mine)
+                    g_send.extend((int(a) - lo_me, int(b - a)) for a, b in clipped)
+                    g_send_n.append(int((clipped[:, 1] - clipped[:, 0]).sum()))
+                    clipped, _ = _clip(reduces[r], *mine)
+                    r_recv.extend((int(a) - lo_me, int(b - a)) for a, b in clipped)
+                    r_recv_n.append(int((clipped[:, 1] - clipped[:, 0]).sum()))
+                g_recv, g_recv_n, r_send, r_send_n = [], [], [], []
+                for win in wins:  # what this rank needs of, or contributes to, every owner's window
+                    clipped, idx = _clip(gathers[rank], *win)
+                    g_recv.extend(
+                        (int(i), int(a - base[i]), int(b - a)) for i, (a, b) in zip(idx, clipped, strict=True)
+                    )
+                    g_recv_n.append(int((clipped[:, 1] - clipped[:, 0]).sum()))
+                    clipped, idx = _clip(reduces[rank], *win)
+                    r_send.extend(
+                        (int(i), int(a - base[i]), int(b - a)) for i, (a, b) in zip(idx, clipped, strict=True)
+                    )
+                    r_send_n.append(int((clipped[:, 1] - clipped[:, 0]).sum()))
+                rounds.append(ExchangeRound(
+                    tuple(g_send), tuple(g_send_n), tuple(g_recv), tuple(g_recv_n),
+                    tuple(r_send), tuple(r_send_n), tuple(r_recv), tuple(r_recv_n), stripe,
+                ))
         return cls(rank=rank, local=local, window=window, rounds=tuple(rounds))
+
+    @functools.cached_property
+    def gather_needs(self) -> tuple[int, ...]:
+        """Per local parameter, the last round whose gather writes it (-1: none): it is whole after that round."""
+        need = [-1] * len(self.local)
+        for k, rnd in enumerate(self.rounds):
+            for i, _, _ in rnd.gather_recv:
+                need[i] = k
+        return tuple(need)
+
+    @functools.cached_property
+    def reduce_reads(self) -> tuple[frozenset[int], ...]:
+        """Per round, the local parameters whose gradients its reduce sends."""
+        return tuple(frozenset(i for i, _, _ in rnd.reduce_send) for rnd in self.rounds)
 
     def _total(self, field: str) -> tuple[int, ...]:
         return tuple(int(x) for x in np.sum([getattr(r, field) for r in self.rounds], axis=0))

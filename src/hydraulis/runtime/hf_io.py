@@ -179,14 +179,15 @@ def init_from(target: Trainer | DisaggregatedOptimizer, hf_dir: str | Path) -> M
         mine = layout.spec.describe()
         raise HydraulisError(f"{config_path}: model {spec.describe()}, this run's model is {mine} ({differ[0]})")
     files = _weight_files(hf_dir)
-    lo, hi = opt.lo, opt.hi
-    fresh = torch.empty(hi - lo, dtype=torch.float32)
+    owned = layout.owned_ranges(opt.rank)
+    fresh = torch.empty(layout.owned_size(opt.rank), dtype=torch.float32)
     with contextlib.ExitStack() as stack:
         handles: dict[Path, Any] = {}
         todo = []
         for p in layout.params:  # first every name and shape, then the values
-            a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
-            if a >= b:
+            pieces = [(max(lo, p.offset), min(hi, p.offset + p.numel)) for lo, hi in owned]
+            pieces = [(a, b) for a, b in pieces if a < b]
+            if not pieces:
                 continue
             name = hf_name(p.name)
             if name not in files:
@@ -201,9 +202,11 @@ def init_from(target: Trainer | DisaggregatedOptimizer, hf_dir: str | Path) -> M
             rows = spec.vocab if p.name in VOCAB_TENSORS else p.full_shape[0]
             if shape != (rows, *p.full_shape[1:]):
                 raise HydraulisError(f"{file}: {name} has shape {shape}, the model's is {(rows, *p.full_shape[1:])}")
-            todo.append((p, name, file, a, b, rows))
-        for p, name, file, a, b, rows in todo:
+            todo.append((p, name, file, pieces, rows))
+        for p, name, file, pieces, rows in todo:
             sl = handles[file].get_slice(name)
-            fresh[a - lo : b - lo] = _read_range(sl, p, a - p.offset, b - p.offset, rows)
+            for a, b in pieces:  # one per stripe: the owner's chunk of it
+                lo, hi = layout.to_local(opt.rank, a, b)
+                fresh[lo:hi] = _read_range(sl, p, a - p.offset, b - p.offset, rows)
     opt.master.copy_(fresh.to(opt.device))
     return spec

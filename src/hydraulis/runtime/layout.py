@@ -1,9 +1,15 @@
 """The fixed, deployment-independent layout of the model's parameters (the optimizer's view).
 
 Every parameter of the full model is flattened into ONE global vector, in the
-order of the full model's parameters, and rank r of N owns the contiguous
-range `owner_range(r)` of it (torch.chunk sizes, as DTensor's Shard(0)): its
-fp32 master weights, AdamW moments and reduced gradients. No deployment
+order of the full model's parameters. The vector is cut into *stripes* of
+`stripe` elements (one transformer block's worth, fixed by the model alone),
+and rank r of N owns chunk r of every stripe (torch.chunk sizes, as DTensor's
+Shard(0) of each stripe): its fp32 master weights, AdamW moments and reduced
+gradients, stored stripe after stripe in one local tensor. Every stretch of
+the model is so spread over all owners (Megatron's distributed optimizer
+shards each bucket over the data-parallel ranks the same way), which lets the
+exchange move the model in layer order with every owner busy in every round:
+the order that overlapping it with compute needs (exchange.py). No deployment
 changes this layout, so switching deployments moves no optimizer state.
 
 The trick that keeps every exchange cheap is the *canonical order* of each
@@ -117,13 +123,66 @@ class ModelLayout:
         self.params: tuple[FlatParam, ...] = tuple(params)
         self.by_name = {p.name: p for p in self.params}
         self.total = offset
-        # torch.chunk sizes (ceil(total / N), the last ranks smaller or empty): DTensor's Shard(0) split, so a
-        # rank's owned range is exactly its local shard of a 1-D DTensor and checkpoints reshard (checkpoint.py).
-        chunk = -(-offset // world_size)
-        self.bounds = np.array([min(r * chunk, offset) for r in range(world_size + 1)], dtype=np.int64)
+        # One transformer block's elements (the largest block of parameters, if the model has no layer), so
+        # stripes follow the layers; it depends on the model only, so checkpoints reshard over world sizes.
+        block = sum(p.numel for p in self.params if p.name.startswith("layers.0."))
+        self.stripe = max(block or max(p.numel for p in self.params), 1)
+        self.stripes = max(1, -(-offset // self.stripe))
+        # Per stripe, torch.chunk sizes (ceil(len / N), the last ranks smaller or empty): DTensor's Shard(0)
+        # split, so a rank's chunk of a stripe is exactly its local shard of that stripe's 1-D DTensor and
+        # checkpoints reshard (checkpoint.py). bounds[s, r]: global start of rank r's chunk of stripe s.
+        starts = np.arange(self.stripes, dtype=np.int64) * self.stripe
+        lengths = np.minimum(starts + self.stripe, offset) - starts
+        chunk = -(-lengths // world_size)
+        ranks = np.arange(world_size + 1, dtype=np.int64)
+        self.bounds = starts[:, None] + np.minimum(chunk[:, None] * ranks[None, :], lengths[:, None])
+        owned = np.diff(self.bounds, axis=1)  # [stripe, rank]
+        # local_starts[s, r]: where stripe s's chunk starts in rank r's local storage
+        self.local_starts = np.vstack([np.zeros((1, world_size), np.int64), np.cumsum(owned, axis=0)])
 
-    def owner_range(self, rank: int) -> tuple[int, int]:
-        return int(self.bounds[rank]), int(self.bounds[rank + 1])
+    def stripe_length(self, s: int) -> int:
+        return int(self.bounds[s, -1] - self.bounds[s, 0])
+
+    def owned_ranges(self, rank: int) -> list[tuple[int, int]]:
+        """Rank's global ranges, one per stripe (some may be empty), in the order its storage holds them."""
+        return [(int(a), int(b)) for a, b in zip(self.bounds[:, rank], self.bounds[:, rank + 1], strict=True)]
+
+    def owned_size(self, rank: int) -> int:
+        return int(self.local_starts[-1, rank])
+
+    def to_local(self, rank: int, start: int, stop: int) -> tuple[int, int]:
+        """Rank's local storage range holding the owned part of global [start, stop) (empty if none).
+
+        The owned part of any global range is contiguous in local storage: it is the end of one stripe's
+        chunk, whole chunks of the stripes between, and the start of the last one's.
+        """
+        first = self._local_position(rank, start)
+        return first, max(first, self._local_position(rank, stop))
+
+    def _local_position(self, rank: int, g: int) -> int:
+        """Local index of the first owned element at or after global g."""
+        s = min(max(g, 0) // self.stripe, self.stripes - 1)
+        lo, hi = int(self.bounds[s, rank]), int(self.bounds[s, rank + 1])
+        base = int(self.local_starts[s, rank])
+        if g <= lo:
+            return base
+        if g < hi:
+            return base + g - lo
+        return int(self.local_starts[s + 1, rank])
+
+    def assemble(self, owned: list[torch.Tensor]) -> torch.Tensor:
+        """The global vector from every rank's owned storage, in rank order (single-process checks, tests)."""
+        out = torch.empty(self.total, dtype=owned[0].dtype)
+        for rank, local in enumerate(owned):
+            for s, (a, b) in enumerate(self.owned_ranges(rank)):
+                lo = int(self.local_starts[s, rank])
+                out[a:b] = local[lo : lo + b - a]
+        return out
+
+    def init_owned(self, rank: int, seed: int) -> torch.Tensor:
+        """Initial values of rank's owned elements in its storage order (stripe by stripe)."""
+        parts = [self.init_range(a, b, seed) for a, b in self.owned_ranges(rank) if b > a]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
 
     def local_params(self, role: Role) -> tuple[LocalParam, ...]:
         """The parameters a rank of this role holds, in global order, with their gather and reduce ranges."""

@@ -1,22 +1,23 @@
 """The disaggregated optimizer: fixed sharded AdamW state, per-deployment compute shards.
 
-Rank r owns range r of the global parameter vector (layout.py): fp32 master
-weights, both AdamW moments and the reduced gradient, whatever deployment
-runs. An iteration is
+Rank r owns chunk r of every stripe of the global parameter vector
+(layout.py), stored stripe after stripe: fp32 master weights, both AdamW
+moments and the reduced gradient, whatever deployment runs. An iteration is
 
-1. `gather`: every rank receives its compute shard (its replica's TP slice of
+1. gather: every rank receives its compute shard (its replica's TP slice of
    its stage) from the owners, cast to the compute dtype;
 2. forward and backward of the rank's micro-batches (pipeline.py);
-3. `reduce`: every rank sends its gradients to their owners, which sum the
+3. reduce: every rank sends its gradients to their owners, which sum the
    contributions of all replicas and of the CP ranks within one (the loss is already divided by the global
    batch's target tokens, so the sum is the gradient of the whole batch);
 4. `step`: global-norm clipping over the owned gradients (each element is
    owned once, so nothing is counted twice) and AdamW on the owned range.
 
-`gather` and `reduce` run in rounds of an `ExchangePlan` (exchange.py):
-each round is one `all_to_all_single` with split sizes whose send and
-receive buffers each hold at most `bucket_bytes`, and the owner adds each
-round's contributions into its gradient as they arrive. A rank's transient
+Gather and reduce run in rounds of an `ExchangePlan` (exchange.py), each one
+`all_to_all_single` with split sizes whose send and receive buffers each
+hold at most half a bucket; at most two rounds are in flight and the owner
+adds each round's contributions into its gradient as they arrive
+(overlap.py, which also overlaps them with compute). A rank's transient
 exchange memory is therefore O(bucket), not O(model) or O(replicas x owned).
 """
 
@@ -28,19 +29,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.autograd.profiler import record_function
 
 from hydraulis.cost.memory import DEFAULT_EXCHANGE_BUCKET_BYTES
 from hydraulis.errors import HydraulisError
 from hydraulis.optim import AdamWSettings
 from hydraulis.parallel import Deployment
-from hydraulis.runtime.exchange import EXCHANGE_ELEMENT_BYTES, ExchangePlan, canonical_pieces, deployment_roles
+from hydraulis.runtime.exchange import EXCHANGE_ELEMENT_BYTES, EXCHANGE_WINDOW, ExchangePlan, deployment_roles
 from hydraulis.runtime.layout import ModelLayout
+from hydraulis.runtime.overlap import GatherStream, ReduceStream
 
-EXCHANGE_WINDOW = "hydraulis.exchange"  # the profiler range of gather and reduce (memory_meter.PeakMeter)
 DEFAULT_BUCKET_BYTES = DEFAULT_EXCHANGE_BUCKET_BYTES  # [parallel] exchange_bucket_mb's default, sized for GPUs
 
-__all__ = ["DisaggregatedOptimizer", "ExchangePlan", "deployment_roles"]
+__all__ = ["EXCHANGE_WINDOW", "DisaggregatedOptimizer", "ExchangePlan", "deployment_roles"]
 
 
 class DisaggregatedOptimizer:
@@ -62,8 +62,7 @@ class DisaggregatedOptimizer:
         self.exchange_peak_bytes = 0  # the largest send + receive buffers of any round so far (their real sizes)
         self.device = torch.device(device)
         self.group = group
-        self.lo, self.hi = layout.owner_range(rank)
-        n = self.hi - self.lo
+        n = layout.owned_size(rank)
         self.master = torch.zeros(n, dtype=torch.float32, device=self.device)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
@@ -71,9 +70,9 @@ class DisaggregatedOptimizer:
         self.step_count = 0
         self.decay_ranges = []
         for p in layout.params:
-            a, b = max(self.lo, p.offset), min(self.hi, p.offset + p.numel)
+            a, b = layout.to_local(rank, p.offset, p.offset + p.numel)
             if a < b and p.decay:
-                self.decay_ranges.append((a - self.lo, b - self.lo))
+                self.decay_ranges.append((a, b))
         self._plans: dict[tuple[Deployment, bool], ExchangePlan] = {}
 
     # -- state ----------------------------------------------------------------------------
@@ -88,7 +87,7 @@ class DisaggregatedOptimizer:
         self.step_count = int(state["step"])
 
     def init(self, seed: int) -> None:
-        self.master.copy_(self.layout.init_range(self.lo, self.hi, seed))
+        self.master.copy_(self.layout.init_owned(self.rank, seed))
 
     def plan(self, deployment: Deployment, sequence_parallel: bool = False) -> ExchangePlan:
         """The cached exchange plan of a deployment (computed on first use, from ranges only)."""
@@ -99,49 +98,11 @@ class DisaggregatedOptimizer:
             )
         return self._plans[key]
 
-    # -- exchanges ------------------------------------------------------------------------------
-    def _all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits) -> None:
-        if self.layout.world_size == 1:
-            out.copy_(inp)
-            return
-        dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=self.group)
-
-    def _buffers(self, plan: ExchangePlan, send: str, recv: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """One send and one receive buffer, each the largest of its kind in any round, reused by every round.
-
-        Reused, not allocated per round: a finished collective's buffers may stay referenced by the
-        backend's worker thread for a moment, and fresh ones per round would then pile up.
-        """
-        out = tuple(
-            torch.empty(max(sum(getattr(r, f"{kind}_splits")) for r in plan.rounds), dtype=dtype, device=self.device)
-            for kind in (send, recv)
-        )
-        self.exchange_peak_bytes = max(self.exchange_peak_bytes, sum(b.numel() * b.element_size() for b in out))
-        return out
-
-    @torch.no_grad()
-    @record_function(EXCHANGE_WINDOW)
+    # -- exchanges (overlap.py runs them; these are the whole exchange at once) ---------------
     def gather(self, plan: ExchangePlan, params: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
         """Fill `params` (the rank's compute shard, in plan.local order) from the owners, round by round."""
-        if len(params) != len(plan.local):
-            raise HydraulisError(f"gather: {len(params)} parameters, the exchange plan has {len(plan.local)}")
-        send_buffer, recv_buffer = self._buffers(plan, "gather_send", "gather_recv", dtype)
-        for rnd in plan.rounds:
-            send = send_buffer[: sum(rnd.gather_send_splits)]
-            pos = 0
-            for off, n in rnd.gather_send:
-                send[pos : pos + n].copy_(self.master[off : off + n])
-                pos += n
-            recv = recv_buffer[: sum(rnd.gather_recv_splits)]
-            self._all_to_all(recv, send, rnd.gather_recv_splits, rnd.gather_send_splits)
-            pos = 0
-            for i, off, n in rnd.gather_recv:
-                for piece in canonical_pieces(params[i], plan.local[i], off, off + n):
-                    piece.copy_(recv[pos : pos + piece.numel()].view(piece.shape))
-                    pos += piece.numel()
+        GatherStream(self, plan, params, dtype).finish()
 
-    @torch.no_grad()
-    @record_function(EXCHANGE_WINDOW)
     def reduce(
         self, plan: ExchangePlan, grads: Sequence[torch.Tensor | None], dtype: torch.dtype = torch.float32
     ) -> None:
@@ -150,26 +111,7 @@ class DisaggregatedOptimizer:
         `grads` are the compute shard's gradients in plan.local order; they travel in `dtype` and are
         summed in fp32 as each round arrives.
         """
-        self.grad.zero_()
-        send_buffer, recv_buffer = self._buffers(plan, "reduce_send", "reduce_recv", dtype)
-        for rnd in plan.rounds:
-            send = send_buffer[: sum(rnd.reduce_send_splits)]
-            pos = 0
-            for i, off, n in rnd.reduce_send:
-                g = grads[i]
-                if g is None:
-                    send[pos : pos + n].zero_()
-                    pos += n
-                    continue
-                for piece in canonical_pieces(g, plan.local[i], off, off + n):
-                    send[pos : pos + piece.numel()].view(piece.shape).copy_(piece)
-                    pos += piece.numel()
-            recv = recv_buffer[: sum(rnd.reduce_recv_splits)]
-            self._all_to_all(recv, send, rnd.reduce_recv_splits, rnd.reduce_send_splits)
-            pos = 0
-            for off, n in rnd.reduce_recv:
-                self.grad[off : off + n] += recv[pos : pos + n]
-                pos += n
+        ReduceStream(self, plan, grads.__getitem__, dtype).finish()
 
     # -- step -------------------------------------------------------------------------------
     @torch.no_grad()

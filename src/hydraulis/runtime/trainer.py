@@ -75,6 +75,7 @@ class TrainSettings:
     reduce_dtype: str = "fp32"  # what gradients travel in to their owners (summed in fp32 there)
     timeout_s: float = DEFAULT_TIMEOUT_S  # process-group timeout after the first step (timeouts.py)
     memory_every: int = CPU_SAMPLE_EVERY  # on CPU, measure memory every this many steps (step_memory.py)
+    overlap: bool = True  # gather and reduce beside compute (runtime/overlap.py)
 
     def schedule_state(self) -> dict[str, Any]:
         """What the LR at each step depends on (optim.OptimSettings.schedule_state)."""
@@ -104,8 +105,8 @@ class StepMetrics:
     planning_s: float  # the planner's own time for this batch (hidden behind the previous iteration)
     planning_unhidden_s: float  # what the iteration waited for it
     switch_s: float  # activating another deployment (freeing and allocating compute shards)
-    gather_s: float  # includes waiting for the last rank to arrive
-    reduce_s: float  # includes waiting for the slowest replica (imbalance), not only the exchange
+    gather_s: float  # the gather before compute (all of it without overlap or on a pipeline; else nothing)
+    reduce_s: float  # the reduce after compute: includes waiting for the slowest replica, not only the exchange
     lr: float
     grad_norm: float
     replica_s: tuple[float, ...]
@@ -119,6 +120,9 @@ class StepMetrics:
     memory_predicted_bytes: int = 0
     exchange_peak_bytes: int = 0
     memory_error: float = 0.0  # the largest |measured - predicted| / predicted of any rank
+    # Seconds the exchange held the training thread (packing, unpacking, waiting) that compute did not hide,
+    # the largest of any rank (runtime/overlap.py); gather_s and reduce_s's exchange are part of it.
+    exchange_exposed_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -283,18 +287,24 @@ class Trainer:
         start = time.perf_counter()
         part, switched = self.deployments.activate(pool_index)
         activated = time.perf_counter()
-        self.deployments.gather(part)
-        gathered = time.perf_counter()
-        micro_batches = self.micro_batches(batch, plan, part)
         model = part.model
         part.clear_grads()
+        count = len(plan.replicas[part.replica].micro_batches)
+        exchange = self.deployments.exchange(part, count, DTYPES[self.settings.reduce_dtype], self.settings.overlap)
+        gathered = time.perf_counter()
+        micro_batches = self.micro_batches(batch, plan, part)
         targets = self.batch_targets(batch)
-        with poisoned(model, self.step_index, part.groups.is_last_stage):  # a test hook, off unless asked for
-            result = train_step(model, part.groups, micro_batches, targets, reduce_partial_grads=False)
+        model.exchange = exchange  # the model's hooks gather ahead of each layer and reduce behind backward
+        try:
+            with poisoned(model, self.step_index, part.groups.is_last_stage):  # a test hook, off unless asked for
+                result = train_step(model, part.groups, micro_batches, targets, reduce_partial_grads=False)
+        finally:
+            model.exchange = None
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         computed = time.perf_counter()
-        self.optimizer.reduce(part.exchange, part.grads, DTYPES[self.settings.reduce_dtype])
+        exchange.finish()
+        self.last_exchange = exchange
         reduced = time.perf_counter()
         counts_loss = result.loss_sum_tensor is not None and part.groups.tp.rank == 0
         loss_part = result.loss_sum_tensor if counts_loss else torch.zeros((), device=self.env.device)
@@ -312,9 +322,11 @@ class Trainer:
                                                  s.exchange_bucket_bytes))
         part.clear_grads()
         replicas = len(plan.deployment.replicas)
-        times = torch.zeros(replicas + 4, dtype=torch.float64)  # replica times, then memory: max over ranks
+        times = torch.zeros(replicas + 5, dtype=torch.float64)  # replica times, memory, exposed: max over ranks
         times[part.replica] = computed - gathered
-        times[replicas:] = torch.tensor([memory.peak, memory.predicted, memory.exchange_peak, memory.error])
+        times[replicas:] = torch.tensor(
+            [memory.peak, memory.predicted, memory.exchange_peak, memory.error, exchange.exposed_s]
+        )
         if self.world > 1:
             dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.control)
         times, peaks = times[:replicas], times[replicas:].tolist()
@@ -346,6 +358,7 @@ class Trainer:
             memory_predicted_bytes=int(peaks[1]),
             exchange_peak_bytes=int(peaks[2]),
             memory_error=peaks[3],
+            exchange_exposed_s=peaks[4],
         )
         self.step_index += 1
         if not self._timeouts_settled:  # the first step is done: every group gets the steady timeout
