@@ -11,7 +11,11 @@ share this machine's cores):
 2. the optimizer's gather plus reduce per iteration against a DDP-style all-reduce of the same
    model's gradients;
 3. an iteration that switches deployment against one that does not (same batch, same deployment,
-   only the previous iteration differs).
+   only the previous iteration differs);
+4. Hydraulis's plans with the exchange overlapped with compute (runtime/overlap.py, the default)
+   against the same plans with the whole gather before compute and the whole reduce after it
+   (`[parallel] overlap_exchange = false`), interleaved with the rest: tokens/s and the exchange
+   time compute did not hide (`StepMetrics.exchange_exposed_s`, the slowest rank's, per iteration).
 
 benchmarks/peers.py compares Hydraulis with transformers' model under DDP and FSDP2 as well.
 
@@ -21,6 +25,7 @@ benchmarks/peers.py compares Hydraulis with transformers' model under DDP and FS
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -36,6 +41,7 @@ from hydraulis.specs import ClusterSpec, get_model
 
 WORLD = 4
 POOL = "4x(tp1,pp1); 2x(tp2,pp1); 1x(tp2,pp1) + 2x(tp1,pp1)"  # as benchmarks/peers.py
+SEQUENTIAL = "hydraulis, exchange not overlapped"
 
 
 def worker(job: dict) -> dict:
@@ -53,14 +59,20 @@ def worker(job: dict) -> dict:
     sampler = TokenBudgetSampler(corpus.lengths, 2048, 1024, seed=1)
     trainer = Trainer(settings, corpus, sampler, env)
     batches = job["batches"]
-    out: dict = {"tokens_per_s": {name: [] for name in job["plans"]}}
-    for plans in job["plans"].values():  # one warm-up pass each
+    variants = [(name, plans, True) for name, plans in job["plans"].items()]
+    variants.append((SEQUENTIAL, job["plans"]["hydraulis"], False))
+    out: dict = {"tokens_per_s": {name: [] for name, _, _ in variants}, "exposed_s": {n: [] for n, _, _ in variants}}
+    for _, plans, overlap in variants:  # one warm-up pass each
+        trainer.settings = dataclasses.replace(settings, overlap=overlap)
         for b, p in zip(batches, plans, strict=True):
             trainer.run_iteration(b, p)
     for _ in range(job["reps"]):  # interleaved: a slow spell of the machine hits every variant alike
-        for name, plans in job["plans"].items():
+        for name, plans, overlap in variants:
+            trainer.settings = dataclasses.replace(settings, overlap=overlap)
             rows = [trainer.run_iteration(b, p) for b, p in zip(batches, plans, strict=True)]
             out["tokens_per_s"][name].append(sum(r.tokens for r in rows) / sum(r.iteration_s for r in rows))
+            out["exposed_s"][name].append(statistics.fmean(r.exchange_exposed_s for r in rows))
+    trainer.settings = settings
 
     def timed(fn, repeats: int = 9) -> float:
         """Median over repeats, each started together after a barrier (in training, gather and reduce
@@ -139,6 +151,7 @@ def main() -> None:
     start = time.perf_counter()
     r = spawn(worker, WORLD, job)[0]
     tput = {k: statistics.median(v) for k, v in r["tokens_per_s"].items()}
+    exposed = {k: statistics.median(v) for k, v in r["exposed_s"].items()}
     best = max(homogeneous, key=tput.get)  # the baseline: the best homogeneous deployment as measured
     predicted = {k: float(np.sum([p.predicted_time_s for p in v])) for k, v in plans.items()}
     used = {k: sorted({str(p.deployment) for p in v}) for k, v in plans.items()}
@@ -151,6 +164,8 @@ def main() -> None:
         "pool": POOL,
         "tokens_per_s": tput,
         "tokens_per_s_reps": r["tokens_per_s"],
+        "exchange_exposed_s": exposed,
+        "overlap_speedup": tput["hydraulis"] / tput[SEQUENTIAL],
         "baseline": best,
         "speedup_vs_best_homogeneous": tput["hydraulis"] / tput[best],
         "predicted_speedup": predicted[best] / predicted["hydraulis"],
@@ -166,9 +181,13 @@ def main() -> None:
     print(f"train_step on {WORLD} gloo ranks, tiny model, {args.steps} batches of {args.corpus} x {args.reps} reps "
           "(CPU: informative)")
     for k, v in r["tokens_per_s"].items():
-        label = "hydraulis" if k == "hydraulis" else f"{k} (homogeneous{', best measured' if k == best else ''})"
+        homog = k not in ("hydraulis", SEQUENTIAL)
+        label = f"{k} (homogeneous{', best measured' if k == best else ''})" if homog else k
         print(f"  {label:<40} {tput[k]:>8,.0f} tokens/s [{min(v):,.0f}-{max(v):,.0f}]   "
-              f"deployments {', '.join(used[k])}")
+              f"exposed exchange {exposed[k] * 1e3:6.1f} ms/it   "
+              f"deployments {', '.join(used.get(k, used['hydraulis']))}")
+    print(f"  overlapped / not overlapped exchange: {report['overlap_speedup']:.2f}x tokens/s, exposed exchange "
+          f"{exposed['hydraulis'] * 1e3:.1f} against {exposed[SEQUENTIAL] * 1e3:.1f} ms/it")
     print(f"  hydraulis / best measured homogeneous ({best}): {report['speedup_vs_best_homogeneous']:.2f}x measured "
           f"({report['predicted_speedup']:.2f}x predicted by the cost model)")
     for k, v in report["exchange_s"].items():

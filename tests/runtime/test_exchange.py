@@ -132,3 +132,31 @@ def test_the_memory_models_shard_is_what_the_layout_gives_each_rank(model):
         for stage in range(pp):
             held = sum(p.numel for p in layout.local_params(Role(config, stage, 0)))
             assert shard_params(spec, config, stage) == held, (model, config, stage)
+
+
+@pytest.mark.parametrize(
+    "pool", ["1x(tp2,pp1) + 2x(tp1,pp1)", "1x(tp4,pp1)", "1x(tp2,pp2)", "1x(tp1,pp1,cp2) + 1x(tp2,pp1)"]
+)
+def test_ranks_of_a_stage_wait_for_the_same_rounds(pool):
+    """TP and CP peers block on each other inside a layer, so a layer must ask every peer for the same rounds:
+    a rank waiting for a round its peer had not issued, while that peer waited in the layer's all-reduce, hung."""
+    spec = MODELS["tiny"]
+    layout = ModelLayout(spec, WORLD)
+    deployment = Deployment.parse(pool, ClusterSpec(WORLD, gpus_per_node=WORLD))
+    plans = {r: ExchangePlan.build(layout, deployment, r, bucket_bytes=20_000) for r in range(WORLD)}
+    own = {r: {p.name: k for p, k in zip(plan.local, plan.gather_needs, strict=True)} for r, plan in plans.items()}
+    for replica in deployment.replicas:
+        for stage in {_first_layer(plans[r]) for r in replica.devices}:
+            ranks = [r for r in replica.devices if _first_layer(plans[r]) == stage]
+            assert len(ranks) == replica.config.tp * replica.config.cp
+            assert len({tuple(sorted(own[r].items())) for r in ranks}) == 1, (pool, ranks)
+            # ... and each covers what that rank itself receives: the last round writing each parameter
+            for r in ranks:
+                for k, rnd in enumerate(plans[r].rounds):
+                    for i, _, _ in rnd.gather_recv:
+                        assert plans[r].gather_needs[i] >= k
+
+
+def _first_layer(plan: ExchangePlan) -> str:
+    """Which stage a rank computes, by its first block."""
+    return next(p.name.split(".")[1] for p in plan.local if p.name.startswith("layers."))

@@ -98,6 +98,9 @@ class ExchangePlan:
     local: tuple[LocalParam, ...]
     window: int  # owned elements per owner per round
     rounds: tuple[ExchangeRound, ...]
+    # Per local parameter, the last round that brings any rank of this rank's stage (TP and CP peers) its
+    # values of it (-1: none): the round a layer waits for before it computes (overlap.py).
+    gather_needs: tuple[int, ...] = ()
 
     @classmethod
     def build(
@@ -122,7 +125,7 @@ class ExchangePlan:
         local = locals_[rank]
         base = np.array([p.gather[0] for p in local], np.int64)
 
-        rounds = []
+        rounds, schedule = [], []
         for stripe in range(layout.stripes):
             bounds = layout.bounds[stripe]
             longest = int(np.diff(bounds).max())
@@ -137,6 +140,7 @@ class ExchangePlan:
 
             for k in range(-(-longest // window)):
                 wins = windows(k)
+                schedule.append(wins)
                 mine = wins[rank]
                 g_send, g_send_n, r_recv, r_recv_n = [], [], [], []
                 for r in range(world):  # what every peer needs of, or contributes to, this rank's window
@@ -162,16 +166,22 @@ class ExchangePlan:
                     tuple(g_send), tuple(g_send_n), tuple(g_recv), tuple(g_recv_n),
                     tuple(r_send), tuple(r_send_n), tuple(r_recv), tuple(r_recv_n), stripe,
                 ))
-        return cls(rank=rank, local=local, window=window, rounds=tuple(rounds))
-
-    @functools.cached_property
-    def gather_needs(self) -> tuple[int, ...]:
-        """Per local parameter, the last round whose gather writes it (-1: none): it is whole after that round."""
-        need = [-1] * len(self.local)
-        for k, rnd in enumerate(self.rounds):
-            for i, _, _ in rnd.gather_recv:
-                need[i] = k
-        return tuple(need)
+        # The ranks that compute this rank's stage with it (its TP and CP groups) wait for each other inside a
+        # layer, so a layer asks for the rounds ANY of them needs: every one has issued them before it blocks.
+        replica = next(r for r in deployment.replicas if rank in r.devices)
+        roles = rank_roles(replica.config, replica.devices)
+        peers = [r for r, role in roles.items() if role[0] == roles[rank][0]]
+        wins = np.array(schedule, np.int64).reshape(len(schedule), world, 2)
+        needs = np.full(len(local), -1, np.int64)
+        for r in peers:
+            by_name = {p.name: p.gather for p in locals_[r]}
+            ranges = np.array([by_name[p.name] for p in local], np.int64).reshape(-1, 2)
+            hits = ((ranges[:, None, None, 0] < wins[None, :, :, 1]) & (wins[None, :, :, 0] < ranges[:, None, None, 1])
+                    & (wins[None, :, :, 0] < wins[None, :, :, 1])).any(axis=2)  # [param, round]
+            last = np.where(hits.any(axis=1), hits.shape[1] - 1 - np.argmax(hits[:, ::-1], axis=1), -1)
+            needs = np.maximum(needs, last)
+        return cls(rank=rank, local=local, window=window, rounds=tuple(rounds),
+                   gather_needs=tuple(int(n) for n in needs))
 
     @functools.cached_property
     def reduce_reads(self) -> tuple[frozenset[int], ...]:

@@ -60,24 +60,36 @@ class _Rounds(ABC):
         self.issued = 0  # positions in `order`
         self.retired = 0
         self.exposed_s = 0.0
-        sizes = [max(sum(getattr(r, f"{kind}_{side}_splits")) for r in plan.rounds) for side in ("send", "recv")]
-        with record_function(EXCHANGE_WINDOW):  # the CPU meter sees the buffers allocated in this range
-            self.slots = [
-                tuple(torch.empty(n, dtype=dtype, device=opt.device) for n in sizes)
-                for _ in range(min(DEPTH, len(order)))
-            ]
-        held = sum(b.numel() * b.element_size() for slot in self.slots for b in slot)
-        opt.exchange_peak_bytes = max(opt.exchange_peak_bytes, held)
+        self.dtype = dtype
+        self.depth = min(DEPTH, len(self.order))
+        self.slots: list[tuple[torch.Tensor, torch.Tensor]] = []  # allocated by the first round, freed after the last
         self.flight: deque[tuple[int, dist.Work | None, tuple[torch.Tensor, torch.Tensor]]] = deque()
 
     @property
     def done(self) -> bool:
         return self.retired == len(self.order)
 
+    def _allocate(self) -> None:
+        """The slots' buffers, each the largest of its kind in any round, reused by every round.
+
+        Reused, not allocated per round: a finished collective's buffers may stay referenced by the
+        backend's worker thread for a moment, and fresh ones per round would then pile up.
+        """
+        sizes = [max(sum(getattr(r, f"{self.kind}_{side}_splits")) for r in self.plan.rounds)
+                 for side in ("send", "recv")]
+        self.slots = [
+            tuple(torch.empty(n, dtype=self.dtype, device=self.opt.device) for n in sizes)
+            for _ in range(self.depth)
+        ]
+        held = sum(b.numel() * b.element_size() for slot in self.slots for b in slot)
+        self.opt.exchange_peak_bytes = max(self.opt.exchange_peak_bytes, held)
+
     def _issue(self) -> None:
+        if not self.slots:
+            self._allocate()
         k = self.order[self.issued]
         rnd = self.plan.rounds[k]
-        send_buffer, recv_buffer = self.slots[self.issued % len(self.slots)]
+        send_buffer, recv_buffer = self.slots[self.issued % self.depth]
         send = send_buffer[: sum(getattr(rnd, f"{self.kind}_send_splits"))]
         recv = recv_buffer[: sum(getattr(rnd, f"{self.kind}_recv_splits"))]
         self.pack(rnd, send)
@@ -98,6 +110,8 @@ class _Rounds(ABC):
             work.wait()
         self.unpack(self.plan.rounds[k], recv)
         self.retired += 1
+        if self.done:
+            self.slots = []  # the exchange is over: its buffers go before the next allocation needs the memory
 
     def _finished(self) -> bool:
         """Whether the oldest round in flight has completed (never waits)."""
@@ -106,12 +120,11 @@ class _Rounds(ABC):
 
     def _drain(self) -> None:
         while self.issued < len(self.order):
-            if len(self.flight) == len(self.slots):
+            if len(self.flight) == self.depth:
                 self._retire()
             self._issue()
         while self.flight:
             self._retire()
-        self.slots = []
 
     def finish(self) -> None:
         """Every remaining round, waited for; the buffers are freed."""
@@ -165,7 +178,7 @@ class GatherStream(_Rounds):
         with torch.no_grad(), record_function(EXCHANGE_WINDOW):
             ahead = min(last + 2, len(self.order))  # issue through round last + 1: the prefetch
             while self.issued < ahead:
-                if len(self.flight) == len(self.slots):
+                if len(self.flight) == self.depth:
                     self._retire()
                 self._issue()
                 self.early += 1
@@ -235,7 +248,7 @@ class ReduceStream(_Rounds):
         with torch.no_grad(), record_function(EXCHANGE_WINDOW):
             while self.flight and self._finished():
                 self._retire()
-            while (self.before is None and self.issued < len(self.order) and len(self.flight) < len(self.slots)
+            while (self.before is None and self.issued < len(self.order) and len(self.flight) < self.depth
                    and self.plan.reduce_reads[self.order[self.issued]] <= self.sealed):
                 self._issue()
                 self.early += 1
@@ -279,17 +292,25 @@ def attach_exchange_hooks(model: torch.nn.Module) -> None:
     if getattr(model, "norm", None) is not None:  # the head runs right after the norm, as a weight, not a module
         head = [n for n in names.values() if n.startswith(("norm.", "output.", "embedding."))]
         groups.append((model.norm, head))
-    for module, wanted in groups:
-        module.register_forward_pre_hook(_needs(model, tuple(wanted)))
+    for k, (module, wanted) in enumerate(groups):
+        module.register_forward_pre_hook(_needs(model, tuple(wanted), last=k == len(groups) - 1))
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(_sealer(model, name))
 
 
-def _needs(model: torch.nn.Module, names: tuple[str, ...]) -> Callable:
+def _needs(model: torch.nn.Module, names: tuple[str, ...], last: bool) -> Callable:
+    """The gather rounds a module needs; the last module's hook finishes the gather.
+
+    Waiting is safe here: the rank's TP and CP peers reach the same hook with no collective in between,
+    and ask for the same rounds (`ExchangePlan.gather_needs` covers the stage). The rounds no layer asks
+    for go out at the same point on every peer, so none of them waits inside a later layer's collective.
+    """
     def hook(module: torch.nn.Module, args: tuple) -> None:
         ex = model.exchange
         if ex is not None and ex.enabled:
             ex.gather.need(names)
+            if last:
+                ex.gather.finish()
 
     return hook
 
