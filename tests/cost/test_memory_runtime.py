@@ -21,12 +21,15 @@ def test_caps_count_the_exchange_as_two_buckets_and_refuse_configs_it_does_not_f
         assert cost.memory.exchange_buffer_bytes(cost.model) == 2 * DEFAULT_EXCHANGE_BUCKET_BYTES
         assert any(cap > 0 for cap in caps.values())
         for config, cap in caps.items():
+            # The buffers live beside the activations (the exchange overlaps compute): free memory is net of them.
             free = cost.memory.free_bytes(config, cost.model, gpus)
-            assert cap == 0 or free >= cost.memory.exchange_buffer_bytes(cost.model), config
-    # A config whose free memory holds activations but not the exchange's buffers gets no cap.
+            exchange = cost.memory.exchange_buffer_bytes(cost.model)
+            without = dataclasses.replace(cost.memory, exchange_bytes=0).free_bytes(config, cost.model, gpus)
+            assert without - free == exchange and (cap == 0 or free > 0), config
+    # A config whose memory holds activations but not the exchange's buffers beside them gets no cap.
     cost = load_cost_model("llama-7b@a800-80g")
     config = ParallelConfig(1, 2)
-    free = cost.memory.free_bytes(config, cost.model, 16)
+    free = cost.memory.free_bytes(config, cost.model, 16) + cost.memory.exchange_buffer_bytes(cost.model)
     assert free < 8 * cost.model.num_params  # so the bucket, not the model's size, bounds the buffers
     tight = dataclasses.replace(cost.memory, exchange_bytes=free + 1)
     assert cost.memory.cap(config, cost.model, 16) > 0 and tight.cap(config, cost.model, 16) == 0

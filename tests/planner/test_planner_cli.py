@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import json
 
+from hydraulis.cost import load_cost_model
+from hydraulis.parallel import ParallelConfig
 from hydraulis.planner.plan import load_plan
+
+COST = load_cost_model("llama-7b@a800-80g")  # the command's default profile: the caps it names come from it
+TP2_CAP = COST.cap(ParallelConfig(2, 1), 16)
 
 
 def write(path, batches):
@@ -47,10 +52,10 @@ def test_overlong_error_names_length_and_cap(cli, tmp_path):
     w = write(tmp_path / "w.json", [[100, 200, 300000]])
     out = tmp_path / "plan.json"
     res = cli("plan", "--gpus", "16", "--workload", str(w), "--out", str(out))
-    one_line_error(res, "300000 tokens", "largest cap 132480", "tp16pp1")
+    one_line_error(res, "300000 tokens", f"largest cap {COST.cap(ParallelConfig(16, 1), 16)}", "tp16pp1")
     assert not out.exists()
     res = cli("plan", "--gpus", "16", "--workload", str(w), "--pool", "8x(tp2,pp1)", "--out", str(out))
-    one_line_error(res, "300000 tokens", "largest cap 20864", "tp2pp1")
+    one_line_error(res, "300000 tokens", f"largest cap {TP2_CAP}", "tp2pp1")
     assert not out.exists()
 
 
@@ -61,7 +66,8 @@ def test_overlong_truncate_and_drop_say_how_many(cli, tmp_path):
     res = cli(*base, "--overlong", "truncate")
     assert res.returncode == 0, res.stderr
     assert "truncated 2 sequence(s)" in res.stderr
-    assert load_plan(out).iterations[0].lengths == (100, 20864, 300, 20864)
+    assert 20000 < TP2_CAP < 25000  # so both long ones are cut, the short ones not
+    assert load_plan(out).iterations[0].lengths == (100, TP2_CAP, 300, TP2_CAP)
     res = cli(*base, "--overlong", "drop")
     assert res.returncode == 0, res.stderr
     assert "dropped 2 sequence(s)" in res.stderr

@@ -45,7 +45,7 @@ def train_variants(
             "buffer_peak": trainer.optimizer.exchange_peak_bytes,
             "rounds": plan_rounds,
             "early": early,  # per step: gather rounds issued from forward, reduce rounds from backward, rounds
-            "exposed": [m.exchange_exposed_s for m in metrics],
+            "exposed": [(m.exchange_exposed_min_s, m.exchange_exposed_s) for m in metrics],
             "groups": sorted(k for k, g in groups._GROUPS.items() if g is not None),
             "timeouts": sorted({timeout_s(g) for g in [None, *groups.built_groups()]}),
         })

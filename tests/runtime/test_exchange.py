@@ -73,7 +73,7 @@ def test_overlap_issues_rounds_from_the_layers_and_backward(runs):
                 else:
                     assert gathered == 0
                 assert gathered <= rounds and reduced <= rounds
-        assert all(t >= 0 for t in overlapped["exposed"])
+        assert all(0 <= low <= high for low, high in overlapped["exposed"])
 
 
 @pytest.mark.dist

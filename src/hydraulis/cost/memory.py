@@ -95,8 +95,10 @@ class MemoryModel:
     context_overhead_bytes: float
     safety_margin_bytes: float
     embedding_state_bytes: float = 16.0  # training-state bytes per embedding or head parameter (design section 4)
-    # The optimizer exchange's send and receive buffers (runtime/exchange.py): two buckets of the default
-    # 256 MiB. They live before the forward and after the backward, never beside the activations.
+    # The optimizer exchange's buffers (runtime/exchange.py): two rounds in flight, each a send and a receive
+    # buffer of half a bucket, two buckets of the default 256 MiB in all. Overlapped with compute
+    # (runtime/overlap.py), they live beside the activations: the gather's in the first micro-batch's
+    # forward, the reduce's in the last one's backward.
     exchange_bytes: float = 2 * DEFAULT_EXCHANGE_BUCKET_BYTES
 
     def exchange_buffer_bytes(self, model: ModelSpec) -> float:
@@ -136,12 +138,14 @@ class MemoryModel:
         return model.layers * full
 
     def free_bytes(self, config: ParallelConfig, model: ModelSpec, num_gpus: int) -> float:
-        """What a GPU has left for activations after the margin, the context and the static state."""
+        """What a GPU has left for activations after the margin, the context, the static state and the
+        exchange's buffers (beside the activations, as the exchange overlaps compute)."""
         return (
             self.memory_bytes
             - self.safety_margin_bytes
             - self.context_overhead_bytes
             - self.static_bytes(config, model, num_gpus)
+            - self.exchange_buffer_bytes(model)
         )
 
     def activation_bytes(
@@ -159,7 +163,7 @@ class MemoryModel:
         cp * (per-rank cap - 2*cp), less the K/V that attention keeps (`kv_buffer_bytes`).
         """
         free = self.free_bytes(config, model, num_gpus)
-        if free <= 0 or free < self.exchange_buffer_bytes(model):
+        if free <= 0:
             return 0  # not even the exchange's buffers fit beside the training state
         per_token = self.bytes_per_token(config, model, recompute)
         cp = config.cp
@@ -201,8 +205,9 @@ class RankMemory:
     throughout. The gradients (fp32 main gradients under bf16) are freed after every step, so backward
     allocates them afresh: with one micro-batch on one stage the activations are mostly freed by the
     time they are, and only the head's gradient meets the logits; with more micro-batches (or 1F1B
-    stages) the next forward's activations meet all of them. After the backward, with the gradients,
-    come the exchange's send and receive buffers and the AdamW step's bucket-sized temporary.
+    stages) the next forward's activations meet all of them. The exchange overlaps compute, so its
+    buffers count beside the activations (the gather's in the first forward, the reduce's in the last
+    backward) and after the backward (the reduce's tail), as does the AdamW step's bucket-sized temporary.
     """
 
     params: float
@@ -215,7 +220,8 @@ class RankMemory:
 
     @property
     def peak(self) -> float:
-        during = self.activations + self.grads_with_activations
+        # Overlapped with compute, the exchange's buffers meet the activations (runtime/overlap.py).
+        during = self.activations + self.grads_with_activations + self.exchange
         after = self.grads + max(self.exchange, self.step)
         return self.params + self.owned + max(during, after)
 

@@ -120,9 +120,11 @@ class StepMetrics:
     memory_predicted_bytes: int = 0
     exchange_peak_bytes: int = 0
     memory_error: float = 0.0  # the largest |measured - predicted| / predicted of any rank
-    # Seconds the exchange held the training thread (packing, unpacking, waiting) that compute did not hide,
-    # the largest of any rank (runtime/overlap.py); gather_s and reduce_s's exchange are part of it.
+    # Seconds the exchange held the training thread (packing, unpacking, waiting) that compute did not hide
+    # (runtime/overlap.py): the largest of any rank, which includes waiting for the slowest replica, and the
+    # smallest, the slowest rank's, which is the exchange alone.
     exchange_exposed_s: float = 0.0
+    exchange_exposed_min_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -322,10 +324,10 @@ class Trainer:
                                                  s.exchange_bucket_bytes))
         part.clear_grads()
         replicas = len(plan.deployment.replicas)
-        times = torch.zeros(replicas + 5, dtype=torch.float64)  # replica times, memory, exposed: max over ranks
+        times = torch.zeros(replicas + 6, dtype=torch.float64)  # replica times, memory, exposed: max over ranks
         times[part.replica] = computed - gathered
         times[replicas:] = torch.tensor(
-            [memory.peak, memory.predicted, memory.exchange_peak, memory.error, exchange.exposed_s]
+            [memory.peak, memory.predicted, memory.exchange_peak, memory.error, exchange.exposed_s, -exchange.exposed_s]
         )
         if self.world > 1:
             dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.control)
@@ -359,6 +361,7 @@ class Trainer:
             exchange_peak_bytes=int(peaks[2]),
             memory_error=peaks[3],
             exchange_exposed_s=peaks[4],
+            exchange_exposed_min_s=-peaks[5],
         )
         self.step_index += 1
         if not self._timeouts_settled:  # the first step is done: every group gets the steady timeout
