@@ -48,8 +48,10 @@ from hydraulis.runtime.layout import ModelLayout
 from hydraulis.specs import ModelSpec
 
 PEERS = ("ddp-doc", "ddp-packed", "fsdp2")
-_all_gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
-_reduce_scatter = getattr(torch.distributed, "reduce_scatter_single", None) or torch.distributed.reduce_scatter_tensor
+# FSDP2's default collectives, by their newer names where this torch has them (older: *_into_tensor, *_tensor)
+_dist = torch.distributed
+all_gather_single = getattr(_dist, "all_gather_single", None) or _dist.all_gather_into_tensor
+reduce_scatter_single = getattr(_dist, "reduce_scatter_single", None) or _dist.reduce_scatter_tensor
 Accumulate = Callable[[bool], AbstractContextManager]  # is it the last document? -> the context it runs in
 
 
@@ -230,9 +232,9 @@ class _TimedComm:
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op=None, async_op: bool = False):
         start = time.perf_counter()
         if self.kind == "all_gather":
-            work = _all_gather(output_tensor, input_tensor, group=group, async_op=async_op)
+            work = all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
         else:
-            work = _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            work = reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
         self.clock.spent += time.perf_counter() - start
         self.clock.calls[self.kind] += 1
         return work
