@@ -17,12 +17,21 @@ rank with the fewest tokens so far (the lowest rank on ties). DDP and FSDP2 AVER
 ranks, so each rank's loss is multiplied by the world size: the average is then the gradient of the
 global objective. A rank without documents still runs one forward and backward of one token with
 zero loss, because DDP's all-reduce and FSDP2's collectives need every rank.
+
+Exposed exchange time: the seconds of a step in which a rank's training thread waits for a collective
+of parameters or gradients to complete, instead of computing (`BackwardTail` for DDP, `TimedCollectives`
+for FSDP2; Hydraulis's trainer reports its own). It includes waiting for the slowest rank, since a
+collective completes only once every rank has joined it. Not counted for any variant: the one-scalar
+all-reduce of the global grad norm, and DDP's per-step broadcast of module buffers (rotary frequencies).
+A differential twin (the step's time minus the same step without communication) was rejected: on 4
+processes sharing 2 cores two timings of the same work differ by more than the exchange takes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -39,6 +48,10 @@ from hydraulis.runtime.layout import ModelLayout
 from hydraulis.specs import ModelSpec
 
 PEERS = ("ddp-doc", "ddp-packed", "fsdp2")
+# FSDP2's default collectives, by their newer names where this torch has them (older: *_into_tensor, *_tensor)
+_dist = torch.distributed
+all_gather_single = getattr(_dist, "all_gather_single", None) or _dist.all_gather_into_tensor
+reduce_scatter_single = getattr(_dist, "reduce_scatter_single", None) or _dist.reduce_scatter_tensor
 Accumulate = Callable[[bool], AbstractContextManager]  # is it the last document? -> the context it runs in
 
 
@@ -148,6 +161,85 @@ def adamw(model: nn.Module, optim: OptimSettings) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=optim.lr, betas=a.betas, eps=a.eps, foreach=True)
 
 
+class BackwardTail:
+    """DDP's exposed exchange: from the last gradient a backward produced to that backward's return.
+
+    DDP's reducer all-reduces each bucket asynchronously (gloo's worker threads, CUDA's comm stream)
+    as soon as its gradients are ready, overlapping the rest of the backward, and waits for all of
+    them when the backward ends. After the last gradient there is no compute left to hide anything:
+    the tail is the last bucket's all-reduce, the wait for buckets still in flight (and for the
+    slowest rank) and the copy back into `.grad`. A post-accumulate-grad hook on every parameter
+    stamps the last gradient. Under `no_sync` the tail is the autograd engine's return alone.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.last: float | None = None
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._stamp)
+
+    def _stamp(self, param: torch.Tensor) -> None:
+        self.last = time.perf_counter()
+
+    def take(self) -> float:
+        """Call right after the step's last backward returns: its tail in seconds (and reset)."""
+        returned, last = time.perf_counter(), self.last
+        if last is None:
+            raise RuntimeError("no gradient was produced since the last take(): was backward run?")
+        self.last = None
+        return returned - last
+
+
+class TimedCollectives:
+    """FSDP2's exposed exchange: the seconds spent in its all-gathers and reduce-scatters.
+
+    FSDP2 overlaps its collectives with compute through CUDA streams; on CPU its streams do nothing
+    and it calls every collective with async_op=False (no explicit prefetching is set), so the
+    thread is blocked for each one's whole duration: all of it is exposed. Installed on every FSDP
+    module with FSDP2's `set_custom_all_gather`/`set_custom_reduce_scatter` (torch >= 2.9), calling
+    the collectives FSDP2 calls by default. With async_op=True the call is only a launch, and the
+    wait would go uncounted: this measure is the gloo benchmark's, not a CUDA one.
+    """
+
+    def __init__(self) -> None:
+        self.spent = 0.0
+        self.calls = {"all_gather": 0, "reduce_scatter": 0}
+
+    def install(self, model: nn.Module) -> TimedCollectives:
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_custom_all_gather(_TimedComm(self, "all_gather"))
+                m.set_custom_reduce_scatter(_TimedComm(self, "reduce_scatter"))
+        return self
+
+    def take(self) -> float:
+        """The seconds spent in collectives since the last take (and reset)."""
+        spent, self.spent = self.spent, 0.0
+        return spent
+
+
+class _TimedComm:
+    """FSDP2's comm interface (`allocate`, and a call with its keywords): its default collective, timed."""
+
+    def __init__(self, clock: TimedCollectives, kind: str) -> None:
+        self.clock, self.kind = clock, kind
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op=None, async_op: bool = False):
+        start = time.perf_counter()
+        if self.kind == "all_gather":
+            work = all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        else:
+            work = reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        self.clock.spent += time.perf_counter() - start
+        self.clock.calls[self.kind] += 1
+        return work
+
+
 @dataclass
 class Peer:
     """One peer on one rank: a wrapped model, its optimizer and how it runs a global batch."""
@@ -160,20 +252,27 @@ class Peer:
     world: int
     packed: bool
     accumulate: Accumulate
+    exchange: BackwardTail | TimedCollectives
 
-    def step(self, docs: Sequence[torch.Tensor], total_targets: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward, backward, clip and AdamW on this rank's documents; (local loss sum, global grad norm)."""
+    def step(
+        self, docs: Sequence[torch.Tensor], total_targets: int, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Forward, backward, clip and AdamW on this rank's documents.
+
+        Returns (local loss sum, global grad norm, exposed exchange seconds of this rank).
+        """
         if self.packed:
             loss_sum = packed_backward(self.model, docs, total_targets, self.world)
         else:
             loss_sum = document_backward(self.model, docs, total_targets, self.world, self.accumulate)
+        exposed = self.exchange.take()  # the synchronising backward was the last thing either ran
         clip = self.optim.adamw.grad_clip
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip > 0 else math.inf)
         for group in self.optimizer.param_groups:
             group["lr"] = self.optim.lr_at(step, self.total_steps)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum, norm
+        return loss_sum, norm, exposed
 
 
 def build_peer(name: str, spec: ModelSpec, seed: int, optim: OptimSettings, total_steps: int, world: int) -> Peer:
@@ -192,7 +291,8 @@ def build_peer(name: str, spec: ModelSpec, seed: int, optim: OptimSettings, tota
 
         ddp = DistributedDataParallel(model)
         accumulate: Accumulate = lambda last: nullcontext() if last else ddp.no_sync()  # noqa: E731
-        return Peer(name, ddp, adamw(ddp, optim), optim, total_steps, world, name == "ddp-packed", accumulate)
+        return Peer(name, ddp, adamw(ddp, optim), optim, total_steps, world, name == "ddp-packed", accumulate,
+                    BackwardTail(model))
     if name != "fsdp2":
         raise ValueError(f"unknown peer {name!r}; one of {', '.join(PEERS)}")
     from torch.distributed.device_mesh import init_device_mesh
@@ -209,7 +309,8 @@ def build_peer(name: str, spec: ModelSpec, seed: int, optim: OptimSettings, tota
         model.set_reshard_after_backward(last)
         yield
 
-    return Peer(name, model, adamw(model, optim), optim, total_steps, world, False, accumulate_fsdp)
+    return Peer(name, model, adamw(model, optim), optim, total_steps, world, False, accumulate_fsdp,
+                TimedCollectives().install(model))
 
 
 def scalar(t: torch.Tensor | float) -> float:

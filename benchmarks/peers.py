@@ -27,6 +27,16 @@ imports (torch, transformers, hydraulis: the same for every variant) and before 
 what the variant itself added at its peak, warm-up and timed pass included. Each variant runs in
 processes of its own, so no other variant's memory is in it. Printed: the largest rank, median of reps.
 
+Exposed exchange time per iteration: the seconds a rank's training thread waited for the exchange of
+parameters and gradients instead of computing, the largest rank's per step, mean over steps (and its
+share of the summed step times). Hydraulis: `StepMetrics.exchange_exposed_s`, the trainer's own
+(gather and reduce not hidden by compute); DDP: the tail of its synchronising backward after the last
+gradient was produced; FSDP2: the time in its all-gathers and reduce-scatters, which on CPU block
+(benchmarks/peer_models.py says why both measure the same thing). All include waiting for the slowest
+rank, which a collective cannot complete without; the rank that waited least (the slowest one) is
+printed too: its wait is the exchange alone. Until the trainer has `exchange_exposed_s`, Hydraulis's
+figure is each rank's gather_s + reduce_s (nothing overlaps); that field is already the largest rank's.
+
 Bytes sent per rank per iteration: DDP and FSDP2 by the ring formula, 2 (N-1)/N x parameter bytes
 (one all-reduce; one all-gather plus one reduce-scatter); Hydraulis's optimizer gather and reduce
 from its exchange plans, averaged over the iterations, largest rank (tensor-parallel activation
@@ -157,7 +167,10 @@ def hydraulis_runner(job: dict, variant: str, env, corpus, total_steps: int):
     def step(i: int):
         m = trainer.run_iteration(job["batches"][i], plans[i])
         parts.append({k: getattr(m, k) for k in ("iteration_s", "switch_s", "gather_s", "reduce_s", "replica_s")})
-        return m.iteration_s, (m.loss if env.rank == 0 else 0.0), m.grad_norm
+        exposed = getattr(m, "exchange_exposed_s", None)
+        if exposed is None:
+            exposed = m.gather_s + m.reduce_s  # LEAD: drop fallback (nothing overlaps before exchange_exposed_s)
+        return m.iteration_s, (m.loss if env.rank == 0 else 0.0), m.grad_norm, exposed
 
     return step, trainer.close, parts
 
@@ -171,34 +184,40 @@ def peer_runner(job: dict, variant: str, env, corpus, total_steps: int):
         batch = job["batches"][i]
         total = count_targets(batch.lengths)
         mine = split_by_tokens(batch.lengths, env.world_size)[env.rank]
-        loss_sum, norm = peer.step(rank_documents(batch, corpus, mine), total, done[0])
+        loss_sum, norm, exposed = peer.step(rank_documents(batch, corpus, mine), total, done[0])
         done[0] += 1
-        return time.perf_counter() - start, loss_sum / total, norm
+        return time.perf_counter() - start, loss_sum / total, norm, exposed
 
     return step, lambda: None, None
 
 
 def run_pass(step, steps: int) -> dict[str, list[float]]:
-    """Every step after a barrier; the slowest rank's time per step, the global loss, the grad norm."""
+    """Every step after a barrier; per step the slowest rank's time, the global loss, the grad norm, and
+    the exposed exchange (largest over ranks, and this rank's own)."""
     import torch
     import torch.distributed as dist
 
-    seconds, cpu, shares, norms = [], [], [], []
+    seconds, cpu, shares, norms, exposed = [], [], [], [], []
     for i in range(steps):
         dist.barrier()
         busy = time.process_time()  # this process's CPU seconds, all its threads
-        s, share, norm = step(i)
+        s, share, norm, waited = step(i)
         cpu.append(time.process_time() - busy)
         seconds.append(s)
         shares.append(float(share))
         norms.append(scalar(norm))
+        exposed.append(float(waited))
     t = torch.tensor(seconds, dtype=torch.float64)
     c = torch.tensor(cpu, dtype=torch.float64)
     losses = torch.tensor(shares, dtype=torch.float64)
+    e, e_min = torch.tensor(exposed, dtype=torch.float64), torch.tensor(exposed, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     dist.all_reduce(c)  # CPU seconds of all ranks together
     dist.all_reduce(losses)  # each rank's share of the global loss (Hydraulis: rank 0 holds all of it)
-    return {"step_s": t.tolist(), "cpu_s": c.tolist(), "loss": losses.tolist(), "grad_norm": norms}
+    dist.all_reduce(e, op=dist.ReduceOp.MAX)
+    dist.all_reduce(e_min, op=dist.ReduceOp.MIN)
+    return {"step_s": t.tolist(), "cpu_s": c.tolist(), "loss": losses.tolist(), "grad_norm": norms,
+            "exposed_s": e.tolist(), "exposed_min_s": e_min.tolist(), "exposed_rank_s": exposed}
 
 
 def worker(job: dict, variant: str) -> dict:
@@ -236,7 +255,9 @@ def measure(job: dict, reps: int) -> dict[str, list[dict]]:
             seconds = sum(ranks[0]["timed"]["step_s"])
             rows[v].append({
                 "tokens_per_s": tokens / seconds, "seconds": seconds, "step_s": ranks[0]["timed"]["step_s"],
-                "cpu_s": sum(ranks[0]["timed"]["cpu_s"]),
+                "cpu_s": sum(ranks[0]["timed"]["cpu_s"]), "exposed_s": ranks[0]["timed"]["exposed_s"],
+                "exposed_min_s": ranks[0]["timed"]["exposed_min_s"],
+                "exposed_per_rank_s": [statistics.fmean(r["timed"]["exposed_rank_s"]) for r in ranks],
                 "loss": ranks[0]["timed"]["loss"], "first_loss": ranks[0]["warm"]["loss"][0],
                 "first_grad_norm": ranks[0]["warm"]["grad_norm"][0],
                 "peak_increase_bytes": [r["hwm"] - r["rss_base"] for r in ranks],
@@ -267,6 +288,11 @@ def summarize(job: dict, rows: dict[str, list[dict]]) -> dict[str, Any]:
             "tokens_per_s_max": max(tput), "tokens_per_s": tput,
             "predicted_tokens_per_s": tokens / predicted if predicted else None,
             "cpu_s_per_iteration": statistics.median(r["cpu_s"] for r in reps) / len(job["batches"]),
+            # seconds per iteration the exchange kept the slowest-waiting rank from computing, and its share
+            "exposed_s_per_iteration": statistics.median(statistics.fmean(r["exposed_s"]) for r in reps),
+            "exposed_share": statistics.median(sum(r["exposed_s"]) / r["seconds"] for r in reps),
+            # the rank that waited least: the slowest one, whose wait is the exchange alone, without imbalance
+            "exposed_min_rank_s_per_iteration": statistics.median(statistics.fmean(r["exposed_min_s"]) for r in reps),
             # the share of the cores busy during the timed pass: 1.0 means no schedule of the same work can
             # be faster here, only less work can
             "core_utilisation": statistics.median(r["cpu_s"] / r["seconds"] for r in reps) / job["cores"],
@@ -303,13 +329,16 @@ def summarize(job: dict, rows: dict[str, list[dict]]) -> dict[str, Any]:
 def print_report(job: dict, summary: dict) -> None:
     var = summary["variants"]
     print(f"  {'variant':<14} {'tokens/s median [min-max]':>32} {'predicted':>10} {'peak +MiB':>10}"
-          f" {'sent MiB/it':>12} {'CPU s/it':>9} {'cores busy':>10} {'first loss':>11}")
+          f" {'sent MiB/it':>12} {'exposed s/it':>16} {'CPU s/it':>9} {'cores busy':>10} {'first loss':>11}")
     for v, r in var.items():
         spread = f"{r['tokens_per_s_median']:,.0f} [{r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f}]"
         pred = f"{r['predicted_tokens_per_s']:,.0f}" if r["predicted_tokens_per_s"] else "-"
+        exposed = f"{r['exposed_s_per_iteration']:.3f} ({r['exposed_share']:.0%})"
         print(f"  {v:<14} {spread:>32} {pred:>10} {r['peak_increase_mib']:>10.1f}"
-              f" {r['sent_mib_per_iteration']:>12.2f} {r['cpu_s_per_iteration']:>9.3f}"
+              f" {r['sent_mib_per_iteration']:>12.2f} {exposed:>16} {r['cpu_s_per_iteration']:>9.3f}"
               f" {r['core_utilisation']:>10.0%} {r['first_loss']:>11.7f}")
+    print("  exposed s/it: the rank that waited longest (it includes waiting for slower ranks); the rank that"
+          " waited least: " + ", ".join(f"{v} {r['exposed_min_rank_s_per_iteration']:.3f}" for v, r in var.items()))
     used = ", ".join(f"{d} x{n}" for d, n in summary["hydraulis_deployments"].items())
     print(f"  hydraulis chose: {used}")
     for v, r in var.items():
