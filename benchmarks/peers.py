@@ -29,13 +29,12 @@ processes of its own, so no other variant's memory is in it. Printed: the larges
 
 Exposed exchange time per iteration: the seconds a rank's training thread waited for the exchange of
 parameters and gradients instead of computing, the largest rank's per step, mean over steps (and its
-share of the summed step times). Hydraulis: `StepMetrics.exchange_exposed_s`, the trainer's own
-(gather and reduce not hidden by compute); DDP: the tail of its synchronising backward after the last
-gradient was produced; FSDP2: the time in its all-gathers and reduce-scatters, which on CPU block
+share of the summed step times). Hydraulis: the trainer's own figure (runtime/overlap.py: the time its
+thread spent packing, unpacking and waiting for gather and reduce rounds, which overlap compute); DDP:
+the tail of its synchronising backward after the last gradient was produced; FSDP2: the time in its all-gathers and reduce-scatters, which on CPU block
 (benchmarks/peer_models.py says why both measure the same thing). All include waiting for the slowest
 rank, which a collective cannot complete without; the rank that waited least (the slowest one) is
-printed too: its wait is the exchange alone. Until the trainer has `exchange_exposed_s`, Hydraulis's
-figure is each rank's gather_s + reduce_s (nothing overlaps); that field is already the largest rank's.
+printed too: its wait is the exchange alone.
 
 Bytes sent per rank per iteration: DDP and FSDP2 by the ring formula, 2 (N-1)/N x parameter bytes
 (one all-reduce; one all-gather plus one reduce-scatter); Hydraulis's optimizer gather and reduce
@@ -167,9 +166,7 @@ def hydraulis_runner(job: dict, variant: str, env, corpus, total_steps: int):
     def step(i: int):
         m = trainer.run_iteration(job["batches"][i], plans[i])
         parts.append({k: getattr(m, k) for k in ("iteration_s", "switch_s", "gather_s", "reduce_s", "replica_s")})
-        exposed = getattr(m, "exchange_exposed_s", None)
-        if exposed is None:
-            exposed = m.gather_s + m.reduce_s  # LEAD: drop fallback (nothing overlaps before exchange_exposed_s)
+        exposed = trainer.last_exchange.exposed_s  # this rank's own (the metric is already the largest rank's)
         return m.iteration_s, (m.loss if env.rank == 0 else 0.0), m.grad_norm, exposed
 
     return step, trainer.close, parts
