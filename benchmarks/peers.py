@@ -31,8 +31,8 @@ Exposed exchange time per iteration: the seconds a rank's training thread waited
 parameters and gradients instead of computing, the largest rank's per step, mean over steps (and its
 share of the summed step times). Hydraulis: the trainer's own figure (runtime/overlap.py: the time its
 thread spent packing, unpacking and waiting for gather and reduce rounds, which overlap compute); DDP:
-the tail of its synchronising backward after the last gradient was produced; FSDP2: the time in its all-
-gathers and reduce-scatters, which on CPU block (benchmarks/peer_models.py says why both measure the
+the tail of its synchronising backward after the last gradient was produced; FSDP2: the time in its
+all-gathers and reduce-scatters, which on CPU block (benchmarks/peer_models.py says why both measure the
 same thing). All include waiting for the slowest rank, which a collective cannot complete without; the
 rank that waited least (the slowest one) is printed too: its wait is the exchange alone.
 
