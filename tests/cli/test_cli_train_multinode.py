@@ -65,7 +65,10 @@ def test_separate_run_directories_are_refused_before_training(tmp_path):
     text = "\n".join(output for _, output in results)
     line = f"error: the run directory {outs[0]} is not shared by all nodes (rank 2 cannot be seen from rank 0); "
     assert line + "use a shared file system path for [train] out" in text, text[-3000:]
-    assert "TCPStore" not in text and "Traceback" not in text.split("error: the run directory")[0], text[-3000:]
+    # Nothing went wrong before the one line; after it, torchrun's agent of the other node may log its
+    # store connection closing as it shuts down (seen once under load), which is torchrun's, not ours.
+    before = text.split("error: the run directory")[0]
+    assert "TCPStore" not in before and "Traceback" not in before, text[-3000:]
     for out in outs:  # nothing trained, nothing published
         assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
 

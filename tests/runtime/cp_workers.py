@@ -79,6 +79,7 @@ def cp_train_cost():
     data["device"]["memory_bytes"] = int(
         mem.safety_margin_bytes + mem.context_overhead_bytes + mem.static_bytes(g, base.model, 4)
         + mem.bytes_per_token(g, base.model, False) * (LONG_DOC // 4 + 72)
+        + mem.exchange_buffer_bytes(base.model)  # the exchange's buffers, beside the activations
     )
     row = next(r for r in data["time_ms"] if (r["tp"], r["pp"]) == (1, 1))
     data["time_ms"] += [{**row, "cp": 4}, {**row, "cp": 2}]
