@@ -9,10 +9,10 @@ def test_caps_json_matches_design(cli):
     res = cli("caps", "--profile", "llama-7b@a800-80g", "--gpus", "32", "--json")
     assert res.returncode == 0, res.stderr
     caps = {row["config"]: row["cap_tokens"] for row in json.loads(res.stdout)["configs"]}
-    assert caps["tp1pp2"] == 11264
-    assert caps["tp2pp1"] == 21888
-    assert caps["tp4pp1"] == 46080
-    assert caps["tp8pp1"] == 85248
+    assert caps["tp1pp2"] == 9472
+    assert caps["tp2pp1"] == 18560
+    assert caps["tp4pp1"] == 41728
+    assert caps["tp8pp1"] == 79616
 
 
 def test_unknown_preset_is_one_line_exit_2(cli):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+
+import pytest
 
 from hydraulis.cost import load_cost_model
 from hydraulis.cost.memory import DEFAULT_EXCHANGE_BUCKET_BYTES, rank_memory, shard_params
@@ -12,23 +15,50 @@ from hydraulis.specs import MODELS
 GiB = 2**30
 
 
-def test_caps_count_the_exchange_as_two_buckets_and_refuse_configs_it_does_not_fit():
+PRESETS = ("llama-7b@a800-80g", "llama-13b@a800-80g", "llama-32b@a800-80g", "llama-7b@a800-80g+cp",
+           "llama-13b@h100-80g", "llama-70b@h100-80g+cp", "small@cpu")
+
+
+def budget(memory) -> float:
+    return memory.memory_bytes - memory.safety_margin_bytes - memory.context_overhead_bytes
+
+
+@pytest.mark.parametrize("profile", PRESETS)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_every_caps_micro_batch_fits_the_runtimes_own_prediction(profile, recompute):
+    """A cap the planner offers holds on every stage by the runtime's prediction of its peak (bf16: fp32 main
+    gradients, the last stage's fp32 logits, the exchange's buffers), whatever the micro-batch count.
+    The caps once left llama-32b as tp4pp1 on 16 GPUs at 85 GiB of an 80 GiB A800."""
+    cost = load_cost_model(profile)
+    if recompute:
+        cost = cost.with_recompute(cost.configs)
+    mem, offered = cost.memory, 0
+    for gpus in (16, 32, 64):
+        for config, cap in cost.caps(gpus).items():
+            if cap == 0:
+                continue
+            offered += 1
+            for stage, micro_batches in itertools.product(range(config.pp), (1, 2, 8)):
+                rank = rank_memory(mem, cost.model, config, stage, gpus, cap, 2, DEFAULT_EXCHANGE_BUCKET_BYTES,
+                                   recompute, micro_batches)
+                assert rank.peak <= budget(mem), (gpus, config, stage, cap)
+    assert offered > 0
+
+
+def test_caps_count_the_exchange_and_refuse_configs_it_does_not_fit():
     for profile, gpus in (("llama-13b@a800-80g", 32), ("llama-13b@a800-80g", 64), ("llama-7b@a800-80g", 16)):
         cost = load_cost_model(profile)
-        caps = cost.caps(gpus)
         # The reduce once held every replica's copy of the owned range (156 GB for llama-13b as
         # 32x(tp1,pp1)); now each buffer is at most one bucket.
         assert cost.memory.exchange_buffer_bytes(cost.model) == 2 * DEFAULT_EXCHANGE_BUCKET_BYTES
-        assert any(cap > 0 for cap in caps.values())
-        for config, cap in caps.items():
-            free = cost.memory.free_bytes(config, cost.model, gpus)
-            assert cap == 0 or free >= cost.memory.exchange_buffer_bytes(cost.model), config
+        assert any(cap > 0 for cap in cost.caps(gpus).values())
     # A config whose free memory holds activations but not the exchange's buffers gets no cap.
-    cost = load_cost_model("llama-7b@a800-80g")
+    cost = load_cost_model("llama-13b@a800-80g")
     config = ParallelConfig(1, 2)
-    free = cost.memory.free_bytes(config, cost.model, 16)
-    assert free < 8 * cost.model.num_params  # so the bucket, not the model's size, bounds the buffers
-    tight = dataclasses.replace(cost.memory, exchange_bytes=free + 1)
+    rank = rank_memory(cost.memory, cost.model, config, 1, 16, 0, 2, DEFAULT_EXCHANGE_BUCKET_BYTES)
+    left = budget(cost.memory) - rank.params - rank.owned - rank.grads
+    assert 2 * DEFAULT_EXCHANGE_BUCKET_BYTES < left < 8 * shard_params(cost.model, config, 1)  # the bucket bounds them
+    tight = dataclasses.replace(cost.memory, exchange_bytes=left + 2)
     assert cost.memory.cap(config, cost.model, 16) > 0 and tight.cap(config, cost.model, 16) == 0
 
 

@@ -47,10 +47,10 @@ def test_overlong_error_names_length_and_cap(cli, tmp_path):
     w = write(tmp_path / "w.json", [[100, 200, 300000]])
     out = tmp_path / "plan.json"
     res = cli("plan", "--gpus", "16", "--workload", str(w), "--out", str(out))
-    one_line_error(res, "300000 tokens", "largest cap 132480", "tp16pp1")
+    one_line_error(res, "300000 tokens", "largest cap 124672", "tp16pp1")
     assert not out.exists()
     res = cli("plan", "--gpus", "16", "--workload", str(w), "--pool", "8x(tp2,pp1)", "--out", str(out))
-    one_line_error(res, "300000 tokens", "largest cap 20864", "tp2pp1")
+    one_line_error(res, "300000 tokens", "largest cap 17280", "tp2pp1")
     assert not out.exists()
 
 
@@ -61,7 +61,7 @@ def test_overlong_truncate_and_drop_say_how_many(cli, tmp_path):
     res = cli(*base, "--overlong", "truncate")
     assert res.returncode == 0, res.stderr
     assert "truncated 2 sequence(s)" in res.stderr
-    assert load_plan(out).iterations[0].lengths == (100, 20864, 300, 20864)
+    assert load_plan(out).iterations[0].lengths == (100, 17280, 300, 17280)
     res = cli(*base, "--overlong", "drop")
     assert res.returncode == 0, res.stderr
     assert "dropped 2 sequence(s)" in res.stderr
