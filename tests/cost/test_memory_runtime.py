@@ -7,10 +7,10 @@ import itertools
 
 import pytest
 
-from hydraulis.cost import load_cost_model
+from hydraulis.cost import AnalyticCostModel, load_cost_model
 from hydraulis.cost.memory import DEFAULT_EXCHANGE_BUCKET_BYTES, rank_memory, shard_params
 from hydraulis.parallel import ParallelConfig
-from hydraulis.specs import MODELS
+from hydraulis.specs import MODELS, get_device, get_model
 
 GiB = 2**30
 
@@ -78,3 +78,23 @@ def test_rank_peak_counts_state_activations_and_one_phase_at_a_time():
     assert many.peak - one.peak == 4 * shard - 4 * spec.vocab * spec.hidden
     bf16 = rank_memory(load_cost_model("small@cpu").memory, spec, config, 0, 4, 512, 2, bucket, micro_batches=3)
     assert bf16.grads == 4 * shard and bf16.params == 2 * shard  # fp32 main gradients under bf16 compute
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_tied_head_is_counted_once_on_a_single_stage(pp):
+    """Tied, a single stage holds the vocabulary matrix once; with stages the last holds its own copy. The
+    optimizer owns one table either way (bf16: 2 + 4 bytes per held element, 16 per owned one)."""
+    untied = get_model("llama-7b")
+    tied = dataclasses.replace(untied, arch=dataclasses.replace(untied.arch, tied_embeddings=True))
+    cost = AnalyticCostModel(untied, get_device("a800-80g"))
+    mem, config, gpus, matrix = cost.memory, ParallelConfig(2, pp), 16, untied.vocab * untied.hidden
+    held = matrix // 2 if pp == 1 else 0  # the head's tp2 shard a tied single stage does not hold
+    last = pp - 1
+    one = rank_memory(mem, tied, config, last, gpus, 1024, 2, DEFAULT_EXCHANGE_BUCKET_BYTES)
+    two = rank_memory(mem, untied, config, last, gpus, 1024, 2, DEFAULT_EXCHANGE_BUCKET_BYTES)
+    assert (two.params - one.params, two.grads - one.grads) == (2 * held, 4 * held)
+    assert two.owned - one.owned == pytest.approx(16 * matrix / gpus, abs=16)
+    alpha, e = mem.optimizer_sharded_fraction, mem.embedding_state_bytes
+    saved = mem.static_bytes(config, untied, gpus) - mem.static_bytes(config, tied, gpus)
+    assert saved == pytest.approx(held * e * (1 - alpha) + matrix * e * alpha / gpus)
+    assert mem.cap(config, tied, gpus) > mem.cap(config, untied, gpus)

@@ -139,12 +139,13 @@ class MemoryModel:
         B, alpha = self.state_bytes_per_hidden2_layer, self.optimizer_sharded_fraction
         tp, pp = config.tp, config.pp
         per_matrix = self.embedding_state_bytes
-        e = 2 * per_matrix if pp == 1 else per_matrix  # embedding and head on one GPU when pp = 1
+        tables = 1 if model.arch.tied_embeddings else 2  # what the optimizer owns: a tied head is no table of its own
+        held = 1 if pp > 1 or head_is_embedding(model, config) else 2  # embedding and head on one GPU
         return (
             (L / pp) * (H * H / tp) * B * (1 - alpha)
             + L * H * H * B * alpha / num_gpus
-            + (H * V / tp) * e * (1 - alpha)
-            + H * V * 2 * per_matrix * alpha / num_gpus
+            + (H * V / tp) * held * per_matrix * (1 - alpha)
+            + H * V * tables * per_matrix * alpha / num_gpus
         )
 
     def bytes_per_token(self, config: ParallelConfig, model: ModelSpec, recompute: bool = False) -> float:
@@ -217,16 +218,30 @@ def _most_tokens(used: Callable[[int], float], free: float) -> int:
     return tokens
 
 
+def head_is_embedding(model: ModelSpec, config: ParallelConfig) -> bool:
+    """A tied head on a single stage is the embedding itself; a later stage of a tied model holds its own copy."""
+    return model.arch.tied_embeddings and config.pp == 1
+
+
+def layer_shard_params(model: ModelSpec, tp: int) -> int:
+    """Elements of one transformer block on one TP rank: Q, O and the SwiGLU split, K and V split (or whole on
+    every rank when tp exceeds the KV heads), Qwen2's q/k/v biases with their rows, norms replicated."""
+    h, bias = model.hidden, int(model.arch.qkv_bias)
+    q_dim, kv_dim = model.heads * model.head_dim, model.kv_heads * model.head_dim
+    kv_split = tp if model.kv_heads % tp == 0 else 1
+    n = (q_dim * (h + bias) + q_dim * h + 3 * h * model.ffn) // tp + 2 * kv_dim * (h + bias) // kv_split + 2 * h
+    return n + (2 * model.head_dim if model.arch.qk_norm else 0)
+
+
 def shard_params(model: ModelSpec, config: ParallelConfig, stage: int) -> int:
-    """Compute-shard elements one rank holds: its stage's layers split over TP (norms replicated), plus the
-    embedding on the first stage and the final norm and head on the last (KV heads counted as split)."""
+    """Compute-shard elements one rank holds: its stage's layers, plus the embedding on the first stage and
+    the final norm and head on the last (none of its own for a tied single stage: `head_is_embedding`)."""
     h, v = model.hidden, model.vocab
-    per_layer = (model.params_per_layer - 2 * h) // config.tp + 2 * h
-    n = model.layers // config.pp * per_layer
+    n = model.layers // config.pp * layer_shard_params(model, config.tp)
     if stage == 0:
         n += v * h // config.tp
     if stage == config.pp - 1:
-        n += v * h // config.tp + h
+        n += h + (0 if head_is_embedding(model, config) else v * h // config.tp)
     return n
 
 
