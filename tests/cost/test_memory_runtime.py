@@ -98,3 +98,20 @@ def test_a_tied_head_is_counted_once_on_a_single_stage(pp):
     saved = mem.static_bytes(config, untied, gpus) - mem.static_bytes(config, tied, gpus)
     assert saved == pytest.approx(held * e * (1 - alpha) + matrix * e * alpha / gpus)
     assert mem.cap(config, tied, gpus) > mem.cap(config, untied, gpus)
+
+
+def test_the_padded_vocabulary_is_what_the_models_count():
+    """llama-7b's 32,000 tokens padded for tp 3 and 128 are 32,256 rows: the head computes them, holds them and
+    writes fp32 logits (and their gradient) for each, though the padded ones are masked."""
+    spec = get_model("llama-7b")
+    padded = spec.padded_for([3, 128])
+    extra, config, device = padded.vocab_rows - spec.vocab, ParallelConfig(2, 2), get_device("a800-80g")
+    assert extra == 256
+    plain, wide = AnalyticCostModel(spec, device), AnalyticCostModel(padded, device)
+    for stage in (0, 1):
+        assert shard_params(padded, config, stage) - shard_params(spec, config, stage) == extra * spec.hidden // 2
+    bucket = DEFAULT_EXCHANGE_BUCKET_BYTES
+    rank = {s: rank_memory(plain.memory, s, config, 1, 16, 4096, 2, bucket) for s in (spec, padded)}
+    assert rank[padded].activations - rank[spec].activations == 2 * 4 * 4096 * extra / 2
+    head_s = 3 * 2 * spec.hidden * extra / (2 * 2 * device.peak_flops * wide.gemm_efficiency)  # fwd+bwd, tp2 pp2
+    assert wide.coefficients(config).b - plain.coefficients(config).b == pytest.approx(head_s)

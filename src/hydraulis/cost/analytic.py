@@ -55,7 +55,7 @@ class AnalyticCostModel(CostModel):
         self.gemm_efficiency = gemm_efficiency
         self.attention_efficiency = attention_efficiency
         train = 3.0
-        H, L, V = model.hidden, model.layers, model.vocab
+        H, L, V = model.hidden, model.layers, model.vocab_rows  # the head computes the padded rows too
         coefficients = {}
         for config in configs or candidate_configs(model):
             tp, pp = config.tp, config.pp

@@ -38,8 +38,8 @@ def grad_bytes(dtype_bytes: int) -> int:
 
 
 def logit_bytes(model: ModelSpec, config: ParallelConfig, tokens: int) -> float:
-    """The last stage's fp32 logits and their gradient on its fullest rank (vocab / tp columns each)."""
-    return LOGIT_COPIES * LOGIT_BYTES * max_rank_tokens(tokens, config.cp) * model.vocab / config.tp
+    """The last stage's fp32 logits and their gradient on its fullest rank (padded vocab / tp columns each)."""
+    return LOGIT_COPIES * LOGIT_BYTES * max_rank_tokens(tokens, config.cp) * model.vocab_rows / config.tp
 
 
 def kv_shard_dim(model: ModelSpec, tp: int) -> int:
@@ -135,7 +135,7 @@ class MemoryModel:
         return float(np.interp(np.log2(tp), np.log2(keys), values))
 
     def static_bytes(self, config: ParallelConfig, model: ModelSpec, num_gpus: int) -> float:
-        L, H, V = model.layers, model.hidden, model.vocab
+        L, H, V = model.layers, model.hidden, model.vocab_rows
         B, alpha = self.state_bytes_per_hidden2_layer, self.optimizer_sharded_fraction
         tp, pp = config.tp, config.pp
         per_matrix = self.embedding_state_bytes
@@ -236,7 +236,7 @@ def layer_shard_params(model: ModelSpec, tp: int) -> int:
 def shard_params(model: ModelSpec, config: ParallelConfig, stage: int) -> int:
     """Compute-shard elements one rank holds: its stage's layers, plus the embedding on the first stage and
     the final norm and head on the last (none of its own for a tied single stage: `head_is_embedding`)."""
-    h, v = model.hidden, model.vocab
+    h, v = model.hidden, model.vocab_rows
     n = model.layers // config.pp * layer_shard_params(model, config.tp)
     if stage == 0:
         n += v * h // config.tp
@@ -293,7 +293,7 @@ def rank_memory(
     if micro_batches > 1 or config.pp > 1:
         grads_with_activations = shard * state.grad_bytes
     elif stage == config.pp - 1:
-        grads_with_activations = model.vocab * model.hidden / config.tp * state.grad_bytes
+        grads_with_activations = model.vocab_rows * model.hidden / config.tp * state.grad_bytes
     else:
         grads_with_activations = 0.0
     owned = -(-model.num_params // num_gpus)
