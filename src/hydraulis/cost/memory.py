@@ -2,11 +2,13 @@
 
 `TrainingState` is the one definition of bytes per parameter that the
 analytic memory model and the runtime's prediction of its peak both read;
-`MemoryModel.cap` is the most tokens a micro-batch of a config may hold
-(docs/design.md, section 4), under CP with the K/V buffers attention keeps,
-and zero where the optimizer exchange's buffers do not fit. `rank_memory`
-is one rank's peak buffer by buffer, which the trainer logs beside the
-peak torch's allocator measures (runtime/step_memory.py).
+`rank_memory` is one rank's peak buffer by buffer, which the trainer logs
+beside the peak torch's allocator measures (runtime/step_memory.py);
+`MemoryModel.cap`, the most tokens a micro-batch of a config may hold
+(docs/design.md, section 4), is the largest micro-batch whose `rank_memory`
+peak fits on the config's first and last stage: under CP with the K/V
+buffers attention keeps, and zero where the state and the optimizer
+exchange's buffers do not fit.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ ACTIVATION_DTYPE_BYTES = 2  # the activation factors are for bf16
 CAP_DTYPE_BYTES = 2  # the caps are for bf16 compute, the dtype the activation factors were measured in
 
 
-def grad_bytes(dtype_bytes: int) -> int:
+def gradient_bytes(dtype_bytes: int) -> int:
     """Bytes per gradient element the runtime holds: fp32 main gradients under a 2-byte compute dtype."""
     return max(dtype_bytes, MAIN_GRAD_BYTES)
 
@@ -86,7 +88,7 @@ class TrainingState:
     @classmethod
     def for_dtype(cls, dtype_bytes: int) -> TrainingState:
         """The state under a compute dtype of `dtype_bytes` bytes."""
-        return cls(param_bytes=dtype_bytes, grad_bytes=grad_bytes(dtype_bytes))
+        return cls(param_bytes=dtype_bytes, grad_bytes=gradient_bytes(dtype_bytes))
 
     @property
     def replicated_bytes(self) -> int:
