@@ -237,8 +237,9 @@ def test_reference_names_its_pools_largest_cap_for_an_overlong_sequence(monkeypa
         make_policy("hydraulis-reference", ctx).schedule(np.array([100, cap + 128]))
 
 
+POOL_CAP = COST.cap(Deployment.parse("1x(tp4,pp1)", ClusterSpec(4)).configs[0], 16)  # the pool's largest
 small_batches = st.lists(
-    st.one_of(st.integers(8, 2048), st.integers(2048, 12000), st.integers(12000, 40000)), min_size=1, max_size=40
+    st.one_of(st.integers(8, 2048), st.integers(2048, 12000), st.integers(12000, POOL_CAP)), min_size=1, max_size=40
 )
 
 

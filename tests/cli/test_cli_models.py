@@ -21,6 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tokenizer_helpers import train_bpe  # noqa: E402
 from train_helpers import hf_loss, make_corpus, write_config  # noqa: E402
 
 from hydraulis.data.indexed import open_corpus  # noqa: E402
@@ -183,28 +184,14 @@ def test_bad_models_are_one_line_before_any_rank_or_profile(case, tmp_path, corp
     assert not out.exists()
 
 
-def bpe_tokenizer(corpus_text: list[str]):
-    """A byte-level BPE trained by `tokenizers` on shipped text, as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|bos|>", "<|eos|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
-    tok.train_from_iterator(corpus_text, trainer)
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>")
-
-
 @pytest.mark.parametrize("as_file", [False, True], ids=["directory", "saved tokenizer.json"])
 def test_export_copies_the_runs_hf_tokenizer(qwen2_run, tmp_path, cli, as_file):
     """A run whose tokenizer is a Hugging Face one (a directory or a tokenizer.json, as `[data] tokenizer`
     names it): the export carries its files and its ids, and AutoTokenizer loads it."""
     _, _, _, ckpt = qwen2_run
-    readme = (Path(__file__).parents[2] / "README.md").read_text().splitlines()
-    tokenizer = bpe_tokenizer(readme)
-    tokenizer.save_pretrained(tmp_path / "tok")
-    source = tmp_path / "tok" / "tokenizer.json" if as_file else tmp_path / "tok"
+    directory = train_bpe(tmp_path / "tok", vocab_size=300)  # the model has 301 rows
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    source = directory / "tokenizer.json" if as_file else directory
     run = tmp_path / "run"
     shutil.copytree(ckpt, run / "checkpoints" / ckpt.name)
     manifest = run / "checkpoints" / ckpt.name / "manifest.json"
@@ -217,18 +204,18 @@ def test_export_copies_the_runs_hf_tokenizer(qwen2_run, tmp_path, cli, as_file):
     reloaded = transformers.AutoTokenizer.from_pretrained(out)
     text = "Fine-tune a model on your own data."
     assert reloaded.encode(text) == tokenizer.encode(text)
-    eos = tokenizer.convert_tokens_to_ids("<|eos|>")
+    eos = tokenizer.convert_tokens_to_ids("</s>")
     config = json.loads((out / "config.json").read_text())
-    assert config["eos_token_id"] == eos and config["bos_token_id"] == tokenizer.convert_tokens_to_ids("<|bos|>")
+    assert config["eos_token_id"] == eos and config["bos_token_id"] == tokenizer.convert_tokens_to_ids("<s>")
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == eos
-    assert reloaded.eos_token == "<|eos|>"  # the directory's tokenizer config travels, special tokens included
+    assert reloaded.eos_token == "</s>"  # the directory's tokenizer config travels, special tokens included
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert model.generation_config.eos_token_id == eos
 
 
 def test_a_lone_tokenizer_json_is_copied_without_ids(qwen2_run, tmp_path, cli):
     _, _, _, ckpt = qwen2_run
-    bpe_tokenizer(["some text to learn from"] * 10).backend_tokenizer.save(str(tmp_path / "bpe.json"))
+    shutil.copy(train_bpe(tmp_path / "tok", vocab_size=300) / "tokenizer.json", tmp_path / "bpe.json")
     run = tmp_path / "run"
     shutil.copytree(ckpt, run / "checkpoints" / ckpt.name)
     (run / "config.toml").write_text(f'[data]\ntokenizer = "{tmp_path / "bpe.json"}"\n')
@@ -239,7 +226,7 @@ def test_a_lone_tokenizer_json_is_copied_without_ids(qwen2_run, tmp_path, cli):
     assert done.returncode == 0, done.stderr
     assert (out / "tokenizer.json").read_text() == (tmp_path / "bpe.json").read_text()
     reloaded = transformers.AutoTokenizer.from_pretrained(out)
-    assert reloaded.decode(reloaded.encode("some text")) == "some text"
+    assert reloaded.decode(reloaded.encode("some text", add_special_tokens=False)) == "some text"
     assert json.loads((out / "config.json").read_text())["eos_token_id"] is None  # nothing declares one
 
 

@@ -3,35 +3,62 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
-from hydraulis.cost import load_cost_model
+import pytest
+
+from hydraulis.cost import AnalyticCostModel, load_cost_model
 from hydraulis.cost.memory import DEFAULT_EXCHANGE_BUCKET_BYTES, rank_memory, shard_params
 from hydraulis.parallel import ParallelConfig
-from hydraulis.specs import MODELS
+from hydraulis.specs import MODELS, get_device, get_model
 
 GiB = 2**30
 
 
-def test_caps_count_the_exchange_as_two_buckets_and_refuse_configs_it_does_not_fit():
+PRESETS = ("llama-7b@a800-80g", "llama-13b@a800-80g", "llama-32b@a800-80g", "llama-7b@a800-80g+cp",
+           "llama-13b@h100-80g", "llama-70b@h100-80g+cp", "small@cpu")
+
+
+def budget(memory) -> float:
+    return memory.memory_bytes - memory.safety_margin_bytes - memory.context_overhead_bytes
+
+
+@pytest.mark.parametrize("profile", PRESETS)
+@pytest.mark.parametrize("recompute", [False, True])
+def test_every_caps_micro_batch_fits_the_runtimes_own_prediction(profile, recompute):
+    """A cap the planner offers holds on every stage by the runtime's prediction of its peak (bf16: fp32 main
+    gradients, the last stage's fp32 logits, the exchange's buffers), whatever the micro-batch count.
+    The caps once left llama-32b as tp4pp1 on 16 GPUs at 85 GiB of an 80 GiB A800."""
+    cost = load_cost_model(profile)
+    if recompute:
+        cost = cost.with_recompute(cost.configs)
+    mem, offered = cost.memory, 0
+    for gpus in (16, 32, 64):
+        for config, cap in cost.caps(gpus).items():
+            if cap == 0:
+                continue
+            offered += 1
+            for stage, micro_batches in itertools.product(range(config.pp), (1, 2, 8)):
+                rank = rank_memory(mem, cost.model, config, stage, gpus, cap, 2, DEFAULT_EXCHANGE_BUCKET_BYTES,
+                                   recompute, micro_batches)
+                assert rank.peak <= budget(mem), (gpus, config, stage, cap)
+    assert offered > 0
+
+
+def test_caps_count_the_exchange_and_refuse_configs_it_does_not_fit():
     for profile, gpus in (("llama-13b@a800-80g", 32), ("llama-13b@a800-80g", 64), ("llama-7b@a800-80g", 16)):
         cost = load_cost_model(profile)
-        caps = cost.caps(gpus)
         # The reduce once held every replica's copy of the owned range (156 GB for llama-13b as
         # 32x(tp1,pp1)); now each buffer is at most one bucket.
         assert cost.memory.exchange_buffer_bytes(cost.model) == 2 * DEFAULT_EXCHANGE_BUCKET_BYTES
-        assert any(cap > 0 for cap in caps.values())
-        for config, cap in caps.items():
-            # The buffers live beside the activations (the exchange overlaps compute): free memory is net of them.
-            free = cost.memory.free_bytes(config, cost.model, gpus)
-            exchange = cost.memory.exchange_buffer_bytes(cost.model)
-            without = dataclasses.replace(cost.memory, exchange_bytes=0).free_bytes(config, cost.model, gpus)
-            assert without - free == exchange and (cap == 0 or free > 0), config
-    # A config whose memory holds activations but not the exchange's buffers beside them gets no cap.
-    cost = load_cost_model("llama-7b@a800-80g")
+        assert any(cap > 0 for cap in cost.caps(gpus).values())
+    # A config whose free memory holds activations but not the exchange's buffers gets no cap.
+    cost = load_cost_model("llama-13b@a800-80g")
     config = ParallelConfig(1, 2)
-    free = cost.memory.free_bytes(config, cost.model, 16) + cost.memory.exchange_buffer_bytes(cost.model)
-    assert free < 8 * cost.model.num_params  # so the bucket, not the model's size, bounds the buffers
-    tight = dataclasses.replace(cost.memory, exchange_bytes=free + 1)
+    rank = rank_memory(cost.memory, cost.model, config, 1, 16, 0, 2, DEFAULT_EXCHANGE_BUCKET_BYTES)
+    left = budget(cost.memory) - rank.params - rank.owned - rank.grads
+    assert 2 * DEFAULT_EXCHANGE_BUCKET_BYTES < left < 8 * shard_params(cost.model, config, 1)  # the bucket bounds them
+    tight = dataclasses.replace(cost.memory, exchange_bytes=left + 2)
     assert cost.memory.cap(config, cost.model, 16) > 0 and tight.cap(config, cost.model, 16) == 0
 
 
@@ -51,3 +78,42 @@ def test_rank_peak_counts_state_activations_and_one_phase_at_a_time():
     assert many.peak - one.peak == 4 * shard - 4 * spec.vocab * spec.hidden
     bf16 = rank_memory(load_cost_model("small@cpu").memory, spec, config, 0, 4, 512, 2, bucket, micro_batches=3)
     assert bf16.grads == 4 * shard and bf16.params == 2 * shard  # fp32 main gradients under bf16 compute
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_a_tied_head_is_counted_once_on_a_single_stage(pp):
+    """Tied, a single stage holds the vocabulary matrix once; with stages the last holds its own copy. The
+    optimizer owns one table either way (bf16: 2 + 4 bytes per held element, 16 per owned one)."""
+    untied = get_model("llama-7b")
+    tied = dataclasses.replace(untied, arch=dataclasses.replace(untied.arch, tied_embeddings=True))
+    cost = AnalyticCostModel(untied, get_device("a800-80g"))
+    mem, config, gpus, matrix = cost.memory, ParallelConfig(2, pp), 16, untied.vocab * untied.hidden
+    held = matrix // 2 if pp == 1 else 0  # the head's tp2 shard a tied single stage does not hold
+    last = pp - 1
+    one = rank_memory(mem, tied, config, last, gpus, 1024, 2, DEFAULT_EXCHANGE_BUCKET_BYTES)
+    two = rank_memory(mem, untied, config, last, gpus, 1024, 2, DEFAULT_EXCHANGE_BUCKET_BYTES)
+    assert (two.params - one.params, two.grads - one.grads) == (2 * held, 4 * held)
+    assert two.owned - one.owned == pytest.approx(16 * matrix / gpus, abs=16)
+    alpha, e = mem.optimizer_sharded_fraction, mem.embedding_state_bytes
+    saved = mem.static_bytes(config, untied, gpus) - mem.static_bytes(config, tied, gpus)
+    assert saved == pytest.approx(held * e * (1 - alpha) + matrix * e * alpha / gpus)
+    # One stage: the head's shard is gone, the cap grows. Two: the first stage (the embedding either way) may bind.
+    assert mem.cap(config, tied, gpus) > mem.cap(config, untied, gpus) or pp > 1
+    assert mem.cap(config, tied, gpus) >= mem.cap(config, untied, gpus)
+
+
+def test_the_padded_vocabulary_is_what_the_models_count():
+    """llama-7b's 32,000 tokens padded for tp 3 and 128 are 32,256 rows: the head computes them, holds them and
+    writes fp32 logits (and their gradient) for each, though the padded ones are masked."""
+    spec = get_model("llama-7b")
+    padded = spec.padded_for([3, 128])
+    extra, config, device = padded.vocab_rows - spec.vocab, ParallelConfig(2, 2), get_device("a800-80g")
+    assert extra == 256
+    plain, wide = AnalyticCostModel(spec, device), AnalyticCostModel(padded, device)
+    for stage in (0, 1):
+        assert shard_params(padded, config, stage) - shard_params(spec, config, stage) == extra * spec.hidden // 2
+    bucket = DEFAULT_EXCHANGE_BUCKET_BYTES
+    rank = {s: rank_memory(plain.memory, s, config, 1, 16, 4096, 2, bucket) for s in (spec, padded)}
+    assert rank[padded].activations - rank[spec].activations == 2 * 4 * 4096 * extra / 2
+    head_s = 3 * 2 * spec.hidden * extra / (2 * 2 * device.peak_flops * wide.gemm_efficiency)  # fwd+bwd, tp2 pp2
+    assert wide.coefficients(config).b - plain.coefficients(config).b == pytest.approx(head_s)

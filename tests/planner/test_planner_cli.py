@@ -66,7 +66,7 @@ def test_overlong_truncate_and_drop_say_how_many(cli, tmp_path):
     res = cli(*base, "--overlong", "truncate")
     assert res.returncode == 0, res.stderr
     assert "truncated 2 sequence(s)" in res.stderr
-    assert 20000 < TP2_CAP < 25000  # so both long ones are cut, the short ones not
+    assert 600 < TP2_CAP < 25000  # so both long ones are cut, the short ones not
     assert load_plan(out).iterations[0].lengths == (100, TP2_CAP, 300, TP2_CAP)
     res = cli(*base, "--overlong", "drop")
     assert res.returncode == 0, res.stderr

@@ -45,7 +45,7 @@ def test_bulk_plans_are_valid_and_as_fast_as_one_by_one(monkeypatch, pool):
 
 
 def test_a_run_only_goes_where_its_cap_holds():
-    # 23K tokens fit the tp8 replica only (tp2's cap is 20864 on 16 GPUs). With 200 of them each is light
+    # 23K tokens fit the tp8 replica only (tp2's cap is 17280 on 16 GPUs). With 200 of them each is light
     # enough to go in bulk, and runs of them must still go to tp8 alone.
     deployments = parse_pool("1x(tp8,pp1) + 4x(tp2,pp1)", ClusterSpec(16))
     batch = np.concatenate([np.full(200, 23_000), np.full(12_000, 300), np.full(12_000, 20)])

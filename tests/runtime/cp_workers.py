@@ -68,7 +68,7 @@ LONG_DOC = 512  # 4x the tp1pp1 cap of the profile below: only the cp4 replica c
 
 def cp_train_cost():
     """tiny's measured CPU profile with cp rows and memory for 200 tokens on tp1pp1: its cap is 128, and
-    cp4's rank holds ceil(512 / 4) + 8 tokens plus the kept K/V (cap 640), cp2's cap is 256."""
+    cp4's rank holds ceil(512 / 4) + 8 tokens plus the kept K/V and the logits (cap 512), cp2's cap is 256."""
     from importlib import resources
 
     from hydraulis.cost.profiled import ProfiledCostModel

@@ -6,8 +6,9 @@ attention adds 2*s*h per token (so a*s^2 per sequence). Training is 3x forward,
 layer and micro-batch (forward plus backward). Context parallelism (cp > 1)
 splits each sequence's tokens over cp GPUs, so a and b both divide by cp, and
 the K/V exchange over the CP group adds to b and c (model.kv_exchange). The default efficiencies and
-memory constants are calibrated against the published LLaMA-7B A800 profile,
-so analytic and profiled caps and times agree to within about 15 to 30 percent.
+activation factors are calibrated against the published LLaMA-7B A800 profile,
+so analytic and profiled caps and times agree to within about 15 to 30 percent;
+the training state is the runtime's own (`TrainingState`).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class AnalyticCostModel(CostModel):
         self.gemm_efficiency = gemm_efficiency
         self.attention_efficiency = attention_efficiency
         train = 3.0
-        H, L, V = model.hidden, model.layers, model.vocab
+        H, L, V = model.hidden, model.layers, model.vocab_rows  # the head computes the padded rows too
         coefficients = {}
         for config in configs or candidate_configs(model):
             tp, pp = config.tp, config.pp
@@ -72,10 +73,10 @@ class AnalyticCostModel(CostModel):
             # (GEMMs, head, TP collectives) divides by cp as the attention does; K/V cross the CP group.
             kv_b, kv_c = kv_exchange(model, device, config)
             coefficients[config] = Coefficients(attn, (gemm + head + comm) / config.cp + kv_b, overhead + kv_c)
-        # The runtime's training state (bf16 compute shard and its gradient; fp32 master, moments
-        # and reduced gradient sharded over all GPUs), about 9% more for buffers.
+        # The runtime's training state (bf16 compute shard and its fp32 main gradient; fp32 master,
+        # moments and reduced gradient sharded over all GPUs): exactly what `rank_memory` counts.
         held = TrainingState()
-        state = held.total_bytes * 1.09 * model.params_per_layer / (H * H)
+        state = held.total_bytes * model.params_per_layer / (H * H)
         activation = {tp: 36.5 + 1.5 * tp for tp in (1, 2, 4, 8, 16)}
         memory = MemoryModel(
             memory_bytes=device.memory_bytes,

@@ -2,15 +2,18 @@
 
 `TrainingState` is the one definition of bytes per parameter that the
 analytic memory model and the runtime's prediction of its peak both read;
-`MemoryModel.cap` is the most tokens a micro-batch of a config may hold
-(docs/design.md, section 4), under CP with the K/V buffers attention keeps,
-and zero where the optimizer exchange's buffers do not fit. `rank_memory`
-is one rank's peak buffer by buffer, which the trainer logs beside the
-peak torch's allocator measures (runtime/step_memory.py).
+`rank_memory` is one rank's peak buffer by buffer, which the trainer logs
+beside the peak torch's allocator measures (runtime/step_memory.py);
+`MemoryModel.cap`, the most tokens a micro-batch of a config may hold
+(docs/design.md, section 4), is the largest micro-batch whose `rank_memory`
+peak fits on the config's first and last stage: under CP with the K/V
+buffers attention keeps, and zero where the state and the optimizer
+exchange's buffers do not fit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +27,21 @@ DEFAULT_EXCHANGE_BUCKET_BYTES = 256 << 20  # [parallel] exchange_bucket_mb's def
 RECOMPUTE_INPUT_BYTES = 2  # a layer's input kept under full recompute (bf16)
 KV_BYTES = 2  # K and V travel over the CP group in the compute dtype (bf16)
 LIVE_KV_COPIES = 3  # document-sized K/V copies of the one layer in CP backward (kv_buffer_bytes)
+LOGIT_COPIES = 2  # the head's fp32 logits and their gradient, both live in the loss's backward
+LOGIT_BYTES = 4
+MAIN_GRAD_BYTES = 4  # fp32 main gradients under bf16 compute (runtime/main_grad.py)
+ACTIVATION_DTYPE_BYTES = 2  # the activation factors are for bf16
+CAP_DTYPE_BYTES = 2  # the caps are for bf16 compute, the dtype the activation factors were measured in
+
+
+def gradient_bytes(dtype_bytes: int) -> int:
+    """Bytes per gradient element the runtime holds: fp32 main gradients under a 2-byte compute dtype."""
+    return max(dtype_bytes, MAIN_GRAD_BYTES)
+
+
+def logit_bytes(model: ModelSpec, config: ParallelConfig, tokens: int) -> float:
+    """The last stage's fp32 logits and their gradient on its fullest rank (padded vocab / tp columns each)."""
+    return LOGIT_COPIES * LOGIT_BYTES * max_rank_tokens(tokens, config.cp) * model.vocab_rows / config.tp
 
 
 def kv_shard_dim(model: ModelSpec, tp: int) -> int:
@@ -53,18 +71,24 @@ def kv_buffer_bytes(model: ModelSpec, config: ParallelConfig, recompute: bool = 
 class TrainingState:
     """Bytes per parameter of training state, exactly as the runtime holds it (runtime/optimizer.py).
 
-    With the compute shard (replicated across replicas): parameters and
-    gradients in the compute dtype. Sharded over all N ranks (the fixed
-    optimizer layout): fp32 master weights, two fp32 AdamW moments and the
-    fp32 reduced gradient. The analytic memory model and `rank_memory` both
-    read this one definition.
+    With the compute shard (replicated across replicas): parameters in the
+    compute dtype and their gradients (fp32 main gradients under bf16).
+    Sharded over all N ranks (the fixed optimizer layout): fp32 master
+    weights, two fp32 AdamW moments and the fp32 reduced gradient. The
+    analytic memory model and `rank_memory` both read this one definition;
+    the default is bf16 compute.
     """
 
     param_bytes: int = 2
-    grad_bytes: int = 2
+    grad_bytes: int = MAIN_GRAD_BYTES
     master_bytes: int = 4
     moment_bytes: int = 8
     reduced_grad_bytes: int = 4
+
+    @classmethod
+    def for_dtype(cls, dtype_bytes: int) -> TrainingState:
+        """The state under a compute dtype of `dtype_bytes` bytes."""
+        return cls(param_bytes=dtype_bytes, grad_bytes=gradient_bytes(dtype_bytes))
 
     @property
     def replicated_bytes(self) -> int:
@@ -115,16 +139,17 @@ class MemoryModel:
         return float(np.interp(np.log2(tp), np.log2(keys), values))
 
     def static_bytes(self, config: ParallelConfig, model: ModelSpec, num_gpus: int) -> float:
-        L, H, V = model.layers, model.hidden, model.vocab
+        L, H, V = model.layers, model.hidden, model.vocab_rows
         B, alpha = self.state_bytes_per_hidden2_layer, self.optimizer_sharded_fraction
         tp, pp = config.tp, config.pp
         per_matrix = self.embedding_state_bytes
-        e = 2 * per_matrix if pp == 1 else per_matrix  # embedding and head on one GPU when pp = 1
+        tables = 1 if model.arch.tied_embeddings else 2  # what the optimizer owns: a tied head is no table of its own
+        held = 1 if pp > 1 or head_is_embedding(model, config) else 2  # embedding and head on one GPU
         return (
             (L / pp) * (H * H / tp) * B * (1 - alpha)
             + L * H * H * B * alpha / num_gpus
-            + (H * V / tp) * e * (1 - alpha)
-            + H * V * 2 * per_matrix * alpha / num_gpus
+            + (H * V / tp) * held * per_matrix * (1 - alpha)
+            + H * V * tables * per_matrix * alpha / num_gpus
         )
 
     def bytes_per_token(self, config: ParallelConfig, model: ModelSpec, recompute: bool = False) -> float:
@@ -137,17 +162,6 @@ class MemoryModel:
             return model.layers * model.hidden * RECOMPUTE_INPUT_BYTES + full
         return model.layers * full
 
-    def free_bytes(self, config: ParallelConfig, model: ModelSpec, num_gpus: int) -> float:
-        """What a GPU has left for activations after the margin, the context, the static state and the
-        exchange's buffers (beside the activations, as the exchange overlaps compute)."""
-        return (
-            self.memory_bytes
-            - self.safety_margin_bytes
-            - self.context_overhead_bytes
-            - self.static_bytes(config, model, num_gpus)
-            - self.exchange_buffer_bytes(model)
-        )
-
     def activation_bytes(
         self, config: ParallelConfig, model: ModelSpec, tokens: int, recompute: bool = False
     ) -> float:
@@ -156,44 +170,83 @@ class MemoryModel:
         per_token = self.bytes_per_token(config, model, recompute)
         return float(held) * per_token + tokens * kv_buffer_bytes(model, config, recompute)
 
+    def stage_activation_bytes(
+        self, config: ParallelConfig, model: ModelSpec, stage: int, tokens: int, dtype_bytes: int, recompute: bool
+    ) -> float:
+        """What a micro-batch of `tokens` adds on a stage's fullest rank in the compute dtype: the layers'
+        activations and, on the last stage, the fp32 logits and their gradient."""
+        held = self.activation_bytes(config, model, tokens, recompute) * dtype_bytes / ACTIVATION_DTYPE_BYTES
+        if stage == config.pp - 1:
+            held += logit_bytes(model, config, tokens)
+        return held
+
     def cap(self, config: ParallelConfig, model: ModelSpec, num_gpus: int, recompute: bool = False) -> int:
-        """Most tokens (a multiple of 128) whose activation_bytes fit in free_bytes.
+        """Most tokens (a multiple of 128) of a micro-batch whose every rank's peak fits beside the margin and context.
 
-        Under CP a rank holds at most ceil(T/cp) + 2*cp tokens of a micro-batch of T, so the cap is about
-        cp * (per-rank cap - 2*cp), less the K/V that attention keeps (`kv_buffer_bytes`).
+        A rank's peak is `rank_memory`'s, the runtime's own prediction, in bf16: its parameters, fp32
+        main gradients and owned optimizer state, the activations and (last stage) logits, and after
+        the backward the exchange's buffers. The profile's static state counts where it is larger.
+        The first and the last stage bind (embedding; head and logits). 0 where not even the state
+        and the exchange's buffers fit. Under CP a rank holds ceil(T/cp) + 2cp tokens of T plus the
+        K/V attention keeps (`kv_buffer_bytes`), so the cap is about cp x the per-rank one, less those.
         """
-        free = self.free_bytes(config, model, num_gpus)
-        if free <= 0:
-            return 0  # not even the exchange's buffers fit beside the training state
-        per_token = self.bytes_per_token(config, model, recompute)
-        cp = config.cp
-        if cp == 1:
-            tokens = int(free / per_token)
-        else:
-            # T/cp + 2cp + T*buffer/per_token <= free/per_token, then down past the ceiling's rounding.
-            share = 1 / cp + kv_buffer_bytes(model, config, recompute) / per_token
-            tokens = max(0, int((free / per_token - 2 * cp) / share))
-            while tokens > 0 and self.activation_bytes(config, model, tokens, recompute) > free:
-                tokens -= 1
-        return tokens // CAP_GRANULARITY * CAP_GRANULARITY
+        budget = self.memory_bytes - self.safety_margin_bytes - self.context_overhead_bytes
+        static = self.static_bytes(config, model, num_gpus)
+        bucket = int(self.exchange_bytes // 2)
+        caps = []
+        for stage in sorted({0, config.pp - 1}):
+            rank = rank_memory(self, model, config, stage, num_gpus, 0, CAP_DTYPE_BYTES, bucket, recompute)
+            held = rank.params + rank.owned + max(0.0, static - (rank.params + rank.owned + rank.grads))
+            if held + rank.after > budget:
+                return 0  # not even the state and the exchange's buffers fit
+            # The exchange overlaps compute (runtime/overlap.py): its buffers sit beside the activations.
+            free = budget - held - rank.grads_with_activations - rank.exchange
+
+            def used(tokens: int, stage: int = stage) -> float:
+                return self.stage_activation_bytes(config, model, stage, tokens, CAP_DTYPE_BYTES, recompute)
+
+            caps.append(_most_tokens(used, free))
+        return min(caps) // CAP_GRANULARITY * CAP_GRANULARITY
 
 
-LOGIT_COPIES = 2  # the head's fp32 logits and their gradient, both live in the loss's backward
-LOGIT_BYTES = 4
-MAIN_GRAD_BYTES = 4  # fp32 main gradients under bf16 compute (runtime/main_grad.py)
-ACTIVATION_DTYPE_BYTES = 2  # the activation factors above are for bf16
+def _most_tokens(used: Callable[[int], float], free: float) -> int:
+    """The largest T with used(T) <= free, for `used` nondecreasing and affine but for CP's rounding."""
+    if used(0) > free:
+        return 0
+    probe = 1 << 20
+    slope = (used(probe) - used(0)) / probe
+    tokens = max(0, int((free - used(0)) / slope))
+    while tokens > 0 and used(tokens) > free:
+        tokens -= 1
+    while used(tokens + 1) <= free:
+        tokens += 1
+    return tokens
+
+
+def head_is_embedding(model: ModelSpec, config: ParallelConfig) -> bool:
+    """A tied head on a single stage is the embedding itself; a later stage of a tied model holds its own copy."""
+    return model.arch.tied_embeddings and config.pp == 1
+
+
+def layer_shard_params(model: ModelSpec, tp: int) -> int:
+    """Elements of one transformer block on one TP rank: Q, O and the SwiGLU split, K and V split (or whole on
+    every rank when tp exceeds the KV heads), Qwen2's q/k/v biases with their rows, norms replicated."""
+    h, bias = model.hidden, int(model.arch.qkv_bias)
+    q_dim, kv_dim = model.heads * model.head_dim, model.kv_heads * model.head_dim
+    kv_split = tp if model.kv_heads % tp == 0 else 1
+    n = (q_dim * (h + bias) + q_dim * h + 3 * h * model.ffn) // tp + 2 * kv_dim * (h + bias) // kv_split + 2 * h
+    return n + (2 * model.head_dim if model.arch.qk_norm else 0)
 
 
 def shard_params(model: ModelSpec, config: ParallelConfig, stage: int) -> int:
-    """Compute-shard elements one rank holds: its stage's layers split over TP (norms replicated), plus the
-    embedding on the first stage and the final norm and head on the last (KV heads counted as split)."""
-    h, v = model.hidden, model.vocab
-    per_layer = (model.params_per_layer - 2 * h) // config.tp + 2 * h
-    n = model.layers // config.pp * per_layer
+    """Compute-shard elements one rank holds: its stage's layers, plus the embedding on the first stage and
+    the final norm and head on the last (none of its own for a tied single stage: `head_is_embedding`)."""
+    h, v = model.hidden, model.vocab_rows
+    n = model.layers // config.pp * layer_shard_params(model, config.tp)
     if stage == 0:
         n += v * h // config.tp
     if stage == config.pp - 1:
-        n += v * h // config.tp + h
+        n += h + (0 if head_is_embedding(model, config) else v * h // config.tp)
     return n
 
 
@@ -219,11 +272,15 @@ class RankMemory:
     step: float
 
     @property
+    def after(self) -> float:
+        """What the phase after the backward adds to the parameters and owned state."""
+        return self.grads + max(self.exchange, self.step)
+
+    @property
     def peak(self) -> float:
         # Overlapped with compute, the exchange's buffers meet the activations (runtime/overlap.py).
         during = self.activations + self.grads_with_activations + self.exchange
-        after = self.grads + max(self.exchange, self.step)
-        return self.params + self.owned + max(during, after)
+        return self.params + self.owned + max(during, self.after)
 
 
 def rank_memory(
@@ -240,21 +297,19 @@ def rank_memory(
 ) -> RankMemory:
     """A rank's memory for `micro_batches` micro-batches of at most `tokens` in the compute dtype's bytes."""
     shard = shard_params(model, config, stage)
-    grad_bytes = MAIN_GRAD_BYTES if dtype_bytes < MAIN_GRAD_BYTES else dtype_bytes
-    last = stage == config.pp - 1
+    state = TrainingState.for_dtype(dtype_bytes)
     if micro_batches > 1 or config.pp > 1:
-        grads_with_activations = shard * grad_bytes
+        grads_with_activations = shard * state.grad_bytes
+    elif stage == config.pp - 1:
+        grads_with_activations = model.vocab_rows * model.hidden / config.tp * state.grad_bytes
     else:
-        grads_with_activations = model.vocab * model.hidden / config.tp * grad_bytes if last else 0.0
+        grads_with_activations = 0.0
     owned = -(-model.num_params // num_gpus)
-    activations = memory.activation_bytes(config, model, tokens, recompute) * dtype_bytes / ACTIVATION_DTYPE_BYTES
-    if last:
-        activations += LOGIT_COPIES * LOGIT_BYTES * max_rank_tokens(tokens, config.cp) * model.vocab / config.tp
     return RankMemory(
-        params=shard * dtype_bytes,
-        grads=shard * grad_bytes,
-        owned=owned * TrainingState().sharded_bytes,
-        activations=activations,
+        params=shard * state.param_bytes,
+        grads=shard * state.grad_bytes,
+        owned=owned * state.sharded_bytes,
+        activations=memory.stage_activation_bytes(config, model, stage, tokens, dtype_bytes, recompute),
         grads_with_activations=grads_with_activations,
         # A buffer holds at most one bucket and at most what the rank moves: its shard, or the owned range
         # once per replica (a homogeneous pool's count of this config's replicas).

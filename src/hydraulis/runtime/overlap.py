@@ -34,7 +34,7 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,10 +42,19 @@ from torch.autograd.profiler import record_function
 
 from hydraulis.errors import HydraulisError
 from hydraulis.runtime.exchange import EXCHANGE_WINDOW, ExchangePlan, ExchangeRound, canonical_pieces
+from hydraulis.runtime.layout import ModelLayout
 from hydraulis.runtime.main_grad import gradient
 
-if TYPE_CHECKING:
-    from hydraulis.runtime.optimizer import DisaggregatedOptimizer
+
+class Owner(Protocol):
+    """What an exchange needs of the optimizer (runtime/optimizer.py's Owner)."""
+
+    layout: ModelLayout
+    master: torch.Tensor
+    grad: torch.Tensor
+    device: torch.device
+    group: dist.ProcessGroup | None
+    exchange_peak_bytes: int
 
 DEPTH = 2  # rounds in flight: the one compute waits for and the next
 
@@ -53,7 +62,7 @@ DEPTH = 2  # rounds in flight: the one compute waits for and the next
 class _Rounds(ABC):
     """One exchange's rounds on the optimizer's group: issued in order, at most DEPTH in flight, retired in order."""
 
-    def __init__(self, opt: DisaggregatedOptimizer, plan: ExchangePlan, kind: str, dtype: torch.dtype,
+    def __init__(self, opt: Owner, plan: ExchangePlan, kind: str, dtype: torch.dtype,
                  order: Sequence[int]) -> None:
         self.opt, self.plan, self.kind = opt, plan, kind
         self.order = tuple(order)  # round indices in issue order
@@ -145,7 +154,7 @@ class _Rounds(ABC):
 class GatherStream(_Rounds):
     """The compute shard filled from the owners' masters, in model order, one round ahead of compute."""
 
-    def __init__(self, opt: DisaggregatedOptimizer, plan: ExchangePlan, params: Sequence[torch.Tensor],
+    def __init__(self, opt: Owner, plan: ExchangePlan, params: Sequence[torch.Tensor],
                  dtype: torch.dtype) -> None:
         if len(params) != len(plan.local):
             raise HydraulisError(f"gather: {len(params)} parameters, the exchange plan has {len(plan.local)}")
@@ -190,7 +199,7 @@ class GatherStream(_Rounds):
 class ReduceStream(_Rounds):
     """Gradients summed into the owners' `grad`, in reverse model order, each round sent once it is final."""
 
-    def __init__(self, opt: DisaggregatedOptimizer, plan: ExchangePlan,
+    def __init__(self, opt: Owner, plan: ExchangePlan,
                  grads: Callable[[int], torch.Tensor | None], dtype: torch.dtype,
                  before: Callable[[], None] | None = None) -> None:
         super().__init__(opt, plan, "reduce", dtype, range(len(plan.rounds) - 1, -1, -1))
@@ -258,7 +267,7 @@ class ReduceStream(_Rounds):
 class Overlap:
     """One iteration's gather and reduce on one rank, reached by the model's hooks (`attach_exchange_hooks`)."""
 
-    def __init__(self, opt: DisaggregatedOptimizer, plan: ExchangePlan, params: Sequence[torch.nn.Parameter],
+    def __init__(self, opt: Owner, plan: ExchangePlan, params: Sequence[torch.nn.Parameter],
                  dtype: torch.dtype, reduce_dtype: torch.dtype, micro_batches: int, enabled: bool = True) -> None:
         self.gather = GatherStream(opt, plan, params, dtype)
         self.reduce = ReduceStream(opt, plan, lambda i: gradient(params[i]), reduce_dtype, self.gather.finish)
