@@ -203,7 +203,8 @@ def test_sigterm_while_profiling_leaves_nothing(base, tmp_path, monkeypatch):
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode in (2, 143), (proc.returncode, stderr)
-    lines = stderr.strip().splitlines()
+    # Profiling reports its progress as it goes (how far it got depends on the machine); then one error line.
+    lines = [line for line in stderr.strip().splitlines() if not line.startswith("profiling: ")]
     assert len(lines) == 1 and lines[0].startswith(("error: ", "interrupted")) and "Traceback" not in stderr, stderr
     assert "SIGTERM" in lines[0], lines
     assert not out.exists() and not list((tmp_path / "cache").rglob("*.json"))
