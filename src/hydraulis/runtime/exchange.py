@@ -3,7 +3,8 @@
 Rank o owns chunk o of every stripe of the global vector (layout.py). The
 exchange runs in rounds, stripe by stripe, so in model order: round k of a
 stripe moves, for EVERY owner at once, the window [lo_o + kW, lo_o + (k+1)W)
-of its chunk of that stripe. A rank's gather (or reduce) ranges are
+of its chunk of that stripe (consecutive stripes whose chunks fit one
+window share a round). A rank's gather (or reduce) ranges are
 disjoint, so in one round it sends at most W elements to each owner its
 shard touches and an owner receives at most W elements from each rank whose
 shard touches it. With W = half a bucket / the largest such fan-out, every
@@ -87,7 +88,7 @@ class ExchangeRound:
     reduce_send_splits: tuple[int, ...]
     reduce_recv: tuple[tuple[int, int], ...]
     reduce_recv_splits: tuple[int, ...]
-    stripe: int = 0
+    stripe: int = 0  # the first stripe the round moves
 
 
 @dataclass(frozen=True)
@@ -125,53 +126,75 @@ class ExchangePlan:
         local = locals_[rank]
         base = np.array([p.gather[0] for p in local], np.int64)
 
-        rounds, schedule = [], []
-        for stripe in range(layout.stripes):
+        def stripe_windows(stripe: int, k: int) -> list[tuple[int, int]]:
+            """Window k of every owner's chunk of a stripe, in global coordinates."""
             bounds = layout.bounds[stripe]
-            longest = int(np.diff(bounds).max())
-            lo_me = int(bounds[rank]) - int(layout.local_starts[stripe, rank])  # global minus local offset
+            return [(min(int(bounds[o]) + k * window, int(bounds[o + 1])),
+                     min(int(bounds[o]) + (k + 1) * window, int(bounds[o + 1]))) for o in range(world)]
 
-            def windows(k: int, bounds: np.ndarray = bounds) -> list[tuple[int, int]]:
-                return [
-                    (min(int(bounds[o]) + k * window, int(bounds[o + 1])),
-                     min(int(bounds[o]) + (k + 1) * window, int(bounds[o + 1])))
-                    for o in range(world)
-                ]
+        # Rounds in model order: a stripe whose chunks exceed the window takes several rounds; consecutive
+        # stripes whose chunks together fit one window share a round (few collectives for small models).
+        schedule: list[list[tuple[int, list[tuple[int, int]]]]] = []
+        group: list[tuple[int, list[tuple[int, int]]]] = []
+        held = 0
+        for stripe in range(layout.stripes):
+            longest = int(np.diff(layout.bounds[stripe]).max())
+            if group and held + longest > window:
+                schedule.append(group)
+                group, held = [], 0
+            if longest <= window:
+                group.append((stripe, stripe_windows(stripe, 0)))
+                held += longest
+            else:
+                schedule.extend([(stripe, stripe_windows(stripe, k))] for k in range(-(-longest // window)))
+        if group:
+            schedule.append(group)
 
-            for k in range(-(-longest // window)):
-                wins = windows(k)
-                schedule.append(wins)
-                mine = wins[rank]
-                g_send, g_send_n, r_recv, r_recv_n = [], [], [], []
-                for r in range(world):  # what every peer needs of, or contributes to, this rank's window
-                    clipped, _ = _clip(gathers[r], *mine)
+        rounds = []
+        for parts in schedule:
+            g_send, g_send_n, r_recv, r_recv_n = [], [], [], []
+            for r in range(world):  # what every peer needs of, or contributes to, this rank's windows
+                n_gather = n_reduce = 0
+                for stripe, wins in parts:
+                    lo_me = int(layout.bounds[stripe, rank]) - int(layout.local_starts[stripe, rank])
+                    clipped, _ = _clip(gathers[r], *wins[rank])
                     g_send.extend((int(a) - lo_me, int(b - a)) for a, b in clipped)
-                    g_send_n.append(int((clipped[:, 1] - clipped[:, 0]).sum()))
-                    clipped, _ = _clip(reduces[r], *mine)
+                    n_gather += int((clipped[:, 1] - clipped[:, 0]).sum())
+                    clipped, _ = _clip(reduces[r], *wins[rank])
                     r_recv.extend((int(a) - lo_me, int(b - a)) for a, b in clipped)
-                    r_recv_n.append(int((clipped[:, 1] - clipped[:, 0]).sum()))
-                g_recv, g_recv_n, r_send, r_send_n = [], [], [], []
-                for win in wins:  # what this rank needs of, or contributes to, every owner's window
-                    clipped, idx = _clip(gathers[rank], *win)
+                    n_reduce += int((clipped[:, 1] - clipped[:, 0]).sum())
+                g_send_n.append(n_gather)
+                r_recv_n.append(n_reduce)
+            g_recv, g_recv_n, r_send, r_send_n = [], [], [], []
+            for o in range(world):  # what this rank needs of, or contributes to, every owner's windows
+                n_gather = n_reduce = 0
+                for _, wins in parts:
+                    clipped, idx = _clip(gathers[rank], *wins[o])
                     g_recv.extend(
                         (int(i), int(a - base[i]), int(b - a)) for i, (a, b) in zip(idx, clipped, strict=True)
                     )
-                    g_recv_n.append(int((clipped[:, 1] - clipped[:, 0]).sum()))
-                    clipped, idx = _clip(reduces[rank], *win)
+                    n_gather += int((clipped[:, 1] - clipped[:, 0]).sum())
+                    clipped, idx = _clip(reduces[rank], *wins[o])
                     r_send.extend(
                         (int(i), int(a - base[i]), int(b - a)) for i, (a, b) in zip(idx, clipped, strict=True)
                     )
-                    r_send_n.append(int((clipped[:, 1] - clipped[:, 0]).sum()))
-                rounds.append(ExchangeRound(
-                    tuple(g_send), tuple(g_send_n), tuple(g_recv), tuple(g_recv_n),
-                    tuple(r_send), tuple(r_send_n), tuple(r_recv), tuple(r_recv_n), stripe,
-                ))
+                    n_reduce += int((clipped[:, 1] - clipped[:, 0]).sum())
+                g_recv_n.append(n_gather)
+                r_send_n.append(n_reduce)
+            rounds.append(ExchangeRound(
+                tuple(g_send), tuple(g_send_n), tuple(g_recv), tuple(g_recv_n),
+                tuple(r_send), tuple(r_send_n), tuple(r_recv), tuple(r_recv_n), parts[0][0],
+            ))
         # The ranks that compute this rank's stage with it (its TP and CP groups) wait for each other inside a
         # layer, so a layer asks for the rounds ANY of them needs: every one has issued them before it blocks.
         replica = next(r for r in deployment.replicas if rank in r.devices)
         roles = rank_roles(replica.config, replica.devices)
         peers = [r for r, role in roles.items() if role[0] == roles[rank][0]]
-        wins = np.array(schedule, np.int64).reshape(len(schedule), world, 2)
+        widest = max(len(parts) for parts in schedule) * world
+        wins = np.zeros((len(schedule), widest, 2), np.int64)  # every round's windows, empty ones (0, 0) after
+        for j, parts in enumerate(schedule):
+            flat = [w for _, ws in parts for w in ws]
+            wins[j, : len(flat)] = flat
         needs = np.full(len(local), -1, np.int64)
         for r in peers:
             by_name = {p.name: p.gather for p in locals_[r]}
