@@ -184,8 +184,8 @@ class MemoryModel:
         """Most tokens (a multiple of 128) of a micro-batch whose every rank's peak fits beside the margin and context.
 
         A rank's peak is `rank_memory`'s, the runtime's own prediction, in bf16: its parameters, fp32
-        main gradients and owned optimizer state, the activations and (last stage) logits, and after
-        the backward the exchange's buffers. The profile's static state counts where it is larger.
+        main gradients and owned optimizer state, the activations and (last stage) logits, and beside
+        them the exchange's buffers (it overlaps compute). The profile's static state counts where it is larger.
         The first and the last stage bind (embedding; head and logits). 0 where not even the state
         and the exchange's buffers fit. Under CP a rank holds ceil(T/cp) + 2cp tokens of T plus the
         K/V attention keeps (`kv_buffer_bytes`), so the cap is about cp x the per-rank one, less those.
@@ -199,8 +199,7 @@ class MemoryModel:
             held = rank.params + rank.owned + max(0.0, static - (rank.params + rank.owned + rank.grads))
             if held + rank.after > budget:
                 return 0  # not even the state and the exchange's buffers fit
-            # The exchange overlaps compute (runtime/overlap.py): its buffers sit beside the activations.
-            free = budget - held - rank.grads_with_activations - rank.exchange
+            free = budget - held - rank.beside_activations
 
             def used(tokens: int, stage: int = stage) -> float:
                 return self.stage_activation_bytes(config, model, stage, tokens, CAP_DTYPE_BYTES, recompute)
@@ -277,10 +276,14 @@ class RankMemory:
         return self.grads + max(self.exchange, self.step)
 
     @property
+    def beside_activations(self) -> float:
+        """What the activations meet: the gradients already allocated and, as the exchange overlaps compute
+        (runtime/overlap.py), its buffers."""
+        return self.grads_with_activations + self.exchange
+
+    @property
     def peak(self) -> float:
-        # Overlapped with compute, the exchange's buffers meet the activations (runtime/overlap.py).
-        during = self.activations + self.grads_with_activations + self.exchange
-        return self.params + self.owned + max(during, self.after)
+        return self.params + self.owned + max(self.activations + self.beside_activations, self.after)
 
 
 def rank_memory(
