@@ -30,10 +30,11 @@ host time; a wait there only orders streams.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -127,20 +128,31 @@ class _Rounds(ABC):
         work = self.flight[0][1]
         return work is None or work.is_completed()
 
-    def _drain(self) -> None:
-        while self.issued < len(self.order):
+    def _issue_until(self, stop: int) -> int:
+        """Issue rounds up to position `stop` of the order, retiring the oldest whenever every slot is in
+        flight (that waits for it); returns how many were issued."""
+        count = 0
+        while self.issued < stop:
             if len(self.flight) == self.depth:
                 self._retire()
             self._issue()
-        while self.flight:
-            self._retire()
+            count += 1
+        return count
+
+    @contextlib.contextmanager
+    def _exposed(self) -> Iterator[None]:
+        """The training thread inside the exchange: its time is exposed, its allocations the meter's exchange's."""
+        start = time.perf_counter()
+        with torch.no_grad(), record_function(EXCHANGE_WINDOW):
+            yield
+        self.exposed_s += time.perf_counter() - start
 
     def finish(self) -> None:
         """Every remaining round, waited for; the buffers are freed."""
-        start = time.perf_counter()
-        with torch.no_grad(), record_function(EXCHANGE_WINDOW):
-            self._drain()
-        self.exposed_s += time.perf_counter() - start
+        with self._exposed():
+            self._issue_until(len(self.order))
+            while self.flight:
+                self._retire()
 
     @abstractmethod
     def pack(self, rnd: ExchangeRound, send: torch.Tensor) -> None:
@@ -183,17 +195,10 @@ class GatherStream(_Rounds):
         last = max((self.plan.gather_needs[self.index[n]] for n in names if n in self.index), default=-1)
         if last < self.retired:
             return
-        start = time.perf_counter()
-        with torch.no_grad(), record_function(EXCHANGE_WINDOW):
-            ahead = min(last + 2, len(self.order))  # issue through round last + 1: the prefetch
-            while self.issued < ahead:
-                if len(self.flight) == self.depth:
-                    self._retire()
-                self._issue()
-                self.early += 1
+        with self._exposed():
+            self.early += self._issue_until(min(last + 2, len(self.order)))  # through round last + 1: the prefetch
             while self.retired <= last:
                 self._retire()
-        self.exposed_s += time.perf_counter() - start
 
 
 class ReduceStream(_Rounds):
@@ -253,15 +258,13 @@ class ReduceStream(_Rounds):
         self.sealed.add(i)
         if self.issued == 0 and self.plan.reduce_reads[self.order[0]] <= self.sealed:
             self._start()
-        start = time.perf_counter()
-        with torch.no_grad(), record_function(EXCHANGE_WINDOW):
+        with self._exposed():
             while self.flight and self._finished():
                 self._retire()
             while (self.before is None and self.issued < len(self.order) and len(self.flight) < self.depth
                    and self.plan.reduce_reads[self.order[self.issued]] <= self.sealed):
                 self._issue()
                 self.early += 1
-        self.exposed_s += time.perf_counter() - start
 
 
 class Overlap:
