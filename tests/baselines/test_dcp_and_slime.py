@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hydraulis.baselines.dynamic_cp import DynamicCP
-from hydraulis.baselines.homogeneous import karmarkar_karp
 from hydraulis.baselines.slime import SlimeFlops, forward_flops, split_by_tokens
 from hydraulis.cost import load_cost_model
 from hydraulis.parallel import ParallelConfig
+from hydraulis.planner.dispatch import karmarkar_karp
 from hydraulis.planner.policy import PolicyContext
 from hydraulis.planner.schedule import check_schedule
 from hydraulis.specs import MODELS, ClusterSpec

@@ -13,7 +13,6 @@ that may be a CP config: megatron is then static CP, every replica the same
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Callable
 
@@ -21,6 +20,7 @@ import numpy as np
 
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
+from hydraulis.planner.dispatch import karmarkar_karp
 from hydraulis.planner.packing import check_cap, first_fit_decreasing
 from hydraulis.planner.plan import IterationPlan
 from hydraulis.planner.planner import check_lengths, finalize
@@ -28,44 +28,6 @@ from hydraulis.planner.policy import PolicyContext
 from hydraulis.planner.pool import fallback_config, homogeneous
 from hydraulis.planner.replicas import ReplicaCost
 from hydraulis.planner.schedule import Schedule
-
-
-def karmarkar_karp(weights: np.ndarray, k: int, equal_size: bool = False) -> list[list[int]]:
-    """k-way largest differencing: indices per part, parts of near-equal total weight.
-
-    `equal_size` (slime's distribution of micro-batches over ranks; needs len(weights) % k == 0): the
-    starting states are k consecutive items of the sorted weights, one per part, so every part ends
-    with the same number of items.
-    """
-    if k == 1:
-        return [list(range(len(weights)))]
-    w = np.asarray(weights, dtype=np.float64)
-    # Entry: (-(spread), tiebreak, sums descending, parts aligned with sums).
-    heap: list[tuple[float, int, list[float], list[list[int]]]] = []
-    if equal_size:
-        if len(w) % k:
-            raise HydraulisError(f"equal-size partition of {len(w)} items into {k} parts")
-        order = np.argsort(w, kind="stable")
-        for start in range(0, len(w), k):
-            items = sorted(order[start : start + k].tolist(), key=lambda i: -w[i])
-            sums = [float(w[i]) for i in items]
-            heap.append((-(sums[0] - sums[-1]), start, sums, [[i] for i in items]))
-    else:
-        for i, x in enumerate(w.tolist()):
-            heap.append((-x, i, [x] + [0.0] * (k - 1), [[i]] + [[] for _ in range(k - 1)]))
-    heapq.heapify(heap)
-    tie = len(w)  # tiebreaks of merged states come after every starting one
-    while len(heap) > 1:
-        _, _, sa, pa = heapq.heappop(heap)
-        _, _, sb, pb = heapq.heappop(heap)
-        # Largest of one with smallest of the other.
-        merged = sorted(
-            ((sa[j] + sb[k - 1 - j], pa[j] + pb[k - 1 - j]) for j in range(k)), key=lambda x: x[0], reverse=True
-        )
-        sums = [m[0] for m in merged]
-        heapq.heappush(heap, (-(sums[0] - sums[-1]), tie, sums, [m[1] for m in merged]))
-        tie += 1
-    return heap[0][3]
 
 
 def data_order_packing(lengths: np.ndarray, cap: int) -> list[list[int]]:

@@ -3,9 +3,19 @@
 The batch, sorted by length, is split into length ranges at config caps; each
 range runs as one phase on the whole cluster with the homogeneous config that
 runs it fastest (flops-balanced over replicas, token-capped packing), one phase
-after another, paying a switch between phases: one all-gather of the bf16
-parameters into the next layout. The split minimises the estimated total by a
-dynamic programme over the cap levels; phases are then planned and simulated.
+after another, paying a switch between phases. The split minimises the
+estimated total by a dynamic programme over the cap levels; phases are then
+planned and simulated.
+
+What a switch moves: HotSPa (Ge et al., SOSP'24) "transfers model parameters
+and accumulated gradients among the devices" at every hot switch, and Hetu's
+code does both on a switch inside a mini-batch (`DefineAndRunGraph` in
+hetu/graph/define_and_run_graph.cc: a parameter switcher in
+SWITCH_TRANSFER_PARAM mode, then a gradient switcher in SWITCH_ACCUMULATE_GRAD
+mode whenever the old graph has accumulated gradients). So a switch is the
+parameters into the next layout plus the accumulated gradients, each about the
+bf16 parameter bytes over N per GPU: the same bytes as the planner's phase
+change (a reduce into the owners and a gather), `schedule.phase_switch_time`.
 """
 
 from __future__ import annotations
@@ -19,12 +29,13 @@ from hydraulis.errors import HydraulisError
 from hydraulis.planner.planner import check_lengths
 from hydraulis.planner.policy import PolicyContext
 from hydraulis.planner.pool import homogeneous, homogeneous_estimate, largest_cap, replicable_configs
-from hydraulis.planner.schedule import Schedule, phases_time
+from hydraulis.planner.schedule import Schedule, phase_switch_time, phases_time
 
 
 def switch_time(ctx: PolicyContext) -> float:
-    """Gather the parameters into another layout: half of a gradient sync (reduce + gather)."""
-    return ctx.cost.grad_sync_time(ctx.num_gpus) / 2
+    """The parameters and the accumulated gradients into another layout (module docstring): a gradient
+    sync's bytes, as the planner's phase change."""
+    return phase_switch_time(ctx.cost, ctx.num_gpus)
 
 
 class HotSpa:

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from hydraulis.baselines.homogeneous import karmarkar_karp
+from hydraulis.planner.dispatch import karmarkar_karp
 from hydraulis.planner.planner import check_lengths, finalize
 from hydraulis.planner.policy import PolicyContext
 from hydraulis.planner.pool import fallback_config, homogeneous

@@ -7,8 +7,11 @@ Objective: the slowest replica's 1F1B time, estimated from its sequences as in
 Heuristic (default): longest first, each sequence to the replica that would
 finish earliest with it among those whose cap holds it (identical replicas share
 a heap, so a step costs one estimate per distinct config); then local search off
-the bottleneck replica, moves and swaps (local_search.py). A replica that
-would only slow the iteration down stays empty.
+the bottleneck replica, moves and swaps (local_search.py). On a deployment of
+one config the search also starts from Karmarkar-Karp's partition of the
+sequences' costs (flops-balanced's), and the better estimate wins: each start is
+ahead on some batches. A replica that would only slow the iteration down stays
+empty.
 
 Exact (option, and the test oracle): milp.exact_assignment, one MILP over
 sequences x replicas x micro-batch slots.
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hydraulis.errors import HydraulisError
 from hydraulis.planner.local_search import local_search
 from hydraulis.planner.replicas import (
     BULK_MIN_SEQUENCES,
@@ -221,20 +225,74 @@ def _level_counts(e0: np.ndarray, slope: np.ndarray, m: int) -> np.ndarray:
 
 
 def dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray | None = None, search: bool = True) -> Dispatch:
-    """The default heuristic: greedy earliest-finish, then (if `search`) local search."""
+    """The default heuristic: greedy earliest-finish, then (if `search`) local search (`improve`)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     R = len(table)
     bias = np.zeros(R) if bias is None else np.asarray(bias, dtype=np.float64)
     replica_of = greedy_dispatch(lengths, table, bias)
     if search:
-        replica_of = local_search(lengths, table, replica_of, bias)
+        return improve(lengths, table, Dispatch(replica_of, np.zeros(R)), bias)
     return Dispatch(replica_of, estimated_times(lengths, table, replica_of, bias))
 
 
 def improve(lengths: np.ndarray, table: ReplicaTable, d: Dispatch, bias: np.ndarray | None = None) -> Dispatch:
-    """Local search on an existing dispatch."""
-    replica_of = local_search(lengths, table, d.replica_of, bias)
-    return Dispatch(replica_of, estimated_times(lengths, table, replica_of, bias))
+    """Local search on an existing dispatch; on a deployment of one config also from Karmarkar-Karp's partition
+    of the sequences' costs, keeping the better estimate (the greedy and KK each win on some batches)."""
+    found = []
+    for start in (d.replica_of, balanced_start(lengths, table)):
+        if start is not None:
+            replica_of = local_search(lengths, table, start, bias)
+            found.append(Dispatch(replica_of, estimated_times(lengths, table, replica_of, bias)))
+    return min(found, key=lambda x: x.makespan_s)
+
+
+def balanced_start(lengths: np.ndarray, table: ReplicaTable) -> np.ndarray | None:
+    """Karmarkar-Karp on a*s^2 + b*s over the replicas of a one-config deployment (flops-balanced's partition),
+    or None: several configs cost a sequence differently, and a bulk batch is water-filled instead."""
+    if len(table.configs) != 1 or len(table) == 1 or len(lengths) >= BULK_MIN_SEQUENCES:
+        return None
+    replica_of = np.empty(len(lengths), dtype=np.int64)
+    for r, part in enumerate(karmarkar_karp(table.cost_matrix(lengths)[0], len(table))):
+        replica_of[part] = r
+    return replica_of
+
+
+def karmarkar_karp(weights: np.ndarray, k: int, equal_size: bool = False) -> list[list[int]]:
+    """k-way largest differencing: indices per part, parts of near-equal total weight.
+
+    `equal_size` (slime's distribution of micro-batches over ranks; needs len(weights) % k == 0): the
+    starting states are k consecutive items of the sorted weights, one per part, so every part ends
+    with the same number of items.
+    """
+    if k == 1:
+        return [list(range(len(weights)))]
+    w = np.asarray(weights, dtype=np.float64)
+    # Entry: (-(spread), tiebreak, sums descending, parts aligned with sums).
+    heap: list[tuple[float, int, list[float], list[list[int]]]] = []
+    if equal_size:
+        if len(w) % k:
+            raise HydraulisError(f"equal-size partition of {len(w)} items into {k} parts")
+        order = np.argsort(w, kind="stable")
+        for start in range(0, len(w), k):
+            items = sorted(order[start : start + k].tolist(), key=lambda i: -w[i])
+            sums = [float(w[i]) for i in items]
+            heap.append((-(sums[0] - sums[-1]), start, sums, [[i] for i in items]))
+    else:
+        for i, x in enumerate(w.tolist()):
+            heap.append((-x, i, [x] + [0.0] * (k - 1), [[i]] + [[] for _ in range(k - 1)]))
+    heapq.heapify(heap)
+    tie = len(w)  # tiebreaks of merged states come after every starting one
+    while len(heap) > 1:
+        _, _, sa, pa = heapq.heappop(heap)
+        _, _, sb, pb = heapq.heappop(heap)
+        # Largest of one with smallest of the other.
+        merged = sorted(
+            ((sa[j] + sb[k - 1 - j], pa[j] + pb[k - 1 - j]) for j in range(k)), key=lambda x: x[0], reverse=True
+        )
+        sums = [m[0] for m in merged]
+        heapq.heappush(heap, (-(sums[0] - sums[-1]), tie, sums, [m[1] for m in merged]))
+        tie += 1
+    return heap[0][3]
 
 
 def estimated_times(
