@@ -162,3 +162,21 @@ def test_plan_on_the_bench_batches_never_behind_flops_balanced():
     for lengths in scenario.sample(scenario.seed):
         theirs = _flops_balanced_s(cost, deployment, lengths)
         assert ours.plan_on(lengths, deployment).predicted_time_s <= theirs * (1 + 1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.lists(st.integers(8, 17000), min_size=1, max_size=80))
+def test_ramp_bins_partition_the_sequences_under_the_cap(batch):
+    """Every ramp packing holds each sequence once, no micro-batch over the cap, small ones first and
+    within their token budgets."""
+    from hydraulis.planner.packing import RAMPS, ramp_bins
+    from hydraulis.planner.replicas import ReplicaCost
+
+    p = planner()
+    replica = ReplicaCost.of(p.cost, Deployment.parse("4x(tp2,pp2)", CLUSTER).configs[0], 16)
+    lengths = np.array(batch)
+    for bins in ramp_bins(lengths, replica):
+        assert sorted(np.concatenate(bins).tolist()) == list(range(len(lengths)))
+        tokens = [int(lengths[b].sum()) for b in bins]
+        assert max(tokens) <= replica.cap
+        assert tokens[0] <= replica.cap * max(max(r) for r in RAMPS)

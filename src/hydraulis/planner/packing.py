@@ -9,12 +9,14 @@ cap's minimum and the busy threshold: no micro-batch below min_efficient_tokens
 when the replica has tokens to spare) we balance cost with LPT under the token
 cap, keep the v with the best closed form, then pick the execution order by
 simulation: the first micro-batch sets the warm-up and the last the cool-down,
-so small ones belong at the ends.
+so small ones belong at the ends. `ramp_bins` adds packings with a few small
+micro-batches of the shortest sequences made for those ends.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -186,9 +188,15 @@ def execution_orders(times: np.ndarray) -> list[np.ndarray]:
 
 
 def order_by_simulation(
-    micro_batches: list[np.ndarray], lengths: np.ndarray, replica: ReplicaCost, cost: CostModel, bulk: bool = False
+    micro_batches: list[np.ndarray],
+    lengths: np.ndarray,
+    replica: ReplicaCost,
+    cost: CostModel,
+    bulk: bool = False,
+    ramped: bool = False,
 ) -> Packing:
-    """Put the micro-batches in the order whose simulated 1F1B time is least."""
+    """Put the micro-batches in the order whose simulated 1F1B time is least (`ramped`: a packing of
+    `ramp_bins`, tried ascending and as a pyramid only, the orders that win there)."""
     if not micro_batches:
         return Packing((), 0.0)
     tokens = np.array([int(lengths[mb].sum()) for mb in micro_batches])
@@ -198,7 +206,9 @@ def order_by_simulation(
         return Packing(tuple(micro_batches), simulate_replica(times, 1, comm, keep_events=False).time_s)
     best: tuple[float, np.ndarray] | None = None
     orders = execution_orders(times)
-    if bulk or sum(len(mb) for mb in micro_batches) >= BULK_PACK_ITEMS:
+    if ramped:
+        orders = orders[1::3]  # ascending, the pyramid
+    elif bulk or sum(len(mb) for mb in micro_batches) >= BULK_PACK_ITEMS:
         orders = orders[2:]  # many light micro-batches: the orders with small ones at the ends
     for order in orders:
         t = simulate_replica(times[order], replica.pp, comm[order], keep_events=False).time_s
@@ -223,8 +233,11 @@ def pack_replica(
     best: Packing | None = None
     # With many sequences the closed form ranks packings as the simulation would: simulate only the best.
     bulk = bulk or len(s) >= BULK_PACK_ITEMS
-    for bins in choose_bins(s, replica, bulk)[: 1 if bulk else SIMULATED_PACKINGS]:
-        packing = order_by_simulation([indices[b] for b in bins], np.asarray(lengths), replica, cost, bulk)
+    candidates = [(bins, False) for bins in choose_bins(s, replica, bulk)[: 1 if bulk else SIMULATED_PACKINGS]]
+    if replica.pp > 1 and not bulk:
+        candidates += [(bins, True) for bins in ramp_bins(s, replica)]
+    for bins, ramped in candidates:
+        packing = order_by_simulation([indices[b] for b in bins], np.asarray(lengths), replica, cost, bulk, ramped)
         if best is None or packing.time_s < best.time_s:
             best = packing
     assert best is not None
@@ -257,3 +270,31 @@ def choose_bins(s: np.ndarray, replica: ReplicaCost, bulk: bool = False) -> list
             bins = [np.array(b, dtype=np.int64) for b in found]
             ranked.append((closed(bins), len(ranked), bins))
     return [bins for _, _, bins in sorted(ranked, key=lambda x: x[:2])]
+
+
+RAMPS = ((1 / 2,), (1 / 8, 1 / 2))  # token budgets (of the cap) of the small micro-batches, smallest first
+
+
+def ramp_bins(s: np.ndarray, replica: ReplicaCost) -> list[list[np.ndarray]]:
+    """Packings with a few small micro-batches of the shortest sequences (one or two per budget of a ramp),
+    the rest first-fit decreasing.
+
+    1F1B on pp stages waits (pp - 1) forwards of the first micro-batch in the warm-up and (pp - 1) backwards of
+    the last in the cool-down, and a stage idles where a micro-batch outgrows the one before: ordered as a
+    pyramid, small micro-batches at the ends shorten the bubble. Each extra one costs c, and the simulation
+    weighs the two (on the bench's llama-32b pp2 and pp4 replicas: 0.6-1.4% of a replica's time).
+    """
+    order = np.argsort(s, kind="stable")
+    out = []
+    for ramp, copies in itertools.product(RAMPS, (1, 2)):
+        pos, small = 0, []
+        for share in ramp:
+            for _ in range(copies):
+                take = int(np.searchsorted(np.cumsum(s[order[pos:]]), int(replica.cap * share), side="right"))
+                if take:
+                    small.append(order[pos : pos + take])
+                    pos += take
+        rest = order[pos:]
+        if len(rest) and small:
+            out.append(small + [rest[np.array(b, dtype=np.int64)] for b in first_fit_decreasing(s[rest], replica.cap)])
+    return out
