@@ -23,7 +23,7 @@ def not_found(path: str | Path, what: str = "no such file") -> str:
     """The message for a path that is not there: the absolute path tried, so it says where it looked (a
     relative path, in a config too, is relative to the current directory, as in torchrun and transformers)."""
     path = Path(path)
-    relative = "" if path.is_absolute() else " (a relative path is read from the current directory)"
+    relative = "" if path.is_absolute() else "; a relative path is read from the current directory"
     return f"{path.absolute()}: {what}{relative}"
 
 

@@ -2,8 +2,9 @@
 
 A corpus is a directory:
 
-    tokens.bin     every document's tokens followed by the end-of-document token,
-                   back to back, little-endian uint16 (vocabulary <= 65536) or uint32
+    tokens.bin     every document's tokens (a text and a prompt/completion end with the
+                   end-of-document token, a chat as its template ends it), back to back,
+                   little-endian uint16 (vocabulary <= 65536) or uint32
     index.idx      32-byte header (magic, version, token size, documents, tokens),
                    then int64 offsets[documents], then int64 lengths[documents]
     mask.bin       SFT corpora only: one byte per token, 1 where the token is a target
@@ -25,7 +26,6 @@ manifest last, is written: a crash leaves no directory that `open_corpus` accept
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import os
 import shutil
@@ -78,6 +78,7 @@ class IndexedCorpus:
         self.offsets = offsets
         self.lengths = lengths  # int64, one per document, end-of-document token included
         self.mask = mask  # uint8 per token (1: a target), or None: every token is one
+        self._targets: np.ndarray | None = None  # each document's targets, counted when first needed
 
     def target_mask(self, i: int) -> np.ndarray | None:
         """Document i's target mask (a memory-map view), or None when every token is a target."""
@@ -98,11 +99,12 @@ class IndexedCorpus:
             total += int(np.count_nonzero(self.mask[begin + 1 : begin + int(n)]))
         return total
 
-    @functools.cache  # noqa: B019 - one corpus object per process and path, kept for the run
     def _doc_targets(self) -> np.ndarray:
-        """Each whole document's targets (masked corpora): one pass over mask.bin."""
-        assert self.mask is not None
-        return np.add.reduceat(self.mask, self.offsets, dtype=np.int64) - self.mask[self.offsets]
+        """Each whole document's targets (masked corpora): one pass over mask.bin, the first time."""
+        if self._targets is None:
+            assert self.mask is not None
+            self._targets = np.add.reduceat(self.mask, self.offsets, dtype=np.int64) - self.mask[self.offsets]
+        return self._targets
 
     def first_targets(self, docs: np.ndarray) -> np.ndarray:
         """Where each document's first target token is: 1 without a mask, a document's length if it has none."""
