@@ -16,9 +16,10 @@ from pathlib import Path
 
 from hydraulis.auto_profile import AUTO_PROFILE, AutoProfile
 from hydraulis.checkpoints import Log, sweep_temporary
-from hydraulis.config import RunConfig
+from hydraulis.config import DataSection, RunConfig
 from hydraulis.cost import CostModel, load_cost_model
-from hydraulis.data.sampler import TokenBudgetSampler
+from hydraulis.data.indexed import IndexedCorpus, check_targets_left, corpus_sampler, overlong
+from hydraulis.data.sampler import Overlong, TokenBudgetSampler
 from hydraulis.errors import HydraulisError
 from hydraulis.jsonio import write_json_atomic
 from hydraulis.parallel import Deployment, ParallelConfig, parse_deployment_configs
@@ -47,6 +48,7 @@ class Job:
     max_restarts: int = 0
     resume_from: str | None = None  # the verified checkpoint rank 0 resumes from, picked before any rank starts
     stop_at: int | None = None  # --stop-at: end this invocation at that step; `steps` stays the schedule's length
+    overlong: Overlong | None = None  # what max_len cuts of the corpus (records, target tokens)
 
     @property
     def end_step(self) -> int:
@@ -144,7 +146,7 @@ def prepare(
             f"the model needs {tokenizer} ({token_ids}); rebuild it or set data.tokenizer"
         )
     data = config.data
-    sampler = TokenBudgetSampler(corpus.lengths, data.tokens_per_batch, data.max_len, data.seed, data.overlong)
+    sampler, overlong = data_sampler(corpus, data, log)
     fresh = None  # profile = "auto": a profile measured now (or shared), written once every check has passed
     if auto:
         from hydraulis.cost import ProfiledCostModel
@@ -183,7 +185,22 @@ def prepare(
         max_restarts=max_restarts,
         resume_from=resume_from,
         stop_at=stop_at,
+        overlong=overlong,
     )
+
+
+def data_sampler(
+    corpus: IndexedCorpus, data: DataSection, log: Log = say
+) -> tuple[TokenBudgetSampler, Overlong | None]:
+    """The run's sampler and what its max_len cuts (said in a line when anything); a run whose pieces
+    hold no target token is refused: it would train on nothing."""
+    sampler = corpus_sampler(corpus, data.tokens_per_batch, data.max_len, data.seed, data.overlong)
+    cut = overlong(corpus, sampler)
+    if cut is not None:
+        check_targets_left(cut, f"[data] max_len = {data.max_len}, overlong = {data.overlong!r}")
+        if cut.records:
+            log(f"overlong: {cut.describe()}")
+    return sampler, cut
 
 
 def check_exchange_bucket(config: RunConfig, cost: CostModel) -> None:
@@ -198,11 +215,12 @@ def check_exchange_bucket(config: RunConfig, cost: CostModel) -> None:
 
 
 def model_spec(config: RunConfig) -> ModelSpec:
-    """The model of the config; with init_from, the Hugging Face directory's own shape."""
+    """The model of the config; with init_from, the Hugging Face directory's own shape, its weights' files,
+    tensor names and shapes checked against it (headers only) before any corpus, profile or rank."""
     section = config.model
     if section.init_from is None:
         return section.spec()
-    from hydraulis.families import read_hf_config
+    from hydraulis.families import check_weights, read_hf_config
 
     path, _, spec = read_hf_config(section.init_from, config.data.max_len)
     given = section.model_fields_set - {"init_from"}
@@ -212,6 +230,7 @@ def model_spec(config: RunConfig) -> ModelSpec:
         if differ:
             key = differ[0]
             raise HydraulisError(f"model.{key} is {getattr(mine, key)} but {path} says {getattr(spec, key)}; drop it")
+    check_weights(section.init_from, spec)
     return spec
 
 

@@ -19,6 +19,7 @@ from hydraulis.files import write_text_atomic
 from hydraulis.job import Job
 from hydraulis.jsonio import write_json_atomic
 from hydraulis.planner.pool import Pool, save_pool
+from hydraulis.progress import console
 from hydraulis.report import iteration_errors, training_plot
 from hydraulis.specs import ClusterSpec
 
@@ -30,7 +31,6 @@ class RunLog:
     """Rank 0's view of the run: metrics file, TensorBoard, terminal progress, summary and report."""
 
     def __init__(self, job: Job, start_step: int = 0, tensorboard: Any = None) -> None:
-        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.job = job
@@ -44,7 +44,7 @@ class RunLog:
         write_text_atomic(self.out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self.rows))
         self.metrics_file = open(self.out / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         self.tb = tensorboard  # a SummaryWriter, or None
-        self.console = Console()
+        self.console = console()
         self.progress = Progress(
             TextColumn("training"),
             BarColumn(),
@@ -99,6 +99,8 @@ class RunLog:
         summary = summarize(self.rows)
         if self.comparison is not None:
             summary["comparison"] = self.comparison
+        if self.job.overlong is not None:  # what max_len cut of the corpus (records, target tokens)
+            summary["overlong"] = self.job.overlong.to_dict()
         with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as fh:
             fh.write(json.dumps({"summary": summary}) + "\n")
         write_json_atomic(self.out / "summary.json", summary)
@@ -112,6 +114,8 @@ class RunLog:
             f"planning not hidden {summary['planning_unhidden_s']:.3f} s of {summary['planning_s']:.3f} s; "
             f"iteration time predicted/measured median error {summary['iteration_error_median']:.0%}"
         )
+        if self.job.overlong is not None and self.job.overlong.records:
+            self.console.print(f"overlong: {self.job.overlong.describe()}", highlight=False)
         if self.comparison is not None:
             self.console.print(comparison_lines(self.comparison), highlight=False)
         self.console.print(f"run directory: {self.out} (metrics.jsonl, report.png, tb/, config.toml, pool.json)")

@@ -8,19 +8,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from hydraulis.errors import HydraulisError
 from hydraulis.limits import MAX_BATCHES, MAX_GPUS, MAX_SEED, MAX_TOKENS_PER_BATCH
+from hydraulis.progress import console as _console
 
 if TYPE_CHECKING:
     from hydraulis.cost import CostModel
     from hydraulis.data.workload import Workload
     from hydraulis.specs import ClusterSpec
 
-console = Console()
-err_console = Console(stderr=True)
+console = _console()
+err_console = _console(stderr=True)
 
 ProfileOption = typer.Option(
     "llama-7b@a800-80g",
@@ -97,7 +97,7 @@ def run_app(app: typer.Typer) -> NoReturn:
             print(ctx.get_help())
             sys.exit(2)
         hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
-        fail(exc.format_message() + hint)
+        fail(exc.format_message() + _given(exc) + hint)
     except HydraulisError as exc:
         fail(str(exc))
     except OSError as exc:
@@ -109,6 +109,18 @@ def run_app(app: typer.Typer) -> NoReturn:
     if code == 130:  # typer turns a KeyboardInterrupt (a second Ctrl-C while ranks run) into 130, silently
         print("interrupted (SIGINT); stopped at once", file=sys.stderr)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _given(exc: Exception) -> str:
+    """`, got VALUE` for typer's refusal of a value (its pydantic message does not echo it), else ""."""
+    errors = getattr(exc.__cause__, "errors", None)  # typer validates option values with pydantic
+    if not callable(errors):
+        return ""
+    try:
+        value = errors()[0]["input"]
+    except (IndexError, KeyError, TypeError):
+        return ""
+    return f", got {_clip(value)}"
 
 
 def _clip(name: object) -> str:
