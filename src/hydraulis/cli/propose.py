@@ -59,7 +59,7 @@ def propose(
         {
             "deployment": str(d),
             "replicas": len(d),
-            "largest_cap": max(cost.cap(c, gpus) for c in d.configs),
+            "largest_cap": max(cost.lone_cap(c, gpus) for c in d.configs),
             "usage": u,
             "mean_time_s": m,
         }
