@@ -8,7 +8,9 @@ import typer
 
 from hydraulis.cli.app import app
 from hydraulis.cli.common import (
+    DtypeOption,
     GpusPerNodeOption,
+    MemoryPerRankOption,
     NumBatchesOption,
     ProfileOption,
     SeedOption,
@@ -42,6 +44,8 @@ def plan(
     tokens_per_batch: int = TokensPerBatchOption,
     num_batches: int = NumBatchesOption,
     seed: int = SeedOption,
+    memory_per_rank: str = MemoryPerRankOption,
+    dtype: str = DtypeOption,
 ) -> None:
     """Choose a deployment, dispatch and pack each global batch of a workload."""
     from rich.progress import Progress
@@ -59,7 +63,9 @@ def plan(
             f"policy {policy} switches deployments within an iteration, and a plan file holds one deployment per "
             f"step; compare it with `hydraulis bench --policy {policy}` instead"
         )
-    cost, cluster, work = load_job(profile, gpus, gpus_per_node, workload, tokens_per_batch, num_batches, seed)
+    cost, cluster, work = load_job(
+        profile, gpus, gpus_per_node, workload, tokens_per_batch, num_batches, seed, memory_per_rank, dtype
+    )
     deployments = parse_pool(pool, cluster) if pool else None
     cap, cap_name = largest_cap(cost, cluster, deployments)
     batches, changed = [], 0

@@ -32,6 +32,7 @@ LOGIT_BYTES = 4
 MAIN_GRAD_BYTES = 4  # fp32 main gradients under bf16 compute (runtime/main_grad.py)
 ACTIVATION_DTYPE_BYTES = 2  # the activation factors are for bf16 unless a profile says otherwise
 CAP_DTYPE_BYTES = 2  # the caps are for bf16 compute unless the job says otherwise
+BUDGET_MARGIN = 0.1  # the largest share of a memory budget per rank kept as the safety margin
 
 
 def in_flight(config: ParallelConfig, stage: int, micro_batches: int) -> int:
@@ -141,22 +142,25 @@ class MemoryModel:
     activation_dtype_bytes: int = ACTIVATION_DTYPE_BYTES
     compute_dtype_bytes: int = CAP_DTYPE_BYTES
 
-    def for_job(self, memory_bytes: int | None, dtype_bytes: int) -> MemoryModel:
-        """This model for a job's compute dtype and, when given, a memory budget per rank.
+    def for_job(self, memory_bytes: int | None, dtype_bytes: int, bucket_bytes: int | None = None) -> MemoryModel:
+        """This model for a job's compute dtype, exchange bucket and, when given, memory budget per rank.
 
         The budget (`[parallel] memory_per_rank`) is what a rank's tensors may hold at their peak: what
         torch's allocator counts and what `torch.cuda.set_per_process_memory_fraction` limits on CUDA.
-        The runtime's context lies outside it (no context overhead); the safety margin keeps its share.
+        The runtime's context lies outside it (no context overhead); the safety margin keeps its share
+        of the memory, at most BUDGET_MARGIN, for the prediction's error and the allocator's slack.
         """
+        out = replace(self, compute_dtype_bytes=dtype_bytes)
+        if bucket_bytes is not None:
+            out = replace(out, exchange_bytes=2 * bucket_bytes)
         if memory_bytes is None:
-            return replace(self, compute_dtype_bytes=dtype_bytes)
+            return out
         share = self.safety_margin_bytes / self.memory_bytes if self.memory_bytes > 0 else 0.0
         return replace(
-            self,
+            out,
             memory_bytes=int(memory_bytes),
             context_overhead_bytes=0.0,
-            safety_margin_bytes=share * memory_bytes,
-            compute_dtype_bytes=dtype_bytes,
+            safety_margin_bytes=min(share, BUDGET_MARGIN) * memory_bytes,
         )
 
     def exchange_buffer_bytes(self, model: ModelSpec) -> float:

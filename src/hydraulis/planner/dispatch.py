@@ -105,11 +105,7 @@ def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray |
     positions = range(head) if head < len(lengths) else order
     L = lengths.tolist()
     groups = range(len(table.configs))
-    heaps: list[list[tuple[float, int]]] = [[] for _ in groups]
-    for r in range(R):
-        heaps[int(table.group[r])].append((bias_l[r], r))
-    for h in heaps:
-        heapq.heapify(h)
+    heaps = _config_heaps(table, bias_l)
     params = [(m.c, m.pp - 1, m.cap, m.min_efficient, m.holds, m.long_w) for m in table.configs]
     W = [0.0] * R
     T = [0] * R
@@ -145,19 +141,34 @@ def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray |
         n[best_r] += 1
         if wi > wmax[best_r]:
             wmax[best_r] = wi
-        heap = heaps[best_g]
-        if heap[0][1] == best_r:
-            heapq.heapreplace(heap, (best, best_r))
-        else:  # another than the least loaded of its config took it
-            heap.pop([q for _, q in heap].index(best_r))
-            heapq.heapify(heap)
-            heapq.heappush(heap, (best, best_r))
+        _rekey(heaps[best_g], best_r, best)
         out[i] = best_r
     replica_of = np.array(out, dtype=np.int64)
     if head < len(lengths):
         sums = ReplicaSums(np.array(W), np.array(T, dtype=np.int64), np.array(n, dtype=np.int64), np.array(wmax))
         _water_fill(lengths, w_arr, order_a[head:], table, bias_a, sums, replica_of)
     return replica_of
+
+
+def _config_heaps(table: ReplicaTable, keys: list[float]) -> list[list[tuple[float, int]]]:
+    """Per distinct config, a heap of its replicas by key (the estimate so far, at first the bias)."""
+    heaps: list[list[tuple[float, int]]] = [[] for _ in table.configs]
+    for r in range(len(table)):
+        heaps[int(table.group[r])].append((keys[r], r))
+    for h in heaps:
+        heapq.heapify(h)
+    return heaps
+
+
+def _rekey(heap: list[tuple[float, int]], replica: int, key: float) -> None:
+    """Give `replica` its new key: the top's in place, another's (it took a sequence its config's least
+    loaded had no room for, a lone micro-batch) by removal and push."""
+    if heap[0][1] == replica:
+        heapq.heapreplace(heap, (key, replica))
+        return
+    heap.pop([q for _, q in heap].index(replica))
+    heapq.heapify(heap)
+    heapq.heappush(heap, (key, replica))
 
 
 def _water_fill(

@@ -75,6 +75,7 @@ class TrainSettings:
     reduce_dtype: str = "fp32"  # what gradients travel in to their owners (summed in fp32 there)
     timeout_s: float = DEFAULT_TIMEOUT_S  # process-group timeout after the first step (timeouts.py)
     memory_every: int = CPU_SAMPLE_EVERY  # on CPU, measure memory every this many steps (step_memory.py)
+    memory_budget_bytes: int | None = None  # [parallel] memory_per_rank: each rank's measured peak is checked
     overlap: bool = True  # gather and reduce beside compute (runtime/overlap.py)
 
     def schedule_state(self) -> dict[str, Any]:
@@ -125,6 +126,7 @@ class StepMetrics:
     # smallest, the slowest rank's, which is the exchange alone.
     exchange_exposed_s: float = 0.0
     exchange_exposed_min_s: float = 0.0
+    memory_over_budget: bool = False  # a rank's measured peak exceeded [parallel] memory_per_rank
 
     @property
     def tokens_per_s(self) -> float:
@@ -204,7 +206,7 @@ class Trainer:
             timeout,
         )
         self._timeouts_settled = False
-        self.memory = StepMemory(self.env.device, self.optimizer, settings.memory_every)
+        self.memory = StepMemory(self.env.device, self.optimizer, settings.memory_every, settings.memory_budget_bytes)
         self.planner = Planner(settings.cost, self.world, settings.pool) if self.rank == 0 else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner") if self.rank == 0 else None
         self.step_index = 0
@@ -284,8 +286,10 @@ class Trainer:
 
     def run_iteration(self, batch: GlobalBatch, plan: IterationPlan, planning_unhidden_s: float = 0.0) -> StepMetrics:
         """Execute one plan on one batch (every rank, the same plan); returns the metrics (meaningful on rank 0)."""
-        pool_index = self.settings.pool.index(plan.deployment)
-        self.memory.start(pool_index, self.step_index)
+        s, pool_index = self.settings, self.settings.pool.index(plan.deployment)
+        peak = predicted_peak(s.cost, s.model, self.deployments.parts[pool_index], plan, self.world, self.dtype,
+                              s.exchange_bucket_bytes)
+        self.memory.start(pool_index, self.step_index, peak)
         start = time.perf_counter()
         part, switched = self.deployments.activate(pool_index)
         activated = time.perf_counter()
@@ -319,9 +323,7 @@ class Trainer:
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         finished = time.perf_counter()  # the iteration ends here; what follows only reports on it
-        s = self.settings
-        memory = self.memory.stop(predicted_peak(s.cost, s.model, part, plan, self.world, self.dtype,
-                                                 s.exchange_bucket_bytes))
+        memory = self.memory.stop()
         part.clear_grads()
         replicas = len(plan.deployment.replicas)
         times = torch.zeros(replicas + 6, dtype=torch.float64)  # replica times, memory, exposed: max over ranks
@@ -362,6 +364,7 @@ class Trainer:
             memory_error=peaks[3],
             exchange_exposed_s=peaks[4],
             exchange_exposed_min_s=-peaks[5],
+            memory_over_budget=s.memory_budget_bytes is not None and peaks[0] > s.memory_budget_bytes,
         )
         self.step_index += 1
         if not self._timeouts_settled:  # the first step is done: every group gets the steady timeout
