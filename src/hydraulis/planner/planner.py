@@ -139,6 +139,7 @@ class Planner:
         self.full_candidates = full_candidates
         self.refine_rounds = refine_rounds
         self._tables = [ReplicaTable.of(cost, d, num_gpus) for d in self.pool]
+        self.missed: set[int] = set()  # pool deployments that could not hold some batch planned so far
 
     def plan(self, lengths: Sequence[int] | np.ndarray, step: int = 0) -> IterationPlan:
         """The fastest plan (by simulation) over the pool deployments that hold the batch."""
@@ -146,6 +147,7 @@ class Planner:
         lengths = check_lengths(lengths)
         longest = int(lengths.max())
         usable = [k for k, t in enumerate(self._tables) if int(t.lone_cap.max()) >= longest]
+        self.missed.update(set(range(len(self.pool))) - set(usable))
         if not usable:
             cap, name = largest_cap(self.cost, ClusterSpec(self.num_gpus), self.pool)
             raise HydraulisError(
@@ -158,7 +160,7 @@ class Planner:
             try:
                 screened.append((dispatch(lengths, self._tables[k], search=False), k))
             except NoRoom:  # more sequences beyond the caps than lone micro-batches to hold them
-                continue
+                self.missed.add(k)
         if not screened:
             raise HydraulisError(
                 "no deployment of the pool has room for this batch: a sequence longer than a replica's cap runs "

@@ -27,6 +27,7 @@ deployment, so runs on different deployments or world sizes see the same losses.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -378,30 +379,30 @@ class Trainer:
 
         Real iterations (gather, 1F1B, reduce, AdamW), timed as `run_iteration` times them; the
         optimizer state and step index are restored afterwards, so training is unchanged.
-        Returns None when no batch was kept or no homogeneous deployment holds them all.
+        Returns None when no batch was kept or no homogeneous deployment holds them all. A deployment that
+        could not hold some batch of the run is left out: a homogeneous run could not have used it (under
+        `[parallel] memory_per_rank`, the comparison is with the homogeneous plans that fit the budget).
         """
         pairs = list(self.recent)
         if not pairs:
             return None
         pool = self.settings.pool
-        candidates = [k for k, d in enumerate(pool) if d.is_homogeneous]
-        payload = None
+        candidates = [k for k, d in enumerate(pool) if d.is_homogeneous]  # that held every batch of the run:
+        candidates = [k for k in candidates if self.planner is None or k not in self.planner.missed]
+        payload, made = None, {}
         if self.planner is not None:
-            longest = max(int(b.lengths.max()) for b, _ in pairs)
-            usable = [k for k in candidates if self.planner.holds(pool[k], longest)]
-            payload = np.array([len(usable), *usable], dtype=np.int64)
+            for k in candidates:  # a deployment that cannot hold every batch (within the caps) is left out
+                with contextlib.suppress(HydraulisError):
+                    made[k] = [encode_plan(self.planner.plan_on(b.lengths, pool[k], p.step), k) for b, p in pairs]
+            payload = np.array([len(made), *made], dtype=np.int64)
         usable = [int(k) for k in self._broadcast(payload)[1:]]
         if not usable:
             return None
         plans: dict[str, list[IterationPlan]] = {"planned": [p for _, p in pairs]}
         for k in usable:
-            homogeneous = []
-            for batch, plan in pairs:
-                made = None
-                if self.planner is not None:
-                    made = encode_plan(self.planner.plan_on(batch.lengths, pool[k], plan.step), k)
-                homogeneous.append(decode_plan(self._broadcast(made), plan.step, batch.lengths, pool))
-            plans[str(pool[k])] = homogeneous
+            mine = made.get(k, [None] * len(pairs))  # rank 0 made them; the others receive them
+            plans[str(pool[k])] = [decode_plan(self._broadcast(m), p.step, b.lengths, pool)
+                                   for m, (b, p) in zip(mine, pairs, strict=True)]
         saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.optimizer.state_dict().items()}
         step_index = self.step_index
         seconds: dict[str, list[float]] = {name: [] for name in plans}
