@@ -26,7 +26,7 @@ from hydraulis.parallel import Deployment, ParallelConfig, parse_deployment_conf
 from hydraulis.planner.pool import check_job_pool, inline_pool_world, load_pool, parse_pool, pool_items
 from hydraulis.progress import say
 from hydraulis.resume import check_stop_at, resume_point
-from hydraulis.specs import ClusterSpec, ModelSpec
+from hydraulis.specs import DTYPE_BYTES, ClusterSpec, ModelSpec
 
 RUN_FILES = ("metrics.jsonl", "config.toml", "pool.json", "summary.json", "report.png", "tb", AUTO_PROFILE)
 
@@ -95,6 +95,7 @@ def prepare(
     if cost is not None:
         cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
         check_exchange_bucket(config, cost)
+        cost = budgeted(config, cost)
     tokenizer = config.data.tokenizer_for(spec, config.model.init_from)
     token_ids = check_tokenizer(tokenizer, spec, config.model.init_from)  # a bad one fails before anything runs
     env_world = torchrun_world()
@@ -135,6 +136,7 @@ def prepare(
     configs = _pool_configs(pool_spec, inline, spec, world)
     for g in configs:
         g.validate(spec)
+    configs = check_budget(config, spec, cost, configs, world, pool_spec == "auto")  # before any profile or rank
     # Vocabulary padding for every TP degree the pool has (with pool = "auto": may have).
     proposable = cost.configs if cost is not None and pool_spec == "auto" else ()
     spec = _padded(spec, {g.tp for g in (*configs, *proposable)}, _resumed_checkpoint(run_dir, resume, resume_from))
@@ -159,6 +161,8 @@ def prepare(
         cost = ProfiledCostModel.from_dict(cached or fresh, str(run_dir / AUTO_PROFILE))
         cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
         check_exchange_bucket(config, cost)
+        cost = budgeted(config, cost)
+        check_budget(config, spec, cost, configs, world, pool_spec == "auto")
     if pool_spec == "auto":
         pool = _propose(cost, cluster, sampler, config, data.max_len)
     elif inline:
@@ -212,6 +216,56 @@ def check_exchange_bucket(config: RunConfig, cost: CostModel) -> None:
             f"parallel.exchange_bucket_mb {mb:g} is too large for the device's {memory / (1 << 20):.0f} MiB "
             "(an exchange holds two buckets); use a small fraction of it, e.g. 256 on GPUs"
         )
+
+
+def budgeted(config: RunConfig, cost: CostModel) -> CostModel:
+    """The cost model whose caps are for this job: its compute dtype, exchange bucket and, with
+    `[parallel] memory_per_rank`, that budget in place of the device's memory."""
+    bucket = int(config.parallel.exchange_bucket_mb * (1 << 20))
+    return cost.for_job(config.parallel.budget_bytes(), DTYPE_BYTES[config.train.dtype], bucket)
+
+
+def check_budget(
+    config: RunConfig, spec: ModelSpec, cost: CostModel | None, configs: tuple[ParallelConfig, ...], world: int,
+    auto: bool,
+) -> tuple[ParallelConfig, ...]:
+    """The configs whose training state fits `[parallel] memory_per_rank` (all of them without one).
+
+    A config of the pool whose parameters, gradients, owned optimizer state and exchange buffers alone
+    exceed the budget is one error line; with pool = "auto" such configs are left out (the profile does
+    not measure them), and only none fitting is an error. Before profiling, the state comes from the
+    model's shape alone (the analytic memory model).
+    """
+    budget = config.parallel.budget_bytes()
+    if budget is None:
+        return configs
+    given = f"parallel.memory_per_rank {config.parallel.memory_per_rank}"
+    measured = cost is not None
+    if cost is None:
+        from hydraulis.cost import AnalyticCostModel
+        from hydraulis.specs import get_device
+
+        cost = budgeted(config, AnalyticCostModel(spec, get_device("cpu")))
+    memory, MiB = cost.memory, 1 << 20
+    need = {g: memory.state_bytes(g, spec, world) for g in configs}
+    fits = tuple(g for g in configs if need[g] <= memory.usable_bytes)
+    if fits != configs and not (auto and fits):
+        worst = min(configs, key=lambda g: need[g]) if auto else max(configs, key=lambda g: need[g])
+        raise HydraulisError(
+            f"{given} leaves {memory.usable_bytes / MiB:.1f} MiB per rank after its safety margin, but {worst.name} "
+            f"needs {need[worst] / MiB:.1f} MiB before any activation (parameters, gradients, optimizer state, "
+            "exchange buffers); raise memory_per_rank" + ("" if auto else " or use configs that shard the model more")
+        )
+    if auto and measured:  # the proposal's configs: those that hold max_len (an explicit pool: check_job_pool)
+        holds = {g: cost.lone_cap(g, world) for g in fits if g in cost.configs}
+        best = max(holds, key=holds.get, default=None)
+        if best is None or holds[best] < config.data.max_len:
+            most = f"{holds[best]} tokens ({best.name})" if best is not None else "nothing"
+            raise HydraulisError(
+                f"{given} holds at most {most} in a micro-batch, less than data.max_len {config.data.max_len}; "
+                "raise memory_per_rank or lower max_len"
+            )
+    return fits
 
 
 def model_spec(config: RunConfig) -> ModelSpec:

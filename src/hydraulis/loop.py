@@ -76,6 +76,7 @@ def run_rank(job: Job) -> dict[str, Any] | None:
         timeout_s=config.train.timeout_s,
         exchange_bucket_bytes=int(config.parallel.exchange_bucket_mb * (1 << 20)),
         overlap=config.parallel.overlap_exchange,
+        memory_budget_bytes=config.parallel.budget_bytes(),
     )
     trainer = Trainer(settings, corpus, sampler, env)
     check_shared_run_dir(Path(job.out), env.rank, env.world_size, trainer.control)  # before any file is written

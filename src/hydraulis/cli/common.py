@@ -31,6 +31,26 @@ ProfileOption = typer.Option(
 )
 
 
+MemoryPerRankOption = typer.Option(
+    None,
+    "--memory-per-rank",
+    help="What one rank's tensors may hold ('96MiB', '70GB'): the caps use it in place of the device's memory.",
+)
+DtypeOption = typer.Option("bf16", "--dtype", help="Compute dtype the caps are for: bf16 or fp32.")
+
+
+def cost_model(profile: str, memory_per_rank: str | None = None, dtype: str = "bf16") -> CostModel:
+    """The named cost model, its caps for this compute dtype and, when given, memory budget per rank."""
+    from hydraulis.cost import load_cost_model
+    from hydraulis.limits import parse_size
+    from hydraulis.specs import DTYPE_BYTES
+
+    if dtype not in DTYPE_BYTES:
+        raise HydraulisError(f"--dtype {dtype!r} is not a compute dtype; use one of {', '.join(DTYPE_BYTES)}")
+    budget = None if memory_per_rank is None else parse_size(memory_per_rank, "--memory-per-rank")
+    return load_cost_model(profile).for_job(budget, DTYPE_BYTES[dtype])
+
+
 GpusPerNodeOption = typer.Option(8, "--gpus-per-node", help="GPUs per node.", min=1, max=MAX_GPUS)
 TokensPerBatchOption = typer.Option(
     None, "--tokens-per-batch", help="Histogram workloads: token budget.", min=1, max=MAX_TOKENS_PER_BATCH
@@ -54,16 +74,18 @@ def load_job(
     tokens_per_batch: int | None,
     num_batches: int | None,
     seed: int | None,
+    memory_per_rank: str | None = None,
+    dtype: str = "bf16",
 ) -> tuple[CostModel, ClusterSpec, Workload]:
     """The cost model, cluster and workload that `plan` and `propose` start from, checked."""
-    from hydraulis.cost import load_cost_model
     from hydraulis.data.workload import load_workload
     from hydraulis.specs import ClusterSpec
 
     if gpus < 1:
         raise HydraulisError(f"--gpus must be positive, got {gpus}")
     cluster = ClusterSpec(gpus, gpus_per_node)
-    return load_cost_model(profile), cluster, load_workload(workload, tokens_per_batch, num_batches, seed)
+    cost = cost_model(profile, memory_per_rank, dtype)
+    return cost, cluster, load_workload(workload, tokens_per_batch, num_batches, seed)
 
 
 def fail(message: str) -> NoReturn:
