@@ -197,3 +197,17 @@ def test_under_a_memory_budget_deep_replicas_are_proposed_for_the_long_documents
     # Every deployment the planner chose holds a long document on a pipelined tp1 replica (its lone
     # micro-batch; a second long one may go to a wide replica beside it).
     assert used and all("(tp1,pp2)" in d["deployment"] or "(tp1,pp4)" in d["deployment"] for d in used), used
+
+
+def test_the_published_pool_holds_the_longest_sequence_by_the_plain_cap():
+    """The published system runs no lone micro-batches (hydraulis-reference packs to the cap): its fallback
+    must hold the longest sequence by the cap. On the bench's 7b-64g-wiki batches hydraulis's fallback is
+    tp2 x cp2, which holds 32,768 tokens only alone (its cap is 32,640)."""
+    from hydraulis.bench import get_scenarios
+
+    scenario = get_scenarios(["7b-64g-wiki-1m-32k"])[0]
+    cost, cluster = load_cost_model(scenario.profile), ClusterSpec(scenario.num_gpus)
+    sample = scenario.sample(scenario.seed + 1000, 8)
+    assert max(int(b.max()) for b in sample) == 32768
+    fallback = propose(cost, cluster, sample, method="published", max_pool=1, max_samples=1).pool.deployments[0]
+    assert all(cost.cap(g, cluster.num_gpus) >= 32768 for g in fallback.configs), str(fallback)

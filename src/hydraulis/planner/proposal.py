@@ -379,7 +379,8 @@ def propose(
         raise HydraulisError("cannot propose a pool without sample batches")
     hist = LengthHistogram.from_batches(batches)
     longest = max(hist.max_length, max_length or 0)
-    fallback = homogeneous(fallback_config(cost, cluster, longest, batches), cluster)
+    # The published system knows no lone micro-batches: its fallback holds the longest sequence by the cap.
+    fallback = homogeneous(fallback_config(cost, cluster, longest, batches, lone=method == "hydraulis"), cluster)
     sample = batches[: max_samples or default_samples(batches)]
 
     if method == "published":
