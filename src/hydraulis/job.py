@@ -25,7 +25,7 @@ from hydraulis.parallel import Deployment, ParallelConfig, parse_deployment_conf
 from hydraulis.planner.pool import check_job_pool, inline_pool_world, load_pool, parse_pool, pool_items
 from hydraulis.progress import say
 from hydraulis.resume import check_stop_at, resume_point
-from hydraulis.specs import ClusterSpec, ModelSpec
+from hydraulis.specs import DTYPE_BYTES, ClusterSpec, ModelSpec
 
 RUN_FILES = ("metrics.jsonl", "config.toml", "pool.json", "summary.json", "report.png", "tb", AUTO_PROFILE)
 
@@ -91,7 +91,7 @@ def prepare(
     auto = config.parallel.profile == "auto"  # measured below, once the world size and the pool are known
     cost = None if auto else job_cost_model(config.parallel.profile, spec)
     if cost is not None:
-        cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
+        cost = for_job(cost.with_recompute(config.parallel.recompute_configs(cost.configs)), config)
         check_exchange_bucket(config, cost)
     tokenizer = config.data.tokenizer_for(spec, config.model.init_from)
     token_ids = check_tokenizer(tokenizer, spec, config.model.init_from)  # a bad one fails before anything runs
@@ -155,7 +155,7 @@ def prepare(
         cached = shared or request.cached(run_dir / AUTO_PROFILE, log)
         fresh = shared if shared is not None else None if cached else request.measure(env_world is not None, log)
         cost = ProfiledCostModel.from_dict(cached or fresh, str(run_dir / AUTO_PROFILE))
-        cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
+        cost = for_job(cost.with_recompute(config.parallel.recompute_configs(cost.configs)), config)
         check_exchange_bucket(config, cost)
     if pool_spec == "auto":
         pool = _propose(cost, cluster, sampler, config, data.max_len)
@@ -184,6 +184,12 @@ def prepare(
         resume_from=resume_from,
         stop_at=stop_at,
     )
+
+
+def for_job(cost: CostModel, config: RunConfig) -> CostModel:
+    """The cost model whose memory counts the job's compute dtype and sequence parallelism."""
+    return cost.with_memory(dtype_bytes=DTYPE_BYTES[config.train.dtype],
+                            sequence_parallel=config.parallel.sequence_parallel)
 
 
 def check_exchange_bucket(config: RunConfig, cost: CostModel) -> None:

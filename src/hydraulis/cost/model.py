@@ -17,6 +17,7 @@ context_parallel.py.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -192,6 +193,12 @@ class CostModel:
         out.a[idx] *= RECOMPUTE_TIME
         out.b[idx] *= RECOMPUTE_TIME
         out.recompute = self.recompute | new
+        return out
+
+    def with_memory(self, **changes: object) -> CostModel:
+        """A copy whose memory model has these fields changed (a job's dtype_bytes and sequence_parallel)."""
+        out = copy.copy(self)
+        out.memory = dataclasses.replace(self.memory, **changes)
         return out
 
     def __repr__(self) -> str:

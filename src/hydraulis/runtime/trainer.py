@@ -187,7 +187,8 @@ class Trainer:
         self.dtype = DTYPES[settings.dtype]
         self.layout = ModelLayout(settings.model, self.world)
         self.optimizer = DisaggregatedOptimizer(
-            self.layout, self.rank, settings.optim.adamw, self.env.device, bucket_bytes=settings.exchange_bucket_bytes
+            self.layout, self.rank, settings.optim.adamw, self.env.device, bucket_bytes=settings.exchange_bucket_bytes,
+            scaled_grad=self.dtype != torch.float32,  # 2-byte reduced gradients under bf16 (optimizer.OwnedGradient)
         )
         self.optimizer.init(settings.seed)
         # Plans travel on a CPU group: NCCL cannot broadcast host memory.
@@ -322,6 +323,7 @@ class Trainer:
         s = self.settings
         memory = self.memory.stop(predicted_peak(s.cost, s.model, part, plan, self.world, self.dtype,
                                                  s.exchange_bucket_bytes))
+        self.last_memory = memory  # this rank's own figures (the metrics carry the largest over ranks)
         part.clear_grads()
         replicas = len(plan.deployment.replicas)
         times = torch.zeros(replicas + 6, dtype=torch.float64)  # replica times, memory, exposed: max over ranks
