@@ -96,29 +96,26 @@ def test_bf16_training_on_four_switching_ranks_follows_fp32():
 
 
 def test_the_owned_gradient_in_two_bytes_is_the_fp32_sum_to_fp16_precision():
-    """Rounds deliver each owned element whole (several contributors, in any order): the scaled fp16 sum gives
-    the fp32 sum to fp16's 11 bits, the norm too, in pieces of at most the piece size; a gap is an error."""
-    from hydraulis.errors import HydraulisError
+    """Rounds deliver contributions to owned elements (several contributors, pieces across blocks; a later
+    phase adds to the same elements): the scaled fp16 sum gives the fp32 sum to fp16's 11 bits of each
+    block's largest, though the blocks' magnitudes are 10^4 apart; the norm too; the blocks are the pieces
+    AdamW reads."""
     from hydraulis.runtime.optimizer import OwnedGradient
 
     g = torch.Generator().manual_seed(0)
-    size = 1000
-    exact = OwnedGradient(size, torch.device("cpu"), scaled=False, piece_bytes=4 * 64)
-    lean = OwnedGradient(size, torch.device("cpu"), scaled=True, piece_bytes=4 * 64)
-    # Two rounds: [0, 600) from three contributors in two pieces each, [600, 1000) from one; magnitudes apart.
-    rounds = [[(0, 300), (300, 300), (0, 300), (300, 300), (0, 600)], [(600, 400)]]
-    for ranges, magnitude in zip(rounds, (1e-3, 1e4), strict=True):
+    exact = OwnedGradient(1000, torch.device("cpu"), scaled=False, piece_bytes=4 * 64)
+    lean = OwnedGradient(1000, torch.device("cpu"), scaled=True, piece_bytes=4 * 64)
+    rounds = [[(0, 300), (300, 300), (0, 300), (300, 300), (0, 600)], [(600, 400)], [(550, 100), (100, 30)]]
+    for ranges, magnitude in zip(rounds, (1e-2, 1e2, 1.0), strict=True):
         recv = torch.randn(sum(n for _, n in ranges), generator=g) * magnitude
         exact.add(ranges, recv)
         lean.add(ranges, recv)
     assert lean.values.element_size() == 2
     pieces = list(lean.pieces())
-    assert all(b - a <= 64 for a, b, _ in pieces) and sum(b - a for a, b, _ in pieces) == size
-    got = torch.cat([v for _, _, v in sorted(pieces, key=lambda p: p[0])])
-    want = exact.values
-    assert float(((got - want).abs() / want.abs().clamp_min(1e-30)).max()) <= 2**-11
+    assert [b - a for a, b, _ in pieces] == [64] * 15 + [40]
+    for a, b, got in pieces:  # fp16 rounds to 11 bits of the block's largest, once per round it took
+        want = exact.values[a:b]
+        assert float((got - want).abs().max()) <= 2 * 2**-11 * float(want.abs().max())
     assert float(lean.square_norm()) == pytest.approx(float(exact.square_norm()), rel=1e-3)
     lean.zero()
-    lean.add([(0, 10)], torch.ones(10))
-    with pytest.raises(HydraulisError, match="every owned element"):
-        list(lean.pieces())
+    assert all(float(v.abs().max()) == 0 for _, _, v in lean.pieces())

@@ -27,6 +27,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -47,78 +48,58 @@ __all__ = ["EXCHANGE_WINDOW", "DisaggregatedOptimizer", "ExchangePlan", "deploym
 class OwnedGradient:
     """The reduced gradient of a rank's owned range: fp32, or with `scaled` 2 bytes per element.
 
-    Every owned element arrives whole in one round of the reduce (each contributor's piece of it
-    travels in the round of its window: exchange.py), so the owner sums a round's contributions in an
-    fp32 scratch of the round's window and, scaled, keeps the sum in fp16 times a power of two per
-    round (main_grad.py's scale): as accurate as fp32 for AdamW, in half the bytes of the state that
-    stays while the activations peak. `pieces` yields fp32 values of at most a bucket for the norm
-    and the step.
+    Scaled, the sum is kept in fp16 times a power of two per block of `piece_bytes` / 4 elements (the
+    scale of main_grad.py): each round's contributions are added to their blocks in fp32 and the block
+    is scaled and kept again, so the sum is as accurate as fp32's for AdamW, in half the bytes of state
+    that stays while the activations peak. Blocks do not depend on the deployment, so later phases of
+    an iteration add to what earlier ones reduced. `pieces` yields fp32 values block by block for the
+    norm and the step.
     """
 
     def __init__(self, size: int, device: torch.device, scaled: bool, piece_bytes: int) -> None:
         self.scaled = scaled
-        self.values = torch.zeros(size, dtype=ACCUMULATOR if scaled else torch.float32, device=device)
-        self.inverse: list[tuple[int, int, torch.Tensor]] = []  # (start, end, 1 / scale) of what arrived, scaled
         self.piece = max(1, piece_bytes // EXCHANGE_ELEMENT_BYTES)
+        self.values = torch.zeros(size, dtype=ACCUMULATOR if scaled else torch.float32, device=device)
+        blocks = -(-size // self.piece) if scaled else 0
+        self.inverse = torch.ones(blocks, dtype=torch.float32, device=device)  # 1 / each block's scale
 
     def zero(self) -> None:
         self.values.zero_()
-        self.inverse = []
 
     def add(self, ranges: Sequence[tuple[int, int]], recv: torch.Tensor) -> None:
         """One round's contributions: (owned offset, length) of each consecutive piece of `recv`."""
-        if not ranges:
-            return
         if not self.scaled:
             pos = 0
             for off, n in ranges:
                 self.values[off : off + n] += recv[pos : pos + n]
                 pos += n
             return
-        lo, hi = min(off for off, _ in ranges), max(off + n for off, n in ranges)
-        total = torch.zeros(hi - lo, dtype=torch.float32, device=self.values.device)
-        pos = 0
-        for off, n in ranges:
-            total[off - lo : off - lo + n] += recv[pos : pos + n]
-            pos += n
-        scale, _ = scale_for(total, headroom=1.0)
-        total.mul_(scale)
-        for start, end in _union(ranges):
-            self.values[start:end].copy_(total[start - lo : end - lo])
-            self.inverse.append((start, end, 1 / scale))
+        starts = np.cumsum([0] + [n for _, n in ranges])
+        touched = sorted({k for off, n in ranges for k in range(off // self.piece, (off + n - 1) // self.piece + 1)})
+        for k in touched:
+            a, b = k * self.piece, min((k + 1) * self.piece, len(self.values))
+            block = self.values[a:b].float().mul_(self.inverse[k])
+            for (off, n), pos in zip(ranges, starts[:-1], strict=True):
+                lo, hi = max(off, a), min(off + n, b)
+                if lo < hi:
+                    block[lo - a : hi - a] += recv[pos + lo - off : pos + hi - off]
+            scale, _ = scale_for(block, headroom=1.0)
+            self.values[a:b].copy_(block.mul_(scale))
+            self.inverse[k] = 1 / scale
 
     def pieces(self) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """(start, end, fp32 values): views of the sum itself in fp32, unscaled copies when scaled."""
-        if not self.scaled:
-            for a in range(0, len(self.values), self.piece):
-                yield a, min(a + self.piece, len(self.values)), self.values[a : a + self.piece]
-            return
-        if sum(end - start for start, end, _ in self.inverse) != len(self.values):
-            raise HydraulisError("the reduce did not deliver every owned element's gradient")
-        for start, end, inverse in self.inverse:
-            for a in range(start, end, self.piece):
-                b = min(a + self.piece, end)
-                yield a, b, self.values[a:b].float().mul_(inverse)
+        """(start, end, fp32 values) of at most a piece: views of the sum itself in fp32, unscaled copies scaled."""
+        for k, a in enumerate(range(0, len(self.values), self.piece)):
+            values = self.values[a : a + self.piece]
+            yield a, a + len(values), values.float().mul_(self.inverse[k]) if self.scaled else values
 
     def square_norm(self) -> torch.Tensor:
         """Sum of squares, reduced in fp32 (vector_norm: no temporary of the owned size)."""
         if not self.scaled:
             return torch.linalg.vector_norm(self.values).square()
-        total = torch.zeros((), dtype=torch.float32, device=self.values.device)
-        for start, end, inverse in self.inverse:
-            total += (torch.linalg.vector_norm(self.values[start:end], dtype=torch.float32) * inverse).square()
-        return total
-
-
-def _union(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The disjoint intervals that (offset, length) ranges cover, in order."""
-    out: list[list[int]] = []
-    for off, n in sorted(ranges):
-        if out and off <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], off + n)
-        else:
-            out.append([off, off + n])
-    return [(a, b) for a, b in out]
+        norms = torch.stack([torch.linalg.vector_norm(self.values[a : a + self.piece], dtype=torch.float32)
+                             for a in range(0, len(self.values), self.piece)]) if len(self.values) else self.inverse
+        return (norms * self.inverse).square().sum()
 
 
 class DisaggregatedOptimizer:
