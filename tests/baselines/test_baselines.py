@@ -52,8 +52,8 @@ def test_every_policy_schedules_validly(name):
         check_schedule(schedule)
         assert schedule.lengths == tuple(int(x) for x in b)
         for plan in schedule.phases:
-            plan.validate(COST, 16)
-            assert plan.predicted_time_s == simulate(plan, COST, keep_events=False).iteration_time_s
+            plan.validate(policy.cost, 16)
+            assert plan.predicted_time_s == simulate(plan, policy.cost, keep_events=False).iteration_time_s
         if len(schedule.phases) == 1:
             assert schedule.iteration_time_s == schedule.phases[0].predicted_time_s
 
@@ -197,6 +197,7 @@ def test_bench_checks_every_schedule(monkeypatch):
 
     class Dropper:
         name = "dropper"
+        cost = ctx.cost
 
         def schedule(self, lengths, step=0):
             s = make_policy("megatron", ctx).schedule(lengths[:-1], step)
@@ -246,8 +247,9 @@ small_batches = st.lists(
 def _bound_holds(name: str, lengths: list[int], step: int) -> None:
     b = np.array(lengths, dtype=np.int64)
     ctx = PolicyContext.build(COST, CLUSTER, [b], context().pool)
-    schedule = make_policy(name, ctx).schedule(b, step)
-    assert lower_bound(b, COST, 16) <= schedule.iteration_time_s
+    policy = make_policy(name, ctx)
+    schedule = policy.schedule(b, step)
+    assert lower_bound(b, policy.cost, 16) <= schedule.iteration_time_s
 
 
 @pytest.mark.parametrize("name", [p for p in POLICIES if p != "hydraulis-reference"])

@@ -26,13 +26,13 @@ def test_unknown_preset_is_one_line_exit_2(cli):
 
 def _write_plan(tmp_path, mutate=None):
     from hydraulis.parallel import Deployment
-    from hydraulis.planner.plan import PlanFile, plan_from_assignment, save_plan
+    from hydraulis.planner.plan import PlanFile, Schedule, plan_from_assignment, save_plan
     from hydraulis.specs import ClusterSpec
 
     dep = Deployment.parse("1x(tp4,pp1) + 2x(tp1,pp2)", ClusterSpec(8))
     it = plan_from_assignment(3, [30000, 2000, 2000, 1000, 500], dep, [[[0]], [[1, 2]], [[3], [4]]], 1.5)
     path = tmp_path / "plan.json"
-    save_plan(path, PlanFile("llama-7b@a800-80g", 8, (it,)))
+    save_plan(path, PlanFile("llama-7b@a800-80g", 8, (Schedule.single(it),)))
     if mutate:
         data = json.loads(path.read_text())
         mutate(data)

@@ -32,6 +32,7 @@ class HotSpa:
 
     def __init__(self, ctx: PolicyContext) -> None:
         self.ctx = ctx
+        self.cost = ctx.cost
         self.configs = replicable_configs(ctx.cost, ctx.cluster)
         self.caps = np.array([ctx.cost.cap(g, ctx.num_gpus) for g in self.configs])
         self.switch_s = switch_time(ctx)

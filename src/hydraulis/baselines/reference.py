@@ -127,6 +127,7 @@ class Reference:
 
     def __init__(self, ctx: PolicyContext, seed: int = 0) -> None:
         self.ctx = ctx
+        self.cost = ctx.cost
         self.tables = [ReplicaTable.of(ctx.cost, d, ctx.num_gpus) for d in ctx.reference_pool]
         self.seed = seed
 

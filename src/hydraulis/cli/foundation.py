@@ -71,6 +71,7 @@ def simulate(
     """Simulate each iteration of a plan with 1F1B and report its times."""
     from hydraulis.cost import load_cost_model
     from hydraulis.planner.plan import load_plan
+    from hydraulis.planner.schedule import check_schedule, phases_time
     from hydraulis.planner.sim import simulate as run_sim
 
     if timeline is not None:
@@ -81,23 +82,28 @@ def simulate(
     cost = load_cost_model(profile or plan_file.profile)
     results, drawn = [], []
     for i, it in enumerate(plan_file.iterations):
-        it.validate(cost, plan_file.num_gpus, where=f"{plan}: iterations[{i}]")
-        res = run_sim(it, cost, keep_events=timeline is not None and i < 4)
+        check_schedule(it, cost, where=f"{plan}: iterations[{i}]")
+        sims = [run_sim(p, cost, keep_events=timeline is not None and i < 4) for p in it.phases]
         if timeline is not None and i < 4:
-            drawn.append((f"step {it.step}", it, res))
+            for k, (p, res) in enumerate(zip(it.phases, sims, strict=True)):
+                drawn.append((f"step {it.step}" + (f", phase {k + 1}" if len(it.phases) > 1 else ""), p, res))
+        total = phases_time(it.phases, cost, it.switch_s)
+        compute = sum(r.compute_time_s for r in sims)
+        busy = sum(r.compute_time_s * len(r.gpu_busy_s) * (1 - r.bubble_fraction) for r in sims)
         results.append(
             {
                 "step": it.step,
-                "deployment": str(it.deployment),
+                "deployment": " | ".join(str(p.deployment) for p in it.phases),
+                "phases": len(it.phases),
                 "tokens": it.num_tokens,
                 "sequences": len(it.lengths),
-                "micro_batches": sum(len(r.micro_batches) for r in it.replicas),
-                "iteration_time_s": res.iteration_time_s,
-                "compute_time_s": res.compute_time_s,
-                "grad_sync_s": res.grad_sync_s,
-                "bubble_fraction": res.bubble_fraction,
-                "predicted_time_s": it.predicted_time_s,
-                "tokens_per_s": it.num_tokens / res.iteration_time_s,
+                "micro_batches": sum(len(r.micro_batches) for p in it.phases for r in p.replicas),
+                "iteration_time_s": total,
+                "compute_time_s": compute,
+                "grad_sync_s": total - compute,  # the optimizer step, and every phase switch
+                "bubble_fraction": 1 - busy / (compute * plan_file.num_gpus) if compute > 0 else 0.0,
+                "predicted_time_s": it.iteration_time_s,
+                "tokens_per_s": it.num_tokens / total,
             }
         )
     if timeline is not None:
