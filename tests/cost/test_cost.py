@@ -79,9 +79,10 @@ def test_cost_matrix_is_vectorised_and_fast():
 
 
 def test_analytic_agrees_with_published_profile_on_time_and_counts_this_runtimes_activations():
-    """The analytic caps count this runtime's own activations (activations.py): unfused norms and SwiGLU, and
-    without sequence parallelism the norms whole on every TP rank, so it holds fewer tokens than the published
-    system, and ever fewer with TP; with SP the norms split and the gap narrows."""
+    """The analytic caps count this runtime's own activations (activations.py). With its fused norms and SwiGLU
+    it keeps less per token than the published system at tp1, and with sequence parallelism about as much at
+    tp2; with more TP ever more, for the column linears keep their all-gathered input whole (without SP the
+    norms too)."""
     profiled = load_cost_model("llama-7b@a800-80g")
     analytic = AnalyticCostModel(profiled.model, profiled.device)
     sp = analytic.with_memory(sequence_parallel=True)
@@ -89,9 +90,9 @@ def test_analytic_agrees_with_published_profile_on_time_and_counts_this_runtimes
     for config in (P(1, 2), P(2, 1), P(4, 1), P(8, 1)):
         s = [8192]
         assert analytic.stage_time(config, s) == pytest.approx(profiled.stage_time(config, s), rel=0.3)
-        ratios.append(analytic.cap(config, 32) / profiled.cap(config, 32))
-        assert analytic.cap(config, 32) <= sp.cap(config, 32) < profiled.cap(config, 32)
-    assert 0.7 < ratios[0] < 0.9 and ratios == sorted(ratios, reverse=True)
+        ratios.append(sp.cap(config, 32) / profiled.cap(config, 32))
+        assert analytic.cap(config, 32) <= sp.cap(config, 32)
+    assert ratios[0] > 1.05 and ratios[1] > 1.0 and ratios == sorted(ratios, reverse=True) and ratios[3] < 0.8
 
 
 def test_min_efficient_tokens():

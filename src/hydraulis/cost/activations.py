@@ -3,16 +3,16 @@
 Per token of a micro-batch, per layer, on one TP rank (d: the compute
 dtype's bytes; q, kv, f: the rank's query, key and FFN columns):
 
-- each RMSNorm: its input in fp32 (`x.float()`, in fp32 compute the input
-  itself), one fp32 rsqrt, the normalized values, and their product with
-  the weight, which the following linears keep as their input. Under
-  sequence parallelism the norm's own tensors hold 1/tp of the tokens, but
-  the linears keep the all-gathered input whole;
+- each RMSNorm (runtime/fused.py): its input and one fp32 rsqrt, and its
+  output, which the following linears keep as their input. Under sequence
+  parallelism the norm's own tensors hold 1/tp of the tokens, but the
+  linears keep the all-gathered input whole;
 - attention: q and k after RoPE, v, the output and its copy as o_proj's
   input (d x (3q + 2kv)), and the softmax's log-sum-exp (fp32 per head);
   RoPE's multiplications keep only cos and sin, shared by all layers;
-- SwiGLU: w1's and w3's outputs, silu's and the product (4 d f);
-- Qwen3's q/k norms: their fp32 input, rsqrt and normalized values.
+- SwiGLU (fused.py): w1's and w3's outputs, and the product as w2's input
+  (3 d f);
+- Qwen3's q/k norms: their input and an fp32 rsqrt per head.
 
 Under full recompute a block keeps only its input, and one block's whole
 set exists while it is recomputed. The last stage adds the final norm and
@@ -44,8 +44,8 @@ def kv_shard_dim(model: ModelSpec, tp: int) -> int:
 
 
 def _norm_bytes(width: float, dtype_bytes: int) -> float:
-    """One RMSNorm's own tensors per row: the fp32 input, its rsqrt and the normalized values."""
-    return WIDE_BYTES * width + WIDE_BYTES + dtype_bytes * width
+    """One RMSNorm's own tensors per row (runtime/fused.py): its input and the fp32 rsqrt."""
+    return dtype_bytes * width + WIDE_BYTES
 
 
 def layer_bytes(model: ModelSpec, tp: int, dtype_bytes: int, sequence_parallel: bool = False) -> float:
@@ -56,7 +56,7 @@ def layer_bytes(model: ModelSpec, tp: int, dtype_bytes: int, sequence_parallel: 
     heads, kv_heads = model.heads / tp, kv / model.head_dim
     norms = 2 * (_norm_bytes(h, d) * sp + d * h)
     attention = d * (3 * q + 2 * kv) + WIDE_BYTES * heads
-    ffn = 4 * d * model.ffn / tp
+    ffn = 3 * d * model.ffn / tp
     qk_norm = _norm_bytes(q, d) + _norm_bytes(kv, d) + WIDE_BYTES * (heads + kv_heads - 2) if model.arch.qk_norm else 0
     return norms + attention + ffn + qk_norm
 

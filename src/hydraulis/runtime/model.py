@@ -34,6 +34,7 @@ from hydraulis.runtime.attention import packed_attention
 from hydraulis.runtime.batch import PackedBatch
 from hydraulis.runtime.context_parallel import ContextParallel, context_attention
 from hydraulis.runtime.cross_entropy import head_cross_entropy
+from hydraulis.runtime.fused import rms_norm, swiglu
 from hydraulis.runtime.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -76,8 +77,7 @@ class RMSNorm(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return rms_norm(x, self.weight, self.eps)  # keeps x and the rsqrt for backward only (fused.py)
 
 
 def inverse_frequencies(head_dim: int, arch: Architecture, device=None) -> torch.Tensor:
@@ -189,7 +189,7 @@ class FeedForward(nn.Module):
         self.w2 = RowParallelLinear(spec.ffn, spec.hidden, tp, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x)))  # keeps the two projections only (fused.py)
 
 
 class Block(nn.Module):
