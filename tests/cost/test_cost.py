@@ -295,7 +295,7 @@ def test_a_profile_may_carry_measured_cp_entries():
 )
 def test_cp_caps_hold_exactly(tp_pp, cp, model, seed, recompute):
     from hydraulis.cost import extend_to_cp
-    from hydraulis.cost.activations import head_bytes, loss_transient_bytes
+    from hydraulis.cost.activations import backward_bytes, head_bytes, loss_transient_bytes
     from hydraulis.cost.memory import CAP_GRANULARITY, DEFAULT_EXCHANGE_BUCKET_BYTES, kv_buffer_bytes, rank_memory
 
     spec = get_model(model)
@@ -320,10 +320,13 @@ def test_cp_caps_hold_exactly(tp_pp, cp, model, seed, recompute):
         freed = 0 if recompute else used / spec.layers
         exchange = max(0.0, 2.5 * DEFAULT_EXCHANGE_BUCKET_BYTES - freed)
 
+        backward = held * backward_bytes(spec, g.tp, 2)  # a layer's backward beside the layers
+
         def stage_used(s: int) -> float:
             if s < g.pp - 1:
-                return used + exchange
-            return used + head_bytes(spec, g.tp, 2, held) + max(exchange, loss_transient_bytes(spec, g.tp, 2, held))
+                return used + backward + exchange
+            loss = loss_transient_bytes(spec, g.tp, 2, held)
+            return used + head_bytes(spec, g.tp, 2, held) + max(loss, backward + exchange)
 
         return all(stage_used(s) <= free(s) for s in {0, g.pp - 1})
 

@@ -15,7 +15,8 @@ dtype's bytes; q, kv, f: the rank's query, key and FFN columns):
 - Qwen3's q/k norms: their input and an fp32 rsqrt per head.
 
 Under full recompute a block keeps only its input, and one block's whole
-set exists while it is recomputed. The last stage adds the final norm and
+set exists while it is recomputed. A layer's backward holds its SwiGLU's
+gradients and a temporary beside that (`backward_bytes`). The last stage adds the final norm and
 the loss head (cross_entropy.py): the hidden states' gradient (compute
 dtype, every token) and the head's gradient in fp32, both computed in
 forward and kept to backward, and one chunk's logits in flight
@@ -59,6 +60,13 @@ def layer_bytes(model: ModelSpec, tp: int, dtype_bytes: int, sequence_parallel: 
     ffn = 3 * d * model.ffn / tp
     qk_norm = _norm_bytes(q, d) + _norm_bytes(kv, d) + WIDE_BYTES * (heads + kv_heads - 2) if model.arch.qk_norm else 0
     return norms + attention + ffn + qk_norm
+
+
+def backward_bytes(model: ModelSpec, tp: int, dtype_bytes: int) -> float:
+    """Per token: what a layer's backward holds beyond what the layers keep, at its largest: SwiGLU's (fused.py),
+    the incoming gradient, the sigmoid it recomputes and the two gradients it returns, less w2's input, which
+    w2's backward has freed by then (3 d ffn / tp)."""
+    return 3 * dtype_bytes * model.ffn / tp
 
 
 def rope_bytes(model: ModelSpec, dtype_bytes: int) -> float:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hydraulis.context import max_rank_tokens
-from hydraulis.cost.activations import head_bytes, kv_shard_dim, loss_transient_bytes, stack_bytes
+from hydraulis.cost.activations import backward_bytes, head_bytes, kv_shard_dim, loss_transient_bytes, stack_bytes
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import ModelSpec
 
@@ -185,17 +185,18 @@ class MemoryModel:
         held = self.activation_bytes(config, model, tokens, recompute, dtype_bytes)
         if stage == config.pp - 1:
             share = max_rank_tokens(tokens, config.cp) if tokens else 0
-            held += head_bytes(model, config.tp, dtype_bytes, share, self.sequence_parallel, self._own_head)
+            held += head_bytes(model, config.tp, dtype_bytes, share, self.sequence_parallel, self.own_per_token)
         return held
 
     def loss_transient_bytes(self, config: ParallelConfig, model: ModelSpec, tokens: int, dtype_bytes: int) -> float:
         """The last stage's loss forward on top of what it keeps (activations.loss_transient_bytes)."""
         share = max_rank_tokens(tokens, config.cp) if tokens else 0
-        return loss_transient_bytes(model, config.tp, dtype_bytes, share, self._own_head)
+        return loss_transient_bytes(model, config.tp, dtype_bytes, share, self.own_per_token)
 
     @property
-    def _own_head(self) -> bool:
-        """Whether this runtime's per-token loss head counts: a published activation factor covers its own."""
+    def own_per_token(self) -> bool:
+        """Whether this runtime's per-token terms beyond the layers count (the loss head's, a layer's backward):
+        a published activation factor is its system's whole per-token memory and covers them."""
         return not self.activation_bytes_per_token_hidden_layer
 
     def cap(self, config: ParallelConfig, model: ModelSpec, num_gpus: int, recompute: bool = False) -> int:
@@ -273,7 +274,8 @@ class RankMemory:
     allocates them afresh: with one micro-batch the activations are mostly freed by the time they are
     (the loss head's kept gradients cover the head's), and an idle replica has none; with more
     micro-batches the next forward's activations meet all of them. The last stage's loss forward holds
-    its input and a chunk of logits on top for a moment (`loss_transient`). The exchange overlaps
+    its input and a chunk of logits on top for a moment (`loss_transient`); then each layer's backward
+    holds its working set (`backward`). The exchange overlaps
     compute: the gather's buffers meet the first forward's layers, the reduce's the last backward once
     the stage's last block is through it (they take the memory its activations freed), unless one round
     moves everything: it then completes before the first layer and starts after the last. After the
@@ -285,6 +287,7 @@ class RankMemory:
     owned: float
     activations: float
     loss_transient: float
+    backward: float
     grads_with_activations: float
     exchange: float
     exchange_with_activations: float
@@ -298,9 +301,9 @@ class RankMemory:
     @property
     def with_activations(self) -> float:
         """What the activations' phase adds to the parameters and owned state: the activations, the gradients
-        already allocated, and the loss's forward or, after it, the exchange's buffers."""
+        already allocated, and the loss's forward or, after it, a layer's backward and the exchange's buffers."""
         return (self.activations + self.grads_with_activations
-                + max(self.loss_transient, self.exchange_with_activations))
+                + max(self.loss_transient, self.backward + self.exchange_with_activations))
 
     @property
     def peak(self) -> float:
@@ -351,6 +354,8 @@ def rank_memory(
         owned=owned * state.sharded_bytes,
         activations=memory.stage_activation_bytes(config, model, stage, tokens, dtype_bytes, recompute) * busy,
         loss_transient=memory.loss_transient_bytes(config, model, tokens, dtype_bytes) if busy and last else 0.0,
+        backward=max_rank_tokens(tokens, config.cp) * backward_bytes(model, config.tp, dtype_bytes)
+        * (busy and memory.own_per_token),
         grads_with_activations=grads if micro_batches > 1 else 0.0,
         exchange=exchange,
         exchange_with_activations=0.0 if one_round or not busy else max(0.0, exchange - freed),

@@ -6,7 +6,8 @@ and the product: in bf16, 8 of a LLaMA layer's 47.5 bytes per token and
 hidden column went to the norms and 5.4 to silu's output. These functions
 keep only the input (compute dtype) and the fp32 rsqrt, and the two
 projections, and recompute the rest in backward (element-wise work, no
-GEMM), in fp32 as the forward computes it. Their outputs and gradients are
+GEMM): the norm in fp32 as its forward, SwiGLU in the compute dtype and in
+place, so that its backward holds one temporary beside its two gradients. Their outputs and gradients are
 those of the op-by-op forms (tests/runtime/test_hf_oracle.py checks them
 against transformers); cost/activations.py counts what they keep.
 """
@@ -28,11 +29,12 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, rstd, weight = ctx.saved_tensors
-        normed = x.float() * rstd  # a new tensor: in fp32 x.float() is x itself
-        grad_weight = (grad.float() * normed.to(x.dtype).float()).reshape(-1, weight.shape[-1]).sum(0)
-        grad_normed = (grad * weight).float()
-        dot = (grad_normed * normed).mean(-1, keepdim=True)
-        grad_x = grad_normed.sub_(normed.mul_(dot)).mul_(rstd)
+        x32 = x.float()
+        normed = x32 * rstd if x32 is x else x32.mul_(rstd)  # fp32: x.float() is x itself, which stays
+        grad_weight = (grad * normed.to(x.dtype)).float().reshape(-1, weight.shape[-1]).sum(0)
+        grad_x = (grad * weight).float()
+        dot = (grad_x * normed).mean(-1, keepdim=True)
+        grad_x.sub_(normed.mul_(dot)).mul_(rstd)
         return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None
 
 
@@ -49,13 +51,12 @@ class _SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # In place where it can: beside the two gradients it returns, one temporary of the input's size.
         gate, up = ctx.saved_tensors
-        g32, sigmoid = gate.float(), torch.sigmoid(gate.float())
-        silu = g32 * sigmoid
-        grad32 = grad.float()
-        grad_up = grad32 * silu.to(gate.dtype).float()
-        grad_gate = grad32.mul_(up.float()).mul_(sigmoid.mul_(1 + g32 * (1 - sigmoid)))
-        return grad_gate.to(gate.dtype), grad_up.to(up.dtype)
+        sigmoid = torch.sigmoid(gate)
+        grad_up = (gate * sigmoid).mul_(grad)
+        grad_gate = torch.sub(1, sigmoid).mul_(gate).add_(1).mul_(sigmoid).mul_(grad).mul_(up)
+        return grad_gate, grad_up
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
