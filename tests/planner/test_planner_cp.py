@@ -23,7 +23,7 @@ GPUS = 32
 CLUSTER = ClusterSpec(GPUS)
 PLAIN = parse_pool("2x(tp8,pp1) + 8x(tp2,pp1)", CLUSTER)[0]
 WITH_CP = parse_pool("1x(tp8,pp1,cp2) + 8x(tp2,pp1)", CLUSTER)[0]
-PLAIN_CAP = max(COST.cap(g, GPUS) for g in COST.configs if g.cp == 1 and g.num_gpus <= GPUS)
+PLAIN_CAP = max(COST.lone_cap(g, GPUS) for g in COST.configs if g.cp == 1 and g.num_gpus <= GPUS)
 
 
 def batches(max_long: int):
@@ -40,8 +40,9 @@ def test_cp_plans_hold_caps_and_place_every_sequence_once(lengths):
     placed = sorted(i for r in plan.replicas for mb in r.micro_batches for i in mb)
     assert placed == list(range(len(lengths)))
     cp_members = {i for mb in plan.replicas[0].micro_batches for i in mb}
-    # Needed: what no cp = 1 replica of the deployment holds runs on the CP replica, whole.
-    assert {i for i, s in enumerate(lengths) if s > COST.cap(WITH_CP.configs[1], GPUS)} <= cp_members
+    # Needed: what no cp = 1 replica of the deployment holds, even as its lone micro-batch, runs on the CP
+    # replica, whole.
+    assert {i for i, s in enumerate(lengths) if s > COST.lone_cap(WITH_CP.configs[1], GPUS)} <= cp_members
     assert plan.lengths == tuple(int(s) for s in lengths)
 
 

@@ -63,12 +63,13 @@ def run_scenarios(
 # ------------------------------------------------------------ training: a pool with cp4 and cp2 deployments
 
 CP_TRAIN_STEPS = 4
-LONG_DOC = 512  # 4x the tp1pp1 cap of the profile below: only the cp4 replica can hold it
+LONG_DOC = 512  # 4x the tp1pp1 lone cap of the profile below: only the cp4 replica can hold it
 
 
 def cp_train_cost():
-    """tiny's measured CPU profile with cp rows and just too little memory for 256 tokens on tp1pp1: its cap is
-    128, and cp4's rank holds ceil(512 / 4) + 8 tokens plus the kept K/V and the loss head's (cap 512 or more)."""
+    """tiny's measured CPU profile with cp rows and just too little memory for 256 tokens on tp1pp1, even as a lone
+    micro-batch: its lone cap is 128, and cp4's rank holds ceil(512 / 4) + 8 tokens plus the kept K/V and the
+    loss head's (cap 512 or more), while cp2's lone micro-batch holds less than 512."""
     import dataclasses
     from importlib import resources
 
@@ -77,10 +78,10 @@ def cp_train_cost():
     data = json.loads(resources.files("hydraulis.cost.profiles").joinpath("tiny-cpu-measured.json").read_text())
     base = ProfiledCostModel.from_dict(data)
     mem, g = base.memory, ParallelConfig(1, 1)
-    low, high = 0, 1 << 40  # the cap grows with the memory: the least memory whose cap is 256 tokens
+    low, high = 0, 1 << 40  # the cap grows with the memory: the least memory whose lone cap is 256 tokens
     while high - low > 1:
         mid = (low + high) // 2
-        fits = dataclasses.replace(mem, memory_bytes=mid).cap(g, base.model, 4) >= 256
+        fits = dataclasses.replace(mem, memory_bytes=mid).cap(g, base.model, 4, micro_batches=1) >= 256
         low, high = (low, mid) if fits else (mid, high)
     data["device"]["memory_bytes"] = low
     row = next(r for r in data["time_ms"] if (r["tp"], r["pp"]) == (1, 1))

@@ -90,7 +90,8 @@ class Homogeneous:
         self.ctx = ctx
         self.cost = ctx.cost
         if deployment is None:
-            config = fallback_config(ctx.cost, ctx.cluster, ctx.run_max_length, ctx.sample)
+            # packed to the cap whatever the micro-batch count: no lone micro-batches (packing.py)
+            config = fallback_config(ctx.cost, ctx.cluster, ctx.run_max_length, ctx.sample, lone=False)
             deployment = homogeneous(config, ctx.cluster)
         self.deployment = deployment
         self.replica = ReplicaCost.of(ctx.cost, deployment.configs[0], ctx.num_gpus)

@@ -143,7 +143,7 @@ class Reference:
             if best is None or obj < best[0]:
                 best = (obj, k, replica_of)
         if best is None:
-            cap, name = largest_cap(self.ctx.cost, self.ctx.cluster, self.ctx.reference_pool)
+            cap, name = largest_cap(self.ctx.cost, self.ctx.cluster, self.ctx.reference_pool, lone=False)
             raise HydraulisError(
                 f"{self.name}: a sequence of {int(lengths.max())} tokens is longer than the largest cap in its "
                 f"pool ({cap} tokens, {name}); use --overlong truncate|drop or a pool with larger replicas"

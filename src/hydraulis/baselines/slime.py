@@ -61,7 +61,7 @@ class SlimeFlops:
     def __init__(self, ctx: PolicyContext) -> None:
         self.ctx = ctx
         self.cost = ctx.cost
-        config = fallback_config(ctx.cost, ctx.cluster, ctx.run_max_length, ctx.sample)
+        config = fallback_config(ctx.cost, ctx.cluster, ctx.run_max_length, ctx.sample, lone=False)
         self.deployment = homogeneous(config, ctx.cluster)
         self.cap = ctx.cost.cap(config, ctx.num_gpus)
 

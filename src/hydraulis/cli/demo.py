@@ -97,7 +97,7 @@ def _demo(
         proposal = propose(cost, cluster, sample, max_length=max(int(b.max()) for b in work + sample))
     save_pool(outputs.stage(out / "pool.json"), proposal.pool)
     rows = [
-        [i, str(d), max(cost.cap(g, gpus) for g in d.configs), f"{u:.0%}"]
+        [i, str(d), max(cost.lone_cap(g, gpus) for g in d.configs), f"{u:.0%}"]
         for i, (d, u) in enumerate(zip(proposal.pool.deployments, proposal.pool.usage or (), strict=True))
     ]
     console.print(table(f"pool -> {out / 'pool.json'}", ["#", "deployment", "largest cap", "chosen"], rows))

@@ -10,7 +10,9 @@ import typer
 
 from hydraulis.cli.app import app
 from hydraulis.cli.common import (
+    DtypeOption,
     GpusPerNodeOption,
+    MemoryPerRankOption,
     NumBatchesOption,
     ProfileOption,
     SeedOption,
@@ -49,6 +51,8 @@ def plan(
     tokens_per_batch: int = TokensPerBatchOption,
     num_batches: int = NumBatchesOption,
     seed: int = SeedOption,
+    memory_per_rank: str = MemoryPerRankOption,
+    dtype: str = DtypeOption,
 ) -> None:
     """Choose a deployment, dispatch and pack each global batch of a workload."""
     from rich.progress import Progress
@@ -66,7 +70,9 @@ def plan(
             f"profile does not hold, and a plan file's deployments are the profile's; compare it with "
             f"`hydraulis bench --policy {policy}` instead"
         )
-    cost, cluster, work = load_job(profile, gpus, gpus_per_node, workload, tokens_per_batch, num_batches, seed)
+    cost, cluster, work = load_job(
+        profile, gpus, gpus_per_node, workload, tokens_per_batch, num_batches, seed, memory_per_rank, dtype
+    )
     deployments = parse_pool(pool, cluster) if pool else None
     batches = _within_caps(work.batches, largest_cap(cost, cluster, deployments), overlong, workload, cost)
     ctx = PolicyContext.build(cost, cluster, batches, deployments)

@@ -75,15 +75,18 @@ def rope_bytes(model: ModelSpec, dtype_bytes: int) -> float:
 
 
 def stack_bytes(
-    model: ModelSpec, tp: int, dtype_bytes: int, sequence_parallel: bool = False, recompute: bool = False
+    model: ModelSpec, tp: int, dtype_bytes: int, sequence_parallel: bool = False, recompute: bool = False,
+    layers: int | None = None,
 ) -> float:
-    """Per token: what all L layers keep (1F1B keeps pp micro-batches of L/pp layers in flight on the first
-    stage), or under full recompute each block's input plus one block's whole set; and RoPE's tables."""
+    """Per token: what `layers` layers in flight keep (all L by default: 1F1B keeps pp micro-batches of L/pp
+    layers on the first stage), or under full recompute each one's input plus one block's whole set; and
+    RoPE's tables."""
     one = layer_bytes(model, tp, dtype_bytes, sequence_parallel)
+    count = model.layers if layers is None else layers
     if recompute:
         sp = 1 / tp if sequence_parallel and tp > 1 else 1.0
-        return model.layers * model.hidden * dtype_bytes * sp + one + rope_bytes(model, dtype_bytes)
-    return model.layers * one + rope_bytes(model, dtype_bytes)
+        return count * model.hidden * dtype_bytes * sp + one + rope_bytes(model, dtype_bytes)
+    return count * one + rope_bytes(model, dtype_bytes)
 
 
 def head_bytes(

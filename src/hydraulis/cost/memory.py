@@ -15,7 +15,7 @@ state and the optimizer exchange's buffers do not fit.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -29,25 +29,39 @@ DEFAULT_EXCHANGE_BUCKET_BYTES = 256 << 20  # [parallel] exchange_bucket_mb's def
 RECOMPUTE_INPUT_BYTES = 2  # a layer's input kept under full recompute (bf16), with a published activation factor
 KV_BYTES = 2  # K and V travel over the CP group in the compute dtype (bf16)
 LIVE_KV_COPIES = 3  # document-sized K/V copies of the one layer in CP backward (kv_buffer_bytes)
-PUBLISHED_DTYPE_BYTES = 2  # a published activation factor is for bf16
 EXCHANGE_ELEMENT_BYTES = 4  # the exchange's rounds are sized for fp32 elements (runtime/exchange.py)
+ACTIVATION_DTYPE_BYTES = 2  # a published activation factor is for bf16 unless its profile says otherwise
+CAP_DTYPE_BYTES = 2  # the caps are for bf16 compute unless the job says otherwise
+BUDGET_MARGIN = 0.1  # the largest share of a memory budget per rank kept as the safety margin
 
 
-def kv_buffer_bytes(model: ModelSpec, config: ParallelConfig, recompute: bool = False) -> float:
+def in_flight(config: ParallelConfig, stage: int, micro_batches: int) -> int:
+    """Micro-batches whose activations a stage holds at once under 1F1B: min(pp - stage, M).
+
+    Stage s warms up with min(pp - s - 1, M) forwards and then alternates one forward with one
+    backward (runtime/pipeline.py), so a lone micro-batch on a deep replica is held once, not pp times.
+    """
+    return max(1, min(config.pp - stage, micro_batches))
+
+
+def kv_buffer_bytes(
+    model: ModelSpec, config: ParallelConfig, recompute: bool = False, held: int | None = None
+) -> float:
     """Bytes per token of a micro-batch that CP adds on a rank, beyond its share of the activations.
 
     Attention is blockwise (runtime/blockwise_attention.py): a chunk at [a, b) keeps for backward
     its own K/V (counted in the activations) and a copy of the gathered prefix 0..a-1. A rank's two
     zigzag chunks k and 2cp-1-k start at k/2cp and (2cp-1-k)/2cp of the document, so it keeps
-    (1 - 1 / 2cp) x the document's K/V per layer, for every layer in flight (L under 1F1B, one under
-    full recompute). On top, while one layer runs backward: its gathered K/V's gradient, the
+    (1 - 1 / 2cp) x the document's K/V per layer, for every layer in flight (`held` micro-batches of
+    L/pp layers under 1F1B, pp of them by default; one layer under full recompute). On top, while one
+    layer runs backward: its gathered K/V's gradient, the
     gathered layout of it, and the reduce-scatter's reordered copy (3 x the document's K/V). Nothing
     is O(chunk x prefix): no mask, and the block kernels keep O(chunk) softmax statistics.
     """
     if config.cp == 1:
         return 0.0
     per_layer = 2 * kv_shard_dim(model, config.tp) * KV_BYTES
-    kept_layers = 1 if recompute else model.layers
+    kept_layers = 1 if recompute else model.layers // config.pp * (config.pp if held is None else held)
     return kept_layers * per_layer * (1 - 1 / (2 * config.cp)) + LIVE_KV_COPIES * per_layer
 
 
@@ -107,8 +121,8 @@ class MemoryModel:
     system's (`activation_bytes_per_token_hidden_layer`: its whole per-token activation memory, head and
     loss included, per layer and hidden / tp column in bf16, as the shipped A800 profiles do); the
     state, the exchange and what the loss head keeps whatever the tokens (the head's fp32 gradient sum,
-    one chunk of logits) are always this runtime's. `dtype_bytes` and `sequence_parallel` are the
-    job's (bf16, no SP by default).
+    one chunk of logits) are always this runtime's. `compute_dtype_bytes` and `sequence_parallel` are the
+    job's (bf16, no SP by default: `for_job`).
     """
 
     memory_bytes: int
@@ -123,8 +137,34 @@ class MemoryModel:
     # (runtime/overlap.py), they live beside the activations: the gather's in the first micro-batch's
     # forward, the reduce's in the last one's backward.
     exchange_bytes: float = 2 * DEFAULT_EXCHANGE_BUCKET_BYTES
-    dtype_bytes: int = 2  # the compute dtype the caps are for
+    activation_dtype_bytes: int = ACTIVATION_DTYPE_BYTES  # the published activation factors' dtype
+    compute_dtype_bytes: int = CAP_DTYPE_BYTES  # the compute dtype the caps are for
     sequence_parallel: bool = False
+
+    def for_job(
+        self, memory_bytes: int | None, dtype_bytes: int, bucket_bytes: int | None = None,
+        sequence_parallel: bool = False,
+    ) -> MemoryModel:
+        """This model for a job's compute dtype, exchange bucket, sequence parallelism and, when given, memory
+        budget per rank.
+
+        The budget (`[parallel] memory_per_rank`) is what a rank's tensors may hold at their peak: what
+        torch's allocator counts and what `torch.cuda.set_per_process_memory_fraction` limits on CUDA.
+        The runtime's context lies outside it (no context overhead); the safety margin keeps its share
+        of the memory, at most BUDGET_MARGIN, for the prediction's error and the allocator's slack.
+        """
+        out = replace(self, compute_dtype_bytes=dtype_bytes, sequence_parallel=sequence_parallel)
+        if bucket_bytes is not None:
+            out = replace(out, exchange_bytes=2 * bucket_bytes)
+        if memory_bytes is None:
+            return out
+        share = self.safety_margin_bytes / self.memory_bytes if self.memory_bytes > 0 else 0.0
+        return replace(
+            out,
+            memory_bytes=int(memory_bytes),
+            context_overhead_bytes=0.0,
+            safety_margin_bytes=min(share, BUDGET_MARGIN) * memory_bytes,
+        )
 
     def exchange_buffer_bytes(self, model: ModelSpec) -> float:
         """The exchange's two buffers: each at most a bucket, and at most the model in fp32."""
@@ -154,35 +194,41 @@ class MemoryModel:
         )
 
     def bytes_per_token(
-        self, config: ParallelConfig, model: ModelSpec, recompute: bool = False, dtype_bytes: int | None = None
+        self, config: ParallelConfig, model: ModelSpec, recompute: bool = False, held: int | None = None,
+        dtype_bytes: int | None = None,
     ) -> float:
-        """Bytes per token one rank's layers keep (under CP, per token of the rank's share); 1F1B keeps pp
-        micro-batches of L/pp layers in flight on the first stage, L layers in all."""
-        d = self.dtype_bytes if dtype_bytes is None else dtype_bytes
+        """Bytes per token one rank's layers keep (under CP, per token of the rank's share), with `held`
+        micro-batches of L/pp layers in flight (default pp, the first stage's in 1F1B: L layers in all)."""
+        layers = model.layers // config.pp * (config.pp if held is None else held)
+        d = self.compute_dtype_bytes if dtype_bytes is None else dtype_bytes
         if not self.activation_bytes_per_token_hidden_layer:
-            return stack_bytes(model, config.tp, d, self.sequence_parallel, recompute)
-        full = (model.hidden / config.tp) * self.activation_factor(config.tp) * d / PUBLISHED_DTYPE_BYTES
+            return stack_bytes(model, config.tp, d, self.sequence_parallel, recompute, layers)
+        scale = d / self.activation_dtype_bytes
+        full = (model.hidden / config.tp) * self.activation_factor(config.tp) * scale
         if recompute:
             # Only each layer's input is kept (compute dtype, full hidden), plus the one layer whose
             # activations are being recomputed in backward.
-            return model.layers * model.hidden * RECOMPUTE_INPUT_BYTES * d / PUBLISHED_DTYPE_BYTES + full
-        return model.layers * full
+            return layers * model.hidden * RECOMPUTE_INPUT_BYTES * scale + full
+        return layers * full
 
     def activation_bytes(
-        self, config: ParallelConfig, model: ModelSpec, tokens: int, recompute: bool = False,
+        self, config: ParallelConfig, model: ModelSpec, tokens: int, recompute: bool = False, held: int | None = None,
         dtype_bytes: int | None = None,
     ) -> float:
-        """Activation bytes on the fullest rank for a micro-batch of `tokens` (CP: its share plus K/V buffers)."""
-        held = max_rank_tokens(tokens, config.cp)
-        per_token = self.bytes_per_token(config, model, recompute, dtype_bytes)
-        return float(held) * per_token + tokens * kv_buffer_bytes(model, config, recompute)
+        """Activation bytes on the fullest rank for `held` micro-batches of `tokens` (CP: its share plus K/V)."""
+        rank_tokens = max_rank_tokens(tokens, config.cp)
+        per_token = self.bytes_per_token(config, model, recompute, held, dtype_bytes)
+        return float(rank_tokens) * per_token + tokens * kv_buffer_bytes(model, config, recompute, held)
 
     def stage_activation_bytes(
-        self, config: ParallelConfig, model: ModelSpec, stage: int, tokens: int, dtype_bytes: int, recompute: bool
+        self, config: ParallelConfig, model: ModelSpec, stage: int, tokens: int, dtype_bytes: int, recompute: bool,
+        micro_batches: int | None = None,
     ) -> float:
-        """What a micro-batch of `tokens` keeps for backward on a stage's fullest rank in the compute dtype: the
-        layers' activations and, on the last stage, the loss head's (activations.head_bytes)."""
-        held = self.activation_bytes(config, model, tokens, recompute, dtype_bytes)
+        """What micro-batches of `tokens` keep for backward on a stage's fullest rank in the compute dtype: the
+        layers' activations of those in flight (`in_flight`; all pp of them when the count is not given) and,
+        on the last stage, the loss head's of the one in its loss (activations.head_bytes)."""
+        count = None if micro_batches is None else in_flight(config, stage, micro_batches)
+        held = self.activation_bytes(config, model, tokens, recompute, count, dtype_bytes)
         if stage == config.pp - 1:
             share = max_rank_tokens(tokens, config.cp) if tokens else 0
             held += head_bytes(model, config.tp, dtype_bytes, share, self.sequence_parallel, self.own_per_token)
@@ -199,29 +245,52 @@ class MemoryModel:
         a published activation factor is its system's whole per-token memory and covers them."""
         return not self.activation_bytes_per_token_hidden_layer
 
-    def cap(self, config: ParallelConfig, model: ModelSpec, num_gpus: int, recompute: bool = False) -> int:
+    def cap(
+        self, config: ParallelConfig, model: ModelSpec, num_gpus: int, recompute: bool = False,
+        micro_batches: int | None = None,
+    ) -> int:
         """Most tokens (a multiple of 128) of a micro-batch whose every rank's peak fits beside the margin and context.
 
-        A rank's peak is `rank_memory`'s, the runtime's own prediction, in the job's dtype (bf16 by default)
-        and for any number of micro-batches: its parameters, gradients and owned optimizer state, the
-        activations and (last stage) the loss head's, and beside them the loss's forward or the
-        exchange's buffers (it overlaps compute). The first and the last stage bind (embedding; head).
-        0 where not even the state and the exchange's buffers fit. Under CP a rank holds ceil(T/cp) + 2cp
-        tokens of T plus the K/V attention keeps (`kv_buffer_bytes`), so the cap is about cp x the
-        per-rank one, less those.
+        A rank's peak is `rank_memory`'s, the runtime's own prediction, in the job's dtype (bf16 by default):
+        its parameters, gradients and owned optimizer state, the activations of the micro-batches its
+        stage holds in flight and (last stage) the loss head's, and beside them the loss's forward or the
+        exchange's buffers (it overlaps compute). `micro_batches`: the replica's count; None, any count
+        of at least two (stage s holds pp - s of them, `in_flight`); 1, the replica's lone micro-batch
+        (`lone_cap`: a deep replica holds it once, not pp times). The first and the last stage bind
+        (embedding; head). 0 where not even the state and the exchange's buffers fit. Under CP a rank
+        holds ceil(T/cp) + 2cp tokens of T plus the K/V attention keeps (`kv_buffer_bytes`), so the cap
+        is about cp x the per-rank one, less those.
         """
-        budget = self.memory_bytes - self.safety_margin_bytes - self.context_overhead_bytes
+        count = max(2, config.pp) if micro_batches is None else micro_batches
+        budget = self.usable_bytes
         bucket = int(self.exchange_bytes // 2)
         caps = []
         for stage in sorted({0, config.pp - 1}):
             def rank(tokens: int, stage: int = stage) -> RankMemory:
-                return rank_memory(self, model, config, stage, num_gpus, tokens, self.dtype_bytes, bucket, recompute)
+                return rank_memory(
+                    self, model, config, stage, num_gpus, tokens, self.compute_dtype_bytes, bucket, recompute, count
+                )
 
             empty = rank(0)
             if empty.params + empty.owned + empty.after > budget:
                 return 0  # not even the state and the exchange's buffers fit
             caps.append(_most_tokens(lambda t: rank(t).with_activations, budget - empty.params - empty.owned))
         return min(caps) // CAP_GRANULARITY * CAP_GRANULARITY
+
+    def state_bytes(self, config: ParallelConfig, model: ModelSpec, num_gpus: int) -> float:
+        """What the fullest stage of `config` holds before any activation: parameters, gradients, owned
+        optimizer state and the exchange's buffers (the phase after backward), in the compute dtype."""
+        bucket = int(self.exchange_bytes // 2)
+        ranks = [
+            rank_memory(self, model, config, stage, num_gpus, 0, self.compute_dtype_bytes, bucket)
+            for stage in sorted({0, config.pp - 1})
+        ]
+        return max(rank.params + rank.owned + rank.after for rank in ranks)
+
+    @property
+    def usable_bytes(self) -> float:
+        """What a rank's tensors may hold: the memory less the safety margin and the runtime's context."""
+        return self.memory_bytes - self.safety_margin_bytes - self.context_overhead_bytes
 
 
 def _most_tokens(used: Callable[[int], float], free: float) -> int:
@@ -346,13 +415,15 @@ def rank_memory(
     exchange += piece * state.scaled
     # Otherwise the gather's buffers meet the first forward's layers (not the loss's), and the reduce's wait
     # until the stage's last block is through backward (runtime/overlap.py): they take what it freed.
-    freed = 0.0 if recompute else memory.activation_bytes(config, model, tokens, False, dtype_bytes) / model.layers
+    block = memory.activation_bytes(config, model, tokens, False, None, dtype_bytes) / model.layers
+    freed = 0.0 if recompute else block
     last = stage == config.pp - 1
     return RankMemory(
         params=shard * state.param_bytes,
         grads=grads,
         owned=owned * state.sharded_bytes,
-        activations=memory.stage_activation_bytes(config, model, stage, tokens, dtype_bytes, recompute) * busy,
+        activations=memory.stage_activation_bytes(config, model, stage, tokens, dtype_bytes, recompute, micro_batches)
+        * busy,
         loss_transient=memory.loss_transient_bytes(config, model, tokens, dtype_bytes) if busy and last else 0.0,
         backward=max_rank_tokens(tokens, config.cp) * backward_bytes(model, config.tp, dtype_bytes)
         * (busy and memory.own_per_token),

@@ -17,7 +17,6 @@ context_parallel.py.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -92,16 +91,22 @@ class SharedCores:
     def load(self, busy: int) -> float:
         return max(1.0, busy * self.threads_per_rank / self.cores)
 
-    def finish_times(self, configs: Sequence[ParallelConfig], times: np.ndarray) -> np.ndarray:
+    def finish_times(
+        self, configs: Sequence[ParallelConfig], times: np.ndarray, ranks: np.ndarray | None = None
+    ) -> np.ndarray:
         """When each replica finishes if they start together and share the cores (fluid processor sharing).
 
         `times` are the replicas' times at the load their configs were measured under. Each replica
         has that much work at its measured speed; while B ranks are busy, all progress at
         1 / load(B) of the cores' full speed, and a replica that finishes frees its cores for the rest.
-        A config measured without sharing keeps its time (its ranks still count as busy).
+        A config measured without sharing keeps its time (its ranks still count as busy). `ranks`: how
+        many of each replica's ranks compute at once on average (a pipeline's bubbles leave some
+        waiting, which costs no core); all of them by default.
         """
         times = np.asarray(times, dtype=np.float64)
-        ranks = np.array([c.num_gpus for c in configs], dtype=np.float64)
+        if ranks is None:
+            ranks = np.array([c.num_gpus for c in configs], dtype=np.float64)
+        ranks = np.asarray(ranks, dtype=np.float64)
         measured = [self.busy_ranks.get(c) for c in configs]
         work = np.array([t / self.load(m) if m is not None else t for t, m in zip(times, measured, strict=True)])
         finish = np.zeros_like(times)
@@ -195,12 +200,6 @@ class CostModel:
         out.recompute = self.recompute | new
         return out
 
-    def with_memory(self, **changes: object) -> CostModel:
-        """A copy whose memory model has these fields changed (a job's dtype_bytes and sequence_parallel)."""
-        out = copy.copy(self)
-        out.memory = dataclasses.replace(self.memory, **changes)
-        return out
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, {len(self.configs)} configs)"
 
@@ -235,8 +234,27 @@ class CostModel:
 
     # -- memory -----------------------------------------------------------------
     def cap(self, config: ParallelConfig, num_gpus: int) -> int:
-        """Most tokens one micro-batch may hold on `config` in a job of `num_gpus`."""
+        """Most tokens each micro-batch may hold on `config` in a job of `num_gpus`, whatever their count."""
         return self.memory.cap(config, self.model, num_gpus, config in self.recompute)
+
+    def lone_cap(self, config: ParallelConfig, num_gpus: int) -> int:
+        """Most tokens of a replica's only micro-batch, so the longest sequence `config` holds: a deep
+        replica keeps a lone micro-batch in flight once, not pp times (memory.in_flight)."""
+        return self.memory.cap(config, self.model, num_gpus, config in self.recompute, micro_batches=1)
+
+    def micro_batch_cap(self, config: ParallelConfig, num_gpus: int, micro_batches: int) -> int:
+        """Most tokens of each of a replica's `micro_batches` micro-batches."""
+        return self.lone_cap(config, num_gpus) if micro_batches == 1 else self.cap(config, num_gpus)
+
+    def for_job(
+        self, memory_bytes: int | None, dtype_bytes: int, bucket_bytes: int | None = None,
+        sequence_parallel: bool = False,
+    ) -> CostModel:
+        """A copy whose caps are for this compute dtype, exchange bucket, sequence parallelism and, when given,
+        memory budget per rank."""
+        out = copy.copy(self)
+        out.memory = self.memory.for_job(memory_bytes, dtype_bytes, bucket_bytes, sequence_parallel)
+        return out
 
     def caps(self, num_gpus: int) -> dict[ParallelConfig, int]:
         return {c: self.cap(c, num_gpus) for c in self.configs if c.num_gpus <= num_gpus}

@@ -20,7 +20,7 @@ from hydraulis.errors import HydraulisError
 from hydraulis.jsonio import Fields, load_json
 from hydraulis.limits import MAX_GPUS, MAX_LAYERS, MAX_LENGTH, MAX_MODEL_DIM
 from hydraulis.parallel import ParallelConfig
-from hydraulis.specs import DEVICES, DeviceSpec, ModelSpec
+from hydraulis.specs import DEVICES, DTYPE_BYTES, DeviceSpec, ModelSpec
 
 PROFILE_SCHEMA = "hydraulis.profile/1"
 
@@ -110,6 +110,8 @@ class ProfiledCostModel(CostModel):
             context_overhead_bytes=mem.float("context_overhead_bytes", minimum=0),
             safety_margin_bytes=mem.float("safety_margin_bytes", minimum=0),
             embedding_state_bytes=mem.float("embedding_state_bytes", default=16.0, minimum=0),
+            # A measured profile's activation factors are in the dtype it ran (fp32 on CPU); published ones in bf16.
+            activation_dtype_bytes=_dtype_bytes(d),
         )
         if memory.optimizer_sharded_fraction > 1:
             raise HydraulisError(f"{mem.where}.optimizer_sharded_fraction: must be at most 1")
@@ -133,6 +135,14 @@ class ProfiledCostModel(CostModel):
             )
         step = _optimizer_step(f) if "optimizer_step" in data else None
         return cls(f.str("name"), model, device, coefficients, memory, min_eff, collectives, shared, step)
+
+
+def _dtype_bytes(device: Fields) -> int:
+    """Bytes per element of the profile's own dtype (`device.dtype`), bf16 when it names none."""
+    name = device.str("dtype", default="bf16")
+    if name not in DTYPE_BYTES:
+        raise HydraulisError(f"{device.where}.dtype: {name!r} is not a compute dtype; one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
 
 
 def _collectives(f: Fields) -> Collectives:

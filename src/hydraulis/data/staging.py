@@ -1,15 +1,15 @@
 """Atomic corpus builds: hidden temporary directories next to the target, swept when their builder died.
 
 A build writes into `.NAME.XXXX.tmp` next to the corpus and renames it into
-place when complete; the directory holds the builder's pid (`.owner`), so a
-later build removes the leftovers of a builder that is gone (SIGKILL, power
-loss) and spares those of one still running. `cache_dir` is where built-in
-corpora and sources named in a run config are built.
+place when complete; the directory holds the builder's pid (`.owner`), so the
+next build in that directory, whatever it builds, removes the leftovers of a
+builder that is gone (SIGKILL, power loss) and spares those of one still
+running. `cache_dir` is where built-in corpora and sources named in a run
+config are built.
 """
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import tempfile
@@ -35,16 +35,18 @@ def temp_dir(out: Path, suffix: str) -> Path:
 
 
 def sweep_temporaries(out: Path) -> int:
-    """Remove the temporary directories of builds of `out` whose process is gone (SIGKILL, power loss)."""
+    """Remove the temporary directories whose builder is gone (SIGKILL, power loss) next to `out`: those of
+    builds of `out`, and those of any other corpus build there (known by their `.owner` mark)."""
     swept = 0
-    for p in out.parent.glob(f"{glob.escape(temp_prefix(out.name))}*"):
+    mine = temp_prefix(out.name)
+    for p in out.parent.glob(".*"):
         if p.suffix not in (".tmp", ".old") or not p.is_dir() or p.is_symlink():
             continue
         try:
             pid = int((p / OWNER_FILE).read_text())
         except (OSError, ValueError):
-            pid = None  # from a build that died before marking it
-        if pid is not None and _alive(pid):
+            pid = None  # from a build that died before marking it (only ours can be told by the name)
+        if (pid is not None and _alive(pid)) or (pid is None and not p.name.startswith(mine)):
             continue
         shutil.rmtree(p, ignore_errors=True)
         swept += not p.exists()

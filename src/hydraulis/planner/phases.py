@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hydraulis.planner.dispatch import dispatch
+from hydraulis.errors import HydraulisError
+from hydraulis.planner.dispatch import NoRoom, dispatch
 from hydraulis.planner.planner import Planner, check_lengths
 from hydraulis.planner.schedule import Schedule, phase_switch_time, phases_time
 
@@ -55,7 +56,10 @@ class PhasedPlanner(Planner):
         best = Schedule.single(self.plan(lengths, step))
         if len(self.pool) > 1:
             for split in self.splits(lengths)[:FULL_SPLITS]:
-                candidate = self._plan_split(lengths, split, step)
+                try:
+                    candidate = self._plan_split(lengths, split, step)
+                except HydraulisError:  # a phase no deployment has room for: the split is not a candidate
+                    continue
                 if candidate.iteration_time_s < best.iteration_time_s * (1 - MIN_GAIN):
                     best = candidate
         elapsed = time.perf_counter() - start
@@ -73,6 +77,7 @@ class PhasedPlanner(Planner):
         order = np.argsort(lengths, kind="stable")
         s = lengths[order]
         tops = np.array([int(t.cap.max()) for t in self._tables])
+        lone = np.array([int(t.lone_cap.max()) for t in self._tables])  # what a replica's only micro-batch holds
         levels = sorted({int(c) for c in tops if s[0] <= c < s[-1]})
         cuts = sorted({0, len(s), *(int(np.searchsorted(s, lv, side="right")) for lv in levels)})
         m = len(cuts)
@@ -81,9 +86,7 @@ class PhasedPlanner(Planner):
         est = np.full((m, m), np.inf)
         for i in range(m):
             for j in range(i + 1, m):
-                part = s[cuts[i] : cuts[j]]
-                holding = [k for k in range(len(tops)) if tops[k] >= part[-1]]
-                est[i, j] = min(dispatch(part, self._tables[k], search=False).makespan_s for k in holding)
+                est[i, j] = self._estimate(s[cuts[i] : cuts[j]], lone)
         # best[p, j]: the first cuts[j] sorted sequences in p phases; back[p, j] the cut before the last phase.
         best = np.full((MAX_PHASES + 1, m), np.inf)
         back = np.zeros((MAX_PHASES + 1, m), dtype=np.int64)
@@ -105,6 +108,16 @@ class PhasedPlanner(Planner):
             phases = tuple(order[cuts[bounds[q]] : cuts[bounds[q + 1]]] for q in range(p))
             out.append(Split(phases, float(best[p, m - 1]) + (p - 1) * self.switch_s))
         return sorted(out, key=lambda x: x.estimate_s)
+
+    def _estimate(self, part: np.ndarray, lone: np.ndarray) -> float:
+        """The greedy makespan of a phase on the best deployment that holds it (inf where none has room)."""
+        best = np.inf
+        for k in np.flatnonzero(lone >= part[-1]):
+            try:
+                best = min(best, dispatch(part, self._tables[k], search=False).makespan_s)
+            except NoRoom:  # more sequences beyond the caps than lone micro-batches to hold them
+                continue
+        return best
 
     def _plan_split(self, lengths: np.ndarray, split: Split, step: int) -> Schedule:
         """Every phase planned on its own (the planner picks its deployment), then the whole simulated."""

@@ -57,7 +57,8 @@ class IterationPlan:
         return [lengths[list(mb)] for mb in self.replicas[replica].micro_batches]
 
     def validate(self, cost: CostModel | None = None, num_gpus: int | None = None, where: str = "plan") -> None:
-        """Every sequence exactly once, in range; caps hold if a cost model is given. O(sequences), vectorised."""
+        """Every sequence exactly once, in range; caps hold if a cost model is given (a replica's lone
+        micro-batch: its lone cap). O(sequences), vectorised."""
         n = len(self.lengths)
         if len(self.replicas) != len(self.deployment.replicas):
             raise HydraulisError(
@@ -65,7 +66,7 @@ class IterationPlan:
             )
         lengths = self.lengths_array
         seen = np.zeros(n, dtype=np.int64)
-        caps: dict[ParallelConfig, int] = {}
+        caps: dict[tuple[ParallelConfig, bool], int] = {}
         for r, replica in enumerate(self.replicas):
             mbs = replica.micro_batches
             if not mbs:
@@ -87,9 +88,10 @@ class IterationPlan:
                 raise HydraulisError(f"{where}: replica {r} micro-batch {m} has index {i}, outside 0..{n - 1}")
             seen += np.bincount(flat, minlength=n)
             if cost is not None:
-                if config not in caps:
-                    caps[config] = cost.cap(config, num_gpus or self.deployment.num_gpus)
-                cap = caps[config]
+                key = (config, len(mbs) == 1)  # a lone micro-batch has the lone cap (CostModel.lone_cap)
+                if key not in caps:
+                    caps[key] = cost.micro_batch_cap(config, num_gpus or self.deployment.num_gpus, len(mbs))
+                cap = caps[key]
                 tokens = np.add.reduceat(lengths[flat], ends - sizes)
                 if (tokens > cap).any():
                     m = int(np.argmax(tokens > cap))

@@ -21,6 +21,7 @@ often it was chosen is recorded as its usage.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ import numpy as np
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment, ParallelConfig
-from hydraulis.planner.dispatch import dispatch
+from hydraulis.planner.dispatch import NoRoom, dispatch
 from hydraulis.planner.phases import PhasedPlanner
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import (
@@ -113,10 +114,10 @@ def dp_deployments(
     configs = usable_configs(cost, cluster)
     # CP configs enter the programme only for ranges no cp = 1 config holds (candidate_deployments
     # offers them where they pay on long sequences that cp = 1 configs hold too).
-    plain_cap = max((cost.cap(g, N) for g in configs if g.cp == 1), default=0)
-    configs = [g for g in configs if g.cp == 1 or (plain_cap < hist.max_length and cost.cap(g, N) > plain_cap)]
+    plain_cap = max((cost.lone_cap(g, N) for g in configs if g.cp == 1), default=0)
+    configs = [g for g in configs if g.cp == 1 or (plain_cap < hist.max_length and cost.lone_cap(g, N) > plain_cap)]
     group_time = aware_group_time(cost, configs, hist, N) if aware else published_group_time(cost, configs, hist)
-    bounds = length_boundaries(hist, [cost.cap(c, N) for c in configs])
+    bounds = length_boundaries(hist, [cap for c in configs for cap in (cost.cap(c, N), cost.lone_cap(c, N))])
     out = []
     for max_length, _, groups in range_dp(cost, N, hist, configs, group_time, bounds):
         deployment = groups_to_deployment(groups, cluster)
@@ -143,10 +144,11 @@ def _plan_times(
     planner = Planner(cost, cluster.num_gpus, candidates[:1])
     times = np.full((len(candidates), len(batches)), np.inf)
     for i, d in enumerate(candidates):
-        top = max(cost.cap(c, cluster.num_gpus) for c in d.configs)
+        top = max(cost.lone_cap(c, cluster.num_gpus) for c in d.configs)
         for j, b in enumerate(batches):
             if int(b.max()) <= top:
-                times[i, j] = planner.plan_on(b, d).predicted_time_s
+                with contextlib.suppress(NoRoom):
+                    times[i, j] = planner.plan_on(b, d).predicted_time_s
         if progress:
             progress("planning samples", i + 1, len(candidates))
     return times
@@ -190,7 +192,7 @@ def _fluid_estimates(
                 cap = cost.cap(g, N)
                 work = k.a * squares + k.b * tokens + k.c * tokens / max(cap, 1)
                 trip = g.pp * (k.a * longest**2 + k.b * longest + k.c)
-                rows.append((work, trip, cap >= longest))
+                rows.append((work, trip, cost.lone_cap(g, N) >= longest))
             fits = np.array([r[2] for r in rows])  # [groups, bins]
             if not fits.any(axis=0).all():
                 continue
@@ -233,7 +235,8 @@ def _screen(
     alive = np.arange(len(candidates))
     # Large batches make each dispatch slow: past a budget, a fluid LP proxy picks whom to dispatch.
     start = time.perf_counter()
-    dispatch(batches[0], tables[0], search=False)
+    with contextlib.suppress(NoRoom):  # timing one call: whether it finds room does not matter
+        dispatch(batches[0], tables[0], search=False)
     per_call = time.perf_counter() - start
     affordable = int(SCREEN_BUDGET_S / max(per_call, 1e-6) / 2)
     if len(alive) > max(affordable, 3 * keep):
@@ -243,8 +246,9 @@ def _screen(
         alive = np.argsort(score, kind="stable")[: max(affordable, 3 * keep)]
     for j, b in enumerate(batches):
         for i in alive:
-            if int(tables[i].cap.max()) >= int(b.max()):
-                est[i, j] = dispatch(b, tables[i], search=False).makespan_s
+            if int(tables[i].lone_cap.max()) >= int(b.max()):
+                with contextlib.suppress(NoRoom):  # lone micro-batches for fewer long sequences than it has
+                    est[i, j] = dispatch(b, tables[i], search=False).makespan_s
         seen = est[:, : j + 1]
         ratio = seen / np.nanmin(seen, axis=0, keepdims=True)
         # Mean ratio to the best over the batches a candidate was estimated on; unusable ones rank last.

@@ -157,9 +157,13 @@ def simulate(plan: IterationPlan, cost: CostModel, keep_events: bool = True) -> 
     stage_times = [replica_stage_times(plan, r, cost) for r in range(len(plan.deployment.replicas))]
     if shared is not None:
         # On shared CPU cores only replicas with work compete, and each speeds up as others finish.
-        alone = [simulate_replica(t, d.config.pp, c, keep_events=False).time_s
+        lines = [simulate_replica(t, d.config.pp, c, keep_events=False)
                  for (t, c), d in zip(stage_times, plan.deployment.replicas, strict=True)]
-        finish = shared.finish_times(plan.deployment.configs, np.array(alone))
+        alone = [tl.time_s for tl in lines]
+        # A pipelined replica's ranks compute only outside its bubbles (a lone micro-batch: one stage at a time).
+        ranks = [d.config.tp * d.config.cp * tl.stage_busy_s.sum() / tl.time_s if tl.time_s > 0 else d.config.num_gpus
+                 for tl, d in zip(lines, plan.deployment.replicas, strict=True)]
+        finish = shared.finish_times(plan.deployment.configs, np.array(alone), np.array(ranks))
         stage_times = [
             ([x * f / a for x in t] if a > 0 else t, c)
             for (t, c), a, f in zip(stage_times, alone, finish, strict=True)

@@ -27,6 +27,7 @@ deployment, so runs on different deployments or world sizes see the same losses.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -76,6 +77,7 @@ class TrainSettings:
     reduce_dtype: str = "fp32"  # what gradients travel in to their owners (summed in fp32 there)
     timeout_s: float = DEFAULT_TIMEOUT_S  # process-group timeout after the first step (timeouts.py)
     memory_every: int = CPU_SAMPLE_EVERY  # on CPU, measure memory every this many steps (step_memory.py)
+    memory_budget_bytes: int | None = None  # [parallel] memory_per_rank: each rank's measured peak is checked
     overlap: bool = True  # gather and reduce beside compute (runtime/overlap.py)
 
     def schedule_state(self) -> dict[str, Any]:
@@ -129,6 +131,7 @@ class StepMetrics:
     phases: int = 1  # deployments one after another in this iteration (runtime/phases.py)
     phase_switch_s: float = 0.0  # their switches, measured (the rank that waited least: the switches alone)
     phase_switch_predicted_s: float = 0.0
+    memory_over_budget: bool = False  # a rank's measured peak exceeded [parallel] memory_per_rank
 
     @property
     def tokens_per_s(self) -> float:
@@ -209,7 +212,7 @@ class Trainer:
             timeout,
         )
         self._timeouts_settled = False
-        self.memory = StepMemory(self.env.device, self.optimizer, settings.memory_every)
+        self.memory = StepMemory(self.env.device, self.optimizer, settings.memory_every, settings.memory_budget_bytes)
         self.planner = PhasedPlanner(settings.cost, self.world, settings.pool) if self.rank == 0 else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner") if self.rank == 0 else None
         self.step_index = 0
@@ -293,7 +296,10 @@ class Trainer:
     def run_schedule(self, batch: GlobalBatch, schedule: Schedule, planning_unhidden_s: float = 0.0) -> StepMetrics:
         """Its phases one after another (runtime/phases.py), then one optimizer step on their summed gradients."""
         s = self.settings
-        self.memory.start(s.pool.index(schedule.phases[0].deployment), self.step_index)
+        indices = [s.pool.index(p.deployment) for p in schedule.phases]
+        peak = max(predicted_peak(s.cost, s.model, self.deployments.parts[k], p, self.world, self.dtype,
+                                  s.exchange_bucket_bytes) for k, p in zip(indices, schedule.phases, strict=True))
+        self.memory.start(indices[0], self.step_index, peak)
         start = time.perf_counter()
         targets = self.batch_targets(batch)
         runs = run_phases(self, batch, schedule, targets)
@@ -306,8 +312,7 @@ class Trainer:
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         finished = time.perf_counter()  # the iteration ends here; what follows only reports on it
-        memory = self.memory.stop(max(predicted_peak(s.cost, s.model, r.part, r.plan, self.world, self.dtype,
-                                                     s.exchange_bucket_bytes) for r in runs))
+        memory = self.memory.stop()
         self.last_memory = memory  # this rank's own figures (the metrics carry the largest over ranks)
         for r in runs:
             r.part.clear_grads()
@@ -345,6 +350,7 @@ class Trainer:
             phases=len(runs),
             phase_switch_s=-peaks[7],
             phase_switch_predicted_s=schedule.switch_s * (len(runs) - 1),
+            memory_over_budget=s.memory_budget_bytes is not None and peaks[0] > s.memory_budget_bytes,
         )
         self.step_index += 1
         if not self._timeouts_settled:  # the first step is done: every group gets the steady timeout
@@ -358,30 +364,30 @@ class Trainer:
 
         Real iterations (gather, 1F1B, reduce, AdamW), timed as `run_iteration` times them; the
         optimizer state and step index are restored afterwards, so training is unchanged.
-        Returns None when no batch was kept or no homogeneous deployment holds them all.
+        Returns None when no batch was kept or no homogeneous deployment holds them all. A deployment that
+        could not hold some batch of the run is left out: a homogeneous run could not have used it (under
+        `[parallel] memory_per_rank`, the comparison is with the homogeneous plans that fit the budget).
         """
         pairs = list(self.recent)
         if not pairs:
             return None
         pool = self.settings.pool
-        candidates = [k for k, d in enumerate(pool) if d.is_homogeneous]
-        payload = None
+        candidates = [k for k, d in enumerate(pool) if d.is_homogeneous]  # that held every batch of the run:
+        candidates = [k for k in candidates if self.planner is None or k not in self.planner.missed]
+        payload, made = None, {}
         if self.planner is not None:
-            longest = max(int(b.lengths.max()) for b, _ in pairs)
-            usable = [k for k in candidates if self.planner.holds(pool[k], longest)]
-            payload = np.array([len(usable), *usable], dtype=np.int64)
+            for k in candidates:  # a deployment that cannot hold every batch (within the caps) is left out
+                with contextlib.suppress(HydraulisError):
+                    made[k] = [encode_plan(self.planner.plan_on(b.lengths, pool[k], p.step), k) for b, p in pairs]
+            payload = np.array([len(made), *made], dtype=np.int64)
         usable = [int(k) for k in self._broadcast(payload)[1:]]
         if not usable:
             return None
         plans: dict[str, list[Schedule]] = {"planned": [p for _, p in pairs]}
         for k in usable:
-            homogeneous = []
-            for batch, plan in pairs:
-                made = None
-                if self.planner is not None:
-                    made = encode_plan(self.planner.plan_on(batch.lengths, pool[k], plan.step), k)
-                homogeneous.append(Schedule.single(decode_plan(self._broadcast(made), plan.step, batch.lengths, pool)))
-            plans[str(pool[k])] = homogeneous
+            mine = made.get(k, [None] * len(pairs))  # rank 0 made them; the others receive them
+            plans[str(pool[k])] = [Schedule.single(decode_plan(self._broadcast(m), p.step, b.lengths, pool))
+                                   for m, (b, p) in zip(mine, pairs, strict=True)]
         saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.optimizer.state_dict().items()}
         step_index = self.step_index
         seconds: dict[str, list[float]] = {name: [] for name in plans}
