@@ -315,13 +315,15 @@ def test_data_build_sweeps_what_a_killed_build_left(cli, tmp_path):
     other = tmp_path / ".other.k1ll3d.tmp"  # a killed build of another corpus in the same directory
     other.mkdir()
     (other / ".owner").write_text(dead.stdout.strip())
+    named = tmp_path / f".other.{dead.stdout.strip()}-x7.tmp"  # another corpus's, killed before its .owner
+    named.mkdir()
     foreign = tmp_path / ".notes.tmp"  # not a build's (no mark): left alone
     foreign.mkdir()
     res = cli("data", "build", str(src), "-o", str(tmp_path / "corpus"), "-t", "bytes")
     assert res.returncode == 0, res.stderr
-    assert "removed 3 temporary directories left by an interrupted build" in res.stderr
+    assert "removed 4 temporary directories left by an interrupted build" in res.stderr
     assert tree(tmp_path) >= {"corpus", ".corpus.bu5y.tmp", ".notes.tmp"}
-    assert not stale.exists() and not unmarked.exists() and not other.exists()
+    assert not stale.exists() and not unmarked.exists() and not other.exists() and not named.exists()
 
 
 def test_sigkill_during_a_real_build_then_the_next_build_sweeps(cli, tmp_path):
