@@ -64,9 +64,9 @@ def layer_bytes(model: ModelSpec, tp: int, dtype_bytes: int, sequence_parallel: 
 
 def backward_bytes(model: ModelSpec, tp: int, dtype_bytes: int) -> float:
     """Per token: what a layer's backward holds beyond what the layers keep, at its largest: SwiGLU's (fused.py),
-    the incoming gradient, the sigmoid it recomputes and the two gradients it returns, less w2's input, which
-    w2's backward has freed by then (3 d ffn / tp)."""
-    return 3 * dtype_bytes * model.ffn / tp
+    the incoming gradient and up's gradient, less w2's input, which w2's backward has freed by then, and silu's
+    derivative in fp32 (the sigmoid and its complement: (d + 2 x 4) ffn / tp)."""
+    return (dtype_bytes + 2 * WIDE_BYTES) * model.ffn / tp
 
 
 def rope_bytes(model: ModelSpec, dtype_bytes: int) -> float:

@@ -7,7 +7,7 @@ hidden column went to the norms and 5.4 to silu's output. These functions
 keep only the input (compute dtype) and the fp32 rsqrt, and the two
 projections, and recompute the rest in backward (element-wise work, no
 GEMM): the norm in fp32 as its forward, SwiGLU in the compute dtype and in
-place, so that its backward holds one temporary beside its two gradients. Their outputs and gradients are
+place but for silu's derivative, in fp32 (two temporaries beside its gradients). Their outputs and gradients are
 those of the op-by-op forms (tests/runtime/test_hf_oracle.py checks them
 against transformers); cost/activations.py counts what they keep.
 """
@@ -51,11 +51,13 @@ class _SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # In place where it can: beside the two gradients it returns, one temporary of the input's size.
+        # In place where it can; silu's derivative (sigmoid and its complement) in fp32 beside the two gradients.
         gate, up = ctx.saved_tensors
-        sigmoid = torch.sigmoid(gate)
-        grad_up = (gate * sigmoid).mul_(grad)
-        grad_gate = torch.sub(1, sigmoid).mul_(gate).add_(1).mul_(sigmoid).mul_(grad).mul_(up)
+        grad_up = (gate * torch.sigmoid(gate)).mul_(grad)
+        # silu's derivative in fp32: in the compute dtype its rounding alone put bf16 gradients past 7e-3 of fp32's
+        factor = torch.sigmoid(gate.float())
+        factor = torch.sub(1, factor).mul_(gate).add_(1).mul_(factor).to(gate.dtype)
+        grad_gate = factor.mul_(grad).mul_(up)
         return grad_gate, grad_up
 
 
