@@ -12,7 +12,7 @@ token-budget sampler over a built-in corpus):
   document. benchmarks/peer_models.py says how they train Hydraulis's exact objective (same weights,
   loss, AdamW, clipping) and how documents are split over ranks (greedy by tokens, in batch order).
 
-Setting `bounded`: memory binds, as on GPUs. Every rank may hold 50 MiB of tensors (`[parallel]
+Setting `bounded`: memory binds, as on GPUs. Every rank may hold 36 MiB of tensors (`[parallel]
 memory_per_rank`, emulated: the caps are computed for it, in fp32), and a tp1 replica does not hold the
 longest documents. The baselines, on the same batches, are what a user of a homogeneous system does then:
 each homogeneous deployment of the pool that holds every batch of an epoch of the data (a user picks one
@@ -119,14 +119,14 @@ SETTINGS = {
                    "short sequences: BBC articles as bytes in pieces up to 512"),
     "small": Setting("small", "bbc-news", "gpt2", 2048, 4096, "small@cpu",
                      "GPT-2 tokens of BBC articles (p50 422, p90 776, up to 2,048)"),
-    # Memory binds: at 50 MiB per rank a tp1 replica holds 1,408 tokens, tp1pp2 1,792 in each of several
-    # micro-batches and 2,688 in a lone one, tp2pp1 2,432 (`hydraulis caps -p tiny@cpu-measured -n 4
-    # --memory-per-rank 50MiB --dtype fp32`); CPython's files up to 2,048 bytes, longer ones left out.
+    # Memory binds: at 36 MiB per rank a tp1 replica holds 1,536 tokens, tp1pp2 1,664 in each of several
+    # micro-batches and 2,816 in a lone one, tp2pp1 2,560 (`hydraulis caps -p tiny@cpu-measured -n 4
+    # --memory-per-rank 36MiB --dtype fp32`); CPython's files up to 2,048 bytes, longer ones left out.
     "bounded": Setting("tiny", "python-stdlib", "bytes", 2048, 6144, "tiny@cpu-measured",
                        "CPython's .py files as bytes, those up to 2,048 (p10 61, p50 715, p90 1,640)",
                        "2x(tp2,pp1); 2x(tp1,pp2); 1x(tp1,pp2) + 2x(tp1,pp1); 4x(tp1,pp1); "
                        "1x(tp1,pp2) + 1x(tp2,pp1); 1x(tp2,pp2)",
-                       "drop", "50MiB", ("ddp-doc", *CHECKPOINTED)),
+                       "drop", "36MiB", ("ddp-doc", *CHECKPOINTED)),
 }
 
 

@@ -47,7 +47,7 @@ def reference():
     model = StageModel(SPEC)
     model.load_full_state_dict(ModelLayout(SPEC, 1).full_state_dict(SEED))
     batch = pack_documents(docs)
-    loss = micro_batch_loss(model, model(batch.tokens, batch), batch) / count_targets(LENGTHS)
+    loss = micro_batch_loss(model, batch.tokens, batch) / count_targets(LENGTHS)
     loss.backward()
     return docs, float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
 

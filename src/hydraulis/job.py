@@ -219,10 +219,11 @@ def check_exchange_bucket(config: RunConfig, cost: CostModel) -> None:
 
 
 def budgeted(config: RunConfig, cost: CostModel) -> CostModel:
-    """The cost model whose caps are for this job: its compute dtype, exchange bucket and, with
-    `[parallel] memory_per_rank`, that budget in place of the device's memory."""
+    """The cost model whose caps are for this job: its compute dtype, exchange bucket, sequence parallelism
+    and, with `[parallel] memory_per_rank`, that budget in place of the device's memory."""
     bucket = int(config.parallel.exchange_bucket_mb * (1 << 20))
-    return cost.for_job(config.parallel.budget_bytes(), DTYPE_BYTES[config.train.dtype], bucket)
+    return cost.for_job(config.parallel.budget_bytes(), DTYPE_BYTES[config.train.dtype], bucket,
+                        config.parallel.sequence_parallel)
 
 
 def check_budget(

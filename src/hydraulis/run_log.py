@@ -186,9 +186,12 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "planning_unhidden_s": sum(r["planning_unhidden_s"] for r in rows),
         "iteration_error_median": statistics.median(errors) if errors else 0.0,
         "iteration_error_max": max(errors) if errors else 0.0,
-        # The largest over steps of each rank-wise maximum (runtime/step_memory.py).
+        # The largest over steps of each rank-wise maximum (runtime/step_memory.py); the prediction over the
+        # measured steps only (CPU measures a sample of them), so the two describe the same iterations.
         "memory_peak_bytes": max(r.get("memory_peak_bytes", 0) for r in rows),
-        "memory_predicted_bytes": max(r.get("memory_predicted_bytes", 0) for r in rows),
+        "memory_predicted_bytes": max(
+            (r.get("memory_predicted_bytes", 0) for r in rows if r.get("memory_peak_bytes", 0) > 0), default=0
+        ),
         "exchange_peak_bytes": max(r.get("exchange_peak_bytes", 0) for r in rows),
         "memory_error_max": max(r.get("memory_error", 0.0) for r in rows),
         # steps on which a rank's measured peak exceeded [parallel] memory_per_rank

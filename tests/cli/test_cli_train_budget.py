@@ -19,8 +19,8 @@ from hydraulis.data.indexed import build_corpus  # noqa: E402
 pytestmark = pytest.mark.dist
 
 MiB = 2**20
-# tiny@cpu-measured in fp32 at 40 MiB per rank: tp1pp1 holds 1,024 tokens per micro-batch (1,152 alone), tp2pp1
-# 1,920, tp1pp2 1,408 each of several and 2,048 as a replica's lone micro-batch (`hydraulis caps`).
+# tiny@cpu-measured in fp32 at 40 MiB per rank: tp1pp1 holds 1,664 tokens per micro-batch (1,792 alone), tp2pp1
+# 2,816, tp1pp2 1,792 each of several and 3,200 as a replica's lone micro-batch (`hydraulis caps`).
 BUDGET = "40MiB"
 PARALLEL = (
     'pool = "1x(tp1,pp2) + 1x(tp2,pp1); 1x(tp1,pp2) + 2x(tp1,pp1); 4x(tp1,pp1)"\n'
@@ -30,7 +30,7 @@ PARALLEL = (
 
 @pytest.fixture(scope="module")
 def long_tail(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Short documents and a few that no tp1 replica holds under the budget (1,500 to 1,900 bytes)."""
+    """Short documents and a few long ones (1,500 to 1,900 bytes): 1,900 no tp1 replica holds under the budget."""
     rng = np.random.default_rng(1)
     letters = list(string.ascii_lowercase + " ")
     sizes = [*rng.integers(80, 700, size=40), 1500, 1700, 1900]

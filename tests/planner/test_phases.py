@@ -29,7 +29,7 @@ from hydraulis.planner.sim import simulate
 from hydraulis.specs import ClusterSpec
 
 CLUSTER = ClusterSpec(16)
-BIG = load_cost_model("llama-32b@a800-80g")  # on 16 GPUs only tp16pp1 holds 16K; tp8pp2 holds 11,264
+BIG = load_cost_model("llama-32b@a800-80g")  # on 16 GPUs only tp16pp1 holds 16K; tp8pp2 holds 15,360
 BIG_POOL = ("1x(tp16,pp1)", "1x(tp8,pp2)")
 SMALL = load_cost_model("llama-7b@a800-80g")
 SMALL_POOL = ("4x(tp4,pp1)", "8x(tp2,pp1)", "1x(tp8,pp1) + 4x(tp2,pp1)", "8x(tp1,pp2)")
@@ -62,10 +62,10 @@ def test_long_sequences_get_their_own_phase_when_that_pays():
     assert len(schedule.phases) == 2
     first, last = schedule.phases
     assert str(last.deployment) == "1x(tp16,pp1)" and str(first.deployment) == "1x(tp8,pp2)"
-    assert sorted(last.lengths)[-6:] == [16384] * 6 and max(first.lengths) <= 11264
+    assert sorted(last.lengths)[-6:] == [16384] * 6 and max(first.lengths) <= 15360
     assert schedule.iteration_time_s == pytest.approx(by_hand(schedule, BIG), rel=1e-12)
     single = Planner(BIG, CLUSTER.num_gpus, p.pool).plan(b, 3)
-    assert schedule.iteration_time_s < 0.9 * single.predicted_time_s
+    assert schedule.iteration_time_s < 0.95 * single.predicted_time_s  # 0.91 (0.89 when tp8pp2 held 11,264)
     assert schedule.switch_s == BIG.grad_sync_time(CLUSTER.num_gpus)
     assert schedule.planning_time_s > 0 and schedule.step == 3
 

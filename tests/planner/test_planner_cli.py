@@ -53,8 +53,8 @@ def test_overlong_error_names_length_and_cap(cli, tmp_path):
     w = write(tmp_path / "w.json", [[100, 200, 300000]])
     out = tmp_path / "plan.json"
     res = cli("plan", "--gpus", "16", "--workload", str(w), "--out", str(out))
-    # tp4pp4 holds a lone micro-batch once per stage, not four times (1F1B's in-flight count)
-    one_line_error(res, "300000 tokens", f"largest cap {COST.lone_cap(ParallelConfig(4, 4), 16)}", "tp4pp4")
+    # tp2pp8 holds a lone micro-batch once per stage, not eight times (1F1B's in-flight count)
+    one_line_error(res, "300000 tokens", f"largest cap {COST.lone_cap(ParallelConfig(2, 8), 16)}", "tp2pp8")
     assert not out.exists()
     res = cli("plan", "--gpus", "16", "--workload", str(w), "--pool", "8x(tp2,pp1)", "--out", str(out))
     one_line_error(res, "300000 tokens", f"largest cap {TP2_CAP}", "tp2pp1")

@@ -181,13 +181,13 @@ def test_screening_falls_back_to_the_fluid_proxy_past_its_budget(monkeypatch):
 
 
 def test_under_a_memory_budget_deep_replicas_are_proposed_for_the_long_documents(cli, tmp_path):
-    """tiny@cpu-measured, fp32, 50 MiB per rank: a tp1 replica holds 1,408 tokens, so documents up to 2,048
+    """tiny@cpu-measured, fp32, 50 MiB per rank: a tp1 replica holds 2,176 tokens, so documents up to 3,072
     need a deeper or a wider replica. On this profile p2p is cheap (129 us) and a tp2 micro-batch pays about
     41 ms of collectives: the proposal holds the long documents on pipelined tp1 replicas."""
     rng = np.random.default_rng(0)
-    lengths = np.minimum(rng.lognormal(6.3, 0.9, 4000).astype(np.int64) + 16, 2048)
+    lengths = np.minimum(rng.lognormal(6.7, 0.9, 4000).astype(np.int64) + 16, 3072)
     batches_ = [lengths[i : i + 9].tolist() for i in range(0, 9 * 12, 9)]
-    assert all(max(b) <= 2048 for b in batches_) and sum(max(b) > 1408 for b in batches_) >= 3
+    assert all(max(b) <= 3072 for b in batches_) and sum(max(b) > 2176 for b in batches_) >= 3
     workload = tmp_path / "w.json"
     workload.write_text(json.dumps({"schema": "hydraulis.workload/1", "name": "tail", "batches": batches_}))
     args = ("-p", "tiny@cpu-measured", "-n", "4", "-w", str(workload), "--max-pool", "3", "--json")

@@ -63,12 +63,14 @@ def run_scenarios(
 # ------------------------------------------------------------ training: a pool with cp4 and cp2 deployments
 
 CP_TRAIN_STEPS = 4
-LONG_DOC = 512  # 4x the tp1pp1 cap of the profile below: only the cp4 replica can hold it
+LONG_DOC = 512  # 4x the tp1pp1 lone cap of the profile below: only the cp4 replica can hold it
 
 
 def cp_train_cost():
-    """tiny's measured CPU profile with cp rows and memory for 200 tokens on tp1pp1: its cap is 128, and
-    cp4's rank holds ceil(512 / 4) + 8 tokens plus the kept K/V and the logits (cap 512), cp2's cap is 256."""
+    """tiny's measured CPU profile with cp rows and just too little memory for 256 tokens on tp1pp1, even as a lone
+    micro-batch: its lone cap is 128, and cp4's rank holds ceil(512 / 4) + 8 tokens plus the kept K/V and the
+    loss head's (cap 512 or more), while cp2's lone micro-batch holds less than 512."""
+    import dataclasses
     from importlib import resources
 
     from hydraulis.cost.profiled import ProfiledCostModel
@@ -76,13 +78,12 @@ def cp_train_cost():
     data = json.loads(resources.files("hydraulis.cost.profiles").joinpath("tiny-cpu-measured.json").read_text())
     base = ProfiledCostModel.from_dict(data)
     mem, g = base.memory, ParallelConfig(1, 1)
-    data["device"]["memory_bytes"] = int(
-        mem.safety_margin_bytes + mem.context_overhead_bytes + mem.static_bytes(g, base.model, 4)
-        # the caps' compute dtype (bf16) against the profile's own (fp32) activation factors
-        + mem.bytes_per_token(g, base.model, False) * mem.compute_dtype_bytes / mem.activation_dtype_bytes
-        * (LONG_DOC // 4 + 72)
-        + mem.exchange_buffer_bytes(base.model)  # the exchange's buffers, beside the activations
-    )
+    low, high = 0, 1 << 40  # the cap grows with the memory: the least memory whose lone cap is 256 tokens
+    while high - low > 1:
+        mid = (low + high) // 2
+        fits = dataclasses.replace(mem, memory_bytes=mid).cap(g, base.model, 4, micro_batches=1) >= 256
+        low, high = (low, mid) if fits else (mid, high)
+    data["device"]["memory_bytes"] = low
     row = next(r for r in data["time_ms"] if (r["tp"], r["pp"]) == (1, 1))
     data["time_ms"] += [{**row, "cp": 4}, {**row, "cp": 2}]
     return ProfiledCostModel.from_dict(data)

@@ -127,7 +127,7 @@ def test_packed_model_matches_hf_per_document(spec):
         targets = batch.targets[start:end]
         doc_loss = F.cross_entropy(logits[start:end], targets, ignore_index=IGNORE_INDEX, reduction="sum")
         assert float(doc_loss.detach()) == pytest.approx(ref["losses"][i], rel=RTOL, abs=1e-6), f"document {i}"
-    loss = micro_batch_loss(model, logits, batch) / count_targets(LENGTHS)
+    loss = micro_batch_loss(model, batch.tokens, batch) / count_targets(LENGTHS)
     assert float(loss.detach()) == pytest.approx(ref["loss"], rel=RTOL)
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}

@@ -16,11 +16,11 @@ from hydraulis.runtime import (
     TensorParallel,
     attention_backend,
     count_targets,
+    head_cross_entropy,
     pack_documents,
     packed_attention,
     single_process_groups,
     train_step,
-    vocab_parallel_cross_entropy,
 )
 from hydraulis.runtime.layout import reset_parameters
 from hydraulis.runtime.model import apply_rope, rope_tables
@@ -151,18 +151,25 @@ def test_rope_is_a_relative_rotation():
     torch.testing.assert_close((rotated_q[1] * rotated_k[0]).sum(-1), (rotated_q[3] * rotated_k[2]).sum(-1))
 
 
-def test_cross_entropy_equals_torch():
+@pytest.mark.parametrize("tokens", [9, 700])  # one chunk; several (at least LOSS_CHUNK_MIN_ROWS rows each)
+def test_chunked_head_cross_entropy_equals_torch_on_whole_logits(tokens):
+    """Loss and both gradients of the chunked head against F.cross_entropy on the full logits; padded vocabulary
+    columns (beyond `valid`) take no probability."""
     g = torch.Generator().manual_seed(1)
-    logits = torch.randn(9, 32, generator=g, dtype=torch.float64, requires_grad=True)
-    targets = torch.randint(0, 32, (9,), generator=g)
+    h = torch.randn(tokens, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(40, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 37, (tokens,), generator=g)
     targets[[2, 5]] = IGNORE_INDEX
-    loss = vocab_parallel_cross_entropy(logits, targets, 0, TensorParallel())
-    ref = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
+    loss = head_cross_entropy(h, weight, targets, 0, 37, TensorParallel())
+    logits = (h @ weight.t())[:, :37]
+    ref = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
     torch.testing.assert_close(loss, ref)
-    upstream = torch.rand(9, dtype=torch.float64)
-    torch.testing.assert_close(
-        torch.autograd.grad(loss, logits, upstream)[0], torch.autograd.grad(ref, logits, upstream)[0]
-    )
+    upstream = torch.tensor(0.37, dtype=torch.float64)
+    got = torch.autograd.grad(loss, (h, weight), upstream)
+    want = torch.autograd.grad(ref, (h, weight), upstream)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    assert got[1][37:].abs().max() == 0  # padded rows of the head: no gradient
 
 
 def test_single_process_step_equals_per_document_reference():

@@ -5,10 +5,10 @@ attention adds 2*s*h per token (so a*s^2 per sequence). Training is 3x forward,
 4x with full recompute. TP adds 4*2*(tp-1)/tp*S*h elements of collectives per
 layer and micro-batch (forward plus backward). Context parallelism (cp > 1)
 splits each sequence's tokens over cp GPUs, so a and b both divide by cp, and
-the K/V exchange over the CP group adds to b and c (model.kv_exchange). The default efficiencies and
-activation factors are calibrated against the published LLaMA-7B A800 profile,
-so analytic and profiled caps and times agree to within about 15 to 30 percent;
-the training state is the runtime's own (`TrainingState`).
+the K/V exchange over the CP group adds to b and c (model.kv_exchange). The default efficiencies are
+calibrated against the published LLaMA-7B A800 profile, so analytic and
+profiled times agree to within about 15 to 30 percent; the training state and
+the activations are the runtime's own (`TrainingState`, activations.py).
 """
 
 from __future__ import annotations
@@ -73,14 +73,13 @@ class AnalyticCostModel(CostModel):
             # (GEMMs, head, TP collectives) divides by cp as the attention does; K/V cross the CP group.
             kv_b, kv_c = kv_exchange(model, device, config)
             coefficients[config] = Coefficients(attn, (gemm + head + comm) / config.cp + kv_b, overhead + kv_c)
-        # The runtime's training state (bf16 compute shard and its fp32 main gradient; fp32 master,
-        # moments and reduced gradient sharded over all GPUs): exactly what `rank_memory` counts.
+        # The runtime's training state (bf16 compute shard and its gradient sum; fp32 master, moments and
+        # reduced gradient sharded over all GPUs) and its own activations: exactly what `rank_memory` counts.
         held = TrainingState()
         state = held.total_bytes * model.params_per_layer / (H * H)
-        activation = {tp: 36.5 + 1.5 * tp for tp in (1, 2, 4, 8, 16)}
         memory = MemoryModel(
             memory_bytes=device.memory_bytes,
-            activation_bytes_per_token_hidden_layer=activation,
+            activation_bytes_per_token_hidden_layer={},
             state_bytes_per_hidden2_layer=state,
             optimizer_sharded_fraction=held.sharded_fraction,
             context_overhead_bytes=5 * 1000 * 2**20,

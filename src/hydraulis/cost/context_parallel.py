@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from hydraulis.cost.memory import KV_BYTES, kv_shard_dim
+from hydraulis.cost.activations import kv_shard_dim
+from hydraulis.cost.memory import KV_BYTES
 from hydraulis.cost.model import RECOMPUTE_TIME, Coefficients, CostModel
 from hydraulis.limits import MAX_GPUS
 from hydraulis.parallel import ParallelConfig

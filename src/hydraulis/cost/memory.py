@@ -2,13 +2,14 @@
 
 `TrainingState` is the one definition of bytes per parameter that the
 analytic memory model and the runtime's prediction of its peak both read;
-`rank_memory` is one rank's peak buffer by buffer, which the trainer logs
-beside the peak torch's allocator measures (runtime/step_memory.py);
-`MemoryModel.cap`, the most tokens a micro-batch of a config may hold
-(docs/design.md, section 4), is the largest micro-batch whose `rank_memory`
-peak fits on the config's first and last stage: under CP with the K/V
-buffers attention keeps, and zero where the state and the optimizer
-exchange's buffers do not fit.
+activations.py counts what the runtime's layers and loss head keep for
+backward; `rank_memory` is one rank's peak buffer by buffer, which the
+trainer logs beside the peak torch's allocator measures
+(runtime/step_memory.py); `MemoryModel.cap`, the most tokens a micro-batch
+of a config may hold (docs/design.md, section 4), is the largest
+micro-batch whose `rank_memory` peak fits on the config's first and last
+stage: under CP with the K/V buffers attention keeps, and zero where the
+state and the optimizer exchange's buffers do not fit.
 """
 
 from __future__ import annotations
@@ -19,18 +20,17 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hydraulis.context import max_rank_tokens
+from hydraulis.cost.activations import backward_bytes, head_bytes, kv_shard_dim, loss_transient_bytes, stack_bytes
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import ModelSpec
 
 CAP_GRANULARITY = 128
 DEFAULT_EXCHANGE_BUCKET_BYTES = 256 << 20  # [parallel] exchange_bucket_mb's default
-RECOMPUTE_INPUT_BYTES = 2  # a layer's input kept under full recompute (bf16)
+RECOMPUTE_INPUT_BYTES = 2  # a layer's input kept under full recompute (bf16), with a published activation factor
 KV_BYTES = 2  # K and V travel over the CP group in the compute dtype (bf16)
 LIVE_KV_COPIES = 3  # document-sized K/V copies of the one layer in CP backward (kv_buffer_bytes)
-LOGIT_COPIES = 2  # the head's fp32 logits and their gradient, both live in the loss's backward
-LOGIT_BYTES = 4
-MAIN_GRAD_BYTES = 4  # fp32 main gradients under bf16 compute (runtime/main_grad.py)
-ACTIVATION_DTYPE_BYTES = 2  # the activation factors are for bf16 unless a profile says otherwise
+EXCHANGE_ELEMENT_BYTES = 4  # the exchange's rounds are sized for fp32 elements (runtime/exchange.py)
+ACTIVATION_DTYPE_BYTES = 2  # a published activation factor is for bf16 unless its profile says otherwise
 CAP_DTYPE_BYTES = 2  # the caps are for bf16 compute unless the job says otherwise
 BUDGET_MARGIN = 0.1  # the largest share of a memory budget per rank kept as the safety margin
 
@@ -42,21 +42,6 @@ def in_flight(config: ParallelConfig, stage: int, micro_batches: int) -> int:
     backward (runtime/pipeline.py), so a lone micro-batch on a deep replica is held once, not pp times.
     """
     return max(1, min(config.pp - stage, micro_batches))
-
-
-def gradient_bytes(dtype_bytes: int) -> int:
-    """Bytes per gradient element the runtime holds: fp32 main gradients under a 2-byte compute dtype."""
-    return max(dtype_bytes, MAIN_GRAD_BYTES)
-
-
-def logit_bytes(model: ModelSpec, config: ParallelConfig, tokens: int) -> float:
-    """The last stage's fp32 logits and their gradient on its fullest rank (padded vocab / tp columns each)."""
-    return LOGIT_COPIES * LOGIT_BYTES * max_rank_tokens(tokens, config.cp) * model.vocab_rows / config.tp
-
-
-def kv_shard_dim(model: ModelSpec, tp: int) -> int:
-    """K (or V) columns one TP rank holds: its share of the KV heads, one whole head when tp > kv_heads."""
-    return model.kv_heads * model.head_dim // min(tp, model.kv_heads)
 
 
 def kv_buffer_bytes(
@@ -85,7 +70,8 @@ class TrainingState:
     """Bytes per parameter of training state, exactly as the runtime holds it (runtime/optimizer.py).
 
     With the compute shard (replicated across replicas): parameters in the
-    compute dtype and their gradients (fp32 main gradients under bf16).
+    compute dtype and the sum of their gradients over the micro-batches, in
+    as many bytes (under bf16 a scaled fp16 sum, runtime/main_grad.py).
     Sharded over all N ranks (the fixed optimizer layout): fp32 master
     weights, two fp32 AdamW moments and the fp32 reduced gradient. The
     analytic memory model and `rank_memory` both read this one definition;
@@ -93,15 +79,21 @@ class TrainingState:
     """
 
     param_bytes: int = 2
-    grad_bytes: int = MAIN_GRAD_BYTES
+    grad_bytes: int = 2
     master_bytes: int = 4
     moment_bytes: int = 8
-    reduced_grad_bytes: int = 4
+    reduced_grad_bytes: int = 2
 
     @classmethod
     def for_dtype(cls, dtype_bytes: int) -> TrainingState:
-        """The state under a compute dtype of `dtype_bytes` bytes."""
-        return cls(param_bytes=dtype_bytes, grad_bytes=gradient_bytes(dtype_bytes))
+        """The state under a compute dtype of `dtype_bytes` bytes (under bf16 the reduced gradient is a 2-byte
+        scaled sum too, runtime/optimizer.py's OwnedGradient)."""
+        return cls(param_bytes=dtype_bytes, grad_bytes=dtype_bytes, reduced_grad_bytes=dtype_bytes)
+
+    @property
+    def scaled(self) -> bool:
+        """Whether the reduced gradient is a scaled fp16 sum, summed per round in an fp32 scratch."""
+        return self.reduced_grad_bytes < 4
 
     @property
     def replicated_bytes(self) -> int:
@@ -123,10 +115,18 @@ class TrainingState:
 
 @dataclass(frozen=True)
 class MemoryModel:
-    """Per-GPU memory of a config when optimizer states are sharded over all N GPUs."""
+    """Per-GPU memory of a config when optimizer states are sharded over all N GPUs.
+
+    The activations are this runtime's own count (activations.py) unless a profile publishes another
+    system's (`activation_bytes_per_token_hidden_layer`: its whole per-token activation memory, head and
+    loss included, per layer and hidden / tp column in bf16, as the shipped A800 profiles do); the
+    state, the exchange and what the loss head keeps whatever the tokens (the head's fp32 gradient sum,
+    one chunk of logits) are always this runtime's. `compute_dtype_bytes` and `sequence_parallel` are the
+    job's (bf16, no SP by default: `for_job`).
+    """
 
     memory_bytes: int
-    activation_bytes_per_token_hidden_layer: dict[int, float]
+    activation_bytes_per_token_hidden_layer: dict[int, float]  # empty: this runtime's own count
     state_bytes_per_hidden2_layer: float
     optimizer_sharded_fraction: float
     context_overhead_bytes: float
@@ -137,20 +137,23 @@ class MemoryModel:
     # (runtime/overlap.py), they live beside the activations: the gather's in the first micro-batch's
     # forward, the reduce's in the last one's backward.
     exchange_bytes: float = 2 * DEFAULT_EXCHANGE_BUCKET_BYTES
-    # Bytes per element the activation factors were measured in (a measured profile: its dtype), and the
-    # compute dtype the caps are for (the job's own, `for_job`).
-    activation_dtype_bytes: int = ACTIVATION_DTYPE_BYTES
-    compute_dtype_bytes: int = CAP_DTYPE_BYTES
+    activation_dtype_bytes: int = ACTIVATION_DTYPE_BYTES  # the published activation factors' dtype
+    compute_dtype_bytes: int = CAP_DTYPE_BYTES  # the compute dtype the caps are for
+    sequence_parallel: bool = False
 
-    def for_job(self, memory_bytes: int | None, dtype_bytes: int, bucket_bytes: int | None = None) -> MemoryModel:
-        """This model for a job's compute dtype, exchange bucket and, when given, memory budget per rank.
+    def for_job(
+        self, memory_bytes: int | None, dtype_bytes: int, bucket_bytes: int | None = None,
+        sequence_parallel: bool = False,
+    ) -> MemoryModel:
+        """This model for a job's compute dtype, exchange bucket, sequence parallelism and, when given, memory
+        budget per rank.
 
         The budget (`[parallel] memory_per_rank`) is what a rank's tensors may hold at their peak: what
         torch's allocator counts and what `torch.cuda.set_per_process_memory_fraction` limits on CUDA.
         The runtime's context lies outside it (no context overhead); the safety margin keeps its share
         of the memory, at most BUDGET_MARGIN, for the prediction's error and the allocator's slack.
         """
-        out = replace(self, compute_dtype_bytes=dtype_bytes)
+        out = replace(self, compute_dtype_bytes=dtype_bytes, sequence_parallel=sequence_parallel)
         if bucket_bytes is not None:
             out = replace(out, exchange_bytes=2 * bucket_bytes)
         if memory_bytes is None:
@@ -191,96 +194,98 @@ class MemoryModel:
         )
 
     def bytes_per_token(
-        self, config: ParallelConfig, model: ModelSpec, recompute: bool = False, held: int | None = None
+        self, config: ParallelConfig, model: ModelSpec, recompute: bool = False, held: int | None = None,
+        dtype_bytes: int | None = None,
     ) -> float:
-        """Activation bytes per token one rank holds (under CP, per token of the rank's share), with `held`
+        """Bytes per token one rank's layers keep (under CP, per token of the rank's share), with `held`
         micro-batches of L/pp layers in flight (default pp, the first stage's in 1F1B: L layers in all)."""
         layers = model.layers // config.pp * (config.pp if held is None else held)
-        full = (model.hidden / config.tp) * self.activation_factor(config.tp)
+        d = self.compute_dtype_bytes if dtype_bytes is None else dtype_bytes
+        if not self.activation_bytes_per_token_hidden_layer:
+            return stack_bytes(model, config.tp, d, self.sequence_parallel, recompute, layers)
+        scale = d / self.activation_dtype_bytes
+        full = (model.hidden / config.tp) * self.activation_factor(config.tp) * scale
         if recompute:
             # Only each layer's input is kept (compute dtype, full hidden), plus the one layer whose
             # activations are being recomputed in backward.
-            return layers * model.hidden * RECOMPUTE_INPUT_BYTES + full
+            return layers * model.hidden * RECOMPUTE_INPUT_BYTES * scale + full
         return layers * full
 
     def activation_bytes(
-        self, config: ParallelConfig, model: ModelSpec, tokens: int, recompute: bool = False, held: int | None = None
+        self, config: ParallelConfig, model: ModelSpec, tokens: int, recompute: bool = False, held: int | None = None,
+        dtype_bytes: int | None = None,
     ) -> float:
         """Activation bytes on the fullest rank for `held` micro-batches of `tokens` (CP: its share plus K/V)."""
         rank_tokens = max_rank_tokens(tokens, config.cp)
-        per_token = self.bytes_per_token(config, model, recompute, held)
+        per_token = self.bytes_per_token(config, model, recompute, held, dtype_bytes)
         return float(rank_tokens) * per_token + tokens * kv_buffer_bytes(model, config, recompute, held)
 
     def stage_activation_bytes(
-        self,
-        config: ParallelConfig,
-        model: ModelSpec,
-        stage: int,
-        tokens: int,
-        dtype_bytes: int,
-        recompute: bool,
+        self, config: ParallelConfig, model: ModelSpec, stage: int, tokens: int, dtype_bytes: int, recompute: bool,
         micro_batches: int | None = None,
     ) -> float:
-        """What micro-batches of `tokens` hold on a stage's fullest rank in the compute dtype: the layers'
-        activations of those in flight (`in_flight`; all pp of them when the count is not given) and, on the
-        last stage, the fp32 logits and their gradient of the one in its loss."""
-        held = None if micro_batches is None else in_flight(config, stage, micro_batches)
-        scale = dtype_bytes / self.activation_dtype_bytes
-        activations = self.activation_bytes(config, model, tokens, recompute, held) * scale
+        """What micro-batches of `tokens` keep for backward on a stage's fullest rank in the compute dtype: the
+        layers' activations of those in flight (`in_flight`; all pp of them when the count is not given) and,
+        on the last stage, the loss head's of the one in its loss (activations.head_bytes)."""
+        count = None if micro_batches is None else in_flight(config, stage, micro_batches)
+        held = self.activation_bytes(config, model, tokens, recompute, count, dtype_bytes)
         if stage == config.pp - 1:
-            activations += logit_bytes(model, config, tokens)
-        return activations
+            share = max_rank_tokens(tokens, config.cp) if tokens else 0
+            held += head_bytes(model, config.tp, dtype_bytes, share, self.sequence_parallel, self.own_per_token)
+        return held
+
+    def loss_transient_bytes(self, config: ParallelConfig, model: ModelSpec, tokens: int, dtype_bytes: int) -> float:
+        """The last stage's loss forward on top of what it keeps (activations.loss_transient_bytes)."""
+        share = max_rank_tokens(tokens, config.cp) if tokens else 0
+        return loss_transient_bytes(model, config.tp, dtype_bytes, share, self.own_per_token)
+
+    @property
+    def own_per_token(self) -> bool:
+        """Whether this runtime's per-token terms beyond the layers count (the loss head's, a layer's backward):
+        a published activation factor is its system's whole per-token memory and covers them."""
+        return not self.activation_bytes_per_token_hidden_layer
 
     def cap(
-        self,
-        config: ParallelConfig,
-        model: ModelSpec,
-        num_gpus: int,
-        recompute: bool = False,
+        self, config: ParallelConfig, model: ModelSpec, num_gpus: int, recompute: bool = False,
         micro_batches: int | None = None,
     ) -> int:
         """Most tokens (a multiple of 128) of a micro-batch whose every rank's peak fits beside the margin and context.
 
-        A rank's peak is `rank_memory`'s, the runtime's own prediction, in the compute dtype the caps are
-        for: its parameters, gradients and owned optimizer state, the activations of the micro-batches
-        its stage holds in flight and (last stage) the logits, and beside them the exchange's buffers (it
-        overlaps compute). The profile's static state counts where it is larger. `micro_batches`: the
-        replica's count; None, any count of at least two (stage s holds pp - s of them, `in_flight`);
-        1, the replica's lone micro-batch (`lone_cap`: a deep replica holds it once, not pp times).
-        The first and the last stage bind (embedding; head and logits). 0 where not even the state
-        and the exchange's buffers fit. Under CP a rank holds ceil(T/cp) + 2cp tokens of T plus the
-        K/V attention keeps (`kv_buffer_bytes`), so the cap is about cp x the per-rank one, less those.
+        A rank's peak is `rank_memory`'s, the runtime's own prediction, in the job's dtype (bf16 by default):
+        its parameters, gradients and owned optimizer state, the activations of the micro-batches its
+        stage holds in flight and (last stage) the loss head's, and beside them the loss's forward or the
+        exchange's buffers (it overlaps compute). `micro_batches`: the replica's count; None, any count
+        of at least two (stage s holds pp - s of them, `in_flight`); 1, the replica's lone micro-batch
+        (`lone_cap`: a deep replica holds it once, not pp times). The first and the last stage bind
+        (embedding; head). 0 where not even the state and the exchange's buffers fit. Under CP a rank
+        holds ceil(T/cp) + 2cp tokens of T plus the K/V attention keeps (`kv_buffer_bytes`), so the cap
+        is about cp x the per-rank one, less those.
         """
         count = max(2, config.pp) if micro_batches is None else micro_batches
         budget = self.usable_bytes
-        static = self.static_bytes(config, model, num_gpus)
         bucket = int(self.exchange_bytes // 2)
-        dtype = self.compute_dtype_bytes
         caps = []
         for stage in sorted({0, config.pp - 1}):
-            rank = rank_memory(self, model, config, stage, num_gpus, 0, dtype, bucket, recompute, count)
-            held = rank.params + rank.owned + max(0.0, static - (rank.params + rank.owned + rank.grads))
-            if held + rank.after > budget:
+            def rank(tokens: int, stage: int = stage) -> RankMemory:
+                return rank_memory(
+                    self, model, config, stage, num_gpus, tokens, self.compute_dtype_bytes, bucket, recompute, count
+                )
+
+            empty = rank(0)
+            if empty.params + empty.owned + empty.after > budget:
                 return 0  # not even the state and the exchange's buffers fit
-            free = budget - held - rank.beside_activations
-
-            def used(tokens: int, stage: int = stage) -> float:
-                return self.stage_activation_bytes(config, model, stage, tokens, dtype, recompute, count)
-
-            caps.append(_most_tokens(used, free))
+            caps.append(_most_tokens(lambda t: rank(t).with_activations, budget - empty.params - empty.owned))
         return min(caps) // CAP_GRANULARITY * CAP_GRANULARITY
 
     def state_bytes(self, config: ParallelConfig, model: ModelSpec, num_gpus: int) -> float:
         """What the fullest stage of `config` holds before any activation: parameters, gradients, owned
         optimizer state and the exchange's buffers (the phase after backward), in the compute dtype."""
         bucket = int(self.exchange_bytes // 2)
-        static = self.static_bytes(config, model, num_gpus)
-        most = 0.0
-        for stage in sorted({0, config.pp - 1}):
-            rank = rank_memory(self, model, config, stage, num_gpus, 0, self.compute_dtype_bytes, bucket)
-            held = rank.params + rank.owned + max(0.0, static - (rank.params + rank.owned + rank.grads))
-            most = max(most, held + rank.after)
-        return most
+        ranks = [
+            rank_memory(self, model, config, stage, num_gpus, 0, self.compute_dtype_bytes, bucket)
+            for stage in sorted({0, config.pp - 1})
+        ]
+        return max(rank.params + rank.owned + rank.after for rank in ranks)
 
     @property
     def usable_bytes(self) -> float:
@@ -289,17 +294,17 @@ class MemoryModel:
 
 
 def _most_tokens(used: Callable[[int], float], free: float) -> int:
-    """The largest T with used(T) <= free, for `used` nondecreasing and affine but for CP's rounding."""
+    """The largest T with used(T) <= free, for `used` nondecreasing (bisection)."""
     if used(0) > free:
         return 0
-    probe = 1 << 20
-    slope = (used(probe) - used(0)) / probe
-    tokens = max(0, int((free - used(0)) / slope))
-    while tokens > 0 and used(tokens) > free:
-        tokens -= 1
-    while used(tokens + 1) <= free:
-        tokens += 1
-    return tokens
+    high = 1
+    while used(high) <= free:
+        high *= 2
+    low = high // 2  # used(low) <= free < used(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if used(mid) <= free else (low, mid)
+    return low
 
 
 def head_is_embedding(model: ModelSpec, config: ParallelConfig) -> bool:
@@ -334,20 +339,27 @@ class RankMemory:
     """The bytes one rank holds at its peak, buffer by buffer (the runtime's, runtime/trainer.py).
 
     The compute shard's parameters and the owned fp32 master, moments and reduced gradient are held
-    throughout. The gradients (fp32 main gradients under bf16) are freed after every step, so backward
-    allocates them afresh: with one micro-batch on one stage the activations are mostly freed by the
-    time they are, and only the head's gradient meets the logits; with more micro-batches (or 1F1B
-    stages) the next forward's activations meet all of them. The exchange overlaps compute, so its
-    buffers count beside the activations (the gather's in the first forward, the reduce's in the last
-    backward) and after the backward (the reduce's tail), as does the AdamW step's bucket-sized temporary.
+    throughout. The gradients (under bf16 scaled fp16 sums) are freed after every step, so backward
+    allocates them afresh: with one micro-batch the activations are mostly freed by the time they are
+    (the loss head's kept gradients cover the head's), and an idle replica has none; with more
+    micro-batches the next forward's activations meet all of them. The last stage's loss forward holds
+    its input and a chunk of logits on top for a moment (`loss_transient`); then each layer's backward
+    holds its working set (`backward`). The exchange overlaps
+    compute: the gather's buffers meet the first forward's layers, the reduce's the last backward once
+    the stage's last block is through it (they take the memory its activations freed), unless one round
+    moves everything: it then completes before the first layer and starts after the last. After the
+    backward come the reduce's tail and the AdamW step's bucket-sized temporary.
     """
 
     params: float
     grads: float
     owned: float
     activations: float
+    loss_transient: float
+    backward: float
     grads_with_activations: float
     exchange: float
+    exchange_with_activations: float
     step: float
 
     @property
@@ -356,14 +368,15 @@ class RankMemory:
         return self.grads + max(self.exchange, self.step)
 
     @property
-    def beside_activations(self) -> float:
-        """What the activations meet: the gradients already allocated and, as the exchange overlaps compute
-        (runtime/overlap.py), its buffers."""
-        return self.grads_with_activations + self.exchange
+    def with_activations(self) -> float:
+        """What the activations' phase adds to the parameters and owned state: the activations, the gradients
+        already allocated, and the loss's forward or, after it, a layer's backward and the exchange's buffers."""
+        return (self.activations + self.grads_with_activations
+                + max(self.loss_transient, self.backward + self.exchange_with_activations))
 
     @property
     def peak(self) -> float:
-        return self.params + self.owned + max(self.activations + self.beside_activations, self.after)
+        return self.params + self.owned + max(self.with_activations, self.after)
 
 
 def rank_memory(
@@ -377,25 +390,45 @@ def rank_memory(
     bucket_bytes: int,
     recompute: bool = False,
     micro_batches: int = 2,
+    contributors: int | None = None,
 ) -> RankMemory:
-    """A rank's memory for `micro_batches` micro-batches of at most `tokens` in the compute dtype's bytes."""
+    """A rank's memory for `micro_batches` micro-batches of at most `tokens` in the compute dtype's bytes;
+    `contributors`: the gradients each owned element receives (a deployment's replicas, each CP rank
+    apart; by default a homogeneous deployment of this config's)."""
     shard = shard_params(model, config, stage)
     state = TrainingState.for_dtype(dtype_bytes)
-    if micro_batches > 1 or config.pp > 1:
-        grads_with_activations = shard * state.grad_bytes
-    elif stage == config.pp - 1:
-        grads_with_activations = model.vocab_rows * model.hidden / config.tp * state.grad_bytes
-    else:
-        grads_with_activations = 0.0
+    busy = micro_batches > 0
+    grads = shard * state.grad_bytes if busy else 0.0  # an idle replica's reduce sends zeros
     owned = -(-model.num_params // num_gpus)
+    if contributors is None:
+        contributors = max(1, num_gpus // config.num_gpus) * config.cp
+    # A round sends the rank's pieces of its shard and receives every contributor's to its owned range
+    # (runtime/exchange.py). One round moves everything when an owner's range fits a window of half a
+    # bucket over every rank: one pair of buffers, whole; the gather completes before the first layer
+    # and the reduce starts after the last. Otherwise two rounds in flight, each buffer at most half a bucket.
+    send, receive = EXCHANGE_ELEMENT_BYTES * shard, EXCHANGE_ELEMENT_BYTES * owned * contributors
+    one_round = owned * EXCHANGE_ELEMENT_BYTES * 2 * num_gpus <= bucket_bytes
+    exchange = send + receive if one_round else 2 * (min(bucket_bytes / 2, send) + min(bucket_bytes / 2, receive))
+    # A scaled reduced gradient sums each round in fp32 before it keeps it; AdamW works in pieces of half a
+    # bucket: the denominator and, scaled, the gradient's fp32 values.
+    piece = min(bucket_bytes / 2, EXCHANGE_ELEMENT_BYTES * owned)
+    exchange += piece * state.scaled
+    # Otherwise the gather's buffers meet the first forward's layers (not the loss's), and the reduce's wait
+    # until the stage's last block is through backward (runtime/overlap.py): they take what it freed.
+    block = memory.activation_bytes(config, model, tokens, False, None, dtype_bytes) / model.layers
+    freed = 0.0 if recompute else block
+    last = stage == config.pp - 1
     return RankMemory(
         params=shard * state.param_bytes,
-        grads=shard * state.grad_bytes,
+        grads=grads,
         owned=owned * state.sharded_bytes,
-        activations=memory.stage_activation_bytes(config, model, stage, tokens, dtype_bytes, recompute, micro_batches),
-        grads_with_activations=grads_with_activations,
-        # A buffer holds at most one bucket and at most what the rank moves: its shard, or the owned range
-        # once per replica (a homogeneous pool's count of this config's replicas).
-        exchange=2 * min(bucket_bytes, 4 * max(shard, owned * max(1, num_gpus // config.num_gpus))),
-        step=min(bucket_bytes, owned * 4),
+        activations=memory.stage_activation_bytes(config, model, stage, tokens, dtype_bytes, recompute, micro_batches)
+        * busy,
+        loss_transient=memory.loss_transient_bytes(config, model, tokens, dtype_bytes) if busy and last else 0.0,
+        backward=max_rank_tokens(tokens, config.cp) * backward_bytes(model, config.tp, dtype_bytes)
+        * (busy and memory.own_per_token),
+        grads_with_activations=grads if micro_batches > 1 else 0.0,
+        exchange=exchange,
+        exchange_with_activations=0.0 if one_round or not busy else max(0.0, exchange - freed),
+        step=piece * (1 + state.scaled),
     )

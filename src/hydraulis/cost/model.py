@@ -246,10 +246,14 @@ class CostModel:
         """Most tokens of each of a replica's `micro_batches` micro-batches."""
         return self.lone_cap(config, num_gpus) if micro_batches == 1 else self.cap(config, num_gpus)
 
-    def for_job(self, memory_bytes: int | None, dtype_bytes: int, bucket_bytes: int | None = None) -> CostModel:
-        """A copy whose caps are for this compute dtype, exchange bucket and, when given, memory budget per rank."""
+    def for_job(
+        self, memory_bytes: int | None, dtype_bytes: int, bucket_bytes: int | None = None,
+        sequence_parallel: bool = False,
+    ) -> CostModel:
+        """A copy whose caps are for this compute dtype, exchange bucket, sequence parallelism and, when given,
+        memory budget per rank."""
         out = copy.copy(self)
-        out.memory = self.memory.for_job(memory_bytes, dtype_bytes, bucket_bytes)
+        out.memory = self.memory.for_job(memory_bytes, dtype_bytes, bucket_bytes, sequence_parallel)
         return out
 
     def caps(self, num_gpus: int) -> dict[ParallelConfig, int]:

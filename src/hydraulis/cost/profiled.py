@@ -100,6 +100,8 @@ class ProfiledCostModel(CostModel):
                 raise HydraulisError(f"{act.where}.{key}: must be positive, got {activation[tp]}")
         if not activation:
             raise HydraulisError(f"{act.where}: empty")
+        if "method" in mem.data:  # measured by this runtime (`hydraulis profile`): the memory model counts its own
+            activation = {}
         memory = MemoryModel(
             memory_bytes=memory_bytes,
             activation_bytes_per_token_hidden_layer=activation,

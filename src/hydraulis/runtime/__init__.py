@@ -12,11 +12,12 @@ from hydraulis.families import spec_from_hf_config
 from hydraulis.runtime.attention import attention_backend, packed_attention, per_document_attention
 from hydraulis.runtime.batch import IGNORE_INDEX, PackedBatch, count_targets, pack_cp_shard, pack_documents
 from hydraulis.runtime.context_parallel import ContextParallel
+from hydraulis.runtime.cross_entropy import head_cross_entropy
 from hydraulis.runtime.groups import ReplicaGroups, build_replica_groups, single_process_groups
 from hydraulis.runtime.hf import from_hf_state_dict, hf_config, hf_name, to_hf_state_dict
 from hydraulis.runtime.model import ParamLayout, StageModel, stage_layers
 from hydraulis.runtime.pipeline import StepResult, micro_batch_loss, train_step
-from hydraulis.runtime.tensor_parallel import ShardSpec, TensorParallel, vocab_parallel_cross_entropy
+from hydraulis.runtime.tensor_parallel import ShardSpec, TensorParallel
 
 __all__ = [
     "IGNORE_INDEX",
@@ -32,6 +33,7 @@ __all__ = [
     "build_replica_groups",
     "count_targets",
     "from_hf_state_dict",
+    "head_cross_entropy",
     "hf_config",
     "hf_name",
     "micro_batch_loss",
@@ -44,5 +46,4 @@ __all__ = [
     "stage_layers",
     "to_hf_state_dict",
     "train_step",
-    "vocab_parallel_cross_entropy",
 ]

@@ -46,8 +46,13 @@ class RankDeployment:
 
     @property
     def grads(self) -> list[torch.Tensor | None]:
-        """The compute shard's accumulated gradients (fp32 main grads under bf16) in the exchange plan's order."""
-        return [gradient(p) for p in self.params]
+        """The compute shard's accumulated gradients in the exchange plan's order (under bf16 scaled fp16 sums:
+        `grad_unscales` gives their factors, main_grad.py)."""
+        return [gradient(p)[0] for p in self.params]
+
+    @property
+    def grad_unscales(self) -> list[torch.Tensor | None]:
+        return [gradient(p)[1] for p in self.params]
 
     def clear_grads(self) -> None:
         clear_grads(self.model.parameters())
@@ -85,7 +90,7 @@ class RankPool:
                 )
                 release(model)
                 if dtype != torch.float32:
-                    attach_main_grads(model)  # accumulate micro-batches in fp32 (Megatron's main_grad)
+                    attach_main_grads(model)  # sum micro-batches in scaled fp16 (main_grad.py)
                 attach_exchange_hooks(model)  # after the main grads: a gradient is sent once it is complete
                 models[key] = model
             exchange = optimizer.plan(deployment, sequence_parallel)

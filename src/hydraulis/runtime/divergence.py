@@ -8,8 +8,9 @@ stops the run with one line naming the step; the last checkpoint saved
 before stays the newest.
 
 `HYDRAULIS_TEST_NAN_STEP=K` is a test hook: at step K the first micro-batch
-of the last pipeline stage gets NaN logits, so its loss (and every gradient
-it reaches) is NaN, as a real divergence would be.
+of the last pipeline stage gets NaN final hidden states (the head's input),
+so its logits, its loss and every gradient it reaches are NaN, as a real
+divergence would be.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def finite(loss_sum: float, grad_norm: float) -> bool:
 
 @contextmanager
 def poisoned(model: torch.nn.Module, step: int, last_stage: bool) -> Iterator[None]:
-    """The test hook (POISON_ENV): NaN logits for the first micro-batch of this step on a last stage."""
+    """The test hook (POISON_ENV): NaN final hidden states (so logits and loss) for the first micro-batch of this
+    step on a last stage; the loss head (runtime/cross_entropy.py) takes them from the final norm."""
     wanted = os.environ.get(POISON_ENV)
     if not last_stage or wanted is None or not wanted.isdigit() or int(wanted) != step:
         yield
@@ -44,7 +46,7 @@ def poisoned(model: torch.nn.Module, step: int, last_stage: bool) -> Iterator[No
         handle.remove()  # one micro-batch only
         return output * float("nan")
 
-    handle = model.register_forward_hook(hook)
+    handle = model.norm.register_forward_hook(hook)
     try:
         yield
     finally:

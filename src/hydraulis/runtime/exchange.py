@@ -28,13 +28,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hydraulis.cost.memory import EXCHANGE_ELEMENT_BYTES  # rounds are sized for fp32, the widest it moves
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
 from hydraulis.runtime.groups import rank_roles
 from hydraulis.runtime.layout import LocalParam, ModelLayout, Role
 
 EXCHANGE_WINDOW = "hydraulis.exchange"  # the profiler range of every exchange call (memory_meter.PeakMeter)
-EXCHANGE_ELEMENT_BYTES = 4  # rounds are sized for fp32 elements, the widest an exchange moves
 
 
 def deployment_roles(deployment: Deployment, sequence_parallel: bool = False) -> dict[int, Role]:

@@ -114,11 +114,10 @@ class StageRunner:
             train_step(self.model, groups, [batch], targets, reduce_partial_grads=False)
             return
         x = batch.tokens if groups.is_first_stage else self.inputs[i].detach().requires_grad_()
-        out = self.model(x, batch)
         if groups.is_last_stage:
-            (micro_batch_loss(self.model, out, batch) / targets).backward()
+            (micro_batch_loss(self.model, x, batch) / targets).backward()
         else:
-            out.backward(self.grads[i])
+            self.model(x, batch).backward(self.grads[i])
 
 
 class ConfigRun:
@@ -265,7 +264,7 @@ def measure_optimizer_step(
 
         def phase(part=part) -> None:
             deployments.gather(part)
-            optimizer.reduce(part.exchange, part.grads)
+            optimizer.reduce(part.exchange, part.grads, unscale=part.grad_unscales)
             norm, _ = optimizer.global_norm()
             optimizer.step(1e-6, norm)
 

@@ -33,6 +33,8 @@ from hydraulis.errors import HydraulisError
 from hydraulis.runtime.attention import packed_attention
 from hydraulis.runtime.batch import PackedBatch
 from hydraulis.runtime.context_parallel import ContextParallel, context_attention
+from hydraulis.runtime.cross_entropy import head_cross_entropy
+from hydraulis.runtime.fused import rms_norm, swiglu
 from hydraulis.runtime.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -75,8 +77,7 @@ class RMSNorm(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return rms_norm(x, self.weight, self.eps)  # keeps x and the rsqrt for backward only (fused.py)
 
 
 def inverse_frequencies(head_dim: int, arch: Architecture, device=None) -> torch.Tensor:
@@ -188,7 +189,7 @@ class FeedForward(nn.Module):
         self.w2 = RowParallelLinear(spec.ffn, spec.hidden, tp, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x)))  # keeps the two projections only (fused.py)
 
 
 class Block(nn.Module):
@@ -263,7 +264,19 @@ class StageModel(nn.Module):
         """First vocabulary id of this rank's logits shard."""
         return self.tp.rank * (self.spec.vocab_rows // self.tp.size)
 
-    def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The head's vocab shard (the embedding's when tied)."""
+        return self.embedding.weight if self.output is None else self.output.weight
+
+    @property
+    def valid_vocab(self) -> int:
+        """Rows of this rank's head shard that are real vocabulary; the rest are padding (logits -inf)."""
+        rows = self.spec.vocab_rows // self.tp.size
+        return max(0, min(rows, self.spec.vocab - self.vocab_start))
+
+    def _trunk(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        """The stage's layers; on the last stage also the final norm, entered into the TP region for the head."""
         h = self.embedding(x) if self.is_first else x
         rope = rope_tables(batch.positions, self.spec.head_dim, h.dtype, self.spec.arch)
         for layer in self.layers.values():
@@ -271,15 +284,25 @@ class StageModel(nn.Module):
                 h = torch.utils.checkpoint.checkpoint(layer, h, rope, batch, use_reentrant=False)
             else:
                 h = layer(h, rope, batch)
+        return enter_tp_region(self.norm(h), self.tp) if self.is_last else h
+
+    def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        h = self._trunk(x, batch)
         if not self.is_last:
             return h
-        head = self.embedding.weight if self.output is None else self.output.weight
-        logits = F.linear(enter_tp_region(self.norm(h), self.tp), head)
-        padding = self.vocab_start + logits.shape[-1] - self.spec.vocab  # padded rows in this shard
-        if padding > 0:
-            keep = torch.arange(logits.shape[-1], device=logits.device) < logits.shape[-1] - padding
+        logits = F.linear(h, self.head_weight)
+        if self.valid_vocab < logits.shape[-1]:
+            keep = torch.arange(logits.shape[-1], device=logits.device) < self.valid_vocab
             logits = logits.masked_fill(~keep, float("-inf"))
         return logits
+
+    def loss_sum(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        """The last stage's sum of token losses (fp32 scalar), its logits computed chunk by chunk and never kept
+        (cross_entropy.py); training uses this, `forward` gives the logits themselves."""
+        if not self.is_last:
+            raise HydraulisError(f"stage {self.stage} of {self.num_stages} has no head")
+        h = self._trunk(x, batch)
+        return head_cross_entropy(h, self.head_weight, batch.targets, self.vocab_start, self.valid_vocab, self.tp)
 
     # ------------------------------------------------------------ layouts
 

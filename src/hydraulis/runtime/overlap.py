@@ -12,7 +12,9 @@ are in flight at once, each in its own pair of half-bucket buffers:
   hook counts each parameter's gradients; after the last micro-batch's, the
   parameter is *sealed*, and every round whose gradients are all sealed is
   sent while backward goes on into earlier layers (Megatron's
-  overlap_grad_reduce). A hook never waits: it sends only into a free slot
+  overlap_grad_reduce). The first round waits until the stage's last block
+  is through backward, so that its buffers take memory its activations
+  freed (cost/memory.py counts them so). A hook never waits: it sends only into a free slot
   and retires only finished rounds, so a pipeline stage cannot block its
   neighbours' p2p; `finish` sends the rest.
 
@@ -44,7 +46,15 @@ from torch.autograd.profiler import record_function
 from hydraulis.errors import HydraulisError
 from hydraulis.runtime.exchange import EXCHANGE_WINDOW, ExchangePlan, ExchangeRound, canonical_pieces
 from hydraulis.runtime.layout import ModelLayout
-from hydraulis.runtime.main_grad import gradient
+from hydraulis.runtime.main_grad import Gradient, gradient
+
+
+class OwnedSum(Protocol):
+    """What a reduce needs of the owned gradient (optimizer.py's OwnedGradient)."""
+
+    def zero(self) -> None: ...
+
+    def add(self, ranges: Sequence[tuple[int, int]], recv: torch.Tensor) -> None: ...
 
 
 class Owner(Protocol):
@@ -52,7 +62,7 @@ class Owner(Protocol):
 
     layout: ModelLayout
     master: torch.Tensor
-    grad: torch.Tensor
+    grad: OwnedSum
     device: torch.device
     group: dist.ProcessGroup | None
     exchange_peak_bytes: int
@@ -204,18 +214,18 @@ class GatherStream(_Rounds):
 class ReduceStream(_Rounds):
     """Gradients summed into the owners' `grad`, in reverse model order, each round sent once it is final."""
 
-    def __init__(self, opt: Owner, plan: ExchangePlan,
-                 grads: Callable[[int], torch.Tensor | None], dtype: torch.dtype,
+    def __init__(self, opt: Owner, plan: ExchangePlan, grads: Callable[[int], Gradient], dtype: torch.dtype,
                  before: Callable[[], None] | None = None, accumulate: bool = False) -> None:
         super().__init__(opt, plan, "reduce", dtype, range(len(plan.rounds) - 1, -1, -1))
-        self.grads = grads  # local parameter index -> its accumulated gradient (None: zero)
+        self.grads = grads  # local parameter index -> its accumulated gradient (None: zero) and factor (main_grad.py)
         self.before = before  # called before the first round is issued (the gather's finish)
         self.sealed: set[int] = set()
         self.counts: dict[int, int] = {}
         self.early = 0  # rounds issued from backward's hooks, while it went on
         self.index = {p.name: i for i, p in enumerate(plan.local)}
+        self.tail = _tail(self.index)
         if not accumulate:  # a later phase of an iteration adds to what the earlier phases reduced
-            opt.grad.zero_()
+            opt.grad.zero()
 
     def _start(self) -> None:
         """Before the first round: what must precede it on the group (the gather's last rounds)."""
@@ -230,21 +240,20 @@ class ReduceStream(_Rounds):
     def pack(self, rnd: ExchangeRound, send: torch.Tensor) -> None:
         pos = 0
         for i, off, n in rnd.reduce_send:
-            g = self.grads(i)
+            g, unscale = self.grads(i)
             if g is None:
                 send[pos : pos + n].zero_()
                 pos += n
                 continue
+            start = pos
             for piece in canonical_pieces(g, self.plan.local[i], off, off + n):
                 send[pos : pos + piece.numel()].view(piece.shape).copy_(piece)
                 pos += piece.numel()
+            if unscale is not None:  # a scaled fp16 sum: its value in the send dtype (exact, a power of two)
+                send[start:pos].mul_(unscale)
 
     def unpack(self, rnd: ExchangeRound, recv: torch.Tensor) -> None:
-        pos = 0
-        grad = self.opt.grad
-        for off, n in rnd.reduce_recv:
-            grad[off : off + n] += recv[pos : pos + n]
-            pos += n
+        self.opt.grad.add(rnd.reduce_recv, recv)
 
     def accumulated(self, name: str, expected: int) -> None:
         """A gradient of `name` was accumulated; after its `expected`-th, send what became final (never waits)."""
@@ -257,6 +266,8 @@ class ReduceStream(_Rounds):
         if self.counts[i] < expected:
             return
         self.sealed.add(i)
+        if self.issued == 0 and i in self.tail:
+            return  # the buffers wait until the stage's last block is through backward and its activations freed
         if self.issued == 0 and self.plan.reduce_reads[self.order[0]] <= self.sealed:
             self._start()
         with self._exposed():
@@ -266,6 +277,14 @@ class ReduceStream(_Rounds):
                    and self.plan.reduce_reads[self.order[self.issued]] <= self.sealed):
                 self._issue()
                 self.early += 1
+
+
+def _tail(index: dict[str, int]) -> set[int]:
+    """The parameters backward reaches first: the head, the final norm and the stage's last block."""
+    layers = [int(name.split(".")[1]) for name in index if name.startswith("layers.")]
+    last = f"layers.{max(layers)}." if layers else None
+    return {i for name, i in index.items()
+            if name.startswith(("norm.", "output.")) or (last is not None and name.startswith(last))}
 
 
 class Overlap:

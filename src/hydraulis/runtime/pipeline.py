@@ -34,7 +34,6 @@ from hydraulis.planner.sim import BACKWARD, FORWARD
 from hydraulis.runtime.batch import PackedBatch
 from hydraulis.runtime.groups import ReplicaGroups
 from hydraulis.runtime.model import StageModel
-from hydraulis.runtime.tensor_parallel import vocab_parallel_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -56,9 +55,10 @@ class StepResult:
         return None if self.loss_sum is None else self.loss_sum / self.num_global_targets
 
 
-def micro_batch_loss(model: StageModel, logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-    """Sum of token losses of one micro-batch (fp32 scalar), from this rank's vocab shard of the logits."""
-    return vocab_parallel_cross_entropy(logits, batch.targets, model.vocab_start, model.tp).sum()
+def micro_batch_loss(model: StageModel, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """The last stage's forward of one micro-batch to its sum of token losses (fp32 scalar), the head's
+    logits computed in chunks of rows and never kept (cross_entropy.py)."""
+    return model.loss_sum(x, batch)
 
 
 class _P2P:
@@ -181,11 +181,12 @@ def train_step(
             x = batch.tokens
         else:
             x.requires_grad_()
-        out = model(x, batch)
         if last:
-            token_loss_sum = micro_batch_loss(model, out, batch)
+            token_loss_sum = micro_batch_loss(model, x, batch)
             loss_sum = loss_sum + token_loss_sum.detach()
             out = token_loss_sum / num_global_targets
+        else:
+            out = model(x, batch)
         in_flight.append((index, None if first else x, out))
         return out
 

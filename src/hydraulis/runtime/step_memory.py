@@ -11,6 +11,7 @@ largest micro-batch. Neither reads the other.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,15 +110,17 @@ def predicted_peak(
     dtype: torch.dtype,
     bucket_bytes: int,
 ) -> float:
-    """The memory model's peak for this rank in this iteration (its replica's largest micro-batch)."""
+    """The memory model's peak for this rank in this iteration (its replica's largest micro-batch), for the
+    runtime's own dtype and sequence parallelism."""
     groups = part.groups
     lengths = np.asarray(plan.lengths)
     micro_batches = plan.replicas[part.replica].micro_batches
     tokens = max((int(lengths[list(mb)].sum()) for mb in micro_batches), default=0)
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     config = groups.config
+    memory = dataclasses.replace(cost.memory, sequence_parallel=groups.tp.sequence_parallel)
     figures = rank_memory(
-        cost.memory, model, config, groups.stage, world, tokens, dtype_bytes, bucket_bytes,
-        config in cost.recompute, len(micro_batches),
+        memory, model, config, groups.stage, world, tokens, dtype_bytes, bucket_bytes,
+        config in cost.recompute, len(micro_batches), sum(r.config.cp for r in plan.deployment.replicas),
     )
     return figures.peak

@@ -19,7 +19,7 @@ tp; the norm weights then see only their rank's tokens, so their gradients
 are partial and are summed over the TP group after backward (`ShardSpec.
 partial_grad`).
 
-Embedding and head are vocab-parallel; `vocab_parallel_cross_entropy` takes
+Embedding and head are vocab-parallel; the loss (cross_entropy.py) takes
 the head's vocab shard and never gathers full logits.
 
 Every parameter carries a `ShardSpec` that says how its local tensor relates
@@ -38,7 +38,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydraulis.errors import HydraulisError
-from hydraulis.runtime.batch import IGNORE_INDEX
 
 SHARD_ATTR = "hydraulis_shard"
 
@@ -262,53 +261,3 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return exit_tp_region(out, self.tp)
-
-
-# ---------------------------------------------------------------- loss
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy from vocab-sharded logits; three small all-reduces of (T,) values."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, vocab_start, tp):
-        ctx.input_dtype = logits.dtype
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        local_vocab = logits.shape[-1]
-        ignored = targets == IGNORE_INDEX
-        local_targets = targets - vocab_start
-        not_here = ignored | (local_targets < 0) | (local_targets >= local_vocab)
-        local_targets = local_targets.masked_fill(not_here, 0)
-
-        row_max = logits.max(dim=-1).values
-        if tp.size > 1:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=tp.group)
-        exp = (logits - row_max.unsqueeze(-1)).exp_()
-        target_logit = logits.gather(-1, local_targets.unsqueeze(-1)).squeeze(-1) - row_max
-        target_logit = target_logit.masked_fill(not_here, 0.0)
-        sum_exp = exp.sum(dim=-1)
-        if tp.size > 1:
-            both = torch.stack([target_logit, sum_exp])
-            dist.all_reduce(both, group=tp.group)
-            target_logit, sum_exp = both[0], both[1]
-        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
-
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_targets, not_here, ignored)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local_targets, not_here, ignored = ctx.saved_tensors
-        grad = softmax.clone()
-        rows = torch.arange(grad.shape[0], device=grad.device)
-        grad[rows, local_targets] -= (~not_here).to(grad.dtype)
-        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
-        return grad.to(ctx.input_dtype), None, None, None
-
-
-def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, tp: TensorParallel
-) -> torch.Tensor:
-    """Per-token loss (T,) in fp32 (or wider), 0 where the target is IGNORE_INDEX; logits are (T, vocab / tp)."""
-    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, tp)

@@ -194,7 +194,8 @@ class Trainer:
         self.dtype = DTYPES[settings.dtype]
         self.layout = ModelLayout(settings.model, self.world)
         self.optimizer = DisaggregatedOptimizer(
-            self.layout, self.rank, settings.optim.adamw, self.env.device, bucket_bytes=settings.exchange_bucket_bytes
+            self.layout, self.rank, settings.optim.adamw, self.env.device, bucket_bytes=settings.exchange_bucket_bytes,
+            scaled_grad=self.dtype != torch.float32,  # 2-byte reduced gradients under bf16 (optimizer.OwnedGradient)
         )
         self.optimizer.init(settings.seed)
         # Plans travel on a CPU group: NCCL cannot broadcast host memory.
@@ -312,6 +313,7 @@ class Trainer:
             torch.cuda.synchronize()
         finished = time.perf_counter()  # the iteration ends here; what follows only reports on it
         memory = self.memory.stop()
+        self.last_memory = memory  # this rank's own figures (the metrics carry the largest over ranks)
         for r in runs:
             r.part.clear_grads()
         times, peaks = rank_figures(runs, memory, self.control)

@@ -1,0 +1,116 @@
+"""What this runtime keeps for backward, counted from its structure (runtime/model.py, attention.py, cross_entropy.py).
+
+Per token of a micro-batch, per layer, on one TP rank (d: the compute
+dtype's bytes; q, kv, f: the rank's query, key and FFN columns):
+
+- each RMSNorm (runtime/fused.py): its input and one fp32 rsqrt, and its
+  output, which the following linears keep as their input. Under sequence
+  parallelism the norm's own tensors hold 1/tp of the tokens, but the
+  linears keep the all-gathered input whole;
+- attention: q and k after RoPE, v, the output and its copy as o_proj's
+  input (d x (3q + 2kv)), and the softmax's log-sum-exp (fp32 per head);
+  RoPE's multiplications keep only cos and sin, shared by all layers;
+- SwiGLU (fused.py): w1's and w3's outputs, and the product as w2's input
+  (3 d f);
+- Qwen3's q/k norms: their input and an fp32 rsqrt per head.
+
+Under full recompute a block keeps only its input, and one block's whole
+set exists while it is recomputed. A layer's backward holds its SwiGLU's
+gradients and a temporary beside that (`backward_bytes`). The last stage adds the final norm and
+the loss head (cross_entropy.py): the hidden states' gradient (compute
+dtype, every token) and the head's gradient in fp32, both computed in
+forward and kept to backward, and one chunk's logits in flight
+(`loss_chunk_rows` rows: in the compute dtype and in fp32). `tests/cost/
+test_activations.py` checks these counts against the tensors torch saves.
+"""
+
+from __future__ import annotations
+
+from hydraulis.specs import ModelSpec
+
+LOSS_CHUNK_ELEMENTS = 1 << 24  # logits of one loss chunk (at least LOSS_CHUNK_MIN_ROWS rows): 96 MiB in bf16 and fp32
+LOSS_CHUNK_MIN_ROWS = 256  # rows of one loss chunk at least, so that its GEMM stays efficient
+WIDE_BYTES = 4  # fp32: norms' inputs, rsqrt, log-sum-exp, the loss's softmax and the head's gradient sum
+
+
+def loss_chunk_rows(tokens: int, vocab_columns: int) -> int:
+    """Rows per chunk of the loss head: LOSS_CHUNK_ELEMENTS logits, so that what a chunk holds does not grow with
+    the micro-batch, but at least LOSS_CHUNK_MIN_ROWS rows and at most the micro-batch (at least 1)."""
+    return max(1, min(tokens, max(LOSS_CHUNK_MIN_ROWS, LOSS_CHUNK_ELEMENTS // max(1, vocab_columns))))
+
+
+def kv_shard_dim(model: ModelSpec, tp: int) -> int:
+    """K (or V) columns one TP rank holds: its share of the KV heads, one whole head when tp > kv_heads."""
+    return model.kv_heads * model.head_dim // min(tp, model.kv_heads)
+
+
+def _norm_bytes(width: float, dtype_bytes: int) -> float:
+    """One RMSNorm's own tensors per row (runtime/fused.py): its input and the fp32 rsqrt."""
+    return dtype_bytes * width + WIDE_BYTES
+
+
+def layer_bytes(model: ModelSpec, tp: int, dtype_bytes: int, sequence_parallel: bool = False) -> float:
+    """Bytes one transformer block keeps for backward per token of the micro-batch, on one TP rank."""
+    d, h = dtype_bytes, model.hidden
+    sp = 1 / tp if sequence_parallel and tp > 1 else 1.0
+    q, kv = model.heads * model.head_dim / tp, kv_shard_dim(model, tp)
+    heads, kv_heads = model.heads / tp, kv / model.head_dim
+    norms = 2 * (_norm_bytes(h, d) * sp + d * h)
+    attention = d * (3 * q + 2 * kv) + WIDE_BYTES * heads
+    ffn = 3 * d * model.ffn / tp
+    qk_norm = _norm_bytes(q, d) + _norm_bytes(kv, d) + WIDE_BYTES * (heads + kv_heads - 2) if model.arch.qk_norm else 0
+    return norms + attention + ffn + qk_norm
+
+
+def backward_bytes(model: ModelSpec, tp: int, dtype_bytes: int) -> float:
+    """Per token: what a layer's backward holds beyond what the layers keep, at its largest: SwiGLU's (fused.py),
+    the incoming gradient and up's gradient, less w2's input, which w2's backward has freed by then, and silu's
+    derivative in fp32 (the sigmoid and its complement: (d + 2 x 4) ffn / tp)."""
+    return (dtype_bytes + 2 * WIDE_BYTES) * model.ffn / tp
+
+
+def rope_bytes(model: ModelSpec, dtype_bytes: int) -> float:
+    """cos and sin per token, kept once per micro-batch and shared by its layers."""
+    return model.head_dim * dtype_bytes
+
+
+def stack_bytes(
+    model: ModelSpec, tp: int, dtype_bytes: int, sequence_parallel: bool = False, recompute: bool = False,
+    layers: int | None = None,
+) -> float:
+    """Per token: what `layers` layers in flight keep (all L by default: 1F1B keeps pp micro-batches of L/pp
+    layers on the first stage), or under full recompute each one's input plus one block's whole set; and
+    RoPE's tables."""
+    one = layer_bytes(model, tp, dtype_bytes, sequence_parallel)
+    count = model.layers if layers is None else layers
+    if recompute:
+        sp = 1 / tp if sequence_parallel and tp > 1 else 1.0
+        return count * model.hidden * dtype_bytes * sp + one + rope_bytes(model, dtype_bytes)
+    return count * one + rope_bytes(model, dtype_bytes)
+
+
+def head_bytes(
+    model: ModelSpec, tp: int, dtype_bytes: int, tokens: int, sequence_parallel: bool = False, per_token: bool = True
+) -> float:
+    """What the last stage keeps for a micro-batch of `tokens` beyond its layers, from its loss's forward to its
+    backward: the final norm's tensors, the hidden states' gradient (every token) and the head's fp32 gradient
+    sum. `per_token=False`: only what does not grow with the tokens (a published activation factor covers
+    the rest)."""
+    d, h = dtype_bytes, model.hidden
+    sp = 1 / tp if sequence_parallel and tp > 1 else 1.0
+    kept = tokens * (_norm_bytes(h, d) * sp + d * h) if per_token else 0.0
+    return kept + WIDE_BYTES * model.vocab_rows // tp * h
+
+
+def loss_transient_bytes(model: ModelSpec, tp: int, dtype_bytes: int, tokens: int, per_token: bool = True) -> float:
+    """What the last stage's loss forward holds on top while it runs: its input (every token) and one chunk's
+    logits in the compute dtype and fp32 or, in a 2-byte dtype, the chunk's gradient beside the head gradient's
+    GEMM in the compute dtype (its conversion in backward is no larger)."""
+    if tokens == 0:
+        return 0.0
+    d, h = dtype_bytes, model.hidden
+    columns = model.vocab_rows // tp
+    rows = loss_chunk_rows(tokens, columns)
+    chunk = (d + WIDE_BYTES if d < WIDE_BYTES else WIDE_BYTES) * rows * columns
+    in_flight = max(chunk, d * (rows + h) * columns if d < WIDE_BYTES else 0.0)
+    return (tokens * d * h if per_token else 0.0) + in_flight
