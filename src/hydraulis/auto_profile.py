@@ -19,6 +19,7 @@ import numpy as np
 from hydraulis import profile_cache
 from hydraulis.checkpoints import Log
 from hydraulis.config import RunConfig
+from hydraulis.cost.measured import load_line
 from hydraulis.cost.sweep import ProfileSettings
 from hydraulis.errors import HydraulisError
 from hydraulis.jsonio import read_json_object
@@ -27,6 +28,7 @@ from hydraulis.progress import say
 from hydraulis.specs import ModelSpec
 
 AUTO_PROFILE = "profile.json"  # the measured profile, cached in the run directory
+REFIT_PROFILE = "profile.refit.json"  # the online refit of the run's profile (cost/refit.py, run_fidelity.py)
 
 
 def _sweep_for(max_len: int, lengths: np.ndarray) -> dict[str, Any]:
@@ -133,7 +135,10 @@ class AutoProfile:
             data = None
         reason = "unreadable" if data is None else self.mismatch(data)
         if reason is None:
-            log(f"cost model: {path} (profiled before for this model, pool, device and world size)")
+            refit = data.get("refit")
+            how = f"refit at step {refit.get('step')} of run {refit.get('source')}" if isinstance(refit, dict) else \
+                "profiled before"
+            log(f"cost model: {path} ({how} for this model, pool, device and world size)")
             return data
         log(f"profiling again: {path} does not describe this job ({reason})")
         return None
@@ -171,4 +176,7 @@ class AutoProfile:
             f"profiled in {data['measurements']['wall_s']:.0f} s (kept in {self.shared_path().parent}); "
             f"held-out median error per config: {held}"
         )
+        load = load_line(data)
+        if load:
+            log(load)
         return data

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from hydraulis.auto_profile import AUTO_PROFILE, AutoProfile
+from hydraulis.auto_profile import AUTO_PROFILE, REFIT_PROFILE, AutoProfile
 from hydraulis.checkpoints import Log, sweep_temporary
 from hydraulis.config import RunConfig
 from hydraulis.cost import CostModel, load_cost_model
@@ -23,11 +23,13 @@ from hydraulis.errors import HydraulisError
 from hydraulis.jsonio import write_json_atomic
 from hydraulis.parallel import Deployment, ParallelConfig, parse_deployment_configs
 from hydraulis.planner.pool import check_job_pool, inline_pool_world, load_pool, parse_pool, pool_items
+from hydraulis.profile_cache import refit_path
 from hydraulis.progress import say
 from hydraulis.resume import check_stop_at, resume_point
 from hydraulis.specs import ClusterSpec, ModelSpec
 
-RUN_FILES = ("metrics.jsonl", "config.toml", "pool.json", "summary.json", "report.png", "tb", AUTO_PROFILE)
+RUN_FILES = ("metrics.jsonl", "config.toml", "pool.json", "summary.json", "report.png", "tb", AUTO_PROFILE,
+             REFIT_PROFILE)
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class Job:
     max_restarts: int = 0
     resume_from: str | None = None  # the verified checkpoint rank 0 resumes from, picked before any rank starts
     stop_at: int | None = None  # --stop-at: end this invocation at that step; `steps` stays the schedule's length
+    profile_cache: str | None = None  # profile = "auto": the profile's file in the shared cache (a refit goes beside)
 
     @property
     def end_step(self) -> int:
@@ -146,12 +149,15 @@ def prepare(
     data = config.data
     sampler = TokenBudgetSampler(corpus.lengths, data.tokens_per_batch, data.max_len, data.seed, data.overlong)
     fresh = None  # profile = "auto": a profile measured now (or shared), written once every check has passed
+    cache_file = None
     if auto:
         from hydraulis.cost import ProfiledCostModel
 
         config.parallel.recompute_configs(configs)  # a bad recompute list fails before minutes of profiling
         request = AutoProfile.of(config, spec, configs, world, sampler.piece_lengths())
-        shared = request.cached(request.shared_path(), log)  # another run's, on this machine
+        cache_file = request.shared_path()
+        # another run's, on this machine: its refit (profile_cache.refit_path) first, else the measured one
+        shared = request.cached(refit_path(cache_file), log) or request.cached(cache_file, log)
         cached = shared or request.cached(run_dir / AUTO_PROFILE, log)
         fresh = shared if shared is not None else None if cached else request.measure(env_world is not None, log)
         cost = ProfiledCostModel.from_dict(cached or fresh, str(run_dir / AUTO_PROFILE))
@@ -183,6 +189,7 @@ def prepare(
         max_restarts=max_restarts,
         resume_from=resume_from,
         stop_at=stop_at,
+        profile_cache=str(cache_file) if auto else None,
     )
 
 

@@ -79,7 +79,7 @@ def profile(
     chosen = parse_config_list(configs)
     check_configs(spec, chosen, nproc, device)
     # torch only now: bad input above fails fast, without it.
-    from hydraulis.cost.measured import summary_rows
+    from hydraulis.cost.measured import load_line, summary_rows
     from hydraulis.jsonio import write_json_atomic
     from hydraulis.runtime.profiler import check_job, profile_model, progress_steps
 
@@ -100,6 +100,9 @@ def profile(
                 f"{label}: latency {link['latency_s'] * 1e6:.0f} us, bandwidth {link['bandwidth_Bps'] / 1e9:.2f} GB/s"
             )
     console.print(f"memory: {data['memory']['method']}")
+    load = load_line(data)
+    if load:
+        console.print(load, highlight=False)
     console.print(
         f"held-out third of {len(data['measurements']['points']) // len(chosen)} micro-batches per config; "
         f"{data['measurements']['wall_s']:.0f} s"

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from hydraulis.cost.conditions import Conditions
 from hydraulis.cost.fit import fidelity, fit_link, fit_robust, holdout_fidelity
 from hydraulis.cost.memory import CAP_GRANULARITY, TrainingState
 from hydraulis.cost.profiled import PROFILE_SCHEMA
@@ -183,6 +184,11 @@ def build_profile(
         data["optimizer_step"] = {"world_size": world, "ms": step}
     if shared:
         data["shared_cores"] = {"cores": ranks[0]["cores"], "threads_per_rank": ranks[0]["threads"]}
+        load = ranks[0].get("load")
+        foreign = load["foreign_cores_median"] if load else None
+        data["conditions"] = Conditions(world, ranks[0]["threads"], ranks[0]["cores"], foreign).to_json()
+        if load:
+            data["measurements"]["load"] = load
     if world > 1 and ranks[0]["collectives"] is not None:
         a2a = _link([r["collectives"]["all_to_all"] for r in ranks])
         p2p = _link([r["collectives"]["p2p"] for r in ranks])
@@ -209,3 +215,18 @@ def summary_rows(data: dict[str, Any]) -> list[list[str]]:
             ]
         )
     return rows
+
+
+def load_line(data: dict[str, Any]) -> str | None:
+    """What other processes' load did to a CPU profile, in one line (None: it was not measured)."""
+    load = data.get("measurements", {}).get("load")
+    cores = data.get("conditions", {}).get("cores")
+    if not load or not cores:
+        return None
+    kept = load["disturbed_kept"]
+    return (
+        f"load: other processes took a median {load['foreign_cores_median']:.2f} (at most "
+        f"{load['foreign_cores_max']:.2f}) of {cores} cores over the timed rounds; "
+        f"{load['measured_again']} disturbed round(s) measured again"
+        + (f", {kept} kept disturbed (the retries ran out): profile again on a quieter machine" if kept else "")
+    )

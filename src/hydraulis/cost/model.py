@@ -80,8 +80,8 @@ class SharedCores:
     Why: with more ranks than cores (gloo on a laptop) a replica's time depends on how many
     ranks compute beside it, and a plan that leaves replicas idle runs the busy ones faster.
     Processor sharing: k busy ranks of `threads_per_rank` threads each are slowed by
-    max(1, k * threads / cores), so a time measured at one load is rescaled to another, and
-    as replicas finish the others speed up (`finish_times`).
+    max(1, k * threads / cores), so a time measured at one load is rescaled to another; the
+    simulator runs every replica's stages together under it (planner/sim.py).
     """
 
     cores: int
@@ -91,33 +91,9 @@ class SharedCores:
     def load(self, busy: int) -> float:
         return max(1.0, busy * self.threads_per_rank / self.cores)
 
-    def finish_times(self, configs: Sequence[ParallelConfig], times: np.ndarray) -> np.ndarray:
-        """When each replica finishes if they start together and share the cores (fluid processor sharing).
-
-        `times` are the replicas' times at the load their configs were measured under. Each replica
-        has that much work at its measured speed; while B ranks are busy, all progress at
-        1 / load(B) of the cores' full speed, and a replica that finishes frees its cores for the rest.
-        A config measured without sharing keeps its time (its ranks still count as busy).
-        """
-        times = np.asarray(times, dtype=np.float64)
-        ranks = np.array([c.num_gpus for c in configs], dtype=np.float64)
-        measured = [self.busy_ranks.get(c) for c in configs]
-        work = np.array([t / self.load(m) if m is not None else t for t, m in zip(times, measured, strict=True)])
-        finish = np.zeros_like(times)
-        remaining = work.copy()
-        active = remaining > 0
-        now = 0.0
-        while active.any():
-            rate = 1.0 / self.load(int(ranks[active].sum()))
-            dt = remaining[active].min() / rate
-            now += dt
-            remaining[active] -= dt * rate
-            done = active & (remaining <= 1e-12 * work.max())
-            finish[done] = now
-            active &= ~done
-        unshared = np.array([m is None for m in measured])
-        finish[unshared] = times[unshared]
-        return finish
+    def slowdown(self, config: ParallelConfig, busy: int) -> float:
+        """How much slower than alone a stage of `config` computes while `busy` ranks compute."""
+        return self.load(busy)
 
 
 @dataclass(frozen=True)
@@ -156,6 +132,7 @@ class CostModel:
         self.collectives = collectives  # measured links replace the device constants within a node
         self.shared_cores = shared_cores  # CPU profiles: the simulator rescales times by the ranks busy at once
         self.optimizer_step = optimizer_step  # measured step after compute; else grad_sync_time's estimate
+        self.profile_data: dict | None = None  # the profile file's data (its conditions; a refit writes it back)
         self._min_efficient = dict(min_efficient_tokens)
         self._set_coefficients(coefficients)
         self.recompute: frozenset[ParallelConfig] = frozenset()

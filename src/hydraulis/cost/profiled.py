@@ -130,7 +130,9 @@ class ProfiledCostModel(CostModel):
                 busy_ranks,
             )
         step = _optimizer_step(f) if "optimizer_step" in data else None
-        return cls(f.str("name"), model, device, coefficients, memory, min_eff, collectives, shared, step)
+        cost = cls(f.str("name"), model, device, coefficients, memory, min_eff, collectives, shared, step)
+        cost.profile_data = data
+        return cost
 
 
 def _collectives(f: Fields) -> Collectives:
