@@ -3,12 +3,13 @@
 At the start one line says how this run's world size, threads per rank and
 cores differ from its profile's (cost/conditions.py). Every step the CPU
 meter reads other processes' load; once `LOAD_STEPS` steps show it disturbed
-where the profile was quiet (or the reverse), one line says so. Every step's
-predicted and measured replica times feed the online refit (cost/refit.py):
-a refit is announced in one line, the planner plans with it from the next
-batch on, and the refit profile is written beside the run
-(`profile.refit.json`) and, for `profile = "auto"`, into the profile cache
-marked as refit, where the next run of the same request finds it.
+where the profile was quiet (or the reverse), one line says so. The
+predicted and measured replica times of every step, the measured ones
+divided by the slowdown other processes' load explains, feed the online
+refit (cost/refit.py): a refit is announced in one line, the planner plans
+with it from the next batch on, and the refit profile is written beside the
+run (`profile.refit.json`) and, for `profile = "auto"`, into the profile
+cache marked as refit, where the next run of the same request finds it.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import numpy as np
 
 from hydraulis import profile_cache
 from hydraulis.auto_profile import REFIT_PROFILE
-from hydraulis.cost.conditions import Conditions, CpuMeter, cpu_cores, disturbed, warning
-from hydraulis.cost.refit import REFIT_STEPS, OnlineRefit, Refit, refit_profile
+from hydraulis.cost.conditions import Conditions, CpuMeter, cpu_cores, warning
+from hydraulis.cost.refit import OnlineRefit, Refit, refit_profile
 from hydraulis.jsonio import write_json_atomic
+from hydraulis.parallel import ParallelConfig
 
 if TYPE_CHECKING:
     from hydraulis.job import Job
@@ -58,10 +60,24 @@ class RunFidelity:
             self.seen.add(metrics.deployment_index)
         else:
             configs = self.job.pool[metrics.deployment_index].configs
-            done = self.refit.observe(metrics.step, configs, metrics.replica_s, metrics.replica_predicted_s)
+            slow = self._slowdown(configs, metrics.replica_predicted_s, load)
+            measured = [t / slow for t in metrics.replica_s]
+            done = self.refit.observe(metrics.step, configs, measured, metrics.replica_predicted_s)
             if done is not None:
                 self._use(done)
         return {"foreign_cores": load}
+
+    def _slowdown(self, configs: Sequence[ParallelConfig], predicted: Sequence[float], load: float | None) -> float:
+        """How much other processes' load slowed this step's ranks on shared cores (SharedCores.load).
+
+        The refit sees the step as it would have run without them: a passing load is not the model's
+        error, and a refit to it would stay after it had gone.
+        """
+        shared = self.job.cost.shared_cores
+        if shared is None or load is None:
+            return 1.0
+        busy = sum(c.num_gpus for c, p in zip(configs, predicted, strict=True) if p > 0)
+        return shared.load(busy + load) / shared.load(busy)
 
     def _use(self, done: Refit) -> None:
         """Plan (and predict) the next batches with a refit model; keep it; say so in one line."""
@@ -84,19 +100,16 @@ class RunFidelity:
             self.log(line)
 
     def _keep(self, step: int) -> str:
-        """Write the refit profile beside the run, and into the cache for auto when the machine was quiet."""
+        """Write the refit profile beside the run, and into the cache for auto."""
         data = self.job.cost.profile_data
         if data is None:
             return " (an analytic model: no profile file to keep it in)"
-        recent = [x for x in self.loads[-REFIT_STEPS:] if x is not None]
-        load = float(np.median(recent)) if recent else None
-        refit = refit_profile(data, self.refit.scales, self.job.out, step, replace(self.run, foreign_cores=load))
+        # The refit saw each step without other processes' load (_slowdown): it describes a quiet machine.
+        refit = refit_profile(data, self.refit.scales, self.job.out, step, replace(self.run, foreign_cores=0.0))
         path = Path(self.job.out) / REFIT_PROFILE
         write_json_atomic(path, refit)
         if self.job.profile_cache is None:
             return f"; kept in {path}"
-        if disturbed(load, self.run.cores):
-            return f"; kept in {path}, not in the cache (other processes took {load:.2f} cores meanwhile)"
         cached = profile_cache.refit_path(Path(self.job.profile_cache))
         profile_cache.store(cached, refit)
         return f"; kept in {path} and {cached}"

@@ -1,4 +1,5 @@
-"""`profile = "auto"` through the real command: a second run on this machine reuses the shared cached profile."""
+"""`profile = "auto"` through the real command: a second run on this machine reuses the shared cached profile,
+and a run refits a profile that stays off and leaves the refit in the cache for the next one."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def test_a_second_run_reuses_the_cached_profile(tmp_path, cli, monkeypatch):
     assert second.returncode == 0, second.stderr
     assert "profiling tiny" not in second.stdout and f"cost model: {shared[0]}" in second.stdout, second.stdout
     assert (tmp_path / "second" / "profile.json").read_bytes() == (tmp_path / "first" / "profile.json").read_bytes()
+    _refit_and_reuse(tmp_path, cli, config, shared[0])
     # Another sweep (a longer max_len) is another key: measured again, now with an estimate from the timings.
     config2 = write_config(
         tmp_path / "run2.toml", tmp_path / "docs", data='tokens_per_batch = 1024\nmax_len = 512\ntokenizer = "bytes"',
@@ -41,4 +43,32 @@ def test_a_second_run_reuses_the_cached_profile(tmp_path, cli, monkeypatch):
     third = cli("train", "--config", str(config2), "--nproc", "1", "--out", str(tmp_path / "third"))
     assert third.returncode == 0, third.stderr
     assert "from earlier profiles on this machine" in third.stdout, third.stdout
-    assert len(list((cache / "profiles").glob("tiny-*.json"))) == 2
+    measured = [p for p in (cache / "profiles").glob("tiny-*.json") if not p.name.endswith(".refit.json")]
+    assert len(measured) == 2  # beside them the refit of the first
+
+
+
+def _refit_and_reuse(tmp_path, cli, config, measured):
+    """The cached profile made 20x too slow: the run refits tp1pp1 from its own steps (one line), keeps the
+    refit beside the run and in the cache marked as refit, and the next run of the same request starts from it."""
+    data = json.loads(measured.read_text())
+    for row in data["time_ms"]:
+        row.update(a=row["a"] * 20, b=row["b"] * 20, c=row["c"] * 20)
+    measured.write_text(json.dumps(data))
+    run = cli("train", "--config", str(config), "--nproc", "1", "--steps", "7", "--out", str(tmp_path / "off"))
+    assert run.returncode == 0, run.stderr
+    out = " ".join(run.stdout.split())
+    # Step 0 warms the deployment up; steps 1-5 are five steps more than 15% off on the same side.
+    assert "cost model refit after step 5: tp1pp1 x0.0" in out, out
+    refit = json.loads((tmp_path / "off" / "profile.refit.json").read_text())
+    cached = measured.with_name(f"{measured.stem}.refit.json")
+    assert f"kept in {tmp_path / 'off' / 'profile.refit.json'} and {cached}" in out
+    assert refit["refit"]["step"] == 5 and 0 < refit["refit"]["scales"]["tp1pp1"] < 0.2
+    assert json.loads(cached.read_text()) == refit
+    rows = [json.loads(line) for line in (tmp_path / "off" / "metrics.jsonl").read_text().splitlines()[:-1]]
+    assert all(r["foreign_cores"] is None or r["foreign_cores"] >= 0 for r in rows)
+    # Step 6 is predicted by the refit model: no longer many times the measurement.
+    assert rows[1]["predicted_s"] > 5 * rows[1]["iteration_s"] and rows[6]["predicted_s"] < 2 * rows[6]["iteration_s"]
+    again = cli("train", "--config", str(config), "--nproc", "1", "--out", str(tmp_path / "again"))
+    assert again.returncode == 0, again.stderr
+    assert f"cost model: {cached} (refit at step 5 of run {tmp_path / 'off'}" in " ".join(again.stdout.split())

@@ -184,9 +184,14 @@ def test_a_measured_optimizer_step_is_the_iteration_time_after_compute():
     res = simulate(plan, measured)
     assert res.grad_sync_s == pytest.approx(0.030)  # the slowest config's measured step
     assert res.iteration_time_s == pytest.approx(res.compute_time_s + 0.030)
-    # A config or a world size the profile did not measure: the exchange estimate.
+    # A config the profile did not measure: the exchange estimate.
     assert measured.step_time(Deployment.parse("2x(tp1,pp2)", ClusterSpec(4)).configs) == estimate.grad_sync_time(4)
-    assert measured.step_time(Deployment.parse("8x(tp1,pp1)", ClusterSpec(8)).configs) == estimate.grad_sync_time(8)
+    # Another world size on the profile's 2 shared cores: 8 ranks load them twice as much as the 4 measured.
+    eight = Deployment.parse("8x(tp1,pp1)", ClusterSpec(8)).configs
+    assert data["shared_cores"]["cores"] == 2 and measured.step_time(eight) == pytest.approx(0.040)
+    # ... and without shared cores (GPUs) the exchange estimate.
+    del data["shared_cores"]
+    assert ProfiledCostModel.from_dict(data).step_time(eight) == estimate.grad_sync_time(8)
     data["optimizer_step"]["ms"]["tp9"] = 1.0
     with pytest.raises(HydraulisError, match="tp9"):
         ProfiledCostModel.from_dict(data)

@@ -50,6 +50,9 @@ def profile(
         help="Configs take turns by rounds (holds all models at once).",
     ),
     threads: int = typer.Option(None, "--threads", help="torch threads per rank (default: cores / processes)."),
+    load_retries: int = typer.Option(
+        DEFAULT.load_retries, "--load-retries", help="Times a round timed under other processes' load runs again."
+    ),
     dtype: str = typer.Option(None, "--dtype", help="fp32 or bf16 (default: fp32 on cpu, bf16 on cuda)."),
     collective_bytes: str = typer.Option(
         _csv(DEFAULT.collective_bytes), "--collective-bytes", help="Collective sizes: bytes each rank sends."
@@ -69,6 +72,7 @@ def profile(
         dtype=dtype,
         threads=threads,
         interleave=interleave,
+        load_retries=load_retries,
         collective_bytes=_ints(collective_bytes, "--collective-bytes"),
     )
     if out.is_dir():

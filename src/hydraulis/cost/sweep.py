@@ -36,8 +36,9 @@ class ProfileSettings:
     # All configs' models are then held at once; False frees each before the next (large models).
     interleave: bool = True
     threads: int | None = None  # torch threads per rank; None: as `hydraulis train --nproc` (cores / ranks)
-    # A timed round during which other processes took a tenth of the cores or more runs again, this often.
-    load_retries: int = 2
+    # A timed round during which other processes took a tenth of the cores or more runs again, this often
+    # (and at most half of all timed rounds run again: runtime/profiler.py's LoadCheck).
+    load_retries: int = 1
 
     def __post_init__(self) -> None:
         if not self.totals or any(t < 1 for t in self.totals):

@@ -117,11 +117,13 @@ class LoadCheck:
 
     Why: a round timed while something else computed is slower by the cores it took, and the
     profile would carry that into every prediction. A disturbed round (cost.conditions.disturbed)
-    runs again, up to `retries` times; the profile records the load of the rounds it kept.
+    runs again, up to `retries` times, and at most `budget` rounds in all run again: a load that
+    lasts the whole profile would only triple its time. The profile records the load of the
+    rounds it kept.
     """
 
-    def __init__(self, env: DistEnv, cores: int | None, retries: int) -> None:
-        self.env, self.cores, self.retries = env, cores, retries
+    def __init__(self, env: DistEnv, cores: int | None, retries: int, budget: int) -> None:
+        self.env, self.cores, self.retries, self.budget = env, cores, retries, budget
         self.meter = None
         if cores is not None:  # CPU ranks: the load that matters is the CPU's
             pids: list[Any] = [None] * env.world_size
@@ -139,7 +141,8 @@ class LoadCheck:
         if self.cores is None:
             return False
         load = self.meter.foreign_cores() if self.meter is not None else None
-        flag = torch.tensor([1 if disturbed(load, self.cores) and attempt < self.retries else 0])
+        again = disturbed(load, self.cores) and attempt < self.retries and self.redone < self.budget
+        flag = torch.tensor([1 if again else 0])
         dist.broadcast(flag, 0)
         if int(flag):
             self.redone += 1
@@ -201,7 +204,7 @@ def measure(
         if settings.interleave
         else [(r, c) for c in configs for r in range(rounds)]
     )
-    load = LoadCheck(env, cores, settings.load_retries)
+    load = LoadCheck(env, cores, settings.load_retries, budget=max(1, settings.repeats * len(configs) // 2))
     runs: dict[ParallelConfig, ConfigRun] = {}
     measured: dict[str, Any] = {}
     for r, config in order:
