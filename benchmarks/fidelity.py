@@ -105,7 +105,8 @@ def _stats(signed: list[float]) -> dict[str, float]:
 
 
 def run_once(setting: str, workdir: Path, steps: int, nproc: int) -> dict:
-    env = {**os.environ, "HYDRAULIS_CACHE": str(workdir / "cache")}  # a fresh profile, no earlier refit
+    # A fresh profile and no earlier refit; lines as wide as they are (the notes are read from them).
+    env = {**os.environ, "HYDRAULIS_CACHE": str(workdir / "cache"), "COLUMNS": "400"}
     path, profiled = _config(setting, workdir, steps, nproc, env)
     out = workdir / "run"
     log = _hydraulis(["train", "--config", str(path), "--nproc", str(nproc), "--out", str(out)], env)
@@ -114,9 +115,8 @@ def run_once(setting: str, workdir: Path, steps: int, nproc: int) -> dict:
     pool = [[c.name for c in d.configs] for d in load_pool(out / "pool.json").deployments]
     iteration, per_config = _errors(rows, pool)
     loads = [r["foreign_cores"] for r in rows if r.get("foreign_cores") is not None]
-    said = " ".join((profiled + log).split())
-    notes = [s.strip() for s in said.replace("cost model", "\ncost model").replace("load:", "\nload:").splitlines()
-             if s.startswith(("cost model refit", "cost model: this run differs", "load:"))]
+    notes = [line.strip() for line in (profiled + log).splitlines()
+             if line.startswith(("cost model refit", "cost model: this run differs", "load:"))]
     return {
         "iteration": _stats(iteration),
         "signed_median": float(np.median(iteration)),

@@ -72,6 +72,9 @@ def test_profile_on_gloo_writes_a_profile_that_caps_and_plan_accept(cli, tmp_pat
     # The trainer's phase after compute, measured per config on the job's world size.
     assert data["optimizer_step"]["world_size"] == 2
     assert set(data["optimizer_step"]["ms"]) == {"tp1pp1", "tp2pp1", "tp1pp2"}
+    for part in ("gather_ms", "reduce_ms"):  # measured alone too: training overlaps them with compute
+        assert set(data["optimizer_step"][part]) == set(data["optimizer_step"]["ms"])
+        assert all(t > 0 for t in data["optimizer_step"][part].values())
     assert cost.optimizer_step is not None and all(t > 0 for t in cost.optimizer_step.seconds.values())
     caps = cli("caps", "-p", str(out), "-n", "4", "--json")
     assert caps.returncode == 0, caps.stderr

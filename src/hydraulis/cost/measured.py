@@ -177,11 +177,15 @@ def build_profile(
     }
     if all("optimizer_step_s" in r for r in ranks):
         # Per repeat the slowest rank (the collectives wait for it), then the median over repeats.
-        step = {
-            c.name: float(np.median(np.max([r["optimizer_step_s"][c.name] for r in ranks], axis=0))) * 1e3
-            for c in configs
+        def step_ms(part: str) -> dict[str, float]:
+            return {
+                c.name: float(np.median(np.max([r["optimizer_step_s"][c.name][part] for r in ranks], axis=0))) * 1e3
+                for c in configs
+            }
+
+        data["optimizer_step"] = {
+            "world_size": world, "ms": step_ms("total"), "gather_ms": step_ms("gather"), "reduce_ms": step_ms("reduce")
         }
-        data["optimizer_step"] = {"world_size": world, "ms": step}
     if shared:
         data["shared_cores"] = {"cores": ranks[0]["cores"], "threads_per_rank": ranks[0]["threads"]}
         load = ranks[0].get("load")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -106,6 +106,8 @@ class OptimizerStep:
 
     world_size: int
     seconds: dict[ParallelConfig, float]
+    gather: dict[ParallelConfig, float] = field(default_factory=dict)  # its gather alone, where measured
+    reduce: dict[ParallelConfig, float] = field(default_factory=dict)  # its reduce alone, where measured
 
 
 class CostModel:
@@ -248,6 +250,20 @@ class CostModel:
             return 2 * measured.time(2 * self.model.num_params / num_gpus)
         bandwidth = self.device.inter_node_bw if num_gpus > self.device.gpus_per_node else self.device.intra_node_bw
         return 2 * (2 * self.model.num_params) / num_gpus / bandwidth
+
+    def exchange_in_compute(self, config: ParallelConfig, num_gpus: int) -> float:
+        """Seconds of the optimizer's exchange a replica of `config` spends inside its compute when it
+        overlaps (runtime/overlap.py): a pp = 1 replica gathers from its layers' hooks and a pipeline before
+        its first micro-batch; both send the reduce from backward. Measured, at the profile's world size
+        (rescaled as step_time does); 0 where not measured. Part of the step, not added to the iteration:
+        it moves time from after compute into each replica's."""
+        step, shared = self.optimizer_step, self.shared_cores
+        if step is None or config not in step.reduce:
+            return 0.0
+        seconds = step.reduce[config] + (step.gather.get(config, 0.0) if config.pp == 1 else 0.0)
+        if step.world_size == num_gpus:
+            return seconds
+        return seconds * shared.load(num_gpus) / shared.load(step.world_size) if shared is not None else 0.0
 
     def step_time(self, configs: Sequence[ParallelConfig]) -> float:
         """Seconds after compute of an iteration on a deployment of these configs: measured where profiled.

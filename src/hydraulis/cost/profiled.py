@@ -152,14 +152,19 @@ def _collectives(f: Fields) -> Collectives:
 
 
 def _optimizer_step(f: Fields) -> OptimizerStep:
-    """The optional measured optimizer phase of `hydraulis profile`: milliseconds per config name."""
+    """The optional measured optimizer phase of `hydraulis profile`: milliseconds per config name (the whole
+    phase, and where measured its gather and reduce alone)."""
     o = f.obj("optimizer_step")
-    ms = o.obj("ms")
-    seconds = {}
-    for key in ms.data:
-        try:
-            config = ParallelConfig.parse(key)
-        except HydraulisError:
-            raise HydraulisError(f"{ms.where}: key {key!r} is not a parallel config") from None
-        seconds[config] = ms.float(key, minimum=0) / 1e3
-    return OptimizerStep(o.int("world_size", minimum=1, maximum=MAX_GPUS), seconds)
+    tables: dict[str, dict[ParallelConfig, float]] = {}
+    for part in ("ms", "gather_ms", "reduce_ms"):
+        if part == "ms" or part in o.data:
+            ms = o.obj(part)
+            tables[part] = {}
+            for key in ms.data:
+                try:
+                    config = ParallelConfig.parse(key)
+                except HydraulisError:
+                    raise HydraulisError(f"{ms.where}: key {key!r} is not a parallel config") from None
+                tables[part][config] = ms.float(key, minimum=0) / 1e3
+    world = o.int("world_size", minimum=1, maximum=MAX_GPUS)
+    return OptimizerStep(world, tables["ms"], tables.get("gather_ms", {}), tables.get("reduce_ms", {}))

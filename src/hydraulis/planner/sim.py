@@ -150,7 +150,13 @@ def replica_stage_times(plan: IterationPlan, replica: int, cost: CostModel) -> t
     return times, comm
 
 
-def simulate(plan: IterationPlan, cost: CostModel, keep_events: bool = True) -> SimResult:
+def simulate(plan: IterationPlan, cost: CostModel, keep_events: bool = True, overlap: bool = False) -> SimResult:
+    """The plan's iteration: every replica's 1F1B, then the step after compute.
+
+    `overlap`: the exchange runs inside compute (the trainer's default), so each busy replica's time, as
+    the trainer measures it, holds its share of the step (CostModel.exchange_in_compute); the iteration
+    is the same either way.
+    """
     num_gpus = plan.deployment.num_gpus
     busy = np.zeros(num_gpus)
     shared = cost.shared_cores
@@ -168,6 +174,9 @@ def simulate(plan: IterationPlan, cost: CostModel, keep_events: bool = True) -> 
     replica_times = np.array([tl.time_s for tl in timelines])
     compute = float(replica_times.max()) if len(replica_times) else 0.0
     sync = cost.step_time(plan.deployment.configs)
+    if overlap:
+        inside = [cost.exchange_in_compute(r.config, num_gpus) for r in plan.deployment.replicas]
+        replica_times = replica_times + np.where(replica_times > 0, inside, 0.0)
     return SimResult(
         iteration_time_s=compute + sync,
         compute_time_s=compute,
