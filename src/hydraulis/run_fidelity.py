@@ -4,12 +4,17 @@ At the start one line says how this run's world size, threads per rank and
 cores differ from its profile's (cost/conditions.py). Every step the CPU
 meter reads other processes' load; once `LOAD_STEPS` steps show it disturbed
 where the profile was quiet (or the reverse), one line says so. The
-predicted and measured replica times of every step, the measured ones
-divided by the slowdown other processes' load explains, feed the online
-refit (cost/refit.py): a refit is announced in one line, the planner plans
-with it from the next batch on, and the refit profile is written beside the
-run (`profile.refit.json`) and, for `profile = "auto"`, into the profile
-cache marked as refit, where the next run of the same request finds it.
+predicted and measured replica times of every step feed the online refit
+(cost/refit.py): a refit is announced in one line, the planner plans with it
+from the next batch on (under a lasting load it follows the load: this run
+is under it), and the refit profile is written beside the run
+(`profile.refit.json`, with the load of the steps it saw) and, for
+`profile = "auto"` when those steps were quiet, into the profile cache
+marked as refit, where the next run of the same request finds it. Dividing
+each step by the slowdown processor sharing gives its load was tried and
+dropped: on 2 cores, in one run, a process taking a core slowed 4 ranks
+about 1.9x over the first steps, where processor sharing gives 1.25x (ranks
+that synchronise wait for a descheduled peer).
 """
 
 from __future__ import annotations
@@ -23,10 +28,9 @@ import numpy as np
 
 from hydraulis import profile_cache
 from hydraulis.auto_profile import REFIT_PROFILE
-from hydraulis.cost.conditions import Conditions, CpuMeter, cpu_cores, warning
-from hydraulis.cost.refit import OnlineRefit, Refit, refit_profile
+from hydraulis.cost.conditions import Conditions, CpuMeter, cpu_cores, disturbed, warning
+from hydraulis.cost.refit import REFIT_STEPS, OnlineRefit, Refit, refit_profile
 from hydraulis.jsonio import write_json_atomic
-from hydraulis.parallel import ParallelConfig
 
 if TYPE_CHECKING:
     from hydraulis.job import Job
@@ -46,6 +50,7 @@ class RunFidelity:
         self.loads: list[float | None] = []  # other processes' cores, per step
         self.load_said = False
         self.seen: set[int] = set()  # deployments that ran once
+        self.observed: list[float | None] = []  # the load of every step the refit saw
         self.refit = OnlineRefit(job.cost)
         line = warning(self.profile, self.run)
         if line:
@@ -59,25 +64,12 @@ class RunFidelity:
         if metrics.deployment_index not in self.seen:  # a deployment's first step warms it up: no steady state
             self.seen.add(metrics.deployment_index)
         else:
+            self.observed.append(load)
             configs = self.job.pool[metrics.deployment_index].configs
-            slow = self._slowdown(configs, metrics.replica_predicted_s, load)
-            measured = [t / slow for t in metrics.replica_s]
-            done = self.refit.observe(metrics.step, configs, measured, metrics.replica_predicted_s)
+            done = self.refit.observe(metrics.step, configs, metrics.replica_s, metrics.replica_predicted_s)
             if done is not None:
                 self._use(done)
         return {"foreign_cores": load}
-
-    def _slowdown(self, configs: Sequence[ParallelConfig], predicted: Sequence[float], load: float | None) -> float:
-        """How much other processes' load slowed this step's ranks on shared cores (SharedCores.load).
-
-        The refit sees the step as it would have run without them: a passing load is not the model's
-        error, and a refit to it would stay after it had gone.
-        """
-        shared = self.job.cost.shared_cores
-        if shared is None or load is None:
-            return 1.0
-        busy = sum(c.num_gpus for c, p in zip(configs, predicted, strict=True) if p > 0)
-        return shared.load(busy + load) / shared.load(busy)
 
     def _use(self, done: Refit) -> None:
         """Plan (and predict) the next batches with a refit model; keep it; say so in one line."""
@@ -100,16 +92,19 @@ class RunFidelity:
             self.log(line)
 
     def _keep(self, step: int) -> str:
-        """Write the refit profile beside the run, and into the cache for auto."""
+        """Write the refit profile beside the run, and into the cache for auto if the machine was quiet."""
         data = self.job.cost.profile_data
         if data is None:
             return " (an analytic model: no profile file to keep it in)"
-        # The refit saw each step without other processes' load (_slowdown): it describes a quiet machine.
-        refit = refit_profile(data, self.refit.scales, self.job.out, step, replace(self.run, foreign_cores=0.0))
+        recent = [x for x in self.observed[-REFIT_STEPS:] if x is not None]
+        load = float(np.median(recent)) if recent else None
+        refit = refit_profile(data, self.refit.scales, self.job.out, step, replace(self.run, foreign_cores=load))
         path = Path(self.job.out) / REFIT_PROFILE
         write_json_atomic(path, refit)
         if self.job.profile_cache is None:
             return f"; kept in {path}"
+        if disturbed(load, self.run.cores):  # this run's planner follows the load; later runs should not
+            return f"; kept in {path}, not in the cache (other processes took {load:.2f} cores meanwhile)"
         cached = profile_cache.refit_path(Path(self.job.profile_cache))
         profile_cache.store(cached, refit)
         return f"; kept in {path} and {cached}"

@@ -61,14 +61,17 @@ def _refit_and_reuse(tmp_path, cli, config, measured):
     # Step 0 warms the deployment up; steps 1-5 are five steps more than 15% off on the same side.
     assert "cost model refit after step 5: tp1pp1 x0.0" in out, out
     refit = json.loads((tmp_path / "off" / "profile.refit.json").read_text())
-    cached = measured.with_name(f"{measured.stem}.refit.json")
-    assert f"kept in {tmp_path / 'off' / 'profile.refit.json'} and {cached}" in out
     assert refit["refit"]["step"] == 5 and 0 < refit["refit"]["scales"]["tp1pp1"] < 0.2
-    assert json.loads(cached.read_text()) == refit
     rows = [json.loads(line) for line in (tmp_path / "off" / "metrics.jsonl").read_text().splitlines()[:-1]]
     assert all(r["foreign_cores"] is None or r["foreign_cores"] >= 0 for r in rows)
     # Step 6 is predicted by the refit model: no longer many times the measurement.
     assert rows[1]["predicted_s"] > 5 * rows[1]["iteration_s"] and rows[6]["predicted_s"] < 2 * rows[6]["iteration_s"]
+    cached = measured.with_name(f"{measured.stem}.refit.json")
+    if "not in the cache (other processes took" in out:  # steps 1-5 ran beside other work: this run only
+        assert not cached.exists() and refit["conditions"]["foreign_cores"] > 0.1 * refit["conditions"]["cores"]
+        return
+    assert f"kept in {tmp_path / 'off' / 'profile.refit.json'} and {cached}" in out
+    assert json.loads(cached.read_text()) == refit
     again = cli("train", "--config", str(config), "--nproc", "1", "--out", str(tmp_path / "again"))
     assert again.returncode == 0, again.stderr
     assert f"cost model: {cached} (refit at step 5 of run {tmp_path / 'off'}" in " ".join(again.stdout.split())

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from hydraulis.cost.conditions import Conditions
+from hydraulis.cost.conditions import Conditions, disturbed
 from hydraulis.cost.fit import fidelity, fit_link, fit_robust, holdout_fidelity
 from hydraulis.cost.memory import CAP_GRANULARITY, TrainingState
 from hydraulis.cost.profiled import PROFILE_SCHEMA
@@ -228,9 +228,11 @@ def load_line(data: dict[str, Any]) -> str | None:
     if not load or not cores:
         return None
     kept = load["disturbed_kept"]
+    loaded = disturbed(load["foreign_cores_median"], cores)
     return (
         f"load: other processes took a median {load['foreign_cores_median']:.2f} (at most "
         f"{load['foreign_cores_max']:.2f}) of {cores} cores over the timed rounds; "
         f"{load['measured_again']} disturbed round(s) measured again"
-        + (f", {kept} kept disturbed (the retries ran out): profile again on a quieter machine" if kept else "")
+        + (f", {kept} kept disturbed (the retries ran out)" if kept else "")
+        + (": profile again on a quieter machine" if loaded else "")
     )
