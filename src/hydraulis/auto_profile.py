@@ -28,7 +28,8 @@ from hydraulis.progress import say
 from hydraulis.specs import ModelSpec
 
 AUTO_PROFILE = "profile.json"  # the measured profile, cached in the run directory
-REFIT_PROFILE = "profile.refit.json"  # the online refit of the run's profile (cost/refit.py, run_fidelity.py)
+# The online refit of the run's profile beside it (cost/refit.py, run_fidelity.py): profile.refit.json.
+REFIT_PROFILE = profile_cache.refit_path(Path(AUTO_PROFILE)).name
 
 
 def _sweep_for(max_len: int, lengths: np.ndarray) -> dict[str, Any]:
@@ -126,21 +127,28 @@ class AutoProfile:
         return None
 
     def cached(self, path: Path, log: Log = say) -> dict[str, Any] | None:
-        """The profile at `path` if it describes this job; None (and why, in the log) otherwise."""
-        if not path.is_file():
-            return None
-        try:
-            data = read_json_object(path)
-        except HydraulisError:
-            data = None
-        reason = "unreadable" if data is None else self.mismatch(data)
-        if reason is None:
-            refit = data.get("refit")
-            how = f"refit at step {refit.get('step')} of run {refit.get('source')}" if isinstance(refit, dict) else \
-                "profiled before"
-            log(f"cost model: {path} ({how} for this model, pool, device and world size)")
-            return data
-        log(f"profiling again: {path} does not describe this job ({reason})")
+        """The profile at `path` if it describes this job; None (and why, in the log) otherwise.
+
+        A run's refit of it (profile_cache.refit_path: `NAME.refit.json` beside it; in a run directory
+        `profile.refit.json`) comes first: a run's own measurements corrected it.
+        """
+        refit = profile_cache.refit_path(path)
+        for candidate in (refit, path):
+            if not candidate.is_file():
+                continue
+            try:
+                data = read_json_object(candidate)
+            except HydraulisError:
+                data = None
+            reason = "unreadable" if data is None else self.mismatch(data)
+            if reason is None:
+                mark = data.get("refit")
+                how = f"refit at step {mark.get('step')} of run {mark.get('source')}" if isinstance(mark, dict) \
+                    else "profiled before"
+                log(f"cost model: {candidate} ({how} for this model, pool, device and world size)")
+                return data
+            if candidate == path:
+                log(f"profiling again: {path} does not describe this job ({reason})")
         return None
 
     def measure(self, torchrun: bool, log: Log = say) -> dict[str, Any]:

@@ -23,7 +23,6 @@ from hydraulis.errors import HydraulisError
 from hydraulis.jsonio import write_json_atomic
 from hydraulis.parallel import Deployment, ParallelConfig, parse_deployment_configs
 from hydraulis.planner.pool import check_job_pool, inline_pool_world, load_pool, parse_pool, pool_items
-from hydraulis.profile_cache import refit_path
 from hydraulis.progress import say
 from hydraulis.resume import check_stop_at, resume_point
 from hydraulis.specs import ClusterSpec, ModelSpec
@@ -149,15 +148,12 @@ def prepare(
     data = config.data
     sampler = TokenBudgetSampler(corpus.lengths, data.tokens_per_batch, data.max_len, data.seed, data.overlong)
     fresh = None  # profile = "auto": a profile measured now (or shared), written once every check has passed
-    cache_file = None
     if auto:
         from hydraulis.cost import ProfiledCostModel
 
         config.parallel.recompute_configs(configs)  # a bad recompute list fails before minutes of profiling
         request = AutoProfile.of(config, spec, configs, world, sampler.piece_lengths())
-        cache_file = request.shared_path()
-        # another run's, on this machine: its refit (profile_cache.refit_path) first, else the measured one
-        shared = request.cached(refit_path(cache_file), log) or request.cached(cache_file, log)
+        shared = request.cached(request.shared_path(), log)  # another run's, on this machine
         cached = shared or request.cached(run_dir / AUTO_PROFILE, log)
         fresh = shared if shared is not None else None if cached else request.measure(env_world is not None, log)
         cost = ProfiledCostModel.from_dict(cached or fresh, str(run_dir / AUTO_PROFILE))
@@ -189,7 +185,7 @@ def prepare(
         max_restarts=max_restarts,
         resume_from=resume_from,
         stop_at=stop_at,
-        profile_cache=str(cache_file) if auto else None,
+        profile_cache=str(request.shared_path()) if auto else None,
     )
 
 

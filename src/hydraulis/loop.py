@@ -123,7 +123,7 @@ def train_settings(job: Job) -> TrainSettings:
     return TrainSettings(
         model=job.spec,
         pool=job.pool,
-        cost=job.cost,
+        cost=job.cost.with_overlap(config.parallel.overlap_exchange),  # replica times as the trainer measures
         optim=config.optim.settings(),
         steps=job.steps,
         seed=config.data.seed,

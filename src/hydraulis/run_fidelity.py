@@ -51,7 +51,7 @@ class RunFidelity:
         self.load_said = False
         self.seen: set[int] = set()  # deployments that ran once
         self.observed: list[float | None] = []  # the load of every step the refit saw
-        self.refit = OnlineRefit(job.cost)
+        self.refit = OnlineRefit(trainer.settings.cost)
         line = warning(self.profile, self.run)
         if line:
             log(line)
@@ -72,12 +72,13 @@ class RunFidelity:
         return {"foreign_cores": load}
 
     def _use(self, done: Refit) -> None:
-        """Plan (and predict) the next batches with a refit model; keep it; say so in one line."""
+        """Plan the next batches with a refit model and predict them with it; keep it; say so in one line."""
         trainer = self.trainer
         if trainer.planner is not None:
             from hydraulis.planner.planner import Planner
 
             trainer.planner = Planner(done.cost, trainer.world, trainer.settings.pool)
+        trainer.settings = replace(trainer.settings, cost=done.cost)  # ... and its steps predicted with it
         self.log(done.line() + self._keep(done.step))
 
     def _load_line(self) -> None:

@@ -212,7 +212,7 @@ def test_an_overlapped_exchange_is_inside_each_busy_replica_and_the_iteration_st
     cost = ProfiledCostModel.from_dict(data)
     hetero = Deployment.parse("1x(tp2,pp1) + 2x(tp1,pp1)", ClusterSpec(4))
     plan = plan_from_assignment(0, [512, 300], hetero, [[[0]], [[1]], []], 0.0)
-    plain, overlapped = simulate(plan, cost), simulate(plan, cost, overlap=True)
+    plain, overlapped = simulate(plan, cost), simulate(plan, cost.with_overlap(True))
     inside = np.array([0.005 + 0.009, 0.006 + 0.008, 0.0])  # the idle replica does not count
     np.testing.assert_allclose(overlapped.replica_times_s, plain.replica_times_s + inside)
     assert overlapped.iteration_time_s == plain.iteration_time_s

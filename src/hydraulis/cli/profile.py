@@ -83,7 +83,6 @@ def profile(
     chosen = parse_config_list(configs)
     check_configs(spec, chosen, nproc, device)
     # torch only now: bad input above fails fast, without it.
-    from hydraulis.cost.measured import load_line, summary_rows
     from hydraulis.jsonio import write_json_atomic
     from hydraulis.runtime.profiler import check_job, profile_model, progress_steps
 
@@ -94,6 +93,13 @@ def profile(
     with steps_progress(f"profiling {spec.name} on {world} process(es)", total) as step:
         data = profile_model(spec, chosen, world, device, settings, name, progress=step)
     write_json_atomic(out, data)
+    _print_profile(data, out, len(chosen))
+
+
+def _print_profile(data: dict, out: Path, configs: int) -> None:
+    """What a profile found: coefficients and held-out errors, links, memory method, load, time."""
+    from hydraulis.cost.measured import load_line, summary_rows
+
     columns_ = ["config", "a ms/tok^2", "b ms/tok", "c ms", "fit median", "held-out median", "held-out worst"]
     console.print(table(f"{data['name']}: fitted per-stage forward+backward -> {out}", columns_, summary_rows(data)))
     coll = data.get("collectives", {})
@@ -108,6 +114,6 @@ def profile(
     if load:
         console.print(load, highlight=False)
     console.print(
-        f"held-out third of {len(data['measurements']['points']) // len(chosen)} micro-batches per config; "
+        f"held-out third of {len(data['measurements']['points']) // configs} micro-batches per config; "
         f"{data['measurements']['wall_s']:.0f} s"
     )

@@ -135,6 +135,7 @@ class CostModel:
         self.shared_cores = shared_cores  # CPU profiles: the simulator rescales times by the ranks busy at once
         self.optimizer_step = optimizer_step  # measured step after compute; else grad_sync_time's estimate
         self.profile_data: dict | None = None  # the profile file's data (its conditions; a refit writes it back)
+        self.overlap_exchange = False  # the trainer's exchange runs inside compute (exchange_in_compute)
         self._min_efficient = dict(min_efficient_tokens)
         self._set_coefficients(coefficients)
         self.recompute: frozenset[ParallelConfig] = frozenset()
@@ -156,6 +157,12 @@ class CostModel:
         out.name = name
         out._set_coefficients(coefficients)
         out.recompute = frozenset(recompute)
+        return out
+
+    def with_overlap(self, overlap: bool) -> CostModel:
+        """A copy whose replica times hold the exchange inside compute when `overlap` (the trainer's setting)."""
+        out = copy.copy(self)
+        out.overlap_exchange = overlap
         return out
 
     def with_recompute(self, configs: Iterable[ParallelConfig]) -> CostModel:

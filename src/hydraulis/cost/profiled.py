@@ -87,30 +87,7 @@ class ProfiledCostModel(CostModel):
         if not coefficients:
             raise HydraulisError(f"{where}.time_ms: no configs")
 
-        mem = f.obj("memory")
-        act = mem.obj("activation_bytes_per_token_hidden_layer")
-        activation = {}
-        for key in act.data:
-            try:
-                tp = int(key)
-            except ValueError:
-                raise HydraulisError(f"{act.where}: key {key!r} is not a TP degree") from None
-            activation[tp] = act.float(key, minimum=0)
-            if activation[tp] <= 0:  # the cap divides by it
-                raise HydraulisError(f"{act.where}.{key}: must be positive, got {activation[tp]}")
-        if not activation:
-            raise HydraulisError(f"{act.where}: empty")
-        memory = MemoryModel(
-            memory_bytes=memory_bytes,
-            activation_bytes_per_token_hidden_layer=activation,
-            state_bytes_per_hidden2_layer=mem.float("state_bytes_per_hidden2_layer", minimum=0),
-            optimizer_sharded_fraction=mem.float("optimizer_sharded_fraction", minimum=0),
-            context_overhead_bytes=mem.float("context_overhead_bytes", minimum=0),
-            safety_margin_bytes=mem.float("safety_margin_bytes", minimum=0),
-            embedding_state_bytes=mem.float("embedding_state_bytes", default=16.0, minimum=0),
-        )
-        if memory.optimizer_sharded_fraction > 1:
-            raise HydraulisError(f"{mem.where}.optimizer_sharded_fraction: must be at most 1")
+        memory = _memory(f, memory_bytes)
         min_eff = {}
         if "min_efficient_tokens" in data:
             me = f.obj("min_efficient_tokens")
@@ -133,6 +110,35 @@ class ProfiledCostModel(CostModel):
         cost = cls(f.str("name"), model, device, coefficients, memory, min_eff, collectives, shared, step)
         cost.profile_data = data
         return cost
+
+
+def _memory(f: Fields, memory_bytes: int) -> MemoryModel:
+    """The profile's memory model (`memory`): activation factors per TP degree, state, margins."""
+    mem = f.obj("memory")
+    act = mem.obj("activation_bytes_per_token_hidden_layer")
+    activation = {}
+    for key in act.data:
+        try:
+            tp = int(key)
+        except ValueError:
+            raise HydraulisError(f"{act.where}: key {key!r} is not a TP degree") from None
+        activation[tp] = act.float(key, minimum=0)
+        if activation[tp] <= 0:  # the cap divides by it
+            raise HydraulisError(f"{act.where}.{key}: must be positive, got {activation[tp]}")
+    if not activation:
+        raise HydraulisError(f"{act.where}: empty")
+    memory = MemoryModel(
+        memory_bytes=memory_bytes,
+        activation_bytes_per_token_hidden_layer=activation,
+        state_bytes_per_hidden2_layer=mem.float("state_bytes_per_hidden2_layer", minimum=0),
+        optimizer_sharded_fraction=mem.float("optimizer_sharded_fraction", minimum=0),
+        context_overhead_bytes=mem.float("context_overhead_bytes", minimum=0),
+        safety_margin_bytes=mem.float("safety_margin_bytes", minimum=0),
+        embedding_state_bytes=mem.float("embedding_state_bytes", default=16.0, minimum=0),
+    )
+    if memory.optimizer_sharded_fraction > 1:
+        raise HydraulisError(f"{mem.where}.optimizer_sharded_fraction: must be at most 1")
+    return memory
 
 
 def _collectives(f: Fields) -> Collectives:

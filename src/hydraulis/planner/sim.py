@@ -150,12 +150,12 @@ def replica_stage_times(plan: IterationPlan, replica: int, cost: CostModel) -> t
     return times, comm
 
 
-def simulate(plan: IterationPlan, cost: CostModel, keep_events: bool = True, overlap: bool = False) -> SimResult:
+def simulate(plan: IterationPlan, cost: CostModel, keep_events: bool = True) -> SimResult:
     """The plan's iteration: every replica's 1F1B, then the step after compute.
 
-    `overlap`: the exchange runs inside compute (the trainer's default), so each busy replica's time, as
-    the trainer measures it, holds its share of the step (CostModel.exchange_in_compute); the iteration
-    is the same either way.
+    With `cost.overlap_exchange` (the trainer's, from `[parallel] overlap_exchange`) the exchange runs
+    inside compute, so each busy replica's time, as the trainer measures it, holds its share of the step
+    (CostModel.exchange_in_compute); the iteration is the same either way.
     """
     num_gpus = plan.deployment.num_gpus
     busy = np.zeros(num_gpus)
@@ -174,7 +174,7 @@ def simulate(plan: IterationPlan, cost: CostModel, keep_events: bool = True, ove
     replica_times = np.array([tl.time_s for tl in timelines])
     compute = float(replica_times.max()) if len(replica_times) else 0.0
     sync = cost.step_time(plan.deployment.configs)
-    if overlap:
+    if cost.overlap_exchange:
         inside = [cost.exchange_in_compute(r.config, num_gpus) for r in plan.deployment.replicas]
         replica_times = replica_times + np.where(replica_times > 0, inside, 0.0)
     return SimResult(

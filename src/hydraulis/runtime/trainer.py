@@ -332,8 +332,7 @@ class Trainer:
         if self.world > 1:
             dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.control)
         times, peaks = times[:replicas], times[replicas:].tolist()
-        cost = self.planner.cost if self.planner is not None else s.cost  # rank 0's planner may hold a refit
-        predicted = simulate(plan, cost, keep_events=False, overlap=s.overlap)
+        predicted = simulate(plan, self.settings.cost, keep_events=False)
         metrics = StepMetrics(
             step=self.step_index,
             loss=values[1] / targets,
