@@ -4,6 +4,7 @@ and a run refits a profile that stays off and leaves the refit in the cache for 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -59,13 +60,23 @@ def _refit_and_reuse(tmp_path, cli, config, measured):
     assert run.returncode == 0, run.stderr
     out = " ".join(run.stdout.split())
     # Step 0 warms the deployment up; steps 1-5 are five steps more than 15% off on the same side.
-    assert "cost model refit after step 5: tp1pp1 x0.0" in out, out
+    refit_line = re.search(r"cost model refit after step 5: tp1pp1 x([0-9.]+) ", out)
+    assert refit_line is not None, out
     refit = json.loads((tmp_path / "off" / "profile.refit.json").read_text())
-    assert refit["refit"]["step"] == 5 and 0 < refit["refit"]["scales"]["tp1pp1"] < 0.2
     rows = [json.loads(line) for line in (tmp_path / "off" / "metrics.jsonl").read_text().splitlines()[:-1]]
+    # The scale is what steps 1-5 measured against their prediction (about 1/20 on a quiet machine; other
+    # processes' load slows the steps and raises it), so it lies within their span and well below 1.
+    ratios = [r["replica_s"][0] / r["replica_predicted_s"][0] for r in rows[1:6]]
+    scale = refit["refit"]["scales"]["tp1pp1"]
+    assert refit["refit"]["step"] == 5 and min(ratios) <= scale <= max(ratios) and scale < 0.5, (scale, ratios)
+    assert abs(float(refit_line.group(1)) - scale) < 0.01
     assert all(r["foreign_cores"] is None or r["foreign_cores"] >= 0 for r in rows)
-    # Step 6 is predicted by the refit model: no longer many times the measurement.
-    assert rows[1]["predicted_s"] > 5 * rows[1]["iteration_s"] and rows[6]["predicted_s"] < 2 * rows[6]["iteration_s"]
+    # Steps 1-5 were over-predicted (20x, more than any load here explains); step 6 is predicted by the refit
+    # model, the old prediction times the scale; on a quiet step no longer many times the measurement.
+    assert all(r["predicted_s"] > r["iteration_s"] for r in rows[1:6]), rows
+    assert rows[6]["predicted_s"] < 1.5 * scale * max(r["predicted_s"] for r in rows[1:6]), rows
+    if (rows[6]["foreign_cores"] or 0) < 0.1 * refit["conditions"]["cores"]:
+        assert rows[6]["predicted_s"] < 2 * rows[6]["iteration_s"], rows[6]
     cached = measured.with_name(f"{measured.stem}.refit.json")
     if "not in the cache (other processes took" in out:  # steps 1-5 ran beside other work: this run only
         assert not cached.exists() and refit["conditions"]["foreign_cores"] > 0.1 * refit["conditions"]["cores"]

@@ -99,6 +99,7 @@ def test_profile_on_gloo_writes_a_profile_that_caps_and_plan_accept(cli, tmp_pat
         (("--model", "tiny", "--configs", "tp1pp1", "--device", "tpu"), ("tpu",)),
         (("--model", "tiny", "--configs", "tp1pp1", "--totals", "64,x"), ("--totals",)),
         (("--model", "tiny", "--configs", "tp1pp1", "--totals", "64", "--min-doc", "64"), ("at least 4",)),
+        (("--model", "tiny", "--configs", "tp1pp1", "--load-retries", "-1"), ("--load-retries", "-1")),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_no_file(cli, tmp_path, args, needles):

@@ -47,8 +47,10 @@ class ProfileSettings:
             raise HydraulisError(f"documents need 1 <= min_doc <= max_doc, got {self.min_doc} and {self.max_doc}")
         if self.threads is not None and self.threads < 1:
             raise HydraulisError(f"threads per rank must be positive, got {self.threads}")
-        if self.warmup < 0 or self.repeats < 1 or self.collective_repeats < 1 or self.load_retries < 0:
-            raise HydraulisError("warm-up and load retries must be non-negative and repeats at least 1")
+        if self.warmup < 0 or self.repeats < 1 or self.collective_repeats < 1:
+            raise HydraulisError("warm-up must be non-negative and repeats at least 1")
+        if self.load_retries < 0:
+            raise HydraulisError(f"--load-retries must be non-negative, got {self.load_retries}")
         if self.dtype is not None and self.dtype not in DTYPE_NAMES:
             raise HydraulisError(f"unknown dtype {self.dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
         if not 0 < self.holdout_fraction < 1:
