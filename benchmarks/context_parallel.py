@@ -64,16 +64,17 @@ class Result(NamedTuple):
 
 
 def measure(policy: Policy, batches: list[np.ndarray]) -> Result:
-    plans = [policy.schedule(b).phases[0] for b in batches]
+    schedules = [policy.schedule(b) for b in batches]
+    plans = [p for s in schedules for p in s.phases]  # a schedule in phases runs each of them
     tokens = sum(int(b.sum()) for b in batches)
     on_cp = 0
     for p in plans:
         for replica, rp in zip(p.deployment.replicas, p.replicas, strict=True):
             if replica.config.cp > 1:
                 on_cp += sum(p.lengths[i] for mb in rp.micro_batches for i in mb)
-    deployments = tuple(dict.fromkeys(str(p.deployment) for p in plans))
-    slowest = max(p.planning_time_s for p in plans)
-    return Result(tokens / sum(p.predicted_time_s for p in plans), deployments, on_cp / tokens, slowest)
+    deployments = tuple(dict.fromkeys(" | ".join(str(p.deployment) for p in s.phases) for s in schedules))
+    slowest = max(s.planning_time_s for s in schedules)
+    return Result(tokens / sum(s.iteration_time_s for s in schedules), deployments, on_cp / tokens, slowest)
 
 
 def split(batches: list[np.ndarray], cost: CostModel, cluster: ClusterSpec) -> list[np.ndarray]:

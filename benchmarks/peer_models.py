@@ -48,6 +48,8 @@ from hydraulis.runtime.layout import ModelLayout
 from hydraulis.specs import ModelSpec
 
 PEERS = ("ddp-doc", "ddp-packed", "fsdp2")
+# What a user of a homogeneous system does when a long document does not fit: recompute activations.
+CHECKPOINTED = ("ddp-doc-gc", "fsdp2-ac")
 # FSDP2's default collectives, by their newer names where this torch has them (older: *_into_tensor, *_tensor)
 _dist = torch.distributed
 all_gather_single = getattr(_dist, "all_gather_single", None) or _dist.all_gather_into_tensor
@@ -84,6 +86,16 @@ def hf_model(spec: ModelSpec, seed: int, attention: str = "sdpa") -> nn.Module:
     model = LlamaForCausalLM(config).float()
     model.load_state_dict(to_hf_state_dict(ModelLayout(spec, 1).full_state_dict(seed), spec), strict=True)
     return model.train()
+
+
+def checkpoint_layers(model: nn.Module) -> nn.Module:
+    """transformers' activation checkpointing of every decoder layer, non-reentrant (its newer name where it
+    has it): each layer's forward runs again in backward, only its input is kept."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -276,16 +288,22 @@ class Peer:
 
 
 def build_peer(name: str, spec: ModelSpec, seed: int, optim: OptimSettings, total_steps: int, world: int) -> Peer:
-    """ddp-doc, ddp-packed (torch DDP, default buckets) or fsdp2 (fully_shard per decoder layer and the root).
+    """ddp-doc, ddp-packed (torch DDP, default buckets) or fsdp2 (fully_shard per decoder layer and the root);
+    ddp-doc-gc and fsdp2-ac: the same with activation checkpointing of every decoder layer.
 
     FSDP2 keeps parameters unsharded from a step's first forward to its last backward
     (reshard_after_forward=False, no resharding or reduce-scatter until the last document): one
     all-gather and one reduce-scatter per step, FSDP2's recommended set-up for gradient
-    accumulation, and it lets ranks run different numbers of documents.
+    accumulation, and it lets ranks run different numbers of documents. Checkpointing is transformers'
+    own (`checkpoint_layers`), non-reentrant (torch's recommendation, and what DDP's hooks and FSDP2's
+    need), applied before wrapping as torchtitan applies its activation checkpointing.
     """
     import torch.distributed as dist
 
     model = hf_model(spec, seed)
+    if name in CHECKPOINTED:
+        checkpoint_layers(model)
+        name = name.rsplit("-", 1)[0]
     if name in ("ddp-doc", "ddp-packed"):
         from torch.nn.parallel import DistributedDataParallel
 

@@ -12,6 +12,16 @@ token-budget sampler over a built-in corpus):
   document. benchmarks/peer_models.py says how they train Hydraulis's exact objective (same weights,
   loss, AdamW, clipping) and how documents are split over ranks (greedy by tokens, in batch order).
 
+Setting `bounded`: memory binds, as on GPUs. Every rank may hold 50 MiB of tensors (`[parallel]
+memory_per_rank`, emulated: the caps are computed for it, in fp32), and a tp1 replica does not hold the
+longest documents. The baselines, on the same batches, are what a user of a homogeneous system does then:
+each homogeneous deployment of the pool that holds every batch of an epoch of the data (a user picks one
+for the whole run; the others are listed with the planner's reason); `4x(tp1,pp1) recompute`, Hydraulis's
+runtime with every tp1 replica recomputing its activations; `ddp-doc-gc`, DDP of transformers' model with
+its activation checkpointing; `fsdp2-ac`, FSDP2 with the same; and `ddp-doc`, which does not fit (for
+scale). Every variant's measured peak per rank is printed beside the budget; one over it is flagged as
+not fitting and no ratio is taken against it.
+
 Measurement. `for rep in range(reps): for variant in variants:` a fresh job of 4 processes builds the
 variant, runs one warm-up pass over the batches, then the timed pass. Every step starts after a
 barrier; its time is the slowest rank's, from the step's start to the end of that rank's optimizer
@@ -26,6 +36,9 @@ Memory per rank: VmHWM, the process's high-water mark (it cannot be reset), minu
 imports (torch, transformers, hydraulis: the same for every variant) and before the variant is built:
 what the variant itself added at its peak, warm-up and timed pass included. Each variant runs in
 processes of its own, so no other variant's memory is in it. Printed: the largest rank, median of reps.
+Beside it, "peak MiB": the most tensor bytes a rank held in any step of the warm-up pass, measured as the
+trainer measures its own (runtime/step_memory.py): a census of live tensors before the step plus the CPU
+allocator's peak above it (torch's profiler; the timed pass runs without it). The budget is checked on it.
 
 Exposed exchange time per iteration: the seconds a rank's training thread waited for the exchange of
 parameters and gradients instead of computing, the largest rank's per step, mean over steps (and its
@@ -43,7 +56,7 @@ all-reduces inside compute are not counted). The planner's predicted speedup ove
 homogeneous deployment (sums of `plan.predicted_time_s`) is printed next to the measured one.
 CPU figures are informative: the 4 ranks share this machine's cores.
 
-    .venv/bin/python benchmarks/peers.py [--setting all|longtail|sft|small] [--reps 3] [--steps 12]
+    .venv/bin/python benchmarks/peers.py [--setting all|longtail|sft|small|bounded] [--reps 3] [--steps 12]
         [--tokens N] [--profile P] [--json out.json]
 """
 
@@ -59,14 +72,17 @@ from collections import Counter
 from typing import Any, NamedTuple
 
 import numpy as np
-from peer_models import PEERS, build_peer, rank_documents, scalar, split_by_tokens, status_bytes
+from peer_models import CHECKPOINTED, PEERS, build_peer, rank_documents, scalar, split_by_tokens, status_bytes
+from peer_report import breakdown, print_report
 
 from hydraulis.cost import load_cost_model
 from hydraulis.cost.model import CostModel
 from hydraulis.data.builtin import ensure_builtin
 from hydraulis.data.sampler import TokenBudgetSampler
 from hydraulis.errors import HydraulisError
+from hydraulis.limits import parse_size
 from hydraulis.optim import OptimSettings
+from hydraulis.parallel import ParallelConfig
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import check_job_pool, parse_pool
 from hydraulis.runtime.batch import count_targets
@@ -87,6 +103,13 @@ class Setting(NamedTuple):
     tokens: int  # per global batch
     profile: str  # the default cost model
     about: str
+    pool: str = POOL
+    overlong: str = "split"  # the sampler's policy for documents longer than max_len
+    budget: str | None = None  # memory per rank ([parallel] memory_per_rank); the runs are fp32
+    peers: tuple[str, ...] = PEERS
+
+
+RECOMPUTE = "4x(tp1,pp1) recompute"  # Hydraulis's own runtime, every tp1 replica recomputing its activations
 
 
 SETTINGS = {
@@ -96,6 +119,14 @@ SETTINGS = {
                    "short sequences: BBC articles as bytes in pieces up to 512"),
     "small": Setting("small", "bbc-news", "gpt2", 2048, 4096, "small@cpu",
                      "GPT-2 tokens of BBC articles (p50 422, p90 776, up to 2,048)"),
+    # Memory binds: at 50 MiB per rank a tp1 replica holds 1,408 tokens, tp1pp2 1,792 in each of several
+    # micro-batches and 2,688 in a lone one, tp2pp1 2,432 (`hydraulis caps -p tiny@cpu-measured -n 4
+    # --memory-per-rank 50MiB --dtype fp32`); CPython's files up to 2,048 bytes, longer ones left out.
+    "bounded": Setting("tiny", "python-stdlib", "bytes", 2048, 6144, "tiny@cpu-measured",
+                       "CPython's .py files as bytes, those up to 2,048 (p10 61, p50 715, p90 1,640)",
+                       "2x(tp2,pp1); 2x(tp1,pp2); 1x(tp1,pp2) + 2x(tp1,pp1); 4x(tp1,pp1); "
+                       "1x(tp1,pp2) + 1x(tp2,pp1); 1x(tp2,pp2)",
+                       "drop", "50MiB", ("ddp-doc", *CHECKPOINTED)),
 }
 
 
@@ -126,30 +157,64 @@ def exchange_bytes(spec: ModelSpec, plans) -> float:
     return float(np.mean([per_deployment[p.deployment] for p in plans]))
 
 
+def epoch_batches(lengths: np.ndarray, tokens: int, s: Setting) -> list[np.ndarray]:
+    """One epoch's global batches of the setting's data (another seed than the measured ones')."""
+    sampler = TokenBudgetSampler(lengths, tokens, s.max_len, seed=SEED + 1, policy=s.overlong)
+    return [b.lengths for b in sampler.batches(max(1, int(sampler.piece_lengths().sum()) // tokens))]
+
+
+def unfit_homogeneous(planner: Planner, pool, batches: list[np.ndarray]) -> dict[str, str]:
+    """The homogeneous deployments of the pool that cannot run every batch of an epoch within the budget (a
+    user of a homogeneous system picks one deployment for the whole run), and why."""
+    out = {}
+    for d in (d for d in pool if d.is_homogeneous):
+        failed = []
+        for b in batches:
+            try:
+                planner.plan_on(b, d)
+            except HydraulisError as exc:
+                failed.append(str(exc))
+        if failed:
+            out[str(d)] = f"{len(failed)} of {len(batches)} batches of an epoch, e.g. {failed[0]}"
+    return out
+
+
 def prepare(name: str, args: argparse.Namespace) -> dict[str, Any]:
     s = SETTINGS[name]
     spec = get_model(s.model)
     tokens = args.tokens or s.tokens
     corpus = ensure_builtin(s.corpus, s.tokenizer)
-    sampler = TokenBudgetSampler(corpus.lengths, tokens, s.max_len, seed=SEED)
+    sampler = TokenBudgetSampler(corpus.lengths, tokens, s.max_len, seed=SEED, policy=s.overlong)
     batches = sampler.batches(args.steps)
-    pool = parse_pool(POOL, ClusterSpec(WORLD, WORLD))
+    pool = parse_pool(s.pool, ClusterSpec(WORLD, WORLD))
     profile = args.profile or s.profile
     cost, profile_data = cost_model(profile, spec, pool, sampler.piece_lengths(), s.max_len)
+    budget = None if s.budget is None else parse_size(s.budget, f"{name}: budget")
+    cost = cost.for_job(budget, 4)  # the caps of an fp32 run, within the budget
     check_job_pool(pool, WORLD, spec, cost, s.max_len)
     planner = Planner(cost, WORLD, pool)
     plans = {"hydraulis": [planner.plan(b.lengths, i) for i, b in enumerate(batches)]}
+    costs = dict.fromkeys(plans, cost)
+    unplannable = unfit_homogeneous(planner, pool, epoch_batches(corpus.lengths, tokens, s)) if budget else {}
     for d in pool:
-        if d.is_homogeneous:
+        if d.is_homogeneous and str(d) not in unplannable:
             plans[str(d)] = [planner.plan_on(b.lengths, d, i) for i, b in enumerate(batches)]
+            costs[str(d)] = cost
+    if budget is not None:  # what a user does when a document does not fit: recompute activations
+        tp1 = ParallelConfig(1, 1)
+        costs[RECOMPUTE] = recompute = cost.with_recompute([tp1])
+        every = parse_pool(f"4x({tp1.name[:3]},pp1)", ClusterSpec(WORLD, WORLD))[0]
+        plans[RECOMPUTE] = [Planner(recompute, WORLD, (every,)).plan_on(b.lengths, every, i)
+                            for i, b in enumerate(batches)]
     params = ModelLayout(spec, 1).total
     ring = 2 * (WORLD - 1) / WORLD * 4 * params
     return {
         "setting": name, "spec": spec, "corpus": str(corpus.path), "tokenizer": s.tokenizer, "max_len": s.max_len,
-        "tokens": tokens, "about": s.about,
-        "cores": len(os.sched_getaffinity(0)), "profile": profile, "profile_data": profile_data, "cost": cost,
+        "tokens": tokens, "about": s.about, "overlong": s.overlong, "budget": budget, "peers": s.peers,
+        "cores": len(os.sched_getaffinity(0)), "profile": profile, "profile_data": profile_data, "costs": costs,
         "pool": pool, "batches": batches, "plans": plans, "optim": OptimSettings(), "params": params,
-        "sent_bytes": {**{v: exchange_bytes(spec, p) for v, p in plans.items()}, **dict.fromkeys(PEERS, ring)},
+        "unplannable": unplannable,
+        "sent_bytes": {**{v: exchange_bytes(spec, p) for v, p in plans.items()}, **dict.fromkeys(s.peers, ring)},
     }
 
 
@@ -159,8 +224,9 @@ def hydraulis_runner(job: dict, variant: str, env, corpus, total_steps: int):
 
     plans = job["plans"][variant]
     pool = job["pool"] if variant == "hydraulis" else (plans[0].deployment,)
-    sampler = TokenBudgetSampler(corpus.lengths, job["tokens"], job["max_len"], seed=SEED)
-    trainer = Trainer(TrainSettings(job["spec"], pool, job["cost"], job["optim"], total_steps), corpus, sampler, env)
+    sampler = TokenBudgetSampler(corpus.lengths, job["tokens"], job["max_len"], seed=SEED, policy=job["overlong"])
+    settings = TrainSettings(job["spec"], pool, job["costs"][variant], job["optim"], total_steps)
+    trainer = Trainer(settings, corpus, sampler, env)
     parts = []
 
     def step(i: int):
@@ -188,18 +254,27 @@ def peer_runner(job: dict, variant: str, env, corpus, total_steps: int):
     return step, lambda: None, None
 
 
-def run_pass(step, steps: int) -> dict[str, list[float]]:
+def run_pass(step, steps: int, meter: bool = False) -> dict[str, list[float]]:
     """Every step after a barrier; per step the slowest rank's time, the global loss, the grad norm, and
-    the exposed exchange (largest over ranks, and this rank's own)."""
+    the exposed exchange (largest over ranks, and this rank's own). `meter`: also each step's peak of tensor
+    bytes on this rank, as the trainer measures its own (runtime/step_memory.py): a census of live tensors
+    before the step plus the CPU allocator's peak above it, by torch's profiler (it slows the step)."""
     import torch
     import torch.distributed as dist
 
-    seconds, cpu, shares, norms, exposed = [], [], [], [], []
+    from hydraulis.runtime.memory_meter import PeakMeter, live_tensor_bytes
+
+    seconds, cpu, shares, norms, exposed, peaks = [], [], [], [], [], []
     for i in range(steps):
         dist.barrier()
+        base = live_tensor_bytes() if meter else 0
+        peak = PeakMeter().start() if meter else None
         busy = time.process_time()  # this process's CPU seconds, all its threads
         s, share, norm, waited = step(i)
         cpu.append(time.process_time() - busy)
+        if peak is not None:
+            peak.stop()
+            peaks.append(base + peak.peak_bytes)
         seconds.append(s)
         shares.append(float(share))
         norms.append(scalar(norm))
@@ -214,7 +289,8 @@ def run_pass(step, steps: int) -> dict[str, list[float]]:
     dist.all_reduce(e, op=dist.ReduceOp.MAX)
     dist.all_reduce(e_min, op=dist.ReduceOp.MIN)
     return {"step_s": t.tolist(), "cpu_s": c.tolist(), "loss": losses.tolist(), "grad_norm": norms,
-            "exposed_s": e.tolist(), "exposed_min_s": e_min.tolist(), "exposed_rank_s": exposed}
+            "exposed_s": e.tolist(), "exposed_min_s": e_min.tolist(), "exposed_rank_s": exposed,
+            "peak_bytes": max(peaks, default=0)}
 
 
 def worker(job: dict, variant: str) -> dict:
@@ -231,7 +307,7 @@ def worker(job: dict, variant: str) -> dict:
         step, close, parts = hydraulis_runner(job, variant, env, corpus, 2 * steps)
     else:
         step, close, parts = peer_runner(job, variant, env, corpus, 2 * steps)
-    warm = run_pass(step, steps)
+    warm = run_pass(step, steps, meter=True)  # the warm-up pass measures memory; the timed pass runs bare
     timed = run_pass(step, steps)
     close()
     return {"warm": warm, "timed": timed, "parts": parts[steps:] if parts else None,
@@ -243,7 +319,7 @@ def measure(job: dict, reps: int) -> dict[str, list[dict]]:
     """Interleaved: every variant once per repetition, each in a fresh job of WORLD processes."""
     from hydraulis.runtime.launch import spawn
 
-    variants = [*job["plans"], *PEERS]
+    variants = [*job["plans"], *job["peers"]]
     tokens = sum(b.num_tokens for b in job["batches"])
     rows: dict[str, list[dict]] = {v: [] for v in variants}
     for rep in range(reps):
@@ -259,58 +335,62 @@ def measure(job: dict, reps: int) -> dict[str, list[dict]]:
                 "first_grad_norm": ranks[0]["warm"]["grad_norm"][0],
                 "peak_increase_bytes": [r["hwm"] - r["rss_base"] for r in ranks],
                 "vmhwm_bytes": [r["hwm"] for r in ranks], "hydraulis_parts": ranks[0]["parts"],
+                "peak_bytes": [r["warm"]["peak_bytes"] for r in ranks],
             })
-            print(f"    rep {rep + 1}/{reps}  {v:<14} {tokens / seconds:>9,.0f} tokens/s", flush=True)
+            print(f"    rep {rep + 1}/{reps}  {v:<20} {tokens / seconds:>9,.0f} tokens/s", flush=True)
     return rows
 
 
-def breakdown(parts: list[dict]) -> dict[str, float]:
-    """Median seconds per step of Hydraulis's phases on rank 0. Compute is the slowest replica's (rank 0's
-    reduce waits for it); the rest is the reduce's exchange, the norm all-reduce and AdamW after it."""
-    rows = [{"iteration": p["iteration_s"], "switch": p["switch_s"], "gather": p["gather_s"],
-             "compute_slowest": max(p["replica_s"]), "compute_mean": statistics.fmean(p["replica_s"]),
-             "reduce_norm_adamw": p["iteration_s"] - p["switch_s"] - p["gather_s"] - max(p["replica_s"])}
-            for p in parts]
-    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+def variant_summary(job: dict, v: str, reps: list[dict]) -> dict[str, Any]:
+    """One variant's medians over the repetitions (and each repetition's rows)."""
+    tokens = sum(b.num_tokens for b in job["batches"])
+    tput = [r["tokens_per_s"] for r in reps]
+    predicted = sum(p.predicted_time_s for p in job["plans"][v]) if v in job["plans"] else None
+    peak = statistics.median(max(r["peak_bytes"]) for r in reps)  # the largest rank's, median of reps
+    out = {
+        "tokens_per_s_median": statistics.median(tput), "tokens_per_s_min": min(tput),
+        "tokens_per_s_max": max(tput), "tokens_per_s": tput,
+        "predicted_tokens_per_s": tokens / predicted if predicted else None,
+        "cpu_s_per_iteration": statistics.median(r["cpu_s"] for r in reps) / len(job["batches"]),
+        # seconds per iteration the exchange kept the slowest-waiting rank from computing, and its share
+        "exposed_s_per_iteration": statistics.median(statistics.fmean(r["exposed_s"]) for r in reps),
+        "exposed_share": statistics.median(sum(r["exposed_s"]) / r["seconds"] for r in reps),
+        # the rank that waited least: the slowest one, whose wait is the exchange alone, without imbalance
+        "exposed_min_rank_s_per_iteration": statistics.median(statistics.fmean(r["exposed_min_s"]) for r in reps),
+        # the share of the cores busy during the timed pass: 1.0 means no schedule of the same work can
+        # be faster here, only less work can
+        "core_utilisation": statistics.median(r["cpu_s"] / r["seconds"] for r in reps) / job["cores"],
+        "peak_increase_mib": statistics.median(max(r["peak_increase_bytes"]) for r in reps) / MiB,
+        "vmhwm_mib": statistics.median(max(r["vmhwm_bytes"]) for r in reps) / MiB,
+        # tensor bytes at the peak, the largest rank's (every rank's is in reps), against the budget if any
+        "peak_mib": peak / MiB,
+        "fits": job["budget"] is None or max(max(r["peak_bytes"]) for r in reps) <= job["budget"],
+        "sent_mib_per_iteration": job["sent_bytes"][v] / MiB,
+        "first_loss": reps[0]["first_loss"], "first_grad_norm": reps[0]["first_grad_norm"],
+        "reps": reps,
+    }
+    if reps[0]["hydraulis_parts"]:
+        out["breakdown_s"] = breakdown([p for r in reps for p in r["hydraulis_parts"]])
+    return out
 
 
 def summarize(job: dict, rows: dict[str, list[dict]]) -> dict[str, Any]:
-    tokens = sum(b.num_tokens for b in job["batches"])
-    out: dict[str, Any] = {"variants": {}}
-    for v, reps in rows.items():
-        tput = [r["tokens_per_s"] for r in reps]
-        predicted = sum(p.predicted_time_s for p in job["plans"][v]) if v in job["plans"] else None
-        out["variants"][v] = {
-            "tokens_per_s_median": statistics.median(tput), "tokens_per_s_min": min(tput),
-            "tokens_per_s_max": max(tput), "tokens_per_s": tput,
-            "predicted_tokens_per_s": tokens / predicted if predicted else None,
-            "cpu_s_per_iteration": statistics.median(r["cpu_s"] for r in reps) / len(job["batches"]),
-            # seconds per iteration the exchange kept the slowest-waiting rank from computing, and its share
-            "exposed_s_per_iteration": statistics.median(statistics.fmean(r["exposed_s"]) for r in reps),
-            "exposed_share": statistics.median(sum(r["exposed_s"]) / r["seconds"] for r in reps),
-            # the rank that waited least: the slowest one, whose wait is the exchange alone, without imbalance
-            "exposed_min_rank_s_per_iteration": statistics.median(statistics.fmean(r["exposed_min_s"]) for r in reps),
-            # the share of the cores busy during the timed pass: 1.0 means no schedule of the same work can
-            # be faster here, only less work can
-            "core_utilisation": statistics.median(r["cpu_s"] / r["seconds"] for r in reps) / job["cores"],
-            "peak_increase_mib": statistics.median(max(r["peak_increase_bytes"]) for r in reps) / MiB,
-            "vmhwm_mib": statistics.median(max(r["vmhwm_bytes"]) for r in reps) / MiB,
-            "sent_mib_per_iteration": job["sent_bytes"][v] / MiB,
-            "first_loss": reps[0]["first_loss"], "first_grad_norm": reps[0]["first_grad_norm"],
-            "reps": reps,
-        }
-        if reps[0]["hydraulis_parts"]:
-            parts = [p for r in reps for p in r["hydraulis_parts"]]
-            out["variants"][v]["breakdown_s"] = breakdown(parts)
+    out: dict[str, Any] = {"variants": {v: variant_summary(job, v, reps) for v, reps in rows.items()}}
     var = out["variants"]
-    homog = [v for v in job["plans"] if v != "hydraulis"]
-    best_measured = max(homog, key=lambda v: var[v]["tokens_per_s_median"])
-    best_predicted = max(homog, key=lambda v: var[v]["predicted_tokens_per_s"])
+    # The homogeneous deployments of the pool that fit the budget (all of them without one), measured.
+    homog = [v for v in job["plans"] if v not in ("hydraulis", RECOMPUTE) and var[v]["fits"]]
+    best_measured = max(homog, key=lambda v: var[v]["tokens_per_s_median"], default=None)
+    best_predicted = max(homog, key=lambda v: var[v]["predicted_tokens_per_s"], default=None)
     hyd = var["hydraulis"]
     out["best_homogeneous_measured"], out["best_homogeneous_predicted"] = best_measured, best_predicted
-    out["predicted_speedup"] = hyd["predicted_tokens_per_s"] / var[best_predicted]["predicted_tokens_per_s"]
-    out["ratios"] = {f"hydraulis/{v}": hyd["tokens_per_s_median"] / var[v]["tokens_per_s_median"]
-                     for v in [*PEERS, best_measured]}
+    out["budget_bytes"], out["unplannable"] = job["budget"], job["unplannable"]
+    out["predicted_speedup"] = (hyd["predicted_tokens_per_s"] / var[best_predicted]["predicted_tokens_per_s"]
+                                if best_predicted else None)
+    # Ratios only against variants that fit the budget: one over it is not a result.
+    against = [v for v in [*job["peers"], *([RECOMPUTE] if RECOMPUTE in var else []), best_measured]
+               if v is not None and var[v]["fits"]]
+    out["ratios"] = {f"hydraulis/{v}": hyd["tokens_per_s_median"] / var[v]["tokens_per_s_median"] for v in against}
+    out["not_fitting"] = [v for v in var if not var[v]["fits"]]
     # The same weights, batches and optimizer: losses should agree at the first step (batch 0, initial
     # weights) and still at the last (after 2 x steps optimizer steps), to fp32 rounding. Grad norms
     # agree less on large models: Hydraulis sums squares in fp64, torch's clip_grad_norm_ in fp32
@@ -321,37 +401,6 @@ def summarize(job: dict, rows: dict[str, list[dict]]) -> dict[str, Any]:
                         for v in var if v != "hydraulis"}
     out["hydraulis_deployments"] = dict(Counter(str(p.deployment) for p in job["plans"]["hydraulis"]))
     return out
-
-
-def print_report(job: dict, summary: dict) -> None:
-    var = summary["variants"]
-    print(f"  {'variant':<14} {'tokens/s median [min-max]':>32} {'predicted':>10} {'peak +MiB':>10}"
-          f" {'sent MiB/it':>12} {'exposed s/it':>16} {'CPU s/it':>9} {'cores busy':>10} {'first loss':>11}")
-    for v, r in var.items():
-        spread = f"{r['tokens_per_s_median']:,.0f} [{r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f}]"
-        pred = f"{r['predicted_tokens_per_s']:,.0f}" if r["predicted_tokens_per_s"] else "-"
-        exposed = f"{r['exposed_s_per_iteration']:.3f} ({r['exposed_share']:.0%})"
-        print(f"  {v:<14} {spread:>32} {pred:>10} {r['peak_increase_mib']:>10.1f}"
-              f" {r['sent_mib_per_iteration']:>12.2f} {exposed:>16} {r['cpu_s_per_iteration']:>9.3f}"
-              f" {r['core_utilisation']:>10.0%} {r['first_loss']:>11.7f}")
-    print("  exposed s/it: the rank that waited longest (it includes waiting for slower ranks); the rank that"
-          " waited least: " + ", ".join(f"{v} {r['exposed_min_rank_s_per_iteration']:.3f}" for v, r in var.items()))
-    used = ", ".join(f"{d} x{n}" for d, n in summary["hydraulis_deployments"].items())
-    print(f"  hydraulis chose: {used}")
-    for v, r in var.items():
-        if "breakdown_s" in r:
-            b = r["breakdown_s"]
-            print(f"  {v:<14} median step {b['iteration']:.3f} s: switch {b['switch']:.3f}, gather {b['gather']:.3f},"
-                  f" compute {b['compute_slowest']:.3f} (slowest replica; mean {b['compute_mean']:.3f}),"
-                  f" reduce+norm+AdamW {b['reduce_norm_adamw']:.3f}")
-    best = summary["best_homogeneous_measured"]
-    print(f"  speedup over the best homogeneous: predicted {summary['predicted_speedup']:.2f}x (over "
-          f"{summary['best_homogeneous_predicted']}), measured {summary['ratios'][f'hydraulis/{best}']:.2f}x "
-          f"(over {best}, best measured)")
-    print("  " + "   ".join(f"{k} {x:.2f}x" for k, x in summary["ratios"].items()))
-    print("  against hydraulis, |loss difference| at the first step (relative grad-norm difference) and the last:")
-    print("    " + ", ".join(f"{v} {d['first_loss_diff']:.1e} ({d['first_grad_norm_rel_diff']:.1e}) "
-                           f"{d['last_loss_diff']:.1e}" for v, d in summary["agreement"].items()))
 
 
 def main() -> None:
@@ -369,7 +418,7 @@ def main() -> None:
     if args.reps < 1 or args.steps < 1:
         parser.error("--reps and --steps must be at least 1")
     names = list(SETTINGS) if args.setting == "all" else [args.setting]
-    report: dict[str, Any] = {"world": WORLD, "pool": POOL, "reps": args.reps, "steps": args.steps, "settings": {}}
+    report: dict[str, Any] = {"world": WORLD, "reps": args.reps, "steps": args.steps, "settings": {}}
     for name in names:
         start = time.perf_counter()
         s = SETTINGS[name]
@@ -379,11 +428,13 @@ def main() -> None:
             job = prepare(name, args)
         except HydraulisError as exc:
             sys.exit(f"{name}: {exc}")
-        print(f"  cost model {job['profile']}; pool {POOL}; {job['params']:,} parameters", flush=True)
+        budget = f"; {s.budget} per rank (fp32 caps)" if s.budget else ""
+        print(f"  cost model {job['profile']}; pool {s.pool}{budget}; {job['params']:,} parameters", flush=True)
         summary = summarize(job, measure(job, args.reps))
-        print_report(job, summary)
+        print_report(summary)
         report["settings"][name] = {
-            "model": s.model, "corpus": s.corpus, "tokenizer": s.tokenizer, "max_len": s.max_len,
+            "model": s.model, "corpus": s.corpus, "tokenizer": s.tokenizer, "max_len": s.max_len, "pool": s.pool,
+            "overlong": s.overlong, "memory_per_rank": s.budget,
             "tokens_per_batch": job["tokens"], "profile": job["profile"], "parameters": job["params"],
             "batch_lengths": [b.lengths.tolist() for b in job["batches"]],
             "predicted_s": {v: [p.predicted_time_s for p in ps] for v, ps in job["plans"].items()},

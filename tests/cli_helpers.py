@@ -10,18 +10,27 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
-def _env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="200")
+def _env(changes: dict[str, str | None] | None = None) -> dict[str, str]:
+    """The environment of a run: this checkout's source, COLUMNS=200, then `changes` (None removes a name)."""
+    env = dict(os.environ, PYTHONPATH=str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""), COLUMNS="200")
+    for name, value in (changes or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: float = 300, env: dict[str, str | None] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run the real `hydraulis` command (this checkout's source) and capture its output."""
     return subprocess.run(
         [sys.executable, "-m", "hydraulis.cli", *args],
         capture_output=True,
         text=True,
         cwd=cwd,
-        env=_env(),
+        env=_env(env),
         timeout=timeout,
     )
 

@@ -52,13 +52,17 @@ def reference():
     return docs, float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("kind", ["document", "packed"])
+@pytest.mark.parametrize("kind", ["document", "packed", "document-checkpointed"])
 def test_peer_matches_stage_model(reference, kind):
+    """The checkpointed peer (`ddp-doc-gc`, `fsdp2-ac` in the bounded setting) recomputes each layer in
+    backward: the same loss and gradients."""
     peers = load_peers()
     docs, loss, grads = reference
     model = peers.hf_model(SPEC, SEED)
+    if kind == "document-checkpointed":
+        peers.checkpoint_layers(model)
     total = count_targets(LENGTHS)
-    step = peers.document_backward if kind == "document" else peers.packed_backward
+    step = peers.packed_backward if kind == "packed" else peers.document_backward
     loss_sum = step(model, docs, total)
     assert float(loss_sum) / total == pytest.approx(loss, rel=1e-6, abs=1e-7)
     theirs = from_hf_state_dict({n: p.grad for n, p in model.named_parameters()}, SPEC)

@@ -74,3 +74,36 @@ def test_a_cached_auto_profile_without_a_cp_config_of_the_pool_is_measured_again
     assert request.mismatch(data) == "it lacks tp1pp1cp2"
     data["time_ms"].append({"tp": 1, "pp": 1, "cp": 2})
     assert request.mismatch(data) is None
+
+
+def test_steps_over_the_memory_budget_are_marked_counted_and_warned_once(tmp_path, capsys):
+    """[parallel] memory_per_rank: each step whose measured peak exceeded it is marked in metrics.jsonl,
+    summary.json counts them beside the budget, and the terminal gets one warning line for the run."""
+    import json
+
+    pytest.importorskip("torch")
+    from hydraulis.config import parse_config
+    from hydraulis.cost import load_cost_model
+    from hydraulis.job import Job
+    from hydraulis.planner.pool import parse_pool
+    from hydraulis.run_log import RunLog
+    from hydraulis.runtime.trainer import StepMetrics
+    from hydraulis.specs import ClusterSpec, get_model
+
+    config = parse_config({"parallel": {"pool": "4x(tp1,pp1)", "memory_per_rank": "40MiB"}})
+    pool = parse_pool("4x(tp1,pp1)", ClusterSpec(4))
+    job = Job(config, get_model("tiny"), load_cost_model("tiny@cpu-measured"), pool, 4, "", "bytes", str(tmp_path), 3)
+    log = RunLog(job)
+    for step, peak in enumerate((30 << 20, 45 << 20, 41 << 20)):
+        log.step(StepMetrics(step, 5.0, 100, 2, "4x(tp1,pp1)", 0, False, 0.1, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0, 1e-3,
+                             1.0, (0.1,) * 4, (0.1,) * 4, (1,) * 4, 0, 0, memory_peak_bytes=peak,
+                             memory_predicted_bytes=35 << 20, memory_over_budget=peak > 40 << 20))
+    log.close()
+    summary = log.finish()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("memory_over_budget") for r in rows[:3]] == [False, True, True]
+    assert summary["steps_over_budget"] == 2 and summary["memory_budget_bytes"] == 40 << 20
+    assert json.loads((tmp_path / "summary.json").read_text())["steps_over_budget"] == 2
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning")]
+    assert warnings == ["warning: step 1: a rank peaked at 45.0 MiB, over parallel.memory_per_rank 40MiB "
+                        "(40.0 MiB; predicted 35.0 MiB)"]

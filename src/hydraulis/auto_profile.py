@@ -3,7 +3,10 @@
 The profile (`hydraulis profile`'s machinery) covers this job's device,
 dtype, world size and document lengths. It is looked up first in the shared
 cache (`profile_cache.py`: `$HYDRAULIS_CACHE/profiles`, keyed by model,
-configs, device, dtype, world size, core count and sweep), then in the run
+configs, device, dtype, world size, core count and sweep; the model by its
+content, the config as the runtime reads it and, with init_from, the weights'
+headers, never by its name or path, so a copied model is not profiled
+again), then in the run
 directory's `profile.json` (a resume), and measured otherwise, stating its
 expected time first; a measured one goes into both.
 """
@@ -22,6 +25,7 @@ from hydraulis.config import RunConfig
 from hydraulis.cost.measured import load_line
 from hydraulis.cost.sweep import ProfileSettings
 from hydraulis.errors import HydraulisError
+from hydraulis.families import weights_digest
 from hydraulis.jsonio import read_json_object
 from hydraulis.parallel import ParallelConfig
 from hydraulis.progress import say
@@ -49,6 +53,11 @@ def _sweep_for(max_len: int, lengths: np.ndarray) -> dict[str, Any]:
     return {"totals": totals, "min_doc": low, "max_doc": top}
 
 
+def _content(model: dict[str, Any]) -> dict[str, Any]:
+    """A model as the profile sees it: its config without its name (a directory's name, for init_from)."""
+    return {k: v for k, v in model.items() if k != "name"}
+
+
 @dataclass(frozen=True)
 class AutoProfile:
     """`profile = "auto"`: these configs of this model, measured on this job's device, dtype and world size."""
@@ -59,6 +68,7 @@ class AutoProfile:
     device: str  # cpu or cuda, as the ranks will train
     settings: ProfileSettings
     device_name: str = ""  # the GPU's name (or "cpu"): part of the shared cache's key
+    weights: str = ""  # init_from: the digest of its weights' headers (families.weights_digest), else ""
 
     @classmethod
     def of(
@@ -79,7 +89,8 @@ class AutoProfile:
         from hydraulis.runtime.profiler import describe_device
 
         name = describe_device(device, world, settings.dtype_for(device), 1)["name"]
-        return cls(spec, configs, world, device, settings, name)
+        weights = weights_digest(config.model.init_from) if config.model.init_from else ""
+        return cls(spec, configs, world, device, settings, name, weights)
 
     def machine(self) -> dict[str, Any]:
         return profile_cache.machine(self.device, self.device_name)
@@ -87,14 +98,14 @@ class AutoProfile:
     def shared_path(self) -> Path:
         """This request's file in the shared cache."""
         identity = {
-            "model": self.spec.to_dict(),
+            "model": {**_content(self.spec.to_dict()), "weights": self.weights},
             "configs": sorted(c.name for c in self.configs),
             **self.machine(),
             "dtype": self.settings.dtype_for(self.device),
             "world": self.world,
             "sweep": self.settings.to_json(),
         }
-        return profile_cache.cache_path(identity)
+        return profile_cache.cache_path(identity, self.spec.arch.family)
 
     def _analytic_s(self, steps: int) -> float | None:
         """The expected time by the analytic model of this device, when it knows the device (CPU)."""
@@ -114,7 +125,7 @@ class AutoProfile:
         measurements = data.get("measurements") or {}
         have = {(r.get("tp"), r.get("pp"), r.get("cp", 1)) for r in data.get("time_ms") or [] if isinstance(r, dict)}
         missing = [c.name for c in self.configs if (c.tp, c.pp, c.cp) not in have]
-        if data.get("model") != self.spec.to_dict():
+        if not isinstance(data.get("model"), dict) or _content(data["model"]) != _content(self.spec.to_dict()):
             return "another model"
         if device.get("kind") != self.device or device.get("dtype") != self.settings.dtype_for(self.device):
             return "another device or dtype"

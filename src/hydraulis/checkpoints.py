@@ -19,7 +19,7 @@ from typing import Any
 
 from hydraulis.data.sampler import SamplerState
 from hydraulis.errors import HydraulisError
-from hydraulis.files import sha256_file
+from hydraulis.files import not_found, sha256_file
 from hydraulis.jsonio import Fields, load_json
 from hydraulis.progress import Log
 from hydraulis.specs import SHAPE_FIELDS, Architecture, ModelSpec
@@ -80,7 +80,7 @@ def read_manifest(path: str | Path) -> CheckpointInfo:
     """A checkpoint directory's manifest, checked field by field (errors name the file)."""
     path = Path(path)
     if not path.is_dir():
-        raise HydraulisError(f"{path}: no such checkpoint directory")
+        raise HydraulisError(not_found(path, "no such checkpoint directory"))
     manifest = path / MANIFEST_FILE
     if not manifest.is_file():
         for holder in (path / "checkpoints", path):  # a run directory, or its checkpoints/ directory

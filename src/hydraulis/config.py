@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from hydraulis.checkpoints import DEFAULT_KEEP
 from hydraulis.errors import HydraulisError
 from hydraulis.files import read_text
-from hydraulis.limits import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S
+from hydraulis.limits import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, parse_size
 from hydraulis.optim import SCHEDULES, AdamWSettings, OptimSettings
 from hydraulis.specs import DTYPE_NAMES, MODELS, SHAPE_FIELDS, ModelSpec
 
@@ -114,6 +114,25 @@ class ParallelSection(_Section):
     # Gather a layer's parameters while the one before it computes, send gradients while backward goes on
     # (runtime/overlap.py); false: the whole gather before compute and the whole reduce after it.
     overlap_exchange: bool = True
+    # What one rank's tensors may hold at their peak ("96MiB", "70GB"): the planner's caps use it in place of
+    # the device's memory, every rank's measured peak is checked against it, and CUDA limits itself to it.
+    memory_per_rank: str | int | None = None  # default: the device's own memory
+
+    @field_validator("memory_per_rank", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> Any:
+        if v is not None:
+            try:
+                parse_size(v, "")
+            except HydraulisError:
+                raise ValueError(
+                    'expected a size: bytes, or a number and a unit like "96MiB" or "70GB", between 1 byte and 1 PiB'
+                ) from None
+        return v
+
+    def budget_bytes(self) -> int | None:
+        """`memory_per_rank` in bytes, or None for the device's own memory."""
+        return None if self.memory_per_rank is None else parse_size(self.memory_per_rank, "parallel.memory_per_rank")
 
     @field_validator("recompute")
     @classmethod

@@ -11,23 +11,32 @@ as options of `Architecture` (specs.py):
 `spec_from_hf_config` reads a `config.json` (transformers 4.x with
 `rope_theta`/`rope_scaling` or 5.x with `rope_parameters`) and refuses, in one
 line naming the key, anything the runtime would compute differently;
-`hf_config_kwargs` writes the family back. The launcher (job.py) reads
-configs through here, so a bad model fails before any rank starts.
+`hf_config_kwargs` writes the family back. `weight_headers` reads the
+safetensors headers (every tensor's file, dtype and shape) without reading
+any weight. The launcher (job.py) reads configs and headers through here,
+so a bad model fails before any rank starts.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from hydraulis.errors import HydraulisError
+from hydraulis.files import not_found
 from hydraulis.jsonio import read_json_object
 from hydraulis.specs import FAMILIES, Architecture, ModelSpec
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
 CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+HEADER_LIMIT = 100 << 20  # safetensors' own limit on a header's size
 # Defaults of each family's transformers config class, where they differ and matter to us.
 _DEFAULT_EPS = 1e-6
 _DEFAULT_THETA = 10000.0
@@ -182,3 +191,95 @@ def read_hf_config(hf_dir: str | Path, max_len: int | None = None) -> tuple[Path
     except HydraulisError as exc:
         raise HydraulisError(f"{path}: {exc}") from None
     return path, config, spec
+
+
+def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF checkpoint of the spec's family holds, with its shape (vocabulary tensors: `vocab`
+    rows); the runtime's own names and shapes map onto these one to one (runtime/hf.py, tested)."""
+    h, d, ffn = spec.hidden, spec.head_dim, spec.ffn
+    q, kv = spec.heads * d, spec.kv_heads * d
+    layer = {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+             "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+             "post_attention_layernorm.weight": (h,), "mlp.gate_proj.weight": (ffn, h),
+             "mlp.up_proj.weight": (ffn, h), "mlp.down_proj.weight": (h, ffn)}  # fmt: skip
+    if spec.arch.qkv_bias:
+        layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+    if spec.arch.qk_norm:
+        layer.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
+    out = {"model.embed_tokens.weight": (spec.vocab, h)}
+    out.update({f"model.layers.{i}.{name}": shape for i in range(spec.layers) for name, shape in layer.items()})
+    out["model.norm.weight"] = (h,)
+    if not spec.arch.tied_embeddings:
+        out["lm_head.weight"] = (spec.vocab, h)
+    return out
+
+
+def check_weights(hf_dir: str | Path, spec: ModelSpec) -> dict[str, Path]:
+    """Every tensor `spec` needs is in the HF directory's weights with its shape, read from the safetensors
+    headers alone (no torch, no weight read); HF name -> file. One line naming the file otherwise."""
+    headers = weight_headers(hf_dir)
+    files = {}
+    for name, want in hf_tensor_shapes(spec).items():
+        if name not in headers:
+            first = next(iter(headers.values()))[0] if headers else Path(hf_dir) / WEIGHTS_FILE
+            raise HydraulisError(f"{first}: the weights have no {name!r}, which {spec.describe()} needs")
+        path, _, shape = headers[name]
+        if shape != want:
+            raise HydraulisError(f"{path}: {name} has shape {shape}, the model's config says {want}")
+        files[name] = path
+    return files
+
+
+def weight_headers(hf_dir: str | Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
+    """Tensor name -> (file, dtype, shape) of an HF directory's safetensors weights (one file or a sharded
+    index), from the files' headers alone; a missing, truncated or foreign file is one line naming it."""
+    hf_dir = Path(hf_dir)
+    index = hf_dir / WEIGHTS_INDEX
+    weight_map = None
+    if index.is_file():
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise HydraulisError(f"{index}: no weight_map of tensor name -> file (not a safetensors index)")
+    out = {}
+    for name in sorted(set(weight_map.values())) if weight_map else [WEIGHTS_FILE]:
+        path = hf_dir / name
+        out.update({t: (path, dtype, shape) for t, (dtype, shape) in _header(path).items()})
+    for tensor, name in (weight_map or {}).items():
+        if tensor not in out or out[tensor][0].name != name:
+            raise HydraulisError(f"{index}: {tensor!r} is not in {hf_dir / name}")
+    return out
+
+
+def weights_digest(hf_dir: str | Path) -> str:
+    """16 hex digits of the sha256 of the weights' headers (names, dtypes, shapes): what they hold, wherever."""
+    headers = weight_headers(hf_dir)
+    text = json.dumps(sorted((name, dtype, list(shape)) for name, (_, dtype, shape) in headers.items()))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """One safetensors file's tensors: 8 bytes of header length, the JSON header, then the data it spans."""
+    try:
+        with path.open("rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            length = int.from_bytes(fh.read(8), "little") if size >= 8 else 0
+            if not 2 <= length <= min(HEADER_LIMIT, size - 8):
+                raise HydraulisError(f"{path}: not a safetensors file (a header of {length} bytes in {size})")
+            header = json.loads(fh.read(length))
+    except FileNotFoundError:
+        raise HydraulisError(not_found(path, "no such file (only safetensors weights are read)")) from None
+    except (UnicodeDecodeError, ValueError):
+        raise HydraulisError(f"{path}: not a safetensors file (its header is not JSON)") from None
+    except OSError as exc:
+        raise HydraulisError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    tensors, end = {}, 0
+    try:
+        for name, entry in header.items():
+            if name != "__metadata__":
+                tensors[name] = (str(entry["dtype"]), tuple(int(n) for n in entry["shape"]))
+                end = max(end, int(entry["data_offsets"][1]))
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError):
+        raise HydraulisError(f"{path}: not a safetensors file (a header entry lacks dtype, shape or offsets)") from None
+    if 8 + length + end > size:
+        raise HydraulisError(f"{path}: truncated: {size:,} bytes, its header says {8 + length + end:,}")
+    return tensors

@@ -19,13 +19,21 @@ from hydraulis import interrupt
 from hydraulis.errors import HydraulisError
 
 
+def not_found(path: str | Path, what: str = "no such file") -> str:
+    """The message for a path that is not there: the absolute path tried, so it says where it looked (a
+    relative path, in a config too, is relative to the current directory, as in torchrun and transformers)."""
+    path = Path(path)
+    relative = "" if path.is_absolute() else "; a relative path is read from the current directory"
+    return f"{path.absolute()}: {what}{relative}"
+
+
 def read_text(path: str | Path, missing: str = "no such file") -> str:
     """A UTF-8 text file, or a HydraulisError naming it (`missing` says what its absence means)."""
     path = Path(path)
     try:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise HydraulisError(f"{path}: {missing}") from None
+        raise HydraulisError(not_found(path, missing)) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise HydraulisError(f"{path}: cannot read: {exc}") from None
 

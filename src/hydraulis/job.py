@@ -16,16 +16,17 @@ from pathlib import Path
 
 from hydraulis.auto_profile import AUTO_PROFILE, REFIT_PROFILE, AutoProfile
 from hydraulis.checkpoints import Log, sweep_temporary
-from hydraulis.config import RunConfig
+from hydraulis.config import DataSection, RunConfig
 from hydraulis.cost import CostModel, load_cost_model
-from hydraulis.data.sampler import TokenBudgetSampler
+from hydraulis.data.indexed import IndexedCorpus, check_targets_left, corpus_sampler, overlong
+from hydraulis.data.sampler import Overlong, TokenBudgetSampler
 from hydraulis.errors import HydraulisError
 from hydraulis.jsonio import write_json_atomic
 from hydraulis.parallel import Deployment, ParallelConfig, parse_deployment_configs
 from hydraulis.planner.pool import check_job_pool, inline_pool_world, load_pool, parse_pool, pool_items
 from hydraulis.progress import say
 from hydraulis.resume import check_stop_at, resume_point
-from hydraulis.specs import ClusterSpec, ModelSpec
+from hydraulis.specs import DTYPE_BYTES, ClusterSpec, ModelSpec
 
 RUN_FILES = ("metrics.jsonl", "config.toml", "pool.json", "summary.json", "report.png", "tb", AUTO_PROFILE,
              REFIT_PROFILE)
@@ -49,6 +50,7 @@ class Job:
     resume_from: str | None = None  # the verified checkpoint rank 0 resumes from, picked before any rank starts
     stop_at: int | None = None  # --stop-at: end this invocation at that step; `steps` stays the schedule's length
     profile_cache: str | None = None  # profile = "auto": the profile's file in the shared cache (a refit goes beside)
+    overlong: Overlong | None = None  # what max_len cuts of the corpus (records, target tokens)
 
     @property
     def end_step(self) -> int:
@@ -95,6 +97,7 @@ def prepare(
     if cost is not None:
         cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
         check_exchange_bucket(config, cost)
+        cost = budgeted(config, cost)
     tokenizer = config.data.tokenizer_for(spec, config.model.init_from)
     token_ids = check_tokenizer(tokenizer, spec, config.model.init_from)  # a bad one fails before anything runs
     env_world = torchrun_world()
@@ -135,6 +138,7 @@ def prepare(
     configs = _pool_configs(pool_spec, inline, spec, world)
     for g in configs:
         g.validate(spec)
+    configs = check_budget(config, spec, cost, configs, world, pool_spec == "auto")  # before any profile or rank
     # Vocabulary padding for every TP degree the pool has (with pool = "auto": may have).
     proposable = cost.configs if cost is not None and pool_spec == "auto" else ()
     spec = _padded(spec, {g.tp for g in (*configs, *proposable)}, _resumed_checkpoint(run_dir, resume, resume_from))
@@ -146,7 +150,7 @@ def prepare(
             f"the model needs {tokenizer} ({token_ids}); rebuild it or set data.tokenizer"
         )
     data = config.data
-    sampler = TokenBudgetSampler(corpus.lengths, data.tokens_per_batch, data.max_len, data.seed, data.overlong)
+    sampler, overlong = data_sampler(corpus, data, log)
     fresh = None  # profile = "auto": a profile measured now (or shared), written once every check has passed
     if auto:
         from hydraulis.cost import ProfiledCostModel
@@ -159,6 +163,8 @@ def prepare(
         cost = ProfiledCostModel.from_dict(cached or fresh, str(run_dir / AUTO_PROFILE))
         cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
         check_exchange_bucket(config, cost)
+        cost = budgeted(config, cost)
+        check_budget(config, spec, cost, configs, world, pool_spec == "auto")
     if pool_spec == "auto":
         pool = _propose(cost, cluster, sampler, config, data.max_len)
     elif inline:
@@ -186,7 +192,22 @@ def prepare(
         resume_from=resume_from,
         stop_at=stop_at,
         profile_cache=str(request.shared_path()) if auto else None,
+        overlong=overlong,
     )
+
+
+def data_sampler(
+    corpus: IndexedCorpus, data: DataSection, log: Log = say
+) -> tuple[TokenBudgetSampler, Overlong | None]:
+    """The run's sampler and what its max_len cuts (said in a line when anything); a run whose pieces
+    hold no target token is refused: it would train on nothing."""
+    sampler = corpus_sampler(corpus, data.tokens_per_batch, data.max_len, data.seed, data.overlong)
+    cut = overlong(corpus, sampler)
+    if cut is not None:
+        check_targets_left(cut, f"[data] max_len = {data.max_len}, overlong = {data.overlong!r}")
+        if cut.records:
+            log(f"overlong: {cut.describe()}")
+    return sampler, cut
 
 
 def check_exchange_bucket(config: RunConfig, cost: CostModel) -> None:
@@ -200,12 +221,63 @@ def check_exchange_bucket(config: RunConfig, cost: CostModel) -> None:
         )
 
 
+def budgeted(config: RunConfig, cost: CostModel) -> CostModel:
+    """The cost model whose caps are for this job: its compute dtype, exchange bucket and, with
+    `[parallel] memory_per_rank`, that budget in place of the device's memory."""
+    bucket = int(config.parallel.exchange_bucket_mb * (1 << 20))
+    return cost.for_job(config.parallel.budget_bytes(), DTYPE_BYTES[config.train.dtype], bucket)
+
+
+def check_budget(
+    config: RunConfig, spec: ModelSpec, cost: CostModel | None, configs: tuple[ParallelConfig, ...], world: int,
+    auto: bool,
+) -> tuple[ParallelConfig, ...]:
+    """The configs whose training state fits `[parallel] memory_per_rank` (all of them without one).
+
+    A config of the pool whose parameters, gradients, owned optimizer state and exchange buffers alone
+    exceed the budget is one error line; with pool = "auto" such configs are left out (the profile does
+    not measure them), and only none fitting is an error. Before profiling, the state comes from the
+    model's shape alone (the analytic memory model).
+    """
+    budget = config.parallel.budget_bytes()
+    if budget is None:
+        return configs
+    given = f"parallel.memory_per_rank {config.parallel.memory_per_rank}"
+    measured = cost is not None
+    if cost is None:
+        from hydraulis.cost import AnalyticCostModel
+        from hydraulis.specs import get_device
+
+        cost = budgeted(config, AnalyticCostModel(spec, get_device("cpu")))
+    memory, MiB = cost.memory, 1 << 20
+    need = {g: memory.state_bytes(g, spec, world) for g in configs}
+    fits = tuple(g for g in configs if need[g] <= memory.usable_bytes)
+    if fits != configs and not (auto and fits):
+        worst = min(configs, key=lambda g: need[g]) if auto else max(configs, key=lambda g: need[g])
+        raise HydraulisError(
+            f"{given} leaves {memory.usable_bytes / MiB:.1f} MiB per rank after its safety margin, but {worst.name} "
+            f"needs {need[worst] / MiB:.1f} MiB before any activation (parameters, gradients, optimizer state, "
+            "exchange buffers); raise memory_per_rank" + ("" if auto else " or use configs that shard the model more")
+        )
+    if auto and measured:  # the proposal's configs: those that hold max_len (an explicit pool: check_job_pool)
+        holds = {g: cost.lone_cap(g, world) for g in fits if g in cost.configs}
+        best = max(holds, key=holds.get, default=None)
+        if best is None or holds[best] < config.data.max_len:
+            most = f"{holds[best]} tokens ({best.name})" if best is not None else "nothing"
+            raise HydraulisError(
+                f"{given} holds at most {most} in a micro-batch, less than data.max_len {config.data.max_len}; "
+                "raise memory_per_rank or lower max_len"
+            )
+    return fits
+
+
 def model_spec(config: RunConfig) -> ModelSpec:
-    """The model of the config; with init_from, the Hugging Face directory's own shape."""
+    """The model of the config; with init_from, the Hugging Face directory's own shape, its weights' files,
+    tensor names and shapes checked against it (headers only) before any corpus, profile or rank."""
     section = config.model
     if section.init_from is None:
         return section.spec()
-    from hydraulis.families import read_hf_config
+    from hydraulis.families import check_weights, read_hf_config
 
     path, _, spec = read_hf_config(section.init_from, config.data.max_len)
     given = section.model_fields_set - {"init_from"}
@@ -215,6 +287,7 @@ def model_spec(config: RunConfig) -> ModelSpec:
         if differ:
             key = differ[0]
             raise HydraulisError(f"model.{key} is {getattr(mine, key)} but {path} says {getattr(spec, key)}; drop it")
+    check_weights(section.init_from, spec)
     return spec
 
 

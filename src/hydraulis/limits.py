@@ -22,6 +22,9 @@ MAX_MODEL_DIM = 2**24  # hidden, ffn, vocab, heads of a model
 MAX_LAYERS = 4096
 DEFAULT_TIMEOUT_S = 600.0  # [train] timeout_s: process-group timeout after the first step (runtime/timeouts.py)
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_MEMORY_BYTES = 2**50  # a memory size (a device's, a budget per rank)
+SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def check_int(value: int, name: str, minimum: int, maximum: int, hint: str = "") -> int:
@@ -58,3 +61,23 @@ def short_repr(value: object) -> str:
         return f"{float(value):.3g}" if finite(value) else f"an integer of {len(str(abs(value)))} digits"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def parse_size(value: str | int, name: str) -> int:
+    """Bytes of a memory size: an integer, or a number with a unit ("96MiB", "70GB", "1.5 GiB"; KB, MB, GB
+    and TB are powers of 1000, KiB, MiB, GiB and TiB of 1024); a HydraulisError naming `name` otherwise."""
+    import re
+
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise HydraulisError(f"{name}: expected a size like \"96MiB\" or \"70GB\", got {short_repr(value)}")
+    text = str(value).strip()
+    match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in SIZE_UNITS:
+        raise HydraulisError(
+            f"{name}: {short_repr(value)} is not a size; write a number and a unit, like \"96MiB\" or \"70GB\""
+        )
+    size = int(float(match.group(1)) * SIZE_UNITS[unit])
+    if not 1 <= size <= MAX_MEMORY_BYTES:
+        raise HydraulisError(f"{name}: {short_repr(value)} must be between 1 byte and 1 PiB")
+    return size

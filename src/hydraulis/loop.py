@@ -21,8 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hydraulis.data.indexed import open_corpus
-from hydraulis.data.sampler import TokenBudgetSampler
+from hydraulis.data.indexed import corpus_sampler, open_corpus
 from hydraulis.job import Job, torchrun_world
 from hydraulis.progress import say
 from hydraulis.run_fidelity import RunFidelity
@@ -64,21 +63,24 @@ def run_rank(job: Job) -> dict[str, Any] | None:
     env = init_distributed(config.train.device, first_step_timeout(config.train.timeout_s))
     corpus = open_corpus(job.corpus_path)
     data = config.data
-    sampler = TokenBudgetSampler(corpus.lengths, data.tokens_per_batch, data.max_len, data.seed, data.overlong)
+    sampler = corpus_sampler(corpus, data.tokens_per_batch, data.max_len, data.seed, data.overlong)
     trainer = Trainer(train_settings(job), corpus, sampler, env)
     check_shared_run_dir(Path(job.out), env.rank, env.world_size, trainer.control)  # before any file is written
     log = say if env.rank == 0 else _silent
     checkpoints = CheckpointManager(
         job.checkpoints, config.train.checkpoint_every, config.train.keep_checkpoints, job.end_step, log
     )
-    if job.resume:
-        info = checkpoints.resume(trainer, chosen=job.resume_from)
-        log(f"resuming at step {trainer.step_index}" if info else "no checkpoint yet: starting from step 0")
-    elif config.model.init_from:
-        from hydraulis.runtime.hf_io import init_from
+    resumed = checkpoints.resume(trainer, chosen=job.resume_from) if job.resume else None
+    if resumed is not None:
+        log(f"resuming at step {trainer.step_index}")
+    else:  # a fresh start, also a resume (or a restart) before the first checkpoint: init_from included
+        if job.resume:
+            log("no checkpoint yet: starting from step 0")
+        if config.model.init_from:
+            from hydraulis.runtime.hf_io import init_from
 
-        init_from(trainer, config.model.init_from)
-        log(f"initialised from {config.model.init_from}")
+            init_from(trainer, config.model.init_from)
+            log(f"initialised from {config.model.init_from}")
     start = trainer.step_index
     run_log = RunLog(job, start, tensorboard(Path(job.out) / "tb", start)) if env.rank == 0 else None
     pids: list[Any] = [os.getpid()] * env.world_size  # the job's own processes, for rank 0's load meter
@@ -134,6 +136,7 @@ def train_settings(job: Job) -> TrainSettings:
         timeout_s=config.train.timeout_s,
         exchange_bucket_bytes=int(config.parallel.exchange_bucket_mb * (1 << 20)),
         overlap=config.parallel.overlap_exchange,
+        memory_budget_bytes=config.parallel.budget_bytes(),
     )
 
 

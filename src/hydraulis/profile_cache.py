@@ -1,9 +1,9 @@
 """The shared cache of `profile = "auto"` profiles: `$HYDRAULIS_CACHE/profiles` (no torch).
 
 A profile measured for one run serves every later run on the same machine
-that asks for the same thing: the file name is a hash of the model, the
-configs, the device (kind and name), dtype, world size, core count and
-sweep, so a lookup is one `stat`. `timings.jsonl` beside the profiles keeps
+that asks for the same thing: the file name is a hash of the model (its
+content, not its name or path), the configs, the device (kind and name),
+dtype, world size, core count and sweep, so a lookup is one `stat`. `timings.jsonl` beside the profiles keeps
 how long each profiling took per measurement step, so the next one states
 its expected time before it starts.
 """
@@ -33,10 +33,11 @@ def machine(device: str, device_name: str) -> dict[str, Any]:
     return {"device": device, "device_name": device_name, "cores": os.cpu_count() or 1}
 
 
-def cache_path(identity: dict[str, Any]) -> Path:
-    """The cache file of a profile request (its identity: model, configs, machine, dtype, world, sweep)."""
+def cache_path(identity: dict[str, Any], label: str) -> Path:
+    """The cache file of a profile request (its identity: model, configs, machine, dtype, world, sweep);
+    `label` (the model's family) only makes the name readable."""
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
-    return profiles_dir() / f"{identity['model']['name']}-{digest}.json"
+    return profiles_dir() / f"{label}-{digest}.json"
 
 
 def refit_path(path: Path) -> Path:

@@ -1,8 +1,9 @@
-"""Progress of long work: a bar on a terminal, and plain lines in a log.
+"""Progress of long work and the console it is shown on: a bar on a terminal, plain lines in a log.
 
 A cluster job's stderr is usually a file, where a live bar shows nothing
 until it ends; there we print a line each tenth of the way (and at least once
-a minute), so a long profile is never silent.
+a minute), so a long profile is never silent. Output that is not a terminal
+(a pipe, a log file) is never wrapped: a line stays whole for grep and logs.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 LOG_EVERY_S = 60.0
+UNWRAPPED = 1 << 16  # the width of output that is not a terminal: wide enough that nothing wraps
 Log = Callable[[str], None]  # what components report through, instead of printing
 
 
@@ -21,17 +24,43 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
+def console(stderr: bool = False) -> Any:
+    """A rich Console: on a terminal its width; elsewhere (a pipe, a file) one that never wraps a line."""
+    from rich.console import Console
+
+    out = Console(stderr=stderr)
+    if not out.is_terminal:
+        out.width = UNWRAPPED
+    return out
+
+
+@contextmanager
+def byte_progress(total: int, description: str, enabled: bool = True) -> Iterator[Callable[[int], None] | None]:
+    """A rich progress bar on stderr over input bytes; None (no bar) when disabled or rich is missing."""
+    if not enabled:
+        yield None
+        return
+    try:
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+    except ImportError:
+        yield None
+        return
+    err = console(stderr=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
 @contextmanager
 def steps_progress(description: str, total: int) -> Iterator[Callable[[str, int], None]]:
     """Yields advance(label, steps): `label` names the work now running."""
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    if console.is_terminal:
+    err = console(stderr=True)
+    if err.is_terminal:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-        with Progress(*columns, console=console, transient=True) as bar:
+        with Progress(*columns, console=err, transient=True) as bar:
             task = bar.add_task(description, total=total)
             yield lambda label, steps: bar.update(task, advance=steps, description=f"{description}: {label}")
         return

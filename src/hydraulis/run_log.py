@@ -19,6 +19,7 @@ from hydraulis.files import write_text_atomic
 from hydraulis.job import Job
 from hydraulis.jsonio import write_json_atomic
 from hydraulis.planner.pool import Pool, save_pool
+from hydraulis.progress import console
 from hydraulis.report import iteration_errors, training_plot
 from hydraulis.specs import ClusterSpec
 
@@ -30,7 +31,6 @@ class RunLog:
     """Rank 0's view of the run: metrics file, TensorBoard, terminal progress, summary and report."""
 
     def __init__(self, job: Job, start_step: int = 0, tensorboard: Any = None) -> None:
-        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.job = job
@@ -44,7 +44,7 @@ class RunLog:
         write_text_atomic(self.out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self.rows))
         self.metrics_file = open(self.out / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
         self.tb = tensorboard  # a SummaryWriter, or None
-        self.console = Console()
+        self.console = console()
         self.progress = Progress(
             TextColumn("training"),
             BarColumn(),
@@ -56,6 +56,7 @@ class RunLog:
         )
         self.task = self.progress.add_task("train", total=job.steps, completed=start_step, info="")
         self.comparison: dict[str, Any] | None = None
+        self.warned_budget = False  # one line per run for a peak over [parallel] memory_per_rank
         self.progress.start()
         self.console.print(
             f"training {job.spec.name} ({job.spec.num_params / 1e6:.2f}M parameters) on {job.world} rank(s); pool: "
@@ -74,6 +75,16 @@ class RunLog:
             self.tb.add_scalar("train/deployment", m.deployment_index, m.step)
         info = f"loss {m.loss:.3f}"
         self.progress.update(self.task, advance=1, info=info)
+        if m.memory_over_budget and not self.warned_budget:
+            self.warned_budget = True
+            MiB, budget = 2**20, self.job.config.parallel
+            self.console.print(  # one line per run; metrics.jsonl marks every step over it
+                f"warning: step {m.step}: a rank peaked at {m.memory_peak_bytes / MiB:.1f} MiB, over parallel."
+                f"memory_per_rank {budget.memory_per_rank} ({budget.budget_bytes() / MiB:.1f} MiB; predicted "
+                f"{m.memory_predicted_bytes / MiB:.1f} MiB)",
+                highlight=False,
+                soft_wrap=True,
+            )
         if m.step % self.job.config.train.log_every == 0 or m.step == self.job.steps - 1:
             measured = ", ".join(f"{t:.3f}" for t in m.replica_s)
             predicted = ", ".join(f"{t:.3f}" for t in m.replica_predicted_s)
@@ -98,8 +109,11 @@ class RunLog:
 
     def finish(self) -> dict[str, Any]:
         summary = summarize(self.rows)
+        summary["memory_budget_bytes"] = self.job.config.parallel.budget_bytes()
         if self.comparison is not None:
             summary["comparison"] = self.comparison
+        if self.job.overlong is not None:  # what max_len cut of the corpus (records, target tokens)
+            summary["overlong"] = self.job.overlong.to_dict()
         with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as fh:
             fh.write(json.dumps({"summary": summary}) + "\n")
         write_json_atomic(self.out / "summary.json", summary)
@@ -113,6 +127,8 @@ class RunLog:
             f"planning not hidden {summary['planning_unhidden_s']:.3f} s of {summary['planning_s']:.3f} s; "
             f"iteration time predicted/measured median error {summary['iteration_error_median']:.0%}"
         )
+        if self.job.overlong is not None and self.job.overlong.records:
+            self.console.print(f"overlong: {self.job.overlong.describe()}", highlight=False)
         if self.comparison is not None:
             self.console.print(comparison_lines(self.comparison), highlight=False)
         self.console.print(f"run directory: {self.out} (metrics.jsonl, report.png, tb/, config.toml, pool.json)")
@@ -179,4 +195,6 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "memory_error_max": max(r.get("memory_error", 0.0) for r in rows),
         # Other processes' CPU load (cores) during the steps, where measured (run_fidelity.py).
         "foreign_cores_median": statistics.median(loads) if loads else None,
+        # steps on which a rank's measured peak exceeded [parallel] memory_per_rank
+        "steps_over_budget": sum(1 for r in rows if r.get("memory_over_budget")),
     }

@@ -15,6 +15,7 @@ from hydraulis.errors import HydraulisError
 
 GiB = 2**30
 DTYPE_NAMES = ("fp32", "bf16")  # compute dtypes; runtime/trainer.py maps them to torch's
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}  # bytes per element of each compute dtype (the memory model's)
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # Hugging Face model_type values the runtime computes
 
 

@@ -52,8 +52,8 @@ def test_every_policy_schedules_validly(name):
         check_schedule(schedule)
         assert schedule.lengths == tuple(int(x) for x in b)
         for plan in schedule.phases:
-            plan.validate(COST, 16)
-            assert plan.predicted_time_s == simulate(plan, COST, keep_events=False).iteration_time_s
+            plan.validate(policy.cost, 16)
+            assert plan.predicted_time_s == simulate(plan, policy.cost, keep_events=False).iteration_time_s
         if len(schedule.phases) == 1:
             assert schedule.iteration_time_s == schedule.phases[0].predicted_time_s
 
@@ -69,7 +69,7 @@ def test_karmarkar_karp_partitions_and_balances():
 def test_megatron_packs_in_data_order_and_spreads_by_count():
     ctx = context()
     policy = make_policy("megatron", ctx)
-    config = fallback_config(COST, CLUSTER, ctx.run_max_length, ctx.sample)
+    config = fallback_config(COST, CLUSTER, ctx.run_max_length, ctx.sample, lone=False)
     b = ctx.sample[0]
     plan = policy.schedule(b).phases[0]
     assert plan.deployment.is_homogeneous and plan.deployment.configs[0] == config
@@ -140,7 +140,7 @@ def test_unknown_policy():
 @pytest.mark.parametrize("short", [True, False])
 def test_hotspa_refuses_a_sequence_longer_than_every_homogeneous_cap(short):
     ctx = context()
-    cap, name = largest_cap(COST, CLUSTER)
+    cap, name = largest_cap(COST, CLUSTER, lone=False)  # the baselines pack to the cap: no lone micro-batches
     b = np.array(([300] * 20 if short else []) + [cap + 1000], dtype=np.int64)
     with pytest.raises(HydraulisError, match=rf"{cap + 1000} tokens .* largest homogeneous cap .*{cap} tokens, {name}"):
         make_policy("hotspa", ctx).schedule(b)
@@ -171,7 +171,14 @@ def test_finalize_validates_caps_and_coverage():
     fits = [[[i]] for i in range(8)]
     assert finalize(0, lengths, d, fits, COST, 0.0).predicted_time_s > 0
     with pytest.raises(HydraulisError, match=f"holds {cap + 1} tokens, over its cap of {cap}"):
-        finalize(0, lengths, d, [[[0, 1]], []] + fits[2:], COST, 0.0)
+        finalize(0, lengths, d, [[[0, 1], [2]], [], []] + fits[3:], COST, 0.0)
+    # A replica's lone micro-batch has the lone cap: tp2pp1 holds only the head's gradient beside it.
+    lone = COST.lone_cap(d.configs[0], 16)
+    assert lone > cap
+    assert finalize(0, lengths, d, [[[0, 1]], []] + fits[2:], COST, 0.0).predicted_time_s > 0
+    long = np.array([lone + 1] + [100] * 7)
+    with pytest.raises(HydraulisError, match=f"holds {lone + 1} tokens, over its cap of {lone}"):
+        finalize(0, long, d, fits, COST, 0.0)
     with pytest.raises(HydraulisError, match="sequence 1 is not assigned"):
         finalize(0, lengths, d, [[[0]], []] + fits[2:], COST, 0.0)
 
@@ -197,6 +204,7 @@ def test_bench_checks_every_schedule(monkeypatch):
 
     class Dropper:
         name = "dropper"
+        cost = ctx.cost
 
         def schedule(self, lengths, step=0):
             s = make_policy("megatron", ctx).schedule(lengths[:-1], step)
@@ -246,8 +254,9 @@ small_batches = st.lists(
 def _bound_holds(name: str, lengths: list[int], step: int) -> None:
     b = np.array(lengths, dtype=np.int64)
     ctx = PolicyContext.build(COST, CLUSTER, [b], context().pool)
-    schedule = make_policy(name, ctx).schedule(b, step)
-    assert lower_bound(b, COST, 16) <= schedule.iteration_time_s
+    policy = make_policy(name, ctx)
+    schedule = policy.schedule(b, step)
+    assert lower_bound(b, policy.cost, 16) <= schedule.iteration_time_s
 
 
 @pytest.mark.parametrize("name", [p for p in POLICIES if p != "hydraulis-reference"])

@@ -11,10 +11,25 @@ def test_caps_json_matches_design(cli):
     caps = {row["config"]: row["cap_tokens"] for row in json.loads(res.stdout)["configs"]}
     # tests/cost/test_cost.py derives these by hand (the brief's 11264, 21888, 46080, 85248 counted 2-byte
     # gradients, no logits, and the exchange's buffers apart from the activations)
-    assert caps["tp1pp2"] == 9344
+    assert caps["tp1pp2"] == 9856  # stage 0 holds 2 micro-batches of 16 layers, the last one (and the logits)
     assert caps["tp2pp1"] == 18432
     assert caps["tp4pp1"] == 41344
     assert caps["tp8pp1"] == 78976
+
+
+def test_caps_under_a_memory_budget_per_rank(cli):
+    """--memory-per-rank replaces the device's memory (no context overhead, a 10% margin): tiny's fp32 state on
+    4 ranks is a few MiB, and a pp2 replica's lone micro-batch holds about twice what each of several does."""
+    res = cli("caps", "-p", "tiny@cpu-measured", "-n", "4", "--memory-per-rank", "40MiB", "--dtype", "fp32", "--json")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["memory_per_rank_bytes"] == 40 * 2**20 and data["usable_bytes"] == pytest.approx(36 * 2**20)
+    rows = {r["config"]: r for r in data["configs"]}
+    assert 0 < rows["tp1pp1"]["cap_tokens"] <= rows["tp1pp1"]["lone_cap_tokens"] < 2048
+    assert rows["tp1pp2"]["lone_cap_tokens"] >= 1.4 * rows["tp1pp2"]["cap_tokens"]
+    assert all(0 < r["state_bytes"] < 8 * 2**20 for r in rows.values())
+    bad = cli("caps", "-p", "tiny@cpu-measured", "--memory-per-rank", "40 parsecs")
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--memory-per-rank" in bad.stderr
 
 
 def test_unknown_preset_is_one_line_exit_2(cli):
@@ -27,13 +42,13 @@ def test_unknown_preset_is_one_line_exit_2(cli):
 
 def _write_plan(tmp_path, mutate=None):
     from hydraulis.parallel import Deployment
-    from hydraulis.planner.plan import PlanFile, plan_from_assignment, save_plan
+    from hydraulis.planner.plan import PlanFile, Schedule, plan_from_assignment, save_plan
     from hydraulis.specs import ClusterSpec
 
     dep = Deployment.parse("1x(tp4,pp1) + 2x(tp1,pp2)", ClusterSpec(8))
     it = plan_from_assignment(3, [30000, 2000, 2000, 1000, 500], dep, [[[0]], [[1, 2]], [[3], [4]]], 1.5)
     path = tmp_path / "plan.json"
-    save_plan(path, PlanFile("llama-7b@a800-80g", 8, (it,)))
+    save_plan(path, PlanFile("llama-7b@a800-80g", 8, (Schedule.single(it),)))
     if mutate:
         data = json.loads(path.read_text())
         mutate(data)

@@ -214,9 +214,11 @@ def test_simulate_refuses_a_corrupt_plan(cli, tmp_path, work, mutate, needle):
     one_line_error(cli("simulate", "--plan", str(path)), needle)
 
 
-def test_plan_with_a_multi_phase_policy_says_so_and_writes_nothing(cli, tmp_path, work):
+def test_plan_with_a_policy_of_its_own_configs_says_so_and_writes_nothing(cli, tmp_path, work):
+    """megatron-dcp's CP groups are sizes the profile does not hold: a plan file of the profile cannot hold them."""
     out = tmp_path / "p.json"
-    one_line_error(cli("plan", "-n", "8", "-w", str(work), "--policy", "hotspa", "-o", str(out)), "hotspa", "bench")
+    res = cli("plan", "-n", "8", "-w", str(work), "--policy", "megatron-dcp", "-o", str(out))
+    one_line_error(res, "megatron-dcp", "bench")
     assert tree(tmp_path) == {"w.json"}
 
 
@@ -310,11 +312,18 @@ def test_data_build_sweeps_what_a_killed_build_left(cli, tmp_path):
     alive = tmp_path / ".corpus.bu5y.tmp"  # another build still running
     alive.mkdir()
     (alive / ".owner").write_text(str(os.getpid()))
+    other = tmp_path / ".other.k1ll3d.tmp"  # a killed build of another corpus in the same directory
+    other.mkdir()
+    (other / ".owner").write_text(dead.stdout.strip())
+    named = tmp_path / f".other.{dead.stdout.strip()}-x7.tmp"  # another corpus's, killed before its .owner
+    named.mkdir()
+    foreign = tmp_path / ".notes.tmp"  # not a build's (no mark): left alone
+    foreign.mkdir()
     res = cli("data", "build", str(src), "-o", str(tmp_path / "corpus"), "-t", "bytes")
     assert res.returncode == 0, res.stderr
-    assert "removed 2 temporary directories left by an interrupted build" in res.stderr
-    assert tree(tmp_path) >= {"corpus", ".corpus.bu5y.tmp"}
-    assert not stale.exists() and not unmarked.exists()
+    assert "removed 4 temporary directories left by an interrupted build" in res.stderr
+    assert tree(tmp_path) >= {"corpus", ".corpus.bu5y.tmp", ".notes.tmp"}
+    assert not stale.exists() and not unmarked.exists() and not other.exists() and not named.exists()
 
 
 def test_sigkill_during_a_real_build_then_the_next_build_sweeps(cli, tmp_path):
@@ -330,10 +339,11 @@ def test_sigkill_during_a_real_build_then_the_next_build_sweeps(cli, tmp_path):
     proc.communicate()
     if not list(tmp_path.glob(".corpus.*.tmp")):
         pytest.skip("the build finished before it could be killed")
-    res = cli("data", "build", str(src), "-o", str(tmp_path / "corpus"), "-t", "bytes", "--force")
+    # The next build in that directory, of another corpus, removes what the killed one left.
+    res = cli("data", "build", str(src), "-o", str(tmp_path / "other"), "-t", "bytes")
     assert res.returncode == 0, res.stderr
-    assert "removed 1 temporary directory" in res.stderr
-    assert not list(tmp_path.glob(".corpus.*"))
+    assert f"removed 1 temporary directory left by an interrupted build in {tmp_path}" in res.stderr
+    assert not list(tmp_path.glob(".corpus.*")) and not (tmp_path / "corpus").exists()
 
 
 # -- partial output on error -------------------------------------------------------------------------
@@ -369,3 +379,63 @@ def test_argument_errors_are_one_line_not_a_box(cli, args, needle):
     res = cli(*args)
     one_line_error(res, needle)
     assert "╭" not in res.stderr + res.stdout
+
+
+# -- every refused value is echoed -------------------------------------------------------------------
+
+
+def _out_of_bounds() -> list[tuple[str, ...]]:
+    """Every bounded option of every command, given just past each bound and as a non-number."""
+    import typer
+
+    from hydraulis.cli import app
+
+    cases: list[tuple[str, ...]] = []
+
+    def walk(command, path: tuple[str, ...]) -> None:  # noqa: ANN001
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, (*path, name))
+        for p in getattr(command, "params", []):
+            low, high = getattr(p, "min", None), getattr(p, "max", None)
+            values = ([] if low is None else [str(low - 1)]) + ([] if high is None else [str(high + 1)])
+            cases.extend((*path, p.opts[0], v) for v in values + ["x"] * bool(values))
+
+    walk(typer.main.get_command(app), ())
+    return cases
+
+
+OUT_OF_BOUNDS = _out_of_bounds()
+RUN_ALL = """
+import contextlib, io, json, sys
+from hydraulis.cli import main  # what the `hydraulis` command runs
+results = []
+for args in json.loads(sys.argv[1]):
+    sys.argv, err = ["hydraulis", *args], io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            main()
+        except SystemExit as exc:
+            results.append([exc.code, err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def refusals() -> dict[tuple[str, ...], tuple[int, str]]:
+    """Each case through the command's entry point (`hydraulis.cli:main`), all in one child process."""
+    from cli_helpers import _env
+
+    done = subprocess.run([sys.executable, "-c", RUN_ALL, json.dumps(OUT_OF_BOUNDS)], capture_output=True,
+                          text=True, env=_env(), timeout=120, check=True)  # fmt: skip
+    return {args: (code, err) for args, (code, err) in zip(OUT_OF_BOUNDS, json.loads(done.stdout), strict=True)}
+
+
+@pytest.mark.parametrize("args", OUT_OF_BOUNDS, ids=" ".join)
+def test_a_refused_value_is_named_in_the_line(args, refusals):
+    """`caps --gpus 0`, `workload -T 0`, `propose --max-pool 0`, `demo --batches 0`, ...: one line that names
+    the option and the value it refused."""
+    code, err = refusals[args]
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: Invalid value for '{args[-2]}'"), err
+    assert f"got {args[-1]} " in lines[0], lines[0]

@@ -147,10 +147,16 @@ def test_export_is_the_same_family_and_the_trained_model(family_run):
 
 
 def _hf_dir(path: Path, **config: object) -> Path:
-    """A model directory holding only config.json: the launcher refuses it before it reads any weight."""
+    """A model directory: config.json, and the weights transformers saves for it when it can build it."""
     path.mkdir()
     base = {"model_type": "llama", "vocab_size": 320, "hidden_act": "silu", **{k: v for k, v in SHAPE.items()}}
     (path / "config.json").write_text(json.dumps({**base, **config}))
+    try:
+        made = transformers.AutoConfig.for_model(**{**base, **config})
+        transformers.AutoModelForCausalLM.from_config(made).save_pretrained(str(path / "saved"))
+    except (ValueError, KeyError, TypeError):
+        return path  # a config transformers refuses: hydraulis refuses it too, before any weight
+    (path / "saved" / "model.safetensors").rename(path / "model.safetensors")
     return path
 
 
@@ -180,6 +186,47 @@ def test_bad_models_are_one_line_before_any_rank_or_profile(case, tmp_path, corp
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], result.stderr
+    assert "profil" not in result.stdout + result.stderr
+    assert not out.exists()
+
+
+def _without(path: Path, name: str) -> None:
+    """Rewrite the directory's weights without tensor `name`."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors[name]
+    save_file(tensors, str(path / "model.safetensors"))
+
+
+BAD_WEIGHTS = {  # what is done to a good directory, what the line says
+    "no weights file": (lambda hf: (hf / "model.safetensors").unlink(), "/hf/model.safetensors: no such file"),
+    "a tensor missing": (lambda hf: _without(hf, "model.norm.weight"), "the weights have no 'model.norm.weight'"),
+    "a tensor of another shape": (
+        lambda hf: (hf / "config.json").write_text((hf / "config.json").read_text().replace("176", "160")),
+        "mlp.gate_proj.weight has shape (176, 64), the model's config says (160, 64)",
+    ),
+    "a truncated weights file": (
+        lambda hf: (hf / "model.safetensors").write_bytes((hf / "model.safetensors").read_bytes()[:-100]),
+        "model.safetensors: truncated",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_WEIGHTS))
+def test_bad_weights_are_one_line_before_any_profile_or_rank(case, tmp_path, corpus, cli):
+    """The init_from weights (files, tensor names and shapes against config.json) are read from their headers
+    before any corpus build, profile (profile = "auto") or rank: one line, and no run directory left."""
+    damage, expected = BAD_WEIGHTS[case]
+    hf = _hf_dir(tmp_path / "hf")
+    damage(hf)
+    parallel = 'pool = "1x(tp1,pp1)"\nprofile = "auto"'
+    config = write_config(tmp_path / "bad.toml", corpus, model=f'init_from = "{hf}"', data=DATA, parallel=parallel)
+    out = tmp_path / "out"
+    result = cli("train", "--config", str(config), "--nproc", "1", "--out", str(out))
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], result.stderr
     assert "profil" not in result.stdout + result.stderr
     assert not out.exists()
 

@@ -9,12 +9,20 @@ generation markers); the first step's loss is transformers' loss on the same tok
 (fp32, 1e-4); the export reloaded by `AutoModelForCausalLM` gives the trained checkpoint's logits and
 `AutoTokenizer` encodes (and renders chats) like the source tokenizer. The masked losses then do not
 depend on the deployment: TP, PP and CP runs equal one process.
+
+Fine-tuning never goes silently wrong (issue 31): a rank killed before the first checkpoint restarts from
+init_from, and so does a `--resume` that finds no checkpoint (the first loss is still transformers'); what
+max_len cuts is counted where the run starts and ends, a run left without targets is refused; chats with
+and without generation markers are transformers' own; the export keeps the source's pad id.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +31,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from cli_helpers import start_cli  # noqa: E402
 from hf_helpers import spread_weights  # noqa: E402
-from tokenizer_helpers import CHATML_MARKED, TEXT, train_bpe  # noqa: E402
+from tokenizer_helpers import CHATML, CHATML_MARKED, TEXT, train_bpe  # noqa: E402
 from train_helpers import losses  # noqa: E402
 
 from hydraulis.data.indexed import open_corpus  # noqa: E402
@@ -44,6 +53,8 @@ POOLS = {  # the deployment-independence runs, besides the hetero one of llama/c
 FAMILIES = ("llama", "qwen2")
 FORMATS = ("completion", "chat")
 CASES = [(f, k) for f in FAMILIES for k in FORMATS]
+RESTARTED = ("qwen2", "completion")  # a rank of this run is killed before the first checkpoint (--max-restarts 1)
+SOURCE_PAD = {"llama": None, "qwen2": 3}  # the source config's pad_token_id (the tokenizer's <pad> is 4)
 
 
 def records() -> list[dict]:
@@ -79,7 +90,7 @@ def hf_model(family: str, path: Path):  # noqa: ANN201
         config = transformers.Qwen2Config(
             hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=403, tie_word_embeddings=True, rope_theta=1e6,
-            max_position_embeddings=512, rms_norm_eps=1e-6,
+            max_position_embeddings=512, rms_norm_eps=1e-6, pad_token_id=SOURCE_PAD["qwen2"],
         )  # fmt: skip
         model = spread_weights(transformers.Qwen2ForCausalLM(config).float(), tied_hidden=64)
     model.save_pretrained(str(path))
@@ -122,17 +133,48 @@ def sft(tmp_path_factory: pytest.TempPathFactory, session_cli):  # noqa: ANN001,
         assert built.returncode == 0, built.stderr
         config = write_config(tmp / "hetero.toml", hf, corpus, HETERO, checkpoint_every=STEPS)
         out = tmp / "run"
-        result = session_cli("train", "--config", str(config), "--nproc", "2", "--out", str(out), timeout=300)
+        train = ("train", "--config", str(config), "--nproc", "2", "--out", str(out))
+        result = killed_and_restarted(train) if (family, fmt) == RESTARTED else session_cli(*train, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         ckpt = out / "checkpoints" / f"step-{STEPS:06d}"
         exported = session_cli("export", "--checkpoint", str(ckpt), "--out", str(tmp / "hf-out"))
         assert exported.returncode == 0, exported.stderr
-        runs[(family, fmt)] = {"model": model, "hf": hf, "source": src, "records": chosen, "corpus": corpus,
+        runs[(family, fmt)] = {"family": family, "model": model, "hf": hf, "source": src, "records": chosen,
+                               "corpus": corpus,
                                "result": result, "out": out, "ckpt": ckpt, "export": tmp / "hf-out",
                                "tmp": tmp}  # fmt: skip
         return runs[(family, fmt)]
 
     return run
+
+
+def killed_and_restarted(train: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+    """`hydraulis train ... --max-restarts 1` with one rank killed as soon as the ranks exist: long before
+    the first checkpoint, so the restart finds none and must start from init_from again."""
+    proc = start_cli(*train, "--max-restarts", "1")
+    deadline = time.monotonic() + 120
+    while len(ranks := _ranks(proc.pid)) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    os.kill(ranks[-1], signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert "restarting from the last checkpoint (1 of 1)" in stdout, (stdout, stderr)
+    assert "no checkpoint yet: starting from step 0" in stdout and "initialised from" in stdout, stdout
+    return subprocess.CompletedProcess(train, proc.returncode, stdout, stderr)
+
+
+def _ranks(pid: int) -> list[int]:
+    """The spawned rank processes of the command `pid` (its children running multiprocessing's spawn_main)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) if entry.name.isdigit() else 0
+            cmdline = (entry / "cmdline").read_bytes() if parent == pid else b""
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            found.append(int(entry.name))
+    return sorted(found)
 
 
 @pytest.fixture(params=CASES, ids=[f"{f}-{k}" for f, k in CASES])
@@ -179,17 +221,14 @@ def transformers_records(hf: Path, rows: list[dict]) -> list[tuple[list[int], li
 
 def test_ids_and_target_masks_are_transformers(case):
     """The built corpus holds what transformers' tokenizer and chat template give, record by record
-    (a chat document is closed by an end-of-document token that is no target)."""
+    (a chat is apply_chat_template's ids exactly: nothing appended)."""
     corpus = open_corpus(case["corpus"])
     want = transformers_records(case["hf"], case["records"])
     assert len(corpus) == len(want)
-    eos = transformers.AutoTokenizer.from_pretrained(case["hf"]).eos_token_id
     for d, (ids, mask) in enumerate(want):
-        if "messages" in case["records"][d]:
-            ids, mask = ids + [eos], mask + [0]
         assert list(map(int, corpus[d])) == ids, d
         assert list(map(int, corpus.target_mask(d))) == mask, d
-    assert sum(sum(m) for _, m in want) == corpus.manifest.target_tokens
+    assert sum(sum(m[1:]) for _, m in want) == corpus.manifest.target_tokens
 
 
 def test_first_sft_loss_is_transformers_loss_with_prompt_labels_ignored(case):
@@ -244,6 +283,10 @@ def test_export_reloads_in_transformers_as_the_trained_model_and_its_tokenizer(c
     config = json.loads((export / "config.json").read_text())
     assert (config["eos_token_id"], config["bos_token_id"]) == (original.eos_token_id, original.bos_token_id)
     assert reloaded.generation_config.eos_token_id == original.eos_token_id
+    # The source model's pad id is kept (Qwen2's 3), else the tokenizer's <pad>; the same in both files.
+    pad = source.config.pad_token_id if source.config.pad_token_id is not None else original.pad_token_id
+    assert pad == SOURCE_PAD[case["family"]] or (SOURCE_PAD[case["family"]] is None and pad == 4)
+    assert config["pad_token_id"] == pad == reloaded.generation_config.pad_token_id
 
 
 def test_masked_losses_do_not_depend_on_the_deployment(sft, session_cli):  # noqa: ANN001
@@ -316,3 +359,149 @@ def test_a_bad_record_in_a_jsonl_corpus_says_how_to_build_it_skipped(case, tmp_p
     assert not out.exists()
     cached = list((Path(os.environ["HYDRAULIS_CACHE"]) / "sources").glob(f"{src.stem}-*"))
     assert not cached, (cached, result.stderr)
+
+
+def split_counts(rows: list[tuple[list[int], list[int]]], max_len: int) -> tuple[int, int, int, int]:
+    """What `split` at max_len does, counted from transformers' ids and masks: records cut, their pieces,
+    target tokens lost (a piece's first token has nothing before it) and kept."""
+    long = [(ids, mask) for ids, mask in rows if len(ids) > max_len]
+    pieces = sum(-(-len(ids) // max_len) for ids, _ in long)
+    lost = sum(mask[k] for _, mask in long for k in range(max_len, len(mask), max_len))
+    return len(long), pieces, lost, sum(sum(m[1:]) for _, m in rows) - lost
+
+
+def test_a_resume_before_any_checkpoint_starts_from_init_from(sft, session_cli):  # noqa: ANN001
+    """A run stopped before its first checkpoint (its first step diverged), then `--resume`: a fresh start
+    from init_from, whose first loss is transformers' on the init_from model. The run says what max_len
+    split before it starts and again in its summary (counted here from transformers' tokens), and its
+    output, not a terminal, is never wrapped (no COLUMNS)."""
+    run = sft("llama", "completion")
+    config = write_config(run["tmp"] / "resume.toml", run["hf"], run["corpus"], POOLS["one"][0])
+    config.write_text(config.read_text() + "max_bad_steps = 1\n")
+    out = run["tmp"] / "resumed"
+    train = ("train", "--config", str(config), "--nproc", "1", "--out", str(out))
+    first = session_cli(*train, env={"HYDRAULIS_TEST_NAN_STEP": "0"})
+    assert first.returncode == 2 and "training diverged" in first.stderr, first.stderr
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    again = session_cli(*train, "--resume", env={"COLUMNS": None})
+    assert again.returncode == 0, again.stderr[-3000:]
+    lines = again.stdout.splitlines()
+    assert "no checkpoint yet: starting from step 0" in lines and f"initialised from {run['hf']}" in lines
+    want, _, _ = hf_first_loss(run["model"], run["corpus"])
+    assert losses(out)[0] == pytest.approx(want, rel=1e-4)  # the pretrained weights, not random ones
+    records, pieces, lost, kept = split_counts(transformers_records(run["hf"], run["records"]), MAX_LEN)
+    assert records > 0 and lost > 0
+    said = (f"overlong: {records} record(s) longer than max_len {MAX_LEN} split into {pieces} pieces; "
+            f"{lost} of {lost + kept} target tokens lost")  # fmt: skip
+    assert lines[0].startswith(said), lines[0]  # the run's first line
+    done = next(i for i, line in enumerate(lines) if line.startswith("done: "))
+    assert lines[done + 1].startswith(said), lines[done:]  # and in its summary
+    assert lines[done].endswith("%") and "iteration time predicted/measured median error" in lines[done]
+    summary = json.loads((out / "summary.json").read_text())["overlong"]
+    assert (summary["split"], summary["pieces"], summary["target_tokens_lost"]) == (records, pieces, lost)
+    assert summary["target_tokens_kept"] == kept
+
+
+NO_NEWLINE_MARKED = (  # generation markers that leave the newline after <|im_end|> out, as many training templates
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}<|im_start|>assistant\n"
+    "{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_chats_are_transformers_with_and_without_generation_markers(sft, tmp_path, cli):  # noqa: ANN001
+    """`data build` of chats: ids are apply_chat_template's, and targets are transformers' assistant mask
+    whenever the template marks them (here the newline after <|im_end|> is left out); a template
+    without markers takes what each assistant turn adds, which is transformers' mask of the same text marked
+    around those turns (CHATML_MARKED). A tokenizer that names a bos but whose post-processor adds none
+    puts none before a prompt, as transformers' tokenizer does."""
+    from tokenizers import Tokenizer
+
+    run = sft("llama", "chat")
+    marked = transformers.AutoTokenizer.from_pretrained(train_bpe(tmp_path / "marked", chat_template=CHATML_MARKED))
+    for name, template in (("marked", NO_NEWLINE_MARKED), ("unmarked", CHATML)):
+        tok = train_bpe(tmp_path / name, chat_template=template)
+        built = cli("data", "build", str(run["source"]), "--out", str(tmp_path / f"{name}-c"), "--tokenizer", str(tok))
+        assert built.returncode == 0, built.stderr
+        corpus = open_corpus(tmp_path / f"{name}-c")
+        oracle = transformers.AutoTokenizer.from_pretrained(tok) if name == "marked" else marked
+        for d, record in enumerate(run["records"]):
+            want = oracle.apply_chat_template(record["messages"], tokenize=True, return_dict=True,
+                                              return_assistant_tokens_mask=True)  # fmt: skip
+            assert list(map(int, corpus[d])) == list(want["input_ids"]), (name, d)
+            assert list(map(int, corpus.target_mask(d))) == list(want["assistant_masks"]), (name, d)
+    nobos = train_bpe(tmp_path / "nobos")
+    backend = Tokenizer.from_file(str(nobos / "tokenizer.json"))
+    backend.post_processor = None
+    backend.save(str(nobos / "tokenizer.json"))
+    completion = sft("llama", "completion")
+    built = cli("data", "build", str(completion["source"]), "--out", str(tmp_path / "nobos-c"), "-t", str(nobos))
+    assert built.returncode == 0, built.stderr
+    want = transformers_records(nobos, completion["records"])
+    assert want[0][0][0] != transformers.AutoTokenizer.from_pretrained(nobos).bos_token_id  # no bos from it
+    assert [list(map(int, d)) for d in iter_docs(open_corpus(tmp_path / "nobos-c"))] == [ids for ids, _ in want]
+
+
+def iter_docs(corpus):  # noqa: ANN001, ANN201
+    return (corpus[d] for d in range(len(corpus)))
+
+
+def truncate_counts(rows: list[tuple[list[int], list[int]]], max_len: int) -> tuple[int, int]:
+    """`truncate` as documented, from transformers' ids and masks: the window ends at the record's end when
+    its targets fit after a token of context, else it starts at the token before the first target.
+    Returns (records cut, target tokens kept)."""
+    cut, kept = 0, 0
+    for ids, mask in rows:
+        start = 0
+        if len(ids) > max_len:
+            cut += 1
+            first = next(i for i in range(1, len(mask)) if mask[i])
+            start = max(0, min(len(ids) - max_len, first - 1))
+        kept += sum(mask[start + 1 : start + max_len])
+    return cut, kept
+
+
+def test_what_max_len_cuts_is_counted_and_nothing_left_is_refused(sft, tmp_path, cli):  # noqa: ANN001
+    """The issue's run: max_len 8 with `truncate` cut every completion away. Now truncate keeps each
+    completion's start (the prompt goes first), and the manifest and `data stats` say what it cuts,
+    counted here from transformers' tokens. A corpus whose targets a max_len loses entirely is refused in
+    one line by `data build --max-len` and by `train`, before any rank, with nothing written."""
+    run = sft("llama", "completion")
+    out = tmp_path / "c8"
+    built = cli("data", "build", str(run["source"]), "--out", str(out), "-t", str(run["hf"]),
+                "--max-len", "8", "--overlong", "truncate")  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    cut, kept = truncate_counts(transformers_records(run["hf"], run["records"]), 8)
+    manifest = json.loads((out / "manifest.json").read_text())["overlong"]
+    assert (manifest["truncated"], manifest["target_tokens_kept"]) == (cut, kept) and cut == len(run["records"])
+    assert kept >= 2 * cut  # each record keeps targets (its completion's start, or its end and the eos)
+    stats = cli("data", "stats", str(out), "-t", str(run["hf"]), env={"COLUMNS": None})
+    line = f"overlong: {cut} record(s) longer than max_len 8 truncated; {manifest['target_tokens_lost']} of"
+    assert stats.returncode == 0 and line in stats.stdout.splitlines()[-1], stats.stdout
+    assert any("corpus" in row and "top1% s²" in row for row in stats.stdout.splitlines())  # headers not cut
+    again = cli("data", "stats", str(out), "-t", str(run["hf"]), "--max-len", "8", "--overlong", "truncate", "--json")
+    assert json.loads(again.stdout)["overlong"] == manifest
+
+    # One target token (the <|im_end|> of an empty answer), at the start of a max_len piece: nothing left.
+    tok = train_bpe(tmp_path / "tok", chat_template=NO_NEWLINE_MARKED)
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]
+    mask = transformers.AutoTokenizer.from_pretrained(tok).apply_chat_template(
+        chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )["assistant_masks"]
+    assert sum(mask) == 1 and mask.index(1) >= 2
+    at = str(mask.index(1))
+    src = tmp_path / "one.jsonl"
+    src.write_text(json.dumps({"messages": chat}) + "\n")
+    refused = cli("data", "build", str(src), "--out", str(tmp_path / "none"), "-t", str(tok), "--max-len", at)
+    assert refused.returncode == 2 and not (tmp_path / "none").exists(), refused.stderr
+    assert refused.stderr.startswith(f"error: --max-len {at} --overlong split: no target token is left")
+    config = tmp_path / "none.toml"
+    config.write_text(
+        f'[model]\npreset = "tiny"\n[data]\ncorpus = "{src}"\ntokenizer = "{tok}"\ntokens_per_batch = 64\n'
+        f'max_len = {at}\n[parallel]\npool = "1x(tp1,pp1)"\nprofile = "tiny@cpu"\n[train]\nsteps = 1\n'
+    )
+    result = cli("train", "--config", str(config), "--nproc", "1", "--out", str(tmp_path / "run"))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"max_len = {at}, overlong = 'split': no target token is left" in result.stderr
+    assert not (tmp_path / "run").exists()

@@ -93,6 +93,21 @@ def test_bad_configs_and_flags(case, base, tmp_path, cli):
     assert snapshot(out) == ({} if "--resume" not in args else {})
 
 
+@pytest.mark.parametrize("key", ["init_from", "corpus"])
+def test_relative_paths_are_read_from_the_current_directory(key, base, tmp_path, cli):
+    """Relative paths in a config are relative to the current directory (as in torchtitan, axolotl and
+    LLaMA-Factory), not to the config's: run from elsewhere, the one line names the absolute path tried."""
+    corpus, _, _ = base
+    model = {"model": 'init_from = "models/tiny"'} if key == "init_from" else {}
+    config = write_config(tmp_path / "run.toml", Path("data/docs") if key == "corpus" else corpus, **ONE, **model)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    line = one_line(cli("train", "--config", str(config), "--nproc", "1", "--out", str(tmp_path / "o"), cwd=elsewhere))
+    tried = elsewhere / ("models/tiny/config.json" if key == "init_from" else "data/docs")
+    assert line.startswith(f"error: {tried}: no such file"), line
+    assert line.endswith("a relative path is read from the current directory"), line
+
+
 def damage_newest_manifest(run: Path) -> None:
     (run / "checkpoints" / "step-000002" / "manifest.json").write_text('{"schema": "hydraulis.checkpoint/1", "st')
 

@@ -22,7 +22,12 @@ from train_helpers import make_corpus, write_config  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
-FOUR = {"parallel": 'pool = "4x(tp1,pp1); 2x(tp2,pp1)"\nprofile = "tiny@cpu"', "train": "steps = 2\nlog_every = 1"}
+FOUR = {
+    "parallel": 'pool = "4x(tp1,pp1); 2x(tp2,pp1)"\nprofile = "tiny@cpu"',
+    "train": "steps = 2\nlog_every = 1\ntimeout_s = 30",
+}
+# timeout_s: a collective that never completes fails the run in seconds (the first step's in 90), with the
+# ranks' tracebacks, instead of spending the suite's budget on the agents' timeout below.
 
 
 def free_port() -> int:
@@ -31,7 +36,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_nodes(config: Path, outs: tuple[Path, Path], *args: str, timeout: float = 300) -> list[tuple[int, str]]:
+def two_nodes(config: Path, outs: tuple[Path, Path], *args: str, timeout: float = 180) -> list[tuple[int, str]]:
     """Start both agents at once (each its own working directory and --out); (exit code, output) of each."""
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
@@ -52,7 +57,8 @@ def two_nodes(config: Path, outs: tuple[Path, Path], *args: str, timeout: float 
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            raise
+            tails = [q.communicate()[0][-3000:] for q in procs]
+            pytest.fail(f"the agents did not finish in {timeout:.0f} s; their last output:\n" + "\n---\n".join(tails))
         results.append((p.returncode, output))
     return results
 

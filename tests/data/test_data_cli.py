@@ -81,8 +81,10 @@ def test_existing_output_and_force(cli, tmp_path: Path) -> None:  # noqa: ANN001
     (out / "index.idx").write_bytes((out / "index.idx").read_bytes()[:-3])
     msg = one_line_error(cli("data", "stats", str(out)))
     assert str(out / "index.idx") in msg and "truncated" in msg
-    msg = one_line_error(cli("data", "stats", "no-such-corpus"))
-    assert "neither a corpus directory nor a built-in corpus" in msg
+    # A path that is not there says so, and where it was looked for (relative: in the current directory).
+    msg = one_line_error(cli("data", "stats", "no-such-corpus", cwd=tmp_path))
+    assert msg.startswith(f"error: {tmp_path / 'no-such-corpus'}: no such file or directory, and not a built-in"), msg
+    assert "a relative path is read from the current directory" in msg
 
 
 def test_builtin_by_name(cli, tmp_path: Path) -> None:  # noqa: ANN001

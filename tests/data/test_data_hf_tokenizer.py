@@ -133,7 +133,7 @@ def test_auto_is_the_checkpoint_tokenizer(tok_dir: Path, tmp_path: Path) -> None
     from hydraulis.specs import MODELS
 
     config = hf_config(MODELS["tiny"])  # what `hydraulis export` writes: a config hydraulis reads back
-    config.save_pretrained(str(hf))
+    transformers.LlamaForCausalLM(config).save_pretrained(str(hf))  # weights too: prepare checks their headers
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (hf / f).write_bytes((tok_dir / f).read_bytes())
     corpus = tmp_path / "c"

@@ -164,3 +164,38 @@ def test_invariants(lengths, budget, max_len, policy, seed, cross, cut) -> None:
         assert len(b) >= 1 and b.num_tokens <= budget and b.lengths.max() <= max_len
         assert np.all(b.lengths >= 1) and np.all(b.starts + b.lengths <= np.asarray(lengths)[b.docs])
     assert as_lists(make(straight[cut].state).batches(12 - cut)) == as_lists(straight[cut:])
+
+
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=40),
+    max_len=st.integers(2, 120),
+    data=st.data(),
+)
+@settings(max_examples=150, deadline=None)
+def test_truncate_keeps_targets_and_overlong_counts_what_is_cut(lengths, max_len, data) -> None:  # noqa: ANN001
+    """Each SFT record given by its first target: a truncated one keeps a window of max_len inside it that
+    still holds that first target (or ends at the record's end), and `overlong` counts, for plain
+    documents (every token but a piece's first is a target), exactly what each policy loses."""
+    lens = np.asarray(lengths)
+    first = np.asarray([data.draw(st.integers(1, n)) for n in lengths])  # n: no target at all
+    sampler = TokenBudgetSampler(lens, 400, max_len, policy="truncate", first_targets=first)
+    docs, starts, cut = sampler.pieces(np.arange(len(lens)))
+    assert (cut == np.minimum(lens, max_len)).all() and (starts >= 0).all() and (starts + cut <= lens).all()
+    long = lens > max_len
+    holds = (starts < first) & (first < starts + cut)
+    assert (holds | (starts + cut == lens) | ~long).all()
+    assert (starts[~long] == 0).all()
+    plain = lambda d, s, n: int(np.maximum(np.asarray(n) - 1, 0).sum())  # noqa: E731
+    total = int((lens - 1).sum())
+    expected = {  # tokens lost per over-long document of length n
+        "split": lambda n: -(-n // max_len) - 1,
+        "truncate": lambda n: n - max_len,
+        "drop": lambda n: n - 1,
+    }
+    for policy, lost in expected.items():
+        if policy == "drop" and long.all():
+            continue  # refused: nothing would be left
+        report = TokenBudgetSampler(lens, 400, max_len, policy=policy).overlong(plain, total)
+        want = sum(lost(int(n)) for n in lens[long])
+        assert (report.records, report.targets_lost, report.targets_kept) == (int(long.sum()), want, total - want)
+        assert report.to_dict()[{"split": "split", "truncate": "truncated", "drop": "dropped"}[policy]] == long.sum()

@@ -84,8 +84,8 @@ def test_chat_targets_are_transformers_assistant_mask(tok_dir: Path, tmp_path: P
     corpus = build(src, tmp_path / "c", str(tok_dir))
     for i, messages in enumerate(CHATS):
         out = ref.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-        assert corpus[i].tolist() == list(out["input_ids"]) + [ref.eos_token_id]  # the eod closes the document
-        assert corpus.target_mask(i).tolist() == list(out["assistant_masks"]) + [0]
+        assert corpus[i].tolist() == list(out["input_ids"])  # nothing appended: the template ends the document
+        assert corpus.target_mask(i).tolist() == list(out["assistant_masks"])
         assert sum(out["assistant_masks"]) > 0
 
 
@@ -101,7 +101,7 @@ def test_a_chat_template_jinja_file_is_the_template(tok_dir: Path, tmp_path: Pat
     ref = transformers.AutoTokenizer.from_pretrained(str(own))
     corpus = build(write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHATS[0]}]), tmp_path / "c", str(own))
     out = ref.apply_chat_template(CHATS[0], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-    assert corpus.target_mask(0).tolist() == list(out["assistant_masks"]) + [0]
+    assert corpus.target_mask(0).tolist() == list(out["assistant_masks"])
     assert "chat_template.jinja" in dict(corpus.manifest.tokenizer_sha256)
 
 

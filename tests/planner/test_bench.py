@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from hydraulis.bench import LENGTH_SOURCES, SCENARIOS, Scenario, register_length_source, run_scenario
 from hydraulis.data.synthetic import get_mixture
@@ -95,3 +96,26 @@ def test_bench_cli_leaves_no_half_result_when_the_plot_fails(monkeypatch, tmp_pa
     res = CliRunner().invoke(app, ["bench", "--scenario", SCENARIOS[0].name, "--out", str(tmp_path)])
     assert isinstance(res.exception, HydraulisError)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_summary_judges_hydraulis_against_the_best_other_policy_of_each_scenario():
+    from hydraulis.bench import PolicyResult, summarize
+    from hydraulis.report import summary_lines
+
+    def result(scenario: str, policy: str, tps: float) -> PolicyResult:
+        return PolicyResult(scenario, policy, tps, 0.8, 1.0, (1.0,), {}, tps / 100)
+
+    scenarios = [Scenario("a", "p", 16, 1, 32 * 1024, "wiki"), Scenario("b", "p", 16, 1, 8 * 1024, "wiki")]
+    results = [
+        result("a", "megatron", 100), result("a", "hotspa", 120), result("a", "hydraulis", 126),
+        result("b", "megatron", 100), result("b", "megatron-dcp", 110), result("b", "hydraulis", 99),
+    ]
+    s = summarize(results, scenarios)
+    assert s["best_other"]["a"] == {"policy": "hotspa", "speedup": pytest.approx(1.05)}
+    assert s["best_other"]["b"] == {"policy": "megatron-dcp", "speedup": pytest.approx(0.9)}
+    assert s["speedup_vs_best_other_min"] == pytest.approx(0.9)
+    assert s["speedup_vs_best_other_geomean"] == pytest.approx((1.05 * 0.9) ** 0.5)
+    assert s["speedup_vs_megatron_min_long"] == pytest.approx(1.26)  # only "a" reaches 16K
+    lines = summary_lines({"summary": s})
+    assert "hydraulis vs the best other policy on a: 1.050x (hotspa)" in lines
+    assert any(line.startswith("hydraulis vs the best other policy, geometric mean: 0.972x") for line in lines)

@@ -68,22 +68,18 @@ def slow_greedy(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray) -> t
         s = int(lengths[i])
         best, best_g, best_r = math.inf, -1, -1
         for g, m in enumerate(table.configs):
-            if m.cap < s:
+            if m.holds < s:
                 continue
-            r = heaps[g][0][1]
             wi = float(w[g, i])
-            e = float(
-                estimate_time(
-                    W[r] + wi,
-                    T[r] + s,
-                    n[r] + 1,
-                    max(wmax[r], wi),
-                    table.c[r],
-                    table.pp[r],
-                    table.cap[r],
-                    table.min_efficient[r],
-                )
-            ) + float(bias[r])
+
+            def est(r: int, wi: float = wi, s: int = s) -> float:
+                p = [x[r] for x in table.params]  # with the lone cap: a sequence beyond the cap runs alone
+                return float(estimate_time(W[r] + wi, T[r] + s, n[r] + 1, max(wmax[r], wi), *p)) + float(bias[r])
+
+            # The least loaded replica of the config, or, where it has no room, the best of the others.
+            e, r = est(heaps[g][0][1]), heaps[g][0][1]
+            if e == math.inf:
+                e, r = min((est(q), q) for _, q in heaps[g])
             if e < best:
                 best, best_g, best_r = e, g, r
         wi = float(w[best_g, i])
@@ -91,7 +87,9 @@ def slow_greedy(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray) -> t
         T[best_r] += s
         n[best_r] += 1
         wmax[best_r] = max(wmax[best_r], wi)
-        heapq.heapreplace(heaps[best_g], (best, best_r))
+        heap = heaps[best_g]
+        heap[[q for _, q in heap].index(best_r)] = (best, best_r)
+        heapq.heapify(heap)
         keys.append(best)
         out[i] = best_r
     return out, keys
@@ -108,7 +106,8 @@ def slow_greedy(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray) -> t
 def test_greedy_dispatch_estimates_as_estimate_time_does(which, n, scale, biased, seed):
     """Both the inlined pp = 1 branch and the scalar pp > 1 path estimate, and so choose, as estimate_time.
 
-    Batches from a few hundred to over a million tokens: replicas run from one micro-batch to many."""
+    Batches from a few hundred to over a million tokens: replicas run from one micro-batch to many, and a
+    sequence beyond a config's cap but within its lone cap runs alone on one of its replicas."""
     rng = np.random.default_rng(seed)
     table = ReplicaTable.of(COST, Deployment.parse(which, CLUSTER), 16)
     lengths = np.minimum(rng.integers(1, 2 * scale, n), int(table.cap.max()))
@@ -122,6 +121,11 @@ def test_greedy_dispatch_estimates_as_estimate_time_does(which, n, scale, biased
         def heapreplace(heap, item):
             keys.append(item[0])
             return heapq.heapreplace(heap, item)
+
+        @staticmethod
+        def heappush(heap, item):  # the chosen replica was not its config's least loaded (a lone micro-batch)
+            keys.append(item[0])
+            return heapq.heappush(heap, item)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(dispatch, "heapq", Recorder)

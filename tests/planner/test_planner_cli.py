@@ -9,7 +9,7 @@ from hydraulis.parallel import ParallelConfig
 from hydraulis.planner.plan import load_plan
 
 COST = load_cost_model("llama-7b@a800-80g")  # the command's default profile: the caps it names come from it
-TP2_CAP = COST.cap(ParallelConfig(2, 1), 16)
+TP2_CAP = COST.lone_cap(ParallelConfig(2, 1), 16)  # the longest sequence a tp2 replica holds, as its only micro-batch
 
 
 def write(path, batches):
@@ -36,7 +36,7 @@ def test_plan_writes_a_valid_plan(cli, tmp_path):
     sim = cli("simulate", "--plan", str(out), "--json")
     assert sim.returncode == 0, sim.stderr
     for it, row in zip(plan.iterations, json.loads(sim.stdout)["iterations"], strict=True):
-        assert abs(row["iteration_time_s"] - it.predicted_time_s) < 1e-9
+        assert abs(row["iteration_time_s"] - it.iteration_time_s) < 1e-9
 
 
 def test_plan_with_inline_pool(cli, tmp_path):
@@ -45,14 +45,16 @@ def test_plan_with_inline_pool(cli, tmp_path):
     pool = "8x(tp2,pp1); 1x(tp8,pp1) + 4x(tp2,pp1)"
     res = cli("plan", "--gpus", "16", "--workload", str(w), "--pool", pool, "--out", str(out))
     assert res.returncode == 0, res.stderr
-    assert str(load_plan(out).iterations[0].deployment) in {"8x(tp2,pp1)", "1x(tp8,pp1) + 4x(tp2,pp1)"}
+    for phase in load_plan(out).iterations[0].phases:
+        assert str(phase.deployment) in {"8x(tp2,pp1)", "1x(tp8,pp1) + 4x(tp2,pp1)"}
 
 
 def test_overlong_error_names_length_and_cap(cli, tmp_path):
     w = write(tmp_path / "w.json", [[100, 200, 300000]])
     out = tmp_path / "plan.json"
     res = cli("plan", "--gpus", "16", "--workload", str(w), "--out", str(out))
-    one_line_error(res, "300000 tokens", f"largest cap {COST.cap(ParallelConfig(16, 1), 16)}", "tp16pp1")
+    # tp4pp4 holds a lone micro-batch once per stage, not four times (1F1B's in-flight count)
+    one_line_error(res, "300000 tokens", f"largest cap {COST.lone_cap(ParallelConfig(4, 4), 16)}", "tp4pp4")
     assert not out.exists()
     res = cli("plan", "--gpus", "16", "--workload", str(w), "--pool", "8x(tp2,pp1)", "--out", str(out))
     one_line_error(res, "300000 tokens", f"largest cap {TP2_CAP}", "tp2pp1")
@@ -89,3 +91,20 @@ def test_bad_input_is_one_line_exit_2_and_no_output(cli, tmp_path):
         one_line_error(res, *needles)
         assert not out.exists()
     assert not list(tmp_path.glob(".plan.json*"))
+
+
+def test_plan_writes_phases_and_simulate_reads_them(cli, tmp_path):
+    """llama-32b on 16 GPUs: only tp16pp1 holds 16K, so the short documents run in a phase on tp8pp2 first."""
+    w = write(tmp_path / "w.json", [[16384] * 4 + [3000, 1200, 5000, 800, 2500] * 6])
+    out = tmp_path / "plan.json"
+    pool = "1x(tp16,pp1); 1x(tp8,pp2)"
+    res = cli("plan", "-p", "llama-32b@a800-80g", "-n", "16", "-w", str(w), "--pool", pool, "-o", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "1x(tp8,pp2) | 1x(tp16,pp1)" in res.stdout
+    (it,) = load_plan(out).iterations
+    assert [str(p.deployment) for p in it.phases] == ["1x(tp8,pp2)", "1x(tp16,pp1)"]
+    sim = cli("simulate", "--plan", str(out), "--json")
+    assert sim.returncode == 0, sim.stderr
+    (row,) = json.loads(sim.stdout)["iterations"]
+    assert row["phases"] == 2 and row["deployment"] == "1x(tp8,pp2) | 1x(tp16,pp1)"
+    assert abs(row["iteration_time_s"] - it.iteration_time_s) < 1e-9

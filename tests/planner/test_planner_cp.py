@@ -23,7 +23,7 @@ GPUS = 32
 CLUSTER = ClusterSpec(GPUS)
 PLAIN = parse_pool("2x(tp8,pp1) + 8x(tp2,pp1)", CLUSTER)[0]
 WITH_CP = parse_pool("1x(tp8,pp1,cp2) + 8x(tp2,pp1)", CLUSTER)[0]
-PLAIN_CAP = max(COST.cap(g, GPUS) for g in COST.configs if g.cp == 1 and g.num_gpus <= GPUS)
+PLAIN_CAP = max(COST.lone_cap(g, GPUS) for g in COST.configs if g.cp == 1 and g.num_gpus <= GPUS)
 
 
 def batches(max_long: int):
@@ -40,8 +40,9 @@ def test_cp_plans_hold_caps_and_place_every_sequence_once(lengths):
     placed = sorted(i for r in plan.replicas for mb in r.micro_batches for i in mb)
     assert placed == list(range(len(lengths)))
     cp_members = {i for mb in plan.replicas[0].micro_batches for i in mb}
-    # Needed: what no cp = 1 replica of the deployment holds runs on the CP replica, whole.
-    assert {i for i, s in enumerate(lengths) if s > COST.cap(WITH_CP.configs[1], GPUS)} <= cp_members
+    # Needed: what no cp = 1 replica of the deployment holds, even as its lone micro-batch, runs on the CP
+    # replica, whole.
+    assert {i for i, s in enumerate(lengths) if s > COST.lone_cap(WITH_CP.configs[1], GPUS)} <= cp_members
     assert plan.lengths == tuple(int(s) for s in lengths)
 
 
@@ -119,10 +120,11 @@ def test_plan_keeps_a_document_whole_on_a_cp_replica(cli, tmp_path):
     res = cli("plan", "--profile", "llama-7b@a800-80g+cp", "--gpus", str(GPUS), "--workload", str(w), "--out", str(out))
     assert res.returncode == 0, res.stderr
     plan = load_plan(out).iterations[0]
-    assert plan.lengths.count(long) == 2 and any(g.cp > 1 for g in plan.deployment.configs)
+    assert plan.lengths.count(long) == 2
+    assert any(g.cp > 1 for p in plan.phases if long in p.lengths for g in p.deployment.configs)
     sim = cli("simulate", "--plan", str(out), "--json")  # the +cp profile reloads by its name
     assert sim.returncode == 0, sim.stderr
-    assert abs(json.loads(sim.stdout)["iterations"][0]["iteration_time_s"] - plan.predicted_time_s) < 1e-9
+    assert abs(json.loads(sim.stdout)["iterations"][0]["iteration_time_s"] - plan.iteration_time_s) < 1e-9
 
 
 def test_plan_refuses_what_even_the_largest_cp_replica_cannot_hold(cli, tmp_path):

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hydraulis.cost import load_cost_model
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
+from hydraulis.parallel import ParallelConfig as P
 from hydraulis.planner.plan import IterationPlan
 from hydraulis.planner.planner import Planner, apply_overlong, check_lengths
 from hydraulis.planner.sim import simulate
@@ -33,10 +34,14 @@ def planner() -> Planner:
     return Planner(cost, CLUSTER.num_gpus, [Deployment.parse(t, CLUSTER) for t in POOL_TEXT])
 
 
-LARGEST = max(planner().cost.cap(g, CLUSTER.num_gpus) for d in planner().pool for g in d.configs)  # 75,520 (tp8)
-batches = st.lists(
-    st.one_of(st.integers(8, 2048), st.integers(2048, 20000), st.integers(20000, LARGEST)), min_size=1, max_size=120
-)
+# 81,664: tp4pp2's lone micro-batch (a deep replica keeps one micro-batch in flight once, not pp times)
+LARGEST = max(planner().cost.lone_cap(g, CLUSTER.num_gpus) for d in planner().pool for g in d.configs)
+# Sequences up to 16,000 fit some replica's cap in every deployment of the pool; one more may need a lone
+# micro-batch (more of those than replicas can hold is `test_more_long_sequences_than_lone_micro_batches`).
+batches = st.tuples(
+    st.lists(st.one_of(st.integers(8, 2048), st.integers(2048, 16000)), min_size=0, max_size=119),
+    st.one_of(st.integers(8, 16000), st.integers(16000, LARGEST)),
+).map(lambda b: [*b[0][: len(b[0]) // 2], b[1], *b[0][len(b[0]) // 2 :]])
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -58,7 +63,7 @@ def test_plan_on_each_deployment(batch, which):
     p = planner()
     deployment = p.pool[which]
     lengths = np.array(batch)
-    if lengths.max() > max(p.cost.cap(g, 16) for g in deployment.configs):
+    if lengths.max() > max(p.cost.lone_cap(g, 16) for g in deployment.configs):
         with pytest.raises(HydraulisError):
             p.plan_on(lengths, deployment)
         return
@@ -75,7 +80,7 @@ def test_plan_never_slower_than_any_single_deployment_by_much():
         batch = np.minimum(rng.lognormal(6, 1.3, 200).astype(np.int64) + 8, 60000)
         best = p.plan(batch).predicted_time_s
         for d in p.pool:
-            if max(p.cost.cap(g, 16) for g in d.configs) >= batch.max():
+            if max(p.cost.lone_cap(g, 16) for g in d.configs) >= batch.max():
                 assert best <= p.plan_on(batch, d).predicted_time_s * 1.05
 
 
@@ -92,8 +97,21 @@ def test_bad_batches():
     with pytest.raises(HydraulisError, match="positive, got -3"):
         check_lengths([5, -3])
     p = planner()
-    with pytest.raises(HydraulisError, match=r"200000 tokens.*largest cap in the pool \(\d+ tokens, tp8pp1\)"):
+    with pytest.raises(HydraulisError, match=r"200000 tokens.*largest cap in the pool \(\d+ tokens, tp4pp2\)"):
         p.plan(np.array([10, 200000]))
+
+
+def test_more_long_sequences_than_lone_micro_batches():
+    """74,881 tokens exceed every cap of the pool (tp8pp1's is 74,880), so they run as the lone micro-batch
+    of tp8pp1 or tp4pp2; 40,065 then need a second replica, where tp2pp1 and tp2pp2 (40,064) hold less."""
+    p = planner()
+    assert max(p.cost.cap(g, 16) for d in p.pool for g in d.configs) < 74881
+    holding = [d for d in p.pool if max(p.cost.lone_cap(g, 16) for g in d.configs) >= 74881]
+    assert [str(d) for d in holding] == ["1x(tp8,pp1) + 4x(tp2,pp1)", "1x(tp4,pp2) + 2x(tp2,pp2)"]
+    assert max(p.cost.lone_cap(g, 16) for g in (P(2, 1), P(2, 2))) == 40064
+    with pytest.raises(HydraulisError, match="no deployment of the pool has room for this batch"):
+        p.plan(np.array([40065, 74881]))
+    assert p.plan(np.array([40064, 74881])).deployment == p.pool[4]  # tp4pp2 and tp2pp2, each a lone one
 
 
 def test_overlong_policies():
@@ -123,3 +141,33 @@ def test_importing_the_planner_leaves_scipy_sparse_for_the_exact_methods():
         [sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=src)
     )
     assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+BUDGETED = load_cost_model("tiny@cpu-measured").for_job(40 << 20, 4)  # fp32 under a 40 MiB budget per rank
+BUDGET_POOL = [Deployment.parse(t, ClusterSpec(4)) for t in ("2x(tp1,pp2)", "1x(tp1,pp2) + 2x(tp1,pp1)")]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    short=st.lists(st.integers(16, BUDGETED.cap(P(1, 1), 4)), min_size=1, max_size=30),
+    long=st.lists(st.integers(16, BUDGETED.lone_cap(P(1, 2), 4)), max_size=1),
+)
+def test_plans_under_a_budget_fit_it_by_the_runtimes_prediction(short, long):
+    """Every rank of every replica, with its micro-batch count and largest micro-batch, peaks within the budget
+    by `rank_memory` (the prediction the trainer logs beside the meter): a sequence beyond tp1pp2's cap runs
+    as its replica's lone micro-batch, held once per stage."""
+    from hydraulis.cost.memory import DEFAULT_EXCHANGE_BUCKET_BYTES, rank_memory
+
+    lengths = np.array(long + short)
+    plan = Planner(BUDGETED, 4, BUDGET_POOL).plan(lengths)
+    mem = BUDGETED.memory
+    for replica, config in zip(plan.replicas, plan.deployment.configs, strict=True):
+        if not replica.micro_batches:
+            continue
+        tokens = max(int(lengths[list(mb)].sum()) for mb in replica.micro_batches)
+        count = len(replica.micro_batches)
+        assert count == 1 or tokens <= BUDGETED.cap(config, 4)
+        for stage in range(config.pp):
+            rank = rank_memory(mem, BUDGETED.model, config, stage, 4, tokens, 4, DEFAULT_EXCHANGE_BUCKET_BYTES,
+                               micro_batches=count)
+            assert rank.peak <= mem.usable_bytes

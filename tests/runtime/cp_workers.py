@@ -78,7 +78,9 @@ def cp_train_cost():
     mem, g = base.memory, ParallelConfig(1, 1)
     data["device"]["memory_bytes"] = int(
         mem.safety_margin_bytes + mem.context_overhead_bytes + mem.static_bytes(g, base.model, 4)
-        + mem.bytes_per_token(g, base.model, False) * (LONG_DOC // 4 + 72)
+        # the caps' compute dtype (bf16) against the profile's own (fp32) activation factors
+        + mem.bytes_per_token(g, base.model, False) * mem.compute_dtype_bytes / mem.activation_dtype_bytes
+        * (LONG_DOC // 4 + 72)
         + mem.exchange_buffer_bytes(base.model)  # the exchange's buffers, beside the activations
     )
     row = next(r for r in data["time_ms"] if (r["tp"], r["pp"]) == (1, 1))

@@ -34,7 +34,7 @@ from dist_launcher import run_workers  # noqa: E402
 from hf_helpers import spread_weights  # noqa: E402
 
 from hydraulis.errors import HydraulisError  # noqa: E402
-from hydraulis.families import ARCHITECTURES, spec_from_hf_config  # noqa: E402
+from hydraulis.families import ARCHITECTURES, hf_tensor_shapes, spec_from_hf_config  # noqa: E402
 from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, micro_batch_loss, pack_documents  # noqa: E402
 from hydraulis.runtime.hf import (  # noqa: E402
     from_hf_state_dict,
@@ -205,6 +205,18 @@ def test_state_dict_round_trip_of_tied_and_padded_models(spec):
         rows = spec.vocab if name in ("embedding.weight", "output.weight") else None
         assert torch.equal(back[name][:rows], t[:rows])
         assert not back[name][spec.vocab :].any() if rows else True  # padded rows come in as zeros
+
+
+@pytest.mark.parametrize("spec", [GQA, MHA, *FAMILIES], ids=lambda s: s.name)
+def test_the_weights_check_expects_what_transformers_saves(spec):
+    """families.hf_tensor_shapes (the torch-free check of init_from's weights) is the tensors transformers'
+    own model of the family has, and the runtime's parameters map onto them one to one."""
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(spec))
+    theirs = {name: tuple(p.shape) for name, p in model.named_parameters()}  # a tied head appears once
+    assert hf_tensor_shapes(spec) == theirs
+    ours = {hf_name(n): (spec.vocab, *s[1:]) if n in ("embedding.weight", "output.weight") else s
+            for n, s in full_shapes(spec).items()}  # fmt: skip
+    assert ours == theirs
 
 
 @pytest.mark.parametrize("spec", [GQA, MHA, MQA, MODELS["llama-70b"], *FAMILIES], ids=lambda s: s.name)

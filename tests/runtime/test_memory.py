@@ -43,9 +43,9 @@ def test_cpu_iterations_are_sampled_first_use_of_each_deployment_and_every_nth_s
     memory = StepMemory(torch.device("cpu"), SimpleNamespace(exchange_peak_bytes=0), every=4)
     measured = []
     for step, deployment in enumerate([0, 0, 1, 1, 0, 1, 2]):
-        memory.start(deployment, step)
+        memory.start(deployment, step, predicted=1e6)
         x = torch.ones(1 << 18)  # 1 MiB, alive at the stop: every measured peak includes it
-        figures = memory.stop(predicted=1e6)
+        figures = memory.stop()
         del x
         measured.append(figures.peak > 0)
         assert figures.predicted == 1_000_000
@@ -53,3 +53,24 @@ def test_cpu_iterations_are_sampled_first_use_of_each_deployment_and_every_nth_s
             assert figures.error == 0.0 and figures.exchange_peak == 0
     # step 0: deployment 0 first; 2: deployment 1 first; 4: every 4th; 6: deployment 2 first
     assert measured == [True, False, True, False, True, False, True]
+
+
+def test_under_a_budget_the_riskiest_iterations_are_measured_too():
+    """With [parallel] memory_per_rank, an iteration whose predicted peak is the highest yet is measured as well
+    (those are the ones that could break the budget); without one, the same predictions change nothing."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hydraulis.runtime.step_memory import StepMemory
+
+    predicted = [5e6, 4e6, 6e6, 6e6, 7e6, 3e6]
+    for budget, expected in ((None, [True] + [False] * 5), (8 << 20, [True, False, True, False, True, False])):
+        memory = StepMemory(torch.device("cpu"), SimpleNamespace(exchange_peak_bytes=0), every=100, budget=budget)
+        seen = []
+        for step, p in enumerate(predicted):
+            memory.start(0, step, predicted=p)
+            x = torch.ones(1 << 18)  # 1 MiB: every measured peak includes it
+            seen.append(memory.stop().peak > 0)
+            del x
+        assert seen == expected

@@ -9,9 +9,10 @@ from dist_launcher import run_workers
 from train_workers import (
     GRAD_CLIP,
     IDLE_STEP,
+    PHASED,
     STEPS,
     WORLD,
-    crafted_plans,
+    crafted_schedules,
     reference,
     settings,
     train,
@@ -27,7 +28,7 @@ ROW_PARALLEL = ("attn.wo.weight", "ffn.w2.weight")  # stored transposed in the o
 @pytest.fixture(scope="module", params=[False, True], ids=["tp", "tp+sp"])
 def run(request):
     s = settings(sequence_parallel=request.param)
-    plans = crafted_plans(s)
+    plans = crafted_schedules(s)
     results = run_workers(train, WORLD, s, plans, deadline_s=240)
     norms: list[float] = []
     losses, params = reference(s, norms=norms)
@@ -54,7 +55,22 @@ def test_plans_switch_and_leave_a_replica_idle(run):
     assert len(set(deployments)) >= 2
     assert any(m["switched"] for m in metrics)
     assert metrics[IDLE_STEP]["micro_batches"][2] == 0
-    assert any(not plan.deployment.is_homogeneous for plan in plans)
+    assert any(not plan.deployment.is_homogeneous for s in plans for plan in s.phases)
+
+
+def test_phased_steps_run_their_phases_and_measure_the_switches(run):
+    """A phased step runs every phase's deployment in order (its metrics list their replicas phase after phase),
+    and reports its in-iteration switch cost, measured and predicted; one-phase steps report none."""
+    s, plans, results, *_ = run
+    metrics = results[0]["metrics"]
+    for step, deployments in PHASED.items():
+        m = metrics[step]
+        assert m["phases"] == len(deployments) == len(plans[step].phases)
+        assert m["deployment"] == " | ".join(str(s.pool[k]) for k in deployments)
+        assert len(m["micro_batches"]) == sum(len(s.pool[k].replicas) for k in deployments)
+        assert m["phase_switch_s"] > 0 and m["phase_switch_predicted_s"] > 0
+    single = [m for k, m in enumerate(metrics) if k not in PHASED]
+    assert all(m["phase_switch_s"] == 0 and m["phases"] == 1 for m in single)
 
 
 def test_a_measured_comparison_mid_run_changes_nothing(run):
@@ -73,6 +89,8 @@ def test_losses_match_single_process(run):
     got = [m["loss"] for m in results[0]["metrics"]]
     assert len(got) == STEPS
     np.testing.assert_allclose(got, losses, rtol=1e-5)
+    # Phases accumulate every phase's gradients into the owners before the one optimizer step.
+    np.testing.assert_allclose([got[k] for k in PHASED], [losses[k] for k in PHASED], rtol=1e-6)
     assert got[-1] < got[0]
 
 

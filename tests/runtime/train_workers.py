@@ -10,8 +10,9 @@ from hydraulis.cost import AnalyticCostModel
 from hydraulis.data.sampler import TokenBudgetSampler
 from hydraulis.optim import AdamWSettings, OptimSettings
 from hydraulis.parallel import Deployment
-from hydraulis.planner.plan import IterationPlan
+from hydraulis.planner.plan import IterationPlan, Schedule
 from hydraulis.planner.planner import Planner
+from hydraulis.planner.schedule import phase_switch_time, phases_time
 from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, pack_documents
 from hydraulis.runtime.launch import init_distributed
 from hydraulis.runtime.layout import ModelLayout
@@ -26,6 +27,8 @@ CRAFTED = 5  # steps run on plans made here (one with an idle replica); the rest
 # The deployment of each crafted step: switches every step, back and forth.
 CRAFTED_DEPLOYMENTS = (0, 1, 0, 2, 1)
 IDLE_STEP = 2  # in this crafted step, replica 2 of deployment 0 gets no micro-batch
+# Crafted steps run in phases (runtime/phases.py): the deployment of each phase, shortest sequences first.
+PHASED = {1: (0, 2), 4: (2, 0, 1)}
 # Between the steps' gradient norms (0.65 to 0.77): clipping is inactive at steps 0, 1, 3 and 6, active at the rest.
 GRAD_CLIP = 0.68
 
@@ -77,12 +80,30 @@ def crafted_plans(s: TrainSettings) -> list[IterationPlan]:
     return plans
 
 
-def train(rank: int, world: int, s: TrainSettings, plans: list[IterationPlan]) -> dict:
+def crafted_schedules(s: TrainSettings) -> list[Schedule]:
+    """The crafted plans, the PHASED steps instead cut into phases, shortest sequences first."""
+    planner = Planner(s.cost, WORLD, s.pool)
+    return [
+        phased(planner, np.asarray(plan.lengths), step, PHASED[step]) if step in PHASED else Schedule.single(plan)
+        for step, plan in enumerate(crafted_plans(s))
+    ]
+
+
+def phased(planner: Planner, lengths: np.ndarray, step: int, deployments: tuple[int, ...]) -> Schedule:
+    """The batch sorted by length and cut into one part per phase, each planned on its deployment."""
+    parts = np.array_split(np.argsort(lengths, kind="stable"), len(deployments))
+    plans = tuple(planner.plan_on(lengths[p], planner.pool[k], step) for p, k in zip(parts, deployments, strict=True))
+    switch = phase_switch_time(planner.cost, WORLD)
+    return Schedule(step, tuple(int(x) for x in lengths), plans, tuple(tuple(int(i) for i in p) for p in parts),
+                    switch, phases_time(plans, planner.cost, switch), 0.0)
+
+
+def train(rank: int, world: int, s: TrainSettings, plans: list[Schedule]) -> dict:
     env = init_distributed("cpu")
     docs = corpus(s.model.vocab)
     smp = sampler(docs)
     trainer = Trainer(s, docs, smp, env)
-    metrics = [trainer.run_iteration(smp.next_batch(), plan) for plan in plans]
+    metrics = [trainer.run_schedule(smp.next_batch(), plan) for plan in plans]
     metrics += [trainer.step() for _ in range(2)]
     # The measured comparison runs real iterations mid-run: training must go on as if it had not.
     comparison = trainer.compare(repeats=1)

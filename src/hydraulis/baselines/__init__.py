@@ -13,9 +13,9 @@ from hydraulis.planner.policy import Policy, PolicyContext
 
 
 def _hydraulis(ctx: PolicyContext) -> Policy:
-    from hydraulis.planner.planner import Planner
+    from hydraulis.planner.phases import PhasedPlanner
 
-    return Planner(ctx.cost, ctx.num_gpus, ctx.pool)
+    return PhasedPlanner(ctx.cost, ctx.num_gpus, ctx.pool)
 
 
 def _homogeneous(name: str) -> Callable[[PolicyContext], Policy]:
@@ -33,6 +33,18 @@ def _hotspa(ctx: PolicyContext) -> Policy:
     return HotSpa(ctx)
 
 
+def _dynamic_cp(ctx: PolicyContext) -> Policy:
+    from hydraulis.baselines.dynamic_cp import DynamicCP
+
+    return DynamicCP(ctx)
+
+
+def _slime(ctx: PolicyContext) -> Policy:
+    from hydraulis.baselines.slime import SlimeFlops
+
+    return SlimeFlops(ctx)
+
+
 def _reference(ctx: PolicyContext) -> Policy:
     from hydraulis.baselines.reference import Reference
 
@@ -45,11 +57,13 @@ POLICIES: dict[str, Callable[[PolicyContext], Policy]] = {
     "token-balanced": _homogeneous("token-balanced"),
     "flops-balanced": _homogeneous("flops-balanced"),
     "hotspa": _hotspa,
+    "megatron-dcp": _dynamic_cp,
+    "slime-flops": _slime,
     "hydraulis-reference": _reference,
 }
 
 
-MULTI_PHASE = ("hotspa",)  # several deployments per iteration: no plan file can hold them
+OWN_CONFIGS = ("megatron-dcp",)  # CP group sizes of its own cost model: no plan file of the profile holds them
 
 
 def make_policy(name: str, ctx: PolicyContext) -> Policy:

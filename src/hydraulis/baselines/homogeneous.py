@@ -30,16 +30,31 @@ from hydraulis.planner.replicas import ReplicaCost
 from hydraulis.planner.schedule import Schedule
 
 
-def karmarkar_karp(weights: np.ndarray, k: int) -> list[list[int]]:
-    """k-way largest differencing: indices per part, parts of near-equal total weight."""
+def karmarkar_karp(weights: np.ndarray, k: int, equal_size: bool = False) -> list[list[int]]:
+    """k-way largest differencing: indices per part, parts of near-equal total weight.
+
+    `equal_size` (slime's distribution of micro-batches over ranks; needs len(weights) % k == 0): the
+    starting states are k consecutive items of the sorted weights, one per part, so every part ends
+    with the same number of items.
+    """
     if k == 1:
         return [list(range(len(weights)))]
+    w = np.asarray(weights, dtype=np.float64)
     # Entry: (-(spread), tiebreak, sums descending, parts aligned with sums).
     heap: list[tuple[float, int, list[float], list[list[int]]]] = []
-    for i, w in enumerate(np.asarray(weights, dtype=np.float64).tolist()):
-        heap.append((-w, i, [w] + [0.0] * (k - 1), [[i]] + [[] for _ in range(k - 1)]))
+    if equal_size:
+        if len(w) % k:
+            raise HydraulisError(f"equal-size partition of {len(w)} items into {k} parts")
+        order = np.argsort(w, kind="stable")
+        for start in range(0, len(w), k):
+            items = sorted(order[start : start + k].tolist(), key=lambda i: -w[i])
+            sums = [float(w[i]) for i in items]
+            heap.append((-(sums[0] - sums[-1]), start, sums, [[i] for i in items]))
+    else:
+        for i, x in enumerate(w.tolist()):
+            heap.append((-x, i, [x] + [0.0] * (k - 1), [[i]] + [[] for _ in range(k - 1)]))
     heapq.heapify(heap)
-    tie = len(heap)
+    tie = len(w)  # tiebreaks of merged states come after every starting one
     while len(heap) > 1:
         _, _, sa, pa = heapq.heappop(heap)
         _, _, sb, pb = heapq.heappop(heap)
@@ -73,8 +88,10 @@ class Homogeneous:
     def __init__(self, ctx: PolicyContext, name: str, deployment: Deployment | None = None) -> None:
         self.name = name
         self.ctx = ctx
+        self.cost = ctx.cost
         if deployment is None:
-            config = fallback_config(ctx.cost, ctx.cluster, ctx.run_max_length, ctx.sample)
+            # packed to the cap whatever the micro-batch count: no lone micro-batches (packing.py)
+            config = fallback_config(ctx.cost, ctx.cluster, ctx.run_max_length, ctx.sample, lone=False)
             deployment = homogeneous(config, ctx.cluster)
         self.deployment = deployment
         self.replica = ReplicaCost.of(ctx.cost, deployment.configs[0], ctx.num_gpus)

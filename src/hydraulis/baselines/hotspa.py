@@ -32,6 +32,7 @@ class HotSpa:
 
     def __init__(self, ctx: PolicyContext) -> None:
         self.ctx = ctx
+        self.cost = ctx.cost
         self.configs = replicable_configs(ctx.cost, ctx.cluster)
         self.caps = np.array([ctx.cost.cap(g, ctx.num_gpus) for g in self.configs])
         self.switch_s = switch_time(ctx)
@@ -43,7 +44,7 @@ class HotSpa:
         s = lengths[order]
         if not len(self.caps) or int(s[-1]) > int(self.caps.max()):
             # The cuts stop at the largest cap: a longer sequence would be in no phase.
-            cap, name = largest_cap(self.ctx.cost, self.ctx.cluster)
+            cap, name = largest_cap(self.ctx.cost, self.ctx.cluster, lone=False)
             raise HydraulisError(
                 f"hotspa: a sequence of {int(s[-1])} tokens is longer than the largest homogeneous cap on "
                 f"{self.ctx.num_gpus} GPUs ({cap} tokens, {name}); use --overlong truncate|drop or more GPUs"

@@ -127,6 +127,7 @@ class Reference:
 
     def __init__(self, ctx: PolicyContext, seed: int = 0) -> None:
         self.ctx = ctx
+        self.cost = ctx.cost
         self.tables = [ReplicaTable.of(ctx.cost, d, ctx.num_gpus) for d in ctx.reference_pool]
         self.seed = seed
 
@@ -142,7 +143,7 @@ class Reference:
             if best is None or obj < best[0]:
                 best = (obj, k, replica_of)
         if best is None:
-            cap, name = largest_cap(self.ctx.cost, self.ctx.cluster, self.ctx.reference_pool)
+            cap, name = largest_cap(self.ctx.cost, self.ctx.cluster, self.ctx.reference_pool, lone=False)
             raise HydraulisError(
                 f"{self.name}: a sequence of {int(lengths.max())} tokens is longer than the largest cap in its "
                 f"pool ({cap} tokens, {name}); use --overlong truncate|drop or a pool with larger replicas"

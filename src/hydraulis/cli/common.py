@@ -8,19 +8,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from hydraulis.errors import HydraulisError
 from hydraulis.limits import MAX_BATCHES, MAX_GPUS, MAX_SEED, MAX_TOKENS_PER_BATCH
+from hydraulis.progress import console as _console
 
 if TYPE_CHECKING:
     from hydraulis.cost import CostModel
     from hydraulis.data.workload import Workload
     from hydraulis.specs import ClusterSpec
 
-console = Console()
-err_console = Console(stderr=True)
+console = _console()
+err_console = _console(stderr=True)
 
 ProfileOption = typer.Option(
     "llama-7b@a800-80g",
@@ -29,6 +29,26 @@ ProfileOption = typer.Option(
     help="Profile file, preset (llama-7b@a800-80g, ...) or MODEL@DEVICE for the analytic model; "
     "append +cp for context-parallel configs (analytic: a/cp, b/cp plus the K/V exchange).",
 )
+
+
+MemoryPerRankOption = typer.Option(
+    None,
+    "--memory-per-rank",
+    help="What one rank's tensors may hold ('96MiB', '70GB'): the caps use it in place of the device's memory.",
+)
+DtypeOption = typer.Option("bf16", "--dtype", help="Compute dtype the caps are for: bf16 or fp32.")
+
+
+def cost_model(profile: str, memory_per_rank: str | None = None, dtype: str = "bf16") -> CostModel:
+    """The named cost model, its caps for this compute dtype and, when given, memory budget per rank."""
+    from hydraulis.cost import load_cost_model
+    from hydraulis.limits import parse_size
+    from hydraulis.specs import DTYPE_BYTES
+
+    if dtype not in DTYPE_BYTES:
+        raise HydraulisError(f"--dtype {dtype!r} is not a compute dtype; use one of {', '.join(DTYPE_BYTES)}")
+    budget = None if memory_per_rank is None else parse_size(memory_per_rank, "--memory-per-rank")
+    return load_cost_model(profile).for_job(budget, DTYPE_BYTES[dtype])
 
 
 GpusPerNodeOption = typer.Option(8, "--gpus-per-node", help="GPUs per node.", min=1, max=MAX_GPUS)
@@ -54,16 +74,18 @@ def load_job(
     tokens_per_batch: int | None,
     num_batches: int | None,
     seed: int | None,
+    memory_per_rank: str | None = None,
+    dtype: str = "bf16",
 ) -> tuple[CostModel, ClusterSpec, Workload]:
     """The cost model, cluster and workload that `plan` and `propose` start from, checked."""
-    from hydraulis.cost import load_cost_model
     from hydraulis.data.workload import load_workload
     from hydraulis.specs import ClusterSpec
 
     if gpus < 1:
         raise HydraulisError(f"--gpus must be positive, got {gpus}")
     cluster = ClusterSpec(gpus, gpus_per_node)
-    return load_cost_model(profile), cluster, load_workload(workload, tokens_per_batch, num_batches, seed)
+    cost = cost_model(profile, memory_per_rank, dtype)
+    return cost, cluster, load_workload(workload, tokens_per_batch, num_batches, seed)
 
 
 def fail(message: str) -> NoReturn:
@@ -97,7 +119,7 @@ def run_app(app: typer.Typer) -> NoReturn:
             print(ctx.get_help())
             sys.exit(2)
         hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
-        fail(exc.format_message() + hint)
+        fail(exc.format_message() + _given(exc) + hint)
     except HydraulisError as exc:
         fail(str(exc))
     except OSError as exc:
@@ -109,6 +131,18 @@ def run_app(app: typer.Typer) -> NoReturn:
     if code == 130:  # typer turns a KeyboardInterrupt (a second Ctrl-C while ranks run) into 130, silently
         print("interrupted (SIGINT); stopped at once", file=sys.stderr)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _given(exc: Exception) -> str:
+    """`, got VALUE` for typer's refusal of a value (its pydantic message does not echo it), else ""."""
+    errors = getattr(exc.__cause__, "errors", None)  # typer validates option values with pydantic
+    if not callable(errors):
+        return ""
+    try:
+        value = errors()[0]["input"]
+    except (IndexError, KeyError, TypeError):
+        return ""
+    return f", got {_clip(value)}"
 
 
 def _clip(name: object) -> str:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
 from hydraulis.cli.app import app
 from hydraulis.cli.common import console, print_json, table
+from hydraulis.errors import HydraulisError
 from hydraulis.limits import MAX_BATCHES, MAX_LENGTH, MAX_SEED, MAX_TOKENS_PER_BATCH
 
 data_app = typer.Typer(help="Tokenize corpora into indexed form and describe their length distributions.")
@@ -19,6 +21,26 @@ TokenizerOption = typer.Option(
     "-t",
     help="gpt2 (BPE, needs tiktoken), bytes, or a Hugging Face tokenizer.json or model directory.",
 )
+
+
+MaxLenOption = typer.Option(
+    None,
+    "--max-len",
+    help="Count what training at this max_len cuts (records, target tokens); with build: into the manifest, and "
+    "a corpus left without targets is refused. The tokens are not cut.",
+    min=2,
+    max=MAX_LENGTH,
+)
+OverlongOption = typer.Option("split", "--overlong", help="With --max-len: split, truncate or drop ([data] overlong).")
+
+
+def check_policy(policy: str) -> Any:
+    """An --overlong value (a sampler Policy), or one line naming it."""
+    from hydraulis.data.sampler import POLICIES
+
+    if policy not in POLICIES:
+        raise HydraulisError(f"--overlong {policy!r}: choose one of {', '.join(POLICIES)}")
+    return policy
 
 
 @data_app.command("build")
@@ -42,27 +64,32 @@ def build(
     glob: str = typer.Option("**/*", "--glob", help="Directory: which files to read (.jsonl files as jsonl)."),
     force: bool = typer.Option(False, "--force", help="Replace OUT if it exists."),
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
+    max_len: int = MaxLenOption,
+    overlong: str = OverlongOption,
 ) -> None:
     """Tokenize a source into an indexed corpus (tokens.bin + index.idx + manifest.json)."""
     from hydraulis.data.builtin import BUILTINS, build_builtin
-    from hydraulis.data.indexed import build_corpus, byte_progress
+    from hydraulis.data.indexed import build_corpus
     from hydraulis.data.readers import InputOptions, ReadCounts
     from hydraulis.data.records import check_format
     from hydraulis.data.sources import read_source, source_bytes
     from hydraulis.data.tokenizer import get_tokenizer
+    from hydraulis.progress import byte_progress
 
     tok = get_tokenizer(tokenizer)  # a bad tokenizer fails here, before anything is read or written
     if_exists = "replace" if force else "error"
     path = Path(source)
+    cut = (max_len, check_policy(overlong)) if max_len is not None else None
     if not path.exists() and source in BUILTINS:
-        corpus = build_builtin(source, out, tokenizer, progress=True, if_exists=if_exists)
+        corpus = build_builtin(source, out, tokenizer, progress=True, if_exists=if_exists, overlong=cut)
     else:
         options = InputOptions(field=field, skip_missing=skip_missing, glob=glob, format=check_format(fmt))
         total = source_bytes(path, options)
         counts = ReadCounts()
         with byte_progress(total, f"tokenizing {path.name} ({tok.name})") as advance:
             docs = read_source(path, counts, options, advance)
-            corpus = build_corpus(docs, out, tok, str(path.resolve()), counts, if_exists=if_exists, skip_bad=skip_bad)
+            where = str(path.resolve())
+            corpus = build_corpus(docs, out, tok, where, counts, if_exists=if_exists, skip_bad=skip_bad, overlong=cut)
     m = corpus.manifest
     if as_json:
         print_json(m.to_dict())
@@ -71,6 +98,8 @@ def build(
         f"built {out}: {m.documents:,} documents, {m.tokens:,} tokens, {m.target_tokens:,} targets "
         f"({m.tokenizer}, {m.dtype}), longest {m.max_length:,}"
     )
+    if m.overlong is not None:
+        console.print(f"overlong: {m.overlong.describe()}")
     rows = [[k.replace("_", " "), v] for k, v in m.report.to_dict().items()]
     console.print(table("input", ["", "count"], rows))
 
@@ -81,22 +110,31 @@ def stats(
     tokenizer: str = TokenizerOption,
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     plot: Path = typer.Option(None, "--plot", help="Write a length histogram (log x-axis) to this .png/.svg/.pdf."),
+    max_len: int = MaxLenOption,
+    overlong: str = OverlongOption,
 ) -> None:
     """Length distribution of a corpus: tokens and target tokens (SFT: the completions), percentiles,
-    long-tail shares, quadratic share of the top 1%."""
+    long-tail shares, quadratic share of the top 1%; what a max_len cuts (--max-len, or the manifest's)."""
     from hydraulis.data.builtin import resolve_corpus
+    from hydraulis.data.indexed import corpus_sampler
+    from hydraulis.data.indexed import overlong as overlong_of
     from hydraulis.data.stats import THRESHOLDS, length_stats, plot_histogram
 
     if plot is not None:
         from hydraulis.plots import check_plot_path
 
         check_plot_path(plot, "--plot")
+    policy = check_policy(overlong)
     c = resolve_corpus(corpus, tokenizer, progress=True)
     st = length_stats(c.lengths)
+    cut = c.manifest.overlong
+    if max_len is not None:
+        cut = overlong_of(c, corpus_sampler(c, max_len, max_len, 0, policy))
     if plot is not None:
         plot_histogram(c.lengths, plot, title=f"{c.name} ({c.manifest.tokenizer}): {st.count:,} documents")
     if as_json:
         targets = {"target_tokens": c.manifest.target_tokens, "masked": c.manifest.masked}
+        targets["overlong"] = cut.to_dict() if cut is not None else None
         print_json(
             {"corpus": c.name, "path": str(c.path), "tokenizer": c.manifest.tokenizer, **st.to_dict(), **targets}
         )
@@ -106,6 +144,8 @@ def stats(
     row = [c.name, f"{st.count:,}", f"{st.tokens:,}", f"{c.manifest.target_tokens:,}", st.p50, st.p90, st.p99, st.max]
     row += [f"{st.share_above[t]:.1%}" for t in THRESHOLDS] + [f"{st.top1_sq_share:.1%}"]
     console.print(table(f"{c.path} ({c.manifest.tokenizer})", columns, [row]))
+    if cut is not None:
+        console.print(f"overlong: {cut.describe()}")
     if plot is not None:
         console.print(f"wrote {plot}")
 

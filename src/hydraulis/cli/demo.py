@@ -10,6 +10,7 @@ comparison chart and 1F1B timelines to the output directory.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -17,6 +18,13 @@ from hydraulis.cli.app import app
 from hydraulis.cli.common import ProfileOption, console, err_console, table
 from hydraulis.files import OutputSet, check_output, check_output_dir
 from hydraulis.limits import MAX_GPUS, MAX_LENGTH, MAX_TOKENS_PER_BATCH
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from hydraulis.cost.model import CostModel
+    from hydraulis.parallel import Deployment
+    from hydraulis.specs import ClusterSpec
 
 DEMO_POLICIES = ("megatron", "flops-balanced", "hotspa", "hydraulis-reference", "hydraulis")
 
@@ -54,18 +62,13 @@ def _demo(
     out: Path,
     outputs: OutputSet,
 ) -> None:
-    from hydraulis.bench import run_policies
     from hydraulis.cost import load_cost_model
     from hydraulis.data.builtin import resolve_corpus
     from hydraulis.data.sampler import TokenBudgetSampler
     from hydraulis.data.stats import length_stats
     from hydraulis.data.workload import Workload, save_workload
-    from hydraulis.planner.plan import PlanFile, save_plan
-    from hydraulis.planner.policy import PolicyContext
     from hydraulis.planner.pool import save_pool
     from hydraulis.planner.proposal import propose
-    from hydraulis.planner.sim import simulate
-    from hydraulis.report import comparison_plot, timeline_plot
     from hydraulis.specs import ClusterSpec
 
     cost = load_cost_model(profile)
@@ -94,21 +97,42 @@ def _demo(
         proposal = propose(cost, cluster, sample, max_length=max(int(b.max()) for b in work + sample))
     save_pool(outputs.stage(out / "pool.json"), proposal.pool)
     rows = [
-        [i, str(d), max(cost.cap(g, gpus) for g in d.configs), f"{u:.0%}"]
+        [i, str(d), max(cost.lone_cap(g, gpus) for g in d.configs), f"{u:.0%}"]
         for i, (d, u) in enumerate(zip(proposal.pool.deployments, proposal.pool.usage or (), strict=True))
     ]
     console.print(table(f"pool -> {out / 'pool.json'}", ["#", "deployment", "largest cap", "chosen"], rows))
 
+    _compare(cost, cluster, c.name, work, sample, proposal.pool.deployments, out, outputs)
+
+
+def _compare(
+    cost: CostModel,
+    cluster: ClusterSpec,
+    name: str,
+    work: list[np.ndarray],
+    sample: list[np.ndarray],
+    pool: tuple[Deployment, ...],
+    out: Path,
+    outputs: OutputSet,
+) -> None:
+    """Step 3: every demo policy on the batches, the plan file, the comparison and the timelines."""
+    from hydraulis.bench import run_policies
+    from hydraulis.planner.plan import PlanFile, Schedule, save_plan
+    from hydraulis.planner.policy import PolicyContext
+    from hydraulis.planner.sim import simulate
+    from hydraulis.report import comparison_plot, timeline_plot
+
+    gpus, batches = cluster.num_gpus, len(work)
     console.rule("3. plan and compare (simulated with the cost model)")
     # The pool is ours, not the user's: the reference keeps its own (the published range DP's).
-    ctx = PolicyContext.build(cost, cluster, work, sample=sample, proposed=proposal.pool.deployments)
-    schedules: dict[tuple[str, int], object] = {}
+    ctx = PolicyContext.build(cost, cluster, work, sample=sample, proposed=pool)
+    schedules: dict[tuple[str, int], Schedule] = {}
     with err_console.status("planning every batch under every policy"):
         results = run_policies(
             "demo", ctx, work, DEMO_POLICIES, keep=lambda p, step, s: schedules.__setitem__((p, step), s)
         )
-    plans = tuple(schedules[("hydraulis", step)].phases[0] for step in range(batches))
-    save_plan(outputs.stage(out / "plan.json"), PlanFile(cost.name, gpus, plans))
+    ours_schedules = tuple(schedules[("hydraulis", step)] for step in range(batches))
+    save_plan(outputs.stage(out / "plan.json"), PlanFile(cost.name, gpus, ours_schedules))
     rows = [
         [
             r.policy,
@@ -120,13 +144,15 @@ def _demo(
         for r in results
     ]
     columns = ["policy", "tokens/s", "vs megatron", "balance eff.", "plan ms/iter"]
-    console.print(table(f"{batches} batches of {c.name} -> {out / 'plan.json'}", columns, rows))
-    comparison_plot(results, outputs.stage(out / "compare.png"), f"{c.name}, {cost.name}, {gpus} GPUs")
+    console.print(table(f"{batches} batches of {name} -> {out / 'plan.json'}", columns, rows))
+    comparison_plot(results, outputs.stage(out / "compare.png"), f"{name}, {cost.name}, {gpus} GPUs")
     megatron = schedules[("megatron", 0)].phases[0]
+    phases = ours_schedules[0].phases
     timeline_plot(
         [
             ("megatron", megatron, simulate(megatron, cost)),
-            ("hydraulis", plans[0], simulate(plans[0], cost)),
+            *((f"hydraulis, phase {k + 1} of {len(phases)}" if len(phases) > 1 else "hydraulis", p, simulate(p, cost))
+              for k, p in enumerate(phases)),
         ],
         outputs.stage(out / "timeline.png"),
     )

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from hydraulis.cli.app import app
-from hydraulis.cli.common import ProfileOption, console, print_json, table
+from hydraulis.cli.common import DtypeOption, MemoryPerRankOption, ProfileOption, console, print_json, table
 from hydraulis.errors import HydraulisError
 from hydraulis.limits import MAX_GPUS
 
@@ -21,22 +21,28 @@ def caps(
         32, "--gpus", "-n", help="GPUs in the job (optimizer states shard over all).", min=1, max=MAX_GPUS
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    memory_per_rank: str = MemoryPerRankOption,
+    dtype: str = DtypeOption,
 ) -> None:
     """Token cap and cost of each parallel config."""
-    from hydraulis.cost import load_cost_model
+    from hydraulis.cli.common import cost_model
 
     if gpus < 1:
         raise HydraulisError(f"--gpus must be positive, got {gpus}")
-    cost = load_cost_model(profile)
+    cost = cost_model(profile, memory_per_rank, dtype)
     rows = []
     for config, cap in cost.caps(gpus).items():
         c = cost.coefficients(config)
-        times = {s: (cost.stage_time(config, [s]) * 1e3 if s <= cap else None) for s in CAPS_LENGTHS}
+        lone = cost.lone_cap(config, gpus)
+        times = {s: (cost.stage_time(config, [s]) * 1e3 if s <= lone else None) for s in CAPS_LENGTHS}
         rows.append(
             {
                 "config": config.name,
                 "gpus": config.num_gpus,
                 "cap_tokens": cap,
+                # a replica's only micro-batch: a deep replica holds it once, not pp times
+                "lone_cap_tokens": lone,
+                "state_bytes": cost.memory.state_bytes(config, cost.model, gpus),
                 "min_efficient_tokens": cost.min_efficient_tokens(config),
                 # The optimizer exchange's transient per GPU: two buffers of at most one bucket each.
                 "exchange_bytes": cost.memory.exchange_buffer_bytes(cost.model),
@@ -47,16 +53,19 @@ def caps(
             }
         )
     if as_json:
-        print_json({"profile": cost.name, "num_gpus": gpus, "configs": rows})
+        memory = {"memory_per_rank_bytes": cost.memory.memory_bytes, "usable_bytes": cost.memory.usable_bytes}
+        print_json({"profile": cost.name, "num_gpus": gpus, "dtype": dtype, **memory, "configs": rows})
         return
-    columns = ["config", "GPUs", "cap (tokens)", "min eff.", "exch. MiB"]
+    columns = ["config", "GPUs", "cap (tokens)", "lone cap", "min eff.", "state MiB", "exch. MiB"]
     columns += [f"t({s // 1024}K) ms" for s in CAPS_LENGTHS]
     body = [
-        [r["config"], r["gpus"], r["cap_tokens"], r["min_efficient_tokens"], f"{r['exchange_bytes'] / 2**20:.0f}"]
+        [r["config"], r["gpus"], r["cap_tokens"], r["lone_cap_tokens"], r["min_efficient_tokens"],
+         f"{r['state_bytes'] / 2**20:.1f}", f"{r['exchange_bytes'] / 2**20:.0f}"]
         + [f"{t:.1f}" if t is not None else "-" for t in r["stage_ms"].values()]
         for r in rows
     ]
-    console.print(table(f"{cost.name} on {gpus} GPUs (time: one sequence, one stage, fwd+bwd)", columns, body))
+    title = f"{cost.name} on {gpus} GPUs, {dtype}, {cost.memory.memory_bytes / 2**20:,.0f} MiB per rank"
+    console.print(table(f"{title} (time: one sequence, one stage, fwd+bwd)", columns, body))
 
 
 @app.command()
@@ -71,6 +80,7 @@ def simulate(
     """Simulate each iteration of a plan with 1F1B and report its times."""
     from hydraulis.cost import load_cost_model
     from hydraulis.planner.plan import load_plan
+    from hydraulis.planner.schedule import check_schedule, phases_time
     from hydraulis.planner.sim import simulate as run_sim
 
     if timeline is not None:
@@ -81,23 +91,28 @@ def simulate(
     cost = load_cost_model(profile or plan_file.profile)
     results, drawn = [], []
     for i, it in enumerate(plan_file.iterations):
-        it.validate(cost, plan_file.num_gpus, where=f"{plan}: iterations[{i}]")
-        res = run_sim(it, cost, keep_events=timeline is not None and i < 4)
+        check_schedule(it, cost, where=f"{plan}: iterations[{i}]")
+        sims = [run_sim(p, cost, keep_events=timeline is not None and i < 4) for p in it.phases]
         if timeline is not None and i < 4:
-            drawn.append((f"step {it.step}", it, res))
+            for k, (p, res) in enumerate(zip(it.phases, sims, strict=True)):
+                drawn.append((f"step {it.step}" + (f", phase {k + 1}" if len(it.phases) > 1 else ""), p, res))
+        total = phases_time(it.phases, cost, it.switch_s)
+        compute = sum(r.compute_time_s for r in sims)
+        busy = sum(r.compute_time_s * len(r.gpu_busy_s) * (1 - r.bubble_fraction) for r in sims)
         results.append(
             {
                 "step": it.step,
-                "deployment": str(it.deployment),
+                "deployment": " | ".join(str(p.deployment) for p in it.phases),
+                "phases": len(it.phases),
                 "tokens": it.num_tokens,
                 "sequences": len(it.lengths),
-                "micro_batches": sum(len(r.micro_batches) for r in it.replicas),
-                "iteration_time_s": res.iteration_time_s,
-                "compute_time_s": res.compute_time_s,
-                "grad_sync_s": res.grad_sync_s,
-                "bubble_fraction": res.bubble_fraction,
-                "predicted_time_s": it.predicted_time_s,
-                "tokens_per_s": it.num_tokens / res.iteration_time_s,
+                "micro_batches": sum(len(r.micro_batches) for p in it.phases for r in p.replicas),
+                "iteration_time_s": total,
+                "compute_time_s": compute,
+                "grad_sync_s": total - compute,  # the optimizer step, and every phase switch
+                "bubble_fraction": 1 - busy / (compute * plan_file.num_gpus) if compute > 0 else 0.0,
+                "predicted_time_s": it.iteration_time_s,
+                "tokens_per_s": it.num_tokens / total,
             }
         )
     if timeline is not None:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from hydraulis.cli.app import app
 from hydraulis.cli.common import (
+    DtypeOption,
     GpusPerNodeOption,
+    MemoryPerRankOption,
     NumBatchesOption,
     ProfileOption,
     SeedOption,
@@ -20,6 +24,11 @@ from hydraulis.cli.common import (
     table,
 )
 from hydraulis.errors import HydraulisError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from hydraulis.cost.model import CostModel
 
 
 @app.command()
@@ -42,37 +51,30 @@ def plan(
     tokens_per_batch: int = TokensPerBatchOption,
     num_batches: int = NumBatchesOption,
     seed: int = SeedOption,
+    memory_per_rank: str = MemoryPerRankOption,
+    dtype: str = DtypeOption,
 ) -> None:
     """Choose a deployment, dispatch and pack each global batch of a workload."""
     from rich.progress import Progress
 
-    from hydraulis.baselines import MULTI_PHASE, make_policy
+    from hydraulis.baselines import OWN_CONFIGS, make_policy
     from hydraulis.files import check_output
     from hydraulis.planner.plan import PlanFile, save_plan
-    from hydraulis.planner.planner import apply_overlong
     from hydraulis.planner.policy import PolicyContext
     from hydraulis.planner.pool import largest_cap, parse_pool
 
     check_output(out, "--out")
-    if policy in MULTI_PHASE:
+    if policy in OWN_CONFIGS:
         raise HydraulisError(
-            f"policy {policy} switches deployments within an iteration, and a plan file holds one deployment per "
-            f"step; compare it with `hydraulis bench --policy {policy}` instead"
+            f"policy {policy} regroups the ranks for every micro-batch, on CP group sizes of its own that the "
+            f"profile does not hold, and a plan file's deployments are the profile's; compare it with "
+            f"`hydraulis bench --policy {policy}` instead"
         )
-    cost, cluster, work = load_job(profile, gpus, gpus_per_node, workload, tokens_per_batch, num_batches, seed)
+    cost, cluster, work = load_job(
+        profile, gpus, gpus_per_node, workload, tokens_per_batch, num_batches, seed, memory_per_rank, dtype
+    )
     deployments = parse_pool(pool, cluster) if pool else None
-    cap, cap_name = largest_cap(cost, cluster, deployments)
-    batches, changed = [], 0
-    remedy = "a pool with larger (CP) replicas, or more GPUs"
-    if not any(g.cp > 1 for g in cost.configs):
-        remedy = f"CP replicas (--profile {cost.name}+cp), or more GPUs"
-    for i, b in enumerate(work.batches):
-        fixed = apply_overlong(b, cap, cap_name, overlong, where=f"{workload}: batch {i}", remedy=remedy)
-        batches.append(fixed.lengths)
-        changed += fixed.changed
-    if changed:
-        verb = {"split": "split", "truncate": "truncated"}.get(overlong, "dropped")
-        err_console.print(f"{verb} {changed} sequence(s) longer than the largest cap {cap} ({cap_name})")
+    batches = _within_caps(work.batches, largest_cap(cost, cluster, deployments), overlong, workload, cost)
     ctx = PolicyContext.build(cost, cluster, batches, deployments)
     proposes = deployments is None and policy == "hydraulis"
     with err_console.status("proposing a deployment pool from the workload" if proposes else "preparing"):
@@ -81,31 +83,46 @@ def plan(
     with Progress(console=err_console, transient=True) as progress:
         task = progress.add_task(f"planning {len(batches)} iteration(s)", total=len(batches))
         for step, b in enumerate(batches):
-            schedule = chosen.schedule(b, step)
-            if len(schedule.phases) != 1:
-                raise HydraulisError(
-                    f"policy {policy} runs {len(schedule.phases)} phases per iteration; a plan file holds one "
-                    "deployment per step (compare it with `hydraulis bench`)"
-                )
-            plans.append(schedule.phases[0])
+            plans.append(chosen.schedule(b, step))
             progress.advance(task)
     save_plan(out, PlanFile(cost.name, gpus, tuple(plans), gpus_per_node))
     rows = [
         [
             p.step,
-            str(p.deployment),
+            " | ".join(str(phase.deployment) for phase in p.phases),  # phases one after another
             p.num_tokens,
             len(p.lengths),
-            f"{p.predicted_time_s:.3f}",
-            f"{p.num_tokens / p.predicted_time_s:,.0f}",
+            f"{p.iteration_time_s:.3f}",
+            f"{p.num_tokens / p.iteration_time_s:,.0f}",
             f"{p.planning_time_s * 1e3:.1f}",
         ]
         for p in plans
     ]
-    columns = ["step", "deployment", "tokens", "seqs", "time s", "tokens/s", "plan ms"]
+    columns = ["step", "deployment(s)", "tokens", "seqs", "time s", "tokens/s", "plan ms"]
     console.print(table(f"{policy} plan for {work.name} on {gpus} GPUs ({cost.name}) -> {out}", columns, rows))
     if proposes:
         console.print(f"proposed pool (`hydraulis propose` saves one): {'; '.join(str(d) for d in ctx.pool)}")
+
+
+def _within_caps(
+    batches: Sequence[np.ndarray], largest: tuple[int, str], overlong: str, workload: Path, cost: CostModel
+) -> list[np.ndarray]:
+    """The workload's batches after the --overlong policy against the pool's largest cap (one line if any changed)."""
+    from hydraulis.planner.planner import apply_overlong
+
+    cap, cap_name = largest
+    out, changed = [], 0
+    remedy = "a pool with larger (CP) replicas, or more GPUs"
+    if not any(g.cp > 1 for g in cost.configs):
+        remedy = f"CP replicas (--profile {cost.name}+cp), or more GPUs"
+    for i, b in enumerate(batches):
+        fixed = apply_overlong(b, cap, cap_name, overlong, where=f"{workload}: batch {i}", remedy=remedy)
+        out.append(fixed.lengths)
+        changed += fixed.changed
+    if changed:
+        verb = {"split": "split", "truncate": "truncated"}.get(overlong, "dropped")
+        err_console.print(f"{verb} {changed} sequence(s) longer than the largest cap {cap} ({cap_name})")
+    return out
 
 
 @app.command()

@@ -8,7 +8,9 @@ import typer
 
 from hydraulis.cli.app import app
 from hydraulis.cli.common import (
+    DtypeOption,
     GpusPerNodeOption,
+    MemoryPerRankOption,
     NumBatchesOption,
     ProfileOption,
     SeedOption,
@@ -34,6 +36,8 @@ def propose(
     tokens_per_batch: int = TokensPerBatchOption,
     num_batches: int = NumBatchesOption,
     seed: int = SeedOption,
+    memory_per_rank: str = MemoryPerRankOption,
+    dtype: str = DtypeOption,
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Propose a pool: the homogeneous fallback plus heterogeneous deployments the planner will pick."""
@@ -44,7 +48,9 @@ def propose(
     from hydraulis.planner.proposal import propose as run_proposal
 
     check_output(out, "--out")
-    cost, cluster, work = load_job(profile, gpus, gpus_per_node, workload, tokens_per_batch, num_batches, seed)
+    cost, cluster, work = load_job(
+        profile, gpus, gpus_per_node, workload, tokens_per_batch, num_batches, seed, memory_per_rank, dtype
+    )
     columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}")]
     with Progress(*columns, TimeElapsedColumn(), console=err_console, transient=True) as progress:
         task = progress.add_task("proposing", total=None)
@@ -59,7 +65,7 @@ def propose(
         {
             "deployment": str(d),
             "replicas": len(d),
-            "largest_cap": max(cost.cap(c, gpus) for c in d.configs),
+            "largest_cap": max(cost.lone_cap(c, gpus) for c in d.configs),
             "usage": u,
             "mean_time_s": m,
         }

@@ -73,16 +73,28 @@ def extend_to_cp(
     """
     if cost.name.endswith(CP_SUFFIX):
         return cost
+    chosen = [
+        g for g in cp_configs(cost.configs)
+        if g.cp in degrees and g not in cost.configs and (only is None or only(g))
+    ]
+    return with_cp_configs(cost, chosen, cost.name + CP_SUFFIX)
+
+
+def cp_coefficients(cost: CostModel, config: ParallelConfig) -> Coefficients:
+    """A CP config's coefficients from its cp = 1 base in `cost`: a / cp and b / cp, plus the K/V exchange."""
+    base = ParallelConfig(config.tp, config.pp)
+    k = cost.coefficients(base)
+    db, dc = kv_exchange(cost.model, cost.device, config)
+    scale = RECOMPUTE_TIME if base in cost.recompute else 1.0  # the exchange is rerun with the forward
+    return Coefficients(k.a / config.cp, k.b / config.cp + db * scale, k.c + dc)
+
+
+def with_cp_configs(cost: CostModel, configs: Sequence[ParallelConfig], name: str) -> CostModel:
+    """`cost` plus these cp > 1 configs derived by `cp_coefficients` (the recompute set carries over)."""
     coefficients = {g: cost.coefficients(g) for g in cost.configs}
     recompute = set(cost.recompute)
-    for g in cp_configs(cost.configs):
-        if g.cp not in degrees or g in coefficients or (only is not None and not only(g)):
-            continue
-        base = ParallelConfig(g.tp, g.pp)
-        k = coefficients[base]
-        db, dc = kv_exchange(cost.model, cost.device, g)
-        scale = RECOMPUTE_TIME if base in cost.recompute else 1.0  # the exchange is rerun with the forward
-        coefficients[g] = Coefficients(k.a / g.cp, k.b / g.cp + db * scale, k.c + dc)
-        if base in cost.recompute:
+    for g in configs:
+        coefficients[g] = cp_coefficients(cost, g)
+        if ParallelConfig(g.tp, g.pp) in cost.recompute:
             recompute.add(g)
-    return cost.with_configs(cost.name + CP_SUFFIX, coefficients, recompute)
+    return cost.with_configs(name, coefficients, recompute)

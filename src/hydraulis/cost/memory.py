@@ -14,7 +14,7 @@ exchange's buffers do not fit.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -30,8 +30,18 @@ LIVE_KV_COPIES = 3  # document-sized K/V copies of the one layer in CP backward 
 LOGIT_COPIES = 2  # the head's fp32 logits and their gradient, both live in the loss's backward
 LOGIT_BYTES = 4
 MAIN_GRAD_BYTES = 4  # fp32 main gradients under bf16 compute (runtime/main_grad.py)
-ACTIVATION_DTYPE_BYTES = 2  # the activation factors are for bf16
-CAP_DTYPE_BYTES = 2  # the caps are for bf16 compute, the dtype the activation factors were measured in
+ACTIVATION_DTYPE_BYTES = 2  # the activation factors are for bf16 unless a profile says otherwise
+CAP_DTYPE_BYTES = 2  # the caps are for bf16 compute unless the job says otherwise
+BUDGET_MARGIN = 0.1  # the largest share of a memory budget per rank kept as the safety margin
+
+
+def in_flight(config: ParallelConfig, stage: int, micro_batches: int) -> int:
+    """Micro-batches whose activations a stage holds at once under 1F1B: min(pp - stage, M).
+
+    Stage s warms up with min(pp - s - 1, M) forwards and then alternates one forward with one
+    backward (runtime/pipeline.py), so a lone micro-batch on a deep replica is held once, not pp times.
+    """
+    return max(1, min(config.pp - stage, micro_batches))
 
 
 def gradient_bytes(dtype_bytes: int) -> int:
@@ -49,21 +59,24 @@ def kv_shard_dim(model: ModelSpec, tp: int) -> int:
     return model.kv_heads * model.head_dim // min(tp, model.kv_heads)
 
 
-def kv_buffer_bytes(model: ModelSpec, config: ParallelConfig, recompute: bool = False) -> float:
+def kv_buffer_bytes(
+    model: ModelSpec, config: ParallelConfig, recompute: bool = False, held: int | None = None
+) -> float:
     """Bytes per token of a micro-batch that CP adds on a rank, beyond its share of the activations.
 
     Attention is blockwise (runtime/blockwise_attention.py): a chunk at [a, b) keeps for backward
     its own K/V (counted in the activations) and a copy of the gathered prefix 0..a-1. A rank's two
     zigzag chunks k and 2cp-1-k start at k/2cp and (2cp-1-k)/2cp of the document, so it keeps
-    (1 - 1 / 2cp) x the document's K/V per layer, for every layer in flight (L under 1F1B, one under
-    full recompute). On top, while one layer runs backward: its gathered K/V's gradient, the
+    (1 - 1 / 2cp) x the document's K/V per layer, for every layer in flight (`held` micro-batches of
+    L/pp layers under 1F1B, pp of them by default; one layer under full recompute). On top, while one
+    layer runs backward: its gathered K/V's gradient, the
     gathered layout of it, and the reduce-scatter's reordered copy (3 x the document's K/V). Nothing
     is O(chunk x prefix): no mask, and the block kernels keep O(chunk) softmax statistics.
     """
     if config.cp == 1:
         return 0.0
     per_layer = 2 * kv_shard_dim(model, config.tp) * KV_BYTES
-    kept_layers = 1 if recompute else model.layers
+    kept_layers = 1 if recompute else model.layers // config.pp * (config.pp if held is None else held)
     return kept_layers * per_layer * (1 - 1 / (2 * config.cp)) + LIVE_KV_COPIES * per_layer
 
 
@@ -124,6 +137,31 @@ class MemoryModel:
     # (runtime/overlap.py), they live beside the activations: the gather's in the first micro-batch's
     # forward, the reduce's in the last one's backward.
     exchange_bytes: float = 2 * DEFAULT_EXCHANGE_BUCKET_BYTES
+    # Bytes per element the activation factors were measured in (a measured profile: its dtype), and the
+    # compute dtype the caps are for (the job's own, `for_job`).
+    activation_dtype_bytes: int = ACTIVATION_DTYPE_BYTES
+    compute_dtype_bytes: int = CAP_DTYPE_BYTES
+
+    def for_job(self, memory_bytes: int | None, dtype_bytes: int, bucket_bytes: int | None = None) -> MemoryModel:
+        """This model for a job's compute dtype, exchange bucket and, when given, memory budget per rank.
+
+        The budget (`[parallel] memory_per_rank`) is what a rank's tensors may hold at their peak: what
+        torch's allocator counts and what `torch.cuda.set_per_process_memory_fraction` limits on CUDA.
+        The runtime's context lies outside it (no context overhead); the safety margin keeps its share
+        of the memory, at most BUDGET_MARGIN, for the prediction's error and the allocator's slack.
+        """
+        out = replace(self, compute_dtype_bytes=dtype_bytes)
+        if bucket_bytes is not None:
+            out = replace(out, exchange_bytes=2 * bucket_bytes)
+        if memory_bytes is None:
+            return out
+        share = self.safety_margin_bytes / self.memory_bytes if self.memory_bytes > 0 else 0.0
+        return replace(
+            out,
+            memory_bytes=int(memory_bytes),
+            context_overhead_bytes=0.0,
+            safety_margin_bytes=min(share, BUDGET_MARGIN) * memory_bytes,
+        )
 
     def exchange_buffer_bytes(self, model: ModelSpec) -> float:
         """The exchange's two buffers: each at most a bucket, and at most the model in fp32."""
@@ -152,60 +190,102 @@ class MemoryModel:
             + H * V * tables * per_matrix * alpha / num_gpus
         )
 
-    def bytes_per_token(self, config: ParallelConfig, model: ModelSpec, recompute: bool = False) -> float:
-        """Activation bytes per token one rank holds (under CP, per token of the rank's share)."""
-        # 1F1B keeps pp micro-batches in flight on the first stage, L/pp layers each: L in all.
+    def bytes_per_token(
+        self, config: ParallelConfig, model: ModelSpec, recompute: bool = False, held: int | None = None
+    ) -> float:
+        """Activation bytes per token one rank holds (under CP, per token of the rank's share), with `held`
+        micro-batches of L/pp layers in flight (default pp, the first stage's in 1F1B: L layers in all)."""
+        layers = model.layers // config.pp * (config.pp if held is None else held)
         full = (model.hidden / config.tp) * self.activation_factor(config.tp)
         if recompute:
             # Only each layer's input is kept (compute dtype, full hidden), plus the one layer whose
             # activations are being recomputed in backward.
-            return model.layers * model.hidden * RECOMPUTE_INPUT_BYTES + full
-        return model.layers * full
+            return layers * model.hidden * RECOMPUTE_INPUT_BYTES + full
+        return layers * full
 
     def activation_bytes(
-        self, config: ParallelConfig, model: ModelSpec, tokens: int, recompute: bool = False
+        self, config: ParallelConfig, model: ModelSpec, tokens: int, recompute: bool = False, held: int | None = None
     ) -> float:
-        """Activation bytes on the fullest rank for a micro-batch of `tokens` (CP: its share plus K/V buffers)."""
-        held = max_rank_tokens(tokens, config.cp)
-        per_token = self.bytes_per_token(config, model, recompute)
-        return float(held) * per_token + tokens * kv_buffer_bytes(model, config, recompute)
+        """Activation bytes on the fullest rank for `held` micro-batches of `tokens` (CP: its share plus K/V)."""
+        rank_tokens = max_rank_tokens(tokens, config.cp)
+        per_token = self.bytes_per_token(config, model, recompute, held)
+        return float(rank_tokens) * per_token + tokens * kv_buffer_bytes(model, config, recompute, held)
 
     def stage_activation_bytes(
-        self, config: ParallelConfig, model: ModelSpec, stage: int, tokens: int, dtype_bytes: int, recompute: bool
+        self,
+        config: ParallelConfig,
+        model: ModelSpec,
+        stage: int,
+        tokens: int,
+        dtype_bytes: int,
+        recompute: bool,
+        micro_batches: int | None = None,
     ) -> float:
-        """What a micro-batch of `tokens` adds on a stage's fullest rank in the compute dtype: the layers'
-        activations and, on the last stage, the fp32 logits and their gradient."""
-        held = self.activation_bytes(config, model, tokens, recompute) * dtype_bytes / ACTIVATION_DTYPE_BYTES
+        """What micro-batches of `tokens` hold on a stage's fullest rank in the compute dtype: the layers'
+        activations of those in flight (`in_flight`; all pp of them when the count is not given) and, on the
+        last stage, the fp32 logits and their gradient of the one in its loss."""
+        held = None if micro_batches is None else in_flight(config, stage, micro_batches)
+        scale = dtype_bytes / self.activation_dtype_bytes
+        activations = self.activation_bytes(config, model, tokens, recompute, held) * scale
         if stage == config.pp - 1:
-            held += logit_bytes(model, config, tokens)
-        return held
+            activations += logit_bytes(model, config, tokens)
+        return activations
 
-    def cap(self, config: ParallelConfig, model: ModelSpec, num_gpus: int, recompute: bool = False) -> int:
+    def cap(
+        self,
+        config: ParallelConfig,
+        model: ModelSpec,
+        num_gpus: int,
+        recompute: bool = False,
+        micro_batches: int | None = None,
+    ) -> int:
         """Most tokens (a multiple of 128) of a micro-batch whose every rank's peak fits beside the margin and context.
 
-        A rank's peak is `rank_memory`'s, the runtime's own prediction, in bf16: its parameters, fp32
-        main gradients and owned optimizer state, the activations and (last stage) logits, and beside
-        them the exchange's buffers (it overlaps compute). The profile's static state counts where it is larger.
+        A rank's peak is `rank_memory`'s, the runtime's own prediction, in the compute dtype the caps are
+        for: its parameters, gradients and owned optimizer state, the activations of the micro-batches
+        its stage holds in flight and (last stage) the logits, and beside them the exchange's buffers (it
+        overlaps compute). The profile's static state counts where it is larger. `micro_batches`: the
+        replica's count; None, any count of at least two (stage s holds pp - s of them, `in_flight`);
+        1, the replica's lone micro-batch (`lone_cap`: a deep replica holds it once, not pp times).
         The first and the last stage bind (embedding; head and logits). 0 where not even the state
         and the exchange's buffers fit. Under CP a rank holds ceil(T/cp) + 2cp tokens of T plus the
         K/V attention keeps (`kv_buffer_bytes`), so the cap is about cp x the per-rank one, less those.
         """
-        budget = self.memory_bytes - self.safety_margin_bytes - self.context_overhead_bytes
+        count = max(2, config.pp) if micro_batches is None else micro_batches
+        budget = self.usable_bytes
         static = self.static_bytes(config, model, num_gpus)
         bucket = int(self.exchange_bytes // 2)
+        dtype = self.compute_dtype_bytes
         caps = []
         for stage in sorted({0, config.pp - 1}):
-            rank = rank_memory(self, model, config, stage, num_gpus, 0, CAP_DTYPE_BYTES, bucket, recompute)
+            rank = rank_memory(self, model, config, stage, num_gpus, 0, dtype, bucket, recompute, count)
             held = rank.params + rank.owned + max(0.0, static - (rank.params + rank.owned + rank.grads))
             if held + rank.after > budget:
                 return 0  # not even the state and the exchange's buffers fit
             free = budget - held - rank.beside_activations
 
             def used(tokens: int, stage: int = stage) -> float:
-                return self.stage_activation_bytes(config, model, stage, tokens, CAP_DTYPE_BYTES, recompute)
+                return self.stage_activation_bytes(config, model, stage, tokens, dtype, recompute, count)
 
             caps.append(_most_tokens(used, free))
         return min(caps) // CAP_GRANULARITY * CAP_GRANULARITY
+
+    def state_bytes(self, config: ParallelConfig, model: ModelSpec, num_gpus: int) -> float:
+        """What the fullest stage of `config` holds before any activation: parameters, gradients, owned
+        optimizer state and the exchange's buffers (the phase after backward), in the compute dtype."""
+        bucket = int(self.exchange_bytes // 2)
+        static = self.static_bytes(config, model, num_gpus)
+        most = 0.0
+        for stage in sorted({0, config.pp - 1}):
+            rank = rank_memory(self, model, config, stage, num_gpus, 0, self.compute_dtype_bytes, bucket)
+            held = rank.params + rank.owned + max(0.0, static - (rank.params + rank.owned + rank.grads))
+            most = max(most, held + rank.after)
+        return most
+
+    @property
+    def usable_bytes(self) -> float:
+        """What a rank's tensors may hold: the memory less the safety margin and the runtime's context."""
+        return self.memory_bytes - self.safety_margin_bytes - self.context_overhead_bytes
 
 
 def _most_tokens(used: Callable[[int], float], free: float) -> int:
@@ -312,7 +392,7 @@ def rank_memory(
         params=shard * state.param_bytes,
         grads=shard * state.grad_bytes,
         owned=owned * state.sharded_bytes,
-        activations=memory.stage_activation_bytes(config, model, stage, tokens, dtype_bytes, recompute),
+        activations=memory.stage_activation_bytes(config, model, stage, tokens, dtype_bytes, recompute, micro_batches),
         grads_with_activations=grads_with_activations,
         # A buffer holds at most one bucket and at most what the rank moves: its shard, or the owned range
         # once per replica (a homogeneous pool's count of this config's replicas).

@@ -214,8 +214,23 @@ class CostModel:
 
     # -- memory -----------------------------------------------------------------
     def cap(self, config: ParallelConfig, num_gpus: int) -> int:
-        """Most tokens one micro-batch may hold on `config` in a job of `num_gpus`."""
+        """Most tokens each micro-batch may hold on `config` in a job of `num_gpus`, whatever their count."""
         return self.memory.cap(config, self.model, num_gpus, config in self.recompute)
+
+    def lone_cap(self, config: ParallelConfig, num_gpus: int) -> int:
+        """Most tokens of a replica's only micro-batch, so the longest sequence `config` holds: a deep
+        replica keeps a lone micro-batch in flight once, not pp times (memory.in_flight)."""
+        return self.memory.cap(config, self.model, num_gpus, config in self.recompute, micro_batches=1)
+
+    def micro_batch_cap(self, config: ParallelConfig, num_gpus: int, micro_batches: int) -> int:
+        """Most tokens of each of a replica's `micro_batches` micro-batches."""
+        return self.lone_cap(config, num_gpus) if micro_batches == 1 else self.cap(config, num_gpus)
+
+    def for_job(self, memory_bytes: int | None, dtype_bytes: int, bucket_bytes: int | None = None) -> CostModel:
+        """A copy whose caps are for this compute dtype, exchange bucket and, when given, memory budget per rank."""
+        out = copy.copy(self)
+        out.memory = self.memory.for_job(memory_bytes, dtype_bytes, bucket_bytes)
+        return out
 
     def caps(self, num_gpus: int) -> dict[ParallelConfig, int]:
         return {c: self.cap(c, num_gpus) for c in self.configs if c.num_gpus <= num_gpus}

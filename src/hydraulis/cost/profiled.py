@@ -20,7 +20,7 @@ from hydraulis.errors import HydraulisError
 from hydraulis.jsonio import Fields, load_json
 from hydraulis.limits import MAX_GPUS, MAX_LAYERS, MAX_LENGTH, MAX_MODEL_DIM
 from hydraulis.parallel import ParallelConfig
-from hydraulis.specs import DEVICES, DeviceSpec, ModelSpec
+from hydraulis.specs import DEVICES, DTYPE_BYTES, DeviceSpec, ModelSpec
 
 PROFILE_SCHEMA = "hydraulis.profile/1"
 
@@ -87,7 +87,7 @@ class ProfiledCostModel(CostModel):
         if not coefficients:
             raise HydraulisError(f"{where}.time_ms: no configs")
 
-        memory = _memory(f, memory_bytes)
+        memory = _memory(f, memory_bytes, _dtype_bytes(d))
         min_eff = {}
         if "min_efficient_tokens" in data:
             me = f.obj("min_efficient_tokens")
@@ -112,7 +112,7 @@ class ProfiledCostModel(CostModel):
         return cost
 
 
-def _memory(f: Fields, memory_bytes: int) -> MemoryModel:
+def _memory(f: Fields, memory_bytes: int, activation_dtype_bytes: int) -> MemoryModel:
     """The profile's memory model (`memory`): activation factors per TP degree, state, margins."""
     mem = f.obj("memory")
     act = mem.obj("activation_bytes_per_token_hidden_layer")
@@ -135,10 +135,20 @@ def _memory(f: Fields, memory_bytes: int) -> MemoryModel:
         context_overhead_bytes=mem.float("context_overhead_bytes", minimum=0),
         safety_margin_bytes=mem.float("safety_margin_bytes", minimum=0),
         embedding_state_bytes=mem.float("embedding_state_bytes", default=16.0, minimum=0),
+        # A measured profile's activation factors are in the dtype it ran (fp32 on CPU); published ones in bf16.
+        activation_dtype_bytes=activation_dtype_bytes,
     )
     if memory.optimizer_sharded_fraction > 1:
         raise HydraulisError(f"{mem.where}.optimizer_sharded_fraction: must be at most 1")
     return memory
+
+
+def _dtype_bytes(device: Fields) -> int:
+    """Bytes per element of the profile's own dtype (`device.dtype`), bf16 when it names none."""
+    name = device.str("dtype", default="bf16")
+    if name not in DTYPE_BYTES:
+        raise HydraulisError(f"{device.where}.dtype: {name!r} is not a compute dtype; one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
 
 
 def _collectives(f: Fields) -> Collectives:

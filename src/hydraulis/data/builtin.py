@@ -31,11 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
-from hydraulis.data.indexed import IfExists, IndexedCorpus, build_corpus, byte_progress, open_corpus
+from hydraulis.data.indexed import IfExists, IndexedCorpus, build_corpus, open_corpus
 from hydraulis.data.readers import ReadCounts, read_text_file
+from hydraulis.data.sampler import Policy
 from hydraulis.data.staging import cache_dir
 from hydraulis.data.tokenizer import get_tokenizer
 from hydraulis.errors import HydraulisError
+from hydraulis.files import not_found
+from hydraulis.progress import byte_progress
 
 WIKI_FILE = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 
@@ -147,8 +150,9 @@ def build_builtin(
     stride: int = 1,
     progress: bool = False,
     if_exists: IfExists = "error",
+    overlong: tuple[int, Policy] | None = None,
 ) -> IndexedCorpus:
-    """Build a built-in corpus into `out` (every `stride`-th file when sub-sampling)."""
+    """Build a built-in corpus into `out` (every `stride`-th file when sub-sampling); `overlong`: build_corpus's."""
     builtin = get_builtin(name)
     if stride < 1:
         raise HydraulisError(f"stride must be positive, got {stride}")
@@ -158,7 +162,7 @@ def build_builtin(
     total = sum(p.stat().st_size for p in files)
     with byte_progress(total, f"building {name} ({tokenizer})", enabled=progress) as advance:
         docs = builtin.read_documents(files, counts, advance)
-        return build_corpus(docs, out, tokenizer, source, counts, name=name, if_exists=if_exists)
+        return build_corpus(docs, out, tokenizer, source, counts, name=name, if_exists=if_exists, overlong=overlong)
 
 
 def ensure_builtin(name: str, tokenizer: str = "gpt2", progress: bool = False) -> IndexedCorpus:
@@ -190,7 +194,9 @@ def resolve_corpus(
         return open_corpus(path)
     if str(spec) in BUILTINS:
         return ensure_builtin(str(spec), tokenizer, progress)
-    raise HydraulisError(f"{spec}: neither a corpus directory nor a built-in corpus ({', '.join(BUILTINS)})")
+    raise HydraulisError(
+        not_found(path, f"no such file or directory, and not a built-in corpus ({', '.join(BUILTINS)})")
+    )
 
 
 @functools.cache

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from hydraulis.errors import HydraulisError
+from hydraulis.files import not_found
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -60,6 +61,11 @@ class HFTokenizer:
         out = self.backend.encode_batch(list(texts), add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int64) for e in out]
 
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """The ids and each token's [start, end) characters in `text` (a chat's targets are spans of it)."""
+        e = self.backend.encode(text, add_special_tokens=False)
+        return np.asarray(e.ids, dtype=np.int64), np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2)
+
     def decode(self, tokens: Sequence[int] | np.ndarray) -> str:
         return self.backend.decode([int(t) for t in np.asarray(tokens).reshape(-1)], skip_special_tokens=False)
 
@@ -82,9 +88,10 @@ def tokenizer_files(spec: str | Path) -> tuple[Path, Path | None]:
     elif path.is_file():
         main = path
     else:
+        where = not_found(path, "no such file or directory")
         raise HydraulisError(
-            f"unknown tokenizer {str(spec)!r}: not gpt2 or bytes, and no such file or directory "
-            "(give a Hugging Face tokenizer.json or the directory holding it)"
+            f"unknown tokenizer {str(spec)!r}: not gpt2 or bytes, and {where}; "
+            "give a Hugging Face tokenizer.json or the directory holding it"
         )
     config = main.parent / CONFIG_FILE
     return main, config if config.is_file() else None

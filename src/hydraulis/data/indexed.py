@@ -2,8 +2,9 @@
 
 A corpus is a directory:
 
-    tokens.bin     every document's tokens followed by the end-of-document token,
-                   back to back, little-endian uint16 (vocabulary <= 65536) or uint32
+    tokens.bin     every document's tokens (a text and a prompt/completion end with the
+                   end-of-document token, a chat as its template ends it), back to back,
+                   little-endian uint16 (vocabulary <= 65536) or uint32
     index.idx      32-byte header (magic, version, token size, documents, tokens),
                    then int64 offsets[documents], then int64 lengths[documents]
     mask.bin       SFT corpora only: one byte per token, 1 where the token is a target
@@ -30,7 +31,8 @@ import os
 import shutil
 import struct
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
@@ -39,11 +41,12 @@ import numpy as np
 from hydraulis.data.manifest import INDEX_FILE, MANIFEST_FILE, MASK_FILE, TOKENS_FILE, CorpusManifest
 from hydraulis.data.readers import ReadCounts
 from hydraulis.data.records import Sample
+from hydraulis.data.sampler import Overlong, Policy, TokenBudgetSampler
 from hydraulis.data.sft import encode_samples
 from hydraulis.data.staging import OWNER_FILE, default_permissions, occupied, sweep_temporaries, temp_dir
 from hydraulis.data.tokenizer import Tokenizer, get_tokenizer, token_dtype
 from hydraulis.errors import HydraulisError
-from hydraulis.files import replace_directory, sha256_file
+from hydraulis.files import not_found, replace_directory, sha256_file
 from hydraulis.jsonio import write_json_atomic
 
 __all__ = ["INDEX_FILE", "MANIFEST_FILE", "MASK_FILE", "TOKENS_FILE", "CorpusManifest", "IndexedCorpus"]
@@ -75,6 +78,7 @@ class IndexedCorpus:
         self.offsets = offsets
         self.lengths = lengths  # int64, one per document, end-of-document token included
         self.mask = mask  # uint8 per token (1: a target), or None: every token is one
+        self._targets: np.ndarray | None = None  # each document's targets, counted when first needed
 
     def target_mask(self, i: int) -> np.ndarray | None:
         """Document i's target mask (a memory-map view), or None when every token is a target."""
@@ -85,13 +89,34 @@ class IndexedCorpus:
 
     def piece_targets(self, docs: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> int:
         """Targets of document pieces: the tokens after each piece's first whose mask is set."""
+        docs, starts, lengths = (np.asarray(x, dtype=np.int64) for x in (docs, starts, lengths))
         if self.mask is None:
-            return int(np.maximum(np.asarray(lengths, dtype=np.int64) - 1, 0).sum())
-        total = 0
-        for d, s, n in zip(docs, starts, lengths, strict=True):
+            return int(np.maximum(lengths - 1, 0).sum())
+        whole = (starts == 0) & (lengths == self.lengths[docs])
+        total = int(self._doc_targets()[docs[whole]].sum())
+        for d, s, n in zip(docs[~whole], starts[~whole], lengths[~whole], strict=True):
             begin = int(self.offsets[int(d)]) + int(s)
             total += int(np.count_nonzero(self.mask[begin + 1 : begin + int(n)]))
         return total
+
+    def _doc_targets(self) -> np.ndarray:
+        """Each whole document's targets (masked corpora): one pass over mask.bin, the first time."""
+        if self._targets is None:
+            assert self.mask is not None
+            self._targets = np.add.reduceat(self.mask, self.offsets, dtype=np.int64) - self.mask[self.offsets]
+        return self._targets
+
+    def first_targets(self, docs: np.ndarray) -> np.ndarray:
+        """Where each document's first target token is: 1 without a mask, a document's length if it has none."""
+        docs = np.asarray(docs, dtype=np.int64)
+        if self.mask is None:
+            return np.ones(len(docs), dtype=np.int64)
+        out = np.empty(len(docs), dtype=np.int64)
+        for k, d in enumerate(docs):
+            rest = self.target_mask(int(d))[1:]
+            at = int(np.argmax(rest)) if len(rest) else 0
+            out[k] = at + 1 if len(rest) and rest[at] else len(rest) + 1
+        return out
 
     @property
     def name(self) -> str:
@@ -114,8 +139,8 @@ class IndexedCorpus:
     def text(self, i: int) -> str:
         """Document i decoded back to text (without its end-of-document token)."""
         tokens = self[i]
-        if self.manifest.eod_appended:
-            tokens = tokens[:-1]
+        if self.manifest.eod_appended and len(tokens) and tokens[-1] == self.manifest.eod_id:
+            tokens = tokens[:-1]  # a chat ends as its template ends it
         return get_tokenizer(self.manifest.tokenizer_source or self.manifest.tokenizer).decode(tokens)
 
     def verify(self) -> None:
@@ -125,11 +150,28 @@ class IndexedCorpus:
                 raise HydraulisError(f"{self.path / name}: checksum differs from {self.path / MANIFEST_FILE}")
 
 
+def corpus_sampler(
+    corpus: IndexedCorpus, tokens_per_batch: int, max_len: int | None, seed: int = 0, policy: Policy = "split"
+) -> TokenBudgetSampler:
+    """The token-budget sampler of a corpus; with `truncate` an SFT record keeps its targets (sampler.py)."""
+    first = None
+    if corpus.mask is not None and policy == "truncate" and max_len is not None:
+        over = np.flatnonzero(corpus.lengths > max_len)
+        first = np.ones(len(corpus), dtype=np.int64)
+        first[over] = corpus.first_targets(over)
+    return TokenBudgetSampler(corpus.lengths, tokens_per_batch, max_len, seed, policy, first_targets=first)
+
+
+def overlong(corpus: IndexedCorpus, sampler: TokenBudgetSampler) -> Overlong | None:
+    """What the sampler's over-long policy does to the corpus (records cut, target tokens lost)."""
+    return sampler.overlong(corpus.piece_targets, corpus.manifest.target_tokens)
+
+
 def open_corpus(path: str | Path, verify: bool = False) -> IndexedCorpus:
     """Open a built corpus; a missing, truncated or inconsistent file is an error that names it."""
     path = Path(path)
     if not path.is_dir():
-        raise HydraulisError(f"{path}: no such corpus directory")
+        raise HydraulisError(not_found(path, "no such corpus directory"))
     manifest_path = path / MANIFEST_FILE
     if not manifest_path.is_file():
         raise HydraulisError(f"{path}: not a built corpus (no {MANIFEST_FILE}; build it with `hydraulis data build`)")
@@ -215,6 +257,7 @@ def build_corpus(
     name: str | None = None,
     if_exists: IfExists = "error",
     skip_bad: bool = False,
+    overlong: tuple[int, Policy] | None = None,
 ) -> IndexedCorpus:
     """Tokenize documents into a corpus directory at `out`, atomically.
 
@@ -223,6 +266,8 @@ def build_corpus(
     to do when `out` already exists: fail, replace it, or keep it (used by the
     built-in cache when two processes build the same corpus at once).
     `skip_bad` skips SFT records with no target token instead of refusing them.
+    `overlong` (max_len, policy): the manifest says what training with them cuts;
+    a corpus left without target tokens by them is refused.
     """
     out = Path(out)
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
@@ -239,11 +284,14 @@ def build_corpus(
         raise HydraulisError(f"{out}: cannot create the corpus directory: {exc.strerror or exc}") from None
     if swept:
         print(
-            f"removed {swept} temporary director{'y' if swept == 1 else 'ies'} left by an interrupted build of {out}",
+            f"removed {swept} temporary director{'y' if swept == 1 else 'ies'} left by an interrupted build "
+            f"in {out.parent.absolute()}",
             file=sys.stderr,
         )
     try:
         manifest = _write(tmp, documents, tok, source, counts, name or out.name, skip_bad)
+        if overlong is not None:
+            manifest = _with_overlong(tmp, manifest, *overlong)
         (tmp / OWNER_FILE).unlink()
         default_permissions(tmp)
         return _publish(tmp, out, if_exists, manifest)
@@ -321,6 +369,26 @@ def _write(
     return manifest
 
 
+def _with_overlong(tmp: Path, manifest: CorpusManifest, max_len: int, policy: Policy) -> CorpusManifest:
+    """The manifest with what training at max_len under `policy` cuts; refused when no target token is left."""
+    corpus = open_corpus(tmp)
+    cut = overlong(corpus, corpus_sampler(corpus, max_len, max_len, 0, policy))
+    assert cut is not None
+    check_targets_left(cut, f"--max-len {max_len} --overlong {policy}")
+    manifest = replace(manifest, overlong=cut)
+    write_json_atomic(tmp / MANIFEST_FILE, manifest.to_dict())
+    return manifest
+
+
+def check_targets_left(cut: Overlong, setting: str) -> None:
+    """Refuse a corpus that would train on nothing: every target token cut away by the over-long policy."""
+    if cut.targets_kept == 0:
+        raise HydraulisError(
+            f"{setting}: no target token is left ({cut.describe()}): nothing to train on; "
+            "raise max_len or choose another over-long policy"
+        )
+
+
 def _write_hashed(fh: BinaryIO, digest: Any, values: np.ndarray) -> None:
     data = values.astype(np.uint8).tobytes()
     fh.write(data)
@@ -363,22 +431,3 @@ def _sha256_file(path: Path) -> str:
         return sha256_file(path)
     except FileNotFoundError:
         raise HydraulisError(f"{path}: missing (rebuild the corpus)") from None
-
-
-@contextlib.contextmanager
-def byte_progress(total: int, description: str, enabled: bool = True) -> Iterator[Callable[[int], None] | None]:
-    """A rich progress bar on stderr over input bytes; None (no bar) when disabled or rich is missing."""
-    if not enabled:
-        yield None
-        return
-    try:
-        from rich.console import Console
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-    except ImportError:
-        yield None
-        return
-    console = Console(stderr=True)
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda n: bar.advance(task, n)

@@ -3,9 +3,12 @@
 It says what a corpus holds and where it came from: the source, the
 tokenizer (name, vocabulary, end-of-document id and, for a Hugging Face
 tokenizer, its path and the sha256 of its files), counts, what the readers
-skipped or repaired, the target tokens, and the sha256 of every file. Keys
-added since the first version (`tokenizer.source`, `tokenizer.sha256`,
-`targets`, `mask`) are optional on reading, so older corpora still open.
+skipped or repaired, the target tokens, and the sha256 of every file. Built
+with `--max-len`, it also says what training at that max_len and over-long
+policy cuts (`overlong`: records split, truncated or dropped, target tokens
+lost and kept). Keys added since the first version (`tokenizer.source`,
+`tokenizer.sha256`, `targets`, `mask`, `overlong`) are optional on reading,
+so older corpora still open.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hydraulis.data.readers import ReadReport
+from hydraulis.data.sampler import POLICIES, Overlong
 from hydraulis.errors import HydraulisError
 from hydraulis.jsonio import Fields, load_json
 
@@ -45,6 +49,7 @@ class CorpusManifest:
     tokenizer_sha256: tuple[tuple[str, str], ...] = ()
     targets: int | None = None  # tokens that are targets (SFT: completions); None: every token but each first
     masked: bool = False  # mask.bin marks which tokens are targets
+    overlong: Overlong | None = None  # what training at a max_len would cut (data build --max-len)
 
     @property
     def target_tokens(self) -> int:
@@ -56,6 +61,7 @@ class CorpusManifest:
         if self.tokenizer_source is not None:
             tokenizer["source"] = self.tokenizer_source
             tokenizer["sha256"] = dict(self.tokenizer_sha256)
+        extra = {"overlong": self.overlong.to_dict()} if self.overlong is not None else {}
         return {
             "schema": CORPUS_SCHEMA,
             "name": self.name,
@@ -70,6 +76,7 @@ class CorpusManifest:
             "max_length": self.max_length,
             "input": self.report.to_dict(),
             "sha256": dict(self.checksums),
+            **extra,
         }
 
     @classmethod
@@ -111,4 +118,13 @@ class CorpusManifest:
             tokenizer_sha256=tuple(sorted(hashes.items())),
             targets=f.int("targets", default=None, minimum=0, maximum=tokens) if "targets" in data else None,
             masked=flags["mask"],
+            overlong=_overlong(f.obj("overlong")) if "overlong" in data else None,
         )
+
+
+def _overlong(f: Fields) -> Overlong:
+    policy = f.str("policy")
+    if policy not in POLICIES:
+        raise HydraulisError(f"{f.where}.policy: expected one of {', '.join(POLICIES)}, got {policy!r}")
+    keys = ("max_len", "split", "truncated", "dropped", "pieces", "target_tokens_lost", "target_tokens_kept")
+    return Overlong.from_dict({"policy": policy, **{k: f.int(k, minimum=0) for k in keys}})

@@ -9,7 +9,15 @@ iteration comparable when lengths vary by 1000x.
   communicating.
 - A document longer than `max_len` follows the policy: `split` into
   consecutive pieces of at most max_len (default; no token is lost),
-  `truncate` to its first max_len tokens, or `drop`.
+  `truncate` to max_len tokens, or `drop`. `truncate` keeps a plain
+  document's first max_len tokens; an SFT record (`first_targets`: where its
+  targets begin) loses its prompt first, from the start: the window ends at
+  the record's end when the completion fits in it (with a token of context
+  before it), else it starts at the token before the first target and the
+  completion's end is cut. So a truncated record always keeps targets.
+- `overlong` counts what the policy does: records split, truncated or
+  dropped, and the target tokens they lose (a split piece's first token is
+  no target: nothing precedes it in its sequence).
 - The state is (epoch, position): position counts the pieces of the epoch's
   order already handed out. Restoring a state continues with exactly the
   batches an uninterrupted run would have produced.
@@ -20,9 +28,9 @@ iteration comparable when lengths vary by 1000x.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -33,6 +41,7 @@ MAX_EPOCHS_PER_BATCH = 65536
 
 Policy = Literal["split", "truncate", "drop"]
 POLICIES: tuple[str, ...] = ("split", "truncate", "drop")
+_DONE = {"split": "split", "truncate": "truncated", "drop": "dropped"}  # what each policy did to a record
 
 
 def split_pieces(lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -45,6 +54,42 @@ def split_pieces(lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndar
     first = np.repeat(_cumsum(n_pieces)[:-1], n_pieces)
     starts = (np.arange(int(n_pieces.sum())) - first) * max_len  # piece number within its document x max_len
     return n_pieces, starts, np.minimum(max_len, np.repeat(lengths, n_pieces) - starts)
+
+
+@dataclass(frozen=True)
+class Overlong:
+    """What the over-long policy does to a corpus: records cut (by `policy`) and target tokens lost and kept."""
+
+    max_len: int
+    policy: str
+    records: int  # documents longer than max_len, each split, truncated or dropped
+    pieces: int  # the pieces they become (split: more than `records`; truncate: as many; drop: none)
+    targets_lost: int
+    targets_kept: int
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """split / truncated / dropped: the records each policy cut (only this one's is non-zero)."""
+        return {word: self.records if self.policy == p else 0 for p, word in _DONE.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"max_len": self.max_len, "policy": self.policy, **self.counts, "pieces": self.pieces,
+                "target_tokens_lost": self.targets_lost, "target_tokens_kept": self.targets_kept}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Overlong:
+        records = data["split"] + data["truncated"] + data["dropped"]
+        return cls(data["max_len"], data["policy"], records, data["pieces"],
+                   data["target_tokens_lost"], data["target_tokens_kept"])  # fmt: skip
+
+    def describe(self) -> str:
+        """One line: how many records the policy cut, and the target tokens that cost."""
+        cut = f"{self.records:,} record(s) longer than max_len {self.max_len:,} {_DONE[self.policy]}"
+        if self.policy == "split":
+            cut += f" into {self.pieces:,} pieces"
+        lost = self.targets_lost + self.targets_kept
+        share = f" ({self.targets_lost / lost:.1%})" if lost else ""
+        return f"{cut}; {self.targets_lost:,} of {lost:,} target tokens lost{share}"
 
 
 @dataclass(frozen=True)
@@ -115,8 +160,11 @@ class TokenBudgetSampler:
         state: SamplerState = SamplerState(),
         cross_epochs: bool = True,
         shuffle: bool = True,
+        first_targets: np.ndarray | None = None,
     ) -> None:
         self.lengths = np.asarray(lengths, dtype=np.int64)
+        # Per document, the position of its first target (SFT); read by `truncate` for over-long documents.
+        self.first_targets = None if first_targets is None else np.asarray(first_targets, dtype=np.int64)
         if self.lengths.ndim != 1 or len(self.lengths) == 0:
             raise HydraulisError("the sampler needs at least one document length")
         if np.any(self.lengths < 1):
@@ -195,21 +243,41 @@ class TokenBudgetSampler:
     def _epoch(self, epoch: int) -> _Epoch:
         if self._epoch_cache is not None and self._epoch_cache[0] == epoch:
             return self._epoch_cache[1]
-        docs = self.order(epoch)
-        lens = self.lengths[docs]
-        if self.max_len is None:
-            pieces = _Epoch(docs, np.zeros_like(lens), lens, _cumsum(lens))
-        elif self.policy == "drop":
-            keep = lens <= self.max_len
-            pieces = _Epoch(docs[keep], np.zeros(int(keep.sum()), np.int64), lens[keep], _cumsum(lens[keep]))
-        elif self.policy == "truncate":
-            cut = np.minimum(lens, self.max_len)
-            pieces = _Epoch(docs, np.zeros_like(lens), cut, _cumsum(cut))
-        else:  # split: consecutive pieces of max_len, the last one holds the rest
-            n_pieces, starts, piece_lens = split_pieces(lens, self.max_len)
-            pieces = _Epoch(np.repeat(docs, n_pieces), starts, piece_lens, _cumsum(piece_lens))
+        docs, starts, lens = self.pieces(self.order(epoch))
+        pieces = _Epoch(docs, starts, lens, _cumsum(lens))
         self._epoch_cache = (epoch, pieces)
         return pieces
+
+    def pieces(self, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The pieces these documents become under the over-long policy, in order: (docs, starts, lengths)."""
+        docs = np.asarray(docs, dtype=np.int64)
+        lens = self.lengths[docs]
+        if self.max_len is None:
+            return docs, np.zeros_like(lens), lens
+        if self.policy == "drop":
+            keep = lens <= self.max_len
+            return docs[keep], np.zeros(int(keep.sum()), np.int64), lens[keep]
+        if self.policy == "truncate":
+            starts = np.zeros_like(lens)
+            if self.first_targets is not None:  # SFT: the prompt goes first (module docstring)
+                context = np.maximum(self.first_targets[docs] - 1, 0)
+                starts = np.maximum(np.minimum(lens - self.max_len, context), 0)
+            return docs, starts, np.minimum(lens, self.max_len)
+        n_pieces, starts, piece_lens = split_pieces(lens, self.max_len)  # the last piece holds the rest
+        return np.repeat(docs, n_pieces), starts, piece_lens
+
+    def overlong(self, targets: Callable[[np.ndarray, np.ndarray, np.ndarray], int], total: int) -> Overlong | None:
+        """What the policy does to the documents longer than max_len (None without max_len).
+
+        `targets(docs, starts, lengths)` counts the target tokens of pieces (`IndexedCorpus.piece_targets`),
+        `total` those of the whole documents.
+        """
+        if self.max_len is None:
+            return None
+        over = np.flatnonzero(self.lengths > self.max_len)
+        docs, starts, lens = self.pieces(over)
+        lost = targets(over, np.zeros_like(over), self.lengths[over]) - targets(docs, starts, lens)
+        return Overlong(self.max_len, self.policy, len(over), len(docs), int(lost), int(total - lost))
 
     def next_batch(self) -> GlobalBatch:
         """The next global batch: pieces in order until the next one would exceed the budget."""

@@ -17,12 +17,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from hydraulis.data.columnar import datasets_files, is_columnar, read_columnar
-from hydraulis.data.indexed import IndexedCorpus, build_corpus, byte_progress, open_corpus
+from hydraulis.data.indexed import IndexedCorpus, build_corpus, open_corpus
 from hydraulis.data.readers import InputOptions, Progress, ReadCounts, is_jsonl, read_jsonl, read_text_file
 from hydraulis.data.records import Sample, SkippableRecord
 from hydraulis.data.staging import cache_dir
 from hydraulis.data.tokenizer import get_tokenizer
 from hydraulis.errors import HydraulisError
+from hydraulis.files import not_found
+from hydraulis.progress import byte_progress
 
 
 def list_files(root: Path, glob: str) -> list[Path]:
@@ -54,7 +56,7 @@ def source_files(source: Path, options: InputOptions) -> list[Path]:
         if not files:
             raise HydraulisError(f"{source}: no files match {options.glob!r}")
         return files
-    raise HydraulisError(f"{source}: no such file or directory")
+    raise HydraulisError(not_found(source, "no such file or directory"))
 
 
 def read_source(

@@ -1,16 +1,17 @@
 """Atomic corpus builds: hidden temporary directories next to the target, swept when their builder died.
 
 A build writes into `.NAME.XXXX.tmp` next to the corpus and renames it into
-place when complete; the directory holds the builder's pid (`.owner`), so a
-later build removes the leftovers of a builder that is gone (SIGKILL, power
-loss) and spares those of one still running. `cache_dir` is where built-in
-corpora and sources named in a run config are built.
+place when complete; the directory holds the builder's pid (`.owner`, and its name), so the
+next build in that directory, whatever it builds, removes the leftovers of a
+builder that is gone (SIGKILL, power loss) and spares those of one still
+running. `cache_dir` is where built-in corpora and sources named in a run
+config are built.
 """
 
 from __future__ import annotations
 
-import glob
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -28,27 +29,40 @@ OWNER_FILE = ".owner"  # the building process's id, inside each temporary direct
 
 
 def temp_dir(out: Path, suffix: str) -> Path:
-    """`.NAME.XXXX.tmp` (or `.old`) next to `out`, marked with our pid so that sweeps spare it while we live."""
-    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out.name), suffix=suffix, dir=out.parent))
+    """`.NAME.PID-XXXX.tmp` (or `.old`) next to `out`, marked with our pid so that sweeps spare it while we live.
+
+    The pid is in the name too: a builder killed between making the directory and writing `.owner` still
+    leaves a mark that any later build can read."""
+    prefix = f"{temp_prefix(out.name)}{os.getpid()}-"
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, suffix=suffix, dir=out.parent))
     (tmp / OWNER_FILE).write_text(str(os.getpid()))
     return tmp
 
 
 def sweep_temporaries(out: Path) -> int:
-    """Remove the temporary directories of builds of `out` whose process is gone (SIGKILL, power loss)."""
+    """Remove the temporary directories whose builder is gone (SIGKILL, power loss) next to `out`: those of
+    builds of `out`, and those of any other corpus build there (known by their `.owner` mark)."""
     swept = 0
-    for p in out.parent.glob(f"{glob.escape(temp_prefix(out.name))}*"):
+    mine = temp_prefix(out.name)
+    for p in out.parent.glob(".*"):
         if p.suffix not in (".tmp", ".old") or not p.is_dir() or p.is_symlink():
             continue
-        try:
-            pid = int((p / OWNER_FILE).read_text())
-        except (OSError, ValueError):
-            pid = None  # from a build that died before marking it
-        if pid is not None and _alive(pid):
+        pid = _owner(p)
+        if (pid is not None and _alive(pid)) or (pid is None and not p.name.startswith(mine)):
             continue
         shutil.rmtree(p, ignore_errors=True)
         swept += not p.exists()
     return swept
+
+
+def _owner(tmp: Path) -> int | None:
+    """The builder's pid: from `.owner`, else from the name; None for an unmarked directory (only a build of
+    the same corpus can tell it is its own, by the name)."""
+    try:
+        return int((tmp / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        named = re.search(r"\.(\d+)-\w+\.(?:tmp|old)$", tmp.name)
+        return int(named.group(1)) if named else None
 
 
 def _alive(pid: int) -> bool:

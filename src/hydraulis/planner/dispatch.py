@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hydraulis.errors import HydraulisError
 from hydraulis.planner.local_search import local_search
 from hydraulis.planner.replicas import (
     BULK_MIN_SEQUENCES,
@@ -31,6 +32,12 @@ from hydraulis.planner.replicas import (
     estimate_time,
     estimates,
 )
+
+
+class NoRoom(HydraulisError):
+    """No replica of the deployment has room for a sequence: every one that holds it by its cap already
+    runs a sequence beyond its cap as its lone micro-batch (replicas.py). The deployment cannot take
+    this batch; the planner tries others."""
 
 
 @dataclass(frozen=True)
@@ -52,10 +59,15 @@ class Dispatch:
         return np.split(order, np.cumsum(counts)[:-1])
 
 
-def _scalar_estimate(W: float, T: int, n: int, wmax: float, c: float, pp1: int, cap: int, me: int) -> float:
+def _scalar_estimate(
+    W: float, T: int, n: int, wmax: float, c: float, pp1: int, cap: int, me: int,
+    lone: int | None = None, long_w: float | None = None,
+) -> float:
     """`estimate_time` for one replica in plain Python: the greedy's inner loop."""
     if n == 0:
         return 0.0
+    if lone is not None and long_w is not None and wmax > long_w:  # a lone micro-batch (replicas.py)
+        return (pp1 + 1) * (W + c) if lone >= T else math.inf
     vmin = max(1, -(-T // cap))
     if pp1 == 0:
         return W + vmin * c
@@ -93,48 +105,70 @@ def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray |
     positions = range(head) if head < len(lengths) else order
     L = lengths.tolist()
     groups = range(len(table.configs))
-    heaps: list[list[tuple[float, int]]] = [[] for _ in groups]
-    for r in range(R):
-        heaps[int(table.group[r])].append((bias_l[r], r))
-    for h in heaps:
-        heapq.heapify(h)
-    params = [(m.c, m.pp - 1, m.cap, m.min_efficient) for m in table.configs]
+    heaps = _config_heaps(table, bias_l)
+    params = [(m.c, m.pp - 1, m.cap, m.min_efficient, m.holds, m.long_w) for m in table.configs]
     W = [0.0] * R
     T = [0] * R
     n = [0] * R
     wmax = [0.0] * R
     out = [0] * len(L)
+
+    def estimate(g: int, r: int, s: int, wi: float) -> float:
+        c, pp1, cap, me, lone, long_w = params[g]
+        if pp1 == 0 and max(wmax[r], wi) <= long_w:  # the common case, inlined: W + c * ceil(T / cap)
+            return W[r] + wi + c * max(1, -(-(T[r] + s) // cap)) + bias_l[r]
+        e = _scalar_estimate(W[r] + wi, T[r] + s, n[r] + 1, max(wmax[r], wi), c, pp1, cap, me, lone, long_w)
+        return e + bias_l[r]
+
     for i, p in zip(order, positions, strict=True):
         s = L[i]
         best, best_g, best_r = math.inf, -1, -1
         for g in groups:
-            c, pp1, cap, me = params[g]
-            if cap < s:
+            if params[g][4] < s:
                 continue
-            r = heaps[g][0][1]
             wi = w[g][p]
-            if pp1 == 0:  # the common case, inlined: W + c * ceil(T / cap)
-                T_new = T[r] + s
-                e = W[r] + wi + c * max(1, -(-T_new // cap)) + bias_l[r]
-            else:
-                e = _scalar_estimate(W[r] + wi, T[r] + s, n[r] + 1, max(wmax[r], wi), c, pp1, cap, me) + bias_l[r]
+            r = heaps[g][0][1]
+            e = estimate(g, r, s, wi)
+            if e == math.inf:  # the least loaded holds a sequence beyond the cap and has no room: try the others
+                e, r = min(((estimate(g, q, s, wi), q) for _, q in heaps[g]), default=(math.inf, -1))
             if e < best:
                 best, best_g, best_r = e, g, r
         if best_g < 0:
-            raise ValueError(f"no replica holds a sequence of {s} tokens")  # callers check caps first
+            raise NoRoom(f"no replica has room for a sequence of {s} tokens")  # callers check caps first
         wi = w[best_g][p]
         W[best_r] += wi
         T[best_r] += s
         n[best_r] += 1
         if wi > wmax[best_r]:
             wmax[best_r] = wi
-        heapq.heapreplace(heaps[best_g], (best, best_r))
+        _rekey(heaps[best_g], best_r, best)
         out[i] = best_r
     replica_of = np.array(out, dtype=np.int64)
     if head < len(lengths):
         sums = ReplicaSums(np.array(W), np.array(T, dtype=np.int64), np.array(n, dtype=np.int64), np.array(wmax))
         _water_fill(lengths, w_arr, order_a[head:], table, bias_a, sums, replica_of)
     return replica_of
+
+
+def _config_heaps(table: ReplicaTable, keys: list[float]) -> list[list[tuple[float, int]]]:
+    """Per distinct config, a heap of its replicas by key (the estimate so far, at first the bias)."""
+    heaps: list[list[tuple[float, int]]] = [[] for _ in table.configs]
+    for r in range(len(table)):
+        heaps[int(table.group[r])].append((keys[r], r))
+    for h in heaps:
+        heapq.heapify(h)
+    return heaps
+
+
+def _rekey(heap: list[tuple[float, int]], replica: int, key: float) -> None:
+    """Give `replica` its new key: the top's in place, another's (it took a sequence its config's least
+    loaded had no room for, a lone micro-batch) by removal and push."""
+    if heap[0][1] == replica:
+        heapq.heapreplace(heap, (key, replica))
+        return
+    heap.pop([q for _, q in heap].index(replica))
+    heapq.heapify(heap)
+    heapq.heappush(heap, (key, replica))
 
 
 def _water_fill(
@@ -154,16 +188,17 @@ def _water_fill(
     Caps hold: a run only goes to replicas whose cap holds its longest sequence.
     """
     group = table.group
-    p = (table.c, table.pp, table.cap, table.min_efficient)
+    p = table.params
     for run in np.array_split(tail, min(BULK_RUNS, len(tail))):
         m = len(run)
         if m == 0:
             continue
         s_run = lengths[run]
         w_run = w[:, run]  # [configs, m]
-        ok = np.flatnonzero(table.cap >= int(s_run[0]))
+        # Not onto a replica holding a sequence beyond its cap: it runs a lone micro-batch (replicas.py).
+        ok = np.flatnonzero((table.lone_cap >= int(s_run[0])) & (sums.wmax <= table.long_w))
         if len(ok) == 0:
-            raise ValueError(f"no replica holds a sequence of {int(s_run[0])} tokens")  # callers check caps first
+            raise NoRoom(f"no replica has room for a sequence of {int(s_run[0])} tokens")  # callers check caps first
         g = group[ok]
         wbar, sbar = w_run.mean(axis=1)[g], float(s_run.mean())
         e0 = estimate_time(sums.W[ok], sums.T[ok], sums.n[ok], sums.wmax[ok], *(x[ok] for x in p)) + bias[ok]

@@ -50,7 +50,7 @@ def local_search(
     sums = ReplicaSums.of(lengths, w_own, replica_of, R)
     est = estimates(sums, table, bias)
     search = _Search(lengths, table, bias, wg, replica_of, sums, est)
-    p = (table.c, table.pp, table.cap, table.min_efficient)
+    p = table.params
     for _ in range(max_rounds):
         b = int(np.argmax(est))
         top = est[b]
@@ -78,7 +78,7 @@ def local_search(
             + bias[cand, None]
         )
         e_r[cand == b] = np.inf
-        e_r[table.cap[cand, None] < s_k[None, :]] = np.inf
+        e_r[table.lone_cap[cand, None] < s_k[None, :]] = np.inf
         worst = np.maximum(e_r, e_b[None, :])
         j, k = np.unravel_index(int(np.argmin(worst)), worst.shape)
         r = int(cand[j])
@@ -180,10 +180,10 @@ def _best_swap(search: _Search, neck: _Bottleneck, partners: int, tol: float) ->
         s_k, s_m = lengths[items], lengths[mine]
         w_bm = wg[group[b], mine]  # r's items costed on b
         w_rk = wg[group[r], items]  # b's items costed on r
-        fits_b = table.cap[b] >= s_m
-        fits_r = table.cap[r] >= s_k
-        pb = [x[b] for x in (table.c, table.pp, table.cap, table.min_efficient)]
-        pr = [x[r] for x in (table.c, table.pp, table.cap, table.min_efficient)]
+        fits_b = table.lone_cap[b] >= s_m
+        fits_r = table.lone_cap[r] >= s_k
+        pb = [x[b] for x in table.params]
+        pr = [x[r] for x in table.params]
         e_b = (
             estimate_time(
                 sums.W[b] - w_bk[:, None] + w_bm[None, :],

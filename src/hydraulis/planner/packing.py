@@ -10,6 +10,10 @@ when the replica has tokens to spare) we balance cost with LPT under the token
 cap, keep the v with the best closed form, then pick the execution order by
 simulation: the first micro-batch sets the warm-up and the last the cool-down,
 so small ones belong at the ends.
+
+A replica's lone micro-batch may hold up to its lone cap (a deep replica keeps it in flight once, not
+pp times): a replica given a sequence longer than its cap runs everything it holds as that one
+micro-batch, and a pp = 1 replica whose sequences fit one takes one (the fewest c).
 """
 
 from __future__ import annotations
@@ -220,6 +224,15 @@ def pack_replica(
     if len(indices) == 0:
         return Packing((), 0.0)
     s = np.asarray(lengths, dtype=np.int64)[indices]
+    tokens = int(s.sum())
+    if int(s.max()) > replica.cap or (replica.pp == 1 and tokens <= replica.holds):
+        if tokens > replica.holds:  # dispatch keeps a replica holding a long sequence within its lone cap
+            check_cap(s, replica.cap)
+            raise HydraulisError(
+                f"{replica.config.name}: a sequence longer than the cap of {replica.cap} tokens runs as the "
+                f"replica's lone micro-batch, of at most {replica.holds} tokens, but it holds {tokens}"
+            )
+        return order_by_simulation([indices], np.asarray(lengths), replica, cost)
     best: Packing | None = None
     # With many sequences the closed form ranks packings as the simulation would: simulate only the best.
     bulk = bulk or len(s) >= BULK_PACK_ITEMS

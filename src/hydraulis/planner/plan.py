@@ -1,7 +1,9 @@
 """IterationPlan: the planner's output and the runtime's input, and its JSON form.
 
 Format `hydraulis.plan/1` (docs/design.md, section 8). Every sequence index appears
-exactly once; a micro-batch never holds more tokens than its replica's cap.
+exactly once; a micro-batch never holds more tokens than its replica's cap. An
+iteration of several phases (a Schedule) lists them under `phases`, each with the
+batch positions it runs.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ class IterationPlan:
         return [lengths[list(mb)] for mb in self.replicas[replica].micro_batches]
 
     def validate(self, cost: CostModel | None = None, num_gpus: int | None = None, where: str = "plan") -> None:
-        """Every sequence exactly once, in range; caps hold if a cost model is given. O(sequences), vectorised."""
+        """Every sequence exactly once, in range; caps hold if a cost model is given (a replica's lone
+        micro-batch: its lone cap). O(sequences), vectorised."""
         n = len(self.lengths)
         if len(self.replicas) != len(self.deployment.replicas):
             raise HydraulisError(
@@ -63,7 +66,7 @@ class IterationPlan:
             )
         lengths = self.lengths_array
         seen = np.zeros(n, dtype=np.int64)
-        caps: dict[ParallelConfig, int] = {}
+        caps: dict[tuple[ParallelConfig, bool], int] = {}
         for r, replica in enumerate(self.replicas):
             mbs = replica.micro_batches
             if not mbs:
@@ -85,9 +88,10 @@ class IterationPlan:
                 raise HydraulisError(f"{where}: replica {r} micro-batch {m} has index {i}, outside 0..{n - 1}")
             seen += np.bincount(flat, minlength=n)
             if cost is not None:
-                if config not in caps:
-                    caps[config] = cost.cap(config, num_gpus or self.deployment.num_gpus)
-                cap = caps[config]
+                key = (config, len(mbs) == 1)  # a lone micro-batch has the lone cap (CostModel.lone_cap)
+                if key not in caps:
+                    caps[key] = cost.micro_batch_cap(config, num_gpus or self.deployment.num_gpus, len(mbs))
+                cap = caps[key]
                 tokens = np.add.reduceat(lengths[flat], ends - sizes)
                 if (tokens > cap).any():
                     m = int(np.argmax(tokens > cap))
@@ -141,10 +145,83 @@ class IterationPlan:
 
 
 @dataclass(frozen=True)
+class Schedule:
+    """One iteration as a policy runs it: phases in execution order, `indices[k]` mapping phase k's sequences
+    to the batch. Most iterations have one phase; with several (phases.py, hotspa), each phase is its own
+    deployment on its own part of the batch, gradients accumulate over the phases and the optimizer steps once.
+    """
+
+    step: int
+    lengths: tuple[int, ...]
+    phases: tuple[IterationPlan, ...]
+    indices: tuple[tuple[int, ...], ...]
+    switch_s: float  # paid once between consecutive phases
+    iteration_time_s: float
+    planning_time_s: float
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.lengths))
+
+    @classmethod
+    def single(cls, plan: IterationPlan) -> Schedule:
+        return cls(
+            plan.step,
+            plan.lengths,
+            (plan,),
+            (tuple(range(len(plan.lengths))),),
+            0.0,
+            plan.predicted_time_s,
+            plan.planning_time_s,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """One phase: the plan's own JSON (as before phases existed); several: `phases`, each with `indices`."""
+        if len(self.phases) == 1:
+            return self.phases[0].to_dict()
+        phases = []
+        for plan, idx in zip(self.phases, self.indices, strict=True):
+            row = {k: v for k, v in plan.to_dict().items() if k not in ("step", "lengths")}
+            phases.append({"indices": list(idx), **row})
+        return {
+            "step": self.step,
+            "lengths": list(self.lengths),
+            "phases": phases,
+            "switch_s": self.switch_s,
+            "predicted_time_s": self.iteration_time_s,
+            "planning_time_s": self.planning_time_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, cluster: ClusterSpec, where: str) -> Schedule:
+        f = Fields(data, where)
+        if not isinstance(data, dict) or "phases" not in data:
+            return cls.single(IterationPlan.from_dict(data, cluster, where))
+        step = f.int("step", default=0, minimum=0)
+        lengths = f.int_list("lengths", minimum=1, maximum=MAX_LENGTH)
+        if len(lengths) > MAX_SEQUENCES:
+            raise HydraulisError(f"{where}.lengths: {len(lengths)} sequences, more than the {MAX_SEQUENCES} allowed")
+        plans, indices = [], []
+        for k, row in enumerate(f.list("phases")):
+            at = f"{where}.phases[{k}]"
+            idx = Fields(row, at).int_list("indices", minimum=0, maximum=len(lengths) - 1)
+            plans.append(IterationPlan.from_dict({**row, "step": step, "lengths": [lengths[i] for i in idx]},
+                                                 cluster, at))
+            indices.append(tuple(idx))
+        schedule = cls(step, tuple(lengths), tuple(plans), tuple(indices), f.float("switch_s", default=0.0, minimum=0),
+                       f.float("predicted_time_s", default=0.0, minimum=0),
+                       f.float("planning_time_s", default=0.0, minimum=0))
+        covered = sorted(i for idx in indices for i in idx)
+        if covered != list(range(len(lengths))):
+            raise HydraulisError(f"{where}: the phases' indices do not cover every sequence of the batch exactly once")
+        return schedule
+
+
+@dataclass(frozen=True)
 class PlanFile:
     profile: str
     num_gpus: int
-    iterations: tuple[IterationPlan, ...]
+    iterations: tuple[Schedule, ...]
     gpus_per_node: int = 8
 
     @property
@@ -172,7 +249,7 @@ def load_plan(path: str | Path) -> PlanFile:
         f.int("num_gpus", minimum=1, maximum=MAX_GPUS), f.int("gpus_per_node", default=8, minimum=1, maximum=MAX_GPUS)
     )
     iterations = tuple(
-        IterationPlan.from_dict(it, cluster, f"{path}: iterations[{i}]") for i, it in enumerate(f.list("iterations"))
+        Schedule.from_dict(it, cluster, f"{path}: iterations[{i}]") for i, it in enumerate(f.list("iterations"))
     )
     if not iterations:
         raise HydraulisError(f"{path}: no iterations")
@@ -225,6 +302,38 @@ def decode_plan(data: np.ndarray, step: int, lengths: Sequence[int], pool: Seque
         per_replica.append(mbs[k : k + int(c)])
         k += int(c)
     return plan_from_assignment(step, lengths, pool[index], per_replica, float(predicted), float(planning))
+
+
+def encode_schedule(schedule: Schedule, pool: Sequence[Deployment]) -> np.ndarray:
+    """A schedule's wire format: one phase is exactly `encode_plan`'s vector (its first value, the pool
+    index, is never negative); several are [-phases, then per phase: its vector's length, its batch
+    positions' count, the positions, its `encode_plan` vector; then 3 float64s as bits]."""
+    if len(schedule.phases) == 1:
+        return encode_plan(schedule.phases[0], pool.index(schedule.phases[0].deployment))
+    parts: list[np.ndarray] = [np.array([-len(schedule.phases)], np.int64)]
+    for plan, idx in zip(schedule.phases, schedule.indices, strict=True):
+        vector = encode_plan(plan, pool.index(plan.deployment))
+        parts += [np.array([len(vector), len(idx), *idx], np.int64), vector]
+    floats = [schedule.switch_s, schedule.iteration_time_s, schedule.planning_time_s]
+    parts.append(np.array(floats, dtype=np.float64).view(np.int64))
+    return np.concatenate(parts)
+
+
+def decode_schedule(data: np.ndarray, step: int, lengths: Sequence[int], pool: Sequence[Deployment]) -> Schedule:
+    """The schedule `encode_schedule` wrote, given the step, the batch and the pool every rank knows."""
+    if int(data[0]) >= 0:
+        return Schedule.single(decode_plan(data, step, lengths, pool))
+    plans, indices, pos = [], [], 1
+    for _ in range(-int(data[0])):
+        size, count = int(data[pos]), int(data[pos + 1])
+        idx = tuple(int(i) for i in data[pos + 2 : pos + 2 + count])
+        pos += 2 + count
+        plans.append(decode_plan(data[pos : pos + size], step, [lengths[i] for i in idx], pool))
+        indices.append(idx)
+        pos += size
+    switch, total, planning = data[pos : pos + 3].view(np.float64)
+    return Schedule(step, tuple(int(x) for x in lengths), tuple(plans), tuple(indices), float(switch), float(total),
+                    float(planning))
 
 
 def _ints(values: Sequence[int] | np.ndarray) -> list[int]:

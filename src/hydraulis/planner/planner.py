@@ -22,7 +22,7 @@ from hydraulis.data.sampler import split_pieces
 from hydraulis.errors import HydraulisError
 from hydraulis.limits import MAX_LENGTH, MAX_SEQUENCES
 from hydraulis.parallel import Deployment
-from hydraulis.planner.dispatch import BULK_MIN_SEQUENCES, Dispatch, dispatch, improve
+from hydraulis.planner.dispatch import BULK_MIN_SEQUENCES, Dispatch, NoRoom, dispatch, improve
 from hydraulis.planner.milp import exact_assignment
 from hydraulis.planner.packing import Packing, order_by_simulation, pack_replica
 from hydraulis.planner.plan import IterationPlan, plan_from_assignment
@@ -139,13 +139,15 @@ class Planner:
         self.full_candidates = full_candidates
         self.refine_rounds = refine_rounds
         self._tables = [ReplicaTable.of(cost, d, num_gpus) for d in self.pool]
+        self.missed: set[int] = set()  # pool deployments that could not hold some batch planned so far
 
     def plan(self, lengths: Sequence[int] | np.ndarray, step: int = 0) -> IterationPlan:
         """The fastest plan (by simulation) over the pool deployments that hold the batch."""
         start = time.perf_counter()
         lengths = check_lengths(lengths)
         longest = int(lengths.max())
-        usable = [k for k, t in enumerate(self._tables) if int(t.cap.max()) >= longest]
+        usable = [k for k, t in enumerate(self._tables) if int(t.lone_cap.max()) >= longest]
+        self.missed.update(set(range(len(self.pool))) - set(usable))
         if not usable:
             cap, name = largest_cap(self.cost, ClusterSpec(self.num_gpus), self.pool)
             raise HydraulisError(
@@ -153,7 +155,17 @@ class Planner:
                 f"({cap} tokens, {name}); use --overlong split|truncate|drop or a pool with larger (CP) replicas"
             )
         # Screen the pool with the greedy alone; search, pack and simulate the most promising.
-        screened = [(dispatch(lengths, self._tables[k], search=False), k) for k in usable]
+        screened = []
+        for k in usable:
+            try:
+                screened.append((dispatch(lengths, self._tables[k], search=False), k))
+            except NoRoom:  # more sequences beyond the caps than lone micro-batches to hold them
+                self.missed.add(k)
+        if not screened:
+            raise HydraulisError(
+                "no deployment of the pool has room for this batch: a sequence longer than a replica's cap runs "
+                f"alone on it, and too many are; use a pool with more replicas that hold {longest} tokens"
+            )
         screened.sort(key=lambda x: x[0].makespan_s)
         best: Candidate | None = None
         best_s = float("inf")
@@ -172,7 +184,7 @@ class Planner:
 
     def holds(self, deployment: Deployment, longest: int) -> bool:
         """Whether some replica of `deployment` fits a sequence of `longest` tokens."""
-        return int(self._table(deployment).cap.max()) >= longest
+        return int(self._table(deployment).lone_cap.max()) >= longest
 
     def _table(self, deployment: Deployment) -> ReplicaTable:
         """The replica table of a pool deployment (built once, in __init__), or a new one for another."""
@@ -185,7 +197,7 @@ class Planner:
         start = time.perf_counter()
         lengths = check_lengths(lengths)
         table = self._table(deployment)
-        if int(table.cap.max()) < int(lengths.max()):
+        if int(table.lone_cap.max()) < int(lengths.max()):
             raise HydraulisError(f"{deployment} cannot hold a sequence of {int(lengths.max())} tokens")
         cand = self._pack_and_refine(lengths, table, dispatch(lengths, table), deployment)
         if self.method == "milp":
@@ -225,7 +237,10 @@ class Planner:
         for _ in range(rounds if pipelined else 0):
             # What packing and 1F1B add to (or save on) each replica's estimate.
             bias = bias + (times - d.estimate_s)
-            d2 = dispatch(lengths, table, bias)
+            try:
+                d2 = dispatch(lengths, table, bias)
+            except NoRoom:  # the bias moved a long sequence where its lone micro-batch leaves no room
+                break
             packs2 = self._pack(lengths, table, d2)
             times2 = np.array([p.time_s for p in packs2])
             if times2.max() >= times.max() - 1e-12:

@@ -24,6 +24,7 @@ class Policy(Protocol):
     """Plans global batches on a fixed cluster with a fixed cost model."""
 
     name: str
+    cost: CostModel  # what its schedules are costed and checked on (megatron-dcp adds its CP group sizes)
 
     def schedule(self, lengths: np.ndarray, step: int = 0) -> Schedule: ...
 

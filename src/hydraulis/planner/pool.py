@@ -108,7 +108,8 @@ def usable_configs(cost: CostModel, cluster: ClusterSpec) -> list[ParallelConfig
     nodes; a CP group of those may span nodes)."""
     gpn = cluster.gpus_per_node
     out = []
-    for g, cap in cost.caps(cluster.num_gpus).items():
+    for g in cost.caps(cluster.num_gpus):
+        cap = cost.lone_cap(g, cluster.num_gpus)  # a config whose replicas hold only lone micro-batches counts
         group_ok = gpn % g.tp == 0 or g.tp % gpn == 0
         if g.cp == 1:
             group_ok = gpn % g.group_size == 0 or g.group_size % gpn == 0
@@ -124,12 +125,12 @@ def cp_roles(
     cp = 1 config holds it too, only those that run it faster (a CP replica pays only on the longest
     sequences). The k fastest on it, then the smallest."""
     plain = [g for g in configs if g.cp == 1]
-    cps = [g for g in configs if g.cp > 1 and cost.cap(g, num_gpus) >= max_length]
+    cps = [g for g in configs if g.cp > 1 and cost.lone_cap(g, num_gpus) >= max_length]
 
     def trip(g: ParallelConfig) -> float:
         return g.pp * float(cost.stage_time(g, [max_length]))
 
-    holding = [trip(g) for g in plain if cost.cap(g, num_gpus) >= max_length]
+    holding = [trip(g) for g in plain if cost.lone_cap(g, num_gpus) >= max_length]
     best_plain = min(holding) if holding else np.inf
     paying = [g for g in cps if trip(g) < best_plain]
     fastest = sorted(paying, key=lambda g: (trip(g), g.num_gpus))[:k]
@@ -137,13 +138,18 @@ def cp_roles(
     return list(dict.fromkeys(fastest + smallest))
 
 
-def largest_cap(cost: CostModel, cluster: ClusterSpec, pool: Sequence[Deployment] | None = None) -> tuple[int, str]:
-    """The largest cap (and its config) in the pool, or, without one, what a default pool can hold."""
+def largest_cap(
+    cost: CostModel, cluster: ClusterSpec, pool: Sequence[Deployment] | None = None, lone: bool = True
+) -> tuple[int, str]:
+    """The largest cap (and its config) in the pool, or, without one, what a default pool can hold: the
+    longest sequence a replica holds, as its lone micro-batch (`CostModel.lone_cap`); `lone=False`, in
+    micro-batches of any count (the baselines', which pack every replica to the cap)."""
     configs = {g for d in pool for g in d.configs} if pool else set(replicable_configs(cost, cluster))
     if not configs:
         raise HydraulisError(f"no parallel config of {cost.name} replicates over {cluster.num_gpus} GPUs")
-    best = max(configs, key=lambda g: (cost.cap(g, cluster.num_gpus), -g.num_gpus))
-    return cost.cap(best, cluster.num_gpus), best.name
+    holds = cost.lone_cap if lone else cost.cap
+    best = max(configs, key=lambda g: (holds(g, cluster.num_gpus), -g.num_gpus))
+    return holds(best, cluster.num_gpus), best.name
 
 
 def check_job_pool(pool: Sequence[Deployment], world: int, model: ModelSpec, cost: CostModel, max_len: int) -> None:
@@ -217,19 +223,32 @@ def homogeneous_estimate(
 
 
 def fallback_config(
-    cost: CostModel, cluster: ClusterSpec, max_length: int, batches: Sequence[np.ndarray]
+    cost: CostModel, cluster: ClusterSpec, max_length: int, batches: Sequence[np.ndarray], lone: bool = True
 ) -> ParallelConfig:
-    """The cheapest config that holds `max_length` and replicates over the whole cluster."""
+    """The cheapest config that holds `max_length` (`largest_cap`'s `lone`) and replicates over the cluster."""
     N = cluster.num_gpus
-    holding = [g for g in replicable_configs(cost, cluster) if cost.cap(g, N) >= max_length]
+    holds = cost.lone_cap if lone else cost.cap
+    holding = [g for g in replicable_configs(cost, cluster)
+               if holds(g, N) >= max_length and has_room(cost, g, N, batches)]
     if not holding:
-        cap, name = largest_cap(cost, cluster)
+        cap, name = largest_cap(cost, cluster, lone=lone)
         raise HydraulisError(
             f"a sequence of {max_length} tokens is longer than the largest cap on {N} GPUs "
             f"({cap} tokens, {name}); use --overlong split|truncate|drop, more GPUs"
             + ("" if any(g.cp > 1 for g in cost.configs) else f" or CP configs (--profile {cost.name}+cp)")
         )
     return min(holding, key=lambda g: (homogeneous_estimate(cost, g, N, batches), g.num_gpus))
+
+
+def has_room(cost: CostModel, config: ParallelConfig, num_gpus: int, batches: Sequence[np.ndarray]) -> bool:
+    """Whether `config`'s homogeneous deployment can run every batch: a sequence beyond the cap runs alone on
+    a replica (its lone micro-batch), so there must be a replica for each, and one more for the rest."""
+    cap, replicas = cost.cap(config, num_gpus), num_gpus // config.num_gpus
+    for b in batches:
+        beyond = int((np.asarray(b) > cap).sum())
+        if beyond > replicas or (beyond == replicas and len(b) > beyond):
+            return False
+    return True
 
 
 def replicable_configs(cost: CostModel, cluster: ClusterSpec) -> list[ParallelConfig]:
@@ -284,8 +303,8 @@ def candidate_deployments(
     # config do the same work as one CP replica without its K/V exchange.
     cps = cp_roles(cost, configs, N, max_length, per_role)
     configs = [g for g in configs if g.cp == 1]
-    ranked = sorted(configs, key=lambda g: homogeneous_estimate(cost, g, N, [b[b <= cost.cap(g, N)] for b in batches]))
-    cap = {g: cost.cap(g, N) for g in configs + cps}
+    cap = {g: cost.lone_cap(g, N) for g in configs + cps}  # the longest sequence each holds
+    ranked = sorted(configs, key=lambda g: homogeneous_estimate(cost, g, N, [b[b <= cap[g]] for b in batches]))
     out: dict[str, Deployment] = {}
 
     def add(configs_: list[ParallelConfig]) -> None:

@@ -21,6 +21,7 @@ often it was chosen is recorded as its usage.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,8 @@ import numpy as np
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment, ParallelConfig
-from hydraulis.planner.dispatch import dispatch
+from hydraulis.planner.dispatch import NoRoom, dispatch
+from hydraulis.planner.phases import PhasedPlanner
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import (
     Pool,
@@ -53,6 +55,7 @@ from hydraulis.specs import ClusterSpec
 METHODS = ("hydraulis", "published")
 SCREEN_BUDGET_S = 10.0
 LARGE_BATCH_SCREEN = 4  # dispatch estimates in screening, before the fluid proxy takes over
+PHASE_SAMPLES = 4  # sample batches the phased planner plans when choosing deployments for phases
 
 Progress = Callable[[str, int, int], None]
 
@@ -65,10 +68,12 @@ class Proposal:
     times_s: np.ndarray  # [pool deployments, sample batches]: planned iteration time, inf if it cannot hold
     sample_tokens: np.ndarray  # tokens of each sample batch
     elapsed_s: float
+    phased_times_s: np.ndarray | None = None  # [sample batches]: the phased planner's iteration on the pool
 
     @property
     def best_times_s(self) -> np.ndarray:
-        return self.times_s.min(axis=0)
+        best = self.times_s.min(axis=0)
+        return best if self.phased_times_s is None else np.minimum(best, self.phased_times_s)
 
     @property
     def throughput(self) -> float:
@@ -109,10 +114,10 @@ def dp_deployments(
     configs = usable_configs(cost, cluster)
     # CP configs enter the programme only for ranges no cp = 1 config holds (candidate_deployments
     # offers them where they pay on long sequences that cp = 1 configs hold too).
-    plain_cap = max((cost.cap(g, N) for g in configs if g.cp == 1), default=0)
-    configs = [g for g in configs if g.cp == 1 or (plain_cap < hist.max_length and cost.cap(g, N) > plain_cap)]
+    plain_cap = max((cost.lone_cap(g, N) for g in configs if g.cp == 1), default=0)
+    configs = [g for g in configs if g.cp == 1 or (plain_cap < hist.max_length and cost.lone_cap(g, N) > plain_cap)]
     group_time = aware_group_time(cost, configs, hist, N) if aware else published_group_time(cost, configs, hist)
-    bounds = length_boundaries(hist, [cost.cap(c, N) for c in configs])
+    bounds = length_boundaries(hist, [cap for c in configs for cap in (cost.cap(c, N), cost.lone_cap(c, N))])
     out = []
     for max_length, _, groups in range_dp(cost, N, hist, configs, group_time, bounds):
         deployment = groups_to_deployment(groups, cluster)
@@ -139,10 +144,11 @@ def _plan_times(
     planner = Planner(cost, cluster.num_gpus, candidates[:1])
     times = np.full((len(candidates), len(batches)), np.inf)
     for i, d in enumerate(candidates):
-        top = max(cost.cap(c, cluster.num_gpus) for c in d.configs)
+        top = max(cost.lone_cap(c, cluster.num_gpus) for c in d.configs)
         for j, b in enumerate(batches):
             if int(b.max()) <= top:
-                times[i, j] = planner.plan_on(b, d).predicted_time_s
+                with contextlib.suppress(NoRoom):
+                    times[i, j] = planner.plan_on(b, d).predicted_time_s
         if progress:
             progress("planning samples", i + 1, len(candidates))
     return times
@@ -186,7 +192,7 @@ def _fluid_estimates(
                 cap = cost.cap(g, N)
                 work = k.a * squares + k.b * tokens + k.c * tokens / max(cap, 1)
                 trip = g.pp * (k.a * longest**2 + k.b * longest + k.c)
-                rows.append((work, trip, cap >= longest))
+                rows.append((work, trip, cost.lone_cap(g, N) >= longest))
             fits = np.array([r[2] for r in rows])  # [groups, bins]
             if not fits.any(axis=0).all():
                 continue
@@ -229,7 +235,8 @@ def _screen(
     alive = np.arange(len(candidates))
     # Large batches make each dispatch slow: past a budget, a fluid LP proxy picks whom to dispatch.
     start = time.perf_counter()
-    dispatch(batches[0], tables[0], search=False)
+    with contextlib.suppress(NoRoom):  # timing one call: whether it finds room does not matter
+        dispatch(batches[0], tables[0], search=False)
     per_call = time.perf_counter() - start
     affordable = int(SCREEN_BUDGET_S / max(per_call, 1e-6) / 2)
     if len(alive) > max(affordable, 3 * keep):
@@ -239,8 +246,9 @@ def _screen(
         alive = np.argsort(score, kind="stable")[: max(affordable, 3 * keep)]
     for j, b in enumerate(batches):
         for i in alive:
-            if int(tables[i].cap.max()) >= int(b.max()):
-                est[i, j] = dispatch(b, tables[i], search=False).makespan_s
+            if int(tables[i].lone_cap.max()) >= int(b.max()):
+                with contextlib.suppress(NoRoom):  # lone micro-batches for fewer long sequences than it has
+                    est[i, j] = dispatch(b, tables[i], search=False).makespan_s
         seen = est[:, : j + 1]
         ratio = seen / np.nanmin(seen, axis=0, keepdims=True)
         # Mean ratio to the best over the batches a candidate was estimated on; unusable ones rank last.
@@ -272,6 +280,80 @@ def greedy_pool(times: np.ndarray, first: int, max_pool: int, min_gain: float = 
     return chosen
 
 
+def phase_deployments(
+    cost: CostModel,
+    cluster: ClusterSpec,
+    candidates: Sequence[Deployment],
+    pool: Sequence[Deployment],
+    batches: Sequence[np.ndarray],
+    max_pool: int,
+    usage: tuple[float, ...],
+    min_gain: float = 0.002,
+) -> tuple[list[Deployment], np.ndarray, tuple[float, ...]]:
+    """Deployments for the short phases of phased plans (phases.py), which no whole batch would choose.
+
+    For each cap level below the longest sampled sequence, the candidate whose dispatch estimate on
+    the sequences up to that level is best; then, greedily, the one that most lowers the phased
+    planner's iterations on the samples while the pool has room. Returns those added, the phased
+    iteration time of each sample batch on the final pool, and the pool's usage: each deployment's
+    share of samples on which it was chosen whole (`usage`) or in whose schedule it runs a phase.
+    """
+    N = cluster.num_gpus
+    sample = list(batches[:PHASE_SAMPLES])
+    longest = max(int(b.max()) for b in sample)
+    tops = {str(d): max(cost.cap(g, N) for g in d.configs) for d in candidates}
+    levels = sorted({t for t in tops.values() if t < longest})
+    chosen: list[Deployment] = []
+    for level in levels:
+        parts = [b[b <= level] for b in sample if (b <= level).any()]
+        holding = [d for d in candidates if tops[str(d)] >= level and d not in pool and d not in chosen]
+        if parts and holding:
+            tables = [ReplicaTable.of(cost, d, N) for d in holding]
+            est = [sum(dispatch(p, t, search=False).makespan_s for p in parts) for t in tables]
+            chosen.append(holding[int(np.argmin(est))])
+
+    def run(deployments: Sequence[Deployment], on: Sequence[np.ndarray] = sample) -> list:
+        planner = PhasedPlanner(cost, N, deployments)
+        return [planner.schedule(b) for b in on]
+
+    current = list(pool)
+    schedules = run(current)
+    added: list[Deployment] = []
+    while chosen and len(current) < max_pool:
+        base = np.array([s.iteration_time_s for s in schedules])
+        trials = [run([*current, d]) for d in chosen]
+        gains = [float(base.sum() - sum(s.iteration_time_s for s in t)) for t in trials]
+        k = int(np.argmax(gains))
+        if gains[k] <= min_gain * float(base.sum()):
+            break
+        current.append(chosen.pop(k))
+        added.append(current[-1])
+        schedules = trials[k]
+    if len(batches) > len(sample):
+        schedules = run(current, batches)
+    used = [float(np.mean([any(p.deployment == d for p in s.phases) for s in schedules])) for d in current]
+    usage = tuple(max(u, v) for u, v in zip((*usage, *(0.0,) * len(added)), used, strict=True))
+    return added, np.array([s.iteration_time_s for s in schedules]), usage
+
+
+def default_samples(batches: Sequence[np.ndarray]) -> int:
+    """Planning cost grows with the batch: fewer samples for larger jobs keep proposal within a minute."""
+    tokens = float(np.mean([b.sum() for b in batches]))
+    return int(np.clip(4e6 / max(tokens, 1.0), 4, 16))
+
+
+def _published(
+    cost: CostModel, cluster: ClusterSpec, hist: LengthHistogram, fallback: Deployment, max_pool: int
+) -> list[Deployment]:
+    """The published generator's pool: one deployment per batch maximum length, the fallback first."""
+    found = _unique([fallback] + [d for _, d in dp_deployments(cost, cluster, hist, aware=False)])
+    if len(found) > max_pool:
+        # One deployment per batch maximum length; keep the fallback and evenly spread maxima.
+        keep = np.unique(np.linspace(1, len(found) - 1, max_pool - 1).round().astype(int))
+        found = [found[0]] + [found[i] for i in keep]
+    return found
+
+
 def propose(
     cost: CostModel,
     cluster: ClusterSpec,
@@ -298,23 +380,14 @@ def propose(
     hist = LengthHistogram.from_batches(batches)
     longest = max(hist.max_length, max_length or 0)
     fallback = homogeneous(fallback_config(cost, cluster, longest, batches), cluster)
-    if max_samples is None:
-        # Planning cost grows with the batch: fewer samples for larger jobs keep proposal within a minute.
-        tokens = float(np.mean([b.sum() for b in batches]))
-        max_samples = int(np.clip(4e6 / max(tokens, 1.0), 4, 16))
-    sample = batches[:max_samples]
+    sample = batches[: max_samples or default_samples(batches)]
 
     if method == "published":
-        found = _unique([fallback] + [d for _, d in dp_deployments(cost, cluster, hist, aware=False)])
-        if len(found) > max_pool:
-            # One deployment per batch maximum length; keep the fallback and evenly spread maxima.
-            keep = np.unique(np.linspace(1, len(found) - 1, max_pool - 1).round().astype(int))
-            found = [found[0]] + [found[i] for i in keep]
-        times = _plan_times(cost, cluster, found, sample, progress)
-        pool_idx = list(range(len(found)))
-        candidates = found
+        candidates = _published(cost, cluster, hist, fallback, max_pool)
+        times = _plan_times(cost, cluster, candidates, sample, progress)
+        pool_idx = list(range(len(candidates)))
     else:
-        candidates = _unique(
+        every = candidates = _unique(
             [fallback]
             + [d for _, d in dp_deployments(cost, cluster, hist, aware=True)]
             + [d for _, d in dp_deployments(cost, cluster, hist, aware=False)]
@@ -334,6 +407,11 @@ def propose(
     pool_deployments = tuple(candidates[i] for i in pool_idx)
     winners = np.argmin(times, axis=0)
     usage = tuple(float(np.mean(winners == k)) for k in range(len(pool_deployments)))
+    phased = None
+    if method == "hydraulis" and len(pool_deployments) < max_pool:
+        extra, phased, usage = phase_deployments(cost, cluster, every, pool_deployments, sample, max_pool, usage)
+        pool_deployments += tuple(extra)
+        times = np.vstack([times, np.full((len(extra), times.shape[1]), np.inf)])
     pool = Pool(cost.name, cluster, pool_deployments, usage)
     return Proposal(
         pool=pool,
@@ -342,4 +420,5 @@ def propose(
         times_s=times,
         sample_tokens=np.array([float(b.sum()) for b in sample]),
         elapsed_s=time.perf_counter() - start,
+        phased_times_s=phased,
     )

@@ -88,7 +88,9 @@ def aware_group_time(
     pays c per micro-batch and a 1F1B bubble of (pp - 1) micro-batches; and a
     sequence cannot be split, so a replica never finishes before the longest
     sequence of its range has crossed all pp stages. Replicas beyond the
-    expected number of sequences get nothing to do.
+    expected number of sequences get nothing to do. A range whose longest
+    sequence exceeds the cap runs as one lone micro-batch per replica
+    (`CostModel.lone_cap`): pp x (share + c), if a replica's share fits it.
     """
     weighted = cost.cost_matrix(hist.lengths, configs) * hist.per_batch[None, :]
     work = np.concatenate([np.zeros((len(configs), 1)), np.cumsum(weighted, axis=1)], axis=1)
@@ -99,6 +101,7 @@ def aware_group_time(
     c = np.array([cost.coefficients(c).c for c in configs])
     pp = np.array([cfg.pp for cfg in configs], dtype=np.float64)
     caps = np.array([max(cost.cap(cfg, num_gpus), 1) for cfg in configs], dtype=np.float64)
+    lone = np.array([cost.lone_cap(cfg, num_gpus) for cfg in configs], dtype=np.float64)
     lengths = hist.lengths.astype(np.float64)
 
     def group_time(k: int, rng: np.ndarray, d: np.ndarray) -> np.ndarray:
@@ -111,6 +114,9 @@ def aware_group_time(
         v = np.maximum(1.0, np.ceil((tokens[hi] - tokens[lo]) / busy / caps[k]))
         longest = lengths[hi - 1]
         trip = pp[k] * (a[k] * longest * longest + b[k] * longest + c[k])
+        if longest > caps[k]:
+            fits = (tokens[hi] - tokens[lo]) / busy <= lone[k]
+            return np.where(fits, np.maximum(pp[k] * (share + c[k]), trip), np.inf)
         return np.maximum(share + v * c[k] + (pp[k] - 1) * (share / v + c[k]), trip)
 
     return group_time
@@ -139,7 +145,7 @@ def range_dp(
     while num_gpus // unit > max_units:
         unit *= 2
     M = num_gpus // unit
-    caps = np.array([cost.cap(cfg, num_gpus) for cfg in configs])
+    caps = np.array([cost.lone_cap(cfg, num_gpus) for cfg in configs])  # the longest sequence each holds
     # Histogram index of each boundary: lengths <= bound.
     idx = np.concatenate([[0], np.searchsorted(hist.lengths, bounds, side="right")])
     R = len(bounds)

@@ -9,6 +9,10 @@ sequences (cost W, tokens T, count n, largest cost w_max):
 v runs from the token-cap minimum ceil(T / cap) up to the count n (and down to
 T / min_efficient_tokens, below which a micro-batch leaves the GPU idle); the
 unconstrained optimum is v* = sqrt((pp - 1) * W / c). For pp = 1 this is W + c*ceil(T/cap).
+
+A sequence longer than the cap (but within the lone cap, `CostModel.lone_cap`) fits only a replica's
+lone micro-batch: a replica holding one runs everything it holds as one micro-batch of at most the lone
+cap, in pp (W + c), and cannot hold more (estimate infinite).
 """
 
 from __future__ import annotations
@@ -37,15 +41,27 @@ class ReplicaCost:
     c: float
     cap: int
     min_efficient: int
+    lone_cap: int | None = None  # a replica's only micro-batch (default: the cap)
 
     @property
     def pp(self) -> int:
         return self.config.pp
 
+    @property
+    def holds(self) -> int:
+        """The longest sequence a replica of this config holds: its lone micro-batch's cap."""
+        return self.cap if self.lone_cap is None else max(self.cap, self.lone_cap)
+
+    @property
+    def long_w(self) -> float:
+        """The cost of a sequence of `cap` tokens: a replica whose w_max exceeds it holds a longer one."""
+        return float(sequence_costs(self.a, self.b, np.array([self.cap]))[0])
+
     @classmethod
     def of(cls, cost: CostModel, config: ParallelConfig, num_gpus: int) -> ReplicaCost:
         k = cost.coefficients(config)
-        return cls(config, k.a, k.b, k.c, cost.cap(config, num_gpus), cost.min_efficient_tokens(config))
+        cap, lone = cost.cap(config, num_gpus), cost.lone_cap(config, num_gpus)
+        return cls(config, k.a, k.b, k.c, cap, cost.min_efficient_tokens(config), lone)
 
     def seq_costs(self, lengths: np.ndarray) -> np.ndarray:
         return sequence_costs(self.a, self.b, lengths)
@@ -62,6 +78,13 @@ class ReplicaTable:
     min_efficient: np.ndarray
     group: np.ndarray  # index into `configs` per replica
     configs: tuple[ReplicaCost, ...]  # distinct configs, first-appearance order
+    lone_cap: np.ndarray  # the longest sequence each replica holds (`ReplicaCost.holds`)
+    long_w: np.ndarray  # the cost of a cap-long sequence on each replica (`ReplicaCost.long_w`)
+
+    @property
+    def params(self) -> tuple[np.ndarray, ...]:
+        """The per-replica arguments of `estimate_time` after the four sums."""
+        return (self.c, self.pp, self.cap, self.min_efficient, self.lone_cap, self.long_w)
 
     @classmethod
     def of(cls, cost: CostModel, deployment: Deployment | Sequence[ParallelConfig], num_gpus: int) -> ReplicaTable:
@@ -79,6 +102,8 @@ class ReplicaTable:
             min_efficient=np.array([r.min_efficient for r in reps], dtype=np.int64),
             group=np.array([distinct[g] for g in configs], dtype=np.int64),
             configs=models,
+            lone_cap=np.array([r.holds for r in reps], dtype=np.int64),
+            long_w=np.array([r.long_w for r in reps]),
         )
 
     def __len__(self) -> int:
@@ -114,8 +139,14 @@ def estimate_time(
     pp: ArrayLike,
     cap: ArrayLike,
     min_efficient: ArrayLike,
+    lone_cap: ArrayLike | None = None,
+    long_w: ArrayLike | None = None,
 ) -> np.ndarray:
-    """Estimated 1F1B time of replicas holding sequences with these sums (broadcasts; 0 if empty)."""
+    """Estimated 1F1B time of replicas holding sequences with these sums (broadcasts; 0 if empty).
+
+    With `lone_cap` and `long_w`: a replica whose w_max exceeds long_w holds a sequence longer than the
+    cap, so all of it runs as one micro-batch, pp (W + c), if T fits the lone cap, else never (inf).
+    """
     W = np.asarray(W, dtype=np.float64)
     c = np.asarray(c, dtype=np.float64)
     pp1 = np.asarray(pp, dtype=np.float64) - 1.0
@@ -125,7 +156,11 @@ def estimate_time(
     v2 = np.clip(v1 + 1.0, vmin, vmax)
     f1 = W + v1 * c + pp1 * (np.maximum(W / v1, wmax) + c)
     f2 = W + v2 * c + pp1 * (np.maximum(W / v2, wmax) + c)
-    return np.where(np.asarray(n) > 0, np.minimum(f1, f2), 0.0)
+    est = np.minimum(f1, f2)
+    if lone_cap is not None and long_w is not None:
+        lone = np.where(np.asarray(T) <= lone_cap, (pp1 + 1.0) * (W + c), np.inf)
+        est = np.where(np.asarray(wmax) > long_w, lone, est)
+    return np.where(np.asarray(n) > 0, est, 0.0)
 
 
 @dataclass
@@ -159,10 +194,7 @@ def estimates(
             sums.T[rows],
             sums.n[rows],
             sums.wmax[rows],
-            table.c[rows],
-            table.pp[rows],
-            table.cap[rows],
-            table.min_efficient[rows],
+            *(x[rows] for x in table.params),
         )
         + bias[rows]
     )

@@ -1,64 +1,47 @@
-"""What every policy (the planner and the baselines) returns: a Schedule of one or more phases.
+"""What every policy (the planner and the baselines) returns, a Schedule of one or more phases: its time and checks.
 
 Most policies run a global batch on one deployment: one phase. Temporal
-switching (hotspa) runs several phases one after another, each a homogeneous
-deployment over the whole cluster on part of the batch, and pays a switch
-between phases. Gradients accumulate over the phases and are synchronised once.
+switching runs several phases one after another, each a deployment on part of
+the batch (hotspa: homogeneous ones; the planner's phases.py: any of its pool),
+and pays a switch between phases. Gradients accumulate over the phases and the
+optimizer steps once. The Schedule itself is plan.py's, beside the plan and its
+file and wire formats.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
-from hydraulis.planner.plan import IterationPlan
+from hydraulis.planner.plan import IterationPlan, Schedule
 from hydraulis.planner.sim import simulate
 
+__all__ = ["Schedule", "check_schedule", "phase_switch_time", "phases_time"]
 
-@dataclass(frozen=True)
-class Schedule:
-    """One iteration: phases in execution order; `indices[k]` maps phase k's sequences to the batch."""
 
-    step: int
-    lengths: tuple[int, ...]
-    phases: tuple[IterationPlan, ...]
-    indices: tuple[tuple[int, ...], ...]
-    switch_s: float  # paid once between consecutive phases
-    iteration_time_s: float
-    planning_time_s: float
+def phase_switch_time(cost: CostModel, num_gpus: int) -> float:
+    """A phase change inside an iteration on the fixed optimizer layout: one more exchange.
 
-    @property
-    def num_tokens(self) -> int:
-        return int(sum(self.lengths))
-
-    @classmethod
-    def single(cls, plan: IterationPlan) -> Schedule:
-        return cls(
-            plan.step,
-            plan.lengths,
-            (plan,),
-            (tuple(range(len(plan.lengths))),),
-            0.0,
-            plan.predicted_time_s,
-            plan.planning_time_s,
-        )
+    The phase's gradients are reduced into their owners (which accumulate them) and the next
+    deployment's compute shard is gathered: a gradient sync's reduce and gather, nothing of the
+    optimizer state moves (docs/design.md, section 5).
+    """
+    return cost.grad_sync_time(num_gpus)
 
 
 def phases_time(phases: list[IterationPlan] | tuple[IterationPlan, ...], cost: CostModel, switch_s: float) -> float:
-    """Simulated compute of each phase, one switch between phases, one gradient sync."""
+    """Simulated compute of each phase, one switch between phases, then the last phase's optimizer step."""
     if len(phases) == 1:
         return simulate(phases[0], cost, keep_events=False).iteration_time_s
     compute = sum(simulate(p, cost, keep_events=False).compute_time_s for p in phases)
-    return compute + switch_s * (len(phases) - 1) + cost.grad_sync_time(phases[0].deployment.num_gpus)
+    return compute + switch_s * (len(phases) - 1) + cost.step_time(phases[-1].deployment.configs)
 
 
-def check_schedule(schedule: Schedule, cost: CostModel | None = None) -> None:
+def check_schedule(schedule: Schedule, cost: CostModel | None = None, where: str | None = None) -> None:
     """Each sequence of the batch in exactly one phase, with its own length; each phase a valid plan
     (within its caps too if `cost` is given). A HydraulisError names what is wrong."""
-    where = f"step {schedule.step}"
+    where = where or f"step {schedule.step}"
     n = len(schedule.lengths)
     if not schedule.phases:
         raise HydraulisError(f"{where}: the schedule has no phases")
@@ -66,11 +49,12 @@ def check_schedule(schedule: Schedule, cost: CostModel | None = None) -> None:
         raise HydraulisError(f"{where}: {len(schedule.phases)} phases but {len(schedule.indices)} index maps")
     seen = np.zeros(n, dtype=np.int64)
     for k, (plan, idx) in enumerate(zip(schedule.phases, schedule.indices, strict=True)):
-        plan.validate(cost, where=f"{where} phase {k}")
+        at = f"{where} phase {k}" if len(schedule.phases) > 1 else where
+        plan.validate(cost, where=at)
         if any(not 0 <= i < n for i in idx):
-            raise HydraulisError(f"{where} phase {k}: a batch position outside 0..{n - 1}")
+            raise HydraulisError(f"{at}: a batch position outside 0..{n - 1}")
         if tuple(schedule.lengths[i] for i in idx) != plan.lengths:
-            raise HydraulisError(f"{where} phase {k}: its lengths are not the batch's at its positions")
+            raise HydraulisError(f"{at}: its lengths are not the batch's at its positions")
         seen[list(idx)] += 1
     if (seen != 1).any():
         i = int(np.flatnonzero(seen != 1)[0])

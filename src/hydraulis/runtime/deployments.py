@@ -107,14 +107,17 @@ class RankPool:
         self.optimizer.gather(part.exchange, part.params, self.dtype)
 
     def exchange(
-        self, part: RankDeployment, micro_batches: int, reduce_dtype: torch.dtype, overlap: bool = True
+        self, part: RankDeployment, micro_batches: int, reduce_dtype: torch.dtype, overlap: bool = True,
+        accumulate: bool = False,
     ) -> Overlap:
-        """One iteration's gather and reduce, driven by the model's hooks while it computes (overlap.py).
+        """One iteration's (or phase's) gather and reduce, driven by the model's hooks while it computes (overlap.py).
 
         A pipelined replica gathers everything before its first micro-batch: waiting for a round inside
-        forward could block a neighbour stage's p2p. Its reduce still goes out from backward.
+        forward could block a neighbour stage's p2p. Its reduce still goes out from backward. `accumulate`:
+        the owners add to the gradient earlier phases of the iteration reduced instead of starting from zero.
         """
-        ex = Overlap(self.optimizer, part.exchange, part.params, self.dtype, reduce_dtype, micro_batches, overlap)
+        ex = Overlap(self.optimizer, part.exchange, part.params, self.dtype, reduce_dtype, micro_batches, overlap,
+                     accumulate)
         if not overlap or part.groups.config.pp > 1:
             ex.gather_ahead()
         return ex

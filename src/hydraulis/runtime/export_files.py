@@ -16,7 +16,9 @@ names it (`tokenizer`); the run directory's `config.toml` (beside
 `config.json` starts from the source model's own config when the run began
 from one (`init_from`), so its other fields (context length, initializer
 range) survive, and gets the ids; `generation_config.json` gets them too,
-so `generate` stops at the end of a document.
+so `generate` stops at the end of a document. The pad id is the source
+model's (`pad_token_id`, kept as it was) when it has one, else the
+tokenizer's, in both files.
 """
 
 from __future__ import annotations
@@ -110,18 +112,24 @@ def export_source(info: CheckpointInfo) -> ExportSource:
     return ExportSource(name, files, eos, bos, pad, source_config)
 
 
+def pad_id(source: ExportSource) -> int | None:
+    """The pad id the export declares: the source model's own (init_from) when it has one, else the tokenizer's."""
+    own = (source.source_config or {}).get("pad_token_id")
+    return own if isinstance(own, int) else source.pad
+
+
 def with_special_ids(config: dict[str, Any], source: ExportSource) -> dict[str, Any]:
     """config.json: the source model's fields, then ours (what computes the model), then the tokenizer's ids."""
     merged = {**(source.source_config or {}), **config}
     merged.pop("torch_dtype" if "dtype" in config else "dtype", None)  # one dtype key, ours
-    merged.update(eos_token_id=source.eos, bos_token_id=source.bos, pad_token_id=None)
+    merged.update(eos_token_id=source.eos, bos_token_id=source.bos, pad_token_id=pad_id(source))
     return merged
 
 
 def generation_config(source: ExportSource) -> dict[str, Any]:
     gen = {"bos_token_id": source.bos, "eos_token_id": source.eos}
-    if source.pad is not None:
-        gen["pad_token_id"] = source.pad
+    if pad_id(source) is not None:
+        gen["pad_token_id"] = pad_id(source)
     return gen
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hydraulis.errors import HydraulisError
-from hydraulis.families import ARCHITECTURES, CONFIG_FILE, read_hf_config
+from hydraulis.families import ARCHITECTURES, CONFIG_FILE, WEIGHTS_FILE, check_weights, read_hf_config
 from hydraulis.files import default_mode, replace_directory
 from hydraulis.runtime.checkpoint import load_master
 from hydraulis.runtime.export_files import (
@@ -45,8 +45,6 @@ if TYPE_CHECKING:
     from hydraulis.runtime.optimizer import DisaggregatedOptimizer
     from hydraulis.runtime.trainer import Trainer
 
-WEIGHTS_FILE = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
 def unflatten(layout: ModelLayout, vector: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -119,29 +117,7 @@ def export_hf(
     return written
 
 
-# -- import ----------------------------------------------------------------------------------------
-def _weight_files(hf_dir: Path) -> dict[str, Path]:
-    """HF tensor name -> the safetensors file holding it (one file, or a sharded index)."""
-    index = hf_dir / WEIGHTS_INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise HydraulisError(f"{index}: not a safetensors index ({type(exc).__name__}: {exc})") from None
-        return {name: hf_dir / file for name, file in weight_map.items()}
-    single = hf_dir / WEIGHTS_FILE
-    if not single.is_file():
-        raise HydraulisError(f"{single}: no such file (only safetensors weights are read)")
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(single), framework="pt") as fh:
-            names = list(fh.keys())
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-        raise HydraulisError(f"{single}: not a safetensors file ({exc})") from None
-    return dict.fromkeys(names, single)
-
-
+# -- import ---------------------------------------------------------------------------------------
 def _read_range(sl: Any, p: FlatParam, start: int, stop: int, rows: int) -> torch.Tensor:
     """Canonical elements [start, stop) of one parameter, read as a slice of its full tensor.
 
@@ -178,32 +154,24 @@ def init_from(target: Trainer | DisaggregatedOptimizer, hf_dir: str | Path) -> M
     if differ:
         mine = layout.spec.describe()
         raise HydraulisError(f"{config_path}: model {spec.describe()}, this run's model is {mine} ({differ[0]})")
-    files = _weight_files(hf_dir)
+    files = check_weights(hf_dir, spec)  # every name and shape first (job.py checked them too), then the values
     owned = layout.owned_ranges(opt.rank)
     fresh = torch.empty(layout.owned_size(opt.rank), dtype=torch.float32)
     with contextlib.ExitStack() as stack:
         handles: dict[Path, Any] = {}
-        todo = []
-        for p in layout.params:  # first every name and shape, then the values
+        for p in layout.params:
             pieces = [(max(lo, p.offset), min(hi, p.offset + p.numel)) for lo, hi in owned]
             pieces = [(a, b) for a, b in pieces if a < b]
             if not pieces:
                 continue
             name = hf_name(p.name)
-            if name not in files:
-                raise HydraulisError(f"{hf_dir}: the weights have no {name!r}")
             file = files[name]
             if file not in handles:
                 try:
                     handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
                 except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
                     raise HydraulisError(f"{file}: cannot open as safetensors ({exc})") from None
-            shape = tuple(handles[file].get_slice(name).get_shape())
             rows = spec.vocab if p.name in VOCAB_TENSORS else p.full_shape[0]
-            if shape != (rows, *p.full_shape[1:]):
-                raise HydraulisError(f"{file}: {name} has shape {shape}, the model's is {(rows, *p.full_shape[1:])}")
-            todo.append((p, name, file, pieces, rows))
-        for p, name, file, pieces, rows in todo:
             sl = handles[file].get_slice(name)
             for a, b in pieces:  # one per stripe: the owner's chunk of it
                 lo, hi = layout.to_local(opt.rank, a, b)

@@ -113,9 +113,9 @@ def live_tensor_bytes(device: torch.device | str = "cpu") -> int:
             if not issubclass(type(obj), torch.Tensor) or obj.device.type != device.type or obj.is_meta:
                 continue
             storage = obj.untyped_storage()
+            ptr = storage.data_ptr()  # a storage FSDP2 has freed raises here
         except (RuntimeError, ReferenceError):
             continue
-        ptr = storage.data_ptr()
         if ptr:
             seen[ptr] = max(seen.get(ptr, 0), storage.nbytes())
     return sum(seen.values())

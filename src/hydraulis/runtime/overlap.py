@@ -206,7 +206,7 @@ class ReduceStream(_Rounds):
 
     def __init__(self, opt: Owner, plan: ExchangePlan,
                  grads: Callable[[int], torch.Tensor | None], dtype: torch.dtype,
-                 before: Callable[[], None] | None = None) -> None:
+                 before: Callable[[], None] | None = None, accumulate: bool = False) -> None:
         super().__init__(opt, plan, "reduce", dtype, range(len(plan.rounds) - 1, -1, -1))
         self.grads = grads  # local parameter index -> its accumulated gradient (None: zero)
         self.before = before  # called before the first round is issued (the gather's finish)
@@ -214,7 +214,8 @@ class ReduceStream(_Rounds):
         self.counts: dict[int, int] = {}
         self.early = 0  # rounds issued from backward's hooks, while it went on
         self.index = {p.name: i for i, p in enumerate(plan.local)}
-        opt.grad.zero_()
+        if not accumulate:  # a later phase of an iteration adds to what the earlier phases reduced
+            opt.grad.zero_()
 
     def _start(self) -> None:
         """Before the first round: what must precede it on the group (the gather's last rounds)."""
@@ -271,9 +272,11 @@ class Overlap:
     """One iteration's gather and reduce on one rank, reached by the model's hooks (`attach_exchange_hooks`)."""
 
     def __init__(self, opt: Owner, plan: ExchangePlan, params: Sequence[torch.nn.Parameter],
-                 dtype: torch.dtype, reduce_dtype: torch.dtype, micro_batches: int, enabled: bool = True) -> None:
+                 dtype: torch.dtype, reduce_dtype: torch.dtype, micro_batches: int, enabled: bool = True,
+                 accumulate: bool = False) -> None:
         self.gather = GatherStream(opt, plan, params, dtype)
-        self.reduce = ReduceStream(opt, plan, lambda i: gradient(params[i]), reduce_dtype, self.gather.finish)
+        self.reduce = ReduceStream(opt, plan, lambda i: gradient(params[i]), reduce_dtype, self.gather.finish,
+                                   accumulate)
         self.micro_batches = micro_batches
         self.enabled = enabled  # False: the hooks do nothing, gather and reduce run whole (`gather_ahead`, `finish`)
 

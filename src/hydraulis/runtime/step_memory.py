@@ -48,35 +48,56 @@ class StepMemory:
     """Start before an iteration, stop after its optimizer step.
 
     On CUDA every iteration is measured. On CPU: the first iteration on each deployment (memory
-    depends on it) and every `every`-th step; the others report a measured peak of 0.
+    depends on it), every `every`-th step and, under a memory budget, every iteration whose predicted
+    peak is this rank's highest yet (the ones that could break it); the others report a measured peak
+    of 0. The decision is each rank's own: the meter takes no collective.
+
+    `budget` (`[parallel] memory_per_rank`): the bytes a rank may hold; on CUDA the allocator is
+    limited to it (`torch.cuda.set_per_process_memory_fraction`, not run here without a GPU).
     """
 
-    def __init__(self, device: torch.device, optimizer: DisaggregatedOptimizer, every: int = CPU_SAMPLE_EVERY) -> None:
-        self.device, self.optimizer, self.every = device, optimizer, every
+    def __init__(
+        self,
+        device: torch.device,
+        optimizer: DisaggregatedOptimizer,
+        every: int = CPU_SAMPLE_EVERY,
+        budget: int | None = None,
+    ) -> None:
+        self.device, self.optimizer, self.every, self.budget = device, optimizer, every, budget
         self.meter = PeakMeter(device)
         self._base = 0
         self._seen: set[int] = set()
         self._measuring = False
+        self._predicted = 0.0
+        self._highest = 0.0  # the highest predicted peak measured so far
+        if budget is not None and device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
 
-    def start(self, deployment: int, step: int) -> None:
-        """Measure this iteration if it is due (the same decision on every rank: the same plan and step)."""
-        self._measuring = self.device.type == "cuda" or deployment not in self._seen or step % self.every == 0
+    def start(self, deployment: int, step: int, predicted: float) -> None:
+        """Measure this iteration if it is due; `predicted` is the memory model's peak for it on this rank."""
+        riskiest = self.budget is not None and predicted > self._highest
+        self._measuring = (
+            self.device.type == "cuda" or deployment not in self._seen or step % self.every == 0 or riskiest
+        )
         self._seen.add(deployment)
+        self._predicted = predicted
         if not self._measuring:
             return
+        self._highest = max(self._highest, predicted)
         self._base = live_tensor_bytes(self.device)
         self.optimizer.exchange_peak_bytes = 0
         self.meter.start()
 
-    def stop(self, predicted: float) -> MemoryFigures:
+    def stop(self) -> MemoryFigures:
         if not self._measuring:
-            return MemoryFigures(0, int(predicted), 0)
+            return MemoryFigures(0, int(self._predicted), 0)
         self.meter.stop()
         if self.device.type == "cuda":
             exchange = self.optimizer.exchange_peak_bytes
         else:
             exchange = self.meter.window_peak(EXCHANGE_WINDOW)
-        return MemoryFigures(self._base + self.meter.peak_bytes, int(predicted), int(exchange))
+        return MemoryFigures(self._base + self.meter.peak_bytes, int(self._predicted), int(exchange))
 
 
 def predicted_peak(

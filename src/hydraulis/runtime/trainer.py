@@ -27,6 +27,7 @@ deployment, so runs on different deployments or world sizes see the same losses.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -43,18 +44,19 @@ from hydraulis.data.sampler import GlobalBatch, SamplerState, TokenBudgetSampler
 from hydraulis.errors import HydraulisError
 from hydraulis.optim import OptimSettings
 from hydraulis.parallel import Deployment
-from hydraulis.planner.plan import IterationPlan, decode_plan, encode_plan
-from hydraulis.planner.planner import Planner
+from hydraulis.planner.phases import PhasedPlanner
+from hydraulis.planner.plan import IterationPlan, Schedule, decode_plan, decode_schedule, encode_plan, encode_schedule
 from hydraulis.planner.pool import check_job_pool
+from hydraulis.planner.schedule import phases_time
 from hydraulis.planner.sim import simulate
 from hydraulis.runtime.batch import PackedBatch, count_targets, pack_cp_shard
 from hydraulis.runtime.deployments import RankDeployment, RankPool
-from hydraulis.runtime.divergence import finite, poisoned
+from hydraulis.runtime.divergence import finite
 from hydraulis.runtime.groups import built_groups
 from hydraulis.runtime.launch import DTYPES, DistEnv, init_distributed
 from hydraulis.runtime.layout import ModelLayout
 from hydraulis.runtime.optimizer import DEFAULT_BUCKET_BYTES, DisaggregatedOptimizer
-from hydraulis.runtime.pipeline import train_step
+from hydraulis.runtime.phases import loss_part, rank_figures, run_phases
 from hydraulis.runtime.step_memory import CPU_SAMPLE_EVERY, StepMemory, predicted_peak
 from hydraulis.runtime.timeouts import DEFAULT_TIMEOUT_S, first_step_timeout, settle_timeouts
 from hydraulis.specs import ModelSpec
@@ -75,6 +77,7 @@ class TrainSettings:
     reduce_dtype: str = "fp32"  # what gradients travel in to their owners (summed in fp32 there)
     timeout_s: float = DEFAULT_TIMEOUT_S  # process-group timeout after the first step (timeouts.py)
     memory_every: int = CPU_SAMPLE_EVERY  # on CPU, measure memory every this many steps (step_memory.py)
+    memory_budget_bytes: int | None = None  # [parallel] memory_per_rank: each rank's measured peak is checked
     overlap: bool = True  # gather and reduce beside compute (runtime/overlap.py)
 
     def schedule_state(self) -> dict[str, Any]:
@@ -125,6 +128,10 @@ class StepMetrics:
     # smallest, the slowest rank's, which is the exchange alone.
     exchange_exposed_s: float = 0.0
     exchange_exposed_min_s: float = 0.0
+    phases: int = 1  # deployments one after another in this iteration (runtime/phases.py)
+    phase_switch_s: float = 0.0  # their switches, measured (the rank that waited least: the switches alone)
+    phase_switch_predicted_s: float = 0.0
+    memory_over_budget: bool = False  # a rank's measured peak exceeded [parallel] memory_per_rank
 
     @property
     def tokens_per_s(self) -> float:
@@ -204,12 +211,12 @@ class Trainer:
             timeout,
         )
         self._timeouts_settled = False
-        self.memory = StepMemory(self.env.device, self.optimizer, settings.memory_every)
-        self.planner = Planner(settings.cost, self.world, settings.pool) if self.rank == 0 else None
+        self.memory = StepMemory(self.env.device, self.optimizer, settings.memory_every, settings.memory_budget_bytes)
+        self.planner = PhasedPlanner(settings.cost, self.world, settings.pool) if self.rank == 0 else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner") if self.rank == 0 else None
         self.step_index = 0
         self._pending: tuple[GlobalBatch, Future | None] | None = None
-        self.recent: deque[tuple[GlobalBatch, IterationPlan]] = deque(maxlen=settings.compare_steps)
+        self.recent: deque[tuple[GlobalBatch, Schedule]] = deque(maxlen=settings.compare_steps)
 
     # -- plans ---------------------------------------------------------------------------
     def _draw(self) -> None:
@@ -217,10 +224,10 @@ class Trainer:
         batch = self.sampler.next_batch()
         future = None
         if self.planner is not None:
-            future = self._executor.submit(self.planner.plan, batch.lengths, self.step_index)
+            future = self._executor.submit(self.planner.schedule, batch.lengths, self.step_index)
         self._pending = (batch, future)
 
-    def _next_plan(self) -> tuple[GlobalBatch, IterationPlan, float]:
+    def _next_plan(self) -> tuple[GlobalBatch, Schedule, float]:
         if self._pending is None:
             self._draw()
         batch, future = self._pending
@@ -229,8 +236,7 @@ class Trainer:
         payload = None
         if future is not None:
             try:
-                plan = future.result()
-                payload = encode_plan(plan, self.settings.pool.index(plan.deployment))
+                payload = encode_schedule(future.result(), self.settings.pool)
             except HydraulisError as exc:
                 self._broadcast(None)
                 raise HydraulisError(f"planning step {self.step_index}: {exc}") from None
@@ -238,7 +244,7 @@ class Trainer:
         data = self._broadcast(payload)
         if data is None:
             raise HydraulisError(f"rank 0 could not plan step {self.step_index}")
-        return batch, decode_plan(data, self.step_index, batch.lengths, self.settings.pool), waited
+        return batch, decode_schedule(data, self.step_index, batch.lengths, self.settings.pool), waited
 
     def _broadcast(self, payload: np.ndarray | None) -> np.ndarray | None:
         """Rank 0's payload on every rank: its length first (-1: rank 0 failed), then the values."""
@@ -255,10 +261,10 @@ class Trainer:
     # -- iterations -------------------------------------------------------------------------
     def step(self) -> StepMetrics:
         """Plan (already in flight), run and report one iteration; the next batch's planning starts at once."""
-        batch, plan, waited = self._next_plan()
+        batch, schedule, waited = self._next_plan()
         self._draw()  # plan i + 1 while iteration i computes
-        self.recent.append((batch, plan))
-        return self.run_iteration(batch, plan, planning_unhidden_s=waited)
+        self.recent.append((batch, schedule))
+        return self.run_schedule(batch, schedule, planning_unhidden_s=waited)
 
     def micro_batches(self, batch: GlobalBatch, plan: IterationPlan, part: RankDeployment) -> list[PackedBatch]:
         """This rank's replica's micro-batches (its CP rank's share of each): only its documents are read."""
@@ -284,34 +290,20 @@ class Trainer:
 
     def run_iteration(self, batch: GlobalBatch, plan: IterationPlan, planning_unhidden_s: float = 0.0) -> StepMetrics:
         """Execute one plan on one batch (every rank, the same plan); returns the metrics (meaningful on rank 0)."""
-        pool_index = self.settings.pool.index(plan.deployment)
-        self.memory.start(pool_index, self.step_index)
+        return self.run_schedule(batch, Schedule.single(plan), planning_unhidden_s)
+
+    def run_schedule(self, batch: GlobalBatch, schedule: Schedule, planning_unhidden_s: float = 0.0) -> StepMetrics:
+        """Its phases one after another (runtime/phases.py), then one optimizer step on their summed gradients."""
+        s = self.settings
+        indices = [s.pool.index(p.deployment) for p in schedule.phases]
+        peak = max(predicted_peak(s.cost, s.model, self.deployments.parts[k], p, self.world, self.dtype,
+                                  s.exchange_bucket_bytes) for k, p in zip(indices, schedule.phases, strict=True))
+        self.memory.start(indices[0], self.step_index, peak)
         start = time.perf_counter()
-        part, switched = self.deployments.activate(pool_index)
-        activated = time.perf_counter()
-        model = part.model
-        part.clear_grads()
-        count = len(plan.replicas[part.replica].micro_batches)
-        exchange = self.deployments.exchange(part, count, DTYPES[self.settings.reduce_dtype], self.settings.overlap)
-        gathered = time.perf_counter()
-        micro_batches = self.micro_batches(batch, plan, part)
         targets = self.batch_targets(batch)
-        model.exchange = exchange  # the model's hooks gather ahead of each layer and reduce behind backward
-        try:
-            with poisoned(model, self.step_index, part.groups.is_last_stage):  # a test hook, off unless asked for
-                result = train_step(model, part.groups, micro_batches, targets, reduce_partial_grads=False)
-        finally:
-            model.exchange = None
-        if self.env.device.type == "cuda":
-            torch.cuda.synchronize()
-        computed = time.perf_counter()
-        exchange.finish()
-        self.last_exchange = exchange
-        reduced = time.perf_counter()
-        counts_loss = result.loss_sum_tensor is not None and part.groups.tp.rank == 0
-        loss_part = result.loss_sum_tensor if counts_loss else torch.zeros((), device=self.env.device)
-        norm, extra = self.optimizer.global_norm(extra=loss_part.reshape(1))
-        lr = self.settings.optim.lr_at(self.step_index, self.settings.steps)
+        runs = run_phases(self, batch, schedule, targets)
+        norm, extra = self.optimizer.global_norm(extra=loss_part(runs, self.env.device).reshape(1))
+        lr = s.optim.lr_at(self.step_index, s.steps)
         values = torch.stack([norm.detach().double().cpu(), extra[0].double().cpu()]).tolist()  # one sync per step
         skipped = not finite(values[1], values[0])  # the same numbers on every rank: they agree
         if not skipped:
@@ -319,40 +311,31 @@ class Trainer:
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         finished = time.perf_counter()  # the iteration ends here; what follows only reports on it
-        s = self.settings
-        memory = self.memory.stop(predicted_peak(s.cost, s.model, part, plan, self.world, self.dtype,
-                                                 s.exchange_bucket_bytes))
-        part.clear_grads()
-        replicas = len(plan.deployment.replicas)
-        times = torch.zeros(replicas + 6, dtype=torch.float64)  # replica times, memory, exposed: max over ranks
-        times[part.replica] = computed - gathered
-        times[replicas:] = torch.tensor(
-            [memory.peak, memory.predicted, memory.exchange_peak, memory.error, exchange.exposed_s, -exchange.exposed_s]
-        )
-        if self.world > 1:
-            dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.control)
-        times, peaks = times[:replicas], times[replicas:].tolist()
-        predicted = simulate(plan, self.settings.cost, keep_events=False)
+        memory = self.memory.stop()
+        for r in runs:
+            r.part.clear_grads()
+        times, peaks = rank_figures(runs, memory, self.control)
+        predicted = [simulate(p, s.cost, keep_events=False) for p in schedule.phases]
         metrics = StepMetrics(
             step=self.step_index,
             loss=values[1] / targets,
             tokens=batch.num_tokens,
             sequences=len(batch),
-            deployment=str(plan.deployment),
-            deployment_index=pool_index,
-            switched=switched,
+            deployment=" | ".join(str(p.deployment) for p in schedule.phases),
+            deployment_index=runs[-1].index,
+            switched=runs[0].switched,
             iteration_s=finished - start,
-            predicted_s=float(predicted.iteration_time_s),
-            planning_s=plan.planning_time_s,
+            predicted_s=phases_time(schedule.phases, s.cost, schedule.switch_s),
+            planning_s=schedule.planning_time_s,
             planning_unhidden_s=planning_unhidden_s,
-            switch_s=activated - start,
-            gather_s=gathered - activated,
-            reduce_s=reduced - computed,
+            switch_s=runs[0].activate_s,
+            gather_s=sum(r.gather_s for r in runs),
+            reduce_s=sum(r.reduce_s for r in runs),
             lr=lr,
             grad_norm=values[0],
-            replica_s=tuple(times.tolist()),
-            replica_predicted_s=tuple(float(t) for t in predicted.replica_times_s),
-            micro_batches=tuple(len(r.micro_batches) for r in plan.replicas),
+            replica_s=tuple(times),
+            replica_predicted_s=tuple(float(t) for res in predicted for t in res.replica_times_s),
+            micro_batches=tuple(len(r.micro_batches) for p in schedule.phases for r in p.replicas),
             epoch=batch.state.epoch,
             position=batch.state.position,
             skipped=skipped,
@@ -362,6 +345,10 @@ class Trainer:
             memory_error=peaks[3],
             exchange_exposed_s=peaks[4],
             exchange_exposed_min_s=-peaks[5],
+            phases=len(runs),
+            phase_switch_s=-peaks[7],
+            phase_switch_predicted_s=schedule.switch_s * (len(runs) - 1),
+            memory_over_budget=s.memory_budget_bytes is not None and peaks[0] > s.memory_budget_bytes,
         )
         self.step_index += 1
         if not self._timeouts_settled:  # the first step is done: every group gets the steady timeout
@@ -375,42 +362,42 @@ class Trainer:
 
         Real iterations (gather, 1F1B, reduce, AdamW), timed as `run_iteration` times them; the
         optimizer state and step index are restored afterwards, so training is unchanged.
-        Returns None when no batch was kept or no homogeneous deployment holds them all.
+        Returns None when no batch was kept or no homogeneous deployment holds them all. A deployment that
+        could not hold some batch of the run is left out: a homogeneous run could not have used it (under
+        `[parallel] memory_per_rank`, the comparison is with the homogeneous plans that fit the budget).
         """
         pairs = list(self.recent)
         if not pairs:
             return None
         pool = self.settings.pool
-        candidates = [k for k, d in enumerate(pool) if d.is_homogeneous]
-        payload = None
+        candidates = [k for k, d in enumerate(pool) if d.is_homogeneous]  # that held every batch of the run:
+        candidates = [k for k in candidates if self.planner is None or k not in self.planner.missed]
+        payload, made = None, {}
         if self.planner is not None:
-            longest = max(int(b.lengths.max()) for b, _ in pairs)
-            usable = [k for k in candidates if self.planner.holds(pool[k], longest)]
-            payload = np.array([len(usable), *usable], dtype=np.int64)
+            for k in candidates:  # a deployment that cannot hold every batch (within the caps) is left out
+                with contextlib.suppress(HydraulisError):
+                    made[k] = [encode_plan(self.planner.plan_on(b.lengths, pool[k], p.step), k) for b, p in pairs]
+            payload = np.array([len(made), *made], dtype=np.int64)
         usable = [int(k) for k in self._broadcast(payload)[1:]]
         if not usable:
             return None
-        plans: dict[str, list[IterationPlan]] = {"planned": [p for _, p in pairs]}
+        plans: dict[str, list[Schedule]] = {"planned": [p for _, p in pairs]}
         for k in usable:
-            homogeneous = []
-            for batch, plan in pairs:
-                made = None
-                if self.planner is not None:
-                    made = encode_plan(self.planner.plan_on(batch.lengths, pool[k], plan.step), k)
-                homogeneous.append(decode_plan(self._broadcast(made), plan.step, batch.lengths, pool))
-            plans[str(pool[k])] = homogeneous
+            mine = made.get(k, [None] * len(pairs))  # rank 0 made them; the others receive them
+            plans[str(pool[k])] = [Schedule.single(decode_plan(self._broadcast(m), p.step, b.lengths, pool))
+                                   for m, (b, p) in zip(mine, pairs, strict=True)]
         saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.optimizer.state_dict().items()}
         step_index = self.step_index
         seconds: dict[str, list[float]] = {name: [] for name in plans}
         for _ in range(repeats):
             for name, chosen in plans.items():
                 self.step_index = step_index
-                rows = [self.run_iteration(b, p) for (b, _), p in zip(pairs, chosen, strict=True)]
+                rows = [self.run_schedule(b, p) for (b, _), p in zip(pairs, chosen, strict=True)]
                 seconds[name].append(sum(r.iteration_s for r in rows))
         self.step_index = step_index
         self.optimizer.load_state_dict(saved)
         tokens = sum(b.num_tokens for b, _ in pairs)
-        predicted = {name: sum(p.predicted_time_s for p in chosen) for name, chosen in plans.items()}
+        predicted = {name: sum(p.iteration_time_s for p in chosen) for name, chosen in plans.items()}
         return Comparison(tokens, repeats, seconds, predicted)
 
     # -- checkpoints (checkpoint.py) ------------------------------------------------------------

@@ -1,0 +1,127 @@
+"""Phases within an iteration: a global batch run as a short sequence of deployments, each on part of it.
+
+One deployment must hold a batch's longest sequence, so with one deployment per
+iteration every short sequence pays for the parallelism the longest needs (on a
+small cluster, often one large replica for all). A phased plan runs the long
+sequences on a deployment that holds them and the others on deployments that
+run them faster, one after the other (HotSPa's temporal switching, with
+Hydraulis's heterogeneous deployments in every phase). Gradients accumulate in
+the owners across phases and the optimizer steps once; a phase change costs one
+more exchange: the reduce of the phase's gradients and the gather into the next
+layout (`schedule.phase_switch_time`).
+
+The search: the pool's deployments hold sequences up to their largest cap, so
+the batch, sorted by length, is cut only at those caps (a phase is a length
+range; which deployments may run it changes only there). A dynamic programme
+over the cuts, on dispatch estimates, finds the best split into 2..MAX_PHASES
+ranges, switches included; the most promising splits are planned in full (each
+phase by the planner, on the pool deployment its simulation prefers) and the
+fastest simulated schedule, single phase included, wins. The phase holding the
+longest sequences runs last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from hydraulis.errors import HydraulisError
+from hydraulis.planner.dispatch import NoRoom, dispatch
+from hydraulis.planner.planner import Planner, check_lengths
+from hydraulis.planner.schedule import Schedule, phase_switch_time, phases_time
+
+MAX_PHASES = 3
+FULL_SPLITS = 2  # splits planned in full after the estimate
+MIN_GAIN = 0.002  # a phased schedule must beat one phase by this share: a switch is not free to get right
+
+
+@dataclass(frozen=True)
+class Split:
+    """Batch positions of each phase, in execution order, and the estimated iteration (switches included)."""
+
+    phases: tuple[np.ndarray, ...]
+    estimate_s: float
+
+
+class PhasedPlanner(Planner):
+    """The planner, choosing per batch between one deployment and a sequence of phases (the `hydraulis` policy)."""
+
+    def schedule(self, lengths: np.ndarray, step: int = 0) -> Schedule:
+        """The fastest simulated schedule: the single-phase plan, or the best of the most promising splits."""
+        start = time.perf_counter()
+        lengths = check_lengths(lengths)
+        best = Schedule.single(self.plan(lengths, step))
+        if len(self.pool) > 1:
+            for split in self.splits(lengths)[:FULL_SPLITS]:
+                try:
+                    candidate = self._plan_split(lengths, split, step)
+                except HydraulisError:  # a phase no deployment has room for: the split is not a candidate
+                    continue
+                if candidate.iteration_time_s < best.iteration_time_s * (1 - MIN_GAIN):
+                    best = candidate
+        elapsed = time.perf_counter() - start
+        phases = best.phases
+        if len(phases) == 1:
+            phases = (dataclasses.replace(phases[0], planning_time_s=elapsed),)
+        return dataclasses.replace(best, phases=phases, planning_time_s=elapsed)
+
+    @property
+    def switch_s(self) -> float:
+        return phase_switch_time(self.cost, self.num_gpus)
+
+    def splits(self, lengths: np.ndarray) -> list[Split]:
+        """Splits of the batch into 2..MAX_PHASES length ranges at the pool's caps, best estimate first."""
+        order = np.argsort(lengths, kind="stable")
+        s = lengths[order]
+        tops = np.array([int(t.cap.max()) for t in self._tables])
+        lone = np.array([int(t.lone_cap.max()) for t in self._tables])  # what a replica's only micro-batch holds
+        levels = sorted({int(c) for c in tops if s[0] <= c < s[-1]})
+        cuts = sorted({0, len(s), *(int(np.searchsorted(s, lv, side="right")) for lv in levels)})
+        m = len(cuts)
+        if m < 3:
+            return []
+        est = np.full((m, m), np.inf)
+        for i in range(m):
+            for j in range(i + 1, m):
+                est[i, j] = self._estimate(s[cuts[i] : cuts[j]], lone)
+        # best[p, j]: the first cuts[j] sorted sequences in p phases; back[p, j] the cut before the last phase.
+        best = np.full((MAX_PHASES + 1, m), np.inf)
+        back = np.zeros((MAX_PHASES + 1, m), dtype=np.int64)
+        best[0, 0] = 0.0
+        for p in range(1, MAX_PHASES + 1):
+            for j in range(1, m):
+                totals = best[p - 1, :j] + est[:j, j]
+                back[p, j] = int(np.argmin(totals))
+                best[p, j] = totals[back[p, j]]
+        out = []
+        for p in range(2, MAX_PHASES + 1):
+            if not np.isfinite(best[p, m - 1]):
+                continue
+            bounds, j = [m - 1], m - 1
+            for q in range(p, 0, -1):
+                j = int(back[q, j])
+                bounds.append(j)
+            bounds = bounds[::-1]
+            phases = tuple(order[cuts[bounds[q]] : cuts[bounds[q + 1]]] for q in range(p))
+            out.append(Split(phases, float(best[p, m - 1]) + (p - 1) * self.switch_s))
+        return sorted(out, key=lambda x: x.estimate_s)
+
+    def _estimate(self, part: np.ndarray, lone: np.ndarray) -> float:
+        """The greedy makespan of a phase on the best deployment that holds it (inf where none has room)."""
+        best = np.inf
+        for k in np.flatnonzero(lone >= part[-1]):
+            try:
+                best = min(best, dispatch(part, self._tables[k], search=False).makespan_s)
+            except NoRoom:  # more sequences beyond the caps than lone micro-batches to hold them
+                continue
+        return best
+
+    def _plan_split(self, lengths: np.ndarray, split: Split, step: int) -> Schedule:
+        """Every phase planned on its own (the planner picks its deployment), then the whole simulated."""
+        plans = tuple(self.plan(lengths[idx], step) for idx in split.phases)
+        total = phases_time(plans, self.cost, self.switch_s)
+        indices = tuple(tuple(int(i) for i in idx) for idx in split.phases)
+        return Schedule(step, tuple(int(x) for x in lengths), plans, indices, self.switch_s, total, 0.0)

@@ -1,0 +1,153 @@
+"""The compute of an iteration, phase by phase: each phase its deployment on its part of the batch.
+
+A plan of one phase is what every iteration was before phases existed: activate
+the deployment, gather the compute shard (overlapped with forward), run 1F1B on
+this rank's micro-batches, reduce the gradients into the owners. A phased
+schedule (planner/phases.py) repeats that per phase on the same fixed optimizer
+layout, and the owners add each later phase's gradients to what the earlier
+phases reduced (`ReduceStream`'s `accumulate`); the trainer then takes the
+global norm and one AdamW step over the sum. Every phase's loss is summed over
+the whole batch's targets, so the loss is the single-process one.
+
+A phase change costs what a switch between iterations costs: freeing the old
+compute shard and allocating the new one, the reduce of the phase's gradients
+and the gather into the next layout. `PhaseRun.switch_s` is what the training
+thread spent on that (activation, and the exchange time compute did not hide)
+beyond what one phase would have spent: the in-iteration switch cost.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hydraulis.data.sampler import GlobalBatch
+from hydraulis.planner.plan import IterationPlan, Schedule
+from hydraulis.runtime.batch import PackedBatch
+from hydraulis.runtime.deployments import RankDeployment, RankPool
+from hydraulis.runtime.divergence import poisoned
+from hydraulis.runtime.launch import DTYPES, DistEnv
+from hydraulis.runtime.overlap import Overlap
+from hydraulis.runtime.pipeline import StepResult, train_step
+from hydraulis.runtime.step_memory import MemoryFigures
+
+
+class Trainer(Protocol):
+    """What a phase needs of the trainer (runtime/trainer.py's Trainer; named here, so no import circle)."""
+
+    settings: Any  # TrainSettings: the pool, the exchange's reduce dtype and overlap
+    deployments: RankPool
+    env: DistEnv
+    step_index: int
+    last_exchange: Overlap
+
+    def micro_batches(self, batch: GlobalBatch, plan: IterationPlan, part: RankDeployment) -> list[PackedBatch]: ...
+
+
+@dataclass(frozen=True)
+class PhaseRun:
+    """What one phase did on this rank (times in seconds, from the phase's start)."""
+
+    index: int  # the deployment's index in the pool
+    plan: IterationPlan
+    part: RankDeployment
+    result: StepResult
+    exchange: Overlap
+    switched: bool  # another deployment than the one before (the previous iteration's, or phase's)
+    activate_s: float
+    gather_s: float  # the gather before compute (all of it without overlap or on a pipeline)
+    compute_s: float
+    reduce_s: float  # the reduce after compute, waiting for the slowest replica included
+
+    def switch_s(self, first: bool, last: bool) -> float:
+        """This phase's share of the in-iteration switch cost: its activation and exposed gather unless it is the
+        first phase, its exposed reduce unless it is the last (one phase pays neither)."""
+        gather = 0.0 if first else self.activate_s + self.exchange.gather.exposed_s
+        return gather + (0.0 if last else self.exchange.reduce.exposed_s)
+
+
+def sub_batch(batch: GlobalBatch, positions: Sequence[int]) -> GlobalBatch:
+    """The pieces of `batch` at `positions`, in that order (a phase's part of the batch)."""
+    idx = np.asarray(positions, dtype=np.int64)
+    return GlobalBatch(batch.docs[idx], batch.starts[idx], batch.lengths[idx], batch.state, batch.next_state)
+
+
+def run_phases(trainer: Trainer, batch: GlobalBatch, schedule: Schedule, targets: int) -> list[PhaseRun]:
+    """Every phase in order; each later one's reduce accumulates into the owners' gradient."""
+    runs = []
+    for k, (plan, positions) in enumerate(zip(schedule.phases, schedule.indices, strict=True)):
+        part_batch = batch if len(schedule.phases) == 1 else sub_batch(batch, positions)
+        runs.append(run_phase(trainer, part_batch, plan, targets, accumulate=k > 0))
+    return runs
+
+
+def run_phase(trainer: Trainer, batch: GlobalBatch, plan: IterationPlan, targets: int, accumulate: bool) -> PhaseRun:
+    """One deployment's part of an iteration: activate, gather, 1F1B on this rank's micro-batches, reduce."""
+    s = trainer.settings
+    index = s.pool.index(plan.deployment)
+    start = time.perf_counter()
+    part, switched = trainer.deployments.activate(index)
+    activated = time.perf_counter()
+    model = part.model
+    part.clear_grads()
+    count = len(plan.replicas[part.replica].micro_batches)
+    exchange = trainer.deployments.exchange(part, count, DTYPES[s.reduce_dtype], s.overlap, accumulate)
+    gathered = time.perf_counter()
+    micro_batches = trainer.micro_batches(batch, plan, part)
+    model.exchange = exchange  # the model's hooks gather ahead of each layer and reduce behind backward
+    try:
+        with poisoned(model, trainer.step_index, part.groups.is_last_stage):  # a test hook, off unless asked for
+            result = train_step(model, part.groups, micro_batches, targets, reduce_partial_grads=False)
+    finally:
+        model.exchange = None
+    if trainer.env.device.type == "cuda":
+        torch.cuda.synchronize()
+    computed = time.perf_counter()
+    exchange.finish()
+    trainer.last_exchange = exchange
+    reduced = time.perf_counter()
+    return PhaseRun(index, plan, part, result, exchange, switched, activated - start, gathered - activated,
+                    computed - gathered, reduced - computed)
+
+
+def loss_part(runs: Sequence[PhaseRun], device: torch.device) -> torch.Tensor:
+    """This rank's share of the batch's loss sum: each phase's last stage, counted on its TP rank 0."""
+    total = torch.zeros((), device=device)
+    for run in runs:
+        if run.result.loss_sum_tensor is not None and run.part.groups.tp.rank == 0:
+            total = total + run.result.loss_sum_tensor
+    return total
+
+
+def switch_cost(runs: Sequence[PhaseRun]) -> float:
+    """The in-iteration switch cost on this rank (0 for one phase)."""
+    return sum(r.switch_s(k == 0, k == len(runs) - 1) for k, r in enumerate(runs))
+
+
+
+def rank_figures(runs: Sequence[PhaseRun], memory: MemoryFigures, group: dist.ProcessGroup | None
+                 ) -> tuple[list[float], list[float]]:
+    """Per-replica compute seconds (phase after phase) and the memory, exposed-exchange and switch figures, each
+    the largest over ranks (smallest ones travel negated): one all-reduce over the control group."""
+    widths = [len(r.plan.deployment.replicas) for r in runs]
+    replicas = sum(widths)
+    values = torch.zeros(replicas + 8, dtype=torch.float64)
+    offset = 0
+    for run, width in zip(runs, widths, strict=True):
+        values[offset + run.part.replica] = run.compute_s
+        offset += width
+    exposed = sum(r.exchange.exposed_s for r in runs)
+    switch = switch_cost(runs)
+    values[replicas:] = torch.tensor(
+        [memory.peak, memory.predicted, memory.exchange_peak, memory.error, exposed, -exposed, switch, -switch],
+        dtype=torch.float64,
+    )
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return values[:replicas].tolist(), values[replicas:].tolist()

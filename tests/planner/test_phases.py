@@ -1,0 +1,142 @@
+"""Phases within an iteration: the planner's choice, its schedule's time, and the schedule's wire and file forms."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hydraulis.cost import load_cost_model
+from hydraulis.errors import HydraulisError
+from hydraulis.parallel import Deployment
+from hydraulis.planner.phases import MAX_PHASES, PhasedPlanner
+from hydraulis.planner.plan import (
+    PlanFile,
+    Schedule,
+    decode_schedule,
+    encode_plan,
+    encode_schedule,
+    load_plan,
+    save_plan,
+)
+from hydraulis.planner.planner import Planner
+from hydraulis.planner.proposal import propose
+from hydraulis.planner.schedule import check_schedule
+from hydraulis.planner.sim import simulate
+from hydraulis.specs import ClusterSpec
+
+CLUSTER = ClusterSpec(16)
+BIG = load_cost_model("llama-32b@a800-80g")  # on 16 GPUs only tp16pp1 holds 16K; tp8pp2 holds 11,264
+BIG_POOL = ("1x(tp16,pp1)", "1x(tp8,pp2)")
+SMALL = load_cost_model("llama-7b@a800-80g")
+SMALL_POOL = ("4x(tp4,pp1)", "8x(tp2,pp1)", "1x(tp8,pp1) + 4x(tp2,pp1)", "8x(tp1,pp2)")
+
+
+@functools.cache
+def planner(name: str) -> PhasedPlanner:
+    cost, pool = (BIG, BIG_POOL) if name == "big" else (SMALL, SMALL_POOL)
+    return PhasedPlanner(cost, CLUSTER.num_gpus, [Deployment.parse(t, CLUSTER) for t in pool])
+
+
+def code_batch(seed: int = 0) -> np.ndarray:
+    """A code-like batch: six documents at the 16K maximum, forty shorter ones."""
+    rng = np.random.default_rng(seed)
+    return np.concatenate([[16384] * 6, np.minimum(rng.lognormal(7.8, 0.8, 40).astype(np.int64) + 64, 11000)])
+
+
+def by_hand(schedule: Schedule, cost) -> float:
+    """Each phase's simulated compute, one exchange (reduce and gather) per switch, the step's exchange at the end."""
+    compute = sum(simulate(p, cost, keep_events=False).compute_time_s for p in schedule.phases)
+    return compute + len(schedule.phases) * cost.grad_sync_time(CLUSTER.num_gpus)
+
+
+def test_long_sequences_get_their_own_phase_when_that_pays():
+    """One deployment must hold the 16K documents; in phases the rest run on the faster tp8pp2, the long ones last."""
+    p = planner("big")
+    b = code_batch()
+    schedule = p.schedule(b, step=3)
+    check_schedule(schedule, BIG)
+    assert len(schedule.phases) == 2
+    first, last = schedule.phases
+    assert str(last.deployment) == "1x(tp16,pp1)" and str(first.deployment) == "1x(tp8,pp2)"
+    assert sorted(last.lengths)[-6:] == [16384] * 6 and max(first.lengths) <= 11264
+    assert schedule.iteration_time_s == pytest.approx(by_hand(schedule, BIG), rel=1e-12)
+    single = Planner(BIG, CLUSTER.num_gpus, p.pool).plan(b, 3)
+    assert schedule.iteration_time_s < 0.9 * single.predicted_time_s
+    assert schedule.switch_s == BIG.grad_sync_time(CLUSTER.num_gpus)
+    assert schedule.planning_time_s > 0 and schedule.step == 3
+
+
+def test_one_deployment_when_phases_do_not_pay():
+    """Short sequences all fit the fast deployment: a second phase would only add a switch."""
+    schedule = planner("big").schedule(np.array([3000, 2000, 900] * 8), 0)
+    assert len(schedule.phases) == 1 and str(schedule.phases[0].deployment) == "1x(tp8,pp2)"
+    assert schedule.iteration_time_s == schedule.phases[0].predicted_time_s
+    assert schedule.planning_time_s == schedule.phases[0].planning_time_s > 0
+
+
+LARGEST = 74_000  # below tp8pp1's cap on 16 GPUs
+batches = st.lists(
+    st.one_of(st.integers(8, 2048), st.integers(2048, 20000), st.integers(20000, LARGEST)), min_size=1, max_size=80
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=batches, step=st.integers(0, 5))
+def test_schedule_invariants(batch, step):
+    """Every sequence in exactly one phase within its caps, phases on pool deployments, the time as simulated,
+    never slower than the best single deployment the planner finds."""
+    p = planner("small")
+    lengths = np.array(batch)
+    schedule = p.schedule(lengths, step)
+    check_schedule(schedule, SMALL)
+    assert schedule.lengths == tuple(batch) and schedule.step == step
+    assert 1 <= len(schedule.phases) <= MAX_PHASES
+    assert all(plan.deployment in p.pool for plan in schedule.phases)
+    if len(schedule.phases) > 1:
+        assert schedule.iteration_time_s == pytest.approx(by_hand(schedule, SMALL), rel=1e-12)
+    single = Planner(SMALL, CLUSTER.num_gpus, p.pool).plan(lengths, step)
+    assert schedule.iteration_time_s <= single.predicted_time_s * (1 + 1e-9)
+
+
+def test_wire_format_round_trips_and_leaves_one_phase_as_it_was():
+    p = planner("big")
+    for b in (code_batch(1), np.array([3000, 2000, 900] * 4)):
+        schedule = p.schedule(b, 7)
+        data = encode_schedule(schedule, p.pool)
+        assert decode_schedule(data, 7, b, p.pool) == schedule
+        if len(schedule.phases) == 1:  # a plan without phases travels exactly as before
+            plan = schedule.phases[0]
+            assert np.array_equal(data, encode_plan(plan, p.pool.index(plan.deployment)))
+        else:
+            assert data[0] == -len(schedule.phases)
+
+
+def test_plan_file_holds_phases_and_refuses_a_phase_that_leaves_a_sequence_out(tmp_path):
+    p = planner("big")
+    schedules = (p.schedule(code_batch(2), 0), p.schedule(np.array([3000, 2000]), 1))
+    path = tmp_path / "plan.json"
+    save_plan(path, PlanFile(BIG.name, 16, schedules))
+    assert load_plan(path).iterations == schedules
+    import json
+
+    data = json.loads(path.read_text())
+    assert "phases" in data["iterations"][0] and "phases" not in data["iterations"][1]
+    data["iterations"][0]["phases"][0]["indices"].pop()
+    path.write_text(json.dumps(data))
+    with pytest.raises(HydraulisError, match="iterations\\[0\\]"):
+        load_plan(path)
+
+
+def test_proposal_adds_a_deployment_no_whole_batch_would_choose():
+    """Every sample holds a 16K document, so only tp16pp1 runs whole batches; phases want tp8pp2 beside it."""
+    sample = [code_batch(s) for s in range(4)]
+    proposal = propose(BIG, CLUSTER, sample, max_pool=3)
+    texts = [str(d) for d in proposal.pool.deployments]
+    assert texts[0] == "1x(tp16,pp1)" and len(texts) >= 2
+    assert proposal.pool.usage is not None and all(u > 0 for u in proposal.pool.usage)
+    assert proposal.phased_times_s is not None
+    assert (proposal.best_times_s < proposal.times_s[0]).all()
