@@ -61,11 +61,12 @@ class RunFidelity:
         load = self.meter.foreign_cores()
         self.loads.append(load)
         self._load_line()
-        if metrics.deployment_index not in self.seen:  # a deployment's first step warms it up: no steady state
-            self.seen.add(metrics.deployment_index)
+        indices = metrics.deployment_indices or (metrics.deployment_index,)  # a phased step: one per phase
+        if not self.seen.issuperset(indices):  # a deployment's first step warms it up: no steady state
+            self.seen.update(indices)
         else:
             self.observed.append(load)
-            configs = self.job.pool[metrics.deployment_index].configs
+            configs = [c for k in indices for c in self.job.pool[k].configs]  # replica_s's order
             done = self.refit.observe(metrics.step, configs, metrics.replica_s, metrics.replica_predicted_s)
             if done is not None:
                 self._use(done)
