@@ -22,6 +22,7 @@ import numpy as np
 from hydraulis import profile_cache
 from hydraulis.checkpoints import Log
 from hydraulis.config import RunConfig
+from hydraulis.cost.measured import load_line
 from hydraulis.cost.sweep import ProfileSettings
 from hydraulis.errors import HydraulisError
 from hydraulis.families import weights_digest
@@ -31,6 +32,8 @@ from hydraulis.progress import say
 from hydraulis.specs import ModelSpec
 
 AUTO_PROFILE = "profile.json"  # the measured profile, cached in the run directory
+# The online refit of the run's profile beside it (cost/refit.py, run_fidelity.py): profile.refit.json.
+REFIT_PROFILE = profile_cache.refit_path(Path(AUTO_PROFILE)).name
 
 
 def _sweep_for(max_len: int, lengths: np.ndarray) -> dict[str, Any]:
@@ -135,18 +138,28 @@ class AutoProfile:
         return None
 
     def cached(self, path: Path, log: Log = say) -> dict[str, Any] | None:
-        """The profile at `path` if it describes this job; None (and why, in the log) otherwise."""
-        if not path.is_file():
-            return None
-        try:
-            data = read_json_object(path)
-        except HydraulisError:
-            data = None
-        reason = "unreadable" if data is None else self.mismatch(data)
-        if reason is None:
-            log(f"cost model: {path} (profiled before for this model, pool, device and world size)")
-            return data
-        log(f"profiling again: {path} does not describe this job ({reason})")
+        """The profile at `path` if it describes this job; None (and why, in the log) otherwise.
+
+        A run's refit of it (profile_cache.refit_path: `NAME.refit.json` beside it; in a run directory
+        `profile.refit.json`) comes first: a run's own measurements corrected it.
+        """
+        refit = profile_cache.refit_path(path)
+        for candidate in (refit, path):
+            if not candidate.is_file():
+                continue
+            try:
+                data = read_json_object(candidate)
+            except HydraulisError:
+                data = None
+            reason = "unreadable" if data is None else self.mismatch(data)
+            if reason is None:
+                mark = data.get("refit")
+                how = f"refit at step {mark.get('step')} of run {mark.get('source')}" if isinstance(mark, dict) \
+                    else "profiled before"
+                log(f"cost model: {candidate} ({how} for this model, pool, device and world size)")
+                return data
+            if candidate == path:
+                log(f"profiling again: {path} does not describe this job ({reason})")
         return None
 
     def measure(self, torchrun: bool, log: Log = say) -> dict[str, Any]:
@@ -182,4 +195,7 @@ class AutoProfile:
             f"profiled in {data['measurements']['wall_s']:.0f} s (kept in {self.shared_path().parent}); "
             f"held-out median error per config: {held}"
         )
+        load = load_line(data)
+        if load:
+            log(load)
         return data

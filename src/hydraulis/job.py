@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from hydraulis.auto_profile import AUTO_PROFILE, AutoProfile
+from hydraulis.auto_profile import AUTO_PROFILE, REFIT_PROFILE, AutoProfile
 from hydraulis.checkpoints import Log, sweep_temporary
 from hydraulis.config import DataSection, RunConfig
 from hydraulis.cost import CostModel, load_cost_model
@@ -28,7 +28,8 @@ from hydraulis.progress import say
 from hydraulis.resume import check_stop_at, resume_point
 from hydraulis.specs import DTYPE_BYTES, ClusterSpec, ModelSpec
 
-RUN_FILES = ("metrics.jsonl", "config.toml", "pool.json", "summary.json", "report.png", "tb", AUTO_PROFILE)
+RUN_FILES = ("metrics.jsonl", "config.toml", "pool.json", "summary.json", "report.png", "tb", AUTO_PROFILE,
+             REFIT_PROFILE)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Job:
     max_restarts: int = 0
     resume_from: str | None = None  # the verified checkpoint rank 0 resumes from, picked before any rank starts
     stop_at: int | None = None  # --stop-at: end this invocation at that step; `steps` stays the schedule's length
+    profile_cache: str | None = None  # profile = "auto": the profile's file in the shared cache (a refit goes beside)
     overlong: Overlong | None = None  # what max_len cuts of the corpus (records, target tokens)
 
     @property
@@ -189,6 +191,7 @@ def prepare(
         max_restarts=max_restarts,
         resume_from=resume_from,
         stop_at=stop_at,
+        profile_cache=str(request.shared_path()) if auto else None,
         overlong=overlong,
     )
 

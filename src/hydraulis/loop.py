@@ -10,6 +10,7 @@ was checked before, in job.py.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from dataclasses import replace
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from hydraulis.data.indexed import corpus_sampler, open_corpus
 from hydraulis.job import Job, torchrun_world
 from hydraulis.progress import say
+from hydraulis.run_fidelity import RunFidelity
 from hydraulis.run_log import RunLog
 from hydraulis.runtime.checkpoint import CheckpointManager
 from hydraulis.runtime.divergence import DivergenceGuard
@@ -62,23 +64,7 @@ def run_rank(job: Job) -> dict[str, Any] | None:
     corpus = open_corpus(job.corpus_path)
     data = config.data
     sampler = corpus_sampler(corpus, data.tokens_per_batch, data.max_len, data.seed, data.overlong)
-    settings = TrainSettings(
-        model=job.spec,
-        pool=job.pool,
-        cost=job.cost,
-        optim=config.optim.settings(),
-        steps=job.steps,
-        seed=data.seed,
-        dtype=config.train.dtype,
-        sequence_parallel=config.parallel.sequence_parallel,
-        compare_steps=config.train.compare_steps,
-        reduce_dtype=config.train.reduce_dtype,
-        timeout_s=config.train.timeout_s,
-        exchange_bucket_bytes=int(config.parallel.exchange_bucket_mb * (1 << 20)),
-        overlap=config.parallel.overlap_exchange,
-        memory_budget_bytes=config.parallel.budget_bytes(),
-    )
-    trainer = Trainer(settings, corpus, sampler, env)
+    trainer = Trainer(train_settings(job), corpus, sampler, env)
     check_shared_run_dir(Path(job.out), env.rank, env.world_size, trainer.control)  # before any file is written
     log = say if env.rank == 0 else _silent
     checkpoints = CheckpointManager(
@@ -97,13 +83,18 @@ def run_rank(job: Job) -> dict[str, Any] | None:
             log(f"initialised from {config.model.init_from}")
     start = trainer.step_index
     run_log = RunLog(job, start, tensorboard(Path(job.out) / "tb", start)) if env.rank == 0 else None
+    pids: list[Any] = [os.getpid()] * env.world_size  # the job's own processes, for rank 0's load meter
+    if env.world_size > 1:
+        dist.all_gather_object(pids, os.getpid(), group=trainer.control)
+    watch = RunFidelity(job, trainer, pids, torch.get_num_threads(), log) if env.rank == 0 else None
     stop = StopRequest()
     guard = DivergenceGuard(config.train.max_bad_steps)
     try:
         while trainer.step_index < job.end_step:
             metrics = trainer.step()
+            measured = watch.after(metrics) if watch is not None else None  # the load; maybe a refit
             if run_log is not None:
-                run_log.step(metrics)
+                run_log.step(metrics, measured)
             skipped = guard.check(metrics.step, metrics.loss, metrics.grad_norm, metrics.skipped)  # raises at the limit
             if skipped:
                 log(skipped)
@@ -126,6 +117,27 @@ def run_rank(job: Job) -> dict[str, Any] | None:
         if run_log is not None:
             run_log.close()
     return run_log.finish() if run_log is not None else None
+
+
+def train_settings(job: Job) -> TrainSettings:
+    """The trainer's settings from the job's config."""
+    config = job.config
+    return TrainSettings(
+        model=job.spec,
+        pool=job.pool,
+        cost=job.cost.with_overlap(config.parallel.overlap_exchange),  # replica times as the trainer measures
+        optim=config.optim.settings(),
+        steps=job.steps,
+        seed=config.data.seed,
+        dtype=config.train.dtype,
+        sequence_parallel=config.parallel.sequence_parallel,
+        compare_steps=config.train.compare_steps,
+        reduce_dtype=config.train.reduce_dtype,
+        timeout_s=config.train.timeout_s,
+        exchange_bucket_bytes=int(config.parallel.exchange_bucket_mb * (1 << 20)),
+        overlap=config.parallel.overlap_exchange,
+        memory_budget_bytes=config.parallel.budget_bytes(),
+    )
 
 
 def _silent(message: str) -> None:

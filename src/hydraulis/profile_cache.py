@@ -40,6 +40,14 @@ def cache_path(identity: dict[str, Any], label: str) -> Path:
     return profiles_dir() / f"{label}-{digest}.json"
 
 
+def refit_path(path: Path) -> Path:
+    """Where a run keeps its refit of the profile at `path` (cost/refit.py): beside it, marked as refit.
+
+    A later run of the same request takes the refit one first: it was corrected by a run's measurements.
+    """
+    return path.with_name(f"{path.stem}.refit{path.suffix}")
+
+
 def store(path: Path, data: dict[str, Any]) -> None:
     """Write a measured profile into the cache (atomically: a reader sees all of it or none)."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -63,8 +63,9 @@ class RunLog:
             + "; ".join(str(d) for d in job.pool)
         )
 
-    def step(self, m: StepMetrics) -> None:
-        row = m.to_dict()
+    def step(self, m: StepMetrics, extra: dict[str, Any] | None = None) -> None:
+        """One step's row; `extra` adds what rank 0 measured beside the trainer (run_fidelity.py: the load)."""
+        row = {**m.to_dict(), **(extra or {})}
         self.rows.append(row)
         self.metrics_file.write(json.dumps(row) + "\n")
         self.metrics_file.flush()
@@ -173,6 +174,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     seconds = sum(r["iteration_s"] for r in rows)
     counts = Counter(r["deployment"] for r in rows)
     errors = iteration_errors(rows)
+    loads = [r["foreign_cores"] for r in rows if r.get("foreign_cores") is not None]
     return {
         "steps": len(rows),
         "loss_first": rows[0]["loss"],
@@ -194,6 +196,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         ),
         "exchange_peak_bytes": max(r.get("exchange_peak_bytes", 0) for r in rows),
         "memory_error_max": max(r.get("memory_error", 0.0) for r in rows),
+        # Other processes' CPU load (cores) during the steps, where measured (run_fidelity.py).
+        "foreign_cores_median": statistics.median(loads) if loads else None,
         # steps on which a rank's measured peak exceeded [parallel] memory_per_rank
         "steps_over_budget": sum(1 for r in rows if r.get("memory_over_budget")),
     }

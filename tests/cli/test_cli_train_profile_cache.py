@@ -1,4 +1,5 @@
-"""`profile = "auto"` through the real command: a later run on this machine reuses the shared cached profile.
+"""`profile = "auto"` through the real command: a later run on this machine reuses the shared cached profile,
+and a run refits a profile that stays off and leaves the refit in the cache for the next one.
 
 The cache is keyed by the model's content (its config and, with init_from, its weights' headers), not by its
 name or path: a copy of the model directory elsewhere is not profiled again.
@@ -7,6 +8,7 @@ name or path: a copy of the model directory elsewhere is not profiled again.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -48,6 +50,7 @@ def test_a_second_run_reuses_the_cached_profile(tmp_path, cli, monkeypatch):
     assert second.returncode == 0, second.stderr
     assert "profiling" not in second.stdout and f"cost model: {shared[0]}" in second.stdout, second.stdout
     assert (tmp_path / "second" / "profile.json").read_bytes() == (tmp_path / "first" / "profile.json").read_bytes()
+    _refit_and_reuse(tmp_path, cli, config, shared[0])
     # Another sweep (a longer max_len) is another key: measured again, now with an estimate from the timings.
     config2 = write_config(
         tmp_path / "run2.toml", tmp_path / "docs", data='tokens_per_batch = 1024\nmax_len = 512\ntokenizer = "bytes"',
@@ -56,4 +59,44 @@ def test_a_second_run_reuses_the_cached_profile(tmp_path, cli, monkeypatch):
     third = cli("train", "--config", str(config2), "--nproc", "1", "--out", str(tmp_path / "third"))
     assert third.returncode == 0, third.stderr
     assert "from earlier profiles on this machine" in third.stdout, third.stdout
-    assert len(list((cache / "profiles").glob("llama-*.json"))) == 2
+    measured = [p for p in (cache / "profiles").glob("llama-*.json") if not p.name.endswith(".refit.json")]
+    assert len(measured) == 2  # beside them the refit of the first
+
+
+def _refit_and_reuse(tmp_path, cli, config, measured):
+    """The cached profile made 20x too slow: the run refits tp1pp1 from its own steps (one line), keeps the
+    refit beside the run and in the cache marked as refit, and the next run of the same request starts from it."""
+    data = json.loads(measured.read_text())
+    for row in data["time_ms"]:
+        row.update(a=row["a"] * 20, b=row["b"] * 20, c=row["c"] * 20)
+    measured.write_text(json.dumps(data))
+    run = cli("train", "--config", str(config), "--nproc", "1", "--steps", "7", "--out", str(tmp_path / "off"))
+    assert run.returncode == 0, run.stderr
+    out = " ".join(run.stdout.split())
+    # Step 0 warms the deployment up; steps 1-5 are five steps more than 15% off on the same side.
+    refit_line = re.search(r"cost model refit after step 5: tp1pp1 x([0-9.]+) ", out)
+    assert refit_line is not None, out
+    refit = json.loads((tmp_path / "off" / "profile.refit.json").read_text())
+    rows = [json.loads(line) for line in (tmp_path / "off" / "metrics.jsonl").read_text().splitlines()[:-1]]
+    # The scale is what steps 1-5 measured against their prediction (about 1/20 on a quiet machine; other
+    # processes' load slows the steps and raises it), so it lies within their span and well below 1.
+    ratios = [r["replica_s"][0] / r["replica_predicted_s"][0] for r in rows[1:6]]
+    scale = refit["refit"]["scales"]["tp1pp1"]
+    assert refit["refit"]["step"] == 5 and min(ratios) <= scale <= max(ratios) and scale < 0.5, (scale, ratios)
+    assert abs(float(refit_line.group(1)) - scale) < 0.01
+    assert all(r["foreign_cores"] is None or r["foreign_cores"] >= 0 for r in rows)
+    # Steps 1-5 were over-predicted (20x, more than any load here explains); step 6 is predicted by the refit
+    # model, the old prediction times the scale; on a quiet step no longer many times the measurement.
+    assert all(r["predicted_s"] > r["iteration_s"] for r in rows[1:6]), rows
+    assert rows[6]["predicted_s"] < 1.5 * scale * max(r["predicted_s"] for r in rows[1:6]), rows
+    if (rows[6]["foreign_cores"] or 0) < 0.1 * refit["conditions"]["cores"]:
+        assert rows[6]["predicted_s"] < 2 * rows[6]["iteration_s"], rows[6]
+    cached = measured.with_name(f"{measured.stem}.refit.json")
+    if "not in the cache (other processes took" in out:  # steps 1-5 ran beside other work: this run only
+        assert not cached.exists() and refit["conditions"]["foreign_cores"] > 0.1 * refit["conditions"]["cores"]
+        return
+    assert f"kept in {tmp_path / 'off' / 'profile.refit.json'} and {cached}" in out
+    assert json.loads(cached.read_text()) == refit
+    again = cli("train", "--config", str(config), "--nproc", "1", "--out", str(tmp_path / "again"))
+    assert again.returncode == 0, again.stderr
+    assert f"cost model: {cached} (refit at step 5 of run {tmp_path / 'off'}" in " ".join(again.stdout.split())

@@ -184,12 +184,41 @@ def test_a_measured_optimizer_step_is_the_iteration_time_after_compute():
     res = simulate(plan, measured)
     assert res.grad_sync_s == pytest.approx(0.030)  # the slowest config's measured step
     assert res.iteration_time_s == pytest.approx(res.compute_time_s + 0.030)
-    # A config or a world size the profile did not measure: the exchange estimate.
+    # A config the profile did not measure: the exchange estimate.
     assert measured.step_time(Deployment.parse("2x(tp1,pp2)", ClusterSpec(4)).configs) == estimate.grad_sync_time(4)
-    assert measured.step_time(Deployment.parse("8x(tp1,pp1)", ClusterSpec(8)).configs) == estimate.grad_sync_time(8)
+    # Another world size on the profile's 2 shared cores: 8 ranks load them twice as much as the 4 measured.
+    eight = Deployment.parse("8x(tp1,pp1)", ClusterSpec(8)).configs
+    assert data["shared_cores"]["cores"] == 2 and measured.step_time(eight) == pytest.approx(0.040)
+    # ... and without shared cores (GPUs) the exchange estimate.
+    del data["shared_cores"]
+    assert ProfiledCostModel.from_dict(data).step_time(eight) == estimate.grad_sync_time(8)
     data["optimizer_step"]["ms"]["tp9"] = 1.0
     with pytest.raises(HydraulisError, match="tp9"):
         ProfiledCostModel.from_dict(data)
+
+
+def test_an_overlapped_exchange_is_inside_each_busy_replica_and_the_iteration_stays():
+    """Overlapped, a pp = 1 replica gathers and sends its reduce while it computes, a pipeline only
+    sends its reduce (it gathered before its first micro-batch): the trainer's replica times hold that."""
+    from hydraulis.parallel import Deployment
+    from hydraulis.planner.plan import plan_from_assignment
+    from hydraulis.planner.sim import simulate
+    from hydraulis.specs import ClusterSpec
+
+    data = _preset_dict("tiny-cpu-measured.json")
+    data["optimizer_step"] = {"world_size": 4, "ms": {"tp1pp1": 20.0, "tp2pp1": 30.0, "tp1pp2": 25.0},
+                              "gather_ms": {"tp1pp1": 6.0, "tp2pp1": 5.0, "tp1pp2": 7.0},
+                              "reduce_ms": {"tp1pp1": 8.0, "tp2pp1": 9.0, "tp1pp2": 10.0}}  # fmt: skip
+    cost = ProfiledCostModel.from_dict(data)
+    hetero = Deployment.parse("1x(tp2,pp1) + 2x(tp1,pp1)", ClusterSpec(4))
+    plan = plan_from_assignment(0, [512, 300], hetero, [[[0]], [[1]], []], 0.0)
+    plain, overlapped = simulate(plan, cost), simulate(plan, cost.with_overlap(True))
+    inside = np.array([0.005 + 0.009, 0.006 + 0.008, 0.0])  # the idle replica does not count
+    np.testing.assert_allclose(overlapped.replica_times_s, plain.replica_times_s + inside)
+    assert overlapped.iteration_time_s == plain.iteration_time_s
+    assert cost.exchange_in_compute(ParallelConfig(1, 2), 4) == pytest.approx(0.010)
+    del data["optimizer_step"]["reduce_ms"]  # an older profile: nothing measured to move
+    assert ProfiledCostModel.from_dict(data).exchange_in_compute(ParallelConfig(1, 1), 4) == 0.0
 
 
 def test_the_planner_chooses_by_the_whole_simulated_iteration():

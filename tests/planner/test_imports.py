@@ -44,6 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hydraulis.profile_cache",
         "hydraulis.job",
         "hydraulis.run_log",
+        "hydraulis.run_fidelity",
         "hydraulis.loop",
     ),
     ("hydraulis.cli", "hydraulis.__main__"),

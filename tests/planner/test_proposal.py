@@ -194,9 +194,11 @@ def test_under_a_memory_budget_deep_replicas_are_proposed_for_the_long_documents
     res = cli("propose", *args, "-o", str(tmp_path / "pool.json"), "--memory-per-rank", "50MiB", "--dtype", "fp32")
     assert res.returncode == 0, res.stderr
     used = [d for d in json.loads(res.stdout)["deployments"] if d["usage"] > 0]
-    # Every deployment the planner chose holds a long document on a pipelined tp1 replica (its lone
-    # micro-batch; a second long one may go to a wide replica beside it).
-    assert used and all("(tp1,pp2)" in d["deployment"] or "(tp1,pp4)" in d["deployment"] for d in used), used
+    # A deployment with a pipelined tp1 replica is proposed and used for long documents (its lone micro-batch
+    # holds 3,968 tokens). Other batches may go to a wide tp2 replica beside tp1 ones: on shared cores a
+    # pipeline's bubbles lend their cores (sim.shared_timelines), which makes the two close.
+    deep = [d for d in used if "(tp1,pp2)" in d["deployment"] or "(tp1,pp4)" in d["deployment"]]
+    assert deep and sum(d["usage"] for d in deep) >= 0.25, used
 
 
 def test_the_published_pool_holds_the_longest_sequence_by_the_plain_cap():

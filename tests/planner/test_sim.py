@@ -6,9 +6,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hydraulis.cost import load_cost_model
-from hydraulis.parallel import Deployment
+from hydraulis.cost.model import SharedCores
+from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.plan import plan_from_assignment
-from hydraulis.planner.sim import BACKWARD, FORWARD, closed_form_replica_time, simulate, simulate_replica
+from hydraulis.planner.sim import (
+    BACKWARD,
+    FORWARD,
+    closed_form_replica_time,
+    shared_timelines,
+    simulate,
+    simulate_replica,
+)
 from hydraulis.specs import ClusterSpec
 
 
@@ -85,3 +93,48 @@ def test_simulate_plan_reports_busy_idle_and_sync():
     for d in dep.replicas[slowest].devices:
         assert res.gpu_idle_s[d] == pytest.approx(0.0, abs=1e-9)
     assert 0.0 < res.bubble_fraction < 1.0
+
+
+# -- replicas sharing CPU cores (sim.shared_timelines) --------------------------------------------------
+
+
+def _shared(cores: int, busy: dict) -> SharedCores:
+    return SharedCores(cores, 1, busy)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(0.01, 2.0), min_size=1, max_size=8), st.integers(2, 4), st.floats(0.0, 0.05))
+def test_with_a_core_per_rank_the_shared_simulation_is_each_replica_alone(times, pp, comm):
+    """Cores enough for every rank: no replica slows another, so each runs as simulate_replica has it."""
+    config = ParallelConfig(1, pp)
+    shared = _shared(2 * pp, {config: pp})  # measured alone, one core per rank
+    timelines = shared_timelines([config, config], [times, times[::-1]], [[comm] * len(times)] * 2, shared)
+    for timeline, t in zip(timelines, [times, times[::-1]], strict=True):
+        alone = simulate_replica(t, pp, comm)
+        assert timeline.time_s == pytest.approx(alone.time_s, rel=1e-9)
+        np.testing.assert_allclose(timeline.stage_busy_s, alone.stage_busy_s, rtol=1e-9)
+        assert len(timeline.events) == 2 * pp * len(t)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(0.01, 2.0), min_size=1, max_size=8), st.integers(1, 4))
+def test_a_pipeline_that_keeps_the_cores_busy_ends_when_its_work_is_done(times, replicas):
+    """Work conservation: without transfers each pp2 replica always has a stage computing, so with as many
+    replicas as cores no core idles and the last one ends at the total work / cores. Each stage was
+    measured with both stages of one replica computing on the cores (2 busy ranks)."""
+    config = ParallelConfig(1, 2)
+    shared = _shared(replicas, {config: 2})
+    timelines = shared_timelines([config] * replicas, [times] * replicas, [[0.0] * len(times)] * replicas, shared)
+    work = replicas * 2 * sum(times) / shared.load(2)  # each task's time at the load it was measured under
+    assert max(t.time_s for t in timelines) == pytest.approx(work / replicas, rel=1e-9)
+
+
+def test_a_waiting_pipeline_stage_lends_its_core():
+    """Two pp2 replicas on two cores: scaled by all four ranks they would take (v + 1) t x 2; in 1F1B each
+    stage waits for t of that (warm-up or cool-down), and the other replica's stages use the core meanwhile:
+    8 t for 4 micro-batches, as the 2x(tp1,pp2) check measured (0.28 s against 8 t = 0.29 s)."""
+    config = ParallelConfig(1, 2)
+    shared = _shared(2, {config: 2})  # one replica measured alone: its two ranks on the two cores
+    timelines = shared_timelines([config, config], [[1.0] * 4] * 2, [[0.0] * 4] * 2, shared)
+    assert [t.time_s for t in timelines] == pytest.approx([8.0, 8.0])
+    assert (4 + 1) * 2 > 8.0  # what scaling each replica by the deployment's busy ranks predicted

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ from hydraulis.parallel import ParallelConfig
 from hydraulis.runtime.profiler import replicas_at_once
 from hydraulis.specs import get_model
 
+THREADS = {"threads_per_rank": max(1, (os.cpu_count() or 1) // 2)}  # as the launcher sets them for 2 ranks
 FAST = ("--totals", "64,128", "--min-doc", "32", "--repeats", "2", "--warmup", "1", "--collective-bytes", "1024,65536")
 
 
@@ -29,25 +33,26 @@ def one_line_error(res, *needles):
 @pytest.mark.dist
 def test_profile_on_gloo_writes_a_profile_that_caps_and_plan_accept(cli, tmp_path):
     out = tmp_path / "profile.json"
-    res = cli(
-        "profile",
-        "--model",
-        "tiny",
-        "--configs",
-        "tp1pp1,tp2pp1,tp1pp2",
-        "--nproc",
-        "2",
-        *FAST,
-        "--out",
-        str(out),
-        timeout=120,
-    )
+    # A process spinning beside the profile takes a core from its ranks: the rounds it disturbs run again.
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        res = cli(
+            "profile", "--model", "tiny", "--configs", "tp1pp1,tp2pp1,tp1pp2", "--nproc", "2", *FAST,
+            "--load-retries", "1", "--out", str(out), timeout=120,
+        )  # fmt: skip
+    finally:
+        spinner.kill()
+        spinner.wait()
     assert res.returncode == 0, res.stderr
+    data = json.loads(out.read_text())
+    assert {k: data["conditions"][k] for k in ("world_size", "threads_per_rank")} == {"world_size": 2, **THREADS}
+    load = data["measurements"]["load"]
+    assert load["measured_again"] >= 1 and load["foreign_cores_max"] > 0.1 * data["conditions"]["cores"]
+    assert "disturbed round(s) measured again" in " ".join(res.stdout.split()), res.stdout
     assert "held-out" in res.stdout and "counted tensor bytes" in res.stdout
     # stderr is a pipe here, as in a cluster log: progress comes as plain lines, ending at 100%
     progress = [line for line in res.stderr.splitlines() if line.startswith("profiling tiny on 2 process(es): ")]
     assert progress and "(100%" in progress[-1], res.stderr
-    data = json.loads(out.read_text())
     cost = ProfiledCostModel.from_file(out)
     assert {c.name for c in cost.configs} == {"tp1pp1", "tp2pp1", "tp1pp2"}
     assert data["memory"]["method"] == CPU_MEMORY_METHOD
@@ -67,6 +72,9 @@ def test_profile_on_gloo_writes_a_profile_that_caps_and_plan_accept(cli, tmp_pat
     # The trainer's phase after compute, measured per config on the job's world size.
     assert data["optimizer_step"]["world_size"] == 2
     assert set(data["optimizer_step"]["ms"]) == {"tp1pp1", "tp2pp1", "tp1pp2"}
+    for part in ("gather_ms", "reduce_ms"):  # measured alone too: training overlaps them with compute
+        assert set(data["optimizer_step"][part]) == set(data["optimizer_step"]["ms"])
+        assert all(t > 0 for t in data["optimizer_step"][part].values())
     assert cost.optimizer_step is not None and all(t > 0 for t in cost.optimizer_step.seconds.values())
     caps = cli("caps", "-p", str(out), "-n", "4", "--json")
     assert caps.returncode == 0, caps.stderr
@@ -91,6 +99,7 @@ def test_profile_on_gloo_writes_a_profile_that_caps_and_plan_accept(cli, tmp_pat
         (("--model", "tiny", "--configs", "tp1pp1", "--device", "tpu"), ("tpu",)),
         (("--model", "tiny", "--configs", "tp1pp1", "--totals", "64,x"), ("--totals",)),
         (("--model", "tiny", "--configs", "tp1pp1", "--totals", "64", "--min-doc", "64"), ("at least 4",)),
+        (("--model", "tiny", "--configs", "tp1pp1", "--load-retries", "-1"), ("--load-retries", "-1")),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_no_file(cli, tmp_path, args, needles):

@@ -50,6 +50,9 @@ def profile(
         help="Configs take turns by rounds (holds all models at once).",
     ),
     threads: int = typer.Option(None, "--threads", help="torch threads per rank (default: cores / processes)."),
+    load_retries: int = typer.Option(
+        DEFAULT.load_retries, "--load-retries", help="Times a round timed under other processes' load runs again."
+    ),
     dtype: str = typer.Option(None, "--dtype", help="fp32 or bf16 (default: fp32 on cpu, bf16 on cuda)."),
     collective_bytes: str = typer.Option(
         _csv(DEFAULT.collective_bytes), "--collective-bytes", help="Collective sizes: bytes each rank sends."
@@ -69,6 +72,7 @@ def profile(
         dtype=dtype,
         threads=threads,
         interleave=interleave,
+        load_retries=load_retries,
         collective_bytes=_ints(collective_bytes, "--collective-bytes"),
     )
     if out.is_dir():
@@ -79,7 +83,6 @@ def profile(
     chosen = parse_config_list(configs)
     check_configs(spec, chosen, nproc, device)
     # torch only now: bad input above fails fast, without it.
-    from hydraulis.cost.measured import summary_rows
     from hydraulis.jsonio import write_json_atomic
     from hydraulis.runtime.profiler import check_job, profile_model, progress_steps
 
@@ -90,6 +93,13 @@ def profile(
     with steps_progress(f"profiling {spec.name} on {world} process(es)", total) as step:
         data = profile_model(spec, chosen, world, device, settings, name, progress=step)
     write_json_atomic(out, data)
+    _print_profile(data, out, len(chosen))
+
+
+def _print_profile(data: dict, out: Path, configs: int) -> None:
+    """What a profile found: coefficients and held-out errors, links, memory method, load, time."""
+    from hydraulis.cost.measured import load_line, summary_rows
+
     columns_ = ["config", "a ms/tok^2", "b ms/tok", "c ms", "fit median", "held-out median", "held-out worst"]
     console.print(table(f"{data['name']}: fitted per-stage forward+backward -> {out}", columns_, summary_rows(data)))
     coll = data.get("collectives", {})
@@ -100,7 +110,10 @@ def profile(
                 f"{label}: latency {link['latency_s'] * 1e6:.0f} us, bandwidth {link['bandwidth_Bps'] / 1e9:.2f} GB/s"
             )
     console.print(f"memory: {data['memory']['method']}")
+    load = load_line(data)
+    if load:
+        console.print(load, highlight=False)
     console.print(
-        f"held-out third of {len(data['measurements']['points']) // len(chosen)} micro-batches per config; "
+        f"held-out third of {len(data['measurements']['points']) // configs} micro-batches per config; "
         f"{data['measurements']['wall_s']:.0f} s"
     )

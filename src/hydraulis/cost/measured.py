@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from hydraulis.cost.fit import fidelity, fit_link, fit_robust, holdout_fidelity
+from hydraulis.cost.conditions import Conditions, disturbed
+from hydraulis.cost.fit import FitResult, fidelity, fit_link, fit_robust, holdout_fidelity
 from hydraulis.cost.memory import CAP_GRANULARITY, TrainingState
 from hydraulis.cost.profiled import PROFILE_SCHEMA
 from hydraulis.cost.sweep import ProfileSettings, sweep
@@ -73,6 +74,85 @@ def _link(rows: Sequence[Sequence[dict[str, Any]]]) -> dict[str, Any] | None:
     }
 
 
+def _time_row(config: ParallelConfig, fit: FitResult, held: dict[str, Any], busy: int | None) -> dict[str, Any]:
+    """A config's `time_ms` row: the fitted coefficients (ms) and the held-out error."""
+    co = fit.coefficients
+    row = {
+        "tp": config.tp,
+        "pp": config.pp,
+        **({"cp": config.cp} if config.cp > 1 else {}),
+        "a": co.a * 1e3,
+        "b": co.b * 1e3,
+        "c": co.c * 1e3,
+        "fit_loss": "soft_l1 on relative residuals, a, b, c >= 0",
+        "holdout_median_abs_rel_error": held["median_abs_rel_error"],
+        "holdout_worst_abs_rel_error": held["worst_abs_rel_error"],
+    }
+    if busy is not None:
+        row["busy_ranks"] = busy
+    return row
+
+
+def _activation(spec: ModelSpec, config: ParallelConfig, rows: Sequence[dict[str, Any]], points: list) -> float:
+    """The memory model's activation factor of a config: per stage, activation bytes per token (most over the
+    points, the TP ranks, the replicas); 1F1B: stage s holds pp - s micro-batches at its peak."""
+    per_stage = [0.0] * config.pp
+    for row in rows:
+        # per token the rank holds (its CP share), as the memory model's per-token bytes / cp assumes
+        held_tokens = row.get("tokens") or [sum(p) for p in points]
+        per_token = max(b / t for b, t in zip(row["activation_bytes"], held_tokens, strict=True))
+        per_stage[row["stage"]] = max(per_stage[row["stage"]], per_token)
+    peak_per_token = max((config.pp - s) * per_stage[s] for s in range(config.pp))
+    return peak_per_token / (spec.layers * spec.hidden / config.tp)
+
+
+def _memory(spec: ModelSpec, device: dict[str, Any], ranks: Sequence[dict[str, Any]],
+            activation: dict[int, float], state_per_param: float) -> dict[str, Any]:
+    """The profile's `memory`: measured activation factors and state, the device's margins."""
+    held = TrainingState()
+    state_total = state_per_param + held.sharded_bytes
+    memory_bytes = int(device["memory_bytes"])
+    is_cuda = device["kind"] == "cuda"
+    return {
+        "method": CUDA_MEMORY_METHOD if is_cuda else CPU_MEMORY_METHOD,
+        "activation_bytes_per_token_hidden_layer": {str(tp): activation[tp] for tp in sorted(activation)},
+        "state_bytes_per_hidden2_layer": state_total * spec.params_per_layer / (spec.hidden * spec.hidden),
+        "optimizer_sharded_fraction": held.sharded_bytes / state_total,
+        "embedding_state_bytes": state_total,
+        "context_overhead_bytes": float(max(r["context_bytes"] for r in ranks)),
+        "safety_margin_bytes": float(max(6 * GiB, 0.075 * memory_bytes) if is_cuda else 0.1 * memory_bytes),
+        "measured_state_bytes_per_param": state_per_param,
+    }
+
+
+def _beside_compute(data: dict[str, Any], configs: Sequence[ParallelConfig], ranks: Sequence[dict[str, Any]]) -> None:
+    """What the profile measured besides compute: the optimizer step, the links, the shared cores and load."""
+    world = len(ranks)
+    if all("optimizer_step_s" in r for r in ranks):
+        # Per repeat the slowest rank (the collectives wait for it), then the median over repeats.
+        def step_ms(part: str) -> dict[str, float]:
+            return {
+                c.name: float(np.median(np.max([r["optimizer_step_s"][c.name][part] for r in ranks], axis=0))) * 1e3
+                for c in configs
+            }
+
+        data["optimizer_step"] = {
+            "world_size": world, "ms": step_ms("total"), "gather_ms": step_ms("gather"), "reduce_ms": step_ms("reduce")
+        }
+    if ranks[0].get("cores") is not None:  # CPU ranks sharing cores (see SharedCores)
+        data["shared_cores"] = {"cores": ranks[0]["cores"], "threads_per_rank": ranks[0]["threads"]}
+        load = ranks[0].get("load")
+        foreign = load["foreign_cores_median"] if load else None
+        data["conditions"] = Conditions(world, ranks[0]["threads"], ranks[0]["cores"], foreign).to_json()
+        if load:
+            data["measurements"]["load"] = load
+    if world > 1 and ranks[0]["collectives"] is not None:
+        a2a = _link([r["collectives"]["all_to_all"] for r in ranks])
+        p2p = _link([r["collectives"]["p2p"] for r in ranks])
+        data["collectives"] = {"world_size": world, "all_to_all": a2a, "p2p": p2p}
+        data["collectives"] = {k: v for k, v in data["collectives"].items() if v is not None}
+
+
 def build_profile(
     spec: ModelSpec,
     configs: Sequence[ParallelConfig],
@@ -89,70 +169,33 @@ def build_profile(
     activation: dict[int, float] = {}
     min_eff: dict[int, int] = {}
     state_per_param = 0.0
-    L, H = spec.layers, spec.hidden
     for config in configs:
         times, stage_times = _point_times(config, ranks, world)
         fit = fit_robust(points, times)
         held = holdout_fidelity(points, times, settings.holdout_fraction, settings.seed)
-        co = fit.coefficients
         predicted = [t * (1 + r) for t, r in zip(times, fit.residuals, strict=True)]
         fits[config.name] = {"holdout": held, "fit": fidelity(predicted, times)}
-        row = {
-            "tp": config.tp,
-            "pp": config.pp,
-            **({"cp": config.cp} if config.cp > 1 else {}),
-            "a": co.a * 1e3,
-            "b": co.b * 1e3,
-            "c": co.c * 1e3,
-            "fit_loss": "soft_l1 on relative residuals, a, b, c >= 0",
-            "holdout_median_abs_rel_error": held["median_abs_rel_error"],
-            "holdout_worst_abs_rel_error": held["worst_abs_rel_error"],
-        }
-        if shared:
-            row["busy_ranks"] = ranks[0]["busy_ranks"][config.name]
-        time_rows.append(row)
-        # Memory: per stage, activation bytes per token (most over the points, the TP ranks, the replicas).
+        time_rows.append(_time_row(config, fit, held, ranks[0]["busy_ranks"][config.name] if shared else None))
         rows = [r["configs"][config.name] for r in ranks if config.name in r["configs"]]
-        per_stage = [0.0] * config.pp
-        for row in rows:
-            # per token the rank holds (its CP share), as the memory model's per-token bytes / cp assumes
-            held_tokens = row.get("tokens") or [sum(p) for p in points]
-            per_token = max(b / t for b, t in zip(row["activation_bytes"], held_tokens, strict=True))
-            per_stage[row["stage"]] = max(per_stage[row["stage"]], per_token)
-            state_per_param = max(state_per_param, row["static_bytes"] / max(1, row["params"]))
-        # 1F1B: stage s holds pp - s micro-batches at its peak; the memory model's factor covers all L layers.
-        peak_per_token = max((config.pp - s) * per_stage[s] for s in range(config.pp))
-        factor = peak_per_token / (L * H / config.tp)
-        activation[config.tp] = max(activation.get(config.tp, 0.0), factor)
+        activation[config.tp] = max(activation.get(config.tp, 0.0), _activation(spec, config, rows, points))
+        state_per_param = max([state_per_param, *(r["static_bytes"] / max(1, r["params"]) for r in rows)])
         # Fewest tokens for which per-token work outweighs the per-micro-batch overhead c.
+        co = fit.coefficients
         tokens = max(points[-1]) if co.b <= 0 else co.c / co.b
         rounded = int(math.ceil(tokens / CAP_GRANULARITY) * CAP_GRANULARITY)
         min_eff[config.tp] = max(min_eff.get(config.tp, 0), min(rounded, max(sum(p) for p in points)))
-        for i, lengths in enumerate(points):
-            measurements.append(
-                {
-                    "config": config.name,
-                    "lengths": list(lengths),
-                    "time_ms": times[i] * 1e3,
-                    "stage_ms": [t * 1e3 for t in stage_times[i]],
-                    "fit_rel_residual": fit.residuals[i],
-                    "activation_bytes_per_token": max(r["activation_bytes"][i] for r in rows) / sum(lengths),
-                }
-            )
-    held = TrainingState()
-    state_total = state_per_param + held.sharded_bytes
-    memory_bytes = int(device["memory_bytes"])
-    is_cuda = device["kind"] == "cuda"
-    memory = {
-        "method": CUDA_MEMORY_METHOD if is_cuda else CPU_MEMORY_METHOD,
-        "activation_bytes_per_token_hidden_layer": {str(tp): activation[tp] for tp in sorted(activation)},
-        "state_bytes_per_hidden2_layer": state_total * spec.params_per_layer / (H * H),
-        "optimizer_sharded_fraction": held.sharded_bytes / state_total,
-        "embedding_state_bytes": state_total,
-        "context_overhead_bytes": float(max(r["context_bytes"] for r in ranks)),
-        "safety_margin_bytes": float(max(6 * GiB, 0.075 * memory_bytes) if is_cuda else 0.1 * memory_bytes),
-        "measured_state_bytes_per_param": state_per_param,
-    }
+        measurements += [
+            {
+                "config": config.name,
+                "lengths": list(lengths),
+                "time_ms": times[i] * 1e3,
+                "stage_ms": [t * 1e3 for t in stage_times[i]],
+                "fit_rel_residual": fit.residuals[i],
+                "activation_bytes_per_token": max(r["activation_bytes"][i] for r in rows) / sum(lengths),
+            }
+            for i, lengths in enumerate(points)
+        ]
+    memory = _memory(spec, device, ranks, activation, state_per_param)
     data: dict[str, Any] = {
         "schema": PROFILE_SCHEMA,
         "name": name or f"{spec.name}@{device['name']}-measured",
@@ -168,26 +211,9 @@ def build_profile(
         "memory": memory,
         "min_efficient_tokens": {str(tp): v for tp, v in sorted(min_eff.items())},
         "fidelity": fits,
-        "measurements": {
-            "settings": settings.to_json(),
-            "points": measurements,
-            "world_size": world,
-        },
+        "measurements": {"settings": settings.to_json(), "points": measurements, "world_size": world},
     }
-    if all("optimizer_step_s" in r for r in ranks):
-        # Per repeat the slowest rank (the collectives wait for it), then the median over repeats.
-        step = {
-            c.name: float(np.median(np.max([r["optimizer_step_s"][c.name] for r in ranks], axis=0))) * 1e3
-            for c in configs
-        }
-        data["optimizer_step"] = {"world_size": world, "ms": step}
-    if shared:
-        data["shared_cores"] = {"cores": ranks[0]["cores"], "threads_per_rank": ranks[0]["threads"]}
-    if world > 1 and ranks[0]["collectives"] is not None:
-        a2a = _link([r["collectives"]["all_to_all"] for r in ranks])
-        p2p = _link([r["collectives"]["p2p"] for r in ranks])
-        data["collectives"] = {"world_size": world, "all_to_all": a2a, "p2p": p2p}
-        data["collectives"] = {k: v for k, v in data["collectives"].items() if v is not None}
+    _beside_compute(data, configs, ranks)
     return data
 
 
@@ -209,3 +235,20 @@ def summary_rows(data: dict[str, Any]) -> list[list[str]]:
             ]
         )
     return rows
+
+
+def load_line(data: dict[str, Any]) -> str | None:
+    """What other processes' load did to a CPU profile, in one line (None: it was not measured)."""
+    load = data.get("measurements", {}).get("load")
+    cores = data.get("conditions", {}).get("cores")
+    if not load or not cores:
+        return None
+    kept = load["disturbed_kept"]
+    loaded = disturbed(load["foreign_cores_median"], cores)
+    return (
+        f"load: other processes took a median {load['foreign_cores_median']:.2f} (at most "
+        f"{load['foreign_cores_max']:.2f}) of {cores} cores over the timed rounds; "
+        f"{load['measured_again']} disturbed round(s) measured again"
+        + (f", {kept} kept disturbed (the retries ran out)" if kept else "")
+        + (": profile again on a quieter machine" if loaded else "")
+    )

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -80,8 +80,8 @@ class SharedCores:
     Why: with more ranks than cores (gloo on a laptop) a replica's time depends on how many
     ranks compute beside it, and a plan that leaves replicas idle runs the busy ones faster.
     Processor sharing: k busy ranks of `threads_per_rank` threads each are slowed by
-    max(1, k * threads / cores), so a time measured at one load is rescaled to another, and
-    as replicas finish the others speed up (`finish_times`).
+    max(1, k * threads / cores), so a time measured at one load is rescaled to another; the
+    simulator runs every replica's stages together under it (planner/sim.py).
     """
 
     cores: int
@@ -91,39 +91,9 @@ class SharedCores:
     def load(self, busy: int) -> float:
         return max(1.0, busy * self.threads_per_rank / self.cores)
 
-    def finish_times(
-        self, configs: Sequence[ParallelConfig], times: np.ndarray, ranks: np.ndarray | None = None
-    ) -> np.ndarray:
-        """When each replica finishes if they start together and share the cores (fluid processor sharing).
-
-        `times` are the replicas' times at the load their configs were measured under. Each replica
-        has that much work at its measured speed; while B ranks are busy, all progress at
-        1 / load(B) of the cores' full speed, and a replica that finishes frees its cores for the rest.
-        A config measured without sharing keeps its time (its ranks still count as busy). `ranks`: how
-        many of each replica's ranks compute at once on average (a pipeline's bubbles leave some
-        waiting, which costs no core); all of them by default.
-        """
-        times = np.asarray(times, dtype=np.float64)
-        if ranks is None:
-            ranks = np.array([c.num_gpus for c in configs], dtype=np.float64)
-        ranks = np.asarray(ranks, dtype=np.float64)
-        measured = [self.busy_ranks.get(c) for c in configs]
-        work = np.array([t / self.load(m) if m is not None else t for t, m in zip(times, measured, strict=True)])
-        finish = np.zeros_like(times)
-        remaining = work.copy()
-        active = remaining > 0
-        now = 0.0
-        while active.any():
-            rate = 1.0 / self.load(int(ranks[active].sum()))
-            dt = remaining[active].min() / rate
-            now += dt
-            remaining[active] -= dt * rate
-            done = active & (remaining <= 1e-12 * work.max())
-            finish[done] = now
-            active &= ~done
-        unshared = np.array([m is None for m in measured])
-        finish[unshared] = times[unshared]
-        return finish
+    def slowdown(self, config: ParallelConfig, busy: int) -> float:
+        """How much slower than alone a stage of `config` computes while `busy` ranks compute."""
+        return self.load(busy)
 
 
 @dataclass(frozen=True)
@@ -136,6 +106,8 @@ class OptimizerStep:
 
     world_size: int
     seconds: dict[ParallelConfig, float]
+    gather: dict[ParallelConfig, float] = field(default_factory=dict)  # its gather alone, where measured
+    reduce: dict[ParallelConfig, float] = field(default_factory=dict)  # its reduce alone, where measured
 
 
 class CostModel:
@@ -162,6 +134,8 @@ class CostModel:
         self.collectives = collectives  # measured links replace the device constants within a node
         self.shared_cores = shared_cores  # CPU profiles: the simulator rescales times by the ranks busy at once
         self.optimizer_step = optimizer_step  # measured step after compute; else grad_sync_time's estimate
+        self.profile_data: dict | None = None  # the profile file's data (its conditions; a refit writes it back)
+        self.overlap_exchange = False  # the trainer's exchange runs inside compute (exchange_in_compute)
         self._min_efficient = dict(min_efficient_tokens)
         self._set_coefficients(coefficients)
         self.recompute: frozenset[ParallelConfig] = frozenset()
@@ -183,6 +157,12 @@ class CostModel:
         out.name = name
         out._set_coefficients(coefficients)
         out.recompute = frozenset(recompute)
+        return out
+
+    def with_overlap(self, overlap: bool) -> CostModel:
+        """A copy whose replica times hold the exchange inside compute when `overlap` (the trainer's setting)."""
+        out = copy.copy(self)
+        out.overlap_exchange = overlap
         return out
 
     def with_recompute(self, configs: Iterable[ParallelConfig]) -> CostModel:
@@ -297,15 +277,37 @@ class CostModel:
         bandwidth = self.device.inter_node_bw if num_gpus > self.device.gpus_per_node else self.device.intra_node_bw
         return 2 * (2 * self.model.num_params) / num_gpus / bandwidth
 
+    def exchange_in_compute(self, config: ParallelConfig, num_gpus: int) -> float:
+        """Seconds of the optimizer's exchange a replica of `config` spends inside its compute when it
+        overlaps (runtime/overlap.py): a pp = 1 replica gathers from its layers' hooks and a pipeline before
+        its first micro-batch; both send the reduce from backward. Measured, at the profile's world size
+        (rescaled as step_time does); 0 where not measured. Part of the step, not added to the iteration:
+        it moves time from after compute into each replica's."""
+        step, shared = self.optimizer_step, self.shared_cores
+        if step is None or config not in step.reduce:
+            return 0.0
+        seconds = step.reduce[config] + (step.gather.get(config, 0.0) if config.pp == 1 else 0.0)
+        if step.world_size == num_gpus:
+            return seconds
+        return seconds * shared.load(num_gpus) / shared.load(step.world_size) if shared is not None else 0.0
+
     def step_time(self, configs: Sequence[ParallelConfig]) -> float:
         """Seconds after compute of an iteration on a deployment of these configs: measured where profiled.
 
-        A profile's measured optimizer step (same world size, every config
-        measured) counts the gather, the reduce, the norm and AdamW as the
-        trainer runs them; otherwise the exchange estimate of grad_sync_time.
+        A profile's measured optimizer step (every config measured) counts the
+        gather, the reduce, the norm and AdamW as the trainer runs them. At
+        another world size on shared CPU cores it is rescaled by the cores'
+        load (on tiny, latency-bound, a rank's share of the step hardly shrinks
+        with more ranks: 4.6 ms at 2 ranks, 10.6 ms at 4 on 2 cores); otherwise
+        the exchange estimate of grad_sync_time.
         """
         num_gpus = sum(c.num_gpus for c in configs)
-        step = self.optimizer_step
-        if step is not None and step.world_size == num_gpus and all(c in step.seconds for c in configs):
-            return max(step.seconds[c] for c in configs)
+        step, shared = self.optimizer_step, self.shared_cores
+        if step is None or not all(c in step.seconds for c in configs):
+            return self.grad_sync_time(num_gpus)
+        seconds = max(step.seconds[c] for c in configs)
+        if step.world_size == num_gpus:
+            return seconds
+        if shared is not None:
+            return seconds * shared.load(num_gpus) / shared.load(step.world_size)
         return self.grad_sync_time(num_gpus)

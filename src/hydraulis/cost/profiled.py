@@ -87,34 +87,7 @@ class ProfiledCostModel(CostModel):
         if not coefficients:
             raise HydraulisError(f"{where}.time_ms: no configs")
 
-        mem = f.obj("memory")
-        act = mem.obj("activation_bytes_per_token_hidden_layer")
-        activation = {}
-        for key in act.data:
-            try:
-                tp = int(key)
-            except ValueError:
-                raise HydraulisError(f"{act.where}: key {key!r} is not a TP degree") from None
-            activation[tp] = act.float(key, minimum=0)
-            if activation[tp] <= 0:  # the cap divides by it
-                raise HydraulisError(f"{act.where}.{key}: must be positive, got {activation[tp]}")
-        if not activation:
-            raise HydraulisError(f"{act.where}: empty")
-        if "method" in mem.data:  # measured by this runtime (`hydraulis profile`): the memory model counts its own
-            activation = {}
-        memory = MemoryModel(
-            memory_bytes=memory_bytes,
-            activation_bytes_per_token_hidden_layer=activation,
-            state_bytes_per_hidden2_layer=mem.float("state_bytes_per_hidden2_layer", minimum=0),
-            optimizer_sharded_fraction=mem.float("optimizer_sharded_fraction", minimum=0),
-            context_overhead_bytes=mem.float("context_overhead_bytes", minimum=0),
-            safety_margin_bytes=mem.float("safety_margin_bytes", minimum=0),
-            embedding_state_bytes=mem.float("embedding_state_bytes", default=16.0, minimum=0),
-            # A measured profile's activation factors are in the dtype it ran (fp32 on CPU); published ones in bf16.
-            activation_dtype_bytes=_dtype_bytes(d),
-        )
-        if memory.optimizer_sharded_fraction > 1:
-            raise HydraulisError(f"{mem.where}.optimizer_sharded_fraction: must be at most 1")
+        memory = _memory(f, memory_bytes, _dtype_bytes(d))
         min_eff = {}
         if "min_efficient_tokens" in data:
             me = f.obj("min_efficient_tokens")
@@ -134,7 +107,42 @@ class ProfiledCostModel(CostModel):
                 busy_ranks,
             )
         step = _optimizer_step(f) if "optimizer_step" in data else None
-        return cls(f.str("name"), model, device, coefficients, memory, min_eff, collectives, shared, step)
+        cost = cls(f.str("name"), model, device, coefficients, memory, min_eff, collectives, shared, step)
+        cost.profile_data = data
+        return cost
+
+
+def _memory(f: Fields, memory_bytes: int, activation_dtype_bytes: int) -> MemoryModel:
+    """The profile's memory model (`memory`): activation factors per TP degree, state, margins."""
+    mem = f.obj("memory")
+    act = mem.obj("activation_bytes_per_token_hidden_layer")
+    activation = {}
+    for key in act.data:
+        try:
+            tp = int(key)
+        except ValueError:
+            raise HydraulisError(f"{act.where}: key {key!r} is not a TP degree") from None
+        activation[tp] = act.float(key, minimum=0)
+        if activation[tp] <= 0:  # the cap divides by it
+            raise HydraulisError(f"{act.where}.{key}: must be positive, got {activation[tp]}")
+    if not activation:
+        raise HydraulisError(f"{act.where}: empty")
+    if "method" in mem.data:  # measured by this runtime (`hydraulis profile`): the memory model counts its own
+        activation = {}
+    memory = MemoryModel(
+        memory_bytes=memory_bytes,
+        activation_bytes_per_token_hidden_layer=activation,
+        state_bytes_per_hidden2_layer=mem.float("state_bytes_per_hidden2_layer", minimum=0),
+        optimizer_sharded_fraction=mem.float("optimizer_sharded_fraction", minimum=0),
+        context_overhead_bytes=mem.float("context_overhead_bytes", minimum=0),
+        safety_margin_bytes=mem.float("safety_margin_bytes", minimum=0),
+        embedding_state_bytes=mem.float("embedding_state_bytes", default=16.0, minimum=0),
+        # A measured profile's activation factors are in the dtype it ran (fp32 on CPU); published ones in bf16.
+        activation_dtype_bytes=activation_dtype_bytes,
+    )
+    if memory.optimizer_sharded_fraction > 1:
+        raise HydraulisError(f"{mem.where}.optimizer_sharded_fraction: must be at most 1")
+    return memory
 
 
 def _dtype_bytes(device: Fields) -> int:
@@ -162,14 +170,19 @@ def _collectives(f: Fields) -> Collectives:
 
 
 def _optimizer_step(f: Fields) -> OptimizerStep:
-    """The optional measured optimizer phase of `hydraulis profile`: milliseconds per config name."""
+    """The optional measured optimizer phase of `hydraulis profile`: milliseconds per config name (the whole
+    phase, and where measured its gather and reduce alone)."""
     o = f.obj("optimizer_step")
-    ms = o.obj("ms")
-    seconds = {}
-    for key in ms.data:
-        try:
-            config = ParallelConfig.parse(key)
-        except HydraulisError:
-            raise HydraulisError(f"{ms.where}: key {key!r} is not a parallel config") from None
-        seconds[config] = ms.float(key, minimum=0) / 1e3
-    return OptimizerStep(o.int("world_size", minimum=1, maximum=MAX_GPUS), seconds)
+    tables: dict[str, dict[ParallelConfig, float]] = {}
+    for part in ("ms", "gather_ms", "reduce_ms"):
+        if part == "ms" or part in o.data:
+            ms = o.obj(part)
+            tables[part] = {}
+            for key in ms.data:
+                try:
+                    config = ParallelConfig.parse(key)
+                except HydraulisError:
+                    raise HydraulisError(f"{ms.where}: key {key!r} is not a parallel config") from None
+                tables[part][config] = ms.float(key, minimum=0) / 1e3
+    world = o.int("world_size", minimum=1, maximum=MAX_GPUS)
+    return OptimizerStep(world, tables["ms"], tables.get("gather_ms", {}), tables.get("reduce_ms", {}))

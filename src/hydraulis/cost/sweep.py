@@ -36,6 +36,9 @@ class ProfileSettings:
     # All configs' models are then held at once; False frees each before the next (large models).
     interleave: bool = True
     threads: int | None = None  # torch threads per rank; None: as `hydraulis train --nproc` (cores / ranks)
+    # A timed round during which other processes took a tenth of the cores or more runs again, this often
+    # (and at most half of all timed rounds run again: runtime/profiler.py's LoadCheck).
+    load_retries: int = 1
 
     def __post_init__(self) -> None:
         if not self.totals or any(t < 1 for t in self.totals):
@@ -46,6 +49,8 @@ class ProfileSettings:
             raise HydraulisError(f"threads per rank must be positive, got {self.threads}")
         if self.warmup < 0 or self.repeats < 1 or self.collective_repeats < 1:
             raise HydraulisError("warm-up must be non-negative and repeats at least 1")
+        if self.load_retries < 0:
+            raise HydraulisError(f"--load-retries must be non-negative, got {self.load_retries}")
         if self.dtype is not None and self.dtype not in DTYPE_NAMES:
             raise HydraulisError(f"unknown dtype {self.dtype!r}; use one of {', '.join(DTYPE_NAMES)}")
         if not 0 < self.holdout_fraction < 1:

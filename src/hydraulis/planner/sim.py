@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hydraulis.cost.model import CostModel
+from hydraulis.cost.model import CostModel, SharedCores
+from hydraulis.parallel import ParallelConfig
 from hydraulis.planner.plan import IterationPlan
 
 FORWARD_SHARE = 1.0 / 3.0
@@ -150,32 +151,32 @@ def replica_stage_times(plan: IterationPlan, replica: int, cost: CostModel) -> t
 
 
 def simulate(plan: IterationPlan, cost: CostModel, keep_events: bool = True) -> SimResult:
+    """The plan's iteration: every replica's 1F1B, then the step after compute.
+
+    With `cost.overlap_exchange` (the trainer's, from `[parallel] overlap_exchange`) the exchange runs
+    inside compute, so each busy replica's time, as the trainer measures it, holds its share of the step
+    (CostModel.exchange_in_compute); the iteration is the same either way.
+    """
     num_gpus = plan.deployment.num_gpus
-    timelines = []
     busy = np.zeros(num_gpus)
     shared = cost.shared_cores
     stage_times = [replica_stage_times(plan, r, cost) for r in range(len(plan.deployment.replicas))]
     if shared is not None:
-        # On shared CPU cores only replicas with work compete, and each speeds up as others finish.
-        lines = [simulate_replica(t, d.config.pp, c, keep_events=False)
-                 for (t, c), d in zip(stage_times, plan.deployment.replicas, strict=True)]
-        alone = [tl.time_s for tl in lines]
-        # A pipelined replica's ranks compute only outside its bubbles (a lone micro-batch: one stage at a time).
-        ranks = [d.config.tp * d.config.cp * tl.stage_busy_s.sum() / tl.time_s if tl.time_s > 0 else d.config.num_gpus
-                 for tl, d in zip(lines, plan.deployment.replicas, strict=True)]
-        finish = shared.finish_times(plan.deployment.configs, np.array(alone), np.array(ranks))
-        stage_times = [
-            ([x * f / a for x in t] if a > 0 else t, c)
-            for (t, c), a, f in zip(stage_times, alone, finish, strict=True)
-        ]
-    for replica, (times, comm) in zip(plan.deployment.replicas, stage_times, strict=True):
-        timeline = simulate_replica(times, replica.config.pp, comm, keep_events=keep_events)
-        timelines.append(timeline)
+        # On shared CPU cores the replicas run together: a waiting stage lends its core.
+        timelines = shared_timelines(plan.deployment.configs, [t for t, _ in stage_times],
+                                     [c for _, c in stage_times], shared, keep_events)
+    else:
+        timelines = [simulate_replica(times, replica.config.pp, comm, keep_events=keep_events)
+                     for replica, (times, comm) in zip(plan.deployment.replicas, stage_times, strict=True)]
+    for replica, timeline in zip(plan.deployment.replicas, timelines, strict=True):
         for s in range(replica.config.pp):
             busy[list(replica.stage_devices(s))] = timeline.stage_busy_s[s]
     replica_times = np.array([tl.time_s for tl in timelines])
     compute = float(replica_times.max()) if len(replica_times) else 0.0
     sync = cost.step_time(plan.deployment.configs)
+    if cost.overlap_exchange:
+        inside = [cost.exchange_in_compute(r.config, num_gpus) for r in plan.deployment.replicas]
+        replica_times = replica_times + np.where(replica_times > 0, inside, 0.0)
     return SimResult(
         iteration_time_s=compute + sync,
         compute_time_s=compute,
@@ -185,3 +186,114 @@ def simulate(plan: IterationPlan, cost: CostModel, keep_events: bool = True) -> 
         gpu_idle_s=compute - busy,
         timelines=tuple(timelines),
     )
+
+
+# -- replicas sharing CPU cores ------------------------------------------------------------------
+# With more ranks than cores a rank's speed depends on how many ranks compute at that moment, and a
+# pipeline stage waiting for its neighbour (1F1B's warm-up and cool-down, a p2p transfer) computes
+# nothing, so it lends its core to the others. Scaling each replica by the ranks of the whole
+# deployment counted those waits as work: on `2x(tp1,pp2)` over 2 cores it predicted 0.36 s where
+# 0.28 s ran. So every replica's stages run in one simulation under processor sharing
+# (cost.model.SharedCores): a task (forward or backward of one micro-batch on one stage) has `work`,
+# its measured time divided by the slowdown it was measured under; while B ranks compute, each
+# computing stage progresses at 1 / slowdown(B) of full speed, a stage of tp x cp ranks (a TP gang)
+# counting all of them. Events are the ends of tasks and the arrivals of p2p transfers; between them
+# every rate is constant.
+
+_EPS = 1e-12
+
+
+class _Lane:
+    """One pipeline stage of one replica: its 1F1B tasks in order, and where it is in them."""
+
+    def __init__(self, replica: int, stage: int, pp: int, times: np.ndarray, scale: float, ranks: int) -> None:
+        self.replica, self.stage, self.ranks = replica, stage, ranks
+        self.order = one_f_one_b_order(pp, len(times), stage)
+        self.work = [scale * times[j] * (FORWARD_SHARE if kind == FORWARD else 1 - FORWARD_SHARE)
+                     for kind, j in self.order]
+        self.next = 0
+        self.remaining = -1.0  # work left of the running task; negative: none running
+        self.started = 0.0
+        self.busy = 0.0  # seconds it computed
+        self.finished = 0.0  # when its last task ended
+
+    @property
+    def done(self) -> bool:
+        return self.next == len(self.order)
+
+
+def shared_timelines(
+    configs: Sequence[ParallelConfig],
+    stage_times: Sequence[Sequence[float]],
+    comm: Sequence[Sequence[float]],
+    shared: SharedCores,
+    keep_events: bool = True,
+) -> list[ReplicaTimeline]:
+    """Every replica's 1F1B timeline when all of them start together on the shared cores."""
+    lanes: list[_Lane] = []
+    for r, (config, times) in enumerate(zip(configs, stage_times, strict=True)):
+        t = np.asarray(times, dtype=np.float64)
+        scale = 1.0 / shared.slowdown(config, shared.busy_ranks[config]) if config in shared.busy_ranks else 1.0
+        if len(t):
+            lanes += [_Lane(r, s, config.pp, t, scale, config.tp * config.cp) for s in range(config.pp)]
+    ends: dict[tuple[int, int, int, int], float] = {}  # (replica, stage, kind, micro-batch) -> end
+    rows: list[list[tuple[int, int, int, float, float]]] = [[] for _ in configs]
+    now = 0.0
+    while True:
+        arrivals = [_ready(lane, ends, configs, comm) for lane in lanes if not lane.done and lane.remaining < 0]
+        for lane in lanes:
+            if not lane.done and lane.remaining < 0 and _ready(lane, ends, configs, comm) <= now + _EPS:
+                lane.remaining, lane.started = lane.work[lane.next], now
+        running = [lane for lane in lanes if lane.remaining >= 0]
+        if not running:
+            if all(lane.done for lane in lanes):
+                break
+            now = min(a for a in arrivals if a > now)  # every stage waits for a transfer
+            continue
+        busy = sum(lane.ranks for lane in running)
+        rates = [_rate(shared, configs[lane.replica], busy) for lane in running]
+        step = min(lane.remaining / rate for lane, rate in zip(running, rates, strict=True))
+        waiting = [a for a in arrivals if now + _EPS < a < now + step]
+        step = min([step, *(a - now for a in waiting)])
+        now += step
+        for lane, rate in zip(running, rates, strict=True):
+            lane.remaining -= step * rate
+            if lane.remaining <= _EPS * max(1.0, lane.work[lane.next]):
+                kind, j = lane.order[lane.next]
+                ends[(lane.replica, lane.stage, kind, j)] = now
+                lane.busy += now - lane.started
+                lane.finished = now
+                if keep_events:
+                    rows[lane.replica].append((lane.stage, j, kind, lane.started, now))
+                lane.next, lane.remaining = lane.next + 1, -1.0
+    return [_timeline(config, [lane for lane in lanes if lane.replica == r], rows[r], keep_events)
+            for r, config in enumerate(configs)]
+
+
+def _ready(lane: _Lane, ends: dict, configs: Sequence[ParallelConfig], comm: Sequence[Sequence[float]]) -> float:
+    """When the lane's next task may start: its dependency's end plus the transfer; inf while it has not ended."""
+    kind, j = lane.order[lane.next]
+    last = configs[lane.replica].pp - 1
+    if kind == FORWARD:
+        if lane.stage == 0:
+            return 0.0
+        dep = ends.get((lane.replica, lane.stage - 1, kind, j))
+    elif lane.stage == last:
+        return ends.get((lane.replica, lane.stage, FORWARD, j), np.inf)
+    else:
+        dep = ends.get((lane.replica, lane.stage + 1, kind, j))
+    return np.inf if dep is None else dep + comm[lane.replica][j]
+
+
+def _rate(shared: SharedCores, config: ParallelConfig, busy: int) -> float:
+    """Work per second of a stage of `config` while `busy` ranks compute (1 for a config measured unshared)."""
+    return 1.0 / shared.slowdown(config, busy) if config in shared.busy_ranks else 1.0
+
+
+def _timeline(config: ParallelConfig, lanes: list[_Lane], rows: list, keep_events: bool) -> ReplicaTimeline:
+    busy = np.zeros(config.pp)
+    for lane in lanes:
+        busy[lane.stage] = lane.busy
+    end = max((lane.finished for lane in lanes), default=0.0)
+    events = np.array(rows, dtype=np.float64).reshape(-1, 5) if keep_events else None
+    return ReplicaTimeline(float(end), busy, events)

@@ -239,13 +239,15 @@ def measure_optimizer_step(
     env: DistEnv,
     dtype: torch.dtype,
     report: Callable[[str, int], None] | None,
-) -> dict[str, list[float]]:
+) -> dict[str, dict[str, list[float]]]:
     """Seconds of the trainer's phase after compute, per config, on a deployment of it filling the job.
 
     Exactly what `Trainer.run_iteration` runs besides the micro-batches: gather
     the compute shard from the optimizer's owners, reduce the gradients into
     them, the global norm's all-reduce and AdamW on the owned range. A
     repeat starts after a barrier; the slowest rank counts (build_profile).
+    Per config: the whole phase (`total`) and its gather and reduce alone,
+    which training overlaps with compute (cost.model.CostModel.exchange_in_compute).
     """
     from hydraulis.optim import AdamWSettings
     from hydraulis.parallel import Deployment
@@ -258,24 +260,29 @@ def measure_optimizer_step(
     optimizer.init(settings.seed)
     pool = [Deployment(filling_replicas(c, world)) for c in configs]
     deployments = RankPool(spec, pool, optimizer, dtype, env.device, timeout=JOB_TIMEOUT)
-    times: dict[str, list[float]] = {}
+    times: dict[str, dict[str, list[float]]] = {}
     for i, config in enumerate(configs):
         part, _ = deployments.activate(i)
 
-        def phase(part=part) -> None:
-            deployments.gather(part)
-            optimizer.reduce(part.exchange, part.grads, unscale=part.grad_unscales)
+        def update() -> None:
             norm, _ = optimizer.global_norm()
             optimizer.step(1e-6, norm)
 
-        durations = []
+        parts = {
+            "gather": lambda part=part: deployments.gather(part),
+            "reduce": lambda part=part: optimizer.reduce(part.exchange, part.grads, unscale=part.grad_unscales),
+            "update": update,
+        }
+        durations: dict[str, list[float]] = {"total": [], "gather": [], "reduce": []}
         for repeat in range(settings.collective_repeats + 1):
             for q in part.params:
                 q.grad = torch.zeros_like(q)
             barrier(dist.group.WORLD, clock)
-            t = clock.time(phase)
+            taken = {name: clock.time(fn) for name, fn in parts.items()}
             if repeat:  # the first is a warm-up
-                durations.append(t)
+                durations["total"].append(sum(taken.values()))
+                durations["gather"].append(taken["gather"])
+                durations["reduce"].append(taken["reduce"])
         times[config.name] = durations
         if report:
             report("optimizer step", 1)

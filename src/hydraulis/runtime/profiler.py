@@ -70,9 +70,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from hydraulis.cost.conditions import CpuMeter, cpu_cores, disturbed
 from hydraulis.cost.measured import build_profile, filling_replicas
 from hydraulis.cost.sweep import ProfileSettings, check_configs, sweep
 from hydraulis.errors import HydraulisError
@@ -102,20 +104,70 @@ def _context_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
-def cpu_cores() -> int:
-    """Cores this process may run on (the affinity mask, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def replicas_at_once(config: ParallelConfig, world: int, cores: int | None, threads: int) -> int:
     """Replicas of `config` that compute at once: all on GPUs; on a CPU as many as the cores hold, at least one."""
     replicas = world // config.num_gpus
     if cores is None:
         return replicas
     return max(1, min(replicas, (cores // threads) // config.num_gpus))
+
+
+class LoadCheck:
+    """Other processes' load over each timed round (rank 0 reads it), and whether every rank measures it again.
+
+    Why: a round timed while something else computed is slower by the cores it took, and the
+    profile would carry that into every prediction. A disturbed round (cost.conditions.disturbed)
+    runs again, up to `retries` times, and at most `budget` rounds in all run again: a load that
+    lasts the whole profile would only triple its time. The profile records the load of the
+    rounds it kept.
+    """
+
+    def __init__(self, env: DistEnv, cores: int | None, retries: int, budget: int) -> None:
+        self.env, self.cores, self.retries, self.budget = env, cores, retries, budget
+        self.meter = None
+        if cores is not None:  # CPU ranks: the load that matters is the CPU's
+            pids: list[Any] = [None] * env.world_size
+            dist.all_gather_object(pids, os.getpid())
+            self.meter = CpuMeter([*pids, os.getppid()]) if env.rank == 0 else None
+        self.kept: list[float] = []  # foreign cores of every kept timed round (rank 0)
+        self.redone = 0
+
+    def start(self) -> None:
+        if self.meter is not None:
+            self.meter.foreign_cores()  # the next reading covers the round from here
+
+    def again(self, attempt: int) -> bool:
+        """After a timed round (a collective): True on every rank when it should be measured again."""
+        if self.cores is None:
+            return False
+        load = self.meter.foreign_cores() if self.meter is not None else None
+        again = disturbed(load, self.cores) and attempt < self.retries and self.redone < self.budget
+        flag = torch.tensor([1 if again else 0])
+        dist.broadcast(flag, 0)
+        if int(flag):
+            self.redone += 1
+        elif load is not None:
+            self.kept.append(load)
+        return bool(int(flag))
+
+    def result(self) -> dict[str, Any] | None:
+        if not self.kept:
+            return None
+        return {"foreign_cores_median": float(np.median(self.kept)), "foreign_cores_max": float(max(self.kept)),
+                "disturbed_kept": sum(disturbed(x, self.cores) for x in self.kept), "measured_again": self.redone}
+
+
+def _config_round(run: ConfigRun, r: int, repeats: int, report: Callable[[str, int], None] | None) -> None:
+    """One round of one config on this rank: warm-up (0), a timed repeat (1..repeats) or the memory census."""
+    for i in range(run.count):
+        if r == 0:
+            run.warmup(i)
+        elif r <= repeats:
+            run.timed(i, r - 1)
+        else:
+            run.memory(i)
+        if report:
+            report(run.groups.config.name, 1)
 
 
 def measure(
@@ -152,39 +204,29 @@ def measure(
         if settings.interleave
         else [(r, c) for c in configs for r in range(rounds)]
     )
+    load = LoadCheck(env, cores, settings.load_retries, budget=max(1, settings.repeats * len(configs) // 2))
     runs: dict[ParallelConfig, ConfigRun] = {}
     measured: dict[str, Any] = {}
     for r, config in order:
         mine = groups[config]
-        if mine is not None:
-            if config not in runs:
-                runs[config] = ConfigRun(spec, mine, documents, settings, env.device, dtype)
-            run = runs[config]
-            for i in range(run.count):
-                if r == 0:
-                    run.warmup(i)
-                elif r <= settings.repeats:
-                    run.timed(i, r - 1)
-                else:
-                    run.memory(i)
-                if report:
-                    report(config.name, 1)
-            if r == rounds - 1:  # the config's last round: free its model
-                measured[config.name] = runs.pop(config).result()
-                if env.device.type == "cuda":
-                    torch.cuda.empty_cache()
-        dist.barrier()  # ranks without a replica of this config wait here
+        if mine is not None and config not in runs:
+            runs[config] = ConfigRun(spec, mine, documents, settings, env.device, dtype)
+        for attempt in range(settings.load_retries + 1):
+            load.start()
+            if mine is not None:
+                _config_round(runs[config], r, settings.repeats, report if attempt == 0 else None)
+            dist.barrier()  # ranks without a replica of this config wait here
+            if not 1 <= r <= settings.repeats or not load.again(attempt):
+                break
+        if mine is not None and r == rounds - 1:  # the config's last round: free its model
+            measured[config.name] = runs.pop(config).result()
+            if env.device.type == "cuda":
+                torch.cuda.empty_cache()
     collectives = measure_collectives(env, settings, report) if env.world_size > 1 else None
     step = measure_optimizer_step(spec, configs, settings, env, dtype, report)
     return {
-        "rank": env.rank,
-        "context_bytes": context,
-        "threads": threads,
-        "cores": cores,
-        "busy_ranks": busy,
-        "configs": measured,
-        "collectives": collectives,
-        "optimizer_step_s": step,
+        "rank": env.rank, "context_bytes": context, "threads": threads, "cores": cores, "busy_ranks": busy,
+        "configs": measured, "collectives": collectives, "optimizer_step_s": step, "load": load.result(),
     }
 
 

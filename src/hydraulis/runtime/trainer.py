@@ -132,6 +132,7 @@ class StepMetrics:
     phase_switch_s: float = 0.0  # their switches, measured (the rank that waited least: the switches alone)
     phase_switch_predicted_s: float = 0.0
     memory_over_budget: bool = False  # a rank's measured peak exceeded [parallel] memory_per_rank
+    deployment_indices: tuple[int, ...] = ()  # each phase's deployment in the pool: replica_s follows them
 
     @property
     def tokens_per_s(self) -> float:
@@ -351,6 +352,7 @@ class Trainer:
             phase_switch_s=-peaks[7],
             phase_switch_predicted_s=schedule.switch_s * (len(runs) - 1),
             memory_over_budget=s.memory_budget_bytes is not None and peaks[0] > s.memory_budget_bytes,
+            deployment_indices=tuple(indices),
         )
         self.step_index += 1
         if not self._timeouts_settled:  # the first step is done: every group gets the steady timeout

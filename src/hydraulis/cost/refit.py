@@ -1,0 +1,105 @@
+"""Online refit: a config whose predictions stay more than 15% off during training is refit from the run.
+
+Why: a profile is taken once, under its own conditions (load from other
+processes, another world size, a machine that changed); the trainer measures
+every replica every step. When a config's replicas stay off their predicted
+times for `window` steps in a row, all on the same side, its coefficients
+(a, b, c) are scaled by the median measured / predicted ratio of those steps,
+and the planner plans with the refit model from then on. A scale keeps what
+the profile measured about the shape of the cost (how a, b and c weigh long
+against short documents), which a few steps of similar batches could not
+separate, and corrects its level, which they measure well.
+
+`refit_profile` writes the result as a `hydraulis.profile/1` file marked as
+refit, kept beside the run and, for `profile = "auto"`, in the profile cache.
+No torch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hydraulis.cost.conditions import Conditions
+from hydraulis.cost.model import Coefficients, CostModel
+from hydraulis.parallel import ParallelConfig
+
+REFIT_ERROR = 0.15  # |predicted - measured| / measured beyond which a step counts as off
+REFIT_STEPS = 5  # consecutive off steps, all on the same side, before a config is refit
+
+
+@dataclass(frozen=True)
+class Refit:
+    """A refit cost model, the step it was made after, and each refit config's scale of (a, b, c)."""
+
+    cost: CostModel
+    step: int
+    scales: dict[ParallelConfig, float]
+
+    def line(self, window: int = REFIT_STEPS) -> str:
+        parts = ", ".join(f"{c.name} x{s:.2f}" for c, s in self.scales.items())
+        return (
+            f"cost model refit after step {self.step}: {parts} (predicted replica times were more than "
+            f"{REFIT_ERROR:.0%} off for {window} steps); planning with the refit model from here"
+        )
+
+
+class OnlineRefit:
+    """Watches predicted against measured replica times, step by step, and refits configs that stay off."""
+
+    def __init__(self, cost: CostModel, window: int = REFIT_STEPS, threshold: float = REFIT_ERROR) -> None:
+        self.cost, self.window, self.threshold = cost, window, threshold
+        self.ratios: dict[ParallelConfig, list[float]] = {}  # measured / predicted per step, since the last refit
+        self.scales: dict[ParallelConfig, float] = {}  # the product of every refit so far, per config
+
+    def observe(
+        self, step: int, configs: Sequence[ParallelConfig], measured: Sequence[float], predicted: Sequence[float]
+    ) -> Refit | None:
+        """One step's replica times; a Refit when some config has now been off for `window` steps."""
+        per_config: dict[ParallelConfig, list[float]] = {}
+        for config, m, p in zip(configs, measured, predicted, strict=True):
+            if m > 0 and p > 0:  # a replica without micro-batches predicts nothing
+                per_config.setdefault(config, []).append(m / p)
+        due: dict[ParallelConfig, float] = {}
+        for config, ratios in per_config.items():
+            history = self.ratios.setdefault(config, [])
+            history.append(float(np.median(ratios)))
+            recent = np.array(history[-self.window :])
+            errors = 1 / recent - 1  # (predicted - measured) / measured
+            if len(recent) == self.window and ((errors > self.threshold).all() or (errors < -self.threshold).all()):
+                due[config] = float(np.median(recent))
+        if not due:
+            return None
+        coefficients = {}
+        for config in self.cost.configs:
+            co = self.cost.coefficients(config)
+            k = due.get(config, 1.0)
+            coefficients[config] = Coefficients(co.a * k, co.b * k, co.c * k)
+        # The coefficients read above already carry the recompute factor; with_configs keeps the set as it is.
+        name = self.cost.name if self.cost.name.endswith("(refit)") else f"{self.cost.name} (refit)"
+        self.cost = self.cost.with_configs(name, coefficients, self.cost.recompute)
+        for config, k in due.items():
+            self.scales[config] = self.scales.get(config, 1.0) * k
+            self.ratios[config] = []
+        return Refit(self.cost, step, dict(due))
+
+
+def refit_profile(
+    data: dict[str, Any], scales: dict[ParallelConfig, float], source: str, step: int, conditions: Conditions
+) -> dict[str, Any]:
+    """The profile `data` with each refit config's a, b, c scaled, marked as refit (from what run, and when),
+    under the conditions of the run that refit it."""
+    out = copy.deepcopy(data)
+    names = {c.name: k for c, k in scales.items()}
+    for row in out["time_ms"]:
+        k = names.get(ParallelConfig(row["tp"], row["pp"], row.get("cp", 1)).name)
+        if k is not None:
+            row["a"], row["b"], row["c"] = row["a"] * k, row["b"] * k, row["c"] * k
+    out["name"] = f"{data['name']} (refit)" if not str(data["name"]).endswith("(refit)") else data["name"]
+    out["refit"] = {"source": source, "step": step, "scales": names}
+    out["conditions"] = conditions.to_json()
+    return out
