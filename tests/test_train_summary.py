@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from train_helpers import metric_rows
 
 from hydraulis.report import iteration_errors
 from hydraulis.report import training_plot as report_plot
@@ -100,7 +101,7 @@ def test_steps_over_the_memory_budget_are_marked_counted_and_warned_once(tmp_pat
                              memory_predicted_bytes=35 << 20, memory_over_budget=peak > 40 << 20))
     log.close()
     summary = log.finish()
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = metric_rows(tmp_path)
     assert [r.get("memory_over_budget") for r in rows[:3]] == [False, True, True]
     assert summary["steps_over_budget"] == 2 and summary["memory_budget_bytes"] == 40 << 20
     assert json.loads((tmp_path / "summary.json").read_text())["steps_over_budget"] == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import string
 from pathlib import Path
@@ -36,9 +37,33 @@ def write_config(path: Path, corpus: Path, **overrides: str) -> Path:
     return path
 
 
+def metric_rows(out: Path, running: bool = False) -> list[dict]:
+    """A run's metrics.jsonl: one row per step, then `{"summary": ...}` once the run has finished.
+
+    `running`: the run may still be writing, so no file yet means no rows, and a line being written is skipped.
+    """
+    path = out / "metrics.jsonl"
+    if running and not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError) if running else contextlib.nullcontext():
+            rows.append(json.loads(line))
+    return rows
+
+
+def step_rows(out: Path, running: bool = False) -> list[dict]:
+    """The step rows of a run's metrics.jsonl (every row but the summary)."""
+    return [r for r in metric_rows(out, running) if "step" in r]
+
+
+def run_summary(out: Path) -> dict:
+    """The summary row of a finished run's metrics.jsonl."""
+    return metric_rows(out)[-1]["summary"]
+
+
 def losses(out: Path) -> list[float]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if "loss" in r]
+    return [r["loss"] for r in metric_rows(out) if "loss" in r]
 
 
 def hf_loss(model, docs: list[np.ndarray]) -> float:

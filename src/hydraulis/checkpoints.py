@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from hydraulis.data.sampler import SamplerState
 from hydraulis.errors import HydraulisError
 from hydraulis.files import not_found, sha256_file
 from hydraulis.jsonio import Fields, load_json
-from hydraulis.progress import Log
+from hydraulis.progress import Log, aside
 from hydraulis.specs import SHAPE_FIELDS, Architecture, ModelSpec
 
 CHECKPOINT_SCHEMA = "hydraulis.checkpoint/1"
@@ -30,11 +29,6 @@ OPTIM_DIR = "optimizer"
 OPTIM_KEYS = ("master", "exp_avg", "exp_avg_sq")
 STEP_DIR = re.compile(r"step-(\d+)")
 DEFAULT_KEEP = 2  # the config's [train] keep_checkpoints default (config.TrainSection)
-
-
-def say(message: str) -> None:
-    """The default log of checkpoint discovery outside a run (`hydraulis export`): one line on stderr."""
-    print(message, file=sys.stderr, flush=True)
 
 
 def step_dir_name(step: int) -> str:
@@ -174,7 +168,7 @@ def list_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def sweep_temporary(out_dir: str | Path, log: Log = say) -> list[Path]:
+def sweep_temporary(out_dir: str | Path, log: Log = aside) -> list[Path]:
     """Remove the hidden temporary directories of saves that did not finish (one line each).
 
     A `.old` directory still holding the only copy of a checkpoint (a save
@@ -203,7 +197,7 @@ def verify_checkpoint(path: str | Path) -> CheckpointInfo:
     return info
 
 
-def latest_checkpoint(out_dir: str | Path, sweep: bool = True, log: Log = say) -> Path | None:
+def latest_checkpoint(out_dir: str | Path, sweep: bool = True, log: Log = aside) -> Path | None:
     """The newest checkpoint under out_dir that verifies completely; None when there is no checkpoint at all.
 
     One rule for every kind of damage (no manifest, a missing, truncated or
@@ -236,7 +230,7 @@ def latest_checkpoint(out_dir: str | Path, sweep: bool = True, log: Log = say) -
     return chosen
 
 
-def resolve_checkpoint(path: str | Path, log: Log = say) -> Path | None:
+def resolve_checkpoint(path: str | Path, log: Log = aside) -> Path | None:
     """A checkpoint directory itself, or the newest verifying one under an output directory."""
     path = Path(path)
     if (path / MANIFEST_FILE).exists() or STEP_DIR.fullmatch(path.name):

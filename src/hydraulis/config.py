@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from hydraulis.checkpoints import DEFAULT_KEEP
 from hydraulis.errors import HydraulisError
 from hydraulis.files import read_text
-from hydraulis.limits import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, parse_size
+from hydraulis.limits import DEFAULT_EXCHANGE_BUCKET_BYTES, DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, parse_size
 from hydraulis.optim import SCHEDULES, AdamWSettings, OptimSettings
 from hydraulis.specs import DTYPE_NAMES, MODELS, SHAPE_FIELDS, ModelSpec
 
@@ -110,7 +110,7 @@ class ParallelSection(_Section):
     max_pool: int = Field(3, ge=1, le=16)
     # The optimizer's gather and reduce run in rounds, two in flight, each with a send and a receive buffer of
     # at most half this many MiB (runtime/exchange.py): two buckets in all.
-    exchange_bucket_mb: float = Field(256.0, gt=0)
+    exchange_bucket_mb: float = Field(DEFAULT_EXCHANGE_BUCKET_BYTES / (1 << 20), gt=0)
     # Gather a layer's parameters while the one before it computes, send gradients while backward goes on
     # (runtime/overlap.py); false: the whole gather before compute and the whole reduce after it.
     overlap_exchange: bool = True

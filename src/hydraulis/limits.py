@@ -20,6 +20,7 @@ MAX_GPUS = 16384
 MAX_SEED = 2**63 - 1
 MAX_MODEL_DIM = 2**24  # hidden, ffn, vocab, heads of a model
 MAX_LAYERS = 4096
+DEFAULT_EXCHANGE_BUCKET_BYTES = 256 << 20  # [parallel] exchange_bucket_mb's default, sized for GPUs
 DEFAULT_TIMEOUT_S = 600.0  # [train] timeout_s: process-group timeout after the first step (runtime/timeouts.py)
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 MAX_MEMORY_BYTES = 2**50  # a memory size (a device's, a budget per rank)

@@ -12,16 +12,22 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TextIO
 
 LOG_EVERY_S = 60.0
 UNWRAPPED = 1 << 16  # the width of output that is not a terminal: wide enough that nothing wraps
 Log = Callable[[str], None]  # what components report through, instead of printing
 
 
-def say(message: str) -> None:
-    """The run's log: one line on stdout, flushed at once (a cluster job's log may be a file)."""
-    print(message, flush=True)
+def say(message: str, stream: TextIO | None = None) -> None:
+    """The run's log: one line on stdout (or `stream`), flushed at once (a cluster job's log may be a file)."""
+    print(message, file=stream or sys.stdout, flush=True)
+
+
+def aside(message: str) -> None:
+    """A library's default log (checkpoint discovery outside a run, `hydraulis export`): on stderr, so that
+    stdout stays the caller's own output."""
+    say(message, sys.stderr)
 
 
 def console(stderr: bool = False) -> Any:

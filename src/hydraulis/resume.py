@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hydraulis.checkpoints import Log, latest_checkpoint, read_manifest
+from hydraulis.checkpoints import latest_checkpoint, read_manifest
 from hydraulis.errors import HydraulisError
+from hydraulis.progress import Log, say
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ def describe_schedule(schedule: dict[str, Any]) -> str:
 
 
 def resume_point(
-    checkpoints: Path, schedule: dict[str, Any], change_schedule: bool = False, log: Log = print
+    checkpoints: Path, schedule: dict[str, Any], change_schedule: bool = False, log: Log = say
 ) -> ResumePoint:
     """The checkpoint to resume from, its schedule compared with this run's (`schedule`); raises on a mismatch."""
     if checkpoints.exists() and not checkpoints.is_dir():

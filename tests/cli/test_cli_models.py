@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from tokenizer_helpers import train_bpe  # noqa: E402
-from train_helpers import hf_loss, make_corpus, write_config  # noqa: E402
+from train_helpers import hf_loss, step_rows, write_config  # noqa: E402
 
 from hydraulis.data.indexed import open_corpus  # noqa: E402
 from hydraulis.data.sampler import TokenBudgetSampler  # noqa: E402
@@ -66,11 +66,6 @@ def hf_model(family: str):
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_corpus(tmp_path_factory.mktemp("corpus") / "docs")
-
-
-@pytest.fixture(scope="module")
 def trained(tmp_path_factory, corpus, session_cli):
     """family -> (family, source model, directory, checkpoint): each trained and exported once per module."""
     runs: dict[str, tuple] = {}
@@ -111,8 +106,7 @@ def test_first_loss_is_transformers_loss_on_the_same_batch(family_run, corpus):
     data = open_corpus(corpus)
     batch = TokenBudgetSampler(data.lengths, 768, max_len=256, seed=3).next_batch()
     want = hf_loss(model, [np.asarray(t) for t in batch.tokens(data)])
-    rows = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
-    got = rows[0]["loss"]
+    got = step_rows(tmp / "run")[0]["loss"]
     assert got == pytest.approx(want, rel=1e-4)
 
 
@@ -289,7 +283,6 @@ def test_resume_on_a_pool_without_tp_keeps_the_padding(trained, tmp_path, corpus
     # 3 steps where the run had 2: a longer schedule, which a resume takes only when asked
     done = cli("train", "--config", str(config), "--nproc", "2", "--out", str(run), "--resume", "--change-schedule")
     assert done.returncode == 0, done.stderr
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "step" in r][-1] == 2
+    assert [r["step"] for r in step_rows(run)][-1] == 2
     manifest = json.loads((run / "checkpoints" / "step-000003" / "manifest.json").read_text())
     assert manifest["model"]["padded_vocab"] == 50258

@@ -34,7 +34,7 @@ transformers = pytest.importorskip("transformers")
 from cli_helpers import start_cli  # noqa: E402
 from hf_helpers import spread_weights  # noqa: E402
 from tokenizer_helpers import CHATML, CHATML_MARKED, TEXT, train_bpe  # noqa: E402
-from train_helpers import losses  # noqa: E402
+from train_helpers import losses, step_rows  # noqa: E402
 
 from hydraulis.data.indexed import open_corpus  # noqa: E402
 from hydraulis.data.sampler import TokenBudgetSampler  # noqa: E402
@@ -239,7 +239,7 @@ def test_first_sft_loss_is_transformers_loss_with_prompt_labels_ignored(case):
     print(f"\nSFT first loss {got:.7f}, transformers' {want:.7f} ({targets} of {unmasked} targets)")
     assert got == pytest.approx(want, rel=1e-4)
     assert "initialised from" in result.stdout + result.stderr
-    used = [json.loads(x)["deployment"] for x in (out / "metrics.jsonl").read_text().splitlines()[:-1]]
+    used = [r["deployment"] for r in step_rows(out)]
     pool = [d["text"] for d in json.loads((out / "pool.json").read_text())["deployments"]]
     print("deployments:", used, "of", pool)
     assert len(pool) == 3 and set(used) <= set(pool)  # the planner chooses among three (TP, PP, data parallel)
@@ -302,8 +302,7 @@ def test_masked_losses_do_not_depend_on_the_deployment(sft, session_cli):  # noq
     one = losses(runs["one"])
     for name, out in (("hetero", hetero["out"]), ("cp", runs["cp"])):
         np.testing.assert_allclose(losses(out), one, rtol=1e-5, err_msg=name)
-    rows = [json.loads(x) for x in (runs["cp"] / "metrics.jsonl").read_text().splitlines()][:-1]
-    assert all("cp2" in r["deployment"] for r in rows)
+    assert all("cp2" in r["deployment"] for r in step_rows(runs["cp"]))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

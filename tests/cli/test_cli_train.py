@@ -4,21 +4,15 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 pytest.importorskip("torch")
 
-from train_helpers import BASE, losses, make_corpus, write_config  # noqa: E402
+from train_helpers import BASE, losses, run_summary, step_rows, write_config  # noqa: E402
 
 pytestmark = pytest.mark.dist
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_corpus(tmp_path_factory.mktemp("corpus") / "docs")
-
 
 @pytest.fixture(scope="module")
 def hetero_run(tmp_path_factory, corpus, session_cli):
@@ -31,8 +25,7 @@ def hetero_run(tmp_path_factory, corpus, session_cli):
 def test_train_writes_the_run_directory(hetero_run):
     result, out = hetero_run
     assert result.returncode == 0, result.stderr
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps, summary = rows[:-1], rows[-1]["summary"]
+    steps, summary = step_rows(out), run_summary(out)
     assert [r["step"] for r in steps] == list(range(6))
     for key in ("loss", "tokens", "deployment", "iteration_s", "predicted_s", "planning_s", "lr", "grad_norm",
                 "replica_s"):
@@ -65,8 +58,7 @@ def test_a_context_parallel_pool_trains_with_the_same_losses(hetero_run, tmp_pat
     config = write_config(tmp_path / "cp.toml", corpus, parallel=parallel)
     cp = cli("train", "--config", str(config), "--nproc", "4", "--out", str(tmp_path / "cp"))
     assert cp.returncode == 0, cp.stderr
-    rows = [json.loads(line) for line in (tmp_path / "cp" / "metrics.jsonl").read_text().splitlines()][:-1]
-    assert all("cp" in r["deployment"] for r in rows)
+    assert all("cp" in r["deployment"] for r in step_rows(tmp_path / "cp"))
     np.testing.assert_allclose(losses(tmp_path / "cp"), losses(hetero_out), rtol=1e-5)
 
 
@@ -94,9 +86,8 @@ def test_profile_auto_measures_the_pool_configs_here_and_trains_on_them(auto_run
     assert data["measurements"]["world_size"] == 4 and data["device"]["kind"] == "cpu"
     assert max(max(p["lengths"]) for p in data["measurements"]["points"]) == 256  # the sweep reaches max_len
     assert json.loads((out / "pool.json").read_text())["profile"] == data["name"]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert all(r["predicted_s"] > 0 for r in rows[:-1])
-    assert rows[-1]["summary"]["iteration_error_median"] >= 0
+    assert all(r["predicted_s"] > 0 for r in step_rows(out))
+    assert run_summary(out)["iteration_error_median"] >= 0
 
 
 def test_profile_auto_is_reused_when_it_matches_and_measured_again_otherwise(auto_run, tmp_path, cli, monkeypatch):

@@ -3,7 +3,6 @@ rank starts, and a budget that binds is kept, as torch's allocator measures ever
 
 from __future__ import annotations
 
-import json
 import string
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from train_helpers import write_config  # noqa: E402
+from train_helpers import run_summary, step_rows, write_config  # noqa: E402
 
 from hydraulis.data.indexed import build_corpus  # noqa: E402
 
@@ -46,8 +45,7 @@ def test_a_budget_that_binds_is_kept_on_every_rank(tmp_path, long_tail, cli):
                           train="steps = 8\nlog_every = 4")
     result = cli("train", "--config", str(config), "--nproc", "4", "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr
-    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    steps, summary = rows[:-1], rows[-1]["summary"]
+    steps, summary = step_rows(tmp_path / "out"), run_summary(tmp_path / "out")
     measured = [r for r in steps if r["memory_peak_bytes"] > 0]
     # Measured: each deployment's first step and each step whose predicted peak was a rank's highest yet.
     assert len(measured) >= 3

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
 
-from train_helpers import make_corpus, write_config  # noqa: E402
+from train_helpers import step_rows, write_config  # noqa: E402
 
 from hydraulis.checkpoints import read_manifest, verify_checkpoint  # noqa: E402
 from hydraulis.runtime.divergence import POISON_ENV  # noqa: E402
@@ -21,22 +19,12 @@ TWO = {"parallel": 'pool = "2x(tp1,pp1); 1x(tp2,pp1)"\nprofile = "tiny@cpu"'}
 ONE = {"parallel": 'pool = "1x(tp1,pp1)"\nprofile = "tiny@cpu"'}
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_corpus(tmp_path_factory.mktemp("corpus") / "docs")
-
-
-def rows(out: Path) -> list[dict]:
-    found = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in found if "step" in r]
-
-
 def test_a_nan_micro_batch_skips_that_step_on_every_rank(tmp_path, corpus, cli, monkeypatch):
     config = write_config(tmp_path / "run.toml", corpus, train="steps = 5\nlog_every = 5", **TWO)
     monkeypatch.setenv(POISON_ENV, "2")
     result = cli("train", "--config", str(config), "--nproc", "2", "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr
-    done = rows(tmp_path / "out")
+    done = step_rows(tmp_path / "out")
     assert [r["step"] for r in done] == list(range(5))
     assert [r["skipped"] for r in done] == [False, False, True, False, False]
     assert math.isnan(done[2]["loss"])
@@ -59,8 +47,8 @@ def test_max_bad_steps_stops_with_one_line_keeping_the_last_good_checkpoint(tmp_
     assert len(lines) == 1 and "training diverged: step 3" in lines[0] and "max_bad_steps = 1" in lines[0], lines
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002"]
     verify_checkpoint(out / "checkpoints" / "step-000002")
-    assert [r["step"] for r in rows(out)] == [0, 1, 2, 3]
+    assert [r["step"] for r in step_rows(out)] == [0, 1, 2, 3]
     monkeypatch.delenv(POISON_ENV)
     more = cli("train", "--config", str(config), "--nproc", "1", "--out", str(out), "--resume")
     assert more.returncode == 0 and "resuming at step 2" in more.stdout, more.stderr
-    assert [r["step"] for r in rows(out)] == list(range(6)) and not any(r["skipped"] for r in rows(out))
+    assert [r["step"] for r in step_rows(out)] == list(range(6)) and not any(r["skipped"] for r in step_rows(out))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import re
 import signal
@@ -16,7 +14,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from train_helpers import losses, make_corpus, write_config  # noqa: E402
+from train_helpers import losses, step_rows, write_config  # noqa: E402
 
 from hydraulis.data.indexed import open_corpus  # noqa: E402
 from hydraulis.data.sampler import TokenBudgetSampler  # noqa: E402
@@ -25,11 +23,6 @@ pytestmark = pytest.mark.dist
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 TWO = {"parallel": 'pool = "2x(tp1,pp1); 1x(tp2,pp1)"\nprofile = "tiny@cpu"'}
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_corpus(tmp_path_factory.mktemp("corpus") / "docs")
 
 
 def start(*args: str) -> subprocess.Popen:
@@ -41,17 +34,6 @@ def start(*args: str) -> subprocess.Popen:
         text=True,
         env=env,
     )
-
-
-def rows(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return []
-    found = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):  # a line being written
-            found.append(json.loads(line))
-    return [r for r in found if "step" in r]
 
 
 def wait_for(condition, timeout: float = 120) -> None:
@@ -111,19 +93,19 @@ def test_resume_continues_bit_for_bit(tmp_path, corpus, cli):
     assert more.returncode == 0, more.stderr
     assert "resuming at step 3" in more.stdout
     assert losses(tmp_path / "half") == losses(tmp_path / "whole")  # bit for bit
-    assert [r["step"] for r in rows(tmp_path / "half")] == list(range(6))
+    assert [r["step"] for r in step_rows(tmp_path / "half", running=True)] == list(range(6))
 
 
 def test_sigterm_saves_at_the_step_boundary_and_exits_0(tmp_path, corpus):
     config = write_config(tmp_path / "run.toml", corpus, train="steps = 400\nlog_every = 50", **TWO)
     out = tmp_path / "out"
     proc = start("--config", str(config), "--nproc", "2", "--out", str(out))
-    wait_for(lambda: len(rows(out)) >= 2)
+    wait_for(lambda: len(step_rows(out, running=True)) >= 2)
     ranks = ranks_of(proc.pid)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
-    done = rows(out)
+    done = step_rows(out, running=True)
     saved = sorted((out / "checkpoints").glob("step-*"))
     assert [p.name for p in saved] == [f"step-{len(done):06d}"]
     assert [r["step"] for r in done] == list(range(len(done)))
@@ -134,7 +116,7 @@ def test_a_killed_rank_ends_the_job_naming_it(tmp_path, corpus):
     config = write_config(tmp_path / "run.toml", corpus, train="steps = 400\nlog_every = 50")
     out = tmp_path / "out"
     proc = start("--config", str(config), "--nproc", "4", "--out", str(out))
-    wait_for(lambda: len(rows(out)) >= 1)
+    wait_for(lambda: len(step_rows(out, running=True)) >= 1)
     ranks = ranks_of(proc.pid)
     assert len(ranks) == 4
     killed_at = time.monotonic()
@@ -154,12 +136,13 @@ def test_restarts_resume_without_skipping_or_repeating_a_batch(tmp_path, corpus)
     )
     out = tmp_path / "out"
     proc = start("--config", str(config), "--nproc", "2", "--out", str(out), "--max-restarts", "1")
-    wait_for(lambda: (out / "checkpoints" / "step-000002" / "manifest.json").is_file() and len(rows(out)) >= 3)
+    second = out / "checkpoints" / "step-000002" / "manifest.json"
+    wait_for(lambda: second.is_file() and len(step_rows(out, running=True)) >= 3)
     os.kill(ranks_of(proc.pid)[1], signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=180)
     assert proc.returncode == 0, stderr
     assert "restarting from the last checkpoint" in stdout
-    done = rows(out)
+    done = step_rows(out, running=True)
     assert [r["step"] for r in done] == list(range(steps))
     # The batches an uninterrupted run consumes, from the sampler itself.
     c = open_corpus(corpus)

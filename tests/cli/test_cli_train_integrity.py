@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from train_helpers import losses, make_corpus, write_config  # noqa: E402
+from train_helpers import losses, make_corpus, step_rows, write_config  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -53,8 +52,7 @@ def snapshot(root: Path) -> dict[str, tuple[int, str]]:
 
 
 def steps_in(out: Path) -> list[int]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["step"] for r in rows if "step" in r]
+    return [r["step"] for r in step_rows(out)]
 
 
 def test_newest_byte_flipped_falls_back_without_a_duplicate_step(saved, tmp_path, cli):

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("torch")
 
 from cli_helpers import SRC  # noqa: E402
-from train_helpers import make_corpus, write_config  # noqa: E402
+from train_helpers import make_corpus, step_rows, write_config  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -90,6 +90,5 @@ def test_a_shared_run_directory_trains_and_resumes(tmp_path):
     more = two_nodes(config, (shared, shared), "--resume")
     assert all(code == 0 for code, _ in more), more
     assert "resuming at step 1" in "\n".join(output for _, output in more)
-    rows = [json.loads(line) for line in (shared / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "step" in r] == [0, 1]
+    assert [r["step"] for r in step_rows(shared)] == [0, 1]
     assert not list(shared.glob(".ranks-*"))  # the start-up tokens are gone

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from train_helpers import make_corpus, write_config  # noqa: E402
+from train_helpers import make_corpus, step_rows, write_config  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -39,14 +38,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory, session_cli) -> tuple[Path, P
     return config, tmp / "straight", tmp / "split"
 
 
-def rows(out: Path) -> list[dict]:
-    found = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in found if "step" in r]
-
-
 def test_stop_at_then_resume_equals_straight_through_bit_for_bit(runs):
     _, straight, split = runs
-    a, b = rows(straight), rows(split)
+    a, b = step_rows(straight), step_rows(split)
     assert [r["step"] for r in b] == list(range(STEPS))
     for key in ("loss", "lr", "grad_norm", "epoch", "position"):
         assert [r[key] for r in b] == [r[key] for r in a], key  # ==: the same bits
@@ -74,7 +68,7 @@ def test_changing_the_schedule_on_resume_needs_the_flag_and_prints_both(runs, tm
     )  # fmt: skip
     assert changed.returncode == 0, changed.stderr
     assert "the LR schedule changes from cosine lr 0.003 warmup 2 min_lr_ratio 0.1 over 20 steps to" in changed.stdout
-    assert [r["step"] for r in rows(out)] == list(range(12))
+    assert [r["step"] for r in step_rows(out)] == list(range(12))
 
 
 @pytest.mark.parametrize(("args", "message"), [(("--stop-at", "21"), "outside the schedule's 1..20"),

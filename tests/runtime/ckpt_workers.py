@@ -7,18 +7,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from train_workers import cpu_settings
 
-from hydraulis.cost import AnalyticCostModel
 from hydraulis.data.indexed import build_corpus, open_corpus
 from hydraulis.data.sampler import SamplerState, TokenBudgetSampler
 from hydraulis.errors import HydraulisError
 from hydraulis.optim import AdamWSettings, OptimSettings
-from hydraulis.parallel import Deployment
 from hydraulis.runtime.checkpoint import load_checkpoint, resume, save_checkpoint
 from hydraulis.runtime.hf_io import init_from
 from hydraulis.runtime.launch import init_distributed
 from hydraulis.runtime.trainer import Trainer, TrainSettings
-from hydraulis.specs import MODELS, ClusterSpec, get_device
 
 SEED = 7
 STEPS = 6
@@ -40,16 +38,8 @@ def make_corpus(path: Path, seed: int = SEED, documents: int = 48) -> Path:
 
 
 def settings(world: int, pool: tuple[str, ...], model: str = "tiny") -> TrainSettings:
-    spec = MODELS[model]
-    cluster = ClusterSpec(world, gpus_per_node=world)
-    return TrainSettings(
-        model=spec,
-        pool=tuple(Deployment.parse(t, cluster) for t in pool),
-        cost=AnalyticCostModel(spec, get_device("cpu")),
-        optim=OptimSettings(lr=3e-3, warmup=2, schedule="cosine", adamw=AdamWSettings(weight_decay=0.1, grad_clip=0.5)),
-        steps=STEPS,
-        seed=SEED,
-    )
+    optim = OptimSettings(lr=3e-3, warmup=2, schedule="cosine", adamw=AdamWSettings(weight_decay=0.1, grad_clip=0.5))
+    return cpu_settings(world, pool, optim, STEPS, model, seed=SEED)
 
 
 def make_trainer(world: int, pool: tuple[str, ...], corpus_dir: Path, model: str = "tiny") -> Trainer:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from train_workers import corpus, sampler
+from train_workers import corpus, cpu_settings, sampler
 
 from hydraulis.planner.plan import IterationPlan
 from hydraulis.runtime import groups
@@ -55,23 +55,15 @@ def train_variants(
 
 def train_small(rank: int, world: int, steps: int, bucket_bytes: int) -> list[dict]:
     """Model `small` on `4x(tp1,pp1)` in fp32, planned by the trainer: each step's metrics."""
-    from hydraulis.cost import AnalyticCostModel
     from hydraulis.data.sampler import TokenBudgetSampler
     from hydraulis.optim import OptimSettings
-    from hydraulis.parallel import Deployment
-    from hydraulis.specs import MODELS, ClusterSpec, get_device
+    from hydraulis.specs import MODELS
 
     env = init_distributed("cpu")
-    spec = MODELS["small"]
-    docs = corpus(spec.vocab)
+    docs = corpus(MODELS["small"].vocab)
     smp = TokenBudgetSampler([len(d) for d in docs], tokens_per_batch=2048, max_len=160, seed=1)
-    s = TrainSettings(
-        model=spec,
-        pool=(Deployment.parse("4x(tp1,pp1)", ClusterSpec(world, gpus_per_node=world)),),
-        cost=AnalyticCostModel(spec, get_device("cpu")),
-        optim=OptimSettings(lr=1e-3, warmup=1),
-        steps=steps,
-        exchange_bucket_bytes=bucket_bytes,
+    s = cpu_settings(
+        world, ["4x(tp1,pp1)"], OptimSettings(lr=1e-3, warmup=1), steps, "small", exchange_bucket_bytes=bucket_bytes,
         memory_every=1,  # every step measured, not the CPU default's sample
     )
     trainer = Trainer(s, docs, smp, env)

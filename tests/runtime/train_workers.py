@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -43,23 +46,31 @@ def sampler(docs: list[np.ndarray]) -> TokenBudgetSampler:
     return TokenBudgetSampler([len(d) for d in docs], tokens_per_batch=700, max_len=160, seed=SEED)
 
 
+def cpu_settings(
+    world: int, pool: Sequence[str], optim: OptimSettings, steps: int, model: str = "tiny", **fields: Any
+) -> TrainSettings:
+    """The workers' TrainSettings: a model preset, its pool parsed for `world` ranks on one node, the analytic
+    CPU cost model; `fields` sets the rest."""
+    spec = MODELS[model]
+    cluster = ClusterSpec(world, gpus_per_node=world)
+    return TrainSettings(
+        model=spec,
+        pool=tuple(Deployment.parse(t, cluster) for t in pool),
+        cost=AnalyticCostModel(spec, get_device("cpu")),
+        optim=optim,
+        steps=steps,
+        **fields,
+    )
+
+
 def settings(model: str = "tiny", sequence_parallel: bool = False) -> TrainSettings:
     """eps 1e-6 keeps AdamW well conditioned: with 1e-8, elements whose gradient is at fp32 rounding
     level (sums that cancel) take +-lr steps whose sign depends on summation order, and the two runs
     drift apart by about 1e-5 for reasons that have nothing to do with the distribution."""
-    spec = MODELS[model]
-    cluster = ClusterSpec(WORLD, gpus_per_node=WORLD)
-    return TrainSettings(
-        model=spec,
-        pool=tuple(Deployment.parse(t, cluster) for t in POOL_TEXT),
-        cost=AnalyticCostModel(spec, get_device("cpu")),
-        optim=OptimSettings(
-            lr=1e-3, warmup=2, schedule="cosine", adamw=AdamWSettings(eps=1e-6, weight_decay=0.1, grad_clip=GRAD_CLIP)
-        ),
-        steps=STEPS,
-        seed=SEED,
-        sequence_parallel=sequence_parallel,
-        compare_steps=2,
+    adamw = AdamWSettings(eps=1e-6, weight_decay=0.1, grad_clip=GRAD_CLIP)
+    optim = OptimSettings(lr=1e-3, warmup=2, schedule="cosine", adamw=adamw)
+    return cpu_settings(
+        WORLD, POOL_TEXT, optim, STEPS, model, seed=SEED, sequence_parallel=sequence_parallel, compare_steps=2
     )
 
 

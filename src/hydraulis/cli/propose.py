@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -23,6 +24,12 @@ from hydraulis.cli.common import (
     table,
 )
 
+if TYPE_CHECKING:
+    from hydraulis.cost import CostModel
+    from hydraulis.data.workload import Workload
+    from hydraulis.planner.proposal import Proposal
+    from hydraulis.specs import ClusterSpec
+
 
 @app.command()
 def propose(
@@ -41,49 +48,16 @@ def propose(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """Propose a pool: the homogeneous fallback plus heterogeneous deployments the planner will pick."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from hydraulis.files import check_output
     from hydraulis.planner.pool import save_pool
-    from hydraulis.planner.proposal import propose as run_proposal
 
     check_output(out, "--out")
     cost, cluster, work = load_job(
         profile, gpus, gpus_per_node, workload, tokens_per_batch, num_batches, seed, memory_per_rank, dtype
     )
-    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}")]
-    with Progress(*columns, TimeElapsedColumn(), console=err_console, transient=True) as progress:
-        task = progress.add_task("proposing", total=None)
-
-        def report(what: str, done: int, total: int) -> None:
-            progress.update(task, description=what, completed=done, total=total)
-
-        result = run_proposal(cost, cluster, list(work.batches), max_pool=max_pool, method=method, progress=report)
+    result = _propose_with_progress(cost, cluster, work, max_pool, method)
     save_pool(out, result.pool)
-    mean_times = [float(t[t < float("inf")].mean()) if (t < float("inf")).any() else None for t in result.times_s]
-    rows = [
-        {
-            "deployment": str(d),
-            "replicas": len(d),
-            "largest_cap": max(cost.lone_cap(c, gpus) for c in d.configs),
-            "usage": u,
-            "mean_time_s": m,
-        }
-        for d, u, m in zip(result.pool.deployments, result.pool.usage or (), mean_times, strict=True)
-    ]
-    fallback_tps = float(result.sample_tokens.sum() / result.times_s[0].sum())
-    summary = {
-        "profile": cost.name,
-        "num_gpus": gpus,
-        "method": method,
-        "out": str(out),
-        "samples": int(result.times_s.shape[1]),
-        "candidates": len(result.candidates),
-        "tokens_per_s": result.throughput,
-        "fallback_tokens_per_s": fallback_tps,
-        "elapsed_s": result.elapsed_s,
-        "deployments": rows,
-    }
+    summary = _summary(result, cost, gpus, method, out)
     if as_json:
         print_json(summary)
         return
@@ -95,12 +69,58 @@ def propose(
             f"{r['usage']:.0%}",
             f"{r['mean_time_s']:.3f}" if r["mean_time_s"] is not None else "-",
         ]
-        for i, r in enumerate(rows)
+        for i, r in enumerate(summary["deployments"])
     ]
     title = f"{method} pool for {work.name} on {gpus} GPUs ({cost.name}) -> {out}"
     console.print(table(title, ["#", "deployment", "largest cap", "chosen", "mean time s"], body))
+    fallback_tps = summary["fallback_tokens_per_s"]
     console.print(
         f"{summary['samples']} sample batches, {summary['candidates']} candidates planned: "
         f"{result.throughput:,.0f} tokens/s with the pool vs {fallback_tps:,.0f} with the fallback alone "
         f"({result.throughput / fallback_tps:.2f}x), in {result.elapsed_s:.1f} s"
     )
+
+
+def _propose_with_progress(
+    cost: CostModel, cluster: ClusterSpec, work: Workload, max_pool: int, method: str
+) -> Proposal:
+    """The proposal, with a transient progress bar on stderr (it can take minutes on large clusters)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from hydraulis.planner.proposal import propose as run_proposal
+
+    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}")]
+    with Progress(*columns, TimeElapsedColumn(), console=err_console, transient=True) as progress:
+        task = progress.add_task("proposing", total=None)
+
+        def report(what: str, done: int, total: int) -> None:
+            progress.update(task, description=what, completed=done, total=total)
+
+        return run_proposal(cost, cluster, list(work.batches), max_pool=max_pool, method=method, progress=report)
+
+
+def _summary(result: Proposal, cost: CostModel, gpus: int, method: str, out: Path) -> dict:
+    """What --json prints and the table shows: the pool's deployments and the throughput with and without it."""
+    mean_times = [float(t[t < float("inf")].mean()) if (t < float("inf")).any() else None for t in result.times_s]
+    rows = [
+        {
+            "deployment": str(d),
+            "replicas": len(d),
+            "largest_cap": max(cost.lone_cap(c, gpus) for c in d.configs),
+            "usage": u,
+            "mean_time_s": m,
+        }
+        for d, u, m in zip(result.pool.deployments, result.pool.usage or (), mean_times, strict=True)
+    ]
+    return {
+        "profile": cost.name,
+        "num_gpus": gpus,
+        "method": method,
+        "out": str(out),
+        "samples": int(result.times_s.shape[1]),
+        "candidates": len(result.candidates),
+        "tokens_per_s": result.throughput,
+        "fallback_tokens_per_s": float(result.sample_tokens.sum() / result.times_s[0].sum()),
+        "elapsed_s": result.elapsed_s,
+        "deployments": rows,
+    }

@@ -70,11 +70,6 @@ class HFTokenizer:
         return self.backend.decode([int(t) for t in np.asarray(tokens).reshape(-1)], skip_special_tokens=False)
 
 
-def is_tokenizer_path(spec: str) -> bool:
-    """A tokenizer given as a path (anything but the built-in names): a file or a directory."""
-    return spec not in ("gpt2", "bytes", "auto")
-
-
 def tokenizer_files(spec: str | Path) -> tuple[Path, Path | None]:
     """`tokenizer.json` and `tokenizer_config.json` (None if absent) of a directory or a tokenizer.json path."""
     path = Path(spec)

@@ -37,10 +37,6 @@ class Workload:
     batches: tuple[np.ndarray, ...]  # each an int64 array of lengths
 
     @property
-    def all_lengths(self) -> np.ndarray:
-        return np.concatenate(self.batches) if self.batches else np.zeros(0, dtype=np.int64)
-
-    @property
     def max_length(self) -> int:
         return int(max(int(b.max()) for b in self.batches))
 

@@ -102,6 +102,29 @@ def solve_milp(
     return MilpResult(x, float(info.objective_function_value), h.getModelStatus() == highspy.HighsModelStatus.kOptimal)
 
 
+@dataclass(frozen=True)
+class _Columns:
+    """The MILP's column layout: x[i, r, j] for feasible (i, r), then y[r, j], m[r], and Z last."""
+
+    x: list[tuple[int, int, int]]  # (sequence, replica, slot) of each x column
+    y: dict[tuple[int, int], int]  # (replica, slot) -> column of y: the slot is used
+    m_off: int  # m[r], replica r's longest micro-batch time, is column m_off + r
+    z: int  # the objective, max over replicas
+
+    @classmethod
+    def lay_out(cls, lengths: np.ndarray, table: ReplicaTable, slots: list[int]) -> _Columns:
+        replicas = range(len(table))
+        fits = [(i, r) for r in replicas for i in range(len(lengths)) if table.cap[r] >= lengths[i]]
+        x = [(i, r, j) for i, r in fits for j in range(slots[r])]
+        y = {key: len(x) + k for k, key in enumerate((r, j) for r in replicas for j in range(slots[r]))}
+        m_off = len(x) + len(y)
+        return cls(x, y, m_off, m_off + len(table))
+
+    @property
+    def count(self) -> int:
+        return self.z + 1
+
+
 def exact_assignment(
     lengths: np.ndarray,
     table: ReplicaTable,
@@ -115,26 +138,37 @@ def exact_assignment(
     fixes at least its slot count. Returns (micro-batches per replica, objective, proven
     optimal), or None when no solution was found in time.
     """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    slots = [min(len(lengths), max_slots) for _ in range(len(table))]
+    if start is not None:
+        slots = [max(slots[r], len(start[r])) for r in range(len(table))]
+    cols = _Columns.lay_out(lengths, table, slots)
+    a, lo, hi = _constraints(lengths, table, slots, cols)
+    cost = np.zeros(cols.count)
+    cost[cols.z] = 1.0
+    integer = np.zeros(cols.count, dtype=bool)
+    integer[: cols.m_off] = True
+    col_hi = np.full(cols.count, np.inf)
+    col_hi[: cols.m_off] = 1.0
+    x0 = None if start is None else _start_vector(start, lengths, table, cols)
+    res = solve_milp(cost, a, lo, hi, np.zeros(cols.count), col_hi, integer, time_limit_s, x0)
+    if res.x is None:
+        return None
+    out: list[list[list[int]]] = [[[] for _ in range(slots[r])] for r in range(len(table))]
+    for col in np.flatnonzero(res.x[: len(cols.x)] > 0.5).tolist():
+        i, r, j = cols.x[col]
+        out[r][j].append(i)
+    return [[mb for mb in mbs if mb] for mbs in out], res.objective, res.optimal
+
+
+def _constraints(
+    lengths: np.ndarray, table: ReplicaTable, slots: list[int], cols: _Columns
+) -> tuple[sparse.spmatrix, np.ndarray, np.ndarray]:
+    """The rows lo <= A x <= hi: each sequence placed once; per slot, tokens within the cap and
+    time below m[r]; slots used in order; per replica, sum t + (pp - 1) m[r] <= Z."""
     from scipy import sparse  # here, not at import: it costs ~0.1 s and only the exact method needs it
 
-    lengths = np.asarray(lengths, dtype=np.int64)
-    n, R = len(lengths), len(table)
     wg = table.cost_matrix(lengths)
-    slots = [min(n, max_slots) for _ in range(R)]
-    if start is not None:
-        slots = [max(slots[r], len(start[r])) for r in range(R)]
-    # Column layout: x[i, r, j] for feasible (i, r), then y[r, j], m[r], Z.
-    x_cols: list[tuple[int, int, int]] = [
-        (i, r, j) for r in range(R) for i in range(n) if table.cap[r] >= lengths[i] for j in range(slots[r])
-    ]
-    y_off = len(x_cols)
-    y_index: dict[tuple[int, int], int] = {}
-    for r in range(R):
-        for j in range(slots[r]):
-            y_index[(r, j)] = y_off + len(y_index)
-    m_off = y_off + len(y_index)
-    z = m_off + R
-    ncol = z + 1
     rows_i, cols_i, vals = [], [], []
     lo, hi = [], []
 
@@ -147,59 +181,37 @@ def exact_assignment(
         lo.append(low)
         hi.append(high)
 
-    by_item: dict[int, list[int]] = {i: [] for i in range(n)}
+    by_item: dict[int, list[int]] = {i: [] for i in range(len(lengths))}
     by_slot: dict[tuple[int, int], list[int]] = {}
-    for col, (i, r, j) in enumerate(x_cols):
+    for col, (i, r, j) in enumerate(cols.x):
         by_item[i].append(col)
         by_slot.setdefault((r, j), []).append(col)
-    for i in range(n):
+    for i in range(len(lengths)):
         row([(col, 1.0) for col in by_item[i]], 1.0, 1.0)
-    for r in range(R):
+    for r in range(len(table)):
         g = int(table.group[r])
-        c, pp1 = float(table.c[r]), float(table.pp[r] - 1)
-        total: list[tuple[int, float]] = [(z, -1.0), (m_off + r, pp1)]
+        c, pp1, m = float(table.c[r]), float(table.pp[r] - 1), cols.m_off + r
+        total: list[tuple[int, float]] = [(cols.z, -1.0), (m, pp1)]
         for j in range(slots[r]):
-            cols = by_slot.get((r, j), [])
-            y = y_index[(r, j)]
-            row([(col, float(lengths[x_cols[col][0]])) for col in cols] + [(y, -float(table.cap[r]))], -np.inf, 0.0)
-            row([(col, float(wg[g, x_cols[col][0]])) for col in cols] + [(y, c), (m_off + r, -1.0)], -np.inf, 0.0)
-            total += [(col, float(wg[g, x_cols[col][0]])) for col in cols] + [(y, c)]
+            in_slot = by_slot.get((r, j), [])
+            y = cols.y[(r, j)]
+            row([(col, float(lengths[cols.x[col][0]])) for col in in_slot] + [(y, -float(table.cap[r]))], -np.inf, 0.0)
+            times = [(col, float(wg[g, cols.x[col][0]])) for col in in_slot] + [(y, c)]
+            row(times + [(m, -1.0)], -np.inf, 0.0)
+            total += times
             if j + 1 < slots[r]:
-                row([(y, 1.0), (y_index[(r, j + 1)], -1.0)], 0.0, np.inf)
+                row([(y, 1.0), (cols.y[(r, j + 1)], -1.0)], 0.0, np.inf)
         row(total, -np.inf, 0.0)
-    a = sparse.csc_matrix((vals, (rows_i, cols_i)), shape=(len(lo), ncol))
-    cost = np.zeros(ncol)
-    cost[z] = 1.0
-    integer = np.zeros(ncol, dtype=bool)
-    integer[:m_off] = True
-    col_hi = np.full(ncol, np.inf)
-    col_hi[:m_off] = 1.0
-    x0 = None
-    if start is not None:
-        x0 = _start_vector(start, lengths, table, x_cols, y_index, m_off, z, ncol)
-    res = solve_milp(cost, a, np.array(lo), np.array(hi), np.zeros(ncol), col_hi, integer, time_limit_s, x0)
-    if res.x is None:
-        return None
-    out: list[list[list[int]]] = [[[] for _ in range(slots[r])] for r in range(R)]
-    for col in np.flatnonzero(res.x[:y_off] > 0.5).tolist():
-        i, r, j = x_cols[col]
-        out[r][j].append(i)
-    return [[mb for mb in mbs if mb] for mbs in out], res.objective, res.optimal
+    a = sparse.csc_matrix((vals, (rows_i, cols_i)), shape=(len(lo), cols.count))
+    return a, np.array(lo), np.array(hi)
 
 
 def _start_vector(
-    start: Sequence[Sequence[Sequence[int]]],
-    lengths: np.ndarray,
-    table: ReplicaTable,
-    x_cols: list[tuple[int, int, int]],
-    y_index: dict[tuple[int, int], int],
-    m_off: int,
-    z: int,
-    ncol: int,
+    start: Sequence[Sequence[Sequence[int]]], lengths: np.ndarray, table: ReplicaTable, cols: _Columns
 ) -> np.ndarray:
     """The warm start as a column vector: the heuristic's micro-batches, longest first per replica."""
-    x0 = np.zeros(ncol)
-    where = {key: col for col, key in enumerate(x_cols)}
+    x0 = np.zeros(cols.count)
+    where = {key: col for col, key in enumerate(cols.x)}
     wg = table.cost_matrix(lengths)
     worst = 0.0
     for r, mbs in enumerate(start):
@@ -207,12 +219,12 @@ def _start_vector(
         c, pp1 = float(table.c[r]), float(table.pp[r] - 1)
         times = []
         for j, mb in enumerate(sorted(mbs, key=len, reverse=True)):
-            x0[y_index[(r, j)]] = 1.0
+            x0[cols.y[(r, j)]] = 1.0
             for i in mb:
                 x0[where[(int(i), r, j)]] = 1.0
             times.append(float(wg[g, list(mb)].sum()) + c)
         if times:
-            x0[m_off + r] = max(times)
+            x0[cols.m_off + r] = max(times)
             worst = max(worst, sum(times) + pp1 * max(times))
-    x0[z] = worst
+    x0[cols.z] = worst
     return x0

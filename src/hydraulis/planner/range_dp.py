@@ -140,71 +140,94 @@ def range_dp(
     bounds = np.asarray(sorted(set(int(x) for x in boundaries)), dtype=np.int64)
     if len(bounds) == 0:
         raise HydraulisError("range DP needs at least one length boundary")
-    sizes = [cfg.num_gpus for cfg in configs]
     unit = 1
     while num_gpus // unit > max_units:
         unit *= 2
-    M = num_gpus // unit
-    caps = np.array([cost.lone_cap(cfg, num_gpus) for cfg in configs])  # the longest sequence each holds
-    # Histogram index of each boundary: lengths <= bound.
-    idx = np.concatenate([[0], np.searchsorted(hist.lengths, bounds, side="right")])
-    R = len(bounds)
-    inf = np.inf
-    best = np.full((R + 1, M + 1), inf)
+    dp = _Programme(
+        configs=tuple(configs),
+        group_time=group_time,
+        bounds=bounds,
+        idx=np.concatenate([[0], np.searchsorted(hist.lengths, bounds, side="right")]),
+        holds=np.array([cost.lone_cap(cfg, num_gpus) for cfg in configs]),
+        unit=unit,
+        units=num_gpus // unit,
+    )
+    R, M = len(bounds), dp.units
+    best = np.full((R + 1, M + 1), np.inf)
     best[0, :] = 0.0
     # trace[j][m] = (k, i, units) or None meaning "as with m - 1 units"
-    trace: list[list[tuple[int, int, int] | None]] = [[None] * (M + 1) for _ in range(R + 1)]
-    m_idx = np.arange(M + 1)
+    trace: list[list[_Step | None]] = [[None] * (M + 1) for _ in range(R + 1)]
     for j in range(1, R + 1):
-        cand = np.full(M + 1, inf)
-        choice: list[tuple[int, int, int] | None] = [None] * (M + 1)
-        for k in range(len(configs)):
-            if caps[k] < bounds[j - 1]:
+        best[j], trace[j] = dp.up_to(j, best)
+    return [
+        (int(bounds[j - 1]), float(best[j, M]), dp.groups(trace, j)) for j in range(1, R + 1) if np.isfinite(best[j, M])
+    ]
+
+
+_Step = tuple[int, int, int]  # (config k, previous boundary i, units of GPUs) of the last range
+
+
+@dataclass(frozen=True)
+class _Programme:
+    """The DP's fixed inputs: best[j, m] is the least time of ranges up to boundary j on m units of GPUs."""
+
+    configs: tuple[ParallelConfig, ...]
+    group_time: GroupTime
+    bounds: np.ndarray  # the boundaries, sorted
+    idx: np.ndarray  # histogram index of each boundary (lengths <= bound), with 0 in front
+    holds: np.ndarray  # the longest sequence each config holds
+    unit: int  # GPUs per unit
+    units: int  # units in the cluster
+
+    def up_to(self, j: int, best: np.ndarray) -> tuple[np.ndarray, list[_Step | None]]:
+        """best[j] and its choices: the last range (i, j] on config k and u units, after best[i, m - u]."""
+        M = self.units
+        cand = np.full(M + 1, np.inf)
+        choice: list[_Step | None] = [None] * (M + 1)
+        for k, cfg in enumerate(self.configs):
+            if self.holds[k] < self.bounds[j - 1]:
                 continue
-            per_unit = unit / sizes[k]  # replicas per unit of GPUs (may be < 1)
-            units = np.arange(1, M + 1)
-            d = units * per_unit
+            d = np.arange(1, M + 1) * (self.unit / cfg.num_gpus)  # replicas per units (may be < 1)
             valid = np.isclose(d, np.round(d)) & (d >= 1)
             if not valid.any():
                 continue
             for i in range(j):
-                times = np.full(M + 1, inf)
-                times[1:][valid] = group_time(k, np.array([idx[i], idx[j]]), np.round(d[valid]))
-                # A[m, u] = max(best[i, m - u], times[u]) for 1 <= u <= m
-                prev = best[i][np.clip(m_idx[:, None] - m_idx[None, :], 0, None)]
-                A = np.maximum(prev, times[None, :])
-                A[m_idx[:, None] < m_idx[None, :]] = inf
-                A[:, 0] = inf
-                u_best = np.argmin(A, axis=1)
-                values = A[m_idx, u_best]
+                times = np.full(M + 1, np.inf)
+                times[1:][valid] = self.group_time(k, np.array([self.idx[i], self.idx[j]]), np.round(d[valid]))
+                values, u_best = _after(best[i], times)
                 better = values < cand
-                if better.any():
-                    cand[better] = values[better]
-                    for m in np.flatnonzero(better):
-                        choice[m] = (k, i, int(u_best[m]))
+                cand[better] = values[better]
+                for m in np.flatnonzero(better):
+                    choice[m] = (k, i, int(u_best[m]))
         # Using fewer GPUs is always allowed: carry the best of m - 1 forward.
         for m in range(1, M + 1):
             if cand[m - 1] < cand[m]:
                 cand[m] = cand[m - 1]
                 choice[m] = None
-        best[j] = cand
-        trace[j] = choice
+        return cand, choice
 
-    results = []
-    for j in range(1, R + 1):
-        if not np.isfinite(best[j, M]):
-            continue
+    def groups(self, trace: list[list[_Step | None]], j: int) -> list[RangeGroup]:
+        """The range groups of best[j, all units], read back along the trace."""
         groups: list[RangeGroup] = []
-        jj, m = j, M
-        while jj > 0:
-            step = trace[jj][m]
+        m = self.units
+        while j > 0:
+            step = trace[j][m]
             while step is None:
                 m -= 1
-                step = trace[jj][m]
+                step = trace[j][m]
             k, i, u = step
-            d = int(round(u * unit / sizes[k]))
-            lo = int(bounds[i - 1]) if i > 0 else 0
-            groups.append(RangeGroup(configs[k], d, lo, int(bounds[jj - 1])))
-            jj, m = i, m - u
-        results.append((int(bounds[j - 1]), float(best[j, M]), groups[::-1]))
-    return results
+            d = int(round(u * self.unit / self.configs[k].num_gpus))
+            lo = int(self.bounds[i - 1]) if i > 0 else 0
+            groups.append(RangeGroup(self.configs[k], d, lo, int(self.bounds[j - 1])))
+            j, m = i, m - u
+        return groups[::-1]
+
+
+def _after(before: np.ndarray, times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For every m: min over 1 <= u <= m of max(before[m - u], times[u]), and the best u."""
+    m_idx = np.arange(len(before))
+    A = np.maximum(before[np.clip(m_idx[:, None] - m_idx[None, :], 0, None)], times[None, :])
+    A[m_idx[:, None] < m_idx[None, :]] = np.inf
+    A[:, 0] = np.inf
+    u_best = np.argmin(A, axis=1)
+    return A[m_idx, u_best], u_best

@@ -61,12 +61,12 @@ from hydraulis.checkpoints import (
     read_manifest,
     resolve_checkpoint,
     rng_file,
-    say,
     step_dir_name,
 )
 from hydraulis.errors import HydraulisError
 from hydraulis.files import replace_directory, sha256_file
 from hydraulis.jsonio import read_json_object, write_json_atomic
+from hydraulis.progress import aside
 from hydraulis.runtime.rng import rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -193,7 +193,7 @@ def _manifest(trainer: Trainer, state: dict[str, Any], files: dict[str, FileEntr
     }
 
 
-def save_checkpoint(trainer: Trainer, out_dir: str | Path, keep: int = DEFAULT_KEEP, log: Log = say) -> Path:
+def save_checkpoint(trainer: Trainer, out_dir: str | Path, keep: int = DEFAULT_KEEP, log: Log = aside) -> Path:
     """Save the trainer's state as out_dir/step-NNNNNN (every rank calls it); returns the directory.
 
     Older checkpoints beyond the newest `keep` are deleted after the new one
@@ -244,7 +244,7 @@ def save_checkpoint(trainer: Trainer, out_dir: str | Path, keep: int = DEFAULT_K
 
 
 # -- load ----------------------------------------------------------------------------------------------
-def load_checkpoint(trainer: Trainer, path: str | Path, verify: bool = True, log: Log = say) -> CheckpointInfo:
+def load_checkpoint(trainer: Trainer, path: str | Path, verify: bool = True, log: Log = aside) -> CheckpointInfo:
     """Put a checkpoint's state into the trainer (every rank calls it), whatever world size saved it.
 
     Everything is checked first (with `verify`, every file's checksum, the
@@ -305,7 +305,7 @@ def load_checkpoint(trainer: Trainer, path: str | Path, verify: bool = True, log
 
 
 def resume(
-    trainer: Trainer, path: str | Path, verify: bool = True, log: Log = say, chosen: str | None = None
+    trainer: Trainer, path: str | Path, verify: bool = True, log: Log = aside, chosen: str | None = None
 ) -> CheckpointInfo | None:
     """Load the checkpoint at `path` or the newest verifying one under it (every rank calls it).
 
@@ -364,7 +364,7 @@ class CheckpointManager:
     every: int
     keep: int
     last_step: int
-    log: Log = say
+    log: Log = aside
 
     def resume(self, trainer: Trainer, verify: bool = True, chosen: str | None = None) -> CheckpointInfo | None:
         """The newest verifying checkpoint (or `chosen`) in the trainer (every rank calls it); None without one."""

@@ -85,10 +85,6 @@ class LocalParam:
     def numel(self) -> int:
         return self.gather[1] - self.gather[0]
 
-    def to_canonical(self, local: torch.Tensor) -> torch.Tensor:
-        """The local tensor as a flat vector in canonical order."""
-        return (local.t() if self.flat.transposed else local).reshape(-1)
-
     def from_canonical(self, flat: torch.Tensor) -> torch.Tensor:
         """A canonical flat vector as a tensor of the local shape (a view where possible)."""
         if self.flat.transposed:
