@@ -21,11 +21,11 @@ import numpy as np
 
 from hydraulis.context import max_rank_tokens
 from hydraulis.cost.activations import backward_bytes, head_bytes, kv_shard_dim, loss_transient_bytes, stack_bytes
+from hydraulis.limits import DEFAULT_EXCHANGE_BUCKET_BYTES
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import ModelSpec
 
 CAP_GRANULARITY = 128
-DEFAULT_EXCHANGE_BUCKET_BYTES = 256 << 20  # [parallel] exchange_bucket_mb's default
 RECOMPUTE_INPUT_BYTES = 2  # a layer's input kept under full recompute (bf16), with a published activation factor
 KV_BYTES = 2  # K and V travel over the CP group in the compute dtype (bf16)
 LIVE_KV_COPIES = 3  # document-sized K/V copies of the one layer in CP backward (kv_buffer_bytes)

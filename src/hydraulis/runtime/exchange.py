@@ -30,6 +30,7 @@ import torch
 
 from hydraulis.cost.memory import EXCHANGE_ELEMENT_BYTES  # rounds are sized for fp32, the widest it moves
 from hydraulis.errors import HydraulisError
+from hydraulis.limits import DEFAULT_EXCHANGE_BUCKET_BYTES
 from hydraulis.parallel import Deployment
 from hydraulis.runtime.groups import rank_roles
 from hydraulis.runtime.layout import LocalParam, ModelLayout, Role
@@ -110,7 +111,7 @@ class ExchangePlan:
         deployment: Deployment,
         rank: int,
         sequence_parallel: bool = False,
-        bucket_bytes: int = 256 << 20,
+        bucket_bytes: int = DEFAULT_EXCHANGE_BUCKET_BYTES,
     ) -> ExchangePlan:
         roles = deployment_roles(deployment, sequence_parallel)
         world = layout.world_size

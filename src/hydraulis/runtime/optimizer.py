@@ -31,16 +31,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from hydraulis.cost.memory import DEFAULT_EXCHANGE_BUCKET_BYTES
 from hydraulis.errors import HydraulisError
+from hydraulis.limits import DEFAULT_EXCHANGE_BUCKET_BYTES
 from hydraulis.optim import AdamWSettings
 from hydraulis.parallel import Deployment
 from hydraulis.runtime.exchange import EXCHANGE_ELEMENT_BYTES, EXCHANGE_WINDOW, ExchangePlan, deployment_roles
 from hydraulis.runtime.layout import ModelLayout
 from hydraulis.runtime.main_grad import ACCUMULATOR, scale_for
 from hydraulis.runtime.overlap import GatherStream, ReduceStream
-
-DEFAULT_BUCKET_BYTES = DEFAULT_EXCHANGE_BUCKET_BYTES  # [parallel] exchange_bucket_mb's default, sized for GPUs
 
 __all__ = ["EXCHANGE_WINDOW", "DisaggregatedOptimizer", "ExchangePlan", "deployment_roles"]
 
@@ -112,7 +110,7 @@ class DisaggregatedOptimizer:
         settings: AdamWSettings,
         device: torch.device | str = "cpu",
         group: dist.ProcessGroup | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        bucket_bytes: int = DEFAULT_EXCHANGE_BUCKET_BYTES,
         scaled_grad: bool = False,
     ) -> None:
         if bucket_bytes < EXCHANGE_ELEMENT_BYTES:

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from hydraulis.cost.model import CostModel
 from hydraulis.data.sampler import GlobalBatch, SamplerState, TokenBudgetSampler
 from hydraulis.errors import HydraulisError
+from hydraulis.limits import DEFAULT_EXCHANGE_BUCKET_BYTES
 from hydraulis.optim import OptimSettings
 from hydraulis.parallel import Deployment
 from hydraulis.planner.phases import PhasedPlanner
@@ -55,7 +56,7 @@ from hydraulis.runtime.divergence import finite
 from hydraulis.runtime.groups import built_groups
 from hydraulis.runtime.launch import DTYPES, DistEnv, init_distributed
 from hydraulis.runtime.layout import ModelLayout
-from hydraulis.runtime.optimizer import DEFAULT_BUCKET_BYTES, DisaggregatedOptimizer
+from hydraulis.runtime.optimizer import DisaggregatedOptimizer
 from hydraulis.runtime.phases import loss_part, rank_figures, run_phases
 from hydraulis.runtime.step_memory import CPU_SAMPLE_EVERY, StepMemory, predicted_peak
 from hydraulis.runtime.timeouts import DEFAULT_TIMEOUT_S, first_step_timeout, settle_timeouts
@@ -73,7 +74,7 @@ class TrainSettings:
     dtype: str = "fp32"
     sequence_parallel: bool = False
     compare_steps: int = 0  # the last batches kept for `Trainer.compare`
-    exchange_bucket_bytes: int = DEFAULT_BUCKET_BYTES  # the most bytes one exchange buffer holds
+    exchange_bucket_bytes: int = DEFAULT_EXCHANGE_BUCKET_BYTES  # the most bytes one exchange buffer holds
     reduce_dtype: str = "fp32"  # what gradients travel in to their owners (summed in fp32 there)
     timeout_s: float = DEFAULT_TIMEOUT_S  # process-group timeout after the first step (timeouts.py)
     memory_every: int = CPU_SAMPLE_EVERY  # on CPU, measure memory every this many steps (step_memory.py)
