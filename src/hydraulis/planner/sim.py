@@ -55,20 +55,39 @@ def simulate_replica(
     v = len(t)
     if v == 0:
         return ReplicaTimeline(0.0, np.zeros(pp), np.zeros((0, 5)) if keep_events else None)
+    if pp == 1:
+        return _single_stage(t, keep_events)
     comm = np.broadcast_to(np.asarray(p2p_s, dtype=np.float64), (v,)).tolist()
+    free, rows = _run_1f1b(t, pp, comm, keep_events)
+    busy = np.full(pp, float(t.sum()))
+    return ReplicaTimeline(max(free), busy, np.array(rows) if keep_events else None)
+
+
+def _single_stage(t: np.ndarray, keep_events: bool) -> ReplicaTimeline:
+    """One stage has no dependencies: each micro-batch's forward then backward, back to back."""
+    v = len(t)
+    ends = np.cumsum(t)
+    events = None
+    if keep_events:
+        starts = ends - t
+        f_end = starts + t * FORWARD_SHARE
+        events = np.zeros((2 * v, 5))
+        events[0::2] = np.column_stack([np.zeros(v), np.arange(v), np.zeros(v), starts, f_end])
+        events[1::2] = np.column_stack([np.zeros(v), np.arange(v), np.ones(v), f_end, ends])
+    return ReplicaTimeline(float(ends[-1]), np.array([float(t.sum())]), events)
+
+
+def _run_1f1b(
+    t: np.ndarray, pp: int, comm: list[float], keep_events: bool
+) -> tuple[list[float], list[tuple[int, int, int, float, float]]]:
+    """Sweep the stages, each advancing through its 1F1B order until an input is not ready yet.
+
+    Returns each stage's finish time and (when kept) the event rows. Plain lists: this loop
+    is the planner's inner loop and numpy scalars would slow it several-fold.
+    """
+    v = len(t)
     fwd = (t * FORWARD_SHARE).tolist()
     bwd = (t * (1.0 - FORWARD_SHARE)).tolist()
-    if pp == 1:
-        ends = np.cumsum(t)
-        events = None
-        if keep_events:
-            starts = ends - t
-            f_end = starts + np.asarray(fwd)
-            events = np.zeros((2 * v, 5))
-            events[0::2] = np.column_stack([np.zeros(v), np.arange(v), np.zeros(v), starts, f_end])
-            events[1::2] = np.column_stack([np.zeros(v), np.arange(v), np.ones(v), f_end, ends])
-        return ReplicaTimeline(float(ends[-1]), np.array([float(t.sum())]), events)
-
     orders = [one_f_one_b_order(pp, v, s) for s in range(pp)]
     f_end = [[-1.0] * v for _ in range(pp)]
     b_end = [[-1.0] * v for _ in range(pp)]
@@ -85,27 +104,19 @@ def simulate_replica(
             while k < len(order):
                 kind, j = order[k]
                 if kind == FORWARD:
-                    if s == 0:
-                        ready = 0.0
-                    else:
-                        dep = f_end[s - 1][j]
-                        if dep < 0:
-                            break
-                        ready = dep + comm[j]
-                    start = max(free[s], ready)
-                    end = start + fwd[j]
-                    f_end[s][j] = end
+                    # Needs the previous stage's forward of j, plus the transfer.
+                    dep = 0.0 if s == 0 else f_end[s - 1][j]
+                    if dep < 0:
+                        break
+                    start = max(free[s], dep + comm[j] if s else 0.0)
+                    end = f_end[s][j] = start + fwd[j]
                 else:
-                    if s == last:
-                        ready = f_end[s][j]
-                    else:
-                        dep = b_end[s + 1][j]
-                        if dep < 0:
-                            break
-                        ready = dep + comm[j]
-                    start = max(free[s], ready)
-                    end = start + bwd[j]
-                    b_end[s][j] = end
+                    # Needs the next stage's backward of j (the last stage: its own forward).
+                    dep = f_end[s][j] if s == last else b_end[s + 1][j]
+                    if dep < 0:
+                        break
+                    start = max(free[s], dep if s == last else dep + comm[j])
+                    end = b_end[s][j] = start + bwd[j]
                 free[s] = end
                 if keep_events:
                     rows.append((s, j, kind, start, end))
@@ -115,8 +126,7 @@ def simulate_replica(
             ptr[s] = k
         if not progressed:  # pragma: no cover - the 1F1B order is deadlock-free
             raise RuntimeError("1F1B simulation deadlocked")
-    busy = np.full(pp, float(t.sum()))
-    return ReplicaTimeline(max(free), busy, np.array(rows) if keep_events else None)
+    return free, rows
 
 
 def closed_form_replica_time(stage_times: Sequence[float] | np.ndarray, pp: int) -> float:
