@@ -141,6 +141,28 @@ def train_step(
     gradients (SP norms, replicated KV heads) unsummed over the TP group, for
     a caller whose gradient reduce sums them anyway (the disaggregated optimizer).
     """
+    _check_step(model, groups, micro_batches, num_global_targets)
+    if not micro_batches:
+        return StepResult(None, 0, num_global_targets, ())
+    stashed = model.stash_partial_grads() if reduce_partial_grads else None
+    stage = _StageRun(model, groups, micro_batches, num_global_targets)
+    stage.warm_up()
+    stage.steady_state()
+    stage.cool_down()
+    if reduce_partial_grads:
+        model.finish_grads(stashed)
+    return StepResult(
+        loss_sum_tensor=stage.loss_sum if groups.is_last_stage else None,
+        num_targets=sum(b.num_targets for b in micro_batches),
+        num_global_targets=num_global_targets,
+        schedule=tuple(stage.schedule),
+    )
+
+
+def _check_step(
+    model: StageModel, groups: ReplicaGroups, micro_batches: Sequence[PackedBatch], num_global_targets: int
+) -> None:
+    """Reject a step before any communication, so every rank of the replica fails alike instead of hanging."""
     if num_global_targets <= 0:
         raise HydraulisError(f"the global batch has {num_global_targets} target tokens; it needs at least one")
     if (model.stage, model.num_stages) != (groups.stage, groups.config.pp):
@@ -149,90 +171,96 @@ def train_step(
         )
     tp = groups.tp
     if tp.sequence_parallel and any(b.num_tokens % tp.size for b in micro_batches):
-        # Checked before any communication, so every rank of the replica fails alike instead of hanging.
         raise HydraulisError(
             f"sequence parallelism needs micro-batches of a multiple of tp={tp.size} tokens; "
             "pack them with pad_to_multiple=tp"
         )
-    first, last = groups.is_first_stage, groups.is_last_stage
-    if not micro_batches:
-        return StepResult(None, 0, num_global_targets, ())
-    param = next(model.parameters())
-    device = param.device
-    stashed = model.stash_partial_grads() if reduce_partial_grads else None
-    p2p = _P2P(groups, device, param.dtype, model.spec.hidden)
-    batches = [b.to(device) for b in micro_batches]
-    count = len(batches)
-    warmup = min(groups.config.pp - groups.stage - 1, count)
-    in_flight: deque[tuple[int, torch.Tensor | None, torch.Tensor]] = deque()  # (micro-batch, input, output)
-    schedule: list[tuple[int, int]] = []
-    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-    next_forward = 0
 
-    def recv_forward() -> torch.Tensor | None:
-        return None if first else p2p.exchange(None, None, groups.prev_rank, batches[next_forward])
 
-    def forward(x: torch.Tensor | None) -> torch.Tensor:
-        nonlocal next_forward, loss_sum
-        index, batch = next_forward, batches[next_forward]
-        next_forward += 1
-        schedule.append((FORWARD, index))
-        if first:
+class _StageRun:
+    """One stage's run of one step: its micro-batches in flight, the schedule as run, the loss so far."""
+
+    def __init__(
+        self, model: StageModel, groups: ReplicaGroups, micro_batches: Sequence[PackedBatch], num_global_targets: int
+    ):
+        param = next(model.parameters())
+        self.model, self.groups, self.num_global_targets = model, groups, num_global_targets
+        self.first, self.last = groups.is_first_stage, groups.is_last_stage
+        self.p2p = _P2P(groups, param.device, param.dtype, model.spec.hidden)
+        self.batches = [b.to(param.device) for b in micro_batches]
+        self.warmup = min(groups.config.pp - groups.stage - 1, len(self.batches))
+        self.in_flight: deque[tuple[int, torch.Tensor | None, torch.Tensor]] = deque()  # (micro-batch, input, output)
+        self.schedule: list[tuple[int, int]] = []
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=param.device)
+        self.next_forward = 0
+
+    def warm_up(self) -> None:
+        """Forwards only, as many as stages below this one, so the last stage starts its first backward."""
+        for _ in range(self.warmup):
+            x = self._recv_forward()
+            y = self._forward(x)
+            if not self.last:
+                self.p2p.exchange(y.detach(), self.groups.next_rank, None)
+                deallocate_output(y)
+
+    def steady_state(self) -> None:
+        """One forward, one backward; each send is paired with the receive the next step needs."""
+        groups, count = self.groups, len(self.batches)
+        x = self._recv_forward() if count > self.warmup else None
+        for i in range(count - self.warmup):
+            y = self._forward(x)
+            # Send this forward's output and receive the gradient for the oldest in-flight micro-batch.
+            grad_out = None
+            if not self.last:
+                oldest = self.batches[self.in_flight[0][0]]
+                grad_out = self.p2p.exchange(y.detach(), groups.next_rank, groups.next_rank, oldest)
+                deallocate_output(y)
+            grad_in = self._backward(grad_out)
+            # Send the input gradient back and receive the next forward's input (none after the last).
+            final = i == count - self.warmup - 1
+            if not self.first:
+                nxt = None if final else self.batches[self.next_forward]
+                x = self.p2p.exchange(grad_in, groups.prev_rank, None if final else groups.prev_rank, nxt)
+
+    def cool_down(self) -> None:
+        """The backwards of the warm-up's forwards."""
+        groups = self.groups
+        for _ in range(self.warmup):
+            oldest = self.batches[self.in_flight[0][0]]
+            grad_out = None if self.last else self.p2p.exchange(None, None, groups.next_rank, oldest)
+            grad_in = self._backward(grad_out)
+            if not self.first:
+                self.p2p.exchange(grad_in, groups.prev_rank, None)
+
+    def _recv_forward(self) -> torch.Tensor | None:
+        if self.first:
+            return None
+        return self.p2p.exchange(None, None, self.groups.prev_rank, self.batches[self.next_forward])
+
+    def _forward(self, x: torch.Tensor | None) -> torch.Tensor:
+        """The next micro-batch's forward; on the last stage, its share of the global mean loss."""
+        index, batch = self.next_forward, self.batches[self.next_forward]
+        self.next_forward += 1
+        self.schedule.append((FORWARD, index))
+        if self.first:
             x = batch.tokens
         else:
             x.requires_grad_()
-        if last:
-            token_loss_sum = micro_batch_loss(model, x, batch)
-            loss_sum = loss_sum + token_loss_sum.detach()
-            out = token_loss_sum / num_global_targets
+        if self.last:
+            token_loss_sum = micro_batch_loss(self.model, x, batch)
+            self.loss_sum = self.loss_sum + token_loss_sum.detach()
+            out = token_loss_sum / self.num_global_targets
         else:
-            out = model(x, batch)
-        in_flight.append((index, None if first else x, out))
+            out = self.model(x, batch)
+        self.in_flight.append((index, None if self.first else x, out))
         return out
 
-    def backward(grad_out: torch.Tensor | None) -> torch.Tensor | None:
-        index, x, out = in_flight.popleft()
-        schedule.append((BACKWARD, index))
-        if last:
+    def _backward(self, grad_out: torch.Tensor | None) -> torch.Tensor | None:
+        """The oldest in-flight micro-batch's backward; returns the gradient of its input (None on stage 0)."""
+        index, x, out = self.in_flight.popleft()
+        self.schedule.append((BACKWARD, index))
+        if self.last:
             out.backward()
         else:
             _backward_from(out, grad_out)
         return None if x is None else x.grad
-
-    def send_forward(y: torch.Tensor) -> None:
-        if not last:
-            p2p.exchange(y.detach(), groups.next_rank, None)
-            deallocate_output(y)
-
-    for _ in range(warmup):
-        send_forward(forward(recv_forward()))
-
-    x = recv_forward() if count > warmup else None
-    for i in range(count - warmup):
-        y = forward(x)
-        # Send this forward's output and receive the gradient for the oldest in-flight micro-batch.
-        grad_out = None
-        if not last:
-            grad_out = p2p.exchange(y.detach(), groups.next_rank, groups.next_rank, batches[in_flight[0][0]])
-            deallocate_output(y)
-        grad_in = backward(grad_out)
-        # Send the input gradient back and receive the next forward's input (none after the last).
-        final = i == count - warmup - 1
-        if not first:
-            nxt = None if final else batches[next_forward]
-            x = p2p.exchange(grad_in, groups.prev_rank, None if final else groups.prev_rank, nxt)
-
-    for _ in range(warmup):
-        grad_out = None if last else p2p.exchange(None, None, groups.next_rank, batches[in_flight[0][0]])
-        grad_in = backward(grad_out)
-        if not first:
-            p2p.exchange(grad_in, groups.prev_rank, None)
-
-    if reduce_partial_grads:
-        model.finish_grads(stashed)
-    return StepResult(
-        loss_sum_tensor=loss_sum if last else None,
-        num_targets=sum(b.num_targets for b in micro_batches),
-        num_global_targets=num_global_targets,
-        schedule=tuple(schedule),
-    )
