@@ -113,6 +113,7 @@ class ExchangePlan:
         sequence_parallel: bool = False,
         bucket_bytes: int = DEFAULT_EXCHANGE_BUCKET_BYTES,
     ) -> ExchangePlan:
+        """Size the window, cut the stripes into rounds, then list this rank's pieces of each round."""
         roles = deployment_roles(deployment, sequence_parallel)
         world = layout.world_size
         if sorted(roles) != list(range(world)):
@@ -124,88 +125,12 @@ class ExchangePlan:
             max(_fan_out(gathers, layout.bounds[s]), _fan_out(reduces, layout.bounds[s])) for s in range(layout.stripes)
         )
         window = max(1, bucket_bytes // 2 // EXCHANGE_ELEMENT_BYTES // fan)
+        schedule = _schedule(layout, window)
         local = locals_[rank]
         base = np.array([p.gather[0] for p in local], np.int64)
-
-        def stripe_windows(stripe: int, k: int) -> list[tuple[int, int]]:
-            """Window k of every owner's chunk of a stripe, in global coordinates."""
-            bounds = layout.bounds[stripe]
-            return [(min(int(bounds[o]) + k * window, int(bounds[o + 1])),
-                     min(int(bounds[o]) + (k + 1) * window, int(bounds[o + 1]))) for o in range(world)]
-
-        # Rounds in model order: a stripe whose chunks exceed the window takes several rounds; consecutive
-        # stripes whose chunks together fit one window share a round (few collectives for small models).
-        schedule: list[list[tuple[int, list[tuple[int, int]]]]] = []
-        group: list[tuple[int, list[tuple[int, int]]]] = []
-        held = 0
-        for stripe in range(layout.stripes):
-            longest = int(np.diff(layout.bounds[stripe]).max())
-            if group and held + longest > window:
-                schedule.append(group)
-                group, held = [], 0
-            if longest <= window:
-                group.append((stripe, stripe_windows(stripe, 0)))
-                held += longest
-            else:
-                schedule.extend([(stripe, stripe_windows(stripe, k))] for k in range(-(-longest // window)))
-        if group:
-            schedule.append(group)
-
-        rounds = []
-        for parts in schedule:
-            g_send, g_send_n, r_recv, r_recv_n = [], [], [], []
-            for r in range(world):  # what every peer needs of, or contributes to, this rank's windows
-                n_gather = n_reduce = 0
-                for stripe, wins in parts:
-                    lo_me = int(layout.bounds[stripe, rank]) - int(layout.local_starts[stripe, rank])
-                    clipped, _ = _clip(gathers[r], *wins[rank])
-                    g_send.extend((int(a) - lo_me, int(b - a)) for a, b in clipped)
-                    n_gather += int((clipped[:, 1] - clipped[:, 0]).sum())
-                    clipped, _ = _clip(reduces[r], *wins[rank])
-                    r_recv.extend((int(a) - lo_me, int(b - a)) for a, b in clipped)
-                    n_reduce += int((clipped[:, 1] - clipped[:, 0]).sum())
-                g_send_n.append(n_gather)
-                r_recv_n.append(n_reduce)
-            g_recv, g_recv_n, r_send, r_send_n = [], [], [], []
-            for o in range(world):  # what this rank needs of, or contributes to, every owner's windows
-                n_gather = n_reduce = 0
-                for _, wins in parts:
-                    clipped, idx = _clip(gathers[rank], *wins[o])
-                    g_recv.extend(
-                        (int(i), int(a - base[i]), int(b - a)) for i, (a, b) in zip(idx, clipped, strict=True)
-                    )
-                    n_gather += int((clipped[:, 1] - clipped[:, 0]).sum())
-                    clipped, idx = _clip(reduces[rank], *wins[o])
-                    r_send.extend(
-                        (int(i), int(a - base[i]), int(b - a)) for i, (a, b) in zip(idx, clipped, strict=True)
-                    )
-                    n_reduce += int((clipped[:, 1] - clipped[:, 0]).sum())
-                g_recv_n.append(n_gather)
-                r_send_n.append(n_reduce)
-            rounds.append(ExchangeRound(
-                tuple(g_send), tuple(g_send_n), tuple(g_recv), tuple(g_recv_n),
-                tuple(r_send), tuple(r_send_n), tuple(r_recv), tuple(r_recv_n), parts[0][0],
-            ))
-        # The ranks that compute this rank's stage with it (its TP and CP groups) wait for each other inside a
-        # layer, so a layer asks for the rounds ANY of them needs: every one has issued them before it blocks.
-        replica = next(r for r in deployment.replicas if rank in r.devices)
-        roles = rank_roles(replica.config, replica.devices)
-        peers = [r for r, role in roles.items() if role[0] == roles[rank][0]]
-        widest = max(len(parts) for parts in schedule) * world
-        wins = np.zeros((len(schedule), widest, 2), np.int64)  # every round's windows, empty ones (0, 0) after
-        for j, parts in enumerate(schedule):
-            flat = [w for _, ws in parts for w in ws]
-            wins[j, : len(flat)] = flat
-        needs = np.full(len(local), -1, np.int64)
-        for r in peers:
-            by_name = {p.name: p.gather for p in locals_[r]}
-            ranges = np.array([by_name[p.name] for p in local], np.int64).reshape(-1, 2)
-            hits = ((ranges[:, None, None, 0] < wins[None, :, :, 1]) & (wins[None, :, :, 0] < ranges[:, None, None, 1])
-                    & (wins[None, :, :, 0] < wins[None, :, :, 1])).any(axis=2)  # [param, round]
-            last = np.where(hits.any(axis=1), hits.shape[1] - 1 - np.argmax(hits[:, ::-1], axis=1), -1)
-            needs = np.maximum(needs, last)
-        return cls(rank=rank, local=local, window=window, rounds=tuple(rounds),
-                   gather_needs=tuple(int(n) for n in needs))
+        rounds = tuple(_round(layout, rank, parts, gathers, reduces, base) for parts in schedule)
+        needs = _gather_needs(deployment, rank, schedule, locals_)
+        return cls(rank=rank, local=local, window=window, rounds=rounds, gather_needs=needs)
 
     @functools.cached_property
     def reduce_reads(self) -> tuple[frozenset[int], ...]:
@@ -254,6 +179,110 @@ class ExchangePlan:
             "reduce_send": off_self(self.reduce_send_splits),
             "reduce_recv": off_self(self.reduce_recv_splits),
         }
+
+# One round's windows: (stripe, every owner's window of that stripe in global coordinates), per stripe it moves.
+_RoundWindows = list[tuple[int, list[tuple[int, int]]]]
+
+
+def _stripe_windows(layout: ModelLayout, stripe: int, k: int, window: int) -> list[tuple[int, int]]:
+    """Window k of every owner's chunk of a stripe, in global coordinates."""
+    bounds = layout.bounds[stripe]
+    return [(min(int(bounds[o]) + k * window, int(bounds[o + 1])),
+             min(int(bounds[o]) + (k + 1) * window, int(bounds[o + 1]))) for o in range(layout.world_size)]
+
+
+def _schedule(layout: ModelLayout, window: int) -> list[_RoundWindows]:
+    """Rounds in model order: a stripe whose chunks exceed the window takes several rounds; consecutive
+    stripes whose chunks together fit one window share a round (few collectives for small models)."""
+    schedule: list[_RoundWindows] = []
+    group: _RoundWindows = []
+    held = 0
+    for stripe in range(layout.stripes):
+        longest = int(np.diff(layout.bounds[stripe]).max())
+        if group and held + longest > window:
+            schedule.append(group)
+            group, held = [], 0
+        if longest <= window:
+            group.append((stripe, _stripe_windows(layout, stripe, 0, window)))
+            held += longest
+        else:
+            rounds = -(-longest // window)
+            schedule.extend([(stripe, _stripe_windows(layout, stripe, k, window))] for k in range(rounds))
+    if group:
+        schedule.append(group)
+    return schedule
+
+
+def _round(
+    layout: ModelLayout,
+    rank: int,
+    parts: _RoundWindows,
+    gathers: dict[int, np.ndarray],
+    reduces: dict[int, np.ndarray],
+    base: np.ndarray,
+) -> ExchangeRound:
+    """This rank's side of one round: as an owner (what each peer needs of, or adds to, its windows),
+    and as a peer (what it needs of, or adds to, each owner's windows)."""
+    world = layout.world_size
+    g_send, g_send_n, r_recv, r_recv_n = [], [], [], []
+    for r in range(world):
+        n_gather = n_reduce = 0
+        for stripe, wins in parts:
+            lo_me = int(layout.bounds[stripe, rank]) - int(layout.local_starts[stripe, rank])
+            clipped, _ = _clip(gathers[r], *wins[rank])
+            g_send.extend((int(a) - lo_me, int(b - a)) for a, b in clipped)
+            n_gather += int((clipped[:, 1] - clipped[:, 0]).sum())
+            clipped, _ = _clip(reduces[r], *wins[rank])
+            r_recv.extend((int(a) - lo_me, int(b - a)) for a, b in clipped)
+            n_reduce += int((clipped[:, 1] - clipped[:, 0]).sum())
+        g_send_n.append(n_gather)
+        r_recv_n.append(n_reduce)
+    g_recv, g_recv_n, r_send, r_send_n = [], [], [], []
+    for o in range(world):
+        n_gather = n_reduce = 0
+        for _, wins in parts:
+            clipped, idx = _clip(gathers[rank], *wins[o])
+            g_recv.extend((int(i), int(a - base[i]), int(b - a)) for i, (a, b) in zip(idx, clipped, strict=True))
+            n_gather += int((clipped[:, 1] - clipped[:, 0]).sum())
+            clipped, idx = _clip(reduces[rank], *wins[o])
+            r_send.extend((int(i), int(a - base[i]), int(b - a)) for i, (a, b) in zip(idx, clipped, strict=True))
+            n_reduce += int((clipped[:, 1] - clipped[:, 0]).sum())
+        g_recv_n.append(n_gather)
+        r_send_n.append(n_reduce)
+    return ExchangeRound(
+        tuple(g_send), tuple(g_send_n), tuple(g_recv), tuple(g_recv_n),
+        tuple(r_send), tuple(r_send_n), tuple(r_recv), tuple(r_recv_n), parts[0][0],
+    )
+
+
+def _gather_needs(
+    deployment: Deployment, rank: int, schedule: list[_RoundWindows], locals_: dict[int, tuple[LocalParam, ...]]
+) -> tuple[int, ...]:
+    """Per local parameter, the last round that brings any rank of this rank's stage its values (-1: none).
+
+    The ranks that compute this rank's stage with it (its TP and CP groups) wait for each other inside a
+    layer, so a layer asks for the rounds ANY of them needs: every one has issued them before it blocks.
+    """
+    replica = next(r for r in deployment.replicas if rank in r.devices)
+    roles = rank_roles(replica.config, replica.devices)
+    peers = [r for r, role in roles.items() if role[0] == roles[rank][0]]
+    world = len(locals_)
+    widest = max(len(parts) for parts in schedule) * world
+    wins = np.zeros((len(schedule), widest, 2), np.int64)  # every round's windows, empty ones (0, 0) after
+    for j, parts in enumerate(schedule):
+        flat = [w for _, ws in parts for w in ws]
+        wins[j, : len(flat)] = flat
+    local = locals_[rank]
+    needs = np.full(len(local), -1, np.int64)
+    for r in peers:
+        by_name = {p.name: p.gather for p in locals_[r]}
+        ranges = np.array([by_name[p.name] for p in local], np.int64).reshape(-1, 2)
+        hits = ((ranges[:, None, None, 0] < wins[None, :, :, 1]) & (wins[None, :, :, 0] < ranges[:, None, None, 1])
+                & (wins[None, :, :, 0] < wins[None, :, :, 1])).any(axis=2)  # [param, round]
+        last = np.where(hits.any(axis=1), hits.shape[1] - 1 - np.argmax(hits[:, ::-1], axis=1), -1)
+        needs = np.maximum(needs, last)
+    return tuple(int(n) for n in needs)
+
 
 
 def canonical_pieces(t: torch.Tensor, lp: LocalParam, start: int, stop: int) -> list[torch.Tensor]:
