@@ -45,7 +45,6 @@ class Trainer(Protocol):
     deployments: RankPool
     env: DistEnv
     step_index: int
-    last_exchange: Overlap
 
     def micro_batches(self, batch: GlobalBatch, plan: IterationPlan, part: RankDeployment) -> list[PackedBatch]: ...
 
@@ -110,7 +109,6 @@ def run_phase(trainer: Trainer, batch: GlobalBatch, plan: IterationPlan, targets
         torch.cuda.synchronize()
     computed = time.perf_counter()
     exchange.finish()
-    trainer.last_exchange = exchange
     reduced = time.perf_counter()
     return PhaseRun(index, plan, part, result, exchange, switched, activated - start, gathered - activated,
                     computed - gathered, reduced - computed)

@@ -57,8 +57,9 @@ from hydraulis.runtime.groups import built_groups
 from hydraulis.runtime.launch import DTYPES, DistEnv, init_distributed
 from hydraulis.runtime.layout import ModelLayout
 from hydraulis.runtime.optimizer import DisaggregatedOptimizer
+from hydraulis.runtime.overlap import Overlap
 from hydraulis.runtime.phases import loss_part, rank_figures, run_phases
-from hydraulis.runtime.step_memory import CPU_SAMPLE_EVERY, StepMemory, predicted_peak
+from hydraulis.runtime.step_memory import CPU_SAMPLE_EVERY, MemoryFigures, StepMemory, predicted_peak
 from hydraulis.runtime.timeouts import DEFAULT_TIMEOUT_S, first_step_timeout, settle_timeouts
 from hydraulis.specs import ModelSpec
 
@@ -220,6 +221,9 @@ class Trainer:
         self.step_index = 0
         self._pending: tuple[GlobalBatch, Future | None] | None = None
         self.recent: deque[tuple[GlobalBatch, Schedule]] = deque(maxlen=settings.compare_steps)
+        # The last step's own figures on this rank (the metrics carry the largest over ranks); None before it.
+        self.last_exchange: Overlap | None = None
+        self.last_memory: MemoryFigures | None = None
 
     # -- plans ---------------------------------------------------------------------------
     def _draw(self) -> None:
@@ -305,6 +309,7 @@ class Trainer:
         start = time.perf_counter()
         targets = self.batch_targets(batch)
         runs = run_phases(self, batch, schedule, targets)
+        self.last_exchange = runs[-1].exchange
         norm, extra = self.optimizer.global_norm(extra=loss_part(runs, self.env.device).reshape(1))
         lr = s.optim.lr_at(self.step_index, s.steps)
         values = torch.stack([norm.detach().double().cpu(), extra[0].double().cpu()]).tolist()  # one sync per step
@@ -315,7 +320,7 @@ class Trainer:
             torch.cuda.synchronize()
         finished = time.perf_counter()  # the iteration ends here; what follows only reports on it
         memory = self.memory.stop()
-        self.last_memory = memory  # this rank's own figures (the metrics carry the largest over ranks)
+        self.last_memory = memory
         for r in runs:
             r.part.clear_grads()
         times, peaks = rank_figures(runs, memory, self.control)
