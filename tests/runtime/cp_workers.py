@@ -7,16 +7,17 @@ import json
 
 import numpy as np
 import torch
+from train_workers import cpu_settings
 
 from hydraulis.data.sampler import TokenBudgetSampler
 from hydraulis.optim import AdamWSettings, OptimSettings
-from hydraulis.parallel import Deployment, ParallelConfig, Replica
+from hydraulis.parallel import ParallelConfig, Replica
 from hydraulis.runtime import StageModel, build_replica_groups, count_targets
 from hydraulis.runtime.batch import pack_cp_shard
 from hydraulis.runtime.launch import init_distributed
 from hydraulis.runtime.pipeline import train_step
 from hydraulis.runtime.trainer import Trainer, TrainSettings
-from hydraulis.specs import MODELS, ClusterSpec, ModelSpec
+from hydraulis.specs import MODELS, ModelSpec
 
 TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -100,17 +101,10 @@ def cp_train_sampler(docs: list[np.ndarray]) -> TokenBudgetSampler:
 
 
 def cp_train_settings() -> TrainSettings:
-    spec = MODELS["tiny"]
-    cluster = ClusterSpec(4, gpus_per_node=4)
-    return TrainSettings(
-        model=spec,
-        # cp4 alone holds the long document; batches without it may take cp2 next to two tp1pp1 replicas
-        pool=tuple(Deployment.parse(t, cluster) for t in ("1x(tp1,pp1,cp4)", "1x(tp1,pp1,cp2) + 2x(tp1,pp1)")),
-        cost=cp_train_cost(),
-        optim=OptimSettings(lr=1e-3, warmup=1, schedule="cosine", adamw=AdamWSettings(eps=1e-6, grad_clip=0.5)),
-        steps=CP_TRAIN_STEPS,
-        seed=3,
-    )
+    # cp4 alone holds the long document; batches without it may take cp2 next to two tp1pp1 replicas
+    pool = ("1x(tp1,pp1,cp4)", "1x(tp1,pp1,cp2) + 2x(tp1,pp1)")
+    optim = OptimSettings(lr=1e-3, warmup=1, schedule="cosine", adamw=AdamWSettings(eps=1e-6, grad_clip=0.5))
+    return cpu_settings(4, pool, optim, CP_TRAIN_STEPS, cost=cp_train_cost(), seed=3)
 
 
 def train_cp(rank: int, world: int, s: TrainSettings) -> dict:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hydraulis.cost import AnalyticCostModel
+from hydraulis.cost.model import CostModel
 from hydraulis.data.sampler import TokenBudgetSampler
 from hydraulis.optim import AdamWSettings, OptimSettings
 from hydraulis.parallel import Deployment
@@ -47,16 +48,22 @@ def sampler(docs: list[np.ndarray]) -> TokenBudgetSampler:
 
 
 def cpu_settings(
-    world: int, pool: Sequence[str], optim: OptimSettings, steps: int, model: str = "tiny", **fields: Any
+    world: int,
+    pool: Sequence[str],
+    optim: OptimSettings,
+    steps: int,
+    model: str = "tiny",
+    cost: CostModel | None = None,
+    **fields: Any,
 ) -> TrainSettings:
-    """The workers' TrainSettings: a model preset, its pool parsed for `world` ranks on one node, the analytic
-    CPU cost model; `fields` sets the rest."""
+    """The workers' TrainSettings: a model preset, its pool parsed for `world` ranks on one node, the given cost
+    model (the analytic CPU one by default); `fields` sets the rest."""
     spec = MODELS[model]
     cluster = ClusterSpec(world, gpus_per_node=world)
     return TrainSettings(
         model=spec,
         pool=tuple(Deployment.parse(t, cluster) for t in pool),
-        cost=AnalyticCostModel(spec, get_device("cpu")),
+        cost=cost if cost is not None else AnalyticCostModel(spec, get_device("cpu")),
         optim=optim,
         steps=steps,
         **fields,
