@@ -22,8 +22,8 @@ from hydraulis.data.indexed import IndexedCorpus, check_targets_left, corpus_sam
 from hydraulis.data.sampler import Overlong, TokenBudgetSampler
 from hydraulis.errors import HydraulisError
 from hydraulis.jsonio import write_json_atomic
-from hydraulis.parallel import Deployment, ParallelConfig, parse_deployment_configs
-from hydraulis.planner.pool import check_job_pool, inline_pool_world, load_pool, parse_pool, pool_items
+from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.planner.pool import PoolSetting, check_job_pool, parse_pool
 from hydraulis.progress import say
 from hydraulis.resume import check_stop_at, resume_point
 from hydraulis.specs import DTYPE_BYTES, ClusterSpec, ModelSpec
@@ -81,97 +81,40 @@ def prepare(
     change_schedule: bool = False,
 ) -> Job:
     """A checked job; raises HydraulisError (one line) on any bad input, having written nothing."""
-    from hydraulis.data.builtin import resolve_corpus
-
-    run_dir = Path(out or config.train.out)
-    steps = steps if steps is not None else config.train.steps
-    # The resolved config: what config.toml records, so a run directory says what it ran.
-    config = config.model_copy(update={"train": config.train.model_copy(update={"out": str(run_dir), "steps": steps})})
-    # torchrun restarts every worker with the same arguments after a failure: continue, don't start over.
-    resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
     if max_restarts < 0:
         raise HydraulisError(f"--max-restarts must be non-negative, got {max_restarts}")
+    config, run_dir, steps = _resolved(config, out, steps)
+    # torchrun restarts every worker with the same arguments after a failure: continue, don't start over.
+    resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
     spec = model_spec(config)
-    auto = config.parallel.profile == "auto"  # measured below, once the world size and the pool are known
-    cost = None if auto else job_cost_model(config.parallel.profile, spec)
-    if cost is not None:
-        cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
-        check_exchange_bucket(config, cost)
-        cost = budgeted(config, cost)
+    setting = PoolSetting.parse(config.parallel.pool)
+    auto_profile = config.parallel.profile == "auto"  # measured below, once the world size and the pool are known
+    cost = None if auto_profile else _for_job(config, job_cost_model(config.parallel.profile, spec))
     tokenizer = config.data.tokenizer_for(spec, config.model.init_from)
     token_ids = check_tokenizer(tokenizer, spec, config.model.init_from)  # a bad one fails before anything runs
     env_world = torchrun_world()
     resume_from = None
-    if env_world is None or int(os.environ["RANK"]) == 0:
-        _check_out(run_dir, config, resume)  # under torchrun rank 0 writes the run directory, and checks it
-        if resume:  # damaged checkpoints are skipped (one line); none verifying is refused here, before any rank
-            schedule = config.optim.settings().schedule_state(steps)
-            point = resume_point(run_dir / "checkpoints", schedule, change_schedule, log)
-            resume_from = point.checkpoint
-            check_stop_at(stop_at, steps, point.step)
+    if env_world is None or int(os.environ["RANK"]) == 0:  # under torchrun rank 0 writes the run directory
+        resume_from = _check_run_dir(run_dir, config, resume, steps, stop_at, change_schedule, log)
     check_stop_at(stop_at, steps, 0)
-    pool_spec = config.parallel.pool
-    inline = pool_spec != "auto" and not Path(pool_spec).is_file() and not pool_spec.endswith(".json")
-    pool_gpus = inline_pool_world(pool_spec) if inline else None
-    if pool_spec != "auto" and not inline:
-        pool_gpus = load_pool(pool_spec).cluster.num_gpus
-    if env_world is not None:
-        if nproc is not None and nproc != env_world:
-            raise HydraulisError(f"--nproc {nproc} differs from torchrun's world size {env_world}; drop --nproc")
-        world = env_world
-    else:
-        world = nproc if nproc is not None else (pool_gpus or 1)
-    if world < 1:
-        raise HydraulisError(f"--nproc must be positive, got {world}")
-    if pool_gpus is not None and world > pool_gpus:
-        raise HydraulisError(
-            f"--nproc {world} is larger than the pool's {pool_gpus} GPUs; give a pool for {world} ranks or fewer ranks"
-        )
-    if pool_gpus is not None and world < pool_gpus:
-        raise HydraulisError(
-            f"the pool's deployments use {pool_gpus} GPUs but the job has {world} ranks; "
-            f"run {pool_gpus} ranks (--nproc {pool_gpus}) or give a pool for {world}"
-        )
+    world = _world(nproc, env_world, setting.gpus())
     gpn = config.parallel.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     cluster = ClusterSpec(world, min(gpn, world))
     # The model against every config the pool may use, before any corpus build, profile or rank.
-    configs = _pool_configs(pool_spec, inline, spec, world)
+    configs = _pool_configs(setting, spec, world)
     for g in configs:
         g.validate(spec)
-    configs = check_budget(config, spec, cost, configs, world, pool_spec == "auto")  # before any profile or rank
+    configs = check_budget(config, spec, cost, configs, world, setting.auto)  # before any profile or rank
     # Vocabulary padding for every TP degree the pool has (with pool = "auto": may have).
-    proposable = cost.configs if cost is not None and pool_spec == "auto" else ()
+    proposable = cost.configs if cost is not None and setting.auto else ()
     spec = _padded(spec, {g.tp for g in (*configs, *proposable)}, _resumed_checkpoint(run_dir, resume, resume_from))
-    corpus = resolve_corpus(config.data.corpus, tokenizer, progress=True, log=log)
-    if corpus.manifest.tokenizer != token_ids:
-        made = corpus.manifest.tokenizer_source or corpus.manifest.tokenizer
-        raise HydraulisError(
-            f"corpus {config.data.corpus} is tokenized with {made} ({corpus.manifest.tokenizer}), "
-            f"the model needs {tokenizer} ({token_ids}); rebuild it or set data.tokenizer"
-        )
-    data = config.data
-    sampler, overlong = data_sampler(corpus, data, log)
-    fresh = None  # profile = "auto": a profile measured now (or shared), written once every check has passed
-    if auto:
-        from hydraulis.cost import ProfiledCostModel
-
-        config.parallel.recompute_configs(configs)  # a bad recompute list fails before minutes of profiling
-        request = AutoProfile.of(config, spec, configs, world, sampler.piece_lengths())
-        shared = request.cached(request.shared_path(), log)  # another run's, on this machine
-        cached = shared or request.cached(run_dir / AUTO_PROFILE, log)
-        fresh = shared if shared is not None else None if cached else request.measure(env_world is not None, log)
-        cost = ProfiledCostModel.from_dict(cached or fresh, str(run_dir / AUTO_PROFILE))
-        cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
-        check_exchange_bucket(config, cost)
-        cost = budgeted(config, cost)
-        check_budget(config, spec, cost, configs, world, pool_spec == "auto")
-    if pool_spec == "auto":
-        pool = _propose(cost, cluster, sampler, config, data.max_len)
-    elif inline:
-        pool = parse_pool(pool_spec, cluster)
-    else:
-        pool = load_pool(pool_spec, cluster).deployments
-    check_job_pool(pool, world, spec, cost, data.max_len)
+    corpus = _corpus(config, tokenizer, token_ids, log)
+    sampler, overlong = data_sampler(corpus, config.data, log)
+    fresh, profile_cache = None, None  # profile = "auto": a profile measured now (or shared), and the cache's file
+    if auto_profile:
+        cost, fresh, profile_cache = _auto_cost(config, spec, configs, world, sampler, run_dir, env_world, log)
+    pool = _propose(cost, cluster, sampler, config) if setting.auto else parse_pool(setting.text, cluster)
+    check_job_pool(pool, world, spec, cost, config.data.max_len)
     if fresh is not None:  # written only now: bad input leaves nothing behind
         run_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(run_dir / AUTO_PROFILE, fresh)
@@ -191,9 +134,94 @@ def prepare(
         max_restarts=max_restarts,
         resume_from=resume_from,
         stop_at=stop_at,
-        profile_cache=str(request.shared_path()) if auto else None,
+        profile_cache=profile_cache,
         overlong=overlong,
     )
+
+
+def _resolved(config: RunConfig, out: str | None, steps: int | None) -> tuple[RunConfig, Path, int]:
+    """The config with the command line's run directory and steps in it: what config.toml records, so a run
+    directory says what it ran."""
+    run_dir = Path(out or config.train.out)
+    steps = steps if steps is not None else config.train.steps
+    config = config.model_copy(update={"train": config.train.model_copy(update={"out": str(run_dir), "steps": steps})})
+    return config, run_dir, steps
+
+
+def _check_run_dir(
+    run_dir: Path, config: RunConfig, resume: bool, steps: int, stop_at: int | None, change_schedule: bool, log: Log
+) -> str | None:
+    """The run directory checked; on resume, the checkpoint to resume from. Damaged checkpoints are skipped
+    (one line); none verifying is refused here, before any rank."""
+    _check_out(run_dir, config, resume)
+    if not resume:
+        return None
+    schedule = config.optim.settings().schedule_state(steps)
+    point = resume_point(run_dir / "checkpoints", schedule, change_schedule, log)
+    check_stop_at(stop_at, steps, point.step)
+    return point.checkpoint
+
+
+def _world(nproc: int | None, env_world: int | None, pool_gpus: int | None) -> int:
+    """The job's rank count: torchrun's, else --nproc, else the pool's GPUs; it must be the pool's GPU count."""
+    if env_world is not None:
+        if nproc is not None and nproc != env_world:
+            raise HydraulisError(f"--nproc {nproc} differs from torchrun's world size {env_world}; drop --nproc")
+        world = env_world
+    else:
+        world = nproc if nproc is not None else (pool_gpus or 1)
+    if world < 1:
+        raise HydraulisError(f"--nproc must be positive, got {world}")
+    if pool_gpus is not None and world > pool_gpus:
+        raise HydraulisError(
+            f"--nproc {world} is larger than the pool's {pool_gpus} GPUs; give a pool for {world} ranks or fewer ranks"
+        )
+    if pool_gpus is not None and world < pool_gpus:
+        raise HydraulisError(
+            f"the pool's deployments use {pool_gpus} GPUs but the job has {world} ranks; "
+            f"run {pool_gpus} ranks (--nproc {pool_gpus}) or give a pool for {world}"
+        )
+    return world
+
+
+def _corpus(config: RunConfig, tokenizer: str, token_ids: str, log: Log) -> IndexedCorpus:
+    """The run's corpus (built when it is a builtin one), tokenized with the model's tokenizer."""
+    from hydraulis.data.builtin import resolve_corpus
+
+    corpus = resolve_corpus(config.data.corpus, tokenizer, progress=True, log=log)
+    if corpus.manifest.tokenizer != token_ids:
+        made = corpus.manifest.tokenizer_source or corpus.manifest.tokenizer
+        raise HydraulisError(
+            f"corpus {config.data.corpus} is tokenized with {made} ({corpus.manifest.tokenizer}), "
+            f"the model needs {tokenizer} ({token_ids}); rebuild it or set data.tokenizer"
+        )
+    return corpus
+
+
+def _auto_cost(
+    config: RunConfig, spec: ModelSpec, configs: tuple[ParallelConfig, ...], world: int,
+    sampler: TokenBudgetSampler, run_dir: Path, env_world: int | None, log: Log,
+) -> tuple[CostModel, dict | None, str]:
+    """profile = "auto": the cost model of a profile shared by another run on this machine, kept in the run
+    directory, or measured now; the profile to write once every check has passed (None: nothing new), and the
+    shared cache's file."""
+    from hydraulis.cost import ProfiledCostModel
+
+    config.parallel.recompute_configs(configs)  # a bad recompute list fails before minutes of profiling
+    request = AutoProfile.of(config, spec, configs, world, sampler.piece_lengths())
+    shared = request.cached(request.shared_path(), log)
+    cached = shared or request.cached(run_dir / AUTO_PROFILE, log)
+    fresh = shared if shared is not None else None if cached else request.measure(env_world is not None, log)
+    cost = _for_job(config, ProfiledCostModel.from_dict(cached or fresh, str(run_dir / AUTO_PROFILE)))
+    check_budget(config, spec, cost, configs, world, config.parallel.pool == "auto")
+    return cost, fresh, str(request.shared_path())
+
+
+def _for_job(config: RunConfig, cost: CostModel) -> CostModel:
+    """A loaded cost model made the job's: its recompute set, its exchange bucket checked, its caps budgeted."""
+    cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
+    check_exchange_bucket(config, cost)
+    return budgeted(config, cost)
 
 
 def data_sampler(
@@ -325,13 +353,10 @@ def job_cost_model(profile: str, spec: ModelSpec) -> CostModel:
     return load_cost_model(profile)
 
 
-def _pool_configs(pool_spec: str, inline: bool, spec: ModelSpec, world: int) -> tuple[ParallelConfig, ...]:
+def _pool_configs(setting: PoolSetting, spec: ModelSpec, world: int) -> tuple[ParallelConfig, ...]:
     """The configs profile = "auto" measures: the pool's; with pool = "auto" every config the proposal may use."""
-    if inline:
-        configs = [c for text in pool_items(pool_spec, "parallel.pool") for c in parse_deployment_configs(text)]
-    elif pool_spec != "auto":
-        configs = [r.config for d in load_pool(pool_spec).deployments for r in d.replicas]
-    else:
+    configs = setting.configs()
+    if setting.auto:
         from hydraulis.cost.analytic import candidate_configs
 
         configs = [c for c in candidate_configs(spec, world) if world % c.num_gpus == 0 and c.cp == 1]
@@ -363,7 +388,7 @@ def check_tokenizer(tokenizer: str, spec: ModelSpec, init_from: str | None) -> s
 
 
 def _propose(
-    cost: CostModel, cluster: ClusterSpec, sampler: TokenBudgetSampler, config: RunConfig, max_len: int
+    cost: CostModel, cluster: ClusterSpec, sampler: TokenBudgetSampler, config: RunConfig
 ) -> tuple[Deployment, ...]:
     """Pool "auto": a pool proposed from sample batches of this data (another seed than training's)."""
     from hydraulis.planner.proposal import propose
@@ -374,7 +399,7 @@ def _propose(
     ).batches(8)
     try:
         proposal = propose(
-            cost, cluster, [b.lengths for b in sample], max_pool=config.parallel.max_pool, max_length=max_len
+            cost, cluster, [b.lengths for b in sample], max_pool=config.parallel.max_pool, max_length=data.max_len
         )
     except HydraulisError as exc:  # the planner's remedy names `plan`'s flags; train has config keys
         remedy = "lower [data] max_len ([data] overlong cuts longer documents)"

@@ -257,11 +257,44 @@ def replicable_configs(cost: CostModel, cluster: ClusterSpec) -> list[ParallelCo
     return [g for g in usable_configs(cost, cluster) if N % g.num_gpus == 0 and place([g] * (N // g.num_gpus), cluster)]
 
 
+def is_pool_file(text: str) -> bool:
+    """Whether a pool setting names a `hydraulis.pool/1` file (else it is an inline pool)."""
+    return text.strip().endswith(".json") or Path(text).is_file()
+
+
 def parse_pool(text: str, cluster: ClusterSpec) -> tuple[Deployment, ...]:
     """`--pool`: compact deployments separated by ';', or a `hydraulis.pool/1` file."""
-    if text.strip().endswith(".json") or Path(text).is_file():
+    if is_pool_file(text):
         return load_pool(text, cluster).deployments
     return tuple(Deployment.parse(t, cluster) for t in pool_items(text))
+
+
+@dataclass(frozen=True)
+class PoolSetting:
+    """A job's `[parallel] pool`, told apart once: "auto" (proposed from the job's data), a file, or inline."""
+
+    text: str
+    kind: str  # "auto", "file" or "inline"
+
+    @classmethod
+    def parse(cls, text: str) -> PoolSetting:
+        return cls(text, "auto" if text == "auto" else "file" if is_pool_file(text) else "inline")
+
+    @property
+    def auto(self) -> bool:
+        return self.kind == "auto"
+
+    def gpus(self) -> int | None:
+        """The GPUs each of its deployments uses, checked before any placement; None for auto (the job sizes it)."""
+        if self.kind == "inline":
+            return inline_pool_world(self.text, "parallel.pool")
+        return None if self.auto else load_pool(self.text).cluster.num_gpus
+
+    def configs(self) -> tuple[ParallelConfig, ...]:
+        """The configs its deployments use (none for auto, whose configs the proposal picks)."""
+        if self.kind == "inline":
+            return tuple(c for t in pool_items(self.text, "parallel.pool") for c in parse_deployment_configs(t))
+        return () if self.auto else tuple(r.config for d in load_pool(self.text).deployments for r in d.replicas)
 
 
 def pool_items(text: str, where: str = "--pool") -> tuple[str, ...]:
