@@ -11,7 +11,7 @@
    analytic cost model's arithmetic) over the device's dense bf16 peak;
 4. the peak memory of those steps as the Trainer measures it (`torch.cuda.max_memory_allocated`;
    on CPU the allocator's events) against its memory model's prediction (`cost.memory.rank_memory`),
-   both from the Trainer's own metrics (runtime/step_memory.py).
+   both from the Trainer's own metrics (runtime/metering/step_memory.py).
 
 Attention errors above their bf16 tolerance make the exit status 1; timing, MFU and memory are
 reported figures. Without CUDA it exits 2 with one line; `--device cpu` is a smoke mode that runs the
@@ -90,7 +90,7 @@ def compare(out: torch.Tensor, inputs, lengths) -> dict:
 
 
 def check_varlen(device: torch.device) -> dict:
-    from hydraulis.runtime.attention import attention_backend, packed_attention
+    from hydraulis.runtime.modeling.attention import attention_backend, packed_attention
 
     lengths, _, heads, kv_heads, dim = SIZES[device.type]
     q, k, v = random_qkv(sum(lengths), heads, kv_heads, dim, device, seed=1)
@@ -102,7 +102,7 @@ def check_varlen(device: torch.device) -> dict:
 
 def check_cp(device: torch.device) -> dict:
     """Every chunk of a cp-4 zigzag split, each against its prefix, in one process."""
-    from hydraulis.runtime.blockwise_attention import block_kernel, chunk_attention
+    from hydraulis.runtime.modeling.blockwise_attention import block_kernel, chunk_attention
 
     _, length, heads, kv_heads, dim = SIZES[device.type]
     q, k, v = random_qkv(length, heads, kv_heads, dim, device, seed=2)
@@ -172,7 +172,7 @@ def check_step(device: torch.device, model: ModelSpec, tokens: int, steps: int) 
     peak = next((v for k, v in PEAK_FLOPS.items() if k in name), spec.peak_flops)
     largest = max(sum(int(plan.lengths[j]) for j in mb) for plan in plans[warmup:]
                   for r in plan.replicas for mb in r.micro_batches)
-    # The Trainer measures and predicts every iteration's peak (runtime/step_memory.py): one implementation.
+    # The Trainer measures and predicts every iteration's peak (runtime/metering/step_memory.py): one implementation.
     predicted = max(m.memory_predicted_bytes for m in timed_metrics)
     measured = max(m.memory_peak_bytes for m in timed_metrics)
     return {

@@ -5,12 +5,12 @@ Gradients of 64 micro-batches of tiny (bf16 compute, against fp32 compute on the
 - `fp32 main_grad`: each micro-batch's gradient added into fp32 (Megatron's grad_reduce_in_fp32; this
   runtime before);
 - `bf16, fp32 every k`: bf16 sums sent to fp32 every k micro-batches (k x fewer sends than per micro-batch);
-- `scaled fp16` (the runtime's, runtime/main_grad.py): fp16 times a power of two per tensor.
+- `scaled fp16` (the runtime's, runtime/sharding/main_grad.py): fp16 times a power of two per tensor.
 Relative error of the summed gradient, bytes per element it keeps, and the median time of a micro-batch's
 forward and backward with the sum (small, one process, interleaved repeats).
 
 The loss head of small (50,304 columns) on a micro-batch: whole fp32 logits and their gradient
-(F.cross_entropy) against the runtime's chunks (runtime/cross_entropy.py): the peak the CPU allocator
+(F.cross_entropy) against the runtime's chunks (runtime/modeling/cross_entropy.py): the peak the CPU allocator
 records above the hidden states, and the median time of forward and backward.
 
 Run: .venv/bin/python benchmarks/lean_memory.py [--repeats 5]
@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from hydraulis.runtime import IGNORE_INDEX, StageModel, TensorParallel, head_cross_entropy, pack_documents
-from hydraulis.runtime.layout import ModelLayout
-from hydraulis.runtime.main_grad import attach_main_grads, clear_grads, gradient
-from hydraulis.runtime.memory_meter import PeakMeter
+from hydraulis.runtime.metering.memory_meter import PeakMeter
+from hydraulis.runtime.sharding.layout import ModelLayout
+from hydraulis.runtime.sharding.main_grad import attach_main_grads, clear_grads, gradient
 from hydraulis.specs import MODELS
 
 MICRO_BATCHES = 64

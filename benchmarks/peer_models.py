@@ -42,9 +42,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydraulis.optim import OptimSettings
-from hydraulis.runtime.batch import IGNORE_INDEX, pack_documents
-from hydraulis.runtime.hf import hf_config, to_hf_state_dict
-from hydraulis.runtime.layout import ModelLayout
+from hydraulis.runtime.parallelism.batch import IGNORE_INDEX, pack_documents
+from hydraulis.runtime.sharding.layout import ModelLayout
+from hydraulis.runtime.storage.hf import hf_config, to_hf_state_dict
 from hydraulis.specs import ModelSpec
 
 PEERS = ("ddp-doc", "ddp-packed", "fsdp2")

@@ -37,12 +37,12 @@ imports (torch, transformers, hydraulis: the same for every variant) and before 
 what the variant itself added at its peak, warm-up and timed pass included. Each variant runs in
 processes of its own, so no other variant's memory is in it. Printed: the largest rank, median of reps.
 Beside it, "peak MiB": the most tensor bytes a rank held in any step of the warm-up pass, measured as the
-trainer measures its own (runtime/step_memory.py): a census of live tensors before the step plus the CPU
+trainer measures its own (runtime/metering/step_memory.py): a census of live tensors before the step plus the CPU
 allocator's peak above it (torch's profiler; the timed pass runs without it). The budget is checked on it.
 
 Exposed exchange time per iteration: the seconds a rank's training thread waited for the exchange of
 parameters and gradients instead of computing, the largest rank's per step, mean over steps (and its
-share of the summed step times). Hydraulis: the trainer's own figure (runtime/overlap.py: the time its
+share of the summed step times). Hydraulis: the trainer's own figure (runtime/sharding/overlap.py: the time its
 thread spent packing, unpacking and waiting for gather and reduce rounds, which overlap compute); DDP:
 the tail of its synchronising backward after the last gradient was produced; FSDP2: the time in its
 all-gathers and reduce-scatters, which on CPU block (benchmarks/peer_models.py says why both measure the
@@ -85,8 +85,8 @@ from hydraulis.optim import OptimSettings
 from hydraulis.parallel import ParallelConfig
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import check_job_pool, parse_pool
-from hydraulis.runtime.batch import count_targets
-from hydraulis.runtime.layout import ModelLayout
+from hydraulis.runtime.parallelism.batch import count_targets
+from hydraulis.runtime.sharding.layout import ModelLayout
 from hydraulis.specs import ClusterSpec, ModelSpec, get_model
 
 WORLD = 4
@@ -135,10 +135,12 @@ def cost_model(profile: str, spec: ModelSpec, pool, lengths: np.ndarray, max_len
     """The named cost model, or with `auto` a profile of the pool's configs measured here first."""
     if profile != "auto":
         return load_cost_model(profile), None
-    from hydraulis.auto_profile import _sweep_for  # the sweep of `profile = "auto"`: this data's lengths up to max_len
     from hydraulis.cost import ProfiledCostModel
     from hydraulis.cost.sweep import ProfileSettings
-    from hydraulis.runtime.profiler import profile_model
+    from hydraulis.runtime.metering.profiler import profile_model
+    from hydraulis.training.auto_profile import (
+        _sweep_for,  # the sweep of `profile = "auto"`: this data's lengths up to max_len
+    )
 
     configs = sorted({g for d in pool for g in d.configs}, key=lambda g: (g.num_gpus, g.tp, g.pp))
     print(f"  profiling {spec.name} ({', '.join(g.name for g in configs)}) on {WORLD} CPU ranks ...", flush=True)
@@ -148,7 +150,7 @@ def cost_model(profile: str, spec: ModelSpec, pool, lengths: np.ndarray, max_len
 
 def exchange_bytes(spec: ModelSpec, plans) -> float:
     """Hydraulis's optimizer gather + reduce, bytes sent per iteration by the busiest rank (fp32 both ways)."""
-    from hydraulis.runtime.optimizer import ExchangePlan
+    from hydraulis.runtime.sharding.optimizer import ExchangePlan
 
     layout, per_deployment = ModelLayout(spec, WORLD), {}
     for d in {p.deployment for p in plans}:
@@ -257,12 +259,12 @@ def peer_runner(job: dict, variant: str, env, corpus, total_steps: int):
 def run_pass(step, steps: int, meter: bool = False) -> dict[str, list[float]]:
     """Every step after a barrier; per step the slowest rank's time, the global loss, the grad norm, and
     the exposed exchange (largest over ranks, and this rank's own). `meter`: also each step's peak of tensor
-    bytes on this rank, as the trainer measures its own (runtime/step_memory.py): a census of live tensors
+    bytes on this rank, as the trainer measures its own (runtime/metering/step_memory.py): a census of live tensors
     before the step plus the CPU allocator's peak above it, by torch's profiler (it slows the step)."""
     import torch
     import torch.distributed as dist
 
-    from hydraulis.runtime.memory_meter import PeakMeter, live_tensor_bytes
+    from hydraulis.runtime.metering.memory_meter import PeakMeter, live_tensor_bytes
 
     seconds, cpu, shares, norms, exposed, peaks = [], [], [], [], [], []
     for i in range(steps):

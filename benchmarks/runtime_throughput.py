@@ -25,7 +25,7 @@ import torch.distributed as dist
 from hydraulis.parallel import ParallelConfig, Replica
 from hydraulis.runtime import StageModel, build_replica_groups, count_targets, pack_documents, train_step
 from hydraulis.runtime.launch import spawn
-from hydraulis.runtime.layout import reset_parameters
+from hydraulis.runtime.sharding.layout import reset_parameters
 from hydraulis.specs import get_model
 
 

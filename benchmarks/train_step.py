@@ -12,7 +12,7 @@ share this machine's cores):
    model's gradients;
 3. an iteration that switches deployment against one that does not (same batch, same deployment,
    only the previous iteration differs);
-4. Hydraulis's plans with the exchange overlapped with compute (runtime/overlap.py, the default)
+4. Hydraulis's plans with the exchange overlapped with compute (runtime/sharding/overlap.py, the default)
    against the same plans with the whole gather before compute and the whole reduce after it
    (`[parallel] overlap_exchange = false`), interleaved with the rest: tokens/s and the exchange
    time compute did not hide (`StepMetrics.exchange_exposed_s`, the slowest rank's, per iteration).

@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 from test_benchmark_peers import load_peers  # noqa: E402
 
 from hydraulis.optim import OptimSettings  # noqa: E402
-from hydraulis.runtime.batch import count_targets  # noqa: E402
+from hydraulis.runtime.parallelism.batch import count_targets  # noqa: E402
 from hydraulis.specs import MODELS  # noqa: E402
 
 SPEC = MODELS["tiny"]

@@ -19,8 +19,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from hydraulis.runtime import StageModel, count_targets, micro_batch_loss, pack_documents  # noqa: E402
-from hydraulis.runtime.hf import from_hf_state_dict  # noqa: E402
-from hydraulis.runtime.layout import ModelLayout  # noqa: E402
+from hydraulis.runtime.sharding.layout import ModelLayout  # noqa: E402
+from hydraulis.runtime.storage.hf import from_hf_state_dict  # noqa: E402
 from hydraulis.specs import MODELS  # noqa: E402
 
 PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "peer_models.py"

@@ -6,11 +6,11 @@ import tomllib
 
 import pytest
 
-from hydraulis.checkpoints import DEFAULT_KEEP
-from hydraulis.config import RunConfig, load_config, parse_config
 from hydraulis.errors import HydraulisError
 from hydraulis.optim import AdamWSettings, OptimSettings
 from hydraulis.specs import MODELS
+from hydraulis.training.checkpoints import DEFAULT_KEEP
+from hydraulis.training.config import RunConfig, load_config, parse_config
 
 
 def test_defaults_come_from_the_settings_records():

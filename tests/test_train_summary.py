@@ -7,7 +7,7 @@ from train_helpers import metric_rows
 
 from hydraulis.report import iteration_errors
 from hydraulis.report import training_plot as report_plot
-from hydraulis.run_log import summarize
+from hydraulis.training.run_log import summarize
 
 
 def _row(step: int, predicted: float, measured: float) -> dict:
@@ -59,10 +59,10 @@ def test_a_cached_auto_profile_without_a_cp_config_of_the_pool_is_measured_again
     """A profile with tp1pp1 only does not describe a pool with tp1pp1cp2: the cp row is missing."""
     from dataclasses import asdict
 
-    from hydraulis.auto_profile import AutoProfile
     from hydraulis.cost.sweep import ProfileSettings
     from hydraulis.parallel import ParallelConfig
     from hydraulis.specs import get_model
+    from hydraulis.training.auto_profile import AutoProfile
 
     spec, settings = get_model("tiny"), ProfileSettings()
     request = AutoProfile(spec, (ParallelConfig(1, 1), ParallelConfig(1, 1, 2)), 4, "cpu", settings)
@@ -83,13 +83,13 @@ def test_steps_over_the_memory_budget_are_marked_counted_and_warned_once(tmp_pat
     import json
 
     pytest.importorskip("torch")
-    from hydraulis.config import parse_config
     from hydraulis.cost import load_cost_model
-    from hydraulis.job import Job
     from hydraulis.planner.pool import parse_pool
-    from hydraulis.run_log import RunLog
     from hydraulis.runtime.trainer import StepMetrics
     from hydraulis.specs import ClusterSpec, get_model
+    from hydraulis.training.config import parse_config
+    from hydraulis.training.job import Job
+    from hydraulis.training.run_log import RunLog
 
     config = parse_config({"parallel": {"pool": "4x(tp1,pp1)", "memory_per_rank": "40MiB"}})
     pool = parse_pool("4x(tp1,pp1)", ClusterSpec(4))

@@ -2,7 +2,7 @@
 
 Every CP rank of a pipeline stage computes the same layers on its share of
 the micro-batch's tokens; attention is exact because K/V of split documents
-are gathered over the group (runtime/context_parallel.py). The planner and
+are gathered over the group (runtime/parallelism/context_parallel.py). The planner and
 the runtime both use `split_for_cp`, so it imports no torch.
 
 - A long document is cut into 2 * cp chunks of (almost) equal length, and CP

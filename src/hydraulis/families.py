@@ -195,7 +195,7 @@ def read_hf_config(hf_dir: str | Path, max_len: int | None = None) -> tuple[Path
 
 def hf_tensor_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every tensor an HF checkpoint of the spec's family holds, with its shape (vocabulary tensors: `vocab`
-    rows); the runtime's own names and shapes map onto these one to one (runtime/hf.py, tested)."""
+    rows); the runtime's own names and shapes map onto these one to one (runtime/storage/hf.py, tested)."""
     h, d, ffn = spec.hidden, spec.head_dim, spec.ffn
     q, kv = spec.heads * d, spec.kv_heads * d
     layer = {"input_layernorm.weight": (h,), "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),

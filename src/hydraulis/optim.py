@@ -2,7 +2,7 @@
 
 The run config's [optim] section builds them (config.OptimSection.settings)
 and takes its defaults from them, so each default is written once;
-runtime/optimizer.py steps AdamW with them.
+runtime/sharding/optimizer.py steps AdamW with them.
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ from train_helpers import hf_loss, step_rows, write_config  # noqa: E402
 from hydraulis.data.indexed import open_corpus  # noqa: E402
 from hydraulis.data.sampler import TokenBudgetSampler  # noqa: E402
 from hydraulis.runtime import StageModel, pack_documents  # noqa: E402
-from hydraulis.runtime.checkpoint import load_master  # noqa: E402
-from hydraulis.runtime.hf_io import unflatten  # noqa: E402
-from hydraulis.runtime.layout import ModelLayout  # noqa: E402
+from hydraulis.runtime.sharding.layout import ModelLayout  # noqa: E402
+from hydraulis.runtime.storage.checkpoint import load_master  # noqa: E402
+from hydraulis.runtime.storage.hf_io import unflatten  # noqa: E402
 
 pytestmark = pytest.mark.dist
 

@@ -80,7 +80,7 @@ def hf_model(family: str, path: Path):  # noqa: ANN201
 
     The Qwen2 one has q/k/v biases, a head tied to the embedding and 403 rows (more than the
     tokenizer's 400, as Qwen's own checkpoints have; padded to 404 for tp2)."""
-    from hydraulis.runtime.hf import hf_config
+    from hydraulis.runtime.storage.hf import hf_config
     from hydraulis.specs import MODELS
 
     torch.manual_seed(SEED)
@@ -249,9 +249,9 @@ def test_first_sft_loss_is_transformers_loss_with_prompt_labels_ignored(case):
 
 def test_export_reloads_in_transformers_as_the_trained_model_and_its_tokenizer(case):
     from hydraulis.runtime import StageModel, pack_documents
-    from hydraulis.runtime.checkpoint import load_master
-    from hydraulis.runtime.hf_io import unflatten
-    from hydraulis.runtime.layout import ModelLayout
+    from hydraulis.runtime.sharding.layout import ModelLayout
+    from hydraulis.runtime.storage.checkpoint import load_master
+    from hydraulis.runtime.storage.hf_io import unflatten
 
     source, export = case["model"], case["export"]
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
@@ -310,9 +310,9 @@ def test_the_example_config_prepares_with_a_jsonl_corpus_and_the_checkpoint_toke
     """examples/sft.toml with its two paths replaced (and a pool that needs no profiling)."""
     import tomllib
 
-    from hydraulis.config import load_config, parse_config
     from hydraulis.data.tokenizer import get_tokenizer
-    from hydraulis.job import prepare
+    from hydraulis.training.config import load_config, parse_config
+    from hydraulis.training.job import prepare
 
     run = sft(family, "completion")
     example = Path(__file__).resolve().parents[2] / "examples" / "sft.toml"

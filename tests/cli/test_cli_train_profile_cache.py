@@ -24,7 +24,7 @@ AUTO = {"parallel": 'pool = "1x(tp1,pp1)"\nprofile = "auto"', "train": "steps = 
 
 
 def test_a_second_run_reuses_the_cached_profile(tmp_path, cli, monkeypatch):
-    from hydraulis.runtime.hf import hf_config
+    from hydraulis.runtime.storage.hf import hf_config
     from hydraulis.specs import MODELS
 
     cache = tmp_path / "cache"

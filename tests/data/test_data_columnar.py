@@ -119,8 +119,8 @@ def test_a_parquet_file_without_the_field_is_one_line(cli, tmp_path: Path) -> No
 
 
 def test_a_jsonl_corpus_in_the_config_is_built_once_and_reused(tmp_path: Path) -> None:
-    from hydraulis.config import parse_config
-    from hydraulis.job import prepare
+    from hydraulis.training.config import parse_config
+    from hydraulis.training.job import prepare
 
     src = jsonl_of([{"text": f"document {i} " * (1 + i % 7)} for i in range(60)], tmp_path / "data.jsonl")
     said: list[str] = []

@@ -9,10 +9,10 @@ import pytest
 from test_data_cli import hidden, one_line_error
 from tokenizer_helpers import TEXT, train_bpe
 
-from hydraulis.config import parse_config
 from hydraulis.data.indexed import build_corpus, open_corpus
 from hydraulis.data.tokenizer import get_tokenizer
 from hydraulis.errors import HydraulisError
+from hydraulis.training.config import parse_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -94,7 +94,7 @@ def test_cli_build_with_a_tokenizer_and_bad_tokenizers(cli, tok_dir: Path, tmp_p
 
 
 def _prepare(tmp_path: Path, **data: object):  # noqa: ANN202
-    from hydraulis.job import prepare
+    from hydraulis.training.job import prepare
 
     config = parse_config(
         {
@@ -126,10 +126,10 @@ def test_train_checks_the_tokenizer_before_any_rank(tok_dir: Path, tmp_path: Pat
 
 
 def test_auto_is_the_checkpoint_tokenizer(tok_dir: Path, tmp_path: Path) -> None:
-    from hydraulis.job import prepare
+    from hydraulis.training.job import prepare
 
     hf = tmp_path / "hf"
-    from hydraulis.runtime.hf import hf_config
+    from hydraulis.runtime.storage.hf import hf_config
     from hydraulis.specs import MODELS
 
     config = hf_config(MODELS["tiny"])  # what `hydraulis export` writes: a config hydraulis reads back

@@ -30,26 +30,27 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hydraulis.specs",
         "hydraulis.plots",
         "hydraulis.files",
+        "hydraulis.training",  # the package itself (its modules sit in their layers)
     ),
     ("hydraulis.parallel", "hydraulis.context", "hydraulis.optim", "hydraulis.families"),
-    ("hydraulis.cost", "hydraulis.data", "hydraulis.checkpoints", "hydraulis.resume"),
+    ("hydraulis.cost", "hydraulis.data", "hydraulis.training.checkpoints", "hydraulis.training.resume"),
     ("hydraulis.planner",),
     ("hydraulis.baselines",),
     ("hydraulis.runtime",),
     (
         "hydraulis.bench",
         "hydraulis.report",
-        "hydraulis.config",
-        "hydraulis.auto_profile",
-        "hydraulis.profile_cache",
-        "hydraulis.job",
-        "hydraulis.run_log",
-        "hydraulis.run_fidelity",
-        "hydraulis.loop",
+        "hydraulis.training.config",
+        "hydraulis.training.auto_profile",
+        "hydraulis.training.profile_cache",
+        "hydraulis.training.job",
+        "hydraulis.training.run_log",
+        "hydraulis.training.run_fidelity",
+        "hydraulis.training.loop",
     ),
     ("hydraulis.cli", "hydraulis.__main__"),
 )
-TORCH_ALLOWED = ("hydraulis.runtime", "hydraulis.loop")
+TORCH_ALLOWED = ("hydraulis.runtime", "hydraulis.training.loop")
 
 
 def _module_name(path: Path) -> str:
@@ -157,7 +158,7 @@ def test_cli_is_on_top():
         ("hydraulis.planner.proposal", ["hydraulis.planner.policy", "torch"]),
         ("hydraulis.planner.policy", ["torch"]),
         ("hydraulis.bench", ["torch"]),
-        ("hydraulis.config", ["torch"]),
+        ("hydraulis.training.config", ["torch"]),
     ],
 )
 def test_import_direction_at_run_time(module, absent):

@@ -13,9 +13,9 @@ from hydraulis.data.sampler import TokenBudgetSampler
 from hydraulis.optim import AdamWSettings, OptimSettings
 from hydraulis.parallel import ParallelConfig, Replica
 from hydraulis.runtime import StageModel, build_replica_groups, count_targets
-from hydraulis.runtime.batch import pack_cp_shard
 from hydraulis.runtime.launch import init_distributed
-from hydraulis.runtime.pipeline import train_step
+from hydraulis.runtime.parallelism.batch import pack_cp_shard
+from hydraulis.runtime.parallelism.pipeline import train_step
 from hydraulis.runtime.trainer import Trainer, TrainSettings
 from hydraulis.specs import MODELS, ModelSpec
 
@@ -118,7 +118,7 @@ def train_cp(rank: int, world: int, s: TrainSettings) -> dict:
 
 
 def measure_configs(rank: int, world: int, configs, settings) -> dict:
-    """`hydraulis.runtime.profiler.measure` on this rank (the profiler's per-rank work, without its up-front checks)."""
-    from hydraulis.runtime.profiler import measure
+    """`runtime.metering.profiler.measure` on this rank (the profiler's per-rank work, without its up-front checks)."""
+    from hydraulis.runtime.metering.profiler import measure
 
     return measure(MODELS["tiny"], configs, settings, init_distributed("cpu"))

@@ -19,7 +19,7 @@ from hydraulis.runtime import (
     pack_documents,
     train_step,
 )
-from hydraulis.runtime.layout import reset_parameters
+from hydraulis.runtime.sharding.layout import reset_parameters
 from hydraulis.specs import MODELS
 
 SEED = 1234

@@ -8,8 +8,8 @@ import torch
 from train_workers import corpus, cpu_settings, sampler
 
 from hydraulis.planner.plan import IterationPlan
-from hydraulis.runtime import groups
 from hydraulis.runtime.launch import init_distributed
+from hydraulis.runtime.parallelism import groups
 from hydraulis.runtime.trainer import Trainer, TrainSettings
 
 

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hydraulis.errors import HydraulisError  # noqa: E402
-from hydraulis.runtime.batch import IGNORE_INDEX, pack_cp_shard, pack_documents  # noqa: E402
+from hydraulis.runtime.parallelism.batch import IGNORE_INDEX, pack_cp_shard, pack_documents  # noqa: E402
 
 DOCS = [torch.arange(10, 17), torch.arange(20, 23), torch.arange(30, 41)]
 MASKS = [

@@ -16,8 +16,8 @@ import textwrap
 import pytest
 import torch
 
-import hydraulis.runtime.blockwise_attention as blockwise
-from hydraulis.runtime.blockwise_attention import MATH, block_kernel, chunk_attention
+import hydraulis.runtime.modeling.blockwise_attention as blockwise
+from hydraulis.runtime.modeling.blockwise_attention import MATH, block_kernel, chunk_attention
 
 KERNELS = [block_kernel("cpu", torch.float32), MATH]
 
@@ -82,7 +82,7 @@ def test_kernel_choice_follows_device_and_dtype():
 MEMORY_PROBE = textwrap.dedent(
     """
     import resource, sys, torch
-    from hydraulis.runtime.blockwise_attention import chunk_attention
+    from hydraulis.runtime.modeling.blockwise_attention import chunk_attention
     chunk, prefix = int(sys.argv[1]), int(sys.argv[2])
     def run(c, p):
         q = torch.randn(c, 2, 8, requires_grad=True)

@@ -30,7 +30,18 @@ from ckpt_workers import (
 from dist_launcher import run_workers
 from train_helpers import hf_loss
 
-from hydraulis.checkpoints import (
+from hydraulis.data.indexed import open_corpus
+from hydraulis.data.sampler import TokenBudgetSampler
+from hydraulis.errors import HydraulisError
+from hydraulis.optim import AdamWSettings
+from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, pack_documents
+from hydraulis.runtime.sharding.layout import ModelLayout, full_shapes, full_to_canonical
+from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
+from hydraulis.runtime.storage.checkpoint import load_master
+from hydraulis.runtime.storage.hf import hf_config, hf_name
+from hydraulis.runtime.storage.hf_io import init_from, unflatten
+from hydraulis.specs import MODELS
+from hydraulis.training.checkpoints import (
     CHECKPOINT_SCHEMA,
     MANIFEST_FILE,
     latest_checkpoint,
@@ -38,17 +49,6 @@ from hydraulis.checkpoints import (
     read_manifest,
     step_dir_name,
 )
-from hydraulis.data.indexed import open_corpus
-from hydraulis.data.sampler import TokenBudgetSampler
-from hydraulis.errors import HydraulisError
-from hydraulis.optim import AdamWSettings
-from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, pack_documents
-from hydraulis.runtime.checkpoint import load_master
-from hydraulis.runtime.hf import hf_config, hf_name
-from hydraulis.runtime.hf_io import init_from, unflatten
-from hydraulis.runtime.layout import ModelLayout, full_shapes, full_to_canonical
-from hydraulis.runtime.optimizer import DisaggregatedOptimizer
-from hydraulis.specs import MODELS
 
 pytestmark = pytest.mark.dist
 

@@ -11,8 +11,8 @@ from train_workers import WORLD, crafted_plans, settings
 
 from hydraulis.cost.memory import shard_params
 from hydraulis.parallel import Deployment, ParallelConfig
-from hydraulis.runtime.exchange import ExchangePlan
-from hydraulis.runtime.layout import ModelLayout, Role
+from hydraulis.runtime.sharding.exchange import ExchangePlan
+from hydraulis.runtime.sharding.layout import ModelLayout, Role
 from hydraulis.specs import MODELS, ClusterSpec
 
 SMALL, LARGE = 64 << 10, 256 << 20  # 64 KiB: several rounds per stripe on tiny; 256 MiB: one round for all

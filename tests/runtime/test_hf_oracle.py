@@ -36,14 +36,14 @@ from hf_helpers import spread_weights  # noqa: E402
 from hydraulis.errors import HydraulisError  # noqa: E402
 from hydraulis.families import ARCHITECTURES, hf_tensor_shapes, spec_from_hf_config  # noqa: E402
 from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, micro_batch_loss, pack_documents  # noqa: E402
-from hydraulis.runtime.hf import (  # noqa: E402
+from hydraulis.runtime.sharding.layout import full_shapes, reset_parameters  # noqa: E402
+from hydraulis.runtime.storage.hf import (  # noqa: E402
     from_hf_state_dict,
     hf_config,
     hf_name,
     our_name,
     to_hf_state_dict,
 )
-from hydraulis.runtime.layout import full_shapes, reset_parameters  # noqa: E402
 from hydraulis.specs import MODELS, Architecture  # noqa: E402
 
 RTOL = 1e-5
@@ -314,5 +314,5 @@ def test_state_dict_errors_name_the_key():
 
 def test_transformers_stays_lazy():
     # hydraulis.runtime (and its hf module) must import without importing transformers.
-    code = "import sys, hydraulis.runtime, hydraulis.runtime.hf; assert 'transformers' not in sys.modules"
+    code = "import sys, hydraulis.runtime, hydraulis.runtime.storage.hf; assert 'transformers' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

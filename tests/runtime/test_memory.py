@@ -8,7 +8,7 @@ import pytest
 from dist_launcher import run_workers
 from exchange_workers import train_small
 
-from hydraulis.run_log import summarize
+from hydraulis.training.run_log import summarize
 
 BUCKET = 4 << 20
 STEPS = 3
@@ -38,7 +38,7 @@ def test_cpu_iterations_are_sampled_first_use_of_each_deployment_and_every_nth_s
 
     import torch
 
-    from hydraulis.runtime.step_memory import StepMemory
+    from hydraulis.runtime.metering.step_memory import StepMemory
 
     memory = StepMemory(torch.device("cpu"), SimpleNamespace(exchange_peak_bytes=0), every=4)
     measured = []
@@ -62,7 +62,7 @@ def test_under_a_budget_the_riskiest_iterations_are_measured_too():
 
     import torch
 
-    from hydraulis.runtime.step_memory import StepMemory
+    from hydraulis.runtime.metering.step_memory import StepMemory
 
     predicted = [5e6, 4e6, 6e6, 6e6, 7e6, 3e6]
     for budget, expected in ((None, [True] + [False] * 5), (8 << 20, [True, False, True, False, True, False])):

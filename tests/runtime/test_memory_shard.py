@@ -1,7 +1,7 @@
 """The memory model's compute shard (numpy, from the shape) against the parameters the runtime builds.
 
 `cost.memory.shard_params` never imports torch; here every rank's `StageModel` is built on the meta
-device, as runtime/layout.py does for its layout, and its elements are counted.
+device, as runtime/sharding/layout.py does for its layout, and its elements are counted.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from hydraulis.cost.memory import shard_params
 from hydraulis.families import spec_from_hf_config
 from hydraulis.parallel import ParallelConfig
-from hydraulis.runtime.model import StageModel
-from hydraulis.runtime.tensor_parallel import TensorParallel
+from hydraulis.runtime.modeling.model import StageModel
+from hydraulis.runtime.parallelism.tensor_parallel import TensorParallel
 
 QWEN2 = {  # a small Qwen2: q/k/v biases, GQA (4 heads, 2 KV heads), tied or not
     "model_type": "qwen2", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 160,

@@ -11,8 +11,8 @@ from exchange_workers import train_variants
 from train_workers import WORLD, crafted_plans, settings
 
 from hydraulis.runtime import IGNORE_INDEX, StageModel, pack_documents
-from hydraulis.runtime.layout import ModelLayout
-from hydraulis.runtime.main_grad import attach_main_grads, clear_grads, gradient
+from hydraulis.runtime.sharding.layout import ModelLayout
+from hydraulis.runtime.sharding.main_grad import attach_main_grads, clear_grads, gradient
 from hydraulis.specs import MODELS
 
 SPEC = MODELS["tiny"]
@@ -97,7 +97,7 @@ def test_the_owned_gradient_in_two_bytes_is_the_fp32_sum_to_fp16_precision():
     phase adds to the same elements): the scaled fp16 sum gives the fp32 sum to fp16's 11 bits of each
     block's largest, though the blocks' magnitudes are 10^4 apart; the norm too; the blocks are the pieces
     AdamW reads."""
-    from hydraulis.runtime.optimizer import OwnedGradient
+    from hydraulis.runtime.sharding.optimizer import OwnedGradient
 
     g = torch.Generator().manual_seed(0)
     exact = OwnedGradient(1000, torch.device("cpu"), scaled=False, piece_bytes=4 * 64)

@@ -15,7 +15,7 @@ from hydraulis.cost.fit import fit_robust
 from hydraulis.cost.measured import CPU_MEMORY_METHOD, build_profile, summary_rows
 from hydraulis.cost.sweep import ProfileSettings, parse_config_list, sweep
 from hydraulis.parallel import ParallelConfig
-from hydraulis.runtime.profiler import replicas_at_once
+from hydraulis.runtime.metering.profiler import replicas_at_once
 from hydraulis.specs import get_model
 
 THREADS = {"threads_per_rank": max(1, (os.cpu_count() or 1) // 2)}  # as the launcher sets them for 2 ranks
@@ -213,7 +213,7 @@ def test_build_profile_uses_the_replicas_that_ran_and_records_the_shared_cores()
 def test_cpu_memory_counts_saved_activations_once_and_no_parameters():
     import torch
 
-    from hydraulis.runtime.measurements import SavedTensors as _SavedTensors
+    from hydraulis.runtime.metering.measurements import SavedTensors as _SavedTensors
 
     layer = torch.nn.Linear(16, 32)
     x = torch.randn(10, 16, requires_grad=True)
@@ -231,7 +231,7 @@ def test_profiler_measures_context_parallel_configs():
     import cp_workers
     from dist_launcher import run_workers
 
-    from hydraulis.runtime.profiler import describe_device
+    from hydraulis.runtime.metering.profiler import describe_device
 
     spec = get_model("tiny")
     configs = [ParallelConfig(1, 1), ParallelConfig(1, 1, 2)]

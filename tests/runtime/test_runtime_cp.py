@@ -25,10 +25,10 @@ from hydraulis.context import split_for_cp
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig
 from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, pack_documents
-from hydraulis.runtime.batch import pack_cp_shard
-from hydraulis.runtime.groups import check_replica, cp_ranks, rank_roles
-from hydraulis.runtime.hf import hf_config, to_hf_state_dict
-from hydraulis.runtime.layout import ModelLayout, full_shapes
+from hydraulis.runtime.parallelism.batch import pack_cp_shard
+from hydraulis.runtime.parallelism.groups import check_replica, cp_ranks, rank_roles
+from hydraulis.runtime.sharding.layout import ModelLayout, full_shapes
+from hydraulis.runtime.storage.hf import hf_config, to_hf_state_dict
 from hydraulis.specs import MODELS
 
 RTOL = 1e-5
@@ -81,7 +81,7 @@ def our_reference(docs: tuple[torch.Tensor, ...] | None = None) -> tuple[float, 
 def hf_reference() -> tuple[float, dict[str, torch.Tensor]]:
     """transformers' LlamaForCausalLM (eager attention) on each document alone, our weights."""
     transformers = pytest.importorskip("transformers")
-    from hydraulis.runtime.hf import from_hf_state_dict
+    from hydraulis.runtime.storage.hf import from_hf_state_dict
 
     config = hf_config(SPEC)
     config._attn_implementation = "eager"

@@ -22,8 +22,8 @@ from hydraulis.runtime import (
     single_process_groups,
     train_step,
 )
-from hydraulis.runtime.layout import reset_parameters
-from hydraulis.runtime.model import apply_rope, rope_tables
+from hydraulis.runtime.modeling.model import apply_rope, rope_tables
+from hydraulis.runtime.sharding.layout import reset_parameters
 from hydraulis.specs import MODELS
 
 
@@ -95,7 +95,7 @@ def test_cpu_uses_per_document_sdpa():
 
 def test_cuda_bf16_takes_a_varlen_flash_kernel():
     """Selected by device, dtype and head size (run on a GPU by benchmarks/gpu_check.py)."""
-    from hydraulis.runtime.blockwise_attention import block_kernel
+    from hydraulis.runtime.modeling.blockwise_attention import block_kernel
 
     varlen = importlib.util.find_spec("torch.nn.attention.varlen") is not None
     expected = {"torch-varlen-flash"} if varlen else {"flash-attn-varlen", "sdpa-per-document"}

@@ -18,7 +18,7 @@ from train_workers import (
     train,
 )
 
-from hydraulis.runtime.layout import ModelLayout
+from hydraulis.runtime.sharding.layout import ModelLayout
 
 pytestmark = pytest.mark.dist
 

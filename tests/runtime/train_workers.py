@@ -19,7 +19,7 @@ from hydraulis.planner.planner import Planner
 from hydraulis.planner.schedule import phase_switch_time, phases_time
 from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, pack_documents
 from hydraulis.runtime.launch import init_distributed
-from hydraulis.runtime.layout import ModelLayout
+from hydraulis.runtime.sharding.layout import ModelLayout
 from hydraulis.runtime.trainer import Trainer, TrainSettings
 from hydraulis.specs import MODELS, ClusterSpec, get_device
 

@@ -19,6 +19,6 @@ def export(
     ),
 ) -> None:
     """Assemble the full fp32 model of a checkpoint on one process and write it for transformers."""
-    from hydraulis.runtime.hf_io import export_hf
+    from hydraulis.runtime.storage.hf_io import export_hf
 
     export_hf(checkpoint, out, force=force, max_position_embeddings=max_positions, log=typer.echo)

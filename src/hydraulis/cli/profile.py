@@ -84,7 +84,7 @@ def profile(
     check_configs(spec, chosen, nproc, device)
     # torch only now: bad input above fails fast, without it.
     from hydraulis.jsonio import write_json_atomic
-    from hydraulis.runtime.profiler import check_job, profile_model, progress_steps
+    from hydraulis.runtime.metering.profiler import check_job, profile_model, progress_steps
 
     world = check_job(spec, chosen, nproc, device)
     from hydraulis.progress import steps_progress

@@ -27,9 +27,9 @@ def train(
     ),
 ) -> None:
     """Train; under torchrun every process is one rank, without it --nproc local gloo ranks are spawned."""
-    from hydraulis.config import load_config
     from hydraulis.errors import HydraulisError
-    from hydraulis.job import prepare
+    from hydraulis.training.config import load_config
+    from hydraulis.training.job import prepare
 
     if steps is not None and steps < 1:
         raise HydraulisError(f"--steps must be positive, got {steps}")
@@ -38,6 +38,6 @@ def train(
     job = prepare(
         load_config(config), nproc, out, steps, resume, max_restarts, stop_at=stop_at, change_schedule=change_schedule
     )
-    from hydraulis.loop import run  # torch only now: bad input above fails fast, without it
+    from hydraulis.training.loop import run  # torch only now: bad input above fails fast, without it
 
     run(job)

@@ -1,9 +1,10 @@
-"""What this runtime keeps for backward, counted from its structure (runtime/model.py, attention.py, cross_entropy.py).
+"""What this runtime keeps for backward, counted from its structure (runtime/modeling/: model.py,
+attention.py, cross_entropy.py).
 
 Per token of a micro-batch, per layer, on one TP rank (d: the compute
 dtype's bytes; q, kv, f: the rank's query, key and FFN columns):
 
-- each RMSNorm (runtime/fused.py): its input and one fp32 rsqrt, and its
+- each RMSNorm (runtime/modeling/fused.py): its input and one fp32 rsqrt, and its
   output, which the following linears keep as their input. Under sequence
   parallelism the norm's own tensors hold 1/tp of the tokens, but the
   linears keep the all-gathered input whole;
@@ -45,7 +46,7 @@ def kv_shard_dim(model: ModelSpec, tp: int) -> int:
 
 
 def _norm_bytes(width: float, dtype_bytes: int) -> float:
-    """One RMSNorm's own tensors per row (runtime/fused.py): its input and the fp32 rsqrt."""
+    """One RMSNorm's own tensors per row (runtime/modeling/fused.py): its input and the fp32 rsqrt."""
     return dtype_bytes * width + WIDE_BYTES
 
 

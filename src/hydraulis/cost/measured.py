@@ -1,4 +1,4 @@
-"""A measured profile: every rank's timings from runtime/profiler.py assembled into `hydraulis.profile/1` data.
+"""A measured profile: every rank's timings from runtime/metering/profiler.py assembled into `hydraulis.profile/1` data.
 
 Per config: the slowest stage, the median over repeats and then over
 replicas; a robust fit of a, b, c (cost/fit.py), a third of the points held

@@ -5,7 +5,7 @@ analytic memory model and the runtime's prediction of its peak both read;
 activations.py counts what the runtime's layers and loss head keep for
 backward; `rank_memory` is one rank's peak buffer by buffer, which the
 trainer logs beside the peak torch's allocator measures
-(runtime/step_memory.py); `MemoryModel.cap`, the most tokens a micro-batch
+(runtime/metering/step_memory.py); `MemoryModel.cap`, the most tokens a micro-batch
 of a config may hold (docs/design.md, section 4), is the largest
 micro-batch whose `rank_memory` peak fits on the config's first and last
 stage: under CP with the K/V buffers attention keeps, and zero where the
@@ -29,7 +29,7 @@ CAP_GRANULARITY = 128
 RECOMPUTE_INPUT_BYTES = 2  # a layer's input kept under full recompute (bf16), with a published activation factor
 KV_BYTES = 2  # K and V travel over the CP group in the compute dtype (bf16)
 LIVE_KV_COPIES = 3  # document-sized K/V copies of the one layer in CP backward (kv_buffer_bytes)
-EXCHANGE_ELEMENT_BYTES = 4  # the exchange's rounds are sized for fp32 elements (runtime/exchange.py)
+EXCHANGE_ELEMENT_BYTES = 4  # the exchange's rounds are sized for fp32 elements (runtime/sharding/exchange.py)
 ACTIVATION_DTYPE_BYTES = 2  # a published activation factor is for bf16 unless its profile says otherwise
 CAP_DTYPE_BYTES = 2  # the caps are for bf16 compute unless the job says otherwise
 BUDGET_MARGIN = 0.1  # the largest share of a memory budget per rank kept as the safety margin
@@ -39,7 +39,7 @@ def in_flight(config: ParallelConfig, stage: int, micro_batches: int) -> int:
     """Micro-batches whose activations a stage holds at once under 1F1B: min(pp - stage, M).
 
     Stage s warms up with min(pp - s - 1, M) forwards and then alternates one forward with one
-    backward (runtime/pipeline.py), so a lone micro-batch on a deep replica is held once, not pp times.
+    backward (runtime/parallelism/pipeline.py), so a lone micro-batch on a deep replica is held once, not pp times.
     """
     return max(1, min(config.pp - stage, micro_batches))
 
@@ -49,7 +49,7 @@ def kv_buffer_bytes(
 ) -> float:
     """Bytes per token of a micro-batch that CP adds on a rank, beyond its share of the activations.
 
-    Attention is blockwise (runtime/blockwise_attention.py): a chunk at [a, b) keeps for backward
+    Attention is blockwise (runtime/modeling/blockwise_attention.py): a chunk at [a, b) keeps for backward
     its own K/V (counted in the activations) and a copy of the gathered prefix 0..a-1. A rank's two
     zigzag chunks k and 2cp-1-k start at k/2cp and (2cp-1-k)/2cp of the document, so it keeps
     (1 - 1 / 2cp) x the document's K/V per layer, for every layer in flight (`held` micro-batches of
@@ -67,11 +67,11 @@ def kv_buffer_bytes(
 
 @dataclass(frozen=True)
 class TrainingState:
-    """Bytes per parameter of training state, exactly as the runtime holds it (runtime/optimizer.py).
+    """Bytes per parameter of training state, exactly as the runtime holds it (runtime/sharding/optimizer.py).
 
     With the compute shard (replicated across replicas): parameters in the
     compute dtype and the sum of their gradients over the micro-batches, in
-    as many bytes (under bf16 a scaled fp16 sum, runtime/main_grad.py).
+    as many bytes (under bf16 a scaled fp16 sum, runtime/sharding/main_grad.py).
     Sharded over all N ranks (the fixed optimizer layout): fp32 master
     weights, two fp32 AdamW moments and the fp32 reduced gradient. The
     analytic memory model and `rank_memory` both read this one definition;
@@ -87,7 +87,7 @@ class TrainingState:
     @classmethod
     def for_dtype(cls, dtype_bytes: int) -> TrainingState:
         """The state under a compute dtype of `dtype_bytes` bytes (under bf16 the reduced gradient is a 2-byte
-        scaled sum too, runtime/optimizer.py's OwnedGradient)."""
+        scaled sum too, runtime/sharding/optimizer.py's OwnedGradient)."""
         return cls(param_bytes=dtype_bytes, grad_bytes=dtype_bytes, reduced_grad_bytes=dtype_bytes)
 
     @property
@@ -132,9 +132,9 @@ class MemoryModel:
     context_overhead_bytes: float
     safety_margin_bytes: float
     embedding_state_bytes: float = 16.0  # training-state bytes per embedding or head parameter (design section 4)
-    # The optimizer exchange's buffers (runtime/exchange.py): two rounds in flight, each a send and a receive
+    # The optimizer exchange's buffers (runtime/sharding/exchange.py): two rounds in flight, each a send and a receive
     # buffer of half a bucket, two buckets of the default 256 MiB in all. Overlapped with compute
-    # (runtime/overlap.py), they live beside the activations: the gather's in the first micro-batch's
+    # (runtime/sharding/overlap.py), they live beside the activations: the gather's in the first micro-batch's
     # forward, the reduce's in the last one's backward.
     exchange_bytes: float = 2 * DEFAULT_EXCHANGE_BUCKET_BYTES
     activation_dtype_bytes: int = ACTIVATION_DTYPE_BYTES  # the published activation factors' dtype
@@ -403,7 +403,7 @@ def rank_memory(
     if contributors is None:
         contributors = max(1, num_gpus // config.num_gpus) * config.cp
     # A round sends the rank's pieces of its shard and receives every contributor's to its owned range
-    # (runtime/exchange.py). One round moves everything when an owner's range fits a window of half a
+    # (runtime/sharding/exchange.py). One round moves everything when an owner's range fits a window of half a
     # bucket over every rank: one pair of buffers, whole; the gather completes before the first layer
     # and the reduce starts after the last. Otherwise two rounds in flight, each buffer at most half a bucket.
     send, receive = EXCHANGE_ELEMENT_BYTES * shard, EXCHANGE_ELEMENT_BYTES * owned * contributors
@@ -414,7 +414,7 @@ def rank_memory(
     piece = min(bucket_bytes / 2, EXCHANGE_ELEMENT_BYTES * owned)
     exchange += piece * state.scaled
     # Otherwise the gather's buffers meet the first forward's layers (not the loss's), and the reduce's wait
-    # until the stage's last block is through backward (runtime/overlap.py): they take what it freed.
+    # until the stage's last block is through backward (runtime/sharding/overlap.py): they take what it freed.
     block = memory.activation_bytes(config, model, tokens, False, None, dtype_bytes) / model.layers
     freed = 0.0 if recompute else block
     last = stage == config.pp - 1

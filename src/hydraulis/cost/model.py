@@ -279,7 +279,7 @@ class CostModel:
 
     def exchange_in_compute(self, config: ParallelConfig, num_gpus: int) -> float:
         """Seconds of the optimizer's exchange a replica of `config` spends inside its compute when it
-        overlaps (runtime/overlap.py): a pp = 1 replica gathers from its layers' hooks and a pipeline before
+        overlaps (runtime/sharding/overlap.py): a pp = 1 replica gathers from its layers' hooks and a pipeline before
         its first micro-batch; both send the reduce from backward. Measured, at the profile's world size
         (rescaled as step_time does); 0 where not measured. Part of the step, not added to the iteration:
         it moves time from after compute into each replica's."""

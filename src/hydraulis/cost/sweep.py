@@ -2,7 +2,7 @@
 
 Torch-free, so that bad input fails before any process (or torch) starts,
 and so that a caller (the train command's `profile = "auto"`) can check a
-profiling job up front; runtime/profiler.py runs it.
+profiling job up front; runtime/metering/profiler.py runs it.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class ProfileSettings:
     interleave: bool = True
     threads: int | None = None  # torch threads per rank; None: as `hydraulis train --nproc` (cores / ranks)
     # A timed round during which other processes took a tenth of the cores or more runs again, this often
-    # (and at most half of all timed rounds run again: runtime/profiler.py's LoadCheck).
+    # (and at most half of all timed rounds run again: runtime/metering/profiler.py's LoadCheck).
     load_retries: int = 1
 
     def __post_init__(self) -> None:

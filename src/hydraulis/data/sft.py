@@ -3,7 +3,7 @@
 `mask[t]` says whether token t is a target, i.e. whether the loss counts
 predicting it from the tokens before it. A document's first token never is
 one (there is nothing before it); documents and pieces are packed without
-crossing boundaries (runtime/batch.py), so the mask is all that SFT adds.
+crossing boundaries (runtime/parallelism/batch.py), so the mask is all that SFT adds.
 
 - text: `prefix + encode(text) + [eod]`, no mask (every token a target);
 - prompt/completion: `prefix + encode(prompt) + encode(completion) + [eos]`,

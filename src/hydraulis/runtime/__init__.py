@@ -9,15 +9,15 @@ Hugging Face LLaMA configs and weights (transformers imported only when used).
 """
 
 from hydraulis.families import spec_from_hf_config
-from hydraulis.runtime.attention import attention_backend, packed_attention, per_document_attention
-from hydraulis.runtime.batch import IGNORE_INDEX, PackedBatch, count_targets, pack_cp_shard, pack_documents
-from hydraulis.runtime.context_parallel import ContextParallel
-from hydraulis.runtime.cross_entropy import head_cross_entropy
-from hydraulis.runtime.groups import ReplicaGroups, build_replica_groups, single_process_groups
-from hydraulis.runtime.hf import from_hf_state_dict, hf_config, hf_name, to_hf_state_dict
-from hydraulis.runtime.model import ParamLayout, StageModel, stage_layers
-from hydraulis.runtime.pipeline import StepResult, micro_batch_loss, train_step
-from hydraulis.runtime.tensor_parallel import ShardSpec, TensorParallel
+from hydraulis.runtime.modeling.attention import attention_backend, packed_attention, per_document_attention
+from hydraulis.runtime.modeling.cross_entropy import head_cross_entropy
+from hydraulis.runtime.modeling.model import ParamLayout, StageModel, stage_layers
+from hydraulis.runtime.parallelism.batch import IGNORE_INDEX, PackedBatch, count_targets, pack_cp_shard, pack_documents
+from hydraulis.runtime.parallelism.context_parallel import ContextParallel
+from hydraulis.runtime.parallelism.groups import ReplicaGroups, build_replica_groups, single_process_groups
+from hydraulis.runtime.parallelism.pipeline import StepResult, micro_batch_loss, train_step
+from hydraulis.runtime.parallelism.tensor_parallel import ShardSpec, TensorParallel
+from hydraulis.runtime.storage.hf import from_hf_state_dict, hf_config, hf_name, to_hf_state_dict
 
 __all__ = [
     "IGNORE_INDEX",

@@ -36,7 +36,7 @@ def finite(loss_sum: float, grad_norm: float) -> bool:
 @contextmanager
 def poisoned(model: torch.nn.Module, step: int, last_stage: bool) -> Iterator[None]:
     """The test hook (POISON_ENV): NaN final hidden states (so logits and loss) for the first micro-batch of this
-    step on a last stage; the loss head (runtime/cross_entropy.py) takes them from the final norm."""
+    step on a last stage; the loss head (runtime/modeling/cross_entropy.py) takes them from the final norm."""
     wanted = os.environ.get(POISON_ENV)
     if not last_stage or wanted is None or not wanted.isdigit() or int(wanted) != step:
         yield

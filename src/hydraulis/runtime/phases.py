@@ -29,13 +29,13 @@ import torch.distributed as dist
 
 from hydraulis.data.sampler import GlobalBatch
 from hydraulis.planner.plan import IterationPlan, Schedule
-from hydraulis.runtime.batch import PackedBatch
 from hydraulis.runtime.deployments import RankDeployment, RankPool
 from hydraulis.runtime.divergence import poisoned
 from hydraulis.runtime.launch import DTYPES, DistEnv
-from hydraulis.runtime.overlap import Overlap
-from hydraulis.runtime.pipeline import StepResult, train_step
-from hydraulis.runtime.step_memory import MemoryFigures
+from hydraulis.runtime.metering.step_memory import MemoryFigures
+from hydraulis.runtime.parallelism.batch import PackedBatch
+from hydraulis.runtime.parallelism.pipeline import StepResult, train_step
+from hydraulis.runtime.sharding.overlap import Overlap
 
 
 class Trainer(Protocol):

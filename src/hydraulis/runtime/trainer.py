@@ -1,6 +1,6 @@
 """One training step per call: sampler -> planner -> deployment -> 1F1B -> disaggregated AdamW.
 
-One `Trainer` per rank; the loop that calls it is hydraulis/loop.py. Each `step`:
+One `Trainer` per rank; the loop that calls it is hydraulis/training/loop.py. Each `step`:
 
 1. takes the global batch the sampler drew (every rank draws the same
    batches from the seed, without communicating) and its plan, which rank 0
@@ -50,16 +50,16 @@ from hydraulis.planner.plan import IterationPlan, Schedule, decode_plan, decode_
 from hydraulis.planner.pool import check_job_pool
 from hydraulis.planner.schedule import phases_time
 from hydraulis.planner.sim import simulate
-from hydraulis.runtime.batch import PackedBatch, count_targets, pack_cp_shard
 from hydraulis.runtime.deployments import RankDeployment, RankPool
 from hydraulis.runtime.divergence import finite
-from hydraulis.runtime.groups import built_groups
 from hydraulis.runtime.launch import DTYPES, DistEnv, init_distributed
-from hydraulis.runtime.layout import ModelLayout
-from hydraulis.runtime.optimizer import DisaggregatedOptimizer
-from hydraulis.runtime.overlap import Overlap
+from hydraulis.runtime.metering.step_memory import CPU_SAMPLE_EVERY, MemoryFigures, StepMemory, predicted_peak
+from hydraulis.runtime.parallelism.batch import PackedBatch, count_targets, pack_cp_shard
+from hydraulis.runtime.parallelism.groups import built_groups
 from hydraulis.runtime.phases import loss_part, rank_figures, run_phases
-from hydraulis.runtime.step_memory import CPU_SAMPLE_EVERY, MemoryFigures, StepMemory, predicted_peak
+from hydraulis.runtime.sharding.layout import ModelLayout
+from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
+from hydraulis.runtime.sharding.overlap import Overlap
 from hydraulis.runtime.timeouts import DEFAULT_TIMEOUT_S, first_step_timeout, settle_timeouts
 from hydraulis.specs import ModelSpec
 
@@ -80,7 +80,7 @@ class TrainSettings:
     timeout_s: float = DEFAULT_TIMEOUT_S  # process-group timeout after the first step (timeouts.py)
     memory_every: int = CPU_SAMPLE_EVERY  # on CPU, measure memory every this many steps (step_memory.py)
     memory_budget_bytes: int | None = None  # [parallel] memory_per_rank: each rank's measured peak is checked
-    overlap: bool = True  # gather and reduce beside compute (runtime/overlap.py)
+    overlap: bool = True  # gather and reduce beside compute (runtime/sharding/overlap.py)
 
     def schedule_state(self) -> dict[str, Any]:
         """What the LR at each step depends on (optim.OptimSettings.schedule_state)."""
@@ -120,13 +120,13 @@ class StepMetrics:
     epoch: int
     position: int
     skipped: bool = False  # a non-finite loss or gradient norm: the optimizer did not step (divergence.py)
-    # Bytes, the largest over ranks (runtime/step_memory.py): measured by the allocator, and predicted.
+    # Bytes, the largest over ranks (runtime/metering/step_memory.py): measured by the allocator, and predicted.
     memory_peak_bytes: int = 0
     memory_predicted_bytes: int = 0
     exchange_peak_bytes: int = 0
     memory_error: float = 0.0  # the largest |measured - predicted| / predicted of any rank
     # Seconds the exchange held the training thread (packing, unpacking, waiting) that compute did not hide
-    # (runtime/overlap.py): the largest of any rank, which includes waiting for the slowest replica, and the
+    # (runtime/sharding/overlap.py): the largest of any rank, which includes waiting for the slowest replica, and the
     # smallest, the slowest rank's, which is the exchange alone.
     exchange_exposed_s: float = 0.0
     exchange_exposed_min_s: float = 0.0

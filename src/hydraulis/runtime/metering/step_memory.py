@@ -1,0 +1,126 @@
+"""One iteration's memory on one rank: measured by torch's allocator, predicted by the cost model's formulas.
+
+Measured (`memory_meter`): what the process held at the iteration's start
+(a census of live tensor storages on CPU, `memory_allocated` on CUDA) plus
+the allocator's peak above it during the iteration; the exchange's own peak
+is the allocator's peak inside gather and reduce on CPU, and the largest
+send and receive buffers the optimizer allocated on CUDA. Predicted:
+`cost.memory.rank_memory` for the rank's config and stage and its replica's
+largest micro-batch. Neither reads the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hydraulis.cost.memory import rank_memory
+from hydraulis.cost.model import CostModel
+from hydraulis.planner.plan import IterationPlan
+from hydraulis.runtime.deployments import RankDeployment
+from hydraulis.runtime.metering.memory_meter import PeakMeter, live_tensor_bytes
+from hydraulis.runtime.sharding.optimizer import EXCHANGE_WINDOW, DisaggregatedOptimizer
+from hydraulis.specs import ModelSpec
+
+
+@dataclass(frozen=True)
+class MemoryFigures:
+    """One rank's bytes in one iteration."""
+
+    peak: int
+    predicted: int
+    exchange_peak: int
+
+    @property
+    def error(self) -> float:
+        """|measured - predicted| / predicted; 0 for an iteration that was not measured."""
+        return abs(self.peak - self.predicted) / self.predicted if self.predicted > 0 and self.peak > 0 else 0.0
+
+
+# On CPU the measurement is a trace of every allocation plus a census of live tensors: it costs a
+# large share of a small model's step, so CPU iterations are sampled (CUDA's counters are free).
+CPU_SAMPLE_EVERY = 50
+
+
+class StepMemory:
+    """Start before an iteration, stop after its optimizer step.
+
+    On CUDA every iteration is measured. On CPU: the first iteration on each deployment (memory
+    depends on it), every `every`-th step and, under a memory budget, every iteration whose predicted
+    peak is this rank's highest yet (the ones that could break it); the others report a measured peak
+    of 0. The decision is each rank's own: the meter takes no collective.
+
+    `budget` (`[parallel] memory_per_rank`): the bytes a rank may hold; on CUDA the allocator is
+    limited to it (`torch.cuda.set_per_process_memory_fraction`, not run here without a GPU).
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        optimizer: DisaggregatedOptimizer,
+        every: int = CPU_SAMPLE_EVERY,
+        budget: int | None = None,
+    ) -> None:
+        self.device, self.optimizer, self.every, self.budget = device, optimizer, every, budget
+        self.meter = PeakMeter(device)
+        self._base = 0
+        self._seen: set[int] = set()
+        self._measuring = False
+        self._predicted = 0.0
+        self._highest = 0.0  # the highest predicted peak measured so far
+        if budget is not None and device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+
+    def start(self, deployment: int, step: int, predicted: float) -> None:
+        """Measure this iteration if it is due; `predicted` is the memory model's peak for it on this rank."""
+        riskiest = self.budget is not None and predicted > self._highest
+        self._measuring = (
+            self.device.type == "cuda" or deployment not in self._seen or step % self.every == 0 or riskiest
+        )
+        self._seen.add(deployment)
+        self._predicted = predicted
+        if not self._measuring:
+            return
+        self._highest = max(self._highest, predicted)
+        self._base = live_tensor_bytes(self.device)
+        self.optimizer.exchange_peak_bytes = 0
+        self.meter.start()
+
+    def stop(self) -> MemoryFigures:
+        if not self._measuring:
+            return MemoryFigures(0, int(self._predicted), 0)
+        self.meter.stop()
+        if self.device.type == "cuda":
+            exchange = self.optimizer.exchange_peak_bytes
+        else:
+            exchange = self.meter.window_peak(EXCHANGE_WINDOW)
+        return MemoryFigures(self._base + self.meter.peak_bytes, int(self._predicted), int(exchange))
+
+
+def predicted_peak(
+    cost: CostModel,
+    model: ModelSpec,
+    part: RankDeployment,
+    plan: IterationPlan,
+    world: int,
+    dtype: torch.dtype,
+    bucket_bytes: int,
+) -> float:
+    """The memory model's peak for this rank in this iteration (its replica's largest micro-batch), for the
+    runtime's own dtype and sequence parallelism."""
+    groups = part.groups
+    lengths = np.asarray(plan.lengths)
+    micro_batches = plan.replicas[part.replica].micro_batches
+    tokens = max((int(lengths[list(mb)].sum()) for mb in micro_batches), default=0)
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    config = groups.config
+    memory = dataclasses.replace(cost.memory, sequence_parallel=groups.tp.sequence_parallel)
+    figures = rank_memory(
+        memory, model, config, groups.stage, world, tokens, dtype_bytes, bucket_bytes,
+        config in cost.recompute, len(micro_batches), sum(r.config.cp for r in plan.deployment.replicas),
+    )
+    return figures.peak

@@ -1,0 +1,266 @@
+"""An own 1F1B pipeline executor for micro-batches of different lengths.
+
+`torch.distributed.pipelining` assumes one activation shape for every
+micro-batch (and aborts the process otherwise); packed micro-batches differ
+in length. Every rank knows each micro-batch's shape from the plan, so
+receivers allocate exactly what comes, with no shape header.
+
+Schedule on stage s of pp, with M micro-batches (as Megatron-core's
+non-interleaved 1F1B):
+
+- warm-up: min(pp - s - 1, M) forwards;
+- steady state: one forward, one backward, until every forward is done;
+- cool-down: the remaining backwards.
+
+A forward's send and the next backward's receive go in one batched p2p
+exchange (and a backward's send with the next forward's receive), so paired
+stages never wait on each other's sends. Gradients accumulate in `.grad`
+across micro-batches; each micro-batch's loss is its sum of token losses
+divided by the real targets of the WHOLE global batch, so the accumulated
+gradient equals single-device training on that batch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hydraulis.errors import HydraulisError
+from hydraulis.planner.sim import BACKWARD, FORWARD
+from hydraulis.runtime.modeling.model import StageModel
+from hydraulis.runtime.parallelism.batch import PackedBatch
+from hydraulis.runtime.parallelism.groups import ReplicaGroups
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one rank learns from a step; the loss is known on the last stage only."""
+
+    loss_sum_tensor: torch.Tensor | None  # sum of token losses (last stage); a tensor, so no device sync here
+    num_targets: int  # real targets of this replica's micro-batches
+    num_global_targets: int
+    schedule: tuple[tuple[int, int], ...]  # (FORWARD or BACKWARD, micro-batch) as run; equals sim.one_f_one_b_order
+
+    @property
+    def loss_sum(self) -> float | None:
+        return None if self.loss_sum_tensor is None else float(self.loss_sum_tensor)
+
+    @property
+    def loss(self) -> float | None:
+        """This replica's share of the global mean loss; shares of all replicas add up to it."""
+        return None if self.loss_sum is None else self.loss_sum / self.num_global_targets
+
+
+def micro_batch_loss(model: StageModel, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """The last stage's forward of one micro-batch to its sum of token losses (fp32 scalar), the head's
+    logits computed in chunks of rows and never kept (cross_entropy.py)."""
+    return model.loss_sum(x, batch)
+
+
+class _P2P:
+    """P2p along one pipeline lane; the sends and receives of one step go in one batch.
+
+    No shape header: every rank knows each micro-batch's activation shape
+    from the plan (tokens, or tokens / tp under SP, by hidden), so it
+    allocates the receive buffer itself.
+    """
+
+    def __init__(self, groups: ReplicaGroups, device: torch.device, dtype: torch.dtype, hidden: int):
+        self.groups, self.device, self.dtype, self.hidden = groups, device, dtype, hidden
+        self.group = groups.pp_group
+        self.tp = groups.tp
+
+    def shape(self, batch: PackedBatch) -> tuple[int, int]:
+        tokens = batch.num_tokens // self.tp.size if self.tp.sequence_parallel else batch.num_tokens
+        return tokens, self.hidden
+
+    def exchange(
+        self,
+        send: torch.Tensor | None,
+        send_to: int | None,
+        recv_from: int | None,
+        recv_batch: PackedBatch | None = None,
+    ) -> torch.Tensor | None:
+        send_to = send_to if send is not None else None
+        into = None
+        if recv_from is not None:
+            into = torch.empty(self.shape(recv_batch), dtype=self.dtype, device=self.device)
+        ops = []
+        if send_to is not None:
+            ops.append(dist.P2POp(dist.isend, send.contiguous(), send_to, group=self.group))
+        if into is not None:
+            ops.append(dist.P2POp(dist.irecv, into, recv_from, group=self.group))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return into
+
+
+def deallocate_output(out: torch.Tensor) -> None:
+    """Free a sent stage output's storage but keep its autograd node (Megatron's deallocate_output_tensor).
+
+    The next stage holds its own copy; this stage needs only the graph behind
+    the output for its backward, which `_backward_from` runs without the
+    shape check that the freed tensor would fail.
+    """
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+
+
+def _backward_from(out: torch.Tensor, grad: torch.Tensor) -> None:
+    from torch.autograd.variable import Variable
+
+    Variable._execution_engine.run_backward(
+        tensors=(out,),
+        grad_tensors=(grad,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
+
+
+def train_step(
+    model: StageModel,
+    groups: ReplicaGroups,
+    micro_batches: Sequence[PackedBatch],
+    num_global_targets: int,
+    reduce_partial_grads: bool = True,
+) -> StepResult:
+    """Forward and backward of this replica's micro-batches in 1F1B order; gradients add into `.grad`.
+
+    Every rank of the replica calls it with the same micro-batches in execution
+    order. The caller zeroes gradients before an iteration and steps the
+    optimizer after it; several calls in between accumulate exactly. A
+    replica without micro-batches returns at once (no communication), and
+    its gradients stay untouched. `reduce_partial_grads=False` leaves partial
+    gradients (SP norms, replicated KV heads) unsummed over the TP group, for
+    a caller whose gradient reduce sums them anyway (the disaggregated optimizer).
+    """
+    _check_step(model, groups, micro_batches, num_global_targets)
+    if not micro_batches:
+        return StepResult(None, 0, num_global_targets, ())
+    stashed = model.stash_partial_grads() if reduce_partial_grads else None
+    stage = _StageRun(model, groups, micro_batches, num_global_targets)
+    stage.warm_up()
+    stage.steady_state()
+    stage.cool_down()
+    if reduce_partial_grads:
+        model.finish_grads(stashed)
+    return StepResult(
+        loss_sum_tensor=stage.loss_sum if groups.is_last_stage else None,
+        num_targets=sum(b.num_targets for b in micro_batches),
+        num_global_targets=num_global_targets,
+        schedule=tuple(stage.schedule),
+    )
+
+
+def _check_step(
+    model: StageModel, groups: ReplicaGroups, micro_batches: Sequence[PackedBatch], num_global_targets: int
+) -> None:
+    """Reject a step before any communication, so every rank of the replica fails alike instead of hanging."""
+    if num_global_targets <= 0:
+        raise HydraulisError(f"the global batch has {num_global_targets} target tokens; it needs at least one")
+    if (model.stage, model.num_stages) != (groups.stage, groups.config.pp):
+        raise HydraulisError(
+            f"model is stage {model.stage} of {model.num_stages}, groups say {groups.stage} of {groups.config.pp}"
+        )
+    tp = groups.tp
+    if tp.sequence_parallel and any(b.num_tokens % tp.size for b in micro_batches):
+        raise HydraulisError(
+            f"sequence parallelism needs micro-batches of a multiple of tp={tp.size} tokens; "
+            "pack them with pad_to_multiple=tp"
+        )
+
+
+class _StageRun:
+    """One stage's run of one step: its micro-batches in flight, the schedule as run, the loss so far."""
+
+    def __init__(
+        self, model: StageModel, groups: ReplicaGroups, micro_batches: Sequence[PackedBatch], num_global_targets: int
+    ):
+        param = next(model.parameters())
+        self.model, self.groups, self.num_global_targets = model, groups, num_global_targets
+        self.first, self.last = groups.is_first_stage, groups.is_last_stage
+        self.p2p = _P2P(groups, param.device, param.dtype, model.spec.hidden)
+        self.batches = [b.to(param.device) for b in micro_batches]
+        self.warmup = min(groups.config.pp - groups.stage - 1, len(self.batches))
+        self.in_flight: deque[tuple[int, torch.Tensor | None, torch.Tensor]] = deque()  # (micro-batch, input, output)
+        self.schedule: list[tuple[int, int]] = []
+        self.loss_sum = torch.zeros((), dtype=torch.float32, device=param.device)
+        self.next_forward = 0
+
+    def warm_up(self) -> None:
+        """Forwards only, as many as stages below this one, so the last stage starts its first backward."""
+        for _ in range(self.warmup):
+            x = self._recv_forward()
+            y = self._forward(x)
+            if not self.last:
+                self.p2p.exchange(y.detach(), self.groups.next_rank, None)
+                deallocate_output(y)
+
+    def steady_state(self) -> None:
+        """One forward, one backward; each send is paired with the receive the next step needs."""
+        groups, count = self.groups, len(self.batches)
+        x = self._recv_forward() if count > self.warmup else None
+        for i in range(count - self.warmup):
+            y = self._forward(x)
+            # Send this forward's output and receive the gradient for the oldest in-flight micro-batch.
+            grad_out = None
+            if not self.last:
+                oldest = self.batches[self.in_flight[0][0]]
+                grad_out = self.p2p.exchange(y.detach(), groups.next_rank, groups.next_rank, oldest)
+                deallocate_output(y)
+            grad_in = self._backward(grad_out)
+            # Send the input gradient back and receive the next forward's input (none after the last).
+            final = i == count - self.warmup - 1
+            if not self.first:
+                nxt = None if final else self.batches[self.next_forward]
+                x = self.p2p.exchange(grad_in, groups.prev_rank, None if final else groups.prev_rank, nxt)
+
+    def cool_down(self) -> None:
+        """The backwards of the warm-up's forwards."""
+        groups = self.groups
+        for _ in range(self.warmup):
+            oldest = self.batches[self.in_flight[0][0]]
+            grad_out = None if self.last else self.p2p.exchange(None, None, groups.next_rank, oldest)
+            grad_in = self._backward(grad_out)
+            if not self.first:
+                self.p2p.exchange(grad_in, groups.prev_rank, None)
+
+    def _recv_forward(self) -> torch.Tensor | None:
+        if self.first:
+            return None
+        return self.p2p.exchange(None, None, self.groups.prev_rank, self.batches[self.next_forward])
+
+    def _forward(self, x: torch.Tensor | None) -> torch.Tensor:
+        """The next micro-batch's forward; on the last stage, its share of the global mean loss."""
+        index, batch = self.next_forward, self.batches[self.next_forward]
+        self.next_forward += 1
+        self.schedule.append((FORWARD, index))
+        if self.first:
+            x = batch.tokens
+        else:
+            x.requires_grad_()
+        if self.last:
+            token_loss_sum = micro_batch_loss(self.model, x, batch)
+            self.loss_sum = self.loss_sum + token_loss_sum.detach()
+            out = token_loss_sum / self.num_global_targets
+        else:
+            out = self.model(x, batch)
+        self.in_flight.append((index, None if self.first else x, out))
+        return out
+
+    def _backward(self, grad_out: torch.Tensor | None) -> torch.Tensor | None:
+        """The oldest in-flight micro-batch's backward; returns the gradient of its input (None on stage 0)."""
+        index, x, out = self.in_flight.popleft()
+        self.schedule.append((BACKWARD, index))
+        if self.last:
+            out.backward()
+        else:
+            _backward_from(out, grad_out)
+        return None if x is None else x.grad

@@ -1,0 +1,1 @@
+"""What a run keeps on disk: distributed checkpoints, Hugging Face weights in and out, the run directory."""

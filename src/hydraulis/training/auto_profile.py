@@ -1,0 +1,201 @@
+"""`[parallel] profile = "auto"`: measure the pool's configs on this job's own device before training.
+
+The profile (`hydraulis profile`'s machinery) covers this job's device,
+dtype, world size and document lengths. It is looked up first in the shared
+cache (`profile_cache.py`: `$HYDRAULIS_CACHE/profiles`, keyed by model,
+configs, device, dtype, world size, core count and sweep; the model by its
+content, the config as the runtime reads it and, with init_from, the weights'
+headers, never by its name or path, so a copied model is not profiled
+again), then in the run
+directory's `profile.json` (a resume), and measured otherwise, stating its
+expected time first; a measured one goes into both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hydraulis.cost.measured import load_line
+from hydraulis.cost.sweep import ProfileSettings
+from hydraulis.errors import HydraulisError
+from hydraulis.families import weights_digest
+from hydraulis.jsonio import read_json_object
+from hydraulis.parallel import ParallelConfig
+from hydraulis.progress import say
+from hydraulis.specs import ModelSpec
+from hydraulis.training import profile_cache
+from hydraulis.training.checkpoints import Log
+from hydraulis.training.config import RunConfig
+
+AUTO_PROFILE = "profile.json"  # the measured profile, cached in the run directory
+# The online refit of the run's profile beside it (cost/refit.py, run_fidelity.py): profile.refit.json.
+REFIT_PROFILE = profile_cache.refit_path(Path(AUTO_PROFILE)).name
+
+
+def _sweep_for(max_len: int, lengths: np.ndarray) -> dict[str, Any]:
+    """The sweep of profile = "auto": the documents this job trains, from its 10th percentile up to max_len.
+
+    Why: a, b, c are fitted where the planner will use them. Below the data's
+    short tail, per-document overheads the model has no term for would pull
+    the fit (and under-predict the long documents that set iteration times).
+    Powers of two: the longest is max_len rounded up (at least 256), the shortest
+    at least 128 and at most a quarter of it (three sizes to separate a from b);
+    totals up to two of the longest.
+    """
+    top = 1 << max(8, (max_len - 1).bit_length())
+    tenth = int(np.percentile(lengths, 10)) if len(lengths) else 128
+    low = min(max(128, 1 << max(0, tenth.bit_length() - 1)), max(128, top // 4))
+    totals = tuple(1 << k for k in range(low.bit_length() - 1, top.bit_length() + 1))
+    return {"totals": totals, "min_doc": low, "max_doc": top}
+
+
+def _content(model: dict[str, Any]) -> dict[str, Any]:
+    """A model as the profile sees it: its config without its name (a directory's name, for init_from)."""
+    return {k: v for k, v in model.items() if k != "name"}
+
+
+@dataclass(frozen=True)
+class AutoProfile:
+    """`profile = "auto"`: these configs of this model, measured on this job's device, dtype and world size."""
+
+    spec: ModelSpec
+    configs: tuple[ParallelConfig, ...]
+    world: int
+    device: str  # cpu or cuda, as the ranks will train
+    settings: ProfileSettings
+    device_name: str = ""  # the GPU's name (or "cpu"): part of the shared cache's key
+    weights: str = ""  # init_from: the digest of its weights' headers (families.weights_digest), else ""
+
+    @classmethod
+    def of(
+        cls, config: RunConfig, spec: ModelSpec, configs: tuple[ParallelConfig, ...], world: int, lengths: np.ndarray
+    ) -> AutoProfile:
+        from hydraulis.cost.sweep import check_configs
+
+        device = config.train.device
+        if device == "auto":
+            from hydraulis.runtime.launch import device_kind  # torch, only to ask whether a GPU is there
+
+            device = device_kind(device)
+        settings = ProfileSettings(**_sweep_for(config.data.max_len, lengths), dtype=config.train.dtype)
+        try:
+            check_configs(spec, configs, world, device)
+        except HydraulisError as exc:
+            raise HydraulisError(f'parallel.profile = "auto": {exc}') from None
+        from hydraulis.runtime.metering.profiler import describe_device
+
+        name = describe_device(device, world, settings.dtype_for(device), 1)["name"]
+        weights = weights_digest(config.model.init_from) if config.model.init_from else ""
+        return cls(spec, configs, world, device, settings, name, weights)
+
+    def machine(self) -> dict[str, Any]:
+        return profile_cache.machine(self.device, self.device_name)
+
+    def shared_path(self) -> Path:
+        """This request's file in the shared cache."""
+        identity = {
+            "model": {**_content(self.spec.to_dict()), "weights": self.weights},
+            "configs": sorted(c.name for c in self.configs),
+            **self.machine(),
+            "dtype": self.settings.dtype_for(self.device),
+            "world": self.world,
+            "sweep": self.settings.to_json(),
+        }
+        return profile_cache.cache_path(identity, self.spec.arch.family)
+
+    def _analytic_s(self, steps: int) -> float | None:
+        """The expected time by the analytic model of this device, when it knows the device (CPU)."""
+        from hydraulis.cost.analytic import AnalyticCostModel
+        from hydraulis.cost.sweep import sweep
+        from hydraulis.specs import DEVICES
+
+        if self.device_name not in DEVICES:
+            return None
+        cost = AnalyticCostModel(self.spec, DEVICES[self.device_name], configs=list(self.configs))
+        rounds = 1 + self.settings.warmup + self.settings.repeats
+        return sum(rounds * g.pp * cost.stage_time(g, point) for g in self.configs for point in sweep(self.settings))
+
+    def mismatch(self, data: dict[str, Any]) -> str | None:
+        """Why a cached profile does not describe this job (None: it does)."""
+        device = data.get("device") or {}
+        measurements = data.get("measurements") or {}
+        have = {(r.get("tp"), r.get("pp"), r.get("cp", 1)) for r in data.get("time_ms") or [] if isinstance(r, dict)}
+        missing = [c.name for c in self.configs if (c.tp, c.pp, c.cp) not in have]
+        if not isinstance(data.get("model"), dict) or _content(data["model"]) != _content(self.spec.to_dict()):
+            return "another model"
+        if device.get("kind") != self.device or device.get("dtype") != self.settings.dtype_for(self.device):
+            return "another device or dtype"
+        if measurements.get("world_size") != self.world:
+            return "another world size"
+        if measurements.get("settings") != self.settings.to_json():
+            return "another sweep"
+        if missing:
+            return f"it lacks {', '.join(missing)}"
+        return None
+
+    def cached(self, path: Path, log: Log = say) -> dict[str, Any] | None:
+        """The profile at `path` if it describes this job; None (and why, in the log) otherwise.
+
+        A run's refit of it (profile_cache.refit_path: `NAME.refit.json` beside it; in a run directory
+        `profile.refit.json`) comes first: a run's own measurements corrected it.
+        """
+        refit = profile_cache.refit_path(path)
+        for candidate in (refit, path):
+            if not candidate.is_file():
+                continue
+            try:
+                data = read_json_object(candidate)
+            except HydraulisError:
+                data = None
+            reason = "unreadable" if data is None else self.mismatch(data)
+            if reason is None:
+                mark = data.get("refit")
+                how = f"refit at step {mark.get('step')} of run {mark.get('source')}" if isinstance(mark, dict) \
+                    else "profiled before"
+                log(f"cost model: {candidate} ({how} for this model, pool, device and world size)")
+                return data
+            if candidate == path:
+                log(f"profiling again: {path} does not describe this job ({reason})")
+        return None
+
+    def measure(self, torchrun: bool, log: Log = say) -> dict[str, Any]:
+        """Profile the configs now on `world` local processes, with a progress bar; returns the profile data."""
+        if torchrun:
+            raise HydraulisError(
+                'parallel.profile = "auto" cannot profile under torchrun: run `hydraulis train --nproc` once, '
+                "or `hydraulis profile` and set parallel.profile to its file"
+            )
+        from hydraulis.progress import steps_progress
+        from hydraulis.runtime.metering.profiler import check_job, profile_model, progress_steps
+
+        check_job(self.spec, self.configs, self.world, self.device)
+        names = ", ".join(c.name for c in self.configs)
+        steps = progress_steps(self.configs, self.settings, self.world)
+        expected = profile_cache.expected_s(self.machine(), steps)
+        source = "from earlier profiles on this machine"
+        if expected is None:
+            expected, source = self._analytic_s(steps), "compute only, by the analytic model: a first profile here"
+        guess = f"expected about {expected:.0f} s ({source})" if expected is not None else "no estimate yet"
+        log(
+            f"profiling {self.spec.name} ({names}) on {self.world} {self.device} rank(s) for the cost model: "
+            f"{steps} measurement steps, {guess}"
+        )
+        with steps_progress("profiling", steps) as step:
+            data = profile_model(self.spec, self.configs, self.world, self.device, self.settings, progress=step)
+        profile_cache.record_timing(self.machine(), steps, data["measurements"]["wall_s"])
+        profile_cache.store(self.shared_path(), data)
+        held = ", ".join(
+            f"{name} {fid['holdout']['median_abs_rel_error']:.0%}" for name, fid in data["fidelity"].items()
+        )
+        log(
+            f"profiled in {data['measurements']['wall_s']:.0f} s (kept in {self.shared_path().parent}); "
+            f"held-out median error per config: {held}"
+        )
+        load = load_line(data)
+        if load:
+            log(load)
+        return data

@@ -1,0 +1,280 @@
+"""The run config of `hydraulis train`: a TOML file, validated at the boundary by pydantic.
+
+Every bad field gets one line naming its key (`data.tokens_per_batch`) and
+what is allowed; unknown keys are refused, so a typo never silently falls
+back to a default. `load_config` returns the validated model; `resolve`
+turns it into the frozen values the trainer takes (model spec, cost model,
+pool placed on the world size), checking everything that can be checked
+before any rank starts.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from hydraulis.errors import HydraulisError
+from hydraulis.files import read_text
+from hydraulis.limits import DEFAULT_EXCHANGE_BUCKET_BYTES, DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, parse_size
+from hydraulis.optim import SCHEDULES, AdamWSettings, OptimSettings
+from hydraulis.specs import DTYPE_NAMES, MODELS, SHAPE_FIELDS, ModelSpec
+from hydraulis.training.checkpoints import DEFAULT_KEEP
+
+MAX_TOKENS = 2**31 - 1
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _numbers_are_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """Strict numbers: `lr = "3e-3"` or `steps = true` is refused (pydantic would convert them); an int
+        is still a float. Not pydantic's strict mode, which would also refuse TOML arrays for tuples."""
+        field = cls.model_fields.get(info.field_name or "")
+        if field is not None and _numeric(field.annotation):
+            values = value if isinstance(value, list) else [value]
+            bad = next((v for v in values if isinstance(v, str | bool)), None)
+            if bad is not None:
+                raise ValueError(f"expected a number, not a {type(bad).__name__}; write a bare number like 3e-3")
+        return value
+
+
+class ModelSection(_Section):
+    preset: str | None = "tiny"
+    layers: int | None = Field(None, ge=1, le=4096)
+    hidden: int | None = Field(None, ge=1, le=1 << 17)
+    ffn: int | None = Field(None, ge=1, le=1 << 19)
+    heads: int | None = Field(None, ge=1, le=1024)
+    kv_heads: int | None = Field(None, ge=1, le=1024)
+    vocab: int | None = Field(None, ge=2, le=1 << 22)
+    init_from: str | None = None  # a Hugging Face model directory (families.py: llama, mistral, qwen2, qwen3)
+
+    @field_validator("preset")
+    @classmethod
+    def _known(cls, v: str | None) -> str | None:
+        if v is not None and v not in MODELS:
+            raise ValueError(f"unknown model preset {v!r}; known: {', '.join(MODELS)}")
+        return v
+
+    def spec(self) -> ModelSpec:
+        shape = {k: getattr(self, k) for k in SHAPE_FIELDS}
+        given = {k: v for k, v in shape.items() if v is not None}
+        if self.preset is None and len(given) < 5:
+            missing = [k for k, v in shape.items() if v is None and k != "kv_heads"]
+            raise HydraulisError(f"model: without a preset, give {', '.join(missing)}")
+        base = MODELS[self.preset] if self.preset else None
+        values = {k: given.get(k, getattr(base, k) if base else None) for k in shape}
+        if values["kv_heads"] is None:
+            values["kv_heads"] = values["heads"]
+        name = self.preset if base and not given else "custom"
+        return ModelSpec(name=name, **values)
+
+
+class DataSection(_Section):
+    corpus: str = "python-stdlib"
+    tokenizer: str = Field("auto", min_length=1)  # auto, gpt2, bytes, or a Hugging Face tokenizer path
+    tokens_per_batch: int = Field(16384, ge=1, le=MAX_TOKENS)
+    max_len: int = Field(2048, ge=2, le=MAX_TOKENS)
+    overlong: Literal["split", "truncate", "drop"] = "split"
+    seed: int = Field(1, ge=0, le=2**32 - 1)
+
+    @model_validator(mode="after")
+    def _fits(self) -> DataSection:
+        if self.max_len > self.tokens_per_batch:
+            raise ValueError(
+                f"max_len {self.max_len} is above tokens_per_batch {self.tokens_per_batch}: "
+                "a sequence could never fit in a batch"
+            )
+        return self
+
+    def tokenizer_for(self, spec: ModelSpec, init_from: str | None = None) -> str:
+        """As given; `auto`: the init_from checkpoint's own tokenizer when it ships one, else GPT-2 when
+        the vocabulary holds it, else bytes (the tiny models' 512 entries)."""
+        if self.tokenizer != "auto":
+            return self.tokenizer
+        if init_from is not None and (Path(init_from) / "tokenizer.json").is_file():
+            return init_from
+        return "gpt2" if spec.vocab >= 50257 else "bytes"
+
+
+class ParallelSection(_Section):
+    pool: str = "auto"  # "auto", a hydraulis.pool/1 file, or deployments separated by ';'
+    profile: str = "tiny@cpu"  # a profile file, a preset, MODEL@DEVICE (analytic), or @DEVICE (this model, analytic)
+    gpus_per_node: int | None = Field(None, ge=1, le=1024)
+    sequence_parallel: bool = False
+    recompute: bool | list[str] = False  # true: every config; or the configs that recompute, e.g. ["tp1pp1"]
+    max_pool: int = Field(3, ge=1, le=16)
+    # The optimizer's gather and reduce run in rounds, two in flight, each with a send and a receive buffer of
+    # at most half this many MiB (runtime/sharding/exchange.py): two buckets in all.
+    exchange_bucket_mb: float = Field(DEFAULT_EXCHANGE_BUCKET_BYTES / (1 << 20), gt=0)
+    # Gather a layer's parameters while the one before it computes, send gradients while backward goes on
+    # (runtime/sharding/overlap.py); false: the whole gather before compute and the whole reduce after it.
+    overlap_exchange: bool = True
+    # What one rank's tensors may hold at their peak ("96MiB", "70GB"): the planner's caps use it in place of
+    # the device's memory, every rank's measured peak is checked against it, and CUDA limits itself to it.
+    memory_per_rank: str | int | None = None  # default: the device's own memory
+
+    @field_validator("memory_per_rank", mode="before")
+    @classmethod
+    def _size(cls, v: Any) -> Any:
+        if v is not None:
+            try:
+                parse_size(v, "")
+            except HydraulisError:
+                raise ValueError(
+                    'expected a size: bytes, or a number and a unit like "96MiB" or "70GB", between 1 byte and 1 PiB'
+                ) from None
+        return v
+
+    def budget_bytes(self) -> int | None:
+        """`memory_per_rank` in bytes, or None for the device's own memory."""
+        return None if self.memory_per_rank is None else parse_size(self.memory_per_rank, "parallel.memory_per_rank")
+
+    @field_validator("recompute")
+    @classmethod
+    def _configs(cls, v: bool | list[str]) -> bool | list[str]:
+        if isinstance(v, list):
+            from hydraulis.parallel import ParallelConfig
+
+            for text in v:
+                try:
+                    ParallelConfig.parse(text)
+                except HydraulisError as exc:
+                    raise ValueError(str(exc)) from None
+        return v
+
+    def recompute_configs(self, configs) -> frozenset:
+        """The configs (of those given) whose replicas recompute activations."""
+        from hydraulis.parallel import ParallelConfig
+
+        if isinstance(self.recompute, bool):
+            return frozenset(configs) if self.recompute else frozenset()
+        named = {ParallelConfig.parse(t) for t in self.recompute}
+        unknown = named - set(configs)
+        if unknown:
+            raise HydraulisError(
+                f"parallel.recompute: {', '.join(sorted(g.name for g in unknown))} is not a config of the profile"
+            )
+        return frozenset(named)
+
+
+_OPTIM, _ADAMW = OptimSettings(), AdamWSettings()  # the defaults, written once in optim.py
+
+
+class OptimSection(_Section):
+    lr: float = Field(_OPTIM.lr, gt=0, le=10)
+    warmup: int = Field(_OPTIM.warmup, ge=0)
+    schedule: Literal[SCHEDULES] = _OPTIM.schedule  # type: ignore[valid-type]
+    min_lr_ratio: float = Field(_OPTIM.min_lr_ratio, ge=0, le=1)
+    weight_decay: float = Field(_ADAMW.weight_decay, ge=0, le=10)
+    grad_clip: float = Field(_ADAMW.grad_clip, ge=0)
+    betas: tuple[float, float] = _ADAMW.betas
+    eps: float = Field(_ADAMW.eps, gt=0, le=1)
+
+    def settings(self) -> OptimSettings:
+        """The optimizer's settings record, built from this section."""
+        adamw = AdamWSettings(tuple(self.betas), self.eps, self.weight_decay, self.grad_clip)
+        return OptimSettings(self.lr, self.warmup, self.schedule, self.min_lr_ratio, adamw)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError(f"each beta must lie in [0, 1), got {list(v)}")
+        return v
+
+
+class TrainSection(_Section):
+    steps: int = Field(100, ge=1, le=10**9)
+    dtype: Literal[DTYPE_NAMES] = DTYPE_NAMES[0]  # type: ignore[valid-type]
+    reduce_dtype: Literal[DTYPE_NAMES] = DTYPE_NAMES[0]  # type: ignore[valid-type]
+    # Process-group timeout in seconds once the first step is done (which gets 3x: runtime/timeouts.py).
+    timeout_s: float = Field(DEFAULT_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    log_every: int = Field(1, ge=1)
+    out: str = "runs/demo"
+    checkpoint_every: int = Field(0, ge=0)
+    keep_checkpoints: int = Field(DEFAULT_KEEP, ge=1, le=1000)
+    max_bad_steps: int = Field(3, ge=1, le=10**6)  # steps with a non-finite loss or grad norm before the run stops
+    # After training, the last compare_steps batches again on each homogeneous deployment of the pool
+    # and as planned, compare_repeats times interleaved: the measured speedup beside the predicted one.
+    compare_steps: int = Field(0, ge=0, le=10_000)
+    compare_repeats: int = Field(3, ge=1, le=100)
+
+
+class RunConfig(_Section):
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    parallel: ParallelSection = ParallelSection()
+    optim: OptimSection = OptimSection()
+    train: TrainSection = TrainSection()
+
+    def to_toml(self) -> str:
+        """The resolved config as TOML (every key, defaults included), so a run can be repeated from it."""
+        lines = []
+        for section, values in self.model_dump().items():
+            lines.append(f"[{section}]")
+            for key, value in values.items():
+                if value is not None:
+                    lines.append(f"{key} = {_toml_value(value)}")
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _numeric(annotation: Any) -> bool:
+    """A field of numbers: int, float, an optional one, or a tuple of them."""
+    import types
+    import typing
+
+    if annotation in (int, float):
+        return True
+    args = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return all(a is type(None) or _numeric(a) for a in args) and any(a is not type(None) for a in args)
+    return origin is tuple and bool(args) and all(a in (int, float) for a in args)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def first_error(exc: ValidationError, where: str) -> str:
+    """One line for a pydantic error: the key path, what was given, what is allowed."""
+    err = exc.errors()[0]
+    key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        section = key.rsplit(".", 1)[0] if "." in key else None
+        allowed = RunConfig.model_fields if section is None else RunConfig.model_fields[section].annotation.model_fields
+        return f"{where}: unknown key {key!r}; allowed: {', '.join(allowed)}"
+    given = err.get("input")
+    shown = "" if isinstance(given, dict) or given is None else f" (got {given!r})"
+    return f"{where}: {key}: {message}{shown}"
+
+
+def parse_config(data: dict[str, Any], where: str = "config") -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise HydraulisError(first_error(exc, where)) from None
+
+
+def load_config(path: str | Path) -> RunConfig:
+    path = Path(path)
+    text = read_text(path, missing="no such config file")
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise HydraulisError(f"{path}: not valid TOML ({exc})") from None
+    return parse_config(data, str(path))

@@ -1,0 +1,423 @@
+"""A training job, resolved and checked before any rank starts (no torch).
+
+`prepare` does everything that can fail on bad input BEFORE any rank starts
+or any file is written: it validates the config, opens (or builds) the
+corpus, loads the cost model (measuring it first with `profile = "auto"`,
+auto_profile.py), places or proposes the pool for the world size, and
+checks that the model fits some config of the pool at max_len. The `Job` it
+returns is what every rank of loop.py receives.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from hydraulis.cost import CostModel, load_cost_model
+from hydraulis.data.indexed import IndexedCorpus, check_targets_left, corpus_sampler, overlong
+from hydraulis.data.sampler import Overlong, TokenBudgetSampler
+from hydraulis.errors import HydraulisError
+from hydraulis.jsonio import write_json_atomic
+from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.planner.pool import PoolSetting, check_job_pool, parse_pool
+from hydraulis.progress import say
+from hydraulis.specs import DTYPE_BYTES, ClusterSpec, ModelSpec
+from hydraulis.training.auto_profile import AUTO_PROFILE, REFIT_PROFILE, AutoProfile
+from hydraulis.training.checkpoints import Log, sweep_temporary
+from hydraulis.training.config import DataSection, RunConfig
+from hydraulis.training.resume import check_stop_at, resume_point
+
+RUN_FILES = ("metrics.jsonl", "config.toml", "pool.json", "summary.json", "report.png", "tb", AUTO_PROFILE,
+             REFIT_PROFILE)
+
+
+@dataclass(frozen=True)
+class Job:
+    """Everything a rank needs, resolved and checked in the parent (picklable for spawn)."""
+
+    config: RunConfig
+    spec: ModelSpec
+    cost: CostModel
+    pool: tuple[Deployment, ...]
+    world: int
+    corpus_path: str
+    tokenizer: str
+    out: str
+    steps: int
+    resume: bool = False
+    max_restarts: int = 0
+    resume_from: str | None = None  # the verified checkpoint rank 0 resumes from, picked before any rank starts
+    stop_at: int | None = None  # --stop-at: end this invocation at that step; `steps` stays the schedule's length
+    profile_cache: str | None = None  # profile = "auto": the profile's file in the shared cache (a refit goes beside)
+    overlong: Overlong | None = None  # what max_len cuts of the corpus (records, target tokens)
+
+    @property
+    def end_step(self) -> int:
+        """The step this invocation trains up to (exclusive)."""
+        return self.stop_at or self.steps
+
+    @property
+    def checkpoints(self) -> Path:
+        return Path(self.out) / "checkpoints"
+
+
+def torchrun_world() -> int | None:
+    """The world size torchrun gives this process, or None when it runs alone."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def prepare(
+    config: RunConfig,
+    nproc: int | None,
+    out: str | None,
+    steps: int | None,
+    resume: bool,
+    max_restarts: int = 0,
+    log: Log = say,
+    stop_at: int | None = None,
+    change_schedule: bool = False,
+) -> Job:
+    """A checked job; raises HydraulisError (one line) on any bad input, having written nothing."""
+    if max_restarts < 0:
+        raise HydraulisError(f"--max-restarts must be non-negative, got {max_restarts}")
+    config, run_dir, steps = _resolved(config, out, steps)
+    # torchrun restarts every worker with the same arguments after a failure: continue, don't start over.
+    resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    spec = model_spec(config)
+    setting = PoolSetting.parse(config.parallel.pool)
+    auto_profile = config.parallel.profile == "auto"  # measured below, once the world size and the pool are known
+    cost = None if auto_profile else _for_job(config, job_cost_model(config.parallel.profile, spec))
+    tokenizer = config.data.tokenizer_for(spec, config.model.init_from)
+    token_ids = check_tokenizer(tokenizer, spec, config.model.init_from)  # a bad one fails before anything runs
+    env_world = torchrun_world()
+    resume_from = None
+    if env_world is None or int(os.environ["RANK"]) == 0:  # under torchrun rank 0 writes the run directory
+        resume_from = _check_run_dir(run_dir, config, resume, steps, stop_at, change_schedule, log)
+    check_stop_at(stop_at, steps, 0)
+    world = _world(nproc, env_world, setting.gpus())
+    gpn = config.parallel.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    cluster = ClusterSpec(world, min(gpn, world))
+    # The model against every config the pool may use, before any corpus build, profile or rank.
+    configs = _pool_configs(setting, spec, world)
+    for g in configs:
+        g.validate(spec)
+    configs = check_budget(config, spec, cost, configs, world, setting.auto)  # before any profile or rank
+    # Vocabulary padding for every TP degree the pool has (with pool = "auto": may have).
+    proposable = cost.configs if cost is not None and setting.auto else ()
+    spec = _padded(spec, {g.tp for g in (*configs, *proposable)}, _resumed_checkpoint(run_dir, resume, resume_from))
+    corpus = _corpus(config, tokenizer, token_ids, log)
+    sampler, overlong = data_sampler(corpus, config.data, log)
+    fresh, profile_cache = None, None  # profile = "auto": a profile measured now (or shared), and the cache's file
+    if auto_profile:
+        cost, fresh, profile_cache = _auto_cost(config, spec, configs, world, sampler, run_dir, env_world, log)
+    pool = _propose(cost, cluster, sampler, config) if setting.auto else parse_pool(setting.text, cluster)
+    check_job_pool(pool, world, spec, cost, config.data.max_len)
+    if fresh is not None:  # written only now: bad input leaves nothing behind
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(run_dir / AUTO_PROFILE, fresh)
+    if resume_from is not None:
+        sweep_temporary(run_dir / "checkpoints", log)
+    return Job(
+        config=config,
+        spec=spec,
+        cost=cost,
+        pool=tuple(pool),
+        world=world,
+        corpus_path=str(corpus.path),
+        tokenizer=tokenizer,
+        out=str(run_dir),
+        steps=steps,
+        resume=resume,
+        max_restarts=max_restarts,
+        resume_from=resume_from,
+        stop_at=stop_at,
+        profile_cache=profile_cache,
+        overlong=overlong,
+    )
+
+
+def _resolved(config: RunConfig, out: str | None, steps: int | None) -> tuple[RunConfig, Path, int]:
+    """The config with the command line's run directory and steps in it: what config.toml records, so a run
+    directory says what it ran."""
+    run_dir = Path(out or config.train.out)
+    steps = steps if steps is not None else config.train.steps
+    config = config.model_copy(update={"train": config.train.model_copy(update={"out": str(run_dir), "steps": steps})})
+    return config, run_dir, steps
+
+
+def _check_run_dir(
+    run_dir: Path, config: RunConfig, resume: bool, steps: int, stop_at: int | None, change_schedule: bool, log: Log
+) -> str | None:
+    """The run directory checked; on resume, the checkpoint to resume from. Damaged checkpoints are skipped
+    (one line); none verifying is refused here, before any rank."""
+    _check_out(run_dir, config, resume)
+    if not resume:
+        return None
+    schedule = config.optim.settings().schedule_state(steps)
+    point = resume_point(run_dir / "checkpoints", schedule, change_schedule, log)
+    check_stop_at(stop_at, steps, point.step)
+    return point.checkpoint
+
+
+def _world(nproc: int | None, env_world: int | None, pool_gpus: int | None) -> int:
+    """The job's rank count: torchrun's, else --nproc, else the pool's GPUs; it must be the pool's GPU count."""
+    if env_world is not None:
+        if nproc is not None and nproc != env_world:
+            raise HydraulisError(f"--nproc {nproc} differs from torchrun's world size {env_world}; drop --nproc")
+        world = env_world
+    else:
+        world = nproc if nproc is not None else (pool_gpus or 1)
+    if world < 1:
+        raise HydraulisError(f"--nproc must be positive, got {world}")
+    if pool_gpus is not None and world > pool_gpus:
+        raise HydraulisError(
+            f"--nproc {world} is larger than the pool's {pool_gpus} GPUs; give a pool for {world} ranks or fewer ranks"
+        )
+    if pool_gpus is not None and world < pool_gpus:
+        raise HydraulisError(
+            f"the pool's deployments use {pool_gpus} GPUs but the job has {world} ranks; "
+            f"run {pool_gpus} ranks (--nproc {pool_gpus}) or give a pool for {world}"
+        )
+    return world
+
+
+def _corpus(config: RunConfig, tokenizer: str, token_ids: str, log: Log) -> IndexedCorpus:
+    """The run's corpus (built when it is a builtin one), tokenized with the model's tokenizer."""
+    from hydraulis.data.builtin import resolve_corpus
+
+    corpus = resolve_corpus(config.data.corpus, tokenizer, progress=True, log=log)
+    if corpus.manifest.tokenizer != token_ids:
+        made = corpus.manifest.tokenizer_source or corpus.manifest.tokenizer
+        raise HydraulisError(
+            f"corpus {config.data.corpus} is tokenized with {made} ({corpus.manifest.tokenizer}), "
+            f"the model needs {tokenizer} ({token_ids}); rebuild it or set data.tokenizer"
+        )
+    return corpus
+
+
+def _auto_cost(
+    config: RunConfig, spec: ModelSpec, configs: tuple[ParallelConfig, ...], world: int,
+    sampler: TokenBudgetSampler, run_dir: Path, env_world: int | None, log: Log,
+) -> tuple[CostModel, dict | None, str]:
+    """profile = "auto": the cost model of a profile shared by another run on this machine, kept in the run
+    directory, or measured now; the profile to write once every check has passed (None: nothing new), and the
+    shared cache's file."""
+    from hydraulis.cost import ProfiledCostModel
+
+    config.parallel.recompute_configs(configs)  # a bad recompute list fails before minutes of profiling
+    request = AutoProfile.of(config, spec, configs, world, sampler.piece_lengths())
+    shared = request.cached(request.shared_path(), log)
+    cached = shared or request.cached(run_dir / AUTO_PROFILE, log)
+    fresh = shared if shared is not None else None if cached else request.measure(env_world is not None, log)
+    cost = _for_job(config, ProfiledCostModel.from_dict(cached or fresh, str(run_dir / AUTO_PROFILE)))
+    check_budget(config, spec, cost, configs, world, config.parallel.pool == "auto")
+    return cost, fresh, str(request.shared_path())
+
+
+def _for_job(config: RunConfig, cost: CostModel) -> CostModel:
+    """A loaded cost model made the job's: its recompute set, its exchange bucket checked, its caps budgeted."""
+    cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
+    check_exchange_bucket(config, cost)
+    return budgeted(config, cost)
+
+
+def data_sampler(
+    corpus: IndexedCorpus, data: DataSection, log: Log = say
+) -> tuple[TokenBudgetSampler, Overlong | None]:
+    """The run's sampler and what its max_len cuts (said in a line when anything); a run whose pieces
+    hold no target token is refused: it would train on nothing."""
+    sampler = corpus_sampler(corpus, data.tokens_per_batch, data.max_len, data.seed, data.overlong)
+    cut = overlong(corpus, sampler)
+    if cut is not None:
+        check_targets_left(cut, f"[data] max_len = {data.max_len}, overlong = {data.overlong!r}")
+        if cut.records:
+            log(f"overlong: {cut.describe()}")
+    return sampler, cut
+
+
+def check_exchange_bucket(config: RunConfig, cost: CostModel) -> None:
+    """An exchange round holds a send and a receive buffer of up to one bucket each: both must fit the device."""
+    mb = config.parallel.exchange_bucket_mb
+    memory = cost.memory.memory_bytes
+    if 2 * mb * (1 << 20) > memory:
+        raise HydraulisError(
+            f"parallel.exchange_bucket_mb {mb:g} is too large for the device's {memory / (1 << 20):.0f} MiB "
+            "(an exchange holds two buckets); use a small fraction of it, e.g. 256 on GPUs"
+        )
+
+
+def budgeted(config: RunConfig, cost: CostModel) -> CostModel:
+    """The cost model whose caps are for this job: its compute dtype, exchange bucket, sequence parallelism
+    and, with `[parallel] memory_per_rank`, that budget in place of the device's memory."""
+    bucket = int(config.parallel.exchange_bucket_mb * (1 << 20))
+    return cost.for_job(config.parallel.budget_bytes(), DTYPE_BYTES[config.train.dtype], bucket,
+                        config.parallel.sequence_parallel)
+
+
+def check_budget(
+    config: RunConfig, spec: ModelSpec, cost: CostModel | None, configs: tuple[ParallelConfig, ...], world: int,
+    auto: bool,
+) -> tuple[ParallelConfig, ...]:
+    """The configs whose training state fits `[parallel] memory_per_rank` (all of them without one).
+
+    A config of the pool whose parameters, gradients, owned optimizer state and exchange buffers alone
+    exceed the budget is one error line; with pool = "auto" such configs are left out (the profile does
+    not measure them), and only none fitting is an error. Before profiling, the state comes from the
+    model's shape alone (the analytic memory model).
+    """
+    budget = config.parallel.budget_bytes()
+    if budget is None:
+        return configs
+    given = f"parallel.memory_per_rank {config.parallel.memory_per_rank}"
+    measured = cost is not None
+    if cost is None:
+        from hydraulis.cost import AnalyticCostModel
+        from hydraulis.specs import get_device
+
+        cost = budgeted(config, AnalyticCostModel(spec, get_device("cpu")))
+    memory, MiB = cost.memory, 1 << 20
+    need = {g: memory.state_bytes(g, spec, world) for g in configs}
+    fits = tuple(g for g in configs if need[g] <= memory.usable_bytes)
+    if fits != configs and not (auto and fits):
+        worst = min(configs, key=lambda g: need[g]) if auto else max(configs, key=lambda g: need[g])
+        raise HydraulisError(
+            f"{given} leaves {memory.usable_bytes / MiB:.1f} MiB per rank after its safety margin, but {worst.name} "
+            f"needs {need[worst] / MiB:.1f} MiB before any activation (parameters, gradients, optimizer state, "
+            "exchange buffers); raise memory_per_rank" + ("" if auto else " or use configs that shard the model more")
+        )
+    if auto and measured:  # the proposal's configs: those that hold max_len (an explicit pool: check_job_pool)
+        holds = {g: cost.lone_cap(g, world) for g in fits if g in cost.configs}
+        best = max(holds, key=holds.get, default=None)
+        if best is None or holds[best] < config.data.max_len:
+            most = f"{holds[best]} tokens ({best.name})" if best is not None else "nothing"
+            raise HydraulisError(
+                f"{given} holds at most {most} in a micro-batch, less than data.max_len {config.data.max_len}; "
+                "raise memory_per_rank or lower max_len"
+            )
+    return fits
+
+
+def model_spec(config: RunConfig) -> ModelSpec:
+    """The model of the config; with init_from, the Hugging Face directory's own shape, its weights' files,
+    tensor names and shapes checked against it (headers only) before any corpus, profile or rank."""
+    section = config.model
+    if section.init_from is None:
+        return section.spec()
+    from hydraulis.families import check_weights, read_hf_config
+
+    path, _, spec = read_hf_config(section.init_from, config.data.max_len)
+    given = section.model_fields_set - {"init_from"}
+    if given:
+        mine = section.spec()
+        differ = mine.shape_differences(spec)
+        if differ:
+            key = differ[0]
+            raise HydraulisError(f"model.{key} is {getattr(mine, key)} but {path} says {getattr(spec, key)}; drop it")
+    check_weights(section.init_from, spec)
+    return spec
+
+
+def _resumed_checkpoint(run_dir: Path, resume: bool, chosen: str | None) -> Path | None:
+    """The checkpoint a resume starts from: the one verified above, or, on a torchrun rank other than 0
+    (which did not choose), the same rule's choice made again."""
+    if not resume or chosen is not None:
+        return Path(chosen) if chosen is not None else None
+    from hydraulis.training.checkpoints import latest_checkpoint
+
+    return latest_checkpoint(run_dir / "checkpoints", sweep=False, log=lambda _: None)
+
+
+def _padded(spec: ModelSpec, tp_degrees: set[int], resumed: Path | None) -> ModelSpec:
+    """The model padded for these TP degrees; a resumed run keeps its checkpoint's padding if they all split it."""
+    padded = spec.padded_for(tp_degrees)
+    if resumed is None:
+        return padded
+    from hydraulis.training.checkpoints import read_manifest
+
+    before = read_manifest(resumed).model
+    if before.vocab == spec.vocab and all(before.vocab_rows % tp == 0 for tp in tp_degrees):
+        return replace(spec, padded_vocab=before.padded_vocab)
+    return padded
+
+
+def job_cost_model(profile: str, spec: ModelSpec) -> CostModel:
+    """load_cost_model, plus `@DEVICE`: the analytic model of the trained model's own shape on DEVICE."""
+    if profile.startswith("@"):
+        from hydraulis.cost import AnalyticCostModel
+        from hydraulis.specs import get_device
+
+        return AnalyticCostModel(spec, get_device(profile[1:]))
+    return load_cost_model(profile)
+
+
+def _pool_configs(setting: PoolSetting, spec: ModelSpec, world: int) -> tuple[ParallelConfig, ...]:
+    """The configs profile = "auto" measures: the pool's; with pool = "auto" every config the proposal may use."""
+    configs = setting.configs()
+    if setting.auto:
+        from hydraulis.cost.analytic import candidate_configs
+
+        configs = [c for c in candidate_configs(spec, world) if world % c.num_gpus == 0 and c.cp == 1]
+    return tuple(sorted(set(configs), key=lambda c: (c.num_gpus, c.tp, c.pp, c.cp)))
+
+
+def check_tokenizer(tokenizer: str, spec: ModelSpec, init_from: str | None) -> str:
+    """The tokenizer's identity, once it is known to suit the model: its ids fit the vocabulary and,
+    with init_from, it is the checkpoint's own tokenizer when the checkpoint ships one."""
+    from hydraulis.data.tokenizer import get_tokenizer
+
+    tok = get_tokenizer(tokenizer)
+    if tok.vocab_size > spec.vocab:
+        raise HydraulisError(
+            f"model.vocab {spec.vocab} is smaller than the {tokenizer} tokenizer's {tok.vocab_size} token ids; "
+            "choose the model's own tokenizer (data.tokenizer) or a larger vocabulary"
+        )
+    if init_from is not None and Path(tokenizer) != Path(init_from):
+        from hydraulis.data.hf_tokenizer import TOKENIZER_FILE
+
+        if (Path(init_from) / TOKENIZER_FILE).is_file():
+            own = get_tokenizer(init_from)
+            if own.name != tok.name:
+                raise HydraulisError(
+                    f"data.tokenizer {tokenizer} ({tok.name}) is not the tokenizer of model.init_from {init_from} "
+                    f"({own.name}); drop data.tokenizer to use the checkpoint's own"
+                )
+    return tok.name
+
+
+def _propose(
+    cost: CostModel, cluster: ClusterSpec, sampler: TokenBudgetSampler, config: RunConfig
+) -> tuple[Deployment, ...]:
+    """Pool "auto": a pool proposed from sample batches of this data (another seed than training's)."""
+    from hydraulis.planner.proposal import propose
+
+    data = config.data
+    sample = TokenBudgetSampler(
+        sampler.lengths, data.tokens_per_batch, data.max_len, data.seed + 1, data.overlong
+    ).batches(8)
+    try:
+        proposal = propose(
+            cost, cluster, [b.lengths for b in sample], max_pool=config.parallel.max_pool, max_length=data.max_len
+        )
+    except HydraulisError as exc:  # the planner's remedy names `plan`'s flags; train has config keys
+        remedy = "lower [data] max_len ([data] overlong cuts longer documents)"
+        text = str(exc).replace("use --overlong split|truncate|drop", remedy)
+        raise HydraulisError(text.replace("--profile ", "[parallel] profile = ")) from None
+    return tuple(proposal.pool.deployments)
+
+
+def _check_out(run_dir: Path, config: RunConfig, resume: bool) -> None:
+    if run_dir.exists() and not run_dir.is_dir():
+        raise HydraulisError(f"{run_dir}: exists and is not a directory; choose another --out")
+    if resume:
+        if run_dir.is_dir() and (run_dir / "config.toml").is_file():
+            return
+        raise HydraulisError(f"{run_dir}: holds no run to resume (no config.toml); drop --resume or fix --out")
+    # A directory holding only an auto profile (a run that failed to start) is run into again.
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} - {AUTO_PROFILE}:
+        previous = run_dir / "config.toml"
+        if previous.is_file() and previous.read_text(encoding="utf-8") == config.to_toml():
+            raise HydraulisError(f"{run_dir}: already holds this run; add --resume to continue it or choose --out")
+        raise HydraulisError(f"{run_dir}: already holds a different run (or other files); choose another --out")

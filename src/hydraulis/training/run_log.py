@@ -1,0 +1,203 @@
+"""Rank 0's record of a run: metrics.jsonl, TensorBoard, the terminal, summary.json and report.png.
+
+One object per step goes to `metrics.jsonl` as it happens (flushed, so a
+failed run keeps what it measured), then a last `{"summary": ...}` line; the
+run directory also gets `config.toml` (the resolved config), `pool.json`,
+`summary.json` and, at the end, `report.png` (report.training_plot).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hydraulis.files import write_text_atomic
+from hydraulis.jsonio import write_json_atomic
+from hydraulis.planner.pool import Pool, save_pool
+from hydraulis.progress import console
+from hydraulis.report import iteration_errors, training_plot
+from hydraulis.specs import ClusterSpec
+from hydraulis.training.job import Job
+
+if TYPE_CHECKING:
+    from hydraulis.runtime.trainer import StepMetrics
+
+
+class RunLog:
+    """Rank 0's view of the run: metrics file, TensorBoard, terminal progress, summary and report."""
+
+    def __init__(self, job: Job, start_step: int = 0, tensorboard: Any = None) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.job = job
+        self.out = Path(job.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.out / "config.toml", job.config.to_toml())
+        save_pool(self.out / "pool.json", Pool(job.cost.name, ClusterSpec(job.world, job.world), job.pool))
+        # On resume, keep the steps before the checkpoint; later ones (and old summaries) are redone.
+        self.rows = _metrics_before(self.out / "metrics.jsonl", start_step)
+        _keep_copy(self.out / "metrics.jsonl", start_step)
+        write_text_atomic(self.out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self.rows))
+        self.metrics_file = open(self.out / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self.tb = tensorboard  # a SummaryWriter, or None
+        self.console = console()
+        self.progress = Progress(
+            TextColumn("training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=True,
+        )
+        self.task = self.progress.add_task("train", total=job.steps, completed=start_step, info="")
+        self.comparison: dict[str, Any] | None = None
+        self.warned_budget = False  # one line per run for a peak over [parallel] memory_per_rank
+        self.progress.start()
+        self.console.print(
+            f"training {job.spec.name} ({job.spec.num_params / 1e6:.2f}M parameters) on {job.world} rank(s); pool: "
+            + "; ".join(str(d) for d in job.pool)
+        )
+
+    def step(self, m: StepMetrics, extra: dict[str, Any] | None = None) -> None:
+        """One step's row; `extra` adds what rank 0 measured beside the trainer (run_fidelity.py: the load)."""
+        row = {**m.to_dict(), **(extra or {})}
+        self.rows.append(row)
+        self.metrics_file.write(json.dumps(row) + "\n")
+        self.metrics_file.flush()
+        if self.tb is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "iteration_s", "predicted_s", "planning_s"):
+                self.tb.add_scalar(f"train/{key}", row[key], m.step)
+            self.tb.add_scalar("train/deployment", m.deployment_index, m.step)
+        info = f"loss {m.loss:.3f}"
+        self.progress.update(self.task, advance=1, info=info)
+        if m.memory_over_budget and not self.warned_budget:
+            self.warned_budget = True
+            MiB, budget = 2**20, self.job.config.parallel
+            self.console.print(  # one line per run; metrics.jsonl marks every step over it
+                f"warning: step {m.step}: a rank peaked at {m.memory_peak_bytes / MiB:.1f} MiB, over parallel."
+                f"memory_per_rank {budget.memory_per_rank} ({budget.budget_bytes() / MiB:.1f} MiB; predicted "
+                f"{m.memory_predicted_bytes / MiB:.1f} MiB)",
+                highlight=False,
+                soft_wrap=True,
+            )
+        if m.step % self.job.config.train.log_every == 0 or m.step == self.job.steps - 1:
+            measured = ", ".join(f"{t:.3f}" for t in m.replica_s)
+            predicted = ", ".join(f"{t:.3f}" for t in m.replica_predicted_s)
+            self.console.print(
+                f"step {m.step:>4}  loss {m.loss:6.3f}  {m.tokens_per_s:>7,.0f} tok/s  {m.deployment}"
+                f"  {m.iteration_s:.2f} s (predicted {m.predicted_s:.2f})" + ("  switched" if m.switched else ""),
+                highlight=False,
+            )
+            self.console.print(f"      replicas measured [{measured}] s, predicted [{predicted}] s", highlight=False)
+
+    def compared(self, comparison: dict[str, Any]) -> None:
+        """The measured comparison (`Trainer.compare`) goes into the summary and the closing lines."""
+        self.comparison = comparison
+
+    def close(self) -> None:
+        self.progress.stop()
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+        if not self.metrics_file.closed:
+            self.metrics_file.close()
+
+    def finish(self) -> dict[str, Any]:
+        summary = summarize(self.rows)
+        summary["memory_budget_bytes"] = self.job.config.parallel.budget_bytes()
+        if self.comparison is not None:
+            summary["comparison"] = self.comparison
+        if self.job.overlong is not None:  # what max_len cut of the corpus (records, target tokens)
+            summary["overlong"] = self.job.overlong.to_dict()
+        with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"summary": summary}) + "\n")
+        write_json_atomic(self.out / "summary.json", summary)
+        if self.rows:
+            training_plot(self.rows, self.out / "report.png", f"{self.job.spec.name} on {self.job.world} rank(s)")
+        shares = ", ".join(f"{k}: {v:.0%}" for k, v in summary["deployment_share"].items())
+        self.console.print(
+            f"done: {summary['steps']} steps, loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}, "
+            f"mean {summary['tokens_per_s']:,.0f} tokens/s; steps per deployment: {shares}; "
+            f"{summary['switches']} switch(es) costing {summary['switch_s']:.3f} s; "
+            f"planning not hidden {summary['planning_unhidden_s']:.3f} s of {summary['planning_s']:.3f} s; "
+            f"iteration time predicted/measured median error {summary['iteration_error_median']:.0%}"
+        )
+        if self.job.overlong is not None and self.job.overlong.records:
+            self.console.print(f"overlong: {self.job.overlong.describe()}", highlight=False)
+        if self.comparison is not None:
+            self.console.print(comparison_lines(self.comparison), highlight=False)
+        self.console.print(f"run directory: {self.out} (metrics.jsonl, report.png, tb/, config.toml, pool.json)")
+        return summary
+
+
+def comparison_lines(c: dict[str, Any]) -> str:
+    """The headline: measured speedup over the best homogeneous deployment beside the predicted one."""
+    tps = {name: c["tokens"] / statistics.median(s) for name, s in c["measured_s"].items()}
+    rows = [f"measured here, the same {c['tokens']:,} tokens, {c['repeats']} interleaved repeats (tokens/s, median):"]
+    rows += [f"  {name:<32} {v:>9,.0f}" for name, v in tps.items()]
+    rows.append(
+        f"  planned / best homogeneous ({c['best_homogeneous']}): {c['measured_speedup']:.2f}x measured, "
+        f"{c['predicted_speedup']:.2f}x predicted"
+    )
+    return "\n".join(rows)
+
+
+def _keep_copy(path: Path, step: int) -> None:
+    """The metrics file a resume at `step` is about to cut, copied aside (`metrics.jsonl.before-step-K`)."""
+    if path.is_file() and path.stat().st_size:
+        shutil.copy2(path, path.with_name(f"{path.name}.before-step-{step}"))
+
+
+def _metrics_before(path: Path, step: int) -> list[dict[str, Any]]:
+    if step == 0 or not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by a crash
+        if isinstance(row, dict) and "step" in row and row["step"] < step:
+            rows.append(row)
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    if not rows:
+        return {"steps": 0}
+    tokens = sum(r["tokens"] for r in rows)
+    seconds = sum(r["iteration_s"] for r in rows)
+    counts = Counter(r["deployment"] for r in rows)
+    errors = iteration_errors(rows)
+    loads = [r["foreign_cores"] for r in rows if r.get("foreign_cores") is not None]
+    return {
+        "steps": len(rows),
+        "loss_first": rows[0]["loss"],
+        "loss_last": rows[-1]["loss"],
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "deployment_share": {k: v / len(rows) for k, v in counts.most_common()},
+        "switches": sum(1 for r in rows if r["switched"]),
+        "switch_s": sum(r["switch_s"] for r in rows if r["switched"]),
+        "planning_s": sum(r["planning_s"] for r in rows),
+        "planning_unhidden_s": sum(r["planning_unhidden_s"] for r in rows),
+        "iteration_error_median": statistics.median(errors) if errors else 0.0,
+        "iteration_error_max": max(errors) if errors else 0.0,
+        # The largest over steps of each rank-wise maximum (runtime/metering/step_memory.py); the prediction over the
+        # measured steps only (CPU measures a sample of them), so the two describe the same iterations.
+        "memory_peak_bytes": max(r.get("memory_peak_bytes", 0) for r in rows),
+        "memory_predicted_bytes": max(
+            (r.get("memory_predicted_bytes", 0) for r in rows if r.get("memory_peak_bytes", 0) > 0), default=0
+        ),
+        "exchange_peak_bytes": max(r.get("exchange_peak_bytes", 0) for r in rows),
+        "memory_error_max": max(r.get("memory_error", 0.0) for r in rows),
+        # Other processes' CPU load (cores) during the steps, where measured (run_fidelity.py).
+        "foreign_cores_median": statistics.median(loads) if loads else None,
+        # steps on which a rank's measured peak exceeded [parallel] memory_per_rank
+        "steps_over_budget": sum(1 for r in rows if r.get("memory_over_budget")),
+    }
