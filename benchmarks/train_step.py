@@ -95,7 +95,8 @@ def worker(job: dict) -> dict:
         for p in part.params:
             p.grad = torch.ones_like(p)
         gather = timed(lambda part=part: trainer.deployments.gather(part))
-        reduce = timed(lambda part=part: trainer.optimizer.reduce(part.exchange, part.params))
+        opt = trainer.optimizer
+        reduce = timed(lambda part=part, opt=opt: opt.reduce(part.exchange, part.grads, unscale=part.grad_unscales))
         out["exchange_s"][str(part.deployment)] = gather + reduce
         for p in part.params:
             p.grad = None

@@ -58,7 +58,7 @@ class OwnedSum(Protocol):
 
 
 class Owner(Protocol):
-    """What an exchange needs of the optimizer (runtime/sharding/optimizer.py's Owner)."""
+    """What an exchange needs of the optimizer (DisaggregatedOptimizer, runtime/sharding/optimizer.py)."""
 
     layout: ModelLayout
     master: torch.Tensor
