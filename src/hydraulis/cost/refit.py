@@ -80,12 +80,16 @@ class OnlineRefit:
             k = due.get(config, 1.0)
             coefficients[config] = Coefficients(co.a * k, co.b * k, co.c * k)
         # The coefficients read above already carry the recompute factor; with_configs keeps the set as it is.
-        name = self.cost.name if self.cost.name.endswith("(refit)") else f"{self.cost.name} (refit)"
-        self.cost = self.cost.with_configs(name, coefficients, self.cost.recompute)
+        self.cost = self.cost.with_configs(refit_name(self.cost.name), coefficients, self.cost.recompute)
         for config, k in due.items():
             self.scales[config] = self.scales.get(config, 1.0) * k
             self.ratios[config] = []
         return Refit(self.cost, step, dict(due))
+
+
+def refit_name(name: str) -> str:
+    """A refit model's or profile's name: marked once, however often it is refit."""
+    return name if name.endswith("(refit)") else f"{name} (refit)"
 
 
 def refit_profile(
@@ -99,7 +103,7 @@ def refit_profile(
         k = names.get(ParallelConfig(row["tp"], row["pp"], row.get("cp", 1)).name)
         if k is not None:
             row["a"], row["b"], row["c"] = row["a"] * k, row["b"] * k, row["c"] * k
-    out["name"] = f"{data['name']} (refit)" if not str(data["name"]).endswith("(refit)") else data["name"]
+    out["name"] = refit_name(str(data["name"]))
     out["refit"] = {"source": source, "step": step, "scales": names}
     out["conditions"] = conditions.to_json()
     return out
