@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -437,6 +437,12 @@ class Trainer:
         self._pending = None
         self.sampler.state = sampler_state
         self.step_index = step_index
+
+    def use_cost(self, cost: CostModel) -> None:
+        """Plan (rank 0) and predict the next batches with `cost`: the online refit's model."""
+        self.settings = replace(self.settings, cost=cost)
+        if self.planner is not None:
+            self.planner = PhasedPlanner(cost, self.world, self.settings.pool)
 
     def close(self) -> None:
         if self._executor is not None:

@@ -74,12 +74,7 @@ class RunFidelity:
 
     def _use(self, done: Refit) -> None:
         """Plan the next batches with a refit model and predict them with it; keep it; say so in one line."""
-        trainer = self.trainer
-        if trainer.planner is not None:
-            from hydraulis.planner.planner import Planner
-
-            trainer.planner = Planner(done.cost, trainer.world, trainer.settings.pool)
-        trainer.settings = replace(trainer.settings, cost=done.cost)  # ... and its steps predicted with it
+        self.trainer.use_cost(done.cost)
         self.log(done.line() + self._keep(done.step))
 
     def _load_line(self) -> None:
