@@ -91,6 +91,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def leave_distributed() -> None:
+    """Every rank meets, then the process group ends: gloo's threads stop before the interpreter does. A rank
+    that exits with them alive can abort ("terminate called without an active exception"), and a torchrun
+    agent waiting on it hangs."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 class RankFailed(HydraulisError):
     """A rank of a local job failed; the message names it and its error, `detail` has its traceback."""
 
@@ -108,9 +117,7 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, outdir: str
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         result = fn(*args)
         (out / f"{rank}.pkl").write_bytes(pickle.dumps(result))
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        leave_distributed()
     except KeyboardInterrupt:
         os._exit(130)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent

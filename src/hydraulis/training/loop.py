@@ -24,7 +24,7 @@ import torch.distributed as dist
 from hydraulis.data.indexed import corpus_sampler, open_corpus
 from hydraulis.progress import say
 from hydraulis.runtime.divergence import DivergenceGuard
-from hydraulis.runtime.launch import RankFailed, init_distributed, spawn
+from hydraulis.runtime.launch import RankFailed, init_distributed, leave_distributed, spawn
 from hydraulis.runtime.storage.checkpoint import CheckpointManager
 from hydraulis.runtime.storage.rundir import check_shared_run_dir
 from hydraulis.runtime.timeouts import first_step_timeout
@@ -40,7 +40,9 @@ def run(job: Job) -> dict[str, Any] | None:
     A failed local rank restarts the job from the last checkpoint, at most `job.max_restarts` times.
     """
     if torchrun_world() is not None or job.world == 1:
-        return run_rank(job)
+        summary = run_rank(job)
+        leave_distributed()  # as a spawned rank does (launch._child)
+        return summary
     start = time.perf_counter()
     for attempt in range(job.max_restarts + 1):
         try:
