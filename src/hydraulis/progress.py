@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 LOG_EVERY_S = 60.0
 UNWRAPPED = 1 << 16  # the width of output that is not a terminal: wide enough that nothing wraps
+LOG_RULE_WIDTH = 100  # a section rule in a log: a rule fills its width, so an unwrapped one would be 64K wide
 Log = Callable[[str], None]  # what components report through, instead of printing
 
 
@@ -38,6 +39,13 @@ def console(stderr: bool = False) -> Any:
     if not out.is_terminal:
         out.width = UNWRAPPED
     return out
+
+
+def rule(out: Any, title: str) -> None:
+    """A section heading across the terminal, or LOG_RULE_WIDTH wide in a log."""
+    from rich.rule import Rule
+
+    out.print(Rule(title), width=min(out.width, LOG_RULE_WIDTH))
 
 
 @contextmanager

@@ -23,6 +23,8 @@ def test_demo_runs_end_to_end(cli, tmp_path):
     pool = load_pool(out / "pool.json", ClusterSpec(16))
     assert pool.deployments[0].is_homogeneous
     assert "hydraulis" in res.stdout and "megatron" in res.stdout
+    # a log (not a terminal) keeps its lines whole, but a section rule stays a heading, not 64K characters
+    assert "1. data" in res.stdout and max(len(line) for line in res.stdout.splitlines()) < 400
 
 
 def test_demo_bad_input_is_one_line(cli, tmp_path):

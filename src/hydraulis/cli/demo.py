@@ -18,6 +18,7 @@ from hydraulis.cli.app import app
 from hydraulis.cli.common import ProfileOption, console, err_console, table
 from hydraulis.files import OutputSet, check_output, check_output_dir
 from hydraulis.limits import MAX_GPUS, MAX_LENGTH, MAX_TOKENS_PER_BATCH
+from hydraulis.progress import rule
 
 if TYPE_CHECKING:
     import numpy as np
@@ -74,7 +75,7 @@ def _demo(
     cost = load_cost_model(profile)
     cluster = ClusterSpec(gpus)
 
-    console.rule("1. data")
+    rule(console, "1. data")
     c = resolve_corpus(corpus, progress=True)
     st = length_stats(c.lengths)
     console.print(
@@ -92,7 +93,7 @@ def _demo(
         f"{', '.join(str(len(b)) for b in work)} sequences -> {out / 'workload.json'}"
     )
 
-    console.rule(f"2. deployment pool for {cost.name} on {gpus} GPUs")
+    rule(console, f"2. deployment pool for {cost.name} on {gpus} GPUs")
     with err_console.status("proposing a pool from sample batches"):
         proposal = propose(cost, cluster, sample, max_length=max(int(b.max()) for b in work + sample))
     save_pool(outputs.stage(out / "pool.json"), proposal.pool)
@@ -123,7 +124,7 @@ def _compare(
     from hydraulis.report import comparison_plot, timeline_plot
 
     gpus, batches = cluster.num_gpus, len(work)
-    console.rule("3. plan and compare (simulated with the cost model)")
+    rule(console, "3. plan and compare (simulated with the cost model)")
     # The pool is ours, not the user's: the reference keeps its own (the published range DP's).
     ctx = PolicyContext.build(cost, cluster, work, sample=sample, proposed=pool)
     schedules: dict[tuple[str, int], Schedule] = {}
