@@ -57,7 +57,7 @@ class PhaseRun:
     plan: IterationPlan
     part: RankDeployment
     result: StepResult
-    exchange: Overlap
+    overlap: Overlap  # its gather and reduce
     switched: bool  # another deployment than the one before (the previous iteration's, or phase's)
     activate_s: float
     gather_s: float  # the gather before compute (all of it without overlap or on a pipeline)
@@ -67,8 +67,8 @@ class PhaseRun:
     def switch_s(self, first: bool, last: bool) -> float:
         """This phase's share of the in-iteration switch cost: its activation and exposed gather unless it is the
         first phase, its exposed reduce unless it is the last (one phase pays neither)."""
-        gather = 0.0 if first else self.activate_s + self.exchange.gather.exposed_s
-        return gather + (0.0 if last else self.exchange.reduce.exposed_s)
+        gather = 0.0 if first else self.activate_s + self.overlap.gather.exposed_s
+        return gather + (0.0 if last else self.overlap.reduce.exposed_s)
 
 
 def sub_batch(batch: GlobalBatch, positions: Sequence[int]) -> GlobalBatch:
@@ -96,21 +96,18 @@ def run_phase(trainer: Trainer, batch: GlobalBatch, plan: IterationPlan, targets
     model = part.model
     part.clear_grads()
     count = len(plan.replicas[part.replica].micro_batches)
-    exchange = trainer.deployments.exchange(part, count, DTYPES[s.reduce_dtype], s.overlap, accumulate)
+    overlap = trainer.deployments.overlap(part, count, DTYPES[s.reduce_dtype], s.overlap, accumulate)
     gathered = time.perf_counter()
     micro_batches = trainer.micro_batches(batch, plan, part)
-    model.exchange = exchange  # the model's hooks gather ahead of each layer and reduce behind backward
-    try:
-        with poisoned(model, trainer.step_index, part.groups.is_last_stage):  # a test hook, off unless asked for
-            result = train_step(model, part.groups, micro_batches, targets, reduce_partial_grads=False)
-    finally:
-        model.exchange = None
+    # poisoned: a test hook, off unless asked for
+    with part.exchanging(overlap), poisoned(model, trainer.step_index, part.groups.is_last_stage):
+        result = train_step(model, part.groups, micro_batches, targets, reduce_partial_grads=False)
     if trainer.env.device.type == "cuda":
         torch.cuda.synchronize()
     computed = time.perf_counter()
-    exchange.finish()
+    overlap.finish()
     reduced = time.perf_counter()
-    return PhaseRun(index, plan, part, result, exchange, switched, activated - start, gathered - activated,
+    return PhaseRun(index, plan, part, result, overlap, switched, activated - start, gathered - activated,
                     computed - gathered, reduced - computed)
 
 
@@ -140,7 +137,7 @@ def rank_figures(runs: Sequence[PhaseRun], memory: MemoryFigures, group: dist.Pr
     for run, width in zip(runs, widths, strict=True):
         values[offset + run.part.replica] = run.compute_s
         offset += width
-    exposed = sum(r.exchange.exposed_s for r in runs)
+    exposed = sum(r.overlap.exposed_s for r in runs)
     switch = switch_cost(runs)
     values[replicas:] = torch.tensor(
         [memory.peak, memory.predicted, memory.exchange_peak, memory.error, exposed, -exposed, switch, -switch],

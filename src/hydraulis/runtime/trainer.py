@@ -215,14 +215,14 @@ class Trainer:
             timeout,
         )
         self._timeouts_settled = False
-        self.memory = StepMemory(self.env.device, self.optimizer, settings.memory_every, settings.memory_budget_bytes)
+        self.memory = StepMemory(self.env.device, settings.memory_every, settings.memory_budget_bytes)
         self.planner = PhasedPlanner(settings.cost, self.world, settings.pool) if self.rank == 0 else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner") if self.rank == 0 else None
         self.step_index = 0
         self._pending: tuple[GlobalBatch, Future | None] | None = None
         self.recent: deque[tuple[GlobalBatch, Schedule]] = deque(maxlen=settings.compare_steps)
         # The last step's own figures on this rank (the metrics carry the largest over ranks); None before it.
-        self.last_exchange: Overlap | None = None
+        self.last_overlap: Overlap | None = None
         self.last_memory: MemoryFigures | None = None
 
     # -- plans ---------------------------------------------------------------------------
@@ -309,7 +309,7 @@ class Trainer:
         start = time.perf_counter()
         targets = self.batch_targets(batch)
         runs = run_phases(self, batch, schedule, targets)
-        self.last_exchange = runs[-1].exchange
+        self.last_overlap = runs[-1].overlap
         norm, extra = self.optimizer.global_norm(extra=loss_part(runs, self.env.device).reshape(1))
         lr = s.optim.lr_at(self.step_index, s.steps)
         values = torch.stack([norm.detach().double().cpu(), extra[0].double().cpu()]).tolist()  # one sync per step
@@ -319,7 +319,7 @@ class Trainer:
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         finished = time.perf_counter()  # the iteration ends here; what follows only reports on it
-        memory = self.memory.stop()
+        memory = self.memory.stop(max(r.overlap.buffer_bytes for r in runs))
         self.last_memory = memory
         for r in runs:
             r.part.clear_grads()
