@@ -277,5 +277,7 @@ def finalize(
     """
     plan = plan_from_assignment(step, lengths, deployment, micro_batches, 0.0)
     plan.validate(cost, deployment.num_gpus, where=f"step {step}")
-    predicted = simulate(plan, cost, keep_events=False).iteration_time_s
-    return dataclasses.replace(plan, predicted_time_s=predicted, planning_time_s=time.perf_counter() - started)
+    predicted = simulate(plan, cost, keep_events=False)
+    return dataclasses.replace(plan, predicted_time_s=predicted.iteration_time_s,
+                               replica_predicted_s=tuple(float(t) for t in predicted.replica_times_s),
+                               planning_time_s=time.perf_counter() - started)
