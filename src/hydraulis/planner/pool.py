@@ -330,7 +330,7 @@ def candidate_deployments(
     N = cluster.num_gpus
     configs = usable_configs(cost, cluster)
     # CP configs take the large roles only, and few of them: for short sequences cp replicas of a
-    # config do the same work as one CP replica without its K/V exchange.
+    # config do the same work as one CP replica without its K/V all-gather.
     cps = cp_roles(cost, configs, N, max_length, per_role)
     configs = [g for g in configs if g.cp == 1]
     cap = {g: cost.lone_cap(g, N) for g in configs + cps}  # the longest sequence each holds
