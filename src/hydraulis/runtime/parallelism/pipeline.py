@@ -13,7 +13,7 @@ non-interleaved 1F1B):
 - cool-down: the remaining backwards.
 
 A forward's send and the next backward's receive go in one batched p2p
-exchange (and a backward's send with the next forward's receive), so paired
+call, `send_recv` (and a backward's send with the next forward's receive), so paired
 stages never wait on each other's sends. Gradients accumulate in `.grad`
 across micro-batches; each micro-batch's loss is its sum of token losses
 divided by the real targets of the WHOLE global batch, so the accumulated

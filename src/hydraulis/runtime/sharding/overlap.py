@@ -25,6 +25,11 @@ p2p, so a pipelined replica gathers everything before its first micro-batch
 (`Overlap.gather_ahead`). The owners add every round's contributions in
 rank order, so overlapped and sequential exchanges give bit-identical results.
 
+The model's hooks (`attach_exchange_hooks`) drive an `Overlap` only inside
+`ExchangeHooks.exchanging` (a deployment part's `exchanging`), which always
+clears it; outside it they do nothing. The streams run on the optimizer this
+module imports; the optimizer does not import this module.
+
 `exposed_s` is the time the training thread spent inside the exchange
 (packing, unpacking, waiting): what compute did not hide. On CUDA it is
 host time; a wait there only orders streams.
