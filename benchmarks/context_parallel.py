@@ -2,7 +2,7 @@
 megatron with static CP, on the same documents.
 
 Cost models: the shipped A800 profiles of LLaMA 7B, 13B and 32B, and their analytic extension to
-CP (`NAME+cp`: a / cp and b / cp of the measured (tp, pp), plus the K/V exchange at NVLink or NIC
+CP (`NAME+cp`: a / cp and b / cp of the measured (tp, pp), plus the K/V all-gather at NVLink or NIC
 bandwidth; NOT measured). Lengths: the built-in python-stdlib corpus (GPT-2 tokens; about 6% of
 its documents are over 32K, the longest 414K), documents over max_len split at max_len. Each global
 batch holds max(16K x GPUs, 2 x max_len) tokens.

@@ -51,6 +51,7 @@ def worker(job: dict) -> dict:
     from hydraulis.data.indexed import open_corpus
     from hydraulis.optim import OptimSettings
     from hydraulis.runtime.launch import init_distributed
+    from hydraulis.runtime.sharding.overlap import reduce as reduce_all
     from hydraulis.runtime.trainer import Trainer, TrainSettings
 
     env = init_distributed("cpu")
@@ -96,7 +97,8 @@ def worker(job: dict) -> dict:
             p.grad = torch.ones_like(p)
         gather = timed(lambda part=part: trainer.deployments.gather(part))
         opt = trainer.optimizer
-        reduce = timed(lambda part=part, opt=opt: opt.reduce(part.exchange, part.grads, unscale=part.grad_unscales))
+        reduce = timed(lambda part=part, opt=opt: reduce_all(opt, part.exchange_plan, part.grads,
+                                                             unscale=part.grad_unscales))
         out["exchange_s"][str(part.deployment)] = gather + reduce
         for p in part.params:
             p.grad = None

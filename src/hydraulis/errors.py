@@ -10,3 +10,32 @@ from __future__ import annotations
 
 class HydraulisError(ValueError):
     """Bad input, named together with what to do about it."""
+
+
+class OverlongError(HydraulisError):
+    """A sequence longer than every cap that could run it: the facts as fields, so that each front end names
+    its own ways out. The message is the command line's (`--overlong`, `--profile`); the training job words
+    the same facts for its config (`worded`)."""
+
+    def __init__(self, length: int, cap: int, cap_name: str, *, where: str = "", scope: str = "",
+                 policies: tuple[str, ...] = ("split", "truncate", "drop"), remedies: tuple[str, ...] = ("more GPUs",),
+                 cp_profile: str | None = None) -> None:
+        self.length, self.cap, self.cap_name = length, cap, cap_name
+        self.where = where  # what was planned ("hotspa", "w.json: batch 3"), or nothing
+        self.scope = scope  # whose caps ("in the pool", "on 16 GPUs"), or nothing
+        self.policies = policies  # the overlong policies that would run it
+        self.remedies = remedies  # other ways out, in words every front end shares
+        self.cp_profile = cp_profile  # a profile whose "+cp" variant would hold it (it has no CP configs)
+        super().__init__(self.worded(f"--overlong {'|'.join(policies)}", "--profile {}"))
+
+    def worded(self, overlong: str, profile: str) -> str:
+        """The message, `overlong` naming how to cut long sequences and `profile` (a format with one {}) how
+        to choose a profile."""
+        ways = [overlong, *self.remedies]
+        if self.cp_profile is not None:
+            ways.append(f"CP configs ({profile.format(self.cp_profile + '+cp')})")
+        either = ", ".join(ways[:-1]) + " or " + ways[-1] if len(ways) > 1 else ways[0]
+        head = f"{self.where}: " if self.where else ""
+        scope = f", {self.scope}" if self.scope else ""
+        return (f"{head}a sequence of {self.length} tokens is longer than the largest cap {self.cap} "
+                f"({self.cap_name}{scope}); use {either}")

@@ -105,6 +105,11 @@ class Fields:
             raise HydraulisError(f"{self.where}.{key}: expected a list, got {type(value).__name__}")
         return value
 
+    def float_list(self, key: str, default: Any = None, minimum: float | None = None) -> list[float]:
+        values = self.list(key, default)
+        return [Fields({f"{key}[{i}]": v}, self.where).float(f"{key}[{i}]", minimum=minimum)
+                for i, v in enumerate(values)]
+
     def obj(self, key: str) -> Fields:
         return Fields(self._get(key, _MISSING), f"{self.where}.{key}")
 

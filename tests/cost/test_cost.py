@@ -172,13 +172,13 @@ def test_a_profile_without_per_micro_batch_overhead_plans():
 
 
 def test_analytic_context_parallelism_splits_per_token_work_too():
-    from hydraulis.cost.context_parallel import kv_exchange
+    from hydraulis.cost.context_parallel import kv_gather
 
     model, device = get_model("llama-7b"), get_device("a800-80g")
     configs = [ParallelConfig(2, 1), ParallelConfig(2, 1, 2)]
     cost = AnalyticCostModel(model, device, configs=configs)
     one, two = cost.coefficients(configs[0]), cost.coefficients(configs[1])
-    kv_b, kv_c = kv_exchange(model, device, configs[1])
+    kv_b, kv_c = kv_gather(model, device, configs[1])
     assert two.a == pytest.approx(one.a / 2)
     assert two.b == pytest.approx(one.b / 2 + kv_b) and kv_b > 0
     assert two.c == pytest.approx(one.c + kv_c) and kv_c > 0
@@ -220,35 +220,35 @@ def test_recompute_raises_the_cap_and_costs_a_forward():
 
 
 @pytest.mark.parametrize("device", ["a100-40g", "a800-80g", "h100-80g", "h200-141g", "cpu"])
-def test_kv_exchange_is_the_cp_groups_kv_bytes_at_the_right_link(device):
-    from hydraulis.cost.context_parallel import kv_exchange, kv_exchange_bytes
+def test_kv_gather_is_the_cp_groups_kv_bytes_at_the_right_link(device):
+    from hydraulis.cost.context_parallel import kv_gather, kv_gather_bytes
 
     spec, dev = get_model("llama-70b"), get_device(device)  # GQA: 8 KV heads of 128
     g = ParallelConfig(4, 2, 4)
     # Per token, per stage: (K + V) x (all-gather forward + reduce-scatter backward) x L/pp layers x the
     # TP rank's 2 KV heads x 2 bytes x the (cp - 1) / cp a rank lacks.
-    assert kv_exchange_bytes(spec, g) == pytest.approx(2 * 2 * 40 * 256 * 2 * 3 / 4)
-    b, c = kv_exchange(spec, dev, g)
+    assert kv_gather_bytes(spec, g) == pytest.approx(2 * 2 * 40 * 256 * 2 * 3 / 4)
+    b, c = kv_gather(spec, dev, g)
     spans = g.group_size > dev.gpus_per_node
-    assert b == pytest.approx(kv_exchange_bytes(spec, g) / (dev.inter_node_bw if spans else dev.intra_node_bw))
+    assert b == pytest.approx(kv_gather_bytes(spec, g) / (dev.inter_node_bw if spans else dev.intra_node_bw))
     assert c == pytest.approx(2 * 40 * 3 * dev.p2p_latency_s)
     # More TP ranks than KV heads: each holds one whole head.
-    assert kv_exchange_bytes(spec, ParallelConfig(16, 1, 2)) == pytest.approx(2 * 2 * 80 * 128 * 2 / 2)
-    assert kv_exchange(spec, dev, ParallelConfig(4, 2)) == (0.0, 0.0)
+    assert kv_gather_bytes(spec, ParallelConfig(16, 1, 2)) == pytest.approx(2 * 2 * 80 * 128 * 2 / 2)
+    assert kv_gather(spec, dev, ParallelConfig(4, 2)) == (0.0, 0.0)
 
 
-def test_kv_exchange_across_nodes_costs_the_nic():
-    from hydraulis.cost.context_parallel import kv_exchange
+def test_kv_gather_across_nodes_costs_the_nic():
+    from hydraulis.cost.context_parallel import kv_gather
 
     spec, dev = get_model("llama-7b"), get_device("a800-80g")
-    inside, across = kv_exchange(spec, dev, ParallelConfig(2, 1, 4)), kv_exchange(spec, dev, ParallelConfig(8, 1, 2))
+    inside, across = kv_gather(spec, dev, ParallelConfig(2, 1, 4)), kv_gather(spec, dev, ParallelConfig(8, 1, 2))
     # tp8cp2 moves a quarter of tp2cp4's bytes per token (tp 4x, (cp-1)/cp 2/3x) but over an 8x slower link.
     assert across[0] / inside[0] == pytest.approx((1 / 4) * (1 / 2) / (3 / 4) * 8)
 
 
 @pytest.mark.parametrize("profile", ["llama-7b@a800-80g", "llama-13b@a800-80g", "llama-32b@a800-80g"])
 def test_shipped_profiles_extend_to_cp_analytically(profile):
-    from hydraulis.cost.context_parallel import CP_DEGREES, kv_exchange
+    from hydraulis.cost.context_parallel import CP_DEGREES, kv_gather
 
     base = load_cost_model(profile)
     cost = load_cost_model(profile + "+cp")
@@ -257,7 +257,7 @@ def test_shipped_profiles_extend_to_cp_analytically(profile):
     assert all(g.cp in (1, *CP_DEGREES) and (g.cp == 1 or g.pp <= 2) for g in cost.configs)
     for g in (g for g in cost.configs if g.cp > 1):
         k, one = cost.coefficients(g), base.coefficients(ParallelConfig(g.tp, g.pp))
-        kv_b, kv_c = kv_exchange(cost.model, cost.device, g)
+        kv_b, kv_c = kv_gather(cost.model, cost.device, g)
         assert (k.a, k.b, k.c) == pytest.approx((one.a / g.cp, one.b / g.cp + kv_b, one.c + kv_c))
         assert cost.min_efficient_tokens(g) == base.min_efficient_tokens(ParallelConfig(g.tp, g.pp)) * g.cp
     for g in base.configs:  # measured entries stay as measured

@@ -75,7 +75,7 @@ def test_rank_peak_counts_state_activations_and_one_phase_at_a_time():
     assert one.params == 4 * shard and one.owned == 16 * -(-spec.num_params // 4)
     # The model is many windows of 4 MiB buckets: two rounds in flight, a send and a receive buffer of
     # half a bucket each; AdamW works in pieces of half a bucket (in fp32 its denominator the only temporary).
-    assert one.exchange == 2 * bucket and one.step == bucket // 2
+    assert one.exchange_buffers == 2 * bucket and one.step == bucket // 2
     # The loss head keeps the head's fp32 gradient sum (50,304 x 256 x 4 bytes) whatever the tokens; its
     # chunked logits are a moment's, beside it and never more than 2^24 of them (in fp32: 64 MiB), though
     # 512 tokens of whole logits would have been 98 MiB.
@@ -84,7 +84,7 @@ def test_rank_peak_counts_state_activations_and_one_phase_at_a_time():
     # With several micro-batches every gradient is alive during the next forward; with one, none (the head's
     # is in the loss head's keep); an idle replica has only its state and the exchange.
     assert many.peak - one.peak == 4 * shard
-    assert idle.peak == idle.params + idle.owned + idle.exchange
+    assert idle.peak == idle.params + idle.owned + idle.exchange_buffers
     bf16 = rank_memory(mem, spec, config, 0, 4, 512, 2, bucket, micro_batches=3)
     assert bf16.grads == 2 * shard and bf16.params == 2 * shard  # 2-byte gradient sums under bf16 compute
 

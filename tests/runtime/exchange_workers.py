@@ -29,12 +29,13 @@ def train_variants(
         docs = corpus(s.model.vocab)
         smp = sampler(docs)
         trainer = Trainer(dataclasses.replace(s, **changes), docs, smp, env)
-        metrics, early = [], []
+        metrics, early, buffers = [], [], []
         for plan in plans:
             metrics.append(trainer.run_iteration(smp.next_batch(), plan))
-            ex = trainer.last_exchange
+            ex = trainer.last_overlap
+            buffers.append(ex.buffer_bytes)
             early.append((ex.gather.early, ex.reduce.early, len(trainer.deployments.parts[
-                trainer.settings.pool.index(plan.deployment)].exchange.rounds)))
+                trainer.settings.pool.index(plan.deployment)].exchange_plan.rounds)))
         trainer.close()
         plan_rounds = {str(d): len(trainer.optimizer.plan(d, s.sequence_parallel).rounds) for d in s.pool}
         out.append({
@@ -42,7 +43,7 @@ def train_variants(
             "losses": [m.loss for m in metrics],
             "grad_norms": [m.grad_norm for m in metrics],
             "measured_peak": max(m.exchange_peak_bytes for m in metrics),  # torch's allocator, max over ranks
-            "buffer_peak": trainer.optimizer.exchange_peak_bytes,
+            "buffer_peak": max(buffers),  # what the exchanges report their buffers held
             "rounds": plan_rounds,
             "early": early,  # per step: gather rounds issued from forward, reduce rounds from backward, rounds
             "exposed": [(m.exchange_exposed_min_s, m.exchange_exposed_s) for m in metrics],

@@ -35,7 +35,7 @@ from hydraulis.data.sampler import TokenBudgetSampler
 from hydraulis.errors import HydraulisError
 from hydraulis.optim import AdamWSettings
 from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, pack_documents
-from hydraulis.runtime.sharding.layout import ModelLayout, full_shapes, full_to_canonical
+from hydraulis.runtime.sharding.layout import ModelLayout, full_shapes
 from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
 from hydraulis.runtime.storage.checkpoint import load_master
 from hydraulis.runtime.storage.hf import hf_config, hf_name
@@ -161,7 +161,7 @@ def first_batch(corpus_dir: Path) -> list[np.ndarray]:
 
 def canonical_vector(spec, hf_state: dict[str, torch.Tensor]) -> torch.Tensor:
     layout = ModelLayout(spec, 1)
-    return torch.cat([full_to_canonical(p, hf_state[hf_name(p.name)].float()) for p in layout.params])
+    return torch.cat([p.to_canonical(hf_state[hf_name(p.name)].float()) for p in layout.params])
 
 
 def rel(a: list[float], b: list[float]) -> float:

@@ -34,13 +34,11 @@ def test_small_on_four_ranks_peaks_as_predicted_and_the_exchange_within_three_bu
 
 def test_cpu_iterations_are_sampled_first_use_of_each_deployment_and_every_nth_step():
     """The CPU trace costs a large share of a small step: only due iterations are measured, others say 0."""
-    from types import SimpleNamespace
-
     import torch
 
     from hydraulis.runtime.metering.step_memory import StepMemory
 
-    memory = StepMemory(torch.device("cpu"), SimpleNamespace(exchange_peak_bytes=0), every=4)
+    memory = StepMemory(torch.device("cpu"), every=4)
     measured = []
     for step, deployment in enumerate([0, 0, 1, 1, 0, 1, 2]):
         memory.start(deployment, step, predicted=1e6)
@@ -58,15 +56,13 @@ def test_cpu_iterations_are_sampled_first_use_of_each_deployment_and_every_nth_s
 def test_under_a_budget_the_riskiest_iterations_are_measured_too():
     """With [parallel] memory_per_rank, an iteration whose predicted peak is the highest yet is measured as well
     (those are the ones that could break the budget); without one, the same predictions change nothing."""
-    from types import SimpleNamespace
-
     import torch
 
     from hydraulis.runtime.metering.step_memory import StepMemory
 
     predicted = [5e6, 4e6, 6e6, 6e6, 7e6, 3e6]
     for budget, expected in ((None, [True] + [False] * 5), (8 << 20, [True, False, True, False, True, False])):
-        memory = StepMemory(torch.device("cpu"), SimpleNamespace(exchange_peak_bytes=0), every=100, budget=budget)
+        memory = StepMemory(torch.device("cpu"), every=100, budget=budget)
         seen = []
         for step, p in enumerate(predicted):
             memory.start(0, step, predicted=p)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 
 from hydraulis.cost import ProfiledCostModel
+from hydraulis.cost.conditions import cpu_cores
 from hydraulis.cost.fit import fit_robust
 from hydraulis.cost.measured import CPU_MEMORY_METHOD, build_profile, summary_rows
 from hydraulis.cost.sweep import ProfileSettings, parse_config_list, sweep
@@ -18,7 +18,7 @@ from hydraulis.parallel import ParallelConfig
 from hydraulis.runtime.metering.profiler import replicas_at_once
 from hydraulis.specs import get_model
 
-THREADS = {"threads_per_rank": max(1, (os.cpu_count() or 1) // 2)}  # as the launcher sets them for 2 ranks
+THREADS = {"threads_per_rank": max(1, cpu_cores() // 2)}  # as the launcher sets them for 2 ranks
 FAST = ("--totals", "64,128", "--min-doc", "32", "--repeats", "2", "--warmup", "1", "--collective-bytes", "1024,65536")
 
 

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from hydraulis.baselines.homogeneous import Homogeneous
-from hydraulis.errors import HydraulisError
+from hydraulis.errors import OverlongError
 from hydraulis.planner.planner import check_lengths
 from hydraulis.planner.policy import PolicyContext
 from hydraulis.planner.pool import homogeneous, homogeneous_estimate, largest_cap, replicable_configs
@@ -56,10 +56,8 @@ class HotSpa:
         if not len(self.caps) or int(s[-1]) > int(self.caps.max()):
             # The cuts stop at the largest cap: a longer sequence would be in no phase.
             cap, name = largest_cap(self.ctx.cost, self.ctx.cluster, lone=False)
-            raise HydraulisError(
-                f"hotspa: a sequence of {int(s[-1])} tokens is longer than the largest homogeneous cap on "
-                f"{self.ctx.num_gpus} GPUs ({cap} tokens, {name}); use --overlong truncate|drop or more GPUs"
-            )
+            raise OverlongError(int(s[-1]), cap, name, where="hotspa", policies=("truncate", "drop"),
+                                scope=f"homogeneous, on {self.ctx.num_gpus} GPUs")
         levels = sorted({int(c) for c in self.caps if c >= s[0]})
         cuts = [0] + [int(np.searchsorted(s, lv, side="right")) for lv in levels]
         cuts = sorted(set(cuts))  # cut positions: ranges [cuts[i], cuts[j])

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from hydraulis.errors import HydraulisError
+from hydraulis.errors import OverlongError
 from hydraulis.planner.milp import solve_milp
 from hydraulis.planner.packing import first_fit_decreasing
 from hydraulis.planner.planner import check_lengths, finalize
@@ -144,10 +144,8 @@ class Reference:
                 best = (obj, k, replica_of)
         if best is None:
             cap, name = largest_cap(self.ctx.cost, self.ctx.cluster, self.ctx.reference_pool, lone=False)
-            raise HydraulisError(
-                f"{self.name}: a sequence of {int(lengths.max())} tokens is longer than the largest cap in its "
-                f"pool ({cap} tokens, {name}); use --overlong truncate|drop or a pool with larger replicas"
-            )
+            raise OverlongError(int(lengths.max()), cap, name, where=self.name, scope="in its pool",
+                                policies=("truncate", "drop"), remedies=("a pool with larger replicas",))
         _, k, replica_of = best
         table = self.tables[k]
         micro_batches = []

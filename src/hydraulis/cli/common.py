@@ -27,7 +27,7 @@ ProfileOption = typer.Option(
     "--profile",
     "-p",
     help="Profile file, preset (llama-7b@a800-80g, ...) or MODEL@DEVICE for the analytic model; "
-    "append +cp for context-parallel configs (analytic: a/cp, b/cp plus the K/V exchange).",
+    "append +cp for context-parallel configs (analytic: a/cp, b/cp plus the K/V all-gather).",
 )
 
 

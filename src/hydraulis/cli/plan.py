@@ -112,11 +112,11 @@ def _within_caps(
 
     cap, cap_name = largest
     out, changed = [], 0
-    remedy = "a pool with larger (CP) replicas, or more GPUs"
-    if not any(g.cp > 1 for g in cost.configs):
-        remedy = f"CP replicas (--profile {cost.name}+cp), or more GPUs"
+    has_cp = any(g.cp > 1 for g in cost.configs)
+    remedies = ("a pool with larger (CP) replicas", "more GPUs") if has_cp else ("more GPUs",)
     for i, b in enumerate(batches):
-        fixed = apply_overlong(b, cap, cap_name, overlong, where=f"{workload}: batch {i}", remedy=remedy)
+        fixed = apply_overlong(b, cap, cap_name, overlong, where=f"{workload}: batch {i}", remedies=remedies,
+                               cp_profile=None if has_cp else cost.name)
         out.append(fixed.lengths)
         changed += fixed.changed
     if changed:

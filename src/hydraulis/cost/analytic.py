@@ -5,7 +5,7 @@ attention adds 2*s*h per token (so a*s^2 per sequence). Training is 3x forward,
 4x with full recompute. TP adds 4*2*(tp-1)/tp*S*h elements of collectives per
 layer and micro-batch (forward plus backward). Context parallelism (cp > 1)
 splits each sequence's tokens over cp GPUs, so a and b both divide by cp, and
-the K/V exchange over the CP group adds to b and c (model.kv_exchange). The default efficiencies are
+the K/V all-gather over the CP group adds to b and c (model.kv_gather). The default efficiencies are
 calibrated against the published LLaMA-7B A800 profile, so analytic and
 profiled times agree to within about 15 to 30 percent; the training state and
 the activations are the runtime's own (`TrainingState`, activations.py).
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from hydraulis.cost.context_parallel import kv_exchange
+from hydraulis.cost.context_parallel import kv_gather
 from hydraulis.cost.memory import MemoryModel, TrainingState
 from hydraulis.cost.model import Coefficients, CostModel
 from hydraulis.parallel import ParallelConfig
@@ -71,7 +71,7 @@ class AnalyticCostModel(CostModel):
             overhead = layers * layer_overhead_s * (1 + 0.5 * math.log2(tp))
             # Context parallelism splits each sequence's tokens over cp GPUs: the per-token work
             # (GEMMs, head, TP collectives) divides by cp as the attention does; K/V cross the CP group.
-            kv_b, kv_c = kv_exchange(model, device, config)
+            kv_b, kv_c = kv_gather(model, device, config)
             coefficients[config] = Coefficients(attn, (gemm + head + comm) / config.cp + kv_b, overhead + kv_c)
         # The runtime's training state (bf16 compute shard and its gradient sum; fp32 master, moments and
         # reduced gradient sharded over all GPUs) and its own activations: exactly what `rank_memory` counts.

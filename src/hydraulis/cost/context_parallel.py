@@ -1,9 +1,9 @@
-"""Context parallelism in the cost model: the K/V exchange, the CP configs, the analytic extension.
+"""Context parallelism in the cost model: the K/V all-gather, the CP configs, the analytic extension.
 
 Context parallelism (cp > 1) splits every sequence of a micro-batch over cp
-GPUs: a and b divide by cp, and the K/V exchange over the CP group (an
+GPUs: a and b divide by cp, and the K/V all-gather over the CP group (an
 all-gather per layer forward, a reduce-scatter of dK/dV backward) adds to b
-and c (`kv_exchange`). `extend_to_cp` derives cp > 1 entries from measured
+and c (`kv_gather`). `extend_to_cp` derives cp > 1 entries from measured
 cp = 1 ones (an analytic extension, labelled `+cp`): attention is blockwise
 (a chunk's causal diagonal plus its full prefix, no masked-out work), so
 under the zigzag its FLOPs divide by cp like the GEMMs'. The K/V buffers a CP
@@ -28,7 +28,7 @@ CP_MAX_PP = 2
 CP_SUFFIX = "+cp"
 
 
-def kv_exchange_bytes(model: ModelSpec, config: ParallelConfig) -> float:
+def kv_gather_bytes(model: ModelSpec, config: ParallelConfig) -> float:
     """Bytes one rank moves per token of a micro-batch, one stage, forward plus backward, for CP.
 
     Forward all-gathers each layer's K and V over the CP group (a rank receives the (cp - 1) / cp it
@@ -40,15 +40,15 @@ def kv_exchange_bytes(model: ModelSpec, config: ParallelConfig) -> float:
     return 2 * 2 * layers * kv_shard_dim(model, config.tp) * KV_BYTES * (config.cp - 1) / config.cp
 
 
-def kv_exchange(model: ModelSpec, device: DeviceSpec, config: ParallelConfig) -> tuple[float, float]:
-    """(b, c) seconds the K/V exchange adds per token and per micro-batch: NVLink inside a node, the NIC
+def kv_gather(model: ModelSpec, device: DeviceSpec, config: ParallelConfig) -> tuple[float, float]:
+    """(b, c) seconds the K/V all-gather adds per token and per micro-batch: NVLink inside a node, the NIC
     when the CP group spans nodes; a ring of cp - 1 steps pays cp - 1 latencies per collective."""
     if config.cp == 1:
         return 0.0, 0.0
     spans = config.cp_spans_nodes(device.gpus_per_node)
     bandwidth = device.inter_node_bw if spans else device.intra_node_bw
     collectives = 2 * model.layers / config.pp
-    return kv_exchange_bytes(model, config) / bandwidth, collectives * (config.cp - 1) * device.p2p_latency_s
+    return kv_gather_bytes(model, config) / bandwidth, collectives * (config.cp - 1) * device.p2p_latency_s
 
 
 def cp_configs(base: Sequence[ParallelConfig], max_gpus: int = MAX_GPUS) -> list[ParallelConfig]:
@@ -68,7 +68,7 @@ def extend_to_cp(
     """`cost` plus cp > 1 configs derived analytically from its cp = 1 entries (named NAME+cp).
 
     A CP config splits every sequence over cp ranks: a / cp and b / cp of the measured (tp, pp), plus
-    the K/V exchange (`kv_exchange`) at the device's bandwidths. Entries the cost model already has
+    the K/V all-gather (`kv_gather`) at the device's bandwidths. Entries the cost model already has
     (measured cp > 1) are kept as they are. The recompute set carries over to the derived configs.
     `only`, if given, chooses which derived configs to add (a benchmark's CP-only-where-needed model).
     """
@@ -82,11 +82,11 @@ def extend_to_cp(
 
 
 def cp_coefficients(cost: CostModel, config: ParallelConfig) -> Coefficients:
-    """A CP config's coefficients from its cp = 1 base in `cost`: a / cp and b / cp, plus the K/V exchange."""
+    """A CP config's coefficients from its cp = 1 base in `cost`: a / cp and b / cp, plus the K/V all-gather."""
     base = ParallelConfig(config.tp, config.pp)
     k = cost.coefficients(base)
-    db, dc = kv_exchange(cost.model, cost.device, config)
-    scale = RECOMPUTE_TIME if base in cost.recompute else 1.0  # the exchange is rerun with the forward
+    db, dc = kv_gather(cost.model, cost.device, config)
+    scale = RECOMPUTE_TIME if base in cost.recompute else 1.0  # the all-gather is rerun with the forward
     return Coefficients(k.a / config.cp, k.b / config.cp + db * scale, k.c + dc)
 
 

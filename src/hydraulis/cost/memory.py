@@ -358,21 +358,21 @@ class RankMemory:
     loss_transient: float
     backward: float
     grads_with_activations: float
-    exchange: float
-    exchange_with_activations: float
+    exchange_buffers: float  # the exchange's send and receive buffers (and a scaled gradient's fp32 round)
+    exchange_buffers_with_activations: float
     step: float
 
     @property
     def after(self) -> float:
         """What the phase after the backward adds to the parameters and owned state."""
-        return self.grads + max(self.exchange, self.step)
+        return self.grads + max(self.exchange_buffers, self.step)
 
     @property
     def with_activations(self) -> float:
         """What the activations' phase adds to the parameters and owned state: the activations, the gradients
         already allocated, and the loss's forward or, after it, a layer's backward and the exchange's buffers."""
         return (self.activations + self.grads_with_activations
-                + max(self.loss_transient, self.backward + self.exchange_with_activations))
+                + max(self.loss_transient, self.backward + self.exchange_buffers_with_activations))
 
     @property
     def peak(self) -> float:
@@ -408,11 +408,11 @@ def rank_memory(
     # and the reduce starts after the last. Otherwise two rounds in flight, each buffer at most half a bucket.
     send, receive = EXCHANGE_ELEMENT_BYTES * shard, EXCHANGE_ELEMENT_BYTES * owned * contributors
     one_round = owned * EXCHANGE_ELEMENT_BYTES * 2 * num_gpus <= bucket_bytes
-    exchange = send + receive if one_round else 2 * (min(bucket_bytes / 2, send) + min(bucket_bytes / 2, receive))
+    buffers = send + receive if one_round else 2 * (min(bucket_bytes / 2, send) + min(bucket_bytes / 2, receive))
     # A scaled reduced gradient sums each round in fp32 before it keeps it; AdamW works in pieces of half a
     # bucket: the denominator and, scaled, the gradient's fp32 values.
     piece = min(bucket_bytes / 2, EXCHANGE_ELEMENT_BYTES * owned)
-    exchange += piece * state.scaled
+    buffers += piece * state.scaled
     # Otherwise the gather's buffers meet the first forward's layers (not the loss's), and the reduce's wait
     # until the stage's last block is through backward (runtime/sharding/overlap.py): they take what it freed.
     block = memory.activation_bytes(config, model, tokens, False, None, dtype_bytes) / model.layers
@@ -428,7 +428,7 @@ def rank_memory(
         backward=max_rank_tokens(tokens, config.cp) * backward_bytes(model, config.tp, dtype_bytes)
         * (busy and memory.own_per_token),
         grads_with_activations=grads if micro_batches > 1 else 0.0,
-        exchange=exchange,
-        exchange_with_activations=0.0 if one_round or not busy else max(0.0, exchange - freed),
+        exchange_buffers=buffers,
+        exchange_buffers_with_activations=0.0 if one_round or not busy else max(0.0, buffers - freed),
         step=piece * (1 + state.scaled),
     )

@@ -8,6 +8,7 @@ batch positions it runs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Sequence
@@ -42,6 +43,9 @@ class IterationPlan:
     replicas: tuple[ReplicaPlan, ...]
     predicted_time_s: float
     planning_time_s: float = 0.0
+    # Each replica's predicted seconds, the simulator's for the planner's cost model (planner.finalize); empty
+    # for a plan nobody simulated. They travel with the plan, so no rank simulates it again.
+    replica_predicted_s: tuple[float, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -114,6 +118,7 @@ class IterationPlan:
             "replicas": [{"micro_batches": [list(mb) for mb in r.micro_batches]} for r in self.replicas],
             "predicted_time_s": self.predicted_time_s,
             "planning_time_s": self.planning_time_s,
+            "replica_predicted_s": list(self.replica_predicted_s),
         }
 
     @classmethod
@@ -139,7 +144,11 @@ class IterationPlan:
             replicas=tuple(replicas),
             predicted_time_s=f.float("predicted_time_s", default=0.0, minimum=0),
             planning_time_s=f.float("planning_time_s", default=0.0, minimum=0),
+            replica_predicted_s=tuple(f.float_list("replica_predicted_s", default=[], minimum=0)),
         )
+        if plan.replica_predicted_s and len(plan.replica_predicted_s) != len(plan.replicas):
+            raise HydraulisError(f"{where}.replica_predicted_s: {len(plan.replica_predicted_s)} times for "
+                                 f"{len(plan.replicas)} replicas")
         plan.validate(where=where)
         return plan
 
@@ -278,11 +287,13 @@ def plan_from_assignment(
 def encode_plan(plan: IterationPlan, pool_index: int) -> np.ndarray:
     """The plan's wire format: rank 0 broadcasts it as one int64 vector over a CPU group (runtime/trainer.py).
 
-    [pool index, replicas, micro-batches per replica..., sizes..., sequence indices..., 2 float64s as bits].
+    [pool index, replicas, micro-batches per replica..., sizes..., sequence indices..., float64s as bits: the
+    predicted and planning times, then each replica's predicted time when the plan has them].
     """
     mbs = [mb for r in plan.replicas for mb in r.micro_batches]
     head = [pool_index, len(plan.replicas), *(len(r.micro_batches) for r in plan.replicas), *(len(m) for m in mbs)]
-    floats = np.array([plan.predicted_time_s, plan.planning_time_s], dtype=np.float64).view(np.int64)
+    times = [plan.predicted_time_s, plan.planning_time_s, *plan.replica_predicted_s]
+    floats = np.array(times, dtype=np.float64).view(np.int64)
     return np.concatenate([np.array(head, np.int64), np.array([i for m in mbs for i in m], np.int64), floats])
 
 
@@ -294,14 +305,15 @@ def decode_plan(data: np.ndarray, step: int, lengths: Sequence[int], pool: Seque
     sizes = data[pos : pos + int(counts.sum())]
     pos += len(sizes)
     flat = data[pos : pos + int(sizes.sum())]
-    predicted, planning = data[-2:].view(np.float64)
+    predicted, planning, *per_replica_s = data[pos + len(flat) :].view(np.float64).tolist()
     cuts = np.cumsum(sizes)[:-1]
     mbs = np.split(flat, cuts) if len(sizes) else []
     per_replica, k = [], 0
     for c in counts:
         per_replica.append(mbs[k : k + int(c)])
         k += int(c)
-    return plan_from_assignment(step, lengths, pool[index], per_replica, float(predicted), float(planning))
+    plan = plan_from_assignment(step, lengths, pool[index], per_replica, predicted, planning)
+    return dataclasses.replace(plan, replica_predicted_s=tuple(per_replica_s)) if per_replica_s else plan
 
 
 def encode_schedule(schedule: Schedule, pool: Sequence[Deployment]) -> np.ndarray:

@@ -19,7 +19,7 @@ import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.data.sampler import split_pieces
-from hydraulis.errors import HydraulisError
+from hydraulis.errors import HydraulisError, OverlongError
 from hydraulis.limits import MAX_LENGTH, MAX_SEQUENCES
 from hydraulis.parallel import Deployment
 from hydraulis.planner.dispatch import BULK_MIN_SEQUENCES, Dispatch, NoRoom, dispatch, improve
@@ -66,7 +66,8 @@ def apply_overlong(
     cap_name: str,
     policy: str,
     where: str = "batch",
-    remedy: str = "a pool with larger (CP) replicas, or more GPUs",
+    remedies: tuple[str, ...] = ("a pool with larger (CP) replicas", "more GPUs"),
+    cp_profile: str | None = None,
 ) -> Overlong:
     """Sequences longer than `cap`, the largest cap of the pool (CP replicas included).
 
@@ -81,10 +82,8 @@ def apply_overlong(
     if not over.any():
         return Overlong(lengths, 0)
     if policy in ("auto", "error"):
-        raise HydraulisError(
-            f"{where}: a sequence of {int(lengths[over].max())} tokens is longer than the largest cap "
-            f"{cap} ({cap_name}); use --overlong split|truncate|drop, {remedy}"
-        )
+        raise OverlongError(int(lengths[over].max()), cap, cap_name, where=where, remedies=remedies,
+                            cp_profile=cp_profile)
     if policy == "split":
         return Overlong(split_pieces(lengths, cap)[2], int(over.sum()))
     if policy == "truncate":
@@ -150,10 +149,7 @@ class Planner:
         self.missed.update(set(range(len(self.pool))) - set(usable))
         if not usable:
             cap, name = largest_cap(self.cost, ClusterSpec(self.num_gpus), self.pool)
-            raise HydraulisError(
-                f"a sequence of {longest} tokens is longer than the largest cap in the pool "
-                f"({cap} tokens, {name}); use --overlong split|truncate|drop or a pool with larger (CP) replicas"
-            )
+            raise OverlongError(longest, cap, name, scope="in the pool", remedies=("a pool with larger (CP) replicas",))
         # Screen the pool with the greedy alone; search, pack and simulate the most promising.
         screened = []
         for k in usable:
@@ -281,5 +277,7 @@ def finalize(
     """
     plan = plan_from_assignment(step, lengths, deployment, micro_batches, 0.0)
     plan.validate(cost, deployment.num_gpus, where=f"step {step}")
-    predicted = simulate(plan, cost, keep_events=False).iteration_time_s
-    return dataclasses.replace(plan, predicted_time_s=predicted, planning_time_s=time.perf_counter() - started)
+    predicted = simulate(plan, cost, keep_events=False)
+    return dataclasses.replace(plan, predicted_time_s=predicted.iteration_time_s,
+                               replica_predicted_s=tuple(float(t) for t in predicted.replica_times_s),
+                               planning_time_s=time.perf_counter() - started)

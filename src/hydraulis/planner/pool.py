@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from hydraulis.cost.model import CostModel
-from hydraulis.errors import HydraulisError
+from hydraulis.errors import HydraulisError, OverlongError
 from hydraulis.jsonio import Fields, load_json, write_json_atomic
 from hydraulis.limits import MAX_GPUS
 from hydraulis.parallel import Deployment, ParallelConfig, format_configs, parse_deployment_configs
@@ -232,11 +232,8 @@ def fallback_config(
                if holds(g, N) >= max_length and has_room(cost, g, N, batches)]
     if not holding:
         cap, name = largest_cap(cost, cluster, lone=lone)
-        raise HydraulisError(
-            f"a sequence of {max_length} tokens is longer than the largest cap on {N} GPUs "
-            f"({cap} tokens, {name}); use --overlong split|truncate|drop, more GPUs"
-            + ("" if any(g.cp > 1 for g in cost.configs) else f" or CP configs (--profile {cost.name}+cp)")
-        )
+        cp = None if any(g.cp > 1 for g in cost.configs) else cost.name
+        raise OverlongError(max_length, cap, name, scope=f"on {N} GPUs", cp_profile=cp)
     return min(holding, key=lambda g: (homogeneous_estimate(cost, g, N, batches), g.num_gpus))
 
 
@@ -333,7 +330,7 @@ def candidate_deployments(
     N = cluster.num_gpus
     configs = usable_configs(cost, cluster)
     # CP configs take the large roles only, and few of them: for short sequences cp replicas of a
-    # config do the same work as one CP replica without its K/V exchange.
+    # config do the same work as one CP replica without its K/V all-gather.
     cps = cp_roles(cost, configs, N, max_length, per_role)
     configs = [g for g in configs if g.cp == 1]
     cap = {g: cost.lone_cap(g, N) for g in configs + cps}  # the longest sequence each holds

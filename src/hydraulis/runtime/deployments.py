@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -24,25 +25,31 @@ from hydraulis.runtime.modeling.model import StageModel
 from hydraulis.runtime.parallelism.groups import DEFAULT_TIMEOUT, ReplicaGroups, build_replica_groups
 from hydraulis.runtime.sharding.main_grad import attach_main_grads, clear_grads, gradient
 from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer, ExchangePlan
-from hydraulis.runtime.sharding.overlap import Overlap, attach_exchange_hooks
+from hydraulis.runtime.sharding.overlap import ExchangeHooks, Overlap, attach_exchange_hooks, gather
 from hydraulis.specs import ModelSpec
 
 
 @dataclass
 class RankDeployment:
-    """This rank's part of one deployment (a `parallel.Deployment`): its replica, groups, model and exchange."""
+    """This rank's part of one deployment (a `parallel.Deployment`): its replica, groups, model and exchange plan."""
 
     deployment: Deployment
     replica: int  # index of this rank's replica in the deployment
     groups: ReplicaGroups
     model: StageModel
-    exchange: ExchangePlan
+    exchange_plan: ExchangePlan
+    hooks: ExchangeHooks  # the model's exchange hooks (shared by the parts that share the model)
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
         """The compute shard in the exchange plan's order."""
         named = dict(self.model.named_parameters())
-        return [named[p.name] for p in self.exchange.local]
+        return [named[p.name] for p in self.exchange_plan.local]
+
+    def exchanging(self, ex: Overlap) -> AbstractContextManager[Overlap]:
+        """While the block runs, the model's hooks gather ahead of each layer and reduce behind backward into
+        `ex`; after it (an error included) they do nothing."""
+        return self.hooks.exchanging(ex)
 
     @property
     def grads(self) -> list[torch.Tensor | None]:
@@ -75,7 +82,7 @@ class RankPool:
         self.pool = tuple(pool)
         self.optimizer, self.dtype, self.device = optimizer, dtype, device
         rank = optimizer.rank
-        models: dict[tuple, StageModel] = {}
+        models: dict[tuple, tuple[StageModel, ExchangeHooks]] = {}
         self.parts: list[RankDeployment] = []
         for deployment in self.pool:
             groups = build_replica_groups(deployment.replicas, sequence_parallel, timeout)
@@ -91,10 +98,11 @@ class RankPool:
                 release(model)
                 if dtype != torch.float32:
                     attach_main_grads(model)  # sum micro-batches in scaled fp16 (main_grad.py)
-                attach_exchange_hooks(model)  # after the main grads: a gradient is sent once it is complete
-                models[key] = model
-            exchange = optimizer.plan(deployment, sequence_parallel)
-            self.parts.append(RankDeployment(deployment, replica, groups, models[key], exchange))
+                hooks = attach_exchange_hooks(model)  # after the main grads: a gradient is sent once it is complete
+                models[key] = (model, hooks)
+            model, hooks = models[key]
+            plan = optimizer.plan(deployment, sequence_parallel)
+            self.parts.append(RankDeployment(deployment, replica, groups, model, plan, hooks))
         self.current: int | None = None
 
     def activate(self, index: int) -> tuple[RankDeployment, bool]:
@@ -109,9 +117,9 @@ class RankPool:
 
     def gather(self, part: RankDeployment) -> None:
         """The compute shard's current values from the owners, all before compute (profiling, benchmarks)."""
-        self.optimizer.gather(part.exchange, part.params, self.dtype)
+        gather(self.optimizer, part.exchange_plan, part.params, self.dtype)
 
-    def exchange(
+    def overlap(
         self, part: RankDeployment, micro_batches: int, reduce_dtype: torch.dtype, overlap: bool = True,
         accumulate: bool = False,
     ) -> Overlap:
@@ -121,7 +129,7 @@ class RankPool:
         forward could block a neighbour stage's p2p. Its reduce still goes out from backward. `accumulate`:
         the owners add to the gradient earlier phases of the iteration reduced instead of starting from zero.
         """
-        ex = Overlap(self.optimizer, part.exchange, part.params, self.dtype, reduce_dtype, micro_batches, overlap,
+        ex = Overlap(self.optimizer, part.exchange_plan, part.params, self.dtype, reduce_dtype, micro_batches, overlap,
                      accumulate)
         if not overlap or part.groups.config.pp > 1:
             ex.gather_ahead()

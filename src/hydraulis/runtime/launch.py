@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hydraulis.cost.conditions import cpu_cores
 from hydraulis.errors import HydraulisError
 from hydraulis.specs import DTYPE_NAMES
 
@@ -114,7 +115,7 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, outdir: str
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     try:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        torch.set_num_threads(max(1, cpu_cores() // world))
         result = fn(*args)
         (out / f"{rank}.pkl").write_bytes(pickle.dumps(result))
         leave_distributed()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 import numpy as np
@@ -57,7 +57,7 @@ class PhaseRun:
     plan: IterationPlan
     part: RankDeployment
     result: StepResult
-    exchange: Overlap
+    overlap: Overlap  # its gather and reduce
     switched: bool  # another deployment than the one before (the previous iteration's, or phase's)
     activate_s: float
     gather_s: float  # the gather before compute (all of it without overlap or on a pipeline)
@@ -67,8 +67,8 @@ class PhaseRun:
     def switch_s(self, first: bool, last: bool) -> float:
         """This phase's share of the in-iteration switch cost: its activation and exposed gather unless it is the
         first phase, its exposed reduce unless it is the last (one phase pays neither)."""
-        gather = 0.0 if first else self.activate_s + self.exchange.gather.exposed_s
-        return gather + (0.0 if last else self.exchange.reduce.exposed_s)
+        gather = 0.0 if first else self.activate_s + self.overlap.gather.exposed_s
+        return gather + (0.0 if last else self.overlap.reduce.exposed_s)
 
 
 def sub_batch(batch: GlobalBatch, positions: Sequence[int]) -> GlobalBatch:
@@ -96,21 +96,18 @@ def run_phase(trainer: Trainer, batch: GlobalBatch, plan: IterationPlan, targets
     model = part.model
     part.clear_grads()
     count = len(plan.replicas[part.replica].micro_batches)
-    exchange = trainer.deployments.exchange(part, count, DTYPES[s.reduce_dtype], s.overlap, accumulate)
+    overlap = trainer.deployments.overlap(part, count, DTYPES[s.reduce_dtype], s.overlap, accumulate)
     gathered = time.perf_counter()
     micro_batches = trainer.micro_batches(batch, plan, part)
-    model.exchange = exchange  # the model's hooks gather ahead of each layer and reduce behind backward
-    try:
-        with poisoned(model, trainer.step_index, part.groups.is_last_stage):  # a test hook, off unless asked for
-            result = train_step(model, part.groups, micro_batches, targets, reduce_partial_grads=False)
-    finally:
-        model.exchange = None
+    # poisoned: a test hook, off unless asked for
+    with part.exchanging(overlap), poisoned(model, trainer.step_index, part.groups.is_last_stage):
+        result = train_step(model, part.groups, micro_batches, targets, reduce_partial_grads=False)
     if trainer.env.device.type == "cuda":
         torch.cuda.synchronize()
     computed = time.perf_counter()
-    exchange.finish()
+    overlap.finish()
     reduced = time.perf_counter()
-    return PhaseRun(index, plan, part, result, exchange, switched, activated - start, gathered - activated,
+    return PhaseRun(index, plan, part, result, overlap, switched, activated - start, gathered - activated,
                     computed - gathered, reduced - computed)
 
 
@@ -128,24 +125,38 @@ def switch_cost(runs: Sequence[PhaseRun]) -> float:
     return sum(r.switch_s(k == 0, k == len(runs) - 1) for k, r in enumerate(runs))
 
 
+@dataclass(frozen=True)
+class RankFigures:
+    """An iteration's figures on one rank; `across_ranks` makes each the largest over ranks, the `_min` ones the
+    smallest (they travel negated), in one all-reduce over the control group."""
 
-def rank_figures(runs: Sequence[PhaseRun], memory: MemoryFigures, group: dist.ProcessGroup | None
-                 ) -> tuple[list[float], list[float]]:
-    """Per-replica compute seconds (phase after phase) and the memory, exposed-exchange and switch figures, each
-    the largest over ranks (smallest ones travel negated): one all-reduce over the control group."""
-    widths = [len(r.plan.deployment.replicas) for r in runs]
-    replicas = sum(widths)
-    values = torch.zeros(replicas + 8, dtype=torch.float64)
-    offset = 0
-    for run, width in zip(runs, widths, strict=True):
-        values[offset + run.part.replica] = run.compute_s
-        offset += width
-    exposed = sum(r.exchange.exposed_s for r in runs)
-    switch = switch_cost(runs)
-    values[replicas:] = torch.tensor(
-        [memory.peak, memory.predicted, memory.exchange_peak, memory.error, exposed, -exposed, switch, -switch],
-        dtype=torch.float64,
-    )
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-    return values[:replicas].tolist(), values[replicas:].tolist()
+    replica_s: tuple[float, ...]  # compute seconds of each replica of each phase, phase after phase (0: not ours)
+    memory_peak: float  # bytes (runtime/metering/step_memory.py)
+    memory_predicted: float
+    exchange_peak: float
+    memory_error: float
+    exposed_s: float  # the exchange's time compute did not hide (overlap.py)
+    exposed_min_s: float
+    switch_s: float  # the in-iteration switch cost (`switch_cost`)
+    switch_min_s: float
+
+    @staticmethod
+    def of(runs: Sequence[PhaseRun], memory: MemoryFigures) -> RankFigures:
+        replica_s: list[float] = []
+        for run in runs:
+            times = [0.0] * len(run.plan.deployment.replicas)
+            times[run.part.replica] = run.compute_s
+            replica_s += times
+        exposed, switch = sum(r.overlap.exposed_s for r in runs), switch_cost(runs)
+        return RankFigures(tuple(replica_s), memory.peak, memory.predicted, memory.exchange_peak, memory.error,
+                           exposed, exposed, switch, switch)
+
+    def across_ranks(self, group: dist.ProcessGroup | None) -> RankFigures:
+        names = [f.name for f in fields(self) if f.name != "replica_s"]
+        signs = [-1.0 if name.endswith("_min_s") else 1.0 for name in names]
+        values = torch.tensor([*self.replica_s, *(s * getattr(self, n) for n, s in zip(names, signs, strict=True))],
+                              dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+        out, k = values.tolist(), len(self.replica_s)
+        return RankFigures(tuple(out[:k]), **{n: s * v for n, s, v in zip(names, signs, out[k:], strict=True)})

@@ -27,7 +27,6 @@ deployment, so runs on different deployments or world sizes see the same losses.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -46,17 +45,18 @@ from hydraulis.limits import DEFAULT_EXCHANGE_BUCKET_BYTES
 from hydraulis.optim import OptimSettings
 from hydraulis.parallel import Deployment
 from hydraulis.planner.phases import PhasedPlanner
-from hydraulis.planner.plan import IterationPlan, Schedule, decode_plan, decode_schedule, encode_plan, encode_schedule
+from hydraulis.planner.plan import IterationPlan, Schedule, decode_schedule, encode_schedule
 from hydraulis.planner.pool import check_job_pool
 from hydraulis.planner.schedule import phases_time
 from hydraulis.planner.sim import simulate
+from hydraulis.runtime.compare import Comparison, compare
 from hydraulis.runtime.deployments import RankDeployment, RankPool
 from hydraulis.runtime.divergence import finite
 from hydraulis.runtime.launch import DTYPES, DistEnv, init_distributed
 from hydraulis.runtime.metering.step_memory import CPU_SAMPLE_EVERY, MemoryFigures, StepMemory, predicted_peak
 from hydraulis.runtime.parallelism.batch import PackedBatch, count_targets, pack_cp_shard
 from hydraulis.runtime.parallelism.groups import built_groups
-from hydraulis.runtime.phases import loss_part, rank_figures, run_phases
+from hydraulis.runtime.phases import RankFigures, loss_part, run_phases
 from hydraulis.runtime.sharding.layout import ModelLayout
 from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
 from hydraulis.runtime.sharding.overlap import Overlap
@@ -149,35 +149,6 @@ class StepMetrics:
         return d
 
 
-@dataclass(frozen=True)
-class Comparison:
-    """The same batches as planned and on each homogeneous deployment: measured and predicted seconds."""
-
-    tokens: int
-    repeats: int
-    measured_s: dict[str, list[float]]  # per variant ("planned" or a deployment), one total per repeat
-    predicted_s: dict[str, float]
-
-    def median(self, name: str) -> float:
-        return float(np.median(self.measured_s[name]))
-
-    @property
-    def best_homogeneous(self) -> str:
-        return min((k for k in self.measured_s if k != "planned"), key=self.median)
-
-    def to_dict(self) -> dict:
-        best = self.best_homogeneous
-        return {
-            "tokens": self.tokens,
-            "repeats": self.repeats,
-            "measured_s": self.measured_s,
-            "predicted_s": self.predicted_s,
-            "best_homogeneous": best,
-            "measured_speedup": self.median(best) / self.median("planned"),
-            "predicted_speedup": self.predicted_s[best] / self.predicted_s["planned"],
-        }
-
-
 class Trainer:
     """One rank's training loop (see the module docstring). Every rank of the job builds one."""
 
@@ -215,14 +186,14 @@ class Trainer:
             timeout,
         )
         self._timeouts_settled = False
-        self.memory = StepMemory(self.env.device, self.optimizer, settings.memory_every, settings.memory_budget_bytes)
+        self.memory = StepMemory(self.env.device, settings.memory_every, settings.memory_budget_bytes)
         self.planner = PhasedPlanner(settings.cost, self.world, settings.pool) if self.rank == 0 else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner") if self.rank == 0 else None
         self.step_index = 0
         self._pending: tuple[GlobalBatch, Future | None] | None = None
         self.recent: deque[tuple[GlobalBatch, Schedule]] = deque(maxlen=settings.compare_steps)
         # The last step's own figures on this rank (the metrics carry the largest over ranks); None before it.
-        self.last_exchange: Overlap | None = None
+        self.last_overlap: Overlap | None = None
         self.last_memory: MemoryFigures | None = None
 
     # -- plans ---------------------------------------------------------------------------
@@ -245,15 +216,15 @@ class Trainer:
             try:
                 payload = encode_schedule(future.result(), self.settings.pool)
             except HydraulisError as exc:
-                self._broadcast(None)
+                self.broadcast(None)
                 raise HydraulisError(f"planning step {self.step_index}: {exc}") from None
         waited = time.perf_counter() - waited
-        data = self._broadcast(payload)
+        data = self.broadcast(payload)
         if data is None:
             raise HydraulisError(f"rank 0 could not plan step {self.step_index}")
         return batch, decode_schedule(data, self.step_index, batch.lengths, self.settings.pool), waited
 
-    def _broadcast(self, payload: np.ndarray | None) -> np.ndarray | None:
+    def broadcast(self, payload: np.ndarray | None) -> np.ndarray | None:
         """Rank 0's payload on every rank: its length first (-1: rank 0 failed), then the values."""
         if self.world == 1:
             return payload
@@ -309,7 +280,7 @@ class Trainer:
         start = time.perf_counter()
         targets = self.batch_targets(batch)
         runs = run_phases(self, batch, schedule, targets)
-        self.last_exchange = runs[-1].exchange
+        self.last_overlap = runs[-1].overlap
         norm, extra = self.optimizer.global_norm(extra=loss_part(runs, self.env.device).reshape(1))
         lr = s.optim.lr_at(self.step_index, s.steps)
         values = torch.stack([norm.detach().double().cpu(), extra[0].double().cpu()]).tolist()  # one sync per step
@@ -319,12 +290,15 @@ class Trainer:
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         finished = time.perf_counter()  # the iteration ends here; what follows only reports on it
-        memory = self.memory.stop()
+        memory = self.memory.stop(max(r.overlap.buffer_bytes for r in runs))
         self.last_memory = memory
         for r in runs:
             r.part.clear_grads()
-        times, peaks = rank_figures(runs, memory, self.control)
-        predicted = [simulate(p, s.cost, keep_events=False) for p in schedule.phases]
+        figures = RankFigures.of(runs, memory).across_ranks(self.control)
+        # Each replica's prediction travels with the plan (planner.finalize); only a plan nobody simulated (made by
+        # hand: tests, benchmarks) is simulated here, with this trainer's cost model.
+        predicted = [p.replica_predicted_s or tuple(simulate(p, s.cost, keep_events=False).replica_times_s)
+                     for p in schedule.phases]
         metrics = StepMetrics(
             step=self.step_index,
             loss=values[1] / targets,
@@ -342,22 +316,22 @@ class Trainer:
             reduce_s=sum(r.reduce_s for r in runs),
             lr=lr,
             grad_norm=values[0],
-            replica_s=tuple(times),
-            replica_predicted_s=tuple(float(t) for res in predicted for t in res.replica_times_s),
+            replica_s=figures.replica_s,
+            replica_predicted_s=tuple(float(t) for times in predicted for t in times),
             micro_batches=tuple(len(r.micro_batches) for p in schedule.phases for r in p.replicas),
             epoch=batch.state.epoch,
             position=batch.state.position,
             skipped=skipped,
-            memory_peak_bytes=int(peaks[0]),
-            memory_predicted_bytes=int(peaks[1]),
-            exchange_peak_bytes=int(peaks[2]),
-            memory_error=peaks[3],
-            exchange_exposed_s=peaks[4],
-            exchange_exposed_min_s=-peaks[5],
+            memory_peak_bytes=int(figures.memory_peak),
+            memory_predicted_bytes=int(figures.memory_predicted),
+            exchange_peak_bytes=int(figures.exchange_peak),
+            memory_error=figures.memory_error,
+            exchange_exposed_s=figures.exposed_s,
+            exchange_exposed_min_s=figures.exposed_min_s,
             phases=len(runs),
-            phase_switch_s=-peaks[7],
+            phase_switch_s=figures.switch_min_s,
             phase_switch_predicted_s=schedule.switch_s * (len(runs) - 1),
-            memory_over_budget=s.memory_budget_bytes is not None and peaks[0] > s.memory_budget_bytes,
+            memory_over_budget=s.memory_budget_bytes is not None and figures.memory_peak > s.memory_budget_bytes,
             deployment_indices=tuple(indices),
         )
         self.step_index += 1
@@ -368,47 +342,8 @@ class Trainer:
 
     # -- measured comparison ------------------------------------------------------------------
     def compare(self, repeats: int = 3) -> Comparison | None:
-        """The recent batches again, as planned and on each homogeneous deployment of the pool, interleaved.
-
-        Real iterations (gather, 1F1B, reduce, AdamW), timed as `run_iteration` times them; the
-        optimizer state and step index are restored afterwards, so training is unchanged.
-        Returns None when no batch was kept or no homogeneous deployment holds them all. A deployment that
-        could not hold some batch of the run is left out: a homogeneous run could not have used it (under
-        `[parallel] memory_per_rank`, the comparison is with the homogeneous plans that fit the budget).
-        """
-        pairs = list(self.recent)
-        if not pairs:
-            return None
-        pool = self.settings.pool
-        candidates = [k for k, d in enumerate(pool) if d.is_homogeneous]  # that held every batch of the run:
-        candidates = [k for k in candidates if self.planner is None or k not in self.planner.missed]
-        payload, made = None, {}
-        if self.planner is not None:
-            for k in candidates:  # a deployment that cannot hold every batch (within the caps) is left out
-                with contextlib.suppress(HydraulisError):
-                    made[k] = [encode_plan(self.planner.plan_on(b.lengths, pool[k], p.step), k) for b, p in pairs]
-            payload = np.array([len(made), *made], dtype=np.int64)
-        usable = [int(k) for k in self._broadcast(payload)[1:]]
-        if not usable:
-            return None
-        plans: dict[str, list[Schedule]] = {"planned": [p for _, p in pairs]}
-        for k in usable:
-            mine = made.get(k, [None] * len(pairs))  # rank 0 made them; the others receive them
-            plans[str(pool[k])] = [Schedule.single(decode_plan(self._broadcast(m), p.step, b.lengths, pool))
-                                   for m, (b, p) in zip(mine, pairs, strict=True)]
-        saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.optimizer.state_dict().items()}
-        step_index = self.step_index
-        seconds: dict[str, list[float]] = {name: [] for name in plans}
-        for _ in range(repeats):
-            for name, chosen in plans.items():
-                self.step_index = step_index
-                rows = [self.run_schedule(b, p) for (b, _), p in zip(pairs, chosen, strict=True)]
-                seconds[name].append(sum(r.iteration_s for r in rows))
-        self.step_index = step_index
-        self.optimizer.load_state_dict(saved)
-        tokens = sum(b.num_tokens for b, _ in pairs)
-        predicted = {name: sum(p.iteration_time_s for p in chosen) for name, chosen in plans.items()}
-        return Comparison(tokens, repeats, seconds, predicted)
+        """The recent batches again, as planned and on each homogeneous deployment (runtime/compare.py)."""
+        return compare(self, repeats)
 
     # -- checkpoints (checkpoint.py) ------------------------------------------------------------
     def next_sampler_state(self) -> SamplerState:

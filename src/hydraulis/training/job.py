@@ -17,7 +17,7 @@ from pathlib import Path
 from hydraulis.cost import CostModel, load_cost_model
 from hydraulis.data.indexed import IndexedCorpus, check_targets_left, corpus_sampler, overlong
 from hydraulis.data.sampler import Overlong, TokenBudgetSampler
-from hydraulis.errors import HydraulisError
+from hydraulis.errors import HydraulisError, OverlongError
 from hydraulis.jsonio import write_json_atomic
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.pool import PoolSetting, check_job_pool, parse_pool
@@ -387,6 +387,9 @@ def check_tokenizer(tokenizer: str, spec: ModelSpec, init_from: str | None) -> s
     return tok.name
 
 
+CONFIG_OVERLONG = "a lower [data] max_len ([data] overlong cuts longer documents)"
+
+
 def _propose(
     cost: CostModel, cluster: ClusterSpec, sampler: TokenBudgetSampler, config: RunConfig
 ) -> tuple[Deployment, ...]:
@@ -401,10 +404,8 @@ def _propose(
         proposal = propose(
             cost, cluster, [b.lengths for b in sample], max_pool=config.parallel.max_pool, max_length=data.max_len
         )
-    except HydraulisError as exc:  # the planner's remedy names `plan`'s flags; train has config keys
-        remedy = "lower [data] max_len ([data] overlong cuts longer documents)"
-        text = str(exc).replace("use --overlong split|truncate|drop", remedy)
-        raise HydraulisError(text.replace("--profile ", "[parallel] profile = ")) from None
+    except OverlongError as exc:  # the planner's message names `plan`'s flags; the job words it in config keys
+        raise HydraulisError(exc.worded(CONFIG_OVERLONG, "[parallel] profile = {}")) from None
     return tuple(proposal.pool.deployments)
 
 

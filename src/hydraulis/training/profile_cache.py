@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 from pathlib import Path
 from typing import Any
 
+from hydraulis.cost.conditions import cpu_cores
 from hydraulis.data.staging import cache_dir
 from hydraulis.jsonio import write_json_atomic
 
@@ -29,8 +29,8 @@ def profiles_dir() -> Path:
 
 
 def machine(device: str, device_name: str) -> dict[str, Any]:
-    """What makes two machines time alike: device kind and name, and the core count."""
-    return {"device": device, "device_name": device_name, "cores": os.cpu_count() or 1}
+    """What makes two machines time alike: device kind and name, and the cores this process may run on."""
+    return {"device": device, "device_name": device_name, "cores": cpu_cores()}
 
 
 def cache_path(identity: dict[str, Any], label: str) -> Path:

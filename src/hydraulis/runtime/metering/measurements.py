@@ -254,6 +254,7 @@ def measure_optimizer_step(
     from hydraulis.runtime.deployments import RankPool
     from hydraulis.runtime.sharding.layout import ModelLayout
     from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
+    from hydraulis.runtime.sharding.overlap import reduce
 
     world, clock = env.world_size, Clock(env.device)
     optimizer = DisaggregatedOptimizer(ModelLayout(spec, world), env.rank, AdamWSettings(), env.device)
@@ -270,7 +271,7 @@ def measure_optimizer_step(
 
         parts = {
             "gather": lambda part=part: deployments.gather(part),
-            "reduce": lambda part=part: optimizer.reduce(part.exchange, part.grads, unscale=part.grad_unscales),
+            "reduce": lambda part=part: reduce(optimizer, part.exchange_plan, part.grads, unscale=part.grad_unscales),
             "update": update,
         }
         durations: dict[str, list[float]] = {"total": [], "gather": [], "reduce": []}

@@ -262,7 +262,7 @@ def describe_device(device: str, world: int, dtype: str, threads: int) -> dict[s
             "torch": torch.__version__,
         }
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    cores = os.cpu_count() or 1
+    cores = cpu_cores()
     return {
         "name": "cpu",
         "kind": "cpu",

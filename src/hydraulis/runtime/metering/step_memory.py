@@ -3,8 +3,9 @@
 Measured (`memory_meter`): what the process held at the iteration's start
 (a census of live tensor storages on CPU, `memory_allocated` on CUDA) plus
 the allocator's peak above it during the iteration; the exchange's own peak
-is the allocator's peak inside gather and reduce on CPU, and the largest
-send and receive buffers the optimizer allocated on CUDA. Predicted:
+is the allocator's peak inside gather and reduce on CPU, and on CUDA the
+largest send and receive buffers the exchanges report they held (`Overlap.buffer_bytes`,
+handed to `StepMemory.stop`). Predicted:
 `cost.memory.rank_memory` for the rank's config and stage and its replica's
 largest micro-batch. Neither reads the other.
 """
@@ -22,7 +23,7 @@ from hydraulis.cost.model import CostModel
 from hydraulis.planner.plan import IterationPlan
 from hydraulis.runtime.deployments import RankDeployment
 from hydraulis.runtime.metering.memory_meter import PeakMeter, live_tensor_bytes
-from hydraulis.runtime.sharding.optimizer import EXCHANGE_WINDOW, DisaggregatedOptimizer
+from hydraulis.runtime.sharding.exchange import EXCHANGE_WINDOW
 from hydraulis.specs import ModelSpec
 
 
@@ -60,11 +61,10 @@ class StepMemory:
     def __init__(
         self,
         device: torch.device,
-        optimizer: DisaggregatedOptimizer,
         every: int = CPU_SAMPLE_EVERY,
         budget: int | None = None,
     ) -> None:
-        self.device, self.optimizer, self.every, self.budget = device, optimizer, every, budget
+        self.device, self.every, self.budget = device, every, budget
         self.meter = PeakMeter(device)
         self._base = 0
         self._seen: set[int] = set()
@@ -87,17 +87,15 @@ class StepMemory:
             return
         self._highest = max(self._highest, predicted)
         self._base = live_tensor_bytes(self.device)
-        self.optimizer.exchange_peak_bytes = 0
         self.meter.start()
 
-    def stop(self) -> MemoryFigures:
+    def stop(self, exchange_buffer_bytes: int = 0) -> MemoryFigures:
+        """The iteration's figures; `exchange_buffer_bytes`: what its exchanges' buffers held at most (on CUDA the
+        exchange's peak, which the allocator cannot tell apart; on CPU the allocator's peak inside them is)."""
         if not self._measuring:
             return MemoryFigures(0, int(self._predicted), 0)
         self.meter.stop()
-        if self.device.type == "cuda":
-            exchange = self.optimizer.exchange_peak_bytes
-        else:
-            exchange = self.meter.window_peak(EXCHANGE_WINDOW)
+        exchange = exchange_buffer_bytes if self.device.type == "cuda" else self.meter.window_peak(EXCHANGE_WINDOW)
         return MemoryFigures(self._base + self.meter.peak_bytes, int(self._predicted), int(exchange))
 
 

@@ -123,7 +123,7 @@ def _ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
     return first + np.arange(int(sizes.sum()))
 
 
-# ---------------------------------------------------------------- the K/V exchange
+# ---------------------------------------------------------------- the K/V all-gather
 
 # torch 2.13 renames the tensor collectives; 2.11 has only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

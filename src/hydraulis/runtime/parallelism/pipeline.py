@@ -13,7 +13,7 @@ non-interleaved 1F1B):
 - cool-down: the remaining backwards.
 
 A forward's send and the next backward's receive go in one batched p2p
-exchange (and a backward's send with the next forward's receive), so paired
+call, `send_recv` (and a backward's send with the next forward's receive), so paired
 stages never wait on each other's sends. Gradients accumulate in `.grad`
 across micro-batches; each micro-batch's loss is its sum of token losses
 divided by the real targets of the WHOLE global batch, so the accumulated
@@ -78,7 +78,7 @@ class _P2P:
         tokens = batch.num_tokens // self.tp.size if self.tp.sequence_parallel else batch.num_tokens
         return tokens, self.hidden
 
-    def exchange(
+    def send_recv(
         self,
         send: torch.Tensor | None,
         send_to: int | None,
@@ -200,7 +200,7 @@ class _StageRun:
             x = self._recv_forward()
             y = self._forward(x)
             if not self.last:
-                self.p2p.exchange(y.detach(), self.groups.next_rank, None)
+                self.p2p.send_recv(y.detach(), self.groups.next_rank, None)
                 deallocate_output(y)
 
     def steady_state(self) -> None:
@@ -213,29 +213,29 @@ class _StageRun:
             grad_out = None
             if not self.last:
                 oldest = self.batches[self.in_flight[0][0]]
-                grad_out = self.p2p.exchange(y.detach(), groups.next_rank, groups.next_rank, oldest)
+                grad_out = self.p2p.send_recv(y.detach(), groups.next_rank, groups.next_rank, oldest)
                 deallocate_output(y)
             grad_in = self._backward(grad_out)
             # Send the input gradient back and receive the next forward's input (none after the last).
             final = i == count - self.warmup - 1
             if not self.first:
                 nxt = None if final else self.batches[self.next_forward]
-                x = self.p2p.exchange(grad_in, groups.prev_rank, None if final else groups.prev_rank, nxt)
+                x = self.p2p.send_recv(grad_in, groups.prev_rank, None if final else groups.prev_rank, nxt)
 
     def cool_down(self) -> None:
         """The backwards of the warm-up's forwards."""
         groups = self.groups
         for _ in range(self.warmup):
             oldest = self.batches[self.in_flight[0][0]]
-            grad_out = None if self.last else self.p2p.exchange(None, None, groups.next_rank, oldest)
+            grad_out = None if self.last else self.p2p.send_recv(None, None, groups.next_rank, oldest)
             grad_in = self._backward(grad_out)
             if not self.first:
-                self.p2p.exchange(grad_in, groups.prev_rank, None)
+                self.p2p.send_recv(grad_in, groups.prev_rank, None)
 
     def _recv_forward(self) -> torch.Tensor | None:
         if self.first:
             return None
-        return self.p2p.exchange(None, None, self.groups.prev_rank, self.batches[self.next_forward])
+        return self.p2p.send_recv(None, None, self.groups.prev_rank, self.batches[self.next_forward])
 
     def _forward(self, x: torch.Tensor | None) -> torch.Tensor:
         """The next micro-batch's forward; on the last stage, its share of the global mean loss."""

@@ -26,7 +26,6 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from hydraulis.cost.memory import EXCHANGE_ELEMENT_BYTES  # rounds are sized for fp32, the widest it moves
 from hydraulis.errors import HydraulisError
@@ -282,28 +281,3 @@ def _gather_needs(
         last = np.where(hits.any(axis=1), hits.shape[1] - 1 - np.argmax(hits[:, ::-1], axis=1), -1)
         needs = np.maximum(needs, last)
     return tuple(int(n) for n in needs)
-
-
-
-def canonical_pieces(t: torch.Tensor, lp: LocalParam, start: int, stop: int) -> list[torch.Tensor]:
-    """Views of a local tensor covering its canonical elements [start, stop), in order (no copies).
-
-    A row-parallel weight's canonical order is its transpose: the range is a
-    partial row, whole rows and a partial row of `t.t()`.
-    """
-    if not lp.flat.transposed:
-        return [t.view(-1)[start:stop]]
-    c = t.t()
-    width = c.shape[1]
-    out = []
-    while start < stop:
-        i, j = divmod(start, width)
-        if j == 0 and stop - start >= width:
-            rows = (stop - start) // width
-            out.append(c[i : i + rows])
-            start += rows * width
-        else:
-            take = min(width - j, stop - start)
-            out.append(c[i, j : j + take])
-            start += take
-    return out

@@ -44,6 +44,19 @@ INIT_STD = 0.02
 INIT_BLOCK = 1 << 20  # elements of one seeded init stream
 
 
+def canonical_order(t: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """`t` with its two dims swapped for a row-parallel weight (a view): the one rule of the canonical order.
+
+    It is its own inverse: a tensor of a parameter's (full or local) shape comes out in canonical
+    shape, and one of canonical shape comes out in the parameter's.
+    """
+    return t.t() if transposed else t
+
+
+def _canonical_shape(shape: tuple[int, ...], transposed: bool) -> tuple[int, ...]:
+    return tuple(reversed(shape)) if transposed else shape
+
+
 @dataclass(frozen=True)
 class FlatParam:
     """One parameter of the full model in the global vector."""
@@ -59,7 +72,17 @@ class FlatParam:
 
     @property
     def canonical_shape(self) -> tuple[int, ...]:
-        return tuple(reversed(self.full_shape)) if self.transposed else self.full_shape
+        return _canonical_shape(self.full_shape, self.transposed)
+
+    def from_canonical(self, flat: torch.Tensor) -> torch.Tensor:
+        """The parameter's canonical flat vector as a full-shape tensor (contiguous)."""
+        return canonical_order(flat.view(self.canonical_shape), self.transposed).contiguous()
+
+    def to_canonical(self, full: torch.Tensor) -> torch.Tensor:
+        """A full-shape tensor as its canonical flat vector (for loading full checkpoints into the layout)."""
+        if tuple(full.shape) != self.full_shape:
+            raise HydraulisError(f"{self.name}: shape {tuple(full.shape)} does not match the model's {self.full_shape}")
+        return canonical_order(full, self.transposed).reshape(-1)
 
     @property
     def decay(self) -> bool:
@@ -86,11 +109,32 @@ class LocalParam:
         return self.gather[1] - self.gather[0]
 
     def from_canonical(self, flat: torch.Tensor) -> torch.Tensor:
-        """A canonical flat vector as a tensor of the local shape (a view where possible)."""
-        if self.flat.transposed:
-            rows, cols = self.local_shape
-            return flat.view(cols, rows).t()
-        return flat.view(self.local_shape)
+        """A canonical flat vector as a tensor of the local shape (a view)."""
+        transposed = self.flat.transposed
+        return canonical_order(flat.view(_canonical_shape(self.local_shape, transposed)), transposed)
+
+    def pieces(self, t: torch.Tensor, start: int, stop: int) -> list[torch.Tensor]:
+        """Views of `t` (of the local shape) covering its canonical elements [start, stop), in order (no copies).
+
+        A row-parallel weight's canonical order is its transpose: the range is a partial row, whole rows
+        and a partial row of it.
+        """
+        c = canonical_order(t, self.flat.transposed)
+        if c.dim() < 2 or c.is_contiguous():
+            return [c.view(-1)[start:stop]]
+        width = c.shape[1]
+        out = []
+        while start < stop:
+            i, j = divmod(start, width)
+            if j == 0 and stop - start >= width:
+                rows = (stop - start) // width
+                out.append(c[i : i + rows])
+                start += rows * width
+            else:
+                take = min(width - j, stop - start)
+                out.append(c[i, j : j + take])
+                start += take
+        return out
 
 
 @dataclass(frozen=True)
@@ -196,7 +240,7 @@ class ModelLayout:
     def full_state_dict(self, seed: int) -> dict[str, torch.Tensor]:
         """The whole initial model, full shapes (for single-process references and exports only)."""
         return {
-            p.name: _from_canonical_full(p, init_param_range(p, 0, p.numel, seed)) for p in self.params
+            p.name: p.from_canonical(init_param_range(p, 0, p.numel, seed)) for p in self.params
         }
 
 
@@ -233,18 +277,6 @@ def reset_parameters(model: StageModel, seed: int) -> None:
 def full_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every full-model parameter of `spec`, in the global order."""
     return {p.name: p.full_shape for p in ModelLayout(spec, 1).params}
-
-
-def _from_canonical_full(p: FlatParam, flat: torch.Tensor) -> torch.Tensor:
-    t = flat.view(p.canonical_shape)
-    return t.t().contiguous() if p.transposed else t
-
-
-def full_to_canonical(p: FlatParam, full: torch.Tensor) -> torch.Tensor:
-    """A full-shape tensor as its canonical flat vector (for loading full checkpoints into the layout)."""
-    if tuple(full.shape) != p.full_shape:
-        raise HydraulisError(f"{p.name}: shape {tuple(full.shape)} does not match the model's {p.full_shape}")
-    return (full.t() if p.transposed else full).reshape(-1)
 
 
 @functools.cache

@@ -17,7 +17,8 @@ Gather and reduce run in rounds of an `ExchangePlan` (exchange.py), each one
 `all_to_all_single` with split sizes whose send and receive buffers each
 hold at most half a bucket; at most two rounds are in flight and the owner
 adds each round's contributions into its gradient as they arrive
-(overlap.py, which also overlaps them with compute). A rank's transient
+(overlap.py runs them on this optimizer, and overlaps them with compute; this
+module does not import it). A rank's transient
 exchange memory is therefore O(bucket), not O(model) or O(replicas x owned).
 """
 
@@ -38,7 +39,6 @@ from hydraulis.parallel import Deployment
 from hydraulis.runtime.sharding.exchange import EXCHANGE_ELEMENT_BYTES, EXCHANGE_WINDOW, ExchangePlan, deployment_roles
 from hydraulis.runtime.sharding.layout import ModelLayout
 from hydraulis.runtime.sharding.main_grad import ACCUMULATOR, scale_for
-from hydraulis.runtime.sharding.overlap import GatherStream, ReduceStream
 
 __all__ = ["EXCHANGE_WINDOW", "DisaggregatedOptimizer", "ExchangePlan", "deployment_roles"]
 
@@ -101,7 +101,7 @@ class OwnedGradient:
 
 
 class DisaggregatedOptimizer:
-    """This rank's owned range of master weights and AdamW state, and the exchanges with compute shards."""
+    """This rank's owned range of master weights and AdamW state, and the exchange plans of its deployments."""
 
     def __init__(
         self,
@@ -117,7 +117,6 @@ class DisaggregatedOptimizer:
             raise HydraulisError(f"exchange bucket of {bucket_bytes} bytes: it must hold at least one element")
         self.layout, self.rank, self.settings = layout, rank, settings
         self.bucket_bytes = bucket_bytes
-        self.exchange_peak_bytes = 0  # the largest send + receive buffers of any round so far (their real sizes)
         self.device = torch.device(device)
         self.group = group
         n = layout.owned_size(rank)
@@ -156,23 +155,6 @@ class DisaggregatedOptimizer:
                 self.layout, deployment, self.rank, sequence_parallel, self.bucket_bytes
             )
         return self._plans[key]
-
-    # -- exchanges (overlap.py runs them; these are the whole exchange at once) ---------------
-    def gather(self, plan: ExchangePlan, params: Sequence[torch.Tensor], dtype: torch.dtype) -> None:
-        """Fill `params` (the rank's compute shard, in plan.local order) from the owners, round by round."""
-        GatherStream(self, plan, params, dtype).finish()
-
-    def reduce(
-        self, plan: ExchangePlan, grads: Sequence[torch.Tensor | None], dtype: torch.dtype = torch.float32,
-        unscale: Sequence[torch.Tensor | None] | None = None,
-    ) -> None:
-        """Sum every rank's gradients into the owned gradient `self.grad`, round by round (None counts as zero).
-
-        `grads` are the compute shard's gradients in plan.local order, each times its `unscale` factor
-        where one is given (scaled fp16 sums, main_grad.py); they travel in `dtype` and are summed in
-        fp32 as each round arrives.
-        """
-        ReduceStream(self, plan, lambda i: (grads[i], None if unscale is None else unscale[i]), dtype).finish()
 
     # -- step -------------------------------------------------------------------------------
     @torch.no_grad()

@@ -25,6 +25,11 @@ p2p, so a pipelined replica gathers everything before its first micro-batch
 (`Overlap.gather_ahead`). The owners add every round's contributions in
 rank order, so overlapped and sequential exchanges give bit-identical results.
 
+The model's hooks (`attach_exchange_hooks`) drive an `Overlap` only inside
+`ExchangeHooks.exchanging` (a deployment part's `exchanging`), which always
+clears it; outside it they do nothing. The streams run on the optimizer this
+module imports; the optimizer does not import this module.
+
 `exposed_s` is the time the training thread spent inside the exchange
 (packing, unpacking, waiting): what compute did not hide. On CUDA it is
 host time; a wait there only orders streams.
@@ -37,35 +42,15 @@ import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from hydraulis.errors import HydraulisError
-from hydraulis.runtime.sharding.exchange import EXCHANGE_WINDOW, ExchangePlan, ExchangeRound, canonical_pieces
-from hydraulis.runtime.sharding.layout import ModelLayout
+from hydraulis.runtime.sharding.exchange import EXCHANGE_WINDOW, ExchangePlan, ExchangeRound
 from hydraulis.runtime.sharding.main_grad import Gradient, gradient
-
-
-class OwnedSum(Protocol):
-    """What a reduce needs of the owned gradient (optimizer.py's OwnedGradient)."""
-
-    def zero(self) -> None: ...
-
-    def add(self, ranges: Sequence[tuple[int, int]], recv: torch.Tensor) -> None: ...
-
-
-class Owner(Protocol):
-    """What an exchange needs of the optimizer (DisaggregatedOptimizer, runtime/sharding/optimizer.py)."""
-
-    layout: ModelLayout
-    master: torch.Tensor
-    grad: OwnedSum
-    device: torch.device
-    group: dist.ProcessGroup | None
-    exchange_peak_bytes: int
+from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
 
 DEPTH = 2  # rounds in flight: the one compute waits for and the next
 
@@ -73,7 +58,7 @@ DEPTH = 2  # rounds in flight: the one compute waits for and the next
 class _Rounds(ABC):
     """One exchange's rounds on the optimizer's group: issued in order, at most DEPTH in flight, retired in order."""
 
-    def __init__(self, opt: Owner, plan: ExchangePlan, kind: str, dtype: torch.dtype,
+    def __init__(self, opt: DisaggregatedOptimizer, plan: ExchangePlan, kind: str, dtype: torch.dtype,
                  order: Sequence[int]) -> None:
         self.opt, self.plan, self.kind = opt, plan, kind
         self.order = tuple(order)  # round indices in issue order
@@ -83,6 +68,7 @@ class _Rounds(ABC):
         self.dtype = dtype
         self.depth = min(DEPTH, len(self.order))
         self.slots: list[tuple[torch.Tensor, torch.Tensor]] = []  # allocated by the first round, freed after the last
+        self.buffer_bytes = 0  # what the slots held (their real sizes): this exchange's own memory
         self.flight: deque[tuple[int, dist.Work | None, tuple[torch.Tensor, torch.Tensor]]] = deque()
 
     @property
@@ -101,8 +87,7 @@ class _Rounds(ABC):
             tuple(torch.empty(n, dtype=self.dtype, device=self.opt.device) for n in sizes)
             for _ in range(self.depth)
         ]
-        held = sum(b.numel() * b.element_size() for slot in self.slots for b in slot)
-        self.opt.exchange_peak_bytes = max(self.opt.exchange_peak_bytes, held)
+        self.buffer_bytes = sum(b.numel() * b.element_size() for slot in self.slots for b in slot)
 
     def _issue(self) -> None:
         if not self.slots:
@@ -176,7 +161,7 @@ class _Rounds(ABC):
 class GatherStream(_Rounds):
     """The compute shard filled from the owners' masters, in model order, one round ahead of compute."""
 
-    def __init__(self, opt: Owner, plan: ExchangePlan, params: Sequence[torch.Tensor],
+    def __init__(self, opt: DisaggregatedOptimizer, plan: ExchangePlan, params: Sequence[torch.Tensor],
                  dtype: torch.dtype) -> None:
         if len(params) != len(plan.local):
             raise HydraulisError(f"gather: {len(params)} parameters, the exchange plan has {len(plan.local)}")
@@ -194,7 +179,7 @@ class GatherStream(_Rounds):
     def unpack(self, rnd: ExchangeRound, recv: torch.Tensor) -> None:
         pos = 0
         for i, off, n in rnd.gather_recv:
-            for piece in canonical_pieces(self.params[i], self.plan.local[i], off, off + n):
+            for piece in self.plan.local[i].pieces(self.params[i], off, off + n):
                 piece.copy_(recv[pos : pos + piece.numel()].view(piece.shape))
                 pos += piece.numel()
 
@@ -214,11 +199,13 @@ class GatherStream(_Rounds):
 class ReduceStream(_Rounds):
     """Gradients summed into the owners' `grad`, in reverse model order, each round sent once it is final."""
 
-    def __init__(self, opt: Owner, plan: ExchangePlan, grads: Callable[[int], Gradient], dtype: torch.dtype,
-                 before: Callable[[], None] | None = None, accumulate: bool = False) -> None:
+    def __init__(self, opt: DisaggregatedOptimizer, plan: ExchangePlan, grads: Callable[[int], Gradient],
+                 dtype: torch.dtype, after: GatherStream | None = None, accumulate: bool = False) -> None:
         super().__init__(opt, plan, "reduce", dtype, range(len(plan.rounds) - 1, -1, -1))
         self.grads = grads  # local parameter index -> its accumulated gradient (None: zero) and factor (main_grad.py)
-        self.before = before  # called before the first round is issued (the gather's finish)
+        # The gather of the same iteration: its rounds use the same group, so all of them go out before this
+        # reduce's first (every rank issues the collectives in one order), and its buffers are freed by then.
+        self.after = after
         self.sealed: set[int] = set()
         self.counts: dict[int, int] = {}
         self.early = 0  # rounds issued from backward's hooks, while it went on
@@ -228,10 +215,10 @@ class ReduceStream(_Rounds):
             opt.grad.zero()
 
     def _start(self) -> None:
-        """Before the first round: what must precede it on the group (the gather's last rounds)."""
-        if self.before is not None:
-            before, self.before = self.before, None
-            before()
+        """Before the first round: the gather's last rounds, which must precede it on the group."""
+        if self.after is not None:
+            gather, self.after = self.after, None
+            gather.finish()
 
     def finish(self) -> None:
         self._start()
@@ -246,7 +233,7 @@ class ReduceStream(_Rounds):
                 pos += n
                 continue
             start = pos
-            for piece in canonical_pieces(g, self.plan.local[i], off, off + n):
+            for piece in self.plan.local[i].pieces(g, off, off + n):
                 send[pos : pos + piece.numel()].view(piece.shape).copy_(piece)
                 pos += piece.numel()
             if unscale is not None:  # a scaled fp16 sum: its value in the send dtype (exact, a power of two)
@@ -273,7 +260,7 @@ class ReduceStream(_Rounds):
         with self._exposed():
             while self.flight and self._finished():
                 self._retire()
-            while (self.before is None and self.issued < len(self.order) and len(self.flight) < self.depth
+            while (self.after is None and self.issued < len(self.order) and len(self.flight) < self.depth
                    and self.plan.reduce_reads[self.order[self.issued]] <= self.sealed):
                 self._issue()
                 self.early += 1
@@ -288,14 +275,14 @@ def _tail(index: dict[str, int]) -> set[int]:
 
 
 class Overlap:
-    """One iteration's gather and reduce on one rank, reached by the model's hooks (`attach_exchange_hooks`)."""
+    """One iteration's gather and reduce on one rank, driven by the model's hooks while it computes
+    (`ExchangeHooks.exchanging`)."""
 
-    def __init__(self, opt: Owner, plan: ExchangePlan, params: Sequence[torch.nn.Parameter],
+    def __init__(self, opt: DisaggregatedOptimizer, plan: ExchangePlan, params: Sequence[torch.nn.Parameter],
                  dtype: torch.dtype, reduce_dtype: torch.dtype, micro_batches: int, enabled: bool = True,
                  accumulate: bool = False) -> None:
         self.gather = GatherStream(opt, plan, params, dtype)
-        self.reduce = ReduceStream(opt, plan, lambda i: gradient(params[i]), reduce_dtype, self.gather.finish,
-                                   accumulate)
+        self.reduce = ReduceStream(opt, plan, lambda i: gradient(params[i]), reduce_dtype, self.gather, accumulate)
         self.micro_batches = micro_batches
         self.enabled = enabled  # False: the hooks do nothing, gather and reduce run whole (`gather_ahead`, `finish`)
 
@@ -310,13 +297,50 @@ class Overlap:
     def exposed_s(self) -> float:
         return self.gather.exposed_s + self.reduce.exposed_s
 
+    @property
+    def buffer_bytes(self) -> int:
+        """The most bytes this exchange's buffers held at once (the reduce allocates after the gather freed)."""
+        return max(self.gather.buffer_bytes, self.reduce.buffer_bytes)
 
-def attach_exchange_hooks(model: torch.nn.Module) -> None:
-    """Hooks that drive `model.exchange` (an `Overlap`, or None: no-op), registered once per stage model.
+
+def gather(opt: DisaggregatedOptimizer, plan: ExchangePlan, params: Sequence[torch.Tensor],
+           dtype: torch.dtype) -> None:
+    """Fill `params` (a compute shard, in plan.local order) from the owners, every round at once."""
+    GatherStream(opt, plan, params, dtype).finish()
+
+
+def reduce(opt: DisaggregatedOptimizer, plan: ExchangePlan, grads: Sequence[torch.Tensor | None],
+           dtype: torch.dtype = torch.float32, unscale: Sequence[torch.Tensor | None] | None = None) -> None:
+    """Sum every rank's gradients into the owners' `opt.grad`, every round at once (None counts as zero).
+
+    `grads` are the compute shard's gradients in plan.local order, each times its `unscale` factor where
+    one is given (scaled fp16 sums, main_grad.py); they travel in `dtype` and are summed in fp32.
+    """
+    ReduceStream(opt, plan, lambda i: (grads[i], None if unscale is None else unscale[i]), dtype).finish()
+
+
+class ExchangeHooks:
+    """A stage model's hooks and the exchange they drive: none outside `exchanging`, so they do nothing."""
+
+    def __init__(self) -> None:
+        self.current: Overlap | None = None
+
+    @contextlib.contextmanager
+    def exchanging(self, ex: Overlap) -> Iterator[Overlap]:
+        """The hooks gather ahead of each layer and reduce behind backward into `ex`, until the block ends."""
+        self.current = ex
+        try:
+            yield ex
+        finally:
+            self.current = None
+
+
+def attach_exchange_hooks(model: torch.nn.Module) -> ExchangeHooks:
+    """Hooks that drive an `Overlap` while `ExchangeHooks.exchanging` holds one, registered once per stage model.
 
     Register after `attach_main_grads`: hooks run in order, so the main gradient is complete when it is sent.
     """
-    model.exchange = None
+    hooks = ExchangeHooks()
     names = {id(p): n for n, p in model.named_parameters()}
     groups: list[tuple[torch.nn.Module, list[str]]] = []
     if getattr(model, "embedding", None) is not None:
@@ -327,12 +351,13 @@ def attach_exchange_hooks(model: torch.nn.Module) -> None:
         head = [n for n in names.values() if n.startswith(("norm.", "output.", "embedding."))]
         groups.append((model.norm, head))
     for k, (module, wanted) in enumerate(groups):
-        module.register_forward_pre_hook(_needs(model, tuple(wanted), last=k == len(groups) - 1))
+        module.register_forward_pre_hook(_needs(hooks, tuple(wanted), last=k == len(groups) - 1))
     for name, p in model.named_parameters():
-        p.register_post_accumulate_grad_hook(_sealer(model, name))
+        p.register_post_accumulate_grad_hook(_sealer(hooks, name))
+    return hooks
 
 
-def _needs(model: torch.nn.Module, names: tuple[str, ...], last: bool) -> Callable:
+def _needs(hooks: ExchangeHooks, names: tuple[str, ...], last: bool) -> Callable:
     """The gather rounds a module needs; the last module's hook finishes the gather.
 
     Waiting is safe here: the rank's TP and CP peers reach the same hook with no collective in between,
@@ -340,7 +365,7 @@ def _needs(model: torch.nn.Module, names: tuple[str, ...], last: bool) -> Callab
     for go out at the same point on every peer, so none of them waits inside a later layer's collective.
     """
     def hook(module: torch.nn.Module, args: tuple) -> None:
-        ex = model.exchange
+        ex = hooks.current
         if ex is not None and ex.enabled:
             ex.gather.need(names)
             if last:
@@ -349,9 +374,9 @@ def _needs(model: torch.nn.Module, names: tuple[str, ...], last: bool) -> Callab
     return hook
 
 
-def _sealer(model: torch.nn.Module, name: str) -> Callable:
+def _sealer(hooks: ExchangeHooks, name: str) -> Callable:
     def hook(p: torch.Tensor) -> None:
-        ex = model.exchange
+        ex = hooks.current
         if ex is not None and ex.enabled:
             ex.reduce.accumulated(name, ex.micro_batches)
 

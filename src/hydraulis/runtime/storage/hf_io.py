@@ -53,9 +53,7 @@ def unflatten(layout: ModelLayout, vector: torch.Tensor) -> dict[str, torch.Tens
         raise HydraulisError(f"global vector of {vector.numel()} elements, the model has {layout.total}")
     out = {}
     for p in layout.params:
-        flat = vector[p.offset : p.offset + p.numel]
-        t = flat.view(p.canonical_shape)
-        out[p.name] = (t.t() if p.transposed else t).contiguous()
+        out[p.name] = p.from_canonical(vector[p.offset : p.offset + p.numel])
     return out
 
 
