@@ -69,7 +69,9 @@ def test_bf16_gradient_error_does_not_grow_with_micro_batches():
     # bf16 has 8 significant bits (relative rounding 2^-9 = 2e-3); one micro-batch's gradient is a few of those off.
     assert with_main[0] < 2e-2 and all(len(parts[n]) == 65 for n in names)
     # 64 micro-batches summed in scaled fp16: within 7e-3 of fp32 compute, and as close as sums in fp32 are.
-    assert with_main[1] <= 7e-3, with_main
+    # One micro-batch's bf16 compute alone is about that far off, by the CPU's kernels (7.01e-3 on an AMD
+    # EPYC without AVX-512), so where compute alone passes 7e-3 the bound is its error: no growth.
+    assert with_main[1] <= max(7e-3, 1.02 * with_main[0]), with_main
     assert with_main[1] <= 1.02 * error(in_fp32), (with_main, error(in_fp32))
     # Control: bf16 accumulation grows with the count, so the bound bites.
     assert error(torch.cat(in_bf16)) > 1.2 * with_main[0] and error(torch.cat(in_bf16)) > 7e-3
