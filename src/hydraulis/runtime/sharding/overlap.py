@@ -54,6 +54,8 @@ class OwnedSum(Protocol):
 
     def zero(self) -> None: ...
 
+    def allocate(self) -> None: ...
+
     def add(self, ranges: Sequence[tuple[int, int]], recv: torch.Tensor) -> None: ...
 
 
@@ -228,10 +230,12 @@ class ReduceStream(_Rounds):
             opt.grad.zero()
 
     def _start(self) -> None:
-        """Before the first round: what must precede it on the group (the gather's last rounds)."""
+        """Before the first round: what must precede it on the group (the gather's last rounds), and the owned
+        sum's storage (outside the exchange's window: it is the optimizer's state, not the exchange's buffers)."""
         if self.before is not None:
             before, self.before = self.before, None
             before()
+        self.opt.grad.allocate()
 
     def finish(self) -> None:
         self._start()
