@@ -191,6 +191,10 @@ def test_caps_hold_the_published_caps_and_a_later_phase_holds_the_reduced_gradie
     later, smaller = cost.later_phase(), 0
     for config, cap in cost.caps(gpus).items():
         assert cap >= published_cap(cost, config, gpus), config
+        # The reduce meets one micro-batch in flight (1F1B's last backward), not the first stage's pp.
+        first = rank_memory(cost.memory, cost.model, config, 0, gpus, cap, 2, DEFAULT_EXCHANGE_BUCKET_BYTES,
+                            micro_batches=8)
+        assert config.pp == 1 or first.reducing == cost.memory.activation_bytes(config, cost.model, cap, held=1)
         reduced = rank_memory(cost.memory, cost.model, config, 0, gpus, 0, 2, DEFAULT_EXCHANGE_BUCKET_BYTES).reduced
         per_token = cost.memory.bytes_per_token(config, cost.model)
         # (Where the cap is small the reduce's buffers meet nearly all activations: the gradient is beside them.)
@@ -199,3 +203,13 @@ def test_caps_hold_the_published_caps_and_a_later_phase_holds_the_reduced_gradie
         held = rank_memory(later.memory, cost.model, config, 0, gpus, 0, 2, DEFAULT_EXCHANGE_BUCKET_BYTES)
         assert held.reduced == 0 and held.owned == pytest.approx(7 * reduced, rel=1e-6)  # 12 + 2 bytes held
     assert smaller >= 10
+
+
+def test_llama_32b_deep_configs_hold_the_published_caps():
+    """With the reduce beside one micro-batch: every pipelined llama-32b config on 32 GPUs holds at least the
+    published cap (tp4pp4 13,184 against 12,928); with pp = 1 the reduce's buffers and the 2-byte reduced
+    gradient (2.7 GB) exceed what the last block frees (docs/design.md), and the caps stay below."""
+    cost = load_cost_model("llama-32b@a800-80g")
+    caps = {c: cap for c, cap in cost.caps(32).items() if cap}
+    assert all(cap >= published_cap(cost, c, 32) for c, cap in caps.items() if c.pp > 1)
+    assert all(cap < published_cap(cost, c, 32) for c, cap in caps.items() if c.pp == 1)

@@ -138,16 +138,13 @@ class MemoryModel:
     context_overhead_bytes: float
     safety_margin_bytes: float
     embedding_state_bytes: float = 16.0  # training-state bytes per embedding or head parameter (design section 4)
-    # The optimizer exchange's buffers (runtime/sharding/exchange.py): two rounds in flight, each a send and a receive
-    # buffer of half a bucket, two buckets of the default 256 MiB in all. Overlapped with compute
-    # (runtime/sharding/overlap.py), they live beside the activations: the gather's in the first micro-batch's
-    # forward, the reduce's in the last one's backward.
+    # The exchange's buffers (runtime/sharding/exchange.py): two rounds in flight, each a send and a receive buffer of
+    # half a bucket (two buckets in all), beside the first forward (the gather) and the last backward (the reduce).
     exchange_bytes: float = 2 * DEFAULT_EXCHANGE_BUCKET_BYTES
     activation_dtype_bytes: int = ACTIVATION_DTYPE_BYTES  # the published activation factors' dtype
     compute_dtype_bytes: int = CAP_DTYPE_BYTES  # the compute dtype the caps are for
     sequence_parallel: bool = False
-    # A later phase of a phased iteration (planner/phases.py) holds the earlier phases' reduced gradient beside
-    # its activations; a single phase allocates it when its reduce starts (runtime/sharding/optimizer.py).
+    # A later phase of a phased iteration holds the earlier phases' reduced gradient beside its activations.
     reduced_held: bool = False
 
     def for_job(
@@ -355,10 +352,10 @@ class RankMemory:
     replica has none; with more micro-batches the next forward's activations meet all of them. The last
     stage's loss forward holds its input and a chunk of logits on top for a moment (`loss_transient`);
     then each layer's backward holds its working set (`backward`). The exchange overlaps compute: the
-    gather's buffers meet the first forward's layers, the reduce's the last backward once the stage's last
-    block is through it (they take the memory its activations freed, with the reduced gradient they fill),
-    unless one round moves everything: it then completes before the first layer and starts after the
-    last. After the backward come the reduce's tail and the AdamW step's bucket-sized temporary.
+    gather's buffers meet the first forward's layers, the reduce's (and the gradient it fills) the last
+    backward, by when 1F1B holds one micro-batch (`reducing`), once the stage's last block freed its
+    activations, unless one round moves everything (it then runs after the last layer). After the
+    backward come the reduce's tail and the AdamW step's bucket-sized temporary.
     """
 
     params: float
@@ -371,7 +368,8 @@ class RankMemory:
     exchange: float
     exchange_with_activations: float
     step: float
-    reduced: float = 0.0
+    reduced: float  # the reduced gradient, from the reduce to the step (0: held throughout, in `owned`)
+    reducing: float  # the activations beside the reduce: one micro-batch's (1F1B's last backward)
 
     @property
     def after(self) -> float:
@@ -382,8 +380,10 @@ class RankMemory:
     def with_activations(self) -> float:
         """What the activations' phase adds to the parameters and owned state: the activations, the gradients
         already allocated, and the loss's forward or, after it, a layer's backward and the exchange's buffers."""
-        return (self.activations + self.grads_with_activations
-                + max(self.loss_transient, self.backward + self.exchange_with_activations))
+        return self.grads_with_activations + max(
+            self.activations + max(self.loss_transient, self.backward),
+            self.reducing + self.backward + self.exchange_with_activations,
+        )
 
     @property
     def peak(self) -> float:
@@ -427,8 +427,8 @@ def rank_memory(
     # bucket: the denominator and, scaled, the gradient's fp32 values.
     piece = min(bucket_bytes / 2, EXCHANGE_ELEMENT_BYTES * owned)
     exchange += piece * state.scaled
-    # Otherwise the gather's buffers meet the first forward's layers (not the loss's), and the reduce's wait
-    # until the stage's last block is through backward (runtime/sharding/overlap.py): they take what it freed.
+    # Otherwise the gather's buffers meet the first forward's layers, the reduce's and the reduced gradient the
+    # last backward's (one micro-batch in flight under 1F1B) once the stage's last block freed its activations.
     block = memory.activation_bytes(config, model, tokens, False, None, dtype_bytes) / model.layers
     freed = 0.0 if recompute else block
     last = stage == config.pp - 1
@@ -438,6 +438,7 @@ def rank_memory(
         owned=held,
         activations=memory.stage_activation_bytes(config, model, stage, tokens, dtype_bytes, recompute, micro_batches)
         * busy,
+        reducing=memory.stage_activation_bytes(config, model, stage, tokens, dtype_bytes, recompute, 1) * busy,
         loss_transient=memory.loss_transient_bytes(config, model, tokens, dtype_bytes) if busy and last else 0.0,
         backward=max_rank_tokens(tokens, config.cp) * backward_bytes(model, config.tp, dtype_bytes)
         * (busy and memory.own_per_token),
