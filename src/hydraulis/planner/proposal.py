@@ -40,6 +40,7 @@ from hydraulis.planner.pool import (
     fallback_config,
     homogeneous,
     place,
+    replicable_configs,
     usable_configs,
 )
 from hydraulis.planner.range_dp import (
@@ -292,16 +293,20 @@ def phase_deployments(
 ) -> tuple[list[Deployment], np.ndarray, tuple[float, ...]]:
     """Deployments for the short phases of phased plans (phases.py), which no whole batch would choose.
 
-    For each cap level below the longest sampled sequence, the candidate whose dispatch estimate on
-    the sequences up to that level is best; then, greedily, the one that most lowers the phased
-    planner's iterations on the samples while the pool has room. Returns those added, the phased
+    For each cap level below the longest sampled sequence, the candidate (or homogeneous deployment)
+    whose dispatch estimate on the sequences up to that level is best; then, greedily, the one that
+    most lowers the phased planner's iterations on the samples while the pool has room. Returns those added, the phased
     iteration time of each sample batch on the final pool, and the pool's usage: each deployment's
     share of samples on which it was chosen whole (`usage`) or in whose schedule it runs a phase.
     """
     N = cluster.num_gpus
     sample = list(batches[:PHASE_SAMPLES])
     longest = max(int(b.max()) for b in sample)
-    tops = {str(d): max(cost.cap(g, N) for g in d.configs) for d in candidates}
+    # Every homogeneous deployment too, CP ones included: hotspa's phases, which the candidates lack
+    # where a CP config does not hold the longest sequence (32b-16g-code: 1x tp4pp2cp2 up to 11K).
+    candidates = _unique([*candidates, *(homogeneous(g, cluster) for g in replicable_configs(cost, cluster))])
+    caps = {g: cost.cap(g, N) for g in {g for d in candidates for g in d.configs}}  # memory.cap is not cached
+    tops = {str(d): max(caps[g] for g in d.configs) for d in candidates}
     levels = sorted({t for t in tops.values() if t < longest})
     chosen: list[Deployment] = []
     for level in levels:
