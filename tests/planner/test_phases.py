@@ -185,3 +185,28 @@ def test_proposal_offers_hotspas_cp_phase_and_the_planner_keeps_up_with_hotspa()
         ours, theirs = planner_.schedule(b), hotspa.schedule(b)
         assert all(plan.deployment in planner_.pool for plan in ours.phases)
         assert ours.iteration_time_s <= theirs.iteration_time_s * (1 + 1e-9)
+
+
+def test_short_share_is_the_chance_that_a_batch_stops_at_the_level():
+    from hydraulis.planner.proposal import short_share
+
+    batches = [np.array([100, 200, 300, 5000]), np.array([100, 200, 300, 400])]
+    assert short_share(batches, 5000) == 1.0
+    assert short_share(batches, 400) == pytest.approx((1 - 1 / 8) ** 4)
+    assert short_share(batches, 50) == 0.0
+
+
+def test_a_deployment_for_short_batches_counts_where_batches_often_stop_short():
+    """Samples that each hold one 16K document: tp8pp2 runs the rest faster than tp16pp1; where a third of
+    batches have none, the samples cut at its cap count, and where almost none do they do not."""
+    from hydraulis.planner.proposal import _short_gain
+
+    pool = [Deployment.parse(BIG_POOL[0], CLUSTER)]
+    fast = Deployment.parse(BIG_POOL[1], CLUSTER)
+    rng = np.random.default_rng(5)
+    often = [np.concatenate([[16384], rng.integers(1000, 8000, 9)]) for _ in range(4)]
+    assert _short_gain(BIG, pool, fast, 15360, often) > 0.05 * sum(
+        PhasedPlanner(BIG, 16, pool).schedule(b[b <= 15360]).iteration_time_s for b in often
+    )
+    rarely = [code_batch(s) for s in range(4)]  # six 16K documents in 46: a batch without one is rare
+    assert _short_gain(BIG, pool, fast, 15360, rarely) == 0.0
