@@ -297,7 +297,7 @@ def phase_deployments(
     For each cap level below the longest sampled sequence, the candidate (or homogeneous deployment)
     whose dispatch estimate on the sequences up to that level is best; then, greedily while the pool
     has room, the one that most lowers the phased planner's iterations on the samples (and on them cut
-    at its level, `_short_gain`). Returns those added, the phased iteration time of each sample batch
+    at its largest cap, `_short_gain`). Returns those added, the phased iteration time of each sample batch
     on the final pool, and the pool's usage: each deployment's share of samples on which it was chosen
     whole (`usage`) or in whose schedule it runs a phase."""
     N = cluster.num_gpus
@@ -318,7 +318,7 @@ def phase_deployments(
             tables = [ReplicaTable.of(cost, d, N) for d in holding]
             est = [sum(dispatch(p, t, search=False).makespan_s for p in parts) for t in tables]
             chosen.append(holding[int(np.argmin(est))])
-            level_of[str(chosen[-1])] = level
+            level_of[str(chosen[-1])] = min(tops[str(chosen[-1])], longest - 1)  # whole batches it holds
 
     def run(deployments: Sequence[Deployment], on: Sequence[np.ndarray] = sample) -> list:
         planner = PhasedPlanner(cost, N, deployments)
