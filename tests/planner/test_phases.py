@@ -140,3 +140,73 @@ def test_proposal_adds_a_deployment_no_whole_batch_would_choose():
     assert proposal.pool.usage is not None and all(u > 0 for u in proposal.pool.usage)
     assert proposal.phased_times_s is not None
     assert (proposal.best_times_s < proposal.times_s[0]).all()
+
+
+BIG_CP = load_cost_model("llama-32b@a800-80g+cp")
+CP_POOL = ("1x(tp8,pp1,cp2)", "1x(tp4,pp2,cp2)", "2x(tp4,pp2)")
+
+
+@functools.cache
+def cp_planner() -> PhasedPlanner:
+    return PhasedPlanner(BIG_CP, CLUSTER.num_gpus, [Deployment.parse(t, CLUSTER) for t in CP_POOL])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), longs=st.integers(0, 8))
+def test_phases_on_cp_deployments_hold_their_caps_and_never_lose_to_one_phase(seed, longs):
+    """Code-like batches on a pool with a CP deployment for the middle range: every phase on a pool deployment
+    within its caps, and the schedule never slower than the one-phase plan."""
+    rng = np.random.default_rng(seed)
+    short = np.minimum(rng.lognormal(8.2, 0.9, 40).astype(np.int64) + 64, 16000)
+    b = np.concatenate([np.full(longs, 16384, dtype=np.int64), short])
+    p = cp_planner()
+    schedule = p.schedule(b, 0)
+    check_schedule(schedule, BIG_CP)
+    assert all(plan.deployment in p.pool for plan in schedule.phases)
+    single = Planner(BIG_CP, CLUSTER.num_gpus, p.pool).plan(b, 0)
+    assert schedule.iteration_time_s <= single.predicted_time_s * (1 + 1e-9)
+
+
+def test_proposal_offers_hotspas_cp_phase_and_the_planner_keeps_up_with_hotspa():
+    """32b on 16 GPUs: hotspa runs the sequences up to 11K on tp4pp2cp2, a CP config no candidate deployment
+    holds (none holds 16K); the proposal offers every homogeneous deployment for phases, so the pool holds it
+    and the phased planner is at least as fast as hotspa on every batch."""
+    from hydraulis.baselines.hotspa import HotSpa
+    from hydraulis.planner.policy import PolicyContext
+
+    sample = [code_batch(s) for s in range(4)]
+    proposal = propose(BIG_CP, CLUSTER, sample)
+    texts = [str(d) for d in proposal.pool.deployments]
+    assert "1x(tp4,pp2,cp2)" in texts
+    planner_ = PhasedPlanner(BIG_CP, CLUSTER.num_gpus, proposal.pool.deployments)
+    hotspa = HotSpa(PolicyContext.build(BIG_CP, CLUSTER, sample))
+    for seed in range(4, 7):
+        b = code_batch(seed)
+        ours, theirs = planner_.schedule(b), hotspa.schedule(b)
+        assert all(plan.deployment in planner_.pool for plan in ours.phases)
+        assert ours.iteration_time_s <= theirs.iteration_time_s * (1 + 1e-9)
+
+
+def test_short_share_is_the_chance_that_a_batch_stops_at_the_level():
+    from hydraulis.planner.proposal import short_share
+
+    batches = [np.array([100, 200, 300, 5000]), np.array([100, 200, 300, 400])]
+    assert short_share(batches, 5000) == 1.0
+    assert short_share(batches, 400) == pytest.approx((1 - 1 / 8) ** 4)
+    assert short_share(batches, 50) == 0.0
+
+
+def test_a_deployment_for_short_batches_counts_where_batches_often_stop_short():
+    """Samples that each hold one 16K document: tp8pp2 runs the rest faster than tp16pp1; where a third of
+    batches have none, the samples cut at its cap count, and where almost none do they do not."""
+    from hydraulis.planner.proposal import _short_gain
+
+    pool = [Deployment.parse(BIG_POOL[0], CLUSTER)]
+    fast = Deployment.parse(BIG_POOL[1], CLUSTER)
+    rng = np.random.default_rng(5)
+    often = [np.concatenate([[16384], rng.integers(1000, 8000, 9)]) for _ in range(4)]
+    assert _short_gain(BIG, pool, fast, 15360, often) > 0.05 * sum(
+        PhasedPlanner(BIG, 16, pool).schedule(b[b <= 15360]).iteration_time_s for b in often
+    )
+    rarely = [code_batch(s) for s in range(4)]  # six 16K documents in 46: a batch without one is rare
+    assert _short_gain(BIG, pool, fast, 15360, rarely) == 0.0

@@ -40,6 +40,7 @@ from hydraulis.planner.pool import (
     fallback_config,
     homogeneous,
     place,
+    replicable_configs,
     usable_configs,
 )
 from hydraulis.planner.range_dp import (
@@ -56,6 +57,7 @@ METHODS = ("hydraulis", "published")
 SCREEN_BUDGET_S = 10.0
 LARGE_BATCH_SCREEN = 4  # dispatch estimates in screening, before the fluid proxy takes over
 PHASE_SAMPLES = 4  # sample batches the phased planner plans when choosing deployments for phases
+SHORT_SHARE = 0.1  # a level at least this share of batches stop at counts as the samples cut there
 
 Progress = Callable[[str, int, int], None]
 
@@ -290,20 +292,25 @@ def phase_deployments(
     usage: tuple[float, ...],
     min_gain: float = 0.002,
 ) -> tuple[list[Deployment], np.ndarray, tuple[float, ...]]:
-    """Deployments for the short phases of phased plans (phases.py), which no whole batch would choose.
+    """Deployments for the short phases of phased plans (phases.py) and short batches, which no sample chose.
 
-    For each cap level below the longest sampled sequence, the candidate whose dispatch estimate on
-    the sequences up to that level is best; then, greedily, the one that most lowers the phased
-    planner's iterations on the samples while the pool has room. Returns those added, the phased
-    iteration time of each sample batch on the final pool, and the pool's usage: each deployment's
-    share of samples on which it was chosen whole (`usage`) or in whose schedule it runs a phase.
-    """
+    For each cap level below the longest sampled sequence, the candidate (or homogeneous deployment)
+    whose dispatch estimate on the sequences up to that level is best; then, greedily while the pool
+    has room, the one that most lowers the phased planner's iterations on the samples (and on them cut
+    at its largest cap, `_short_gain`). Returns those added, the phased iteration time of each sample batch
+    on the final pool, and the pool's usage: each deployment's share of samples on which it was chosen
+    whole (`usage`) or in whose schedule it runs a phase."""
     N = cluster.num_gpus
     sample = list(batches[:PHASE_SAMPLES])
     longest = max(int(b.max()) for b in sample)
-    tops = {str(d): max(cost.cap(g, N) for g in d.configs) for d in candidates}
+    # Every homogeneous deployment too, CP ones included: hotspa's phases, which the candidates lack
+    # where a CP config does not hold the longest sequence (32b-16g-code: 1x tp4pp2cp2 up to 11K).
+    candidates = _unique([*candidates, *(homogeneous(g, cluster) for g in replicable_configs(cost, cluster))])
+    caps = {g: cost.cap(g, N) for g in {g for d in candidates for g in d.configs}}  # memory.cap is not cached
+    tops = {str(d): max(caps[g] for g in d.configs) for d in candidates}
     levels = sorted({t for t in tops.values() if t < longest})
     chosen: list[Deployment] = []
+    level_of: dict[str, int] = {}
     for level in levels:
         parts = [b[b <= level] for b in sample if (b <= level).any()]
         holding = [d for d in candidates if tops[str(d)] >= level and d not in pool and d not in chosen]
@@ -311,6 +318,7 @@ def phase_deployments(
             tables = [ReplicaTable.of(cost, d, N) for d in holding]
             est = [sum(dispatch(p, t, search=False).makespan_s for p in parts) for t in tables]
             chosen.append(holding[int(np.argmin(est))])
+            level_of[str(chosen[-1])] = min(tops[str(chosen[-1])], longest - 1)  # whole batches it holds
 
     def run(deployments: Sequence[Deployment], on: Sequence[np.ndarray] = sample) -> list:
         planner = PhasedPlanner(cost, N, deployments)
@@ -322,7 +330,8 @@ def phase_deployments(
     while chosen and len(current) < max_pool:
         base = np.array([s.iteration_time_s for s in schedules])
         trials = [run([*current, d]) for d in chosen]
-        gains = [float(base.sum() - sum(s.iteration_time_s for s in t)) for t in trials]
+        short = [_short_gain(cost, current, d, level_of[str(d)], sample) for d in chosen]
+        gains = [float(base.sum() - sum(s.iteration_time_s for s in t)) + g for t, g in zip(trials, short, strict=True)]
         k = int(np.argmax(gains))
         if gains[k] <= min_gain * float(base.sum()):
             break
@@ -334,6 +343,22 @@ def phase_deployments(
     used = [float(np.mean([any(p.deployment == d for p in s.phases) for s in schedules])) for d in current]
     usage = tuple(max(u, v) for u, v in zip((*usage, *(0.0,) * len(added)), used, strict=True))
     return added, np.array([s.iteration_time_s for s in schedules]), usage
+
+
+def short_share(batches: Sequence[np.ndarray], level: int) -> float:
+    """The share of batches like these with no sequence above `level` (each sequence drawn independently)."""
+    above = float(np.mean(np.concatenate(batches) > level))
+    return float((1.0 - above) ** np.mean([len(b) for b in batches]))
+
+
+def _short_gain(cost: CostModel, pool: list[Deployment], d: Deployment, level: int, sample: list[np.ndarray]) -> float:
+    """What `d` saves on the samples cut at `level` if SHORT_SHARE of batches stop there: a short batch may
+    want it though no sample does (7b-64g-wiki: a third of batches fit tp2pp1's cap, none of 4 samples)."""
+    short = [b[b <= level] for b in sample if (b <= level).any()]
+    if short_share(sample, level) < SHORT_SHARE or not short:
+        return 0.0
+    before, after = PhasedPlanner(cost, d.num_gpus, pool), PhasedPlanner(cost, d.num_gpus, [*pool, d])
+    return float(sum(before.schedule(b).iteration_time_s - after.schedule(b).iteration_time_s for b in short))
 
 
 def default_samples(batches: Sequence[np.ndarray]) -> int:
