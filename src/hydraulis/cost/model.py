@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -234,13 +234,6 @@ class CostModel:
         memory budget per rank."""
         out = copy.copy(self)
         out.memory = self.memory.for_job(memory_bytes, dtype_bytes, bucket_bytes, sequence_parallel)
-        return out
-
-    def later_phase(self) -> CostModel:
-        """A copy for a later phase of a phased iteration, whose ranks hold the earlier phases' reduced gradient
-        beside the activations (memory.py's `reduced_held`): its caps are a little smaller."""
-        out = copy.copy(self)
-        out.memory = replace(self.memory, reduced_held=True)
         return out
 
     def caps(self, num_gpus: int) -> dict[ParallelConfig, int]:

@@ -274,9 +274,8 @@ class Trainer:
         """Its phases one after another (runtime/phases.py), then one optimizer step on their summed gradients."""
         s = self.settings
         indices = [s.pool.index(p.deployment) for p in schedule.phases]
-        peak = max(predicted_peak(s.cost.later_phase() if n else s.cost, s.model, self.deployments.parts[k], p,
-                                  self.world, self.dtype, s.exchange_bucket_bytes)  # later: the reduced gradient held
-                   for n, (k, p) in enumerate(zip(indices, schedule.phases, strict=True)))
+        peak = max(predicted_peak(s.cost, s.model, self.deployments.parts[k], p, self.world, self.dtype,
+                                  s.exchange_bucket_bytes) for k, p in zip(indices, schedule.phases, strict=True))
         self.memory.start(indices[0], self.step_index, peak)
         start = time.perf_counter()
         targets = self.batch_targets(batch)
@@ -286,7 +285,8 @@ class Trainer:
         lr = s.optim.lr_at(self.step_index, s.steps)
         values = torch.stack([norm.detach().double().cpu(), extra[0].double().cpu()]).tolist()  # one sync per step
         skipped = not finite(values[1], values[0])  # the same numbers on every rank: they agree
-        self.optimizer.step(lr, norm, skip=skipped)
+        if not skipped:
+            self.optimizer.step(lr, norm)
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         finished = time.perf_counter()  # the iteration ends here; what follows only reports on it

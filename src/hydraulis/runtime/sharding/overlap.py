@@ -215,12 +215,10 @@ class ReduceStream(_Rounds):
             opt.grad.zero()
 
     def _start(self) -> None:
-        """Before the first round: the gather's last rounds, which must precede it on the group, and the owned
-        sum's storage (outside the exchange's window: it is the optimizer's state, not the exchange's buffers)."""
+        """Before the first round: the gather's last rounds, which must precede it on the group."""
         if self.after is not None:
             gather, self.after = self.after, None
             gather.finish()
-        self.opt.grad.allocate()
 
     def finish(self) -> None:
         self._start()
