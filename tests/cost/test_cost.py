@@ -198,6 +198,19 @@ def test_lower_bound_without_a_config_that_fits_is_a_clear_error():
     assert lower_bound(np.array([100, 200]), cost, 2) > 0
 
 
+def test_caps_are_kept_per_memory_model_so_a_copy_with_another_budget_has_its_own():
+    cost = load_cost_model("llama-7b@a800-80g")
+    g = P(2, 1)
+    before = cost.cap(g, 32), cost.lone_cap(g, 32)
+    half = cost.for_job(cost.memory.memory_bytes // 2, cost.memory.compute_dtype_bytes)
+    assert half.cap(g, 32) == half.memory.cap(g, half.model, 32) < before[0]
+    assert half.lone_cap(g, 32) == half.memory.cap(g, half.model, 32, micro_batches=1) < before[1]
+    assert (cost.cap(g, 32), cost.lone_cap(g, 32)) == before == (
+        cost.memory.cap(g, cost.model, 32),
+        cost.memory.cap(g, cost.model, 32, micro_batches=1),
+    )
+
+
 def test_recompute_raises_the_cap_and_costs_a_forward():
     from hydraulis.cost import AnalyticCostModel
     from hydraulis.cost.model import RECOMPUTE_TIME

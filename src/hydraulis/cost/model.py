@@ -215,12 +215,24 @@ class CostModel:
     # -- memory -----------------------------------------------------------------
     def cap(self, config: ParallelConfig, num_gpus: int) -> int:
         """Most tokens each micro-batch may hold on `config` in a job of `num_gpus`, whatever their count."""
-        return self.memory.cap(config, self.model, num_gpus, config in self.recompute)
+        return self._cap(config, num_gpus, None)
 
     def lone_cap(self, config: ParallelConfig, num_gpus: int) -> int:
         """Most tokens of a replica's only micro-batch, so the longest sequence `config` holds: a deep
         replica keeps a lone micro-batch in flight once, not pp times (memory.in_flight)."""
-        return self.memory.cap(config, self.model, num_gpus, config in self.recompute, micro_batches=1)
+        return self._cap(config, num_gpus, 1)
+
+    def _cap(self, config: ParallelConfig, num_gpus: int, micro_batches: int | None) -> int:
+        """`memory.cap`, a bisection over the memory model that planning asks thousands of times, kept per
+        (memory model, model spec): both are frozen, so a copy that replaces either starts a fresh cache."""
+        cache = self.__dict__.get("_cap_cache")
+        if cache is None or cache[0] is not self.memory or cache[1] is not self.model:
+            cache = self._cap_cache = (self.memory, self.model, {})
+        recompute = config in self.recompute
+        key = (config, num_gpus, recompute, micro_batches)
+        if key not in cache[2]:
+            cache[2][key] = self.memory.cap(config, self.model, num_gpus, recompute, micro_batches=micro_batches)
+        return cache[2][key]
 
     def micro_batch_cap(self, config: ParallelConfig, num_gpus: int, micro_batches: int) -> int:
         """Most tokens of each of a replica's `micro_batches` micro-batches."""

@@ -30,7 +30,7 @@ import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
-from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.parallel import Deployment
 from hydraulis.planner.dispatch import NoRoom, dispatch
 from hydraulis.planner.phases import PhasedPlanner
 from hydraulis.planner.planner import Planner
@@ -39,17 +39,9 @@ from hydraulis.planner.pool import (
     candidate_deployments,
     fallback_config,
     homogeneous,
-    place,
     replicable_configs,
-    usable_configs,
 )
-from hydraulis.planner.range_dp import (
-    LengthHistogram,
-    RangeGroup,
-    aware_group_time,
-    published_group_time,
-    range_dp,
-)
+from hydraulis.planner.range_dp import LengthHistogram, dp_deployments
 from hydraulis.planner.replicas import BULK_MIN_SEQUENCES, ReplicaTable
 from hydraulis.specs import ClusterSpec
 
@@ -81,51 +73,6 @@ class Proposal:
     def throughput(self) -> float:
         """Tokens per second over the sample batches, the planner choosing per batch."""
         return float(self.sample_tokens.sum() / self.best_times_s.sum())
-
-
-def length_boundaries(hist: LengthHistogram, caps: Sequence[int], points: int = 16) -> list[int]:
-    """Where ranges may split: every cap below the longest sequence, token-weighted quantiles, the maximum."""
-    weights = hist.lengths * hist.per_batch
-    cdf = np.cumsum(weights) / weights.sum()
-    quantiles = hist.lengths[np.minimum(np.searchsorted(cdf, np.linspace(0, 1, points + 1)[1:-1]), len(cdf) - 1)]
-    top = hist.max_length
-    return sorted({int(c) for c in caps if 0 < c < top} | {int(q) for q in quantiles} | {top})
-
-
-def groups_to_deployment(groups: Sequence[RangeGroup], cluster: ClusterSpec) -> Deployment | None:
-    """Replicas of each range group, largest first; GPUs the programme left free join the shortest range."""
-    configs: list[ParallelConfig] = []
-    for g in sorted(groups, key=lambda g: -g.hi):
-        configs += [g.config] * g.replicas
-    free = cluster.num_gpus - sum(c.num_gpus for c in configs)
-    if free < 0:
-        return None
-    if free:
-        short = min(groups, key=lambda g: g.hi).config
-        if free % short.num_gpus:
-            return None
-        configs += [short] * (free // short.num_gpus)
-    return place(configs, cluster)
-
-
-def dp_deployments(
-    cost: CostModel, cluster: ClusterSpec, hist: LengthHistogram, aware: bool
-) -> list[tuple[int, Deployment]]:
-    """(batch max length, deployment) for each boundary, from the range programme."""
-    N = cluster.num_gpus
-    configs = usable_configs(cost, cluster)
-    # CP configs enter the programme only for ranges no cp = 1 config holds (candidate_deployments
-    # offers them where they pay on long sequences that cp = 1 configs hold too).
-    plain_cap = max((cost.lone_cap(g, N) for g in configs if g.cp == 1), default=0)
-    configs = [g for g in configs if g.cp == 1 or (plain_cap < hist.max_length and cost.lone_cap(g, N) > plain_cap)]
-    group_time = aware_group_time(cost, configs, hist, N) if aware else published_group_time(cost, configs, hist)
-    bounds = length_boundaries(hist, [cap for c in configs for cap in (cost.cap(c, N), cost.lone_cap(c, N))])
-    out = []
-    for max_length, _, groups in range_dp(cost, N, hist, configs, group_time, bounds):
-        deployment = groups_to_deployment(groups, cluster)
-        if deployment is not None:
-            out.append((max_length, deployment))
-    return out
 
 
 def _unique(deployments: Sequence[Deployment]) -> list[Deployment]:
@@ -297,7 +244,7 @@ def phase_deployments(
     For each cap level below the longest sampled sequence, the candidate (or homogeneous deployment)
     whose dispatch estimate on the sequences up to that level is best; then, greedily while the pool
     has room, the one that most lowers the phased planner's iterations on the samples (and on them cut
-    at its largest cap, `_short_gain`). Returns those added, the phased iteration time of each sample batch
+    at its largest cap, `_short_batches`). Returns those added, the phased iteration time of each sample batch
     on the final pool, and the pool's usage: each deployment's share of samples on which it was chosen
     whole (`usage`) or in whose schedule it runs a phase."""
     N = cluster.num_gpus
@@ -306,43 +253,68 @@ def phase_deployments(
     # Every homogeneous deployment too, CP ones included: hotspa's phases, which the candidates lack
     # where a CP config does not hold the longest sequence (32b-16g-code: 1x tp4pp2cp2 up to 11K).
     candidates = _unique([*candidates, *(homogeneous(g, cluster) for g in replicable_configs(cost, cluster))])
-    caps = {g: cost.cap(g, N) for g in {g for d in candidates for g in d.configs}}  # memory.cap is not cached
-    tops = {str(d): max(caps[g] for g in d.configs) for d in candidates}
+    tops = {str(d): max(cost.cap(g, N) for g in d.configs) for d in candidates}
     levels = sorted({t for t in tops.values() if t < longest})
+    tables: dict[str, ReplicaTable] = {}
     chosen: list[Deployment] = []
     level_of: dict[str, int] = {}
     for level in levels:
         parts = [b[b <= level] for b in sample if (b <= level).any()]
         holding = [d for d in candidates if tops[str(d)] >= level and d not in pool and d not in chosen]
         if parts and holding:
-            tables = [ReplicaTable.of(cost, d, N) for d in holding]
-            est = [sum(dispatch(p, t, search=False).makespan_s for p in parts) for t in tables]
+            for d in holding:
+                tables.setdefault(str(d), ReplicaTable.of(cost, d, N))
+            est = [sum(dispatch(p, tables[str(d)], search=False).makespan_s for p in parts) for d in holding]
             chosen.append(holding[int(np.argmin(est))])
             level_of[str(chosen[-1])] = min(tops[str(chosen[-1])], longest - 1)  # whole batches it holds
 
-    def run(deployments: Sequence[Deployment], on: Sequence[np.ndarray] = sample) -> list:
-        planner = PhasedPlanner(cost, N, deployments)
-        return [planner.schedule(b) for b in on]
-
-    current = list(pool)
-    schedules = run(current)
-    added: list[Deployment] = []
-    while chosen and len(current) < max_pool:
-        base = np.array([s.iteration_time_s for s in schedules])
-        trials = [run([*current, d]) for d in chosen]
-        short = [_short_gain(cost, current, d, level_of[str(d)], sample) for d in chosen]
-        gains = [float(base.sum() - sum(s.iteration_time_s for s in t)) + g for t, g in zip(trials, short, strict=True)]
-        k = int(np.argmax(gains))
-        if gains[k] <= min_gain * float(base.sum()):
-            break
-        current.append(chosen.pop(k))
-        added.append(current[-1])
-        schedules = trials[k]
+    current, schedules = _greedy_phases(cost, N, list(pool), chosen, level_of, sample, max_pool, min_gain)
+    added = current[len(pool) :]
     if len(batches) > len(sample):
-        schedules = run(current, batches)
+        planner = PhasedPlanner(cost, N, current)
+        schedules = [planner.schedule(b) for b in batches]
     used = [float(np.mean([any(p.deployment == d for p in s.phases) for s in schedules])) for d in current]
     usage = tuple(max(u, v) for u, v in zip((*usage, *(0.0,) * len(added)), used, strict=True))
     return added, np.array([s.iteration_time_s for s in schedules]), usage
+
+
+def _greedy_phases(
+    cost: CostModel,
+    num_gpus: int,
+    current: list[Deployment],
+    chosen: list[Deployment],
+    level_of: dict[str, int],
+    sample: list[np.ndarray],
+    max_pool: int,
+    min_gain: float,
+) -> tuple[list[Deployment], list]:
+    """Add the chosen deployment that most lowers the samples' phased iterations, while the pool has room.
+
+    Each candidate's planner plans the samples and their short cuts once; the pool's own short-cut
+    times depend only on the level, so each round plans them once per level, not once per candidate."""
+    planner = PhasedPlanner(cost, num_gpus, current)
+    schedules = [planner.schedule(b) for b in sample]
+    while chosen and len(current) < max_pool:
+        base = float(sum(s.iteration_time_s for s in schedules))
+        before: dict[int, float] = {}  # level -> the current pool's time on the samples cut there
+        trials, gains = [], []
+        for d in chosen:
+            trial = PhasedPlanner(cost, num_gpus, [*current, d])
+            trials.append([trial.schedule(b) for b in sample])
+            gain = base - sum(s.iteration_time_s for s in trials[-1])
+            level = level_of[str(d)]
+            short = _short_batches(sample, level)
+            if short:
+                if level not in before:
+                    before[level] = sum(planner.schedule(b).iteration_time_s for b in short)
+                gain += before[level] - sum(trial.schedule(b).iteration_time_s for b in short)
+            gains.append(gain)
+        k = int(np.argmax(gains))
+        if gains[k] <= min_gain * base:
+            break
+        current = [*current, chosen.pop(k)]
+        planner, schedules = PhasedPlanner(cost, num_gpus, current), trials[k]
+    return current, schedules
 
 
 def short_share(batches: Sequence[np.ndarray], level: int) -> float:
@@ -351,11 +323,17 @@ def short_share(batches: Sequence[np.ndarray], level: int) -> float:
     return float((1.0 - above) ** np.mean([len(b) for b in batches]))
 
 
-def _short_gain(cost: CostModel, pool: list[Deployment], d: Deployment, level: int, sample: list[np.ndarray]) -> float:
-    """What `d` saves on the samples cut at `level` if SHORT_SHARE of batches stop there: a short batch may
-    want it though no sample does (7b-64g-wiki: a third of batches fit tp2pp1's cap, none of 4 samples)."""
+def _short_batches(sample: list[np.ndarray], level: int) -> list[np.ndarray]:
+    """The samples cut at `level`, if SHORT_SHARE of batches stop there: a short batch may want a deployment
+    though no sample does (7b-64g-wiki: a third of batches fit tp2pp1's cap, none of 4 samples)."""
     short = [b[b <= level] for b in sample if (b <= level).any()]
-    if short_share(sample, level) < SHORT_SHARE or not short:
+    return short if short_share(sample, level) >= SHORT_SHARE else []
+
+
+def _short_gain(cost: CostModel, pool: list[Deployment], d: Deployment, level: int, sample: list[np.ndarray]) -> float:
+    """What `d` saves on the samples cut at `level` (`_short_batches`); the greedy loop counts the same."""
+    short = _short_batches(sample, level)
+    if not short:
         return 0.0
     before, after = PhasedPlanner(cost, d.num_gpus, pool), PhasedPlanner(cost, d.num_gpus, [*pool, d])
     return float(sum(before.schedule(b).iteration_time_s - after.schedule(b).iteration_time_s for b in short))

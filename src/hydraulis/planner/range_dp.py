@@ -20,7 +20,9 @@ import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
-from hydraulis.parallel import ParallelConfig
+from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.planner.pool import place, usable_configs
+from hydraulis.specs import ClusterSpec
 
 
 @dataclass(frozen=True)
@@ -231,3 +233,48 @@ def _after(before: np.ndarray, times: np.ndarray) -> tuple[np.ndarray, np.ndarra
     A[:, 0] = np.inf
     u_best = np.argmin(A, axis=1)
     return A[m_idx, u_best], u_best
+
+
+def length_boundaries(hist: LengthHistogram, caps: Sequence[int], points: int = 16) -> list[int]:
+    """Where ranges may split: every cap below the longest sequence, token-weighted quantiles, the maximum."""
+    weights = hist.lengths * hist.per_batch
+    cdf = np.cumsum(weights) / weights.sum()
+    quantiles = hist.lengths[np.minimum(np.searchsorted(cdf, np.linspace(0, 1, points + 1)[1:-1]), len(cdf) - 1)]
+    top = hist.max_length
+    return sorted({int(c) for c in caps if 0 < c < top} | {int(q) for q in quantiles} | {top})
+
+
+def groups_to_deployment(groups: Sequence[RangeGroup], cluster: ClusterSpec) -> Deployment | None:
+    """Replicas of each range group, largest first; GPUs the programme left free join the shortest range."""
+    configs: list[ParallelConfig] = []
+    for g in sorted(groups, key=lambda g: -g.hi):
+        configs += [g.config] * g.replicas
+    free = cluster.num_gpus - sum(c.num_gpus for c in configs)
+    if free < 0:
+        return None
+    if free:
+        short = min(groups, key=lambda g: g.hi).config
+        if free % short.num_gpus:
+            return None
+        configs += [short] * (free // short.num_gpus)
+    return place(configs, cluster)
+
+
+def dp_deployments(
+    cost: CostModel, cluster: ClusterSpec, hist: LengthHistogram, aware: bool
+) -> list[tuple[int, Deployment]]:
+    """(batch max length, deployment) for each boundary, from the range programme."""
+    N = cluster.num_gpus
+    configs = usable_configs(cost, cluster)
+    # CP configs enter the programme only for ranges no cp = 1 config holds (candidate_deployments
+    # offers them where they pay on long sequences that cp = 1 configs hold too).
+    plain_cap = max((cost.lone_cap(g, N) for g in configs if g.cp == 1), default=0)
+    configs = [g for g in configs if g.cp == 1 or (plain_cap < hist.max_length and cost.lone_cap(g, N) > plain_cap)]
+    group_time = aware_group_time(cost, configs, hist, N) if aware else published_group_time(cost, configs, hist)
+    bounds = length_boundaries(hist, [cap for c in configs for cap in (cost.cap(c, N), cost.lone_cap(c, N))])
+    out = []
+    for max_length, _, groups in range_dp(cost, N, hist, configs, group_time, bounds):
+        deployment = groups_to_deployment(groups, cluster)
+        if deployment is not None:
+            out.append((max_length, deployment))
+    return out
