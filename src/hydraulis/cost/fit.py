@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import least_squares, nnls
 
 from hydraulis.cost.model import Coefficients
 from hydraulis.errors import HydraulisError
@@ -25,6 +24,8 @@ def fit_coefficients(micro_batches: Sequence[Sequence[int]], times_s: Sequence[f
     t = np.asarray(times_s, dtype=np.float64)
     if np.any(t <= 0):
         raise HydraulisError("measured times must be positive")
+    from scipy.optimize import nnls  # here, not at import: 0.4 s that every rank would pay, and only fits need it
+
     X = np.array([[sum(s * s for s in mb), sum(mb), 1.0] for mb in micro_batches], dtype=np.float64)
     scale = X.max(axis=0)
     scale[scale == 0] = 1.0
@@ -57,6 +58,8 @@ def _robust_nonnegative(X: np.ndarray, t: np.ndarray, f_scale: float) -> np.ndar
 
     Columns are scaled to [0, 1] for conditioning; NNLS on the same relative residuals starts it.
     """
+    from scipy.optimize import least_squares, nnls  # as in fit_coefficients
+
     scale = X.max(axis=0)
     scale[scale == 0] = 1.0
     Xs = X / scale
