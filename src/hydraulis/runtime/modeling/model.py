@@ -170,7 +170,8 @@ class _ReplicatedLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, dtype=torch.float32, device=None, bias: bool = False):
         super().__init__()
         weight = torch.empty(out_features, in_features, dtype=dtype, device=device)
-        nn.init.normal_(weight, std=1.0 / math.sqrt(in_features))
+        if not weight.is_meta:  # as in tensor_parallel._init_weight
+            nn.init.normal_(weight, std=1.0 / math.sqrt(in_features))
         self.weight = set_shard(nn.Parameter(weight), ShardSpec(partial_grad=True))
         zeros = torch.zeros(out_features, dtype=dtype, device=device)
         self.bias = set_shard(nn.Parameter(zeros), ShardSpec(partial_grad=True)) if bias else None

@@ -201,7 +201,8 @@ def exit_tp_region(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
 
 def _init_weight(out_features: int, in_features: int, dtype: torch.dtype, device: torch.device | str | None):
     weight = torch.empty(out_features, in_features, dtype=dtype, device=device)
-    nn.init.normal_(weight, std=1.0 / math.sqrt(in_features))
+    if not weight.is_meta:  # on meta (shapes only) a random init runs torch's Python refs: 1.5 s of imports
+        nn.init.normal_(weight, std=1.0 / math.sqrt(in_features))
     return nn.Parameter(weight)
 
 
@@ -251,7 +252,8 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = tp
         local = tp.split(vocab, "vocab")
         self.vocab_start = tp.rank * local
-        self.weight = set_shard(nn.Parameter(torch.randn(local, hidden, dtype=dtype, device=device)), ShardSpec(dim=0))
+        factory = torch.empty if torch.device(device or "cpu").type == "meta" else torch.randn  # as in _init_weight
+        self.weight = set_shard(nn.Parameter(factory(local, hidden, dtype=dtype, device=device)), ShardSpec(dim=0))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
