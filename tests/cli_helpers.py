@@ -45,3 +45,30 @@ def start_cli(*args: str, cwd: Path | None = None) -> subprocess.Popen[str]:
         cwd=cwd,
         env=dict(_env(), PYTHONUNBUFFERED="1"),
     )
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid`, from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return sorted(found)
+
+
+def rank_pids(pid: int) -> list[int]:
+    """The rank processes of the command `pid`: the children of the fork server it started (runtime/launch.py)."""
+    ranks = []
+    for child in _children(pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"forkserver" in cmdline:
+            ranks += _children(child)
+    return sorted(ranks)

@@ -31,7 +31,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from cli_helpers import start_cli  # noqa: E402
+from cli_helpers import rank_pids, start_cli  # noqa: E402
 from hf_helpers import spread_weights  # noqa: E402
 from tokenizer_helpers import CHATML, CHATML_MARKED, TEXT, train_bpe  # noqa: E402
 from train_helpers import losses, step_rows  # noqa: E402
@@ -153,7 +153,7 @@ def killed_and_restarted(train: tuple[str, ...]) -> subprocess.CompletedProcess[
     the first checkpoint, so the restart finds none and must start from init_from again."""
     proc = start_cli(*train, "--max-restarts", "1")
     deadline = time.monotonic() + 120
-    while len(ranks := _ranks(proc.pid)) < 2:
+    while len(ranks := rank_pids(proc.pid)) < 2:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
     os.kill(ranks[-1], signal.SIGKILL)
@@ -161,20 +161,6 @@ def killed_and_restarted(train: tuple[str, ...]) -> subprocess.CompletedProcess[
     assert "restarting from the last checkpoint (1 of 1)" in stdout, (stdout, stderr)
     assert "no checkpoint yet: starting from step 0" in stdout and "initialised from" in stdout, stdout
     return subprocess.CompletedProcess(train, proc.returncode, stdout, stderr)
-
-
-def _ranks(pid: int) -> list[int]:
-    """The spawned rank processes of the command `pid` (its children running multiprocessing's spawn_main)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) if entry.name.isdigit() else 0
-            cmdline = (entry / "cmdline").read_bytes() if parent == pid else b""
-        except OSError:
-            continue
-        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-            found.append(int(entry.name))
-    return sorted(found)
 
 
 @pytest.fixture(params=CASES, ids=[f"{f}-{k}" for f, k in CASES])

@@ -14,7 +14,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from train_helpers import losses, step_rows, write_config  # noqa: E402
+from cli_helpers import rank_pids  # noqa: E402
+from train_helpers import step_rows, write_config  # noqa: E402
 
 from hydraulis.data.indexed import open_corpus  # noqa: E402
 from hydraulis.data.sampler import TokenBudgetSampler  # noqa: E402
@@ -44,32 +45,6 @@ def wait_for(condition, timeout: float = 120) -> None:
         time.sleep(0.1)
 
 
-def children(pid: int) -> list[int]:
-    """Processes whose parent is `pid` (ranks and multiprocessing's helper), from /proc."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return sorted(found)
-
-
-def ranks_of(pid: int) -> list[int]:
-    out = []
-    for child in children(pid):
-        try:
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
-            out.append(child)
-    return out
-
-
 def alive(pids: list[int]) -> list[int]:
     living = []
     for p in pids:
@@ -82,26 +57,12 @@ def alive(pids: list[int]) -> list[int]:
     return living
 
 
-def test_resume_continues_bit_for_bit(tmp_path, corpus, cli):
-    config = write_config(tmp_path / "run.toml", corpus, **TWO)
-    whole = cli("train", "--config", str(config), "--nproc", "2", "--out", str(tmp_path / "whole"))
-    assert whole.returncode == 0, whole.stderr
-    half = cli("train", "--config", str(config), "--nproc", "2", "--stop-at", "3", "--out", str(tmp_path / "half"))
-    assert half.returncode == 0, half.stderr
-    assert (tmp_path / "half" / "checkpoints" / "step-000003" / "manifest.json").is_file()
-    more = cli("train", "--config", str(config), "--nproc", "2", "--out", str(tmp_path / "half"), "--resume")
-    assert more.returncode == 0, more.stderr
-    assert "resuming at step 3" in more.stdout
-    assert losses(tmp_path / "half") == losses(tmp_path / "whole")  # bit for bit
-    assert [r["step"] for r in step_rows(tmp_path / "half", running=True)] == list(range(6))
-
-
 def test_sigterm_saves_at_the_step_boundary_and_exits_0(tmp_path, corpus):
     config = write_config(tmp_path / "run.toml", corpus, train="steps = 400\nlog_every = 50", **TWO)
     out = tmp_path / "out"
     proc = start("--config", str(config), "--nproc", "2", "--out", str(out))
     wait_for(lambda: len(step_rows(out, running=True)) >= 2)
-    ranks = ranks_of(proc.pid)
+    ranks = rank_pids(proc.pid)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr
@@ -117,7 +78,7 @@ def test_a_killed_rank_ends_the_job_naming_it(tmp_path, corpus):
     out = tmp_path / "out"
     proc = start("--config", str(config), "--nproc", "4", "--out", str(out))
     wait_for(lambda: len(step_rows(out, running=True)) >= 1)
-    ranks = ranks_of(proc.pid)
+    ranks = rank_pids(proc.pid)
     assert len(ranks) == 4
     killed_at = time.monotonic()
     os.kill(ranks[2], signal.SIGKILL)
@@ -138,7 +99,7 @@ def test_restarts_resume_without_skipping_or_repeating_a_batch(tmp_path, corpus)
     proc = start("--config", str(config), "--nproc", "2", "--out", str(out), "--max-restarts", "1")
     second = out / "checkpoints" / "step-000002" / "manifest.json"
     wait_for(lambda: second.is_file() and len(step_rows(out, running=True)) >= 3)
-    os.kill(ranks_of(proc.pid)[1], signal.SIGKILL)
+    os.kill(rank_pids(proc.pid)[1], signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=180)
     assert proc.returncode == 0, stderr
     assert "restarting from the last checkpoint" in stdout

@@ -60,6 +60,7 @@ the profile. This is the only module outside runtime/ that imports torch.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import platform
 import queue
@@ -128,7 +129,10 @@ class LoadCheck:
         if cores is not None:  # CPU ranks: the load that matters is the CPU's
             pids: list[Any] = [None] * env.world_size
             dist.all_gather_object(pids, os.getpid())
-            self.meter = CpuMeter([*pids, os.getppid()]) if env.rank == 0 else None
+            # the job's own: the ranks, the fork server that forked them and the launcher
+            parent = multiprocessing.parent_process()
+            job = {*pids, os.getppid(), *([parent.pid] if parent is not None else [])}
+            self.meter = CpuMeter(sorted(job)) if env.rank == 0 else None
         self.kept: list[float] = []  # foreign cores of every kept timed round (rank 0)
         self.redone = 0
 
