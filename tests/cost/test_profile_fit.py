@@ -221,6 +221,37 @@ def test_an_overlapped_exchange_is_inside_each_busy_replica_and_the_iteration_st
     assert ProfiledCostModel.from_dict(data).exchange_in_compute(ParallelConfig(1, 1), 4) == 0.0
 
 
+def test_a_phase_change_costs_the_measured_reduce_before_and_gather_after():
+    """A switch reduces the leaving deployment's gradients and gathers the next one's shard, each timed as the
+    profile measured it alone for the slowest config of its deployment; a schedule's switch_s is their mean."""
+    from hydraulis.parallel import Deployment
+    from hydraulis.planner.plan import plan_from_assignment
+    from hydraulis.planner.schedule import mean_switch_time, phase_switch_time, phases_time
+    from hydraulis.specs import ClusterSpec
+
+    data = _preset_dict("tiny-cpu-measured.json")
+    data["optimizer_step"] = {"world_size": 4, "ms": {"tp1pp1": 20.0, "tp2pp1": 30.0, "tp1pp2": 25.0},
+                              "gather_ms": {"tp1pp1": 6.0, "tp2pp1": 5.0, "tp1pp2": 7.0},
+                              "reduce_ms": {"tp1pp1": 8.0, "tp2pp1": 9.0, "tp1pp2": 10.0}}  # fmt: skip
+    cost = ProfiledCostModel.from_dict(data)
+    hetero = Deployment.parse("1x(tp2,pp1) + 2x(tp1,pp1)", ClusterSpec(4))
+    pipes = Deployment.parse("2x(tp1,pp2)", ClusterSpec(4))
+    assert phase_switch_time(cost, 4, hetero.configs, pipes.configs) == pytest.approx(0.009 + 0.007)
+    assert phase_switch_time(cost, 4, pipes.configs, hetero.configs) == pytest.approx(0.010 + 0.006)
+    assert phase_switch_time(cost, 4) == pytest.approx(0.010 + 0.007)  # not planned yet: the slowest of each
+    # At 8 ranks on the profile's 2 shared cores: twice the load of the 4 measured.
+    assert phase_switch_time(cost, 8, pipes.configs, pipes.configs) == pytest.approx(2 * (0.010 + 0.007))
+    first = plan_from_assignment(0, [300], hetero, [[], [[0]], []], 0.0)
+    second = plan_from_assignment(0, [900], pipes, [[[0]], []], 0.0)
+    switch = mean_switch_time([first, second, first], cost)
+    assert switch == pytest.approx((0.016 + 0.016) / 2) and mean_switch_time([first], cost) == 0.0
+    compute = phases_time([first, second, first], cost, 0.0) - cost.step_time(hetero.configs)
+    assert phases_time([first, second, first], cost, switch) == pytest.approx(
+        compute + 2 * switch + cost.step_time(hetero.configs))
+    del data["optimizer_step"]["gather_ms"]  # an older profile: the all-to-all link's estimate
+    assert phase_switch_time(ProfiledCostModel.from_dict(data), 4) == cost.grad_sync_time(4)
+
+
 def test_the_planner_chooses_by_the_whole_simulated_iteration():
     """A deployment whose compute is fastest but whose optimizer step is slow loses to one that is faster overall."""
     from hydraulis.parallel import Deployment

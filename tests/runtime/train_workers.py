@@ -16,7 +16,7 @@ from hydraulis.optim import AdamWSettings, OptimSettings
 from hydraulis.parallel import Deployment
 from hydraulis.planner.plan import IterationPlan, Schedule
 from hydraulis.planner.planner import Planner
-from hydraulis.planner.schedule import phase_switch_time, phases_time
+from hydraulis.planner.schedule import mean_switch_time, phases_time
 from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, pack_documents
 from hydraulis.runtime.launch import init_distributed
 from hydraulis.runtime.sharding.layout import ModelLayout
@@ -111,7 +111,7 @@ def phased(planner: Planner, lengths: np.ndarray, step: int, deployments: tuple[
     """The batch sorted by length and cut into one part per phase, each planned on its deployment."""
     parts = np.array_split(np.argsort(lengths, kind="stable"), len(deployments))
     plans = tuple(planner.plan_on(lengths[p], planner.pool[k], step) for p, k in zip(parts, deployments, strict=True))
-    switch = phase_switch_time(planner.cost, WORLD)
+    switch = mean_switch_time(plans, planner.cost)
     return Schedule(step, tuple(int(x) for x in lengths), plans, tuple(tuple(int(i) for i in p) for p in parts),
                     switch, phases_time(plans, planner.cost, switch), 0.0)
 

@@ -29,7 +29,7 @@ from hydraulis.errors import OverlongError
 from hydraulis.planner.planner import check_lengths
 from hydraulis.planner.policy import PolicyContext
 from hydraulis.planner.pool import homogeneous, homogeneous_estimate, largest_cap, replicable_configs
-from hydraulis.planner.schedule import Schedule, phase_switch_time, phases_time
+from hydraulis.planner.schedule import Schedule, mean_switch_time, phase_switch_time, phases_time
 
 
 def switch_time(ctx: PolicyContext) -> float:
@@ -92,13 +92,14 @@ class HotSpa:
         for idx, k in self.split(lengths):
             plans.append(self._phase[self.configs[k]].plan(lengths[idx], step))
             indices.append(tuple(int(i) for i in idx))
-        total = phases_time(plans, self.ctx.cost, self.switch_s)
+        switch_s = mean_switch_time(plans, self.ctx.cost)
+        total = phases_time(plans, self.ctx.cost, switch_s)
         return Schedule(
             step,
             tuple(int(s) for s in lengths),
             tuple(plans),
             tuple(indices),
-            self.switch_s,
+            switch_s,
             total,
             time.perf_counter() - start,
         )

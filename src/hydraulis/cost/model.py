@@ -289,19 +289,44 @@ class CostModel:
         bandwidth = self.device.inter_node_bw if num_gpus > self.device.gpus_per_node else self.device.intra_node_bw
         return 2 * (2 * self.model.num_params) / num_gpus / bandwidth
 
+    def _at_world(self, seconds: float, num_gpus: int) -> float | None:
+        """A time of the profile's optimizer step at `num_gpus` ranks: as measured at its world size, rescaled by
+        the shared cores' load at another (on tiny a rank's share hardly shrinks with more ranks); None on GPUs
+        at another world size."""
+        step, shared = self.optimizer_step, self.shared_cores
+        if step is None or step.world_size == num_gpus:
+            return seconds
+        return seconds * shared.load(num_gpus) / shared.load(step.world_size) if shared is not None else None
+
+    def exchange_time(
+        self, before: Sequence[ParallelConfig] | None, after: Sequence[ParallelConfig] | None, num_gpus: int
+    ) -> float:
+        """Seconds of a phase change: the reduce of `before`'s gradients into the owners and the gather of
+        `after`'s compute shard, each as the profile measured it alone for the slowest config of its deployment
+        (the exchange waits for it). Without the deployments (an estimate before they are planned), the slowest
+        measured config. Where not measured, the exchange estimate of grad_sync_time."""
+        step = self.optimizer_step
+        if step is None or not step.reduce or not step.gather:
+            return self.grad_sync_time(num_gpus)
+        before = tuple(step.reduce) if before is None else before
+        after = tuple(step.gather) if after is None else after
+        if not all(c in step.reduce for c in before) or not all(c in step.gather for c in after):
+            return self.grad_sync_time(num_gpus)
+        seconds = self._at_world(max(step.reduce[c] for c in before) + max(step.gather[c] for c in after), num_gpus)
+        return self.grad_sync_time(num_gpus) if seconds is None else seconds
+
     def exchange_in_compute(self, config: ParallelConfig, num_gpus: int) -> float:
         """Seconds of the optimizer's exchange a replica of `config` spends inside its compute when it
         overlaps (runtime/sharding/overlap.py): a pp = 1 replica gathers from its layers' hooks and a pipeline before
         its first micro-batch; both send the reduce from backward. Measured, at the profile's world size
         (rescaled as step_time does); 0 where not measured. Part of the step, not added to the iteration:
         it moves time from after compute into each replica's."""
-        step, shared = self.optimizer_step, self.shared_cores
+        step = self.optimizer_step
         if step is None or config not in step.reduce:
             return 0.0
-        seconds = step.reduce[config] + (step.gather.get(config, 0.0) if config.pp == 1 else 0.0)
-        if step.world_size == num_gpus:
-            return seconds
-        return seconds * shared.load(num_gpus) / shared.load(step.world_size) if shared is not None else 0.0
+        seconds = self._at_world(step.reduce[config] + (step.gather.get(config, 0.0) if config.pp == 1 else 0.0),
+                                 num_gpus)
+        return 0.0 if seconds is None else seconds
 
     def step_time(self, configs: Sequence[ParallelConfig]) -> float:
         """Seconds after compute of an iteration on a deployment of these configs: measured where profiled.
@@ -314,12 +339,8 @@ class CostModel:
         the exchange estimate of grad_sync_time.
         """
         num_gpus = sum(c.num_gpus for c in configs)
-        step, shared = self.optimizer_step, self.shared_cores
+        step = self.optimizer_step
         if step is None or not all(c in step.seconds for c in configs):
             return self.grad_sync_time(num_gpus)
-        seconds = max(step.seconds[c] for c in configs)
-        if step.world_size == num_gpus:
-            return seconds
-        if shared is not None:
-            return seconds * shared.load(num_gpus) / shared.load(step.world_size)
-        return self.grad_sync_time(num_gpus)
+        seconds = self._at_world(max(step.seconds[c] for c in configs), num_gpus)
+        return self.grad_sync_time(num_gpus) if seconds is None else seconds

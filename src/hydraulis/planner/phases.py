@@ -8,7 +8,7 @@ run them faster, one after the other (HotSPa's temporal switching, with
 Hydraulis's heterogeneous deployments in every phase). Gradients accumulate in
 the owners across phases and the optimizer steps once; a phase change costs one
 more exchange: the reduce of the phase's gradients and the gather into the next
-layout (`schedule.phase_switch_time`).
+layout (`schedule.phase_switch_time`, as the profile measured them for the two deployments).
 
 The search: the pool's deployments hold sequences up to their largest cap, so
 the batch, sorted by length, is cut only at those caps (a phase is a length
@@ -31,7 +31,7 @@ import numpy as np
 from hydraulis.errors import HydraulisError
 from hydraulis.planner.dispatch import NoRoom, dispatch
 from hydraulis.planner.planner import Planner, check_lengths
-from hydraulis.planner.schedule import Schedule, phase_switch_time, phases_time
+from hydraulis.planner.schedule import Schedule, mean_switch_time, phase_switch_time, phases_time
 
 MAX_PHASES = 3
 FULL_SPLITS = 2  # splits planned in full after the estimate
@@ -70,7 +70,9 @@ class PhasedPlanner(Planner):
 
     @property
     def switch_s(self) -> float:
-        return phase_switch_time(self.cost, self.num_gpus)
+        """A switch before the phases' deployments are planned (the splits' estimate): the pool's slowest."""
+        configs = sorted({c for d in self.pool for c in d.configs}, key=lambda c: (c.num_gpus, c.tp, c.pp, c.cp))
+        return phase_switch_time(self.cost, self.num_gpus, configs, configs)
 
     def splits(self, lengths: np.ndarray) -> list[Split]:
         """Splits of the batch into 2..MAX_PHASES length ranges at the pool's caps, best estimate first."""
@@ -122,6 +124,7 @@ class PhasedPlanner(Planner):
     def _plan_split(self, lengths: np.ndarray, split: Split, step: int) -> Schedule:
         """Every phase planned on its own (the planner picks its deployment), then the whole simulated."""
         plans = tuple(self.plan(lengths[idx], step) for idx in split.phases)
-        total = phases_time(plans, self.cost, self.switch_s)
+        switch_s = mean_switch_time(plans, self.cost)
+        total = phases_time(plans, self.cost, switch_s)
         indices = tuple(tuple(int(i) for i in idx) for idx in split.phases)
-        return Schedule(step, tuple(int(x) for x in lengths), plans, indices, self.switch_s, total, 0.0)
+        return Schedule(step, tuple(int(x) for x in lengths), plans, indices, switch_s, total, 0.0)

@@ -10,24 +10,43 @@ file and wire formats.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
+from hydraulis.parallel import ParallelConfig
 from hydraulis.planner.plan import IterationPlan, Schedule
 from hydraulis.planner.sim import simulate
 
-__all__ = ["Schedule", "check_schedule", "phase_switch_time", "phases_time"]
+__all__ = ["Schedule", "check_schedule", "phase_switch_time", "mean_switch_time", "phases_time"]
 
 
-def phase_switch_time(cost: CostModel, num_gpus: int) -> float:
+def phase_switch_time(
+    cost: CostModel,
+    num_gpus: int,
+    before: Sequence[ParallelConfig] | None = None,
+    after: Sequence[ParallelConfig] | None = None,
+) -> float:
     """A phase change inside an iteration on the fixed optimizer layout: one more exchange.
 
-    The phase's gradients are reduced into their owners (which accumulate them) and the next
-    deployment's compute shard is gathered: a gradient sync's reduce and gather, nothing of the
-    optimizer state moves (docs/design.md, section 5).
+    The leaving deployment's gradients are reduced into their owners (which accumulate them) and the
+    next deployment's compute shard is gathered: a gradient sync's reduce and gather, nothing of the
+    optimizer state moves (docs/design.md, section 5). Timed as the profile measured them for the
+    configs of the deployment before and after (CostModel.exchange_time); without them, for the
+    slowest measured config.
     """
-    return cost.grad_sync_time(num_gpus)
+    return cost.exchange_time(before, after, num_gpus)
+
+
+def mean_switch_time(phases: Sequence[IterationPlan], cost: CostModel) -> float:
+    """A schedule's switch cost per phase change (Schedule.switch_s): the mean over its changes, 0 for one phase."""
+    if len(phases) < 2:
+        return 0.0
+    num_gpus = phases[0].deployment.num_gpus
+    return sum(phase_switch_time(cost, num_gpus, a.deployment.configs, b.deployment.configs)
+               for a, b in zip(phases, phases[1:], strict=False)) / (len(phases) - 1)
 
 
 def phases_time(phases: list[IterationPlan] | tuple[IterationPlan, ...], cost: CostModel, switch_s: float) -> float:
