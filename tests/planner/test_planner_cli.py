@@ -94,8 +94,8 @@ def test_bad_input_is_one_line_exit_2_and_no_output(cli, tmp_path):
 
 
 def test_plan_writes_phases_and_simulate_reads_them(cli, tmp_path):
-    """llama-32b on 16 GPUs: only tp16pp1 holds 16K, so the short documents run in a phase on tp8pp2 first."""
-    w = write(tmp_path / "w.json", [[16384] * 4 + [3000, 1200, 5000, 800, 2500] * 6])
+    """llama-32b on 16 GPUs: only tp16pp1 holds 24K, so the short documents run in a phase on tp8pp2 first."""
+    w = write(tmp_path / "w.json", [[24576] * 4 + [3000, 1200, 5000, 800, 2500] * 6])
     out = tmp_path / "plan.json"
     pool = "1x(tp16,pp1); 1x(tp8,pp2)"
     res = cli("plan", "-p", "llama-32b@a800-80g", "-n", "16", "-w", str(w), "--pool", pool, "-o", str(out))

@@ -11,9 +11,9 @@ from hydraulis.cost import load_cost_model
 from hydraulis.data.synthetic import get_mixture
 from hydraulis.data.workload import sample_batches
 from hydraulis.errors import HydraulisError
-from hydraulis.parallel import Deployment
+from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.planner import Planner
-from hydraulis.planner.pool import Pool, load_pool, save_pool
+from hydraulis.planner.pool import Pool, has_room, load_pool, save_pool
 from hydraulis.planner.proposal import greedy_pool, propose
 from hydraulis.specs import ClusterSpec
 
@@ -213,3 +213,23 @@ def test_the_published_pool_holds_the_longest_sequence_by_the_plain_cap():
     assert max(int(b.max()) for b in sample) == 32768
     fallback = propose(cost, cluster, sample, method="published", max_pool=1, max_samples=1).pool.deployments[0]
     assert all(cost.cap(g, cluster.num_gpus) >= 32768 for g in fallback.configs), str(fallback)
+
+
+def test_the_published_pool_has_room_for_the_32b_bench_batches_it_did_not_sample():
+    """benchmarks/proposal.py --quick crashed on 32b-64g-wiki ('no deployment of the pool has room'): the
+    published fallback was 4x(tp4,pp2,cp2), which holds 32,768 tokens only as a lone micro-batch (cap
+    21,120), and a fresh batch had more sequences beyond that cap than it has replicas. Held by the plain
+    cap, the fallback runs any batch of sequences up to the longest."""
+    from hydraulis.bench import get_scenarios
+
+    scenario = get_scenarios(["32b-64g-wiki-1m-32k"])[0]
+    cost, cluster = load_cost_model(scenario.profile), ClusterSpec(scenario.num_gpus)
+    train, fresh = scenario.sample(scenario.seed + 1000, 4), scenario.sample(scenario.seed, 3)
+    longest = max(int(b.max()) for b in train + fresh)
+    pool = propose(cost, cluster, train, method="published", max_length=longest).pool.deployments
+    old = ParallelConfig(4, 2, 2)  # the old fallback: too few replicas for the fresh batch's long sequences
+    assert cost.cap(old, 64) < longest <= cost.lone_cap(old, 64)
+    assert has_room(cost, old, 64, train) and not has_room(cost, old, 64, fresh)
+    assert all(cost.cap(g, cluster.num_gpus) >= longest for g in pool[0].configs), str(pool[0])
+    planner = Planner(cost, cluster.num_gpus, pool[:1])
+    assert all(planner.plan(b).deployment == pool[0] for b in fresh[:1])

@@ -160,3 +160,31 @@ def test_ranks_of_a_stage_wait_for_the_same_rounds(pool):
 def _first_layer(plan: ExchangePlan) -> str:
     """Which stage a rank computes, by its first block."""
     return next(p.name.split(".")[1] for p in plan.local if p.name.startswith("layers."))
+
+
+@pytest.mark.parametrize("blocks", [1, 3])
+def test_the_reduce_waits_until_the_stages_last_blocks_are_through_backward(blocks):
+    """The first reduce round goes out once a parameter outside the head, the final norm and the stage's last
+    `reduce_after` blocks is final (cost/memory.py's `reduce_wait`: their activations freed make its room)."""
+    from hydraulis.optim import AdamWSettings
+    from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
+    from hydraulis.runtime.sharding.overlap import ReduceStream
+
+    spec = MODELS["tiny"]
+    opt = DisaggregatedOptimizer(ModelLayout(spec, 1), 0, AdamWSettings(), bucket_bytes=20_000)
+    plan = opt.plan(Deployment.parse("1x(tp1,pp1)", ClusterSpec(1, gpus_per_node=1)))
+    stream = ReduceStream(opt, plan, lambda i: (None, None), torch.float32, reduce_after=blocks)
+
+    def depth(name: str) -> int:  # backward's order: the head and norm, then the blocks from the last
+        return -1 if not name.startswith("layers.") else spec.layers - 1 - int(name.split(".")[1])
+
+    for p in sorted(plan.local, key=lambda p: depth(p.name)):
+        if stream.issued == 0:
+            assert not opt.grad.allocated  # the reduced gradient waits with the buffers
+        stream.accumulated(p.name, 1)
+        if depth(p.name) < blocks:
+            assert stream.issued == 0, p.name
+        else:
+            assert stream.issued > 0 and opt.grad.allocated, p.name
+    stream.finish()
+    assert stream.done and len(plan.rounds) > 2 * spec.layers

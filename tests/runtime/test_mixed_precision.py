@@ -116,5 +116,8 @@ def test_the_owned_gradient_in_two_bytes_is_the_fp32_sum_to_fp16_precision():
         want = exact.values[a:b]
         assert float((got - want).abs().max()) <= 2 * 2**-11 * float(want.abs().max())
     assert float(lean.square_norm()) == pytest.approx(float(exact.square_norm()), rel=1e-3)
-    lean.zero()
-    assert all(float(v.abs().max()) == 0 for _, _, v in lean.pieces())
+    lean.zero()  # a new iteration's sum: no storage until its reduce's first round, and it reads as zero
+    assert not lean.allocated and len(lean.values) == 0
+    assert all(float(v.abs().max()) == 0 for _, _, v in lean.pieces()) and lean.allocated
+    lean.release()
+    assert not lean.allocated

@@ -27,7 +27,11 @@ test_activations.py` checks these counts against the tensors torch saves.
 
 from __future__ import annotations
 
+from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import ModelSpec
+
+KV_BYTES = 2  # K and V travel over the CP group in the compute dtype (bf16)
+LIVE_KV_COPIES = 3  # document-sized K/V copies of the one layer in CP backward (kv_buffer_bytes)
 
 LOSS_CHUNK_ELEMENTS = 1 << 24  # logits of one loss chunk (at least LOSS_CHUNK_MIN_ROWS rows): 96 MiB in bf16 and fp32
 LOSS_CHUNK_MIN_ROWS = 256  # rows of one loss chunk at least, so that its GEMM stays efficient
@@ -115,3 +119,33 @@ def loss_transient_bytes(model: ModelSpec, tp: int, dtype_bytes: int, tokens: in
     chunk = (d + WIDE_BYTES if d < WIDE_BYTES else WIDE_BYTES) * rows * columns
     in_flight = max(chunk, d * (rows + h) * columns if d < WIDE_BYTES else 0.0)
     return (tokens * d * h if per_token else 0.0) + in_flight
+
+
+def kv_buffer_bytes(
+    model: ModelSpec, config: ParallelConfig, recompute: bool = False, held: int | None = None
+) -> float:
+    """Bytes per token of a micro-batch that CP adds on a rank, beyond its share of the activations.
+
+    Attention is blockwise (runtime/modeling/blockwise_attention.py): a chunk at [a, b) keeps for backward
+    its own K/V (counted in the activations) and a copy of the gathered prefix 0..a-1. A rank's two
+    zigzag chunks k and 2cp-1-k start at k/2cp and (2cp-1-k)/2cp of the document, so it keeps
+    (1 - 1 / 2cp) x the document's K/V per layer, for every layer in flight (`held` micro-batches of
+    L/pp layers under 1F1B, pp of them by default; one layer under full recompute). On top, while one
+    layer runs backward: its gathered K/V's gradient, the
+    gathered layout of it, and the reduce-scatter's reordered copy (3 x the document's K/V). Nothing
+    is O(chunk x prefix): no mask, and the block kernels keep O(chunk) softmax statistics.
+    """
+    if config.cp == 1:
+        return 0.0
+    per_layer = 2 * kv_shard_dim(model, config.tp) * KV_BYTES
+    kept_layers = 1 if recompute else model.layers // config.pp * (config.pp if held is None else held)
+    return kept_layers * per_layer * (1 - 1 / (2 * config.cp)) + LIVE_KV_COPIES * per_layer
+
+
+def in_flight(config: ParallelConfig, stage: int, micro_batches: int) -> int:
+    """Micro-batches whose activations a stage holds at once under 1F1B: min(pp - stage, M).
+
+    Stage s warms up with min(pp - s - 1, M) forwards and then alternates one forward with one
+    backward (runtime/parallelism/pipeline.py), so a lone micro-batch on a deep replica is held once, not pp times.
+    """
+    return max(1, min(config.pp - stage, micro_batches))

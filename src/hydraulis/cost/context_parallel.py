@@ -7,15 +7,14 @@ and c (`kv_gather`). `extend_to_cp` derives cp > 1 entries from measured
 cp = 1 ones (an analytic extension, labelled `+cp`): attention is blockwise
 (a chunk's causal diagonal plus its full prefix, no masked-out work), so
 under the zigzag its FLOPs divide by cp like the GEMMs'. The K/V buffers a CP
-rank keeps are memory (memory.kv_buffer_bytes).
+rank keeps are memory (activations.kv_buffer_bytes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from hydraulis.cost.activations import kv_shard_dim
-from hydraulis.cost.memory import KV_BYTES
+from hydraulis.cost.activations import KV_BYTES, kv_shard_dim
 from hydraulis.cost.model import RECOMPUTE_TIME, Coefficients, CostModel
 from hydraulis.limits import MAX_GPUS
 from hydraulis.parallel import ParallelConfig

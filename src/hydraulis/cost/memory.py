@@ -20,49 +20,25 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from hydraulis.context import max_rank_tokens
-from hydraulis.cost.activations import backward_bytes, head_bytes, kv_shard_dim, loss_transient_bytes, stack_bytes
+from hydraulis.cost.activations import (
+    backward_bytes,
+    head_bytes,
+    in_flight,
+    kv_buffer_bytes,
+    loss_transient_bytes,
+    stack_bytes,
+)
+from hydraulis.cost.shards import head_is_embedding, layer_shard_params, shard_params
 from hydraulis.limits import DEFAULT_EXCHANGE_BUCKET_BYTES
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import ModelSpec
 
 CAP_GRANULARITY = 128
 RECOMPUTE_INPUT_BYTES = 2  # a layer's input kept under full recompute (bf16), with a published activation factor
-KV_BYTES = 2  # K and V travel over the CP group in the compute dtype (bf16)
-LIVE_KV_COPIES = 3  # document-sized K/V copies of the one layer in CP backward (kv_buffer_bytes)
 EXCHANGE_ELEMENT_BYTES = 4  # the exchange's rounds are sized for fp32 elements (runtime/sharding/exchange.py)
 ACTIVATION_DTYPE_BYTES = 2  # a published activation factor is for bf16 unless its profile says otherwise
 CAP_DTYPE_BYTES = 2  # the caps are for bf16 compute unless the job says otherwise
 BUDGET_MARGIN = 0.1  # the largest share of a memory budget per rank kept as the safety margin
-
-
-def in_flight(config: ParallelConfig, stage: int, micro_batches: int) -> int:
-    """Micro-batches whose activations a stage holds at once under 1F1B: min(pp - stage, M).
-
-    Stage s warms up with min(pp - s - 1, M) forwards and then alternates one forward with one
-    backward (runtime/parallelism/pipeline.py), so a lone micro-batch on a deep replica is held once, not pp times.
-    """
-    return max(1, min(config.pp - stage, micro_batches))
-
-
-def kv_buffer_bytes(
-    model: ModelSpec, config: ParallelConfig, recompute: bool = False, held: int | None = None
-) -> float:
-    """Bytes per token of a micro-batch that CP adds on a rank, beyond its share of the activations.
-
-    Attention is blockwise (runtime/modeling/blockwise_attention.py): a chunk at [a, b) keeps for backward
-    its own K/V (counted in the activations) and a copy of the gathered prefix 0..a-1. A rank's two
-    zigzag chunks k and 2cp-1-k start at k/2cp and (2cp-1-k)/2cp of the document, so it keeps
-    (1 - 1 / 2cp) x the document's K/V per layer, for every layer in flight (`held` micro-batches of
-    L/pp layers under 1F1B, pp of them by default; one layer under full recompute). On top, while one
-    layer runs backward: its gathered K/V's gradient, the
-    gathered layout of it, and the reduce-scatter's reordered copy (3 x the document's K/V). Nothing
-    is O(chunk x prefix): no mask, and the block kernels keep O(chunk) softmax statistics.
-    """
-    if config.cp == 1:
-        return 0.0
-    per_layer = 2 * kv_shard_dim(model, config.tp) * KV_BYTES
-    kept_layers = 1 if recompute else model.layers // config.pp * (config.pp if held is None else held)
-    return kept_layers * per_layer * (1 - 1 / (2 * config.cp)) + LIVE_KV_COPIES * per_layer
 
 
 @dataclass(frozen=True)
@@ -73,9 +49,10 @@ class TrainingState:
     compute dtype and the sum of their gradients over the micro-batches, in
     as many bytes (under bf16 a scaled fp16 sum, runtime/sharding/main_grad.py).
     Sharded over all N ranks (the fixed optimizer layout): fp32 master
-    weights, two fp32 AdamW moments and the fp32 reduced gradient. The
-    analytic memory model and `rank_memory` both read this one definition;
-    the default is bf16 compute.
+    weights and two fp32 AdamW moments, held throughout, and the reduced
+    gradient, which exists from the reduce to the step (runtime/sharding/
+    optimizer.py's OwnedGradient). The analytic memory model and
+    `rank_memory` both read this one definition; the default is bf16 compute.
     """
 
     param_bytes: int = 2
@@ -101,7 +78,12 @@ class TrainingState:
 
     @property
     def sharded_bytes(self) -> int:
-        return self.master_bytes + self.moment_bytes + self.reduced_grad_bytes
+        return self.held_sharded_bytes + self.reduced_grad_bytes
+
+    @property
+    def held_sharded_bytes(self) -> int:
+        """The owned state held throughout: fp32 master weights and moments (not the reduced gradient)."""
+        return self.master_bytes + self.moment_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -132,14 +114,14 @@ class MemoryModel:
     context_overhead_bytes: float
     safety_margin_bytes: float
     embedding_state_bytes: float = 16.0  # training-state bytes per embedding or head parameter (design section 4)
-    # The optimizer exchange's buffers (runtime/sharding/exchange.py): two rounds in flight, each a send and a receive
-    # buffer of half a bucket, two buckets of the default 256 MiB in all. Overlapped with compute
-    # (runtime/sharding/overlap.py), they live beside the activations: the gather's in the first micro-batch's
-    # forward, the reduce's in the last one's backward.
+    # The exchange's buffers (runtime/sharding/exchange.py): two rounds in flight, each a send and a receive buffer of
+    # half a bucket (two buckets in all), beside the first forward (the gather) and the last backward (the reduce).
     exchange_bytes: float = 2 * DEFAULT_EXCHANGE_BUCKET_BYTES
     activation_dtype_bytes: int = ACTIVATION_DTYPE_BYTES  # the published activation factors' dtype
     compute_dtype_bytes: int = CAP_DTYPE_BYTES  # the compute dtype the caps are for
     sequence_parallel: bool = False
+    # A later phase of a phased iteration holds the earlier phases' reduced gradient beside its activations.
+    reduced_held: bool = False
 
     def for_job(
         self, memory_bytes: int | None, dtype_bytes: int, bucket_bytes: int | None = None,
@@ -222,13 +204,18 @@ class MemoryModel:
 
     def stage_activation_bytes(
         self, config: ParallelConfig, model: ModelSpec, stage: int, tokens: int, dtype_bytes: int, recompute: bool,
-        micro_batches: int | None = None,
+        micro_batches: int | None = None, window: int | None = None,
     ) -> float:
-        """What micro-batches of `tokens` keep for backward on a stage's fullest rank in the compute dtype: the
-        layers' activations of those in flight (`in_flight`; all pp of them when the count is not given) and,
-        on the last stage, the loss head's of the one in its loss (activations.head_bytes)."""
+        """What micro-batches of at most `tokens` keep for backward on a stage's fullest rank in the compute dtype:
+        the layers' activations of those in flight (`in_flight`; all pp of them when the count is not given;
+        `window`, the most tokens those in flight hold at once, when known, else count x `tokens`) and, on the
+        last stage, the loss head's of the one in its loss (activations.head_bytes)."""
         count = None if micro_batches is None else in_flight(config, stage, micro_batches)
         held = self.activation_bytes(config, model, tokens, recompute, count, dtype_bytes)
+        if window is not None and count is not None and count > 1 and tokens:
+            # The largest micro-batch whole, the others' tokens at the marginal micro-batch's bytes per token.
+            one = self.activation_bytes(config, model, tokens, recompute, 1, dtype_bytes)
+            held = one + (held - one) * (min(window, count * tokens) - tokens) / ((count - 1) * tokens)
         if stage == config.pp - 1:
             share = max_rank_tokens(tokens, config.cp) if tokens else 0
             held += head_bytes(model, config.tp, dtype_bytes, share, self.sequence_parallel, self.own_per_token)
@@ -261,7 +248,7 @@ class MemoryModel:
         holds ceil(T/cp) + 2cp tokens of T plus the K/V attention keeps (`kv_buffer_bytes`), so the cap
         is about cp x the per-rank one, less those.
         """
-        count = max(2, config.pp) if micro_batches is None else micro_batches
+        count = config.pp + 1 if micro_batches is None else micro_batches  # more than in flight: the worst
         budget = self.usable_bytes
         bucket = int(self.exchange_bytes // 2)
         caps = []
@@ -307,47 +294,21 @@ def _most_tokens(used: Callable[[int], float], free: float) -> int:
     return low
 
 
-def head_is_embedding(model: ModelSpec, config: ParallelConfig) -> bool:
-    """A tied head on a single stage is the embedding itself; a later stage of a tied model holds its own copy."""
-    return model.arch.tied_embeddings and config.pp == 1
-
-
-def layer_shard_params(model: ModelSpec, tp: int) -> int:
-    """Elements of one transformer block on one TP rank: Q, O and the SwiGLU split, K and V split (or whole on
-    every rank when tp exceeds the KV heads), Qwen2's q/k/v biases with their rows, norms replicated."""
-    h, bias = model.hidden, int(model.arch.qkv_bias)
-    q_dim, kv_dim = model.heads * model.head_dim, model.kv_heads * model.head_dim
-    kv_split = tp if model.kv_heads % tp == 0 else 1
-    n = (q_dim * (h + bias) + q_dim * h + 3 * h * model.ffn) // tp + 2 * kv_dim * (h + bias) // kv_split + 2 * h
-    return n + (2 * model.head_dim if model.arch.qk_norm else 0)
-
-
-def shard_params(model: ModelSpec, config: ParallelConfig, stage: int) -> int:
-    """Compute-shard elements one rank holds: its stage's layers, plus the embedding on the first stage and
-    the final norm and head on the last (none of its own for a tied single stage: `head_is_embedding`)."""
-    h, v = model.hidden, model.vocab_rows
-    n = model.layers // config.pp * layer_shard_params(model, config.tp)
-    if stage == 0:
-        n += v * h // config.tp
-    if stage == config.pp - 1:
-        n += h + (0 if head_is_embedding(model, config) else v * h // config.tp)
-    return n
-
-
 @dataclass(frozen=True)
 class RankMemory:
     """The bytes one rank holds at its peak, buffer by buffer (the runtime's, runtime/trainer.py).
 
-    The compute shard's parameters and the owned fp32 master, moments and reduced gradient are held
-    throughout. The gradients (under bf16 scaled fp16 sums) are freed after every step, so backward
-    allocates them afresh: with one micro-batch the activations are mostly freed by the time they are
-    (the loss head's kept gradients cover the head's), and an idle replica has none; with more
-    micro-batches the next forward's activations meet all of them. The last stage's loss forward holds
-    its input and a chunk of logits on top for a moment (`loss_transient`); then each layer's backward
-    holds its working set (`backward`). The exchange overlaps
-    compute: the gather's buffers meet the first forward's layers, the reduce's the last backward once
-    the stage's last block is through it (they take the memory its activations freed), unless one round
-    moves everything: it then completes before the first layer and starts after the last. After the
+    The compute shard's parameters and the owned fp32 master and moments are held throughout; the owned
+    reduced gradient (`reduced`) from the reduce's first round to the step's end, or throughout in a later
+    phase of a phased iteration (then it is in `owned`). The gradients (under bf16 scaled fp16 sums) are
+    freed after every step, so backward allocates them afresh: with one micro-batch the activations are
+    mostly freed by the time they are (the loss head's kept gradients cover the head's), and an idle
+    replica has none; with more micro-batches the next forward's activations meet all of them. The last
+    stage's loss forward holds its input and a chunk of logits on top for a moment (`loss_transient`);
+    then each layer's backward holds its working set (`backward`). The exchange overlaps compute: the
+    gather's buffers meet the first forward's layers, the reduce's (and the gradient it fills) the last
+    backward, by when 1F1B holds one micro-batch (`reducing`), once the stage's last block freed its
+    activations, unless one round moves everything (it then runs after the last layer). After the
     backward come the reduce's tail and the AdamW step's bucket-sized temporary.
     """
 
@@ -361,22 +322,32 @@ class RankMemory:
     exchange_buffers: float  # the exchange's send and receive buffers (and a scaled gradient's fp32 round)
     exchange_buffers_with_activations: float
     step: float
+    reduced: float  # the reduced gradient, from the reduce to the step (0: held throughout, in `owned`)
+    reducing: float  # the activations beside the reduce: one micro-batch's (1F1B's last backward)
+    reduce_after: int = 1  # the stage's last blocks backward frees before the reduce's first round (`reduce_wait`)
 
     @property
     def after(self) -> float:
         """What the phase after the backward adds to the parameters and owned state."""
-        return self.grads + max(self.exchange_buffers, self.step)
+        return self.grads + self.reduced + max(self.exchange_buffers, self.step)
 
     @property
     def with_activations(self) -> float:
         """What the activations' phase adds to the parameters and owned state: the activations, the gradients
         already allocated, and the loss's forward or, after it, a layer's backward and the exchange's buffers."""
-        return (self.activations + self.grads_with_activations
-                + max(self.loss_transient, self.backward + self.exchange_buffers_with_activations))
+        return self.grads_with_activations + max(
+            self.activations + max(self.loss_transient, self.backward),
+            self.reducing + self.backward + self.exchange_buffers_with_activations,
+        )
 
     @property
     def peak(self) -> float:
         return self.params + self.owned + max(self.with_activations, self.after)
+
+    @property
+    def before_reduce(self) -> float:
+        """The reduce's phase without the reduce: state, gradients, one micro-batch and a layer's backward."""
+        return self.params + self.owned + self.grads_with_activations + self.reducing + self.backward
 
 
 def rank_memory(
@@ -391,44 +362,85 @@ def rank_memory(
     recompute: bool = False,
     micro_batches: int = 2,
     contributors: int | None = None,
+    window: int | None = None,
 ) -> RankMemory:
     """A rank's memory for `micro_batches` micro-batches of at most `tokens` in the compute dtype's bytes;
     `contributors`: the gradients each owned element receives (a deployment's replicas, each CP rank
-    apart; by default a homogeneous deployment of this config's)."""
+    apart; by default a homogeneous deployment of this config's); `window`: the most tokens the micro-batches
+    its stage holds in flight at once have (a plan's; by default as many as in flight times `tokens`)."""
     shard = shard_params(model, config, stage)
     state = TrainingState.for_dtype(dtype_bytes)
     busy = micro_batches > 0
     grads = shard * state.grad_bytes if busy else 0.0  # an idle replica's reduce sends zeros
     owned = -(-model.num_params // num_gpus)
+    reduced = owned * state.reduced_grad_bytes  # every owner receives, an idle replica's too
+    held = owned * state.held_sharded_bytes + reduced * memory.reduced_held
+    reduced *= not memory.reduced_held
     if contributors is None:
         contributors = max(1, num_gpus // config.num_gpus) * config.cp
-    # A round sends the rank's pieces of its shard and receives every contributor's to its owned range
-    # (runtime/sharding/exchange.py). One round moves everything when an owner's range fits a window of half a
-    # bucket over every rank: one pair of buffers, whole; the gather completes before the first layer
-    # and the reduce starts after the last. Otherwise two rounds in flight, each buffer at most half a bucket.
-    send, receive = EXCHANGE_ELEMENT_BYTES * shard, EXCHANGE_ELEMENT_BYTES * owned * contributors
-    one_round = owned * EXCHANGE_ELEMENT_BYTES * 2 * num_gpus <= bucket_bytes
-    buffers = send + receive if one_round else 2 * (min(bucket_bytes / 2, send) + min(bucket_bytes / 2, receive))
-    # A scaled reduced gradient sums each round in fp32 before it keeps it; AdamW works in pieces of half a
-    # bucket: the denominator and, scaled, the gradient's fp32 values.
-    piece = min(bucket_bytes / 2, EXCHANGE_ELEMENT_BYTES * owned)
-    buffers += piece * state.scaled
-    # Otherwise the gather's buffers meet the first forward's layers (not the loss's), and the reduce's wait
-    # until the stage's last block is through backward (runtime/sharding/overlap.py): they take what it freed.
-    block = memory.activation_bytes(config, model, tokens, False, None, dtype_bytes) / model.layers
-    freed = 0.0 if recompute else block
+    buffers, piece, one_round = _exchange(shard, owned, contributors, num_gpus, bucket_bytes, state.scaled)
+    # Otherwise the gather's buffers meet the first forward's layers, the reduce's and the reduced gradient the
+    # last backward's (one micro-batch in flight under 1F1B) once the stage's last blocks freed their activations
+    # (`reduce_wait`); with one micro-batch the gradients those blocks made are beside them.
+    block = memory.activation_bytes(config, model, tokens, False, None, dtype_bytes) / model.layers * (not recompute)
+    held_activations = memory.stage_activation_bytes(config, model, stage, tokens, dtype_bytes, recompute,
+                                                     micro_batches, window)
+    reducing = memory.stage_activation_bytes(config, model, stage, tokens, dtype_bytes, recompute, 1)
+    # The gradients exist from the first backward on: beside a full set in flight only when a forward follows it
+    # (more micro-batches than in flight); with exactly as many, beside the others once the first one's are freed.
+    full = micro_batches > in_flight(config, stage, micro_batches)
+    grads_beside = grads if full else max(0.0, grads - reducing) * (micro_batches > 1)
+    made = 0.0 if micro_batches > 1 else layer_shard_params(model, config.tp) * state.grad_bytes
     last = stage == config.pp - 1
-    return RankMemory(
+    rank = RankMemory(
         params=shard * state.param_bytes,
         grads=grads,
-        owned=owned * state.sharded_bytes,
-        activations=memory.stage_activation_bytes(config, model, stage, tokens, dtype_bytes, recompute, micro_batches)
-        * busy,
+        owned=held,
+        activations=held_activations * busy,
+        reducing=reducing * busy,
         loss_transient=memory.loss_transient_bytes(config, model, tokens, dtype_bytes) if busy and last else 0.0,
         backward=max_rank_tokens(tokens, config.cp) * backward_bytes(model, config.tp, dtype_bytes)
         * (busy and memory.own_per_token),
-        grads_with_activations=grads if micro_batches > 1 else 0.0,
+        grads_with_activations=grads_beside,
         exchange_buffers=buffers,
-        exchange_buffers_with_activations=0.0 if one_round or not busy else max(0.0, buffers - freed),
+        exchange_buffers_with_activations=0.0,
         step=piece * (1 + state.scaled),
+        reduced=reduced,
     )
+    if one_round or not busy:
+        return rank
+    after = reduce_wait(buffers + reduced, block - made, memory.usable_bytes - rank.before_reduce,
+                        model.layers // config.pp)
+    return replace(rank, reduce_after=after,
+                   exchange_buffers_with_activations=max(0.0, buffers + reduced + after * (made - block)))
+
+
+def _exchange(
+    shard: int, owned: int, contributors: int, num_gpus: int, bucket_bytes: int, scaled: bool
+) -> tuple[float, float, bool]:
+    """The exchange's buffers, the AdamW step's piece, and whether one round moves everything.
+
+    A round sends the rank's pieces of its shard and receives every contributor's to its owned range
+    (runtime/sharding/exchange.py). One round moves everything when an owner's range fits a window of half a
+    bucket over every rank: one pair of buffers, whole; the gather completes before the first layer and the
+    reduce starts after the last. Otherwise two rounds in flight, each buffer at most half a bucket. A scaled
+    reduced gradient sums each round in fp32 before it keeps it; AdamW works in pieces of half a bucket: the
+    denominator and, scaled, the gradient's fp32 values.
+    """
+    send, receive = EXCHANGE_ELEMENT_BYTES * shard, EXCHANGE_ELEMENT_BYTES * owned * contributors
+    one_round = owned * EXCHANGE_ELEMENT_BYTES * 2 * num_gpus <= bucket_bytes
+    buffers = send + receive if one_round else 2 * (min(bucket_bytes / 2, send) + min(bucket_bytes / 2, receive))
+    piece = min(bucket_bytes / 2, EXCHANGE_ELEMENT_BYTES * owned)
+    return buffers + piece * scaled, piece, one_round
+
+
+def reduce_wait(need: float, net: float, free: float, blocks: int) -> int:
+    """The stage's last blocks backward frees before the reduce's first round: one, unless the reduce's buffers
+    and the reduced gradient (`need`) then exceed what is `free` beside the last backward's activations; then
+    the fewest whose freed activations (`net` each, less the gradients they made) make room, at most all.
+
+    The reduce's rounds go out later in backward, so less of them is hidden; only where memory binds (the caps
+    of llama-32b with pp = 1, where the gradient's 2 GB exceed one block's activations)."""
+    if net <= 0 or need - net <= free:
+        return 1
+    return int(min(blocks, max(1, np.ceil((need - free) / net))))

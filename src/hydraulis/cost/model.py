@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -219,7 +219,7 @@ class CostModel:
 
     def lone_cap(self, config: ParallelConfig, num_gpus: int) -> int:
         """Most tokens of a replica's only micro-batch, so the longest sequence `config` holds: a deep
-        replica keeps a lone micro-batch in flight once, not pp times (memory.in_flight)."""
+        replica keeps a lone micro-batch in flight once, not pp times (activations.in_flight)."""
         return self._cap(config, num_gpus, 1)
 
     def _cap(self, config: ParallelConfig, num_gpus: int, micro_batches: int | None) -> int:
@@ -246,6 +246,13 @@ class CostModel:
         memory budget per rank."""
         out = copy.copy(self)
         out.memory = self.memory.for_job(memory_bytes, dtype_bytes, bucket_bytes, sequence_parallel)
+        return out
+
+    def later_phase(self) -> CostModel:
+        """A copy for a later phase of a phased iteration, whose ranks hold the earlier phases' reduced gradient
+        beside the activations (memory.py's `reduced_held`): its caps are a little smaller."""
+        out = copy.copy(self)
+        out.memory = replace(self.memory, reduced_held=True)
         return out
 
     def caps(self, num_gpus: int) -> dict[ParallelConfig, int]:

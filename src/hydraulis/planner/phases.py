@@ -49,6 +49,8 @@ class Split:
 class PhasedPlanner(Planner):
     """The planner, choosing per batch between one deployment and a sequence of phases (the `hydraulis` policy)."""
 
+    _later: Planner | None = None  # plans the phases after the first (built on first use)
+
     def schedule(self, lengths: np.ndarray, step: int = 0) -> Schedule:
         """The fastest simulated schedule: the single-phase plan, or the best of the most promising splits."""
         start = time.perf_counter()
@@ -122,8 +124,13 @@ class PhasedPlanner(Planner):
         return best
 
     def _plan_split(self, lengths: np.ndarray, split: Split, step: int) -> Schedule:
-        """Every phase planned on its own (the planner picks its deployment), then the whole simulated."""
-        plans = tuple(self.plan(lengths[idx], step) for idx in split.phases)
+        """Every phase planned on its own (the planner picks its deployment), then the whole simulated; a later
+        phase within the caps left beside the earlier phases' reduced gradient (`CostModel.later_phase`)."""
+        if self._later is None:
+            self._later = Planner(self.cost.later_phase(), self.num_gpus, self.pool, method=self.method,
+                                  milp_time_limit_s=self.milp_time_limit_s, full_candidates=self.full_candidates,
+                                  refine_rounds=self.refine_rounds)
+        plans = tuple((self._later if k else self).plan(lengths[idx], step) for k, idx in enumerate(split.phases))
         switch_s = mean_switch_time(plans, self.cost)
         total = phases_time(plans, self.cost, switch_s)
         indices = tuple(tuple(int(i) for i in idx) for idx in split.phases)

@@ -121,16 +121,17 @@ class RankPool:
 
     def overlap(
         self, part: RankDeployment, micro_batches: int, reduce_dtype: torch.dtype, overlap: bool = True,
-        accumulate: bool = False,
+        accumulate: bool = False, reduce_after: int = 1,
     ) -> Overlap:
         """One iteration's (or phase's) gather and reduce, driven by the model's hooks while it computes (overlap.py).
 
         A pipelined replica gathers everything before its first micro-batch: waiting for a round inside
         forward could block a neighbour stage's p2p. Its reduce still goes out from backward. `accumulate`:
         the owners add to the gradient earlier phases of the iteration reduced instead of starting from zero.
+        `reduce_after`: the stage's last blocks backward frees before the reduce's first round (cost/memory.py).
         """
         ex = Overlap(self.optimizer, part.exchange_plan, part.params, self.dtype, reduce_dtype, micro_batches, overlap,
-                     accumulate)
+                     accumulate, reduce_after)
         if not overlap or part.groups.config.pp > 1:
             ex.gather_ahead()
         return ex

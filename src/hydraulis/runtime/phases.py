@@ -77,16 +77,21 @@ def sub_batch(batch: GlobalBatch, positions: Sequence[int]) -> GlobalBatch:
     return GlobalBatch(batch.docs[idx], batch.starts[idx], batch.lengths[idx], batch.state, batch.next_state)
 
 
-def run_phases(trainer: Trainer, batch: GlobalBatch, schedule: Schedule, targets: int) -> list[PhaseRun]:
-    """Every phase in order; each later one's reduce accumulates into the owners' gradient."""
+def run_phases(
+    trainer: Trainer, batch: GlobalBatch, schedule: Schedule, targets: int, reduce_after: Sequence[int]
+) -> list[PhaseRun]:
+    """Every phase in order; each later one's reduce accumulates into the owners' gradient. `reduce_after`: each
+    phase's blocks this rank's backward frees before its reduce starts (cost/memory.py's `reduce_wait`)."""
     runs = []
     for k, (plan, positions) in enumerate(zip(schedule.phases, schedule.indices, strict=True)):
         part_batch = batch if len(schedule.phases) == 1 else sub_batch(batch, positions)
-        runs.append(run_phase(trainer, part_batch, plan, targets, accumulate=k > 0))
+        runs.append(run_phase(trainer, part_batch, plan, targets, accumulate=k > 0, reduce_after=reduce_after[k]))
     return runs
 
 
-def run_phase(trainer: Trainer, batch: GlobalBatch, plan: IterationPlan, targets: int, accumulate: bool) -> PhaseRun:
+def run_phase(
+    trainer: Trainer, batch: GlobalBatch, plan: IterationPlan, targets: int, accumulate: bool, reduce_after: int = 1
+) -> PhaseRun:
     """One deployment's part of an iteration: activate, gather, 1F1B on this rank's micro-batches, reduce."""
     s = trainer.settings
     index = s.pool.index(plan.deployment)
@@ -96,7 +101,7 @@ def run_phase(trainer: Trainer, batch: GlobalBatch, plan: IterationPlan, targets
     model = part.model
     part.clear_grads()
     count = len(plan.replicas[part.replica].micro_batches)
-    overlap = trainer.deployments.overlap(part, count, DTYPES[s.reduce_dtype], s.overlap, accumulate)
+    overlap = trainer.deployments.overlap(part, count, DTYPES[s.reduce_dtype], s.overlap, accumulate, reduce_after)
     gathered = time.perf_counter()
     micro_batches = trainer.micro_batches(batch, plan, part)
     # poisoned: a test hook, off unless asked for

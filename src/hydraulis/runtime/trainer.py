@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hydraulis.cost.memory import RankMemory
 from hydraulis.cost.model import CostModel
 from hydraulis.data.sampler import GlobalBatch, SamplerState, TokenBudgetSampler
 from hydraulis.errors import HydraulisError
@@ -53,7 +54,7 @@ from hydraulis.runtime.compare import Comparison, compare
 from hydraulis.runtime.deployments import RankDeployment, RankPool
 from hydraulis.runtime.divergence import finite
 from hydraulis.runtime.launch import DTYPES, DistEnv, init_distributed
-from hydraulis.runtime.metering.step_memory import CPU_SAMPLE_EVERY, MemoryFigures, StepMemory, predicted_peak
+from hydraulis.runtime.metering.step_memory import CPU_SAMPLE_EVERY, MemoryFigures, StepMemory, predicted_rank
 from hydraulis.runtime.parallelism.batch import PackedBatch, count_targets, pack_cp_shard
 from hydraulis.runtime.parallelism.groups import built_groups
 from hydraulis.runtime.phases import RankFigures, loss_part, run_phases
@@ -270,35 +271,37 @@ class Trainer:
         """Execute one plan on one batch (every rank, the same plan); returns the metrics (meaningful on rank 0)."""
         return self.run_schedule(batch, Schedule.single(plan), planning_unhidden_s)
 
-    def _start_memory(self, indices: Sequence[int], schedule: Schedule) -> None:
-        """Start this rank's memory meter if the iteration is due; on CPU every rank then waits for the others.
+    def _start_memory(self, indices: Sequence[int], schedule: Schedule) -> list[RankMemory]:
+        """This rank's predicted memory in each phase (a later one holds the earlier phases' reduced gradient);
+        the meter started if the iteration is due; on CPU every rank then waits for the others.
 
         Why the wait: a CPU rank that measures takes a census of its live tensors first (90-250 ms on tiny,
         its own decision), and without it rank 0's clock, and every replica waiting on that rank in a
         collective, counted the census as training: the demo's measured steps ran 18% over their prediction,
         the others 5%."""
         s = self.settings
-        peak = max(predicted_peak(s.cost, s.model, self.deployments.parts[k], p, self.world, self.dtype,
-                                  s.exchange_bucket_bytes) for k, p in zip(indices, schedule.phases, strict=True))
-        self.memory.start(indices[0], self.step_index, peak)
+        ranks = [predicted_rank(s.cost.later_phase() if n else s.cost, s.model, self.deployments.parts[k], p,
+                                self.world, self.dtype, s.exchange_bucket_bytes)
+                 for n, (k, p) in enumerate(zip(indices, schedule.phases, strict=True))]
+        self.memory.start(indices[0], self.step_index, max(r.peak for r in ranks))
         if self.env.device.type == "cpu" and self.world > 1:
             dist.barrier(group=self.control)
+        return ranks
 
     def run_schedule(self, batch: GlobalBatch, schedule: Schedule, planning_unhidden_s: float = 0.0) -> StepMetrics:
         """Its phases one after another (runtime/phases.py), then one optimizer step on their summed gradients."""
         s = self.settings
         indices = [s.pool.index(p.deployment) for p in schedule.phases]
-        self._start_memory(indices, schedule)
+        ranks = self._start_memory(indices, schedule)
         start = time.perf_counter()
         targets = self.batch_targets(batch)
-        runs = run_phases(self, batch, schedule, targets)
+        runs = run_phases(self, batch, schedule, targets, [r.reduce_after for r in ranks])
         self.last_overlap = runs[-1].overlap
         norm, extra = self.optimizer.global_norm(extra=loss_part(runs, self.env.device).reshape(1))
         lr = s.optim.lr_at(self.step_index, s.steps)
         values = torch.stack([norm.detach().double().cpu(), extra[0].double().cpu()]).tolist()  # one sync per step
         skipped = not finite(values[1], values[0])  # the same numbers on every rank: they agree
-        if not skipped:
-            self.optimizer.step(lr, norm)
+        self.optimizer.step(lr, norm, skip=skipped)
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         finished = time.perf_counter()  # the iteration ends here; what follows only reports on it

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hydraulis.cost.memory import rank_memory
+from hydraulis.cost.activations import in_flight
+from hydraulis.cost.memory import RankMemory, rank_memory
 from hydraulis.cost.model import CostModel
 from hydraulis.planner.plan import IterationPlan
 from hydraulis.runtime.deployments import RankDeployment
@@ -99,7 +100,7 @@ class StepMemory:
         return MemoryFigures(self._base + self.meter.peak_bytes, int(self._predicted), int(exchange))
 
 
-def predicted_peak(
+def predicted_rank(
     cost: CostModel,
     model: ModelSpec,
     part: RankDeployment,
@@ -107,9 +108,10 @@ def predicted_peak(
     world: int,
     dtype: torch.dtype,
     bucket_bytes: int,
-) -> float:
-    """The memory model's peak for this rank in this iteration (its replica's largest micro-batch), for the
-    runtime's own dtype and sequence parallelism."""
+) -> RankMemory:
+    """The memory model's figures for this rank in this iteration (its replica's largest micro-batch), for the
+    runtime's own dtype and sequence parallelism: its peak, and when its reduce may start (`reduce_after`), for
+    the micro-batches its stage holds in flight at once."""
     groups = part.groups
     lengths = np.asarray(plan.lengths)
     micro_batches = plan.replicas[part.replica].micro_batches
@@ -117,8 +119,11 @@ def predicted_peak(
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     config = groups.config
     memory = dataclasses.replace(cost.memory, sequence_parallel=groups.tp.sequence_parallel)
-    figures = rank_memory(
+    # 1F1B holds consecutive micro-batches in flight (runtime/parallelism/pipeline.py): the fullest window's tokens.
+    sizes = [int(lengths[list(mb)].sum()) for mb in micro_batches]
+    k = in_flight(config, groups.stage, len(sizes))
+    window = max((sum(sizes[i : i + k]) for i in range(max(1, len(sizes) - k + 1))), default=0)
+    return rank_memory(
         memory, model, config, groups.stage, world, tokens, dtype_bytes, bucket_bytes,
-        config in cost.recompute, len(micro_batches), sum(r.config.cp for r in plan.deployment.replicas),
+        config in cost.recompute, len(micro_batches), sum(r.config.cp for r in plan.deployment.replicas), window,
     )
-    return figures.peak

@@ -1,8 +1,9 @@
 """The disaggregated optimizer: fixed sharded AdamW state, per-deployment compute shards.
 
 Rank r owns chunk r of every stripe of the global parameter vector
-(layout.py), stored stripe after stripe: fp32 master weights, both AdamW
-moments and the reduced gradient, whatever deployment runs. An iteration is
+(layout.py), stored stripe after stripe: fp32 master weights and both AdamW
+moments, whatever deployment runs, and from the reduce to the step the reduced
+gradient (`OwnedGradient`). An iteration is
 
 1. gather: every rank receives its compute shard (its replica's TP slice of
    its stage) from the owners, cast to the compute dtype;
@@ -52,20 +53,42 @@ class OwnedGradient:
     that stays while the activations peak. Blocks do not depend on the deployment, so later phases of
     an iteration add to what earlier ones reduced. `pieces` yields fp32 values block by block for the
     norm and the step.
+
+    The sum exists only from the reduce's first round to the end of the step (`release`): it is allocated
+    when the first contributions arrive, by when a single-phase iteration's backward has freed the
+    stage's last block, so it never meets a full set of activations (a later phase of a phased iteration
+    holds it; cost/memory.py counts both).
     """
 
     def __init__(self, size: int, device: torch.device, scaled: bool, piece_bytes: int) -> None:
-        self.scaled = scaled
+        self.scaled, self.size, self.device = scaled, size, device
         self.piece = max(1, piece_bytes // EXCHANGE_ELEMENT_BYTES)
-        self.values = torch.zeros(size, dtype=ACCUMULATOR if scaled else torch.float32, device=device)
+        self.dtype = ACCUMULATOR if scaled else torch.float32
+        self.values = torch.zeros(0, dtype=self.dtype, device=device)  # released: a sum of zero
         blocks = -(-size // self.piece) if scaled else 0
         self.inverse = torch.ones(blocks, dtype=torch.float32, device=device)  # 1 / each block's scale
 
+    @property
+    def allocated(self) -> bool:
+        return len(self.values) == self.size
+
     def zero(self) -> None:
-        self.values.zero_()
+        """A new iteration's sum: released until its first contributions arrive."""
+        self.release()
+
+    def release(self) -> None:
+        """Free the sum's storage (after the step); it reads as zero until contributions arrive."""
+        self.values = torch.zeros(0, dtype=self.dtype, device=self.device)
+
+    def allocate(self) -> None:
+        """The sum's storage, zero, when the reduce's first round is issued (idempotent within an iteration)."""
+        if not self.allocated:
+            self.values = torch.zeros(self.size, dtype=self.dtype, device=self.device)
+            self.inverse.fill_(1.0)
 
     def add(self, ranges: Sequence[tuple[int, int]], recv: torch.Tensor) -> None:
         """One round's contributions: (owned offset, length) of each consecutive piece of `recv`."""
+        self.allocate()
         if not self.scaled:
             pos = 0
             for off, n in ranges:
@@ -87,12 +110,14 @@ class OwnedGradient:
 
     def pieces(self) -> Iterator[tuple[int, int, torch.Tensor]]:
         """(start, end, fp32 values) of at most a piece: views of the sum itself in fp32, unscaled copies scaled."""
+        self.allocate()
         for k, a in enumerate(range(0, len(self.values), self.piece)):
             values = self.values[a : a + self.piece]
             yield a, a + len(values), values.float().mul_(self.inverse[k]) if self.scaled else values
 
     def square_norm(self) -> torch.Tensor:
         """Sum of squares, reduced in fp32 (vector_norm: no temporary of the owned size)."""
+        self.allocate()
         if not self.scaled:
             return torch.linalg.vector_norm(self.values).square()
         norms = torch.stack([torch.linalg.vector_norm(self.values[a : a + self.piece], dtype=torch.float32)
@@ -167,12 +192,16 @@ class DisaggregatedOptimizer:
         return both[0].sqrt(), (None if extra is None else both[1:])
 
     @torch.no_grad()
-    def step(self, lr: float, grad_norm: torch.Tensor) -> None:
-        """Clip by the global norm (as torch's clip_grad_norm_) and take one AdamW step on the owned range.
+    def step(self, lr: float, grad_norm: torch.Tensor, skip: bool = False) -> None:
+        """Clip by the global norm (as torch's clip_grad_norm_) and take one AdamW step on the owned range
+        (`skip`, a non-finite loss or norm: none); either way the reduced gradient is freed.
 
         Piece by piece (at most half a bucket): the temporaries (the denominator, and the fp32 values of a
         scaled gradient) never have the owned range's size.
         """
+        if skip:
+            self.grad.release()
+            return
         s = self.settings
         coef = torch.clamp(s.grad_clip / (grad_norm + 1e-6), max=1.0) if s.grad_clip > 0 else None
         self.step_count += 1
@@ -189,3 +218,4 @@ class DisaggregatedOptimizer:
             self.exp_avg_sq[a:b].mul_(b2).addcmul_(grad, grad, value=1 - b2)
             denom = self.exp_avg_sq[a:b].sqrt().div_(math.sqrt(bias2)).add_(s.eps)
             self.master[a:b].addcdiv_(self.exp_avg[a:b], denom, value=-lr / bias1)
+        self.grad.release()

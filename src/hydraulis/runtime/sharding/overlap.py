@@ -12,9 +12,10 @@ are in flight at once, each in its own pair of half-bucket buffers:
   hook counts each parameter's gradients; after the last micro-batch's, the
   parameter is *sealed*, and every round whose gradients are all sealed is
   sent while backward goes on into earlier layers (Megatron's
-  overlap_grad_reduce). The first round waits until the stage's last block
-  is through backward, so that its buffers take memory its activations
-  freed (cost/memory.py counts them so). A hook never waits: it sends only into a free slot
+  overlap_grad_reduce). The first round waits until the stage's last
+  `reduce_after` blocks are through backward, so that its buffers and the
+  reduced gradient take memory their activations freed (cost/memory.py's
+  `reduce_wait` chooses how many and counts them so). A hook never waits: it sends only into a free slot
   and retires only finished rounds, so a pipeline stage cannot block its
   neighbours' p2p; `finish` sends the rest.
 
@@ -200,7 +201,8 @@ class ReduceStream(_Rounds):
     """Gradients summed into the owners' `grad`, in reverse model order, each round sent once it is final."""
 
     def __init__(self, opt: DisaggregatedOptimizer, plan: ExchangePlan, grads: Callable[[int], Gradient],
-                 dtype: torch.dtype, after: GatherStream | None = None, accumulate: bool = False) -> None:
+                 dtype: torch.dtype, after: GatherStream | None = None, accumulate: bool = False,
+                 reduce_after: int = 1) -> None:
         super().__init__(opt, plan, "reduce", dtype, range(len(plan.rounds) - 1, -1, -1))
         self.grads = grads  # local parameter index -> its accumulated gradient (None: zero) and factor (main_grad.py)
         # The gather of the same iteration: its rounds use the same group, so all of them go out before this
@@ -210,15 +212,17 @@ class ReduceStream(_Rounds):
         self.counts: dict[int, int] = {}
         self.early = 0  # rounds issued from backward's hooks, while it went on
         self.index = {p.name: i for i, p in enumerate(plan.local)}
-        self.tail = _tail(self.index)
+        self.tail = _tail(self.index, reduce_after)
         if not accumulate:  # a later phase of an iteration adds to what the earlier phases reduced
             opt.grad.zero()
 
     def _start(self) -> None:
-        """Before the first round: the gather's last rounds, which must precede it on the group."""
+        """Before the first round: the gather's last rounds, which must precede it on the group, and the owned
+        sum's storage (outside the exchange's window: it is the optimizer's state, not the exchange's buffers)."""
         if self.after is not None:
             gather, self.after = self.after, None
             gather.finish()
+        self.opt.grad.allocate()
 
     def finish(self) -> None:
         self._start()
@@ -254,7 +258,7 @@ class ReduceStream(_Rounds):
             return
         self.sealed.add(i)
         if self.issued == 0 and i in self.tail:
-            return  # the buffers wait until the stage's last block is through backward and its activations freed
+            return  # the buffers wait until the stage's last blocks are through backward and their activations freed
         if self.issued == 0 and self.plan.reduce_reads[self.order[0]] <= self.sealed:
             self._start()
         with self._exposed():
@@ -266,12 +270,11 @@ class ReduceStream(_Rounds):
                 self.early += 1
 
 
-def _tail(index: dict[str, int]) -> set[int]:
-    """The parameters backward reaches first: the head, the final norm and the stage's last block."""
-    layers = [int(name.split(".")[1]) for name in index if name.startswith("layers.")]
-    last = f"layers.{max(layers)}." if layers else None
-    return {i for name, i in index.items()
-            if name.startswith(("norm.", "output.")) or (last is not None and name.startswith(last))}
+def _tail(index: dict[str, int], blocks: int = 1) -> set[int]:
+    """The parameters backward reaches first: the head, the final norm and the stage's last `blocks` blocks."""
+    layers = sorted({int(name.split(".")[1]) for name in index if name.startswith("layers.")})
+    last = tuple(f"layers.{k}." for k in layers[-blocks:]) if layers else ()
+    return {i for name, i in index.items() if name.startswith(("norm.", "output.", *last))}
 
 
 class Overlap:
@@ -280,9 +283,10 @@ class Overlap:
 
     def __init__(self, opt: DisaggregatedOptimizer, plan: ExchangePlan, params: Sequence[torch.nn.Parameter],
                  dtype: torch.dtype, reduce_dtype: torch.dtype, micro_batches: int, enabled: bool = True,
-                 accumulate: bool = False) -> None:
+                 accumulate: bool = False, reduce_after: int = 1) -> None:
         self.gather = GatherStream(opt, plan, params, dtype)
-        self.reduce = ReduceStream(opt, plan, lambda i: gradient(params[i]), reduce_dtype, self.gather, accumulate)
+        self.reduce = ReduceStream(opt, plan, lambda i: gradient(params[i]), reduce_dtype, self.gather, accumulate,
+                                   reduce_after)
         self.micro_batches = micro_batches
         self.enabled = enabled  # False: the hooks do nothing, gather and reduce run whole (`gather_ahead`, `finish`)
 
