@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hydraulis.specs",
         "hydraulis.plots",
         "hydraulis.files",
+        "hydraulis.rank_server",
         "hydraulis.training",  # the package itself (its modules sit in their layers)
     ),
     ("hydraulis.parallel", "hydraulis.context", "hydraulis.optim", "hydraulis.families"),

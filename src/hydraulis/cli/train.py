@@ -27,9 +27,10 @@ def train(
     ),
 ) -> None:
     """Train; under torchrun every process is one rank, without it --nproc local gloo ranks are spawned."""
+    from hydraulis import rank_server
     from hydraulis.errors import HydraulisError
     from hydraulis.training.config import load_config
-    from hydraulis.training.job import prepare
+    from hydraulis.training.job import prepare, torchrun_world
 
     if steps is not None and steps < 1:
         raise HydraulisError(f"--steps must be positive, got {steps}")
@@ -38,6 +39,8 @@ def train(
     job = prepare(
         load_config(config), nproc, out, steps, resume, max_restarts, stop_at=stop_at, change_schedule=change_schedule
     )
+    if job.world > 1 and torchrun_world() is None:
+        rank_server.start()  # its import of torch runs beside the launcher's, next
     from hydraulis.training.loop import run  # torch only now: bad input above fails fast, without it
 
     run(job)

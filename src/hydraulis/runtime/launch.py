@@ -7,19 +7,16 @@ tensor or NCCL communicator exists, and picks NCCL on GPUs, gloo otherwise.
 gloo processes and watches them, so that one rank that fails (an exception,
 a signal, a gloo abort without a Python error) ends the whole job with that
 rank's error instead of leaving its peers blocked in a collective. The ranks
-are forked from multiprocessing's fork server, which imported torch and this
-module once, before any thread or CUDA context existed: a spawned rank paid
-about 2 s of CPU to import them again (on 2 cores, 4 ranks waited 4.6 s), and
-a process that launches many jobs (the profiler's rounds, the tests) pays
-once. Each rank takes the launcher's environment of the moment, as a spawned
-one did, not the fork server's.
+are forked from a fork server (`rank_server.py`) that imported torch and this
+module once: a process that launches many jobs (the profiler's rounds, the
+tests) pays once. Each rank takes the launcher's environment of the moment,
+as a spawned one did, not the fork server's.
 """
 
 from __future__ import annotations
 
 import datetime
 import io
-import multiprocessing
 import os
 import pickle
 import signal
@@ -35,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hydraulis import rank_server
 from hydraulis.cost.conditions import cpu_cores
 from hydraulis.errors import HydraulisError
 from hydraulis.specs import DTYPE_NAMES
@@ -222,8 +220,7 @@ def spawn(
     nor, with `deadline_s`, the deadline (the one launcher of the job, the
     profiler, the tests and the benchmarks).
     """
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["hydraulis.runtime.launch"])  # torch and this module, imported once
+    ctx = rank_server.context()
     port = free_port()
     buffer, inherited = io.BytesIO(), []
     _ByValue(buffer, inherited).dump((fn, args))
