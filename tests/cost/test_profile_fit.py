@@ -13,7 +13,8 @@ from hydraulis.cost import ProfiledCostModel
 from hydraulis.cost.fit import fidelity, fit_link, fit_robust, holdout_fidelity, holdout_split
 from hydraulis.cost.model import Link
 from hydraulis.errors import HydraulisError
-from hydraulis.parallel import ParallelConfig
+from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.specs import ClusterSpec
 
 
 def sweep() -> list[list[int]]:
@@ -197,20 +198,23 @@ def test_a_measured_optimizer_step_is_the_iteration_time_after_compute():
         ProfiledCostModel.from_dict(data)
 
 
-def test_an_overlapped_exchange_is_inside_each_busy_replica_and_the_iteration_stays():
-    """Overlapped, a pp = 1 replica gathers and sends its reduce while it computes, a pipeline only
-    sends its reduce (it gathered before its first micro-batch): the trainer's replica times hold that."""
-    from hydraulis.parallel import Deployment
-    from hydraulis.planner.plan import plan_from_assignment
-    from hydraulis.planner.sim import simulate
-    from hydraulis.specs import ClusterSpec
-
+def _with_measured_exchange() -> tuple[dict, ProfiledCostModel, Deployment]:
+    """tiny's measured profile with its optimizer step, gather and reduce timed at 4 ranks, the cost model,
+    and a heterogeneous deployment of 4 ranks."""
     data = _preset_dict("tiny-cpu-measured.json")
     data["optimizer_step"] = {"world_size": 4, "ms": {"tp1pp1": 20.0, "tp2pp1": 30.0, "tp1pp2": 25.0},
                               "gather_ms": {"tp1pp1": 6.0, "tp2pp1": 5.0, "tp1pp2": 7.0},
                               "reduce_ms": {"tp1pp1": 8.0, "tp2pp1": 9.0, "tp1pp2": 10.0}}  # fmt: skip
-    cost = ProfiledCostModel.from_dict(data)
-    hetero = Deployment.parse("1x(tp2,pp1) + 2x(tp1,pp1)", ClusterSpec(4))
+    return data, ProfiledCostModel.from_dict(data), Deployment.parse("1x(tp2,pp1) + 2x(tp1,pp1)", ClusterSpec(4))
+
+
+def test_an_overlapped_exchange_is_inside_each_busy_replica_and_the_iteration_stays():
+    """Overlapped, a pp = 1 replica gathers and sends its reduce while it computes, a pipeline only
+    sends its reduce (it gathered before its first micro-batch): the trainer's replica times hold that."""
+    from hydraulis.planner.plan import plan_from_assignment
+    from hydraulis.planner.sim import simulate
+
+    data, cost, hetero = _with_measured_exchange()
     plan = plan_from_assignment(0, [512, 300], hetero, [[[0]], [[1]], []], 0.0)
     plain, overlapped = simulate(plan, cost), simulate(plan, cost.with_overlap(True))
     inside = np.array([0.005 + 0.009, 0.006 + 0.008, 0.0])  # the idle replica does not count
@@ -224,17 +228,10 @@ def test_an_overlapped_exchange_is_inside_each_busy_replica_and_the_iteration_st
 def test_a_phase_change_costs_the_measured_reduce_before_and_gather_after():
     """A switch reduces the leaving deployment's gradients and gathers the next one's shard, each timed as the
     profile measured it alone for the slowest config of its deployment; a schedule's switch_s is their mean."""
-    from hydraulis.parallel import Deployment
     from hydraulis.planner.plan import plan_from_assignment
     from hydraulis.planner.schedule import mean_switch_time, phase_switch_time, phases_time
-    from hydraulis.specs import ClusterSpec
 
-    data = _preset_dict("tiny-cpu-measured.json")
-    data["optimizer_step"] = {"world_size": 4, "ms": {"tp1pp1": 20.0, "tp2pp1": 30.0, "tp1pp2": 25.0},
-                              "gather_ms": {"tp1pp1": 6.0, "tp2pp1": 5.0, "tp1pp2": 7.0},
-                              "reduce_ms": {"tp1pp1": 8.0, "tp2pp1": 9.0, "tp1pp2": 10.0}}  # fmt: skip
-    cost = ProfiledCostModel.from_dict(data)
-    hetero = Deployment.parse("1x(tp2,pp1) + 2x(tp1,pp1)", ClusterSpec(4))
+    data, cost, hetero = _with_measured_exchange()
     pipes = Deployment.parse("2x(tp1,pp2)", ClusterSpec(4))
     assert phase_switch_time(cost, 4, hetero.configs, pipes.configs) == pytest.approx(0.009 + 0.007)
     assert phase_switch_time(cost, 4, pipes.configs, hetero.configs) == pytest.approx(0.010 + 0.006)

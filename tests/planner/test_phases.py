@@ -208,8 +208,9 @@ def test_a_deployment_for_short_batches_counts_where_batches_often_stop_short():
     level = BIG.cap(fast.configs[0], 16)
     rng = np.random.default_rng(5)
     often = [np.concatenate([[LONG], rng.integers(1000, 8000, 9)]) for _ in range(4)]
-    assert _short_gain(BIG, pool, fast, level, often) > 0.05 * sum(
+    before, after = PhasedPlanner(BIG, 16, pool), PhasedPlanner(BIG, 16, [*pool, fast])
+    assert _short_gain(before, after, level, often) > 0.05 * sum(
         PhasedPlanner(BIG, 16, pool).schedule(b[b <= level]).iteration_time_s for b in often
     )
     rarely = [code_batch(s) for s in range(4)]  # six 24K documents in 46: a batch without one is rare
-    assert _short_gain(BIG, pool, fast, level, rarely) == 0.0
+    assert _short_gain(before, after, level, rarely) == 0.0

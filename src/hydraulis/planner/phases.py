@@ -73,7 +73,7 @@ class PhasedPlanner(Planner):
     @property
     def switch_s(self) -> float:
         """A switch before the phases' deployments are planned (the splits' estimate): the pool's slowest."""
-        configs = sorted({c for d in self.pool for c in d.configs}, key=lambda c: (c.num_gpus, c.tp, c.pp, c.cp))
+        configs = tuple({c for d in self.pool for c in d.configs})
         return phase_switch_time(self.cost, self.num_gpus, configs, configs)
 
     def splits(self, lengths: np.ndarray) -> list[Split]:

@@ -301,14 +301,8 @@ def _greedy_phases(
         for d in chosen:
             trial = PhasedPlanner(cost, num_gpus, [*current, d])
             trials.append([trial.schedule(b) for b in sample])
-            gain = base - sum(s.iteration_time_s for s in trials[-1])
-            level = level_of[str(d)]
-            short = _short_batches(sample, level)
-            if short:
-                if level not in before:
-                    before[level] = sum(planner.schedule(b).iteration_time_s for b in short)
-                gain += before[level] - sum(trial.schedule(b).iteration_time_s for b in short)
-            gains.append(gain)
+            gains.append(base - sum(s.iteration_time_s for s in trials[-1])
+                         + _short_gain(planner, trial, level_of[str(d)], sample, before))
         k = int(np.argmax(gains))
         if gains[k] <= min_gain * base:
             break
@@ -330,13 +324,22 @@ def _short_batches(sample: list[np.ndarray], level: int) -> list[np.ndarray]:
     return short if short_share(sample, level) >= SHORT_SHARE else []
 
 
-def _short_gain(cost: CostModel, pool: list[Deployment], d: Deployment, level: int, sample: list[np.ndarray]) -> float:
-    """What `d` saves on the samples cut at `level` (`_short_batches`); the greedy loop counts the same."""
+def _short_gain(
+    before: PhasedPlanner,
+    after: PhasedPlanner,
+    level: int,
+    sample: list[np.ndarray],
+    memo: dict[int, float] | None = None,
+) -> float:
+    """What `after`'s pool saves over `before`'s on the samples cut at `level` (`_short_batches`). `memo`
+    (level -> `before`'s time on those cuts) lets the greedy loop plan them once per round and level."""
     short = _short_batches(sample, level)
     if not short:
         return 0.0
-    before, after = PhasedPlanner(cost, d.num_gpus, pool), PhasedPlanner(cost, d.num_gpus, [*pool, d])
-    return float(sum(before.schedule(b).iteration_time_s - after.schedule(b).iteration_time_s for b in short))
+    memo = {} if memo is None else memo
+    if level not in memo:
+        memo[level] = float(sum(before.schedule(b).iteration_time_s for b in short))
+    return memo[level] - float(sum(after.schedule(b).iteration_time_s for b in short))
 
 
 def default_samples(batches: Sequence[np.ndarray]) -> int:
