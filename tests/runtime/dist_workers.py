@@ -120,7 +120,28 @@ def check_configs(rank: int, world: int) -> dict:
         out["pp2-one-mb"] = _compare(MODELS["tiny-mha"], "tiny-mha", groups, MICRO_BATCHES[2:3])
     else:
         out["tp2-mqa"] = _compare(_custom("tiny-mqa"), "tiny-mqa", groups, MICRO_BATCHES)
+    out["collective-peaks"] = collective_peaks()
     return out
+
+
+def collective_peaks(rounds: tuple[int, ...] = (2, 30)) -> dict[str, list[float]]:
+    """The CPU meter's peak (MiB) over `rounds` of each TP collective on 1 MiB, its result dropped at once: with every
+    free seen by the meter it does not grow with the rounds (a free left to gloo's worker thread would count)."""
+    from hydraulis.runtime.metering.memory_meter import PeakMeter
+    from hydraulis.runtime.parallelism.tensor_parallel import TensorParallel, enter_tp_region, exit_tp_region
+
+    x = torch.ones(1 << 16, 4)
+    peaks: dict[str, list[float]] = {}
+    # forward's collectives: the all-reduce of a row-parallel output, and under SP the tokens' gather and scatter
+    for name, sp, op in (("all-reduce", False, exit_tp_region), ("all-gather", True, enter_tp_region),
+                         ("reduce-scatter", True, exit_tp_region)):
+        tp = TensorParallel(dist.get_world_size(), dist.get_rank(), dist.group.WORLD, sequence_parallel=sp)
+        for n in rounds:
+            with PeakMeter() as meter:
+                for _ in range(n):
+                    op(x, tp)
+            peaks.setdefault(name, []).append(meter.peak_bytes / 2**20)
+    return peaks
 
 
 def raise_on_rank_one(rank: int, world: int) -> None:

@@ -70,3 +70,33 @@ def test_under_a_budget_the_riskiest_iterations_are_measured_too():
             seen.append(memory.stop().peak > 0)
             del x
         assert seen == expected
+
+
+def test_a_collectives_buffer_is_released_here_once_another_thread_lets_go_and_never_waited_on_for_long():
+    """What a gloo worker does: it holds a view of the buffer a moment after the collective returned."""
+    import threading
+    import time
+
+    import torch
+
+    from hydraulis.runtime.parallelism.collectives import RELEASE_WAIT_S, storage_uses, wait_released
+
+    buffer = torch.empty(1 << 10)
+    uses = storage_uses(buffer)
+    held = [buffer[:10]]  # the worker's reference
+    assert storage_uses(buffer) == uses + 1
+
+    def worker() -> None:
+        time.sleep(0.01)
+        held.clear()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    wait_released([(buffer, uses)])
+    assert not held and storage_uses(buffer) == uses  # returned after the worker dropped its view
+    thread.join()
+    # A reference nobody drops: the wait gives up at its deadline (the meter may then over-count; nothing hangs).
+    kept = buffer[:10]
+    start = time.perf_counter()
+    wait_released([(buffer, uses)])
+    assert RELEASE_WAIT_S <= time.perf_counter() - start < 1.0 and kept.numel() == 10

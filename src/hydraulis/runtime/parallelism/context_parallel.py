@@ -32,6 +32,7 @@ from hydraulis.context import split_for_cp
 from hydraulis.errors import HydraulisError
 from hydraulis.runtime.modeling.attention import causal_sdpa
 from hydraulis.runtime.modeling.blockwise_attention import block_kernel, chunk_attention
+from hydraulis.runtime.parallelism.collectives import all_gather_into, reduce_scatter_into
 
 
 @dataclass(frozen=True)
@@ -125,11 +126,6 @@ def _ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
 
 # ---------------------------------------------------------------- the K/V all-gather
 
-# torch 2.13 renames the tensor collectives; 2.11 has only the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 class _GatherKV(torch.autograd.Function):
     """(n, ...) local rows -> (cp * pad, ...) in CP-rank order; backward: reduce-scatter to the owners."""
 
@@ -139,7 +135,7 @@ class _GatherKV(torch.autograd.Function):
         padded = local.new_zeros((pad, *local.shape[1:]))
         padded[: local.shape[0]] = local
         out = local.new_empty((cp.size * pad, *local.shape[1:]))
-        _all_gather_single(out, padded, group=cp.group)
+        all_gather_into(out, padded, cp.group)
         order = torch.tensor(cp.blocks, device=out.device)
         return out.view(cp.size, pad, *local.shape[1:])[order].reshape(out.shape)
 
@@ -150,7 +146,7 @@ class _GatherKV(torch.autograd.Function):
         blocks = grad.new_empty((cp.size, pad, *grad.shape[1:]))
         blocks[torch.tensor(cp.blocks, device=grad.device)] = grad.reshape(cp.size, pad, *grad.shape[1:])
         out = grad.new_empty((pad, *grad.shape[1:]))
-        _reduce_scatter_single(out, blocks.reshape(grad.shape).contiguous(), group=cp.group)
+        reduce_scatter_into(out, blocks.reshape(grad.shape), cp.group)
         return out[: ctx.n], None, None
 
 

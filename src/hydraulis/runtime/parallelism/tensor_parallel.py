@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydraulis.errors import HydraulisError
+from hydraulis.runtime.parallelism.collectives import all_gather_into, all_reduce, reduce_scatter_into
 
 SHARD_ATTR = "hydraulis_shard"
 
@@ -112,20 +113,12 @@ def gather_tensor(local: torch.Tensor, spec: ShardSpec, tp: TensorParallel) -> t
 
 
 def _all_reduce(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    x = x.contiguous()
-    dist.all_reduce(x, group=tp.group)
-    return x
-
-
-# torch 2.13 renames the tensor collectives; 2.11 has only the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return all_reduce(x.contiguous(), tp.group)
 
 
 def _all_gather_tokens(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     out = torch.empty((x.shape[0] * tp.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_single(out, x.contiguous(), group=tp.group)
-    return out
+    return all_gather_into(out, x, tp.group)
 
 
 def _reduce_scatter_tokens(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -135,8 +128,7 @@ def _reduce_scatter_tokens(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
             "pack micro-batches with pad_to_multiple=tp"
         )
     out = torch.empty((x.shape[0] // tp.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_single(out, x.contiguous(), group=tp.group)
-    return out
+    return reduce_scatter_into(out, x, tp.group)
 
 
 class _CopyToRegion(torch.autograd.Function):

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from hydraulis.errors import HydraulisError
+from hydraulis.runtime.parallelism.collectives import wait_released
 from hydraulis.runtime.sharding.exchange import EXCHANGE_WINDOW, ExchangePlan, ExchangeRound
 from hydraulis.runtime.sharding.main_grad import Gradient, gradient
 from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
@@ -116,8 +117,9 @@ class _Rounds(ABC):
             work.wait()
         self.unpack(self.plan.rounds[k], recv)
         self.retired += 1
-        if self.done:
-            self.slots = []  # the exchange is over: its buffers go before the next allocation needs the memory
+        if self.done:  # the exchange is over: its buffers go before the next allocation needs the memory,
+            wait_released([(b, 2) for slot in self.slots for b in slot])  # and on this thread (collectives.py)
+            self.slots = []
 
     def _finished(self) -> bool:
         """Whether the oldest round in flight has completed (never waits)."""
