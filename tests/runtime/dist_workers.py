@@ -121,6 +121,9 @@ def check_configs(rank: int, world: int) -> dict:
     else:
         out["tp2-mqa"] = _compare(_custom("tiny-mqa"), "tiny-mqa", groups, MICRO_BATCHES)
     out["collective-peaks"] = collective_peaks()
+    from hydraulis.runtime.parallelism import collectives
+
+    out["late-waits"] = collectives.late_waits
     return out
 
 

@@ -9,7 +9,7 @@ from train_workers import corpus, cpu_settings, sampler
 
 from hydraulis.planner.plan import IterationPlan
 from hydraulis.runtime.launch import init_distributed
-from hydraulis.runtime.parallelism import groups
+from hydraulis.runtime.parallelism import collectives, groups
 from hydraulis.runtime.trainer import Trainer, TrainSettings
 
 
@@ -49,6 +49,7 @@ def train_variants(
             "exposed": [(m.exchange_exposed_min_s, m.exchange_exposed_s) for m in metrics],
             "groups": sorted(k for k, g in groups._GROUPS.items() if g is not None),
             "timeouts": sorted({timeout_s(g) for g in [None, *groups.built_groups()]}),
+            "late_waits": collectives.late_waits,  # so far in this process: the exchange's waits for gloo's worker
         })
     torch.distributed.barrier()
     return out

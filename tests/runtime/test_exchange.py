@@ -47,6 +47,9 @@ def test_small_buckets_and_overlap_train_bit_identically_and_bound_the_exchange_
         # half a bucket.
         assert small["measured_peak"] <= 2 * SMALL, small["measured_peak"]
         assert small["buffer_peak"] <= 2 * SMALL
+        # Each exchange frees its buffers once gloo's worker has let go of them (collectives.py), never at the
+        # wait's deadline (a reference of its own left counted made every exchange wait 50 ms).
+        assert small["late_waits"] == overlapped["late_waits"] == 0
     # With one large bucket the whole exchange is one round: its peak is a shard's worth (both buffers), so
     # the bound above is not one any exchange would meet.
     total_bytes = 4 * ModelLayout(s.model, 1).total

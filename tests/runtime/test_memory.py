@@ -79,6 +79,7 @@ def test_a_collectives_buffer_is_released_here_once_another_thread_lets_go_and_n
 
     import torch
 
+    from hydraulis.runtime.parallelism import collectives
     from hydraulis.runtime.parallelism.collectives import RELEASE_WAIT_S, storage_uses, wait_released
 
     buffer = torch.empty(1 << 10)
@@ -92,11 +93,13 @@ def test_a_collectives_buffer_is_released_here_once_another_thread_lets_go_and_n
 
     thread = threading.Thread(target=worker)
     thread.start()
-    wait_released([(buffer, uses)])
+    late = collectives.late_waits
+    assert wait_released([(buffer, uses)])
     assert not held and storage_uses(buffer) == uses  # returned after the worker dropped its view
     thread.join()
     # A reference nobody drops: the wait gives up at its deadline (the meter may then over-count; nothing hangs).
     kept = buffer[:10]
     start = time.perf_counter()
-    wait_released([(buffer, uses)])
+    assert not wait_released([(buffer, uses)])
     assert RELEASE_WAIT_S <= time.perf_counter() - start < 1.0 and kept.numel() == 10
+    assert collectives.late_waits == late + 1  # counted: the runtime's tests assert their runs have none

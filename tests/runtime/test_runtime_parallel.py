@@ -62,6 +62,7 @@ def test_the_memory_meter_sees_every_free_of_the_tp_collectives(four_rank_result
     for rank, result in enumerate(four_rank_results):
         for op, (few, many) in result["collective-peaks"].items():
             assert 0 < many <= few, (rank, op, few, many)
+        assert result["late-waits"] == 0  # every wait for the worker to let go ended before its deadline
 
 
 @pytest.mark.parametrize(

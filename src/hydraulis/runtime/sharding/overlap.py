@@ -112,11 +112,12 @@ class _Rounds(ABC):
         self.issued += 1
 
     def _retire(self) -> None:
-        k, work, (_, recv) = self.flight.popleft()
+        k, work, views = self.flight.popleft()
         if work is not None:
             work.wait()
-        self.unpack(self.plan.rounds[k], recv)
+        self.unpack(self.plan.rounds[k], views[1])
         self.retired += 1
+        del work, views  # this round's references to the slots' storage, which the wait below counts
         if self.done:  # the exchange is over: its buffers go before the next allocation needs the memory,
             wait_released([(b, 2) for slot in self.slots for b in slot])  # and on this thread (collectives.py)
             self.slots = []
