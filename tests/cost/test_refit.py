@@ -40,6 +40,16 @@ def test_a_profile_scaled_by_one_and_a_half_is_refit_to_what_ran():
     assert refit.observe(5, [TP1], [1.0], [1.5]) is None
 
 
+def test_one_disturbed_step_among_the_window_does_not_restart_the_count():
+    refit = OnlineRefit(ProfiledCostModel.from_dict(_profile()))
+    # over-predicted by about 20% (2 ranks' noise), one step in the middle ran slow: still a wrong level
+    ratios = [1 / 1.2, 1 / 1.25, 1.3, 1 / 1.18, 1 / 1.22]
+    done = [refit.observe(step, [TP1], [r], [1.0]) for step, r in enumerate(ratios)]
+    assert done[:-1] == [None] * (REFIT_STEPS - 1) and done[-1] is not None
+    assert done[-1].scales[TP1] == pytest.approx(1 / 1.2)  # the median ratio: the outlier moves nothing
+    assert "off in 4 of 5 steps" in done[-1].line()
+
+
 def test_errors_on_both_sides_or_within_15_percent_refit_nothing():
     refit = OnlineRefit(ProfiledCostModel.from_dict(_profile()))
     for step in range(3 * REFIT_STEPS):
