@@ -238,7 +238,8 @@ def _level_counts(e0: np.ndarray, slope: np.ndarray, m: int) -> np.ndarray:
     e, inv = e0[order], 1.0 / slope[order]
     # With the j lowest replicas active, the level is (m + sum e/slope) / sum 1/slope; the first j whose
     # level does not reach the next replica's start is the answer.
-    level = (m + np.cumsum(e * inv)) / np.cumsum(inv)
+    with np.errstate(divide="ignore"):  # a replica the run's next sequence would push past its lone cap (slope
+        level = (m + np.cumsum(e * inv)) / np.cumsum(inv)  # inf) absorbs nothing: alone, its level is inf
     nxt = np.r_[e[1:], np.inf]
     j = int(np.argmax(level <= nxt))
     lam = level[j]

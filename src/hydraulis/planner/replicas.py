@@ -151,7 +151,9 @@ def estimate_time(
     c = np.asarray(c, dtype=np.float64)
     pp1 = np.asarray(pp, dtype=np.float64) - 1.0
     vmin, vmax = micro_batch_range(T, n, cap, min_efficient)
-    vstar = np.sqrt(pp1 * W / np.maximum(c, 1e-12))
+    # fmax: an emptied replica's W may be a rounding below 0, and pp = 1 with W = inf (a lone sequence past
+    # its cap) is 0 * inf; neither has a micro-batch count to choose.
+    vstar = np.sqrt(np.fmax(pp1 * W, 0.0) / np.maximum(c, 1e-12))
     v1 = np.clip(np.floor(vstar), vmin, vmax)
     v2 = np.clip(v1 + 1.0, vmin, vmax)
     f1 = W + v1 * c + pp1 * (np.maximum(W / v1, wmax) + c)
