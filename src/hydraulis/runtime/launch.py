@@ -205,6 +205,35 @@ class _Forward:
             signal.signal(sig, handler)
 
 
+def _start(procs: list) -> None:
+    """Start every rank with SIGINT and SIGTERM held. One that came meanwhile ends the started ranks (nothing ran
+    yet), then reaches the launcher's own handler. Cut short instead, a start could leave a rank that no one
+    ends, unpickling its arguments after the launcher has gone: a traceback on stderr."""
+    rank_server.start()  # before the mask: the server, and every rank forked from it, would inherit it
+    signals = {signal.SIGINT, signal.SIGTERM}
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        for p in procs:
+            p.start()
+    except BaseException:
+        _end(procs)
+        raise
+    finally:
+        if signals & signal.sigpending():
+            _end(procs)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def _end(procs: list) -> None:
+    """Kill the ranks still running, then reap every started one."""
+    started = [p for p in procs if p.pid is not None]
+    for p in started:
+        if p.exitcode is None:
+            p.kill()
+    for p in started:
+        p.join(timeout=10)
+
+
 def spawn(
     fn: Callable[..., Any],
     nproc: int,
@@ -229,8 +258,7 @@ def spawn(
         procs = [
             ctx.Process(target=_child, args=(call, inherited, r, nproc, port, outdir, env)) for r in range(nproc)
         ]
-        for p in procs:
-            p.start()
+        _start(procs)
         failed: tuple[int, int] | None = None
         forward = _Forward(procs, grace_s)
         start = time.monotonic()
@@ -252,11 +280,7 @@ def spawn(
                 failed = min(bad, key=lambda rc: (_blame(rc[1], Path(outdir) / f"{rc[0]}.err"), rc[0])) if bad else None
         finally:
             forward.restore()
-            for p in procs:
-                if p.exitcode is None:
-                    p.kill()
-            for p in procs:
-                p.join(timeout=10)
+            _end(procs)
         if failed is not None:
             rank, code = failed
             err = Path(outdir) / f"{rank}.err"
