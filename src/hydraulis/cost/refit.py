@@ -2,11 +2,12 @@
 
 Why: a profile is taken once, under its own conditions (load from other
 processes, another world size, a machine that changed); the trainer measures
-every replica every step. When a config's replicas are off their predicted times on the
-same side in all but one of `window` steps in a row (one step disturbed
-on a shared machine does not restart the count: on 2 cores a 17% bias
-waited 12 steps for 5 clean ones in a row), its coefficients (a, b, c)
-are scaled by the median measured / predicted ratio of those steps,
+every replica every step. When a config's replicas are off their
+predicted times on the same side in all but one of `window` steps in a
+row (one disturbed step on a shared machine does not restart the count:
+on 2 cores a 17% bias waited 12 steps for 5 clean ones in a row), its
+coefficients (a, b, c) are scaled by the median measured / predicted
+ratio of those steps,
 and the planner plans with the refit model from then on. A scale keeps what
 the profile measured about the shape of the cost (how a, b and c weigh long
 against short documents), which a few steps of similar batches could not

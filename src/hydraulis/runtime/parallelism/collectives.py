@@ -18,7 +18,7 @@ every thread, and the collectives run as they are.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 def storage_uses(tensor: torch.Tensor) -> int:
     """References to `tensor`'s storage, one of them the storage object this call makes."""
     return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+ALONE = 2  # storage_uses of a tensor that alone holds its storage: its own reference and the call's
 
 
 late_waits = 0  # waits that reached the deadline in this process: a reference counted that never goes (tests: 0)
@@ -50,6 +53,11 @@ def wait_released(held: list[tuple[torch.Tensor, int]]) -> bool:
                 return False
             time.sleep(0)
     return True
+
+
+def wait_alone(tensors: Iterable[torch.Tensor]) -> bool:
+    """Wait until each tensor is the only one holding its storage (`wait_released`): a buffer about to be dropped."""
+    return wait_released([(t, ALONE) for t in tensors])
 
 
 def _here(collective: Callable[..., object], *tensors: torch.Tensor, group: dist.ProcessGroup | None) -> None:

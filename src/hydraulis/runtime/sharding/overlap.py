@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from hydraulis.errors import HydraulisError
-from hydraulis.runtime.parallelism.collectives import wait_released
+from hydraulis.runtime.parallelism.collectives import wait_alone
 from hydraulis.runtime.sharding.exchange import EXCHANGE_WINDOW, ExchangePlan, ExchangeRound
 from hydraulis.runtime.sharding.main_grad import Gradient, gradient
 from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
@@ -119,7 +119,7 @@ class _Rounds(ABC):
         self.retired += 1
         del work, views  # this round's references to the slots' storage, which the wait below counts
         if self.done:  # the exchange is over: its buffers go before the next allocation needs the memory,
-            wait_released([(b, 2) for slot in self.slots for b in slot])  # and on this thread (collectives.py)
+            wait_alone(b for slot in self.slots for b in slot)  # and on this thread (collectives.py)
             self.slots = []
 
     def _finished(self) -> bool:
