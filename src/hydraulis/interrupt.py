@@ -1,7 +1,9 @@
 """SIGINT and SIGTERM as an exception, so that every `finally` and cleanup runs on the way out.
 
 The CLI installs the handlers; library code only marks the few steps that
-must not be cut in half (publishing a set of output files) with `held()`.
+must not be cut in half (publishing a set of output files) with `held()`,
+and names with `keep()` a finished output that an interruption after it
+leaves on disk on purpose, so the CLI's last line says what is there.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Interrupted(BaseException):
 
 _held = 0
 _pending: list[int] = []
+_kept: list[str] = []
 
 
 def _handler(signum: int, frame: object) -> None:
@@ -55,3 +58,13 @@ def held() -> Iterator[None]:
         signum = _pending[0]
         _pending.clear()
         raise Interrupted(signum)
+
+
+def keep(what: str) -> None:
+    """Name a finished output (a path and why) that an interruption from now on leaves behind on purpose."""
+    _kept.append(what)
+
+
+def left_behind() -> str:
+    """What an interruption leaves: 'nothing was written', or each kept output and why."""
+    return "kept " + "; ".join(_kept) if _kept else "nothing was written"

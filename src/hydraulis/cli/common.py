@@ -95,6 +95,17 @@ def fail(message: str) -> NoReturn:
 
 
 def run_app(app: typer.Typer) -> NoReturn:
+    """Run the command; a process that joined a training job leaves without finalizing (launch.leave_process)."""
+    try:
+        _serve(app)
+    except SystemExit as exc:
+        launch = sys.modules.get("hydraulis.runtime.launch")  # imported only where torch is
+        if launch is not None and launch.joined_a_job() and isinstance(exc.code, int | None):
+            launch.leave_process(exc.code or 0)
+        raise
+
+
+def _serve(app: typer.Typer) -> NoReturn:
     """The error boundary of every command.
 
     Bad input of any kind (our own errors, the file system's, numbers Python or
@@ -108,10 +119,10 @@ def run_app(app: typer.Typer) -> NoReturn:
     try:
         code = app(prog_name="hydraulis", standalone_mode=False)
     except interrupt.Interrupted as exc:
-        print(f"interrupted ({exc}); nothing was written", file=sys.stderr)
+        print(f"interrupted ({exc}); {interrupt.left_behind()}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except typer.Abort:  # typer's own KeyboardInterrupt handling
-        print("interrupted (SIGINT); nothing was written", file=sys.stderr)
+        print(f"interrupted (SIGINT); {interrupt.left_behind()}", file=sys.stderr)
         sys.exit(130)
     except typer.TyperException as exc:  # argument errors: one line, not a box
         ctx = getattr(exc, "ctx", None)

@@ -15,12 +15,14 @@ as a spawned one did, not the fork server's.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import os
 import pickle
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -88,7 +90,31 @@ def init_distributed(device: str = "auto", timeout: datetime.timedelta = PG_TIME
                 f"rank {rank} could not join the job's {world} ranks within {timeout.total_seconds():.0f} s "
                 f"({said}); a rank that failed during start-up names itself in its own error line"
             ) from None
+    global _joined
+    _joined = True
     return DistEnv(rank, world, local_rank, dev, backend)
+
+
+_joined = False  # this process joined a job's process group (init_distributed)
+
+
+def joined_a_job() -> bool:
+    return _joined
+
+
+def leave_process(code: int) -> None:
+    """End a process that joined a job, its output flushed, without finalizing the interpreter.
+
+    Why: torch's native threads (gloo's, the autograd engine's) can outlive `destroy_process_group` and, while
+    the interpreter finalizes, release Python objects or take the GIL; the C++ runtime then aborts the
+    process ("terminate called without an active exception", SIGABRT) after it trained and saved, and
+    torchrun reports the job FAILED. Nothing of the job is left to finalize (every file is closed and
+    the group left, see leave_distributed), so the process ends here, as a spawned rank always did (_child).
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def free_port() -> int:

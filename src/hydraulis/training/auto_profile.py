@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from hydraulis import interrupt
 from hydraulis.cost.measured import load_line
 from hydraulis.cost.sweep import ProfileSettings
 from hydraulis.errors import HydraulisError
@@ -187,7 +188,9 @@ class AutoProfile:
         with steps_progress("profiling", steps) as step:
             data = profile_model(self.spec, self.configs, self.world, self.device, self.settings, progress=step)
         profile_cache.record_timing(self.machine(), steps, data["measurements"]["wall_s"])
-        profile_cache.store(self.shared_path(), data)
+        with interrupt.held():  # stored and named together: an interruption's line says it is there
+            profile_cache.store(self.shared_path(), data)
+            interrupt.keep(f"the measured profile in {self.shared_path()} (the next run of this model uses it)")
         held = ", ".join(
             f"{name} {fid['holdout']['median_abs_rel_error']:.0%}" for name, fid in data["fidelity"].items()
         )

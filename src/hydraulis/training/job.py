@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from hydraulis import interrupt
 from hydraulis.cost import CostModel, load_cost_model
 from hydraulis.data.indexed import IndexedCorpus, check_targets_left, corpus_sampler, overlong
 from hydraulis.data.sampler import Overlong, TokenBudgetSampler
@@ -116,8 +117,10 @@ def prepare(
     pool = _propose(cost, cluster, sampler, config) if setting.auto else parse_pool(setting.text, cluster)
     check_job_pool(pool, world, spec, cost, config.data.max_len)
     if fresh is not None:  # written only now: bad input leaves nothing behind
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(run_dir / AUTO_PROFILE, fresh)
+        with interrupt.held():
+            run_dir.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(run_dir / AUTO_PROFILE, fresh)
+            interrupt.keep(f"{run_dir / AUTO_PROFILE} (a run into the same --out uses it)")
     if resume_from is not None:
         sweep_temporary(run_dir / "checkpoints", log)
     return Job(

@@ -60,7 +60,20 @@ def run(job: Job) -> dict[str, Any] | None:
 
 
 def run_rank(job: Job) -> dict[str, Any] | None:
-    """One rank's training; rank 0 returns the run summary."""
+    """One rank's training; rank 0 returns the run summary.
+
+    The stop request comes first: a SIGTERM or SIGINT while the rank starts (joining, building, resuming)
+    stops the run cleanly at its first step boundary, as one during training does, instead of killing the
+    rank half-way through writing its run directory.
+    """
+    stop = StopRequest()
+    try:
+        return _train(job, stop)
+    finally:
+        stop.restore()
+
+
+def _train(job: Job, stop: StopRequest) -> dict[str, Any] | None:
     config = job.config
     env = init_distributed(config.train.device, first_step_timeout(config.train.timeout_s))
     corpus = open_corpus(job.corpus_path)
@@ -89,7 +102,6 @@ def run_rank(job: Job) -> dict[str, Any] | None:
     if env.world_size > 1:
         dist.all_gather_object(pids, os.getpid(), group=trainer.control)
     watch = RunFidelity(job, trainer, pids, torch.get_num_threads(), log) if env.rank == 0 else None
-    stop = StopRequest()
     guard = DivergenceGuard(config.train.max_bad_steps)
     try:
         while trainer.step_index < job.end_step:
@@ -114,7 +126,6 @@ def run_rank(job: Job) -> dict[str, Any] | None:
                 if run_log is not None and comparison is not None:
                     run_log.compared(comparison.to_dict())
     finally:
-        stop.restore()
         trainer.close()
         if run_log is not None:
             run_log.close()
