@@ -47,6 +47,23 @@ def start_cli(*args: str, cwd: Path | None = None) -> subprocess.Popen[str]:
     )
 
 
+def wait_for_handlers(proc: subprocess.Popen[str], timeout: float = 120) -> None:
+    """Until the command catches SIGTERM (its handlers are installed: the kernel's SigCgt mask says so)."""
+    import signal
+    import time
+
+    bit = 1 << (signal.SIGTERM - 1)
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, proc.communicate()
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+        if caught & bit:
+            return
+        assert time.monotonic() < deadline, "the command never installed its signal handlers"
+        time.sleep(0.02)
+
+
 def _children(pid: int) -> list[int]:
     """Processes whose parent is `pid`, from /proc."""
     found = []

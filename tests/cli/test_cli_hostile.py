@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_helpers import start_cli
+from cli_helpers import start_cli, wait_for_handlers
 
 from hydraulis.planner.plan import load_plan
 
@@ -259,8 +259,7 @@ def test_a_signal_ends_plan_with_one_line_and_nothing_written(tmp_path, sig, cod
     )
     proc = start_cli("plan", "-n", "64", "--pool", "32x(tp2,pp1)", "-w", str(w), "-o", str(tmp_path / "o" / "p.json"))
     try:
-        # Wait until it works on batches (the workload is sampled), then interrupt.
-        _wait_for_start(proc)
+        wait_for_handlers(proc)  # then interrupt: before it, the signal would meet Python's defaults
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=30)
     finally:
@@ -269,14 +268,6 @@ def test_a_signal_ends_plan_with_one_line_and_nothing_written(tmp_path, sig, cod
     assert err.strip().splitlines()[-1].startswith("interrupted"), err
     assert "Traceback" not in err
     assert tree(tmp_path) == {"w.json"}
-
-
-def _wait_for_start(proc: subprocess.Popen[str]) -> None:
-    """Until the command has installed its handlers: a fixed pause past the imports (no output to follow)."""
-    import time
-
-    time.sleep(3.0)
-    assert proc.poll() is None, proc.communicate()
 
 
 def test_sigterm_during_demo_leaves_no_partial_set(tmp_path):

@@ -39,12 +39,15 @@ def test_conditions_round_trip_and_incomplete_ones_read_as_none():
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the meter reads /proc")
 def test_the_meter_counts_other_processes_and_not_the_jobs_own():
     """A spinning process is foreign to a meter that does not know its pid and the job's own to one that does."""
-    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
+    spinning = "import sys, time\nprint('spinning', flush=True)\nt = time.time()\nwhile time.time() - t < 60: pass"
+    spin = subprocess.Popen([sys.executable, "-c", spinning], stdout=subprocess.PIPE, text=True)
     try:
+        assert spin.stdout is not None and spin.stdout.readline() == "spinning\n"  # it spins from now on
         foreign, own = CpuMeter([]), CpuMeter([spin.pid])
-        time.sleep(1.0)
+        time.sleep(1.0)  # the window both meters read, while the spinner spins
         without, with_it = foreign.foreign_cores(), own.foreign_cores()
     finally:
+        spin.kill()
         spin.wait()
     assert without is not None and with_it is not None
     # Both read the same second; the difference is the spinner's CPU time (at least a tenth of a core, however

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -68,16 +67,15 @@ def test_stage_time_is_the_quadratic_form():
     assert c.c == pytest.approx(65.1789772727277e-3)
 
 
-def test_cost_matrix_is_vectorised_and_fast():
+def test_cost_matrix_is_every_configs_sequence_costs():
+    """One row per config, each the config's per-sequence costs (its speed is the planner benchmark's concern)."""
     cost = AnalyticCostModel(get_model("llama-70b"), get_device("h100-80g"))
     lengths = np.random.default_rng(0).integers(1, 32768, size=100_000)
     configs = cost.configs[:20]
-    t0 = time.perf_counter()
     m = cost.cost_matrix(lengths, configs)
-    elapsed = time.perf_counter() - t0
     assert m.shape == (20, 100_000)
-    assert np.allclose(m[3], cost.seq_costs(configs[3], lengths))
-    assert elapsed < 1.0  # milliseconds in practice; generous for loaded CI machines
+    for i in (0, 3, 19):
+        assert np.allclose(m[i], cost.seq_costs(configs[i], lengths))
 
 
 def test_analytic_agrees_with_published_profile_on_time_and_counts_this_runtimes_activations():

@@ -101,5 +101,5 @@ def test_a_collectives_buffer_is_released_here_once_another_thread_lets_go_and_n
     kept = buffer[:10]
     start = time.perf_counter()
     assert not wait_released([(buffer, uses)])
-    assert RELEASE_WAIT_S <= time.perf_counter() - start < 1.0 and kept.numel() == 10
+    assert time.perf_counter() - start >= RELEASE_WAIT_S and kept.numel() == 10
     assert collectives.late_waits == late + 1  # counted: the runtime's tests assert their runs have none

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from hydraulis import rank_server
 from hydraulis.cost.conditions import cpu_cores
 from hydraulis.errors import HydraulisError
+from hydraulis.progress import say
 from hydraulis.specs import DTYPE_NAMES
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the torch dtype of each of specs.DTYPE_NAMES
@@ -222,6 +223,7 @@ class _Forward:
         for p in self.procs:
             if p.exitcode is None and p.pid is not None:
                 os.kill(p.pid, signum)
+        say(f"{signal.Signals(signum).name} passed on to the ranks; send it again to stop them at once")
 
     def overdue(self) -> bool:
         return self.since is not None and time.monotonic() - self.since > self.grace_s
