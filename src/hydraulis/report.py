@@ -184,8 +184,13 @@ def training_plot(rows: list[dict[str, Any]], path: str | Path, title: str) -> N
     memory_panel(axes[0, 2], rows)
     axes[1, 2].axis("off")
     ax = axes[0, 0]
-    ax.plot(steps, [r["loss"] for r in rows], color="tab:blue")
-    ax.set(title="loss (mean over the global batch's target tokens)", xlabel="step", ylabel="loss")
+    ax.plot(steps, [r["loss"] for r in rows], color="tab:blue", label="training batch")
+    evaluated = [r for r in rows if "eval_loss" in r]  # [eval]: after the step of its row
+    if evaluated:
+        ax.plot([r["step"] for r in evaluated], [r["eval_loss"] for r in evaluated], "o-", color="tab:orange",
+                label="held-out (eval)")  # fmt: skip
+        ax.legend(fontsize=8)
+    ax.set(title="loss (mean over the target tokens)", xlabel="step", ylabel="loss")
     ax = axes[0, 1]
     ax.plot(steps, [r["tokens_per_s"] for r in rows], color="tab:green")
     ax.set(title="throughput", xlabel="step", ylabel="tokens/s")

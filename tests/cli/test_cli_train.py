@@ -14,10 +14,14 @@ from train_helpers import BASE, losses, run_summary, step_rows, write_config  # 
 
 pytestmark = pytest.mark.dist
 
+# A fifth of the documents held out, evaluated after steps 3 and 6 (all of them: the budget holds them).
+EVAL = "holdout = 0.2\nevery = 3\ntokens = 1000000"
+
+
 @pytest.fixture(scope="module")
 def hetero_run(tmp_path_factory, corpus, session_cli):
     tmp = tmp_path_factory.mktemp("hetero")
-    config = write_config(tmp / "run.toml", corpus)
+    config = write_config(tmp / "run.toml", corpus, eval=EVAL)
     result = session_cli("train", "--config", str(config), "--nproc", "4", "--out", str(tmp / "out"), timeout=300)
     return result, tmp / "out"
 
@@ -42,11 +46,52 @@ def test_train_writes_the_run_directory(hetero_run):
 def test_losses_do_not_depend_on_the_deployment(hetero_run, tmp_path, corpus, cli):
     result, hetero_out = hetero_run
     assert result.returncode == 0, result.stderr
-    config = write_config(tmp_path / "one.toml", corpus, parallel='pool = "1x(tp1,pp1)"\nprofile = "tiny@cpu"')
+    config = write_config(
+        tmp_path / "one.toml", corpus, parallel='pool = "1x(tp1,pp1)"\nprofile = "tiny@cpu"', eval=EVAL
+    )
     single = cli("train", "--config", str(config), "--nproc", "1", "--out", str(tmp_path / "one"))
     assert single.returncode == 0, single.stderr
     np.testing.assert_allclose(losses(hetero_out), losses(tmp_path / "one"), rtol=1e-5)
     assert losses(hetero_out)[-1] < losses(hetero_out)[0]
+    np.testing.assert_allclose(eval_losses(hetero_out), eval_losses(tmp_path / "one"), rtol=1e-5)
+
+
+def eval_losses(out) -> list[float]:
+    return [r["eval_loss"] for r in step_rows(out) if "eval_loss" in r]
+
+
+def test_the_eval_loss_is_transformers_loss_on_the_held_out_documents(hetero_run, corpus, tmp_path, cli):
+    """The oracle: the exported final weights in LlamaForCausalLM, over every held-out piece, mean per target."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import LlamaForCausalLM
+
+    from hydraulis.data.indexed import open_corpus
+    from hydraulis.data.sampler import held_out
+
+    result, out = hetero_run
+    assert result.returncode == 0, result.stderr
+    evaluated = [r for r in step_rows(out) if "eval_loss" in r]
+    assert [r["step"] for r in evaluated] == [2, 5] and "eval after 6 steps: loss" in result.stdout
+    summary = run_summary(out)["eval"]
+    assert (summary["after_step"], summary["loss"], summary["evaluations"]) == (6, evaluated[-1]["eval_loss"], 2)
+    exported = cli("export", "--checkpoint", str(out / "checkpoints" / "step-000006"), "--out", str(tmp_path / "hf"))
+    assert exported.returncode == 0, exported.stderr
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+    docs = open_corpus(corpus)
+    train, held = held_out(len(docs), 0.2, 3)  # [data] seed = 3
+    assert len(held) and len(train) and not set(train) & set(held)
+    total, targets = 0.0, 0
+    with torch.no_grad():
+        for d in held:
+            tokens = torch.from_numpy(np.asarray(docs[int(d)], dtype=np.int64))
+            for piece in tokens.split(256):  # [data] max_len = 256, overlong = "split"
+                if len(piece) > 1:
+                    logits = model(piece[None]).logits[0, :-1].double()
+                    total += F.cross_entropy(logits, piece[1:], reduction="sum").item()
+                    targets += len(piece) - 1
+    assert summary["targets"] == targets
+    assert summary["loss"] == pytest.approx(total / targets, rel=1e-6)
 
 
 def test_a_context_parallel_pool_trains_with_the_same_losses(hetero_run, tmp_path, corpus, cli):
@@ -55,11 +100,12 @@ def test_a_context_parallel_pool_trains_with_the_same_losses(hetero_run, tmp_pat
     result, hetero_out = hetero_run
     assert result.returncode == 0, result.stderr
     parallel = 'pool = "1x(tp1,pp1,cp4); 1x(tp1,pp1,cp2) + 2x(tp1,pp1)"\nprofile = "tiny@cpu+cp"'
-    config = write_config(tmp_path / "cp.toml", corpus, parallel=parallel)
+    config = write_config(tmp_path / "cp.toml", corpus, parallel=parallel, eval=EVAL)
     cp = cli("train", "--config", str(config), "--nproc", "4", "--out", str(tmp_path / "cp"))
     assert cp.returncode == 0, cp.stderr
     assert all("cp" in r["deployment"] for r in step_rows(tmp_path / "cp"))
     np.testing.assert_allclose(losses(tmp_path / "cp"), losses(hetero_out), rtol=1e-5)
+    np.testing.assert_allclose(eval_losses(tmp_path / "cp"), eval_losses(hetero_out), rtol=1e-5)  # forward-only CP
 
 
 AUTO = 'pool = "1x(tp2,pp1) + 2x(tp1,pp1); 4x(tp1,pp1)"\nprofile = "auto"'

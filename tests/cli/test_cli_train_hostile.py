@@ -65,6 +65,9 @@ CONFIGS = {
     "resume of an empty directory": ({}, ("--resume",), "holds no run to resume"),
     "steps zero": ({}, ("--steps", "0"), "--steps must be positive"),
     "nproc zero": ({}, ("--nproc", "0"), "--nproc must be positive"),
+    "eval from two sources": ({"eval": 'holdout = 0.1\ncorpus = "x"'}, (), "give holdout or corpus, not both"),
+    "eval holding out everything": ({"eval": "holdout = 1.0"}, (), "eval.holdout"),
+    "eval corpus missing": ({"eval": 'corpus = "/nonexistent/corpus"'}, (), "/nonexistent/corpus"),
     "max-restarts negative": ({}, ("--max-restarts", "-1"), "--max-restarts must be non-negative"),
     "overlong with a proposed pool": (
         {"data": 'tokens_per_batch = 2000000\nmax_len = 1500000\ntokenizer = "bytes"',

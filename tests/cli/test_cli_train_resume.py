@@ -18,6 +18,7 @@ SMALL = {
     "data": 'tokens_per_batch = 384\nmax_len = 128\nseed = 3\ntokenizer = "bytes"',
     "parallel": 'pool = "1x(tp1,pp1)"\nprofile = "tiny@cpu"',
     "train": f"steps = {STEPS}\nlog_every = 10",
+    "eval": "holdout = 0.1\nevery = 5\ntokens = 2000",
 }
 
 
@@ -44,6 +45,9 @@ def test_stop_at_then_resume_equals_straight_through_bit_for_bit(runs):
     assert [r["step"] for r in b] == list(range(STEPS))
     for key in ("loss", "lr", "grad_norm", "epoch", "position"):
         assert [r[key] for r in b] == [r[key] for r in a], key  # ==: the same bits
+    evaluated = [(r["step"], r["eval_loss"]) for r in b if "eval_loss" in r]  # the same held-out batches each time
+    assert [s for s, _ in evaluated] == [4, 9, 14, 19]
+    assert evaluated == [(r["step"], r["eval_loss"]) for r in a if "eval_loss" in r]
     # The LR follows the 20-step schedule: cosine from 3e-3 reaches its floor 3e-4 only at the last step
     # (a 10-step schedule would have reached it at step 9).
     assert b[-1]["lr"] == pytest.approx(3e-4) and b[9]["lr"] > 1e-3

@@ -44,6 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hydraulis.training.config",
         "hydraulis.training.auto_profile",
         "hydraulis.training.profile_cache",
+        "hydraulis.training.evaluation",
         "hydraulis.training.job",
         "hydraulis.training.run_log",
         "hydraulis.training.run_fidelity",

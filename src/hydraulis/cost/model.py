@@ -30,6 +30,7 @@ from hydraulis.specs import DeviceSpec, ModelSpec
 __all__ = ["CAP_GRANULARITY", "Coefficients", "CostModel", "MemoryModel", "TrainingState", "sequence_costs"]
 
 RECOMPUTE_TIME = 4 / 3  # training is 4 forwards instead of 3 when each layer's forward runs twice
+FORWARD_SHARE = 1 / 3  # a forward of a training step's three forwards' worth (backward: two)
 def sequence_costs(a: float | np.ndarray, b: float | np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """a*s^2 + b*s: what each sequence adds to a micro-batch's stage time (c is per micro-batch).
 
@@ -178,6 +179,16 @@ class CostModel:
         out.a[idx] *= RECOMPUTE_TIME
         out.b[idx] *= RECOMPUTE_TIME
         out.recompute = self.recompute | new
+        return out
+
+    def forward_only(self) -> CostModel:
+        """A copy whose micro-batch times are forward only (evaluation): FORWARD_SHARE of a step's a, b and c, of
+        the recomputing configs' a and b a quarter (their step ran four forwards). Caps stay the training ones,
+        which hold more than a forward needs."""
+        out = copy.copy(self)
+        share = np.full(len(self.configs), FORWARD_SHARE)
+        share[[self.index(g) for g in self.recompute]] = FORWARD_SHARE / RECOMPUTE_TIME
+        out.a, out.b, out.c = self.a * share, self.b * share, self.c * FORWARD_SHARE
         return out
 
     def __repr__(self) -> str:

@@ -151,15 +151,19 @@ class IndexedCorpus:
 
 
 def corpus_sampler(
-    corpus: IndexedCorpus, tokens_per_batch: int, max_len: int | None, seed: int = 0, policy: Policy = "split"
+    corpus: IndexedCorpus, tokens_per_batch: int, max_len: int | None, seed: int = 0, policy: Policy = "split",
+    documents: np.ndarray | None = None, **order: bool,
 ) -> TokenBudgetSampler:
-    """The token-budget sampler of a corpus; with `truncate` an SFT record keeps its targets (sampler.py)."""
+    """The token-budget sampler of a corpus (or of these `documents` of it); with `truncate` an SFT record keeps
+    its targets (sampler.py). `order`: the sampler's shuffle and cross_epochs."""
     first = None
     if corpus.mask is not None and policy == "truncate" and max_len is not None:
         over = np.flatnonzero(corpus.lengths > max_len)
         first = np.ones(len(corpus), dtype=np.int64)
         first[over] = corpus.first_targets(over)
-    return TokenBudgetSampler(corpus.lengths, tokens_per_batch, max_len, seed, policy, first_targets=first)
+    return TokenBudgetSampler(
+        corpus.lengths, tokens_per_batch, max_len, seed, policy, first_targets=first, documents=documents, **order
+    )
 
 
 def overlong(corpus: IndexedCorpus, sampler: TokenBudgetSampler) -> Overlong | None:

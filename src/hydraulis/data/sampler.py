@@ -161,8 +161,13 @@ class TokenBudgetSampler:
         cross_epochs: bool = True,
         shuffle: bool = True,
         first_targets: np.ndarray | None = None,
+        documents: np.ndarray | None = None,
     ) -> None:
         self.lengths = np.asarray(lengths, dtype=np.int64)
+        # The documents it draws from (indices into `lengths`): all of them, or those evaluation left to training.
+        self.documents = None if documents is None else np.asarray(documents, dtype=np.int64)
+        if self.documents is not None and (len(self.documents) == 0 or np.any(self.documents >= len(self.lengths))):
+            raise HydraulisError(f"the sampler's documents must be 1 or more of the corpus's {len(self.lengths)}")
         # Per document, the position of its first target (SFT); read by `truncate` for over-long documents.
         self.first_targets = None if first_targets is None else np.asarray(first_targets, dtype=np.int64)
         if self.lengths.ndim != 1 or len(self.lengths) == 0:
@@ -236,9 +241,10 @@ class TokenBudgetSampler:
 
     def order(self, epoch: int) -> np.ndarray:
         """The document order of an epoch: a function of (seed, epoch) alone, the same on every rank."""
+        docs = np.arange(len(self.lengths)) if self.documents is None else self.documents
         if not self.shuffle:
-            return np.arange(len(self.lengths))
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.lengths))
+            return docs
+        return docs[np.random.default_rng([self.seed, epoch]).permutation(len(docs))]
 
     def _epoch(self, epoch: int) -> _Epoch:
         if self._epoch_cache is not None and self._epoch_cache[0] == epoch:
@@ -275,6 +281,8 @@ class TokenBudgetSampler:
         if self.max_len is None:
             return None
         over = np.flatnonzero(self.lengths > self.max_len)
+        if self.documents is not None:
+            over = np.intersect1d(over, self.documents)
         docs, starts, lens = self.pieces(over)
         lost = targets(over, np.zeros_like(over), self.lengths[over]) - targets(docs, starts, lens)
         return Overlong(self.max_len, self.policy, len(over), len(docs), int(lost), int(total - lost))
@@ -316,6 +324,20 @@ class TokenBudgetSampler:
     def __iter__(self) -> Iterator[GlobalBatch]:
         while True:
             yield self.next_batch()
+
+
+def held_out(documents: int, share: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training, held-out) document indices: each document held out with probability `share`, by the seed
+    alone (the same split on every rank and every resume), at least one on each side."""
+    if documents < 2:
+        raise HydraulisError(f"holding out documents for evaluation needs at least 2, the corpus has {documents}")
+    draw = np.random.default_rng([seed, 0x4556414C]).random(documents)  # its own stream: "EVAL"
+    out = draw < share
+    if not out.any():
+        out[int(np.argmin(draw))] = True
+    if out.all():
+        out[int(np.argmax(draw))] = False
+    return np.flatnonzero(~out), np.flatnonzero(out)
 
 
 def _cumsum(values: np.ndarray) -> np.ndarray:

@@ -206,12 +206,32 @@ class TrainSection(_Section):
     compare_repeats: int = Field(3, ge=1, le=100)
 
 
+class EvalSection(_Section):
+    """Held-out loss: a share of the corpus's documents that training never samples, or a corpus of its own."""
+
+    holdout: float = Field(0.0, ge=0.0, lt=1.0)  # each document held out with this probability (by [data] seed)
+    corpus: str | None = None  # instead: an eval corpus, the same kinds as [data] corpus and its tokenizer
+    every: int = Field(0, ge=0, le=MAX_TOKENS)  # evaluate after every this many steps (0: only at the end)
+    tokens: int = Field(65536, ge=1, le=MAX_TOKENS)  # how many held-out tokens one evaluation reads, at most
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EvalSection:
+        if self.corpus is not None and self.holdout > 0:
+            raise ValueError("give holdout or corpus, not both: the held-out data comes from one of them")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.corpus is not None or self.holdout > 0
+
+
 class RunConfig(_Section):
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
     parallel: ParallelSection = ParallelSection()
     optim: OptimSection = OptimSection()
     train: TrainSection = TrainSection()
+    eval: EvalSection = EvalSection()
 
     def to_toml(self) -> str:
         """The resolved config as TOML (every key, defaults included), so a run can be repeated from it."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hydraulis import interrupt
 from hydraulis.cost import CostModel, load_cost_model
-from hydraulis.data.indexed import IndexedCorpus, check_targets_left, corpus_sampler, overlong
+from hydraulis.data.indexed import IndexedCorpus, check_targets_left, overlong
 from hydraulis.data.sampler import Overlong, TokenBudgetSampler
 from hydraulis.errors import HydraulisError, OverlongError
 from hydraulis.jsonio import write_json_atomic
@@ -26,7 +26,8 @@ from hydraulis.progress import say
 from hydraulis.specs import DTYPE_BYTES, ClusterSpec, ModelSpec
 from hydraulis.training.auto_profile import AUTO_PROFILE, REFIT_PROFILE, AutoProfile
 from hydraulis.training.checkpoints import Log, sweep_temporary
-from hydraulis.training.config import DataSection, RunConfig
+from hydraulis.training.config import RunConfig
+from hydraulis.training.evaluation import EvalSet, eval_set, run_sampler
 from hydraulis.training.resume import check_stop_at, resume_point
 
 RUN_FILES = ("metrics.jsonl", "config.toml", "pool.json", "summary.json", "report.png", "tb", AUTO_PROFILE,
@@ -52,6 +53,7 @@ class Job:
     stop_at: int | None = None  # --stop-at: end this invocation at that step; `steps` stays the schedule's length
     profile_cache: str | None = None  # profile = "auto": the profile's file in the shared cache (a refit goes beside)
     overlong: Overlong | None = None  # what max_len cuts of the corpus (records, target tokens)
+    evaluation: EvalSet | None = None  # [eval]: the held-out batches and their plans
 
     @property
     def end_step(self) -> int:
@@ -109,13 +111,20 @@ def prepare(
     # Vocabulary padding for every TP degree the pool has (with pool = "auto": may have).
     proposable = cost.configs if cost is not None and setting.auto else ()
     spec = _padded(spec, {g.tp for g in (*configs, *proposable)}, _resumed_checkpoint(run_dir, resume, resume_from))
-    corpus = _corpus(config, tokenizer, token_ids, log)
-    sampler, overlong = data_sampler(corpus, config.data, log)
+    corpus = _corpus(config.data.corpus, "data.corpus", tokenizer, token_ids, log)
+    sampler, overlong = data_sampler(corpus, config, log)
     fresh, profile_cache = None, None  # profile = "auto": a profile measured now (or shared), and the cache's file
     if auto_profile:
         cost, fresh, profile_cache = _auto_cost(config, spec, configs, world, sampler, run_dir, env_world, log)
     pool = _propose(cost, cluster, sampler, config) if setting.auto else parse_pool(setting.text, cluster)
     check_job_pool(pool, world, spec, cost, config.data.max_len)
+    evaluation = None
+    if config.eval.enabled:  # its own corpus, or the share of the training corpus the sampler left out
+        held = config.eval.corpus is None
+        source = corpus if held else _corpus(config.eval.corpus, "eval.corpus", tokenizer, token_ids, log)
+        evaluation = eval_set(config, source, held, cost, world, tuple(pool))
+        log(f"evaluation: {evaluation.tokens:,} held-out tokens in {len(evaluation.batches)} batch(es), after "
+            + (f"every {config.eval.every} steps and " if config.eval.every else "") + "the last step")
     if fresh is not None:  # written only now: bad input leaves nothing behind
         with interrupt.held():
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -139,6 +148,7 @@ def prepare(
         stop_at=stop_at,
         profile_cache=profile_cache,
         overlong=overlong,
+        evaluation=evaluation,
     )
 
 
@@ -187,15 +197,16 @@ def _world(nproc: int | None, env_world: int | None, pool_gpus: int | None) -> i
     return world
 
 
-def _corpus(config: RunConfig, tokenizer: str, token_ids: str, log: Log) -> IndexedCorpus:
-    """The run's corpus (built when it is a builtin one), tokenized with the model's tokenizer."""
+def _corpus(name: str, key: str, tokenizer: str, token_ids: str, log: Log) -> IndexedCorpus:
+    """The corpus `name` of config key `key` (built when it is a builtin one), tokenized with the model's
+    tokenizer."""
     from hydraulis.data.builtin import resolve_corpus
 
-    corpus = resolve_corpus(config.data.corpus, tokenizer, progress=True, log=log)
+    corpus = resolve_corpus(name, tokenizer, progress=True, log=log)
     if corpus.manifest.tokenizer != token_ids:
         made = corpus.manifest.tokenizer_source or corpus.manifest.tokenizer
         raise HydraulisError(
-            f"corpus {config.data.corpus} is tokenized with {made} ({corpus.manifest.tokenizer}), "
+            f"{key} {name} is tokenized with {made} ({corpus.manifest.tokenizer}), "
             f"the model needs {tokenizer} ({token_ids}); rebuild it or set data.tokenizer"
         )
     return corpus
@@ -228,11 +239,12 @@ def _for_job(config: RunConfig, cost: CostModel) -> CostModel:
 
 
 def data_sampler(
-    corpus: IndexedCorpus, data: DataSection, log: Log = say
+    corpus: IndexedCorpus, config: RunConfig, log: Log = say
 ) -> tuple[TokenBudgetSampler, Overlong | None]:
     """The run's sampler and what its max_len cuts (said in a line when anything); a run whose pieces
     hold no target token is refused: it would train on nothing."""
-    sampler = corpus_sampler(corpus, data.tokens_per_batch, data.max_len, data.seed, data.overlong)
+    data = config.data
+    sampler = run_sampler(config, corpus)
     cut = overlong(corpus, sampler)
     if cut is not None:
         check_targets_left(cut, f"[data] max_len = {data.max_len}, overlong = {data.overlong!r}")

@@ -21,14 +21,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hydraulis.data.indexed import corpus_sampler, open_corpus
+from hydraulis.data.indexed import IndexedCorpus, open_corpus
 from hydraulis.progress import say
 from hydraulis.runtime.divergence import DivergenceGuard
+from hydraulis.runtime.evaluate import evaluate
 from hydraulis.runtime.launch import RankFailed, init_distributed, leave_distributed, spawn
 from hydraulis.runtime.storage.checkpoint import CheckpointManager
 from hydraulis.runtime.storage.rundir import check_shared_run_dir
 from hydraulis.runtime.timeouts import first_step_timeout
 from hydraulis.runtime.trainer import Trainer, TrainSettings
+from hydraulis.training.evaluation import run_sampler
 from hydraulis.training.job import Job, torchrun_world
 from hydraulis.training.run_fidelity import RunFidelity
 from hydraulis.training.run_log import RunLog
@@ -77,9 +79,7 @@ def _train(job: Job, stop: StopRequest) -> dict[str, Any] | None:
     config = job.config
     env = init_distributed(config.train.device, first_step_timeout(config.train.timeout_s))
     corpus = open_corpus(job.corpus_path)
-    data = config.data
-    sampler = corpus_sampler(corpus, data.tokens_per_batch, data.max_len, data.seed, data.overlong)
-    trainer = Trainer(train_settings(job), corpus, sampler, env)
+    trainer = Trainer(train_settings(job), corpus, run_sampler(config, corpus), env)
     check_shared_run_dir(Path(job.out), env.rank, env.world_size, trainer.control)  # before any file is written
     log = say if env.rank == 0 else _silent
     checkpoints = CheckpointManager(
@@ -103,12 +103,14 @@ def _train(job: Job, stop: StopRequest) -> dict[str, Any] | None:
         dist.all_gather_object(pids, os.getpid(), group=trainer.control)
     watch = RunFidelity(job, trainer, pids, torch.get_num_threads(), log) if env.rank == 0 else None
     guard = DivergenceGuard(config.train.max_bad_steps)
+    evaluation = Evaluation(job, corpus)
     try:
         while trainer.step_index < job.end_step:
             metrics = trainer.step()
             measured = watch.after(metrics) if watch is not None else None  # the load; maybe a refit
+            evaluated = evaluation.after(trainer)  # every rank, when [eval] is due
             if run_log is not None:
-                run_log.step(metrics, measured)
+                run_log.step(metrics, {**(measured or {}), **evaluated})
             skipped = guard.check(metrics.step, metrics.loss, metrics.grad_norm, metrics.skipped)  # raises at the limit
             if skipped:
                 log(skipped)
@@ -130,6 +132,24 @@ def _train(job: Job, stop: StopRequest) -> dict[str, Any] | None:
         if run_log is not None:
             run_log.close()
     return run_log.finish() if run_log is not None else None
+
+
+class Evaluation:
+    """[eval] during a run: the held-out loss after the steps it is due (training/evaluation.py), as metrics."""
+
+    def __init__(self, job: Job, corpus: IndexedCorpus) -> None:
+        self.set, self.last = job.evaluation, job.steps
+        self.corpus = corpus
+        if self.set is not None and self.set.corpus_path != job.corpus_path:
+            self.corpus = open_corpus(self.set.corpus_path)
+
+    def after(self, trainer: Trainer) -> dict[str, Any]:
+        """The metrics of an evaluation now if one is due (every rank runs it), else nothing."""
+        if self.set is None or not self.set.due(trainer.step_index, self.last):
+            return {}
+        result = evaluate(trainer, self.set.batches, self.set.plans, self.corpus)
+        return {"eval_loss": result.loss, "eval_perplexity": result.perplexity, "eval_tokens": result.tokens,
+                "eval_targets": result.targets}  # fmt: skip
 
 
 def train_settings(job: Job) -> TrainSettings:

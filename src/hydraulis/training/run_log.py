@@ -73,6 +73,9 @@ class RunLog:
             for key in ("loss", "lr", "grad_norm", "tokens_per_s", "iteration_s", "predicted_s", "planning_s"):
                 self.tb.add_scalar(f"train/{key}", row[key], m.step)
             self.tb.add_scalar("train/deployment", m.deployment_index, m.step)
+            if "eval_loss" in row:
+                self.tb.add_scalar("eval/loss", row["eval_loss"], m.step)
+                self.tb.add_scalar("eval/perplexity", row["eval_perplexity"], m.step)
         info = f"loss {m.loss:.3f}"
         self.progress.update(self.task, advance=1, info=info)
         if m.memory_over_budget and not self.warned_budget:
@@ -94,6 +97,12 @@ class RunLog:
                 highlight=False,
             )
             self.console.print(f"      replicas measured [{measured}] s, predicted [{predicted}] s", highlight=False)
+        if "eval_loss" in row:  # [eval] ran after this step (loop.Evaluation)
+            self.console.print(
+                f"eval after {m.step + 1} steps: loss {row['eval_loss']:.4f} (perplexity {row['eval_perplexity']:.2f})"
+                f" on {row['eval_tokens']:,} held-out tokens",
+                highlight=False,
+            )
 
     def compared(self, comparison: dict[str, Any]) -> None:
         """The measured comparison (`Trainer.compare`) goes into the summary and the closing lines."""
@@ -127,6 +136,13 @@ class RunLog:
             f"planning not hidden {summary['planning_unhidden_s']:.3f} s of {summary['planning_s']:.3f} s; "
             f"iteration time predicted/measured median error {summary['iteration_error_median']:.0%}"
         )
+        if summary.get("eval"):
+            e = summary["eval"]
+            self.console.print(
+                f"eval: loss {e['loss_first']:.4f} -> {e['loss']:.4f} (perplexity {e['perplexity']:.2f}) "
+                f"in {e['evaluations']} evaluation(s) of {e['tokens']:,} held-out tokens",
+                highlight=False,
+            )
         if self.job.overlong is not None and self.job.overlong.records:
             self.console.print(f"overlong: {self.job.overlong.describe()}", highlight=False)
         if self.comparison is not None:
@@ -200,4 +216,16 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "foreign_cores_median": statistics.median(loads) if loads else None,
         # steps on which a rank's measured peak exceeded [parallel] memory_per_rank
         "steps_over_budget": sum(1 for r in rows if r.get("memory_over_budget")),
+        "eval": _last_eval(rows),
     }
+
+
+def _last_eval(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The run's last evaluation ([eval]): after how many steps, its loss and perplexity; None without one."""
+    done = [r for r in rows if "eval_loss" in r]
+    if not done:
+        return None
+    last = done[-1]
+    return {"after_step": last["step"] + 1, "loss": last["eval_loss"], "perplexity": last["eval_perplexity"],
+            "tokens": last["eval_tokens"], "targets": last["eval_targets"], "evaluations": len(done),
+            "loss_first": done[0]["eval_loss"]}  # fmt: skip

@@ -159,6 +159,24 @@ def train_step(
     )
 
 
+@torch.no_grad()
+def forward_step(model: StageModel, groups: ReplicaGroups, micro_batches: Sequence[PackedBatch]) -> torch.Tensor | None:
+    """Forward only (evaluation): each micro-batch through the stages in order; the last stage's sum of token
+    losses (None elsewhere). No activation is kept, so stages need no schedule beyond receive, compute, send."""
+    if not micro_batches:
+        return None
+    param = next(model.parameters())
+    p2p = _P2P(groups, param.device, param.dtype, model.spec.hidden)
+    total = torch.zeros((), dtype=torch.float32, device=param.device)
+    for batch in (b.to(param.device) for b in micro_batches):
+        x = batch.tokens if groups.is_first_stage else p2p.send_recv(None, None, groups.prev_rank, batch)
+        if groups.is_last_stage:
+            total += micro_batch_loss(model, x, batch)
+        else:
+            p2p.send_recv(model(x, batch), groups.next_rank, None)
+    return total if groups.is_last_stage else None
+
+
 def _check_step(
     model: StageModel, groups: ReplicaGroups, micro_batches: Sequence[PackedBatch], num_global_targets: int
 ) -> None:
