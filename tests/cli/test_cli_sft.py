@@ -14,6 +14,10 @@ Fine-tuning never goes silently wrong (issue 31): a rank killed before the first
 init_from, and so does a `--resume` that finds no checkpoint (the first loss is still transformers'); what
 max_len cuts is counted where the run starts and ends, a run left without targets is refused; chats with
 and without generation markers are transformers' own; the export keeps the source's pad id.
+
+Export from anywhere (issue 43): the runs are started in a project directory with relative paths
+(`init_from = "hf"`, tokenizer "auto") and exported from another directory, which keeps the tokenizer and
+the source's pad id; a run whose tokenizer is gone is refused, naming the path tried.
 """
 
 from __future__ import annotations

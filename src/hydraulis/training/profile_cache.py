@@ -91,7 +91,8 @@ def matching(device_name: str, cores: int, memory_bytes: int | None = None) -> l
             device, conditions = data.get("device") or {}, data.get("conditions") or {}
             if data.get("schema") != "hydraulis.profile/1" or device.get("name") != device_name:
                 continue
-            if device_name == "cpu" and conditions.get("cores") != cores:
+            measured_on = conditions.get("cores") or (data.get("shared_cores") or {}).get("cores")
+            if device_name == "cpu" and measured_on != cores:
                 continue
             if device_name != "cpu" and memory_bytes is not None and device.get("memory_bytes") != memory_bytes:
                 continue
