@@ -123,7 +123,7 @@ def test_export_is_the_same_family_and_the_trained_model(family_run):
     vocab = want["vocab_size"]
     assert reloaded.model.embed_tokens.weight.shape[0] == vocab
     assert reloaded.lm_head.weight.shape[0] == vocab
-    # the run's tokenizer is the built-in bytes one: its end of document is 256, and it has no files
+    # the run's tokenizer is the built-in bytes one: its end of document is 256
     assert (config["eos_token_id"], config["bos_token_id"]) == (256, None)
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 256
     assert config["max_position_embeddings"] == 512  # the source's, not the default 4096
@@ -138,6 +138,34 @@ def test_export_is_the_same_family_and_the_trained_model(family_run):
         mine = ours(packed.tokens, packed)
         theirs = torch.cat([reloaded(d[None]).logits[0] for d in docs])
     torch.testing.assert_close(mine[:, :vocab], theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["bytes", "gpt2"])
+def test_a_builtin_tokenizer_is_exported_for_autotokenizer(name, trained, tmp_path, cli):
+    """A built-in tokenizer is written as Hugging Face files: AutoTokenizer loads them, encodes a sentence into
+    the ids of hydraulis' own tokenizer and decodes them back. The 50257-row model trained with bytes (the
+    fixture's export); for gpt2 a copy of its run names gpt2 (the vocabulary holds it), exported from the run
+    directory (its newest checkpoint)."""
+    from hydraulis.data.tokenizer import get_tokenizer
+
+    _, _, tmp, ckpt = trained("llama3-50257")
+    out = tmp / "hf-out"
+    if name == "gpt2":
+        run = tmp_path / "run"
+        shutil.copytree(ckpt, run / "checkpoints" / ckpt.name)
+        manifest = run / "checkpoints" / ckpt.name / "manifest.json"
+        manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "tokenizer": "gpt2"}))
+        (run / "config.toml").write_text((tmp / "run" / "config.toml").read_text().replace('"bytes"', '"gpt2"'))
+        out = tmp_path / "hf-out"
+        done = cli("export", "--checkpoint", str(run), "--out", str(out))
+        assert done.returncode == 0, done.stderr
+    ours = get_tokenizer(name)
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    sentence = "Fine-tune a model on your own data: naïve café, 3.14 ×2 — 日本語\n\n  done."
+    ids = theirs.encode(sentence)
+    assert ids == ours.encode(sentence).tolist() and theirs.decode(ids) == sentence
+    assert theirs.eos_token_id == ours.eod_id == json.loads((out / "config.json").read_text())["eos_token_id"]
+    assert len(ids) < len(sentence.encode()) if name == "gpt2" else len(ids) == len(sentence.encode())
 
 
 def _hf_dir(path: Path, **config: object) -> Path:

@@ -14,15 +14,21 @@ Fine-tuning never goes silently wrong (issue 31): a rank killed before the first
 init_from, and so does a `--resume` that finds no checkpoint (the first loss is still transformers'); what
 max_len cuts is counted where the run starts and ends, a run left without targets is refused; chats with
 and without generation markers are transformers' own; the export keeps the source's pad id.
+
+Export from anywhere (issue 43): the runs are started in a project directory with relative paths
+(`init_from = "hf"`, tokenizer "auto") and exported from another directory, which keeps the tokenizer and
+the source's pad id; a run whose tokenizer is gone is refused, naming the path tried.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -132,12 +138,18 @@ def sft(tmp_path_factory: pytest.TempPathFactory, session_cli):  # noqa: ANN001,
         corpus = tmp / "corpus"
         built = session_cli("data", "build", str(src), "--out", str(corpus), "--tokenizer", str(hf))
         assert built.returncode == 0, built.stderr
-        config = write_config(tmp / "hetero.toml", hf, corpus, HETERO, checkpoint_every=STEPS)
+        # As a user does in a project's directory: the model and corpus by relative paths, the tokenizer "auto"
+        # (the model's own); the export below runs from another directory (the tests' own).
+        project = hf.parent
+        relative = (hf.relative_to(project), corpus.relative_to(project))
+        config = write_config(tmp / "hetero.toml", *relative, HETERO, checkpoint_every=STEPS)
         out = tmp / "run"
         train = ("train", "--config", str(config), "--nproc", "2", "--out", str(out))
-        result = killed_and_restarted(train) if (family, fmt) == RESTARTED else session_cli(*train, timeout=300)
+        result = (killed_and_restarted(train, project) if (family, fmt) == RESTARTED
+                  else session_cli(*train, timeout=300, cwd=project))  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
         ckpt = out / "checkpoints" / f"step-{STEPS:06d}"
+        assert Path.cwd() != project
         exported = session_cli("export", "--checkpoint", str(ckpt), "--out", str(tmp / "hf-out"))
         assert exported.returncode == 0, exported.stderr
         runs[(family, fmt)] = {"family": family, "model": model, "hf": hf, "source": src, "records": chosen,
@@ -149,10 +161,10 @@ def sft(tmp_path_factory: pytest.TempPathFactory, session_cli):  # noqa: ANN001,
     return run
 
 
-def killed_and_restarted(train: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+def killed_and_restarted(train: tuple[str, ...], cwd: Path) -> subprocess.CompletedProcess[str]:
     """`hydraulis train ... --max-restarts 1` with one rank killed as soon as the ranks exist: long before
     the first checkpoint, so the restart finds none and must start from init_from again."""
-    proc = start_cli(*train, "--max-restarts", "1")
+    proc = start_cli(*train, "--max-restarts", "1", cwd=cwd)
     deadline = time.monotonic() + 120
     while len(ranks := rank_pids(proc.pid)) < 2:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
@@ -268,12 +280,42 @@ def test_export_reloads_in_transformers_as_the_trained_model_and_its_tokenizer(c
         chat, add_generation_prompt=True
     )
     config = json.loads((export / "config.json").read_text())
+    # exported from another directory than the run's relative paths were written for: the run recorded them absolute
+    recorded = tomllib.loads((case["out"] / "config.toml").read_text())
+    assert (recorded["model"]["init_from"], recorded["data"]["corpus"]) == (str(case["hf"]), str(case["corpus"]))
     assert (config["eos_token_id"], config["bos_token_id"]) == (original.eos_token_id, original.bos_token_id)
     assert reloaded.generation_config.eos_token_id == original.eos_token_id
     # The source model's pad id is kept (Qwen2's 3), else the tokenizer's <pad>; the same in both files.
     pad = source.config.pad_token_id if source.config.pad_token_id is not None else original.pad_token_id
     assert pad == SOURCE_PAD[case["family"]] or (SOURCE_PAD[case["family"]] is None and pad == 4)
     assert config["pad_token_id"] == pad == reloaded.generation_config.pad_token_id
+
+
+def test_an_export_whose_tokenizer_is_gone_is_refused_naming_the_path_tried(sft, tmp_path, cli):  # noqa: ANN001
+    """The run's model directory (its tokenizer, "auto") moved away: one line naming where it was looked for,
+    exit 2, nothing written; only --no-tokenizer (and --no-source-config, for its config's fields) exports."""
+    run = sft("qwen2", "completion")
+    model = tmp_path / "models" / "qwen2"
+    shutil.copytree(run["hf"], model)
+    copy = tmp_path / "run"
+    shutil.copytree(run["ckpt"], copy / "checkpoints" / run["ckpt"].name)
+    (copy / "config.toml").write_text((run["out"] / "config.toml").read_text().replace(str(run["hf"]), str(model)))
+    out = tmp_path / "hf-out"
+    done = cli("export", "--checkpoint", str(copy), "--out", str(out))  # a run directory: its newest checkpoint
+    assert done.returncode == 0, done.stderr
+    assert f"exporting {copy / 'checkpoints' / run['ckpt'].name}" in done.stdout
+    assert json.loads((out / "config.json").read_text())["pad_token_id"] == SOURCE_PAD["qwen2"]
+    model.rename(tmp_path / "moved")
+    again = tmp_path / "again"
+    for flags, tried in (((), model), (("--no-tokenizer",), model / "config.json")):
+        done = cli("export", "--checkpoint", str(copy), "--out", str(again), *flags)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert done.stderr.startswith(f"error: {tried}: ") and "not there" in done.stderr, done.stderr
+        assert not again.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert "--no-tokenizer" in cli("export", "--checkpoint", str(copy), "--out", str(again)).stderr
+    done = cli("export", "--checkpoint", str(copy), "--out", str(again), "--no-tokenizer", "--no-source-config")
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in again.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
 
 
 def test_masked_losses_do_not_depend_on_the_deployment(sft, session_cli):  # noqa: ANN001

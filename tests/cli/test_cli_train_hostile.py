@@ -166,12 +166,19 @@ def test_a_damaged_newest_manifest_falls_back(base, tmp_path, cli):
     assert "skipping 1 damaged checkpoint(s)" in result.stdout and "resuming at step 1" in result.stdout
 
 
-def test_export_of_a_run_directory_points_at_its_newest_checkpoint(base, tmp_path, cli):
+def test_export_of_a_run_directory_takes_its_newest_complete_checkpoint(base, tmp_path, cli):
     _, _, run = base
     for given in (run, run / "checkpoints"):
-        line = one_line(cli("export", "--checkpoint", str(given), "--out", str(tmp_path / "hf")))
-        assert f"e.g. {run / 'checkpoints' / 'step-000002'} (the newest)" in line, line
-        assert not (tmp_path / "hf").exists()
+        done = cli("export", "--checkpoint", str(given), "--out", str(tmp_path / given.name))
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith(f"exporting {run / 'checkpoints' / 'step-000002'}, the newest complete"), done
+    damaged = tmp_path / "damaged"
+    shutil.copytree(run, damaged)
+    damage_newest_manifest(damaged)
+    before = snapshot(damaged)
+    done = cli("export", "--checkpoint", str(damaged), "--out", str(tmp_path / "older"))
+    assert done.returncode == 0 and f"exporting {damaged / 'checkpoints' / 'step-000001'}" in done.stdout, done
+    assert snapshot(damaged) == before  # nothing swept or changed: an export only reads
 
 
 @pytest.mark.parametrize("glob", ["/etc/*", "../*", "**a"])

@@ -34,7 +34,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hydraulis.training",  # the package itself (its modules sit in their layers)
     ),
     ("hydraulis.parallel", "hydraulis.context", "hydraulis.optim", "hydraulis.families"),
-    ("hydraulis.cost", "hydraulis.data", "hydraulis.training.checkpoints", "hydraulis.training.resume"),
+    ("hydraulis.cost", "hydraulis.data", "hydraulis.training.checkpoints", "hydraulis.training.resume",
+     "hydraulis.training.profile_cache"),  # fmt: skip
     ("hydraulis.planner",),
     ("hydraulis.baselines",),
     ("hydraulis.runtime",),
@@ -43,7 +44,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hydraulis.report",
         "hydraulis.training.config",
         "hydraulis.training.auto_profile",
-        "hydraulis.training.profile_cache",
         "hydraulis.training.evaluation",
         "hydraulis.training.job",
         "hydraulis.training.run_log",

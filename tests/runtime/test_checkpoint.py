@@ -326,8 +326,8 @@ def test_export_loads_in_transformers_with_our_loss(work, resharded, cli, tmp_pa
     done = cli("export", "--checkpoint", str(ckpt), "--out", str(out))
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
-    files = ["config.json", "generation_config.json", "model.safetensors"]
-    assert [Path(line.split()[1]).name for line in lines] == files
+    files = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert [Path(line.split()[1]).name for line in lines] == files  # the bytes tokenizer written as HF files
     assert sorted(p.name for p in out.iterdir()) == files
     config = json.loads((out / "config.json").read_text())
     assert (config["eos_token_id"], config["bos_token_id"]) == (256, None)  # the bytes tokenizer's end of document

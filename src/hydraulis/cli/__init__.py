@@ -8,6 +8,7 @@ from __future__ import annotations
 
 # Each command module registers its commands on import; one per line keeps merges clean.
 from hydraulis.cli import (
+    check,  # noqa: F401
     common,  # noqa: F401
     data,  # noqa: F401
     demo,  # noqa: F401

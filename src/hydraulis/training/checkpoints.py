@@ -230,12 +230,15 @@ def latest_checkpoint(out_dir: str | Path, sweep: bool = True, log: Log = aside)
     return chosen
 
 
-def resolve_checkpoint(path: str | Path, log: Log = aside) -> Path | None:
-    """A checkpoint directory itself, or the newest verifying one under an output directory."""
+def resolve_checkpoint(path: str | Path, log: Log = aside, sweep: bool = True) -> Path | None:
+    """A checkpoint directory itself, or the newest verifying one under an output directory or a run directory
+    (its checkpoints/); sweep=False changes nothing on disk (an export only reads)."""
     path = Path(path)
     if (path / MANIFEST_FILE).exists() or STEP_DIR.fullmatch(path.name):
         return path
-    return latest_checkpoint(path, log=log)
+    if list_checkpoints(path / "checkpoints"):
+        path = path / "checkpoints"
+    return latest_checkpoint(path, sweep=sweep, log=log)
 
 
 def prune(out_dir: str | Path, keep: int, spare: Path) -> None:

@@ -10,12 +10,16 @@ before any rank starts.
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from hydraulis.cost.context_parallel import CP_SUFFIX
+from hydraulis.cost.profiled import PRESETS
+from hydraulis.data.tokenizer import TOKENIZERS
 from hydraulis.errors import HydraulisError
 from hydraulis.files import read_text
 from hydraulis.limits import DEFAULT_EXCHANGE_BUCKET_BYTES, DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, parse_size
@@ -232,6 +236,26 @@ class RunConfig(_Section):
     optim: OptimSection = OptimSection()
     train: TrainSection = TrainSection()
     eval: EvalSection = EvalSection()
+
+    def with_absolute_paths(self) -> RunConfig:
+        """Every path of the config that names an existing file or directory, absolute (from the current
+        directory, as it was read), and the run directory: what `config.toml` records, so that an export or a
+        rerun finds them from anywhere. Names (a built-in corpus, tokenizer, preset) and paths that are not
+        there stay as given (the checks name the path they tried)."""
+        def absolute(value: str | None, names: tuple[str, ...] = (), suffix: str = "") -> str | None:
+            if value is None or value in ("auto", *names):
+                return value
+            base = value[: -len(suffix)] if suffix and value.endswith(suffix) else value
+            return os.path.abspath(base) + value[len(base) :] if Path(base).exists() else value
+
+        update = {
+            "model": {"init_from": absolute(self.model.init_from)},
+            "data": {"corpus": absolute(self.data.corpus), "tokenizer": absolute(self.data.tokenizer, TOKENIZERS)},
+            "parallel": {"pool": absolute(self.parallel.pool),
+                         "profile": absolute(self.parallel.profile, tuple(PRESETS), CP_SUFFIX)},
+            "train": {"out": os.path.abspath(self.train.out)},
+        }  # fmt: skip
+        return self.model_copy(update={k: getattr(self, k).model_copy(update=v) for k, v in update.items()})
 
     def to_toml(self) -> str:
         """The resolved config as TOML (every key, defaults included), so a run can be repeated from it."""

@@ -153,12 +153,12 @@ def prepare(
 
 
 def _resolved(config: RunConfig, out: str | None, steps: int | None) -> tuple[RunConfig, Path, int]:
-    """The config with the command line's run directory and steps in it: what config.toml records, so a run
-    directory says what it ran."""
+    """The config with the command line's run directory and steps in it, its paths absolute: what config.toml
+    records, so a run directory says what it ran, and where its files are from anywhere."""
     run_dir = Path(out or config.train.out)
     steps = steps if steps is not None else config.train.steps
     config = config.model_copy(update={"train": config.train.model_copy(update={"out": str(run_dir), "steps": steps})})
-    return config, run_dir, steps
+    return config.with_absolute_paths(), run_dir, steps
 
 
 def _check_run_dir(

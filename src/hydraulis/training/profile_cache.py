@@ -18,7 +18,9 @@ from typing import Any
 
 from hydraulis.cost.conditions import cpu_cores
 from hydraulis.data.staging import cache_dir
+from hydraulis.errors import HydraulisError
 from hydraulis.jsonio import write_json_atomic
+from hydraulis.parallel import ParallelConfig
 
 TIMINGS = "timings.jsonl"
 
@@ -77,3 +79,27 @@ def expected_s(where: dict[str, Any], steps: int) -> float | None:
         if isinstance(row, dict) and all(row.get(k) == v for k, v in where.items()) and row.get("steps"):
             rates.append(float(row["wall_s"]) / float(row["steps"]))
     return statistics.median(rates) * steps if rates else None
+
+
+def matching(device_name: str, cores: int, memory_bytes: int | None = None) -> list[dict[str, Any]]:
+    """The cached profiles measured on a machine like this one (`hydraulis check`): the same device name, on a GPU
+    the same memory, on a CPU the same cores; each as its file, name, model, configs and world size."""
+    found = []
+    for path in sorted(profiles_dir().glob("*.json")) if profiles_dir().is_dir() else ():
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            device, conditions = data.get("device") or {}, data.get("conditions") or {}
+            if data.get("schema") != "hydraulis.profile/1" or device.get("name") != device_name:
+                continue
+            measured_on = conditions.get("cores") or (data.get("shared_cores") or {}).get("cores")
+            if device_name == "cpu" and measured_on != cores:
+                continue
+            if device_name != "cpu" and memory_bytes is not None and device.get("memory_bytes") != memory_bytes:
+                continue
+            configs = sorted({ParallelConfig(r["tp"], r["pp"], r.get("cp", 1)).name for r in data.get("time_ms", [])})
+            world = (data.get("measurements") or {}).get("world_size") or conditions.get("world_size")
+            found.append({"file": str(path), "name": data.get("name"), "model": (data.get("model") or {}).get("name"),
+                          "configs": configs, "world_size": world})  # fmt: skip
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, HydraulisError):
+            continue  # not a profile this check can read: not one that matches
+    return found

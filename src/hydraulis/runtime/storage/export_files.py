@@ -4,7 +4,8 @@ The tokenizer is the one the run trained with. A checkpoint's manifest
 names it (`tokenizer`); the run directory's `config.toml` (beside
 `checkpoints/`) says where it came from (`[data] tokenizer`, `[model] init_from`):
 
-- the built-in `bytes` and `gpt2` tokenizers have no files to copy; their
+- the built-in `bytes` and `gpt2` tokenizers are written as Hugging Face
+  files that encode as ours (data/tokenizer.py `builtin_hf_files`); their
   ids are known (bytes: end of document 256, no bos; gpt2: 50256 for both);
 - a Hugging Face tokenizer (a directory, or a `tokenizer.json`; with
   `tokenizer = "auto"` and `init_from`, the model directory's own) is
@@ -12,6 +13,12 @@ names it (`tokenizer`); the run directory's `config.toml` (beside
   A `tokenizer.json` alone (no tokenizer_config.json beside it) declares no
   eos or bos: the export copies it with a minimal tokenizer_config.json and
   leaves the ids null.
+
+A run records its paths absolute (training/config.py `with_absolute_paths`),
+so an export finds them from any directory. A tokenizer (or an `init_from`
+model) that is not where the run recorded it is refused in one line naming
+the path tried, before anything is written: `--no-tokenizer` (`--no-source-config`)
+exports without it, never silently.
 
 `config.json` starts from the source model's own config when the run began
 from one (`init_from`), so its other fields (context length, initializer
@@ -24,6 +31,7 @@ tokenizer's, in both files.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tomllib
 from dataclasses import dataclass
@@ -32,6 +40,7 @@ from typing import Any
 
 from hydraulis.errors import HydraulisError
 from hydraulis.families import CONFIG_FILE, read_hf_config
+from hydraulis.files import not_found
 from hydraulis.training.checkpoints import CheckpointInfo
 
 BUILTIN_IDS = {"bytes": (256, None), "gpt2": (50256, 50256)}  # name -> (eos, bos), data/tokenizer.py's ids
@@ -39,6 +48,7 @@ BUILTIN_IDS = {"bytes": (256, None), "gpt2": (50256, 50256)}  # name -> (eos, bo
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.jinja")  # fmt: skip
 GENERATION_FILE = "generation_config.json"
+IDENTITY = re.compile(r"hf-[0-9a-f]{16}")  # a Hugging Face tokenizer's identity (data/hf_tokenizer.py), not a path
 
 
 @dataclass(frozen=True)
@@ -46,7 +56,8 @@ class ExportSource:
     """Where a checkpoint's tokenizer and source config are, and the special-token ids."""
 
     tokenizer: str | None  # as the manifest (or the run's config) names it
-    files: tuple[Path, ...]  # tokenizer files to copy
+    files: tuple[Path, ...]  # Hugging Face tokenizer files to copy
+    builtin: str | None  # a built-in tokenizer to write as Hugging Face files (None: none, or files to copy)
     eos: int | None
     bos: int | None
     pad: int | None
@@ -55,7 +66,7 @@ class ExportSource:
 
 def _run_config(info: CheckpointInfo) -> dict[str, Any]:
     """The run's config.toml (run/checkpoints/step-N -> run/config.toml), or {} when the checkpoint stands alone."""
-    path = info.path.parent.parent / "config.toml"
+    path = run_config_path(info)
     if not path.is_file():
         return {}
     try:
@@ -64,9 +75,15 @@ def _run_config(info: CheckpointInfo) -> dict[str, Any]:
         raise HydraulisError(f"{path}: cannot read the run's config ({exc})") from None
 
 
+def run_config_path(info: CheckpointInfo) -> Path:
+    return info.path.parent.parent / "config.toml"
+
+
 def _hf_tokenizer_files(path: Path) -> tuple[Path, ...]:
     if path.is_file():
         return (path,)
+    if not path.is_dir():
+        return ()
     return tuple(path / name for name in TOKENIZER_FILES if (path / name).is_file())
 
 
@@ -84,32 +101,62 @@ def _hf_ids(files: tuple[Path, ...], where: Path) -> tuple[int | None, int | Non
     return tok.eos_token_id, tok.bos_token_id, tok.pad_token_id
 
 
-def export_source(info: CheckpointInfo) -> ExportSource:
-    """The tokenizer and source config of a checkpoint's run (see the module docstring)."""
+def _source_config(init_from: Path | None, info: CheckpointInfo, wanted: bool) -> dict[str, Any] | None:
+    """The init_from model's config.json when it is the model trained; one line when the run's is gone."""
+    if init_from is None or not wanted:
+        return None
+    if not (init_from / CONFIG_FILE).is_file():
+        raise HydraulisError(not_found(
+            init_from / CONFIG_FILE,
+            "the run's init_from model is not there (the export keeps its pad_token_id and other fields); "
+            "restore it, or pass --no-source-config to export without them",
+        ))  # fmt: skip
+    _, source_config, source_spec = read_hf_config(init_from)
+    if [d for d in source_spec.tensor_differences(info.model) if d != "padded_vocab"]:
+        return None  # not the model trained: its fields say nothing of this one
+    return source_config
+
+
+def export_source(info: CheckpointInfo, tokenizer: bool = True, source: bool = True) -> ExportSource:
+    """The tokenizer and source config of a checkpoint's run (see the module docstring).
+
+    tokenizer=False (`--no-tokenizer`) and source=False (`--no-source-config`) leave them out; otherwise one
+    that is not where the run recorded it is refused, naming the path tried.
+    """
     run = _run_config(info)
     data, model = run.get("data", {}), run.get("model", {})
     init_from = Path(model["init_from"]) if model.get("init_from") else None
-    source_config = None
-    if init_from is not None and (init_from / CONFIG_FILE).is_file():
-        _, source_config, source_spec = read_hf_config(init_from)
-        if [d for d in source_spec.tensor_differences(info.model) if d != "padded_vocab"]:
-            source_config = None  # not the model trained: its fields say nothing of this one
     name = info.tokenizer or data.get("tokenizer")
     if name in BUILTIN_IDS:
         eos, bos = BUILTIN_IDS[name]
-        return ExportSource(name, (), eos, bos, None, source_config)
+        builtin = name if tokenizer else None
+        return ExportSource(name, (), builtin, eos, bos, None, _source_config(init_from, info, source))
+    if not tokenizer:
+        return ExportSource(name, (), None, None, None, None, _source_config(init_from, info, source))
     configured = data.get("tokenizer")
-    candidates = [Path(n) for n in (name, configured) if n and n not in BUILTIN_IDS and n != "auto"]
+    paths = (n for n in (name, configured) if n and n not in BUILTIN_IDS and n != "auto" and not IDENTITY.fullmatch(n))
+    candidates = [Path(n) for n in paths]
     if configured == "auto" and init_from is not None:
         candidates.append(init_from)
-    where = next((p for p in candidates if p.exists() and _hf_tokenizer_files(p)), None)
-    if where is not None and where.name == "tokenizer.json" and (where.parent / "tokenizer_config.json").is_file():
-        where = where.parent  # a saved tokenizer's file: its directory says which tokens are special
+    where = next((p for p in candidates if _hf_tokenizer_files(p)), None)
     if where is None:
-        return ExportSource(name, (), None, None, None, source_config)
+        raise HydraulisError(_missing_tokenizer(info, name, candidates))
+    if where.name == "tokenizer.json" and (where.parent / "tokenizer_config.json").is_file():
+        where = where.parent  # a saved tokenizer's file: its directory says which tokens are special
     files = _hf_tokenizer_files(where)
     eos, bos, pad = _hf_ids(files, where)
-    return ExportSource(name, files, eos, bos, pad, source_config)
+    return ExportSource(name, files, None, eos, bos, pad, _source_config(init_from, info, source))
+
+
+def _missing_tokenizer(info: CheckpointInfo, name: str | None, candidates: list[Path]) -> str:
+    """One line: the path looked for (the run's recorded tokenizer, else its config.toml), and the way out."""
+    hint = "pass --no-tokenizer to export the model without one"
+    if not candidates:  # the checkpoint alone, or a run config that names no tokenizer path
+        what = "is not there" if not run_config_path(info).is_file() else "names no tokenizer path"
+        return not_found(run_config_path(info), f"the run's config {what}, to find its tokenizer ({name}); {hint}")
+    tried = candidates[-1]  # the most specific: the configured path, or the init_from model's for "auto"
+    state = "holds no tokenizer files" if tried.exists() else "not there"
+    return not_found(tried, f"the run's tokenizer ({name}) {state}; restore it there, or {hint}")
 
 
 def pad_id(source: ExportSource) -> int | None:
@@ -134,8 +181,16 @@ def generation_config(source: ExportSource) -> dict[str, Any]:
 
 
 def copy_tokenizer(source: ExportSource, out: Path) -> list[Path]:
-    """Copy the tokenizer's files into `out`; a lone tokenizer.json (any name) gets a tokenizer_config.json."""
+    """The tokenizer's files into `out`: a built-in one written, an HF one copied (a lone tokenizer.json, of any
+    name, gets a tokenizer_config.json)."""
     written = []
+    if source.builtin is not None:
+        from hydraulis.data.tokenizer import builtin_hf_files
+
+        for file_name, text in builtin_hf_files(source.builtin).items():
+            (out / file_name).write_text(text, encoding="utf-8")
+            written.append(out / file_name)
+        return written
     lone = len(source.files) == 1 and source.files[0].suffix == ".json"  # a tokenizer.json alone
     for f in source.files:
         target = out / ("tokenizer.json" if lone else f.name)

@@ -29,6 +29,7 @@ import torch
 from hydraulis.errors import HydraulisError
 from hydraulis.families import ARCHITECTURES, CONFIG_FILE, WEIGHTS_FILE, check_weights, read_hf_config
 from hydraulis.files import default_mode, replace_directory
+from hydraulis.progress import aside
 from hydraulis.runtime.sharding.layout import FlatParam, ModelLayout
 from hydraulis.runtime.storage.checkpoint import load_master
 from hydraulis.runtime.storage.export_files import (
@@ -40,11 +41,11 @@ from hydraulis.runtime.storage.export_files import (
 )
 from hydraulis.runtime.storage.hf import VOCAB_TENSORS, hf_config, hf_name, to_hf_state_dict
 from hydraulis.specs import ModelSpec
+from hydraulis.training.checkpoints import resolve_checkpoint
 
 if TYPE_CHECKING:
     from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
     from hydraulis.runtime.trainer import Trainer
-
 
 
 def unflatten(layout: ModelLayout, vector: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -64,12 +65,16 @@ def export_hf(
     force: bool = False,
     max_position_embeddings: int | None = None,
     log: Callable[[str], None] | None = None,
+    tokenizer: bool = True,
+    source_config: bool = True,
 ) -> list[Path]:
     """Write a checkpoint's model as an HF directory of its family; returns the files written.
 
     Beside the weights: config.json with the tokenizer's special ids,
     generation_config.json and the tokenizer's files (export_files.py).
     max_position_embeddings: None takes the source model's (init_from), else 4096.
+    `checkpoint` may be a run directory (or its checkpoints/): its newest complete checkpoint.
+    tokenizer / source_config False: export without the tokenizer / the init_from model's config fields.
     Everything is read and checked before anything is written; `out` must not
     exist (or be empty) unless `force`.
     """
@@ -80,9 +85,12 @@ def export_hf(
         raise HydraulisError(f"{out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise HydraulisError(f"{out}: already exists (pass --force to replace it)")
-    info, master = load_master(checkpoint)
+    chosen = resolve_checkpoint(checkpoint, log=log or aside, sweep=False) or Path(checkpoint)
+    if chosen != Path(checkpoint) and log is not None:
+        log(f"exporting {chosen}, the newest complete checkpoint of {checkpoint}")
+    info, master = load_master(chosen)
     spec = info.model
-    source = export_source(info)
+    source = export_source(info, tokenizer, source_config)
     tensors = to_hf_state_dict(unflatten(ModelLayout(spec, 1), master), spec)
     if max_position_embeddings is None:
         max_position_embeddings = (source.source_config or {}).get("max_position_embeddings") or 4096
