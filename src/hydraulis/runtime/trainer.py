@@ -389,10 +389,17 @@ class Trainer:
         self.step_index = step_index
 
     def use_cost(self, cost: CostModel) -> None:
-        """Plan (rank 0) and predict the next batches with `cost`: the online refit's model."""
+        """Plan (rank 0) and predict the next batches with `cost`: the online refit's model.
+
+        The batch already being planned with the old model is planned again: a refit takes effect at the next
+        step, as in a run resumed there (its checkpoint keeps the refit), so both plan the same."""
         self.settings = replace(self.settings, cost=cost)
         if self.planner is not None:
             self.planner = PhasedPlanner(cost, self.world, self.settings.pool)
+            if self._pending is not None and self._pending[1] is not None:
+                batch, future = self._pending
+                future.cancel()  # if it already runs, it finishes; its result is never read
+                self._pending = (batch, self._executor.submit(self.planner.schedule, batch.lengths, self.step_index))
 
     def close(self) -> None:
         if self._executor is not None:
