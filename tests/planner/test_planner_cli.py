@@ -9,6 +9,7 @@ import pytest
 from hydraulis.cost import load_cost_model
 from hydraulis.parallel import ParallelConfig
 from hydraulis.planner.plan import load_plan
+from hydraulis.planner.sim import simulate
 
 COST = load_cost_model("llama-7b@a800-80g")  # the command's default profile: the caps it names come from it
 TP2_CAP = COST.lone_cap(ParallelConfig(2, 1), 16)  # the longest sequence a tp2 replica holds, as its only micro-batch
@@ -39,6 +40,10 @@ def test_plan_writes_a_valid_plan(cli, tmp_path):
     assert sim.returncode == 0, sim.stderr
     for it, row in zip(plan.iterations, json.loads(sim.stdout)["iterations"], strict=True):
         assert abs(row["iteration_time_s"] - it.iteration_time_s) < 1e-9
+        # Per-GPU idle time: each GPU's time without work in compute, the bubble fraction's parts.
+        idle = [sum(float(r.gpu_idle_s[g]) for r in (simulate(p, COST) for p in it.phases)) for g in range(16)]
+        assert row["gpu_idle_s"] == pytest.approx(idle) and min(idle) >= 0
+        assert row["bubble_fraction"] == pytest.approx(sum(idle) / (16 * row["compute_time_s"]))
 
 
 def test_plan_with_inline_pool(cli, tmp_path):
