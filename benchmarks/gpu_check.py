@@ -174,7 +174,7 @@ def check_step(device: torch.device, model: ModelSpec, tokens: int, steps: int) 
                   for r in plan.replicas for mb in r.micro_batches)
     # The Trainer measures and predicts every iteration's peak (runtime/metering/step_memory.py): one implementation.
     predicted = max(m.memory_predicted_bytes for m in timed_metrics)
-    measured = max(m.memory_peak_bytes for m in timed_metrics)
+    measured = max(m.memory_peak_bytes or 0 for m in timed_metrics)  # CUDA measures every step
     return {
         "model": model.name,
         "tokens_per_step": [int(b.lengths.sum()) for b in timed],

@@ -232,13 +232,13 @@ def memory_panel(ax: Any, rows: list[dict[str, Any]]) -> None:
     mib = 2.0**20
     steps = [r["step"] for r in rows]
     ax.plot(steps, [r.get("memory_predicted_bytes", 0) / mib for r in rows], color="tab:orange", label="predicted")
-    measured = [r for r in rows if r.get("memory_peak_bytes", 0) > 0]
+    measured = [r for r in rows if r.get("memory_peak_bytes")]  # null (or 0, before 2026-12-05): not measured
     ax.scatter([r["step"] for r in measured], [r["memory_peak_bytes"] / mib for r in measured], s=14,
                color="tab:blue", label="measured (allocator)", zorder=3)
-    exchange = [r for r in measured if r.get("exchange_peak_bytes", 0) > 0]
+    exchange = [r for r in measured if r.get("exchange_peak_bytes")]
     ax.scatter([r["step"] for r in exchange], [r["exchange_peak_bytes"] / mib for r in exchange], s=10,
                marker="x", color="tab:gray", label="exchange peak")
-    worst = max((r.get("memory_error", 0.0) for r in measured), default=None)
+    worst = max((r.get("memory_error") or 0.0 for r in measured), default=None)
     note = f"worst error {worst:.0%}" if worst is not None else "not measured"
     ax.set(title=f"peak memory per rank (largest rank)\n{note}", xlabel="step", ylabel="MiB")
     ax.set_ylim(bottom=0)

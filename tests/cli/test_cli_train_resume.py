@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from train_helpers import make_corpus, step_rows, write_config  # noqa: E402
+from train_helpers import make_corpus, run_summary, step_rows, write_config  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -104,3 +104,17 @@ def test_bad_stop_at_or_schedule_flags_are_one_line(runs, tmp_path, cli, args, m
     result = cli("train", "--config", str(config), "--nproc", "2", "--out", str(tmp_path / "o"), *args)
     assert result.returncode == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_memory_a_step_did_not_measure_is_null_in_metrics_and_left_out_of_the_summary(runs):
+    _, straight, split = runs
+    for run in (straight, split):
+        rows = step_rows(run)
+        # CPU measures a sample of the steps (runtime/metering/step_memory.py): here each deployment's first.
+        assert [r["step"] for r in rows if r["memory_peak_bytes"] is not None] == [0, STOP]
+        for r in rows:
+            unmeasured = r["memory_peak_bytes"] is None
+            assert (r["exchange_peak_bytes"] is None) == unmeasured and (r["memory_error"] is None) == unmeasured
+            assert r["memory_predicted_bytes"] > 0  # predicted every step
+        summary = run_summary(run)
+        assert summary["memory_peak_bytes"] == max(rows[0]["memory_peak_bytes"], rows[STOP]["memory_peak_bytes"])

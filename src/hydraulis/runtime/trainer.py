@@ -122,10 +122,11 @@ class StepMetrics:
     position: int
     skipped: bool = False  # a non-finite loss or gradient norm: the optimizer did not step (divergence.py)
     # Bytes, the largest over ranks (runtime/metering/step_memory.py): measured by the allocator, and predicted.
-    memory_peak_bytes: int = 0
+    # None: not measured (CPU measures a sample of the steps), never a zero that reads as a measurement.
+    memory_peak_bytes: int | None = None
     memory_predicted_bytes: int = 0
-    exchange_peak_bytes: int = 0
-    memory_error: float = 0.0  # the largest |measured - predicted| / predicted of any rank
+    exchange_peak_bytes: int | None = None
+    memory_error: float | None = None  # the largest |measured - predicted| / predicted of any rank
     # Seconds the exchange held the training thread (packing, unpacking, waiting) that compute did not hide
     # (runtime/sharding/overlap.py): the largest of any rank, which includes waiting for the slowest replica, and the
     # smallest, the slowest rank's, which is the exchange alone.
@@ -314,6 +315,7 @@ class Trainer:
         # hand: tests, benchmarks) is simulated here, with this trainer's cost model.
         predicted = [p.replica_predicted_s or tuple(simulate(p, s.cost, keep_events=False).replica_times_s)
                      for p in schedule.phases]
+        measured = figures.memory_peak > 0  # some rank measured this step's memory
         metrics = StepMetrics(
             step=self.step_index,
             loss=values[1] / targets,
@@ -337,10 +339,10 @@ class Trainer:
             epoch=batch.state.epoch,
             position=batch.state.position,
             skipped=skipped,
-            memory_peak_bytes=int(figures.memory_peak),
+            memory_peak_bytes=int(figures.memory_peak) if measured else None,
             memory_predicted_bytes=int(figures.memory_predicted),
-            exchange_peak_bytes=int(figures.exchange_peak),
-            memory_error=figures.memory_error,
+            exchange_peak_bytes=int(figures.exchange_peak) if measured else None,
+            memory_error=figures.memory_error if measured else None,
             exchange_exposed_s=figures.exposed_s,
             exchange_exposed_min_s=figures.exposed_min_s,
             phases=len(runs),
