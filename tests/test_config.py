@@ -20,6 +20,18 @@ def test_defaults_come_from_the_settings_records():
     assert config.train.keep_checkpoints == DEFAULT_KEEP
 
 
+def test_max_pool_has_one_default_for_a_config_and_propose(cli):
+    import inspect
+
+    from hydraulis.cli.propose import propose as command
+    from hydraulis.planner.proposal import propose
+
+    default = RunConfig().parallel.max_pool
+    assert default == inspect.signature(propose).parameters["max_pool"].default
+    assert default == inspect.signature(command).parameters["max_pool"].default.default  # typer's OptionInfo
+    assert f"Most deployments in the pool.  [default: {default};" in cli("propose", "--help").stdout
+
+
 def test_optim_section_builds_its_settings():
     config = parse_config({"optim": {"lr": 1e-3, "warmup": 3, "schedule": "linear", "betas": [0.8, 0.9], "eps": 1e-6}})
     settings = config.optim.settings()

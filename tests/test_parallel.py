@@ -1,11 +1,12 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment, ParallelConfig, format_configs, parse_deployment_configs
+from hydraulis.planner.pool import inline_pool_world, parse_pool
 from hydraulis.specs import ClusterSpec, get_model
 
 
@@ -188,3 +189,78 @@ def test_power_of_two_cp_deployments_always_place_with_tp_in_a_node(triples):
     assert dep.configs == tuple(configs)
     assert sorted(d for r in dep.replicas for d in r.devices) == list(range(cluster.num_gpus))
     _tp_groups_in_a_node(dep, 8)
+
+
+_SPACE = st.sampled_from(["", " ", "  "])
+
+
+@st.composite
+def _config_text(draw: st.DrawFn) -> str:
+    """A config in any of the written forms (parentheses or none, commas or none, any case, spaces)."""
+    tp, pp, cp = (draw(st.sampled_from([1, 2, 4])) for _ in range(3))
+    sep = draw(st.sampled_from([",", ", ", "", " "]))
+    body = f"tp{tp}{sep}pp{pp}" + (f"{sep}cp{cp}" if cp > 1 or draw(st.booleans()) else "")
+    body = body.upper() if draw(st.booleans()) else body
+    return f"({draw(_SPACE)}{body}{draw(_SPACE)})" if draw(st.booleans()) else body
+
+
+@st.composite
+def _pool_text(draw: st.DrawFn) -> str:
+    """An inline pool, then maybe damaged: a parenthesis or another character dropped, one doubled, or one put
+    in from the grammar's alphabet."""
+    deployments = []
+    for _ in range(draw(st.integers(1, 3))):
+        items = []
+        for _ in range(draw(st.integers(1, 3))):
+            count = draw(st.one_of(st.just(""), st.integers(1, 4).map(lambda n: f"{n}{draw(st.sampled_from('xX*'))}")))
+            items.append(f"{count}{draw(_SPACE)}{draw(_config_text())}")
+        deployments.append(f"{draw(_SPACE)}+{draw(_SPACE)}".join(items))
+    text = f"{draw(_SPACE)};{draw(_SPACE)}".join(deployments) + draw(st.sampled_from(["", ";", " ; "]))
+    where = draw(st.integers(0, len(text)))
+    damage = draw(st.sampled_from(["none", "drop", "double", "insert", "parenthesis", "parenthesis"]))
+    parens = [i for i, ch in enumerate(text) if ch in "()"]
+    if damage == "parenthesis" and parens:  # the damage a hand-written pool suffers most
+        i = draw(st.sampled_from(parens))
+        text = text[:i] + text[i + 1 :]
+    elif damage == "drop" and text:
+        text = text[: min(where, len(text) - 1)] + text[min(where, len(text) - 1) + 1 :]
+    elif damage == "double" and text:
+        text = text[:where] + text[max(where - 1, 0) : where] + text[where:]
+    elif damage == "insert":
+        text = text[:where] + draw(st.sampled_from("()+;,x*tpc0129 !")) + text[where:]
+    return text
+
+
+def _nesting_ok(text: str) -> bool:
+    """An independent check of one rule of the grammar: parentheses pair up, never nested."""
+    depth = 0
+    for ch in text:
+        depth += (ch == "(") - (ch == ")")
+        if depth not in (0, 1):
+            return False
+    return depth == 0
+
+
+@settings(max_examples=300)
+@given(_pool_text())
+def test_every_pool_the_parser_accepts_prints_back_to_an_equal_pool(text):
+    try:
+        world = inline_pool_world(text, "pool")
+        pool = parse_pool(text, ClusterSpec(world, 64))
+    except HydraulisError as exc:
+        assert "\n" not in str(exc)
+        event("refused")
+        return
+    event("accepted")
+    assert _nesting_ok(text) and set(text.lower()) <= set("()+;,x*tpc0123456789 "), text
+    printed = "; ".join(str(d) for d in pool)
+    assert inline_pool_world(printed, "pool") == world
+    assert parse_pool(printed, ClusterSpec(world, 64)) == pool
+
+
+@pytest.mark.parametrize("text", ["1x(tp2,pp1 + 2x(tp1,pp1); 4x(tp1,pp1)", "4x(tp4,pp1", "4x(tp1,pp1))",
+                                  "((tp1,pp1))", "4x(tp1,pp1) junk", "4x(tp1,pp1); 4x(tp1,", "2x(tp1,pp1) +"])
+def test_unbalanced_truncated_or_trailing_garbage_pools_are_refused(text):
+    with pytest.raises(HydraulisError, match=r"^parallel\.pool: cannot parse deployment item") as exc:
+        inline_pool_world(text, "parallel.pool")
+    assert "\n" not in str(exc.value)

@@ -41,9 +41,10 @@ def test_the_memory_panel_plots_predicted_every_step_and_measured_where_measured
     from hydraulis.report import memory_panel
 
     mib = 2**20
-    rows = [{**_row(k, 1.0, 1.0), "memory_predicted_bytes": 100 * mib, "memory_peak_bytes": peak * mib,
-             "exchange_peak_bytes": 8 * mib if peak else 0, "memory_error": abs(peak - 100) / 100 if peak else 0.0}
-            for k, peak in enumerate([95, 0, 0, 110])]  # fmt: skip
+    # null: not measured; 0: not measured, as runs before 2026-12-05 wrote it
+    rows = [{**_row(k, 1.0, 1.0), "memory_predicted_bytes": 100 * mib, "memory_peak_bytes": peak and peak * mib,
+             "exchange_peak_bytes": peak and 8 * mib, "memory_error": peak and abs(peak - 100) / 100}
+            for k, peak in enumerate([95, None, 0, 110])]  # fmt: skip
     fig, ax = pyplot().subplots()
     memory_panel(ax, rows)
     assert list(ax.lines[0].get_ydata()) == [100.0] * 4
@@ -51,6 +52,12 @@ def test_the_memory_panel_plots_predicted_every_step_and_measured_where_measured
     assert measured.get_offsets().tolist() == [[0, 95.0], [3, 110.0]]
     assert exchange.get_offsets().tolist() == [[0, 8.0], [3, 8.0]]
     assert "worst error 10%" in ax.get_title()
+    summary = summarize(rows)  # over the measured steps; None where none was measured
+    assert (summary["memory_peak_bytes"], summary["exchange_peak_bytes"]) == (110 * mib, 8 * mib)
+    assert summary["memory_error_max"] == pytest.approx(0.1)
+    unmeasured = summarize([{**r, "memory_peak_bytes": None, "exchange_peak_bytes": None, "memory_error": None}
+                            for r in rows])  # fmt: skip
+    assert [unmeasured[k] for k in ("memory_peak_bytes", "memory_predicted_bytes", "memory_error_max")] == [None] * 3
     report_plot(rows, tmp_path / "report.png", "with memory")
     assert (tmp_path / "report.png").stat().st_size > 10_000
 

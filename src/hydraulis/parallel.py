@@ -58,14 +58,20 @@ class ParallelConfig:
     def compact(self) -> str:
         return f"(tp{self.tp},pp{self.pp}" + (f",cp{self.cp})" if self.cp > 1 else ")")
 
-    _PATTERN = re.compile(r"^\(?\s*tp\s*(\d+)\s*,?\s*pp\s*(\d+)\s*(?:,?\s*cp\s*(\d+))?\s*\)?$")
+    _PATTERN = re.compile(r"tp\s*(\d+)\s*,?\s*pp\s*(\d+)\s*(?:,?\s*cp\s*(\d+))?")
 
     @classmethod
     def parse(cls, text: str) -> ParallelConfig:
-        """Accepts `tp2pp1`, `tp2,pp1`, `(tp2,pp1,cp2)`."""
-        match = cls._PATTERN.match(text.strip().lower())
+        """Accepts `tp2pp1`, `tp2,pp1`, `(tp2,pp1,cp2)`: parentheses around the whole of it, or none."""
+        body = text.strip().lower()
+        if body.startswith("(") and body.endswith(")"):
+            body = body[1:-1].strip()
+        match = cls._PATTERN.fullmatch(body)
         if not match:
-            raise HydraulisError(f"cannot parse parallel config {text!r}; write it like 'tp2pp1' or '(tp2,pp1)'")
+            raise HydraulisError(
+                f"cannot parse parallel config {text.strip()!r}{_unbalanced(text)}; "
+                "write it like 'tp2pp1' or '(tp2,pp1)'"
+            )
         tp, pp, cp = match.groups()
         return cls(int(tp), int(pp), int(cp or 1))
 
@@ -264,22 +270,40 @@ def _placement_error(configs: Sequence[ParallelConfig], config: ParallelConfig, 
     )
 
 
-_ITEM = re.compile(r"^(?:(\d+)\s*[x*]\s*)?(\(?\s*tp\s*\d+.*)$")
+_ITEM = re.compile(r"(?:(\d+)\s*[x*]\s*)?(\(?\s*tp\s*\d+.*)")
+
+
+def _unbalanced(text: str) -> str:
+    """' (unbalanced parentheses)' or ' (nested parentheses)' where they are, for an error message; else ''."""
+    depth = 0
+    for ch in text:
+        depth += (ch == "(") - (ch == ")")
+        if depth > 1:
+            return " (nested parentheses)"
+        if depth < 0:
+            break
+    return " (unbalanced parentheses)" if depth != 0 else ""
 
 
 def parse_deployment_configs(text: str) -> list[ParallelConfig]:
-    """`1x(tp8,pp1) + 6x(tp2,pp2)` -> [tp8pp1, tp2pp2 x 6]."""
+    """`1x(tp8,pp1) + 6x(tp2,pp2)` -> [tp8pp1, tp2pp2 x 6]; every part of `text` must parse (the one grammar of
+    deployments: items `[N x] CONFIG` joined by '+', a config's parentheses around the whole of it or none)."""
     configs: list[ParallelConfig] = []
     for item in text.lower().split("+"):
-        match = _ITEM.match(item.strip())
-        if not match:
+        match = _ITEM.fullmatch(item.strip())
+        try:
+            config = ParallelConfig.parse(match.group(2)) if match else None
+        except HydraulisError:
+            config = None
+        if match is None or config is None:
             raise HydraulisError(
-                f"cannot parse deployment item {item.strip()!r} in {text!r}; write e.g. '1x(tp8,pp1) + 6x(tp2,pp2)'"
+                f"cannot parse deployment item {item.strip()!r} in {text.strip()!r}{_unbalanced(item)}; "
+                "write e.g. '1x(tp8,pp1) + 6x(tp2,pp2)'"
             )
         count = int(match.group(1) or 1)
-        if count < 1:
-            raise HydraulisError(f"deployment {text!r}: replica count must be positive")
-        configs += [ParallelConfig.parse(match.group(2))] * count
+        if not 1 <= count <= MAX_GPUS:
+            raise HydraulisError(f"deployment {text.strip()!r}: replica count must be 1 to {MAX_GPUS}, got {count}")
+        configs += [config] * count
     return configs
 
 

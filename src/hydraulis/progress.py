@@ -41,6 +41,23 @@ def console(stderr: bool = False) -> Any:
     return out
 
 
+def table(title: str, columns: list[str], rows: list[list[Any]], left: int = 1) -> Any:
+    """A table under its title, the first `left` columns left-justified, the rest right-justified.
+
+    The title is a line of its own: a rich table's title is wrapped to the table's width and padded to it,
+    which broke long titles and left trailing spaces in piped output."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table()
+    for i, column in enumerate(columns):
+        t.add_column(column, justify="left" if i < left else "right")
+    for row in rows:
+        t.add_row(*[str(x) for x in row])
+    return Group(Text(title, style="italic"), t)
+
+
 def rule(out: Any, title: str) -> None:
     """A section heading across the terminal, or LOG_RULE_WIDTH wide in a log."""
     from rich.rule import Rule

@@ -46,10 +46,10 @@ def test_a_budget_that_binds_is_kept_on_every_rank(tmp_path, long_tail, cli):
     result = cli("train", "--config", str(config), "--nproc", "4", "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr
     steps, summary = step_rows(tmp_path / "out"), run_summary(tmp_path / "out")
-    measured = [r for r in steps if r["memory_peak_bytes"] > 0]
+    measured = [r for r in steps if r["memory_peak_bytes"] is not None]  # null: not measured
     # Measured: each deployment's first step and each step whose predicted peak was a rank's highest yet.
     assert len(measured) >= 3
-    assert all(r["memory_peak_bytes"] <= 40 * MiB and not r["memory_over_budget"] for r in steps)
+    assert all(r["memory_peak_bytes"] <= 40 * MiB for r in measured) and not any(r["memory_over_budget"] for r in steps)
     # Not vacuous: the budget binds (the largest measured peak is most of it), and the long documents ran as a
     # pipelined replica's lone micro-batch.
     assert max(r["memory_peak_bytes"] for r in measured) > 24 * MiB

@@ -69,6 +69,14 @@ CONFIGS = {
     "eval holding out everything": ({"eval": "holdout = 1.0"}, (), "eval.holdout"),
     "eval corpus missing": ({"eval": 'corpus = "/nonexistent/corpus"'}, (), "/nonexistent/corpus"),
     "max-restarts negative": ({}, ("--max-restarts", "-1"), "--max-restarts must be non-negative"),
+    "pool with an unclosed parenthesis": (
+        {"parallel": 'pool = "1x(tp2,pp1 + 2x(tp1,pp1); 4x(tp1,pp1)"\nprofile = "tiny@cpu"'},
+        ("--nproc", "4"),
+        "parallel.pool: cannot parse deployment item '1x(tp2,pp1' in '1x(tp2,pp1 + 2x(tp1,pp1)' (unbalanced",
+    ),
+    "pool with trailing garbage": (
+        {"parallel": 'pool = "4x(tp1,pp1) 2x"\nprofile = "tiny@cpu"'}, ("--nproc", "4"), "'4x(tp1,pp1) 2x'",
+    ),
     "overlong with a proposed pool": (
         {"data": 'tokens_per_batch = 2000000\nmax_len = 1500000\ntokenizer = "bytes"',
          "parallel": 'pool = "auto"\nprofile = "tiny@cpu"'},

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from importlib import resources
 
 import pytest
 
 from hydraulis.cost import ProfiledCostModel
 from hydraulis.cost.conditions import Conditions
-from hydraulis.cost.refit import REFIT_STEPS, OnlineRefit, refit_profile
+from hydraulis.cost.refit import REFIT_STEPS, OnlineRefit, RefitState, refit_profile
+from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig
 
 TP1, TP2 = ParallelConfig(1, 1), ParallelConfig(2, 1)
@@ -70,3 +72,44 @@ def test_the_refit_profile_is_the_profile_scaled_and_marked():
     assert out["conditions"] == run.to_json() and out["name"].endswith("(refit)")
     cost = ProfiledCostModel.from_dict(out)  # still a profile
     assert cost.coefficients(TP1).b == pytest.approx(ProfiledCostModel.from_dict(data).coefficients(TP1).b / 2)
+
+
+def _watched(cost: ProfiledCostModel) -> OnlineRefit:
+    """tp1 refit after step 4 (predicted 2x), then one step watched since, in which tp2 ran 1.3x fast."""
+    refit = OnlineRefit(cost)
+    for step in range(REFIT_STEPS):
+        refit.observe(step, [TP1, TP2], [1.0, 1.0], [2.0, 1.0])
+    refit.observe(5, [TP1, TP2], [1.0, 1.0], [1.5, 1.3])
+    return refit
+
+
+def test_a_restored_state_plans_and_watches_as_the_refit_it_was_saved_from():
+    cost = ProfiledCostModel.from_dict(_profile())
+    saved = json.loads(json.dumps(_watched(cost).state().to_json()))  # through the manifest's JSON
+    # A resume: a fresh model from the same profile, or from the refit profile a cache kept meanwhile.
+    refit_data = refit_profile(_profile(), {TP1: 0.5}, "run", 4, Conditions(4, 1, 2, 0.0))
+    for base in (cost, ProfiledCostModel.from_dict(refit_data)):
+        straight, resumed = _watched(cost), OnlineRefit(base)
+        done = resumed.restore(RefitState.from_json(saved, "manifest.refit"))
+        assert done is not None and done.step == 4 and resumed.step == 4
+        for config in (TP1, TP2):
+            assert resumed.cost.coefficients(config) == straight.cost.coefficients(config)
+        assert resumed.scales[TP1] == pytest.approx(0.5 if base is cost else 1.0)
+        # The history goes on: tp2, off in steps 5-8 (4 of the window 4-8), is refit after step 8 in both.
+        for step in range(6, 9):
+            a = straight.observe(step, [TP2], [1.0], [1.3])
+            b = resumed.observe(step, [TP2], [1.0], [1.3])
+            assert (a is None) == (b is None), step
+        assert a is not None and b is not None and a.cost.coefficients(TP2) == b.cost.coefficients(TP2)
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    ({"step": 3, "coefficients": {"tp1pp1": [1.0, 2.0]}, "ratios": {}}, "expected [a, b, c]"),
+    ({"step": 3, "coefficients": {"banana": [1.0, 2.0, 3.0]}, "ratios": {}}, "'banana' is not a parallel config"),
+    ({"step": -1, "coefficients": {}, "ratios": {}}, "must be at least 0"),
+    ({"step": 3, "coefficients": {}, "ratios": {"tp1pp1": ["x"]}}, "expected a finite number"),
+])  # fmt: skip
+def test_a_damaged_refit_state_is_one_line_naming_where(data, message):
+    with pytest.raises(HydraulisError, match=re.escape(message)) as exc:
+        RefitState.from_json(data, "m.json.refit")
+    assert str(exc.value).startswith("m.json.refit")

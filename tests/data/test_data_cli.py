@@ -114,6 +114,15 @@ def test_workload(cli, tmp_path: Path) -> None:  # noqa: ANN001
     assert (tmp_path / "w1.json").read_bytes() == (tmp_path / "w2.json").read_bytes()
     assert cli("workload", *args, "--seed", "6", "--out", str(tmp_path / "w3.json")).returncode == 0
     assert (tmp_path / "w1.json").read_bytes() != (tmp_path / "w3.json").read_bytes()
+    # Over-long documents follow --overlong, the name `data build`, `data stats`, `plan` and [data] give it;
+    # --policy is the planner's (`plan --policy`), not an over-long policy.
+    dropped = cli("workload", *args, "--seed", "5", "--overlong", "drop", "--out", str(tmp_path / "w4.json"))
+    assert dropped.returncode == 0, dropped.stderr
+    assert (tmp_path / "w4.json").read_bytes() != (tmp_path / "w1.json").read_bytes()
+    assert "No such option: --policy" in one_line_error(
+        cli("workload", *args, "--policy", "drop", "--out", str(tmp_path / "w5.json")))
+    assert "--overlong 'cut'" in one_line_error(
+        cli("workload", *args, "--overlong", "cut", "--out", str(tmp_path / "w5.json")))
 
     bad = [
         "--corpus",

@@ -118,4 +118,7 @@ def test_summary_judges_hydraulis_against_the_best_other_policy_of_each_scenario
     assert s["speedup_vs_megatron_min_long"] == pytest.approx(1.26)  # only "a" reaches 16K
     lines = summary_lines({"summary": s})
     assert "hydraulis vs the best other policy on a: 1.050x (hotspa)" in lines
-    assert any(line.startswith("hydraulis vs the best other policy, geometric mean: 0.972x") for line in lines)
+    # Every figure with a target says whether it met it.
+    assert "hydraulis vs the best other policy, geometric mean: 0.972x (target >= 1.080x: NOT met)" in lines
+    assert "hydraulis vs megatron, worst scenario with max length >= 16K: 1.26x (target >= 1.20x: met)" in lines
+    assert "hydraulis balance efficiency, worst scenario: 0.800 (target >= 0.920: NOT met)" in lines

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hydraulis.cost import load_cost_model
 from hydraulis.parallel import ParallelConfig
 from hydraulis.planner.plan import load_plan
+from hydraulis.planner.sim import simulate
 
 COST = load_cost_model("llama-7b@a800-80g")  # the command's default profile: the caps it names come from it
 TP2_CAP = COST.lone_cap(ParallelConfig(2, 1), 16)  # the longest sequence a tp2 replica holds, as its only micro-batch
@@ -37,6 +40,10 @@ def test_plan_writes_a_valid_plan(cli, tmp_path):
     assert sim.returncode == 0, sim.stderr
     for it, row in zip(plan.iterations, json.loads(sim.stdout)["iterations"], strict=True):
         assert abs(row["iteration_time_s"] - it.iteration_time_s) < 1e-9
+        # Per-GPU idle time: each GPU's time without work in compute, the bubble fraction's parts.
+        idle = [sum(float(r.gpu_idle_s[g]) for r in (simulate(p, COST) for p in it.phases)) for g in range(16)]
+        assert row["gpu_idle_s"] == pytest.approx(idle) and min(idle) >= 0
+        assert row["bubble_fraction"] == pytest.approx(sum(idle) / (16 * row["compute_time_s"]))
 
 
 def test_plan_with_inline_pool(cli, tmp_path):
@@ -47,6 +54,20 @@ def test_plan_with_inline_pool(cli, tmp_path):
     assert res.returncode == 0, res.stderr
     for phase in load_plan(out).iterations[0].phases:
         assert str(phase.deployment) in {"8x(tp2,pp1)", "1x(tp8,pp1) + 4x(tp2,pp1)"}
+
+
+@pytest.mark.parametrize(("pool", "needle"), [
+    ("4x(tp4,pp1", "'4x(tp4,pp1' in '4x(tp4,pp1' (unbalanced parentheses)"),  # truncated
+    ("8x(tp2,pp1)); 4x(tp4,pp1)", "(unbalanced parentheses)"),
+    ("8x(tp2,pp1) + 0x(tp1,pp1)", "replica count must be 1 to"),
+    ("8x(tp2,pp1); 4x(tp4,pp1) banana", "'4x(tp4,pp1) banana'"),  # trailing garbage
+])  # fmt: skip
+def test_a_pool_that_does_not_parse_whole_is_one_line(cli, tmp_path, pool, needle):
+    w = write(tmp_path / "w.json", [[4000, 300, 120, 9000, 700] * 8])
+    out = tmp_path / "plan.json"
+    res = cli("plan", "--gpus", "16", "--workload", str(w), "--pool", pool, "--out", str(out))
+    one_line_error(res, "--pool: cannot parse deployment item" if "count" not in needle else "--pool", needle)
+    assert not out.exists() and res.stdout == ""
 
 
 def test_overlong_error_names_length_and_cap(cli, tmp_path):

@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
-from rich.table import Table
 
 from hydraulis.errors import HydraulisError
 from hydraulis.limits import MAX_BATCHES, MAX_GPUS, MAX_SEED, MAX_TOKENS_PER_BATCH
 from hydraulis.progress import console as _console
+from hydraulis.progress import table  # noqa: F401 - the commands' tables
 
 if TYPE_CHECKING:
     from hydraulis.cost import CostModel
@@ -183,12 +183,3 @@ def describe_os_error(exc: OSError) -> str:
 
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=1) + "\n")
-
-
-def table(title: str, columns: list[str], rows: list[list[Any]]) -> Table:
-    t = Table(title=title, title_justify="left")
-    for i, column in enumerate(columns):
-        t.add_column(column, justify="left" if i == 0 else "right")
-    for row in rows:
-        t.add_row(*[str(x) for x in row])
-    return t

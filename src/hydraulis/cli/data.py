@@ -159,10 +159,12 @@ def workload(
     ),
     batches: int = typer.Option(8, "--batches", "-k", help="Global batches to write.", min=1, max=MAX_BATCHES),
     max_len: int = typer.Option(
-        32768, "--max-len", "-L", help="Longest sequence; longer documents follow --policy.", min=1, max=MAX_LENGTH
+        32768, "--max-len", "-L", help="Longest sequence; longer documents follow --overlong.", min=1, max=MAX_LENGTH
     ),
     seed: int = typer.Option(0, "--seed", "-s", help="Shuffle seed.", min=0, max=MAX_SEED),
-    policy: str = typer.Option("split", "--policy", help="Over-long documents: split, truncate or drop."),
+    overlong: str = typer.Option(
+        "split", "--overlong", help="Documents longer than --max-len: split, truncate or drop ([data] overlong)."
+    ),
     tokenizer: str = TokenizerOption,
     name: str = typer.Option(None, "--name", help="Workload name (default: CORPUS-T-L-sSEED)."),
 ) -> None:
@@ -174,7 +176,7 @@ def workload(
 
     check_output(out, "--out")
     c = resolve_corpus(corpus, tokenizer, progress=True)
-    sampler = TokenBudgetSampler(c.lengths, tokens_per_batch, max_len=max_len, seed=seed, policy=policy)  # type: ignore[arg-type]
+    sampler = TokenBudgetSampler(c.lengths, tokens_per_batch, max_len=max_len, seed=seed, policy=check_policy(overlong))
     drawn = sampler.batches(batches)
     label = name or f"{c.name}-{tokens_per_batch}-{max_len}-s{seed}"
     save_workload(out, Workload(label, tuple(b.lengths for b in drawn)))

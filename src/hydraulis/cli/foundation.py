@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -10,6 +11,10 @@ from hydraulis.cli.app import app
 from hydraulis.cli.common import DtypeOption, MemoryPerRankOption, ProfileOption, console, print_json, table
 from hydraulis.errors import HydraulisError
 from hydraulis.limits import MAX_GPUS
+
+if TYPE_CHECKING:
+    from hydraulis.planner.plan import Schedule
+    from hydraulis.planner.sim import SimResult
 
 CAPS_LENGTHS = (1024, 4096, 16384, 32768)
 
@@ -96,25 +101,7 @@ def simulate(
         if timeline is not None and i < 4:
             for k, (p, res) in enumerate(zip(it.phases, sims, strict=True)):
                 drawn.append((f"step {it.step}" + (f", phase {k + 1}" if len(it.phases) > 1 else ""), p, res))
-        total = phases_time(it.phases, cost, it.switch_s)
-        compute = sum(r.compute_time_s for r in sims)
-        busy = sum(r.compute_time_s * len(r.gpu_busy_s) * (1 - r.bubble_fraction) for r in sims)
-        results.append(
-            {
-                "step": it.step,
-                "deployment": " | ".join(str(p.deployment) for p in it.phases),
-                "phases": len(it.phases),
-                "tokens": it.num_tokens,
-                "sequences": len(it.lengths),
-                "micro_batches": sum(len(r.micro_batches) for p in it.phases for r in p.replicas),
-                "iteration_time_s": total,
-                "compute_time_s": compute,
-                "grad_sync_s": total - compute,  # the optimizer step, and every phase switch
-                "bubble_fraction": 1 - busy / (compute * plan_file.num_gpus) if compute > 0 else 0.0,
-                "predicted_time_s": it.iteration_time_s,
-                "tokens_per_s": it.num_tokens / total,
-            }
-        )
+        results.append(_simulated(it, sims, phases_time(it.phases, cost, it.switch_s)))
     if timeline is not None:
         from hydraulis.report import timeline_plot
 
@@ -122,7 +109,7 @@ def simulate(
     if as_json:
         print_json({"profile": cost.name, "num_gpus": plan_file.num_gpus, "iterations": results})
         return
-    columns = ["step", "deployment", "tokens", "mbs", "time s", "sync s", "bubble", "tokens/s"]
+    columns = ["step", "deployment", "tokens", "mbs", "time s", "sync s", "bubble", "most idle GPU s", "tokens/s"]
     body = [
         [
             r["step"],
@@ -132,8 +119,37 @@ def simulate(
             f"{r['iteration_time_s']:.3f}",
             f"{r['grad_sync_s']:.3f}",
             f"{r['bubble_fraction']:.1%}",
+            _most_idle(r["gpu_idle_s"]),
             f"{r['tokens_per_s']:,.0f}",
         ]
         for r in results
     ]
     console.print(table(f"simulated {plan} with {cost.name}", columns, body))
+
+
+def _simulated(it: Schedule, sims: list[SimResult], total: float) -> dict:
+    """One iteration's simulated figures; `gpu_idle_s`: each GPU's time without work during compute."""
+    import numpy as np
+
+    compute = sum(r.compute_time_s for r in sims)
+    idle = np.sum([r.gpu_idle_s for r in sims], axis=0)
+    return {
+        "step": it.step,
+        "deployment": " | ".join(str(p.deployment) for p in it.phases),
+        "phases": len(it.phases),
+        "tokens": it.num_tokens,
+        "sequences": len(it.lengths),
+        "micro_batches": sum(len(r.micro_batches) for p in it.phases for r in p.replicas),
+        "iteration_time_s": total,
+        "compute_time_s": compute,
+        "grad_sync_s": total - compute,  # the optimizer step, and every phase switch
+        "bubble_fraction": float(idle.sum() / (compute * len(idle))) if compute > 0 else 0.0,
+        "gpu_idle_s": [float(x) for x in idle],
+        "predicted_time_s": it.iteration_time_s,
+        "tokens_per_s": it.num_tokens / total,
+    }
+
+
+def _most_idle(idle: list[float]) -> str:
+    gpu = max(range(len(idle)), key=idle.__getitem__)
+    return f"{idle[gpu]:.3f} (GPU {gpu})"

@@ -23,6 +23,7 @@ from hydraulis.cli.common import (
     print_json,
     table,
 )
+from hydraulis.limits import DEFAULT_MAX_POOL, MAX_POOL
 
 if TYPE_CHECKING:
     from hydraulis.cost import CostModel
@@ -37,7 +38,9 @@ def propose(
     gpus: int = gpus_option(),
     workload: Path = typer.Option(..., "--workload", "-w", help="A hydraulis.workload/1 file."),
     out: Path = typer.Option(..., "--out", "-o", help="Where to write the hydraulis.pool/1 file."),
-    max_pool: int = typer.Option(6, "--max-pool", "-k", help="Most deployments in the pool.", min=1, max=64),
+    max_pool: int = typer.Option(
+        DEFAULT_MAX_POOL, "--max-pool", "-k", help="Most deployments in the pool.", min=1, max=MAX_POOL
+    ),
     method: str = typer.Option("hydraulis", "--method", help="hydraulis (data-aware) or published (the DP)."),
     gpus_per_node: int = GpusPerNodeOption,
     tokens_per_batch: int = TokensPerBatchOption,

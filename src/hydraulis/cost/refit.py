@@ -15,7 +15,10 @@ separate, and corrects its level, which they measure well.
 
 `refit_profile` writes the result as a `hydraulis.profile/1` file marked as
 refit, kept beside the run and, for `profile = "auto"`, in the profile cache.
-No torch.
+The refit is part of the run's state: a checkpoint keeps `OnlineRefit.state()`
+(the refit configs' coefficients as the run plans with them, and the ratios
+watched since), and a resume `restore`s it, so it plans as the run it
+continues. No torch.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import numpy as np
 
 from hydraulis.cost.conditions import Conditions
 from hydraulis.cost.model import Coefficients, CostModel
+from hydraulis.errors import HydraulisError
+from hydraulis.jsonio import Fields
 from hydraulis.parallel import ParallelConfig
 
 REFIT_ERROR = 0.15  # |predicted - measured| / measured beyond which a step counts as off
@@ -51,6 +56,43 @@ class Refit:
         )
 
 
+@dataclass(frozen=True)
+class RefitState:
+    """What a checkpoint keeps of the online refit (JSON in its manifest): a resume plans with it."""
+
+    step: int | None  # the last refit's step; None: no refit yet
+    coefficients: dict[ParallelConfig, Coefficients]  # each refit config's, as the run plans with them
+    ratios: dict[ParallelConfig, tuple[float, ...]]  # measured / predicted per step since its last refit
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "coefficients": {c.name: [co.a, co.b, co.c] for c, co in self.coefficients.items()},
+            "ratios": {c.name: list(r) for c, r in self.ratios.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, where: str) -> RefitState:
+        """`to_json`'s form, checked (errors name `where`)."""
+        f = Fields(data, where)
+        step = None if f.data.get("step") is None else f.int("step", minimum=0)
+        coefficients = {}
+        for name in f.obj("coefficients").data:
+            abc = f.obj("coefficients").float_list(name, minimum=0.0)
+            if len(abc) != 3:
+                raise HydraulisError(f"{where}.coefficients.{name}: expected [a, b, c], got {abc}")
+            coefficients[_config(name, where)] = Coefficients(*abc)
+        ratios = {_config(n, where): tuple(f.obj("ratios").float_list(n, minimum=0.0)) for n in f.obj("ratios").data}
+        return cls(step, coefficients, ratios)
+
+
+def _config(name: str, where: str) -> ParallelConfig:
+    try:
+        return ParallelConfig.parse(name)
+    except HydraulisError:
+        raise HydraulisError(f"{where}: {name!r} is not a parallel config like 'tp2pp1'") from None
+
+
 class OnlineRefit:
     """Watches predicted against measured replica times, step by step, and refits configs that stay off."""
 
@@ -58,6 +100,7 @@ class OnlineRefit:
         self.cost, self.window, self.threshold = cost, window, threshold
         self.ratios: dict[ParallelConfig, list[float]] = {}  # measured / predicted per step, since the last refit
         self.scales: dict[ParallelConfig, float] = {}  # the product of every refit so far, per config
+        self.step: int | None = None  # the last refit's step
 
     def observe(
         self, step: int, configs: Sequence[ParallelConfig], measured: Sequence[float], predicted: Sequence[float]
@@ -88,7 +131,32 @@ class OnlineRefit:
         for config, k in due.items():
             self.scales[config] = self.scales.get(config, 1.0) * k
             self.ratios[config] = []
+        self.step = step
         return Refit(self.cost, step, dict(due))
+
+    def state(self) -> RefitState:
+        """What a checkpoint keeps: the refit configs' coefficients now, and the ratios watched since."""
+        coefficients = {c: self.cost.coefficients(c) for c in self.scales}
+        return RefitState(self.step, coefficients, {c: tuple(r) for c, r in self.ratios.items()})
+
+    def restore(self, state: RefitState) -> Refit | None:
+        """Continue from a checkpoint's state: its refit configs get its coefficients (whatever this run's
+        model started from: a refit profile already in the cache included); a Refit when any was refit.
+
+        Configs this model does not know are left out (a resume on another pool)."""
+        known = set(self.cost.configs)
+        self.ratios = {c: list(r) for c, r in state.ratios.items() if c in known}
+        kept = {c: co for c, co in state.coefficients.items() if c in known}
+        self.step = state.step
+        if not kept:
+            return None
+        coefficients = {c: kept.get(c, self.cost.coefficients(c)) for c in self.cost.configs}
+        for config, co in kept.items():
+            base = self.cost.coefficients(config)
+            total = base.a + base.b + base.c
+            self.scales[config] = (co.a + co.b + co.c) / total if total > 0 else 1.0
+        self.cost = self.cost.with_configs(refit_name(self.cost.name), coefficients, self.cost.recompute)
+        return Refit(self.cost, state.step if state.step is not None else 0, dict(self.scales))
 
 
 def refit_name(name: str) -> str:

@@ -259,11 +259,11 @@ def is_pool_file(text: str) -> bool:
     return text.strip().endswith(".json") or Path(text).is_file()
 
 
-def parse_pool(text: str, cluster: ClusterSpec) -> tuple[Deployment, ...]:
+def parse_pool(text: str, cluster: ClusterSpec, where: str = "--pool") -> tuple[Deployment, ...]:
     """`--pool`: compact deployments separated by ';', or a `hydraulis.pool/1` file."""
     if is_pool_file(text):
         return load_pool(text, cluster).deployments
-    return tuple(Deployment.parse(t, cluster) for t in pool_items(text))
+    return tuple(Deployment.parse(t, cluster) for t in pool_items(text, where))
 
 
 @dataclass(frozen=True)
@@ -295,12 +295,18 @@ class PoolSetting:
 
 
 def pool_items(text: str, where: str = "--pool") -> tuple[str, ...]:
-    """The deployments of an inline pool, compact texts separated by ';' (the one grammar of inline pools)."""
+    """The deployments of an inline pool, compact texts separated by ';' (the one grammar of inline pools),
+    checked whole: every part must parse (parallel.parse_deployment_configs), nothing is passed over."""
     items = tuple(t.strip() for t in text.split(";") if t.strip())
     if not items:
         raise HydraulisError(
             f"{where}: {text!r} names no deployment; give deployments like '16x(tp2,pp1); 1x(tp8,pp1) + 12x(tp2,pp1)'"
         )
+    for item in items:
+        try:
+            parse_deployment_configs(item)
+        except HydraulisError as exc:
+            raise HydraulisError(f"{where}: {exc}") from None
     return items
 
 

@@ -30,6 +30,7 @@ import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
+from hydraulis.limits import DEFAULT_MAX_POOL
 from hydraulis.parallel import Deployment
 from hydraulis.planner.dispatch import NoRoom, dispatch
 from hydraulis.planner.phases import PhasedPlanner
@@ -364,7 +365,7 @@ def propose(
     cost: CostModel,
     cluster: ClusterSpec,
     batches: Sequence[np.ndarray],
-    max_pool: int = 6,
+    max_pool: int = DEFAULT_MAX_POOL,
     method: str = "hydraulis",
     max_samples: int | None = None,
     screen: int = 10,

@@ -122,10 +122,11 @@ class StepMetrics:
     position: int
     skipped: bool = False  # a non-finite loss or gradient norm: the optimizer did not step (divergence.py)
     # Bytes, the largest over ranks (runtime/metering/step_memory.py): measured by the allocator, and predicted.
-    memory_peak_bytes: int = 0
+    # None: not measured (CPU measures a sample of the steps), never a zero that reads as a measurement.
+    memory_peak_bytes: int | None = None
     memory_predicted_bytes: int = 0
-    exchange_peak_bytes: int = 0
-    memory_error: float = 0.0  # the largest |measured - predicted| / predicted of any rank
+    exchange_peak_bytes: int | None = None
+    memory_error: float | None = None  # the largest |measured - predicted| / predicted of any rank
     # Seconds the exchange held the training thread (packing, unpacking, waiting) that compute did not hide
     # (runtime/sharding/overlap.py): the largest of any rank, which includes waiting for the slowest replica, and the
     # smallest, the slowest rank's, which is the exchange alone.
@@ -318,6 +319,7 @@ class Trainer:
         # hand: tests, benchmarks) is simulated here, with this trainer's cost model.
         predicted = [p.replica_predicted_s or tuple(simulate(p, s.cost, keep_events=False).replica_times_s)
                      for p in schedule.phases]
+        measured = figures.memory_peak > 0  # some rank measured this step's memory
         metrics = StepMetrics(
             step=self.step_index,
             loss=values[1] / targets,
@@ -341,10 +343,10 @@ class Trainer:
             epoch=batch.state.epoch,
             position=batch.state.position,
             skipped=skipped,
-            memory_peak_bytes=int(figures.memory_peak),
+            memory_peak_bytes=int(figures.memory_peak) if measured else None,
             memory_predicted_bytes=int(figures.memory_predicted),
-            exchange_peak_bytes=int(figures.exchange_peak),
-            memory_error=figures.memory_error,
+            exchange_peak_bytes=int(figures.exchange_peak) if measured else None,
+            memory_error=figures.memory_error if measured else None,
             exchange_exposed_s=figures.exposed_s,
             exchange_exposed_min_s=figures.exposed_min_s,
             phases=len(runs),
@@ -393,10 +395,17 @@ class Trainer:
         self.step_index = step_index
 
     def use_cost(self, cost: CostModel) -> None:
-        """Plan (rank 0) and predict the next batches with `cost`: the online refit's model."""
+        """Plan (rank 0) and predict the next batches with `cost`: the online refit's model.
+
+        The batch already being planned with the old model is planned again: a refit takes effect at the next
+        step, as in a run resumed there (its checkpoint keeps the refit), so both plan the same."""
         self.settings = replace(self.settings, cost=cost)
         if self.planner is not None:
             self.planner = PhasedPlanner(cost, self.world, self.settings.pool)
+            if self._pending is not None and self._pending[1] is not None:
+                batch, future = self._pending
+                future.cancel()  # if it already runs, it finishes; its result is never read
+                self._pending = (batch, self._executor.submit(self.planner.schedule, batch.lengths, self.step_index))
 
     def close(self) -> None:
         if self._executor is not None:

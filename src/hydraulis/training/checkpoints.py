@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hydraulis.cost.refit import RefitState
 from hydraulis.data.sampler import SamplerState
 from hydraulis.errors import HydraulisError
 from hydraulis.files import not_found, sha256_file
@@ -64,6 +65,7 @@ class CheckpointInfo:
     tokenizer: str | None
     corpus_sha256: dict[str, str] | None
     files: dict[str, FileEntry]
+    refit: RefitState | None = None  # the online refit the run planned with (cost/refit.py); None: not kept
 
     @property
     def manifest_path(self) -> Path:
@@ -124,6 +126,7 @@ def read_manifest(path: str | Path) -> CheckpointInfo:
         tokenizer=tokenizer,
         corpus_sha256=sums,
         files=files,
+        refit=None if data.get("refit") is None else RefitState.from_json(data["refit"], f"{manifest}.refit"),
     )
     if f"{OPTIM_DIR}/.metadata" not in files:
         raise HydraulisError(f"{manifest}: lists no {OPTIM_DIR}/.metadata")

@@ -22,7 +22,14 @@ from hydraulis.cost.profiled import PRESETS
 from hydraulis.data.tokenizer import TOKENIZERS
 from hydraulis.errors import HydraulisError
 from hydraulis.files import read_text
-from hydraulis.limits import DEFAULT_EXCHANGE_BUCKET_BYTES, DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, parse_size
+from hydraulis.limits import (
+    DEFAULT_EXCHANGE_BUCKET_BYTES,
+    DEFAULT_MAX_POOL,
+    DEFAULT_TIMEOUT_S,
+    MAX_POOL,
+    MAX_TIMEOUT_S,
+    parse_size,
+)
 from hydraulis.optim import SCHEDULES, AdamWSettings, OptimSettings
 from hydraulis.specs import DTYPE_NAMES, MODELS, SHAPE_FIELDS, ModelSpec
 from hydraulis.training.checkpoints import DEFAULT_KEEP
@@ -111,7 +118,7 @@ class ParallelSection(_Section):
     gpus_per_node: int | None = Field(None, ge=1, le=1024)
     sequence_parallel: bool = False
     recompute: bool | list[str] = False  # true: every config; or the configs that recompute, e.g. ["tp1pp1"]
-    max_pool: int = Field(3, ge=1, le=16)
+    max_pool: int = Field(DEFAULT_MAX_POOL, ge=1, le=MAX_POOL)
     # The optimizer's gather and reduce run in rounds, two in flight, each with a send and a receive buffer of
     # at most half this many MiB (runtime/sharding/exchange.py): two buckets in all.
     exchange_bucket_mb: float = Field(DEFAULT_EXCHANGE_BUCKET_BYTES / (1 << 20), gt=0)

@@ -101,7 +101,7 @@ def _train(job: Job, stop: StopRequest) -> dict[str, Any] | None:
     pids: list[Any] = [os.getpid()] * env.world_size  # the job's own processes, for rank 0's load meter
     if env.world_size > 1:
         dist.all_gather_object(pids, os.getpid(), group=trainer.control)
-    watch = RunFidelity(job, trainer, pids, torch.get_num_threads(), log) if env.rank == 0 else None
+    watch = RunFidelity(job, trainer, pids, torch.get_num_threads(), log, resumed) if env.rank == 0 else None
     guard = DivergenceGuard(config.train.max_bad_steps)
     evaluation = Evaluation(job, corpus)
     try:
@@ -115,7 +115,7 @@ def _train(job: Job, stop: StopRequest) -> dict[str, Any] | None:
             if skipped:
                 log(skipped)
             stopping = stop.agreed(trainer)
-            checkpoints.maybe_save(trainer, stopping)
+            checkpoints.maybe_save(trainer, stopping, watch.refit.state() if watch is not None else None)
             if stopping:
                 log(f"stopped by {stop.name} at step {trainer.step_index}; continue with --resume")
                 break

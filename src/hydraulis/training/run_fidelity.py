@@ -10,7 +10,9 @@ from the next batch on (under a lasting load it follows the load: this run
 is under it), and the refit profile is written beside the run
 (`profile.refit.json`, with the load of the steps it saw) and, for
 `profile = "auto"` when those steps were quiet, into the profile cache
-marked as refit, where the next run of the same request finds it. Dividing
+marked as refit, where the next run of the same request finds it. A
+checkpoint keeps the refit (`OnlineRefit.state`), and a resume on as many
+ranks plans with it from its first step, as the run it continues would. Dividing
 each step by the slowdown processor sharing gives its load was tried and
 dropped: on 2 cores, in one run, a process taking a core slowed 4 ranks
 about 1.9x over the first steps, where processor sharing gives 1.25x (ranks
@@ -34,6 +36,7 @@ from hydraulis.training.auto_profile import REFIT_PROFILE
 
 if TYPE_CHECKING:
     from hydraulis.runtime.trainer import StepMetrics, Trainer
+    from hydraulis.training.checkpoints import CheckpointInfo
     from hydraulis.training.job import Job
 
 LOAD_STEPS = 5  # steps of other processes' load before a run says its load differs from the profile's
@@ -42,7 +45,10 @@ LOAD_STEPS = 5  # steps of other processes' load before a run says its load diff
 class RunFidelity:
     """Built on rank 0 after the trainer; `after(metrics)` once per step."""
 
-    def __init__(self, job: Job, trainer: Trainer, pids: Sequence[int], threads: int, log: Callable[[str], None]):
+    def __init__(
+        self, job: Job, trainer: Trainer, pids: Sequence[int], threads: int, log: Callable[[str], None],
+        resumed: CheckpointInfo | None = None,
+    ):
         self.job, self.trainer, self.log = job, trainer, log
         self.profile = Conditions.from_json((job.cost.profile_data or {}).get("conditions"))
         self.run = Conditions(job.world, threads, cpu_cores())
@@ -55,6 +61,24 @@ class RunFidelity:
         line = warning(self.profile, self.run)
         if line:
             log(line)
+        if resumed is not None:
+            self._resume(resumed)
+
+    def _resume(self, resumed: CheckpointInfo) -> None:
+        """Plan with the refit the checkpoint kept; on another world size (other conditions) start afresh."""
+        state = resumed.refit
+        if state is None:
+            return
+        if resumed.world_size != self.job.world:
+            if state.coefficients:
+                self.log(f"the cost model's refit in {resumed.path} was made on {resumed.world_size} rank(s); "
+                         f"this run has {self.job.world}, so it plans with its profile again")
+            return
+        done = self.refit.restore(state)
+        if done is not None:
+            self.trainer.use_cost(done.cost)
+            parts = ", ".join(f"{c.name} x{s:.2f}" for c, s in done.scales.items())
+            self.log(f"planning with the cost model refit after step {done.step} ({parts}), kept in {resumed.path}")
 
     def after(self, metrics: StepMetrics) -> dict[str, Any]:
         """Read this step's load and replica times (maybe one line on load, maybe a refit); the step's load."""

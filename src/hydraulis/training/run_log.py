@@ -151,6 +151,17 @@ class RunLog:
         return summary
 
 
+def memory_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The largest peak, prediction, exchange peak and error over the measured steps; None where none was."""
+    measured = [r for r in rows if r.get("memory_peak_bytes")]  # null (or 0, before 2026-12-05): not measured
+
+    def most(key: str) -> Any:
+        return max((r[key] for r in measured if r.get(key) is not None), default=None)
+
+    return {"memory_peak_bytes": most("memory_peak_bytes"), "memory_predicted_bytes": most("memory_predicted_bytes"),
+            "exchange_peak_bytes": most("exchange_peak_bytes"), "memory_error_max": most("memory_error")}
+
+
 def comparison_lines(c: dict[str, Any]) -> str:
     """The headline: measured speedup over the best homogeneous deployment beside the predicted one."""
     tps = {name: c["tokens"] / statistics.median(s) for name, s in c["measured_s"].items()}
@@ -205,13 +216,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "iteration_error_median": statistics.median(errors) if errors else 0.0,
         "iteration_error_max": max(errors) if errors else 0.0,
         # The largest over steps of each rank-wise maximum (runtime/metering/step_memory.py); the prediction over the
-        # measured steps only (CPU measures a sample of them), so the two describe the same iterations.
-        "memory_peak_bytes": max(r.get("memory_peak_bytes", 0) for r in rows),
-        "memory_predicted_bytes": max(
-            (r.get("memory_predicted_bytes", 0) for r in rows if r.get("memory_peak_bytes", 0) > 0), default=0
-        ),
-        "exchange_peak_bytes": max(r.get("exchange_peak_bytes", 0) for r in rows),
-        "memory_error_max": max(r.get("memory_error", 0.0) for r in rows),
+        # measured steps only (CPU measures a sample of them), so the two describe the same iterations; None where
+        # no step was measured.
+        **memory_summary(rows),
         # Other processes' CPU load (cores) during the steps, where measured (run_fidelity.py).
         "foreign_cores_median": statistics.median(loads) if loads else None,
         # steps on which a rank's measured peak exceeded [parallel] memory_per_rank

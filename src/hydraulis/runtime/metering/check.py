@@ -197,8 +197,9 @@ def check_step(
     done = sum(int(b.lengths.sum()) for b in batches)
     flops = sum(training_flops(model, b.lengths) for b in batches)
     # The Trainer measures and predicts every iteration's peak (runtime/metering/step_memory.py): one implementation.
-    predicted = max(m.memory_predicted_bytes for m in timed)
-    measured = max(m.memory_peak_bytes for m in timed)
+    sampled = [m for m in timed if m.memory_peak_bytes is not None] or timed  # steps the meter measured
+    predicted = max(m.memory_predicted_bytes for m in sampled)
+    measured = max((m.memory_peak_bytes for m in sampled if m.memory_peak_bytes is not None), default=None)
     over = [m.step for m in timed if m.memory_over_budget]
     return {
         **report,
@@ -211,7 +212,7 @@ def check_step(
         "losses": losses,
         "memory_peak_bytes": measured,
         "memory_predicted_bytes": predicted,
-        "memory_measured_over_predicted": measured / predicted if predicted else None,
+        "memory_measured_over_predicted": measured / predicted if predicted and measured is not None else None,
         "steps_over_budget": over,
         "ok": bool(all(np.isfinite(losses)) and not over),
     }

@@ -6,8 +6,9 @@ hydraulis/training/checkpoints.py; the RNG states are runtime/rng.py.
 A checkpoint is a directory `step-000123` (the trainer step it resumes at):
 
     manifest.json       `hydraulis.checkpoint/1`: model, tokenizer, corpus checksums, world size,
-                        step, sampler state, LR schedule inputs, pool, and every file's size and
-                        sha256; written last, so its presence marks a complete checkpoint
+                        step, sampler state, LR schedule inputs, pool, the online refit the run
+                        plans with (cost/refit.py), and every file's size and sha256; written
+                        last, so its presence marks a complete checkpoint
     optimizer/          DCP: `.metadata` and one `__R_0.distcp` per saving rank
     rng-00000.json ...  each rank's torch, numpy and python RNG states
 
@@ -70,6 +71,7 @@ from hydraulis.training.checkpoints import (
 )
 
 if TYPE_CHECKING:
+    from hydraulis.cost.refit import RefitState
     from hydraulis.runtime.sharding.layout import ModelLayout
     from hydraulis.runtime.trainer import Trainer
 
@@ -166,7 +168,9 @@ def _sharded(trainer: Trainer, tensors: dict[str, torch.Tensor]) -> dict[str, An
 
 
 # -- save ----------------------------------------------------------------------------------------------
-def _manifest(trainer: Trainer, state: dict[str, Any], files: dict[str, FileEntry]) -> dict[str, Any]:
+def _manifest(
+    trainer: Trainer, state: dict[str, Any], files: dict[str, FileEntry], refit: RefitState | None
+) -> dict[str, Any]:
     s = trainer.settings
     corpus_manifest = getattr(trainer.corpus, "manifest", None)
     corpus = None
@@ -188,13 +192,18 @@ def _manifest(trainer: Trainer, state: dict[str, Any], files: dict[str, FileEntr
         "seed": s.seed,
         "dtype": s.dtype,
         "pool": [{"text": str(d), "replicas": d.to_rows()} for d in s.pool],
+        "refit": None if refit is None else refit.to_json(),
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "files": {k: asdict(v) for k, v in sorted(files.items())},
     }
 
 
-def save_checkpoint(trainer: Trainer, out_dir: str | Path, keep: int = DEFAULT_KEEP, log: Log = aside) -> Path:
+def save_checkpoint(
+    trainer: Trainer, out_dir: str | Path, keep: int = DEFAULT_KEEP, log: Log = aside, refit: RefitState | None = None
+) -> Path:
     """Save the trainer's state as out_dir/step-NNNNNN (every rank calls it); returns the directory.
+
+    `refit`: rank 0's online refit (training/run_fidelity.py), which a resume plans with.
 
     Older checkpoints beyond the newest `keep` are deleted after the new one
     is complete (keep <= 0 keeps all).
@@ -233,7 +242,7 @@ def save_checkpoint(trainer: Trainer, out_dir: str | Path, keep: int = DEFAULT_K
             return
         check_visible(tmp, files)  # every rank's shard, as its writer reported it, before the manifest exists
         try:
-            write_json_atomic(tmp / MANIFEST_FILE, _manifest(trainer, state, files))  # last: marks it complete
+            write_json_atomic(tmp / MANIFEST_FILE, _manifest(trainer, state, files, refit))  # last: marks it complete
             replace_directory(tmp, final)  # the same step saved again (e.g. right after a resume) replaces it
         except OSError as exc:
             raise HydraulisError(f"{final}: cannot publish the checkpoint: {exc.strerror or exc}") from None
@@ -373,10 +382,10 @@ class CheckpointManager:
     def due(self, step: int, stopping: bool = False) -> bool:
         return stopping or step == self.last_step or (self.every > 0 and step % self.every == 0)
 
-    def maybe_save(self, trainer: Trainer, stopping: bool = False) -> Path | None:
+    def maybe_save(self, trainer: Trainer, stopping: bool = False, refit: RefitState | None = None) -> Path | None:
         """Save if one is due after the trainer's last step (every rank calls it); the directory, or None."""
         if not self.due(trainer.step_index, stopping):
             return None
-        path = save_checkpoint(trainer, self.directory, keep=self.keep, log=self.log)
+        path = save_checkpoint(trainer, self.directory, keep=self.keep, log=self.log, refit=refit)
         self.log(f"saved {path}")
         return path
