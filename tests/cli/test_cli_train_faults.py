@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -109,3 +110,49 @@ def test_restarts_resume_without_skipping_or_repeating_a_batch(tmp_path, corpus)
     c = open_corpus(corpus)
     expected = [(b.state.epoch, b.state.position) for b in TokenBudgetSampler(c.lengths, 768, 256, 3).batches(steps)]
     assert [(r["epoch"], r["position"]) for r in done] == expected
+
+
+def test_a_fault_soak_loses_and_repeats_no_step(tmp_path, corpus, cli):
+    """Three SIGKILLs of a random rank at random steps under --max-restarts: the run ends as an uninterrupted
+    one does, bit for bit (every step once, the same losses and batches, the same final weights).
+
+    One config in the pool, so the plans cannot depend on how fast steps ran (the online refit scales a
+    config's times, which moves no document between two replicas of it).
+    """
+    from safetensors.numpy import load_file
+
+    steps, kills = 10, 3
+    parallel = 'pool = "2x(tp1,pp1)"\nprofile = "tiny@cpu"'
+    config = write_config(tmp_path / "run.toml", corpus, parallel=parallel,
+                          train=f"steps = {steps}\ncheckpoint_every = 1\nlog_every = 5")  # fmt: skip
+    straight = cli("train", "--config", str(config), "--nproc", "2", "--out", str(tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stderr
+    rng = np.random.default_rng(int(os.environ.get("HYDRAULIS_SOAK_SEED", "7")))
+    targets = sorted(rng.choice(np.arange(1, steps - 1), size=kills, replace=False).tolist())
+    out = tmp_path / "soaked"
+    proc = start("--config", str(config), "--nproc", "2", "--out", str(out), "--max-restarts", str(kills))
+    killed: set[int] = set()
+    for target in targets:  # after `target` steps were logged, by the ranks of the current attempt
+        wait_for(lambda t=target: len(step_rows(out, running=True)) >= t and len(fresh(proc, killed)) == 2)
+        victim = fresh(proc, killed)[int(rng.integers(2))]
+        os.kill(victim, signal.SIGKILL)
+        killed.update(fresh(proc, killed))
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr
+    assert stdout.count("restarting from the last checkpoint") == kills, stdout
+    a, b = step_rows(tmp_path / "straight"), step_rows(out)
+    assert [r["step"] for r in b] == list(range(steps))  # none lost, none repeated
+    for key in ("loss", "grad_norm", "epoch", "position", "micro_batches"):
+        assert [r[key] for r in b] == [r[key] for r in a], key
+    weights = []
+    for run in ("straight", "soaked"):
+        exported = cli("export", "--checkpoint", str(tmp_path / run), "--out", str(tmp_path / f"{run}-hf"))
+        assert exported.returncode == 0, exported.stderr
+        weights.append(load_file(tmp_path / f"{run}-hf" / "model.safetensors"))
+    assert weights[0].keys() == weights[1].keys()
+    assert all(np.array_equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def fresh(proc: subprocess.Popen, killed: set[int]) -> list[int]:
+    """The command's rank processes that are alive and not of an attempt already killed."""
+    return [p for p in alive(rank_pids(proc.pid)) if p not in killed]
