@@ -35,8 +35,12 @@ def test_train_writes_the_run_directory(hetero_run):
     assert list(out.glob("tb/events.out.tfevents.*"))
     assert (out / "report.png").stat().st_size > 10_000
     assert json.loads((out / "pool.json").read_text())["schema"] == "hydraulis.pool/1"
-    assert 'pool = "1x(tp2,pp1)' in (out / "config.toml").read_text()
+    resolved = (out / "config.toml").read_text()
+    assert 'pool = "1x(tp2,pp1)' in resolved
+    assert "# memory_per_rank: unset, the device's own memory" in resolved and "# gpus_per_node: unset" in resolved
     assert "loss" in result.stdout and "tok/s" in result.stdout
+    # An analytic profile says so at the start, with how to measure one; a warm-up within the steps says nothing.
+    assert 'profile = "tiny@cpu" is the analytic model' in result.stdout and "warmup" not in result.stdout
 
 
 def test_losses_do_not_depend_on_the_deployment(hetero_run, tmp_path, corpus, cli):
@@ -111,6 +115,8 @@ def test_profile_auto_is_reused_when_it_matches_and_measured_again_otherwise(aut
     rerun = cli("train", "--config", str(config), "--nproc", "4", "--out", str(again), "--steps", "1")
     assert rerun.returncode == 0, rerun.stderr
     assert "profiling again" in rerun.stdout and "lacks tp2pp1" in rerun.stdout
+    assert "warning: [optim] warmup = 2 is longer than the run's 1 steps" in rerun.stdout  # one line, at the start
+    assert "is the analytic model" not in rerun.stdout
     assert {(r["tp"], r["pp"]) for r in json.loads((again / "profile.json").read_text())["time_ms"]} == {(1, 1), (2, 1)}
 
 
