@@ -39,6 +39,17 @@ def test_train_writes_the_run_directory(hetero_run):
     assert 'pool = "1x(tp2,pp1)' in resolved
     assert "# memory_per_rank: unset, the device's own memory" in resolved and "# gpus_per_node: unset" in resolved
     assert "loss" in result.stdout and "tok/s" in result.stdout
+    # The pool never switched: the summary and the last lines say what the others were predicted to cost.
+    kept = summary["never_switched"]
+    assert set(summary["deployment_share"]) == {kept["deployment"]} and kept["batches"] == 6
+    assert kept["memory_budget_bytes"] is None and kept["max_len"] == 256 and len(kept["others"]) == 2
+    assert all(o["batches_not_held"] == 0 and o["predicted_vs_chosen"] > 1 for o in kept["others"]), kept
+    assert json.loads((out / "summary.json").read_text())["never_switched"] == kept
+    said = " ".join(result.stdout.split())
+    assert f"never switched: {kept['deployment']} was predicted fastest for all 6 batches" in said
+    assert "every deployment held every batch of max_len 256 without a memory budget" in said
+    for o in kept["others"]:
+        assert f"{o['deployment']} {o['predicted_vs_chosen']:.2f}x" in said
     # An analytic profile says so at the start, with how to measure one; a warm-up within the steps says nothing.
     assert 'profile = "tiny@cpu" is the analytic model' in result.stdout and "warmup" not in result.stdout
 

@@ -392,7 +392,9 @@ class Trainer:
         """Plan (rank 0) and predict the next batches with `cost`: the online refit's model."""
         self.settings = replace(self.settings, cost=cost)
         if self.planner is not None:
+            outlook = self.planner.outlook  # the same record: a plan in flight adds its step to it
             self.planner = PhasedPlanner(cost, self.world, self.settings.pool)
+            self.planner.outlook = outlook
 
     def close(self) -> None:
         if self._executor is not None:

@@ -118,7 +118,7 @@ def run_rank(job: Job) -> dict[str, Any] | None:
         trainer.close()
         if run_log is not None:
             run_log.close()
-    return run_log.finish() if run_log is not None else None
+    return run_log.finish(trainer.planner) if run_log is not None else None
 
 
 def train_settings(job: Job) -> TrainSettings:

@@ -9,6 +9,7 @@ run directory also gets `config.toml` (the resolved config), `pool.json`,
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import statistics
 from collections import Counter
@@ -24,6 +25,7 @@ from hydraulis.specs import ClusterSpec
 from hydraulis.training.job import Job
 
 if TYPE_CHECKING:
+    from hydraulis.planner.planner import Planner
     from hydraulis.runtime.trainer import StepMetrics
 
 
@@ -107,9 +109,14 @@ class RunLog:
         if not self.metrics_file.closed:
             self.metrics_file.close()
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self, planner: Planner | None = None) -> dict[str, Any]:
+        """The summary (summary.json, the metrics' last line, report.png and the closing lines); `planner`,
+        rank 0's, says what the pool's other deployments were predicted to cost (`kept_one`)."""
         summary = summarize(self.rows)
         summary["memory_budget_bytes"] = self.job.config.parallel.budget_bytes()
+        kept = kept_one(self.job, self.rows, planner)
+        if kept is not None:
+            summary["never_switched"] = kept
         if self.comparison is not None:
             summary["comparison"] = self.comparison
         if self.job.overlong is not None:  # what max_len cut of the corpus (records, target tokens)
@@ -127,6 +134,8 @@ class RunLog:
             f"planning not hidden {summary['planning_unhidden_s']:.3f} s of {summary['planning_s']:.3f} s; "
             f"iteration time predicted/measured median error {summary['iteration_error_median']:.0%}"
         )
+        if kept is not None:
+            self.console.print(kept_line(kept, self.job.config.parallel.memory_per_rank), highlight=False)
         if self.job.overlong is not None and self.job.overlong.records:
             self.console.print(f"overlong: {self.job.overlong.describe()}", highlight=False)
         if self.comparison is not None:
@@ -145,6 +154,49 @@ def comparison_lines(c: dict[str, Any]) -> str:
         f"{c['predicted_speedup']:.2f}x predicted"
     )
     return "\n".join(rows)
+
+
+def kept_one(job: Job, rows: list[dict[str, Any]], planner: Planner | None) -> dict[str, Any] | None:
+    """Why a run on a pool of several deployments ran one of them on every step (None: it did not): each
+    other one's predicted time over the chosen one's (the median over the batches it held), how many batches
+    it could not hold, and the longest sequence each holds within the memory (`memory_per_rank`, if set)."""
+    if planner is None or len(job.pool) < 2 or not rows or len({r["deployment"] for r in rows}) > 1:
+        return None
+    if rows[0].get("phases", 1) > 1:  # one phased schedule on every step still switches inside it
+        return None
+    steps = {r["step"] for r in rows}
+    seen = [ratios for step, ratios in sorted(planner.outlook.items()) if step in steps]
+    chosen, caps = rows[0]["deployment_index"], planner.caps()
+    others = []
+    for k, deployment in enumerate(job.pool):
+        if k != chosen:
+            held = [v[k] for v in seen if math.isfinite(v[k])]
+            others.append({"deployment": str(deployment), "holds_tokens": caps[k],
+                           "batches_not_held": len(seen) - len(held),
+                           "predicted_vs_chosen": statistics.median(held) if held else None})
+    return {"deployment": str(job.pool[chosen]), "holds_tokens": caps[chosen], "max_len": job.config.data.max_len,
+            "memory_budget_bytes": job.config.parallel.budget_bytes(), "batches": len(seen), "others": others}
+
+
+def kept_line(kept: dict[str, Any], budget: str | int | None) -> str:
+    """The closing line of `kept_one`."""
+    n = kept["batches"]
+    memory = f"within memory_per_rank {budget}" if budget is not None else "without a memory budget"
+    def other(o: dict[str, Any]) -> str:
+        ratio = f"{o['predicted_vs_chosen']:.2f}x" if o["predicted_vs_chosen"] is not None else "-"
+        missed = o["batches_not_held"]
+        held = f" (holds {o['holds_tokens']:,} tokens: not {missed} of them)" if missed else ""
+        return f"{o['deployment']} {ratio}{held}"
+
+    others = "; ".join(other(o) for o in kept["others"])
+    if any(o["batches_not_held"] for o in kept["others"]):
+        bound = f"it holds {kept['holds_tokens']:,} tokens {memory}"
+    else:
+        bound = f"every deployment held every batch of max_len {kept['max_len']:,} {memory}"
+    return (
+        f"never switched: {kept['deployment']} was predicted fastest for all {n} batches planned here ({bound}); "
+        f"the others' predicted time against it, median: {others}"
+    )
 
 
 def _keep_copy(path: Path, step: int) -> None:
