@@ -119,3 +119,27 @@ def test_summary_judges_hydraulis_against_the_best_other_policy_of_each_scenario
     lines = summary_lines({"summary": s})
     assert "hydraulis vs the best other policy on a: 1.050x (hotspa)" in lines
     assert any(line.startswith("hydraulis vs the best other policy, geometric mean: 0.972x") for line in lines)
+
+
+def test_bench_plot_labels_every_bar_and_keeps_its_legend_beside_the_bars(monkeypatch, tmp_path):
+    import hydraulis.plots
+    import hydraulis.report
+
+    figures = []
+    monkeypatch.setattr(hydraulis.report, "save_figure", lambda fig, path: figures.append(fig))
+    policies = ["hydraulis", "megatron", "hotspa"]
+    values = {"a": (1.27, 1.0, 1.19), "b": (1.5, 1.0, 1.3)}
+    results = [{"scenario": sc, "policy": p, "speedup_vs_megatron": v}
+               for sc, row in values.items() for p, v in zip(policies, row, strict=True)]
+    report = {"scenarios": [{"name": "a"}, {"name": "b"}], "policies": policies, "results": results}
+    hydraulis.report.bench_plot(report, tmp_path / "bench.png")
+    (fig,) = figures
+    ax = fig.axes[0]
+    labels = sorted(t.get_text() for t in ax.texts)
+    assert labels == sorted(["1.27", "1.00", "1.19", "1.50", "1.00", "1.30"])  # every bar says its value
+    fig.canvas.draw()
+    legend, axes = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    assert legend.x0 >= axes.x1  # beside the axes: it hides no bar
+    assert max(t.get_window_extent().y1 for t in ax.texts) <= axes.y1  # the labels fit inside
+    assert "relative to megatron" in ax.get_title(loc="left")
+    hydraulis.plots.pyplot().close(fig)
