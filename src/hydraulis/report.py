@@ -185,13 +185,21 @@ def iteration_errors(rows: list[dict[str, Any]]) -> list[float]:
     return [abs(r["predicted_s"] - r["iteration_s"]) / r["iteration_s"] for r in rows if r["iteration_s"] > 0]
 
 
-def training_plot(rows: list[dict[str, Any]], path: str | Path, title: str) -> None:
-    """Loss, tokens/s, deployment per step, predicted against measured replica times and memory."""
+def training_plot(rows: list[dict[str, Any]], path: str | Path, title: str, budget_bytes: int | None = None) -> None:
+    """Loss, tokens/s, deployment per step, predicted against measured replica times, memory (and the budget,
+    `memory_per_rank`) and the learning rate; step axes in whole steps; `title` names the run."""
+    from matplotlib.ticker import MaxNLocator
+
     plt = pyplot()
     steps = np.array([r["step"] for r in rows])
     fig, axes = plt.subplots(2, 3, figsize=(17, 7.5))
-    memory_panel(axes[0, 2], rows)
-    axes[1, 2].axis("off")
+    memory_panel(axes[0, 2], rows, budget_bytes)
+    ax = axes[1, 2]
+    ax.plot(steps, [r["lr"] for r in rows], color="tab:brown")
+    ax.set(title="learning rate", xlabel="step", ylabel="lr")
+    ax.set_ylim(bottom=0)
+    for ax in (axes[0, 0], axes[0, 1], axes[0, 2], axes[1, 0], axes[1, 2]):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax = axes[0, 0]
     ax.plot(steps, [r["loss"] for r in rows], color="tab:blue")
     ax.set(title="loss (mean over the global batch's target tokens)", xlabel="step", ylabel="loss")
@@ -230,13 +238,14 @@ def training_plot(rows: list[dict[str, Any]], path: str | Path, title: str) -> N
         ylim=(0, top),
     )
     ax.legend(fontsize=8)
-    fig.suptitle(title)
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     save_figure(fig, path)
 
 
-def memory_panel(ax: Any, rows: list[dict[str, Any]]) -> None:
-    """Per step, the largest rank's peak memory: predicted (every step) and measured (where measured)."""
+def memory_panel(ax: Any, rows: list[dict[str, Any]], budget_bytes: int | None = None) -> None:
+    """Per step, the largest rank's peak memory: predicted (every step) and measured (where measured), and
+    the budget (`memory_per_rank`) as a line when there is one."""
     mib = 2.0**20
     steps = [r["step"] for r in rows]
     ax.plot(steps, [r.get("memory_predicted_bytes", 0) / mib for r in rows], color="tab:orange", label="predicted")
@@ -248,6 +257,9 @@ def memory_panel(ax: Any, rows: list[dict[str, Any]]) -> None:
                marker="x", color="tab:gray", label="exchange peak")
     worst = max((r.get("memory_error", 0.0) for r in measured), default=None)
     note = f"worst error {worst:.0%}" if worst is not None else "not measured"
+    if budget_bytes is not None:
+        ax.axhline(budget_bytes / mib, color="tab:red", linestyle="--", linewidth=1.2,
+                   label=f"budget (memory_per_rank) {budget_bytes / mib:,.0f} MiB")
     ax.set(title=f"peak memory per rank (largest rank)\n{note}", xlabel="step", ylabel="MiB")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.05)
     ax.legend(fontsize=8)

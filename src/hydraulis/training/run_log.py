@@ -125,7 +125,8 @@ class RunLog:
             fh.write(json.dumps({"summary": summary}) + "\n")
         write_json_atomic(self.out / "summary.json", summary)
         if self.rows:
-            training_plot(self.rows, self.out / "report.png", f"{self.job.spec.name} on {self.job.world} rank(s)")
+            training_plot(self.rows, self.out / "report.png", report_title(self.job),
+                          self.job.config.parallel.budget_bytes())
         shares = ", ".join(f"{k}: {v:.0%}" for k, v in summary["deployment_share"].items())
         self.console.print(
             f"done: {summary['steps']} steps, loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}, "
@@ -142,6 +143,13 @@ class RunLog:
             self.console.print(comparison_lines(self.comparison), highlight=False)
         self.console.print(f"run directory: {self.out} (metrics.jsonl, report.png, tb/, config.toml, pool.json)")
         return summary
+
+
+def report_title(job: Job) -> str:
+    """report.png's title: the run (its directory), its model and ranks, and its pool."""
+    pool = "; ".join(str(d) for d in job.pool)
+    return (f"run {job.out}: {job.spec.name} ({job.spec.num_params / 1e6:.2f}M parameters), {job.steps} steps on "
+            f"{job.world} rank(s)\npool {pool}")
 
 
 def comparison_lines(c: dict[str, Any]) -> str:
