@@ -120,11 +120,12 @@ def comparison_plot(results: Sequence[PolicyResult], path: str | Path, title: st
 def timeline_plot(runs: Sequence[tuple[str, IterationPlan, SimResult]], path: str | Path) -> None:
     """1F1B timelines of iterations, one panel each on a shared time axis: where the GPUs wait.
 
-    Rows are pipeline stages of each replica (labelled by config); forward
-    blocks are light, backward blocks dark, each micro-batch in its own colour;
-    the gradient synchronisation closes each panel.
+    Rows are pipeline stages of each replica (labelled by config, in the replica's colour); each replica's
+    blocks are in its own colour, forward light and backward dark, micro-batches parted by a thin white
+    edge; the gradient synchronisation closes each panel. The legend's swatches are those colours.
     """
     plt = pyplot()
+    from matplotlib.legend_handler import HandlerTuple
     from matplotlib.patches import Patch
 
     horizon = max(res.iteration_time_s for _, _, res in runs)
@@ -136,20 +137,14 @@ def timeline_plot(runs: Sequence[tuple[str, IterationPlan, SimResult]], path: st
         gridspec_kw={"height_ratios": [max(h, 2) for h in heights]},
         squeeze=False,
     )
-    colours = plt.get_cmap("tab20").colors
+    colours = plt.get_cmap("tab10").colors
+    forward_alpha = 0.45
     for ax, (label, plan, res), rows in zip(axes[:, 0], runs, heights, strict=True):
         y, ticks, names = 0, [], []
         for r, (replica, timeline) in enumerate(zip(plan.deployment.replicas, res.timelines, strict=True)):
-            for stage, mb, kind, start, end in timeline.events if timeline.events is not None else ():
-                ax.barh(
-                    y + stage,
-                    end - start,
-                    left=start,
-                    height=0.85,
-                    linewidth=0,
-                    color=colours[(2 * int(mb) + r) % len(colours)],
-                    alpha=0.55 if kind == 0 else 1.0,
-                )
+            for stage, _mb, kind, start, end in timeline.events if timeline.events is not None else ():
+                ax.barh(y + stage, end - start, left=start, height=0.85, color=colours[r % len(colours)],
+                        alpha=forward_alpha if kind == 0 else 1.0, edgecolor="white", linewidth=0.6)
             ticks.append(y + (replica.config.pp - 1) / 2)
             names.append(f"{r}: {replica.config.name}")
             y += replica.config.pp
@@ -158,18 +153,21 @@ def timeline_plot(runs: Sequence[tuple[str, IterationPlan, SimResult]], path: st
         ax.set_xlim(0, horizon * 1.01)
         step = max(1, len(ticks) // 24)
         ax.set_yticks(ticks[::step], names[::step], fontsize=7)
+        for tick, r in zip(ax.get_yticklabels(), range(0, len(ticks), step), strict=True):
+            tick.set_color(colours[r % len(colours)])
         ax.set_title(
             f"{label}: {plan.deployment} - {res.iteration_time_s:.2f} s, bubble {res.bubble_fraction:.0%}",
             fontsize=9,
             loc="left",
         )
     axes[-1, 0].set_xlabel("seconds")
+    shown = colours[: min(len(colours), max(len(plan.deployment.replicas) for _, plan, _ in runs))]
     axes[0, 0].legend(
-        handles=[
-            Patch(color="0.6", alpha=0.55, label="forward"),
-            Patch(color="0.3", label="backward"),
-            Patch(color="grey", alpha=0.3, label="gradient sync"),
-        ],
+        handles=[tuple(Patch(color=c, alpha=forward_alpha) for c in shown), tuple(Patch(color=c) for c in shown),
+                 Patch(color="grey", alpha=0.3)],
+        labels=["forward (each replica's colour, light)", "backward (dark)", "gradient sync"],
+        handler_map={tuple: HandlerTuple(ndivide=None, pad=0)},
+        handlelength=max(2.0, 0.8 * len(shown)),
         fontsize=7,
         loc="lower right",
         bbox_to_anchor=(1.0, 1.0),

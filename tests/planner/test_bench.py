@@ -143,3 +143,41 @@ def test_bench_plot_labels_every_bar_and_keeps_its_legend_beside_the_bars(monkey
     assert max(t.get_window_extent().y1 for t in ax.texts) <= axes.y1  # the labels fit inside
     assert "relative to megatron" in ax.get_title(loc="left")
     hydraulis.plots.pyplot().close(fig)
+
+
+def test_timeline_legend_swatches_are_the_replicas_colours(monkeypatch, tmp_path):
+    """Each replica's blocks are in its own colour (its y label too), and the legend's swatches are those
+    colours, forward light and backward dark, not grey stand-ins."""
+    import numpy as np
+    from matplotlib.colors import to_rgb
+    from matplotlib.patches import Rectangle
+
+    import hydraulis.report
+    from hydraulis.cost import load_cost_model
+    from hydraulis.planner.planner import Planner
+    from hydraulis.planner.pool import parse_pool
+    from hydraulis.planner.sim import simulate
+    from hydraulis.specs import ClusterSpec
+
+    cost = load_cost_model("tiny@cpu")
+    (deployment,) = parse_pool("1x(tp2,pp1) + 1x(tp1,pp2)", ClusterSpec(4))
+    plan = Planner(cost, 4, [deployment]).plan(np.array([200, 120, 90, 300, 60, 250]))
+    figures = []
+    monkeypatch.setattr(hydraulis.report, "save_figure", lambda fig, path: figures.append(fig))
+    hydraulis.report.timeline_plot([("step 0", plan, simulate(plan, cost, keep_events=True))], tmp_path / "t.png")
+    (fig,) = figures
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    legend = ax.get_legend()
+
+    def rgba(patch):
+        return tuple(round(x, 3) for x in patch.get_facecolor())
+
+    drawn = {rgba(b) for b in ax.patches}  # two replicas x (forward, backward), and the gradient sync
+    swatches = {rgba(r) for r in legend.findobj(Rectangle) if r is not legend.legendPatch}
+    assert len(drawn) == 5 and swatches == drawn
+    bars = [b for b in ax.patches if b.get_height() < 1]  # not the gradient sync's span
+    by_row = {round(b.get_y() + b.get_height() / 2): to_rgb(b.get_facecolor()) for b in bars}
+    assert [to_rgb(t.get_color()) for t in ax.get_yticklabels()] == [by_row[0], by_row[1]]  # rows 1, 2: tp1pp2
+    assert by_row[1] == by_row[2] != by_row[0]
+    hydraulis.report.pyplot().close(fig)
