@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from train_helpers import BASE, losses, run_summary, step_rows, write_config  # noqa: E402
+from train_helpers import BASE, losses, run_summary, step_rows, tensorboard_of, write_config  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -32,7 +32,9 @@ def test_train_writes_the_run_directory(hetero_run):
         assert all(key in r for r in steps), key
     assert all(len(r["replica_s"]) == len(r["replica_predicted_s"]) for r in steps)
     assert summary["steps"] == 6
-    assert list(out.glob("tb/events.out.tfevents.*"))
+    scalars, texts = tensorboard_of(out)  # the deployment by name, as text; no budget set, none drawn
+    assert texts == {r["step"]: r["deployment"] for r in steps} and "memory/budget_mib" not in scalars
+    assert scalars["deployment/switches"] == dict.fromkeys(range(6), 0.0)
     assert (out / "report.png").stat().st_size > 10_000
     assert json.loads((out / "pool.json").read_text())["schema"] == "hydraulis.pool/1"
     resolved = (out / "config.toml").read_text()

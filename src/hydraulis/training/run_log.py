@@ -42,6 +42,7 @@ class RunLog:
         save_pool(self.out / "pool.json", Pool(job.cost.name, ClusterSpec(job.world, job.world), job.pool))
         # On resume, keep the steps before the checkpoint; later ones (and old summaries) are redone.
         self.rows = _metrics_before(self.out / "metrics.jsonl", start_step)
+        self.switches = sum(1 for r in self.rows if r.get("switched"))  # deployment switches so far (TensorBoard)
         _keep_copy(self.out / "metrics.jsonl", start_step)
         write_text_atomic(self.out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self.rows))
         self.metrics_file = open(self.out / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
@@ -72,9 +73,7 @@ class RunLog:
         self.metrics_file.write(json.dumps(row) + "\n")
         self.metrics_file.flush()
         if self.tb is not None:
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "iteration_s", "predicted_s", "planning_s"):
-                self.tb.add_scalar(f"train/{key}", row[key], m.step)
-            self.tb.add_scalar("train/deployment", m.deployment_index, m.step)
+            self._tensorboard(m, row)
         info = f"loss {m.loss:.3f}"
         self.progress.update(self.task, advance=1, info=info)
         if m.memory_over_budget and not self.warned_budget:
@@ -96,6 +95,28 @@ class RunLog:
                 highlight=False,
             )
             self.console.print(f"      replicas measured [{measured}] s, predicted [{predicted}] s", highlight=False)
+
+    def _tensorboard(self, m: StepMetrics, row: dict[str, Any]) -> None:
+        """One step in TensorBoard: the training scalars; the deployment by name, as text (a phased step's
+        phases separated by ` | `); switches and phases; memory in MiB: predicted, the measured peak where it was
+        measured, and the budget (`memory_per_rank`) when there is one."""
+        tb, step, mib = self.tb, m.step, float(1 << 20)
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "iteration_s", "predicted_s", "planning_s"):
+            tb.add_scalar(f"train/{key}", row[key], step)
+        tb.add_text("deployment", m.deployment, step)
+        self.switches += int(m.switched)
+        tb.add_scalar("deployment/switched", int(m.switched), step)
+        tb.add_scalar("deployment/switches", self.switches, step)
+        tb.add_scalar("deployment/switch_s", m.switch_s if m.switched else 0.0, step)
+        tb.add_scalar("deployment/phases", m.phases, step)
+        tb.add_scalar("deployment/phase_switch_s", m.phase_switch_s, step)
+        tb.add_scalar("memory/predicted_mib", m.memory_predicted_bytes / mib, step)
+        if m.memory_peak_bytes > 0:  # measured on this step (CPU measures a sample of them)
+            tb.add_scalar("memory/peak_mib", m.memory_peak_bytes / mib, step)
+            tb.add_scalar("memory/exchange_peak_mib", m.exchange_peak_bytes / mib, step)
+        budget = self.job.config.parallel.budget_bytes()
+        if budget is not None:
+            tb.add_scalar("memory/budget_mib", budget / mib, step)
 
     def compared(self, comparison: dict[str, Any]) -> None:
         """The measured comparison (`Trainer.compare`) goes into the summary and the closing lines."""
