@@ -25,7 +25,7 @@ from hydraulis.progress import say
 from hydraulis.specs import DTYPE_BYTES, ClusterSpec, ModelSpec
 from hydraulis.training.auto_profile import AUTO_PROFILE, REFIT_PROFILE, AutoProfile
 from hydraulis.training.checkpoints import Log, sweep_temporary
-from hydraulis.training.config import DataSection, RunConfig, start_notes
+from hydraulis.training.config import DataSection, RunConfig
 from hydraulis.training.resume import check_stop_at, resume_point
 
 RUN_FILES = ("metrics.jsonl", "config.toml", "pool.json", "summary.json", "report.png", "tb", AUTO_PROFILE,
@@ -120,8 +120,6 @@ def prepare(
         write_json_atomic(run_dir / AUTO_PROFILE, fresh)
     if resume_from is not None:
         sweep_temporary(run_dir / "checkpoints", log)
-    for line in start_notes(config, steps) if env_world is None or int(os.environ["RANK"]) == 0 else ():
-        log(line)
     return Job(
         config=config,
         spec=spec,
