@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -10,7 +12,7 @@ from hydraulis.errors import HydraulisError
 from hydraulis.optim import AdamWSettings, OptimSettings
 from hydraulis.specs import MODELS
 from hydraulis.training.checkpoints import DEFAULT_KEEP
-from hydraulis.training.config import RunConfig, load_config, parse_config
+from hydraulis.training.config import RunConfig, default_text, load_config, parse_config, start_notes
 
 
 def test_defaults_come_from_the_settings_records():
@@ -73,6 +75,44 @@ def test_to_toml_round_trips(tmp_path):
     path.write_text(config.to_toml())
     assert load_config(path) == config
     assert tomllib.loads(config.to_toml())["optim"]["lr"] == 2e-3
+
+
+def test_every_key_is_written_even_unset_ones(tmp_path):
+    """config.toml names every key: an unset one as a comment saying what unset means (TOML has no null)."""
+    text = RunConfig().to_toml()
+    for field in RunConfig.model_fields.values():
+        for key in field.annotation.model_fields:
+            assert re.search(rf"^(# )?{key}[ :]", text, re.M), key
+    assert "# memory_per_rank: unset, the device's own memory" in text
+    assert "# gpus_per_node: unset, torchrun's LOCAL_WORLD_SIZE" in text
+    assert "memory_per_rank" not in tomllib.loads(text)["parallel"]
+
+
+def test_the_readme_gives_every_key_with_its_default():
+    """The README's key table against config.py, where each default is written once."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = {}
+    for line in readme.splitlines():
+        row = re.match(r"\| `\[(\w+)\] (\w+)`((?:, `\w+`)*) \| ([^|]+) \|", line)
+        if row:
+            for key in [row[2], *re.findall(r"`(\w+)`", row[3])]:
+                rows[(row[1], key)] = row[4].strip()
+    keys = {(s, k) for s, f in RunConfig.model_fields.items() for k in f.annotation.model_fields}
+    assert set(rows) == keys
+    for section, key in keys:
+        text = default_text(section, key)
+        assert rows[section, key] == (text if text.startswith("unset") else f"`{text}`"), (section, key)
+
+
+def test_a_run_starts_with_a_line_where_a_default_matters():
+    notes = start_notes(RunConfig(), 100)  # profile "tiny@cpu" by default: analytic
+    assert len(notes) == 1 and '"tiny@cpu" (the default) is the analytic model' in notes[0] and '"auto"' in notes[0]
+    given = parse_config({"parallel": {"profile": "@cpu"}, "optim": {"warmup": 10, "lr": 1e-3}})
+    notes = start_notes(given, 2)
+    assert "(the default)" not in notes[0]
+    assert notes[1].startswith("warning: [optim] warmup = 10 is longer than the run's 2 steps") and "0.0002" in notes[1]
+    measured = parse_config({"parallel": {"profile": "tiny@cpu-measured"}})
+    assert start_notes(measured, 10) == []  # a measured preset, warmup 10 within 10 steps: nothing to say
 
 
 def test_load_config_names_the_file(tmp_path):

@@ -15,7 +15,7 @@ def _row(step: int, predicted: float, measured: float) -> dict:
         "step": step, "loss": 5.0 - step, "tokens": 1000, "tokens_per_s": 1000 / measured, "deployment": "4x(tp1,pp1)",
         "switched": False, "switch_s": 0.0, "planning_s": 0.01, "planning_unhidden_s": 0.0,
         "iteration_s": measured, "predicted_s": predicted, "replica_s": [measured, 0.0],
-        "replica_predicted_s": [predicted, 0.0],
+        "replica_predicted_s": [predicted, 0.0], "lr": 1e-3 * (step + 1),
     }
 
 
@@ -58,8 +58,31 @@ def test_the_memory_panel_plots_predicted_every_step_and_measured_where_measured
     unmeasured = summarize([{**r, "memory_peak_bytes": None, "exchange_peak_bytes": None, "memory_error": None}
                             for r in rows])  # fmt: skip
     assert [unmeasured[k] for k in ("memory_peak_bytes", "memory_predicted_bytes", "memory_error_max")] == [None] * 3
+    fig, ax = pyplot().subplots()
+    memory_panel(ax, rows, 120 * mib)  # a budget above every peak: still drawn, inside the panel
+    (budget,) = [line for line in ax.lines if "budget" in line.get_label()]
+    assert list(budget.get_ydata()) == [120.0, 120.0] and ax.get_ylim()[1] > 120
     report_plot(rows, tmp_path / "report.png", "with memory")
     assert (tmp_path / "report.png").stat().st_size > 10_000
+
+
+def test_the_report_has_an_lr_panel_whole_steps_and_the_title_it_is_given(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import hydraulis.report
+
+    figures = []
+    monkeypatch.setattr(hydraulis.report, "save_figure", lambda fig, path: figures.append(fig))
+    rows = [_row(k, 1.0, 1.1) for k in range(3)]
+    report_plot(rows, tmp_path / "report.png", "run runs/x: tiny", budget_bytes=64 << 20)
+    (fig,) = figures
+    fig.canvas.draw()
+    assert fig._suptitle.get_text() == "run runs/x: tiny"
+    (lr,) = [ax for ax in fig.axes if ax.get_title() == "learning rate"]
+    assert list(lr.lines[0].get_ydata()) == [1e-3, 2e-3, 3e-3]
+    for ax in fig.axes:
+        if ax.get_xlabel() == "step":  # no 0.5 steps on a 3-step run
+            assert all(float(t).is_integer() for t in ax.get_xticks()), (ax.get_title(), ax.get_xticks())
+    hydraulis.report.pyplot().close(fig)
 
 
 def test_a_cached_auto_profile_without_a_cp_config_of_the_pool_is_measured_again():
@@ -84,7 +107,7 @@ def test_a_cached_auto_profile_without_a_cp_config_of_the_pool_is_measured_again
     assert request.mismatch(data) is None
 
 
-def test_steps_over_the_memory_budget_are_marked_counted_and_warned_once(tmp_path, capsys):
+def test_steps_over_the_memory_budget_are_marked_counted_and_warned_once(tmp_path, capsys, monkeypatch):
     """[parallel] memory_per_rank: each step whose measured peak exceeded it is marked in metrics.jsonl,
     summary.json counts them beside the budget, and the terminal gets one warning line for the run."""
     import json
@@ -107,7 +130,14 @@ def test_steps_over_the_memory_budget_are_marked_counted_and_warned_once(tmp_pat
                              1.0, (0.1,) * 4, (0.1,) * 4, (1,) * 4, 0, 0, memory_peak_bytes=peak,
                              memory_predicted_bytes=35 << 20, memory_over_budget=peak > 40 << 20))
     log.close()
+    import hydraulis.training.run_log
+
+    drawn = []
+    monkeypatch.setattr(hydraulis.training.run_log, "training_plot", lambda *args: drawn.append(args))
     summary = log.finish()
+    (_, path, title, budget), = drawn  # report.png: the run named, the budget drawn where memory is
+    assert path == tmp_path / "report.png" and budget == 40 << 20
+    assert title.startswith(f"run {tmp_path}: tiny (") and "pool 4x(tp1,pp1)" in title
     rows = metric_rows(tmp_path)
     assert [r.get("memory_over_budget") for r in rows[:3]] == [False, True, True]
     assert summary["steps_over_budget"] == 2 and summary["memory_budget_bytes"] == 40 << 20

@@ -62,6 +62,17 @@ def run_summary(out: Path) -> dict:
     return metric_rows(out)[-1]["summary"]
 
 
+def tensorboard_of(out: Path) -> tuple[dict[str, dict[int, float]], dict[int, str]]:
+    """A run's TensorBoard events (`tb/`): each scalar tag's values by step, and the deployment text by step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    scalars = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    texts = {e.step: e.tensor_proto.string_val[0].decode() for e in events.Tensors("deployment/text_summary")}
+    return scalars, texts
+
+
 def losses(out: Path) -> list[float]:
     return [r["loss"] for r in metric_rows(out) if "loss" in r]
 

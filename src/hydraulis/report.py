@@ -65,7 +65,8 @@ def summary_lines(report: dict) -> list[str]:
 
 
 def bench_plot(report: dict, path: str | Path) -> None:
-    """Grouped bars: throughput relative to megatron, per scenario and policy."""
+    """Grouped bars: throughput relative to megatron, per scenario and policy, each bar labelled with its value
+    (1.27 and 1.19 look alike as bars); the legend beside the axes, where it hides no bar."""
     import numpy as np
 
     plt = pyplot()
@@ -74,14 +75,22 @@ def bench_plot(report: dict, path: str | Path) -> None:
     policies = report["policies"]
     value = {(r["scenario"], r["policy"]): r["speedup_vs_megatron"] for r in report["results"]}
     x = np.arange(len(scenarios))
-    width = 0.8 / len(policies)
-    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(scenarios)), 4.5))
+    width = 0.8 / max(1, len(policies))
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(scenarios)) + 2.5, 4.8))
     for k, p in enumerate(policies):
-        ax.bar(x + (k - (len(policies) - 1) / 2) * width, [value.get((s, p), 0) for s in scenarios], width, label=p)
-    ax.set_xticks(x, scenarios, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("throughput vs megatron")
+        heights = [value.get((s, p), 0) for s in scenarios]
+        bars = ax.bar(x + (k - (len(policies) - 1) / 2) * width, heights, width, label=p)
+        ax.bar_label(bars, [f"{h:.2f}" if h else "" for h in heights], rotation=90, padding=2,
+                     fontsize=7 if len(scenarios) * len(policies) <= 24 else 6)
+    many = len(scenarios) > 1
+    ax.set_xticks(x, scenarios, rotation=30 if many else 0, ha="right" if many else "center", fontsize=8)
+    ax.set_ylabel("throughput vs megatron (x)")
+    ax.set_ylim(0, max([*value.values(), 1.0]) * 1.18)  # room for the labels above the bars
     ax.axhline(1.0, color="grey", linewidth=0.8)
-    ax.legend(fontsize=8, ncols=3)
+    ax.legend(fontsize=8, title="policy", title_fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+              frameon=False)
+    ax.set_title("hydraulis bench: simulated throughput relative to megatron\n(the same cost model and batches "
+                 "for every policy)", fontsize=10, loc="left")
     fig.tight_layout()
     save_figure(fig, path)
 
@@ -112,11 +121,12 @@ def comparison_plot(results: Sequence[PolicyResult], path: str | Path, title: st
 def timeline_plot(runs: Sequence[tuple[str, IterationPlan, SimResult]], path: str | Path) -> None:
     """1F1B timelines of iterations, one panel each on a shared time axis: where the GPUs wait.
 
-    Rows are pipeline stages of each replica (labelled by config); forward
-    blocks are light, backward blocks dark, each micro-batch in its own colour;
-    the gradient synchronisation closes each panel.
+    Rows are pipeline stages of each replica (labelled by config, in the replica's colour); each replica's
+    blocks are in its own colour, forward light and backward dark, micro-batches parted by a thin white
+    edge; the gradient synchronisation closes each panel. The legend's swatches are those colours.
     """
     plt = pyplot()
+    from matplotlib.legend_handler import HandlerTuple
     from matplotlib.patches import Patch
 
     horizon = max(res.iteration_time_s for _, _, res in runs)
@@ -128,20 +138,14 @@ def timeline_plot(runs: Sequence[tuple[str, IterationPlan, SimResult]], path: st
         gridspec_kw={"height_ratios": [max(h, 2) for h in heights]},
         squeeze=False,
     )
-    colours = plt.get_cmap("tab20").colors
+    colours = plt.get_cmap("tab10").colors
+    forward_alpha = 0.45
     for ax, (label, plan, res), rows in zip(axes[:, 0], runs, heights, strict=True):
         y, ticks, names = 0, [], []
         for r, (replica, timeline) in enumerate(zip(plan.deployment.replicas, res.timelines, strict=True)):
-            for stage, mb, kind, start, end in timeline.events if timeline.events is not None else ():
-                ax.barh(
-                    y + stage,
-                    end - start,
-                    left=start,
-                    height=0.85,
-                    linewidth=0,
-                    color=colours[(2 * int(mb) + r) % len(colours)],
-                    alpha=0.55 if kind == 0 else 1.0,
-                )
+            for stage, _mb, kind, start, end in timeline.events if timeline.events is not None else ():
+                ax.barh(y + stage, end - start, left=start, height=0.85, color=colours[r % len(colours)],
+                        alpha=forward_alpha if kind == 0 else 1.0, edgecolor="white", linewidth=0.6)
             ticks.append(y + (replica.config.pp - 1) / 2)
             names.append(f"{r}: {replica.config.name}")
             y += replica.config.pp
@@ -150,18 +154,21 @@ def timeline_plot(runs: Sequence[tuple[str, IterationPlan, SimResult]], path: st
         ax.set_xlim(0, horizon * 1.01)
         step = max(1, len(ticks) // 24)
         ax.set_yticks(ticks[::step], names[::step], fontsize=7)
+        for tick, r in zip(ax.get_yticklabels(), range(0, len(ticks), step), strict=True):
+            tick.set_color(colours[r % len(colours)])
         ax.set_title(
             f"{label}: {plan.deployment} - {res.iteration_time_s:.2f} s, bubble {res.bubble_fraction:.0%}",
             fontsize=9,
             loc="left",
         )
     axes[-1, 0].set_xlabel("seconds")
+    shown = colours[: min(len(colours), max(len(plan.deployment.replicas) for _, plan, _ in runs))]
     axes[0, 0].legend(
-        handles=[
-            Patch(color="0.6", alpha=0.55, label="forward"),
-            Patch(color="0.3", label="backward"),
-            Patch(color="grey", alpha=0.3, label="gradient sync"),
-        ],
+        handles=[tuple(Patch(color=c, alpha=forward_alpha) for c in shown), tuple(Patch(color=c) for c in shown),
+                 Patch(color="grey", alpha=0.3)],
+        labels=["forward (each replica's colour, light)", "backward (dark)", "gradient sync"],
+        handler_map={tuple: HandlerTuple(ndivide=None, pad=0)},
+        handlelength=max(2.0, 0.8 * len(shown)),
         fontsize=7,
         loc="lower right",
         bbox_to_anchor=(1.0, 1.0),
@@ -177,13 +184,21 @@ def iteration_errors(rows: list[dict[str, Any]]) -> list[float]:
     return [abs(r["predicted_s"] - r["iteration_s"]) / r["iteration_s"] for r in rows if r["iteration_s"] > 0]
 
 
-def training_plot(rows: list[dict[str, Any]], path: str | Path, title: str) -> None:
-    """Loss, tokens/s, deployment per step, predicted against measured replica times and memory."""
+def training_plot(rows: list[dict[str, Any]], path: str | Path, title: str, budget_bytes: int | None = None) -> None:
+    """Loss, tokens/s, deployment per step, predicted against measured replica times, memory (and the budget,
+    `memory_per_rank`) and the learning rate; step axes in whole steps; `title` names the run."""
+    from matplotlib.ticker import MaxNLocator
+
     plt = pyplot()
     steps = np.array([r["step"] for r in rows])
     fig, axes = plt.subplots(2, 3, figsize=(17, 7.5))
-    memory_panel(axes[0, 2], rows)
-    axes[1, 2].axis("off")
+    memory_panel(axes[0, 2], rows, budget_bytes)
+    ax = axes[1, 2]
+    ax.plot(steps, [r["lr"] for r in rows], color="tab:brown")
+    ax.set(title="learning rate", xlabel="step", ylabel="lr")
+    ax.set_ylim(bottom=0)
+    for ax in (axes[0, 0], axes[0, 1], axes[0, 2], axes[1, 0], axes[1, 2]):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax = axes[0, 0]
     ax.plot(steps, [r["loss"] for r in rows], color="tab:blue", label="training batch")
     evaluated = [r for r in rows if "eval_loss" in r]  # [eval]: after the step of its row
@@ -227,13 +242,14 @@ def training_plot(rows: list[dict[str, Any]], path: str | Path, title: str) -> N
         ylim=(0, top),
     )
     ax.legend(fontsize=8)
-    fig.suptitle(title)
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     save_figure(fig, path)
 
 
-def memory_panel(ax: Any, rows: list[dict[str, Any]]) -> None:
-    """Per step, the largest rank's peak memory: predicted (every step) and measured (where measured)."""
+def memory_panel(ax: Any, rows: list[dict[str, Any]], budget_bytes: int | None = None) -> None:
+    """Per step, the largest rank's peak memory: predicted (every step) and measured (where measured), and
+    the budget (`memory_per_rank`) as a line when there is one."""
     mib = 2.0**20
     steps = [r["step"] for r in rows]
     ax.plot(steps, [r.get("memory_predicted_bytes", 0) / mib for r in rows], color="tab:orange", label="predicted")
@@ -245,6 +261,9 @@ def memory_panel(ax: Any, rows: list[dict[str, Any]]) -> None:
                marker="x", color="tab:gray", label="exchange peak")
     worst = max((r.get("memory_error") or 0.0 for r in measured), default=None)
     note = f"worst error {worst:.0%}" if worst is not None else "not measured"
+    if budget_bytes is not None:
+        ax.axhline(budget_bytes / mib, color="tab:red", linestyle="--", linewidth=1.2,
+                   label=f"budget (memory_per_rank) {budget_bytes / mib:,.0f} MiB")
     ax.set(title=f"peak memory per rank (largest rank)\n{note}", xlabel="step", ylabel="MiB")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.05)
     ax.legend(fontsize=8)

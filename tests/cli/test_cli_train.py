@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from train_helpers import BASE, losses, run_summary, step_rows, write_config  # noqa: E402
+from train_helpers import BASE, losses, run_summary, step_rows, tensorboard_of, write_config  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -36,11 +36,28 @@ def test_train_writes_the_run_directory(hetero_run):
         assert all(key in r for r in steps), key
     assert all(len(r["replica_s"]) == len(r["replica_predicted_s"]) for r in steps)
     assert summary["steps"] == 6
-    assert list(out.glob("tb/events.out.tfevents.*"))
+    scalars, texts = tensorboard_of(out)  # the deployment by name, as text; no budget set, none drawn
+    assert texts == {r["step"]: r["deployment"] for r in steps} and "memory/budget_mib" not in scalars
+    assert scalars["deployment/switches"] == dict.fromkeys(range(6), 0.0)
     assert (out / "report.png").stat().st_size > 10_000
     assert json.loads((out / "pool.json").read_text())["schema"] == "hydraulis.pool/1"
-    assert 'pool = "1x(tp2,pp1)' in (out / "config.toml").read_text()
+    resolved = (out / "config.toml").read_text()
+    assert 'pool = "1x(tp2,pp1)' in resolved
+    assert "# memory_per_rank: unset, the device's own memory" in resolved and "# gpus_per_node: unset" in resolved
     assert "loss" in result.stdout and "tok/s" in result.stdout
+    # The pool never switched: the summary and the last lines say what the others were predicted to cost.
+    kept = summary["never_switched"]
+    assert set(summary["deployment_share"]) == {kept["deployment"]} and kept["batches"] == 6
+    assert kept["memory_budget_bytes"] is None and kept["max_len"] == 256 and len(kept["others"]) == 2
+    assert all(o["batches_not_held"] == 0 and o["predicted_vs_chosen"] > 1 for o in kept["others"]), kept
+    assert json.loads((out / "summary.json").read_text())["never_switched"] == kept
+    said = " ".join(result.stdout.split())
+    assert f"never switched: {kept['deployment']} was predicted fastest for all 6 batches" in said
+    assert "every deployment held every batch of max_len 256 without a memory budget" in said
+    for o in kept["others"]:
+        assert f"{o['deployment']} {o['predicted_vs_chosen']:.2f}x" in said
+    # An analytic profile says so at the start, with how to measure one; a warm-up within the steps says nothing.
+    assert 'profile = "tiny@cpu" is the analytic model' in result.stdout and "warmup" not in result.stdout
 
 
 def test_losses_do_not_depend_on_the_deployment(hetero_run, tmp_path, corpus, cli):
@@ -157,6 +174,8 @@ def test_profile_auto_is_reused_when_it_matches_and_measured_again_otherwise(aut
     rerun = cli("train", "--config", str(config), "--nproc", "4", "--out", str(again), "--steps", "1")
     assert rerun.returncode == 0, rerun.stderr
     assert "profiling again" in rerun.stdout and "lacks tp2pp1" in rerun.stdout
+    assert "warning: [optim] warmup = 2 is longer than the run's 1 steps" in rerun.stdout  # one line, at the start
+    assert "is the analytic model" not in rerun.stdout
     assert {(r["tp"], r["pp"]) for r in json.loads((again / "profile.json").read_text())["time_ms"]} == {(1, 1), (2, 1)}
 
 

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from train_helpers import run_summary, step_rows, write_config  # noqa: E402
+from train_helpers import run_summary, step_rows, tensorboard_of, write_config  # noqa: E402
 
 from hydraulis.data.indexed import build_corpus  # noqa: E402
 
@@ -56,6 +56,16 @@ def test_a_budget_that_binds_is_kept_on_every_rank(tmp_path, long_tail, cli):
     assert any("tp1,pp2" in r["deployment"] and r["micro_batches"][0] == 1 for r in steps)
     assert summary["memory_budget_bytes"] == 40 * MiB and summary["steps_over_budget"] == 0
     assert "warning" not in result.stdout
+    # TensorBoard: the deployment by name, switches and phases, memory (predicted, measured where measured, budget).
+    scalars, texts = tensorboard_of(tmp_path / "out")
+    assert texts == {r["step"]: r["deployment"] for r in steps}
+    assert scalars["memory/budget_mib"] == dict.fromkeys(range(8), 40.0)
+    assert scalars["memory/peak_mib"] == pytest.approx({r["step"]: r["memory_peak_bytes"] / MiB for r in measured})
+    predicted = {r["step"]: r["memory_predicted_bytes"] / MiB for r in steps}
+    assert scalars["memory/predicted_mib"] == pytest.approx(predicted)
+    assert scalars["deployment/phases"] == {r["step"]: r["phases"] for r in steps}
+    assert scalars["deployment/switches"][7] == summary["switches"] == sum(r["switched"] for r in steps)
+    assert "train/deployment" not in scalars  # not a bare index
 
 
 def test_a_budget_the_training_state_cannot_fit_is_one_line_before_any_rank(tmp_path, long_tail, cli):

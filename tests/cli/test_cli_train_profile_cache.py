@@ -58,7 +58,13 @@ def test_a_second_run_reuses_the_cached_profile(tmp_path, cli, monkeypatch):
     )  # fmt: skip
     third = cli("train", "--config", str(config2), "--nproc", "1", "--out", str(tmp_path / "third"))
     assert third.returncode == 0, third.stderr
-    assert "from earlier profiles on this machine" in third.stdout, third.stdout
+    # The estimate is this model's own analytic compute time (this sweep's), scaled as the first profile here took.
+    said = " ".join(third.stdout.split())
+    stated = re.search(r"expected about (\d+) s \(its analytic compute time x[0-9.]+, as this model's earlier", said)
+    assert stated is not None, said
+    rows = [json.loads(line) for line in (cache / "profiles" / "timings.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and rows[1]["analytic_s"] > rows[0]["analytic_s"] > 0  # a longer sweep: more compute
+    assert abs(int(stated[1]) - rows[1]["analytic_s"] * rows[0]["wall_s"] / rows[0]["analytic_s"]) <= 0.5
     measured = [p for p in (cache / "profiles").glob("llama-*.json") if not p.name.endswith(".refit.json")]
     assert len(measured) == 2  # beside them the refit of the first
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -48,11 +49,13 @@ def test_build_report_stats_and_plot(cli, tmp_path: Path, messy: Path) -> None: 
         "sft_records": 0,
         "no_target_skipped": 0,
     }
-    res = cli("data", "stats", str(out), "--json", "--plot", str(tmp_path / "h.png"))
+    res = cli("data", "stats", str(out), "--json", "--plot", str(tmp_path / "h.svg"), "--max-len", "600")
     assert res.returncode == 0, res.stderr
     st = json.loads(res.stdout)
     assert st["count"] == 3 and st["max"] == len("a plain text document " * 50) + 1
-    assert (tmp_path / "h.png").stat().st_size > 1000
+    # The plot marks the user's max_len (matplotlib keeps each text as a comment in the SVG), not 4K-32K lines.
+    labels = re.findall(r"<!-- (.*?) -->", (tmp_path / "h.svg").read_text())
+    assert "max_len 600: 33.3% of documents (" in " ".join(labels) and "4K" not in labels, labels
     res = cli("data", "stats", str(out))
     assert res.returncode == 0 and "top1% s²" in res.stdout and "p99" in res.stdout
 

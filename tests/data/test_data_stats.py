@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -67,5 +68,7 @@ def test_plots_go_through_the_shared_atomic_save(tmp_path, monkeypatch):
     )
     out = plot_histogram(np.array([100, 2000, 30000] * 20), tmp_path / "h.svg")
     assert saved == [out]
+    labels = re.findall(r"<!-- (.*?) -->", out.read_text())
+    assert {"4K", "8K", "16K"} <= set(labels)  # no max_len: the stats table's thresholds
     assert out.read_text()[:200].lstrip().startswith("<?xml")
     assert [p.name for p in tmp_path.iterdir()] == ["h.svg"]  # no temporary left behind

@@ -122,3 +122,65 @@ def test_summary_judges_hydraulis_against_the_best_other_policy_of_each_scenario
     assert "hydraulis vs the best other policy, geometric mean: 0.972x (target >= 1.080x: NOT met)" in lines
     assert "hydraulis vs megatron, worst scenario with max length >= 16K: 1.26x (target >= 1.20x: met)" in lines
     assert "hydraulis balance efficiency, worst scenario: 0.800 (target >= 0.920: NOT met)" in lines
+
+
+def test_bench_plot_labels_every_bar_and_keeps_its_legend_beside_the_bars(monkeypatch, tmp_path):
+    import hydraulis.plots
+    import hydraulis.report
+
+    figures = []
+    monkeypatch.setattr(hydraulis.report, "save_figure", lambda fig, path: figures.append(fig))
+    policies = ["hydraulis", "megatron", "hotspa"]
+    values = {"a": (1.27, 1.0, 1.19), "b": (1.5, 1.0, 1.3)}
+    results = [{"scenario": sc, "policy": p, "speedup_vs_megatron": v}
+               for sc, row in values.items() for p, v in zip(policies, row, strict=True)]
+    report = {"scenarios": [{"name": "a"}, {"name": "b"}], "policies": policies, "results": results}
+    hydraulis.report.bench_plot(report, tmp_path / "bench.png")
+    (fig,) = figures
+    ax = fig.axes[0]
+    labels = sorted(t.get_text() for t in ax.texts)
+    assert labels == sorted(["1.27", "1.00", "1.19", "1.50", "1.00", "1.30"])  # every bar says its value
+    fig.canvas.draw()
+    legend, axes = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    assert legend.x0 >= axes.x1  # beside the axes: it hides no bar
+    assert max(t.get_window_extent().y1 for t in ax.texts) <= axes.y1  # the labels fit inside
+    assert "relative to megatron" in ax.get_title(loc="left")
+    hydraulis.plots.pyplot().close(fig)
+
+
+def test_timeline_legend_swatches_are_the_replicas_colours(monkeypatch, tmp_path):
+    """Each replica's blocks are in its own colour (its y label too), and the legend's swatches are those
+    colours, forward light and backward dark, not grey stand-ins."""
+    import numpy as np
+    from matplotlib.colors import to_rgb
+    from matplotlib.patches import Rectangle
+
+    import hydraulis.report
+    from hydraulis.cost import load_cost_model
+    from hydraulis.planner.planner import Planner
+    from hydraulis.planner.pool import parse_pool
+    from hydraulis.planner.sim import simulate
+    from hydraulis.specs import ClusterSpec
+
+    cost = load_cost_model("tiny@cpu")
+    (deployment,) = parse_pool("1x(tp2,pp1) + 1x(tp1,pp2)", ClusterSpec(4))
+    plan = Planner(cost, 4, [deployment]).plan(np.array([200, 120, 90, 300, 60, 250]))
+    figures = []
+    monkeypatch.setattr(hydraulis.report, "save_figure", lambda fig, path: figures.append(fig))
+    hydraulis.report.timeline_plot([("step 0", plan, simulate(plan, cost, keep_events=True))], tmp_path / "t.png")
+    (fig,) = figures
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    legend = ax.get_legend()
+
+    def rgba(patch):
+        return tuple(round(x, 3) for x in patch.get_facecolor())
+
+    drawn = {rgba(b) for b in ax.patches}  # two replicas x (forward, backward), and the gradient sync
+    swatches = {rgba(r) for r in legend.findobj(Rectangle) if r is not legend.legendPatch}
+    assert len(drawn) == 5 and swatches == drawn
+    bars = [b for b in ax.patches if b.get_height() < 1]  # not the gradient sync's span
+    by_row = {round(b.get_y() + b.get_height() / 2): to_rgb(b.get_facecolor()) for b in bars}
+    assert [to_rgb(t.get_color()) for t in ax.get_yticklabels()] == [by_row[0], by_row[1]]  # rows 1, 2: tp1pp2
+    assert by_row[1] == by_row[2] != by_row[0]
+    hydraulis.report.pyplot().close(fig)

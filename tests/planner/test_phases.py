@@ -214,3 +214,25 @@ def test_a_deployment_for_short_batches_counts_where_batches_often_stop_short():
     )
     rarely = [code_batch(s) for s in range(4)]  # six 24K documents in 46: a batch without one is rare
     assert _short_gain(before, after, level, rarely) == 0.0
+
+
+def test_the_outlook_is_each_deployments_own_plan_against_the_chosen_one():
+    """Why a run kept one deployment (run_log.kept_one): per step, each pool deployment's predicted time over the
+    chosen one's, as planning the batch on that deployment alone predicts it; inf where it cannot hold it."""
+    from hydraulis.planner.pool import parse_pool
+
+    pool = parse_pool("1x(tp2,pp1) + 2x(tp1,pp1); 2x(tp1,pp2); 4x(tp1,pp1)", ClusterSpec(4))
+    tiny = PhasedPlanner(load_cost_model("tiny@cpu"), 4, pool)
+    rng = np.random.default_rng(0)
+    for step in range(3):
+        lengths = rng.integers(10, 256, size=12)
+        chosen = tiny.schedule(lengths, step).phases[0]
+        alone = [tiny.plan_on(lengths, d, step).predicted_time_s / chosen.predicted_time_s for d in pool]
+        np.testing.assert_allclose(tiny.outlook[step], alone, rtol=1e-9)
+        assert min(tiny.outlook[step]) == 1.0
+    # Under 40 MiB a tp1pp1 replica holds 1,792 tokens alone: 4x(tp1,pp1) cannot hold a batch with 2,000.
+    budgeted = load_cost_model("tiny@cpu-measured").for_job(40 << 20, 4, 64 << 20, False)
+    two = PhasedPlanner(budgeted, 4, pool[::2])
+    assert two.caps() == (2944, 1792)
+    two.schedule(np.array([2000, 100, 200, 300, 50]), 7)
+    assert two.outlook == {7: (1.0, float("inf"))}

@@ -131,7 +131,8 @@ def stats(
     if max_len is not None:
         cut = overlong_of(c, corpus_sampler(c, max_len, max_len, 0, policy))
     if plot is not None:
-        plot_histogram(c.lengths, plot, title=f"{c.name} ({c.manifest.tokenizer}): {st.count:,} documents")
+        plot_histogram(c.lengths, plot, title=f"{c.name} ({c.manifest.tokenizer}): {st.count:,} documents",
+                       max_len=max_len if max_len is not None else cut.max_len if cut is not None else None)
     if as_json:
         targets = {"target_tokens": c.manifest.target_tokens, "masked": c.manifest.masked}
         targets["overlong"] = cut.to_dict() if cut is not None else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -29,7 +30,8 @@ def train(
     """Train; under torchrun every process is one rank, without it --nproc local gloo ranks are spawned."""
     from hydraulis import rank_server
     from hydraulis.errors import HydraulisError
-    from hydraulis.training.config import load_config
+    from hydraulis.progress import say
+    from hydraulis.training.config import load_config, start_notes
     from hydraulis.training.job import prepare, torchrun_world
 
     if steps is not None and steps < 1:
@@ -39,6 +41,9 @@ def train(
     job = prepare(
         load_config(config), nproc, out, steps, resume, max_restarts, stop_at=stop_at, change_schedule=change_schedule
     )
+    if torchrun_world() is None or os.environ.get("RANK") == "0":  # where a default matters: one line each
+        for line in start_notes(job.config, job.steps):
+            say(line)
     if job.world > 1 and torchrun_world() is None:
         rank_server.start()  # its import of torch runs beside the launcher's, next
     from hydraulis.training.loop import run  # torch only now: bad input above fails fast, without it

@@ -78,8 +78,11 @@ def length_stats(lengths: Sequence[int] | np.ndarray) -> LengthStats:
     )
 
 
-def plot_histogram(lengths: Sequence[int] | np.ndarray, out: str | Path, title: str = "") -> Path:
-    """A histogram of lengths on a log x-axis (log-spaced bins), with the 4K-32K thresholds marked."""
+def plot_histogram(
+    lengths: Sequence[int] | np.ndarray, out: str | Path, title: str = "", max_len: int | None = None
+) -> Path:
+    """A histogram of lengths on a log x-axis (log-spaced bins), with `max_len` marked (and the share of the
+    documents and tokens beyond it); without one, the 4K-32K thresholds of the stats table."""
     s = np.asarray(lengths, dtype=np.int64)
     if len(s) == 0:
         raise HydraulisError("cannot plot an empty length distribution")
@@ -96,7 +99,17 @@ def plot_histogram(lengths: Sequence[int] | np.ndarray, out: str | Path, title: 
         ax.set_xscale("log")
         ax.set_xlabel("sequence length (tokens, log scale)")
         ax.set_ylabel("sequences")
-        for t in THRESHOLDS:
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.15)  # room for the labels above the bars
+        if max_len is not None:
+            over = s > max_len
+            ax.set_xlim(min(ax.get_xlim()[0], max_len / 1.5), max(ax.get_xlim()[1], max_len * 1.5))
+            ax.axvline(max_len, color="#c0392b", linestyle="--", linewidth=1.2)
+            ax.text(0.02, 0.96, f"max_len {max_len:,}: {over.mean():.1%} of documents "
+                    f"({s[over].sum() / s.sum():.1%} of tokens) are longer", transform=ax.transAxes,
+                    color="#c0392b", ha="left", va="top", fontsize=9,
+                    bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85})
+        _length_ticks(ax)
+        for t in THRESHOLDS if max_len is None else ():
             if lo < t < hi:
                 ax.axvline(t, color="#c0392b", linestyle=":", linewidth=1)
                 ax.text(t, ax.get_ylim()[1] * 0.95, f"{t // 1024}K", color="#c0392b", ha="left", va="top")
@@ -107,3 +120,15 @@ def plot_histogram(lengths: Sequence[int] | np.ndarray, out: str | Path, title: 
     finally:
         plt.close(fig)
     return out
+
+
+def _length_ticks(ax) -> None:  # noqa: ANN001
+    """Powers of two on the log length axis, as 256, 1K, 32K (not 3x10^2 beside 4x10^2)."""
+    from matplotlib.ticker import FixedLocator, NullFormatter
+
+    lo, hi = ax.get_xlim()
+    ticks = [1 << k for k in range(0, 40) if lo <= 1 << k <= hi]
+    ticks = ticks[:: max(1, len(ticks) // 8 + (len(ticks) % 8 > 0))]
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.set_xticks(ticks, [f"{t >> 10}K" if t >= 1024 else str(t) for t in ticks])
+    ax.xaxis.set_minor_formatter(NullFormatter())

@@ -56,6 +56,7 @@ class PhasedPlanner(Planner):
         start = time.perf_counter()
         lengths = check_lengths(lengths)
         best = Schedule.single(self.plan(lengths, step))
+        self.remember(step)
         if len(self.pool) > 1:
             for split in self.splits(lengths)[:FULL_SPLITS]:
                 try:

@@ -139,6 +139,10 @@ class Planner:
         self.refine_rounds = refine_rounds
         self._tables = [ReplicaTable.of(cost, d, num_gpus) for d in self.pool]
         self.missed: set[int] = set()  # pool deployments that could not hold some batch planned so far
+        # Per planned step, each pool deployment's predicted time over the chosen one's (inf: it could not hold
+        # the batch): why a run kept one deployment (training/run_log.py). Shared with a refit's planner.
+        self.outlook: dict[int, tuple[float, ...]] = {}
+        self._last_outlook: tuple[float, ...] = ()
 
     def plan(self, lengths: Sequence[int] | np.ndarray, step: int = 0) -> IterationPlan:
         """The fastest plan (by simulation) over the pool deployments that hold the batch."""
@@ -165,15 +169,19 @@ class Planner:
         screened.sort(key=lambda x: x[0].makespan_s)
         best: Candidate | None = None
         best_s = float("inf")
+        simulated: dict[int, float] = {}
         for d, k in self._worth_packing(screened, len(lengths)):
             cand = self._pack_and_refine(lengths, k, improve(lengths, self._tables[k], d))
             # The whole iteration decides, as the simulator runs it: replicas sharing CPU cores slow
             # each other, and deployments differ in their optimizer step.
             predicted = simulate(plan_from_assignment(step, lengths, cand.deployment, cand.micro_batches, 0.0),
                                  self.cost, keep_events=False).iteration_time_s
+            simulated[k] = predicted
             if predicted < best_s:
                 best, best_s = cand, predicted
         assert best is not None
+        self._last_outlook = _relative(self.pool.index(best.deployment), len(self.pool), simulated,
+                                       {k: d.makespan_s for d, k in screened})
         if self.method == "milp":
             best = self._exact(lengths, best)
         return self._finish(step, lengths, best, start)
@@ -201,7 +209,18 @@ class Planner:
         return self._finish(step, lengths, cand, start)
 
     def schedule(self, lengths: np.ndarray, step: int = 0) -> Schedule:
-        return Schedule.single(self.plan(lengths, step))
+        plan = self.plan(lengths, step)
+        self.remember(step)
+        return Schedule.single(plan)
+
+    def remember(self, step: int) -> None:
+        """Keep the last whole-batch plan's view of the pool as this step's outlook (a pool of more than one)."""
+        if len(self.pool) > 1:
+            self.outlook[step] = self._last_outlook
+
+    def caps(self) -> tuple[int, ...]:
+        """The longest sequence each pool deployment holds (a replica's lone micro-batch, within the memory)."""
+        return tuple(int(t.lone_cap.max()) for t in self._tables)
 
     # -- internals -----------------------------------------------------------------
     def _worth_packing(self, screened: list[tuple[Dispatch, int]], n: int) -> list[tuple[Dispatch, int]]:
@@ -261,6 +280,19 @@ class Planner:
 
     def _finish(self, step: int, lengths: np.ndarray, cand: Candidate, start: float) -> IterationPlan:
         return finalize(step, lengths, cand.deployment, cand.micro_batches, self.cost, start)
+
+
+def _relative(chosen: int, n: int, simulated: dict[int, float], screened: dict[int, float]) -> tuple[float, ...]:
+    """Each deployment's predicted time over the chosen one's: simulated where both were, else the dispatch
+    estimates (like against like); inf where it could not hold the batch."""
+    def ratio(k: int) -> float:
+        if k in simulated:
+            return simulated[k] / simulated[chosen] if simulated[chosen] > 0 else 1.0
+        if k in screened:
+            return screened[k] / screened[chosen] if screened[chosen] > 0 else 1.0
+        return float("inf")
+
+    return tuple(ratio(k) for k in range(n))
 
 
 def finalize(

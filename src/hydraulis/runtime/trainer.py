@@ -401,7 +401,9 @@ class Trainer:
         step, as in a run resumed there (its checkpoint keeps the refit), so both plan the same."""
         self.settings = replace(self.settings, cost=cost)
         if self.planner is not None:
+            outlook = self.planner.outlook  # the same record: a plan in flight adds its step to it
             self.planner = PhasedPlanner(cost, self.world, self.settings.pool)
+            self.planner.outlook = outlook
             if self._pending is not None and self._pending[1] is not None:
                 batch, future = self._pending
                 future.cancel()  # if it already runs, it finishes; its result is never read

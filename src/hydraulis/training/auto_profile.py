@@ -176,18 +176,17 @@ class AutoProfile:
         check_job(self.spec, self.configs, self.world, self.device)
         names = ", ".join(c.name for c in self.configs)
         steps = progress_steps(self.configs, self.settings, self.world)
-        expected = profile_cache.expected_s(self.machine(), steps)
-        source = "from earlier profiles on this machine"
-        if expected is None:
-            expected, source = self._analytic_s(steps), "compute only, by the analytic model: a first profile here"
-        guess = f"expected about {expected:.0f} s ({source})" if expected is not None else "no estimate yet"
+        model = profile_cache.digest({**_content(self.spec.to_dict()), "weights": self.weights})
+        analytic = self._analytic_s(steps)
+        expected = profile_cache.expected_s(self.machine(), steps, model, analytic)
+        guess = f"expected about {expected[0]:.0f} s ({expected[1]})" if expected is not None else "no estimate yet"
         log(
             f"profiling {self.spec.name} ({names}) on {self.world} {self.device} rank(s) for the cost model: "
             f"{steps} measurement steps, {guess}"
         )
         with steps_progress("profiling", steps) as step:
             data = profile_model(self.spec, self.configs, self.world, self.device, self.settings, progress=step)
-        profile_cache.record_timing(self.machine(), steps, data["measurements"]["wall_s"])
+        profile_cache.record_timing(self.machine(), steps, data["measurements"]["wall_s"], model, analytic)
         with interrupt.held():  # stored and named together: an interruption's line says it is there
             profile_cache.store(self.shared_path(), data)
             interrupt.keep(f"the measured profile in {self.shared_path()} (the next run of this model uses it)")

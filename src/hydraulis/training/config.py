@@ -54,15 +54,19 @@ class _Section(BaseModel):
         return value
 
 
+_PRESETS = "the preset's"  # what a shape key left unset means: the preset's value
+
+
 class ModelSection(_Section):
     preset: str | None = "tiny"
-    layers: int | None = Field(None, ge=1, le=4096)
-    hidden: int | None = Field(None, ge=1, le=1 << 17)
-    ffn: int | None = Field(None, ge=1, le=1 << 19)
-    heads: int | None = Field(None, ge=1, le=1024)
-    kv_heads: int | None = Field(None, ge=1, le=1024)
-    vocab: int | None = Field(None, ge=2, le=1 << 22)
-    init_from: str | None = None  # a Hugging Face model directory (families.py: llama, mistral, qwen2, qwen3)
+    layers: int | None = Field(None, ge=1, le=4096, description=_PRESETS)
+    hidden: int | None = Field(None, ge=1, le=1 << 17, description=_PRESETS)
+    ffn: int | None = Field(None, ge=1, le=1 << 19, description=_PRESETS)
+    heads: int | None = Field(None, ge=1, le=1024, description=_PRESETS)
+    kv_heads: int | None = Field(None, ge=1, le=1024, description="the preset's, else heads")
+    vocab: int | None = Field(None, ge=2, le=1 << 22, description=_PRESETS)
+    # a Hugging Face model directory (families.py: llama, mistral, qwen2, qwen3)
+    init_from: str | None = Field(None, description="random initial weights")
 
     @field_validator("preset")
     @classmethod
@@ -115,7 +119,9 @@ class DataSection(_Section):
 class ParallelSection(_Section):
     pool: str = "auto"  # "auto", a hydraulis.pool/1 file, or deployments separated by ';'
     profile: str = "tiny@cpu"  # a profile file, a preset, MODEL@DEVICE (analytic), or @DEVICE (this model, analytic)
-    gpus_per_node: int | None = Field(None, ge=1, le=1024)
+    gpus_per_node: int | None = Field(
+        None, ge=1, le=1024, description="torchrun's LOCAL_WORLD_SIZE, else the world size (one node)"
+    )
     sequence_parallel: bool = False
     recompute: bool | list[str] = False  # true: every config; or the configs that recompute, e.g. ["tp1pp1"]
     max_pool: int = Field(DEFAULT_MAX_POOL, ge=1, le=MAX_POOL)
@@ -127,7 +133,7 @@ class ParallelSection(_Section):
     overlap_exchange: bool = True
     # What one rank's tensors may hold at their peak ("96MiB", "70GB"): the planner's caps use it in place of
     # the device's memory, every rank's measured peak is checked against it, and CUDA limits itself to it.
-    memory_per_rank: str | int | None = None  # default: the device's own memory
+    memory_per_rank: str | int | None = Field(None, description="the device's own memory")
 
     @field_validator("memory_per_rank", mode="before")
     @classmethod
@@ -140,6 +146,13 @@ class ParallelSection(_Section):
                     'expected a size: bytes, or a number and a unit like "96MiB" or "70GB", between 1 byte and 1 PiB'
                 ) from None
         return v
+
+    def analytic(self) -> bool:
+        """Whether `profile` names the analytic model (`MODEL@DEVICE`, `@DEVICE`), not measured times."""
+        from hydraulis.cost import PRESETS
+
+        name = self.profile.removesuffix("+cp")
+        return "@" in name and name not in PRESETS and not name.endswith(".json") and not Path(name).is_file()
 
     def budget_bytes(self) -> int | None:
         """`memory_per_rank` in bytes, or None for the device's own memory."""
@@ -221,7 +234,7 @@ class EvalSection(_Section):
     """Held-out loss: a share of the corpus's documents that training never samples, or a corpus of its own."""
 
     holdout: float = Field(0.0, ge=0.0, lt=1.0)  # each document held out with this probability (by [data] seed)
-    corpus: str | None = None  # instead: an eval corpus, the same kinds as [data] corpus and its tokenizer
+    corpus: str | None = Field(None, description="no eval corpus")  # instead: one of its own, as [data] corpus
     every: int = Field(0, ge=0, le=MAX_TOKENS)  # evaluate after every this many steps (0: only at the end)
     tokens: int = Field(65536, ge=1, le=MAX_TOKENS)  # how many held-out tokens one evaluation reads, at most
 
@@ -265,15 +278,49 @@ class RunConfig(_Section):
         return self.model_copy(update={k: getattr(self, k).model_copy(update=v) for k, v in update.items()})
 
     def to_toml(self) -> str:
-        """The resolved config as TOML (every key, defaults included), so a run can be repeated from it."""
+        """The resolved config as TOML (every key, defaults included), so a run can be repeated from it.
+
+        TOML has no null: a key left unset is a comment saying what unset means (`# gpus_per_node: unset,
+        ...`), so the file reads back to the same config."""
         lines = []
         for section, values in self.model_dump().items():
             lines.append(f"[{section}]")
             for key, value in values.items():
-                if value is not None:
-                    lines.append(f"{key} = {_toml_value(value)}")
+                shown = f"# {key}: {unset(section, key)}" if value is None else f"{key} = {_toml_value(value)}"
+                lines.append(shown)
             lines.append("")
         return "\n".join(lines)
+
+
+def start_notes(config: RunConfig, steps: int) -> list[str]:
+    """The lines a run prints at its start where a default (or a value it did not expect) matters."""
+    notes = []
+    parallel, optim = config.parallel, config.optim
+    if parallel.analytic():
+        given = "" if "profile" in parallel.model_fields_set else " (the default)"
+        notes.append(
+            f'note: [parallel] profile = "{parallel.profile}"{given} is the analytic model, not measured on this '
+            'machine, so predicted times may be far off; profile = "auto" measures this model here first'
+        )
+    if optim.warmup > steps:
+        last = optim.settings().lr_at(steps - 1, steps)
+        notes.append(
+            f"warning: [optim] warmup = {optim.warmup} is longer than the run's {steps} steps: the LR only rises "
+            f"(to {last:.3g} at the last step, of lr {optim.lr:g}) and the schedule never starts"
+        )
+    return notes
+
+
+def unset(section: str, key: str) -> str:
+    """What a key left unset (None) means, from its field's description: the README and config.toml say it."""
+    field = RunConfig.model_fields[section].annotation.model_fields[key]
+    return f"unset, {field.description}" if field.description else "unset"
+
+
+def default_text(section: str, key: str) -> str:
+    """A key's default as the README's reference gives it: its TOML value, or what unset means."""
+    default = RunConfig.model_fields[section].annotation.model_fields[key].default
+    return unset(section, key) if default is None else _toml_value(default)
 
 
 def _numeric(annotation: Any) -> bool:

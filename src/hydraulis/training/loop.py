@@ -131,7 +131,7 @@ def _train(job: Job, stop: StopRequest) -> dict[str, Any] | None:
         trainer.close()
         if run_log is not None:
             run_log.close()
-    return run_log.finish() if run_log is not None else None
+    return run_log.finish(trainer.planner) if run_log is not None else None
 
 
 class Evaluation:

@@ -4,8 +4,8 @@ A profile measured for one run serves every later run on the same machine
 that asks for the same thing: the file name is a hash of the model (its
 content, not its name or path), the configs, the device (kind and name),
 dtype, world size, core count and sweep, so a lookup is one `stat`. `timings.jsonl` beside the profiles keeps
-how long each profiling took per measurement step, so the next one states
-its expected time before it starts.
+how long each profiling took beside the analytic model's compute time for
+it, so the next one, of any model, states its expected time before it starts.
 """
 
 from __future__ import annotations
@@ -38,8 +38,12 @@ def machine(device: str, device_name: str) -> dict[str, Any]:
 def cache_path(identity: dict[str, Any], label: str) -> Path:
     """The cache file of a profile request (its identity: model, configs, machine, dtype, world, sweep);
     `label` (the model's family) only makes the name readable."""
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
-    return profiles_dir() / f"{label}-{digest}.json"
+    return profiles_dir() / f"{label}-{digest(identity)}.json"
+
+
+def digest(identity: dict[str, Any]) -> str:
+    """A short hash of a JSON-able identity (a profile request, a model's content)."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
 
 
 def refit_path(path: Path) -> Path:
@@ -56,29 +60,53 @@ def store(path: Path, data: dict[str, Any]) -> None:
     write_json_atomic(path, data)
 
 
-def record_timing(where: dict[str, Any], steps: int, wall_s: float) -> None:
-    """One line in timings.jsonl: seconds per measurement step on this machine."""
+def record_timing(where: dict[str, Any], steps: int, wall_s: float, model: str, analytic_s: float | None) -> None:
+    """One line in timings.jsonl: how long a profile of `model` (its content digest) took here, beside the
+    analytic model's compute time for it, so a later profile of another model scales its own."""
     if steps <= 0 or wall_s <= 0:
         return
     profiles_dir().mkdir(parents=True, exist_ok=True)
+    row = {**where, "model": model, "steps": steps, "wall_s": wall_s, "analytic_s": analytic_s}
     with open(profiles_dir() / TIMINGS, "a", encoding="utf-8") as fh:
-        fh.write(json.dumps({**where, "steps": steps, "wall_s": wall_s}) + "\n")
+        fh.write(json.dumps(row) + "\n")
 
 
-def expected_s(where: dict[str, Any], steps: int) -> float | None:
-    """Seconds `steps` measurement steps should take here (the median rate of earlier ones); None: no history."""
+def expected_s(where: dict[str, Any], steps: int, model: str, analytic_s: float | None) -> tuple[float, str] | None:
+    """Seconds this profile should take here, and whence; None: no estimate.
+
+    Why not seconds per step of earlier profiles: a step of another model costs something else (a 60 s
+    estimate for 20 s). This model's analytic compute time, scaled by what earlier profiles here took
+    against theirs (of this model first, if any), else this model's own earlier rate, else the analytic time.
+    """
+    rows = _timings(where)
+    mine = [r for r in rows if r.get("model") == model]
+    scaled = [r for r in mine or rows if r.get("analytic_s")]
+    if analytic_s and scaled:
+        ratio = statistics.median(float(r["wall_s"]) / float(r["analytic_s"]) for r in scaled)
+        whose = "this model's" if mine else "other models'"
+        return analytic_s * ratio, f"its analytic compute time x{ratio:.1f}, as {whose} earlier profiles here took"
+    if mine:
+        rate = statistics.median(float(r["wall_s"]) / float(r["steps"]) for r in mine)
+        return rate * steps, "from earlier profiles of this model here"
+    if analytic_s:
+        return analytic_s, "compute only, by the analytic model: a first profile here"
+    return None
+
+
+def _timings(where: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of timings.jsonl from this machine (`where`)."""
     path = profiles_dir() / TIMINGS
     if not path.is_file():
-        return None
-    rates = []
+        return []
+    rows = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             row = json.loads(line)
         except ValueError:
             continue
         if isinstance(row, dict) and all(row.get(k) == v for k, v in where.items()) and row.get("steps"):
-            rates.append(float(row["wall_s"]) / float(row["steps"]))
-    return statistics.median(rates) * steps if rates else None
+            rows.append(row)
+    return rows
 
 
 def matching(device_name: str, cores: int, memory_bytes: int | None = None) -> list[dict[str, Any]]:

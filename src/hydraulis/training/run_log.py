@@ -9,6 +9,7 @@ run directory also gets `config.toml` (the resolved config), `pool.json`,
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import statistics
 from collections import Counter
@@ -24,6 +25,7 @@ from hydraulis.specs import ClusterSpec
 from hydraulis.training.job import Job
 
 if TYPE_CHECKING:
+    from hydraulis.planner.planner import Planner
     from hydraulis.runtime.trainer import StepMetrics
 
 
@@ -40,6 +42,7 @@ class RunLog:
         save_pool(self.out / "pool.json", Pool(job.cost.name, ClusterSpec(job.world, job.world), job.pool))
         # On resume, keep the steps before the checkpoint; later ones (and old summaries) are redone.
         self.rows = _metrics_before(self.out / "metrics.jsonl", start_step)
+        self.switches = sum(1 for r in self.rows if r.get("switched"))  # deployment switches so far (TensorBoard)
         _keep_copy(self.out / "metrics.jsonl", start_step)
         write_text_atomic(self.out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self.rows))
         self.metrics_file = open(self.out / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
@@ -70,12 +73,7 @@ class RunLog:
         self.metrics_file.write(json.dumps(row) + "\n")
         self.metrics_file.flush()
         if self.tb is not None:
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "iteration_s", "predicted_s", "planning_s"):
-                self.tb.add_scalar(f"train/{key}", row[key], m.step)
-            self.tb.add_scalar("train/deployment", m.deployment_index, m.step)
-            if "eval_loss" in row:
-                self.tb.add_scalar("eval/loss", row["eval_loss"], m.step)
-                self.tb.add_scalar("eval/perplexity", row["eval_perplexity"], m.step)
+            self._tensorboard(m, row)
         info = f"loss {m.loss:.3f}"
         self.progress.update(self.task, advance=1, info=info)
         if m.memory_over_budget and not self.warned_budget:
@@ -104,6 +102,31 @@ class RunLog:
                 highlight=False,
             )
 
+    def _tensorboard(self, m: StepMetrics, row: dict[str, Any]) -> None:
+        """One step in TensorBoard: the training scalars; the deployment by name, as text (a phased step's
+        phases separated by ` | `); switches and phases; memory in MiB: predicted, the measured peak where it was
+        measured, and the budget (`memory_per_rank`) when there is one."""
+        tb, step, mib = self.tb, m.step, float(1 << 20)
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "iteration_s", "predicted_s", "planning_s"):
+            tb.add_scalar(f"train/{key}", row[key], step)
+        tb.add_text("deployment", m.deployment, step)
+        self.switches += int(m.switched)
+        tb.add_scalar("deployment/switched", int(m.switched), step)
+        tb.add_scalar("deployment/switches", self.switches, step)
+        tb.add_scalar("deployment/switch_s", m.switch_s if m.switched else 0.0, step)
+        tb.add_scalar("deployment/phases", m.phases, step)
+        tb.add_scalar("deployment/phase_switch_s", m.phase_switch_s, step)
+        tb.add_scalar("memory/predicted_mib", m.memory_predicted_bytes / mib, step)
+        if m.memory_peak_bytes:  # measured on this step (CPU measures a sample of them; null otherwise)
+            tb.add_scalar("memory/peak_mib", m.memory_peak_bytes / mib, step)
+            tb.add_scalar("memory/exchange_peak_mib", (m.exchange_peak_bytes or 0) / mib, step)
+        budget = self.job.config.parallel.budget_bytes()
+        if budget is not None:
+            tb.add_scalar("memory/budget_mib", budget / mib, step)
+        if "eval_loss" in row:  # [eval] ran after this step
+            tb.add_scalar("eval/loss", row["eval_loss"], step)
+            tb.add_scalar("eval/perplexity", row["eval_perplexity"], step)
+
     def compared(self, comparison: dict[str, Any]) -> None:
         """The measured comparison (`Trainer.compare`) goes into the summary and the closing lines."""
         self.comparison = comparison
@@ -116,9 +139,14 @@ class RunLog:
         if not self.metrics_file.closed:
             self.metrics_file.close()
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self, planner: Planner | None = None) -> dict[str, Any]:
+        """The summary (summary.json, the metrics' last line, report.png and the closing lines); `planner`,
+        rank 0's, says what the pool's other deployments were predicted to cost (`kept_one`)."""
         summary = summarize(self.rows)
         summary["memory_budget_bytes"] = self.job.config.parallel.budget_bytes()
+        kept = kept_one(self.job, self.rows, planner)
+        if kept is not None:
+            summary["never_switched"] = kept
         if self.comparison is not None:
             summary["comparison"] = self.comparison
         if self.job.overlong is not None:  # what max_len cut of the corpus (records, target tokens)
@@ -127,7 +155,8 @@ class RunLog:
             fh.write(json.dumps({"summary": summary}) + "\n")
         write_json_atomic(self.out / "summary.json", summary)
         if self.rows:
-            training_plot(self.rows, self.out / "report.png", f"{self.job.spec.name} on {self.job.world} rank(s)")
+            training_plot(self.rows, self.out / "report.png", report_title(self.job),
+                          self.job.config.parallel.budget_bytes())
         shares = ", ".join(f"{k}: {v:.0%}" for k, v in summary["deployment_share"].items())
         self.console.print(
             f"done: {summary['steps']} steps, loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}, "
@@ -143,6 +172,8 @@ class RunLog:
                 f"in {e['evaluations']} evaluation(s) of {e['tokens']:,} held-out tokens",
                 highlight=False,
             )
+        if kept is not None:
+            self.console.print(kept_line(kept, self.job.config.parallel.memory_per_rank), highlight=False)
         if self.job.overlong is not None and self.job.overlong.records:
             self.console.print(f"overlong: {self.job.overlong.describe()}", highlight=False)
         if self.comparison is not None:
@@ -162,6 +193,13 @@ def memory_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "exchange_peak_bytes": most("exchange_peak_bytes"), "memory_error_max": most("memory_error")}
 
 
+def report_title(job: Job) -> str:
+    """report.png's title: the run (its directory), its model and ranks, and its pool."""
+    pool = "; ".join(str(d) for d in job.pool)
+    return (f"run {job.out}: {job.spec.name} ({job.spec.num_params / 1e6:.2f}M parameters), {job.steps} steps on "
+            f"{job.world} rank(s)\npool {pool}")
+
+
 def comparison_lines(c: dict[str, Any]) -> str:
     """The headline: measured speedup over the best homogeneous deployment beside the predicted one."""
     tps = {name: c["tokens"] / statistics.median(s) for name, s in c["measured_s"].items()}
@@ -172,6 +210,49 @@ def comparison_lines(c: dict[str, Any]) -> str:
         f"{c['predicted_speedup']:.2f}x predicted"
     )
     return "\n".join(rows)
+
+
+def kept_one(job: Job, rows: list[dict[str, Any]], planner: Planner | None) -> dict[str, Any] | None:
+    """Why a run on a pool of several deployments ran one of them on every step (None: it did not): each
+    other one's predicted time over the chosen one's (the median over the batches it held), how many batches
+    it could not hold, and the longest sequence each holds within the memory (`memory_per_rank`, if set)."""
+    if planner is None or len(job.pool) < 2 or not rows or len({r["deployment"] for r in rows}) > 1:
+        return None
+    if rows[0].get("phases", 1) > 1:  # one phased schedule on every step still switches inside it
+        return None
+    steps = {r["step"] for r in rows}
+    seen = [ratios for step, ratios in sorted(planner.outlook.items()) if step in steps]
+    chosen, caps = rows[0]["deployment_index"], planner.caps()
+    others = []
+    for k, deployment in enumerate(job.pool):
+        if k != chosen:
+            held = [v[k] for v in seen if math.isfinite(v[k])]
+            others.append({"deployment": str(deployment), "holds_tokens": caps[k],
+                           "batches_not_held": len(seen) - len(held),
+                           "predicted_vs_chosen": statistics.median(held) if held else None})
+    return {"deployment": str(job.pool[chosen]), "holds_tokens": caps[chosen], "max_len": job.config.data.max_len,
+            "memory_budget_bytes": job.config.parallel.budget_bytes(), "batches": len(seen), "others": others}
+
+
+def kept_line(kept: dict[str, Any], budget: str | int | None) -> str:
+    """The closing line of `kept_one`."""
+    n = kept["batches"]
+    memory = f"within memory_per_rank {budget}" if budget is not None else "without a memory budget"
+    def other(o: dict[str, Any]) -> str:
+        ratio = f"{o['predicted_vs_chosen']:.2f}x" if o["predicted_vs_chosen"] is not None else "-"
+        missed = o["batches_not_held"]
+        held = f" (holds {o['holds_tokens']:,} tokens: not {missed} of them)" if missed else ""
+        return f"{o['deployment']} {ratio}{held}"
+
+    others = "; ".join(other(o) for o in kept["others"])
+    if any(o["batches_not_held"] for o in kept["others"]):
+        bound = f"it holds {kept['holds_tokens']:,} tokens {memory}"
+    else:
+        bound = f"every deployment held every batch of max_len {kept['max_len']:,} {memory}"
+    return (
+        f"never switched: {kept['deployment']} was predicted fastest for all {n} batches planned here ({bound}); "
+        f"the others' predicted time against it, median: {others}"
+    )
 
 
 def _keep_copy(path: Path, step: int) -> None:
