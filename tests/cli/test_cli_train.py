@@ -245,6 +245,6 @@ def test_out_holding_another_run_is_refused(hetero_run, tmp_path, corpus, cli):
     result = cli("train", "--config", str(config), "--nproc", "4", "--out", str(out))
     assert result.returncode == 2
     assert "already holds a different run" in result.stderr
-    same = write_config(tmp_path / "same.toml", corpus)
+    same = write_config(tmp_path / "same.toml", corpus, eval=EVAL)
     again = cli("train", "--config", str(same), "--nproc", "4", "--out", str(out))
     assert again.returncode == 2 and "--resume" in again.stderr
