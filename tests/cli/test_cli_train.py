@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -248,3 +249,17 @@ def test_out_holding_another_run_is_refused(hetero_run, tmp_path, corpus, cli):
     same = write_config(tmp_path / "same.toml", corpus, eval=EVAL)
     again = cli("train", "--config", str(same), "--nproc", "4", "--out", str(out))
     assert again.returncode == 2 and "--resume" in again.stderr
+
+
+def test_the_readme_front_page_is_short_and_its_quick_start_trains(tmp_path, cli):
+    """The README's front page (up to its Reference section) reads in minutes, and its quick start's config
+    trains as the README runs it: from the project's directory, on 2 processes (here 2 steps)."""
+    root = Path(__file__).resolve().parents[2]
+    front = (root / "README.md").read_text().split("\n## Reference\n")[0]
+    assert len(front.splitlines()) <= 120
+    assert "examples/quickstart.toml --nproc 2" in front
+    result = cli("train", "--config", "examples/quickstart.toml", "--nproc", "2", "--steps", "2",
+                 "--out", str(tmp_path / "quickstart"), cwd=root)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert [r["step"] for r in step_rows(tmp_path / "quickstart")] == [0, 1]
+    assert run_summary(tmp_path / "quickstart")["eval"]["after_step"] == 2

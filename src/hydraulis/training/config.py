@@ -312,13 +312,13 @@ def start_notes(config: RunConfig, steps: int) -> list[str]:
 
 
 def unset(section: str, key: str) -> str:
-    """What a key left unset (None) means, from its field's description: the README and config.toml say it."""
+    """What a key left unset (None) means, from its field's description: docs/reference.md and config.toml say it."""
     field = RunConfig.model_fields[section].annotation.model_fields[key]
     return f"unset, {field.description}" if field.description else "unset"
 
 
 def default_text(section: str, key: str) -> str:
-    """A key's default as the README's reference gives it: its TOML value, or what unset means."""
+    """A key's default as docs/reference.md gives it: its TOML value, or what unset means."""
     default = RunConfig.model_fields[section].annotation.model_fields[key].default
     return unset(section, key) if default is None else _toml_value(default)
 
