@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from hydraulis.runtime import IGNORE_INDEX, StageModel, TensorParallel, head_cross_entropy, pack_documents
-from hydraulis.runtime.metering.memory_meter import PeakMeter
+from hydraulis.runtime.memory_meter import PeakMeter
+from hydraulis.runtime.modeling.main_grad import attach_main_grads, clear_grads, gradient
 from hydraulis.runtime.sharding.layout import ModelLayout
-from hydraulis.runtime.sharding.main_grad import attach_main_grads, clear_grads, gradient
 from hydraulis.specs import MODELS
 
 MICRO_BATCHES = 64

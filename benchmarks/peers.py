@@ -37,7 +37,7 @@ imports (torch, transformers, hydraulis: the same for every variant) and before 
 what the variant itself added at its peak, warm-up and timed pass included. Each variant runs in
 processes of its own, so no other variant's memory is in it. Printed: the largest rank, median of reps.
 Beside it, "peak MiB": the most tensor bytes a rank held in any step of the warm-up pass, measured as the
-trainer measures its own (runtime/metering/step_memory.py): a census of live tensors before the step plus the CPU
+trainer measures its own (runtime/step_memory.py): a census of live tensors before the step plus the CPU
 allocator's peak above it (torch's profiler; the timed pass runs without it). The budget is checked on it.
 
 Exposed exchange time per iteration: the seconds a rank's training thread waited for the exchange of
@@ -259,12 +259,12 @@ def peer_runner(job: dict, variant: str, env, corpus, total_steps: int):
 def run_pass(step, steps: int, meter: bool = False) -> dict[str, list[float]]:
     """Every step after a barrier; per step the slowest rank's time, the global loss, the grad norm, and
     the exposed exchange (largest over ranks, and this rank's own). `meter`: also each step's peak of tensor
-    bytes on this rank, as the trainer measures its own (runtime/metering/step_memory.py): a census of live tensors
+    bytes on this rank, as the trainer measures its own (runtime/step_memory.py): a census of live tensors
     before the step plus the CPU allocator's peak above it, by torch's profiler (it slows the step)."""
     import torch
     import torch.distributed as dist
 
-    from hydraulis.runtime.metering.memory_meter import PeakMeter, live_tensor_bytes
+    from hydraulis.runtime.memory_meter import PeakMeter, live_tensor_bytes
 
     seconds, cpu, shares, norms, exposed, peaks = [], [], [], [], [], []
     for i in range(steps):

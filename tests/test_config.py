@@ -11,7 +11,7 @@ import pytest
 from hydraulis.errors import HydraulisError
 from hydraulis.optim import AdamWSettings, OptimSettings
 from hydraulis.specs import MODELS
-from hydraulis.training.checkpoints import DEFAULT_KEEP
+from hydraulis.store.checkpoints import DEFAULT_KEEP
 from hydraulis.training.config import RunConfig, default_text, load_config, parse_config, start_notes
 
 

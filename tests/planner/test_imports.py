@@ -31,25 +31,20 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hydraulis.plots",
         "hydraulis.files",
         "hydraulis.rank_server",
-        "hydraulis.training",  # the package itself (its modules sit in their layers)
     ),
     ("hydraulis.parallel", "hydraulis.context", "hydraulis.optim", "hydraulis.families"),
-    ("hydraulis.cost", "hydraulis.data", "hydraulis.training.checkpoints", "hydraulis.training.resume",
-     "hydraulis.training.profile_cache"),  # fmt: skip
+    ("hydraulis.cost", "hydraulis.data", "hydraulis.store"),
     ("hydraulis.planner",),
     ("hydraulis.baselines",),
+    # The runtime's sub-packages, each a layer: collectives and groups; the model; the optimizer's layout and
+    # exchange; the runtime's own modules (launch, pipeline, trainer, ...); storage; the machine's meters.
+    ("hydraulis.runtime.parallelism",),
+    ("hydraulis.runtime.modeling",),
+    ("hydraulis.runtime.sharding",),
     ("hydraulis.runtime",),
-    (
-        "hydraulis.bench",
-        "hydraulis.report",
-        "hydraulis.training.config",
-        "hydraulis.training.auto_profile",
-        "hydraulis.training.evaluation",
-        "hydraulis.training.job",
-        "hydraulis.training.run_log",
-        "hydraulis.training.run_fidelity",
-        "hydraulis.training.loop",
-    ),
+    ("hydraulis.runtime.storage",),
+    ("hydraulis.runtime.metering",),
+    ("hydraulis.bench", "hydraulis.report", "hydraulis.training"),
     ("hydraulis.cli", "hydraulis.__main__"),
 )
 TORCH_ALLOWED = ("hydraulis.runtime", "hydraulis.training.loop")

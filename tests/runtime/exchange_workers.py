@@ -42,7 +42,7 @@ def train_variants(
             "master": trainer.optimizer.master.clone(),
             "losses": [m.loss for m in metrics],
             "grad_norms": [m.grad_norm for m in metrics],
-            "measured_peak": max(m.exchange_peak_bytes for m in metrics),  # torch's allocator, max over ranks
+            "measured_peak": max(m.exchange_peak_bytes for m in metrics if m.exchange_peak_bytes is not None),
             "buffer_peak": max(buffers),  # what the exchanges report their buffers held
             "rounds": plan_rounds,
             "early": early,  # per step: gather rounds issued from forward, reduce rounds from backward, rounds

@@ -17,8 +17,8 @@ from hydraulis.cost.activations import LOSS_CHUNK_MIN_ROWS, layer_bytes, rope_by
 from hydraulis.cost.memory import rank_memory
 from hydraulis.parallel import ParallelConfig
 from hydraulis.runtime import StageModel, pack_documents, single_process_groups, train_step
-from hydraulis.runtime.metering.memory_meter import PeakMeter
-from hydraulis.runtime.sharding.main_grad import attach_main_grads
+from hydraulis.runtime.memory_meter import PeakMeter
+from hydraulis.runtime.modeling.main_grad import attach_main_grads
 from hydraulis.specs import MODELS, Architecture, get_device
 
 TINY = MODELS["tiny"]

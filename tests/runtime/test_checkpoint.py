@@ -41,7 +41,7 @@ from hydraulis.runtime.storage.checkpoint import load_master
 from hydraulis.runtime.storage.hf import hf_config, hf_name
 from hydraulis.runtime.storage.hf_io import init_from, unflatten
 from hydraulis.specs import MODELS
-from hydraulis.training.checkpoints import (
+from hydraulis.store.checkpoints import (
     CHECKPOINT_SCHEMA,
     MANIFEST_FILE,
     latest_checkpoint,

@@ -11,8 +11,8 @@ from exchange_workers import train_variants
 from train_workers import WORLD, crafted_plans, settings
 
 from hydraulis.runtime import IGNORE_INDEX, StageModel, pack_documents
+from hydraulis.runtime.modeling.main_grad import attach_main_grads, clear_grads, gradient
 from hydraulis.runtime.sharding.layout import ModelLayout
-from hydraulis.runtime.sharding.main_grad import attach_main_grads, clear_grads, gradient
 from hydraulis.specs import MODELS
 
 SPEC = MODELS["tiny"]

@@ -5,7 +5,7 @@ analytic memory model and the runtime's prediction of its peak both read;
 activations.py counts what the runtime's layers and loss head keep for
 backward; `rank_memory` is one rank's peak buffer by buffer, which the
 trainer logs beside the peak torch's allocator measures
-(runtime/metering/step_memory.py); `MemoryModel.cap`, the most tokens a micro-batch
+(runtime/step_memory.py); `MemoryModel.cap`, the most tokens a micro-batch
 of a config may hold (docs/design.md, section 4), is the largest
 micro-batch whose `rank_memory` peak fits on the config's first and last
 stage: under CP with the K/V buffers attention keeps, and zero where the

@@ -4,8 +4,8 @@ One process per GPU (gloo on CPU). A replica is (ParallelConfig, global
 ranks); `build_replica_groups` makes its process groups, `StageModel` is the
 part of the model one rank holds, and `train_step` runs its micro-batches
 with 1F1B. See batch.py for how documents become model input,
-context_parallel.py for micro-batches spread over CP ranks, hf.py for
-Hugging Face LLaMA configs and weights (transformers imported only when used).
+context_parallel.py for micro-batches spread over CP ranks, storage/hf.py
+for Hugging Face configs and weights (transformers imported only when used).
 """
 
 from hydraulis.families import spec_from_hf_config
@@ -15,9 +15,8 @@ from hydraulis.runtime.modeling.model import ParamLayout, StageModel, stage_laye
 from hydraulis.runtime.parallelism.batch import IGNORE_INDEX, PackedBatch, count_targets, pack_cp_shard, pack_documents
 from hydraulis.runtime.parallelism.context_parallel import ContextParallel
 from hydraulis.runtime.parallelism.groups import ReplicaGroups, build_replica_groups, single_process_groups
-from hydraulis.runtime.parallelism.pipeline import StepResult, micro_batch_loss, train_step
 from hydraulis.runtime.parallelism.tensor_parallel import ShardSpec, TensorParallel
-from hydraulis.runtime.storage.hf import from_hf_state_dict, hf_config, hf_name, to_hf_state_dict
+from hydraulis.runtime.pipeline import StepResult, micro_batch_loss, train_step
 
 __all__ = [
     "IGNORE_INDEX",
@@ -32,10 +31,7 @@ __all__ = [
     "attention_backend",
     "build_replica_groups",
     "count_targets",
-    "from_hf_state_dict",
     "head_cross_entropy",
-    "hf_config",
-    "hf_name",
     "micro_batch_loss",
     "pack_cp_shard",
     "pack_documents",
@@ -44,6 +40,5 @@ __all__ = [
     "single_process_groups",
     "spec_from_hf_config",
     "stage_layers",
-    "to_hf_state_dict",
     "train_step",
 ]

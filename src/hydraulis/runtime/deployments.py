@@ -21,9 +21,9 @@ import torch
 
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.runtime.modeling.main_grad import attach_main_grads, clear_grads, gradient
 from hydraulis.runtime.modeling.model import StageModel
 from hydraulis.runtime.parallelism.groups import DEFAULT_TIMEOUT, ReplicaGroups, build_replica_groups
-from hydraulis.runtime.sharding.main_grad import attach_main_grads, clear_grads, gradient
 from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer, ExchangePlan
 from hydraulis.runtime.sharding.overlap import ExchangeHooks, Overlap, attach_exchange_hooks, gather
 from hydraulis.specs import ModelSpec

@@ -32,10 +32,10 @@ from hydraulis.planner.plan import IterationPlan, Schedule
 from hydraulis.runtime.deployments import RankDeployment, RankPool
 from hydraulis.runtime.divergence import poisoned
 from hydraulis.runtime.launch import DTYPES, DistEnv
-from hydraulis.runtime.metering.step_memory import MemoryFigures
 from hydraulis.runtime.parallelism.batch import PackedBatch
-from hydraulis.runtime.parallelism.pipeline import StepResult, train_step
+from hydraulis.runtime.pipeline import StepResult, train_step
 from hydraulis.runtime.sharding.overlap import Overlap
+from hydraulis.runtime.step_memory import MemoryFigures
 
 
 class Trainer(Protocol):
@@ -136,7 +136,7 @@ class RankFigures:
     smallest (they travel negated), in one all-reduce over the control group."""
 
     replica_s: tuple[float, ...]  # compute seconds of each replica of each phase, phase after phase (0: not ours)
-    memory_peak: float  # bytes (runtime/metering/step_memory.py)
+    memory_peak: float  # bytes (runtime/step_memory.py)
     memory_predicted: float
     exchange_peak: float
     memory_error: float

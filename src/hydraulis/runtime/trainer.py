@@ -54,13 +54,13 @@ from hydraulis.runtime.compare import Comparison, compare
 from hydraulis.runtime.deployments import RankDeployment, RankPool
 from hydraulis.runtime.divergence import finite
 from hydraulis.runtime.launch import DTYPES, DistEnv, init_distributed
-from hydraulis.runtime.metering.step_memory import CPU_SAMPLE_EVERY, MemoryFigures, StepMemory, predicted_rank
 from hydraulis.runtime.parallelism.batch import PackedBatch, count_targets, pack_cp_shard
 from hydraulis.runtime.parallelism.groups import built_groups
 from hydraulis.runtime.phases import RankFigures, loss_part, run_phases
 from hydraulis.runtime.sharding.layout import ModelLayout
 from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
 from hydraulis.runtime.sharding.overlap import Overlap
+from hydraulis.runtime.step_memory import CPU_SAMPLE_EVERY, MemoryFigures, StepMemory, predicted_rank
 from hydraulis.runtime.timeouts import DEFAULT_TIMEOUT_S, first_step_timeout, settle_timeouts
 from hydraulis.specs import ModelSpec
 
@@ -121,7 +121,7 @@ class StepMetrics:
     epoch: int
     position: int
     skipped: bool = False  # a non-finite loss or gradient norm: the optimizer did not step (divergence.py)
-    # Bytes, the largest over ranks (runtime/metering/step_memory.py): measured by the allocator, and predicted.
+    # Bytes, the largest over ranks (runtime/step_memory.py): measured by the allocator, and predicted.
     # None: not measured (CPU measures a sample of the steps), never a zero that reads as a measurement.
     memory_peak_bytes: int | None = None
     memory_predicted_bytes: int = 0

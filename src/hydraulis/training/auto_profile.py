@@ -28,8 +28,8 @@ from hydraulis.jsonio import read_json_object
 from hydraulis.parallel import ParallelConfig
 from hydraulis.progress import say
 from hydraulis.specs import ModelSpec
-from hydraulis.training import profile_cache
-from hydraulis.training.checkpoints import Log
+from hydraulis.store import profile_cache
+from hydraulis.store.checkpoints import Log
 from hydraulis.training.config import RunConfig
 
 AUTO_PROFILE = "profile.json"  # the measured profile, cached in the run directory

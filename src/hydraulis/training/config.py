@@ -32,7 +32,7 @@ from hydraulis.limits import (
 )
 from hydraulis.optim import SCHEDULES, AdamWSettings, OptimSettings
 from hydraulis.specs import DTYPE_NAMES, MODELS, SHAPE_FIELDS, ModelSpec
-from hydraulis.training.checkpoints import DEFAULT_KEEP
+from hydraulis.store.checkpoints import DEFAULT_KEEP
 
 MAX_TOKENS = 2**31 - 1
 

@@ -24,11 +24,11 @@ from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.pool import PoolSetting, check_job_pool, parse_pool
 from hydraulis.progress import say
 from hydraulis.specs import DTYPE_BYTES, ClusterSpec, ModelSpec
+from hydraulis.store.checkpoints import Log, sweep_temporary
+from hydraulis.store.resume import check_stop_at, resume_point
 from hydraulis.training.auto_profile import AUTO_PROFILE, REFIT_PROFILE, AutoProfile
-from hydraulis.training.checkpoints import Log, sweep_temporary
 from hydraulis.training.config import RunConfig
 from hydraulis.training.evaluation import EvalSet, eval_set, run_sampler
-from hydraulis.training.resume import check_stop_at, resume_point
 
 RUN_FILES = ("metrics.jsonl", "config.toml", "pool.json", "summary.json", "report.png", "tb", AUTO_PROFILE,
              REFIT_PROFILE)
@@ -340,7 +340,7 @@ def _resumed_checkpoint(run_dir: Path, resume: bool, chosen: str | None) -> Path
     (which did not choose), the same rule's choice made again."""
     if not resume or chosen is not None:
         return Path(chosen) if chosen is not None else None
-    from hydraulis.training.checkpoints import latest_checkpoint
+    from hydraulis.store.checkpoints import latest_checkpoint
 
     return latest_checkpoint(run_dir / "checkpoints", sweep=False, log=lambda _: None)
 
@@ -350,7 +350,7 @@ def _padded(spec: ModelSpec, tp_degrees: set[int], resumed: Path | None) -> Mode
     padded = spec.padded_for(tp_degrees)
     if resumed is None:
         return padded
-    from hydraulis.training.checkpoints import read_manifest
+    from hydraulis.store.checkpoints import read_manifest
 
     before = read_manifest(resumed).model
     if before.vocab == spec.vocab and all(before.vocab_rows % tp == 0 for tp in tp_degrees):

@@ -31,12 +31,12 @@ import numpy as np
 from hydraulis.cost.conditions import Conditions, CpuMeter, cpu_cores, disturbed, warning
 from hydraulis.cost.refit import REFIT_STEPS, OnlineRefit, Refit, refit_profile
 from hydraulis.jsonio import write_json_atomic
-from hydraulis.training import profile_cache
+from hydraulis.store import profile_cache
 from hydraulis.training.auto_profile import REFIT_PROFILE
 
 if TYPE_CHECKING:
     from hydraulis.runtime.trainer import StepMetrics, Trainer
-    from hydraulis.training.checkpoints import CheckpointInfo
+    from hydraulis.store.checkpoints import CheckpointInfo
     from hydraulis.training.job import Job
 
 LOAD_STEPS = 5  # steps of other processes' load before a run says its load differs from the profile's

@@ -22,7 +22,7 @@ from hydraulis.runtime.metering.profiler import describe_device
 from hydraulis.runtime.modeling.attention import attention_backend
 from hydraulis.runtime.modeling.blockwise_attention import block_kernel
 from hydraulis.specs import DEVICES, DeviceSpec
-from hydraulis.training import profile_cache
+from hydraulis.store import profile_cache
 
 GPU_PRESETS = ("h200", "h100", "a800", "a100")  # the GPU device presets (specs.DEVICES), by the name they go by
 

@@ -22,7 +22,7 @@ from hydraulis.runtime.launch import DistEnv
 from hydraulis.runtime.modeling.model import StageModel
 from hydraulis.runtime.parallelism.batch import PackedBatch, pack_cp_shard
 from hydraulis.runtime.parallelism.groups import ReplicaGroups, build_replica_groups
-from hydraulis.runtime.parallelism.pipeline import micro_batch_loss, train_step
+from hydraulis.runtime.pipeline import micro_batch_loss, train_step
 from hydraulis.specs import ModelSpec
 
 # Idle ranks wait at a barrier while a config runs; a large model's sweep can take minutes.

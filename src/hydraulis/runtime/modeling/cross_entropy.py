@@ -26,9 +26,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hydraulis.cost.activations import loss_chunk_rows
+from hydraulis.runtime.modeling.main_grad import accumulate_into
 from hydraulis.runtime.parallelism.batch import IGNORE_INDEX
 from hydraulis.runtime.parallelism.tensor_parallel import TensorParallel
-from hydraulis.runtime.sharding.main_grad import accumulate_into
 
 
 def _chunk_loss(

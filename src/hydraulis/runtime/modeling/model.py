@@ -31,10 +31,11 @@ from torch import nn
 
 from hydraulis.errors import HydraulisError
 from hydraulis.runtime.modeling.attention import packed_attention
+from hydraulis.runtime.modeling.context_attention import context_attention
 from hydraulis.runtime.modeling.cross_entropy import head_cross_entropy
 from hydraulis.runtime.modeling.fused import rms_norm, swiglu
 from hydraulis.runtime.parallelism.batch import PackedBatch
-from hydraulis.runtime.parallelism.context_parallel import ContextParallel, context_attention
+from hydraulis.runtime.parallelism.context_parallel import ContextParallel
 from hydraulis.runtime.parallelism.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,

@@ -1,4 +1,6 @@
-"""Context parallelism: exact attention when a micro-batch's tokens are spread over a CP group.
+"""Context parallelism: a CP group, and which of a micro-batch's tokens each of its ranks holds.
+
+Attention over the group is runtime/modeling/context_attention.py.
 
 `hydraulis.context.split_for_cp` decides which tokens each CP rank holds (long
 documents in 2 cp zigzag chunks, short ones whole). Everything except
@@ -30,9 +32,6 @@ import torch.distributed as dist
 
 from hydraulis.context import split_for_cp
 from hydraulis.errors import HydraulisError
-from hydraulis.runtime.modeling.attention import causal_sdpa
-from hydraulis.runtime.modeling.blockwise_attention import block_kernel, chunk_attention
-from hydraulis.runtime.parallelism.collectives import all_gather_into, reduce_scatter_into
 
 
 @dataclass(frozen=True)
@@ -122,64 +121,3 @@ def _ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     first = np.repeat(starts - np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes)
     return first + np.arange(int(sizes.sum()))
-
-
-# ---------------------------------------------------------------- the K/V all-gather
-
-class _GatherKV(torch.autograd.Function):
-    """(n, ...) local rows -> (cp * pad, ...) in CP-rank order; backward: reduce-scatter to the owners."""
-
-    @staticmethod
-    def forward(ctx, local, pad, cp):
-        ctx.cp, ctx.n = cp, local.shape[0]
-        padded = local.new_zeros((pad, *local.shape[1:]))
-        padded[: local.shape[0]] = local
-        out = local.new_empty((cp.size * pad, *local.shape[1:]))
-        all_gather_into(out, padded, cp.group)
-        order = torch.tensor(cp.blocks, device=out.device)
-        return out.view(cp.size, pad, *local.shape[1:])[order].reshape(out.shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        cp = ctx.cp
-        pad = grad.shape[0] // cp.size
-        blocks = grad.new_empty((cp.size, pad, *grad.shape[1:]))
-        blocks[torch.tensor(cp.blocks, device=grad.device)] = grad.reshape(cp.size, pad, *grad.shape[1:])
-        out = grad.new_empty((pad, *grad.shape[1:]))
-        reduce_scatter_into(out, blocks.reshape(grad.shape), cp.group)
-        return out[: ctx.n], None, None
-
-
-def gather_kv(local: torch.Tensor, pad: int, cp: ContextParallel) -> torch.Tensor:
-    """The split-document K/V rows of every CP rank, `pad` rows per rank in CP-rank order."""
-    if local.shape[0] > pad:
-        raise HydraulisError(f"{local.shape[0]} K/V rows do not fit the gather's {pad} rows per rank")
-    return _GatherKV.apply(local, pad, cp)
-
-
-def context_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: ContextShard, cp: ContextParallel
-) -> torch.Tensor:
-    """Causal attention of this rank's queries (T, Hq, D) within their documents, over the CP group.
-
-    Whole documents: causal SDPA on their local rows. A chunk of a split
-    document: its own rows causally, merged by LSE with the gathered K/V of
-    its document's earlier positions (`chunk_attention`).
-    """
-    if shard.cp != cp.size:
-        raise HydraulisError(f"micro-batch was split for cp={shard.cp}, the group has cp={cp.size}")
-    if shard.has_split:
-        kernel = block_kernel(q.device, q.dtype, q.shape[-1])
-        heads = k.shape[1]
-        gathered = gather_kv(torch.cat([k, v], dim=1)[shard.gather_rows], shard.pad, cp)
-        k_all, v_all = gathered[:, :heads], gathered[:, heads:]
-    pieces = []
-    for (start, end), key_rows in zip(shard.segments, shard.keys, strict=True):
-        if key_rows is None:  # a whole document (or padding): causal within its local rows
-            out = causal_sdpa(q[start:end], k[start:end], v[start:end])
-        else:  # a chunk at global positions [a, b): its own keys causally, keys 0..a-1 in full
-            out = chunk_attention(q[start:end], k[start:end], v[start:end], k_all[key_rows], v_all[key_rows], kernel)
-        pieces.append(out)
-    if not pieces:  # a CP rank without tokens in this micro-batch (it has no split documents either)
-        return torch.empty_like(q)
-    return torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()

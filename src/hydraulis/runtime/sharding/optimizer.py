@@ -37,9 +37,9 @@ from hydraulis.errors import HydraulisError
 from hydraulis.limits import DEFAULT_EXCHANGE_BUCKET_BYTES
 from hydraulis.optim import AdamWSettings
 from hydraulis.parallel import Deployment
+from hydraulis.runtime.modeling.main_grad import ACCUMULATOR, scale_for
 from hydraulis.runtime.sharding.exchange import EXCHANGE_ELEMENT_BYTES, EXCHANGE_WINDOW, ExchangePlan, deployment_roles
 from hydraulis.runtime.sharding.layout import ModelLayout
-from hydraulis.runtime.sharding.main_grad import ACCUMULATOR, scale_for
 
 __all__ = ["EXCHANGE_WINDOW", "DisaggregatedOptimizer", "ExchangePlan", "deployment_roles"]
 

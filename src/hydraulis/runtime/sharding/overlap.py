@@ -49,9 +49,9 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 from hydraulis.errors import HydraulisError
+from hydraulis.runtime.modeling.main_grad import Gradient, gradient
 from hydraulis.runtime.parallelism.collectives import wait_alone
 from hydraulis.runtime.sharding.exchange import EXCHANGE_WINDOW, ExchangePlan, ExchangeRound
-from hydraulis.runtime.sharding.main_grad import Gradient, gradient
 from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
 
 DEPTH = 2  # rounds in flight: the one compute waits for and the next

@@ -52,7 +52,7 @@ from hydraulis.files import replace_directory, sha256_file
 from hydraulis.jsonio import read_json_object, write_json_atomic
 from hydraulis.progress import aside
 from hydraulis.runtime.rng import rng_state, set_rng_state
-from hydraulis.training.checkpoints import (
+from hydraulis.store.checkpoints import (
     CHECKPOINT_SCHEMA,
     DEFAULT_KEEP,
     MANIFEST_FILE,

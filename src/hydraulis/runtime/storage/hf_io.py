@@ -41,7 +41,7 @@ from hydraulis.runtime.storage.export_files import (
 )
 from hydraulis.runtime.storage.hf import VOCAB_TENSORS, hf_config, hf_name, to_hf_state_dict
 from hydraulis.specs import ModelSpec
-from hydraulis.training.checkpoints import resolve_checkpoint
+from hydraulis.store.checkpoints import resolve_checkpoint
 
 if TYPE_CHECKING:
     from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer

@@ -15,7 +15,7 @@ from typing import Any
 
 from hydraulis.errors import HydraulisError
 from hydraulis.progress import Log, say
-from hydraulis.training.checkpoints import latest_checkpoint, read_manifest
+from hydraulis.store.checkpoints import latest_checkpoint, read_manifest
 
 
 @dataclass(frozen=True)
