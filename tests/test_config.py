@@ -38,6 +38,12 @@ def test_optim_section_builds_its_settings():
         ({"model": {"preset": "nope"}}, "unknown model preset"),
         ({"trian": {}}, "unknown key 'trian'"),
         ({"train": {"stpes": 3}}, "unknown key 'train.stpes'"),
+        ({"data": {"corpus": ["a", "b"], "weights": [0.8]}}, "give data.weights, one per corpus"),
+        ({"data": {"corpus": ["a", "b"]}}, "give data.weights, one per corpus"),
+        ({"data": {"corpus": "a", "weights": [1.0]}}, "weights are for a mixture"),
+        ({"data": {"corpus": ["a", "b"], "weights": [0.8, 0]}}, "data.weights must be positive"),
+        ({"data": {"corpus": ["a", "a"], "weights": [1, 1]}}, "different corpora"),
+        ({"data": {"corpus": ["a", "b"], "weights": ["0.8", 1]}}, "expected a number"),
     ],
 )
 def test_bad_values_are_one_line_naming_the_key(data, needle):
@@ -61,6 +67,14 @@ def test_to_toml_round_trips(tmp_path):
     path.write_text(config.to_toml())
     assert load_config(path) == config
     assert tomllib.loads(config.to_toml())["optim"]["lr"] == 2e-3
+
+
+def test_a_mixture_round_trips_and_names_its_corpora():
+    config = parse_config({"data": {"corpus": ["python-stdlib", "bbc-news"], "weights": [4, 1]}})
+    assert config.data.corpora == ["python-stdlib", "bbc-news"]
+    again = parse_config(tomllib.loads(config.with_absolute_paths().to_toml()))
+    assert again.data.corpus == ["python-stdlib", "bbc-news"] and again.data.weights == [4.0, 1.0]
+    assert parse_config({}).data.corpora == ["python-stdlib"]
 
 
 def test_load_config_names_the_file(tmp_path):

@@ -45,6 +45,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hydraulis.training.config",
         "hydraulis.training.auto_profile",
         "hydraulis.training.evaluation",
+        "hydraulis.training.mixture",
         "hydraulis.training.job",
         "hydraulis.training.run_log",
         "hydraulis.training.run_fidelity",
