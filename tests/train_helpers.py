@@ -29,6 +29,14 @@ def make_corpus(out: Path) -> Path:
     return out
 
 
+def make_second_corpus(out: Path) -> Path:
+    """Another small byte-level corpus, unlike make_corpus's: arithmetic, longer documents (a mixture's source)."""
+    rng = np.random.default_rng(1)
+    docs = ["".join(rng.choice(list(string.digits + "+-*/= "), size=int(n))) for n in rng.integers(20, 400, size=60)]
+    build_corpus(docs, out, "bytes", "test sums", name="sums")
+    return out
+
+
 def write_config(path: Path, corpus: Path, **overrides: str) -> Path:
     sections = dict(BASE)
     sections["data"] = f'corpus = "{corpus}"\n' + sections["data"]
