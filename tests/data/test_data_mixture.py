@@ -146,3 +146,13 @@ def test_sampler_state_position_is_checked_against_the_mixed_epoch():
     sampler = TokenBudgetSampler(np.full(5, 4), 8, seed=0, mixture=mixture)
     with pytest.raises(HydraulisError, match="past the end"):
         sampler.state = SamplerState(0, 6)
+
+
+def test_the_pieces_the_planner_sees_follow_the_weights():
+    """piece_lengths (what pool = "auto" proposes from and profile = "auto" measures) is the mixture's: short
+    documents at weight 0.9 make most pieces short, though the corpus holds as many long ones."""
+    lengths = np.concatenate([np.full(50, 10), np.full(50, 200)])
+    mixed = TokenBudgetSampler(lengths, 400, seed=0, mixture=Mixture(("s", "l"), (0, 50, 100), (0.9, 0.1)))
+    pieces = mixed.piece_lengths()
+    assert (pieces == 10).sum() * 10 / pieces.sum() == pytest.approx(0.9, abs=0.02)
+    assert np.median(TokenBudgetSampler(lengths, 400, seed=0).piece_lengths()) > 10
