@@ -77,6 +77,16 @@ def test_a_mixture_round_trips_and_names_its_corpora():
     assert parse_config({}).data.corpora == ["python-stdlib"]
 
 
+def test_the_mixture_example_is_a_valid_config_of_built_in_corpora():
+    from pathlib import Path
+
+    from hydraulis.data.builtin import BUILTINS
+
+    config = load_config(Path(__file__).resolve().parents[1] / "examples" / "mixture.toml")
+    assert len(config.data.corpora) == 2 and set(config.data.corpora) <= set(BUILTINS)
+    assert config.data.weights == [0.7, 0.3] and config.eval.holdout > 0
+
+
 def test_load_config_names_the_file(tmp_path):
     with pytest.raises(HydraulisError, match="no such config file"):
         load_config(tmp_path / "missing.toml")

@@ -29,8 +29,10 @@ def _mixture(sizes: list[list[int]], data: st.DataObject) -> tuple[Mixture, np.n
 
 
 def _epochs(mixture: Mixture, tokens: np.ndarray, seed: int, count: int) -> list[np.ndarray]:
+    """Each epoch's document order (whole documents: each its own piece)."""
     docs = np.arange(len(tokens))
-    return [mixed_order(mixture, docs, tokens, seed, e) for e in range(count)]
+    whole = TokenBudgetSampler(tokens, int(tokens.max()), seed=seed).pieces
+    return [mixed_order(mixture, docs, whole, seed, e)[0] for e in range(count)]
 
 
 @settings(max_examples=60, deadline=None)
@@ -61,8 +63,8 @@ def test_each_source_is_its_shuffled_passes_in_turn(case, seed):
 @settings(max_examples=60, deadline=None)
 @given(mixtures, st.integers(0, 1000))
 def test_every_prefix_holds_the_sources_in_proportion(case, seed):
-    """Along an epoch's order each source's tokens stay within two of the longest documents of its weight's
-    share: the sources are interleaved, not served one after another."""
+    """Along an epoch's order each source's tokens stay near its weight's share (k sources: within k of the
+    longest documents, and k tokens of rounding): the sources are interleaved, not served one after another."""
     mixture, tokens = _mixture(*case)
     longest = int(tokens.max())
     for order in _epochs(mixture, tokens, seed, 2):
@@ -70,7 +72,22 @@ def test_every_prefix_holds_the_sources_in_proportion(case, seed):
         total = np.cumsum(served)
         for i, w in enumerate(mixture.weights):
             mine = np.cumsum(np.where(mixture.source_of(order) == i, served, 0))
-            assert np.all(np.abs(mine - w * total) <= 2 * longest + 1)
+            assert np.all(np.abs(mine - w * total) <= len(mixture.names) * (longest + 1) + 1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(mixtures, st.integers(2, 16), st.integers(0, 1000))
+def test_a_split_documents_pieces_are_spread_among_the_other_sources(case, max_len, seed):
+    """With max_len, the interleaving is of pieces: a source of long documents does not serve one document's
+    pieces in a run while the others wait (every prefix within k pieces of its share, as above)."""
+    mixture, tokens = _mixture(*case)
+    pieces = TokenBudgetSampler(tokens, 64, max_len=max_len, seed=seed).pieces
+    for epoch in range(2):
+        docs, _, lengths = mixed_order(mixture, np.arange(len(tokens)), pieces, seed, epoch)
+        total = np.cumsum(lengths)
+        for i, w in enumerate(mixture.weights):
+            mine = np.cumsum(np.where(mixture.source_of(docs) == i, lengths, 0))
+            assert np.all(np.abs(mine - w * total) <= len(mixture.names) * (max_len + 1) + 1)
 
 
 @settings(max_examples=40, deadline=None)

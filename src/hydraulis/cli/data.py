@@ -133,9 +133,7 @@ def stats(
     if sources:  # the mixture's own distribution: the documents an epoch draws, each source at its weight
         import numpy as np
 
-        from hydraulis.data.sampler import mixed_order
-
-        docs = mixed_order(c.mixture, np.arange(len(c)), c.lengths, 0, 0)
+        docs = corpus_sampler(c, int(c.lengths.max()), None, 0, mixture=c.mixture).order(0)
         lengths, targets = c.lengths[docs], c.piece_targets(docs, np.zeros_like(docs), c.lengths[docs])
     st = length_stats(lengths)
     cut = getattr(c.manifest, "overlong", None)

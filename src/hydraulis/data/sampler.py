@@ -252,10 +252,8 @@ class TokenBudgetSampler:
     def order(self, epoch: int) -> np.ndarray:
         """The document order of an epoch: a function of (seed, epoch) alone, the same on every rank."""
         docs = np.arange(len(self.lengths)) if self.documents is None else self.documents
-        if self.mixture is not None:
-            served = self.pieces(docs)  # the tokens each document serves under the over-long policy
-            tokens = np.bincount(served[0], weights=served[2], minlength=len(self.lengths)).astype(np.int64)
-            return mixed_order(self.mixture, docs[tokens[docs] > 0], tokens, self.seed, epoch, self.shuffle)
+        if self.mixture is not None:  # each piece's document (a split one several times), sources interleaved
+            return self._epoch(epoch).docs.copy()
         if not self.shuffle:
             return docs
         return docs[np.random.default_rng([self.seed, epoch]).permutation(len(docs))]
@@ -263,7 +261,11 @@ class TokenBudgetSampler:
     def _epoch(self, epoch: int) -> _Epoch:
         if self._epoch_cache is not None and self._epoch_cache[0] == epoch:
             return self._epoch_cache[1]
-        docs, starts, lens = self.pieces(self.order(epoch))
+        if self.mixture is None:
+            docs, starts, lens = self.pieces(self.order(epoch))
+        else:
+            drawable = np.arange(len(self.lengths)) if self.documents is None else self.documents
+            docs, starts, lens = mixed_order(self.mixture, drawable, self.pieces, self.seed, epoch, self.shuffle)
         pieces = _Epoch(docs, starts, lens, _cumsum(lens))
         self._epoch_cache = (epoch, pieces)
         return pieces
@@ -361,18 +363,28 @@ class Mixture:
         return np.searchsorted(np.asarray(self.bounds[1:]), np.asarray(docs, dtype=np.int64), side="right")
 
 
-def mixed_order(mixture: Mixture, docs: np.ndarray, tokens: np.ndarray, seed: int, epoch: int,
-                shuffle: bool = True) -> np.ndarray:
-    """A mixture's epoch order: a function of (seed, epoch) alone (module docstring).
+Pieces = tuple[np.ndarray, np.ndarray, np.ndarray]  # (docs, starts, lengths), as TokenBudgetSampler.pieces
 
-    `docs`: the documents that may be drawn, `tokens[d]`: what document d serves. The epoch serves T tokens,
-    all the drawable ones; source i gives the documents starting in tokens [e w_i T, (e + 1) w_i T) of its
-    stream, pass c of which is its documents shuffled by (seed, i, c), so no document repeats within a pass
-    and none is skipped or served twice between epochs.
+
+def mixed_order(mixture: Mixture, docs: np.ndarray, pieces: Callable[[np.ndarray], Pieces], seed: int,
+                epoch: int, shuffle: bool = True) -> Pieces:
+    """A mixture's epoch: its pieces in order, a function of (seed, epoch) alone (module docstring).
+
+    `docs`: the documents that may be drawn; `pieces(docs)`: what they serve under the over-long policy. The
+    epoch serves T tokens, all that the drawable documents serve; source i gives the pieces starting in
+    tokens [e w_i T, (e + 1) w_i T) of its stream, pass c of which is its documents shuffled by (seed, i, c)
+    and cut into pieces, so no document repeats within a pass and no piece is skipped or served twice
+    between epochs (a document may end in the next epoch). The pieces of all sources are merged by where
+    each starts in its source's share: a long document's pieces are spread among the other sources'.
     """
+    served = pieces(docs)
+    tokens = np.bincount(served[0], weights=served[2], minlength=int(docs.max()) + 1 if len(docs) else 0)
+    tokens = tokens.astype(np.int64)
+    docs = docs[tokens[docs] > 0]
     source = mixture.source_of(docs)
     total = int(tokens[docs].sum())
-    picked, where, owner = [], [], []
+    parts: list[Pieces] = []
+    where, owner = [], []
     for i, weight in enumerate(mixture.weights):
         mine = docs[source == i]
         cycle = int(tokens[mine].sum())
@@ -382,15 +394,17 @@ def mixed_order(mixture: Mixture, docs: np.ndarray, tokens: np.ndarray, seed: in
         begin, end = int(epoch * weight * total), int((epoch + 1) * weight * total)
         for c in range(begin // cycle, (end - 1) // cycle + 1 if end > begin else begin // cycle):
             ids = mine[np.random.default_rng([seed, 0x4D4958, i, c]).permutation(len(mine))] if shuffle else mine
-            starts = c * cycle + _cumsum(tokens[ids])[:-1]
+            d, s, n = pieces(ids)
+            starts = c * cycle + _cumsum(n)[:-1]
             keep = (starts >= begin) & (starts < end)
-            picked.append(ids[keep])
+            parts.append((d[keep], s[keep], n[keep]))
             where.append((starts[keep] - begin) / (end - begin))
             owner.append(np.full(int(keep.sum()), i))
-    if not picked:
-        return docs[:0]
-    at, by = np.concatenate(where), np.concatenate(owner)
-    return np.concatenate(picked)[np.lexsort((by, at))]
+    if not parts:
+        return docs[:0], docs[:0], docs[:0]
+    merged = np.lexsort((np.concatenate(owner), np.concatenate(where)))
+    d, s, n = (np.concatenate(x)[merged] for x in zip(*parts, strict=True))
+    return d, s, n
 
 
 def held_out(documents: int, share: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
