@@ -28,8 +28,8 @@ iteration comparable when lengths vary by 1000x.
   epoch's order by `mixed_order`: an epoch serves as many tokens as all the
   sources hold, each source its weight's share of them, read from its own
   endless stream of shuffled passes over its documents (every document once
-  before any repeats), and the sources are interleaved by each document's
-  position in its share, so every batch holds them in proportion.
+  before any repeats), and the sources' pieces are interleaved by each one's
+  position in its source's share, so every batch holds them in proportion.
 """
 
 from __future__ import annotations
