@@ -29,11 +29,13 @@ def make_corpus(out: Path) -> Path:
     return out
 
 
-def make_second_corpus(out: Path) -> Path:
-    """Another small byte-level corpus, unlike make_corpus's: arithmetic, longer documents (a mixture's source)."""
+def make_sft_records(out: Path) -> Path:
+    """A jsonl file of 80 prompt/completion records (sums), another kind of source than make_corpus's: SFT,
+    built by `hydraulis train` itself, whose targets are the completions only."""
     rng = np.random.default_rng(1)
-    docs = ["".join(rng.choice(list(string.digits + "+-*/= "), size=int(n))) for n in rng.integers(20, 400, size=60)]
-    build_corpus(docs, out, "bytes", "test sums", name="sums")
+    pairs = rng.integers(1, 999, size=(80, 2))
+    out.write_text("".join(json.dumps({"prompt": f"What is {a} plus {b}? Think it over. ", "completion": f"{a + b}."})
+                           + "\n" for a, b in pairs.tolist()))  # fmt: skip
     return out
 
 

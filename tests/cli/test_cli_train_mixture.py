@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from train_helpers import make_corpus, make_second_corpus, run_summary, step_rows, write_config  # noqa: E402
+from train_helpers import make_corpus, make_sft_records, run_summary, step_rows, write_config  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -23,9 +23,10 @@ MIXTURE = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, session_cli) -> tuple[Path, Path, str]:
-    """A straight 50-step run of docs (0.8) and sums (0.2), and the same stopped at 25 and resumed (one process)."""
+    """A straight 50-step run of docs (0.8, a built corpus) and sums (0.2, SFT records in a jsonl file), and the
+    same stopped at 25 and resumed (one process)."""
     tmp = tmp_path_factory.mktemp("mixture")
-    docs, sums = make_corpus(tmp / "docs"), make_second_corpus(tmp / "sums")
+    docs, sums = make_corpus(tmp / "docs"), make_sft_records(tmp / "sums.jsonl")
     data = f'corpus = ["{docs}", "{sums}"]\n' + MIXTURE["data"]
     config = write_config(tmp / "run.toml", docs, **{**MIXTURE, "data": data})
     straight = session_cli("train", "--config", str(config), "--nproc", "1", "--out", str(tmp / "straight"))
@@ -43,9 +44,12 @@ def test_each_source_gets_its_weight_of_the_tokens_and_is_reported(runs):
     straight, _, stdout = runs
     rows = step_rows(straight)
     assert len(rows) == STEPS
-    for r in rows:  # every token of a step belongs to one source; a byte corpus's targets: a piece's tokens but one
+    for r in rows:  # every token of a step belongs to one source
         assert sum(r["source_tokens"].values()) == r["tokens"]
-        assert 0 < sum(r["source_targets"].values()) < r["tokens"]
+    targets = {n: sum(r["source_targets"][n] for r in rows) for n in ("docs", "sums")}
+    tokens_of = {n: sum(r["source_tokens"][n] for r in rows) for n in ("docs", "sums")}
+    assert targets["docs"] > 0.95 * tokens_of["docs"]  # plain text: every token but a piece's first
+    assert 0 < targets["sums"] < 0.25 * tokens_of["sums"]  # SFT: the completions and their eos only
     tokens = sum(r["tokens"] for r in rows)
     shares = {n: sum(r["source_tokens"][n] for r in rows) / tokens for n in ("docs", "sums")}
     assert shares["docs"] == pytest.approx(0.8, abs=0.02) and shares["sums"] == pytest.approx(0.2, abs=0.02)
