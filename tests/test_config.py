@@ -52,6 +52,12 @@ def test_optim_section_builds_its_settings():
         ({"model": {"preset": "nope"}}, "unknown model preset"),
         ({"trian": {}}, "unknown key 'trian'"),
         ({"train": {"stpes": 3}}, "unknown key 'train.stpes'"),
+        ({"data": {"corpus": ["a", "b"], "weights": [0.8]}}, "give data.weights, one per corpus"),
+        ({"data": {"corpus": ["a", "b"]}}, "give data.weights, one per corpus"),
+        ({"data": {"corpus": "a", "weights": [1.0]}}, "weights are for a mixture"),
+        ({"data": {"corpus": ["a", "b"], "weights": [0.8, 0]}}, "data.weights must be positive"),
+        ({"data": {"corpus": ["a", "a"], "weights": [1, 1]}}, "different corpora"),
+        ({"data": {"corpus": ["a", "b"], "weights": ["0.8", 1]}}, "expected a number"),
     ],
 )
 def test_bad_values_are_one_line_naming_the_key(data, needle):
@@ -113,6 +119,24 @@ def test_a_run_starts_with_a_line_where_a_default_matters():
     assert notes[1].startswith("warning: [optim] warmup = 10 is longer than the run's 2 steps") and "0.0002" in notes[1]
     measured = parse_config({"parallel": {"profile": "tiny@cpu-measured"}})
     assert start_notes(measured, 10) == []  # a measured preset, warmup 10 within 10 steps: nothing to say
+
+
+def test_a_mixture_round_trips_and_names_its_corpora():
+    config = parse_config({"data": {"corpus": ["python-stdlib", "bbc-news"], "weights": [4, 1]}})
+    assert config.data.corpora == ["python-stdlib", "bbc-news"]
+    again = parse_config(tomllib.loads(config.with_absolute_paths().to_toml()))
+    assert again.data.corpus == ["python-stdlib", "bbc-news"] and again.data.weights == [4.0, 1.0]
+    assert parse_config({}).data.corpora == ["python-stdlib"]
+
+
+def test_the_mixture_example_is_a_valid_config_of_built_in_corpora():
+    from pathlib import Path
+
+    from hydraulis.data.builtin import BUILTINS
+
+    config = load_config(Path(__file__).resolve().parents[1] / "examples" / "mixture.toml")
+    assert len(config.data.corpora) == 2 and set(config.data.corpora) <= set(BUILTINS)
+    assert config.data.weights == [0.7, 0.3] and config.eval.holdout > 0
 
 
 def test_load_config_names_the_file(tmp_path):

@@ -29,6 +29,16 @@ def make_corpus(out: Path) -> Path:
     return out
 
 
+def make_sft_records(out: Path) -> Path:
+    """A jsonl file of 80 prompt/completion records (sums), another kind of source than make_corpus's: SFT,
+    built by `hydraulis train` itself, whose targets are the completions only."""
+    rng = np.random.default_rng(1)
+    pairs = rng.integers(1, 999, size=(80, 2))
+    out.write_text("".join(json.dumps({"prompt": f"What is {a} plus {b}? Think it over. ", "completion": f"{a + b}."})
+                           + "\n" for a, b in pairs.tolist()))  # fmt: skip
+    return out
+
+
 def write_config(path: Path, corpus: Path, **overrides: str) -> Path:
     sections = dict(BASE)
     sections["data"] = f'corpus = "{corpus}"\n' + sections["data"]

@@ -90,6 +90,28 @@ def test_existing_output_and_force(cli, tmp_path: Path) -> None:  # noqa: ANN001
     assert "a relative path is read from the current directory" in msg
 
 
+def test_stats_of_a_mixture_draw_each_source_at_its_weight(cli, tmp_path: Path) -> None:  # noqa: ANN001
+    """20 short documents (11 bytes) and 20 long ones (101) at equal weights: one mixture epoch serves as many
+    tokens as both hold (2,240), half from each, so the short ones are drawn about 5 times over."""
+    from hydraulis.data.indexed import build_corpus
+
+    build_corpus(["s" * 10] * 20, tmp_path / "short", "bytes", "short", name="short")
+    build_corpus(["l" * 100] * 20, tmp_path / "long", "bytes", "long", name="long")
+    res = cli("data", "stats", str(tmp_path / "short"), str(tmp_path / "long"), "--weights", "1,1", "-t", "bytes",
+              "--json")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    st = json.loads(res.stdout)
+    assert [(s["corpus"], s["weight"], s["count"]) for s in st["sources"]] == [("short", 0.5, 20), ("long", 0.5, 20)]
+    assert abs(st["tokens"] - 2240) <= 101 and st["p50"] == 11
+    assert 1120 // 11 + 1120 // 101 <= st["count"] <= 1120 // 11 + 1120 // 101 + 2
+    res = cli("data", "stats", str(tmp_path / "short"), str(tmp_path / "long"), "--weights", "3,1", "-t", "bytes")
+    assert res.returncode == 0 and "short (75.0%)" in res.stdout and "mixture (one epoch)" in res.stdout
+    msg = one_line_error(cli("data", "stats", str(tmp_path / "short"), str(tmp_path / "long"), "-t", "bytes"))
+    assert "several corpora are a mixture: give --weights, one positive weight per corpus (2)" in msg
+    msg = one_line_error(cli("data", "stats", str(tmp_path / "short"), str(tmp_path / "long"), "--weights", "1,0"))
+    assert "--weights '1,0'" in msg
+
+
 def test_builtin_by_name(cli, tmp_path: Path) -> None:  # noqa: ANN001
     res = cli("data", "build", "wiki-sample", "--out", str(tmp_path / "w"), "--tokenizer", "bytes")
     assert res.returncode == 0, res.stderr

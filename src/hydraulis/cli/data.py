@@ -106,7 +106,10 @@ def build(
 
 @data_app.command("stats")
 def stats(
-    corpus: str = typer.Argument(..., help="A built corpus directory or a built-in name (python-stdlib, ...)."),
+    corpora: list[str] = typer.Argument(
+        ..., help="A built corpus directory or a built-in name (python-stdlib, ...); several with --weights: a mixture."
+    ),
+    weights: str = typer.Option(None, "--weights", help="A mixture's weights, one per corpus: 0.8,0.2"),
     tokenizer: str = TokenizerOption,
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     plot: Path = typer.Option(None, "--plot", help="Write a length histogram (log x-axis) to this .png/.svg/.pdf."),
@@ -114,41 +117,80 @@ def stats(
     overlong: str = OverlongOption,
 ) -> None:
     """Length distribution of a corpus: tokens and target tokens (SFT: the completions), percentiles,
-    long-tail shares, quadratic share of the top 1%; what a max_len cuts (--max-len, or the manifest's)."""
-    from hydraulis.data.builtin import resolve_corpus
+    long-tail shares, quadratic share of the top 1%; what a max_len cuts (--max-len, or the manifest's).
+    A mixture (several corpora and --weights): each source, and the documents one mixture epoch draws."""
     from hydraulis.data.indexed import corpus_sampler
     from hydraulis.data.indexed import overlong as overlong_of
-    from hydraulis.data.stats import THRESHOLDS, length_stats, plot_histogram
+    from hydraulis.data.stats import length_stats, plot_histogram
 
     if plot is not None:
         from hydraulis.plots import check_plot_path
 
         check_plot_path(plot, "--plot")
     policy = check_policy(overlong)
-    c = resolve_corpus(corpus, tokenizer, progress=True)
-    st = length_stats(c.lengths)
-    cut = c.manifest.overlong
+    c, sources = _stats_corpus(corpora, weights, tokenizer)
+    lengths, targets = c.lengths, c.manifest.target_tokens
+    if sources:  # the mixture's own distribution: the documents an epoch draws, each source at its weight
+        import numpy as np
+
+        docs = corpus_sampler(c, int(c.lengths.max()), None, 0, mixture=c.mixture).order(0)
+        lengths, targets = c.lengths[docs], c.piece_targets(docs, np.zeros_like(docs), c.lengths[docs])
+    st = length_stats(lengths)
+    cut = getattr(c.manifest, "overlong", None)
     if max_len is not None:
         cut = overlong_of(c, corpus_sampler(c, max_len, max_len, 0, policy))
     if plot is not None:
-        plot_histogram(c.lengths, plot, title=f"{c.name} ({c.manifest.tokenizer}): {st.count:,} documents",
+        plot_histogram(lengths, plot, title=f"{c.name} ({c.manifest.tokenizer}): {st.count:,} documents",
                        max_len=max_len if max_len is not None else cut.max_len if cut is not None else None)
     if as_json:
-        targets = {"target_tokens": c.manifest.target_tokens, "masked": c.manifest.masked}
-        targets["overlong"] = cut.to_dict() if cut is not None else None
-        print_json(
-            {"corpus": c.name, "path": str(c.path), "tokenizer": c.manifest.tokenizer, **st.to_dict(), **targets}
-        )
+        extra = {"sources": [{"corpus": s.name, "weight": w, **length_stats(s.lengths).to_dict(),
+                              "target_tokens": s.manifest.target_tokens} for s, w in sources]} if sources else {}
+        print_json({"corpus": c.name, "path": str(c.path), "tokenizer": c.manifest.tokenizer, **st.to_dict(),
+                    "target_tokens": targets, "masked": c.manifest.masked,
+                    "overlong": cut.to_dict() if cut is not None else None, **extra})  # fmt: skip
         return
-    columns = ["corpus", "docs", "tokens", "targets", "p50", "p90", "p99", "max"]
-    columns += [f">{t // 1024}K" for t in THRESHOLDS] + ["top1% s²"]
-    row = [c.name, f"{st.count:,}", f"{st.tokens:,}", f"{c.manifest.target_tokens:,}", st.p50, st.p90, st.p99, st.max]
-    row += [f"{st.share_above[t]:.1%}" for t in THRESHOLDS] + [f"{st.top1_sq_share:.1%}"]
-    console.print(table(f"{c.path} ({c.manifest.tokenizer})", columns, [row]))
+    rows = [_stats_row(f"{s.name} ({w:.1%})", length_stats(s.lengths), s.manifest.target_tokens) for s, w in sources]
+    rows.append(_stats_row("mixture (one epoch)" if sources else c.name, st, targets))
+    console.print(table(f"{c.path} ({c.manifest.tokenizer})", _stats_columns(), rows))
     if cut is not None:
         console.print(f"overlong: {cut.describe()}")
     if plot is not None:
         console.print(f"wrote {plot}")
+
+
+def _stats_corpus(corpora: list[str], weights: str | None, tokenizer: str) -> tuple[Any, list[tuple[Any, float]]]:
+    """The corpus of `data stats`, or the mixture of several and its (source, weight) pairs."""
+    from hydraulis.data.builtin import resolve_corpus
+
+    if len(corpora) == 1 and weights is None:
+        return resolve_corpus(corpora[0], tokenizer, progress=True), []
+    try:
+        given = [float(w) for w in (weights or "").split(",")]
+    except ValueError:
+        given = []
+    if len(given) != len(corpora) or not all(0 < w < float("inf") for w in given):
+        given_as = f"--weights {weights!r}" if weights is not None else "several corpora are a mixture"
+        raise HydraulisError(f"{given_as}: give --weights, one positive weight per corpus ({len(corpora)}), e.g. "
+                             + ",".join(["1"] * len(corpora)))  # fmt: skip
+    from hydraulis.training.mixture import MixedCorpus, source_names
+
+    opened = tuple(resolve_corpus(name, tokenizer, progress=True) for name in corpora)
+    mixed = MixedCorpus(opened, source_names(opened), tuple(given))
+    return mixed, list(zip(opened, mixed.mixture.weights, strict=True))
+
+
+def _stats_columns() -> list[str]:
+    from hydraulis.data.stats import THRESHOLDS
+
+    return ["corpus", "docs", "tokens", "targets", "p50", "p90", "p99", "max"] + [
+        f">{t // 1024}K" for t in THRESHOLDS] + ["top1% s²"]  # fmt: skip
+
+
+def _stats_row(name: str, st: Any, targets: int) -> list[Any]:
+    from hydraulis.data.stats import THRESHOLDS
+
+    row = [name, f"{st.count:,}", f"{st.tokens:,}", f"{targets:,}", st.p50, st.p90, st.p99, st.max]
+    return row + [f"{st.share_above[t]:.1%}" for t in THRESHOLDS] + [f"{st.top1_sq_share:.1%}"]
 
 
 @app.command()

@@ -41,7 +41,7 @@ import numpy as np
 from hydraulis.data.manifest import INDEX_FILE, MANIFEST_FILE, MASK_FILE, TOKENS_FILE, CorpusManifest
 from hydraulis.data.readers import ReadCounts
 from hydraulis.data.records import Sample
-from hydraulis.data.sampler import Overlong, Policy, TokenBudgetSampler
+from hydraulis.data.sampler import Mixture, Overlong, Policy, TokenBudgetSampler
 from hydraulis.data.sft import encode_samples
 from hydraulis.data.staging import OWNER_FILE, default_permissions, occupied, sweep_temporaries, temp_dir
 from hydraulis.data.tokenizer import Tokenizer, get_tokenizer, token_dtype
@@ -152,17 +152,18 @@ class IndexedCorpus:
 
 def corpus_sampler(
     corpus: IndexedCorpus, tokens_per_batch: int, max_len: int | None, seed: int = 0, policy: Policy = "split",
-    documents: np.ndarray | None = None, **order: bool,
+    documents: np.ndarray | None = None, mixture: Mixture | None = None, **order: bool,
 ) -> TokenBudgetSampler:
-    """The token-budget sampler of a corpus (or of these `documents` of it); with `truncate` an SFT record keeps
-    its targets (sampler.py). `order`: the sampler's shuffle and cross_epochs."""
+    """The token-budget sampler of a corpus (or of these `documents` of it; a mixture's sources drawn by their
+    weights); with `truncate` an SFT record keeps its targets (sampler.py). `order`: its shuffle and cross_epochs."""
     first = None
-    if corpus.mask is not None and policy == "truncate" and max_len is not None:
+    if corpus.manifest.masked and policy == "truncate" and max_len is not None:
         over = np.flatnonzero(corpus.lengths > max_len)
         first = np.ones(len(corpus), dtype=np.int64)
         first[over] = corpus.first_targets(over)
     return TokenBudgetSampler(
-        corpus.lengths, tokens_per_batch, max_len, seed, policy, first_targets=first, documents=documents, **order
+        corpus.lengths, tokens_per_batch, max_len, seed, policy, first_targets=first, documents=documents,
+        mixture=mixture, **order,
     )
 
 

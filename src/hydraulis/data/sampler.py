@@ -24,6 +24,12 @@ iteration comparable when lengths vary by 1000x.
 - At an epoch's end a batch continues into the next epoch's order by default,
   so every batch is filled; with `cross_epochs=False` an epoch's last batch is
   short instead and no batch mixes two epochs.
+- A `Mixture` (sources as ranges of the documents, with weights) replaces the
+  epoch's order by `mixed_order`: an epoch serves as many tokens as all the
+  sources hold, each source its weight's share of them, read from its own
+  endless stream of shuffled passes over its documents (every document once
+  before any repeats), and the sources' pieces are interleaved by each one's
+  position in its source's share, so every batch holds them in proportion.
 """
 
 from __future__ import annotations
@@ -162,8 +168,12 @@ class TokenBudgetSampler:
         shuffle: bool = True,
         first_targets: np.ndarray | None = None,
         documents: np.ndarray | None = None,
+        mixture: Mixture | None = None,
     ) -> None:
         self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.mixture = mixture
+        if mixture is not None and mixture.bounds[-1] != len(self.lengths):
+            raise HydraulisError(f"the mixture's sources hold {mixture.bounds[-1]} documents, not {len(self.lengths)}")
         # The documents it draws from (indices into `lengths`): all of them, or those evaluation left to training.
         self.documents = None if documents is None else np.asarray(documents, dtype=np.int64)
         if self.documents is not None and (len(self.documents) == 0 or np.any(self.documents >= len(self.lengths))):
@@ -205,7 +215,7 @@ class TokenBudgetSampler:
 
     def _check_batch_size(self) -> None:
         """A batch spans at most MAX_EPOCHS_PER_BATCH epochs and about MAX_SEQUENCES pieces: bounded work."""
-        epochs = self.tokens_per_batch / self.tokens_per_epoch()
+        epochs = self.tokens_per_batch / max(self.tokens_per_epoch(), 1)
         if epochs > MAX_EPOCHS_PER_BATCH:
             raise HydraulisError(
                 f"a global batch of {self.tokens_per_batch:,} tokens would span {epochs:,.0f} epochs of a corpus "
@@ -242,6 +252,8 @@ class TokenBudgetSampler:
     def order(self, epoch: int) -> np.ndarray:
         """The document order of an epoch: a function of (seed, epoch) alone, the same on every rank."""
         docs = np.arange(len(self.lengths)) if self.documents is None else self.documents
+        if self.mixture is not None:  # each piece's document (a split one several times), sources interleaved
+            return self._epoch(epoch).docs.copy()
         if not self.shuffle:
             return docs
         return docs[np.random.default_rng([self.seed, epoch]).permutation(len(docs))]
@@ -249,7 +261,11 @@ class TokenBudgetSampler:
     def _epoch(self, epoch: int) -> _Epoch:
         if self._epoch_cache is not None and self._epoch_cache[0] == epoch:
             return self._epoch_cache[1]
-        docs, starts, lens = self.pieces(self.order(epoch))
+        if self.mixture is None:
+            docs, starts, lens = self.pieces(self.order(epoch))
+        else:
+            drawable = np.arange(len(self.lengths)) if self.documents is None else self.documents
+            docs, starts, lens = mixed_order(self.mixture, drawable, self.pieces, self.seed, epoch, self.shuffle)
         pieces = _Epoch(docs, starts, lens, _cumsum(lens))
         self._epoch_cache = (epoch, pieces)
         return pieces
@@ -324,6 +340,71 @@ class TokenBudgetSampler:
     def __iter__(self) -> Iterator[GlobalBatch]:
         while True:
             yield self.next_batch()
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """Sources of one corpus: source i is documents [bounds[i], bounds[i + 1]), drawn at weights[i] (normalised)."""
+
+    names: tuple[str, ...]
+    bounds: tuple[int, ...]
+    weights: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.bounds) != len(self.names) + 1 or len(self.weights) != len(self.names) or not self.names:
+            raise HydraulisError(f"a mixture needs one weight and one document range per source, got {self}")
+        if any(not w > 0 or not np.isfinite(w) for w in self.weights):
+            raise HydraulisError(f"mixture weights must be positive numbers, got {list(self.weights)}")
+        total = sum(self.weights)
+        object.__setattr__(self, "weights", tuple(w / total for w in self.weights))
+
+    def source_of(self, docs: np.ndarray) -> np.ndarray:
+        """The source of each document."""
+        return np.searchsorted(np.asarray(self.bounds[1:]), np.asarray(docs, dtype=np.int64), side="right")
+
+
+Pieces = tuple[np.ndarray, np.ndarray, np.ndarray]  # (docs, starts, lengths), as TokenBudgetSampler.pieces
+
+
+def mixed_order(mixture: Mixture, docs: np.ndarray, pieces: Callable[[np.ndarray], Pieces], seed: int,
+                epoch: int, shuffle: bool = True) -> Pieces:
+    """A mixture's epoch: its pieces in order, a function of (seed, epoch) alone (module docstring).
+
+    `docs`: the documents that may be drawn; `pieces(docs)`: what they serve under the over-long policy. The
+    epoch serves T tokens, all that the drawable documents serve; source i gives the pieces starting in
+    tokens [e w_i T, (e + 1) w_i T) of its stream, pass c of which is its documents shuffled by (seed, i, c)
+    and cut into pieces, so no document repeats within a pass and no piece is skipped or served twice
+    between epochs (a document may end in the next epoch). The pieces of all sources are merged by where
+    each starts in its source's share: a long document's pieces are spread among the other sources'.
+    """
+    served = pieces(docs)
+    tokens = np.bincount(served[0], weights=served[2], minlength=int(docs.max()) + 1 if len(docs) else 0)
+    tokens = tokens.astype(np.int64)
+    docs = docs[tokens[docs] > 0]
+    source = mixture.source_of(docs)
+    total = int(tokens[docs].sum())
+    parts: list[Pieces] = []
+    where, owner = [], []
+    for i, weight in enumerate(mixture.weights):
+        mine = docs[source == i]
+        cycle = int(tokens[mine].sum())
+        if cycle == 0:
+            raise HydraulisError(f"mixture source {mixture.names[i]} has no document left to draw "
+                                 "(every one held out or dropped by the over-long policy)")  # fmt: skip
+        begin, end = int(epoch * weight * total), int((epoch + 1) * weight * total)
+        for c in range(begin // cycle, (end - 1) // cycle + 1 if end > begin else begin // cycle):
+            ids = mine[np.random.default_rng([seed, 0x4D4958, i, c]).permutation(len(mine))] if shuffle else mine
+            d, s, n = pieces(ids)
+            starts = c * cycle + _cumsum(n)[:-1]
+            keep = (starts >= begin) & (starts < end)
+            parts.append((d[keep], s[keep], n[keep]))
+            where.append((starts[keep] - begin) / (end - begin))
+            owner.append(np.full(int(keep.sum()), i))
+    if not parts:
+        return docs[:0], docs[:0], docs[:0]
+    merged = np.lexsort((np.concatenate(owner), np.concatenate(where)))
+    d, s, n = (np.concatenate(x)[merged] for x in zip(*parts, strict=True))
+    return d, s, n
 
 
 def held_out(documents: int, share: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

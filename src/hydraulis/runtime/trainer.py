@@ -197,6 +197,7 @@ class Trainer:
         # The last step's own figures on this rank (the metrics carry the largest over ranks); None before it.
         self.last_overlap: Overlap | None = None
         self.last_memory: MemoryFigures | None = None
+        self.last_batch: GlobalBatch | None = None
 
     # -- plans ---------------------------------------------------------------------------
     def _draw(self) -> None:
@@ -244,6 +245,7 @@ class Trainer:
         batch, schedule, waited = self._next_plan()
         self._draw()  # plan i + 1 while iteration i computes
         self.recent.append((batch, schedule))
+        self.last_batch = batch  # what the step trained (training/loop.py counts a mixture's sources in it)
         return self.run_schedule(batch, schedule, planning_unhidden_s=waited)
 
     def micro_batches(

@@ -90,7 +90,9 @@ class ModelSection(_Section):
 
 
 class DataSection(_Section):
-    corpus: str = "python-stdlib"
+    # One corpus, or a mixture: several, each drawn at its weight's share of the tokens (weights normalised).
+    corpus: str | list[str] = "python-stdlib"
+    weights: list[float] | None = Field(None, description="one corpus")
     tokenizer: str = Field("auto", min_length=1)  # auto, gpt2, bytes, or a Hugging Face tokenizer path
     tokens_per_batch: int = Field(16384, ge=1, le=MAX_TOKENS)
     max_len: int = Field(2048, ge=2, le=MAX_TOKENS)
@@ -99,12 +101,31 @@ class DataSection(_Section):
 
     @model_validator(mode="after")
     def _fits(self) -> DataSection:
+        self._check_mixture()
         if self.max_len > self.tokens_per_batch:
             raise ValueError(
                 f"max_len {self.max_len} is above tokens_per_batch {self.tokens_per_batch}: "
                 "a sequence could never fit in a batch"
             )
         return self
+
+    def _check_mixture(self) -> None:
+        if isinstance(self.corpus, str):
+            if self.weights is not None:
+                raise ValueError("weights are for a mixture: give corpus as a list, one weight per corpus")
+            return
+        if not self.corpus or len(set(self.corpus)) != len(self.corpus):
+            raise ValueError(f"a mixture needs one or more different corpora, got {self.corpus}")
+        if self.weights is None or len(self.weights) != len(self.corpus):
+            raise ValueError(f"give data.weights, one per corpus of data.corpus ({len(self.corpus)}), "
+                             f"got {self.weights}")  # fmt: skip
+        if any(not 0 < w < float("inf") for w in self.weights):
+            raise ValueError(f"data.weights must be positive numbers, got {self.weights}")
+
+    @property
+    def corpora(self) -> list[str]:
+        """The corpus, or the mixture's corpora."""
+        return [self.corpus] if isinstance(self.corpus, str) else list(self.corpus)
 
     def tokenizer_for(self, spec: ModelSpec, init_from: str | None = None) -> str:
         """As given; `auto`: the init_from checkpoint's own tokenizer when it ships one, else GPT-2 when
@@ -268,9 +289,11 @@ class RunConfig(_Section):
             base = value[: -len(suffix)] if suffix and value.endswith(suffix) else value
             return os.path.abspath(base) + value[len(base) :] if Path(base).exists() else value
 
+        corpora = [absolute(c) for c in self.data.corpora]
         update = {
             "model": {"init_from": absolute(self.model.init_from)},
-            "data": {"corpus": absolute(self.data.corpus), "tokenizer": absolute(self.data.tokenizer, TOKENIZERS)},
+            "data": {"corpus": corpora[0] if isinstance(self.data.corpus, str) else corpora,
+                     "tokenizer": absolute(self.data.tokenizer, TOKENIZERS)},
             "parallel": {"pool": absolute(self.parallel.pool),
                          "profile": absolute(self.parallel.profile, tuple(PRESETS), CP_SUFFIX)},
             "train": {"out": os.path.abspath(self.train.out)},
@@ -334,7 +357,7 @@ def _numeric(annotation: Any) -> bool:
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         return all(a is type(None) or _numeric(a) for a in args) and any(a is not type(None) for a in args)
-    return origin is tuple and bool(args) and all(a in (int, float) for a in args)
+    return origin in (tuple, list) and bool(args) and all(a in (int, float) for a in args)
 
 
 def _toml_value(v: Any) -> str:

@@ -56,7 +56,8 @@ def run_sampler(config: RunConfig, corpus: IndexedCorpus) -> TokenBudgetSampler:
     """The training sampler of a run (the launcher's checks and every rank build the same)."""
     data = config.data
     return corpus_sampler(
-        corpus, data.tokens_per_batch, data.max_len, data.seed, data.overlong, training_documents(config, corpus)
+        corpus, data.tokens_per_batch, data.max_len, data.seed, data.overlong, training_documents(config, corpus),
+        getattr(corpus, "mixture", None),  # a MixedCorpus (training/mixture.py): its sources by their weights
     )
 
 

@@ -29,6 +29,7 @@ from hydraulis.store.resume import check_stop_at, resume_point
 from hydraulis.training.auto_profile import AUTO_PROFILE, REFIT_PROFILE, AutoProfile
 from hydraulis.training.config import RunConfig
 from hydraulis.training.evaluation import EvalSet, eval_set, run_sampler
+from hydraulis.training.mixture import MixtureSpec, training_corpus
 
 RUN_FILES = ("metrics.jsonl", "config.toml", "pool.json", "summary.json", "report.png", "tb", AUTO_PROFILE,
              REFIT_PROFILE)
@@ -54,6 +55,7 @@ class Job:
     profile_cache: str | None = None  # profile = "auto": the profile's file in the shared cache (a refit goes beside)
     overlong: Overlong | None = None  # what max_len cuts of the corpus (records, target tokens)
     evaluation: EvalSet | None = None  # [eval]: the held-out batches and their plans
+    mixture: MixtureSpec | None = None  # [data] corpus as a list: its sources (corpus_path then names them all)
 
     @property
     def end_step(self) -> int:
@@ -111,7 +113,7 @@ def prepare(
     # Vocabulary padding for every TP degree the pool has (with pool = "auto": may have).
     proposable = cost.configs if cost is not None and setting.auto else ()
     spec = _padded(spec, {g.tp for g in (*configs, *proposable)}, _resumed_checkpoint(run_dir, resume, resume_from))
-    corpus = _corpus(config.data.corpus, "data.corpus", tokenizer, token_ids, log)
+    corpus, mixture = training_corpus(config.data, lambda name, key: _corpus(name, key, tokenizer, token_ids, log))
     sampler, overlong = data_sampler(corpus, config, log)
     fresh, profile_cache = None, None  # profile = "auto": a profile measured now (or shared), and the cache's file
     if auto_profile:
@@ -149,6 +151,7 @@ def prepare(
         profile_cache=profile_cache,
         overlong=overlong,
         evaluation=evaluation,
+        mixture=mixture,
     )
 
 
@@ -413,7 +416,8 @@ def _propose(
 
     data = config.data
     sample = TokenBudgetSampler(
-        sampler.lengths, data.tokens_per_batch, data.max_len, data.seed + 1, data.overlong
+        sampler.lengths, data.tokens_per_batch, data.max_len, data.seed + 1, data.overlong,
+        documents=sampler.documents, mixture=sampler.mixture,  # the run's mixture of lengths
     ).batches(8)
     try:
         proposal = propose(

@@ -78,7 +78,7 @@ def run_rank(job: Job) -> dict[str, Any] | None:
 def _train(job: Job, stop: StopRequest) -> dict[str, Any] | None:
     config = job.config
     env = init_distributed(config.train.device, first_step_timeout(config.train.timeout_s))
-    corpus = open_corpus(job.corpus_path)
+    corpus = job.mixture.open() if job.mixture is not None else open_corpus(job.corpus_path)
     trainer = Trainer(train_settings(job), corpus, run_sampler(config, corpus), env)
     check_shared_run_dir(Path(job.out), env.rank, env.world_size, trainer.control)  # before any file is written
     log = say if env.rank == 0 else _silent
@@ -110,7 +110,8 @@ def _train(job: Job, stop: StopRequest) -> dict[str, Any] | None:
             measured = watch.after(metrics) if watch is not None else None  # the load; maybe a refit
             evaluated = evaluation.after(trainer)  # every rank, when [eval] is due
             if run_log is not None:
-                run_log.step(metrics, {**(measured or {}), **evaluated})
+                sources = corpus.source_counts(trainer.last_batch) if job.mixture is not None else {}
+                run_log.step(metrics, {**(measured or {}), **evaluated, **sources})
             skipped = guard.check(metrics.step, metrics.loss, metrics.grad_norm, metrics.skipped)  # raises at the limit
             if skipped:
                 log(skipped)

@@ -23,6 +23,7 @@ from hydraulis.progress import console
 from hydraulis.report import iteration_errors, training_plot
 from hydraulis.specs import ClusterSpec
 from hydraulis.training.job import Job
+from hydraulis.training.mixture import source_shares
 
 if TYPE_CHECKING:
     from hydraulis.planner.planner import Planner
@@ -151,6 +152,9 @@ class RunLog:
             summary["comparison"] = self.comparison
         if self.job.overlong is not None:  # what max_len cut of the corpus (records, target tokens)
             summary["overlong"] = self.job.overlong.to_dict()
+        mix = self.job.mixture
+        if mix is not None:  # each source's tokens and targets over the run's steps, beside its weight
+            summary["sources"] = source_shares(self.rows, mix.shares())
         with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as fh:
             fh.write(json.dumps({"summary": summary}) + "\n")
         write_json_atomic(self.out / "summary.json", summary)
@@ -174,6 +178,10 @@ class RunLog:
             )
         if kept is not None:
             self.console.print(kept_line(kept, self.job.config.parallel.memory_per_rank), highlight=False)
+        if summary.get("sources"):
+            self.console.print("sources: " + "; ".join(
+                f"{n} {v['token_share']:.1%} of tokens (weight {v['weight']:.1%}), {v['target_share']:.1%} of targets"
+                for n, v in summary["sources"].items()), highlight=False, soft_wrap=True)  # fmt: skip
         if self.job.overlong is not None and self.job.overlong.records:
             self.console.print(f"overlong: {self.job.overlong.describe()}", highlight=False)
         if self.comparison is not None:

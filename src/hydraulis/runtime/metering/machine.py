@@ -120,7 +120,7 @@ def device_spec(device: torch.device) -> tuple[DeviceSpec, float | None, str]:
 
 
 def profiles(device: torch.device, dtype: str) -> list[dict[str, Any]]:
-    """The shared cache's profiles measured on a machine like this one (training/profile_cache.py)."""
+    """The shared cache's profiles measured on a machine like this one (store/profile_cache.py)."""
     described = describe_device(device.type, 1, dtype, torch.get_num_threads())
     memory = described["memory_bytes"] if device.type == "cuda" else None
     return profile_cache.matching(described["name"], cpu_cores(), memory)

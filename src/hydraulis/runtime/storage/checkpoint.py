@@ -1,7 +1,7 @@
 """Saving and loading training state: the fixed optimizer layout with torch.distributed.checkpoint (DCP).
 
 The directory's names, manifest, discovery and retention are torch-free, in
-hydraulis/training/checkpoints.py; the RNG states are runtime/rng.py.
+hydraulis/store/checkpoints.py; the RNG states are runtime/rng.py.
 
 A checkpoint is a directory `step-000123` (the trainer step it resumes at):
 
