@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hydraulis.errors import HydraulisError
-from hydraulis.files import not_found
-from hydraulis.jsonio import read_json_object
+from hydraulis.files import not_found, read_json_object
 from hydraulis.specs import FAMILIES, Architecture, ModelSpec
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",

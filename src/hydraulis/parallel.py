@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hydraulis.errors import HydraulisError
-from hydraulis.jsonio import Fields
+from hydraulis.files import Fields
 from hydraulis.limits import MAX_GPUS
 from hydraulis.specs import ClusterSpec, ModelSpec
 

@@ -26,7 +26,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hydraulis.limits",
         "hydraulis.interrupt",
         "hydraulis.progress",
-        "hydraulis.jsonio",
         "hydraulis.specs",
         "hydraulis.plots",
         "hydraulis.files",

@@ -137,8 +137,7 @@ def bench(
 
     from hydraulis.baselines import POLICIES
     from hydraulis.bench import get_scenarios, run_bench
-    from hydraulis.files import OutputSet, check_output, check_output_dir
-    from hydraulis.jsonio import write_json_atomic
+    from hydraulis.files import OutputSet, check_output, check_output_dir, write_json_atomic
     from hydraulis.plots import check_plot_path
     from hydraulis.report import bench_plot, bench_table, summary_lines
 

@@ -83,7 +83,7 @@ def profile(
     chosen = parse_config_list(configs)
     check_configs(spec, chosen, nproc, device)
     # torch only now: bad input above fails fast, without it.
-    from hydraulis.jsonio import write_json_atomic
+    from hydraulis.files import write_json_atomic
     from hydraulis.runtime.metering.profiler import check_job, profile_model, progress_steps
 
     world = check_job(spec, chosen, nproc, device)

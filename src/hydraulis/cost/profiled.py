@@ -17,7 +17,7 @@ from hydraulis.cost.model import (
     SharedCores,
 )
 from hydraulis.errors import HydraulisError
-from hydraulis.jsonio import Fields, load_json
+from hydraulis.files import Fields, load_json
 from hydraulis.limits import MAX_GPUS, MAX_LAYERS, MAX_LENGTH, MAX_MODEL_DIM
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import DEVICES, DTYPE_BYTES, DeviceSpec, ModelSpec

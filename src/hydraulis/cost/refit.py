@@ -33,7 +33,7 @@ import numpy as np
 from hydraulis.cost.conditions import Conditions
 from hydraulis.cost.model import Coefficients, CostModel
 from hydraulis.errors import HydraulisError
-from hydraulis.jsonio import Fields
+from hydraulis.files import Fields
 from hydraulis.parallel import ParallelConfig
 
 REFIT_ERROR = 0.15  # |predicted - measured| / measured beyond which a step counts as off

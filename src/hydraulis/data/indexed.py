@@ -46,8 +46,7 @@ from hydraulis.data.sft import encode_samples
 from hydraulis.data.staging import OWNER_FILE, default_permissions, occupied, sweep_temporaries, temp_dir
 from hydraulis.data.tokenizer import Tokenizer, get_tokenizer, token_dtype
 from hydraulis.errors import HydraulisError
-from hydraulis.files import not_found, replace_directory, sha256_file
-from hydraulis.jsonio import write_json_atomic
+from hydraulis.files import not_found, replace_directory, sha256_file, write_json_atomic
 
 __all__ = ["INDEX_FILE", "MANIFEST_FILE", "MASK_FILE", "TOKENS_FILE", "CorpusManifest", "IndexedCorpus"]
 

@@ -20,7 +20,7 @@ from typing import Any
 from hydraulis.data.readers import ReadReport
 from hydraulis.data.sampler import POLICIES, Overlong
 from hydraulis.errors import HydraulisError
-from hydraulis.jsonio import Fields, load_json
+from hydraulis.files import Fields, load_json
 
 CORPUS_SCHEMA = "hydraulis.corpus/1"
 TOKENS_FILE = "tokens.bin"

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from hydraulis.errors import HydraulisError
-from hydraulis.jsonio import Fields, load_json, write_json_atomic
+from hydraulis.files import Fields, load_json, write_json_atomic
 from hydraulis.limits import (
     MAX_BATCHES,
     MAX_LENGTH,

@@ -20,7 +20,7 @@ import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
-from hydraulis.jsonio import Fields, load_json, write_json_atomic
+from hydraulis.files import Fields, load_json, write_json_atomic
 from hydraulis.limits import MAX_GPUS, MAX_LENGTH, MAX_SEQUENCES
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.specs import ClusterSpec

@@ -29,7 +29,7 @@ import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError, OverlongError
-from hydraulis.jsonio import Fields, load_json, write_json_atomic
+from hydraulis.files import Fields, load_json, write_json_atomic
 from hydraulis.limits import MAX_GPUS
 from hydraulis.parallel import Deployment, ParallelConfig, format_configs, parse_deployment_configs
 from hydraulis.planner.replicas import ReplicaCost, estimate_time

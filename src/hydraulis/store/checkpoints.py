@@ -19,8 +19,7 @@ from typing import Any
 from hydraulis.cost.refit import RefitState
 from hydraulis.data.sampler import SamplerState
 from hydraulis.errors import HydraulisError
-from hydraulis.files import not_found, sha256_file
-from hydraulis.jsonio import Fields, load_json
+from hydraulis.files import Fields, load_json, not_found, sha256_file
 from hydraulis.progress import Log, aside
 from hydraulis.specs import SHAPE_FIELDS, Architecture, ModelSpec
 

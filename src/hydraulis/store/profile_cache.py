@@ -19,7 +19,7 @@ from typing import Any
 from hydraulis.cost.conditions import cpu_cores
 from hydraulis.data.staging import cache_dir
 from hydraulis.errors import HydraulisError
-from hydraulis.jsonio import write_json_atomic
+from hydraulis.files import write_json_atomic
 from hydraulis.parallel import ParallelConfig
 
 TIMINGS = "timings.jsonl"

@@ -24,7 +24,7 @@ from hydraulis.cost.measured import load_line
 from hydraulis.cost.sweep import ProfileSettings
 from hydraulis.errors import HydraulisError
 from hydraulis.families import weights_digest
-from hydraulis.jsonio import read_json_object
+from hydraulis.files import read_json_object
 from hydraulis.parallel import ParallelConfig
 from hydraulis.progress import say
 from hydraulis.specs import ModelSpec

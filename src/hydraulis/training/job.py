@@ -11,24 +11,26 @@ returns is what every rank of loop.py receives.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hydraulis import interrupt
-from hydraulis.cost import CostModel, load_cost_model
+from hydraulis.cost import CostModel
 from hydraulis.data.indexed import IndexedCorpus, check_targets_left, overlong
 from hydraulis.data.sampler import Overlong, TokenBudgetSampler
 from hydraulis.errors import HydraulisError, OverlongError
-from hydraulis.jsonio import write_json_atomic
+from hydraulis.files import write_json_atomic
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.pool import PoolSetting, check_job_pool, parse_pool
 from hydraulis.progress import say
-from hydraulis.specs import DTYPE_BYTES, ClusterSpec, ModelSpec
+from hydraulis.specs import ClusterSpec, ModelSpec
 from hydraulis.store.checkpoints import Log, sweep_temporary
 from hydraulis.store.resume import check_stop_at, resume_point
-from hydraulis.training.auto_profile import AUTO_PROFILE, REFIT_PROFILE, AutoProfile
+from hydraulis.training.auto_profile import AUTO_PROFILE, REFIT_PROFILE
 from hydraulis.training.config import RunConfig
 from hydraulis.training.evaluation import EvalSet, eval_set, run_sampler
+from hydraulis.training.job_cost import auto_cost, check_budget, for_job, job_cost_model
 from hydraulis.training.mixture import MixtureSpec, training_corpus
 
 RUN_FILES = ("metrics.jsonl", "config.toml", "pool.json", "summary.json", "report.png", "tb", AUTO_PROFILE,
@@ -94,7 +96,7 @@ def prepare(
     spec = model_spec(config)
     setting = PoolSetting.parse(config.parallel.pool)
     auto_profile = config.parallel.profile == "auto"  # measured below, once the world size and the pool are known
-    cost = None if auto_profile else _for_job(config, job_cost_model(config.parallel.profile, spec))
+    cost = None if auto_profile else for_job(config, job_cost_model(config.parallel.profile, spec))
     tokenizer = config.data.tokenizer_for(spec, config.model.init_from)
     token_ids = check_tokenizer(tokenizer, spec, config.model.init_from)  # a bad one fails before anything runs
     env_world = torchrun_world()
@@ -117,21 +119,13 @@ def prepare(
     sampler, overlong = data_sampler(corpus, config, log)
     fresh, profile_cache = None, None  # profile = "auto": a profile measured now (or shared), and the cache's file
     if auto_profile:
-        cost, fresh, profile_cache = _auto_cost(config, spec, configs, world, sampler, run_dir, env_world, log)
+        cost, fresh, profile_cache = auto_cost(config, spec, configs, world, sampler, run_dir, env_world, log)
     pool = _propose(cost, cluster, sampler, config) if setting.auto else parse_pool(setting.text, cluster)
     check_job_pool(pool, world, spec, cost, config.data.max_len)
-    evaluation = None
-    if config.eval.enabled:  # its own corpus, or the share of the training corpus the sampler left out
-        held = config.eval.corpus is None
-        source = corpus if held else _corpus(config.eval.corpus, "eval.corpus", tokenizer, token_ids, log)
-        evaluation = eval_set(config, source, held, cost, world, tuple(pool))
-        log(f"evaluation: {evaluation.tokens:,} held-out tokens in {len(evaluation.batches)} batch(es), after "
-            + (f"every {config.eval.every} steps and " if config.eval.every else "") + "the last step")
+    evaluation = _evaluation(config, corpus, lambda name, key: _corpus(name, key, tokenizer, token_ids, log), cost,
+                             world, tuple(pool), log)  # fmt: skip
     if fresh is not None:  # written only now: bad input leaves nothing behind
-        with interrupt.held():
-            run_dir.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(run_dir / AUTO_PROFILE, fresh)
-            interrupt.keep(f"{run_dir / AUTO_PROFILE} (a run into the same --out uses it)")
+        _keep_profile(run_dir, fresh)
     if resume_from is not None:
         sweep_temporary(run_dir / "checkpoints", log)
     return Job(
@@ -153,6 +147,29 @@ def prepare(
         evaluation=evaluation,
         mixture=mixture,
     )
+
+
+def _evaluation(
+    config: RunConfig, corpus: IndexedCorpus, open_corpus: Callable[[str, str], IndexedCorpus], cost: CostModel,
+    world: int, pool: tuple[Deployment, ...], log: Log,
+) -> EvalSet | None:
+    """[eval]'s batches and plans: its own corpus, or the share of the training corpus the sampler left out."""
+    if not config.eval.enabled:
+        return None
+    held = config.eval.corpus is None
+    source = corpus if held else open_corpus(config.eval.corpus, "eval.corpus")
+    evaluation = eval_set(config, source, held, cost, world, pool)
+    log(f"evaluation: {evaluation.tokens:,} held-out tokens in {len(evaluation.batches)} batch(es), after "
+        + (f"every {config.eval.every} steps and " if config.eval.every else "") + "the last step")
+    return evaluation
+
+
+def _keep_profile(run_dir: Path, fresh: dict) -> None:
+    """A profile measured for this job, into the run directory; an interruption from now on says it is kept."""
+    with interrupt.held():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(run_dir / AUTO_PROFILE, fresh)
+        interrupt.keep(f"{run_dir / AUTO_PROFILE} (a run into the same --out uses it)")
 
 
 def _resolved(config: RunConfig, out: str | None, steps: int | None) -> tuple[RunConfig, Path, int]:
@@ -215,32 +232,6 @@ def _corpus(name: str, key: str, tokenizer: str, token_ids: str, log: Log) -> In
     return corpus
 
 
-def _auto_cost(
-    config: RunConfig, spec: ModelSpec, configs: tuple[ParallelConfig, ...], world: int,
-    sampler: TokenBudgetSampler, run_dir: Path, env_world: int | None, log: Log,
-) -> tuple[CostModel, dict | None, str]:
-    """profile = "auto": the cost model of a profile shared by another run on this machine, kept in the run
-    directory, or measured now; the profile to write once every check has passed (None: nothing new), and the
-    shared cache's file."""
-    from hydraulis.cost import ProfiledCostModel
-
-    config.parallel.recompute_configs(configs)  # a bad recompute list fails before minutes of profiling
-    request = AutoProfile.of(config, spec, configs, world, sampler.piece_lengths())
-    shared = request.cached(request.shared_path(), log)
-    cached = shared or request.cached(run_dir / AUTO_PROFILE, log)
-    fresh = shared if shared is not None else None if cached else request.measure(env_world is not None, log)
-    cost = _for_job(config, ProfiledCostModel.from_dict(cached or fresh, str(run_dir / AUTO_PROFILE)))
-    check_budget(config, spec, cost, configs, world, config.parallel.pool == "auto")
-    return cost, fresh, str(request.shared_path())
-
-
-def _for_job(config: RunConfig, cost: CostModel) -> CostModel:
-    """A loaded cost model made the job's: its recompute set, its exchange bucket checked, its caps budgeted."""
-    cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
-    check_exchange_bucket(config, cost)
-    return budgeted(config, cost)
-
-
 def data_sampler(
     corpus: IndexedCorpus, config: RunConfig, log: Log = say
 ) -> tuple[TokenBudgetSampler, Overlong | None]:
@@ -254,68 +245,6 @@ def data_sampler(
         if cut.records:
             log(f"overlong: {cut.describe()}")
     return sampler, cut
-
-
-def check_exchange_bucket(config: RunConfig, cost: CostModel) -> None:
-    """An exchange round holds a send and a receive buffer of up to one bucket each: both must fit the device."""
-    mb = config.parallel.exchange_bucket_mb
-    memory = cost.memory.memory_bytes
-    if 2 * mb * (1 << 20) > memory:
-        raise HydraulisError(
-            f"parallel.exchange_bucket_mb {mb:g} is too large for the device's {memory / (1 << 20):.0f} MiB "
-            "(an exchange holds two buckets); use a small fraction of it, e.g. 256 on GPUs"
-        )
-
-
-def budgeted(config: RunConfig, cost: CostModel) -> CostModel:
-    """The cost model whose caps are for this job: its compute dtype, exchange bucket, sequence parallelism
-    and, with `[parallel] memory_per_rank`, that budget in place of the device's memory."""
-    bucket = int(config.parallel.exchange_bucket_mb * (1 << 20))
-    return cost.for_job(config.parallel.budget_bytes(), DTYPE_BYTES[config.train.dtype], bucket,
-                        config.parallel.sequence_parallel)
-
-
-def check_budget(
-    config: RunConfig, spec: ModelSpec, cost: CostModel | None, configs: tuple[ParallelConfig, ...], world: int,
-    auto: bool,
-) -> tuple[ParallelConfig, ...]:
-    """The configs whose training state fits `[parallel] memory_per_rank` (all of them without one).
-
-    A config of the pool whose parameters, gradients, owned optimizer state and exchange buffers alone
-    exceed the budget is one error line; with pool = "auto" such configs are left out (the profile does
-    not measure them), and only none fitting is an error. Before profiling, the state comes from the
-    model's shape alone (the analytic memory model).
-    """
-    budget = config.parallel.budget_bytes()
-    if budget is None:
-        return configs
-    given = f"parallel.memory_per_rank {config.parallel.memory_per_rank}"
-    measured = cost is not None
-    if cost is None:
-        from hydraulis.cost import AnalyticCostModel
-        from hydraulis.specs import get_device
-
-        cost = budgeted(config, AnalyticCostModel(spec, get_device("cpu")))
-    memory, MiB = cost.memory, 1 << 20
-    need = {g: memory.state_bytes(g, spec, world) for g in configs}
-    fits = tuple(g for g in configs if need[g] <= memory.usable_bytes)
-    if fits != configs and not (auto and fits):
-        worst = min(configs, key=lambda g: need[g]) if auto else max(configs, key=lambda g: need[g])
-        raise HydraulisError(
-            f"{given} leaves {memory.usable_bytes / MiB:.1f} MiB per rank after its safety margin, but {worst.name} "
-            f"needs {need[worst] / MiB:.1f} MiB before any activation (parameters, gradients, optimizer state, "
-            "exchange buffers); raise memory_per_rank" + ("" if auto else " or use configs that shard the model more")
-        )
-    if auto and measured:  # the proposal's configs: those that hold max_len (an explicit pool: check_job_pool)
-        holds = {g: cost.lone_cap(g, world) for g in fits if g in cost.configs}
-        best = max(holds, key=holds.get, default=None)
-        if best is None or holds[best] < config.data.max_len:
-            most = f"{holds[best]} tokens ({best.name})" if best is not None else "nothing"
-            raise HydraulisError(
-                f"{given} holds at most {most} in a micro-batch, less than data.max_len {config.data.max_len}; "
-                "raise memory_per_rank or lower max_len"
-            )
-    return fits
 
 
 def model_spec(config: RunConfig) -> ModelSpec:
@@ -359,16 +288,6 @@ def _padded(spec: ModelSpec, tp_degrees: set[int], resumed: Path | None) -> Mode
     if before.vocab == spec.vocab and all(before.vocab_rows % tp == 0 for tp in tp_degrees):
         return replace(spec, padded_vocab=before.padded_vocab)
     return padded
-
-
-def job_cost_model(profile: str, spec: ModelSpec) -> CostModel:
-    """load_cost_model, plus `@DEVICE`: the analytic model of the trained model's own shape on DEVICE."""
-    if profile.startswith("@"):
-        from hydraulis.cost import AnalyticCostModel
-        from hydraulis.specs import get_device
-
-        return AnalyticCostModel(spec, get_device(profile[1:]))
-    return load_cost_model(profile)
 
 
 def _pool_configs(setting: PoolSetting, spec: ModelSpec, world: int) -> tuple[ParallelConfig, ...]:

@@ -30,7 +30,7 @@ import numpy as np
 
 from hydraulis.cost.conditions import Conditions, CpuMeter, cpu_cores, disturbed, warning
 from hydraulis.cost.refit import REFIT_STEPS, OnlineRefit, Refit, refit_profile
-from hydraulis.jsonio import write_json_atomic
+from hydraulis.files import write_json_atomic
 from hydraulis.store import profile_cache
 from hydraulis.training.auto_profile import REFIT_PROFILE
 

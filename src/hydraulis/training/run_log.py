@@ -16,8 +16,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hydraulis.files import write_text_atomic
-from hydraulis.jsonio import write_json_atomic
+from hydraulis.files import write_json_atomic, write_text_atomic
 from hydraulis.planner.pool import Pool, save_pool
 from hydraulis.progress import console
 from hydraulis.report import iteration_errors, training_plot

@@ -48,8 +48,7 @@ import torch
 import torch.distributed as dist
 
 from hydraulis.errors import HydraulisError
-from hydraulis.files import replace_directory, sha256_file
-from hydraulis.jsonio import read_json_object, write_json_atomic
+from hydraulis.files import read_json_object, replace_directory, sha256_file, write_json_atomic
 from hydraulis.progress import aside
 from hydraulis.runtime.rng import rng_state, set_rng_state
 from hydraulis.store.checkpoints import (

@@ -1,4 +1,4 @@
-"""Reading and writing files (jsonio.py, files.py): one clear error naming the file; nothing half-written."""
+"""Reading and writing files (files.py: text, JSON formats, outputs): one clear error naming the file."""
 
 from __future__ import annotations
 
@@ -7,8 +7,17 @@ import json
 import pytest
 
 from hydraulis.errors import HydraulisError
-from hydraulis.files import OutputSet, read_text, replace_directory, sha256_file, write_text_atomic
-from hydraulis.jsonio import Fields, load_json, read_json_object, write_json_atomic
+from hydraulis.files import (
+    Fields,
+    OutputSet,
+    load_json,
+    read_json_object,
+    read_text,
+    replace_directory,
+    sha256_file,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 
 def test_load_json_checks_the_schema_and_names_the_file(tmp_path):

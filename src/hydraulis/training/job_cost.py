@@ -1,0 +1,114 @@
+"""The job's cost model: a profile loaded or measured (`profile = "auto"`), made the job's (its recompute
+set, exchange bucket and compute dtype) and held to `[parallel] memory_per_rank`, all before any rank starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydraulis.cost import CostModel, load_cost_model
+from hydraulis.data.sampler import TokenBudgetSampler
+from hydraulis.errors import HydraulisError
+from hydraulis.parallel import ParallelConfig
+from hydraulis.specs import DTYPE_BYTES, ModelSpec
+from hydraulis.store.checkpoints import Log
+from hydraulis.training.auto_profile import AUTO_PROFILE, AutoProfile
+from hydraulis.training.config import RunConfig
+
+
+def auto_cost(
+    config: RunConfig, spec: ModelSpec, configs: tuple[ParallelConfig, ...], world: int,
+    sampler: TokenBudgetSampler, run_dir: Path, env_world: int | None, log: Log,
+) -> tuple[CostModel, dict | None, str]:
+    """profile = "auto": the cost model of a profile shared by another run on this machine, kept in the run
+    directory, or measured now; the profile to write once every check has passed (None: nothing new), and the
+    shared cache's file."""
+    from hydraulis.cost import ProfiledCostModel
+
+    config.parallel.recompute_configs(configs)  # a bad recompute list fails before minutes of profiling
+    request = AutoProfile.of(config, spec, configs, world, sampler.piece_lengths())
+    shared = request.cached(request.shared_path(), log)
+    cached = shared or request.cached(run_dir / AUTO_PROFILE, log)
+    fresh = shared if shared is not None else None if cached else request.measure(env_world is not None, log)
+    cost = for_job(config, ProfiledCostModel.from_dict(cached or fresh, str(run_dir / AUTO_PROFILE)))
+    check_budget(config, spec, cost, configs, world, config.parallel.pool == "auto")
+    return cost, fresh, str(request.shared_path())
+
+
+def for_job(config: RunConfig, cost: CostModel) -> CostModel:
+    """A loaded cost model made the job's: its recompute set, its exchange bucket checked, its caps budgeted."""
+    cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
+    check_exchange_bucket(config, cost)
+    return budgeted(config, cost)
+
+
+def check_exchange_bucket(config: RunConfig, cost: CostModel) -> None:
+    """An exchange round holds a send and a receive buffer of up to one bucket each: both must fit the device."""
+    mb = config.parallel.exchange_bucket_mb
+    memory = cost.memory.memory_bytes
+    if 2 * mb * (1 << 20) > memory:
+        raise HydraulisError(
+            f"parallel.exchange_bucket_mb {mb:g} is too large for the device's {memory / (1 << 20):.0f} MiB "
+            "(an exchange holds two buckets); use a small fraction of it, e.g. 256 on GPUs"
+        )
+
+
+def budgeted(config: RunConfig, cost: CostModel) -> CostModel:
+    """The cost model whose caps are for this job: its compute dtype, exchange bucket, sequence parallelism
+    and, with `[parallel] memory_per_rank`, that budget in place of the device's memory."""
+    bucket = int(config.parallel.exchange_bucket_mb * (1 << 20))
+    return cost.for_job(config.parallel.budget_bytes(), DTYPE_BYTES[config.train.dtype], bucket,
+                        config.parallel.sequence_parallel)
+
+
+def check_budget(
+    config: RunConfig, spec: ModelSpec, cost: CostModel | None, configs: tuple[ParallelConfig, ...], world: int,
+    auto: bool,
+) -> tuple[ParallelConfig, ...]:
+    """The configs whose training state fits `[parallel] memory_per_rank` (all of them without one).
+
+    A config of the pool whose parameters, gradients, owned optimizer state and exchange buffers alone
+    exceed the budget is one error line; with pool = "auto" such configs are left out (the profile does
+    not measure them), and only none fitting is an error. Before profiling, the state comes from the
+    model's shape alone (the analytic memory model).
+    """
+    budget = config.parallel.budget_bytes()
+    if budget is None:
+        return configs
+    given = f"parallel.memory_per_rank {config.parallel.memory_per_rank}"
+    measured = cost is not None
+    if cost is None:
+        from hydraulis.cost import AnalyticCostModel
+        from hydraulis.specs import get_device
+
+        cost = budgeted(config, AnalyticCostModel(spec, get_device("cpu")))
+    memory, MiB = cost.memory, 1 << 20
+    need = {g: memory.state_bytes(g, spec, world) for g in configs}
+    fits = tuple(g for g in configs if need[g] <= memory.usable_bytes)
+    if fits != configs and not (auto and fits):
+        worst = min(configs, key=lambda g: need[g]) if auto else max(configs, key=lambda g: need[g])
+        raise HydraulisError(
+            f"{given} leaves {memory.usable_bytes / MiB:.1f} MiB per rank after its safety margin, but {worst.name} "
+            f"needs {need[worst] / MiB:.1f} MiB before any activation (parameters, gradients, optimizer state, "
+            "exchange buffers); raise memory_per_rank" + ("" if auto else " or use configs that shard the model more")
+        )
+    if auto and measured:  # the proposal's configs: those that hold max_len (an explicit pool: check_job_pool)
+        holds = {g: cost.lone_cap(g, world) for g in fits if g in cost.configs}
+        best = max(holds, key=holds.get, default=None)
+        if best is None or holds[best] < config.data.max_len:
+            most = f"{holds[best]} tokens ({best.name})" if best is not None else "nothing"
+            raise HydraulisError(
+                f"{given} holds at most {most} in a micro-batch, less than data.max_len {config.data.max_len}; "
+                "raise memory_per_rank or lower max_len"
+            )
+    return fits
+
+
+def job_cost_model(profile: str, spec: ModelSpec) -> CostModel:
+    """load_cost_model, plus `@DEVICE`: the analytic model of the trained model's own shape on DEVICE."""
+    if profile.startswith("@"):
+        from hydraulis.cost import AnalyticCostModel
+        from hydraulis.specs import get_device
+
+        return AnalyticCostModel(spec, get_device(profile[1:]))
+    return load_cost_model(profile)
