@@ -109,8 +109,6 @@ def prepare(
     cluster = ClusterSpec(world, min(gpn, world))
     # The model against every config the pool may use, before any corpus build, profile or rank.
     configs = _pool_configs(setting, spec, world)
-    for g in configs:
-        g.validate(spec)
     configs = check_budget(config, spec, cost, configs, world, setting.auto)  # before any profile or rank
     # Vocabulary padding for every TP degree the pool has (with pool = "auto": may have).
     proposable = cost.configs if cost is not None and setting.auto else ()
@@ -291,12 +289,15 @@ def _padded(spec: ModelSpec, tp_degrees: set[int], resumed: Path | None) -> Mode
 
 
 def _pool_configs(setting: PoolSetting, spec: ModelSpec, world: int) -> tuple[ParallelConfig, ...]:
-    """The configs profile = "auto" measures: the pool's; with pool = "auto" every config the proposal may use."""
+    """The configs profile = "auto" measures: the pool's; with pool = "auto" every config the proposal may use.
+    Each checked against the model (its heads and layers split as the config asks)."""
     configs = setting.configs()
     if setting.auto:
         from hydraulis.cost.analytic import candidate_configs
 
         configs = [c for c in candidate_configs(spec, world) if world % c.num_gpus == 0 and c.cp == 1]
+    for g in configs:
+        g.validate(spec)
     return tuple(sorted(set(configs), key=lambda c: (c.num_gpus, c.tp, c.pp, c.cp)))
 
 
