@@ -46,6 +46,21 @@ def read_text(path: str | Path, missing: str = "no such file") -> str:
         raise HydraulisError(f"{path}: cannot read: {exc}") from None
 
 
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The objects of a JSON-lines file (none when it is missing); a line a crash cut short is skipped."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
 def sha256_file(path: Path) -> str:
     """The file's SHA-256, read in 1 MiB blocks (FileNotFoundError if it is gone)."""
     h = hashlib.sha256()

@@ -85,10 +85,11 @@ def _refit_and_reuse(tmp_path, cli, config, measured):
     refit = json.loads((tmp_path / "off" / "profile.refit.json").read_text())
     rows = [json.loads(line) for line in (tmp_path / "off" / "metrics.jsonl").read_text().splitlines()[:-1]]
     # The scale is what steps 1-5 measured against their prediction (about 1/20 on a quiet machine; other
-    # processes' load slows the steps and raises it), so it lies within their span and well below 1.
+    # processes' load slows the steps and raises it, to 0.5 on a busy one), so it lies within their span and,
+    # as four of the five took less than 1 / 1.15 of their prediction (the refit rule), below that however busy.
     ratios = [r["replica_s"][0] / r["replica_predicted_s"][0] for r in rows[1:6]]
     scale = refit["refit"]["scales"]["tp1pp1"]
-    assert refit["refit"]["step"] == 5 and min(ratios) <= scale <= max(ratios) and scale < 0.5, (scale, ratios)
+    assert refit["refit"]["step"] == 5 and min(ratios) <= scale <= max(ratios) and scale < 1 / 1.15, (scale, ratios)
     assert abs(float(refit_line.group(1)) - scale) < 0.01
     assert all(r["foreign_cores"] is None or r["foreign_cores"] >= 0 for r in rows)
     # Steps 1-5 were over-predicted (20x, more than any load here explains); step 6 is predicted by the refit

@@ -52,6 +52,7 @@ def cost_model(profile: str, memory_per_rank: str | None = None, dtype: str = "b
 
 
 GpusPerNodeOption = typer.Option(8, "--gpus-per-node", help="GPUs per node.", min=1, max=MAX_GPUS)
+WorkloadOption = typer.Option(..., "--workload", "-w", help="A hydraulis.workload/1 file.")
 TokensPerBatchOption = typer.Option(
     None, "--tokens-per-batch", help="Histogram workloads: token budget.", min=1, max=MAX_TOKENS_PER_BATCH
 )

@@ -17,6 +17,7 @@ from hydraulis.cli.common import (
     ProfileOption,
     SeedOption,
     TokensPerBatchOption,
+    WorkloadOption,
     console,
     err_console,
     gpus_option,
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 def plan(
     profile: str = ProfileOption,
     gpus: int = gpus_option(),
-    workload: Path = typer.Option(..., "--workload", "-w", help="A hydraulis.workload/1 file."),
+    workload: Path = WorkloadOption,
     out: Path = typer.Option(..., "--out", "-o", help="Where to write the hydraulis.plan/1 file."),
     pool: str = typer.Option(
         None, "--pool", help="Deployments separated by ';' (e.g. '16x(tp2,pp1); 1x(tp8,pp1) + 12x(tp2,pp1)')."

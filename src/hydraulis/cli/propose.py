@@ -16,6 +16,7 @@ from hydraulis.cli.common import (
     ProfileOption,
     SeedOption,
     TokensPerBatchOption,
+    WorkloadOption,
     console,
     err_console,
     gpus_option,
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 def propose(
     profile: str = ProfileOption,
     gpus: int = gpus_option(),
-    workload: Path = typer.Option(..., "--workload", "-w", help="A hydraulis.workload/1 file."),
+    workload: Path = WorkloadOption,
     out: Path = typer.Option(..., "--out", "-o", help="Where to write the hydraulis.pool/1 file."),
     max_pool: int = typer.Option(
         DEFAULT_MAX_POOL, "--max-pool", "-k", help="Most deployments in the pool.", min=1, max=MAX_POOL

@@ -14,6 +14,15 @@ import numpy as np
 from hydraulis.planner.replicas import BULK_MIN_SEQUENCES, ReplicaSums, ReplicaTable, estimate_time, estimates
 
 
+def _movable(members: np.ndarray, costs: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A replica's items worth trying to move (one per length class), their costs on it (`costs`: its row),
+    and its largest cost without each of them (taken over all its items, before the representatives)."""
+    w = costs[members]
+    wmax_wo = _without_each(w)
+    keep = representatives(lengths[members])
+    return members[keep], w[keep], wmax_wo[keep]
+
+
 def _without_each(w_items: np.ndarray) -> np.ndarray:
     """Largest of the other items, for each item (the replica's w_max once it leaves)."""
     if len(w_items) == 1:
@@ -58,10 +67,7 @@ def local_search(
         items = np.flatnonzero(replica_of == b)
         if len(items) == 0:
             break
-        w_bk = wg[group[b], items]
-        wmax_wo = _without_each(w_bk)
-        keep = representatives(lengths[items])
-        items, w_bk, wmax_wo = items[keep], w_bk[keep], wmax_wo[keep]
+        items, w_bk, wmax_wo = _movable(items, wg[group[b]], lengths)
         s_k = lengths[items]
         e_b = estimate_time(sums.W[b] - w_bk, sums.T[b] - s_k, sums.n[b] - 1, wmax_wo, *(x[b] for x in p)) + bias[b]
         # Moves: every item of b to each of the least loaded replicas of every config, at once.
@@ -173,10 +179,7 @@ def _best_swap(search: _Search, neck: _Bottleneck, partners: int, tol: float) ->
         mine = np.flatnonzero(search.replica_of == r)
         if len(mine) == 0:
             continue
-        w_rm = wg[group[r], mine]
-        wmax_wo_r = _without_each(w_rm)
-        keep = representatives(lengths[mine])
-        mine, w_rm, wmax_wo_r = mine[keep], w_rm[keep], wmax_wo_r[keep]
+        mine, w_rm, wmax_wo_r = _movable(mine, wg[group[r]], lengths)
         s_k, s_m = lengths[items], lengths[mine]
         w_bm = wg[group[b], mine]  # r's items costed on b
         w_rk = wg[group[r], items]  # b's items costed on r

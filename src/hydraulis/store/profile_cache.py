@@ -19,7 +19,7 @@ from typing import Any
 from hydraulis.cost.conditions import cpu_cores
 from hydraulis.data.staging import cache_dir
 from hydraulis.errors import HydraulisError
-from hydraulis.files import write_json_atomic
+from hydraulis.files import read_jsonl, write_json_atomic
 from hydraulis.parallel import ParallelConfig
 
 TIMINGS = "timings.jsonl"
@@ -95,18 +95,8 @@ def expected_s(where: dict[str, Any], steps: int, model: str, analytic_s: float 
 
 def _timings(where: dict[str, Any]) -> list[dict[str, Any]]:
     """The rows of timings.jsonl from this machine (`where`)."""
-    path = profiles_dir() / TIMINGS
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and all(row.get(k) == v for k, v in where.items()) and row.get("steps"):
-            rows.append(row)
-    return rows
+    rows = read_jsonl(profiles_dir() / TIMINGS)
+    return [r for r in rows if all(r.get(k) == v for k, v in where.items()) and r.get("steps")]
 
 
 def matching(device_name: str, cores: int, memory_bytes: int | None = None) -> list[dict[str, Any]]:

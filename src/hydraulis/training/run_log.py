@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hydraulis.files import write_json_atomic, write_text_atomic
+from hydraulis.files import read_jsonl, write_json_atomic, write_text_atomic
 from hydraulis.planner.pool import Pool, save_pool
 from hydraulis.progress import console
 from hydraulis.report import iteration_errors, training_plot
@@ -269,17 +269,9 @@ def _keep_copy(path: Path, step: int) -> None:
 
 
 def _metrics_before(path: Path, step: int) -> list[dict[str, Any]]:
-    if step == 0 or not path.is_file():
+    if step == 0:
         return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line cut short by a crash
-        if isinstance(row, dict) and "step" in row and row["step"] < step:
-            rows.append(row)
-    return rows
+    return [r for r in read_jsonl(path) if "step" in r and r["step"] < step]
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:

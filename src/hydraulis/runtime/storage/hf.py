@@ -62,22 +62,28 @@ _HF_DERIVED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 def hf_name(our_name: str) -> str:
     """The HF name of one of our full-model parameters (same shape and layout, but for vocabulary padding)."""
-    if our_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[our_name]
-    m = _OUR_LAYER.fullmatch(our_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    raise HydraulisError(f"no HF tensor for parameter {our_name!r}")
+    found = _renamed(our_name, _GLOBAL_NAMES, _OUR_LAYER, _LAYER_NAMES, "model.layers.{}.{}")
+    if found is None:
+        raise HydraulisError(f"no HF tensor for parameter {our_name!r}")
+    return found
 
 
 def our_name(hf_tensor_name: str) -> str:
     """The inverse of `hf_name`: our parameter name of an HF tensor."""
-    if hf_tensor_name in _HF_GLOBAL_NAMES:
-        return _HF_GLOBAL_NAMES[hf_tensor_name]
-    m = _HF_LAYER.fullmatch(hf_tensor_name)
-    if m and m.group(2) in _HF_LAYER_NAMES:
-        return f"layers.{m.group(1)}.{_HF_LAYER_NAMES[m.group(2)]}"
-    raise HydraulisError(f"HF tensor {hf_tensor_name!r} has no counterpart in a hydraulis model")
+    found = _renamed(hf_tensor_name, _HF_GLOBAL_NAMES, _HF_LAYER, _HF_LAYER_NAMES, "layers.{}.{}")
+    if found is None:
+        raise HydraulisError(f"HF tensor {hf_tensor_name!r} has no counterpart in a hydraulis model")
+    return found
+
+
+def _renamed(
+    name: str, whole: dict[str, str], layer: re.Pattern[str], in_layer: dict[str, str], template: str
+) -> str | None:
+    """`name` in the other naming: a whole-model tensor's by the table, a layer's by its index and the table."""
+    if name in whole:
+        return whole[name]
+    m = layer.fullmatch(name)
+    return template.format(m.group(1), in_layer[m.group(2)]) if m and m.group(2) in in_layer else None
 
 
 def hf_config(spec: ModelSpec, max_position_embeddings: int = 4096) -> Any:
