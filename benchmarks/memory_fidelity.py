@@ -34,6 +34,7 @@ def worker(model: str, dtype: str, steps: int, sequence_parallel: bool) -> list[
     from hydraulis.parallel import Deployment
     from hydraulis.planner.planner import Planner
     from hydraulis.runtime.launch import init_distributed
+    from hydraulis.runtime.parallelism.batch import TokenDocuments
     from hydraulis.runtime.trainer import Trainer, TrainSettings
     from hydraulis.specs import DTYPE_BYTES, MODELS, ClusterSpec, get_device
 
@@ -49,7 +50,7 @@ def worker(model: str, dtype: str, steps: int, sequence_parallel: bool) -> list[
     settings = TrainSettings(model=spec, pool=pool, cost=cost, optim=OptimSettings(lr=1e-3, warmup=1),
                              steps=steps * len(pool), dtype=dtype, sequence_parallel=sequence_parallel,
                              memory_every=1)
-    trainer = Trainer(settings, docs, sampler, env)
+    trainer = Trainer(settings, TokenDocuments(docs), sampler, env)
     rows = []
     for deployment in pool:
         planner = Planner(cost, WORLD, [deployment])  # the same plan on every rank: deterministic

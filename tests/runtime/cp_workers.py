@@ -14,7 +14,7 @@ from hydraulis.optim import AdamWSettings, OptimSettings
 from hydraulis.parallel import ParallelConfig, Replica
 from hydraulis.runtime import StageModel, build_replica_groups, count_targets
 from hydraulis.runtime.launch import init_distributed
-from hydraulis.runtime.parallelism.batch import pack_cp_shard
+from hydraulis.runtime.parallelism.batch import TokenDocuments, pack_cp_shard
 from hydraulis.runtime.pipeline import train_step
 from hydraulis.runtime.trainer import Trainer, TrainSettings
 from hydraulis.specs import MODELS, ModelSpec
@@ -111,7 +111,7 @@ def train_cp(rank: int, world: int, s: TrainSettings) -> dict:
     """The trainer on 4 ranks, planning every step itself; rank 0's metrics and every owner's master range."""
     env = init_distributed("cpu")
     docs = cp_train_corpus(s.model.vocab)
-    trainer = Trainer(s, docs, cp_train_sampler(docs), env)
+    trainer = Trainer(s, TokenDocuments(docs), cp_train_sampler(docs), env)
     metrics = [trainer.step().to_dict() for _ in range(s.steps)]
     trainer.close()
     return {"metrics": metrics, "master": trainer.optimizer.master.clone()}

@@ -10,6 +10,7 @@ from train_workers import corpus, cpu_settings, sampler
 from hydraulis.planner.plan import IterationPlan
 from hydraulis.runtime.launch import init_distributed
 from hydraulis.runtime.parallelism import collectives, groups
+from hydraulis.runtime.parallelism.batch import TokenDocuments
 from hydraulis.runtime.trainer import Trainer, TrainSettings
 
 
@@ -28,7 +29,7 @@ def train_variants(
     for changes in variants:
         docs = corpus(s.model.vocab)
         smp = sampler(docs)
-        trainer = Trainer(dataclasses.replace(s, **changes), docs, smp, env)
+        trainer = Trainer(dataclasses.replace(s, **changes), TokenDocuments(docs), smp, env)
         metrics, early, buffers = [], [], []
         for plan in plans:
             metrics.append(trainer.run_iteration(smp.next_batch(), plan))
@@ -68,7 +69,7 @@ def train_small(rank: int, world: int, steps: int, bucket_bytes: int) -> list[di
         world, ["4x(tp1,pp1)"], OptimSettings(lr=1e-3, warmup=1), steps, "small", exchange_bucket_bytes=bucket_bytes,
         memory_every=1,  # every step measured, not the CPU default's sample
     )
-    trainer = Trainer(s, docs, smp, env)
+    trainer = Trainer(s, TokenDocuments(docs), smp, env)
     metrics = [trainer.step().to_dict() for _ in range(steps)]
     trainer.close()
     return metrics

@@ -19,6 +19,7 @@ from hydraulis.planner.planner import Planner
 from hydraulis.planner.schedule import mean_switch_time, phases_time
 from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, pack_documents
 from hydraulis.runtime.launch import init_distributed
+from hydraulis.runtime.parallelism.batch import TokenDocuments
 from hydraulis.runtime.sharding.layout import ModelLayout
 from hydraulis.runtime.trainer import Trainer, TrainSettings
 from hydraulis.specs import MODELS, ClusterSpec, get_device
@@ -120,7 +121,7 @@ def train(rank: int, world: int, s: TrainSettings, plans: list[Schedule]) -> dic
     env = init_distributed("cpu")
     docs = corpus(s.model.vocab)
     smp = sampler(docs)
-    trainer = Trainer(s, docs, smp, env)
+    trainer = Trainer(s, TokenDocuments(docs), smp, env)
     metrics = [trainer.run_schedule(smp.next_batch(), plan) for plan in plans]
     metrics += [trainer.step() for _ in range(2)]
     # The measured comparison runs real iterations mid-run: training must go on as if it had not.

@@ -62,6 +62,8 @@ IfExists = Literal["error", "replace", "keep"]
 class IndexedCorpus:
     """A built corpus, opened read-only. `corpus[i]` is document i's tokens (a memory-map view, no copy)."""
 
+    mixture: Mixture | None = None  # one source (training/mixture.py's MixedCorpus: its sources and weights)
+
     def __init__(
         self,
         path: Path,

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from hydraulis.data.sampler import GlobalBatch
 from hydraulis.planner.plan import decode_schedule
+from hydraulis.runtime.parallelism.batch import Corpus
 from hydraulis.runtime.phases import sub_batch
 from hydraulis.runtime.pipeline import forward_step
 from hydraulis.runtime.trainer import Trainer
@@ -46,7 +47,7 @@ class EvalResult:
 
 
 def evaluate(
-    trainer: Trainer, batches: Sequence[GlobalBatch], plans: Sequence[np.ndarray], corpus: Sequence[np.ndarray]
+    trainer: Trainer, batches: Sequence[GlobalBatch], plans: Sequence[np.ndarray], corpus: Corpus
 ) -> EvalResult:
     """The held-out loss of the model as the optimizer's owners hold it now (every rank calls it): `batches` of
     `corpus`, each run on its plan (plan.encode_schedule on the run's pool)."""

@@ -54,7 +54,7 @@ from hydraulis.runtime.compare import Comparison, compare
 from hydraulis.runtime.deployments import RankDeployment, RankPool
 from hydraulis.runtime.divergence import finite
 from hydraulis.runtime.launch import DTYPES, DistEnv, init_distributed
-from hydraulis.runtime.parallelism.batch import PackedBatch, count_targets, pack_cp_shard
+from hydraulis.runtime.parallelism.batch import Corpus, PackedBatch, pack_cp_shard
 from hydraulis.runtime.parallelism.groups import built_groups
 from hydraulis.runtime.phases import RankFigures, loss_part, run_phases
 from hydraulis.runtime.sharding.layout import ModelLayout
@@ -157,7 +157,7 @@ class Trainer:
     def __init__(
         self,
         settings: TrainSettings,
-        corpus: Sequence[np.ndarray],
+        corpus: Corpus,
         sampler: TokenBudgetSampler,
         env: DistEnv | None = None,
     ) -> None:
@@ -249,29 +249,27 @@ class Trainer:
         return self.run_schedule(batch, schedule, planning_unhidden_s=waited)
 
     def micro_batches(
-        self, batch: GlobalBatch, plan: IterationPlan, part: RankDeployment, corpus: Sequence[np.ndarray] | None = None
+        self, batch: GlobalBatch, plan: IterationPlan, part: RankDeployment, corpus: Corpus | None = None
     ) -> list[PackedBatch]:
         """This rank's replica's micro-batches (its CP rank's share of each): only its documents are read, from
         the training corpus or `corpus` (evaluation's)."""
         pad = part.groups.config.tp if part.groups.tp.sequence_parallel else 1
         cp = part.groups.cp
         corpus = self.corpus if corpus is None else corpus
-        mask_of = getattr(corpus, "target_mask", None)  # SFT corpora (data/indexed.py): which are targets
         out = []
         for mb in plan.replicas[part.replica].micro_batches:
             docs, masks = [], []
             for i in mb:
                 start, end = int(batch.starts[i]), int(batch.starts[i]) + int(batch.lengths[i])
                 docs.append(torch.from_numpy(np.asarray(corpus[int(batch.docs[i])][start:end], dtype=np.int64)))
-                mask = mask_of(int(batch.docs[i])) if mask_of is not None else None
+                mask = corpus.target_mask(int(batch.docs[i]))  # SFT corpora: which tokens are targets
                 masks.append(None if mask is None else torch.from_numpy(np.array(mask[start:end], dtype=np.uint8)))
             out.append(pack_cp_shard(docs, cp.size, cp.rank, pad_to_multiple=pad, masks=masks))
         return out
 
-    def batch_targets(self, batch: GlobalBatch, corpus: Sequence[np.ndarray] | None = None) -> int:
+    def batch_targets(self, batch: GlobalBatch, corpus: Corpus | None = None) -> int:
         """The loss's denominator: targets of the whole global batch (SFT: the masked ones), at least 1."""
-        count = getattr(self.corpus if corpus is None else corpus, "piece_targets", None)
-        n = count(batch.docs, batch.starts, batch.lengths) if count is not None else count_targets(batch.lengths)
+        n = (self.corpus if corpus is None else corpus).piece_targets(batch.docs, batch.starts, batch.lengths)
         return max(int(n), 1)
 
     def run_iteration(self, batch: GlobalBatch, plan: IterationPlan, planning_unhidden_s: float = 0.0) -> StepMetrics:

@@ -57,7 +57,7 @@ def run_sampler(config: RunConfig, corpus: IndexedCorpus) -> TokenBudgetSampler:
     data = config.data
     return corpus_sampler(
         corpus, data.tokens_per_batch, data.max_len, data.seed, data.overlong, training_documents(config, corpus),
-        getattr(corpus, "mixture", None),  # a MixedCorpus (training/mixture.py): its sources by their weights
+        corpus.mixture,  # a MixedCorpus (training/mixture.py): its sources by their weights
     )
 
 

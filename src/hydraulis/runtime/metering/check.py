@@ -36,6 +36,7 @@ from hydraulis.optim import OptimSettings
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.planner import Planner
 from hydraulis.runtime.metering import machine
+from hydraulis.runtime.parallelism.batch import TokenDocuments
 from hydraulis.specs import DTYPE_BYTES, ClusterSpec, ModelSpec
 
 # bf16 keeps 8 significant bits (relative rounding 2^-9): errors of a few roundings pass, a wrong mask,
@@ -171,7 +172,7 @@ def check_step(
     settings = TrainSettings(model, pool, cost, OptimSettings(lr=1e-4, warmup=1), WARMUP + steps, dtype=dtype,
                              memory_every=1, memory_budget_bytes=budget)  # fmt: skip
     env = init_distributed(device.type)
-    trainer = Trainer(settings, corpus, sampler, env)
+    trainer = Trainer(settings, TokenDocuments(corpus), sampler, env)
     planner = Planner(cost, 1, pool)
     batches = sampler.batches(WARMUP + steps)
     plans = [planner.plan(b.lengths, i) for i, b in enumerate(batches)]

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -86,6 +87,43 @@ class PackedBatch:
 def count_targets(lengths: Sequence[int]) -> int:
     """Real target tokens of documents with these lengths: s - 1 each."""
     return int(sum(max(int(s) - 1, 0) for s in lengths))
+
+
+class Corpus(Protocol):
+    """What the runtime reads of a corpus: documents' tokens, their target masks, the targets of pieces.
+
+    data/indexed.py's IndexedCorpus and training/mixture.py's MixedCorpus are corpora; `TokenDocuments`
+    holds documents in memory."""
+
+    def __getitem__(self, i: int) -> np.ndarray: ...
+
+    def target_mask(self, i: int) -> np.ndarray | None:
+        """Document i's target mask (1: a target), or None when every token after its first is one."""
+        ...
+
+    def piece_targets(self, docs: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> int:
+        """Targets of document pieces (a piece's first token is none: nothing precedes it)."""
+        ...
+
+
+class TokenDocuments:
+    """Documents' tokens held in memory (tests, benchmarks, `hydraulis check`): every token but a piece's first
+    is a target."""
+
+    def __init__(self, documents: Sequence[np.ndarray]) -> None:
+        self.documents = list(documents)
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.documents[i]
+
+    def target_mask(self, i: int) -> np.ndarray | None:
+        return None
+
+    def piece_targets(self, docs: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> int:
+        return count_targets(lengths)
 
 
 Masks = Sequence[Sequence[int] | torch.Tensor | None] | None
