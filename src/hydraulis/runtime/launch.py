@@ -191,13 +191,16 @@ _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken p
 
 
 def _blame(code: int, err: Path) -> int:
-    """How likely a failed rank is the cause (lower: more): a signal or a user error, a bug, a lost peer."""
+    """How likely a failed rank is the cause (lower: more): a signal or a user error, a bug, a lost peer.
+
+    A rank that lost a peer is never the cause, whatever its exit code: one still joining the job when a
+    peer failed ends with a user error's code (it could not join) that names the closed connection."""
     if code < 0:
         return 0
-    if code == 2:
-        return 1
     text = err.read_text() if err.exists() else ""
-    return 3 if any(s in text for s in _PEER_LOST) else 2
+    if any(s in text for s in _PEER_LOST):
+        return 3
+    return 1 if code == 2 else 2
 
 
 def _exit_reason(rank: int, code: int) -> str:
