@@ -74,6 +74,18 @@ def test_losses_do_not_depend_on_the_deployment(hetero_run, tmp_path, corpus, cl
     np.testing.assert_allclose(eval_losses(hetero_out), eval_losses(tmp_path / "one"), rtol=1e-5)
 
 
+def test_a_pipelined_pool_evaluates_forward_only_with_the_same_loss(hetero_run, tmp_path, corpus, cli):
+    """Every replica a 2-stage pipeline: the held-out batches go through the stages forward only, and the eval
+    loss after 3 steps is the heterogeneous run's (itself a single process's)."""
+    result, hetero_out = hetero_run
+    assert result.returncode == 0, result.stderr
+    parallel = 'pool = "2x(tp1,pp2)"\nprofile = "tiny@cpu"'
+    config = write_config(tmp_path / "pp.toml", corpus, parallel=parallel, eval=EVAL)
+    pp = cli("train", "--config", str(config), "--nproc", "4", "--out", str(tmp_path / "pp"), "--stop-at", "3")
+    assert pp.returncode == 0, pp.stderr
+    np.testing.assert_allclose(eval_losses(tmp_path / "pp"), eval_losses(hetero_out)[:1], rtol=1e-5)
+
+
 def eval_losses(out) -> list[float]:
     return [r["eval_loss"] for r in step_rows(out) if "eval_loss" in r]
 
