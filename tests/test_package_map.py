@@ -8,7 +8,6 @@ in its folder's entry as `stem.py`; top-level modules in the entries that start 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from cli_helpers import SRC
 
