@@ -9,7 +9,7 @@ training state. Here a post-accumulate-grad hook moves each micro-batch's
 gradient into a `main_grad` in fp16 scaled by a power of two per tensor and
 frees the bf16 one: fp16 has 3 more significant bits than bf16, so the sum
 is as accurate as fp32's (6.9e-3 there too) in 2 bytes, and nothing more
-travels (`docs/design.md`, section 6, has the options measured).
+travels (`docs/results.md`, "Mixed precision", has the options measured).
 
 The scale keeps the tensor's largest element below 2^15 (fp16 overflows at
 65504): the first micro-batch's largest element goes to at most 2^9, which
