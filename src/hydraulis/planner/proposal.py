@@ -39,6 +39,7 @@ from hydraulis.planner.pool import (
     Pool,
     candidate_deployments,
     fallback_config,
+    fallback_deployment,
     homogeneous,
     replicable_configs,
 )
@@ -387,7 +388,10 @@ def propose(
     hist = LengthHistogram.from_batches(batches)
     longest = max(hist.max_length, max_length or 0)
     # The published system knows no lone micro-batches: its fallback holds the longest sequence by the cap.
-    fallback = homogeneous(fallback_config(cost, cluster, longest, batches, lone=method == "hydraulis"), cluster)
+    if method == "hydraulis":
+        fallback = fallback_deployment(cost, cluster, longest, batches)
+    else:
+        fallback = homogeneous(fallback_config(cost, cluster, longest, batches, lone=False), cluster)
     sample = batches[: max_samples or default_samples(batches)]
 
     if method == "published":
