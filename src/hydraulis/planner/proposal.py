@@ -52,6 +52,8 @@ SCREEN_BUDGET_S = 10.0
 LARGE_BATCH_SCREEN = 4  # dispatch estimates in screening, before the fluid proxy takes over
 PHASE_SAMPLES = 4  # sample batches the phased planner plans when choosing deployments for phases
 SHORT_SHARE = 0.1  # a level at least this share of batches stop at counts as the samples cut there
+LEVEL_RATIO = 1.5  # phase levels at least this far apart (`spaced_levels`)
+LEVEL_KEEP = 4  # deployments per level the dispatch estimate ranks, the least work first (`_least_work`)
 
 Progress = Callable[[str, int, int], None]
 
@@ -256,7 +258,7 @@ def phase_deployments(
     # where a CP config does not hold the longest sequence (32b-16g-code: 1x tp4pp2cp2 up to 11K).
     candidates = _unique([*candidates, *(homogeneous(g, cluster) for g in replicable_configs(cost, cluster))])
     tops = {str(d): max(cost.cap(g, N) for g in d.configs) for d in candidates}
-    levels = sorted({t for t in tops.values() if t < longest})
+    levels = spaced_levels(sorted({t for t in tops.values() if t < longest}))
     tables: dict[str, ReplicaTable] = {}
     chosen: list[Deployment] = []
     level_of: dict[str, int] = {}
@@ -264,6 +266,7 @@ def phase_deployments(
         parts = [b[b <= level] for b in sample if (b <= level).any()]
         holding = [d for d in candidates if tops[str(d)] >= level and d not in pool and d not in chosen]
         if parts and holding:
+            holding = _least_work(cost, N, holding, parts)
             for d in holding:
                 tables.setdefault(str(d), ReplicaTable.of(cost, d, N))
             est = [sum(dispatch(p, tables[str(d)], search=False).makespan_s for p in parts) for d in holding]
@@ -278,6 +281,34 @@ def phase_deployments(
     used = [float(np.mean([any(p.deployment == d for p in s.phases) for s in schedules])) for d in current]
     usage = tuple(max(u, v) for u, v in zip((*usage, *(0.0,) * len(added)), used, strict=True))
     return added, np.array([s.iteration_time_s for s in schedules]), usage
+
+
+def spaced_levels(levels: Sequence[int], ratio: float = LEVEL_RATIO) -> list[int]:
+    """The cap levels at least `ratio` apart (the lowest of each run kept): the whole TP x PP x CP space has
+    hundreds of caps, a few percent apart, and a deployment chosen for a level holds the next ones too."""
+    out: list[int] = []
+    for level in levels:
+        if not out or level >= out[-1] * ratio:
+            out.append(level)
+    return out
+
+
+def _least_work(
+    cost: CostModel, num_gpus: int, holding: Sequence[Deployment], parts: Sequence[np.ndarray], keep: int = LEVEL_KEEP
+) -> list[Deployment]:
+    """The `keep` deployments whose configs do the parts' work in the fewest GPU-seconds (each sequence on its
+    cheapest config that holds it; c and bubbles left out), before the dispatch estimate ranks them."""
+    work = []
+    for d in holding:
+        configs = list(dict.fromkeys(d.configs))
+        gpus = np.array([g.num_gpus for g in configs], dtype=np.float64)[:, None]
+        caps = np.array([max(cost.cap(g, num_gpus), cost.lone_cap(g, num_gpus)) for g in configs])[:, None]
+        total = 0.0
+        for p in parts:
+            w = np.where(caps >= p[None, :], gpus * cost.cost_matrix(p, configs), np.inf)
+            total += float(w.min(axis=0).sum())
+        work.append(total)
+    return [holding[i] for i in np.argsort(work, kind="stable")[:keep]]
 
 
 def _greedy_phases(
@@ -308,8 +339,11 @@ def _greedy_phases(
         k = int(np.argmax(gains))
         if gains[k] <= min_gain * base:
             break
-        current = [*current, chosen.pop(k)]
-        planner, schedules = PhasedPlanner(cost, num_gpus, current), trials[k]
+        current, schedules = [*current, chosen[k]], trials[k]
+        planner = PhasedPlanner(cost, num_gpus, current)
+        # one that did not pay beside a smaller pool is not tried again (the lazy greedy: a pool that grows
+        # leaves each deployment less to save)
+        chosen = [d for i, d in enumerate(chosen) if i != k and gains[i] > min_gain * base]
     return current, schedules
 
 
