@@ -53,7 +53,7 @@ LARGE_BATCH_SCREEN = 4  # dispatch estimates in screening, before the fluid prox
 PHASE_SAMPLES = 4  # sample batches the phased planner plans when choosing deployments for phases
 SHORT_SHARE = 0.1  # a level at least this share of batches stop at counts as the samples cut there
 LEVEL_RATIO = 1.5  # phase levels at least this far apart (`spaced_levels`)
-LEVEL_KEEP = 4  # deployments per level the dispatch estimate ranks, the least work first (`_least_work`)
+LEVEL_KEEP = 8  # deployments per level the dispatch estimate ranks, the least work first (`_least_work`)
 
 Progress = Callable[[str, int, int], None]
 
