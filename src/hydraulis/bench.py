@@ -159,14 +159,16 @@ def run_policies(
 ) -> list[PolicyResult]:
     """Every policy on the same batches and context; `keep(policy, step, schedule)` sees each schedule.
 
-    Each policy gets full recompute where no config holds the run's longest sequence otherwise
-    (`PolicyContext.recompute_where_needed`). Balance efficiency divides one lower bound per batch, the
-    least over the cost models the policies plan on (megatron-dcp's adds its CP group sizes, recompute
-    its caps), by each iteration's time: how far each policy is from the best possible.
+    Every policy gets full recompute where no config packs the run's longest sequence otherwise
+    (`PolicyContext.recompute_where_needed`), the same cost model for all. Balance efficiency divides one
+    lower bound per batch, the least over the cost models the policies plan on (megatron-dcp's adds its CP
+    group sizes), by each iteration's time: how far each policy is from the best possible.
     """
     runs = []
+    # One rule for all: recompute where no config packs the longest sequence by its cap, so every policy
+    # plans on the same cost model (the planner's lone micro-batches would hold more, without recompute).
+    own = ctx if ctx.user_pool is not None else ctx.recompute_where_needed(lone=False)
     for policy_name in policies:
-        own = ctx if ctx.user_pool is not None else ctx.recompute_where_needed(lone=policy_name == "hydraulis")
         policy = make_policy(policy_name, own)
         times, planning, used = [], [], {}
         for step, b in enumerate(batches):

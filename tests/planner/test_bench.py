@@ -175,3 +175,12 @@ def test_baselines_get_full_recompute_only_where_nothing_fits_otherwise():
     assert ctx.recompute_where_needed(lone=True) is ctx  # the planner holds it alone on a deep CP replica
     short = PolicyContext.build(cost, cluster, [batch[1:]])
     assert short.recompute_where_needed(lone=False) is short
+
+
+def test_bench_lists_a_group_and_refuses_an_unknown_one(cli, tmp_path):
+    res = cli("bench", "--group", "long", "--list")
+    assert res.returncode == 0, res.stderr
+    assert "long-13b-64g-stdlib-1m-256k" in res.stdout and "7b-16g-wiki-256k-8k" not in res.stdout
+    bad = cli("bench", "--group", "huge", "--out", str(tmp_path / "out"))
+    assert bad.returncode == 2 and "unknown scenario group 'huge'" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "out").exists()

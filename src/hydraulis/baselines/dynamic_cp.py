@@ -265,7 +265,7 @@ def candidate_bases(ctx: PolicyContext) -> list[ParallelConfig]:
         probe = DynamicCP.__new__(DynamicCP)
         probe.ctx = ctx
         probe._use(g)
-        if probe.needed(ctx.run_max_length) is not None:
+        if probe.budget > 0 and probe.needed(ctx.run_max_length) is not None:  # a deep base may hold only lone
             out.append(g)
     return out
 

@@ -19,15 +19,22 @@ bubble, and replicas of one phase hold disjoint GPUs, so no plan beats LB.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
+from hydraulis.parallel import ParallelConfig
 
 
-def lower_bound(lengths: np.ndarray, cost: CostModel, num_gpus: int) -> float:
+def lower_bound(
+    lengths: np.ndarray, cost: CostModel, num_gpus: int, configs: Sequence[ParallelConfig] | None = None
+) -> float:
+    """LB over the cost model's configs that fit the job, or over `configs` (a deployment's, the proposal's
+    ranking of phase deployments)."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    configs = [g for g in cost.configs if g.num_gpus <= num_gpus]
+    configs = [g for g in (configs or cost.configs) if g.num_gpus <= num_gpus]
     if not configs:
         smallest = min(g.num_gpus for g in cost.configs)
         raise HydraulisError(f"no parallel config of {cost.name} fits {num_gpus} GPU(s); the smallest needs {smallest}")

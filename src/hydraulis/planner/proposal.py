@@ -32,8 +32,9 @@ from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.limits import DEFAULT_MAX_POOL
 from hydraulis.parallel import Deployment
+from hydraulis.planner.bounds import lower_bound
 from hydraulis.planner.dispatch import NoRoom, dispatch
-from hydraulis.planner.phases import PhasedPlanner
+from hydraulis.planner.phases import PhasedPlanner, spaced_levels
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import (
     Pool,
@@ -52,7 +53,6 @@ SCREEN_BUDGET_S = 10.0
 LARGE_BATCH_SCREEN = 4  # dispatch estimates in screening, before the fluid proxy takes over
 PHASE_SAMPLES = 4  # sample batches the phased planner plans when choosing deployments for phases
 SHORT_SHARE = 0.1  # a level at least this share of batches stop at counts as the samples cut there
-LEVEL_RATIO = 1.5  # phase levels at least this far apart (`spaced_levels`)
 LEVEL_KEEP = 8  # deployments per level the dispatch estimate ranks, the least work first (`_least_work`)
 
 Progress = Callable[[str, int, int], None]
@@ -265,8 +265,7 @@ def phase_deployments(
     for level in levels:
         parts = [b[b <= level] for b in sample if (b <= level).any()]
         holding = [d for d in candidates if tops[str(d)] >= level and d not in pool and d not in chosen]
-        if parts and holding:
-            holding = _least_work(cost, N, holding, parts)
+        if parts and (holding := _least_work(cost, N, holding, parts)):
             for d in holding:
                 tables.setdefault(str(d), ReplicaTable.of(cost, d, N))
             est = [sum(dispatch(p, tables[str(d)], search=False).makespan_s for p in parts) for d in holding]
@@ -283,31 +282,12 @@ def phase_deployments(
     return added, np.array([s.iteration_time_s for s in schedules]), usage
 
 
-def spaced_levels(levels: Sequence[int], ratio: float = LEVEL_RATIO) -> list[int]:
-    """The cap levels at least `ratio` apart (the lowest of each run kept): the whole TP x PP x CP space has
-    hundreds of caps, a few percent apart, and a deployment chosen for a level holds the next ones too."""
-    out: list[int] = []
-    for level in levels:
-        if not out or level >= out[-1] * ratio:
-            out.append(level)
-    return out
-
-
 def _least_work(
     cost: CostModel, num_gpus: int, holding: Sequence[Deployment], parts: Sequence[np.ndarray], keep: int = LEVEL_KEEP
 ) -> list[Deployment]:
-    """The `keep` deployments whose configs do the parts' work in the fewest GPU-seconds (each sequence on its
-    cheapest config that holds it; c and bubbles left out), before the dispatch estimate ranks them."""
-    work = []
-    for d in holding:
-        configs = list(dict.fromkeys(d.configs))
-        gpus = np.array([g.num_gpus for g in configs], dtype=np.float64)[:, None]
-        caps = np.array([max(cost.cap(g, num_gpus), cost.lone_cap(g, num_gpus)) for g in configs])[:, None]
-        total = 0.0
-        for p in parts:
-            w = np.where(caps >= p[None, :], gpus * cost.cost_matrix(p, configs), np.inf)
-            total += float(w.min(axis=0).sum())
-        work.append(total)
+    """The `keep` deployments of the least lower bound on the parts over their own configs (`bounds.py`: the
+    work of each sequence on its cheapest config that holds it, bubbles, trips), before dispatch ranks them."""
+    work = [sum(lower_bound(p, cost, num_gpus, list(dict.fromkeys(d.configs))) for p in parts) for d in holding]
     return [holding[i] for i in np.argsort(work, kind="stable")[:keep]]
 
 
