@@ -53,7 +53,6 @@ SCREEN_BUDGET_S = 10.0
 LARGE_BATCH_SCREEN = 4  # dispatch estimates in screening, before the fluid proxy takes over
 PHASE_SAMPLES = 4  # sample batches the phased planner plans when choosing deployments for phases
 SHORT_SHARE = 0.1  # a level at least this share of batches stop at counts as the samples cut there
-RETRIED = 3  # phase deployments tried again after a greedy round: those that paid most (a larger pool saves less)
 LEVEL_KEEP = 8  # deployments per level the dispatch estimate ranks, the least work first (`_least_work`)
 
 Progress = Callable[[str, int, int], None]
@@ -322,8 +321,9 @@ def _greedy_phases(
             break
         current, schedules = [*current, chosen[k]], trials[k]
         planner = PhasedPlanner(cost, num_gpus, current)
-        paid = [i for i in np.argsort(gains)[::-1] if i != k and gains[i] > min_gain * base]  # lazy greedy
-        chosen = [chosen[i] for i in paid[:RETRIED]]
+        # one that did not pay beside a smaller pool is not tried again (the lazy greedy: a pool that grows
+        # leaves each deployment less to save)
+        chosen = [d for i, d in enumerate(chosen) if i != k and gains[i] > min_gain * base]
     return current, schedules
 
 
