@@ -12,6 +12,7 @@ fitted to the batches it is measured on.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -22,6 +23,7 @@ import numpy as np
 
 from hydraulis.baselines import POLICIES, make_policy
 from hydraulis.cost import load_cost_model
+from hydraulis.cost.model import CostModel
 from hydraulis.data.synthetic import MIXTURES
 from hydraulis.data.workload import sample_batches
 from hydraulis.errors import HydraulisError
@@ -71,6 +73,7 @@ class Scenario:
     lengths: str  # a key of LENGTH_SOURCES
     batches: int = 3
     seed: int = 1
+    group: str = "main"  # a key of GROUPS: `hydraulis bench --group` runs one
 
     def sample(self, seed: int, count: int | None = None) -> list[np.ndarray]:
         try:
@@ -100,13 +103,33 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("13b-64g-wiki-1m-32k", "llama-13b@a800-80g+cp", 64, 1024 * K, 32 * K, "wiki"),
     Scenario("32b-16g-code-256k-16k", "llama-32b@a800-80g+cp", 16, 256 * K, 16 * K, "code"),
     Scenario("32b-64g-wiki-1m-32k", "llama-32b@a800-80g+cp", 64, 1024 * K, 32 * K, "wiki"),
+    # Long context, where memory binds (issue 42): python-stdlib's longest file is 414K GPT-2 tokens (wiki-sample's
+    # 54K, too short for these lengths); longmix is ProLong's long-context mix (data/synthetic.py).
+    *(
+        Scenario(f"long-{name}", f"llama-{name.split('-')[0]}@{device}+cp", gpus, tokens * K, length * K, source,
+                 batches=2, group="long")
+        for name, device, gpus, tokens, length, source in (
+            ("7b-32g-stdlib-1m-128k", "a800-80g", 32, 1024, 128, "python-stdlib"),
+            ("13b-64g-stdlib-1m-256k", "a800-80g", 64, 1024, 256, "python-stdlib"),
+            ("7b-128g-stdlib-2m-512k", "a800-80g", 128, 2048, 512, "python-stdlib"),
+            ("70b-64g-stdlib-1m-64k", "h100-80g", 64, 1024, 64, "python-stdlib"),
+            ("7b-64g-longmix-2m-256k", "a800-80g", 64, 2048, 256, "longmix"),
+            ("13b-128g-longmix-2m-512k", "a800-80g", 128, 2048, 512, "longmix"),
+            ("70b-128g-longmix-2m-128k", "h100-80g", 128, 2048, 128, "longmix"),
+            ("70b-256g-longmix-4m-64k", "h100-80g", 256, 4096, 64, "longmix"),
+        )
+    ),
 )
+GROUPS = ("main", "long")  # main: the 13 scenarios of 8K-32K; long: 64K-512K
 
 
-def get_scenarios(names: Iterable[str] | None) -> list[Scenario]:
+def get_scenarios(names: Iterable[str] | None, group: str | None = None) -> list[Scenario]:
+    """The named scenarios, else those of `group`, else all."""
     known = {s.name: s for s in SCENARIOS}
+    if group is not None and group not in GROUPS:
+        raise HydraulisError(f"unknown scenario group {group!r}; groups: {', '.join(GROUPS)}")
     if not names:
-        return list(SCENARIOS)
+        return [s for s in SCENARIOS if group is None or s.group == group]
     out = []
     for n in names:
         if n not in known:
@@ -136,16 +159,17 @@ def run_policies(
 ) -> list[PolicyResult]:
     """Every policy on the same batches and context; `keep(policy, step, schedule)` sees each schedule.
 
-    Balance efficiency divides the lower bound over the configs of the cost model the policy plans on
-    (megatron-dcp's adds its CP group sizes) by each iteration's time.
+    Every policy gets full recompute where no config packs the run's longest sequence otherwise
+    (`PolicyContext.recompute_where_needed`), the same cost model for all. Balance efficiency divides one
+    lower bound per batch, the least over the cost models the policies plan on (megatron-dcp's adds its CP
+    group sizes), by each iteration's time: how far each policy is from the best possible.
     """
-    bounds: dict[str, list[float]] = {}
-    tokens = sum(int(b.sum()) for b in batches)
-    results = []
+    runs = []
+    # One rule for all: recompute where no config packs the longest sequence by its cap, so every policy
+    # plans on the same cost model (the planner's lone micro-batches would hold more, without recompute).
+    own = ctx if ctx.user_pool is not None else ctx.recompute_where_needed(lone=False)
     for policy_name in policies:
-        policy = make_policy(policy_name, ctx)
-        if policy.cost.name not in bounds:
-            bounds[policy.cost.name] = [lower_bound(b, policy.cost, ctx.num_gpus) for b in batches]
+        policy = make_policy(policy_name, own)
         times, planning, used = [], [], {}
         for step, b in enumerate(batches):
             schedule = policy.schedule(b, step)
@@ -156,19 +180,36 @@ def run_policies(
             planning.append(schedule.planning_time_s)
             for phase in schedule.phases:
                 used[str(phase.deployment)] = used.get(str(phase.deployment), 0) + 1
-        results.append(
-            PolicyResult(
-                name,
-                policy_name,
-                tokens / sum(times),
-                float(np.mean([lb / t for lb, t in zip(bounds[policy.cost.name], times, strict=True)])),
-                float(np.mean(planning) * 1e3),
-                tuple(times),
-                used,
-            )
+        runs.append((policy_name, policy.cost, times, planning, used))
+    bounds = scenario_bounds(batches, [r[1] for r in runs], ctx.num_gpus)
+    tokens = sum(int(b.sum()) for b in batches)
+    results = [
+        PolicyResult(
+            name,
+            policy_name,
+            tokens / sum(times),
+            float(np.mean([lb / t for lb, t in zip(bounds, times, strict=True)])),
+            float(np.mean(planning) * 1e3),
+            tuple(times),
+            used,
         )
+        for policy_name, _, times, planning, used in runs
+    ]
     base = next((r.tokens_per_s for r in results if r.policy == BASELINE), math.nan)
     return [dataclasses.replace(r, speedup_vs_megatron=r.tokens_per_s / base) for r in results]
+
+
+def scenario_bounds(batches: list[np.ndarray], costs: list[CostModel], num_gpus: int) -> list[float]:
+    """Per batch, the least lower bound over these cost models (those that hold the batch at all)."""
+    unique = {c.name: c for c in costs}.values()
+    out = []
+    for b in batches:
+        held = []
+        for cost in unique:
+            with contextlib.suppress(HydraulisError):  # a model that holds no config for it bounds nothing
+                held.append(lower_bound(b, cost, num_gpus))
+        out.append(min(held) if held else math.nan)
+    return out
 
 
 def run_scenario(scenario: Scenario, policies: Iterable[str]) -> list[PolicyResult]:
@@ -206,6 +247,10 @@ def summarize(results: list[PolicyResult], scenarios: list[Scenario]) -> dict:
         out["best_other"] = best
         out["speedup_vs_best_other_min"] = min(b["speedup"] for b in best.values())
         out["speedup_vs_best_other_geomean"] = geomean([b["speedup"] for b in best.values()])
+        for group in GROUPS:
+            mine = [b["speedup"] for s in scenarios if s.group == group and (b := best.get(s.name))]
+            if mine:
+                out[f"speedup_vs_best_other_geomean_{group}"] = geomean(mine)
     ours = [r for r in results if r.policy == "hydraulis"]
     if ours:
         out["min_balance_efficiency"] = min(r.balance_efficiency for r in ours)

@@ -12,6 +12,11 @@ class HydraulisError(ValueError):
     """Bad input, named together with what to do about it."""
 
 
+class CrowdedError(HydraulisError):
+    """Sequences the caps hold, but only each as its replica's lone micro-batch, and a batch has more of them
+    than any deployment has such replicas beside room for the rest (an overlong refusal, worded truly)."""
+
+
 class OverlongError(HydraulisError):
     """A sequence longer than every cap that could run it: the facts as fields, so that each front end names
     its own ways out. The message is the command line's (`--overlong`, `--profile`); the training job words

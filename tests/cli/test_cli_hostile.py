@@ -344,7 +344,7 @@ def test_sigkill_during_a_real_build_then_the_next_build_sweeps(cli, tmp_path):
     ("args", "needle"),
     [
         (["-n", "3"], "3 GPUs"),
-        (["-n", "16", "-p", "llama-32b@a800-80g"], "longer than the largest cap"),
+        (["-n", "16", "-p", "llama-32b@a800-80g"], "only as a replica's lone micro-batch"),
     ],
 )
 def test_demo_that_fails_leaves_no_output_directory(cli, tmp_path, args, needle):

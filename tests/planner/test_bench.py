@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
-from hydraulis.bench import LENGTH_SOURCES, SCENARIOS, Scenario, register_length_source, run_scenario
+from hydraulis.bench import (
+    LENGTH_SOURCES,
+    SCENARIOS,
+    Scenario,
+    get_scenarios,
+    register_length_source,
+    run_scenario,
+)
 from hydraulis.data.synthetic import get_mixture
 
 
@@ -31,10 +39,36 @@ def test_code_mixture_matches_public_statistics_and_clips():
 
 
 def test_scenarios_cover_the_issue_grid():
-    assert {s.num_gpus for s in SCENARIOS} == {16, 32, 64}
-    assert {s.profile.split("@")[0] for s in SCENARIOS} == {"llama-7b", "llama-13b", "llama-32b"}
-    assert all(256 * 1024 <= s.tokens_per_batch <= 1024 * 1024 for s in SCENARIOS)
-    assert all(8 * 1024 <= s.max_length <= 32 * 1024 for s in SCENARIOS)
+    main = get_scenarios(None, "main")
+    assert len(main) == 13 and {s.num_gpus for s in main} == {16, 32, 64}
+    assert {s.profile.split("@")[0] for s in main} == {"llama-7b", "llama-13b", "llama-32b"}
+    assert all(256 * 1024 <= s.tokens_per_batch <= 1024 * 1024 for s in main)
+    assert all(8 * 1024 <= s.max_length <= 32 * 1024 for s in main)
+
+
+def test_long_scenarios_cover_where_the_field_trains():
+    long = get_scenarios(None, "long")
+    assert {s.max_length // 1024 for s in long} == {64, 128, 256, 512}
+    assert {s.profile.split("@")[0] for s in long} == {"llama-7b", "llama-13b", "llama-70b"}
+    assert {s.num_gpus for s in long} == {32, 64, 128, 256}
+    assert {s.lengths for s in long} == {"python-stdlib", "longmix"} and all(s.name.startswith("long-") for s in long)
+    assert get_scenarios(None) == [*get_scenarios(None, "main"), *long]
+
+
+def test_longmix_matches_prolong_token_shares():
+    lengths, probs = get_mixture("longmix").histogram(1 << 20)
+    tokens = lengths * probs
+    assert 0.55 <= tokens[lengths > 32 * 1024].sum() / tokens.sum() <= 0.62  # 60% of tokens from long documents
+    assert 250 <= quantile(lengths, probs, 0.5) <= 450  # most documents are short
+
+
+def test_a_long_scenario_runs_and_every_policy_is_within_the_bound():
+    """The 70B at 64K on 64 GPUs, one small batch, the cheap policies (the proposal's seconds stay in the bench)."""
+    s = dataclasses.replace(next(s for s in SCENARIOS if s.name == "long-70b-64g-stdlib-1m-64k"),
+                            tokens_per_batch=256 * 1024, batches=1)
+    results = run_scenario(s, ["megatron", "flops-balanced", "megatron-dcp"])
+    assert [r.policy for r in results] == ["megatron", "flops-balanced", "megatron-dcp"]
+    assert all(0 < r.balance_efficiency <= 1 for r in results)
 
 
 def test_a_new_lengths_source_is_one_registration():
@@ -184,3 +218,31 @@ def test_timeline_legend_swatches_are_the_replicas_colours(monkeypatch, tmp_path
     assert [to_rgb(t.get_color()) for t in ax.get_yticklabels()] == [by_row[0], by_row[1]]  # rows 1, 2: tp1pp2
     assert by_row[1] == by_row[2] != by_row[0]
     hydraulis.report.pyplot().close(fig)
+
+
+def test_baselines_get_full_recompute_only_where_nothing_fits_otherwise():
+    from hydraulis.cost import load_cost_model
+    from hydraulis.planner.policy import PolicyContext
+    from hydraulis.planner.pool import fallback_config
+    from hydraulis.specs import ClusterSpec
+
+    cost, cluster = load_cost_model("llama-70b@h100-80g+cp"), ClusterSpec(64)
+    batch = np.array([40000] + [3000, 800] * 20)
+    assert max(cost.caps(64).values()) < 40000  # no config packs it plainly
+    ctx = PolicyContext.build(cost, cluster, [batch])
+    packed = ctx.recompute_where_needed(lone=False)
+    assert packed.cost.name == "llama-70b@h100-80g+cp+recompute"
+    config = fallback_config(packed.cost, cluster, 40000, [batch], lone=False)
+    assert config in packed.cost.recompute and cost.cap(config, 64) < 40000 <= packed.cost.cap(config, 64)
+    assert ctx.recompute_where_needed(lone=True) is ctx  # the planner holds it alone on a deep CP replica
+    short = PolicyContext.build(cost, cluster, [batch[1:]])
+    assert short.recompute_where_needed(lone=False) is short
+
+
+def test_bench_lists_a_group_and_refuses_an_unknown_one(cli, tmp_path):
+    res = cli("bench", "--group", "long", "--list")
+    assert res.returncode == 0, res.stderr
+    assert "long-13b-64g-stdlib-1m-256k" in res.stdout and "7b-16g-wiki-256k-8k" not in res.stdout
+    bad = cli("bench", "--group", "huge", "--out", str(tmp_path / "out"))
+    assert bad.returncode == 2 and "unknown scenario group 'huge'" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "out").exists()

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hydraulis.cost.context_parallel import CP_MAX_PP, with_cp_configs
+from hydraulis.cost.context_parallel import with_cp_configs
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig
@@ -78,7 +78,7 @@ class DynamicCP:
         bases = [base] if base is not None else candidate_bases(ctx)
         if not bases:
             raise HydraulisError(
-                f"megatron-dcp: no (tp, pp) with pp <= {CP_MAX_PP} replicates over {ctx.num_gpus} GPUs and holds "
+                f"megatron-dcp: no (tp, pp) replicates over {ctx.num_gpus} GPUs and holds "
                 f"a sequence of {ctx.run_max_length} tokens over its CP groups"
             )
         best = None
@@ -256,15 +256,16 @@ class DynamicCP:
 
 
 def candidate_bases(ctx: PolicyContext) -> list[ParallelConfig]:
-    """(tp, pp) configs, pp <= CP_MAX_PP, replicating over the cluster, whose D ranks hold the longest sequence."""
+    """(tp, pp) configs, any pp (Megatron runs dynamic CP beside PP), replicating over the cluster, whose D
+    ranks hold the longest sequence."""
     out = []
     for g in replicable_configs(ctx.cost, ctx.cluster):
-        if g.cp != 1 or g.pp > CP_MAX_PP:
+        if g.cp != 1:
             continue
         probe = DynamicCP.__new__(DynamicCP)
         probe.ctx = ctx
         probe._use(g)
-        if probe.needed(ctx.run_max_length) is not None:
+        if probe.budget > 0 and probe.needed(ctx.run_max_length) is not None:  # a deep base may hold only lone
             out.append(g)
     return out
 

@@ -130,6 +130,9 @@ def _within_caps(
 def bench(
     scenario: list[str] = typer.Option(None, "--scenario", "-s", help="Scenario name (repeatable); default: all."),
     policy: list[str] = typer.Option(None, "--policy", help="Policy (repeatable); default: all."),
+    group: str = typer.Option(
+        None, "--group", help="Scenario group: main (8K-32K) or long (64K-512K); default: all (or the --scenario)."
+    ),
     out: Path = typer.Option(Path("bench-out"), "--out", "-o", help="Directory for bench.json and bench.png."),
     list_only: bool = typer.Option(False, "--list", help="List scenarios and policies, run nothing."),
 ) -> None:
@@ -142,15 +145,16 @@ def bench(
     from hydraulis.plots import check_plot_path
     from hydraulis.report import bench_plot, bench_table, summary_lines
 
-    chosen = get_scenarios(scenario)
+    chosen = get_scenarios(scenario, group)
     if not list_only:
         check_output_dir(out, "--out directory")
         check_output(out / "bench.json")
         check_plot_path(out / "bench.png")
     policies = list(policy) if policy else list(POLICIES)
     if list_only:
-        rows = [[s.name, s.profile, s.num_gpus, s.tokens_per_batch, s.max_length, s.lengths] for s in chosen]
-        console.print(table("scenarios", ["name", "profile", "GPUs", "tokens/batch", "max len", "lengths"], rows))
+        rows = [[s.name, s.group, s.profile, s.num_gpus, s.tokens_per_batch, s.max_length, s.lengths] for s in chosen]
+        columns = ["name", "group", "profile", "GPUs", "tokens/batch", "max len", "lengths"]
+        console.print(table("scenarios", columns, rows))
         console.print("policies: " + ", ".join(POLICIES))
         return
     with Progress(console=err_console, transient=True) as progress:

@@ -146,6 +146,6 @@ def in_flight(config: ParallelConfig, stage: int, micro_batches: int) -> int:
     """Micro-batches whose activations a stage holds at once under 1F1B: min(pp - stage, M).
 
     Stage s warms up with min(pp - s - 1, M) forwards and then alternates one forward with one
-    backward (runtime/parallelism/pipeline.py), so a lone micro-batch on a deep replica is held once, not pp times.
+    backward (runtime/pipeline.py), so a lone micro-batch on a deep replica is held once, not pp times.
     """
     return max(1, min(config.pp - stage, micro_batches))

@@ -20,10 +20,10 @@ from hydraulis.limits import MAX_GPUS
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import DeviceSpec, ModelSpec
 
-# CP degrees the cost models offer. CP serves long sequences, whose activation memory pipeline stages do
-# not lower (1F1B keeps L layers' worth in flight), so it is combined with pp <= CP_MAX_PP only.
-CP_DEGREES = (2, 4, 8, 16)
-CP_MAX_PP = 2
+# CP degrees the cost models offer: every power of two up to the data-parallel width of the largest jobs
+# (a job's caps keep those that fit it, `CostModel.caps`), beside any PP: a replica's lone micro-batch is in
+# flight once, so deep pipelines lower the memory a long sequence needs (Llama 3's 128K stage: tp8 cp16 pp16).
+CP_DEGREES = tuple(2**k for k in range(1, 11))
 CP_SUFFIX = "+cp"
 
 
@@ -51,11 +51,11 @@ def kv_gather(model: ModelSpec, device: DeviceSpec, config: ParallelConfig) -> t
 
 
 def cp_configs(base: Sequence[ParallelConfig], max_gpus: int = MAX_GPUS) -> list[ParallelConfig]:
-    """The CP configs built on cp = 1 ones: each CP_DEGREES degree on each base with pp <= CP_MAX_PP."""
+    """The CP configs built on cp = 1 ones: each CP_DEGREES degree on each base, within `max_gpus`."""
     return [
         ParallelConfig(g.tp, g.pp, cp)
         for g in base
-        if g.cp == 1 and g.pp <= CP_MAX_PP
+        if g.cp == 1
         for cp in CP_DEGREES
         if g.num_gpus * cp <= max_gpus
     ]

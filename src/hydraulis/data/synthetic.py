@@ -5,6 +5,11 @@ before real corpora are at hand:
 
 - wiki: Wikipedia-like articles, median ~300 tokens, p95 ~2.5K, ~0.6% above 8K.
 - code: source files, median ~3K tokens, p99 ~80K.
+- longmix: a long-context training mix after ProLong (Gao et al., 2024, "How to
+  train long-context language models (effectively)"): 40% of the tokens short
+  documents (a wiki-like body, median ~350), 30% books (PG-19-like, median
+  ~90K tokens) and 30% code repositories concatenated per repository (median
+  ~120K, a wide spread). Weights are per document: token share / mean length.
 
 A distribution is a histogram over 1..max_length; lengths above the maximum are
 clipped to it (documents are cut into max-length pieces by the data pipeline).
@@ -52,6 +57,7 @@ MIXTURES: dict[str, LognormalMixture] = {
     for m in (
         LognormalMixture("wiki", (0.985, 0.015), (295.0, 4000.0), (1.23, 1.05)),
         LognormalMixture("code", (0.92, 0.08), (2600.0, 20000.0), (1.15, 1.1)),
+        LognormalMixture("longmix", (0.99286, 0.004967, 0.002172), (350.0, 90000.0, 120000.0), (1.2, 0.6, 1.2)),
     )
 }
 

@@ -1,34 +1,57 @@
-"""The balance-efficiency lower bound (docs/design.md section 5).
+"""The lower bound on an iteration's time: what no plan avoids (docs/design.md section 5).
 
-    LB = max( sum_i min_g n_g * (a_g s_i^2 + b_g s_i) / N ,  max_i min_g pp_g * (a_g s_i^2 + b_g s_i) )
+With w_g(s) = a_g s^2 + b_g s (one stage, c left out), n_g = tp*pp*cp GPUs and
+N the job's GPUs, over the configs g that hold s (the lone cap):
 
-over the configs g (n_g = tp*pp*cp GPUs, at most N) whose cap holds s_i; c and
-bubbles are left out, so no plan can beat it.
+- work: every sequence takes n_g * w_g(s) GPU-seconds on its config, pp_g
+  times that when s is beyond g's plain cap (it runs as its replica's only
+  micro-batch, so each stage idles (pp - 1) * w_g(s) of its trip);
+- bubble: the replica that holds the longest sequence idles at least
+  (pp_g - 1) * w_g(s_min) per stage under 1F1B (its first forward and last
+  backward cross every other stage), which the work term does not count;
+- trip: the longest sequence crosses its pipeline, pp_g * w_g(s).
+
+    LB = max( (sum_i min_g work_g(s_i) + bubble) / N ,  max_i min_g pp_g * w_g(s_i) )
+
+Each replica's time in the simulator is at least its stages' work plus that
+bubble, and replicas of one phase hold disjoint GPUs, so no plan beats LB.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
+from hydraulis.parallel import ParallelConfig
 
 
-def lower_bound(lengths: np.ndarray, cost: CostModel, num_gpus: int) -> float:
+def lower_bound(
+    lengths: np.ndarray, cost: CostModel, num_gpus: int, configs: Sequence[ParallelConfig] | None = None
+) -> float:
+    """LB over the cost model's configs that fit the job, or over `configs` (a deployment's, the proposal's
+    ranking of phase deployments)."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    caps = cost.caps(num_gpus)
-    configs = list(caps)
+    configs = [g for g in (configs or cost.configs) if g.num_gpus <= num_gpus]
     if not configs:
         smallest = min(g.num_gpus for g in cost.configs)
         raise HydraulisError(f"no parallel config of {cost.name} fits {num_gpus} GPU(s); the smallest needs {smallest}")
-    cap = np.array([caps[g] for g in configs])[:, None]
+    cap = np.array([cost.cap(g, num_gpus) for g in configs])[:, None]
+    lone = np.array([max(cost.lone_cap(g, num_gpus), cost.cap(g, num_gpus)) for g in configs])[:, None]
     w = cost.cost_matrix(lengths, configs)
     gpus = np.array([g.num_gpus for g in configs], dtype=np.float64)[:, None]
     pp = np.array([g.pp for g in configs], dtype=np.float64)[:, None]
-    fits = cap >= lengths[None, :]
+    fits = lone >= lengths[None, :]
     if not fits.any(axis=0).all():
         longest = int(lengths[~fits.any(axis=0)].max())
-        raise HydraulisError(f"no config holds a sequence of {longest} tokens (largest cap {int(cap.max())})")
-    spread = np.where(fits, gpus * w, np.inf).min(axis=0).sum() / num_gpus
+        raise HydraulisError(f"no config holds a sequence of {longest} tokens (largest lone cap {int(lone.max())})")
+    alone = np.where(lengths[None, :] > cap, pp, 1.0)
+    work = np.where(fits, gpus * w * alone, np.inf)
+    top = int(np.argmax(lengths))
+    w_min = cost.cost_matrix(lengths[[int(np.argmin(lengths))]], configs)[:, 0]
+    bubble = np.where(alone[:, top] > 1, 0.0, gpus[:, 0] * (pp[:, 0] - 1) * w_min)
+    spread = (work.min(axis=0).sum() - work[:, top].min() + (work[:, top] + bubble).min()) / num_gpus
     trip = np.where(fits, pp * w, np.inf).min(axis=0).max()
     return float(max(spread, trip))

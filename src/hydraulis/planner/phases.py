@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,7 @@ from hydraulis.planner.schedule import Schedule, mean_switch_time, phase_switch_
 
 MAX_PHASES = 3
 FULL_SPLITS = 2  # splits planned in full after the estimate
+LEVEL_RATIO = 1.5  # the proposal's phase levels at least this far apart (`spaced_levels`)
 MIN_GAIN = 0.002  # a phased schedule must beat one phase by this share: a switch is not free to get right
 
 
@@ -136,3 +138,13 @@ class PhasedPlanner(Planner):
         total = phases_time(plans, self.cost, switch_s)
         indices = tuple(tuple(int(i) for i in idx) for idx in split.phases)
         return Schedule(step, tuple(int(x) for x in lengths), plans, indices, switch_s, total, 0.0)
+
+
+def spaced_levels(levels: Sequence[int], ratio: float = LEVEL_RATIO) -> list[int]:
+    """The cap levels at least `ratio` apart (the lowest of each run kept): the whole TP x PP x CP space has
+    hundreds of caps, a few percent apart, and a deployment chosen for a level holds the next ones too."""
+    out: list[int] = []
+    for level in levels:
+        if not out or level >= out[-1] * ratio:
+            out.append(level)
+    return out

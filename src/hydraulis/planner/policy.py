@@ -6,6 +6,7 @@ Schedule type lives in its own module, so the planner never imports this one).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,7 +15,9 @@ from typing import Protocol
 import numpy as np
 
 from hydraulis.cost.model import CostModel
-from hydraulis.parallel import Deployment
+from hydraulis.errors import CrowdedError, OverlongError
+from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.planner.pool import fallback_config, fallback_deployment
 from hydraulis.planner.proposal import propose
 from hydraulis.planner.schedule import Schedule
 from hydraulis.specs import ClusterSpec
@@ -63,6 +66,31 @@ class PolicyContext:
         if self.user_pool is not None:
             return self.user_pool
         return self._propose("published")
+
+    def recompute_where_needed(self, lone: bool) -> PolicyContext:
+        """This context, or, where no homogeneous deployment holds the run's longest sequence
+        (`fallback_config`; `lone` as a policy packs), one whose cost model recomputes activations in the
+        configs that hold it only so: full recompute where a sequence does not fit otherwise, what a
+        user of any system switches on (the bench gives it to every policy alike)."""
+        try:
+            if lone:  # the planner's fallback may mix configs (`fallback_deployment`)
+                fallback_deployment(self.cost, self.cluster, self.run_max_length, self.sample)
+            else:
+                fallback_config(self.cost, self.cluster, self.run_max_length, self.sample, lone=False)
+            return self
+        except (OverlongError, CrowdedError):
+            pass
+        N, longest, full = self.num_gpus, self.run_max_length, self.cost.with_recompute(self.cost.configs)
+
+        def holds(cost: CostModel, g: ParallelConfig) -> bool:
+            return (cost.lone_cap(g, N) if lone else cost.cap(g, N)) >= longest
+
+        need = [g for g in self.cost.configs if g.num_gpus <= N and holds(full, g) and not holds(self.cost, g)]
+        if not need:
+            return self
+        cost = self.cost.with_recompute(need)
+        cost.name = f"{self.cost.name}+recompute"
+        return dataclasses.replace(self, cost=cost)
 
     def _propose(self, method: str) -> tuple[Deployment, ...]:
         return propose(

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from hydraulis.cost.model import CostModel
-from hydraulis.errors import HydraulisError, OverlongError
+from hydraulis.errors import CrowdedError, HydraulisError, OverlongError
 from hydraulis.files import Fields, load_json, write_json_atomic
 from hydraulis.limits import MAX_GPUS
 from hydraulis.parallel import Deployment, ParallelConfig, format_configs, parse_deployment_configs
@@ -230,11 +230,60 @@ def fallback_config(
     holds = cost.lone_cap if lone else cost.cap
     holding = [g for g in replicable_configs(cost, cluster)
                if holds(g, N) >= max_length and has_room(cost, g, N, batches)]
+    if not holding and (held := [g for g in replicable_configs(cost, cluster) if holds(g, N) >= max_length]):
+        g = max(held, key=lambda g: (N // g.num_gpus, holds(g, N)))
+        raise CrowdedError(
+            f"a sequence of {max_length} tokens fits {g.name} only as a replica's lone micro-batch (lone cap "
+            f"{holds(g, N)}), and {N} GPUs hold {N // g.num_gpus} such replica(s), too few for a batch's long "
+            "sequences beside the rest; use --overlong split|truncate|drop, more GPUs or recompute"
+        )
     if not holding:
         cap, name = largest_cap(cost, cluster, lone=lone)
         cp = None if any(g.cp > 1 for g in cost.configs) else cost.name
         raise OverlongError(max_length, cap, name, scope=f"on {N} GPUs", cp_profile=cp)
     return min(holding, key=lambda g: (homogeneous_estimate(cost, g, N, batches), g.num_gpus))
+
+
+def fallback_deployment(
+    cost: CostModel, cluster: ClusterSpec, max_length: int, batches: Sequence[np.ndarray]
+) -> Deployment:
+    """The proposal's first deployment, which runs every batch: the homogeneous fallback where one has room;
+    else the fewest replicas of a config fast on `max_length` that holds it as a lone micro-batch, beside
+    replicas of the config fastest on the rest (each sequence beyond every cap needs a big replica alone)."""
+    try:
+        return homogeneous(fallback_config(cost, cluster, max_length, batches), cluster)
+    except (OverlongError, CrowdedError) as exc:
+        error = exc
+    N = cluster.num_gpus
+    usable = usable_configs(cost, cluster)
+    bigs = sorted(
+        (g for g in usable if cost.lone_cap(g, N) >= max_length),
+        key=lambda g: (g.pp * cost.stage_time(g, [max_length]), g.num_gpus),
+    )
+    for big in bigs[:3]:
+        for k in range(1, N // big.num_gpus):
+            rest = N - k * big.num_gpus
+            smalls = [g for g in usable if rest % g.num_gpus == 0 and mixed_room(cost, big, k, g, N, batches)]
+            ranked = sorted(smalls, key=lambda g: homogeneous_estimate(
+                cost, g, N, [b[b <= cost.cap(g, N)] for b in batches]))
+            for small in ranked:
+                if (d := place([big] * k + [small] * (rest // small.num_gpus), cluster)) is not None:
+                    return d
+    raise error
+
+
+def mixed_room(
+    cost: CostModel, big: ParallelConfig, k: int, small: ParallelConfig, num_gpus: int, batches: Sequence[np.ndarray]
+) -> bool:
+    """Whether k replicas of `big` beside `small` ones run every batch: sequences beyond big's cap alone, one
+    big replica each; those beyond small's cap on the big replicas (so one must be left for them)."""
+    big_cap, small_cap = cost.cap(big, num_gpus), cost.cap(small, num_gpus)
+    for b in batches:
+        b = np.asarray(b)
+        alone, mid = int((b > big_cap).sum()), int(((b > small_cap) & (b <= big_cap)).sum())
+        if alone > k or (alone == k and mid > 0):
+            return False
+    return True
 
 
 def has_room(cost: CostModel, config: ParallelConfig, num_gpus: int, batches: Sequence[np.ndarray]) -> bool:

@@ -32,13 +32,15 @@ from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.limits import DEFAULT_MAX_POOL
 from hydraulis.parallel import Deployment
+from hydraulis.planner.bounds import lower_bound
 from hydraulis.planner.dispatch import NoRoom, dispatch
-from hydraulis.planner.phases import PhasedPlanner
+from hydraulis.planner.phases import PhasedPlanner, spaced_levels
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import (
     Pool,
     candidate_deployments,
     fallback_config,
+    fallback_deployment,
     homogeneous,
     replicable_configs,
 )
@@ -51,6 +53,7 @@ SCREEN_BUDGET_S = 10.0
 LARGE_BATCH_SCREEN = 4  # dispatch estimates in screening, before the fluid proxy takes over
 PHASE_SAMPLES = 4  # sample batches the phased planner plans when choosing deployments for phases
 SHORT_SHARE = 0.1  # a level at least this share of batches stop at counts as the samples cut there
+LEVEL_KEEP = 8  # deployments per level the dispatch estimate ranks, the least work first (`_least_work`)
 
 Progress = Callable[[str, int, int], None]
 
@@ -255,14 +258,14 @@ def phase_deployments(
     # where a CP config does not hold the longest sequence (32b-16g-code: 1x tp4pp2cp2 up to 11K).
     candidates = _unique([*candidates, *(homogeneous(g, cluster) for g in replicable_configs(cost, cluster))])
     tops = {str(d): max(cost.cap(g, N) for g in d.configs) for d in candidates}
-    levels = sorted({t for t in tops.values() if t < longest})
+    levels = spaced_levels(sorted({t for t in tops.values() if t < longest}))
     tables: dict[str, ReplicaTable] = {}
     chosen: list[Deployment] = []
     level_of: dict[str, int] = {}
     for level in levels:
         parts = [b[b <= level] for b in sample if (b <= level).any()]
         holding = [d for d in candidates if tops[str(d)] >= level and d not in pool and d not in chosen]
-        if parts and holding:
+        if parts and (holding := _least_work(cost, N, holding, parts)):
             for d in holding:
                 tables.setdefault(str(d), ReplicaTable.of(cost, d, N))
             est = [sum(dispatch(p, tables[str(d)], search=False).makespan_s for p in parts) for d in holding]
@@ -277,6 +280,15 @@ def phase_deployments(
     used = [float(np.mean([any(p.deployment == d for p in s.phases) for s in schedules])) for d in current]
     usage = tuple(max(u, v) for u, v in zip((*usage, *(0.0,) * len(added)), used, strict=True))
     return added, np.array([s.iteration_time_s for s in schedules]), usage
+
+
+def _least_work(
+    cost: CostModel, num_gpus: int, holding: Sequence[Deployment], parts: Sequence[np.ndarray], keep: int = LEVEL_KEEP
+) -> list[Deployment]:
+    """The `keep` deployments of the least lower bound on the parts over their own configs (`bounds.py`: the
+    work of each sequence on its cheapest config that holds it, bubbles, trips), before dispatch ranks them."""
+    work = [sum(lower_bound(p, cost, num_gpus, list(dict.fromkeys(d.configs))) for p in parts) for d in holding]
+    return [holding[i] for i in np.argsort(work, kind="stable")[:keep]]
 
 
 def _greedy_phases(
@@ -307,8 +319,11 @@ def _greedy_phases(
         k = int(np.argmax(gains))
         if gains[k] <= min_gain * base:
             break
-        current = [*current, chosen.pop(k)]
-        planner, schedules = PhasedPlanner(cost, num_gpus, current), trials[k]
+        current, schedules = [*current, chosen[k]], trials[k]
+        planner = PhasedPlanner(cost, num_gpus, current)
+        # one that did not pay beside a smaller pool is not tried again (the lazy greedy: a pool that grows
+        # leaves each deployment less to save)
+        chosen = [d for i, d in enumerate(chosen) if i != k and gains[i] > min_gain * base]
     return current, schedules
 
 
@@ -387,7 +402,10 @@ def propose(
     hist = LengthHistogram.from_batches(batches)
     longest = max(hist.max_length, max_length or 0)
     # The published system knows no lone micro-batches: its fallback holds the longest sequence by the cap.
-    fallback = homogeneous(fallback_config(cost, cluster, longest, batches, lone=method == "hydraulis"), cluster)
+    if method == "hydraulis":
+        fallback = fallback_deployment(cost, cluster, longest, batches)
+    else:
+        fallback = homogeneous(fallback_config(cost, cluster, longest, batches, lone=False), cluster)
     sample = batches[: max_samples or default_samples(batches)]
 
     if method == "published":

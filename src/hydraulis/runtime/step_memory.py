@@ -119,7 +119,7 @@ def predicted_rank(
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     config = groups.config
     memory = dataclasses.replace(cost.memory, sequence_parallel=groups.tp.sequence_parallel)
-    # 1F1B holds consecutive micro-batches in flight (runtime/parallelism/pipeline.py): the fullest window's tokens.
+    # 1F1B holds consecutive micro-batches in flight (runtime/pipeline.py): the fullest window's tokens.
     sizes = [int(lengths[list(mb)].sum()) for mb in micro_batches]
     k = in_flight(config, groups.stage, len(sizes))
     window = max((sum(sizes[i : i + k]) for i in range(max(1, len(sizes) - k + 1))), default=0)
