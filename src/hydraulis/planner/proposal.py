@@ -376,6 +376,16 @@ def _published(
     return found
 
 
+def _fallback(
+    method: str, cost: CostModel, cluster: ClusterSpec, longest: int, batches: Sequence[np.ndarray]
+) -> Deployment:
+    """The pool's first deployment, which holds `longest`. The published system knows no lone micro-batches:
+    its fallback holds the longest sequence by the cap."""
+    if method == "hydraulis":
+        return fallback_deployment(cost, cluster, longest, batches)
+    return homogeneous(fallback_config(cost, cluster, longest, batches, lone=False), cluster)
+
+
 def propose(
     cost: CostModel,
     cluster: ClusterSpec,
@@ -401,11 +411,7 @@ def propose(
         raise HydraulisError("cannot propose a pool without sample batches")
     hist = LengthHistogram.from_batches(batches)
     longest = max(hist.max_length, max_length or 0)
-    # The published system knows no lone micro-batches: its fallback holds the longest sequence by the cap.
-    if method == "hydraulis":
-        fallback = fallback_deployment(cost, cluster, longest, batches)
-    else:
-        fallback = homogeneous(fallback_config(cost, cluster, longest, batches, lone=False), cluster)
+    fallback = _fallback(method, cost, cluster, longest, batches)
     sample = batches[: max_samples or default_samples(batches)]
 
     if method == "published":
