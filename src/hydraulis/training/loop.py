@@ -148,9 +148,8 @@ class Evaluation:
         """The metrics of an evaluation now if one is due (every rank runs it), else nothing."""
         if self.set is None or not self.set.due(trainer.step_index, self.last):
             return {}
-        result = evaluate(trainer, self.set.batches, self.set.plans, self.corpus)
-        return {"eval_loss": result.loss, "eval_perplexity": result.perplexity, "eval_tokens": result.tokens,
-                "eval_targets": result.targets}  # fmt: skip
+        result = evaluate(trainer, self.set.batches, self.set.plans, self.corpus).to_dict()
+        return {f"eval_{key}": value for key, value in result.items() if key != "step"}  # the row has the step
 
 
 def train_settings(job: Job) -> TrainSettings:
