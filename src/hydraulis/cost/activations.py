@@ -16,7 +16,9 @@ dtype's bytes; q, kv, f: the rank's query, key and FFN columns):
 - Qwen3's q/k norms: their input and an fp32 rsqrt per head.
 
 Under full recompute a block keeps only its input, and one block's whole
-set exists while it is recomputed. A layer's backward holds its SwiGLU's
+set exists while it is recomputed; under selective recompute (policies.py) the
+MLP's input replaces its norm's tensors and SwiGLU's, and one MLP's set exists
+while it is recomputed. A layer's backward holds its SwiGLU's
 gradients and a temporary beside that (`backward_bytes`). The last stage adds the final norm and
 the loss head (cross_entropy.py): the hidden states' gradient (compute
 dtype, every token) and the head's gradient in fp32, both computed in
@@ -27,6 +29,7 @@ test_activations.py` checks these counts against the tensors torch saves.
 
 from __future__ import annotations
 
+from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import ModelSpec
 
@@ -67,6 +70,26 @@ def layer_bytes(model: ModelSpec, tp: int, dtype_bytes: int, sequence_parallel: 
     return norms + attention + ffn + qk_norm
 
 
+def mlp_bytes(model: ModelSpec, tp: int, dtype_bytes: int, sequence_parallel: bool = False) -> float:
+    """Per token: what a block's MLP keeps without recompute, its norm's tensors, the norm's output as w1's and
+    w3's input and SwiGLU's three projections; selective recompute keeps the MLP's input instead."""
+    d, h = dtype_bytes, model.hidden
+    sp = 1 / tp if sequence_parallel and tp > 1 else 1.0
+    return _norm_bytes(h, d) * sp + d * h + 3 * d * model.ffn / tp
+
+
+def kept_share(model: ModelSpec, tp: int, dtype_bytes: int, sequence_parallel: bool, policy: int) -> float:
+    """The share of a block's activations (`layer_bytes`) it keeps under a memory policy (full: 0, its input
+    aside, as the reduce's wait counts what a block frees)."""
+    if policy == MemoryPolicy.FULL:
+        return 0.0
+    whole = layer_bytes(model, tp, dtype_bytes, sequence_parallel)
+    if policy == MemoryPolicy.NONE:
+        return 1.0
+    sp = 1 / tp if sequence_parallel and tp > 1 else 1.0
+    return (whole - mlp_bytes(model, tp, dtype_bytes, sequence_parallel) + dtype_bytes * model.hidden * sp) / whole
+
+
 def backward_bytes(model: ModelSpec, tp: int, dtype_bytes: int) -> float:
     """Per token: what a layer's backward holds beyond what the layers keep, at its largest: SwiGLU's (fused.py),
     the incoming gradient and up's gradient, less w2's input, which w2's backward has freed by then, and silu's
@@ -80,18 +103,29 @@ def rope_bytes(model: ModelSpec, dtype_bytes: int) -> float:
 
 
 def stack_bytes(
-    model: ModelSpec, tp: int, dtype_bytes: int, sequence_parallel: bool = False, recompute: bool = False,
+    model: ModelSpec, tp: int, dtype_bytes: int, sequence_parallel: bool = False, recompute: int = 0,
     layers: int | None = None,
 ) -> float:
     """Per token: what `layers` layers in flight keep (all L by default: 1F1B keeps pp micro-batches of L/pp
-    layers on the first stage), or under full recompute each one's input plus one block's whole set; and
-    RoPE's tables."""
+    layers on the first stage) under the memory policy `recompute` (policies.MemoryPolicy; a bool reads as
+    none or full): under full recompute each one's input plus one block's whole set, under selective each
+    one's share (`kept_share`) plus one MLP's set; and RoPE's tables."""
     one = layer_bytes(model, tp, dtype_bytes, sequence_parallel)
     count = model.layers if layers is None else layers
-    if recompute:
+    again = recomputed_bytes(model, tp, dtype_bytes, sequence_parallel, recompute)
+    if recompute == MemoryPolicy.FULL:
         sp = 1 / tp if sequence_parallel and tp > 1 else 1.0
-        return count * model.hidden * dtype_bytes * sp + one + rope_bytes(model, dtype_bytes)
-    return count * one + rope_bytes(model, dtype_bytes)
+        return count * model.hidden * dtype_bytes * sp + again + rope_bytes(model, dtype_bytes)
+    kept = count * one * kept_share(model, tp, dtype_bytes, sequence_parallel, recompute)
+    return kept + again + rope_bytes(model, dtype_bytes)
+
+
+def recomputed_bytes(model: ModelSpec, tp: int, dtype_bytes: int, sequence_parallel: bool, policy: int) -> float:
+    """Per token: what backward recomputes of one block at a time under a memory policy (full: the block's
+    set, selective: its MLP's), beside that block's backward (memory.rank_memory), not the loss's forward."""
+    if policy == MemoryPolicy.FULL:
+        return layer_bytes(model, tp, dtype_bytes, sequence_parallel)
+    return mlp_bytes(model, tp, dtype_bytes, sequence_parallel) if policy == MemoryPolicy.SELECTIVE else 0.0
 
 
 def head_bytes(
@@ -122,7 +156,7 @@ def loss_transient_bytes(model: ModelSpec, tp: int, dtype_bytes: int, tokens: in
 
 
 def kv_buffer_bytes(
-    model: ModelSpec, config: ParallelConfig, recompute: bool = False, held: int | None = None
+    model: ModelSpec, config: ParallelConfig, recompute: int = 0, held: int | None = None
 ) -> float:
     """Bytes per token of a micro-batch that CP adds on a rank, beyond its share of the activations.
 
@@ -130,15 +164,16 @@ def kv_buffer_bytes(
     its own K/V (counted in the activations) and a copy of the gathered prefix 0..a-1. A rank's two
     zigzag chunks k and 2cp-1-k start at k/2cp and (2cp-1-k)/2cp of the document, so it keeps
     (1 - 1 / 2cp) x the document's K/V per layer, for every layer in flight (`held` micro-batches of
-    L/pp layers under 1F1B, pp of them by default; one layer under full recompute). On top, while one
-    layer runs backward: its gathered K/V's gradient, the
-    gathered layout of it, and the reduce-scatter's reordered copy (3 x the document's K/V). Nothing
-    is O(chunk x prefix): no mask, and the block kernels keep O(chunk) softmax statistics.
+    L/pp layers under 1F1B, pp of them by default; one layer under full recompute, attention's all under
+    selective). On top, while one layer runs backward: its gathered K/V's gradient, the gathered layout of
+    it, and the reduce-scatter's reordered copy (3 x the document's K/V). Nothing is O(chunk x prefix): no
+    mask, and the block kernels keep O(chunk) softmax statistics.
     """
     if config.cp == 1:
         return 0.0
     per_layer = 2 * kv_shard_dim(model, config.tp) * KV_BYTES
-    kept_layers = 1 if recompute else model.layers // config.pp * (config.pp if held is None else held)
+    in_flight_layers = model.layers // config.pp * (config.pp if held is None else held)
+    kept_layers = 1 if recompute == MemoryPolicy.FULL else in_flight_layers
     return kept_layers * per_layer * (1 - 1 / (2 * config.cp)) + LIVE_KV_COPIES * per_layer
 
 

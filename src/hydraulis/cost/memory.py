@@ -1,15 +1,12 @@
 """Memory: the training state the runtime holds, and the per-GPU cap it leaves for activations.
 
-`TrainingState` is the one definition of bytes per parameter that the
-analytic memory model and the runtime's prediction of its peak both read;
-activations.py counts what the runtime's layers and loss head keep for
-backward; `rank_memory` is one rank's peak buffer by buffer, which the
-trainer logs beside the peak torch's allocator measures
-(runtime/step_memory.py); `MemoryModel.cap`, the most tokens a micro-batch
-of a config may hold (docs/design.md, section 4), is the largest
-micro-batch whose `rank_memory` peak fits on the config's first and last
-stage: under CP with the K/V buffers attention keeps, and zero where the
-state and the optimizer exchange's buffers do not fit.
+`TrainingState` is the one definition of bytes per parameter that the analytic memory model and the
+runtime's prediction of its peak both read; activations.py counts what the runtime's layers and loss head
+keep for backward; `rank_memory` is one rank's peak buffer by buffer, which the trainer logs beside the
+peak torch's allocator measures (runtime/step_memory.py); `MemoryModel.cap`, the most tokens a micro-batch
+of a config may hold (docs/design.md, section 4), is the largest micro-batch whose `rank_memory` peak fits
+on the config's first and last stage: under CP with the K/V buffers attention keeps, and zero where the
+state and the optimizer exchange's buffers do not fit; under a memory policy (policies.py), its count.
 """
 
 from __future__ import annotations
@@ -24,10 +21,13 @@ from hydraulis.cost.activations import (
     backward_bytes,
     head_bytes,
     in_flight,
+    kept_share,
     kv_buffer_bytes,
     loss_transient_bytes,
+    recomputed_bytes,
     stack_bytes,
 )
+from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.cost.shards import head_is_embedding, layer_shard_params, shard_params
 from hydraulis.limits import DEFAULT_EXCHANGE_BUCKET_BYTES
 from hydraulis.parallel import ParallelConfig
@@ -176,34 +176,32 @@ class MemoryModel:
         )
 
     def bytes_per_token(
-        self, config: ParallelConfig, model: ModelSpec, recompute: bool = False, held: int | None = None,
+        self, config: ParallelConfig, model: ModelSpec, recompute: int = 0, held: int | None = None,
         dtype_bytes: int | None = None,
     ) -> float:
         """Bytes per token one rank's layers keep (under CP, per token of the rank's share), with `held`
-        micro-batches of L/pp layers in flight (default pp, the first stage's in 1F1B: L layers in all)."""
+        micro-batches of L/pp layers in flight (default pp, the first stage's in 1F1B: L layers in all), under
+        the memory policy `recompute` (policies.MemoryPolicy; a bool reads as none or full)."""
         layers = model.layers // config.pp * (config.pp if held is None else held)
         d = self.compute_dtype_bytes if dtype_bytes is None else dtype_bytes
         if not self.activation_bytes_per_token_hidden_layer:
             return stack_bytes(model, config.tp, d, self.sequence_parallel, recompute, layers)
         scale = d / self.activation_dtype_bytes
         full = (model.hidden / config.tp) * self.activation_factor(config.tp) * scale
-        if recompute:
-            # Only each layer's input is kept (compute dtype, full hidden), plus the one layer whose
-            # activations are being recomputed in backward.
+        if recompute == MemoryPolicy.FULL:  # each layer's input (full hidden), plus the one recomputed
             return layers * model.hidden * RECOMPUTE_INPUT_BYTES * scale + full
-        return layers * full
+        share = kept_share(model, config.tp, d, self.sequence_parallel, recompute)  # this runtime's, of a layer
+        return layers * full * share + full * (recompute == MemoryPolicy.SELECTIVE)
 
-    def activation_bytes(
-        self, config: ParallelConfig, model: ModelSpec, tokens: int, recompute: bool = False, held: int | None = None,
-        dtype_bytes: int | None = None,
-    ) -> float:
+    def activation_bytes(self, config: ParallelConfig, model: ModelSpec, tokens: int, recompute: int = 0,
+                         held: int | None = None, dtype_bytes: int | None = None) -> float:
         """Activation bytes on the fullest rank for `held` micro-batches of `tokens` (CP: its share plus K/V)."""
         rank_tokens = max_rank_tokens(tokens, config.cp)
         per_token = self.bytes_per_token(config, model, recompute, held, dtype_bytes)
         return float(rank_tokens) * per_token + tokens * kv_buffer_bytes(model, config, recompute, held)
 
     def stage_activation_bytes(
-        self, config: ParallelConfig, model: ModelSpec, stage: int, tokens: int, dtype_bytes: int, recompute: bool,
+        self, config: ParallelConfig, model: ModelSpec, stage: int, tokens: int, dtype_bytes: int, recompute: int,
         micro_batches: int | None = None, window: int | None = None,
     ) -> float:
         """What micro-batches of at most `tokens` keep for backward on a stage's fullest rank in the compute dtype:
@@ -233,7 +231,7 @@ class MemoryModel:
         return not self.activation_bytes_per_token_hidden_layer
 
     def cap(
-        self, config: ParallelConfig, model: ModelSpec, num_gpus: int, recompute: bool = False,
+        self, config: ParallelConfig, model: ModelSpec, num_gpus: int, recompute: int = 0,
         micro_batches: int | None = None,
     ) -> int:
         """Most tokens (a multiple of 128) of a micro-batch whose every rank's peak fits beside the margin and context.
@@ -359,7 +357,7 @@ def rank_memory(
     tokens: int,
     dtype_bytes: int,
     bucket_bytes: int,
-    recompute: bool = False,
+    recompute: int = 0,
     micro_batches: int = 2,
     contributors: int | None = None,
     window: int | None = None,
@@ -382,10 +380,14 @@ def rank_memory(
     # Otherwise the gather's buffers meet the first forward's layers, the reduce's and the reduced gradient the
     # last backward's (one micro-batch in flight under 1F1B) once the stage's last blocks freed their activations
     # (`reduce_wait`); with one micro-batch the gradients those blocks made are beside them.
-    block = memory.activation_bytes(config, model, tokens, False, None, dtype_bytes) / model.layers * (not recompute)
+    block = memory.activation_bytes(config, model, tokens, False, None, dtype_bytes) / model.layers * kept_share(
+        model, config.tp, dtype_bytes, memory.sequence_parallel, recompute)
     held_activations = memory.stage_activation_bytes(config, model, stage, tokens, dtype_bytes, recompute,
                                                      micro_batches, window)
     reducing = memory.stage_activation_bytes(config, model, stage, tokens, dtype_bytes, recompute, 1)
+    # The block recompute runs again exists beside its backward only, not the loss's forward.
+    again = max_rank_tokens(tokens, config.cp) * recomputed_bytes(
+        model, config.tp, dtype_bytes, memory.sequence_parallel, recompute) * memory.own_per_token
     # The gradients exist from the first backward on: beside a full set in flight only when a forward follows it
     # (more micro-batches than in flight); with exactly as many, beside the others once the first one's are freed.
     full = micro_batches > in_flight(config, stage, micro_batches)
@@ -396,10 +398,10 @@ def rank_memory(
         params=shard * state.param_bytes,
         grads=grads,
         owned=held,
-        activations=held_activations * busy,
-        reducing=reducing * busy,
+        activations=(held_activations - again) * busy,
+        reducing=(reducing - again) * busy,
         loss_transient=memory.loss_transient_bytes(config, model, tokens, dtype_bytes) if busy and last else 0.0,
-        backward=max_rank_tokens(tokens, config.cp) * backward_bytes(model, config.tp, dtype_bytes)
+        backward=(max_rank_tokens(tokens, config.cp) * backward_bytes(model, config.tp, dtype_bytes) + again)
         * (busy and memory.own_per_token),
         grads_with_activations=grads_beside,
         exchange_buffers=buffers,

@@ -23,13 +23,14 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from hydraulis.cost.memory import CAP_GRANULARITY, MemoryModel, TrainingState
+from hydraulis.cost.policies import FULL_TIME, LIGHTEST_FIRST, MemoryPolicy, derived_scales
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import DeviceSpec, ModelSpec
 
 __all__ = ["CAP_GRANULARITY", "Coefficients", "CostModel", "MemoryModel", "TrainingState", "sequence_costs"]
 
-RECOMPUTE_TIME = 4 / 3  # training is 4 forwards instead of 3 when each layer's forward runs twice
+RECOMPUTE_TIME = FULL_TIME  # training is 4 forwards instead of 3 when each layer's forward runs twice
 FORWARD_SHARE = 1 / 3  # a forward of a training step's three forwards' worth (backward: two)
 def sequence_costs(a: float | np.ndarray, b: float | np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """a*s^2 + b*s: what each sequence adds to a micro-batch's stage time (c is per micro-batch).
@@ -140,6 +141,9 @@ class CostModel:
         self._min_efficient = dict(min_efficient_tokens)
         self._set_coefficients(coefficients)
         self.recompute: frozenset[ParallelConfig] = frozenset()
+        # Per-micro-batch memory policies (policies.py): off, every micro-batch runs its config's one policy.
+        self.memory_policies = False
+        self.policy_scales: dict[ParallelConfig, dict[MemoryPolicy, tuple[float, float]]] = {}  # measured
 
     def _set_coefficients(self, coefficients: dict[ParallelConfig, Coefficients]) -> None:
         self.configs: tuple[ParallelConfig, ...] = tuple(
@@ -181,6 +185,27 @@ class CostModel:
         out.recompute = self.recompute | new
         return out
 
+    def with_policies(self, on: bool) -> CostModel:
+        """A copy whose planner may choose a memory policy per micro-batch (`on`), or not: the lightest whose
+        cap holds the micro-batch (planner/replicas.py's `ReplicaCost.policy`). The recompute set keeps full."""
+        out = copy.copy(self)
+        out.memory_policies = on
+        return out
+
+    def policies(self, config: ParallelConfig) -> tuple[MemoryPolicy, ...]:
+        """The memory policies a micro-batch of `config` may run, lightest first; the first is its plain one."""
+        if config in self.recompute:
+            return (MemoryPolicy.FULL,)
+        return LIGHTEST_FIRST if self.memory_policies else (MemoryPolicy.NONE,)
+
+    def policy_scale(self, config: ParallelConfig, policy: MemoryPolicy | None) -> tuple[float, float]:
+        """(a, b) factors of a micro-batch under `policy` on `config` (None: its plain one): measured by the
+        profile where it timed them, else derived from FLOPs; 1 in the recompute set (already in a, b)."""
+        if policy is None or config in self.recompute:
+            return 1.0, 1.0
+        measured = self.policy_scales.get(config, {})
+        return measured[policy] if policy in measured else derived_scales(self.model)[policy]
+
     def forward_only(self) -> CostModel:
         """A copy whose micro-batch times are forward only (evaluation): FORWARD_SHARE of a step's a, b and c, of
         the recomputing configs' a and b a quarter (their step ran four forwards). Caps stay the training ones,
@@ -207,11 +232,14 @@ class CostModel:
         return Coefficients(float(self.a[i]), float(self.b[i]), float(self.c[i]))
 
     # -- time -----------------------------------------------------------------
-    def stage_time(self, config: ParallelConfig, lengths: Sequence[int] | np.ndarray) -> float:
-        """Forward+backward seconds of one packed micro-batch on one stage."""
+    def stage_time(
+        self, config: ParallelConfig, lengths: Sequence[int] | np.ndarray, policy: MemoryPolicy | None = None
+    ) -> float:
+        """Forward+backward seconds of one packed micro-batch on one stage (under `policy`, None its plain one)."""
         i = self.index(config)
         s = np.asarray(lengths, dtype=np.float64)
-        return float(self.a[i] * np.dot(s, s) + self.b[i] * s.sum() + self.c[i])
+        sa, sb = self.policy_scale(config, policy)
+        return float(sa * self.a[i] * np.dot(s, s) + sb * self.b[i] * s.sum() + self.c[i])
 
     def seq_costs(self, config: ParallelConfig, lengths: np.ndarray) -> np.ndarray:
         """a*s^2 + b*s per sequence: the part of stage time each sequence adds (no c)."""
@@ -225,28 +253,36 @@ class CostModel:
 
     # -- memory -----------------------------------------------------------------
     def cap(self, config: ParallelConfig, num_gpus: int) -> int:
-        """Most tokens each micro-batch may hold on `config` in a job of `num_gpus`, whatever their count."""
-        return self._cap(config, num_gpus, None)
+        """Most tokens each micro-batch may hold on `config` in a job of `num_gpus`, whatever their count, under
+        its plain memory policy."""
+        return self.policy_cap(config, num_gpus, self.policies(config)[0])
 
     def lone_cap(self, config: ParallelConfig, num_gpus: int) -> int:
-        """Most tokens of a replica's only micro-batch, so the longest sequence `config` holds: a deep
-        replica keeps a lone micro-batch in flight once, not pp times (activations.in_flight)."""
-        return self._cap(config, num_gpus, 1)
+        """Most tokens of a replica's only micro-batch under any policy it may run, so the longest sequence
+        `config` holds: a deep replica keeps a lone micro-batch in flight once, not pp times
+        (activations.in_flight)."""
+        return max(self.policy_cap(config, num_gpus, p, 1) for p in self.policies(config))
 
-    def _cap(self, config: ParallelConfig, num_gpus: int, micro_batches: int | None) -> int:
-        """`memory.cap`, a bisection over the memory model that planning asks thousands of times, kept per
-        (memory model, model spec): both are frozen, so a copy that replaces either starts a fresh cache."""
+    def policy_cap(
+        self, config: ParallelConfig, num_gpus: int, policy: MemoryPolicy, micro_batches: int | None = None
+    ) -> int:
+        """`memory.cap` under a memory policy, a bisection over the memory model that planning asks thousands
+        of times, kept per (memory model, model spec): both are frozen, so a copy that replaces either starts
+        a fresh cache."""
         cache = self.__dict__.get("_cap_cache")
         if cache is None or cache[0] is not self.memory or cache[1] is not self.model:
             cache = self._cap_cache = (self.memory, self.model, {})
-        recompute = config in self.recompute
-        key = (config, num_gpus, recompute, micro_batches)
+        key = (config, num_gpus, int(policy), micro_batches)
         if key not in cache[2]:
-            cache[2][key] = self.memory.cap(config, self.model, num_gpus, recompute, micro_batches=micro_batches)
+            cache[2][key] = self.memory.cap(config, self.model, num_gpus, policy, micro_batches=micro_batches)
         return cache[2][key]
 
-    def micro_batch_cap(self, config: ParallelConfig, num_gpus: int, micro_batches: int) -> int:
-        """Most tokens of each of a replica's `micro_batches` micro-batches."""
+    def micro_batch_cap(
+        self, config: ParallelConfig, num_gpus: int, micro_batches: int, policy: MemoryPolicy | None = None
+    ) -> int:
+        """Most tokens of each of a replica's `micro_batches` micro-batches (under `policy`: its cap)."""
+        if policy is not None:
+            return self.policy_cap(config, num_gpus, policy, 1 if micro_batches == 1 else None)
         return self.lone_cap(config, num_gpus) if micro_batches == 1 else self.cap(config, num_gpus)
 
     def for_job(
