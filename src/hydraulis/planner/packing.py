@@ -12,6 +12,9 @@ simulation: the first micro-batch sets the warm-up and the last the cool-down,
 so small ones belong at the ends. `ramp_bins` adds packings with a few small
 micro-batches of the shortest sequences made for those ends.
 
+With memory policies per micro-batch (replicas.py), a sequence beyond the cap but within a policy's runs
+as its own micro-batch under that policy, beside the others packed as above.
+
 A replica's lone micro-batch may hold up to its lone cap (a deep replica keeps it in flight once, not
 pp times): a replica given a sequence longer than its cap runs everything it holds as that one
 micro-batch, and a pp = 1 replica whose sequences fit one takes one (the fewest c).
@@ -204,7 +207,9 @@ def order_by_simulation(
     if not micro_batches:
         return Packing((), 0.0)
     tokens = np.array([int(lengths[mb].sum()) for mb in micro_batches])
-    times = np.array([cost.stage_time(replica.config, lengths[mb]) for mb in micro_batches])
+    count = len(micro_batches)
+    times = np.array([cost.stage_time(replica.config, lengths[mb], replica.policy(int(t), count))
+                      for mb, t in zip(micro_batches, tokens, strict=True)])
     comm = np.array([cost.p2p_time(replica.config, int(t)) for t in tokens])
     if replica.pp == 1:
         return Packing(tuple(micro_batches), simulate_replica(times, 1, comm, keep_events=False).time_s)
@@ -235,7 +240,7 @@ def pack_replica(
         return Packing((), 0.0)
     s = np.asarray(lengths, dtype=np.int64)[indices]
     tokens = int(s.sum())
-    if int(s.max()) > replica.cap or (replica.pp == 1 and tokens <= replica.holds):
+    if int(s.max()) > replica.reach or (replica.pp == 1 and tokens <= replica.plain_lone):
         if tokens > replica.holds:  # dispatch keeps a replica holding a long sequence within its lone cap
             check_cap(s, replica.cap)
             raise HydraulisError(
@@ -246,11 +251,17 @@ def pack_replica(
     best: Packing | None = None
     # With many sequences the closed form ranks packings as the simulation would: simulate only the best.
     bulk = bulk or len(s) >= BULK_PACK_ITEMS
-    candidates = [(bins, False) for bins in choose_bins(s, replica, bulk)[: 1 if bulk else SIMULATED_PACKINGS]]
-    if replica.pp > 1:
+    alone = s > replica.cap  # within a memory policy's cap: each its own micro-batch under it
+    singles, rest, s = [indices[[k]] for k in np.flatnonzero(alone)], indices[~alone], s[~alone]
+    chosen = choose_bins(s, replica, bulk)[: 1 if bulk else SIMULATED_PACKINGS] if len(s) else []
+    candidates = [(bins, False) for bins in chosen]
+    if replica.pp > 1 and len(s):
         candidates += [(bins, True) for bins in ramp_bins(s, replica)]
-    for bins, ramped in candidates:
-        packing = order_by_simulation([indices[b] for b in bins], np.asarray(lengths), replica, cost, bulk, ramped)
+    if singles and tokens <= replica.plain_lone:  # or all of it as one plain lone micro-batch, no recompute
+        candidates.append((None, False))
+    for bins, ramped in candidates or [([], False)]:
+        mbs = [indices] if bins is None else [rest[b] for b in bins] + singles
+        packing = order_by_simulation(mbs, np.asarray(lengths), replica, cost, bulk, ramped)
         if best is None or packing.time_s < best.time_s:
             best = packing
     assert best is not None

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from hydraulis.cost.model import CostModel
+from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.errors import HydraulisError
 from hydraulis.files import Fields, load_json, write_json_atomic
 from hydraulis.limits import MAX_GPUS, MAX_LENGTH, MAX_SEQUENCES
@@ -33,6 +34,9 @@ class ReplicaPlan:
     """Micro-batches of one replica in execution order; each a tuple of sequence indices."""
 
     micro_batches: tuple[tuple[int, ...], ...]
+    # Each micro-batch's memory policy (cost/policies.py's MemoryPolicy); empty: every one runs its config's
+    # plain one (full recompute in the cost model's recompute set, else none).
+    policies: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,11 @@ class IterationPlan:
         """The lengths as an array, converted once (simulating a large plan asks per replica)."""
         return np.asarray(self.lengths, dtype=np.int64)
 
+    def policy(self, replica: int, micro_batch: int) -> MemoryPolicy | None:
+        """The memory policy of a replica's micro-batch; None: its config's plain one."""
+        policies = self.replicas[replica].policies
+        return MemoryPolicy(policies[micro_batch]) if policies else None
+
     def micro_batch_lengths(self, replica: int) -> list[np.ndarray]:
         lengths = self.lengths_array
         return [lengths[list(mb)] for mb in self.replicas[replica].micro_batches]
@@ -70,7 +79,7 @@ class IterationPlan:
             )
         lengths = self.lengths_array
         seen = np.zeros(n, dtype=np.int64)
-        caps: dict[tuple[ParallelConfig, bool], int] = {}
+        caps: dict[tuple[ParallelConfig, bool, int | None], int] = {}
         for r, replica in enumerate(self.replicas):
             mbs = replica.micro_batches
             if not mbs:
@@ -91,17 +100,23 @@ class IterationPlan:
                 i = mbs[m][k - (int(ends[m - 1]) if m else 0)]
                 raise HydraulisError(f"{where}: replica {r} micro-batch {m} has index {i}, outside 0..{n - 1}")
             seen += np.bincount(flat, minlength=n)
+            if replica.policies and len(replica.policies) != len(mbs):
+                raise HydraulisError(f"{where}: replica {r} has {len(replica.policies)} memory policies for "
+                                     f"{len(mbs)} micro-batches")
             if cost is not None:
-                key = (config, len(mbs) == 1)  # a lone micro-batch has the lone cap (CostModel.lone_cap)
-                if key not in caps:
-                    caps[key] = cost.micro_batch_cap(config, num_gpus or self.deployment.num_gpus, len(mbs))
-                cap = caps[key]
+                cap = np.empty(len(mbs), dtype=np.int64)
+                for m in range(len(mbs)):  # a lone micro-batch has the lone cap (CostModel.lone_cap)
+                    key = (config, len(mbs) == 1, self.policy(r, m))
+                    if key not in caps:
+                        caps[key] = cost.micro_batch_cap(config, num_gpus or self.deployment.num_gpus, len(mbs),
+                                                         key[2] if key[2] is not None else cost.policies(config)[0])
+                    cap[m] = caps[key]
                 tokens = np.add.reduceat(lengths[flat], ends - sizes)
                 if (tokens > cap).any():
                     m = int(np.argmax(tokens > cap))
                     raise HydraulisError(
                         f"{where}: replica {r} ({config.name}) micro-batch {m} holds {int(tokens[m])} tokens, "
-                        f"over its cap of {cap}"
+                        f"over its cap of {int(cap[m])}"
                     )
         missing = np.flatnonzero(seen == 0)
         twice = np.flatnonzero(seen > 1)
@@ -115,7 +130,9 @@ class IterationPlan:
             "step": self.step,
             "lengths": [int(s) for s in self.lengths],
             "deployment": self.deployment.to_rows(),
-            "replicas": [{"micro_batches": [list(mb) for mb in r.micro_batches]} for r in self.replicas],
+            "replicas": [{"micro_batches": [list(mb) for mb in r.micro_batches],
+                          **({"policies": [MemoryPolicy(p).label for p in r.policies]} if r.policies else {})}
+                         for r in self.replicas],
             "predicted_time_s": self.predicted_time_s,
             "planning_time_s": self.planning_time_s,
             "replica_predicted_s": list(self.replica_predicted_s),
@@ -136,7 +153,9 @@ class IterationPlan:
                 if not isinstance(mb, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in mb):
                     raise HydraulisError(f"{where}.replicas[{i}].micro_batches[{j}]: expected a list of integers")
                 mbs.append(tuple(mb))
-            replicas.append(ReplicaPlan(tuple(mbs)))
+            names = r.list("policies", default=[])
+            policies = tuple(int(MemoryPolicy.parse(str(p), f"{where}.replicas[{i}].policies")) for p in names)
+            replicas.append(ReplicaPlan(tuple(mbs), policies))
         plan = cls(
             step=f.int("step", default=0, minimum=0),
             lengths=tuple(lengths),
@@ -272,12 +291,16 @@ def plan_from_assignment(
     micro_batches: Sequence[Sequence[Sequence[int]]],
     predicted_time_s: float,
     planning_time_s: float = 0.0,
+    policies: Sequence[Sequence[int]] | None = None,
 ) -> IterationPlan:
+    """`policies`: per replica, each micro-batch's memory policy, or empty (the config's plain one)."""
+    policies = policies if policies is not None else [()] * len(micro_batches)
     return IterationPlan(
         step=step,
         lengths=tuple(_ints(lengths)),
         deployment=deployment,
-        replicas=tuple(ReplicaPlan(tuple(tuple(_ints(mb)) for mb in mbs)) for mbs in micro_batches),
+        replicas=tuple(ReplicaPlan(tuple(tuple(_ints(mb)) for mb in mbs), tuple(int(p) for p in ps))
+                       for mbs, ps in zip(micro_batches, policies, strict=True)),
         predicted_time_s=float(predicted_time_s),
         planning_time_s=float(planning_time_s),
     )
@@ -287,11 +310,14 @@ def plan_from_assignment(
 def encode_plan(plan: IterationPlan, pool_index: int) -> np.ndarray:
     """The plan's wire format: rank 0 broadcasts it as one int64 vector over a CPU group (runtime/trainer.py).
 
-    [pool index, replicas, micro-batches per replica..., sizes..., sequence indices..., float64s as bits: the
-    predicted and planning times, then each replica's predicted time when the plan has them].
+    [pool index, replicas, micro-batches per replica..., sizes..., memory policies (-1: the plain one)...,
+    sequence indices..., float64s as bits: the predicted and planning times, then each replica's predicted
+    time when the plan has them].
     """
     mbs = [mb for r in plan.replicas for mb in r.micro_batches]
-    head = [pool_index, len(plan.replicas), *(len(r.micro_batches) for r in plan.replicas), *(len(m) for m in mbs)]
+    policies = [p for r in plan.replicas for p in (r.policies or [-1] * len(r.micro_batches))]
+    head = [pool_index, len(plan.replicas), *(len(r.micro_batches) for r in plan.replicas), *(len(m) for m in mbs),
+            *policies]
     times = [plan.predicted_time_s, plan.planning_time_s, *plan.replica_predicted_s]
     floats = np.array(times, dtype=np.float64).view(np.int64)
     return np.concatenate([np.array(head, np.int64), np.array([i for m in mbs for i in m], np.int64), floats])
@@ -304,15 +330,19 @@ def decode_plan(data: np.ndarray, step: int, lengths: Sequence[int], pool: Seque
     pos = 2 + replicas
     sizes = data[pos : pos + int(counts.sum())]
     pos += len(sizes)
+    policies = data[pos : pos + len(sizes)]
+    pos += len(sizes)
     flat = data[pos : pos + int(sizes.sum())]
     predicted, planning, *per_replica_s = data[pos + len(flat) :].view(np.float64).tolist()
     cuts = np.cumsum(sizes)[:-1]
     mbs = np.split(flat, cuts) if len(sizes) else []
-    per_replica, k = [], 0
+    per_replica, per_policies, k = [], [], 0
     for c in counts:
         per_replica.append(mbs[k : k + int(c)])
+        own = policies[k : k + int(c)].tolist()
+        per_policies.append(() if all(p < 0 for p in own) else own)
         k += int(c)
-    plan = plan_from_assignment(step, lengths, pool[index], per_replica, predicted, planning)
+    plan = plan_from_assignment(step, lengths, pool[index], per_replica, predicted, planning, per_policies)
     return dataclasses.replace(plan, replica_predicted_s=tuple(per_replica_s)) if per_replica_s else plan
 
 

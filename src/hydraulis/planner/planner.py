@@ -174,7 +174,7 @@ class Planner:
             cand = self._pack_and_refine(lengths, k, improve(lengths, self._tables[k], d))
             # The whole iteration decides, as the simulator runs it: replicas sharing CPU cores slow
             # each other, and deployments differ in their optimizer step.
-            predicted = simulate(plan_from_assignment(step, lengths, cand.deployment, cand.micro_batches, 0.0),
+            predicted = simulate(assemble(step, lengths, cand.deployment, cand.micro_batches, self._tables[k]),
                                  self.cost, keep_events=False).iteration_time_s
             simulated[k] = predicted
             if predicted < best_s:
@@ -295,6 +295,20 @@ def _relative(chosen: int, n: int, simulated: dict[int, float], screened: dict[i
     return tuple(ratio(k) for k in range(n))
 
 
+def assemble(
+    step: int, lengths: np.ndarray, deployment: Deployment, micro_batches: Sequence[Sequence[Sequence[int]]],
+    table: ReplicaTable,
+) -> IterationPlan:
+    """The plan of these micro-batches, each with its memory policy (`ReplicaCost.policy`; a replica whose every
+    micro-batch runs the plain one lists none)."""
+    policies = []
+    for replica, mbs in zip(table.replicas, micro_batches, strict=True):
+        chosen = [replica.policy(int(np.asarray(lengths)[np.asarray(mb, dtype=np.int64)].sum()), len(mbs))
+                  for mb in mbs]
+        policies.append(() if all(p is None for p in chosen) else [replica.plain if p is None else p for p in chosen])
+    return plan_from_assignment(step, lengths, deployment, micro_batches, 0.0, policies=policies)
+
+
 def finalize(
     step: int,
     lengths: np.ndarray,
@@ -307,7 +321,7 @@ def finalize(
 
     Every sequence exactly once and every micro-batch within its replica's cap, else a HydraulisError.
     """
-    plan = plan_from_assignment(step, lengths, deployment, micro_batches, 0.0)
+    plan = assemble(step, lengths, deployment, micro_batches, ReplicaTable.of(cost, deployment, deployment.num_gpus))
     plan.validate(cost, deployment.num_gpus, where=f"step {step}")
     predicted = simulate(plan, cost, keep_events=False)
     return dataclasses.replace(plan, predicted_time_s=predicted.iteration_time_s,

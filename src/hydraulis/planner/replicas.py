@@ -10,7 +10,11 @@ v runs from the token-cap minimum ceil(T / cap) up to the count n (and down to
 T / min_efficient_tokens, below which a micro-batch leaves the GPU idle); the
 unconstrained optimum is v* = sqrt((pp - 1) * W / c). For pp = 1 this is W + c*ceil(T/cap).
 
-A sequence longer than the cap (but within the lone cap, `CostModel.lone_cap`) fits only a replica's
+With memory policies per micro-batch (`CostModel.with_policies`), a sequence beyond the cap but within a
+recompute policy's cap (`tiers`) runs as its own micro-batch under the lightest policy that holds it, its
+cost scaled by the policy's (`ReplicaCost.seq_costs`) beside the others.
+
+A sequence longer than these caps (but within the lone cap, `CostModel.lone_cap`) fits only a replica's
 lone micro-batch: a replica holding one runs everything it holds as one micro-batch of at most the lone
 cap, in pp (W + c), and cannot hold more (estimate infinite).
 """
@@ -23,12 +27,23 @@ from dataclasses import dataclass
 import numpy as np
 
 from hydraulis.cost.model import CostModel, sequence_costs
+from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.parallel import Deployment, ParallelConfig
 
 # Large batches: below this many sequences every step goes one sequence at a time (the bench's batches);
 # above it, sequences lighter than HEAVY_SHARE of a fair share of the work are placed in bulk.
 BULK_MIN_SEQUENCES = 8192
 HEAVY_SHARE = 1 / 16
+
+
+@dataclass(frozen=True)
+class Tier:
+    """A memory policy's cap on a config and the coefficients a micro-batch runs at under it."""
+
+    policy: MemoryPolicy
+    cap: int
+    a: float
+    b: float
 
 
 @dataclass(frozen=True)
@@ -42,29 +57,77 @@ class ReplicaCost:
     cap: int
     min_efficient: int
     lone_cap: int | None = None  # a replica's only micro-batch (default: the cap)
+    # Memory policies beyond the plain one (`CostModel.with_policies`), each cap above the one before: a
+    # micro-batch of up to `tiers[k].cap` tokens beside others; `lone_tiers`, a lone one (the plain first).
+    tiers: tuple[Tier, ...] = ()
+    lone_tiers: tuple[Tier, ...] = ()
+    plain: MemoryPolicy = MemoryPolicy.NONE  # the policy of a micro-batch within the cap (full: the recompute set)
 
     @property
     def pp(self) -> int:
         return self.config.pp
 
     @property
+    def reach(self) -> int:
+        """The most tokens a micro-batch beside others holds, under the heaviest policy."""
+        return self.tiers[-1].cap if self.tiers else self.cap
+
+    @property
     def holds(self) -> int:
         """The longest sequence a replica of this config holds: its lone micro-batch's cap."""
-        return self.cap if self.lone_cap is None else max(self.cap, self.lone_cap)
+        return max(self.reach, self.cap if self.lone_cap is None else self.lone_cap)
+
+    @property
+    def plain_lone(self) -> int:
+        """The most tokens of a lone micro-batch under the plain policy."""
+        plain = [t.cap for t in self.lone_tiers if t.policy == self.plain]
+        return plain[0] if plain else (self.cap if self.lone_tiers else self.holds)
 
     @property
     def long_w(self) -> float:
-        """The cost of a sequence of `cap` tokens: a replica whose w_max exceeds it holds a longer one."""
-        return float(sequence_costs(self.a, self.b, np.array([self.cap]))[0])
+        """The cost of a sequence of `reach` tokens: a replica whose w_max exceeds it holds a longer one."""
+        return float(self.seq_costs(np.array([self.reach]))[0])
 
     @classmethod
     def of(cls, cost: CostModel, config: ParallelConfig, num_gpus: int) -> ReplicaCost:
         k = cost.coefficients(config)
         cap, lone = cost.cap(config, num_gpus), cost.lone_cap(config, num_gpus)
-        return cls(config, k.a, k.b, k.c, cap, cost.min_efficient_tokens(config), lone)
+        tiers: dict[int | None, list[Tier]] = {None: [], 1: []}
+        for count, rows in tiers.items():
+            top = cap if count is None else 0
+            for p in cost.policies(config)[count is None:]:
+                at = cost.policy_cap(config, num_gpus, p, count)
+                if at > top:
+                    sa, sb = cost.policy_scale(config, p)
+                    rows.append(Tier(p, at, sa * k.a, sb * k.b))
+                    top = at
+        return cls(config, k.a, k.b, k.c, cap, cost.min_efficient_tokens(config), lone, tuple(tiers[None]),
+                   tuple(tiers[1]), cost.policies(config)[0])
 
     def seq_costs(self, lengths: np.ndarray) -> np.ndarray:
-        return sequence_costs(self.a, self.b, lengths)
+        """a*s^2 + b*s of each sequence, under the lightest policy whose cap holds it alone (beyond `reach`,
+        its lone micro-batch's); plain up to the plain lone cap, where a replica may run it alone instead."""
+        out = sequence_costs(self.a, self.b, lengths)
+        if not self.tiers and len(self.lone_tiers) < 2:
+            return out  # no policy beyond the plain one
+        s = np.asarray(lengths)
+        lone = tuple(t for t in self.lone_tiers if t.policy != self.plain)
+        # Within the plain lone cap a replica may run it alone instead, unscaled (packing tries both).
+        for tiers, low in ((self.tiers, max(self.cap, self.plain_lone)), (lone, max(self.reach, self.plain_lone))):
+            for tier in tiers:
+                at = (s > low) & (s <= tier.cap)
+                out = np.where(at, sequence_costs(tier.a, tier.b, s), out)
+                low = max(low, tier.cap)
+        return out
+
+    def policy(self, tokens: int, micro_batches: int) -> MemoryPolicy | None:
+        """The policy a micro-batch of `tokens` (one of `micro_batches`) runs: the lightest whose cap holds it;
+        None for the config's plain one (or where none holds it, which a plan's validation names)."""
+        if micro_batches != 1 and tokens <= self.cap:
+            return None
+        tiers = self.lone_tiers if micro_batches == 1 else self.tiers
+        found = next((t.policy for t in tiers if tokens <= t.cap), None)
+        return None if found == self.plain else found
 
 
 @dataclass(frozen=True)
@@ -110,7 +173,9 @@ class ReplicaTable:
         return len(self.replicas)
 
     def cost_matrix(self, lengths: np.ndarray) -> np.ndarray:
-        """[distinct configs x sequences] of a*s^2 + b*s."""
+        """[distinct configs x sequences] of a*s^2 + b*s (under the policy each needs, `ReplicaCost.seq_costs`)."""
+        if any(m.tiers or len(m.lone_tiers) > 1 for m in self.configs):
+            return np.stack([m.seq_costs(np.asarray(lengths)) for m in self.configs])
         a = np.array([m.a for m in self.configs])[:, None]
         b = np.array([m.b for m in self.configs])[:, None]
         return sequence_costs(a, b, np.asarray(lengths)[None, :])

@@ -152,10 +152,10 @@ class SimResult:
 
 
 def replica_stage_times(plan: IterationPlan, replica: int, cost: CostModel) -> tuple[list[float], list[float]]:
-    """Stage time and p2p time of each micro-batch of one replica, in order."""
+    """Stage time and p2p time of each micro-batch of one replica, in order, each under its memory policy."""
     config = plan.deployment.replicas[replica].config
     lengths = plan.micro_batch_lengths(replica)
-    times = [cost.stage_time(config, s) for s in lengths]
+    times = [cost.stage_time(config, s, plan.policy(replica, k)) for k, s in enumerate(lengths)]
     comm = [cost.p2p_time(config, int(s.sum())) for s in lengths]
     return times, comm
 

@@ -1,0 +1,90 @@
+"""Memory policies per micro-batch in the planner: caps per policy, the lightest that holds each micro-batch,
+their times in the simulator, and the plan's JSON and wire forms carrying them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hydraulis.cost import load_cost_model
+from hydraulis.cost.memory import DEFAULT_EXCHANGE_BUCKET_BYTES, rank_memory
+from hydraulis.cost.policies import LIGHTEST_FIRST, MemoryPolicy
+from hydraulis.parallel import Deployment
+from hydraulis.parallel import ParallelConfig as P
+from hydraulis.planner.dispatch import NoRoom
+from hydraulis.planner.plan import PlanFile, Schedule, decode_plan, encode_plan, load_plan, save_plan
+from hydraulis.planner.planner import Planner
+from hydraulis.specs import ClusterSpec
+
+TIGHT = load_cost_model("tiny@cpu-measured").for_job(28 << 20, 4)  # fp32, 28 MiB per rank
+POLICIES = TIGHT.with_policies(True)
+POOL = [Deployment.parse(t, ClusterSpec(4)) for t in ("4x(tp1,pp1)", "2x(tp2,pp1)", "2x(tp1,pp2)")]
+
+
+def test_each_policy_holds_more_and_the_lone_cap_is_the_heaviest():
+    for g in (P(1, 1), P(1, 2), P(2, 1)):
+        caps = [POLICIES.policy_cap(g, 4, p) for p in LIGHTEST_FIRST]
+        assert caps[0] == TIGHT.cap(g, 4) == POLICIES.cap(g, 4) and caps[0] < caps[1] < caps[2]
+        assert POLICIES.lone_cap(g, 4) == POLICIES.policy_cap(g, 4, MemoryPolicy.FULL, 1) > TIGHT.lone_cap(g, 4)
+    assert TIGHT.policies(P(1, 1)) == (MemoryPolicy.NONE,)
+    assert POLICIES.with_recompute([P(1, 1)]).policies(P(1, 1)) == (MemoryPolicy.FULL,)
+
+
+def test_a_micro_batch_over_the_plain_cap_recomputes_on_the_cheaper_replica():
+    """Over tp1's plain cap (1,152 tokens at 28 MiB), within selective's: without policies only a wide or deep
+    deployment holds the batch; with them every replica is tp1 and that micro-batch alone recomputes."""
+    lengths = np.array([1800, 900, 800, 700, 700, 600, 500, 400, 300, 200])
+    off = Planner(TIGHT, 4, POOL[:2]).plan(lengths)
+    on = Planner(POLICIES, 4, POOL[:2]).plan(lengths)
+    assert str(off.deployment) != "4x(tp1,pp1)" and str(on.deployment) == "4x(tp1,pp1)"
+    assert on.predicted_time_s < off.predicted_time_s
+    chosen = {on.policy(r, k) for r, rp in enumerate(on.replicas) for k in range(len(rp.micro_batches))}
+    assert MemoryPolicy.SELECTIVE in chosen and MemoryPolicy.FULL not in chosen
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(16, POLICIES.lone_cap(P(1, 2), 4)), min_size=1, max_size=24), st.integers(0, 2))
+def test_every_micro_batch_runs_the_lightest_policy_that_holds_it(lengths, which):
+    """Within its policy's cap (a lone one: its lone cap), no lighter policy's cap holding it, within the budget
+    by rank_memory under that policy, and timed by the simulator under it."""
+    lengths = np.array(lengths)
+    planner = Planner(POLICIES, 4, POOL)
+    deployment = POOL[which]
+    if not planner.holds(deployment, int(lengths.max())):
+        return
+    try:
+        plan = planner.plan_on(lengths, deployment)
+    except NoRoom:  # more sequences beyond the caps than lone micro-batches to hold them
+        return
+    for r, (replica, config) in enumerate(zip(plan.replicas, deployment.configs, strict=True)):
+        count = len(replica.micro_batches)
+        for k, mb in enumerate(replica.micro_batches):
+            tokens = int(lengths[list(mb)].sum())
+            policy = plan.policy(r, k) or MemoryPolicy.NONE
+            lone = 1 if count == 1 else None
+            assert tokens <= POLICIES.policy_cap(config, 4, policy, lone)
+            lighter = LIGHTEST_FIRST[: LIGHTEST_FIRST.index(policy)]
+            assert all(tokens > POLICIES.policy_cap(config, 4, p, lone) for p in lighter)
+            if count == 1 or config.pp == 1:
+                for stage in range(config.pp):
+                    rank = rank_memory(POLICIES.memory, POLICIES.model, config, stage, 4, tokens, 4,
+                                       DEFAULT_EXCHANGE_BUCKET_BYTES, policy, count)
+                    assert rank.peak <= POLICIES.memory.usable_bytes
+
+
+def test_plans_carry_their_policies_in_json_and_on_the_wire(tmp_path):
+    lengths = np.array([1800, 900, 800, 700, 700, 600, 500, 400, 300, 200])
+    plan = Planner(POLICIES, 4, POOL[:2]).plan(lengths, 3)
+    assert any(r.policies for r in plan.replicas)
+    assert decode_plan(encode_plan(plan, 0), 3, plan.lengths, [plan.deployment]) == plan
+    path = tmp_path / "plan.json"
+    save_plan(path, PlanFile(POLICIES.name, 4, (Schedule.single(plan),)))
+    assert load_plan(path).iterations[0].phases[0] == plan
+    assert "selective" in json.dumps(json.loads(path.read_text())["iterations"][0]["replicas"])
+    plan.validate(POLICIES, 4)
+    plain = Planner(TIGHT, 4, POOL[1:]).plan(lengths)
+    assert not any(r.policies for r in plain.replicas)
+    assert decode_plan(encode_plan(plain, 0), 0, plain.lengths, [plain.deployment]) == plain
