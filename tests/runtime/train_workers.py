@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 from hydraulis.cost import AnalyticCostModel
 from hydraulis.cost.model import CostModel
+from hydraulis.cost.policies import LIGHTEST_FIRST
 from hydraulis.data.sampler import TokenBudgetSampler
 from hydraulis.optim import AdamWSettings, OptimSettings
 from hydraulis.parallel import Deployment
@@ -34,6 +36,8 @@ CRAFTED_DEPLOYMENTS = (0, 1, 0, 2, 1)
 IDLE_STEP = 2  # in this crafted step, replica 2 of deployment 0 gets no micro-batch
 # Crafted steps run in phases (runtime/phases.py): the deployment of each phase, shortest sequences first.
 PHASED = {1: (0, 2), 4: (2, 0, 1)}
+# Crafted steps whose micro-batches cycle through the memory policies (none, selective, full recompute).
+MIXED = (0, 2, 3)
 # Between the steps' gradient norms (0.65 to 0.77): clipping is inactive at steps 0, 1, 3 and 6, active at the rest.
 GRAD_CLIP = 0.68
 
@@ -95,6 +99,12 @@ def crafted_plans(s: TrainSettings) -> list[IterationPlan]:
             moved = type(r[0])(r[1].micro_batches + r[2].micro_batches)
             plan = IterationPlan(plan.step, plan.lengths, plan.deployment, (r[0], moved, type(r[0])(())),
                                  plan.predicted_time_s)
+        if step in MIXED:
+            cycle = [int(p) for p in LIGHTEST_FIRST]
+            replicas = [dataclasses.replace(r, policies=tuple(cycle[(i + k + step + 1) % 3] for k, _ in
+                                                              enumerate(r.micro_batches)))
+                        for i, r in enumerate(plan.replicas)]
+            plan = dataclasses.replace(plan, replicas=tuple(replicas))
         plans.append(plan)
     return plans
 

@@ -7,7 +7,7 @@ is the allocator's peak inside gather and reduce on CPU, and on CUDA the
 largest send and receive buffers the exchanges report they held (`Overlap.buffer_bytes`,
 handed to `StepMemory.stop`). Predicted:
 `cost.memory.rank_memory` for the rank's config and stage and its replica's
-largest micro-batch. Neither reads the other.
+largest micro-batch under each memory policy. Neither reads the other.
 """
 
 from __future__ import annotations
@@ -109,21 +109,30 @@ def predicted_rank(
     dtype: torch.dtype,
     bucket_bytes: int,
 ) -> RankMemory:
-    """The memory model's figures for this rank in this iteration (its replica's largest micro-batch), for the
-    runtime's own dtype and sequence parallelism: its peak, and when its reduce may start (`reduce_after`), for
-    the micro-batches its stage holds in flight at once."""
+    """The memory model's figures for this rank in this iteration, for the runtime's own dtype and sequence
+    parallelism: its peak, and when its reduce may start (`reduce_after`), for the micro-batches its stage holds
+    in flight at once. Per memory policy among its replica's micro-batches (plan.policy), the largest under it
+    with the fullest window of those in flight, the others' tokens counted at what they keep per token under
+    theirs; the highest peak of those."""
     groups = part.groups
     lengths = np.asarray(plan.lengths)
     micro_batches = plan.replicas[part.replica].micro_batches
-    tokens = max((int(lengths[list(mb)].sum()) for mb in micro_batches), default=0)
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     config = groups.config
     memory = dataclasses.replace(cost.memory, sequence_parallel=groups.tp.sequence_parallel)
-    # 1F1B holds consecutive micro-batches in flight (runtime/pipeline.py): the fullest window's tokens.
+    plain = cost.policies(config)[0]
+    policies = [plan.policy(part.replica, m) or plain for m in range(len(micro_batches))]
     sizes = [int(lengths[list(mb)].sum()) for mb in micro_batches]
     k = in_flight(config, groups.stage, len(sizes))
-    window = max((sum(sizes[i : i + k]) for i in range(max(1, len(sizes) - k + 1))), default=0)
-    return rank_memory(
-        memory, model, config, groups.stage, world, tokens, dtype_bytes, bucket_bytes,
-        config in cost.recompute, len(micro_batches), sum(r.config.cp for r in plan.deployment.replicas), window,
-    )
+    kept = {p: memory.bytes_per_token(config, model, p, 1, dtype_bytes) for p in {*policies, plain}}
+    ranks = []
+    for policy in set(policies) or {plain}:  # an idle replica's: its plain one
+        tokens = max((t for t, p in zip(sizes, policies, strict=True) if p == policy), default=0)
+        # 1F1B holds consecutive micro-batches in flight (runtime/pipeline.py): the fullest window's tokens.
+        same = [t * kept[p] / kept[policy] for t, p in zip(sizes, policies, strict=True)]
+        window = max((sum(same[i : i + k]) for i in range(max(1, len(same) - k + 1))), default=0)
+        ranks.append(rank_memory(
+            memory, model, config, groups.stage, world, tokens, dtype_bytes, bucket_bytes, policy,
+            len(micro_batches), sum(r.config.cp for r in plan.deployment.replicas), max(tokens, int(window)),
+        ))
+    return max(ranks, key=lambda r: r.peak)

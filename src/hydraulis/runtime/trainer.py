@@ -257,14 +257,15 @@ class Trainer:
         cp = part.groups.cp
         corpus = self.corpus if corpus is None else corpus
         out = []
-        for mb in plan.replicas[part.replica].micro_batches:
+        for k, mb in enumerate(plan.replicas[part.replica].micro_batches):
             docs, masks = [], []
             for i in mb:
                 start, end = int(batch.starts[i]), int(batch.starts[i]) + int(batch.lengths[i])
                 docs.append(torch.from_numpy(np.asarray(corpus[int(batch.docs[i])][start:end], dtype=np.int64)))
                 mask = corpus.target_mask(int(batch.docs[i]))  # SFT corpora: which tokens are targets
                 masks.append(None if mask is None else torch.from_numpy(np.array(mask[start:end], dtype=np.uint8)))
-            out.append(pack_cp_shard(docs, cp.size, cp.rank, pad_to_multiple=pad, masks=masks))
+            packed = pack_cp_shard(docs, cp.size, cp.rank, pad_to_multiple=pad, masks=masks)
+            out.append(replace(packed, policy=int(plan.policy(part.replica, k) or 0)))
         return out
 
     def batch_targets(self, batch: GlobalBatch, corpus: Corpus | None = None) -> int:

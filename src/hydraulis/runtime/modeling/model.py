@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.errors import HydraulisError
 from hydraulis.runtime.modeling.attention import packed_attention
 from hydraulis.runtime.modeling.context_attention import context_attention
@@ -206,9 +207,17 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(spec.hidden, tp.sequence_parallel, dtype, device, eps)
         self.ffn = FeedForward(spec, tp, dtype, device)
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: PackedBatch) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: PackedBatch, selective: bool = False
+    ) -> torch.Tensor:
+        """`selective`: checkpoint the MLP (cost/policies.py), keeping its input and running it again in backward."""
         h = h + self.attn(enter_tp_region(self.attn_norm(h), self.tp), rope, batch)
-        return h + self.ffn(enter_tp_region(self.ffn_norm(h), self.tp))
+        if selective and torch.is_grad_enabled():
+            return h + torch.utils.checkpoint.checkpoint(self._mlp, h, use_reentrant=False)
+        return h + self._mlp(h)
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.ffn(enter_tp_region(self.ffn_norm(h), self.tp))
 
 
 class StageModel(nn.Module):
@@ -239,7 +248,9 @@ class StageModel(nn.Module):
         self.spec, self.tp, self.stage, self.num_stages = spec, tp, stage, num_stages
         # Context parallelism: this rank holds only its CP rank's tokens; attention gathers K/V over the group.
         self.cp = cp or ContextParallel()
-        # Full activation recompute: keep only each block's input, run its forward again in backward.
+        # Full activation recompute for every micro-batch (the recompute set); else each micro-batch's own
+        # memory policy (`PackedBatch.policy`, cost/policies.py): full keeps only each block's input and runs
+        # its forward again in backward, selective does so for each block's MLP.
         self.recompute = recompute
         self.layer_range = stage_layers(spec.layers, num_stages, stage)
         tied = spec.arch.tied_embeddings
@@ -281,11 +292,12 @@ class StageModel(nn.Module):
         """The stage's layers; on the last stage also the final norm, entered into the TP region for the head."""
         h = self.embedding(x) if self.is_first else x
         rope = rope_tables(batch.positions, self.spec.head_dim, h.dtype, self.spec.arch)
+        full = self.recompute or batch.policy == MemoryPolicy.FULL
         for layer in self.layers.values():
-            if self.recompute and torch.is_grad_enabled():
+            if full and torch.is_grad_enabled():
                 h = torch.utils.checkpoint.checkpoint(layer, h, rope, batch, use_reentrant=False)
             else:
-                h = layer(h, rope, batch)
+                h = layer(h, rope, batch, batch.policy == MemoryPolicy.SELECTIVE)
         return enter_tp_region(self.norm(h), self.tp) if self.is_last else h
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:

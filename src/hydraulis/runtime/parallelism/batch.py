@@ -60,6 +60,7 @@ class PackedBatch:
     cu_seqlens: torch.Tensor  # (num_segments + 1,) int32, padding segment included
     max_seqlen: int
     context: ContextShard | None = None  # this CP rank's attention plan; None without context parallelism
+    policy: int = 0  # the micro-batch's memory policy (cost/policies.py's MemoryPolicy; 0: none)
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +82,7 @@ class PackedBatch:
             cu_seqlens=self.cu_seqlens.to(device, non_blocking=True),
             max_seqlen=self.max_seqlen,
             context=None if self.context is None else self.context.to(device),
+            policy=self.policy,
         )
 
 
