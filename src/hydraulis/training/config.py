@@ -145,6 +145,9 @@ class ParallelSection(_Section):
     )
     sequence_parallel: bool = False
     recompute: bool | list[str] = False  # true: every config; or the configs that recompute, e.g. ["tp1pp1"]
+    # The planner chooses a memory policy per micro-batch (none, selective, full recompute: the lightest whose cap
+    # holds it); false: every micro-batch of a config runs its one policy (full in `recompute`, else none).
+    memory_policies: bool = False
     max_pool: int = Field(DEFAULT_MAX_POOL, ge=1, le=MAX_POOL)
     # The optimizer's gather and reduce run in rounds, two in flight, each with a send and a receive buffer of
     # at most half this many MiB (runtime/sharding/exchange.py): two buckets in all.

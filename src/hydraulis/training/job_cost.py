@@ -36,8 +36,10 @@ def auto_cost(
 
 
 def for_job(config: RunConfig, cost: CostModel) -> CostModel:
-    """A loaded cost model made the job's: its recompute set, its exchange bucket checked, its caps budgeted."""
+    """A loaded cost model made the job's: its recompute set and memory policies, its exchange bucket checked,
+    its caps budgeted."""
     cost = cost.with_recompute(config.parallel.recompute_configs(cost.configs))
+    cost = cost.with_policies(config.parallel.memory_policies)
     check_exchange_bucket(config, cost)
     return budgeted(config, cost)
 
