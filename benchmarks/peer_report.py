@@ -56,6 +56,8 @@ def print_report(summary: dict[str, Any]) -> None:
               f"{summary['predicted_speedup']:.2f}x (over {summary['best_homogeneous_predicted']}), measured "
               f"{summary['ratios'][f'hydraulis/{best}']:.2f}x (over {best}, best measured)")
     print("  " + "   ".join(f"{k} {x:.2f}x" for k, x in summary["ratios"].items()))
+    if "predicted_policy_speedup" in summary:
+        print(f"  memory policies per micro-batch: predicted {summary['predicted_policy_speedup']:.2f}x over off")
     print("  against hydraulis, |loss difference| at the first step (relative grad-norm difference) and the last:")
     print("    " + ", ".join(f"{v} {d['first_loss_diff']:.1e} ({d['first_grad_norm_rel_diff']:.1e}) "
                            f"{d['last_loss_diff']:.1e}" for v, d in summary["agreement"].items()))

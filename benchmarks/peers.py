@@ -19,8 +19,10 @@ each homogeneous deployment of the pool that holds every batch of an epoch of th
 for the whole run; the others are listed with the planner's reason); `4x(tp1,pp1) recompute`, Hydraulis's
 runtime with every tp1 replica recomputing its activations; `ddp-doc-gc`, DDP of transformers' model with
 its activation checkpointing; `fsdp2-ac`, FSDP2 with the same; and `ddp-doc`, which does not fit (for
-scale). Every variant's measured peak per rank is printed beside the budget; one over it is flagged as
-not fitting and no ratio is taken against it.
+scale). Under a budget `hydraulis` chooses a memory policy per micro-batch (none, selective or full
+recompute: `CostModel.with_policies`) and `hydraulis policies off` does not. Setting `tight`: the same at
+28 MiB, without `ddp-doc`. Every variant's measured peak per rank is printed beside the budget; one over
+it is flagged as not fitting and no ratio is taken against it.
 
 Measurement. `for rep in range(reps): for variant in variants:` a fresh job of 4 processes builds the
 variant, runs one warm-up pass over the batches, then the timed pass. Every step starts after a
@@ -56,7 +58,7 @@ all-reduces inside compute are not counted). The planner's predicted speedup ove
 homogeneous deployment (sums of `plan.predicted_time_s`) is printed next to the measured one.
 CPU figures are informative: the 4 ranks share this machine's cores.
 
-    .venv/bin/python benchmarks/peers.py [--setting all|longtail|sft|small|bounded] [--reps 3] [--steps 12]
+    .venv/bin/python benchmarks/peers.py [--setting all|longtail|sft|small|bounded|tight] [--reps 3] [--steps 12]
         [--tokens N] [--profile P] [--json out.json]
 """
 
@@ -110,6 +112,7 @@ class Setting(NamedTuple):
 
 
 RECOMPUTE = "4x(tp1,pp1) recompute"  # Hydraulis's own runtime, every tp1 replica recomputing its activations
+OFF = "hydraulis policies off"  # under a budget: Hydraulis without a memory policy per micro-batch
 
 
 SETTINGS = {
@@ -127,6 +130,13 @@ SETTINGS = {
                        "2x(tp2,pp1); 2x(tp1,pp2); 1x(tp1,pp2) + 2x(tp1,pp1); 4x(tp1,pp1); "
                        "1x(tp1,pp2) + 1x(tp2,pp1); 1x(tp2,pp2)",
                        "drop", "36MiB", ("ddp-doc", *CHECKPOINTED)),
+    # Tighter: at 28 MiB tp1 holds 1,152 tokens, tp1pp2 1,280 (2,176 as its lone micro-batch), tp2pp1 1,920;
+    # with selective recompute tp1 holds 1,792 and tp1pp2 1,920 (2,688), with full 2,944 and 3,200 (3,328).
+    "tight": Setting("tiny", "python-stdlib", "bytes", 2048, 6144, "tiny@cpu-measured",
+                     "CPython's .py files as bytes, those up to 2,048 (p10 61, p50 715, p90 1,640)",
+                     "2x(tp2,pp1); 2x(tp1,pp2); 1x(tp1,pp2) + 2x(tp1,pp1); 4x(tp1,pp1); "
+                     "1x(tp1,pp2) + 1x(tp2,pp1); 1x(tp2,pp2)",
+                     "drop", "28MiB", CHECKPOINTED),
 }
 
 
@@ -195,8 +205,12 @@ def prepare(name: str, args: argparse.Namespace) -> dict[str, Any]:
     cost = cost.for_job(budget, 4)  # the caps of an fp32 run, within the budget
     check_job_pool(pool, WORLD, spec, cost, s.max_len)
     planner = Planner(cost, WORLD, pool)
-    plans = {"hydraulis": [planner.plan(b.lengths, i) for i, b in enumerate(batches)]}
-    costs = dict.fromkeys(plans, cost)
+    # Under a budget hydraulis chooses a memory policy per micro-batch; OFF and the baselines plan without.
+    policies = cost.with_policies(budget is not None)
+    plans = {"hydraulis": [Planner(policies, WORLD, pool).plan(b.lengths, i) for i, b in enumerate(batches)]}
+    costs = {"hydraulis": policies}
+    if budget is not None:
+        plans[OFF], costs[OFF] = [planner.plan(b.lengths, i) for i, b in enumerate(batches)], cost
     unplannable = unfit_homogeneous(planner, pool, epoch_batches(corpus.lengths, tokens, s)) if budget else {}
     for d in pool:
         if d.is_homogeneous and str(d) not in unplannable:
@@ -225,7 +239,7 @@ def hydraulis_runner(job: dict, variant: str, env, corpus, total_steps: int):
     from hydraulis.runtime.trainer import Trainer, TrainSettings
 
     plans = job["plans"][variant]
-    pool = job["pool"] if variant == "hydraulis" else (plans[0].deployment,)
+    pool = job["pool"] if variant in ("hydraulis", OFF) else (plans[0].deployment,)
     sampler = TokenBudgetSampler(corpus.lengths, job["tokens"], job["max_len"], seed=SEED, policy=job["overlong"])
     settings = TrainSettings(job["spec"], pool, job["costs"][variant], job["optim"], total_steps)
     trainer = Trainer(settings, corpus, sampler, env)
@@ -380,7 +394,7 @@ def summarize(job: dict, rows: dict[str, list[dict]]) -> dict[str, Any]:
     out: dict[str, Any] = {"variants": {v: variant_summary(job, v, reps) for v, reps in rows.items()}}
     var = out["variants"]
     # The homogeneous deployments of the pool that fit the budget (all of them without one), measured.
-    homog = [v for v in job["plans"] if v not in ("hydraulis", RECOMPUTE) and var[v]["fits"]]
+    homog = [v for v in job["plans"] if v not in ("hydraulis", RECOMPUTE, OFF) and var[v]["fits"]]
     best_measured = max(homog, key=lambda v: var[v]["tokens_per_s_median"], default=None)
     best_predicted = max(homog, key=lambda v: var[v]["predicted_tokens_per_s"], default=None)
     hyd = var["hydraulis"]
@@ -389,8 +403,10 @@ def summarize(job: dict, rows: dict[str, list[dict]]) -> dict[str, Any]:
     out["predicted_speedup"] = (hyd["predicted_tokens_per_s"] / var[best_predicted]["predicted_tokens_per_s"]
                                 if best_predicted else None)
     # Ratios only against variants that fit the budget: one over it is not a result.
-    against = [v for v in [*job["peers"], *([RECOMPUTE] if RECOMPUTE in var else []), best_measured]
+    against = [v for v in [*job["peers"], *(v for v in (RECOMPUTE, OFF) if v in var), best_measured]
                if v is not None and var[v]["fits"]]
+    if OFF in var:  # what the memory policies per micro-batch gain, predicted
+        out["predicted_policy_speedup"] = hyd["predicted_tokens_per_s"] / var[OFF]["predicted_tokens_per_s"]
     out["ratios"] = {f"hydraulis/{v}": hyd["tokens_per_s_median"] / var[v]["tokens_per_s_median"] for v in against}
     out["not_fitting"] = [v for v in var if not var[v]["fits"]]
     # The same weights, batches and optimizer: losses should agree at the first step (batch 0, initial
