@@ -46,6 +46,25 @@ def test_plan_writes_a_valid_plan(cli, tmp_path):
         assert row["bubble_fraction"] == pytest.approx(sum(idle) / (16 * row["compute_time_s"]))
 
 
+def test_memory_policies_let_a_plain_replica_hold_a_long_sequence(cli, tmp_path):
+    """tiny in fp32 at 28 MiB: tp1's plain cap is 1,152 tokens; with --memory-policies the 1,800-token
+    sequence runs on a tp1 replica under selective recompute, which `hydraulis simulate` times alike."""
+    w = write(tmp_path / "w.json", [[1800, 900, 800, 700, 600, 500, 400, 300]])
+    args = ("plan", "-p", "tiny@cpu-measured", "-n", "4", "--workload", str(w), "--pool", "4x(tp1,pp1)",
+            "--memory-per-rank", "28MiB", "--dtype", "fp32")
+    one_line_error(cli(*args, "--out", str(tmp_path / "off.json")), "1800")
+    out = tmp_path / "on.json"
+    res = cli(*args, "--memory-policies", "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    plan = load_plan(out).iterations[0].phases[0]
+    assert "selective" in json.dumps(json.loads(out.read_text())["iterations"][0]["replicas"])
+    sim = cli("simulate", "--plan", str(out), "--json")
+    assert sim.returncode == 0, sim.stderr
+    assert json.loads(sim.stdout)["iterations"][0]["iteration_time_s"] == pytest.approx(plan.predicted_time_s)
+    one_line_error(cli(*args, "--memory-policies", "--policy", "megatron", "--out", str(tmp_path / "m.json")),
+                   "--memory-policies")
+
+
 def test_plan_with_inline_pool(cli, tmp_path):
     w = write(tmp_path / "w.json", [[4000, 300, 120, 9000, 700] * 8])
     out = tmp_path / "plan.json"

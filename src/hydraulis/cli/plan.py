@@ -54,6 +54,10 @@ def plan(
     seed: int = SeedOption,
     memory_per_rank: str = MemoryPerRankOption,
     dtype: str = DtypeOption,
+    memory_policies: bool = typer.Option(
+        False, "--memory-policies", help="hydraulis: choose a memory policy per micro-batch (none, selective or full "
+        "recompute), the lightest whose cap holds it ([parallel] memory_policies).",
+    ),
 ) -> None:
     """Choose a deployment, dispatch and pack each global batch of a workload."""
     from rich.progress import Progress
@@ -71,9 +75,12 @@ def plan(
             f"profile does not hold, and a plan file's deployments are the profile's; compare it with "
             f"`hydraulis bench --policy {policy}` instead"
         )
+    if memory_policies and policy != "hydraulis":
+        raise HydraulisError(f"--memory-policies is the hydraulis policy's; {policy} plans without them")
     cost, cluster, work = load_job(
         profile, gpus, gpus_per_node, workload, tokens_per_batch, num_batches, seed, memory_per_rank, dtype
     )
+    cost = cost.with_policies(memory_policies)
     deployments = parse_pool(pool, cluster) if pool else None
     batches = _within_caps(work.batches, largest_cap(cost, cluster, deployments), overlong, workload, cost)
     ctx = PolicyContext.build(cost, cluster, batches, deployments)
