@@ -13,6 +13,7 @@ from hydraulis.cost import ProfiledCostModel
 from hydraulis.cost.conditions import cpu_cores
 from hydraulis.cost.fit import fit_robust
 from hydraulis.cost.measured import CPU_MEMORY_METHOD, build_profile, summary_rows
+from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.cost.sweep import ProfileSettings, parse_config_list, sweep
 from hydraulis.parallel import ParallelConfig
 from hydraulis.runtime.metering.profiler import replicas_at_once
@@ -64,6 +65,11 @@ def test_profile_on_gloo_writes_a_profile_that_caps_and_plan_accept(cli, tmp_pat
     points = data["measurements"]["points"]
     assert len(points) == 3 * len(sweep(ProfileSettings(totals=(64, 128), min_doc=32)))
     assert all(p["time_ms"] > 0 and len(p["stage_ms"]) == ParallelConfig.parse(p["config"]).pp for p in points)
+    # Each config's memory policies, timed at the longest point: factors on a and b the cost model reads.
+    assert set(data["policy_time"]) == {"tp1pp1", "tp2pp1", "tp1pp2"}
+    assert all(set(f) == {"selective", "full"} and min(f.values()) >= 1 for f in data["policy_time"].values())
+    full = data["policy_time"]["tp1pp1"]["full"]
+    assert cost.policy_scale(ParallelConfig(1, 1), MemoryPolicy.FULL) == (full, full)
     # The measured links are in the profile and in the cost model.
     assert cost.collectives is not None and cost.collectives.world_size == 2
     for key in ("all_to_all", "p2p"):
@@ -204,7 +210,16 @@ def test_build_profile_uses_the_replicas_that_ran_and_records_the_shared_cores()
     data = build_profile(spec, [ParallelConfig(1, 1)], settings, [ran, waited], device)
     assert data["shared_cores"] == {"cores": 1, "threads_per_rank": 1}
     assert data["time_ms"][0]["busy_ranks"] == 1 and data["measurements"]["world_size"] == 2
+    assert "policy_time" not in data  # not timed (an older profile's ranks): the derived factors apply
+    ran["configs"]["tp1pp1"].update(policy_point=2, policy_times_s={"selective": [1.5 * true[2]] * 3,
+                                                                    "full": [2 * true[2] - 3e-3] * 3})
+    data = build_profile(spec, [ParallelConfig(1, 1)], settings, [ran, waited], device)
+    # (time - c) over (plain time - c): full doubles a and b here, selective adds 1.5 t - c over t - c.
+    factors = data["policy_time"]["tp1pp1"]
+    assert factors["full"] == pytest.approx(2, rel=1e-3)
+    assert factors["selective"] == pytest.approx((1.5 * true[2] - 3e-3) / (true[2] - 3e-3), rel=1e-3)
     cost = ProfiledCostModel.from_dict(data)
+    assert cost.policy_scale(ParallelConfig(1, 1), MemoryPolicy.FULL) == pytest.approx((2, 2), rel=1e-3)
     assert cost.shared_cores is not None and cost.shared_cores.busy_ranks == {ParallelConfig(1, 1): 1}
     for p, t in zip(points, true, strict=True):
         assert cost.stage_time(ParallelConfig(1, 1), p) == pytest.approx(t, rel=1e-3)

@@ -214,7 +214,22 @@ def build_profile(
         "measurements": {"settings": settings.to_json(), "points": measurements, "world_size": world},
     }
     _beside_compute(data, configs, ranks)
+    policies = {g.name: _policy_time(g, ranks, time_rows[k]["c"] / 1e3) for k, g in enumerate(configs)}
+    if all(policies.values()):
+        data["policy_time"] = policies
     return data
+
+
+def _policy_time(config: ParallelConfig, ranks: Sequence[dict[str, Any]], c: float) -> dict[str, float]:
+    """Each memory policy's factor on a and b (cost/policies.py): at the point timed under it, the slowest
+    rank's median time less c over its plain median time less c; empty where not measured."""
+    rows = [r["configs"][config.name] for r in ranks if config.name in r["configs"]]
+    if not rows or any("policy_times_s" not in r for r in rows):
+        return {}
+    plain = max(float(np.median(r["times_s"][r["policy_point"]])) for r in rows)
+    names = rows[0]["policy_times_s"]
+    slowest = {name: max(float(np.median(r["policy_times_s"][name])) for r in rows) for name in names}
+    return {name: max(1.0, (t - c) / max(plain - c, 1e-12)) for name, t in slowest.items()}
 
 
 def summary_rows(data: dict[str, Any]) -> list[list[str]]:

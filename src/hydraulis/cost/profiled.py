@@ -16,6 +16,7 @@ from hydraulis.cost.model import (
     OptimizerStep,
     SharedCores,
 )
+from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.errors import HydraulisError
 from hydraulis.files import Fields, load_json
 from hydraulis.limits import MAX_GPUS, MAX_LAYERS, MAX_LENGTH, MAX_MODEL_DIM
@@ -109,6 +110,11 @@ class ProfiledCostModel(CostModel):
         step = _optimizer_step(f) if "optimizer_step" in data else None
         cost = cls(f.str("name"), model, device, coefficients, memory, min_eff, collectives, shared, step)
         cost.profile_data = data
+        table = f.obj("policy_time") if "policy_time" in data else None  # measured memory policies' factors
+        for name in table.data if table is not None else ():
+            factors = table.obj(name)
+            cost.policy_scales[ParallelConfig.parse(name)] = {
+                MemoryPolicy.parse(p, factors.where): (factors.float(p, minimum=1.0),) * 2 for p in factors.data}
         return cost
 
 

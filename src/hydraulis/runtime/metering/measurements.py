@@ -7,6 +7,7 @@ the way it is). CPU: `time.perf_counter`; GPU: CUDA events.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
 from collections.abc import Callable, Sequence
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hydraulis.cost.measured import filling_replicas
+from hydraulis.cost.policies import LIGHTEST_FIRST, MemoryPolicy
 from hydraulis.cost.sweep import ProfileSettings
 from hydraulis.parallel import ParallelConfig, Replica
 from hydraulis.runtime.launch import DistEnv
@@ -105,8 +107,8 @@ class StageRunner:
             for b in batches
         ]
 
-    def __call__(self, i: int) -> None:
-        batch, groups = self.batches[i], self.groups
+    def __call__(self, i: int, policy: MemoryPolicy = MemoryPolicy.NONE) -> None:
+        batch, groups = dataclasses.replace(self.batches[i], policy=int(policy)), self.groups
         targets = max(1, batch.num_targets)
         for p in self.model.parameters():
             p.grad = None  # as the trainer leaves them: backward allocates the gradients afresh
@@ -139,6 +141,9 @@ class ConfigRun:
         self.clock = Clock(device)
         self.count = len(batches)
         self.times = [[0.0] * settings.repeats for _ in batches]
+        # The memory policies' recompute, timed at the sweep's longest point beside its plain run.
+        self.longest = max(range(len(batches)), key=lambda i: batches[i].num_tokens)
+        self.policy_times = {p.label: [0.0] * settings.repeats for p in LIGHTEST_FIRST[1:]}
         self.activation = [0] * len(batches)
         self.static = 0
 
@@ -149,6 +154,10 @@ class ConfigRun:
     def timed(self, i: int, repeat: int) -> None:
         barrier(self.groups.replica_group, self.clock)
         self.times[i][repeat] = self.clock.time(lambda: self.run(i))
+        if i == self.longest:
+            for p in LIGHTEST_FIRST[1:]:
+                barrier(self.groups.replica_group, self.clock)
+                self.policy_times[p.label][repeat] = self.clock.time(lambda p=p: self.run(i, p))
 
     def memory(self, i: int) -> None:
         barrier(self.groups.replica_group, self.clock)
@@ -176,6 +185,8 @@ class ConfigRun:
             "cp_rank": self.groups.cp.rank,
             "tokens": [b.num_tokens for b in self.run.batches],
             "times_s": self.times,
+            "policy_point": self.longest,
+            "policy_times_s": self.policy_times,
             "activation_bytes": self.activation,
             "static_bytes": int(self.static),
             "params": int(sum(p.numel() for p in self.model.parameters())),
