@@ -88,3 +88,14 @@ def test_plans_carry_their_policies_in_json_and_on_the_wire(tmp_path):
     plain = Planner(TIGHT, 4, POOL[1:]).plan(lengths)
     assert not any(r.policies for r in plain.replicas)
     assert decode_plan(encode_plan(plain, 0), 0, plain.lengths, [plain.deployment]) == plain
+
+
+def test_a_policy_measured_slower_than_a_heavier_one_is_never_chosen():
+    """A profile may time selective slower than full (one point, a loaded machine): full then runs whatever
+    selective would hold, the cheaper of the two."""
+    cost = POLICIES.with_policies(True)
+    cost.policy_scales = {P(1, 1): {MemoryPolicy.SELECTIVE: (1.6, 1.6), MemoryPolicy.FULL: (1.5, 1.5)}}
+    lengths = np.array([1800, 900, 800, 700, 700, 600, 500, 400, 300, 200])
+    plan = Planner(cost, 4, POOL[:1]).plan(lengths)
+    chosen = {plan.policy(r, k) for r, rp in enumerate(plan.replicas) for k in range(len(rp.micro_batches))}
+    assert MemoryPolicy.FULL in chosen and MemoryPolicy.SELECTIVE not in chosen

@@ -101,6 +101,8 @@ class ReplicaCost:
                     sa, sb = cost.policy_scale(config, p)
                     rows.append(Tier(p, at, sa * k.a, sb * k.b))
                     top = at
+            # A policy slower than a heavier one (measured factors can say so) is never the better choice.
+            rows[:] = [t for j, t in enumerate(rows) if all(t.a <= u.a and t.b <= u.b for u in rows[j + 1 :])]
         return cls(config, k.a, k.b, k.c, cap, cost.min_efficient_tokens(config), lone, tuple(tiers[None]),
                    tuple(tiers[1]), cost.policies(config)[0])
 
