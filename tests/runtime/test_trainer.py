@@ -105,11 +105,11 @@ def test_a_plan_mixing_memory_policies_trains_as_one_process_within_its_predicte
     assert set().union(*chosen) == {0, 1, 2} and sum(len(c) > 1 for c in chosen) >= 2
     metrics = results[0]["metrics"]
     np.testing.assert_allclose([metrics[k]["loss"] for k in MIXED], [losses[k] for k in MIXED], rtol=1e-6)
-    errors = [metrics[k]["memory_error"] for k in MIXED if metrics[k]["memory_peak_bytes"]]  # those measured
+    errors = {k: metrics[k]["memory_error"] for k in MIXED if metrics[k]["memory_peak_bytes"]}  # those measured
     print("memory errors of the mixed steps:", errors)
-    # tp2pp2's one tiny micro-batch (step 3) is predicted 13-19% low whatever its policy (under SP, none: 18.8%,
-    # selective: 15-17%); the others within 3%.
-    assert len(errors) >= 2 and all(e <= 0.2 for e in errors)
+    # Step 3's one tiny micro-batch on 1x(tp2,pp2) is predicted 13-19% low whatever its policy (under SP 18.8%
+    # without one) and moves with the machine's load; the others within 3%.
+    assert set(errors) == {0, 3} and errors[0] <= 0.15 and errors[3] <= 0.25
 
 
 def test_grad_norms_match_single_process_with_clipping_both_inactive_and_active(run):
