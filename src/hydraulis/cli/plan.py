@@ -32,6 +32,12 @@ if TYPE_CHECKING:
     from hydraulis.cost.model import CostModel
 
 
+MemoryPoliciesOption = typer.Option(
+    False, "--memory-policies", help="hydraulis: choose a memory policy per micro-batch (none, selective or full "
+    "recompute), the lightest whose cap holds it ([parallel] memory_policies).",
+)
+
+
 @app.command()
 def plan(
     profile: str = ProfileOption,
@@ -54,29 +60,19 @@ def plan(
     seed: int = SeedOption,
     memory_per_rank: str = MemoryPerRankOption,
     dtype: str = DtypeOption,
-    memory_policies: bool = typer.Option(
-        False, "--memory-policies", help="hydraulis: choose a memory policy per micro-batch (none, selective or full "
-        "recompute), the lightest whose cap holds it ([parallel] memory_policies).",
-    ),
+    memory_policies: bool = MemoryPoliciesOption,
 ) -> None:
     """Choose a deployment, dispatch and pack each global batch of a workload."""
     from rich.progress import Progress
 
-    from hydraulis.baselines import OWN_CONFIGS, make_policy
+    from hydraulis.baselines import make_policy
     from hydraulis.files import check_output
     from hydraulis.planner.plan import PlanFile, save_plan
     from hydraulis.planner.policy import PolicyContext
     from hydraulis.planner.pool import largest_cap, parse_pool
 
     check_output(out, "--out")
-    if policy in OWN_CONFIGS:
-        raise HydraulisError(
-            f"policy {policy} regroups the ranks for every micro-batch, on CP group sizes of its own that the "
-            f"profile does not hold, and a plan file's deployments are the profile's; compare it with "
-            f"`hydraulis bench --policy {policy}` instead"
-        )
-    if memory_policies and policy != "hydraulis":
-        raise HydraulisError(f"--memory-policies is the hydraulis policy's; {policy} plans without them")
+    _check_policy(policy, memory_policies)
     cost, cluster, work = load_job(
         profile, gpus, gpus_per_node, workload, tokens_per_batch, num_batches, seed, memory_per_rank, dtype
     )
@@ -110,6 +106,20 @@ def plan(
     console.print(table(f"{policy} plan for {work.name} on {gpus} GPUs ({cost.name}) -> {out}", columns, rows))
     if proposes:
         console.print(f"proposed pool (`hydraulis propose` saves one): {'; '.join(str(d) for d in ctx.pool)}")
+
+
+def _check_policy(policy: str, memory_policies: bool) -> None:
+    """A policy `hydraulis plan` can write a plan file for, with memory policies only for hydraulis."""
+    from hydraulis.baselines import OWN_CONFIGS
+
+    if policy in OWN_CONFIGS:
+        raise HydraulisError(
+            f"policy {policy} regroups the ranks for every micro-batch, on CP group sizes of its own that the "
+            f"profile does not hold, and a plan file's deployments are the profile's; compare it with "
+            f"`hydraulis bench --policy {policy}` instead"
+        )
+    if memory_policies and policy != "hydraulis":
+        raise HydraulisError(f"--memory-policies is the hydraulis policy's; {policy} plans without them")
 
 
 def _within_caps(
