@@ -130,14 +130,10 @@ SETTINGS = {
                        "2x(tp2,pp1); 2x(tp1,pp2); 1x(tp1,pp2) + 2x(tp1,pp1); 4x(tp1,pp1); "
                        "1x(tp1,pp2) + 1x(tp2,pp1); 1x(tp2,pp2)",
                        "drop", "36MiB", ("ddp-doc", *CHECKPOINTED)),
-    # Tighter: at 28 MiB tp1 holds 1,152 tokens, tp1pp2 1,280 (2,176 as its lone micro-batch), tp2pp1 1,920;
-    # with selective recompute tp1 holds 1,792 and tp1pp2 1,920 (2,688), with full 2,944 and 3,200 (3,328).
-    "tight": Setting("tiny", "python-stdlib", "bytes", 2048, 6144, "tiny@cpu-measured",
-                     "CPython's .py files as bytes, those up to 2,048 (p10 61, p50 715, p90 1,640)",
-                     "2x(tp2,pp1); 2x(tp1,pp2); 1x(tp1,pp2) + 2x(tp1,pp1); 4x(tp1,pp1); "
-                     "1x(tp1,pp2) + 1x(tp2,pp1); 1x(tp2,pp2)",
-                     "drop", "28MiB", CHECKPOINTED),
 }
+# Tighter: at 28 MiB tp1 holds 1,152 tokens, tp1pp2 1,280 (2,176 alone), tp2pp1 1,920; with selective recompute
+# tp1 holds 1,792 and tp1pp2 1,920 (2,688 alone), with full 2,944 and 3,200 (3,328).
+SETTINGS["tight"] = SETTINGS["bounded"]._replace(budget="28MiB", peers=CHECKPOINTED)
 
 
 # -- the parent: batches, plans, predictions -------------------------------------------------------
