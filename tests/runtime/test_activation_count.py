@@ -85,8 +85,8 @@ def test_a_steps_peak_is_the_counted_one(dtype_bytes, micro_batches):
 def test_each_memory_policy_peaks_as_counted(policy, micro_batches):
     """Each memory policy per micro-batch (`PackedBatch.policy`: selective checkpoints each block's MLP, full
     each block) against its count: the allocator's peak over a step of tiny (the head's vocabulary small, so
-    the layers dominate) is rank_memory's activations' phase under that policy within 15%; recompute
-    lowers it, selective less than full."""
+    the layers dominate) is rank_memory's activations' phase under that policy within 15% (measured: none
+    +0.2%, selective -4%, full -6 to -7%); recompute lowers it, selective less than full."""
     torch.manual_seed(0)
     model = StageModel(TINY)
     tokens = 1536
@@ -95,9 +95,12 @@ def test_each_memory_policy_peaks_as_counted(policy, micro_batches):
     with PeakMeter() as meter:
         train_step(model, single_process_groups(), batches, micro_batches * tokens, reduce_partial_grads=False)
     memory = AnalyticCostModel(TINY, get_device("cpu")).memory
-    rank = {p: rank_memory(memory, TINY, ParallelConfig(1, 1), 0, 1, tokens, 4, 0, p, micro_batches)
-            for p in MemoryPolicy}
-    print(f"{policy.label} x{micro_batches}: measured {meter.peak_bytes}, counted {rank[policy].with_activations:.0f}")
-    assert meter.peak_bytes == pytest.approx(rank[policy].with_activations, rel=0.15)
-    none, selective, full = (rank[p].with_activations for p in LIGHTEST_FIRST)
+    ranks = {p: rank_memory(memory, TINY, ParallelConfig(1, 1), 0, 1, tokens, 4, 0, p, micro_batches)
+             for p in MemoryPolicy}
+    # One process has no reduce: the activations' phase before it (the reduced gradient is the trainer's).
+    counted = {p: r.grads_with_activations + r.activations + max(r.loss_transient, r.backward)
+               for p, r in ranks.items()}
+    print(f"{policy.label} x{micro_batches}: measured {meter.peak_bytes}, counted {counted[policy]:.0f}")
+    assert meter.peak_bytes == pytest.approx(counted[policy], rel=0.15)
+    none, selective, full = (counted[p] for p in LIGHTEST_FIRST)
     assert none > selective > full
