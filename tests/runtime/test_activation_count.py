@@ -83,14 +83,14 @@ def test_a_steps_peak_is_the_counted_one(dtype_bytes, micro_batches):
 @pytest.mark.parametrize("policy", list(MemoryPolicy), ids=lambda p: p.label)
 @pytest.mark.parametrize("micro_batches", [1, 2])
 def test_each_memory_policy_peaks_as_counted(policy, micro_batches):
-    """Each memory policy per micro-batch (`PackedBatch.policy`: selective checkpoints each block's MLP, full
+    """Each memory policy per micro-batch (`MicroBatchInput.policy`: selective checkpoints each block's MLP, full
     each block) against its count: the allocator's peak over a step of tiny (the head's vocabulary small, so
     the layers dominate) is rank_memory's activations' phase under that policy within 15% (measured: none
     +0.2%, selective -4%, full -6 to -7%); recompute lowers it, selective less than full."""
     torch.manual_seed(0)
     model = StageModel(TINY)
     tokens = 1536
-    batches = [replace(pack_documents([torch.randint(0, TINY.vocab, (tokens // 2,)) for _ in range(2)]),
+    batches = [replace(concatenate_documents([torch.randint(0, TINY.vocab, (tokens // 2,)) for _ in range(2)]),
                        policy=int(policy)) for _ in range(micro_batches)]
     with PeakMeter() as meter:
         train_step(model, single_process_groups(), batches, micro_batches * tokens, reduce_partial_grads=False)

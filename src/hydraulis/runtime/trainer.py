@@ -264,7 +264,7 @@ class Trainer:
                 docs.append(torch.from_numpy(np.asarray(corpus[int(batch.docs[i])][start:end], dtype=np.int64)))
                 mask = corpus.target_mask(int(batch.docs[i]))  # SFT corpora: which tokens are targets
                 masks.append(None if mask is None else torch.from_numpy(np.array(mask[start:end], dtype=np.uint8)))
-            packed = pack_cp_shard(docs, cp.size, cp.rank, pad_to_multiple=pad, masks=masks)
+            packed = concatenate_cp_shard(docs, cp.size, cp.rank, pad_to_multiple=pad, masks=masks)
             out.append(replace(packed, policy=int(plan.policy(part.replica, k) or 0)))
         return out
 

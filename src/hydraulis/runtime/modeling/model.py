@@ -208,7 +208,7 @@ class Block(nn.Module):
         self.ffn = FeedForward(spec, tp, dtype, device)
 
     def forward(
-        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: PackedBatch, selective: bool = False
+        self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: MicroBatchInput, selective: bool = False
     ) -> torch.Tensor:
         """`selective`: checkpoint the MLP (cost/policies.py), keeping its input and running it again in backward."""
         h = h + self.attn(enter_tp_region(self.attn_norm(h), self.tp), rope, batch)
@@ -249,7 +249,7 @@ class StageModel(nn.Module):
         # Context parallelism: this rank holds only its CP rank's tokens; attention gathers K/V over the group.
         self.cp = cp or ContextParallel()
         # Full activation recompute for every micro-batch (the recompute set); else each micro-batch's own
-        # memory policy (`PackedBatch.policy`, cost/policies.py): full keeps only each block's input and runs
+        # memory policy (`MicroBatchInput.policy`, cost/policies.py): full keeps only each block's input and runs
         # its forward again in backward, selective does so for each block's MLP.
         self.recompute = recompute
         self.layer_range = stage_layers(spec.layers, num_stages, stage)
