@@ -236,3 +236,35 @@ def test_the_outlook_is_each_deployments_own_plan_against_the_chosen_one():
     assert two.caps() == (2944, 1792)
     two.schedule(np.array([2000, 100, 200, 300, 50]), 7)
     assert two.outlook == {7: (1.0, float("inf"))}
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 12), switch=st.sampled_from([0.0, 0.05, 5.0]))
+def test_hotspas_split_is_the_best_over_every_cut_at_the_caps(seed, n, switch):
+    """homogeneous_split (hotspa's and the proposal's) against every split of the sorted batch at the caps, each
+    range on its best config by `homogeneous_estimate`, enumerated by brute force."""
+    import itertools
+
+    from hydraulis.planner.phases import homogeneous_split
+    from hydraulis.planner.pool import homogeneous_estimate, replicable_configs
+
+    cost = load_cost_model("llama-32b@a800-80g+cp")
+    configs = replicable_configs(cost, CLUSTER)
+    caps = [cost.cap(g, 16) for g in configs]
+    b = np.random.default_rng(seed).integers(64, max(caps) + 1, n)
+    s = np.sort(b)
+    cuts = sorted({int(np.searchsorted(s, c, side="right")) for c in caps} - {0, n})
+
+    def total(bounds: list[int]) -> float:
+        parts = [s[i:j] for i, j in itertools.pairwise([0, *bounds, n])]
+        return sum(min(homogeneous_estimate(cost, g, 16, [p]) for g, c in zip(configs, caps, strict=True)
+                       if c >= p[-1])
+                   for p in parts) + switch * (len(parts) - 1)
+
+    best = min(total(list(k)) for r in range(len(cuts) + 1) for k in itertools.combinations(cuts, r))
+    split = homogeneous_split(cost, 16, configs, b, switch)
+    assert sorted(i for idx, _ in split for i in idx.tolist()) == list(range(n))
+    ours = sum(homogeneous_estimate(cost, configs[k], 16, [b[idx]]) for idx, k in split) + switch * (len(split) - 1)
+    assert all(caps[k] >= b[idx].max() for idx, k in split)
+    assert ours == pytest.approx(best, rel=1e-9)
+

@@ -29,9 +29,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
+from hydraulis.parallel import ParallelConfig
 from hydraulis.planner.dispatch import NoRoom, dispatch
 from hydraulis.planner.planner import Planner, check_lengths
+from hydraulis.planner.pool import range_estimates
 from hydraulis.planner.schedule import Schedule, mean_switch_time, phase_switch_time, phases_time
 
 MAX_PHASES = 3
@@ -148,3 +151,38 @@ def spaced_levels(levels: Sequence[int], ratio: float = LEVEL_RATIO) -> list[int
         if not out or level >= out[-1] * ratio:
             out.append(level)
     return out
+
+
+def homogeneous_split(
+    cost: CostModel, num_gpus: int, configs: Sequence[ParallelConfig], lengths: np.ndarray, switch_s: float
+) -> list[tuple[np.ndarray, int]]:
+    """HotSPa's split (baselines/hotspa.py), which the proposal offers the planner too: the batch sorted by
+    length, cut at config caps, each range on the homogeneous config whose estimate is least, a dynamic
+    programme over the cuts with `switch_s` per switch. (batch positions, index into `configs`) per phase,
+    shortest range first; empty where no config holds the longest sequence."""
+    order = np.argsort(lengths, kind="stable")
+    s = lengths[order]
+    caps = np.array([cost.cap(g, num_gpus) for g in configs])
+    cuts = np.array(sorted({0, *(int(np.searchsorted(s, c, side="right")) for c in caps if c >= s[0])}))
+    m = len(cuts)
+    lo, hi = np.meshgrid(cuts, cuts, indexing="ij")  # the range s[cuts[i]:cuts[j]] at [i, j]
+    top = s[np.maximum(hi - 1, 0)]
+    est = np.stack([np.where((hi > lo) & (cap >= top), range_estimates(cost, g, num_gpus, s, lo, hi), np.inf)
+                    for g, cap in zip(configs, caps, strict=True)])
+    pick, est = est.argmin(axis=0), est.min(axis=0)
+    best = np.full(m, np.inf)
+    best[0] = 0.0
+    back = np.zeros(m, dtype=np.int64)
+    for j in range(1, m):
+        totals = best[:j] + est[:j, j] + np.where(np.arange(j) > 0, switch_s, 0.0)
+        back[j] = int(np.argmin(totals))
+        best[j] = totals[back[j]]
+    if cuts[-1] != len(s) or not np.isfinite(best[-1]):
+        return []
+    phases = []
+    j = m - 1
+    while j > 0:
+        i = int(back[j])
+        phases.append((order[cuts[i] : cuts[j]], int(pick[i, j])))
+        j = i
+    return phases[::-1]
