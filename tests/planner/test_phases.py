@@ -190,7 +190,7 @@ def test_proposal_offers_hotspas_cp_phase_and_the_planner_keeps_up_with_hotspa()
 
 
 def test_short_share_is_the_chance_that_a_batch_stops_at_the_level():
-    from hydraulis.planner.proposal import short_share
+    from hydraulis.planner.phases import short_share
 
     batches = [np.array([100, 200, 300, 5000]), np.array([100, 200, 300, 400])]
     assert short_share(batches, 5000) == 1.0
@@ -201,7 +201,7 @@ def test_short_share_is_the_chance_that_a_batch_stops_at_the_level():
 def test_a_deployment_for_short_batches_counts_where_batches_often_stop_short():
     """Samples that each hold one 24K document: tp8pp2 runs the rest faster than tp16pp1; where a third of
     batches have none, the samples cut at its cap count, and where almost none do they do not."""
-    from hydraulis.planner.proposal import _short_gain
+    from hydraulis.planner.phases import _short_gain
 
     pool = [Deployment.parse(BIG_POOL[0], CLUSTER)]
     fast = Deployment.parse(BIG_POOL[1], CLUSTER)
@@ -268,3 +268,22 @@ def test_hotspas_split_is_the_best_over_every_cut_at_the_caps(seed, n, switch):
     assert all(caps[k] >= b[idx].max() for idx, k in split)
     assert ours == pytest.approx(best, rel=1e-9)
 
+
+def test_hotspas_phases_enter_the_pool_together_where_neither_pays_alone():
+    """32b on 16 GPUs, code up to 16K (the bench's 32b-16g-code): hotspa runs tp4pp2cp2 up to 11K, then
+    tp8pp1cp2; beside the fallback tp8pp2 neither saves anything alone, so the proposal offers them as one
+    move, and the phased planner on its pool keeps up with hotspa on fresh batches."""
+    from hydraulis.baselines.hotspa import HotSpa
+    from hydraulis.bench import get_scenarios
+    from hydraulis.planner.policy import PolicyContext
+
+    scenario = get_scenarios(["32b-16g-code-256k-16k"])[0]
+    cost = load_cost_model(scenario.profile)
+    sample = scenario.sample(scenario.seed + 1000, 4)
+    texts = [str(d) for d in propose(cost, CLUSTER, sample).pool.deployments]
+    assert {"1x(tp4,pp2,cp2)", "1x(tp8,pp1,cp2)"} <= set(texts), texts
+    ours = PhasedPlanner(cost, 16, [Deployment.parse(t, CLUSTER) for t in texts])
+    batches = scenario.sample(scenario.seed)
+    hotspa = HotSpa(PolicyContext.build(cost, CLUSTER, batches, sample=sample))
+    for b in batches:
+        assert ours.schedule(b).iteration_time_s <= hotspa.schedule(b).iteration_time_s * (1 + 1e-9)

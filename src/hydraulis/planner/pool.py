@@ -190,6 +190,14 @@ def check_job_pool(pool: Sequence[Deployment], world: int, model: ModelSpec, cos
         )
 
 
+def unique_deployments(deployments: Sequence[Deployment]) -> list[Deployment]:
+    """The deployments in order, each once (by its compact text)."""
+    seen: dict[str, Deployment] = {}
+    for d in deployments:
+        seen.setdefault(str(d), d)
+    return list(seen.values())
+
+
 def place(configs: Sequence[ParallelConfig], cluster: ClusterSpec) -> Deployment | None:
     try:
         return Deployment.place(list(configs), cluster)
