@@ -134,7 +134,7 @@ class PhasedPlanner(Planner):
         best = np.inf
         for k in np.flatnonzero(lone >= part[-1]):
             try:
-                best = min(best, dispatch(part, self._tables[k], search=False).makespan_s)
+                best = min(best, self._greedy(part, int(k)).makespan_s)
             except NoRoom:  # more sequences beyond the caps than lone micro-batches to hold them
                 continue
         return best
@@ -145,7 +145,8 @@ class PhasedPlanner(Planner):
         if self._later is None:
             self._later = Planner(self.cost.later_phase(), self.num_gpus, self.pool, method=self.method,
                                   milp_time_limit_s=self.milp_time_limit_s, full_candidates=self.full_candidates,
-                                  refine_rounds=self.refine_rounds)
+                                  refine_rounds=self.refine_rounds,
+                                  memo=None if self._memo is None else self._memo.setdefault("later", {}))
         plans = tuple((self._later if k else self).plan(lengths[idx], step) for k, idx in enumerate(split.phases))
         switch_s = mean_switch_time(plans, self.cost)
         total = phases_time(plans, self.cost, switch_s)
@@ -207,15 +208,17 @@ def phase_deployments(
     max_pool: int,
     usage: tuple[float, ...],
     min_gain: float = 0.002,
+    whole: Sequence[Deployment] = (),
 ) -> tuple[list[Deployment], np.ndarray, tuple[float, ...]]:
-    """Deployments for the short phases of phased plans (phases.py) and short batches, which no sample chose.
+    """Deployments for the short phases of phased plans and short batches, which no sample chose whole, beside
+    `whole` (chosen for whole samples), all competing for the pool's room.
 
     For each cap level below the longest sampled sequence, the candidate (or homogeneous deployment)
-    whose dispatch estimate on the sequences up to that level is best; then, greedily while the pool
-    has room, the one that most lowers the phased planner's iterations on the samples (and on them cut
-    at its largest cap, `_short_batches`). Returns those added, the phased iteration time of each sample batch
-    on the final pool, and the pool's usage: each deployment's share of samples on which it was chosen
-    whole (`usage`) or in whose schedule it runs a phase."""
+    whose dispatch estimate on the sequences up to that level is best, and hotspa's (`_hotspa_moves`);
+    then, greedily while the pool has room, the move that most lowers the phased planner's iterations on
+    the samples (and on them cut at its level, `_short_batches`). Returns those added, the phased iteration
+    time of each sample batch on the final pool, and the pool's usage: each deployment's share of samples
+    on which it was chosen whole (`usage`) or in whose schedule it runs a phase."""
     N = cluster.num_gpus
     sample = list(batches[:PHASE_SAMPLES])
     longest = max(int(b.max()) for b in sample)
@@ -226,10 +229,10 @@ def phase_deployments(
     tops = {str(d): max(cost.cap(g, N) for g in d.configs) for d in candidates}
     levels = spaced_levels(sorted({t for t in tops.values() if t < longest}))
     tables: dict[str, ReplicaTable] = {}
-    moves: list[Move] = []
+    moves: list[Move] = [((d,), 0) for d in whole]  # chosen for whole batches: no level
     for level in levels:
         parts = [b[b <= level] for b in sample if (b <= level).any()]
-        holding = [d for d in candidates if tops[str(d)] >= level and d not in pool and (d,) not in moves]
+        holding = [d for d in candidates if tops[str(d)] >= level and d not in pool and (d,) not in dict(moves)]
         if parts and (holding := _least_work(cost, N, holding, parts)):
             for d in holding:
                 tables.setdefault(str(d), ReplicaTable.of(cost, d, N))
@@ -291,7 +294,8 @@ def _greedy_phases(
 
     Each candidate's planner plans the samples and their short cuts once; the pool's own short-cut
     times depend only on the level, so each round plans them once per level, not once per candidate."""
-    planner = PhasedPlanner(cost, num_gpus, current)
+    memo: dict = {}  # every trial plans the samples on the current pool's deployments again: once is enough
+    planner = PhasedPlanner(cost, num_gpus, current, memo=memo)
     schedules = [planner.schedule(b) for b in sample]
     while len(current) < max_pool:
         moves = [(m, level) for m, level in ((tuple(d for d in m if d not in current), lv) for m, lv in moves)
@@ -302,7 +306,7 @@ def _greedy_phases(
         before: dict[int, float] = {}  # level -> the current pool's time on the samples cut there
         trials, gains = [], []
         for m, level in moves:
-            trial = PhasedPlanner(cost, num_gpus, [*current, *m])
+            trial = PhasedPlanner(cost, num_gpus, [*current, *m], memo=memo)
             trials.append([trial.schedule(b) for b in sample])
             gains.append(base - sum(s.iteration_time_s for s in trials[-1])
                          + _short_gain(planner, trial, level, sample, before))
@@ -310,7 +314,7 @@ def _greedy_phases(
         if gains[k] <= min_gain * base:
             break
         current, schedules = [*current, *moves[k][0]], trials[k]
-        planner = PhasedPlanner(cost, num_gpus, current)
+        planner = PhasedPlanner(cost, num_gpus, current, memo=memo)
         # one that did not pay beside a smaller pool is not tried again (the lazy greedy: a pool that grows
         # leaves each deployment less to save)
         moves = [m for i, m in enumerate(moves) if i != k and gains[i] > min_gain * base]

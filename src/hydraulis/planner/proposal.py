@@ -305,10 +305,13 @@ def propose(
     winners = np.argmin(times, axis=0)
     usage = tuple(float(np.mean(winners == k)) for k in range(len(pool_deployments)))
     phased = None
-    if method == "hydraulis" and len(pool_deployments) < max_pool:
-        extra, phased, usage = phase_deployments(cost, cluster, every, pool_deployments, sample, max_pool, usage)
-        pool_deployments += tuple(extra)
-        times = np.vstack([times, np.full((len(extra), times.shape[1]), np.inf)])
+    if method == "hydraulis" and max_pool > 1:
+        # The whole-batch choices compete with the phases' for the pool's room, on the phased planner's time.
+        extra, phased, usage = phase_deployments(cost, cluster, every, pool_deployments[:1], sample, max_pool,
+                                                 usage[:1], whole=pool_deployments[1:])
+        pool_deployments = (pool_deployments[0], *extra)
+        rows = {str(d): times_all[k] for k, d in enumerate(candidates)}
+        times = np.array([rows.get(str(d), np.full(len(sample), np.inf)) for d in pool_deployments])
     pool = Pool(cost.name, cluster, pool_deployments, usage)
     return Proposal(
         pool=pool,
