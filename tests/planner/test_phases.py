@@ -287,3 +287,19 @@ def test_hotspas_phases_enter_the_pool_together_where_neither_pays_alone():
     hotspa = HotSpa(PolicyContext.build(cost, CLUSTER, batches, sample=sample))
     for b in batches:
         assert ours.schedule(b).iteration_time_s <= hotspa.schedule(b).iteration_time_s * (1 + 1e-9)
+
+
+def test_planners_sharing_a_memo_plan_as_planners_without_one():
+    """The proposal's trials share a memo of each deployment's dispatch and packed plan per batch: a planner
+    on a larger pool that reads what one on a smaller pool memoised plans exactly as a fresh one."""
+    pool = [Deployment.parse(t, CLUSTER) for t in BIG_POOL]
+    memo: dict = {}
+    first = PhasedPlanner(BIG, 16, pool[:1], memo=memo)
+    both = PhasedPlanner(BIG, 16, pool, memo=memo)
+    for seed in range(3):
+        b = code_batch(seed)
+        first.schedule(b)
+        ours, fresh = both.schedule(b), PhasedPlanner(BIG, 16, pool).schedule(b)
+        assert ours.iteration_time_s == fresh.iteration_time_s
+        assert [p.replicas for p in ours.phases] == [p.replicas for p in fresh.phases]
+    assert memo and "later" in memo
