@@ -312,9 +312,8 @@ def propose(
         pool_deployments = (pool_deployments[0], *extra)
         rows = {str(d): times_all[k] for k, d in enumerate(candidates)}
         times = np.array([rows.get(str(d), np.full(len(sample), np.inf)) for d in pool_deployments])
-    pool = Pool(cost.name, cluster, pool_deployments, usage)
     return Proposal(
-        pool=pool,
+        pool=Pool(cost.name, cluster, pool_deployments, usage),
         method=method,
         candidates=tuple(candidates),
         times_s=times,
