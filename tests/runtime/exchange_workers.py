@@ -33,12 +33,12 @@ def train_variants(
         metrics, early, buffers = [], [], []
         for plan in plans:
             metrics.append(trainer.run_iteration(smp.next_batch(), plan))
-            ex = trainer.last_overlap
+            ex = trainer.last_exchange
             buffers.append(ex.buffer_bytes)
             early.append((ex.gather.early, ex.reduce.early, len(trainer.deployments.parts[
                 trainer.settings.pool.index(plan.deployment)].exchange_plan.rounds)))
         trainer.close()
-        plan_rounds = {str(d): len(trainer.optimizer.plan(d, s.sequence_parallel).rounds) for d in s.pool}
+        plan_rounds = {str(d): len(trainer.optimizer.exchange_plan(d, s.sequence_parallel).rounds) for d in s.pool}
         out.append({
             "master": trainer.optimizer.master.clone(),
             "losses": [m.loss for m in metrics],

@@ -21,7 +21,7 @@ from hydraulis.data.sampler import GlobalBatch
 from hydraulis.errors import HydraulisError
 from hydraulis.planner.phases import PhasedPlanner
 from hydraulis.planner.plan import Schedule, decode_plan, encode_plan
-from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
+from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
 
 
 class Trainer(Protocol):
@@ -29,7 +29,7 @@ class Trainer(Protocol):
 
     settings: Any  # TrainSettings: the pool
     planner: PhasedPlanner | None  # rank 0's
-    optimizer: DisaggregatedOptimizer
+    optimizer: ShardedOptimizer
     recent: deque[tuple[GlobalBatch, Schedule]]
     step_index: int
 

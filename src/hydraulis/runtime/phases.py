@@ -32,9 +32,9 @@ from hydraulis.planner.plan import IterationPlan, Schedule
 from hydraulis.runtime.deployments import RankDeployment, RankPool
 from hydraulis.runtime.divergence import poisoned
 from hydraulis.runtime.launch import DTYPES, DistEnv
-from hydraulis.runtime.parallelism.batch import PackedBatch
+from hydraulis.runtime.optimizer.exchange import Exchange
+from hydraulis.runtime.parallelism.batch import MicroBatchInput
 from hydraulis.runtime.pipeline import StepResult, train_step
-from hydraulis.runtime.sharding.overlap import Overlap
 from hydraulis.runtime.step_memory import MemoryFigures
 
 
@@ -46,7 +46,7 @@ class Trainer(Protocol):
     env: DistEnv
     step_index: int
 
-    def micro_batches(self, batch: GlobalBatch, plan: IterationPlan, part: RankDeployment) -> list[PackedBatch]: ...
+    def micro_batches(self, batch: GlobalBatch, plan: IterationPlan, part: RankDeployment) -> list[MicroBatchInput]: ...
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class PhaseRun:
     plan: IterationPlan
     part: RankDeployment
     result: StepResult
-    overlap: Overlap  # its gather and reduce
+    exchange: Exchange  # its gather and reduce
     switched: bool  # another deployment than the one before (the previous iteration's, or phase's)
     activate_s: float
     gather_s: float  # the gather before compute (all of it without overlap or on a pipeline)
@@ -67,8 +67,8 @@ class PhaseRun:
     def switch_s(self, first: bool, last: bool) -> float:
         """This phase's share of the in-iteration switch cost: its activation and exposed gather unless it is the
         first phase, its exposed reduce unless it is the last (one phase pays neither)."""
-        gather = 0.0 if first else self.activate_s + self.overlap.gather.exposed_s
-        return gather + (0.0 if last else self.overlap.reduce.exposed_s)
+        gather = 0.0 if first else self.activate_s + self.exchange.gather.exposed_s
+        return gather + (0.0 if last else self.exchange.reduce.exposed_s)
 
 
 def sub_batch(batch: GlobalBatch, positions: Sequence[int]) -> GlobalBatch:
@@ -101,18 +101,18 @@ def run_phase(
     model = part.model
     part.clear_grads()
     count = len(plan.replicas[part.replica].micro_batches)
-    overlap = trainer.deployments.overlap(part, count, DTYPES[s.reduce_dtype], s.overlap, accumulate, reduce_after)
+    exchange = trainer.deployments.exchange(part, count, DTYPES[s.reduce_dtype], s.overlap, accumulate, reduce_after)
     gathered = time.perf_counter()
     micro_batches = trainer.micro_batches(batch, plan, part)
     # poisoned: a test hook, off unless asked for
-    with part.exchanging(overlap), poisoned(model, trainer.step_index, part.groups.is_last_stage):
+    with part.exchanging(exchange), poisoned(model, trainer.step_index, part.groups.is_last_stage):
         result = train_step(model, part.groups, micro_batches, targets, reduce_partial_grads=False)
     if trainer.env.device.type == "cuda":
         torch.cuda.synchronize()
     computed = time.perf_counter()
-    overlap.finish()
+    exchange.finish()
     reduced = time.perf_counter()
-    return PhaseRun(index, plan, part, result, overlap, switched, activated - start, gathered - activated,
+    return PhaseRun(index, plan, part, result, exchange, switched, activated - start, gathered - activated,
                     computed - gathered, reduced - computed)
 
 
@@ -140,7 +140,7 @@ class RankFigures:
     memory_predicted: float
     exchange_peak: float
     memory_error: float
-    exposed_s: float  # the exchange's time compute did not hide (overlap.py)
+    exposed_s: float  # the exchange's time compute did not hide (exchange.py)
     exposed_min_s: float
     switch_s: float  # the in-iteration switch cost (`switch_cost`)
     switch_min_s: float
@@ -152,7 +152,7 @@ class RankFigures:
             times = [0.0] * len(run.plan.deployment.replicas)
             times[run.part.replica] = run.compute_s
             replica_s += times
-        exposed, switch = sum(r.overlap.exposed_s for r in runs), switch_cost(runs)
+        exposed, switch = sum(r.exchange.exposed_s for r in runs), switch_cost(runs)
         return RankFigures(tuple(replica_s), memory.peak, memory.predicted, memory.exchange_peak, memory.error,
                            exposed, exposed, switch, switch)
 

@@ -1,4 +1,4 @@
-"""One training step per call: sampler -> planner -> deployment -> 1F1B -> disaggregated AdamW.
+"""One training step per call: sampler -> planner -> deployment -> 1F1B -> sharded AdamW.
 
 One `Trainer` per rank; the loop that calls it is hydraulis/training/loop.py. Each `step`:
 
@@ -17,7 +17,7 @@ One `Trainer` per rank; the loop that calls it is hydraulis/training/loop.py. Ea
    tokens) rides in the same all-reduce as the norm.
 
 Under context parallelism each CP rank packs only its share of every
-micro-batch (`pack_cp_shard`); its loss and gradients cover its tokens, and
+micro-batch (`concatenate_cp_shard`); its loss and gradients cover its tokens, and
 the sums over CP ranks happen in the same reduce and all-reduce.
 
 The loss of a step is the mean over all real target tokens of the global
@@ -54,12 +54,12 @@ from hydraulis.runtime.compare import Comparison, compare
 from hydraulis.runtime.deployments import RankDeployment, RankPool
 from hydraulis.runtime.divergence import finite
 from hydraulis.runtime.launch import DTYPES, DistEnv, init_distributed
-from hydraulis.runtime.parallelism.batch import Corpus, PackedBatch, pack_cp_shard
+from hydraulis.runtime.optimizer.exchange import Exchange
+from hydraulis.runtime.optimizer.layout import ShardLayout
+from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
+from hydraulis.runtime.parallelism.batch import Corpus, MicroBatchInput, concatenate_cp_shard
 from hydraulis.runtime.parallelism.groups import built_groups
 from hydraulis.runtime.phases import RankFigures, loss_part, run_phases
-from hydraulis.runtime.sharding.layout import ModelLayout
-from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
-from hydraulis.runtime.sharding.overlap import Overlap
 from hydraulis.runtime.step_memory import CPU_SAMPLE_EVERY, MemoryFigures, StepMemory, predicted_rank
 from hydraulis.runtime.timeouts import DEFAULT_TIMEOUT_S, first_step_timeout, settle_timeouts
 from hydraulis.specs import ModelSpec
@@ -81,11 +81,11 @@ class TrainSettings:
     timeout_s: float = DEFAULT_TIMEOUT_S  # process-group timeout after the first step (timeouts.py)
     memory_every: int = CPU_SAMPLE_EVERY  # on CPU, measure memory every this many steps (step_memory.py)
     memory_budget_bytes: int | None = None  # [parallel] memory_per_rank: each rank's measured peak is checked
-    overlap: bool = True  # gather and reduce beside compute (runtime/sharding/overlap.py)
+    overlap: bool = True  # gather and reduce beside compute (runtime/optimizer/exchange.py)
 
-    def schedule_state(self) -> dict[str, Any]:
-        """What the LR at each step depends on (optim.OptimSettings.schedule_state)."""
-        return self.optim.schedule_state(self.steps)
+    def lr_schedule_state(self) -> dict[str, Any]:
+        """What the LR at each step depends on (optim.OptimSettings.lr_schedule_state)."""
+        return self.optim.lr_schedule_state(self.steps)
 
     def __post_init__(self) -> None:
         for key in ("dtype", "reduce_dtype"):
@@ -128,7 +128,7 @@ class StepMetrics:
     exchange_peak_bytes: int | None = None
     memory_error: float | None = None  # the largest |measured - predicted| / predicted of any rank
     # Seconds the exchange held the training thread (packing, unpacking, waiting) that compute did not hide
-    # (runtime/sharding/overlap.py): the largest of any rank, which includes waiting for the slowest replica, and the
+    # (runtime/optimizer/exchange.py): the largest of any rank, which includes waiting for the slowest replica, and the
     # smallest, the slowest rank's, which is the exchange alone.
     exchange_exposed_s: float = 0.0
     exchange_exposed_min_s: float = 0.0
@@ -168,8 +168,8 @@ class Trainer:
         max_len = sampler.max_len if sampler.max_len is not None else int(sampler.piece_lengths().max())
         check_job_pool(settings.pool, self.world, settings.model, settings.cost, max_len)
         self.dtype = DTYPES[settings.dtype]
-        self.layout = ModelLayout(settings.model, self.world)
-        self.optimizer = DisaggregatedOptimizer(
+        self.layout = ShardLayout(settings.model, self.world)
+        self.optimizer = ShardedOptimizer(
             self.layout, self.rank, settings.optim.adamw, self.env.device, bucket_bytes=settings.exchange_bucket_bytes,
             scaled_grad=self.dtype != torch.float32,  # 2-byte reduced gradients under bf16 (optimizer.OwnedGradient)
         )
@@ -195,7 +195,7 @@ class Trainer:
         self._pending: tuple[GlobalBatch, Future | None] | None = None
         self.recent: deque[tuple[GlobalBatch, Schedule]] = deque(maxlen=settings.compare_steps)
         # The last step's own figures on this rank (the metrics carry the largest over ranks); None before it.
-        self.last_overlap: Overlap | None = None
+        self.last_exchange: Exchange | None = None
         self.last_memory: MemoryFigures | None = None
         self.last_batch: GlobalBatch | None = None
 
@@ -250,7 +250,7 @@ class Trainer:
 
     def micro_batches(
         self, batch: GlobalBatch, plan: IterationPlan, part: RankDeployment, corpus: Corpus | None = None
-    ) -> list[PackedBatch]:
+    ) -> list[MicroBatchInput]:
         """This rank's replica's micro-batches (its CP rank's share of each): only its documents are read, from
         the training corpus or `corpus` (evaluation's)."""
         pad = part.groups.config.tp if part.groups.tp.sequence_parallel else 1
@@ -264,7 +264,7 @@ class Trainer:
                 docs.append(torch.from_numpy(np.asarray(corpus[int(batch.docs[i])][start:end], dtype=np.int64)))
                 mask = corpus.target_mask(int(batch.docs[i]))  # SFT corpora: which tokens are targets
                 masks.append(None if mask is None else torch.from_numpy(np.array(mask[start:end], dtype=np.uint8)))
-            out.append(pack_cp_shard(docs, cp.size, cp.rank, pad_to_multiple=pad, masks=masks))
+            out.append(concatenate_cp_shard(docs, cp.size, cp.rank, pad_to_multiple=pad, masks=masks))
         return out
 
     def batch_targets(self, batch: GlobalBatch, corpus: Corpus | None = None) -> int:
@@ -301,7 +301,7 @@ class Trainer:
         start = time.perf_counter()
         targets = self.batch_targets(batch)
         runs = run_phases(self, batch, schedule, targets, [r.reduce_after for r in ranks])
-        self.last_overlap = runs[-1].overlap
+        self.last_exchange = runs[-1].exchange
         norm, extra = self.optimizer.global_norm(extra=loss_part(runs, self.env.device).reshape(1))
         lr = s.optim.lr_at(self.step_index, s.steps)
         values = torch.stack([norm.detach().double().cpu(), extra[0].double().cpu()]).tolist()  # one sync per step
@@ -310,7 +310,7 @@ class Trainer:
         if self.env.device.type == "cuda":
             torch.cuda.synchronize()
         finished = time.perf_counter()  # the iteration ends here; what follows only reports on it
-        memory = self.memory.stop(max(r.overlap.buffer_bytes for r in runs))
+        memory = self.memory.stop(max(r.exchange.buffer_bytes for r in runs))
         self.last_memory = memory
         for r in runs:
             r.part.clear_grads()
@@ -377,7 +377,7 @@ class Trainer:
         return {
             "step": self.step_index,
             "sampler": self.next_sampler_state(),
-            "schedule": self.settings.schedule_state(),
+            "schedule": self.settings.lr_schedule_state(),
             "optimizer": self.optimizer.state_dict(),
         }
 

@@ -30,7 +30,7 @@ from hydraulis.errors import HydraulisError
 from hydraulis.families import ARCHITECTURES, CONFIG_FILE, WEIGHTS_FILE, check_weights, read_hf_config
 from hydraulis.files import default_mode, replace_directory
 from hydraulis.progress import aside
-from hydraulis.runtime.sharding.layout import FlatParam, ModelLayout
+from hydraulis.runtime.optimizer.layout import FlatParam, ShardLayout
 from hydraulis.runtime.storage.checkpoint import load_master
 from hydraulis.runtime.storage.export_files import (
     GENERATION_FILE,
@@ -44,11 +44,11 @@ from hydraulis.specs import ModelSpec
 from hydraulis.store.checkpoints import resolve_checkpoint
 
 if TYPE_CHECKING:
-    from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
+    from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
     from hydraulis.runtime.trainer import Trainer
 
 
-def unflatten(layout: ModelLayout, vector: torch.Tensor) -> dict[str, torch.Tensor]:
+def unflatten(layout: ShardLayout, vector: torch.Tensor) -> dict[str, torch.Tensor]:
     """The whole global vector as full-shape tensors (contiguous), in model order."""
     if vector.numel() != layout.total:
         raise HydraulisError(f"global vector of {vector.numel()} elements, the model has {layout.total}")
@@ -91,7 +91,7 @@ def export_hf(
     info, master = load_master(chosen)
     spec = info.model
     source = export_source(info, tokenizer, source_config)
-    tensors = to_hf_state_dict(unflatten(ModelLayout(spec, 1), master), spec)
+    tensors = to_hf_state_dict(unflatten(ShardLayout(spec, 1), master), spec)
     if max_position_embeddings is None:
         max_position_embeddings = (source.source_config or {}).get("max_position_embeddings") or 4096
     config = hf_config(spec, max_position_embeddings).to_dict()
@@ -143,7 +143,7 @@ def _read_range(sl: Any, p: FlatParam, start: int, stop: int, rows: int) -> torc
 
 
 @torch.no_grad()
-def init_from(target: Trainer | DisaggregatedOptimizer, hf_dir: str | Path) -> ModelSpec:
+def init_from(target: Trainer | ShardedOptimizer, hf_dir: str | Path) -> ModelSpec:
     """Fill the owned range of the master weights from an HF directory (families.py); padded rows are zeros.
 
     Each rank reads only the slices of tensors in its range; every name and
@@ -153,7 +153,7 @@ def init_from(target: Trainer | DisaggregatedOptimizer, hf_dir: str | Path) -> M
     from safetensors import safe_open
 
     opt = getattr(target, "optimizer", target)
-    layout: ModelLayout = opt.layout
+    layout: ShardLayout = opt.layout
     hf_dir = Path(hf_dir)
     config_path, _, spec = read_hf_config(hf_dir)
     differ = [d for d in spec.tensor_differences(layout.spec) if d != "padded_vocab"]
