@@ -5,7 +5,7 @@ Gradients of 64 micro-batches of tiny (bf16 compute, against fp32 compute on the
 - `fp32 main_grad`: each micro-batch's gradient added into fp32 (Megatron's grad_reduce_in_fp32; this
   runtime before);
 - `bf16, fp32 every k`: bf16 sums sent to fp32 every k micro-batches (k x fewer sends than per micro-batch);
-- `scaled fp16` (the runtime's, runtime/sharding/main_grad.py): fp16 times a power of two per tensor.
+- `scaled fp16` (the runtime's, runtime/modeling/main_grad.py): fp16 times a power of two per tensor.
 Relative error of the summed gradient, bytes per element it keeps, and the median time of a micro-batch's
 forward and backward with the sum (small, one process, interleaved repeats).
 
@@ -27,10 +27,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hydraulis.runtime import IGNORE_INDEX, StageModel, TensorParallel, head_cross_entropy, pack_documents
+from hydraulis.runtime import IGNORE_INDEX, StageModel, TensorParallel, concatenate_documents, head_cross_entropy
 from hydraulis.runtime.memory_meter import PeakMeter
 from hydraulis.runtime.modeling.main_grad import attach_main_grads, clear_grads, gradient
-from hydraulis.runtime.sharding.layout import ModelLayout
+from hydraulis.runtime.optimizer.layout import ShardLayout
 from hydraulis.specs import MODELS
 
 MICRO_BATCHES = 64
@@ -57,7 +57,7 @@ def _summed(model: StageModel, docs: list[torch.Tensor], flush_every: int = 0) -
     total_targets = sum(len(d) - 1 for d in docs)
     flushed = None
     for k, part in enumerate(np.array_split(np.arange(len(docs)), MICRO_BATCHES)):
-        packed = pack_documents([docs[i] for i in part])
+        packed = concatenate_documents([docs[i] for i in part])
         loss = F.cross_entropy(model(packed.tokens, packed).float(), packed.targets, ignore_index=IGNORE_INDEX,
                                reduction="sum")
         (loss / total_targets).backward()
@@ -73,7 +73,7 @@ def _summed(model: StageModel, docs: list[torch.Tensor], flush_every: int = 0) -
 
 def accuracy() -> dict[str, float]:
     spec = MODELS["tiny"]
-    full = ModelLayout(spec, 1).full_state_dict(3)
+    full = ShardLayout(spec, 1).full_state_dict(3)
     rng = np.random.default_rng(0)
     docs = [torch.from_numpy(rng.integers(0, spec.vocab, size=int(n))) for n in rng.integers(8, 32, size=64)]
     reference = StageModel(spec)
@@ -112,7 +112,7 @@ def step_times(repeats: int) -> dict[str, float]:
     """Median seconds of 4 micro-batches of 256 tokens of small in bf16, per way of summing, interleaved."""
     spec = MODELS["small"]
     g = torch.Generator().manual_seed(1)
-    batches = [pack_documents([torch.randint(0, spec.vocab, (128,), generator=g) for _ in range(2)])
+    batches = [concatenate_documents([torch.randint(0, spec.vocab, (128,), generator=g) for _ in range(2)])
                for _ in range(4)]
     models = {}
     ways = (("bf16 .grad", None), ("fp32 main_grad", _fp32_main_grads), ("scaled fp16", attach_main_grads))

@@ -6,10 +6,10 @@ A separate module so that peers.py stays short and tests can import the peers' s
 The peers train the objective Hydraulis trains, so that tokens/s compare like with like:
 
 - the same model and initial weights: `hf_config(spec)` and `to_hf_state_dict` of the values
-  Hydraulis's optimizer owners start from (`ModelLayout(spec, 1).full_state_dict(seed)`);
+  Hydraulis's optimizer owners start from (`ShardLayout(spec, 1).full_state_dict(seed)`);
 - the same loss: the sum of token cross-entropies of every document of the global batch, divided
   by the batch's real targets (`count_targets`); targets never cross a document and positions
-  restart at each document (`pack_documents` builds both, as for Hydraulis);
+  restart at each document (`concatenate_documents` builds both, as for Hydraulis);
 - the same AdamW (decay on matrices only), learning-rate schedule and global-norm clipping.
 
 Documents are split over the ranks by tokens, greedily: each document, in batch order, goes to the
@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydraulis.optim import OptimSettings
-from hydraulis.runtime.parallelism.batch import IGNORE_INDEX, pack_documents
-from hydraulis.runtime.sharding.layout import ModelLayout
+from hydraulis.runtime.optimizer.layout import ShardLayout
+from hydraulis.runtime.parallelism.batch import IGNORE_INDEX, concatenate_documents
 from hydraulis.runtime.storage.hf import hf_config, to_hf_state_dict
 from hydraulis.specs import ModelSpec
 
@@ -84,7 +84,7 @@ def hf_model(spec: ModelSpec, seed: int, attention: str = "sdpa") -> nn.Module:
     config = hf_config(spec)
     config._attn_implementation = attention  # sdpa: 4-D inputs, so CPU takes the fused flash kernel
     model = LlamaForCausalLM(config).float()
-    model.load_state_dict(to_hf_state_dict(ModelLayout(spec, 1).full_state_dict(seed), spec), strict=True)
+    model.load_state_dict(to_hf_state_dict(ShardLayout(spec, 1).full_state_dict(seed), spec), strict=True)
     return model.train()
 
 
@@ -130,7 +130,7 @@ def document_backward(
             _idle_backward(model)
         return loss_sum
     for i, doc in enumerate(docs):
-        packed = pack_documents([doc])
+        packed = concatenate_documents([doc])
         with accumulate(i == len(docs) - 1):
             logits = model(input_ids=packed.tokens[None], use_cache=False).logits[0]
             loss = _token_loss(logits, packed.targets)
@@ -150,7 +150,7 @@ def packed_backward(
     if not docs:
         _idle_backward(model)
         return torch.zeros(())
-    packed = pack_documents(docs)
+    packed = concatenate_documents(docs)
     logits = model(
         input_ids=packed.tokens[None],
         position_ids=packed.positions[None],

@@ -42,7 +42,7 @@ allocator's peak above it (torch's profiler; the timed pass runs without it). Th
 
 Exposed exchange time per iteration: the seconds a rank's training thread waited for the exchange of
 parameters and gradients instead of computing, the largest rank's per step, mean over steps (and its
-share of the summed step times). Hydraulis: the trainer's own figure (runtime/sharding/overlap.py: the time its
+share of the summed step times). Hydraulis: the trainer's own figure (runtime/optimizer/exchange.py: the time its
 thread spent packing, unpacking and waiting for gather and reduce rounds, which overlap compute); DDP:
 the tail of its synchronising backward after the last gradient was produced; FSDP2: the time in its
 all-gathers and reduce-scatters, which on CPU block (benchmarks/peer_models.py says why both measure the
@@ -85,8 +85,8 @@ from hydraulis.optim import OptimSettings
 from hydraulis.parallel import ParallelConfig
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import check_job_pool, parse_pool
+from hydraulis.runtime.optimizer.layout import ShardLayout
 from hydraulis.runtime.parallelism.batch import count_targets
-from hydraulis.runtime.sharding.layout import ModelLayout
 from hydraulis.specs import ClusterSpec, ModelSpec, get_model
 
 WORLD = 4
@@ -150,9 +150,9 @@ def cost_model(profile: str, spec: ModelSpec, pool, lengths: np.ndarray, max_len
 
 def exchange_bytes(spec: ModelSpec, plans) -> float:
     """Hydraulis's optimizer gather + reduce, bytes sent per iteration by the busiest rank (fp32 both ways)."""
-    from hydraulis.runtime.sharding.optimizer import ExchangePlan
+    from hydraulis.runtime.optimizer.sharded import ExchangePlan
 
-    layout, per_deployment = ModelLayout(spec, WORLD), {}
+    layout, per_deployment = ShardLayout(spec, WORLD), {}
     for d in {p.deployment for p in plans}:
         sent = [ExchangePlan.build(layout, d, r).traffic() for r in range(WORLD)]
         per_deployment[d] = max(4 * (t["gather_send"] + t["reduce_send"]) for t in sent)
@@ -208,7 +208,7 @@ def prepare(name: str, args: argparse.Namespace) -> dict[str, Any]:
         every = parse_pool(f"4x({tp1.name[:3]},pp1)", ClusterSpec(WORLD, WORLD))[0]
         plans[RECOMPUTE] = [Planner(recompute, WORLD, (every,)).plan_on(b.lengths, every, i)
                             for i, b in enumerate(batches)]
-    params = ModelLayout(spec, 1).total
+    params = ShardLayout(spec, 1).total
     ring = 2 * (WORLD - 1) / WORLD * 4 * params
     return {
         "setting": name, "spec": spec, "corpus": str(corpus.path), "tokenizer": s.tokenizer, "max_len": s.max_len,

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from hydraulis.parallel import ParallelConfig, Replica
-from hydraulis.runtime import StageModel, build_replica_groups, count_targets, pack_documents, train_step
+from hydraulis.runtime import StageModel, build_replica_groups, concatenate_documents, count_targets, train_step
 from hydraulis.runtime.launch import spawn
-from hydraulis.runtime.sharding.layout import reset_parameters
+from hydraulis.runtime.optimizer.layout import reset_parameters
 from hydraulis.specs import get_model
 
 
@@ -53,7 +53,7 @@ def worker(args: argparse.Namespace, config: ParallelConfig, sp: bool) -> dict:
     model = StageModel(spec, groups.tp, groups.stage, config.pp)
     reset_parameters(model, 0)
     docs = make_micro_batches(spec.vocab, args.micro_batches, args.tokens, seed=1)
-    packed = [pack_documents(mb, pad_to_multiple=config.tp) for mb in docs]
+    packed = [concatenate_documents(mb, pad_to_multiple=config.tp) for mb in docs]
     total_targets = count_targets([len(d) for mb in docs for d in mb])
     times = []
     for step in range(args.warmup + args.steps):

@@ -12,7 +12,7 @@ share this machine's cores):
    model's gradients;
 3. an iteration that switches deployment against one that does not (same batch, same deployment,
    only the previous iteration differs);
-4. Hydraulis's plans with the exchange overlapped with compute (runtime/sharding/overlap.py, the default)
+4. Hydraulis's plans with the exchange overlapped with compute (runtime/optimizer/exchange.py, the default)
    against the same plans with the whole gather before compute and the whole reduce after it
    (`[parallel] overlap_exchange = false`), interleaved with the rest: tokens/s and the exchange
    time compute did not hide (`StepMetrics.exchange_exposed_s`, the slowest rank's, per iteration).
@@ -51,7 +51,7 @@ def worker(job: dict) -> dict:
     from hydraulis.data.indexed import open_corpus
     from hydraulis.optim import OptimSettings
     from hydraulis.runtime.launch import init_distributed
-    from hydraulis.runtime.sharding.overlap import reduce as reduce_all
+    from hydraulis.runtime.optimizer.exchange import reduce as reduce_all
     from hydraulis.runtime.trainer import Trainer, TrainSettings
 
     env = init_distributed("cpu")

@@ -18,8 +18,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hydraulis.runtime import StageModel, count_targets, micro_batch_loss, pack_documents  # noqa: E402
-from hydraulis.runtime.sharding.layout import ModelLayout  # noqa: E402
+from hydraulis.runtime import StageModel, concatenate_documents, count_targets, micro_batch_loss  # noqa: E402
+from hydraulis.runtime.optimizer.layout import ShardLayout  # noqa: E402
 from hydraulis.runtime.storage.hf import from_hf_state_dict  # noqa: E402
 from hydraulis.specs import MODELS  # noqa: E402
 
@@ -45,8 +45,8 @@ def reference():
     g = torch.Generator().manual_seed(11)
     docs = [torch.randint(0, SPEC.vocab, (s,), generator=g) for s in LENGTHS]
     model = StageModel(SPEC)
-    model.load_full_state_dict(ModelLayout(SPEC, 1).full_state_dict(SEED))
-    batch = pack_documents(docs)
+    model.load_full_state_dict(ShardLayout(SPEC, 1).full_state_dict(SEED))
+    batch = concatenate_documents(docs)
     loss = micro_batch_loss(model, batch.tokens, batch) / count_targets(LENGTHS)
     loss.backward()
     return docs, float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}

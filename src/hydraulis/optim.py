@@ -2,7 +2,7 @@
 
 The run config's [optim] section builds them (config.OptimSection.settings)
 and takes its defaults from them, so each default is written once;
-runtime/sharding/optimizer.py steps AdamW with them.
+runtime/optimizer/sharded.py steps AdamW with them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from hydraulis.errors import HydraulisError
 
-SCHEDULES = ("cosine", "linear", "constant")
+LR_SCHEDULES = ("cosine", "linear", "constant")
 
 
 @dataclass(frozen=True)
@@ -43,12 +43,12 @@ class OptimSettings:
     adamw: AdamWSettings = field(default_factory=AdamWSettings)
 
     def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise HydraulisError(f"unknown LR schedule {self.schedule!r}; use one of {', '.join(SCHEDULES)}")
+        if self.schedule not in LR_SCHEDULES:
+            raise HydraulisError(f"unknown LR schedule {self.schedule!r}; use one of {', '.join(LR_SCHEDULES)}")
         if self.lr <= 0 or self.warmup < 0 or not 0 <= self.min_lr_ratio <= 1:
             raise HydraulisError("lr must be positive, warmup non-negative, min_lr_ratio within [0, 1]")
 
-    def schedule_state(self, total_steps: int) -> dict[str, object]:
+    def lr_schedule_state(self, total_steps: int) -> dict[str, object]:
         """What the LR at each step depends on; a checkpoint records it, a resume compares it."""
         return {
             "lr": self.lr,

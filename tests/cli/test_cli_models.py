@@ -26,8 +26,8 @@ from train_helpers import hf_loss, step_rows, write_config  # noqa: E402
 
 from hydraulis.data.indexed import open_corpus  # noqa: E402
 from hydraulis.data.sampler import TokenBudgetSampler  # noqa: E402
-from hydraulis.runtime import StageModel, pack_documents  # noqa: E402
-from hydraulis.runtime.sharding.layout import ModelLayout  # noqa: E402
+from hydraulis.runtime import StageModel, concatenate_documents  # noqa: E402
+from hydraulis.runtime.optimizer.layout import ShardLayout  # noqa: E402
 from hydraulis.runtime.storage.checkpoint import load_master  # noqa: E402
 from hydraulis.runtime.storage.hf_io import unflatten  # noqa: E402
 
@@ -129,11 +129,11 @@ def test_export_is_the_same_family_and_the_trained_model(family_run):
     assert config["max_position_embeddings"] == 512  # the source's, not the default 4096
     info, master = load_master(ckpt)
     ours = StageModel(info.model)
-    ours.load_full_state_dict(unflatten(ModelLayout(info.model, 1), master))
+    ours.load_full_state_dict(unflatten(ShardLayout(info.model, 1), master))
     if family == "llama3-50257":
         assert info.model.vocab_rows == 50258  # padded for tp2 while training
     docs = [torch.from_numpy(np.random.default_rng(5).integers(0, 257, size=n)) for n in (9, 40)]
-    packed = pack_documents(docs)
+    packed = concatenate_documents(docs)
     with torch.no_grad():
         mine = ours(packed.tokens, packed)
         theirs = torch.cat([reloaded(d[None]).logits[0] for d in docs])

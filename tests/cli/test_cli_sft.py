@@ -247,8 +247,8 @@ def test_first_sft_loss_is_transformers_loss_with_prompt_labels_ignored(case):
 
 
 def test_export_reloads_in_transformers_as_the_trained_model_and_its_tokenizer(case):
-    from hydraulis.runtime import StageModel, pack_documents
-    from hydraulis.runtime.sharding.layout import ModelLayout
+    from hydraulis.runtime import StageModel, concatenate_documents
+    from hydraulis.runtime.optimizer.layout import ShardLayout
     from hydraulis.runtime.storage.checkpoint import load_master
     from hydraulis.runtime.storage.hf_io import unflatten
 
@@ -260,10 +260,10 @@ def test_export_reloads_in_transformers_as_the_trained_model_and_its_tokenizer(c
     assert reloaded.config.tie_word_embeddings == source.config.tie_word_embeddings
     info, master = load_master(case["ckpt"])
     ours = StageModel(info.model)
-    ours.load_full_state_dict(unflatten(ModelLayout(info.model, 1), master))
+    ours.load_full_state_dict(unflatten(ShardLayout(info.model, 1), master))
     corpus = open_corpus(case["corpus"])
     docs = [torch.from_numpy(np.asarray(corpus[d][:MAX_LEN], dtype=np.int64)) for d in (0, 3)]
-    packed = pack_documents(docs)
+    packed = concatenate_documents(docs)
     with torch.no_grad():
         mine = ours(packed.tokens, packed)
         theirs = torch.cat([reloaded(d[None]).logits[0] for d in docs])

@@ -39,7 +39,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # exchange; the runtime's own modules (launch, pipeline, trainer, ...); storage; the machine's meters.
     ("hydraulis.runtime.parallelism",),
     ("hydraulis.runtime.modeling",),
-    ("hydraulis.runtime.sharding",),
+    ("hydraulis.runtime.optimizer",),
     ("hydraulis.runtime",),
     ("hydraulis.runtime.storage",),
     ("hydraulis.runtime.metering",),

@@ -14,7 +14,7 @@ from hydraulis.optim import AdamWSettings, OptimSettings
 from hydraulis.parallel import ParallelConfig, Replica
 from hydraulis.runtime import StageModel, build_replica_groups, count_targets
 from hydraulis.runtime.launch import init_distributed
-from hydraulis.runtime.parallelism.batch import TokenDocuments, pack_cp_shard
+from hydraulis.runtime.parallelism.batch import TokenDocuments, concatenate_cp_shard
 from hydraulis.runtime.pipeline import train_step
 from hydraulis.runtime.trainer import Trainer, TrainSettings
 from hydraulis.specs import MODELS, ModelSpec
@@ -47,7 +47,7 @@ def run_scenarios(
         model = StageModel(spec, groups.tp, groups.stage, config.pp, recompute=recompute, cp=groups.cp)
         model.load_full_state_dict(state)
         pad = config.tp if sp else 1
-        packed = [pack_cp_shard([docs[i] for i in mb], config.cp, groups.cp.rank, pad) for mb in micro_batches]
+        packed = [concatenate_cp_shard([docs[i] for i in mb], config.cp, groups.cp.rank, pad) for mb in micro_batches]
         result = train_step(model, groups, packed, total)
         out[scenario] = {
             "replica": replicas.index(next(r for r in replicas if rank in r.devices)),

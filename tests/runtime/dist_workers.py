@@ -15,11 +15,11 @@ from hydraulis.runtime import (
     IGNORE_INDEX,
     StageModel,
     build_replica_groups,
+    concatenate_documents,
     count_targets,
-    pack_documents,
     train_step,
 )
-from hydraulis.runtime.sharding.layout import reset_parameters
+from hydraulis.runtime.optimizer.layout import reset_parameters
 from hydraulis.specs import MODELS
 
 SEED = 1234
@@ -42,7 +42,7 @@ def reference(model_name: str, doc_ids: tuple[int, ...]) -> tuple[float, dict[st
     total = count_targets(LENGTHS)
     loss = torch.zeros(())
     for i in doc_ids:
-        batch = pack_documents([docs[i]])
+        batch = concatenate_documents([docs[i]])
         logits = model(batch.tokens, batch)
         loss = loss + F.cross_entropy(logits, batch.targets, ignore_index=IGNORE_INDEX, reduction="sum")
     (loss / total).backward()
@@ -74,7 +74,7 @@ def _compare(spec, model_name, groups, micro_batches, calls: int = 1) -> dict:
     model = StageModel(spec, groups.tp, groups.stage, groups.config.pp)
     reset_parameters(model, SEED)
     docs = documents(spec.vocab)
-    packed = [pack_documents([docs[i] for i in mb], pad_to_multiple=groups.config.tp) for mb in micro_batches]
+    packed = [concatenate_documents([docs[i] for i in mb], pad_to_multiple=groups.config.tp) for mb in micro_batches]
     per_call = -(-len(packed) // calls)
     results = [
         train_step(model, groups, packed[i : i + per_call], count_targets(LENGTHS))
@@ -94,7 +94,7 @@ def _compare(spec, model_name, groups, micro_batches, calls: int = 1) -> dict:
         "tp_rank": groups.tp.rank,
         "loss": loss,
         "pp": groups.config.pp,
-        "schedules": [r.schedule for r in results],
+        "schedules": [r.order for r in results],
         "ref_loss": ref_loss,
         "errors": errors,
         "all_params": sorted(ref_grads),

@@ -38,7 +38,7 @@ def train_variants(
             early.append((ex.gather.early, ex.reduce.early, len(trainer.deployments.parts[
                 trainer.settings.pool.index(plan.deployment)].exchange_plan.rounds)))
         trainer.close()
-        plan_rounds = {str(d): len(trainer.optimizer.plan(d, s.sequence_parallel).rounds) for d in s.pool}
+        plan_rounds = {str(d): len(trainer.optimizer.exchange_plan(d, s.sequence_parallel).rounds) for d in s.pool}
         out.append({
             "master": trainer.optimizer.master.clone(),
             "losses": [m.loss for m in metrics],

@@ -12,7 +12,7 @@ import datetime
 import torch
 
 from hydraulis.parallel import ParallelConfig, Replica
-from hydraulis.runtime import StageModel, build_replica_groups, count_targets, pack_documents, train_step
+from hydraulis.runtime import StageModel, build_replica_groups, concatenate_documents, count_targets, train_step
 from hydraulis.specs import ModelSpec
 
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -37,7 +37,7 @@ def run_scenarios(rank: int, world: int, cases: dict[str, tuple[ModelSpec, dict,
         groups = build_replica_groups([Replica(ParallelConfig(tp, pp), tuple(range(world)))], sp, TIMEOUT)
         model = StageModel(spec, groups.tp, groups.stage, pp)
         model.load_full_state_dict(state)
-        packed = [pack_documents([docs[i] for i in mb], pad_to_multiple=tp) for mb in micro_batches]
+        packed = [concatenate_documents([docs[i] for i in mb], pad_to_multiple=tp) for mb in micro_batches]
         result = train_step(model, groups, packed, count_targets([len(d) for d in docs]))
         out[scenario] = {
             "loss": result.loss,

@@ -16,7 +16,7 @@ from hydraulis.cost import AnalyticCostModel
 from hydraulis.cost.activations import LOSS_CHUNK_MIN_ROWS, layer_bytes, rope_bytes
 from hydraulis.cost.memory import rank_memory
 from hydraulis.parallel import ParallelConfig
-from hydraulis.runtime import StageModel, pack_documents, single_process_groups, train_step
+from hydraulis.runtime import StageModel, concatenate_documents, single_process_groups, train_step
 from hydraulis.runtime.memory_meter import PeakMeter
 from hydraulis.runtime.modeling.main_grad import attach_main_grads
 from hydraulis.specs import MODELS, Architecture, get_device
@@ -49,7 +49,7 @@ def test_layers_keep_what_the_count_says(spec, dtype_bytes):
     Qwen3's q/k norms, in fp32 (the norms' fp32 input is the input itself) and bf16 (a copy of it)."""
     torch.manual_seed(0)
     model = StageModel(spec, stage=0, num_stages=2, dtype=DTYPES[dtype_bytes])  # the first two layers, no head
-    batch = pack_documents([torch.randint(0, spec.vocab, (n,)) for n in (100, 60, 96)])
+    batch = concatenate_documents([torch.randint(0, spec.vocab, (n,)) for n in (100, 60, 96)])
     counted = batch.num_tokens * (2 * layer_bytes(spec, 1, dtype_bytes) + rope_bytes(spec, dtype_bytes))
     assert len(model.layers) == 2
     ids = 8 * batch.num_tokens  # the embedding keeps the token ids: the batch's own tensor, there anyway
@@ -68,7 +68,7 @@ def test_a_steps_peak_is_the_counted_one(dtype_bytes, micro_batches):
     if dtype_bytes == 2:
         attach_main_grads(model)
     tokens = 3 * LOSS_CHUNK_MIN_ROWS - 168
-    batches = [pack_documents([torch.randint(0, spec.vocab, (tokens // 3,)) for _ in range(3)])
+    batches = [concatenate_documents([torch.randint(0, spec.vocab, (tokens // 3,)) for _ in range(3)])
                for _ in range(micro_batches)]
     with PeakMeter() as meter:
         train_step(model, single_process_groups(), batches, micro_batches * tokens, reduce_partial_grads=False)

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hydraulis.errors import HydraulisError  # noqa: E402
-from hydraulis.runtime.parallelism.batch import IGNORE_INDEX, pack_cp_shard, pack_documents  # noqa: E402
+from hydraulis.runtime.parallelism.batch import IGNORE_INDEX, concatenate_cp_shard, concatenate_documents  # noqa: E402
 
 DOCS = [torch.arange(10, 17), torch.arange(20, 23), torch.arange(30, 41)]
 MASKS = [
@@ -26,26 +26,27 @@ def expected_targets() -> list[int]:
 
 
 def test_masked_targets() -> None:
-    packed = pack_documents(DOCS, masks=MASKS)
+    packed = concatenate_documents(DOCS, masks=MASKS)
     assert packed.targets.tolist() == expected_targets()
     assert packed.num_targets == 4 + 2 + 5
-    padded = pack_documents(DOCS, pad_to_multiple=4, masks=MASKS)
+    padded = concatenate_documents(DOCS, pad_to_multiple=4, masks=MASKS)
     assert padded.targets.tolist()[: len(expected_targets())] == expected_targets()
     assert padded.num_targets == packed.num_targets
-    assert pack_documents(DOCS, masks=[None, None, None]).targets.tolist() == pack_documents(DOCS).targets.tolist()
+    assert (concatenate_documents(DOCS, masks=[None, None, None]).targets.tolist()
+            == concatenate_documents(DOCS).targets.tolist())
 
 
 @pytest.mark.parametrize("cp", [2, 3])
 def test_cp_shards_keep_the_mask(cp: int) -> None:
-    full = pack_documents(DOCS, masks=MASKS)
+    full = concatenate_documents(DOCS, masks=MASKS)
     rows = lambda b: sorted(zip(b.positions.tolist(), b.tokens.tolist(), b.targets.tolist(), strict=True))  # noqa: E731
-    shards = [pack_cp_shard(DOCS, cp, r, masks=MASKS) for r in range(cp)]
+    shards = [concatenate_cp_shard(DOCS, cp, r, masks=MASKS) for r in range(cp)]
     assert sorted(row for s in shards for row in rows(s)) == rows(full)
     assert sum(s.num_targets for s in shards) == full.num_targets
 
 
 def test_bad_masks_are_one_line() -> None:
     with pytest.raises(HydraulisError, match="2 target masks for 3 documents"):
-        pack_documents(DOCS, masks=MASKS[:2])
+        concatenate_documents(DOCS, masks=MASKS[:2])
     with pytest.raises(HydraulisError, match="document 0: a target mask of 3 for 7 tokens"):
-        pack_documents(DOCS, masks=[torch.ones(3), None, None])
+        concatenate_documents(DOCS, masks=[torch.ones(3), None, None])

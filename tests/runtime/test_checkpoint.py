@@ -34,9 +34,9 @@ from hydraulis.data.indexed import open_corpus
 from hydraulis.data.sampler import TokenBudgetSampler
 from hydraulis.errors import HydraulisError
 from hydraulis.optim import AdamWSettings
-from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, pack_documents
-from hydraulis.runtime.sharding.layout import ModelLayout, full_shapes
-from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
+from hydraulis.runtime import IGNORE_INDEX, StageModel, concatenate_documents, count_targets
+from hydraulis.runtime.optimizer.layout import ShardLayout, full_shapes
+from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
 from hydraulis.runtime.storage.checkpoint import load_master
 from hydraulis.runtime.storage.hf import hf_config, hf_name
 from hydraulis.runtime.storage.hf_io import init_from, unflatten
@@ -146,7 +146,7 @@ def resharded(work):
 def our_loss(spec, state: dict[str, torch.Tensor], docs: list[np.ndarray]) -> float:
     model = StageModel(spec)
     model.load_full_state_dict(state)
-    packed = pack_documents([torch.from_numpy(np.asarray(d, dtype=np.int64)) for d in docs])
+    packed = concatenate_documents([torch.from_numpy(np.asarray(d, dtype=np.int64)) for d in docs])
     with torch.no_grad():
         logits = model(packed.tokens, packed)
         loss = F.cross_entropy(logits, packed.targets, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -160,7 +160,7 @@ def first_batch(corpus_dir: Path) -> list[np.ndarray]:
 
 
 def canonical_vector(spec, hf_state: dict[str, torch.Tensor]) -> torch.Tensor:
-    layout = ModelLayout(spec, 1)
+    layout = ShardLayout(spec, 1)
     return torch.cat([p.to_canonical(hf_state[hf_name(p.name)].float()) for p in layout.params])
 
 
@@ -272,8 +272,8 @@ def test_resume_on_two_ranks_with_another_pool(work, resharded):
     diff = rel(got, full[SAVE_AT:])
     print(f"\n4 -> 2 ranks resharded resume: max relative loss difference {diff:.2e}")
     assert diff < 1e-5
-    master = ModelLayout(TINY, 2).assemble([r["master"] for r in results])
-    want = ModelLayout(TINY, 4).assemble([r["master"] for r in work[4]])
+    master = ShardLayout(TINY, 2).assemble([r["master"] for r in results])
+    want = ShardLayout(TINY, 4).assemble([r["master"] for r in work[4]])
     assert float((master - want).norm() / want.norm()) < 1e-5
 
 
@@ -282,7 +282,7 @@ def test_training_from_hf_starts_at_hf_loss(work, resharded):
     _, corpus, _, _, _ = work
     _, model, results = resharded
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    initial = ModelLayout(TINY, len(results)).assemble([r["hf_initial"] for r in results])
+    initial = ShardLayout(TINY, len(results)).assemble([r["hf_initial"] for r in results])
     assert torch.equal(initial, canonical_vector(TINY, state))
     want = hf_loss(model, first_batch(corpus))
     got = results[0]["hf_losses"][0]
@@ -296,14 +296,14 @@ def test_init_from_reads_only_each_owners_range(resharded):
     state = {k: v.detach() for k, v in model.state_dict().items()}
     parts = []
     for rank in range(3):  # uneven ranges that cut tensors anywhere, row- and column-wise
-        opt = DisaggregatedOptimizer(ModelLayout(TINY, 3), rank, AdamWSettings())
+        opt = ShardedOptimizer(ShardLayout(TINY, 3), rank, AdamWSettings())
         assert init_from(opt, hf_dir).hidden == TINY.hidden
         parts.append(opt.master)
-    assert torch.equal(ModelLayout(TINY, 3).assemble(parts), canonical_vector(TINY, state))
+    assert torch.equal(ShardLayout(TINY, 3).assemble(parts), canonical_vector(TINY, state))
 
 
 def test_init_from_refuses_other_configs(tmp_path):
-    opt = DisaggregatedOptimizer(ModelLayout(TINY, 1), 0, AdamWSettings())
+    opt = ShardedOptimizer(ShardLayout(TINY, 1), 0, AdamWSettings())
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
     with pytest.raises(HydraulisError, match="model_type") as exc:
         init_from(opt, tmp_path)
@@ -335,8 +335,8 @@ def test_export_loads_in_transformers_with_our_loss(work, resharded, cli, tmp_pa
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     model = transformers.LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
     info, master = load_master(ckpt)
-    assert torch.equal(master, ModelLayout(TINY, len(results)).assemble([r["hf_master"] for r in results]))
-    ours = unflatten(ModelLayout(TINY, 1), master)
+    assert torch.equal(master, ShardLayout(TINY, len(results)).assemble([r["hf_master"] for r in results]))
+    ours = unflatten(ShardLayout(TINY, 1), master)
     exported = {k: v.detach() for k, v in model.state_dict().items()}
     assert set(exported) == {hf_name(n) for n in full_shapes(TINY)}
     assert all(torch.equal(exported[hf_name(n)], t) for n, t in ours.items())

@@ -11,8 +11,8 @@ from train_workers import WORLD, crafted_plans, settings
 
 from hydraulis.cost.memory import shard_params
 from hydraulis.parallel import Deployment, ParallelConfig
-from hydraulis.runtime.sharding.exchange import ExchangePlan
-from hydraulis.runtime.sharding.layout import ModelLayout, Role
+from hydraulis.runtime.optimizer.exchange_plan import ExchangePlan
+from hydraulis.runtime.optimizer.layout import Role, ShardLayout
 from hydraulis.specs import MODELS, ClusterSpec
 
 SMALL, LARGE = 64 << 10, 256 << 20  # 64 KiB: several rounds per stripe on tiny; 256 MiB: one round for all
@@ -36,7 +36,7 @@ def runs():
 @pytest.mark.dist
 def test_small_buckets_and_overlap_train_bit_identically_and_bound_the_exchange_peak(runs):
     s, results = runs
-    stripes = ModelLayout(s.model, WORLD).stripes
+    stripes = ShardLayout(s.model, WORLD).stripes
     for large, small, overlapped in results:
         assert all(n == 1 for n in large["rounds"].values())  # tiny's stripes share one round
         assert all(n > 2 * stripes for n in small["rounds"].values()), small["rounds"]
@@ -52,7 +52,7 @@ def test_small_buckets_and_overlap_train_bit_identically_and_bound_the_exchange_
         assert small["late_waits"] == overlapped["late_waits"] == 0
     # With one large bucket the whole exchange is one round: its peak is a shard's worth (both buffers), so
     # the bound above is not one any exchange would meet.
-    total_bytes = 4 * ModelLayout(s.model, 1).total
+    total_bytes = 4 * ShardLayout(s.model, 1).total
     assert max(large["measured_peak"] for large, _, _ in results) >= total_bytes / 2 > 2 * SMALL
 
 
@@ -93,7 +93,7 @@ def test_groups_take_the_steady_timeout_after_the_first_step_and_none_is_unused(
 def test_rounds_cover_each_shard_once_within_the_bucket(pool):
     """Over all rounds, every rank receives its whole compute shard and sends its whole gradient, once."""
     spec = MODELS["tiny"]
-    layout = ModelLayout(spec, WORLD)
+    layout = ShardLayout(spec, WORLD)
     deployment = Deployment.parse(pool, ClusterSpec(WORLD, gpus_per_node=WORLD))
     bucket = 100_000  # not a multiple of anything in the model
     for rank in range(WORLD):
@@ -129,7 +129,7 @@ def _union(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 def test_the_memory_models_shard_is_what_the_layout_gives_each_rank(model):
     """cost.memory.shard_params (numpy, from the shape) against the runtime's own parameter shards."""
     spec = MODELS[model]
-    layout = ModelLayout(spec, 1)
+    layout = ShardLayout(spec, 1)
     for tp, pp in ((1, 1), (2, 1), (1, 2), (2, 2)):
         config = ParallelConfig(tp, pp)
         for stage in range(pp):
@@ -144,7 +144,7 @@ def test_ranks_of_a_stage_wait_for_the_same_rounds(pool):
     """TP and CP peers block on each other inside a layer, so a layer must ask every peer for the same rounds:
     a rank waiting for a round its peer had not issued, while that peer waited in the layer's all-reduce, hung."""
     spec = MODELS["tiny"]
-    layout = ModelLayout(spec, WORLD)
+    layout = ShardLayout(spec, WORLD)
     deployment = Deployment.parse(pool, ClusterSpec(WORLD, gpus_per_node=WORLD))
     plans = {r: ExchangePlan.build(layout, deployment, r, bucket_bytes=20_000) for r in range(WORLD)}
     own = {r: {p.name: k for p, k in zip(plan.local, plan.gather_needs, strict=True)} for r, plan in plans.items()}
@@ -170,12 +170,12 @@ def test_the_reduce_waits_until_the_stages_last_blocks_are_through_backward(bloc
     """The first reduce round goes out once a parameter outside the head, the final norm and the stage's last
     `reduce_after` blocks is final (cost/memory.py's `reduce_wait`: their activations freed make its room)."""
     from hydraulis.optim import AdamWSettings
-    from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
-    from hydraulis.runtime.sharding.overlap import ReduceStream
+    from hydraulis.runtime.optimizer.exchange import ReduceStream
+    from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
 
     spec = MODELS["tiny"]
-    opt = DisaggregatedOptimizer(ModelLayout(spec, 1), 0, AdamWSettings(), bucket_bytes=20_000)
-    plan = opt.plan(Deployment.parse("1x(tp1,pp1)", ClusterSpec(1, gpus_per_node=1)))
+    opt = ShardedOptimizer(ShardLayout(spec, 1), 0, AdamWSettings(), bucket_bytes=20_000)
+    plan = opt.exchange_plan(Deployment.parse("1x(tp1,pp1)", ClusterSpec(1, gpus_per_node=1)))
     stream = ReduceStream(opt, plan, lambda i: (None, None), torch.float32, reduce_after=blocks)
 
     def depth(name: str) -> int:  # backward's order: the head and norm, then the blocks from the last

@@ -35,8 +35,8 @@ from hf_helpers import spread_weights  # noqa: E402
 
 from hydraulis.errors import HydraulisError  # noqa: E402
 from hydraulis.families import ARCHITECTURES, hf_tensor_shapes, spec_from_hf_config  # noqa: E402
-from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, micro_batch_loss, pack_documents  # noqa: E402
-from hydraulis.runtime.sharding.layout import full_shapes, reset_parameters  # noqa: E402
+from hydraulis.runtime import IGNORE_INDEX, StageModel, concatenate_documents, count_targets, micro_batch_loss  # noqa: E402
+from hydraulis.runtime.optimizer.layout import full_shapes, reset_parameters  # noqa: E402
 from hydraulis.runtime.storage.hf import (  # noqa: E402
     from_hf_state_dict,
     hf_config,
@@ -116,7 +116,7 @@ def test_packed_model_matches_hf_per_document(spec):
     model = StageModel(spec)
     model.load_full_state_dict(ref["state"])
     docs = documents(spec.vocab)
-    batch = pack_documents(docs)
+    batch = concatenate_documents(docs)
     logits = model(batch.tokens, batch)
     assert logits.shape[-1] == spec.vocab_rows
     # padded ids never win: their logits are -inf (and so take no probability, loss or gradient)

@@ -1,7 +1,7 @@
 """The memory model's compute shard (numpy, from the shape) against the parameters the runtime builds.
 
 `cost.memory.shard_params` never imports torch; here every rank's `StageModel` is built on the meta
-device, as runtime/sharding/layout.py does for its layout, and its elements are counted.
+device, as runtime/optimizer/layout.py does for its layout, and its elements are counted.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ from dist_launcher import run_workers
 from exchange_workers import train_variants
 from train_workers import WORLD, crafted_plans, settings
 
-from hydraulis.runtime import IGNORE_INDEX, StageModel, pack_documents
+from hydraulis.runtime import IGNORE_INDEX, StageModel, concatenate_documents
 from hydraulis.runtime.modeling.main_grad import attach_main_grads, clear_grads, gradient
-from hydraulis.runtime.sharding.layout import ModelLayout
+from hydraulis.runtime.optimizer.layout import ShardLayout
 from hydraulis.specs import MODELS
 
 SPEC = MODELS["tiny"]
@@ -28,7 +28,7 @@ def _gradient(model: StageModel, docs: list[torch.Tensor], micro_batches: int) -
     clear_grads(model.parameters())
     total = sum(len(d) - 1 for d in docs)
     for part in np.array_split(np.arange(len(docs)), micro_batches):
-        packed = pack_documents([docs[i] for i in part])
+        packed = concatenate_documents([docs[i] for i in part])
         logits = model(packed.tokens, packed)
         loss = F.cross_entropy(logits.float(), packed.targets, ignore_index=IGNORE_INDEX, reduction="sum")
         (loss / total).backward()
@@ -37,7 +37,7 @@ def _gradient(model: StageModel, docs: list[torch.Tensor], micro_batches: int) -
 
 
 def test_bf16_gradient_error_does_not_grow_with_micro_batches():
-    full = ModelLayout(SPEC, 1).full_state_dict(3)
+    full = ShardLayout(SPEC, 1).full_state_dict(3)
     docs = _documents(64)
     # The reference computes in fp32 on the very bf16 weights, so only compute and accumulation differ.
     reference = StageModel(SPEC)
@@ -99,7 +99,7 @@ def test_the_owned_gradient_in_two_bytes_is_the_fp32_sum_to_fp16_precision():
     phase adds to the same elements): the scaled fp16 sum gives the fp32 sum to fp16's 11 bits of each
     block's largest, though the blocks' magnitudes are 10^4 apart; the norm too; the blocks are the pieces
     AdamW reads."""
-    from hydraulis.runtime.sharding.optimizer import OwnedGradient
+    from hydraulis.runtime.optimizer.sharded import OwnedGradient
 
     g = torch.Generator().manual_seed(0)
     exact = OwnedGradient(1000, torch.device("cpu"), scaled=False, piece_bytes=4 * 64)

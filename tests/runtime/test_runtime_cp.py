@@ -24,10 +24,10 @@ from dist_launcher import run_workers
 from hydraulis.context import split_for_cp
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig
-from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, pack_documents
-from hydraulis.runtime.parallelism.batch import pack_cp_shard
+from hydraulis.runtime import IGNORE_INDEX, StageModel, concatenate_documents, count_targets
+from hydraulis.runtime.optimizer.layout import ShardLayout, full_shapes
+from hydraulis.runtime.parallelism.batch import concatenate_cp_shard
 from hydraulis.runtime.parallelism.groups import check_replica, cp_ranks, rank_roles
-from hydraulis.runtime.sharding.layout import ModelLayout, full_shapes
 from hydraulis.runtime.storage.hf import hf_config, to_hf_state_dict
 from hydraulis.specs import MODELS
 
@@ -69,7 +69,7 @@ def our_reference(docs: tuple[torch.Tensor, ...] | None = None) -> tuple[float, 
     model.load_full_state_dict(weights())
     loss = torch.zeros(())
     for doc in docs:
-        batch = pack_documents([doc])
+        batch = concatenate_documents([doc])
         loss = loss + F.cross_entropy(model(batch.tokens, batch), batch.targets, ignore_index=IGNORE_INDEX,
                                       reduction="sum")
     loss = loss / count_targets([len(d) for d in docs])
@@ -196,23 +196,23 @@ def test_rank_layout_is_stage_major_tp_contiguous_cp_strided():
 
 def test_shards_cover_the_micro_batch_once_with_its_targets():
     docs = [documents()[i] for i in MICRO_BATCHES[1]]
-    full = pack_documents(docs)
+    full = concatenate_documents(docs)
     rows = lambda b: sorted(zip(b.positions.tolist(), b.tokens.tolist(), b.targets.tolist(), strict=True))  # noqa: E731
-    shards = [pack_cp_shard(docs, 4, r) for r in range(4)]
+    shards = [concatenate_cp_shard(docs, 4, r) for r in range(4)]
     # (global position, token, target) of every row over all CP ranks: the micro-batch's rows, once each
     assert sorted(row for s in shards for row in rows(s)) == rows(full)
-    padded = [pack_cp_shard(docs, 4, r, pad_to_multiple=4) for r in range(4)]
+    padded = [concatenate_cp_shard(docs, 4, r, pad_to_multiple=4) for r in range(4)]
     assert all(p.num_tokens % 4 == 0 for p in padded)
     assert [p.num_targets for p in padded] == [s.num_targets for s in shards]
 
 
 def test_bad_cp_input_is_one_line():
     with pytest.raises(HydraulisError, match=r"CP rank 2 is outside 0\.\.1") as info:
-        pack_cp_shard([torch.arange(9)], 2, 2)
+        concatenate_cp_shard([torch.arange(9)], 2, 2)
     assert "\n" not in str(info.value)
     model = StageModel(SPEC)  # no CP group
     model.load_full_state_dict(weights())
-    batch = pack_cp_shard([documents()[0]], 2, 0)
+    batch = concatenate_cp_shard([documents()[0]], 2, 0)
     with pytest.raises(HydraulisError, match=r"micro-batch was split for cp=2, the group has cp=1"):
         model(batch.tokens, batch)
     with pytest.raises(HydraulisError, match=r"tp2pp1cp2 needs 4 ranks, got 3"):
@@ -241,7 +241,7 @@ def test_cp_training_matches_single_process():
     np.testing.assert_allclose(got, ref_losses, rtol=1e-5)
     # both deployments ran, switching: the long document's batches on cp4, the others on cp2 + 2x tp1pp1
     assert {m["deployment_index"] for m in results[0]["metrics"]} == {0, 1}
-    params = unflatten(ModelLayout(s.model, len(results)).assemble([r["master"] for r in results]), ref_params)
+    params = unflatten(ShardLayout(s.model, len(results)).assemble([r["master"] for r in results]), ref_params)
     worst = max(rel_err(params[n], ref_params[n]) for n in ref_params)
     print("cp training: worst parameter rel err", worst)
     assert worst < 1e-5

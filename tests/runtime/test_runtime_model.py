@@ -15,15 +15,15 @@ from hydraulis.runtime import (
     StageModel,
     TensorParallel,
     attention_backend,
+    concatenate_documents,
     count_targets,
     head_cross_entropy,
-    pack_documents,
-    packed_attention,
     single_process_groups,
     train_step,
+    varlen_attention,
 )
 from hydraulis.runtime.modeling.model import apply_rope, rope_tables
-from hydraulis.runtime.sharding.layout import reset_parameters
+from hydraulis.runtime.optimizer.layout import reset_parameters
 from hydraulis.specs import MODELS
 
 
@@ -49,7 +49,7 @@ def test_packed_attention_equals_dense_masked_reference(kv_heads):
     k = torch.randn(total, kv_heads, 16, generator=g, dtype=torch.float64, requires_grad=True)
     v = torch.randn(total, kv_heads, 16, generator=g, dtype=torch.float64, requires_grad=True)
     cu = torch.tensor([0, 7, 8, 21, 25], dtype=torch.int32)
-    out = packed_attention(q, k, v, cu, max(seqlens))
+    out = varlen_attention(q, k, v, cu, max(seqlens))
     ref = dense_masked_attention(q, k, v, seqlens)
     torch.testing.assert_close(out, ref)
     upstream = torch.randn_like(out)
@@ -70,7 +70,7 @@ def test_packed_attention_takes_the_fused_kernel_on_cpu(kv_heads):
     v = torch.randn(total, kv_heads, 16, generator=g, requires_grad=True)
     cu = torch.tensor([0, 96, 97, 130, 137], dtype=torch.int32)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-        out = packed_attention(q, k, v, cu, max(seqlens))
+        out = varlen_attention(q, k, v, cu, max(seqlens))
         grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     ref = dense_masked_attention(q, k, v, seqlens)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
@@ -81,7 +81,7 @@ def test_packed_attention_takes_the_fused_kernel_on_cpu(kv_heads):
 
 def test_model_step_runs_on_the_fused_kernel_only():
     model = StageModel(MODELS["tiny"])
-    batch = pack_documents([list(range(1, 40)), list(range(5, 70))])
+    batch = concatenate_documents([list(range(1, 40)), list(range(5, 70))])
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         logits = model(batch.tokens, batch)
         logits.sum().backward()
@@ -107,7 +107,7 @@ def test_cuda_bf16_takes_a_varlen_flash_kernel():
 
 
 def test_pack_documents_targets_never_cross_documents():
-    batch = pack_documents([[10, 11, 12], [20, 21], [30]], pad_to_multiple=4)
+    batch = concatenate_documents([[10, 11, 12], [20, 21], [30]], pad_to_multiple=4)
     assert batch.tokens.tolist() == [10, 11, 12, 20, 21, 30, 0, 0]
     x = IGNORE_INDEX
     assert batch.targets.tolist() == [11, 12, x, 21, x, x, x, x]
@@ -119,9 +119,9 @@ def test_pack_documents_targets_never_cross_documents():
 
 def test_pack_documents_rejects_empty():
     with pytest.raises(HydraulisError):
-        pack_documents([])
+        concatenate_documents([])
     with pytest.raises(HydraulisError):
-        pack_documents([[1, 2], []])
+        concatenate_documents([[1, 2], []])
 
 
 def test_rope_positions_restart_at_each_document():
@@ -130,12 +130,12 @@ def test_rope_positions_restart_at_each_document():
     reset_parameters(model, 7)
     g = torch.Generator().manual_seed(3)
     docs = [torch.randint(0, spec.vocab, (n,), generator=g) for n in (9, 5, 12)]
-    packed = pack_documents(docs)
+    packed = concatenate_documents(docs)
     with torch.no_grad():
         logits = model(packed.tokens, packed)
         start = 0
         for doc in docs:
-            alone = pack_documents([doc])
+            alone = concatenate_documents([doc])
             torch.testing.assert_close(logits[start : start + len(doc)], model(alone.tokens, alone))
             start += len(doc)
 
@@ -182,14 +182,14 @@ def test_single_process_step_equals_per_document_reference():
 
     model = StageModel(spec)
     reset_parameters(model, 11)
-    batches = [pack_documents(docs[0:2]), pack_documents(docs[2:5]), pack_documents(docs[5:])]
+    batches = [concatenate_documents(docs[0:2]), concatenate_documents(docs[2:5]), concatenate_documents(docs[5:])]
     result = train_step(model, single_process_groups(), batches, total)
 
     ref = StageModel(spec)
     reset_parameters(ref, 11)
     loss = sum(
         F.cross_entropy(ref(b.tokens, b), b.targets, ignore_index=IGNORE_INDEX, reduction="sum")
-        for b in (pack_documents([d]) for d in docs)
+        for b in (concatenate_documents([d]) for d in docs)
     )
     (loss / total).backward()
     assert result.loss == pytest.approx(float(loss.detach()) / total, rel=1e-6)
@@ -206,7 +206,7 @@ def test_layout_errors_are_user_errors():
 def test_recompute_gives_the_same_gradients():
     """Activation recompute (checkpointed blocks) changes memory, never the loss or a gradient."""
     spec = MODELS["tiny"]
-    batch = pack_documents([torch.randint(0, spec.vocab, (n,), generator=torch.Generator().manual_seed(n))
+    batch = concatenate_documents([torch.randint(0, spec.vocab, (n,), generator=torch.Generator().manual_seed(n))
                             for n in (9, 30, 4)])
     grads = []
     for recompute in (False, True):

@@ -18,7 +18,7 @@ from train_workers import (
     train,
 )
 
-from hydraulis.runtime.sharding.layout import ModelLayout
+from hydraulis.runtime.optimizer.layout import ShardLayout
 
 pytestmark = pytest.mark.dist
 
@@ -113,7 +113,7 @@ def test_learning_rates_are_the_schedules_hand_computed_values(run):
 
 def test_final_parameters_match_single_process(run):
     s, _, results, _, params, _ = run
-    master = ModelLayout(s.model, len(results)).assemble([r["master"] for r in results])
+    master = ShardLayout(s.model, len(results)).assemble([r["master"] for r in results])
     got = unflatten(master, params)
     worst = {}
     for name, ref in params.items():
@@ -121,7 +121,7 @@ def test_final_parameters_match_single_process(run):
         # noise level may move by a few ulps more on one side; the tensor as a whole must agree to 1e-5.
         worst[name] = float((got[name] - ref).norm() / ref.norm())
     assert max(worst.values()) < 1e-5, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
-    initial = ModelLayout(s.model, 1).full_state_dict(s.seed)
+    initial = ShardLayout(s.model, 1).full_state_dict(s.seed)
     moved = [float((got[n] - initial[n]).abs().max()) for n in params]
     assert min(moved) > 1e-3  # every tensor really trained: this compares two runs, not two initial models
 
@@ -153,7 +153,7 @@ def shard_elements(s, tp: int, pp: int, stage: int) -> tuple[int, int]:
 
 def test_exchanges_move_exactly_each_ranks_shards(run):
     s, _, results, *_ = run
-    total = ModelLayout(s.model, 1).total
+    total = ShardLayout(s.model, 1).total
     for deployment in s.pool:
         key = str(deployment)
         for replica in deployment.replicas:

@@ -17,10 +17,10 @@ from hydraulis.parallel import Deployment
 from hydraulis.planner.plan import IterationPlan, Schedule
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.schedule import mean_switch_time, phases_time
-from hydraulis.runtime import IGNORE_INDEX, StageModel, count_targets, pack_documents
+from hydraulis.runtime import IGNORE_INDEX, StageModel, concatenate_documents, count_targets
 from hydraulis.runtime.launch import init_distributed
+from hydraulis.runtime.optimizer.layout import ShardLayout
 from hydraulis.runtime.parallelism.batch import TokenDocuments
-from hydraulis.runtime.sharding.layout import ModelLayout
 from hydraulis.runtime.trainer import Trainer, TrainSettings
 from hydraulis.specs import MODELS, ClusterSpec, get_device
 
@@ -129,13 +129,13 @@ def train(rank: int, world: int, s: TrainSettings, plans: list[Schedule]) -> dic
     metrics += [trainer.step() for _ in range(STEPS - len(metrics))]
     trainer.close()
     opt = trainer.optimizer
-    traffic = {str(d): opt.plan(d, s.sequence_parallel).traffic() for d in s.pool}
+    traffic = {str(d): opt.exchange_plan(d, s.sequence_parallel).traffic() for d in s.pool}
     splits = {
         str(d): {
-            "gather_recv": sum(opt.plan(d, s.sequence_parallel).gather_recv_splits),
-            "gather_send": sum(opt.plan(d, s.sequence_parallel).gather_send_splits),
-            "reduce_send": sum(opt.plan(d, s.sequence_parallel).reduce_send_splits),
-            "reduce_recv": sum(opt.plan(d, s.sequence_parallel).reduce_recv_splits),
+            "gather_recv": sum(opt.exchange_plan(d, s.sequence_parallel).gather_recv_splits),
+            "gather_send": sum(opt.exchange_plan(d, s.sequence_parallel).gather_send_splits),
+            "reduce_send": sum(opt.exchange_plan(d, s.sequence_parallel).reduce_send_splits),
+            "reduce_recv": sum(opt.exchange_plan(d, s.sequence_parallel).reduce_recv_splits),
         }
         for d in s.pool
     }
@@ -163,7 +163,7 @@ def reference(
     docs = corpus(spec.vocab) if docs is None else docs
     smp = sampler(docs) if smp is None else smp
     model = StageModel(spec)
-    model.load_full_state_dict(ModelLayout(spec, 1).full_state_dict(s.seed))
+    model.load_full_state_dict(ShardLayout(spec, 1).full_state_dict(s.seed))
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     a = s.optim.adamw
@@ -181,7 +181,7 @@ def reference(
         loss = torch.zeros(())
         for d, start, n in zip(batch.docs, batch.starts, batch.lengths, strict=True):
             tokens = torch.from_numpy(docs[int(d)][int(start) : int(start + n)].astype(np.int64))
-            packed = pack_documents([tokens])
+            packed = concatenate_documents([tokens])
             logits = model(packed.tokens, packed)
             loss = loss + F.cross_entropy(logits, packed.targets, ignore_index=IGNORE_INDEX, reduction="sum")
         loss = loss / total

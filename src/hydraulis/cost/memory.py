@@ -35,7 +35,7 @@ from hydraulis.specs import ModelSpec
 
 CAP_GRANULARITY = 128
 RECOMPUTE_INPUT_BYTES = 2  # a layer's input kept under full recompute (bf16), with a published activation factor
-EXCHANGE_ELEMENT_BYTES = 4  # the exchange's rounds are sized for fp32 elements (runtime/sharding/exchange.py)
+EXCHANGE_ELEMENT_BYTES = 4  # the exchange's rounds are sized for fp32 elements (runtime/optimizer/exchange_plan.py)
 ACTIVATION_DTYPE_BYTES = 2  # a published activation factor is for bf16 unless its profile says otherwise
 CAP_DTYPE_BYTES = 2  # the caps are for bf16 compute unless the job says otherwise
 BUDGET_MARGIN = 0.1  # the largest share of a memory budget per rank kept as the safety margin
@@ -43,15 +43,15 @@ BUDGET_MARGIN = 0.1  # the largest share of a memory budget per rank kept as the
 
 @dataclass(frozen=True)
 class TrainingState:
-    """Bytes per parameter of training state, exactly as the runtime holds it (runtime/sharding/optimizer.py).
+    """Bytes per parameter of training state, exactly as the runtime holds it (runtime/optimizer/sharded.py).
 
     With the compute shard (replicated across replicas): parameters in the
     compute dtype and the sum of their gradients over the micro-batches, in
-    as many bytes (under bf16 a scaled fp16 sum, runtime/sharding/main_grad.py).
-    Sharded over all N ranks (the fixed optimizer layout): fp32 master
+    as many bytes (under bf16 a scaled fp16 sum, runtime/modeling/main_grad.py).
+    Sharded over all N ranks (the owner shards): fp32 master
     weights and two fp32 AdamW moments, held throughout, and the reduced
-    gradient, which exists from the reduce to the step (runtime/sharding/
-    optimizer.py's OwnedGradient). The analytic memory model and
+    gradient, which exists from the reduce to the step (runtime/optimizer/
+    sharded.py's OwnedGradient). The analytic memory model and
     `rank_memory` both read this one definition; the default is bf16 compute.
     """
 
@@ -64,7 +64,7 @@ class TrainingState:
     @classmethod
     def for_dtype(cls, dtype_bytes: int) -> TrainingState:
         """The state under a compute dtype of `dtype_bytes` bytes (under bf16 the reduced gradient is a 2-byte
-        scaled sum too, runtime/sharding/optimizer.py's OwnedGradient)."""
+        scaled sum too, runtime/optimizer/sharded.py's OwnedGradient)."""
         return cls(param_bytes=dtype_bytes, grad_bytes=dtype_bytes, reduced_grad_bytes=dtype_bytes)
 
     @property
@@ -114,7 +114,7 @@ class MemoryModel:
     context_overhead_bytes: float
     safety_margin_bytes: float
     embedding_state_bytes: float = 16.0  # training-state bytes per embedding or head parameter (design section 4)
-    # The exchange's buffers (runtime/sharding/exchange.py): two rounds in flight, each a send and a receive buffer of
+    # The exchange's buffers (optimizer/exchange_plan.py): two rounds in flight, each a send and a receive buffer of
     # half a bucket (two buckets in all), beside the first forward (the gather) and the last backward (the reduce).
     exchange_bytes: float = 2 * DEFAULT_EXCHANGE_BUCKET_BYTES
     activation_dtype_bytes: int = ACTIVATION_DTYPE_BYTES  # the published activation factors' dtype
@@ -424,7 +424,7 @@ def _exchange(
     """The exchange's buffers, the AdamW step's piece, and whether one round moves everything.
 
     A round sends the rank's pieces of its shard and receives every contributor's to its owned range
-    (runtime/sharding/exchange.py). One round moves everything when an owner's range fits a window of half a
+    (runtime/optimizer/exchange_plan.py). One round moves everything when an owner's range fits a window of half a
     bucket over every rank: one pair of buffers, whole; the gather completes before the first layer and the
     reduce starts after the last. Otherwise two rounds in flight, each buffer at most half a bucket. A scaled
     reduced gradient sums each round in fp32 before it keeps it; AdamW works in pieces of half a bucket: the

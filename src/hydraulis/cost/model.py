@@ -293,7 +293,7 @@ class CostModel:
         return self.device.p2p_latency_s + share / bandwidth
 
     def grad_sync_time(self, num_gpus: int) -> float:
-        """Reduce gradients into the sharded optimizer layout and gather parameters back.
+        """Reduce gradients into the owner shards and gather parameters back.
 
         About 2 x parameter bytes (bf16) / N per GPU at the slowest link (docs/design.md, section 4). A
         profile's measured all-to-all link replaces the device constants within a node (one
@@ -335,7 +335,7 @@ class CostModel:
 
     def exchange_in_compute(self, config: ParallelConfig, num_gpus: int) -> float:
         """Seconds of the optimizer's exchange a replica of `config` spends inside its compute when it
-        overlaps (runtime/sharding/overlap.py): a pp = 1 replica gathers from its layers' hooks and a pipeline before
+        overlaps (runtime/optimizer/exchange.py): a pp = 1 replica gathers from its layers' hooks and a pipeline before
         its first micro-batch; both send the reduce from backward. Measured, at the profile's world size
         (rescaled as step_time does); 0 where not measured. Part of the step, not added to the iteration:
         it moves time from after compute into each replica's."""

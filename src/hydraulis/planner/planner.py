@@ -55,7 +55,7 @@ def check_lengths(lengths: Sequence[int] | np.ndarray, where: str = "batch") -> 
 
 
 @dataclass(frozen=True)
-class Overlong:
+class CappedBatch:
     lengths: np.ndarray  # the batch after the policy
     changed: int  # sequences truncated or dropped
 
@@ -68,7 +68,7 @@ def apply_overlong(
     where: str = "batch",
     remedies: tuple[str, ...] = ("a pool with larger (CP) replicas", "more GPUs"),
     cp_profile: str | None = None,
-) -> Overlong:
+) -> CappedBatch:
     """Sequences longer than `cap`, the largest cap of the pool (CP replicas included).
 
     auto (default; `error` is its older name): every sequence the pool holds stays whole, even when
@@ -80,18 +80,18 @@ def apply_overlong(
         raise HydraulisError(f"unknown overlong policy {policy!r}; use one of {', '.join(OVERLONG_POLICIES)}")
     over = lengths > cap
     if not over.any():
-        return Overlong(lengths, 0)
+        return CappedBatch(lengths, 0)
     if policy in ("auto", "error"):
         raise OverlongError(int(lengths[over].max()), cap, cap_name, where=where, remedies=remedies,
                             cp_profile=cp_profile)
     if policy == "split":
-        return Overlong(split_pieces(lengths, cap)[2], int(over.sum()))
+        return CappedBatch(split_pieces(lengths, cap)[2], int(over.sum()))
     if policy == "truncate":
-        return Overlong(np.minimum(lengths, cap), int(over.sum()))
+        return CappedBatch(np.minimum(lengths, cap), int(over.sum()))
     kept = lengths[~over]
     if len(kept) == 0:
         raise HydraulisError(f"{where}: every sequence is longer than the largest cap {cap} ({cap_name})")
-    return Overlong(kept, int(over.sum()))
+    return CappedBatch(kept, int(over.sum()))
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ def phase_switch_time(
     before: Sequence[ParallelConfig] | None = None,
     after: Sequence[ParallelConfig] | None = None,
 ) -> float:
-    """A phase change inside an iteration on the fixed optimizer layout: one more exchange.
+    """A phase change inside an iteration on the owner shards: one more exchange.
 
     The leaving deployment's gradients are reduced into their owners (which accumulate them) and the
     next deployment's compute shard is gathered: a gradient sync's reduce and gather, nothing of the

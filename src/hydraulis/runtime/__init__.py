@@ -9,10 +9,16 @@ for Hugging Face configs and weights (transformers imported only when used).
 """
 
 from hydraulis.families import spec_from_hf_config
-from hydraulis.runtime.modeling.attention import attention_backend, packed_attention, per_document_attention
+from hydraulis.runtime.modeling.attention import attention_backend, per_document_attention, varlen_attention
 from hydraulis.runtime.modeling.cross_entropy import head_cross_entropy
 from hydraulis.runtime.modeling.model import ParamLayout, StageModel, stage_layers
-from hydraulis.runtime.parallelism.batch import IGNORE_INDEX, PackedBatch, count_targets, pack_cp_shard, pack_documents
+from hydraulis.runtime.parallelism.batch import (
+    IGNORE_INDEX,
+    MicroBatchInput,
+    concatenate_cp_shard,
+    concatenate_documents,
+    count_targets,
+)
 from hydraulis.runtime.parallelism.context_parallel import ContextParallel
 from hydraulis.runtime.parallelism.groups import ReplicaGroups, build_replica_groups, single_process_groups
 from hydraulis.runtime.parallelism.tensor_parallel import ShardSpec, TensorParallel
@@ -21,7 +27,7 @@ from hydraulis.runtime.pipeline import StepResult, micro_batch_loss, train_step
 __all__ = [
     "IGNORE_INDEX",
     "ContextParallel",
-    "PackedBatch",
+    "MicroBatchInput",
     "ParamLayout",
     "ReplicaGroups",
     "ShardSpec",
@@ -30,15 +36,15 @@ __all__ = [
     "TensorParallel",
     "attention_backend",
     "build_replica_groups",
+    "concatenate_cp_shard",
+    "concatenate_documents",
     "count_targets",
     "head_cross_entropy",
     "micro_batch_loss",
-    "pack_cp_shard",
-    "pack_documents",
-    "packed_attention",
     "per_document_attention",
     "single_process_groups",
     "spec_from_hf_config",
     "stage_layers",
     "train_step",
+    "varlen_attention",
 ]

@@ -23,9 +23,9 @@ from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.runtime.modeling.main_grad import attach_main_grads, clear_grads, gradient
 from hydraulis.runtime.modeling.model import StageModel
+from hydraulis.runtime.optimizer.exchange import Exchange, ExchangeHooks, attach_exchange_hooks, gather
+from hydraulis.runtime.optimizer.sharded import ExchangePlan, ShardedOptimizer
 from hydraulis.runtime.parallelism.groups import DEFAULT_TIMEOUT, ReplicaGroups, build_replica_groups
-from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer, ExchangePlan
-from hydraulis.runtime.sharding.overlap import ExchangeHooks, Overlap, attach_exchange_hooks, gather
 from hydraulis.specs import ModelSpec
 
 
@@ -46,7 +46,7 @@ class RankDeployment:
         named = dict(self.model.named_parameters())
         return [named[p.name] for p in self.exchange_plan.local]
 
-    def exchanging(self, ex: Overlap) -> AbstractContextManager[Overlap]:
+    def exchanging(self, ex: Exchange) -> AbstractContextManager[Exchange]:
         """While the block runs, the model's hooks gather ahead of each layer and reduce behind backward into
         `ex`; after it (an error included) they do nothing."""
         return self.hooks.exchanging(ex)
@@ -72,7 +72,7 @@ class RankPool:
         self,
         spec: ModelSpec,
         pool: Sequence[Deployment],
-        optimizer: DisaggregatedOptimizer,
+        optimizer: ShardedOptimizer,
         dtype: torch.dtype,
         device: torch.device,
         sequence_parallel: bool = False,
@@ -101,7 +101,7 @@ class RankPool:
                 hooks = attach_exchange_hooks(model)  # after the main grads: a gradient is sent once it is complete
                 models[key] = (model, hooks)
             model, hooks = models[key]
-            plan = optimizer.plan(deployment, sequence_parallel)
+            plan = optimizer.exchange_plan(deployment, sequence_parallel)
             self.parts.append(RankDeployment(deployment, replica, groups, model, plan, hooks))
         self.current: int | None = None
 
@@ -123,18 +123,18 @@ class RankPool:
         """The compute shard's current values from the owners, all before compute (profiling, benchmarks)."""
         gather(self.optimizer, part.exchange_plan, part.params, self.dtype)
 
-    def overlap(
+    def exchange(
         self, part: RankDeployment, micro_batches: int, reduce_dtype: torch.dtype, overlap: bool = True,
         accumulate: bool = False, reduce_after: int = 1,
-    ) -> Overlap:
-        """One iteration's (or phase's) gather and reduce, driven by the model's hooks while it computes (overlap.py).
+    ) -> Exchange:
+        """One iteration's (or phase's) gather and reduce, driven by the model's hooks while it computes (exchange.py).
 
         A pipelined replica gathers everything before its first micro-batch: waiting for a round inside
         forward could block a neighbour stage's p2p. Its reduce still goes out from backward. `accumulate`:
         the owners add to the gradient earlier phases of the iteration reduced instead of starting from zero.
         `reduce_after`: the stage's last blocks backward frees before the reduce's first round (cost/memory.py).
         """
-        ex = Overlap(self.optimizer, part.exchange_plan, part.params, self.dtype, reduce_dtype, micro_batches, overlap,
+        ex = Exchange(self.optimizer, part.exchange_plan, part.params, self.dtype, reduce_dtype, micro_batches, overlap,
                      accumulate, reduce_after)
         if not overlap or part.groups.config.pp > 1:
             ex.gather_ahead()

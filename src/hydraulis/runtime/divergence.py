@@ -1,7 +1,7 @@
 """The divergence guard: a step whose loss or gradient norm is not finite changes no weights.
 
 The loss sum and the squared gradient norm are all-reduced in one collective
-(`DisaggregatedOptimizer.global_norm`), so every rank sees the same two
+(`ShardedOptimizer.global_norm`), so every rank sees the same two
 numbers and takes the same decision without another collective. After
 `[train] max_bad_steps` skipped steps in one invocation, `DivergenceGuard`
 stops the run with one line naming the step; the last checkpoint saved

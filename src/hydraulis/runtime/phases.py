@@ -32,7 +32,6 @@ from hydraulis.runtime.deployments import RankDeployment, RankPool
 from hydraulis.runtime.divergence import poisoned
 from hydraulis.runtime.parallelism.batch import BatchSource
 from hydraulis.runtime.pipeline import StepResult, train_step
-from hydraulis.runtime.sharding.overlap import Overlap
 from hydraulis.runtime.step_memory import MemoryFigures
 
 
@@ -44,7 +43,7 @@ class PhaseRun:
     plan: IterationPlan
     part: RankDeployment
     result: StepResult
-    overlap: Overlap  # its gather and reduce
+    exchange: Exchange  # its gather and reduce
     switched: bool  # another deployment than the one before (the previous iteration's, or phase's)
     activate_s: float
     gather_s: float  # the gather before compute (all of it without overlap or on a pipeline)
@@ -54,8 +53,8 @@ class PhaseRun:
     def switch_s(self, first: bool, last: bool) -> float:
         """This phase's share of the in-iteration switch cost: its activation and exposed gather unless it is the
         first phase, its exposed reduce unless it is the last (one phase pays neither)."""
-        gather = 0.0 if first else self.activate_s + self.overlap.gather.exposed_s
-        return gather + (0.0 if last else self.overlap.reduce.exposed_s)
+        gather = 0.0 if first else self.activate_s + self.exchange.gather.exposed_s
+        return gather + (0.0 if last else self.exchange.reduce.exposed_s)
 
 
 def sub_batch(batch: GlobalBatch, positions: Sequence[int]) -> GlobalBatch:
@@ -109,9 +108,9 @@ def run_phase(
     if pool.device.type == "cuda":
         torch.cuda.synchronize()
     computed = time.perf_counter()
-    overlap.finish()
+    exchange.finish()
     reduced = time.perf_counter()
-    return PhaseRun(index, plan, part, result, overlap, switched, activated - start, gathered - activated,
+    return PhaseRun(index, plan, part, result, exchange, switched, activated - start, gathered - activated,
                     computed - gathered, reduced - computed)
 
 
@@ -139,7 +138,7 @@ class RankFigures:
     memory_predicted: float
     exchange_peak: float
     memory_error: float
-    exposed_s: float  # the exchange's time compute did not hide (overlap.py)
+    exposed_s: float  # the exchange's time compute did not hide (exchange.py)
     exposed_min_s: float
     switch_s: float  # the in-iteration switch cost (`switch_cost`)
     switch_min_s: float
@@ -151,7 +150,7 @@ class RankFigures:
             times = [0.0] * len(run.plan.deployment.replicas)
             times[run.part.replica] = run.compute_s
             replica_s += times
-        exposed, switch = sum(r.overlap.exposed_s for r in runs), switch_cost(runs)
+        exposed, switch = sum(r.exchange.exposed_s for r in runs), switch_cost(runs)
         return RankFigures(tuple(replica_s), memory.peak, memory.predicted, memory.exchange_peak, memory.error,
                            exposed, exposed, switch, switch)
 

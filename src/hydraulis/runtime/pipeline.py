@@ -5,7 +5,7 @@ micro-batch (and aborts the process otherwise); packed micro-batches differ
 in length. Every rank knows each micro-batch's shape from the plan, so
 receivers allocate exactly what comes, with no shape header.
 
-Schedule on stage s of pp, with M micro-batches (as Megatron-core's
+The 1F1B order on stage s of pp, with M micro-batches (as Megatron-core's
 non-interleaved 1F1B):
 
 - warm-up: min(pp - s - 1, M) forwards;
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import BACKWARD, FORWARD
 from hydraulis.runtime.modeling.model import StageModel
-from hydraulis.runtime.parallelism.batch import PackedBatch
+from hydraulis.runtime.parallelism.batch import MicroBatchInput
 from hydraulis.runtime.parallelism.groups import ReplicaGroups
 
 
@@ -43,7 +43,7 @@ class StepResult:
     loss_sum_tensor: torch.Tensor | None  # sum of token losses (last stage); a tensor, so no device sync here
     num_targets: int  # real targets of this replica's micro-batches
     num_global_targets: int
-    schedule: tuple[tuple[int, int], ...]  # (FORWARD or BACKWARD, micro-batch) as run; equals sim.one_f_one_b_order
+    order: tuple[tuple[int, int], ...]  # (FORWARD or BACKWARD, micro-batch) as run; equals sim.one_f_one_b_order
 
     @property
     def loss_sum(self) -> float | None:
@@ -55,7 +55,7 @@ class StepResult:
         return None if self.loss_sum is None else self.loss_sum / self.num_global_targets
 
 
-def micro_batch_loss(model: StageModel, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+def micro_batch_loss(model: StageModel, x: torch.Tensor, batch: MicroBatchInput) -> torch.Tensor:
     """The last stage's forward of one micro-batch to its sum of token losses (fp32 scalar), the head's
     logits computed in chunks of rows and never kept (cross_entropy.py)."""
     return model.loss_sum(x, batch)
@@ -74,7 +74,7 @@ class _P2P:
         self.group = groups.pp_group
         self.tp = groups.tp
 
-    def shape(self, batch: PackedBatch) -> tuple[int, int]:
+    def shape(self, batch: MicroBatchInput) -> tuple[int, int]:
         tokens = batch.num_tokens // self.tp.size if self.tp.sequence_parallel else batch.num_tokens
         return tokens, self.hidden
 
@@ -83,7 +83,7 @@ class _P2P:
         send: torch.Tensor | None,
         send_to: int | None,
         recv_from: int | None,
-        recv_batch: PackedBatch | None = None,
+        recv_batch: MicroBatchInput | None = None,
     ) -> torch.Tensor | None:
         send_to = send_to if send is not None else None
         into = None
@@ -127,7 +127,7 @@ def _backward_from(out: torch.Tensor, grad: torch.Tensor) -> None:
 def train_step(
     model: StageModel,
     groups: ReplicaGroups,
-    micro_batches: Sequence[PackedBatch],
+    micro_batches: Sequence[MicroBatchInput],
     num_global_targets: int,
     reduce_partial_grads: bool = True,
 ) -> StepResult:
@@ -139,7 +139,7 @@ def train_step(
     replica without micro-batches returns at once (no communication), and
     its gradients stay untouched. `reduce_partial_grads=False` leaves partial
     gradients (SP norms, replicated KV heads) unsummed over the TP group, for
-    a caller whose gradient reduce sums them anyway (the disaggregated optimizer).
+    a caller whose gradient reduce sums them anyway (the sharded optimizer).
     """
     _check_step(model, groups, micro_batches, num_global_targets)
     if not micro_batches:
@@ -155,12 +155,14 @@ def train_step(
         loss_sum_tensor=stage.loss_sum if groups.is_last_stage else None,
         num_targets=sum(b.num_targets for b in micro_batches),
         num_global_targets=num_global_targets,
-        schedule=tuple(stage.schedule),
+        order=tuple(stage.order),
     )
 
 
 @torch.no_grad()
-def forward_step(model: StageModel, groups: ReplicaGroups, micro_batches: Sequence[PackedBatch]) -> torch.Tensor | None:
+def forward_step(
+    model: StageModel, groups: ReplicaGroups, micro_batches: Sequence[MicroBatchInput]
+) -> torch.Tensor | None:
     """Forward only (evaluation): each micro-batch through the stages in order; the last stage's sum of token
     losses (None elsewhere). No activation is kept, so stages need no schedule beyond receive, compute, send."""
     if not micro_batches:
@@ -178,7 +180,7 @@ def forward_step(model: StageModel, groups: ReplicaGroups, micro_batches: Sequen
 
 
 def _check_step(
-    model: StageModel, groups: ReplicaGroups, micro_batches: Sequence[PackedBatch], num_global_targets: int
+    model: StageModel, groups: ReplicaGroups, micro_batches: Sequence[MicroBatchInput], num_global_targets: int
 ) -> None:
     """Reject a step before any communication, so every rank of the replica fails alike instead of hanging."""
     if num_global_targets <= 0:
@@ -196,10 +198,11 @@ def _check_step(
 
 
 class _StageRun:
-    """One stage's run of one step: its micro-batches in flight, the schedule as run, the loss so far."""
+    """One stage's run of one step: its micro-batches in flight, the order as run, the loss so far."""
 
     def __init__(
-        self, model: StageModel, groups: ReplicaGroups, micro_batches: Sequence[PackedBatch], num_global_targets: int
+        self, model: StageModel, groups: ReplicaGroups, micro_batches: Sequence[MicroBatchInput],
+        num_global_targets: int,
     ):
         param = next(model.parameters())
         self.model, self.groups, self.num_global_targets = model, groups, num_global_targets
@@ -208,7 +211,7 @@ class _StageRun:
         self.batches = [b.to(param.device) for b in micro_batches]
         self.warmup = min(groups.config.pp - groups.stage - 1, len(self.batches))
         self.in_flight: deque[tuple[int, torch.Tensor | None, torch.Tensor]] = deque()  # (micro-batch, input, output)
-        self.schedule: list[tuple[int, int]] = []
+        self.order: list[tuple[int, int]] = []
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=param.device)
         self.next_forward = 0
 
@@ -259,7 +262,7 @@ class _StageRun:
         """The next micro-batch's forward; on the last stage, its share of the global mean loss."""
         index, batch = self.next_forward, self.batches[self.next_forward]
         self.next_forward += 1
-        self.schedule.append((FORWARD, index))
+        self.order.append((FORWARD, index))
         if self.first:
             x = batch.tokens
         else:
@@ -276,7 +279,7 @@ class _StageRun:
     def _backward(self, grad_out: torch.Tensor | None) -> torch.Tensor | None:
         """The oldest in-flight micro-batch's backward; returns the gradient of its input (None on stage 0)."""
         index, x, out = self.in_flight.popleft()
-        self.schedule.append((BACKWARD, index))
+        self.order.append((BACKWARD, index))
         if self.last:
             out.backward()
         else:

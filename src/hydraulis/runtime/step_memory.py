@@ -4,7 +4,7 @@ Measured (`memory_meter`): what the process held at the iteration's start
 (a census of live tensor storages on CPU, `memory_allocated` on CUDA) plus
 the allocator's peak above it during the iteration; the exchange's own peak
 is the allocator's peak inside gather and reduce on CPU, and on CUDA the
-largest send and receive buffers the exchanges report they held (`Overlap.buffer_bytes`,
+largest send and receive buffers the exchanges report they held (`Exchange.buffer_bytes`,
 handed to `StepMemory.stop`). Predicted:
 `cost.memory.rank_memory` for the rank's config and stage and its replica's
 largest micro-batch. Neither reads the other.
@@ -24,7 +24,7 @@ from hydraulis.cost.model import CostModel
 from hydraulis.planner.plan import IterationPlan
 from hydraulis.runtime.deployments import RankDeployment
 from hydraulis.runtime.memory_meter import PeakMeter, live_tensor_bytes
-from hydraulis.runtime.sharding.exchange import EXCHANGE_WINDOW
+from hydraulis.runtime.optimizer.exchange_plan import EXCHANGE_WINDOW
 from hydraulis.specs import ModelSpec
 
 

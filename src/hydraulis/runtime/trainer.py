@@ -1,4 +1,4 @@
-"""One training step per call: sampler -> planner -> deployment -> 1F1B -> disaggregated AdamW.
+"""One training step per call: sampler -> planner -> deployment -> 1F1B -> sharded AdamW.
 
 One `Trainer` per rank; the loop that calls it is hydraulis/training/loop.py. Each `step`:
 
@@ -17,7 +17,7 @@ One `Trainer` per rank; the loop that calls it is hydraulis/training/loop.py. Ea
    tokens) rides in the same all-reduce as the norm.
 
 Under context parallelism each CP rank packs only its share of every
-micro-batch (`pack_cp_shard`); its loss and gradients cover its tokens, and
+micro-batch (`concatenate_cp_shard`); its loss and gradients cover its tokens, and
 the sums over CP ranks happen in the same reduce and all-reduce.
 
 The loss of a step is the mean over all real target tokens of the global

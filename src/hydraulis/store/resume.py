@@ -26,7 +26,7 @@ class ResumePoint:
     step: int
 
 
-def describe_schedule(schedule: dict[str, Any]) -> str:
+def describe_lr_schedule(schedule: dict[str, Any]) -> str:
     """A schedule's inputs in one short phrase, e.g. `cosine lr 0.003 warmup 2 min_lr_ratio 0.1 over 20 steps`."""
     return (
         f"{schedule.get('schedule')} lr {schedule.get('lr')} warmup {schedule.get('warmup')} "
@@ -46,7 +46,7 @@ def resume_point(
     info = read_manifest(found)
     old = {k: info.schedule.get(k) for k in schedule}
     if old != schedule:
-        change = f"from {describe_schedule(old)} to {describe_schedule(schedule)}"
+        change = f"from {describe_lr_schedule(old)} to {describe_lr_schedule(schedule)}"
         if not change_schedule:
             raise HydraulisError(
                 f"{found} was saved with another LR schedule: resuming would change it {change}; "

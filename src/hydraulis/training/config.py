@@ -30,7 +30,7 @@ from hydraulis.limits import (
     MAX_TIMEOUT_S,
     parse_size,
 )
-from hydraulis.optim import SCHEDULES, AdamWSettings, OptimSettings
+from hydraulis.optim import LR_SCHEDULES, AdamWSettings, OptimSettings
 from hydraulis.specs import DTYPE_NAMES, MODELS, SHAPE_FIELDS, ModelSpec
 from hydraulis.store.checkpoints import DEFAULT_KEEP
 
@@ -147,10 +147,10 @@ class ParallelSection(_Section):
     recompute: bool | list[str] = False  # true: every config; or the configs that recompute, e.g. ["tp1pp1"]
     max_pool: int = Field(DEFAULT_MAX_POOL, ge=1, le=MAX_POOL)
     # The optimizer's gather and reduce run in rounds, two in flight, each with a send and a receive buffer of
-    # at most half this many MiB (runtime/sharding/exchange.py): two buckets in all.
+    # at most half this many MiB (runtime/optimizer/exchange_plan.py): two buckets in all.
     exchange_bucket_mb: float = Field(DEFAULT_EXCHANGE_BUCKET_BYTES / (1 << 20), gt=0)
     # Gather a layer's parameters while the one before it computes, send gradients while backward goes on
-    # (runtime/sharding/overlap.py); false: the whole gather before compute and the whole reduce after it.
+    # (runtime/optimizer/exchange.py); false: the whole gather before compute and the whole reduce after it.
     overlap_exchange: bool = True
     # What one rank's tensors may hold at their peak ("96MiB", "70GB"): the planner's caps use it in place of
     # the device's memory, every rank's measured peak is checked against it, and CUDA limits itself to it.
@@ -213,7 +213,7 @@ _OPTIM, _ADAMW = OptimSettings(), AdamWSettings()  # the defaults, written once 
 class OptimSection(_Section):
     lr: float = Field(_OPTIM.lr, gt=0, le=10)
     warmup: int = Field(_OPTIM.warmup, ge=0)
-    schedule: Literal[SCHEDULES] = _OPTIM.schedule  # type: ignore[valid-type]
+    schedule: Literal[LR_SCHEDULES] = _OPTIM.schedule  # type: ignore[valid-type]
     min_lr_ratio: float = Field(_OPTIM.min_lr_ratio, ge=0, le=1)
     weight_decay: float = Field(_ADAMW.weight_decay, ge=0, le=10)
     grad_clip: float = Field(_ADAMW.grad_clip, ge=0)

@@ -189,7 +189,7 @@ def _check_run_dir(
     _check_out(run_dir, config, resume)
     if not resume:
         return None
-    schedule = config.optim.settings().schedule_state(steps)
+    schedule = config.optim.settings().lr_schedule_state(steps)
     point = resume_point(run_dir / "checkpoints", schedule, change_schedule, log)
     check_stop_at(stop_at, steps, point.step)
     return point.checkpoint

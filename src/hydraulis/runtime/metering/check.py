@@ -1,6 +1,6 @@
 """`hydraulis check`: whether this machine runs the runtime correctly, and how fast, in one process.
 
-1. varlen attention: `packed_attention` on a packed micro-batch of documents (GQA) in bf16 on the device,
+1. varlen attention: `varlen_attention` on a packed micro-batch of documents (GQA) in bf16 on the device,
    output and every input gradient against an fp32 CPU reference computed apart from it: plain
    softmax(Q K^T / sqrt(d)) V over the whole packed sequence under a mask that lets a token see only the
    earlier tokens of its own document;
@@ -94,12 +94,12 @@ def compare(out: torch.Tensor, inputs, lengths) -> dict[str, Any]:
 
 
 def check_varlen(device: torch.device) -> dict[str, Any]:
-    from hydraulis.runtime.modeling.attention import attention_backend, packed_attention
+    from hydraulis.runtime.modeling.attention import attention_backend, varlen_attention
 
     lengths, _, heads, kv_heads, dim = SIZES[device.type]
     q, k, v = random_qkv(sum(lengths), heads, kv_heads, dim, device, seed=1)
     cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
-    out = packed_attention(q, k, v, cu, max(lengths))
+    out = varlen_attention(q, k, v, cu, max(lengths))
     return {"kernel": attention_backend(device, torch.bfloat16, dim), "tokens": sum(lengths),
             "documents": len(lengths), **compare(out, (q, k, v), lengths)}  # fmt: skip
 

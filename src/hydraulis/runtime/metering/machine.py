@@ -2,7 +2,7 @@
 and their memory, the attention kernel each dtype takes, the device's peak, and the cached profiles that match.
 
 The figures are read, not assumed: the backends are asked (`dist.is_*_available`) and then used (an all-reduce
-on the job's own group and on a gloo group beside it), the kernels are the ones `packed_attention` and
+on the job's own group and on a gloo group beside it), the kernels are the ones `varlen_attention` and
 `chunk_attention` would pick (attention.py, blockwise_attention.py).
 """
 

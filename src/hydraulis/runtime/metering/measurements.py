@@ -20,7 +20,7 @@ from hydraulis.cost.sweep import ProfileSettings
 from hydraulis.parallel import ParallelConfig, Replica
 from hydraulis.runtime.launch import DistEnv
 from hydraulis.runtime.modeling.model import StageModel
-from hydraulis.runtime.parallelism.batch import PackedBatch, pack_cp_shard
+from hydraulis.runtime.parallelism.batch import MicroBatchInput, concatenate_cp_shard
 from hydraulis.runtime.parallelism.groups import ReplicaGroups, build_replica_groups
 from hydraulis.runtime.pipeline import micro_batch_loss, train_step
 from hydraulis.specs import ModelSpec
@@ -84,7 +84,7 @@ class SavedTensors:
 class StageRunner:
     """One forward and backward of one micro-batch on this rank's stage (see the module docstring)."""
 
-    def __init__(self, model: StageModel, groups: ReplicaGroups, batches: Sequence[PackedBatch], seed: int) -> None:
+    def __init__(self, model: StageModel, groups: ReplicaGroups, batches: Sequence[MicroBatchInput], seed: int) -> None:
         self.model, self.groups = model, groups
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -133,7 +133,7 @@ class ConfigRun:
         dtype: torch.dtype,
     ) -> None:
         self.groups, self.settings = groups, settings
-        batches = [pack_cp_shard(docs, groups.cp.size, groups.cp.rank) for docs in documents]
+        batches = [concatenate_cp_shard(docs, groups.cp.size, groups.cp.rank) for docs in documents]
         self.model = StageModel(spec, groups.tp, groups.stage, groups.config.pp, dtype, device, cp=groups.cp)
         self.run = StageRunner(self.model, groups, batches, settings.seed)
         self.clock = Clock(device)
@@ -252,12 +252,12 @@ def measure_optimizer_step(
     from hydraulis.optim import AdamWSettings
     from hydraulis.parallel import Deployment
     from hydraulis.runtime.deployments import RankPool
-    from hydraulis.runtime.sharding.layout import ModelLayout
-    from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
-    from hydraulis.runtime.sharding.overlap import reduce
+    from hydraulis.runtime.optimizer.exchange import reduce
+    from hydraulis.runtime.optimizer.layout import ShardLayout
+    from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
 
     world, clock = env.world_size, Clock(env.device)
-    optimizer = DisaggregatedOptimizer(ModelLayout(spec, world), env.rank, AdamWSettings(), env.device)
+    optimizer = ShardedOptimizer(ShardLayout(spec, world), env.rank, AdamWSettings(), env.device)
     optimizer.init(settings.seed)
     pool = [Deployment(filling_replicas(c, world)) for c in configs]
     deployments = RankPool(spec, pool, optimizer, dtype, env.device, timeout=JOB_TIMEOUT)

@@ -41,7 +41,7 @@ What is timed, and why:
   k documents of T/k tokens (one long document down to many short ones)
   and one mixed micro-batch (T/2 plus four of T/8).
 - With cp > 1 each CP rank runs its share of the micro-batch
-  (`pack_cp_shard`: long documents split in zigzag chunks, K/V gathered over
+  (`concatenate_cp_shard`: long documents split in zigzag chunks, K/V gathered over
   the CP group), as training does; its activation bytes per token count its
   own tokens, which is what the memory model divides by cp.
 

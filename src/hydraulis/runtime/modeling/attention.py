@@ -1,6 +1,6 @@
-"""Packed causal attention over concatenated documents, from `cu_seqlens`.
+"""Varlen causal attention over concatenated documents, from `cu_seqlens`.
 
-`packed_attention` is the one entry point. Attention never crosses a document
+`varlen_attention` is the one entry point. Attention never crosses a document
 boundary, so its cost is quadratic per document, not per micro-batch (the
 cost model's a * sum(s_i^2) term). Two paths sit behind it:
 
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
-def packed_attention(
+def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int
 ) -> torch.Tensor:
     """Causal attention within each document of the packed micro-batch."""
@@ -70,7 +70,7 @@ def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
 
 
 def attention_backend(device: torch.device | str, dtype: torch.dtype, head_dim: int = 128) -> str:
-    """Which path `packed_attention` takes for tensors of this device and dtype (for logs and benchmarks)."""
+    """Which path `varlen_attention` takes for tensors of this device and dtype (for logs and benchmarks)."""
     if flash_applies(device, dtype, head_dim) and _varlen_kernel() is not None:
         return _varlen_kernel_name()
     return "sdpa-per-document"

@@ -17,7 +17,7 @@ leaves room for 64 more of its size; whenever a running bound of the sum
 would pass 2^15, sum and scale are halved as often as needed. It all stays
 on the device (no host sync). Elements more than 2^22 below the tensor's
 largest lose bits (fp16's subnormals), those more than 2^33 below vanish.
-The reduce multiplies by the inverse scale as it packs (overlap.py).
+The reduce multiplies by the inverse scale as it packs (exchange.py).
 fp32 compute needs none of this: its `.grad` already sums in fp32.
 """
 

@@ -30,11 +30,11 @@ import torch.utils.checkpoint
 from torch import nn
 
 from hydraulis.errors import HydraulisError
-from hydraulis.runtime.modeling.attention import packed_attention
+from hydraulis.runtime.modeling.attention import varlen_attention
 from hydraulis.runtime.modeling.context_attention import context_attention
 from hydraulis.runtime.modeling.cross_entropy import head_cross_entropy
 from hydraulis.runtime.modeling.fused import rms_norm, swiglu
-from hydraulis.runtime.parallelism.batch import PackedBatch
+from hydraulis.runtime.parallelism.batch import MicroBatchInput
 from hydraulis.runtime.parallelism.context_parallel import ContextParallel
 from hydraulis.runtime.parallelism.tensor_parallel import (
     ColumnParallelLinear,
@@ -145,7 +145,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: PackedBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: MicroBatchInput) -> torch.Tensor:
         tokens = x.shape[0]
         if self.kv_rows is None:
             k, v = self.wk(x), self.wv(x)
@@ -161,7 +161,7 @@ class Attention(nn.Module):
         if batch.context is not None:
             out = context_attention(q, k, v, batch.context, self.cp)
         else:
-            out = packed_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen)
+            out = varlen_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen)
         return self.wo(out.reshape(tokens, self.local_heads * self.head_dim))
 
 
@@ -206,7 +206,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(spec.hidden, tp.sequence_parallel, dtype, device, eps)
         self.ffn = FeedForward(spec, tp, dtype, device)
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: PackedBatch) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: MicroBatchInput) -> torch.Tensor:
         h = h + self.attn(enter_tp_region(self.attn_norm(h), self.tp), rope, batch)
         return h + self.ffn(enter_tp_region(self.ffn_norm(h), self.tp))
 
@@ -220,7 +220,7 @@ class StageModel(nn.Module):
 
     A tied head multiplies by the embedding's weight. When the last stage is
     not the first it holds its own copy under the same name
-    (`embedding.weight`), so the optimizer layout sums the two stages'
+    (`embedding.weight`), so its owner shard sums the two stages'
     gradients into one master tensor, as it sums replicas'.
     """
 
@@ -277,7 +277,7 @@ class StageModel(nn.Module):
         rows = self.spec.vocab_rows // self.tp.size
         return max(0, min(rows, self.spec.vocab - self.vocab_start))
 
-    def _trunk(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    def _trunk(self, x: torch.Tensor, batch: MicroBatchInput) -> torch.Tensor:
         """The stage's layers; on the last stage also the final norm, entered into the TP region for the head."""
         h = self.embedding(x) if self.is_first else x
         rope = rope_tables(batch.positions, self.spec.head_dim, h.dtype, self.spec.arch)
@@ -288,7 +288,7 @@ class StageModel(nn.Module):
                 h = layer(h, rope, batch)
         return enter_tp_region(self.norm(h), self.tp) if self.is_last else h
 
-    def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: MicroBatchInput) -> torch.Tensor:
         h = self._trunk(x, batch)
         if not self.is_last:
             return h
@@ -298,7 +298,7 @@ class StageModel(nn.Module):
             logits = logits.masked_fill(~keep, float("-inf"))
         return logits
 
-    def loss_sum(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    def loss_sum(self, x: torch.Tensor, batch: MicroBatchInput) -> torch.Tensor:
         """The last stage's sum of token losses (fp32 scalar), its logits computed chunk by chunk and never kept
         (cross_entropy.py); training uses this, `forward` gives the logits themselves."""
         if not self.is_last:

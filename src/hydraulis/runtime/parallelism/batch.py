@@ -1,6 +1,6 @@
 """How a micro-batch of documents becomes model input.
 
-A micro-batch is a few whole documents packed end to end, without padding
+A micro-batch is a few whole documents concatenated, without padding
 between them (docs/design.md, section 6). For documents d_1..d_k of lengths s_1..s_k:
 
 - `tokens` is their concatenation: T = s_1 + ... + s_k input tokens, exactly
@@ -17,7 +17,7 @@ SFT data adds a target mask per document (`masks`, data/sft.py): `mask[t]`
 says whether token t is a target, so `targets[t]` is the next token only
 where that token's mask is set; elsewhere (prompts, user turns) it is
 `IGNORE_INDEX`. The mask rides with the tokens, so CP shards (sliced after
-packing) and pipeline stages (the last one computes the loss) keep it.
+concatenation) and pipeline stages (the last one computes the loss) keep it.
 
 With sequence parallelism the token count must divide by the TP degree;
 `pad_to_multiple` then appends a padding "document" of token 0 with no
@@ -28,7 +28,7 @@ The loss divides by the real targets of the WHOLE global batch
 (`count_targets` over all its documents; with masks, the masked count), so any split into micro-batches and
 replicas gives the gradient of one device.
 
-With context parallelism (`pack_cp_shard`) a CP rank holds only its tokens of
+With context parallelism (`concatenate_cp_shard`) a CP rank holds only its tokens of
 the micro-batch (`hydraulis.context.split_for_cp`): targets and positions are
 built on the whole micro-batch first and then sliced, so a chunk's last
 token keeps the next chunk's first token as its target and RoPE sees global
@@ -57,7 +57,7 @@ IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
-class PackedBatch:
+class MicroBatchInput:
     """One micro-batch as the model takes it; every tensor is 1-D on CPU until `to`."""
 
     tokens: torch.Tensor  # (T,) int64
@@ -79,8 +79,8 @@ class PackedBatch:
     def seqlens(self) -> list[int]:
         return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
 
-    def to(self, device: torch.device | str) -> PackedBatch:
-        return PackedBatch(
+    def to(self, device: torch.device | str) -> MicroBatchInput:
+        return MicroBatchInput(
             tokens=self.tokens.to(device, non_blocking=True),
             targets=self.targets.to(device, non_blocking=True),
             positions=self.positions.to(device, non_blocking=True),
@@ -171,9 +171,9 @@ class BatchSource:
 Masks = Sequence[Sequence[int] | torch.Tensor | None] | None
 
 
-def pack_documents(
+def concatenate_documents(
     documents: Sequence[Sequence[int] | torch.Tensor], pad_to_multiple: int = 1, masks: Masks = None
-) -> PackedBatch:
+) -> MicroBatchInput:
     """Concatenate whole documents into one micro-batch (see the module docstring).
 
     `masks`, one per document (None: every token a target), keep targets only where the next token's is set.
@@ -205,7 +205,7 @@ def pack_documents(
             if i < len(keep) and keep[i] is not None:
                 t[:-1][~keep[i][1:]] = IGNORE_INDEX
         targets.append(t)
-    return PackedBatch(
+    return MicroBatchInput(
         tokens=torch.cat(docs),
         targets=torch.cat(targets),
         positions=torch.cat([torch.arange(s, dtype=torch.int64) for s in lengths]),
@@ -214,19 +214,19 @@ def pack_documents(
     )
 
 
-def pack_cp_shard(
+def concatenate_cp_shard(
     documents: Sequence[Sequence[int] | torch.Tensor],
     cp: int,
     cp_rank: int,
     pad_to_multiple: int = 1,
     masks: Masks = None,
-) -> PackedBatch:
-    """CP rank `cp_rank`'s share of one micro-batch (see the module docstring); cp = 1 is `pack_documents`."""
+) -> MicroBatchInput:
+    """CP rank `cp_rank`'s share of one micro-batch (see the module docstring); cp = 1 is `concatenate_documents`."""
     if cp == 1:
-        return pack_documents(documents, pad_to_multiple, masks)
+        return concatenate_documents(documents, pad_to_multiple, masks)
     if pad_to_multiple < 1:
         raise HydraulisError(f"pad_to_multiple must be positive, got {pad_to_multiple}")
-    full = pack_documents(documents, masks=masks)
+    full = concatenate_documents(documents, masks=masks)
     rows, lens, shard = shard_layout(np.asarray(full.seqlens, dtype=np.int64), cp, cp_rank)
     index = torch.from_numpy(rows)
     tokens, targets, positions = full.tokens[index], full.targets[index], full.positions[index]
@@ -237,7 +237,7 @@ def pack_cp_shard(
         positions = torch.cat([positions, torch.arange(pad, dtype=torch.int64)])
         lens = np.append(lens, pad)
         shard = replace(shard, segments=(*shard.segments, (len(rows), len(rows) + pad)), keys=(*shard.keys, None))
-    return PackedBatch(
+    return MicroBatchInput(
         tokens=tokens,
         targets=targets,
         positions=positions,

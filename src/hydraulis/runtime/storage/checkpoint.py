@@ -1,4 +1,4 @@
-"""Saving and loading training state: the fixed optimizer layout with torch.distributed.checkpoint (DCP).
+"""Saving and loading training state: the owner shards with torch.distributed.checkpoint (DCP).
 
 The directory's names, manifest, discovery and retention are torch-free, in
 hydraulis/store/checkpoints.py; the RNG states are runtime/rng.py.
@@ -384,12 +384,12 @@ def load_master(path: str | Path, verify: bool = True) -> tuple[CheckpointInfo, 
     """A checkpoint's whole fp32 master vector on one process, without torch.distributed."""
     import torch.distributed.checkpoint as dcp
 
-    from hydraulis.runtime.sharding.layout import ModelLayout
+    from hydraulis.runtime.optimizer.layout import ShardLayout
 
     info = read_manifest(path)
     check_files(info, hashes=False)
     check_files(info, hashes=verify)
-    layout = ModelLayout(info.model, 1)
+    layout = ShardLayout(info.model, 1)
     check_compatible(info, layout)
     master = torch.zeros(layout.total, dtype=torch.float32)
     starts = layout.bounds[:, 0]

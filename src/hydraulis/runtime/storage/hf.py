@@ -26,7 +26,7 @@ import torch
 
 from hydraulis.errors import HydraulisError
 from hydraulis.families import hf_config_kwargs
-from hydraulis.runtime.sharding.layout import full_shapes
+from hydraulis.runtime.optimizer.layout import full_shapes
 from hydraulis.specs import ModelSpec
 
 # Per-layer tensors: our suffix -> HF suffix, under "layers.{i}." and "model.layers.{i}.".

@@ -30,7 +30,7 @@ from hydraulis.errors import HydraulisError
 from hydraulis.families import ARCHITECTURES, CONFIG_FILE, WEIGHTS_FILE, check_weights, read_hf_config
 from hydraulis.files import default_mode, replace_directory
 from hydraulis.progress import aside
-from hydraulis.runtime.sharding.layout import FlatParam, ModelLayout
+from hydraulis.runtime.optimizer.layout import FlatParam, ShardLayout
 from hydraulis.runtime.storage.checkpoint import load_master
 from hydraulis.runtime.storage.export_files import (
     GENERATION_FILE,
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
 
 
-def unflatten(layout: ModelLayout, vector: torch.Tensor) -> dict[str, torch.Tensor]:
+def unflatten(layout: ShardLayout, vector: torch.Tensor) -> dict[str, torch.Tensor]:
     """The whole global vector as full-shape tensors (contiguous), in model order."""
     if vector.numel() != layout.total:
         raise HydraulisError(f"global vector of {vector.numel()} elements, the model has {layout.total}")
@@ -90,7 +90,7 @@ def export_hf(
     info, master = load_master(chosen)
     spec = info.model
     source = export_source(info, tokenizer, source_config)
-    tensors = to_hf_state_dict(unflatten(ModelLayout(spec, 1), master), spec)
+    tensors = to_hf_state_dict(unflatten(ShardLayout(spec, 1), master), spec)
     if max_position_embeddings is None:
         max_position_embeddings = (source.source_config or {}).get("max_position_embeddings") or 4096
     config = hf_config(spec, max_position_embeddings).to_dict()

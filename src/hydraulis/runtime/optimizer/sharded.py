@@ -1,4 +1,4 @@
-"""The disaggregated optimizer: fixed sharded AdamW state, per-deployment compute shards.
+"""The sharded optimizer: AdamW on each rank's owner shard, which no deployment changes.
 
 Rank r owns chunk r of every stripe of the global parameter vector
 (layout.py), stored stripe after stripe: fp32 master weights and both AdamW
@@ -14,11 +14,11 @@ gradient (`OwnedGradient`). An iteration is
 4. `step`: global-norm clipping over the owned gradients (each element is
    owned once, so nothing is counted twice) and AdamW on the owned range.
 
-Gather and reduce run in rounds of an `ExchangePlan` (exchange.py), each one
+Gather and reduce run in rounds of an `ExchangePlan` (exchange_plan.py), each one
 `all_to_all_single` with split sizes whose send and receive buffers each
 hold at most half a bucket; at most two rounds are in flight and the owner
 adds each round's contributions into its gradient as they arrive
-(overlap.py runs them on this optimizer, and overlaps them with compute; this
+(exchange.py runs them on this optimizer, and overlaps them with compute; this
 module does not import it). A rank's transient
 exchange memory is therefore O(bucket), not O(model) or O(replicas x owned).
 """
@@ -38,10 +38,15 @@ from hydraulis.limits import DEFAULT_EXCHANGE_BUCKET_BYTES
 from hydraulis.optim import AdamWSettings
 from hydraulis.parallel import Deployment
 from hydraulis.runtime.modeling.main_grad import ACCUMULATOR, scale_for
-from hydraulis.runtime.sharding.exchange import EXCHANGE_ELEMENT_BYTES, EXCHANGE_WINDOW, ExchangePlan, deployment_roles
-from hydraulis.runtime.sharding.layout import ModelLayout
+from hydraulis.runtime.optimizer.exchange_plan import (
+    EXCHANGE_ELEMENT_BYTES,
+    EXCHANGE_WINDOW,
+    ExchangePlan,
+    deployment_roles,
+)
+from hydraulis.runtime.optimizer.layout import ShardLayout
 
-__all__ = ["EXCHANGE_WINDOW", "DisaggregatedOptimizer", "ExchangePlan", "deployment_roles"]
+__all__ = ["EXCHANGE_WINDOW", "ShardedOptimizer", "ExchangePlan", "deployment_roles"]
 
 
 class OwnedGradient:
@@ -125,12 +130,12 @@ class OwnedGradient:
         return (norms * self.inverse).square().sum()
 
 
-class DisaggregatedOptimizer:
+class ShardedOptimizer:
     """This rank's owned range of master weights and AdamW state, and the exchange plans of its deployments."""
 
     def __init__(
         self,
-        layout: ModelLayout,
+        layout: ShardLayout,
         rank: int,
         settings: AdamWSettings,
         device: torch.device | str = "cpu",
@@ -156,7 +161,7 @@ class DisaggregatedOptimizer:
             a, b = layout.to_local(rank, p.offset, p.offset + p.numel)
             if a < b and p.decay:
                 self.decay_ranges.append((a, b))
-        self._plans: dict[tuple[Deployment, bool], ExchangePlan] = {}
+        self._exchange_plans: dict[tuple[Deployment, bool], ExchangePlan] = {}
 
     # -- state ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -172,14 +177,14 @@ class DisaggregatedOptimizer:
     def init(self, seed: int) -> None:
         self.master.copy_(self.layout.init_owned(self.rank, seed))
 
-    def plan(self, deployment: Deployment, sequence_parallel: bool = False) -> ExchangePlan:
+    def exchange_plan(self, deployment: Deployment, sequence_parallel: bool = False) -> ExchangePlan:
         """The cached exchange plan of a deployment (computed on first use, from ranges only)."""
         key = (deployment, sequence_parallel)
-        if key not in self._plans:
-            self._plans[key] = ExchangePlan.build(
+        if key not in self._exchange_plans:
+            self._exchange_plans[key] = ExchangePlan.build(
                 self.layout, deployment, self.rank, sequence_parallel, self.bucket_bytes
             )
-        return self._plans[key]
+        return self._exchange_plans[key]
 
     # -- step -------------------------------------------------------------------------------
     @torch.no_grad()

@@ -4,12 +4,12 @@ Every parameter of the full model is flattened into ONE global vector, in the
 order of the full model's parameters. The vector is cut into *stripes* of
 `stripe` elements (one transformer block's worth, fixed by the model alone),
 and rank r of N owns chunk r of every stripe (torch.chunk sizes, as DTensor's
-Shard(0) of each stripe): its fp32 master weights, AdamW moments and reduced
+Shard(0) of each stripe), its *owner shard*: fp32 master weights, AdamW moments and reduced
 gradients, stored stripe after stripe in one local tensor. Every stretch of
 the model is so spread over all owners (Megatron's distributed optimizer
 shards each bucket over the data-parallel ranks the same way), which lets the
 exchange move the model in layer order with every owner busy in every round:
-the order that overlapping it with compute needs (exchange.py). No deployment
+the order that overlapping it with compute needs (exchange_plan.py). No deployment
 changes this layout, so switching deployments moves no optimizer state.
 
 The trick that keeps every exchange cheap is the *canonical order* of each
@@ -147,8 +147,8 @@ class Role:
     sequence_parallel: bool = False
 
 
-class ModelLayout:
-    """The global vector of a model and its split over N owners."""
+class ShardLayout:
+    """The global vector of a model, its owner shards over N ranks, and each role's compute shard."""
 
     def __init__(self, spec: ModelSpec, world_size: int) -> None:
         if world_size < 1:
@@ -267,7 +267,7 @@ def init_param_range(p: FlatParam, start: int, stop: int, seed: int) -> torch.Te
 @torch.no_grad()
 def reset_parameters(model: StageModel, seed: int) -> None:
     """Deterministic init of a stage model, whatever its layout: the values the optimizer's owners start from."""
-    layout = ModelLayout(model.spec, 1)
+    layout = ShardLayout(model.spec, 1)
     role = Role(ParallelConfig(model.tp.size, model.num_stages), model.stage, model.tp.rank)
     named = dict(model.named_parameters())
     for lp in layout.local_params(role):
@@ -276,7 +276,7 @@ def reset_parameters(model: StageModel, seed: int) -> None:
 
 def full_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every full-model parameter of `spec`, in the global order."""
-    return {p.name: p.full_shape for p in ModelLayout(spec, 1).params}
+    return {p.name: p.full_shape for p in ShardLayout(spec, 1).params}
 
 
 @functools.cache
@@ -287,7 +287,7 @@ def _param_shapes(spec: ModelSpec, role: Role) -> tuple[tuple[str, tuple[int, ..
     return tuple((name, layout.full_shape, layout.shard) for name, layout in model.param_layouts().items())
 
 
-def _local_params(spec: ModelSpec, role: Role, layout: ModelLayout) -> tuple[LocalParam, ...]:
+def _local_params(spec: ModelSpec, role: Role, layout: ShardLayout) -> tuple[LocalParam, ...]:
     tp, r = role.config.tp, role.tp_rank
     out = []
     for name, full_shape, shard in _param_shapes(spec, role):

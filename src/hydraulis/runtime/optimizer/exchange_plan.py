@@ -1,4 +1,4 @@
-"""The exchange plan between the fixed optimizer layout and one deployment, in bounded rounds.
+"""The exchange plan between the owner shards and one deployment, in bounded rounds.
 
 Rank o owns chunk o of every stripe of the global vector (layout.py). The
 exchange runs in rounds, stripe by stripe, so in model order: round k of a
@@ -10,7 +10,7 @@ shard touches and an owner receives at most W elements from each rank whose
 shard touches it. With W = half a bucket / the largest such fan-out, every
 round's send buffer and receive buffer each hold at most half a bucket,
 whatever the model size or the number of replicas, so two rounds in flight
-(one computing layers hide, the next prefetched: overlap.py) hold at most
+(one computing layers hide, the next prefetched: exchange.py) hold at most
 two buckets; the owner sums a round's contributions as they arrive
 (Megatron's bucketed reduce-scatter and core/resharding's cached transfer
 plans, applied to heterogeneous layouts). Each round is one
@@ -31,8 +31,8 @@ from hydraulis.cost.memory import EXCHANGE_ELEMENT_BYTES  # rounds are sized for
 from hydraulis.errors import HydraulisError
 from hydraulis.limits import DEFAULT_EXCHANGE_BUCKET_BYTES
 from hydraulis.parallel import Deployment
+from hydraulis.runtime.optimizer.layout import LocalParam, Role, ShardLayout
 from hydraulis.runtime.parallelism.groups import rank_roles
-from hydraulis.runtime.sharding.layout import LocalParam, ModelLayout, Role
 
 EXCHANGE_WINDOW = "hydraulis.exchange"  # the profiler range of every exchange call (memory_meter.PeakMeter)
 
@@ -100,13 +100,13 @@ class ExchangePlan:
     window: int  # owned elements per owner per round
     rounds: tuple[ExchangeRound, ...]
     # Per local parameter, the last round that brings any rank of this rank's stage (TP and CP peers) its
-    # values of it (-1: none): the round a layer waits for before it computes (overlap.py).
+    # values of it (-1: none): the round a layer waits for before it computes (exchange.py).
     gather_needs: tuple[int, ...] = ()
 
     @classmethod
     def build(
         cls,
-        layout: ModelLayout,
+        layout: ShardLayout,
         deployment: Deployment,
         rank: int,
         sequence_parallel: bool = False,
@@ -124,11 +124,11 @@ class ExchangePlan:
             max(_fan_out(gathers, layout.bounds[s]), _fan_out(reduces, layout.bounds[s])) for s in range(layout.stripes)
         )
         window = max(1, bucket_bytes // 2 // EXCHANGE_ELEMENT_BYTES // fan)
-        schedule = _schedule(layout, window)
+        by_round = _round_windows(layout, window)
         local = locals_[rank]
         base = np.array([p.gather[0] for p in local], np.int64)
-        rounds = tuple(_round(layout, rank, parts, gathers, reduces, base) for parts in schedule)
-        needs = _gather_needs(deployment, rank, schedule, locals_)
+        rounds = tuple(_round(layout, rank, parts, gathers, reduces, base) for parts in by_round)
+        needs = _gather_needs(deployment, rank, by_round, locals_)
         return cls(rank=rank, local=local, window=window, rounds=rounds, gather_needs=needs)
 
     @functools.cached_property
@@ -183,37 +183,37 @@ class ExchangePlan:
 _RoundWindows = list[tuple[int, list[tuple[int, int]]]]
 
 
-def _stripe_windows(layout: ModelLayout, stripe: int, k: int, window: int) -> list[tuple[int, int]]:
+def _stripe_windows(layout: ShardLayout, stripe: int, k: int, window: int) -> list[tuple[int, int]]:
     """Window k of every owner's chunk of a stripe, in global coordinates."""
     bounds = layout.bounds[stripe]
     return [(min(int(bounds[o]) + k * window, int(bounds[o + 1])),
              min(int(bounds[o]) + (k + 1) * window, int(bounds[o + 1]))) for o in range(layout.world_size)]
 
 
-def _schedule(layout: ModelLayout, window: int) -> list[_RoundWindows]:
+def _round_windows(layout: ShardLayout, window: int) -> list[_RoundWindows]:
     """Rounds in model order: a stripe whose chunks exceed the window takes several rounds; consecutive
     stripes whose chunks together fit one window share a round (few collectives for small models)."""
-    schedule: list[_RoundWindows] = []
+    by_round: list[_RoundWindows] = []
     group: _RoundWindows = []
     held = 0
     for stripe in range(layout.stripes):
         longest = int(np.diff(layout.bounds[stripe]).max())
         if group and held + longest > window:
-            schedule.append(group)
+            by_round.append(group)
             group, held = [], 0
         if longest <= window:
             group.append((stripe, _stripe_windows(layout, stripe, 0, window)))
             held += longest
         else:
             rounds = -(-longest // window)
-            schedule.extend([(stripe, _stripe_windows(layout, stripe, k, window))] for k in range(rounds))
+            by_round.extend([(stripe, _stripe_windows(layout, stripe, k, window))] for k in range(rounds))
     if group:
-        schedule.append(group)
-    return schedule
+        by_round.append(group)
+    return by_round
 
 
 def _round(
-    layout: ModelLayout,
+    layout: ShardLayout,
     rank: int,
     parts: _RoundWindows,
     gathers: dict[int, np.ndarray],
@@ -255,7 +255,7 @@ def _round(
 
 
 def _gather_needs(
-    deployment: Deployment, rank: int, schedule: list[_RoundWindows], locals_: dict[int, tuple[LocalParam, ...]]
+    deployment: Deployment, rank: int, by_round: list[_RoundWindows], locals_: dict[int, tuple[LocalParam, ...]]
 ) -> tuple[int, ...]:
     """Per local parameter, the last round that brings any rank of this rank's stage its values (-1: none).
 
@@ -266,9 +266,9 @@ def _gather_needs(
     roles = rank_roles(replica.config, replica.devices)
     peers = [r for r, role in roles.items() if role[0] == roles[rank][0]]
     world = len(locals_)
-    widest = max(len(parts) for parts in schedule) * world
-    wins = np.zeros((len(schedule), widest, 2), np.int64)  # every round's windows, empty ones (0, 0) after
-    for j, parts in enumerate(schedule):
+    widest = max(len(parts) for parts in by_round) * world
+    wins = np.zeros((len(by_round), widest, 2), np.int64)  # every round's windows, empty ones (0, 0) after
+    for j, parts in enumerate(by_round):
         flat = [w for _, ws in parts for w in ws]
         wins[j, : len(flat)] = flat
     local = locals_[rank]

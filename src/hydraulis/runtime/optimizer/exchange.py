@@ -1,6 +1,6 @@
-"""The optimizer exchange in flight beside compute: prefetched gathers, reduces issued from backward.
+"""The exchange, run beside compute: prefetched gathers, reduces issued from backward (whole, with overlap off).
 
-An exchange plan's rounds (exchange.py) go in model order, and at most two
+An exchange plan's rounds (exchange_plan.py) go in model order, and at most two
 are in flight at once, each in its own pair of half-bucket buffers:
 
 - `GatherStream`: a layer's forward pre-hook asks for the rounds that hold
@@ -23,10 +23,10 @@ Every rank issues the same rounds in the same order on the same group
 (all gather rounds, then all reduce rounds), whenever its compute reaches
 them, so the collectives match. Waiting inside forward is safe only without
 p2p, so a pipelined replica gathers everything before its first micro-batch
-(`Overlap.gather_ahead`). The owners add every round's contributions in
+(`Exchange.gather_ahead`). The owners add every round's contributions in
 rank order, so overlapped and sequential exchanges give bit-identical results.
 
-The model's hooks (`attach_exchange_hooks`) drive an `Overlap` only inside
+The model's hooks (`attach_exchange_hooks`) drive an `Exchange` only inside
 `ExchangeHooks.exchanging` (a deployment part's `exchanging`), which always
 clears it; outside it they do nothing. The streams run on the optimizer this
 module imports; the optimizer does not import this module.
@@ -50,9 +50,9 @@ from torch.autograd.profiler import record_function
 
 from hydraulis.errors import HydraulisError
 from hydraulis.runtime.modeling.main_grad import Gradient, gradient
+from hydraulis.runtime.optimizer.exchange_plan import EXCHANGE_WINDOW, ExchangePlan, ExchangeRound
+from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
 from hydraulis.runtime.parallelism.collectives import wait_alone
-from hydraulis.runtime.sharding.exchange import EXCHANGE_WINDOW, ExchangePlan, ExchangeRound
-from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
 
 DEPTH = 2  # rounds in flight: the one compute waits for and the next
 
@@ -60,7 +60,7 @@ DEPTH = 2  # rounds in flight: the one compute waits for and the next
 class _Rounds(ABC):
     """One exchange's rounds on the optimizer's group: issued in order, at most DEPTH in flight, retired in order."""
 
-    def __init__(self, opt: DisaggregatedOptimizer, plan: ExchangePlan, kind: str, dtype: torch.dtype,
+    def __init__(self, opt: ShardedOptimizer, plan: ExchangePlan, kind: str, dtype: torch.dtype,
                  order: Sequence[int]) -> None:
         self.opt, self.plan, self.kind = opt, plan, kind
         self.order = tuple(order)  # round indices in issue order
@@ -165,7 +165,7 @@ class _Rounds(ABC):
 class GatherStream(_Rounds):
     """The compute shard filled from the owners' masters, in model order, one round ahead of compute."""
 
-    def __init__(self, opt: DisaggregatedOptimizer, plan: ExchangePlan, params: Sequence[torch.Tensor],
+    def __init__(self, opt: ShardedOptimizer, plan: ExchangePlan, params: Sequence[torch.Tensor],
                  dtype: torch.dtype) -> None:
         if len(params) != len(plan.local):
             raise HydraulisError(f"gather: {len(params)} parameters, the exchange plan has {len(plan.local)}")
@@ -203,7 +203,7 @@ class GatherStream(_Rounds):
 class ReduceStream(_Rounds):
     """Gradients summed into the owners' `grad`, in reverse model order, each round sent once it is final."""
 
-    def __init__(self, opt: DisaggregatedOptimizer, plan: ExchangePlan, grads: Callable[[int], Gradient],
+    def __init__(self, opt: ShardedOptimizer, plan: ExchangePlan, grads: Callable[[int], Gradient],
                  dtype: torch.dtype, after: GatherStream | None = None, accumulate: bool = False,
                  reduce_after: int = 1) -> None:
         super().__init__(opt, plan, "reduce", dtype, range(len(plan.rounds) - 1, -1, -1))
@@ -280,11 +280,11 @@ def _tail(index: dict[str, int], blocks: int = 1) -> set[int]:
     return {i for name, i in index.items() if name.startswith(("norm.", "output.", *last))}
 
 
-class Overlap:
+class Exchange:
     """One iteration's gather and reduce on one rank, driven by the model's hooks while it computes
     (`ExchangeHooks.exchanging`)."""
 
-    def __init__(self, opt: DisaggregatedOptimizer, plan: ExchangePlan, params: Sequence[torch.nn.Parameter],
+    def __init__(self, opt: ShardedOptimizer, plan: ExchangePlan, params: Sequence[torch.nn.Parameter],
                  dtype: torch.dtype, reduce_dtype: torch.dtype, micro_batches: int, enabled: bool = True,
                  accumulate: bool = False, reduce_after: int = 1) -> None:
         self.gather = GatherStream(opt, plan, params, dtype)
@@ -310,13 +310,13 @@ class Overlap:
         return max(self.gather.buffer_bytes, self.reduce.buffer_bytes)
 
 
-def gather(opt: DisaggregatedOptimizer, plan: ExchangePlan, params: Sequence[torch.Tensor],
+def gather(opt: ShardedOptimizer, plan: ExchangePlan, params: Sequence[torch.Tensor],
            dtype: torch.dtype) -> None:
     """Fill `params` (a compute shard, in plan.local order) from the owners, every round at once."""
     GatherStream(opt, plan, params, dtype).finish()
 
 
-def reduce(opt: DisaggregatedOptimizer, plan: ExchangePlan, grads: Sequence[torch.Tensor | None],
+def reduce(opt: ShardedOptimizer, plan: ExchangePlan, grads: Sequence[torch.Tensor | None],
            dtype: torch.dtype = torch.float32, unscale: Sequence[torch.Tensor | None] | None = None) -> None:
     """Sum every rank's gradients into the owners' `opt.grad`, every round at once (None counts as zero).
 
@@ -330,10 +330,10 @@ class ExchangeHooks:
     """A stage model's hooks and the exchange they drive: none outside `exchanging`, so they do nothing."""
 
     def __init__(self) -> None:
-        self.current: Overlap | None = None
+        self.current: Exchange | None = None
 
     @contextlib.contextmanager
-    def exchanging(self, ex: Overlap) -> Iterator[Overlap]:
+    def exchanging(self, ex: Exchange) -> Iterator[Exchange]:
         """The hooks gather ahead of each layer and reduce behind backward into `ex`, until the block ends."""
         self.current = ex
         try:
@@ -343,7 +343,7 @@ class ExchangeHooks:
 
 
 def attach_exchange_hooks(model: torch.nn.Module) -> ExchangeHooks:
-    """Hooks that drive an `Overlap` while `ExchangeHooks.exchanging` holds one, registered once per stage model.
+    """Hooks that drive an `Exchange` while `ExchangeHooks.exchanging` holds one, registered once per stage model.
 
     Register after `attach_main_grads`: hooks run in order, so the main gradient is complete when it is sent.
     """
