@@ -20,8 +20,8 @@ import torch
 from hydraulis.data.sampler import GlobalBatch
 from hydraulis.errors import HydraulisError
 from hydraulis.planner.plan import Schedule, decode_plan, encode_plan
+from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
 from hydraulis.runtime.plan_feed import PlanFeed
-from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class Comparison:
 
 
 def compare(
-    run: Callable[[GlobalBatch, Schedule], Any], feed: PlanFeed, optimizer: DisaggregatedOptimizer,
+    run: Callable[[GlobalBatch, Schedule], Any], feed: PlanFeed, optimizer: ShardedOptimizer,
     pairs: Sequence[tuple[GlobalBatch, Schedule]], repeats: int = 3,
 ) -> Comparison | None:
     """The recent batches and their schedules (`pairs`) again, as planned and on each homogeneous deployment of

@@ -30,6 +30,7 @@ from hydraulis.data.sampler import GlobalBatch
 from hydraulis.planner.plan import IterationPlan, Schedule
 from hydraulis.runtime.deployments import RankDeployment, RankPool
 from hydraulis.runtime.divergence import poisoned
+from hydraulis.runtime.optimizer.exchange import Exchange
 from hydraulis.runtime.parallelism.batch import BatchSource
 from hydraulis.runtime.pipeline import StepResult, train_step
 from hydraulis.runtime.step_memory import MemoryFigures
@@ -99,11 +100,11 @@ def run_phase(
     model = part.model
     part.clear_grads()
     count = len(plan.replicas[part.replica].micro_batches)
-    overlap = pool.overlap(part, count, parts.reduce_dtype, parts.overlap, accumulate, reduce_after)
+    exchange = pool.exchange(part, count, parts.reduce_dtype, parts.overlap, accumulate, reduce_after)
     gathered = time.perf_counter()
     micro_batches = parts.source.micro_batches(batch, plan, part.replica, part.groups)
     # poisoned: a test hook, off unless asked for
-    with part.exchanging(overlap), poisoned(model, step, part.groups.is_last_stage):
+    with part.exchanging(exchange), poisoned(model, step, part.groups.is_last_stage):
         result = train_step(model, part.groups, micro_batches, targets, reduce_partial_grads=False)
     if pool.device.type == "cuda":
         torch.cuda.synchronize()

@@ -59,7 +59,7 @@ class StepMetrics:
     exchange_peak_bytes: int | None = None
     memory_error: float | None = None  # the largest |measured - predicted| / predicted of any rank
     # Seconds the exchange held the training thread (packing, unpacking, waiting) that compute did not hide
-    # (runtime/sharding/overlap.py): the largest of any rank, which includes waiting for the slowest replica, and the
+    # (runtime/optimizer/exchange.py): the largest of any rank, which includes waiting for the slowest replica, and the
     # smallest, the slowest rank's, which is the exchange alone.
     exchange_exposed_s: float = 0.0
     exchange_exposed_min_s: float = 0.0
@@ -132,7 +132,7 @@ class StepMeter:
         outcome: StepOutcome,
     ) -> StepMetrics:
         """The iteration's metrics (meaningful on rank 0), its figures the largest over ranks."""
-        memory = self.memory.stop(max(r.overlap.buffer_bytes for r in runs))
+        memory = self.memory.stop(max(r.exchange.buffer_bytes for r in runs))
         self.runs, self.mine = tuple(runs), RankFigures.of(runs, memory)
         figures = self.mine.across_ranks(self.control)
         # Each replica's prediction travels with its plan (planner.finalize); a plan made by hand without one: 0.

@@ -44,12 +44,12 @@ from hydraulis.runtime.compare import Comparison, compare
 from hydraulis.runtime.deployments import RankPool
 from hydraulis.runtime.divergence import finite
 from hydraulis.runtime.launch import DTYPES, DistEnv, init_distributed
+from hydraulis.runtime.optimizer.layout import ShardLayout
+from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
 from hydraulis.runtime.parallelism.batch import BatchSource, Corpus
 from hydraulis.runtime.parallelism.groups import built_groups
 from hydraulis.runtime.phases import PhaseParts, loss_part, run_phases
 from hydraulis.runtime.plan_feed import PlanFeed
-from hydraulis.runtime.sharding.layout import ModelLayout
-from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
 from hydraulis.runtime.step_memory import CPU_SAMPLE_EVERY, StepMemory
 from hydraulis.runtime.step_meter import StepMeter, StepMetrics, StepOutcome, clock
 from hydraulis.runtime.timeouts import DEFAULT_TIMEOUT_S, first_step_timeout, settle_timeouts
@@ -79,7 +79,7 @@ class TrainSettings:
     memory_every: int = CPU_SAMPLE_EVERY  # on CPU, measure memory every this many steps (step_memory.py)
     # [parallel] memory_per_rank: each rank's measured peak is checked; None: the cost model's (None without one)
     memory_budget_bytes: int | None = None
-    overlap: bool = True  # gather and reduce beside compute (runtime/sharding/overlap.py)
+    overlap: bool = True  # gather and reduce beside compute (runtime/optimizer/exchange.py)
 
     def __post_init__(self) -> None:
         memory = self.cost.memory
@@ -95,9 +95,9 @@ class TrainSettings:
         """The configs whose blocks recompute activations: the cost model's set, whose caps and times count it."""
         return self.cost.recompute
 
-    def schedule_state(self) -> dict[str, Any]:
-        """What the LR at each step depends on (optim.OptimSettings.schedule_state)."""
-        return self.optim.schedule_state(self.steps)
+    def lr_schedule_state(self) -> dict[str, Any]:
+        """What the LR at each step depends on (optim.OptimSettings.lr_schedule_state)."""
+        return self.optim.lr_schedule_state(self.steps)
 
 
 class Trainer:
@@ -109,7 +109,7 @@ class Trainer:
     world: int
     source: BatchSource  # the sampler and the corpus reader
     control: dist.ProcessGroup | None  # plans and figures travel on it (a CPU group: NCCL cannot carry host memory)
-    optimizer: DisaggregatedOptimizer  # owns the master weights and AdamW's state; runs the exchange
+    optimizer: ShardedOptimizer  # owns the master weights and AdamW's state; runs the exchange
     deployments: RankPool  # every deployment of the pool, built at start-up
     feed: PlanFeed  # the next batch and its schedule, planned on rank 0 a step ahead
     meter: StepMeter  # predictions, memory and metrics
@@ -129,8 +129,8 @@ class Trainer:
         timeout = first_step_timeout(settings.timeout_s)
         self.control = dist.new_group(backend="gloo", timeout=timeout) if self.env.backend != "gloo" else None
         dtype = DTYPES[settings.dtype]
-        layout = ModelLayout(settings.model, self.world)
-        self.optimizer = DisaggregatedOptimizer(
+        layout = ShardLayout(settings.model, self.world)
+        self.optimizer = ShardedOptimizer(
             layout, self.rank, settings.optim.adamw, self.env.device, bucket_bytes=settings.exchange_bucket_bytes,
             scaled_grad=dtype != torch.float32,  # 2-byte reduced gradients under bf16 (optimizer.OwnedGradient)
         )
@@ -152,7 +152,7 @@ class Trainer:
         return self.feed.step
 
     @property
-    def layout(self) -> ModelLayout:
+    def layout(self) -> ShardLayout:
         return self.optimizer.layout
 
     # -- iterations -------------------------------------------------------------------------

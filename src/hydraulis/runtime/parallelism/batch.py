@@ -146,7 +146,7 @@ class BatchSource:
 
     def micro_batches(
         self, batch: GlobalBatch, plan: IterationPlan, replica: int, groups: ReplicaGroups, corpus: Corpus | None = None
-    ) -> list[PackedBatch]:
+    ) -> list[MicroBatchInput]:
         """Replica `replica`'s micro-batches of the plan, its CP rank's share of each, from the training corpus or
         `corpus` (evaluation's)."""
         pad = groups.config.tp if groups.tp.sequence_parallel else 1
@@ -159,7 +159,7 @@ class BatchSource:
                 docs.append(torch.from_numpy(np.asarray(corpus[int(batch.docs[i])][start:end], dtype=np.int64)))
                 mask = corpus.target_mask(int(batch.docs[i]))  # SFT corpora: which tokens are targets
                 masks.append(None if mask is None else torch.from_numpy(np.array(mask[start:end], dtype=np.uint8)))
-            out.append(pack_cp_shard(docs, groups.cp.size, groups.cp.rank, pad_to_multiple=pad, masks=masks))
+            out.append(concatenate_cp_shard(docs, groups.cp.size, groups.cp.rank, pad_to_multiple=pad, masks=masks))
         return out
 
     def targets(self, batch: GlobalBatch, corpus: Corpus | None = None) -> int:

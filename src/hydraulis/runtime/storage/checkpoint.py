@@ -73,9 +73,9 @@ if TYPE_CHECKING:
     from hydraulis.cost.refit import RefitState
     from hydraulis.data.manifest import CorpusManifest
     from hydraulis.runtime.launch import DistEnv
+    from hydraulis.runtime.optimizer.layout import ShardLayout
+    from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
     from hydraulis.runtime.plan_feed import PlanFeed
-    from hydraulis.runtime.sharding.layout import ModelLayout
-    from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
     from hydraulis.runtime.trainer import Trainer, TrainSettings
 
 T = TypeVar("T")
@@ -88,7 +88,7 @@ class Saved:
     `CheckpointManager(states=...)`)."""
 
     feed: PlanFeed
-    optimizer: DisaggregatedOptimizer
+    optimizer: ShardedOptimizer
     settings: TrainSettings  # the model, the optimizer's and LR schedule's settings, seed, dtype and pool
     corpus: CorpusManifest | None  # the training corpus's (None: documents held in memory)
     env: DistEnv
@@ -109,13 +109,13 @@ class Saved:
         return self.env.world_size
 
     @property
-    def layout(self) -> ModelLayout:
+    def layout(self) -> ShardLayout:
         return self.optimizer.layout
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of this rank's training: the next step, the sampler's position there, the
         LR schedule's inputs and the optimizer's owned state (its tensors live, not copied)."""
-        return {**self.feed.state_dict(), "schedule": self.settings.schedule_state(),
+        return {**self.feed.state_dict(), "schedule": self.settings.lr_schedule_state(),
                 "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -124,7 +124,7 @@ class Saved:
         self.feed.load_state_dict(state)
 
 
-def check_compatible(info: CheckpointInfo, layout: ModelLayout) -> None:
+def check_compatible(info: CheckpointInfo, layout: ShardLayout) -> None:
     """The checkpoint holds this model's global vector (manifest and DCP metadata agree with the layout)."""
     differ = info.model.tensor_differences(layout.spec)
     if differ:

@@ -44,7 +44,7 @@ from hydraulis.specs import ModelSpec
 from hydraulis.store.checkpoints import resolve_checkpoint
 
 if TYPE_CHECKING:
-    from hydraulis.runtime.sharding.optimizer import DisaggregatedOptimizer
+    from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
 
 
 def unflatten(layout: ShardLayout, vector: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -142,7 +142,7 @@ def _read_range(sl: Any, p: FlatParam, start: int, stop: int, rows: int) -> torc
 
 
 @torch.no_grad()
-def init_from(opt: DisaggregatedOptimizer, hf_dir: str | Path) -> ModelSpec:
+def init_from(opt: ShardedOptimizer, hf_dir: str | Path) -> ModelSpec:
     """Fill the owned range of the master weights from an HF directory (families.py); padded rows are zeros.
 
     Each rank reads only the slices of tensors in its range; every name and
@@ -151,7 +151,7 @@ def init_from(opt: DisaggregatedOptimizer, hf_dir: str | Path) -> ModelSpec:
     """
     from safetensors import safe_open
 
-    layout: ModelLayout = opt.layout
+    layout: ShardLayout = opt.layout
     owned = layout.owned_ranges(opt.rank)  # the ranges of the master this rank fills
     hf_dir = Path(hf_dir)
     config_path, _, spec = read_hf_config(hf_dir)
