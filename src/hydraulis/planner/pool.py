@@ -70,7 +70,8 @@ class Pool:
 
 
 def save_pool(path: str | Path, pool: Pool) -> None:
-    write_json_atomic(path, pool.to_dict())
+    data = pool.to_dict()
+    write_json_atomic(path, data)
 
 
 def load_pool(path: str | Path, cluster: ClusterSpec | None = None) -> Pool:
