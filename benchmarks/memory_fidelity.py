@@ -60,12 +60,12 @@ def worker(model: str, dtype: str, steps: int, sequence_parallel: bool) -> list[
             trainer.run_iteration(batch, plan)
             part = trainer.deployments.parts[trainer.deployments.current]
             mbs = plan.replicas[part.replica].micro_batches
-            figures = trainer.last_memory
+            figures = trainer.meter.mine  # this rank's own (the metrics carry the largest over ranks)
             rows.append({"deployment": str(deployment), "config": part.groups.config.name,
                          "stage": part.groups.stage, "micro_batches": len(mbs),
                          "tokens": max((int(np.asarray(plan.lengths)[list(mb)].sum()) for mb in mbs), default=0),
-                         "peak": figures.peak, "predicted": figures.predicted, "error": figures.error,
-                         "exchange_peak": figures.exchange_peak})
+                         "peak": figures.memory_peak, "predicted": figures.memory_predicted,
+                         "error": figures.memory_error, "exchange_peak": figures.exchange_peak})
     trainer.close()
     return rows
 

@@ -244,7 +244,7 @@ def hydraulis_runner(job: dict, variant: str, env, corpus, total_steps: int):
     def step(i: int):
         m = trainer.run_iteration(job["batches"][i], plans[i])
         parts.append({k: getattr(m, k) for k in ("iteration_s", "switch_s", "gather_s", "reduce_s", "replica_s")})
-        exposed = trainer.last_exchange.exposed_s  # this rank's own (the metric is already the largest rank's)
+        exposed = trainer.meter.mine.exposed_s  # this rank's own (the metric is already the largest rank's)
         return m.iteration_s, (m.loss if env.rank == 0 else 0.0), m.grad_norm, exposed
 
     return step, trainer.close, parts

@@ -22,6 +22,10 @@ from hydraulis.files import Fields
 from hydraulis.limits import MAX_GPUS
 from hydraulis.specs import ClusterSpec, ModelSpec
 
+# What a pipeline stage runs for a micro-batch: the simulator's timelines (planner/sim.py) and the runtime's 1F1B
+# (runtime/pipeline.py) name their events with these.
+FORWARD, BACKWARD = 0, 1
+
 
 @dataclass(frozen=True, order=True)
 class ParallelConfig:

@@ -190,7 +190,7 @@ def test_proposal_offers_hotspas_cp_phase_and_the_planner_keeps_up_with_hotspa()
 
 
 def test_short_share_is_the_chance_that_a_batch_stops_at_the_level():
-    from hydraulis.planner.proposal import short_share
+    from hydraulis.planner.phases import short_share
 
     batches = [np.array([100, 200, 300, 5000]), np.array([100, 200, 300, 400])]
     assert short_share(batches, 5000) == 1.0
@@ -201,7 +201,7 @@ def test_short_share_is_the_chance_that_a_batch_stops_at_the_level():
 def test_a_deployment_for_short_batches_counts_where_batches_often_stop_short():
     """Samples that each hold one 24K document: tp8pp2 runs the rest faster than tp16pp1; where a third of
     batches have none, the samples cut at its cap count, and where almost none do they do not."""
-    from hydraulis.planner.proposal import _short_gain
+    from hydraulis.planner.phases import _short_gain
 
     pool = [Deployment.parse(BIG_POOL[0], CLUSTER)]
     fast = Deployment.parse(BIG_POOL[1], CLUSTER)
@@ -236,3 +236,70 @@ def test_the_outlook_is_each_deployments_own_plan_against_the_chosen_one():
     assert two.caps() == (2944, 1792)
     two.schedule(np.array([2000, 100, 200, 300, 50]), 7)
     assert two.outlook == {7: (1.0, float("inf"))}
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 12), switch=st.sampled_from([0.0, 0.05, 5.0]))
+def test_hotspas_split_is_the_best_over_every_cut_at_the_caps(seed, n, switch):
+    """homogeneous_split (hotspa's and the proposal's) against every split of the sorted batch at the caps, each
+    range on its best config by `homogeneous_estimate`, enumerated by brute force."""
+    import itertools
+
+    from hydraulis.planner.phases import homogeneous_split
+    from hydraulis.planner.pool import homogeneous_estimate, replicable_configs
+
+    cost = load_cost_model("llama-32b@a800-80g+cp")
+    configs = replicable_configs(cost, CLUSTER)
+    caps = [cost.cap(g, 16) for g in configs]
+    b = np.random.default_rng(seed).integers(64, max(caps) + 1, n)
+    s = np.sort(b)
+    cuts = sorted({int(np.searchsorted(s, c, side="right")) for c in caps} - {0, n})
+
+    def total(bounds: list[int]) -> float:
+        parts = [s[i:j] for i, j in itertools.pairwise([0, *bounds, n])]
+        return sum(min(homogeneous_estimate(cost, g, 16, [p]) for g, c in zip(configs, caps, strict=True)
+                       if c >= p[-1])
+                   for p in parts) + switch * (len(parts) - 1)
+
+    best = min(total(list(k)) for r in range(len(cuts) + 1) for k in itertools.combinations(cuts, r))
+    split = homogeneous_split(cost, 16, configs, b, switch)
+    assert sorted(i for idx, _ in split for i in idx.tolist()) == list(range(n))
+    ours = sum(homogeneous_estimate(cost, configs[k], 16, [b[idx]]) for idx, k in split) + switch * (len(split) - 1)
+    assert all(caps[k] >= b[idx].max() for idx, k in split)
+    assert ours == pytest.approx(best, rel=1e-9)
+
+
+def test_hotspas_phases_enter_the_pool_together_where_neither_pays_alone():
+    """32b on 16 GPUs, code up to 16K (the bench's 32b-16g-code): hotspa runs tp4pp2cp2 up to 11K, then
+    tp8pp1cp2; beside the fallback tp8pp2 neither saves anything alone, so the proposal offers them as one
+    move, and the phased planner on its pool keeps up with hotspa on fresh batches."""
+    from hydraulis.baselines.hotspa import HotSpa
+    from hydraulis.bench import get_scenarios
+    from hydraulis.planner.policy import PolicyContext
+
+    scenario = get_scenarios(["32b-16g-code-256k-16k"])[0]
+    cost = load_cost_model(scenario.profile)
+    sample = scenario.sample(scenario.seed + 1000, 4)
+    texts = [str(d) for d in propose(cost, CLUSTER, sample).pool.deployments]
+    assert {"1x(tp4,pp2,cp2)", "1x(tp8,pp1,cp2)"} <= set(texts), texts
+    ours = PhasedPlanner(cost, 16, [Deployment.parse(t, CLUSTER) for t in texts])
+    batches = scenario.sample(scenario.seed)
+    hotspa = HotSpa(PolicyContext.build(cost, CLUSTER, batches, sample=sample))
+    for b in batches:
+        assert ours.schedule(b).iteration_time_s <= hotspa.schedule(b).iteration_time_s * (1 + 1e-9)
+
+
+def test_planners_sharing_a_memo_plan_as_planners_without_one():
+    """The proposal's trials share a memo of each deployment's dispatch and packed plan per batch: a planner
+    on a larger pool that reads what one on a smaller pool memoised plans exactly as a fresh one."""
+    pool = [Deployment.parse(t, CLUSTER) for t in BIG_POOL]
+    memo: dict = {}
+    first = PhasedPlanner(BIG, 16, pool[:1], memo=memo)
+    both = PhasedPlanner(BIG, 16, pool, memo=memo)
+    for seed in range(3):
+        b = code_batch(seed)
+        first.schedule(b)
+        ours, fresh = both.schedule(b), PhasedPlanner(BIG, 16, pool).schedule(b)
+        assert ours.iteration_time_s == fresh.iteration_time_s
+        assert [p.replicas for p in ours.phases] == [p.replicas for p in fresh.phases]
+    assert memo and "later" in memo

@@ -14,7 +14,7 @@ from hydraulis.data.sampler import SamplerState, TokenBudgetSampler
 from hydraulis.errors import HydraulisError
 from hydraulis.optim import AdamWSettings, OptimSettings
 from hydraulis.runtime.launch import init_distributed
-from hydraulis.runtime.storage.checkpoint import load_checkpoint, resume, save_checkpoint
+from hydraulis.runtime.storage.checkpoint import Saved, load_checkpoint, resume, save_checkpoint
 from hydraulis.runtime.storage.hf_io import init_from
 from hydraulis.runtime.trainer import Trainer, TrainSettings
 
@@ -60,11 +60,12 @@ def first_run(rank: int, world: int, corpus_dir: Path, ckpt: Path, other: Path) 
         first.append(part.step())
         if i == SAVE_AT - 1:
             seed_rngs(100 + rank)  # each rank's own RNG states, which the resumed run must get back
-        save_checkpoint(part, ckpt, keep=KEEP)  # the next batch is already drawn: the lookahead must not count
+        # the next batch is already drawn: the lookahead must not count
+        save_checkpoint(Saved.of(part), ckpt, keep=KEEP)
     after_save = draw_rngs()
     part.close()
     mha = make_trainer(world, POOL_4, corpus_dir, model="tiny-mha")  # another shape (kv_heads 4, not 2)
-    save_checkpoint(mha, other)
+    save_checkpoint(Saved.of(mha), other)
     mha.close()
     return {
         "full": [m.loss for m in full],
@@ -97,17 +98,17 @@ def _error(fn) -> str | None:
 def resume_same(rank: int, world: int, corpus_dir: Path, bad: dict[str, Path], good: Path, fallback: Path) -> dict:
     """In new processes: refused loads leave the trainer as it was; a damaged newest falls back; then resume."""
     t = make_trainer(world, POOL_4, corpus_dir)
-    errors = {name: _error(lambda p=p: load_checkpoint(t, p)) for name, p in bad.items()}
+    errors = {name: _error(lambda p=p: load_checkpoint(Saved.of(t), p)) for name, p in bad.items()}
     opt = t.optimizer
     untouched = (
         t.step_index == 0
         and opt.step_count == 0
         and float(opt.exp_avg.abs().sum()) == 0
         and bool(torch.equal(opt.master, t.layout.init_owned(opt.rank, SEED)))
-        and t.sampler.state == SamplerState()
+        and t.source.sampler.state == SamplerState()
     )
-    fell_back = resume(t, fallback)
-    info = resume(t, good)
+    fell_back = resume(Saved.of(t), fallback)
+    info = resume(Saved.of(t), good)
     rng = draw_rngs()
     losses = [t.step() for _ in range(STEPS - SAVE_AT)]
     t.close()
@@ -128,15 +129,15 @@ def resume_same(rank: int, world: int, corpus_dir: Path, bad: dict[str, Path], g
 def resume_resharded_and_hf(rank: int, world: int, corpus_dir: Path, ckpt: Path, hf_dir: Path, hf_ckpt: Path) -> dict:
     """On 2 ranks and another pool: resume the 4-rank checkpoint; then train from an HF model and save."""
     t = make_trainer(world, POOL_2, corpus_dir)
-    info = resume(t, ckpt)
+    info = resume(Saved.of(t), ckpt)
     losses = [t.step() for _ in range(STEPS - SAVE_AT)]
     t.close()
     h = make_trainer(world, POOL_2, corpus_dir)
-    init_from(h, hf_dir)
+    init_from(h.optimizer, hf_dir)
     initial = h.optimizer.master.clone()
     hf_losses = [h.step() for _ in range(3)]
-    save_checkpoint(h, hf_ckpt)
-    saved = save_checkpoint(h, hf_ckpt)  # the same step again replaces it
+    save_checkpoint(Saved.of(h), hf_ckpt)
+    saved = save_checkpoint(Saved.of(h), hf_ckpt)  # the same step again replaces it
     h.close()
     return {
         "step": info.step,

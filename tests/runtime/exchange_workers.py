@@ -33,7 +33,7 @@ def train_variants(
         metrics, early, buffers = [], [], []
         for plan in plans:
             metrics.append(trainer.run_iteration(smp.next_batch(), plan))
-            ex = trainer.last_exchange
+            ex = trainer.meter.runs[-1].exchange
             buffers.append(ex.buffer_bytes)
             early.append((ex.gather.early, ex.reduce.early, len(trainer.deployments.parts[
                 trainer.settings.pool.index(plan.deployment)].exchange_plan.rounds)))

@@ -26,9 +26,10 @@ import numpy as np
 
 from hydraulis.baselines.homogeneous import Homogeneous
 from hydraulis.errors import OverlongError
+from hydraulis.planner.phases import homogeneous_split
 from hydraulis.planner.planner import check_lengths
 from hydraulis.planner.policy import PolicyContext
-from hydraulis.planner.pool import homogeneous, homogeneous_estimate, largest_cap, replicable_configs
+from hydraulis.planner.pool import homogeneous, largest_cap, replicable_configs
 from hydraulis.planner.schedule import Schedule, mean_switch_time, phase_switch_time, phases_time
 
 
@@ -51,39 +52,12 @@ class HotSpa:
 
     def split(self, lengths: np.ndarray) -> list[tuple[np.ndarray, int]]:
         """(batch positions, config index) per phase, shortest range first; every sequence in one phase."""
-        order = np.argsort(lengths, kind="stable")
-        s = lengths[order]
-        if not len(self.caps) or int(s[-1]) > int(self.caps.max()):
+        if not len(self.caps) or int(lengths.max()) > int(self.caps.max()):
             # The cuts stop at the largest cap: a longer sequence would be in no phase.
             cap, name = largest_cap(self.ctx.cost, self.ctx.cluster, lone=False)
-            raise OverlongError(int(s[-1]), cap, name, where="hotspa", policies=("truncate", "drop"),
+            raise OverlongError(int(lengths.max()), cap, name, where="hotspa", policies=("truncate", "drop"),
                                 scope=f"homogeneous, on {self.ctx.num_gpus} GPUs")
-        levels = sorted({int(c) for c in self.caps if c >= s[0]})
-        cuts = [0] + [int(np.searchsorted(s, lv, side="right")) for lv in levels]
-        cuts = sorted(set(cuts))  # cut positions: ranges [cuts[i], cuts[j])
-        m = len(cuts)
-        best = np.full(m, np.inf)
-        best[0] = 0.0
-        choice: list[tuple[int, int]] = [(-1, -1)] * m
-        N = self.ctx.num_gpus
-        for j in range(1, m):
-            for i in range(j):
-                part = s[cuts[i] : cuts[j]]
-                fits = [k for k, cap in enumerate(self.caps) if cap >= part[-1]]
-                if not fits:
-                    continue
-                t = {k: homogeneous_estimate(self.ctx.cost, self.configs[k], N, [part]) for k in fits}
-                k = min(t, key=t.get)
-                total = best[i] + t[k] + (self.switch_s if i > 0 else 0.0)
-                if total < best[j]:
-                    best[j], choice[j] = total, (i, k)
-        phases = []
-        j = m - 1
-        while j > 0:
-            i, k = choice[j]
-            phases.append((order[cuts[i] : cuts[j]], k))
-            j = i
-        return phases[::-1]
+        return homogeneous_split(self.ctx.cost, self.ctx.num_gpus, self.configs, lengths, self.switch_s)
 
     def schedule(self, lengths: np.ndarray, step: int = 0) -> Schedule:
         start = time.perf_counter()

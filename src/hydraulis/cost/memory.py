@@ -122,6 +122,7 @@ class MemoryModel:
     sequence_parallel: bool = False
     # A later phase of a phased iteration holds the earlier phases' reduced gradient beside its activations.
     reduced_held: bool = False
+    budget_bytes: int | None = None  # [parallel] memory_per_rank (`for_job`): memory_bytes is then this budget
 
     def for_job(
         self, memory_bytes: int | None, dtype_bytes: int, bucket_bytes: int | None = None,
@@ -144,9 +145,14 @@ class MemoryModel:
         return replace(
             out,
             memory_bytes=int(memory_bytes),
+            budget_bytes=int(memory_bytes),
             context_overhead_bytes=0.0,
             safety_margin_bytes=min(share, BUDGET_MARGIN) * memory_bytes,
         )
+
+    @property
+    def exchange_bucket_bytes(self) -> int:  # the most bytes one buffer holds ([parallel] exchange_bucket_mb)
+        return int(self.exchange_bytes // 2)
 
     def exchange_buffer_bytes(self, model: ModelSpec) -> float:
         """The exchange's two buffers: each at most a bucket, and at most the model in fp32."""
@@ -247,8 +253,7 @@ class MemoryModel:
         is about cp x the per-rank one, less those.
         """
         count = config.pp + 1 if micro_batches is None else micro_batches  # more than in flight: the worst
-        budget = self.usable_bytes
-        bucket = int(self.exchange_bytes // 2)
+        budget, bucket = self.usable_bytes, self.exchange_bucket_bytes
         caps = []
         for stage in sorted({0, config.pp - 1}):
             def rank(tokens: int, stage: int = stage) -> RankMemory:
@@ -265,11 +270,9 @@ class MemoryModel:
     def state_bytes(self, config: ParallelConfig, model: ModelSpec, num_gpus: int) -> float:
         """What the fullest stage of `config` holds before any activation: parameters, gradients, owned
         optimizer state and the exchange's buffers (the phase after backward), in the compute dtype."""
-        bucket = int(self.exchange_bytes // 2)
-        ranks = [
-            rank_memory(self, model, config, stage, num_gpus, 0, self.compute_dtype_bytes, bucket)
-            for stage in sorted({0, config.pp - 1})
-        ]
+        bucket = self.exchange_bucket_bytes
+        ranks = [rank_memory(self, model, config, stage, num_gpus, 0, self.compute_dtype_bytes, bucket)
+                 for stage in sorted({0, config.pp - 1})]
         return max(rank.params + rank.owned + rank.after for rank in ranks)
 
     @property

@@ -23,16 +23,23 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hydraulis.cost.chunks import chunked_stage_time
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig
 
 
 def lower_bound(
-    lengths: np.ndarray, cost: CostModel, num_gpus: int, configs: Sequence[ParallelConfig] | None = None
+    lengths: np.ndarray,
+    cost: CostModel,
+    num_gpus: int,
+    configs: Sequence[ParallelConfig] | None = None,
+    chunked: bool = False,
 ) -> float:
     """LB over the cost model's configs that fit the job, or over `configs` (a deployment's, the proposal's
-    ranking of phase deployments)."""
+    ranking of phase deployments). `chunked`: a sequence beyond a config's cap may also run there in chunks
+    (`cost.chunks`, the oracle): its chunks' work, recompute and fixed costs once, not pp times, and its
+    trip one stage's."""
     lengths = np.asarray(lengths, dtype=np.int64)
     configs = [g for g in (configs or cost.configs) if g.num_gpus <= num_gpus]
     if not configs:
@@ -44,14 +51,20 @@ def lower_bound(
     gpus = np.array([g.num_gpus for g in configs], dtype=np.float64)[:, None]
     pp = np.array([g.pp for g in configs], dtype=np.float64)[:, None]
     fits = lone >= lengths[None, :]
+    alone = np.where(lengths[None, :] > cap, pp, 1.0)
+    trip_stages = pp
+    if chunked:  # where chunks beat the lone micro-batch (or nothing else holds it): their stage time, once
+        wc = chunked_stage_time(cost, configs, num_gpus, lengths)
+        better = np.isfinite(wc) & (~fits | (wc < alone * w))
+        w, alone, trip_stages = np.where(better, wc, w), np.where(better, 1.0, alone), np.where(better, 1.0, pp)
+        fits = fits | better
     if not fits.any(axis=0).all():
         longest = int(lengths[~fits.any(axis=0)].max())
         raise HydraulisError(f"no config holds a sequence of {longest} tokens (largest lone cap {int(lone.max())})")
-    alone = np.where(lengths[None, :] > cap, pp, 1.0)
     work = np.where(fits, gpus * w * alone, np.inf)
     top = int(np.argmax(lengths))
     w_min = cost.cost_matrix(lengths[[int(np.argmin(lengths))]], configs)[:, 0]
     bubble = np.where(alone[:, top] > 1, 0.0, gpus[:, 0] * (pp[:, 0] - 1) * w_min)
     spread = (work.min(axis=0).sum() - work[:, top].min() + (work[:, top] + bubble).min()) / num_gpus
-    trip = np.where(fits, pp * w, np.inf).min(axis=0).max()
+    trip = np.where(fits, trip_stages * w, np.inf).min(axis=0).max()
     return float(max(spread, trip))

@@ -18,6 +18,9 @@ ranges, switches included; the most promising splits are planned in full (each
 phase by the planner, on the pool deployment its simulation prefers) and the
 fastest simulated schedule, single phase included, wins. The phase holding the
 longest sequences runs last.
+
+The pool must hold the phases' deployments: `phase_deployments` adds them to a
+proposed pool, among them hotspa's (`homogeneous_split`), which pay only together.
 """
 
 from __future__ import annotations
@@ -29,15 +32,25 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
+from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.planner.bounds import lower_bound
 from hydraulis.planner.dispatch import NoRoom, dispatch
 from hydraulis.planner.planner import Planner, check_lengths
+from hydraulis.planner.pool import homogeneous, range_estimates, replicable_configs, unique_deployments
+from hydraulis.planner.replicas import ReplicaTable
 from hydraulis.planner.schedule import Schedule, mean_switch_time, phase_switch_time, phases_time
+from hydraulis.specs import ClusterSpec
 
 MAX_PHASES = 3
 FULL_SPLITS = 2  # splits planned in full after the estimate
 LEVEL_RATIO = 1.5  # the proposal's phase levels at least this far apart (`spaced_levels`)
 MIN_GAIN = 0.002  # a phased schedule must beat one phase by this share: a switch is not free to get right
+PHASE_SAMPLES = 4  # sample batches the phased planner plans when choosing deployments for phases
+SHORT_SHARE = 0.1  # a level at least this share of batches stop at counts as the samples cut there
+LEVEL_KEEP = 8  # deployments per level the dispatch estimate ranks, the least work first (`_least_work`)
+Move = tuple[tuple[Deployment, ...], int]  # deployments the pool's greedy adds together, and the level they serve
 
 
 @dataclass(frozen=True)
@@ -121,7 +134,7 @@ class PhasedPlanner(Planner):
         best = np.inf
         for k in np.flatnonzero(lone >= part[-1]):
             try:
-                best = min(best, dispatch(part, self._tables[k], search=False).makespan_s)
+                best = min(best, self._greedy(part, int(k)).makespan_s)
             except NoRoom:  # more sequences beyond the caps than lone micro-batches to hold them
                 continue
         return best
@@ -132,7 +145,8 @@ class PhasedPlanner(Planner):
         if self._later is None:
             self._later = Planner(self.cost.later_phase(), self.num_gpus, self.pool, method=self.method,
                                   milp_time_limit_s=self.milp_time_limit_s, full_candidates=self.full_candidates,
-                                  refine_rounds=self.refine_rounds)
+                                  refine_rounds=self.refine_rounds,
+                                  memo=None if self._memo is None else self._memo.setdefault("later", {}))
         plans = tuple((self._later if k else self).plan(lengths[idx], step) for k, idx in enumerate(split.phases))
         switch_s = mean_switch_time(plans, self.cost)
         total = phases_time(plans, self.cost, switch_s)
@@ -148,3 +162,191 @@ def spaced_levels(levels: Sequence[int], ratio: float = LEVEL_RATIO) -> list[int
         if not out or level >= out[-1] * ratio:
             out.append(level)
     return out
+
+
+def homogeneous_split(
+    cost: CostModel, num_gpus: int, configs: Sequence[ParallelConfig], lengths: np.ndarray, switch_s: float
+) -> list[tuple[np.ndarray, int]]:
+    """HotSPa's split (baselines/hotspa.py), which the proposal offers the planner too: the batch sorted by
+    length, cut at config caps, each range on the homogeneous config whose estimate is least, a dynamic
+    programme over the cuts with `switch_s` per switch. (batch positions, index into `configs`) per phase,
+    shortest range first; empty where no config holds the longest sequence."""
+    order = np.argsort(lengths, kind="stable")
+    s = lengths[order]
+    caps = np.array([cost.cap(g, num_gpus) for g in configs])
+    cuts = np.array(sorted({0, *(int(np.searchsorted(s, c, side="right")) for c in caps if c >= s[0])}))
+    m = len(cuts)
+    lo, hi = np.meshgrid(cuts, cuts, indexing="ij")  # the range s[cuts[i]:cuts[j]] at [i, j]
+    top = s[np.maximum(hi - 1, 0)]
+    est = np.stack([np.where((hi > lo) & (cap >= top), range_estimates(cost, g, num_gpus, s, lo, hi), np.inf)
+                    for g, cap in zip(configs, caps, strict=True)])
+    pick, est = est.argmin(axis=0), est.min(axis=0)
+    best = np.full(m, np.inf)
+    best[0] = 0.0
+    back = np.zeros(m, dtype=np.int64)
+    for j in range(1, m):
+        totals = best[:j] + est[:j, j] + np.where(np.arange(j) > 0, switch_s, 0.0)
+        back[j] = int(np.argmin(totals))
+        best[j] = totals[back[j]]
+    if cuts[-1] != len(s) or not np.isfinite(best[-1]):
+        return []
+    phases = []
+    j = m - 1
+    while j > 0:
+        i = int(back[j])
+        phases.append((order[cuts[i] : cuts[j]], int(pick[i, j])))
+        j = i
+    return phases[::-1]
+
+
+def phase_deployments(
+    cost: CostModel,
+    cluster: ClusterSpec,
+    candidates: Sequence[Deployment],
+    pool: Sequence[Deployment],
+    batches: Sequence[np.ndarray],
+    max_pool: int,
+    usage: tuple[float, ...],
+    min_gain: float = 0.002,
+    whole: Sequence[Deployment] = (),
+) -> tuple[list[Deployment], np.ndarray, tuple[float, ...]]:
+    """Deployments for the short phases of phased plans and short batches, which no sample chose whole, beside
+    `whole` (chosen for whole samples), all competing for the pool's room.
+
+    For each cap level below the longest sampled sequence, the candidate (or homogeneous deployment)
+    whose dispatch estimate on the sequences up to that level is best, and hotspa's (`_hotspa_moves`);
+    then, greedily while the pool has room, the move that most lowers the phased planner's iterations on
+    the samples (and on them cut at its level, `_short_batches`). Returns those added, the phased iteration
+    time of each sample batch on the final pool, and the pool's usage: each deployment's share of samples
+    on which it was chosen whole (`usage`) or in whose schedule it runs a phase."""
+    N = cluster.num_gpus
+    sample = list(batches[:PHASE_SAMPLES])
+    longest = max(int(b.max()) for b in sample)
+    # Every homogeneous deployment too, CP ones included: hotspa's phases, which the candidates lack
+    # where a CP config does not hold the longest sequence (32b-16g-code: 1x tp4pp2cp2 up to 11K).
+    every = (homogeneous(g, cluster) for g in replicable_configs(cost, cluster))
+    candidates = unique_deployments([*candidates, *every])
+    tops = {str(d): max(cost.cap(g, N) for g in d.configs) for d in candidates}
+    levels = spaced_levels(sorted({t for t in tops.values() if t < longest}))
+    tables: dict[str, ReplicaTable] = {}
+    moves: list[Move] = [((d,), 0) for d in whole]  # chosen for whole batches: no level
+    for level in levels:
+        parts = [b[b <= level] for b in sample if (b <= level).any()]
+        holding = [d for d in candidates if tops[str(d)] >= level and d not in pool and (d,) not in dict(moves)]
+        if parts and (holding := _least_work(cost, N, holding, parts)):
+            for d in holding:
+                tables.setdefault(str(d), ReplicaTable.of(cost, d, N))
+            est = [sum(dispatch(p, tables[str(d)], search=False).makespan_s for p in parts) for d in holding]
+            d = holding[int(np.argmin(est))]
+            moves.append(((d,), min(tops[str(d)], longest - 1)))  # the level: whole batches it holds
+    for bundle, level in _hotspa_moves(cost, cluster, sample, longest):
+        if (bundle := tuple(d for d in bundle if d not in pool)) and bundle not in [m for m, _ in moves]:
+            moves.append((bundle, level))
+    current, schedules = _greedy_phases(cost, N, list(pool), moves, sample, max_pool, min_gain)
+    added = current[len(pool) :]
+    if len(batches) > len(sample):
+        planner = PhasedPlanner(cost, N, current)
+        schedules = [planner.schedule(b) for b in batches]
+    used = [float(np.mean([any(p.deployment == d for p in s.phases) for s in schedules])) for d in current]
+    usage = tuple(max(u, v) for u, v in zip((*usage, *(0.0,) * len(added)), used, strict=True))
+    return added, np.array([s.iteration_time_s for s in schedules]), usage
+
+
+def _hotspa_moves(cost: CostModel, cluster: ClusterSpec, sample: Sequence[np.ndarray], longest: int) -> list[Move]:
+    """The homogeneous deployments of hotspa's split (`homogeneous_split`) of each sample, and of the samples
+    cut at each spaced cap level where at least SHORT_SHARE of batches stop, each as one move: their phases
+    pay only together (32b-16g-code: tp4pp2cp2 up to 11K, then tp8pp1cp2, where either alone beside tp8pp2
+    saves nothing), the last holds the longest sequence, where no level is sought, and a short batch may
+    want what no sample does (7b-64g-wiki: 32x tp2pp1 for a third of batches)."""
+    N = cluster.num_gpus
+    configs = replicable_configs(cost, cluster)
+    switch = phase_switch_time(cost, N)
+    caps = sorted({c for g in configs if (c := cost.cap(g, N)) < longest and short_share(sample, c) >= SHORT_SHARE})
+    cuts = [(list(sample), longest - 1), *((_short_batches(list(sample), lv), lv) for lv in spaced_levels(caps))]
+    moves: dict[tuple[Deployment, ...], int] = {}
+    for batches, level in cuts:
+        for b in batches:
+            split = homogeneous_split(cost, N, configs, b, switch)
+            moves.setdefault(tuple(homogeneous(configs[k], cluster) for _, k in split), level)
+    return [(m, level) for m, level in moves.items() if m]
+
+
+def _least_work(
+    cost: CostModel, num_gpus: int, holding: Sequence[Deployment], parts: Sequence[np.ndarray], keep: int = LEVEL_KEEP
+) -> list[Deployment]:
+    """The `keep` deployments of the least lower bound on the parts over their own configs (`bounds.py`: the
+    work of each sequence on its cheapest config that holds it, bubbles, trips), before dispatch ranks them."""
+    work = [sum(lower_bound(p, cost, num_gpus, list(dict.fromkeys(d.configs))) for p in parts) for d in holding]
+    return [holding[i] for i in np.argsort(work, kind="stable")[:keep]]
+
+
+def _greedy_phases(
+    cost: CostModel,
+    num_gpus: int,
+    current: list[Deployment],
+    moves: list[Move],
+    sample: list[np.ndarray],
+    max_pool: int,
+    min_gain: float,
+) -> tuple[list[Deployment], list]:
+    """Add the move (a deployment, or hotspa's that pay together) that most lowers the samples' phased
+    iterations, while the pool has room.
+
+    Each candidate's planner plans the samples and their short cuts once; the pool's own short-cut
+    times depend only on the level, so each round plans them once per level, not once per candidate."""
+    memo: dict = {}  # every trial plans the samples on the current pool's deployments again: once is enough
+    planner = PhasedPlanner(cost, num_gpus, current, memo=memo)
+    schedules = [planner.schedule(b) for b in sample]
+    while len(current) < max_pool:
+        moves = [(m, level) for m, level in ((tuple(d for d in m if d not in current), lv) for m, lv in moves)
+                 if m and len(current) + len(m) <= max_pool]
+        if not moves:
+            break
+        base = float(sum(s.iteration_time_s for s in schedules))
+        before: dict[int, float] = {}  # level -> the current pool's time on the samples cut there
+        trials, gains = [], []
+        for m, level in moves:
+            trial = PhasedPlanner(cost, num_gpus, [*current, *m], memo=memo)
+            trials.append([trial.schedule(b) for b in sample])
+            gains.append(base - sum(s.iteration_time_s for s in trials[-1])
+                         + _short_gain(planner, trial, level, sample, before))
+        k = int(np.argmax(gains))
+        if gains[k] <= min_gain * base:
+            break
+        current, schedules = [*current, *moves[k][0]], trials[k]
+        planner = PhasedPlanner(cost, num_gpus, current, memo=memo)
+        # one that did not pay beside a smaller pool is not tried again (the lazy greedy: a pool that grows
+        # leaves each deployment less to save)
+        moves = [m for i, m in enumerate(moves) if i != k and gains[i] > min_gain * base]
+    return current, schedules
+
+
+def short_share(batches: Sequence[np.ndarray], level: int) -> float:
+    """The share of batches like these with no sequence above `level` (each sequence drawn independently)."""
+    above = float(np.mean(np.concatenate(batches) > level))
+    return float((1.0 - above) ** np.mean([len(b) for b in batches]))
+
+
+def _short_batches(sample: list[np.ndarray], level: int) -> list[np.ndarray]:
+    """The samples cut at `level`, if SHORT_SHARE of batches stop there: a short batch may want a deployment
+    though no sample does (7b-64g-wiki: a third of batches fit tp2pp1's cap, none of 4 samples)."""
+    short = [b[b <= level] for b in sample if (b <= level).any()]
+    return short if short_share(sample, level) >= SHORT_SHARE else []
+
+
+def _short_gain(
+    before: PhasedPlanner,
+    after: PhasedPlanner,
+    level: int,
+    sample: list[np.ndarray],
+    memo: dict[int, float] | None = None,
+) -> float:
+    """What `after`'s pool saves over `before`'s on the samples cut at `level` (`_short_batches`). `memo`
+    (level -> `before`'s time on those cuts) lets the greedy loop plan them once per round and level."""
+    short = _short_batches(sample, level)
+    if not short:
+        return 0.0
+    memo = {} if memo is None else memo
+    if level not in memo:
+        memo[level] = float(sum(before.schedule(b).iteration_time_s for b in short))
+    return memo[level] - float(sum(after.schedule(b).iteration_time_s for b in short))

@@ -122,6 +122,7 @@ class Planner:
         milp_time_limit_s: float = 5.0,
         full_candidates: int = 3,
         refine_rounds: int = 2,
+        memo: dict | None = None,
     ) -> None:
         if method not in METHODS:
             raise HydraulisError(f"unknown dispatch method {method!r}; use one of {', '.join(METHODS)}")
@@ -138,6 +139,9 @@ class Planner:
         self.full_candidates = full_candidates
         self.refine_rounds = refine_rounds
         self._tables = [ReplicaTable.of(cost, d, num_gpus) for d in self.pool]
+        # (deployment, lengths) -> its greedy dispatch, or its packed candidate and simulated time: shared by
+        # planners of one cost model on pools that overlap (the proposal's trials), which plan alike
+        self._memo = memo
         self.missed: set[int] = set()  # pool deployments that could not hold some batch planned so far
         # Per planned step, each pool deployment's predicted time over the chosen one's (inf: it could not hold
         # the batch): why a run kept one deployment (training/run_log.py). Shared with a refit's planner.
@@ -158,7 +162,7 @@ class Planner:
         screened = []
         for k in usable:
             try:
-                screened.append((dispatch(lengths, self._tables[k], search=False), k))
+                screened.append((self._greedy(lengths, k), k))
             except NoRoom:  # more sequences beyond the caps than lone micro-batches to hold them
                 self.missed.add(k)
         if not screened:
@@ -171,11 +175,7 @@ class Planner:
         best_s = float("inf")
         simulated: dict[int, float] = {}
         for d, k in self._worth_packing(screened, len(lengths)):
-            cand = self._pack_and_refine(lengths, k, improve(lengths, self._tables[k], d))
-            # The whole iteration decides, as the simulator runs it: replicas sharing CPU cores slow
-            # each other, and deployments differ in their optimizer step.
-            predicted = simulate(assemble(step, lengths, cand.deployment, cand.micro_batches, self._tables[k]),
-                                 self.cost, keep_events=False).iteration_time_s
+            cand, predicted = self._packed(lengths, k, d)
             simulated[k] = predicted
             if predicted < best_s:
                 best, best_s = cand, predicted
@@ -223,6 +223,35 @@ class Planner:
         return tuple(int(t.lone_cap.max()) for t in self._tables)
 
     # -- internals -----------------------------------------------------------------
+    def _greedy(self, lengths: np.ndarray, k: int) -> Dispatch:
+        """The greedy dispatch of `lengths` on pool deployment k (NoRoom where it has none), once per memo."""
+        key = (self.pool[k], lengths.tobytes())
+        found = self._memo.get(key) if self._memo is not None else None
+        if found is None:
+            try:
+                found = dispatch(lengths, self._tables[k], search=False)
+            except NoRoom as exc:
+                found = exc
+            if self._memo is not None:
+                self._memo[key] = found
+        if isinstance(found, NoRoom):
+            raise found
+        return found
+
+    def _packed(self, lengths: np.ndarray, k: int, d: Dispatch) -> tuple[Candidate, float]:
+        """Deployment k's searched, packed candidate from its greedy dispatch `d`, and its simulated iteration:
+        the whole iteration decides, as the simulator runs it (replicas sharing CPU cores slow each other,
+        and deployments differ in their optimizer step)."""
+        key = ("packed", self.pool[k], lengths.tobytes())
+        if self._memo is not None and key in self._memo:
+            return self._memo[key]
+        cand = self._pack_and_refine(lengths, k, improve(lengths, self._tables[k], d))
+        plan = assemble(0, lengths, cand.deployment, cand.micro_batches, self._tables[k])
+        found = cand, simulate(plan, self.cost, keep_events=False).iteration_time_s
+        if self._memo is not None:
+            self._memo[key] = found
+        return found
+
     def _worth_packing(self, screened: list[tuple[Dispatch, int]], n: int) -> list[tuple[Dispatch, int]]:
         """The best screened deployments. In a large batch of light sequences the estimate is close to the
         packed time, so only those within LARGE_BATCH_MARGIN of the best estimate are packed."""

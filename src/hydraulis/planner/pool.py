@@ -70,7 +70,8 @@ class Pool:
 
 
 def save_pool(path: str | Path, pool: Pool) -> None:
-    write_json_atomic(path, pool.to_dict())
+    data = pool.to_dict()
+    write_json_atomic(path, data)
 
 
 def load_pool(path: str | Path, cluster: ClusterSpec | None = None) -> Pool:
@@ -190,6 +191,14 @@ def check_job_pool(pool: Sequence[Deployment], world: int, model: ModelSpec, cos
         )
 
 
+def unique_deployments(deployments: Sequence[Deployment]) -> list[Deployment]:
+    """The deployments in order, each once (by its compact text)."""
+    seen: dict[str, Deployment] = {}
+    for d in deployments:
+        seen.setdefault(str(d), d)
+    return list(seen.values())
+
+
 def place(configs: Sequence[ParallelConfig], cluster: ClusterSpec) -> Deployment | None:
     try:
         return Deployment.place(list(configs), cluster)
@@ -201,25 +210,29 @@ def homogeneous_estimate(
     cost: CostModel, config: ParallelConfig, num_gpus: int, batches: Sequence[np.ndarray]
 ) -> float:
     """Mean estimated time of a batch spread evenly over N / n_g replicas of `config`."""
+    times = [
+        float(range_estimates(cost, config, num_gpus, np.sort(b), np.array([0]), np.array([len(b)]))[0])
+        for b in batches
+        if len(b)
+    ]
+    return float(np.mean(times)) if times else float("inf")
+
+
+def range_estimates(
+    cost: CostModel, config: ParallelConfig, num_gpus: int, s: np.ndarray, lo: np.ndarray, hi: np.ndarray
+) -> np.ndarray:
+    """`homogeneous_estimate` of each range s[lo:hi] of the sorted lengths `s` at once (inf where empty):
+    hotspa's split weighs every range between two cuts on every config."""
     r = ReplicaCost.of(cost, config, num_gpus)
     R = num_gpus // config.num_gpus
-    times = []
-    for lengths in batches:
-        if len(lengths) == 0:
-            continue
-        w = r.seq_costs(lengths)
-        per = estimate_time(
-            w.sum() / R,
-            int(lengths.sum()) // R + 1,
-            max(1, len(lengths) // R),
-            w.max(),
-            r.c,
-            r.pp,
-            r.cap,
-            r.min_efficient,
-        )
-        times.append(float(max(per, r.pp * (w.max() + r.c))))
-    return float(np.mean(times)) if times else float("inf")
+    w = r.seq_costs(np.asarray(s, dtype=np.int64))
+    cw = np.concatenate([[0.0], np.cumsum(w)])
+    ct = np.concatenate([[0], np.cumsum(s, dtype=np.int64)])
+    n = hi - lo
+    wmax = w[np.maximum(hi - 1, 0)]  # the costs grow with the length
+    per = estimate_time((cw[hi] - cw[lo]) / R, (ct[hi] - ct[lo]) // R + 1, np.maximum(1, n // R), wmax, r.c, r.pp,
+                        r.cap, r.min_efficient)
+    return np.where(n > 0, np.maximum(per, r.pp * (wmax + r.c)), np.inf)
 
 
 def fallback_config(

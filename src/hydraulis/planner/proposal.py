@@ -16,7 +16,8 @@ fallback that holds the longest sequence, then, one at a time, the candidate
 that most lowers the mean iteration time when the planner picks the best pool
 deployment per batch. Diversity follows from that objective: a deployment
 enters only if the planner would actually choose it for some batches. How
-often it was chosen is recorded as its usage.
+often it was chosen is recorded as its usage. Deployments for phases, which no
+whole sample chooses, come last (`phases.phase_deployments`).
 """
 
 from __future__ import annotations
@@ -32,9 +33,8 @@ from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.limits import DEFAULT_MAX_POOL
 from hydraulis.parallel import Deployment
-from hydraulis.planner.bounds import lower_bound
 from hydraulis.planner.dispatch import NoRoom, dispatch
-from hydraulis.planner.phases import PhasedPlanner, spaced_levels
+from hydraulis.planner.phases import phase_deployments
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import (
     Pool,
@@ -42,7 +42,7 @@ from hydraulis.planner.pool import (
     fallback_config,
     fallback_deployment,
     homogeneous,
-    replicable_configs,
+    unique_deployments,
 )
 from hydraulis.planner.range_dp import LengthHistogram, dp_deployments
 from hydraulis.planner.replicas import BULK_MIN_SEQUENCES, ReplicaTable
@@ -51,9 +51,6 @@ from hydraulis.specs import ClusterSpec
 METHODS = ("hydraulis", "published")
 SCREEN_BUDGET_S = 10.0
 LARGE_BATCH_SCREEN = 4  # dispatch estimates in screening, before the fluid proxy takes over
-PHASE_SAMPLES = 4  # sample batches the phased planner plans when choosing deployments for phases
-SHORT_SHARE = 0.1  # a level at least this share of batches stop at counts as the samples cut there
-LEVEL_KEEP = 8  # deployments per level the dispatch estimate ranks, the least work first (`_least_work`)
 
 Progress = Callable[[str, int, int], None]
 
@@ -77,13 +74,6 @@ class Proposal:
     def throughput(self) -> float:
         """Tokens per second over the sample batches, the planner choosing per batch."""
         return float(self.sample_tokens.sum() / self.best_times_s.sum())
-
-
-def _unique(deployments: Sequence[Deployment]) -> list[Deployment]:
-    seen: dict[str, Deployment] = {}
-    for d in deployments:
-        seen.setdefault(str(d), d)
-    return list(seen.values())
 
 
 def _plan_times(
@@ -233,131 +223,6 @@ def greedy_pool(times: np.ndarray, first: int, max_pool: int, min_gain: float = 
     return chosen
 
 
-def phase_deployments(
-    cost: CostModel,
-    cluster: ClusterSpec,
-    candidates: Sequence[Deployment],
-    pool: Sequence[Deployment],
-    batches: Sequence[np.ndarray],
-    max_pool: int,
-    usage: tuple[float, ...],
-    min_gain: float = 0.002,
-) -> tuple[list[Deployment], np.ndarray, tuple[float, ...]]:
-    """Deployments for the short phases of phased plans (phases.py) and short batches, which no sample chose.
-
-    For each cap level below the longest sampled sequence, the candidate (or homogeneous deployment)
-    whose dispatch estimate on the sequences up to that level is best; then, greedily while the pool
-    has room, the one that most lowers the phased planner's iterations on the samples (and on them cut
-    at its largest cap, `_short_batches`). Returns those added, the phased iteration time of each sample batch
-    on the final pool, and the pool's usage: each deployment's share of samples on which it was chosen
-    whole (`usage`) or in whose schedule it runs a phase."""
-    N = cluster.num_gpus
-    sample = list(batches[:PHASE_SAMPLES])
-    longest = max(int(b.max()) for b in sample)
-    # Every homogeneous deployment too, CP ones included: hotspa's phases, which the candidates lack
-    # where a CP config does not hold the longest sequence (32b-16g-code: 1x tp4pp2cp2 up to 11K).
-    candidates = _unique([*candidates, *(homogeneous(g, cluster) for g in replicable_configs(cost, cluster))])
-    tops = {str(d): max(cost.cap(g, N) for g in d.configs) for d in candidates}
-    levels = spaced_levels(sorted({t for t in tops.values() if t < longest}))
-    tables: dict[str, ReplicaTable] = {}
-    chosen: list[Deployment] = []
-    level_of: dict[str, int] = {}
-    for level in levels:
-        parts = [b[b <= level] for b in sample if (b <= level).any()]
-        holding = [d for d in candidates if tops[str(d)] >= level and d not in pool and d not in chosen]
-        if parts and (holding := _least_work(cost, N, holding, parts)):
-            for d in holding:
-                tables.setdefault(str(d), ReplicaTable.of(cost, d, N))
-            est = [sum(dispatch(p, tables[str(d)], search=False).makespan_s for p in parts) for d in holding]
-            chosen.append(holding[int(np.argmin(est))])
-            level_of[str(chosen[-1])] = min(tops[str(chosen[-1])], longest - 1)  # whole batches it holds
-
-    current, schedules = _greedy_phases(cost, N, list(pool), chosen, level_of, sample, max_pool, min_gain)
-    added = current[len(pool) :]
-    if len(batches) > len(sample):
-        planner = PhasedPlanner(cost, N, current)
-        schedules = [planner.schedule(b) for b in batches]
-    used = [float(np.mean([any(p.deployment == d for p in s.phases) for s in schedules])) for d in current]
-    usage = tuple(max(u, v) for u, v in zip((*usage, *(0.0,) * len(added)), used, strict=True))
-    return added, np.array([s.iteration_time_s for s in schedules]), usage
-
-
-def _least_work(
-    cost: CostModel, num_gpus: int, holding: Sequence[Deployment], parts: Sequence[np.ndarray], keep: int = LEVEL_KEEP
-) -> list[Deployment]:
-    """The `keep` deployments of the least lower bound on the parts over their own configs (`bounds.py`: the
-    work of each sequence on its cheapest config that holds it, bubbles, trips), before dispatch ranks them."""
-    work = [sum(lower_bound(p, cost, num_gpus, list(dict.fromkeys(d.configs))) for p in parts) for d in holding]
-    return [holding[i] for i in np.argsort(work, kind="stable")[:keep]]
-
-
-def _greedy_phases(
-    cost: CostModel,
-    num_gpus: int,
-    current: list[Deployment],
-    chosen: list[Deployment],
-    level_of: dict[str, int],
-    sample: list[np.ndarray],
-    max_pool: int,
-    min_gain: float,
-) -> tuple[list[Deployment], list]:
-    """Add the chosen deployment that most lowers the samples' phased iterations, while the pool has room.
-
-    Each candidate's planner plans the samples and their short cuts once; the pool's own short-cut
-    times depend only on the level, so each round plans them once per level, not once per candidate."""
-    planner = PhasedPlanner(cost, num_gpus, current)
-    schedules = [planner.schedule(b) for b in sample]
-    while chosen and len(current) < max_pool:
-        base = float(sum(s.iteration_time_s for s in schedules))
-        before: dict[int, float] = {}  # level -> the current pool's time on the samples cut there
-        trials, gains = [], []
-        for d in chosen:
-            trial = PhasedPlanner(cost, num_gpus, [*current, d])
-            trials.append([trial.schedule(b) for b in sample])
-            gains.append(base - sum(s.iteration_time_s for s in trials[-1])
-                         + _short_gain(planner, trial, level_of[str(d)], sample, before))
-        k = int(np.argmax(gains))
-        if gains[k] <= min_gain * base:
-            break
-        current, schedules = [*current, chosen[k]], trials[k]
-        planner = PhasedPlanner(cost, num_gpus, current)
-        # one that did not pay beside a smaller pool is not tried again (the lazy greedy: a pool that grows
-        # leaves each deployment less to save)
-        chosen = [d for i, d in enumerate(chosen) if i != k and gains[i] > min_gain * base]
-    return current, schedules
-
-
-def short_share(batches: Sequence[np.ndarray], level: int) -> float:
-    """The share of batches like these with no sequence above `level` (each sequence drawn independently)."""
-    above = float(np.mean(np.concatenate(batches) > level))
-    return float((1.0 - above) ** np.mean([len(b) for b in batches]))
-
-
-def _short_batches(sample: list[np.ndarray], level: int) -> list[np.ndarray]:
-    """The samples cut at `level`, if SHORT_SHARE of batches stop there: a short batch may want a deployment
-    though no sample does (7b-64g-wiki: a third of batches fit tp2pp1's cap, none of 4 samples)."""
-    short = [b[b <= level] for b in sample if (b <= level).any()]
-    return short if short_share(sample, level) >= SHORT_SHARE else []
-
-
-def _short_gain(
-    before: PhasedPlanner,
-    after: PhasedPlanner,
-    level: int,
-    sample: list[np.ndarray],
-    memo: dict[int, float] | None = None,
-) -> float:
-    """What `after`'s pool saves over `before`'s on the samples cut at `level` (`_short_batches`). `memo`
-    (level -> `before`'s time on those cuts) lets the greedy loop plan them once per round and level."""
-    short = _short_batches(sample, level)
-    if not short:
-        return 0.0
-    memo = {} if memo is None else memo
-    if level not in memo:
-        memo[level] = float(sum(before.schedule(b).iteration_time_s for b in short))
-    return memo[level] - float(sum(after.schedule(b).iteration_time_s for b in short))
-
-
 def default_samples(batches: Sequence[np.ndarray]) -> int:
     """Planning cost grows with the batch: fewer samples for larger jobs keep proposal within a minute."""
     tokens = float(np.mean([b.sum() for b in batches]))
@@ -368,7 +233,7 @@ def _published(
     cost: CostModel, cluster: ClusterSpec, hist: LengthHistogram, fallback: Deployment, max_pool: int
 ) -> list[Deployment]:
     """The published generator's pool: one deployment per batch maximum length, the fallback first."""
-    found = _unique([fallback] + [d for _, d in dp_deployments(cost, cluster, hist, aware=False)])
+    found = unique_deployments([fallback] + [d for _, d in dp_deployments(cost, cluster, hist, aware=False)])
     if len(found) > max_pool:
         # One deployment per batch maximum length; keep the fallback and evenly spread maxima.
         keep = np.unique(np.linspace(1, len(found) - 1, max_pool - 1).round().astype(int))
@@ -419,7 +284,7 @@ def propose(
         times = _plan_times(cost, cluster, candidates, sample, progress)
         pool_idx = list(range(len(candidates)))
     else:
-        every = candidates = _unique(
+        every = candidates = unique_deployments(
             [fallback]
             + [d for _, d in dp_deployments(cost, cluster, hist, aware=True)]
             + [d for _, d in dp_deployments(cost, cluster, hist, aware=False)]
@@ -440,13 +305,15 @@ def propose(
     winners = np.argmin(times, axis=0)
     usage = tuple(float(np.mean(winners == k)) for k in range(len(pool_deployments)))
     phased = None
-    if method == "hydraulis" and len(pool_deployments) < max_pool:
-        extra, phased, usage = phase_deployments(cost, cluster, every, pool_deployments, sample, max_pool, usage)
-        pool_deployments += tuple(extra)
-        times = np.vstack([times, np.full((len(extra), times.shape[1]), np.inf)])
-    pool = Pool(cost.name, cluster, pool_deployments, usage)
+    if method == "hydraulis" and max_pool > 1:
+        # The whole-batch choices compete with the phases' for the pool's room, on the phased planner's time.
+        extra, phased, usage = phase_deployments(cost, cluster, every, pool_deployments[:1], sample, max_pool,
+                                                 usage[:1], whole=pool_deployments[1:])
+        pool_deployments = (pool_deployments[0], *extra)
+        rows = {str(d): times_all[k] for k, d in enumerate(candidates)}
+        times = np.array([rows.get(str(d), np.full(len(sample), np.inf)) for d in pool_deployments])
     return Proposal(
-        pool=pool,
+        pool=Pool(cost.name, cluster, pool_deployments, usage),
         method=method,
         candidates=tuple(candidates),
         times_s=times,

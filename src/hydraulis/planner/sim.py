@@ -16,14 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from hydraulis.cost.model import CostModel, SharedCores
-from hydraulis.parallel import ParallelConfig
+from hydraulis.parallel import BACKWARD, FORWARD, ParallelConfig
 from hydraulis.planner.plan import IterationPlan
 
 FORWARD_SHARE = 1.0 / 3.0
-
-# Event kinds in timelines.
-FORWARD, BACKWARD = 0, 1
-
 
 def one_f_one_b_order(pp: int, v: int, stage: int) -> list[tuple[int, int]]:
     """(kind, micro-batch) in the order stage `stage` runs them."""

@@ -10,32 +10,18 @@ benchmark, apart from the step: the trainer only keeps the batches
 from __future__ import annotations
 
 import contextlib
-from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
 from hydraulis.data.sampler import GlobalBatch
 from hydraulis.errors import HydraulisError
-from hydraulis.planner.phases import PhasedPlanner
 from hydraulis.planner.plan import Schedule, decode_plan, encode_plan
 from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
-
-
-class Trainer(Protocol):
-    """What a comparison needs of the trainer (runtime/trainer.py's Trainer; named here, so no import circle)."""
-
-    settings: Any  # TrainSettings: the pool
-    planner: PhasedPlanner | None  # rank 0's
-    optimizer: ShardedOptimizer
-    recent: deque[tuple[GlobalBatch, Schedule]]
-    step_index: int
-
-    def broadcast(self, payload: np.ndarray | None) -> np.ndarray | None: ...
-
-    def run_schedule(self, batch: GlobalBatch, schedule: Schedule, planning_unhidden_s: float = 0.0) -> Any: ...
+from hydraulis.runtime.plan_feed import PlanFeed
 
 
 @dataclass(frozen=True)
@@ -67,43 +53,48 @@ class Comparison:
         }
 
 
-def compare(trainer: Trainer, repeats: int = 3) -> Comparison | None:
-    """The trainer's recent batches again, as planned and on each homogeneous deployment of the pool.
+def compare(
+    run: Callable[[GlobalBatch, Schedule], Any], feed: PlanFeed, optimizer: ShardedOptimizer,
+    pairs: Sequence[tuple[GlobalBatch, Schedule]], repeats: int = 3,
+) -> Comparison | None:
+    """The recent batches and their schedules (`pairs`) again, as planned and on each homogeneous deployment of
+    the pool, each run by `run` (the trainer's iteration); the feed plans (rank 0) and broadcasts them, and its step
+    and the optimizer's state are restored afterwards.
 
     Returns None when no batch was kept or no homogeneous deployment holds them all. A deployment that
     could not hold some batch of the run is left out: a homogeneous run could not have used it (under
     `[parallel] memory_per_rank`, the comparison is with the homogeneous plans that fit the budget).
     """
-    pairs = list(trainer.recent)
     if not pairs:
         return None
-    pool = trainer.settings.pool
+    pool, planner = feed.pool, feed.planner
     candidates = [k for k, d in enumerate(pool) if d.is_homogeneous]  # that held every batch of the run:
-    candidates = [k for k in candidates if trainer.planner is None or k not in trainer.planner.missed]
+    candidates = [k for k in candidates if planner is None or k not in planner.missed]
     payload, made = None, {}
-    if trainer.planner is not None:
+    if planner is not None:
         for k in candidates:  # a deployment that cannot hold every batch (within the caps) is left out
             with contextlib.suppress(HydraulisError):
-                made[k] = [encode_plan(trainer.planner.plan_on(b.lengths, pool[k], p.step), k) for b, p in pairs]
+                made[k] = [encode_plan(planner.plan_on(b.lengths, pool[k], p.step), k) for b, p in pairs]
         payload = np.array([len(made), *made], dtype=np.int64)
-    usable = [int(k) for k in trainer.broadcast(payload)[1:]]
+    usable = [int(k) for k in feed.broadcast(payload)[1:]]
     if not usable:
         return None
+    # Rank 0 made them; every rank receives them all, then decodes them.
+    received = {k: [feed.broadcast(m) for m in made.get(k, [None] * len(pairs))] for k in usable}
     plans: dict[str, list[Schedule]] = {"planned": [p for _, p in pairs]}
-    for k in usable:
-        mine = made.get(k, [None] * len(pairs))  # rank 0 made them; the others receive them
-        plans[str(pool[k])] = [Schedule.single(decode_plan(trainer.broadcast(m), p.step, b.lengths, pool))
-                               for m, (b, p) in zip(mine, pairs, strict=True)]
-    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in trainer.optimizer.state_dict().items()}
-    step_index = trainer.step_index
+    for k, payloads in received.items():
+        plans[str(pool[k])] = [Schedule.single(decode_plan(data, p.step, b.lengths, pool))
+                               for data, (b, p) in zip(payloads, pairs, strict=True)]
+    saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizer.state_dict().items()}
+    step = feed.step
     seconds: dict[str, list[float]] = {name: [] for name in plans}
     for _ in range(repeats):
         for name, chosen in plans.items():
-            trainer.step_index = step_index
-            rows = [trainer.run_schedule(b, p) for (b, _), p in zip(pairs, chosen, strict=True)]
+            feed.step = step
+            rows = [run(b, p) for (b, _), p in zip(pairs, chosen, strict=True)]
             seconds[name].append(sum(r.iteration_s for r in rows))
-    trainer.step_index = step_index
-    trainer.optimizer.load_state_dict(saved)
+    feed.step = step
+    optimizer.load_state_dict(saved)
     tokens = sum(b.num_tokens for b, _ in pairs)
     predicted = {name: sum(p.iteration_time_s for p in chosen) for name, chosen in plans.items()}
     return Comparison(tokens, repeats, seconds, predicted)

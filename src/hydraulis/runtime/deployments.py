@@ -105,6 +105,10 @@ class RankPool:
             self.parts.append(RankDeployment(deployment, replica, groups, model, plan, hooks))
         self.current: int | None = None
 
+    def index(self, deployment: Deployment) -> int:
+        """The deployment's position in the pool."""
+        return self.pool.index(deployment)
+
     def activate(self, index: int) -> tuple[RankDeployment, bool]:
         """Make deployment `index` the one that computes; returns it and whether this was a switch."""
         part = self.parts[index]

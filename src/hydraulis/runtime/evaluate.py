@@ -57,13 +57,14 @@ def evaluate(
     for batch, data in zip(batches, plans, strict=True):
         schedule = decode_schedule(data, trainer.step_index, batch.lengths, pool)
         for plan, positions in zip(schedule.phases, schedule.indices, strict=True):
-            part, _ = trainer.deployments.activate(pool.index(plan.deployment))
+            part, _ = trainer.deployments.activate(trainer.deployments.index(plan.deployment))
             trainer.deployments.gather(part)
             part_batch = batch if len(schedule.phases) == 1 else sub_batch(batch, positions)
-            loss = forward_step(part.model, part.groups, trainer.micro_batches(part_batch, plan, part, corpus))
+            micro_batches = trainer.source.micro_batches(part_batch, plan, part.replica, part.groups, corpus)
+            loss = forward_step(part.model, part.groups, micro_batches)
             if loss is not None and part.groups.tp.rank == 0:
                 total += loss.double().cpu()
-        targets += trainer.batch_targets(batch, corpus)
+        targets += trainer.source.targets(batch, corpus)
     if trainer.world > 1:
         dist.all_reduce(total, group=trainer.control)
     return EvalResult(trainer.step_index, float(total) / max(targets, 1), sum(b.num_tokens for b in batches), targets)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -31,22 +30,10 @@ from hydraulis.data.sampler import GlobalBatch
 from hydraulis.planner.plan import IterationPlan, Schedule
 from hydraulis.runtime.deployments import RankDeployment, RankPool
 from hydraulis.runtime.divergence import poisoned
-from hydraulis.runtime.launch import DTYPES, DistEnv
 from hydraulis.runtime.optimizer.exchange import Exchange
-from hydraulis.runtime.parallelism.batch import MicroBatchInput
+from hydraulis.runtime.parallelism.batch import BatchSource
 from hydraulis.runtime.pipeline import StepResult, train_step
 from hydraulis.runtime.step_memory import MemoryFigures
-
-
-class Trainer(Protocol):
-    """What a phase needs of the trainer (runtime/trainer.py's Trainer; named here, so no import circle)."""
-
-    settings: Any  # TrainSettings: the pool, the exchange's reduce dtype and overlap
-    deployments: RankPool
-    env: DistEnv
-    step_index: int
-
-    def micro_batches(self, batch: GlobalBatch, plan: IterationPlan, part: RankDeployment) -> list[MicroBatchInput]: ...
 
 
 @dataclass(frozen=True)
@@ -77,37 +64,49 @@ def sub_batch(batch: GlobalBatch, positions: Sequence[int]) -> GlobalBatch:
     return GlobalBatch(batch.docs[idx], batch.starts[idx], batch.lengths[idx], batch.state, batch.next_state)
 
 
+@dataclass(frozen=True)
+class PhaseParts:
+    """What the phases of an iteration run on: this rank's deployments, the batches' source, and how gradients
+    travel to their owners (`reduce_dtype`; beside compute unless `overlap` is off)."""
+
+    pool: RankPool
+    source: BatchSource
+    reduce_dtype: torch.dtype
+    overlap: bool
+
+
 def run_phases(
-    trainer: Trainer, batch: GlobalBatch, schedule: Schedule, targets: int, reduce_after: Sequence[int]
+    parts: PhaseParts, step: int, batch: GlobalBatch, schedule: Schedule, targets: int, reduce_after: Sequence[int]
 ) -> list[PhaseRun]:
     """Every phase in order; each later one's reduce accumulates into the owners' gradient. `reduce_after`: each
     phase's blocks this rank's backward frees before its reduce starts (cost/memory.py's `reduce_wait`)."""
     runs = []
     for k, (plan, positions) in enumerate(zip(schedule.phases, schedule.indices, strict=True)):
         part_batch = batch if len(schedule.phases) == 1 else sub_batch(batch, positions)
-        runs.append(run_phase(trainer, part_batch, plan, targets, accumulate=k > 0, reduce_after=reduce_after[k]))
+        runs.append(run_phase(parts, step, part_batch, plan, targets, accumulate=k > 0, reduce_after=reduce_after[k]))
     return runs
 
 
 def run_phase(
-    trainer: Trainer, batch: GlobalBatch, plan: IterationPlan, targets: int, accumulate: bool, reduce_after: int = 1
+    parts: PhaseParts, step: int, batch: GlobalBatch, plan: IterationPlan, targets: int, accumulate: bool,
+    reduce_after: int = 1,
 ) -> PhaseRun:
     """One deployment's part of an iteration: activate, gather, 1F1B on this rank's micro-batches, reduce."""
-    s = trainer.settings
-    index = s.pool.index(plan.deployment)
+    pool = parts.pool
+    index = pool.index(plan.deployment)
     start = time.perf_counter()
-    part, switched = trainer.deployments.activate(index)
+    part, switched = pool.activate(index)
     activated = time.perf_counter()
     model = part.model
     part.clear_grads()
     count = len(plan.replicas[part.replica].micro_batches)
-    exchange = trainer.deployments.exchange(part, count, DTYPES[s.reduce_dtype], s.overlap, accumulate, reduce_after)
+    exchange = pool.exchange(part, count, parts.reduce_dtype, parts.overlap, accumulate, reduce_after)
     gathered = time.perf_counter()
-    micro_batches = trainer.micro_batches(batch, plan, part)
+    micro_batches = parts.source.micro_batches(batch, plan, part.replica, part.groups)
     # poisoned: a test hook, off unless asked for
-    with part.exchanging(exchange), poisoned(model, trainer.step_index, part.groups.is_last_stage):
+    with part.exchanging(exchange), poisoned(model, step, part.groups.is_last_stage):
         result = train_step(model, part.groups, micro_batches, targets, reduce_partial_grads=False)
-    if trainer.env.device.type == "cuda":
+    if pool.device.type == "cuda":
         torch.cuda.synchronize()
     computed = time.perf_counter()
     exchange.finish()

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from hydraulis.errors import HydraulisError
-from hydraulis.planner.sim import BACKWARD, FORWARD
+from hydraulis.parallel import BACKWARD, FORWARD
 from hydraulis.runtime.modeling.model import StageModel
 from hydraulis.runtime.parallelism.batch import MicroBatchInput
 from hydraulis.runtime.parallelism.groups import ReplicaGroups

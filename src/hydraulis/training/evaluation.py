@@ -53,7 +53,7 @@ def training_documents(config: RunConfig, corpus: IndexedCorpus) -> np.ndarray |
 
 
 def run_sampler(config: RunConfig, corpus: IndexedCorpus) -> TokenBudgetSampler:
-    """The training sampler of a run (the launcher's checks and every rank build the same)."""
+    """The training sampler of a run, built once before the ranks start (job.prepare); every rank gets a copy."""
     data = config.data
     return corpus_sampler(
         corpus, data.tokens_per_batch, data.max_len, data.seed, data.overlong, training_documents(config, corpus),

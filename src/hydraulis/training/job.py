@@ -58,6 +58,7 @@ class Job:
     overlong: Overlong | None = None  # what max_len cuts of the corpus (records, target tokens)
     evaluation: EvalSet | None = None  # [eval]: the held-out batches and their plans
     mixture: MixtureSpec | None = None  # [data] corpus as a list: its sources (corpus_path then names them all)
+    sampler: TokenBudgetSampler | None = None  # the training sampler (prepare builds and checks it once), at its start
 
     @property
     def end_step(self) -> int:
@@ -144,6 +145,7 @@ def prepare(
         overlong=overlong,
         evaluation=evaluation,
         mixture=mixture,
+        sampler=sampler,
     )
 
 

@@ -3,9 +3,10 @@
 One loop that reads top to bottom: plan and step (the trainer plans the next
 batch in the background while this one computes), log, maybe checkpoint,
 maybe stop. What it drives sits beside it: the `Trainer` (runtime/trainer.py),
-the `CheckpointManager` (runtime/storage/checkpoint.py), the `RunLog` (run_log.py) and
-a `StopRequest` for SIGTERM and SIGINT. Everything that can fail on bad input
-was checked before, in job.py.
+assembled from the job's settings, corpus and sampler; the `CheckpointManager`
+(runtime/storage/checkpoint.py), handed the trainer's stateful parts; the `RunLog`
+(run_log.py) and a `StopRequest` for SIGTERM and SIGINT. Everything that can fail
+on bad input was checked before, in job.py.
 """
 
 from __future__ import annotations
@@ -26,11 +27,10 @@ from hydraulis.progress import say
 from hydraulis.runtime.divergence import DivergenceGuard
 from hydraulis.runtime.evaluate import evaluate
 from hydraulis.runtime.launch import RankFailed, init_distributed, leave_distributed, spawn
-from hydraulis.runtime.storage.checkpoint import CheckpointManager
+from hydraulis.runtime.storage.checkpoint import CheckpointManager, Saved
 from hydraulis.runtime.storage.rundir import check_shared_run_dir
 from hydraulis.runtime.timeouts import first_step_timeout
 from hydraulis.runtime.trainer import Trainer, TrainSettings
-from hydraulis.training.evaluation import run_sampler
 from hydraulis.training.job import Job, torchrun_world
 from hydraulis.training.run_fidelity import RunFidelity
 from hydraulis.training.run_log import RunLog
@@ -76,16 +76,17 @@ def run_rank(job: Job) -> dict[str, Any] | None:
 
 
 def _train(job: Job, stop: StopRequest) -> dict[str, Any] | None:
-    config = job.config
-    env = init_distributed(config.train.device, first_step_timeout(config.train.timeout_s))
+    config, settings = job.config, train_settings(job)
+    env = init_distributed(config.train.device, first_step_timeout(settings.timeout_s))
     corpus = job.mixture.open() if job.mixture is not None else open_corpus(job.corpus_path)
-    trainer = Trainer(train_settings(job), corpus, run_sampler(config, corpus), env)
+    trainer = Trainer(settings, corpus, job.sampler, env)
     check_shared_run_dir(Path(job.out), env.rank, env.world_size, trainer.control)  # before any file is written
     log = say if env.rank == 0 else _silent
     checkpoints = CheckpointManager(
-        job.checkpoints, config.train.checkpoint_every, config.train.keep_checkpoints, job.end_step, log
+        Saved.of(trainer), job.checkpoints, config.train.checkpoint_every, config.train.keep_checkpoints,
+        job.end_step, log,
     )
-    resumed = checkpoints.resume(trainer, chosen=job.resume_from) if job.resume else None
+    resumed = checkpoints.resume(chosen=job.resume_from) if job.resume else None
     if resumed is not None:
         log(f"resuming at step {trainer.step_index}")
     else:  # a fresh start, also a resume (or a restart) before the first checkpoint: init_from included
@@ -94,7 +95,7 @@ def _train(job: Job, stop: StopRequest) -> dict[str, Any] | None:
         if config.model.init_from:
             from hydraulis.runtime.storage.hf_io import init_from
 
-            init_from(trainer, config.model.init_from)
+            init_from(trainer.optimizer, config.model.init_from)
             log(f"initialised from {config.model.init_from}")
     start = trainer.step_index
     run_log = RunLog(job, start, tensorboard(Path(job.out) / "tb", start)) if env.rank == 0 else None
@@ -110,13 +111,13 @@ def _train(job: Job, stop: StopRequest) -> dict[str, Any] | None:
             measured = watch.after(metrics) if watch is not None else None  # the load; maybe a refit
             evaluated = evaluation.after(trainer)  # every rank, when [eval] is due
             if run_log is not None:
-                sources = corpus.source_counts(trainer.last_batch) if job.mixture is not None else {}
+                sources = corpus.source_counts(trainer.feed.last) if job.mixture is not None else {}
                 run_log.step(metrics, {**(measured or {}), **evaluated, **sources})
             skipped = guard.check(metrics.step, metrics.loss, metrics.grad_norm, metrics.skipped)  # raises at the limit
             if skipped:
                 log(skipped)
             stopping = stop.agreed(trainer)
-            checkpoints.maybe_save(trainer, stopping, watch.refit.state() if watch is not None else None)
+            checkpoints.maybe_save(stopping, watch.refit.state() if watch is not None else None)
             if stopping:
                 log(f"stopped by {stop.name} at step {trainer.step_index}; continue with --resume")
                 break
@@ -132,7 +133,7 @@ def _train(job: Job, stop: StopRequest) -> dict[str, Any] | None:
         trainer.close()
         if run_log is not None:
             run_log.close()
-    return run_log.finish(trainer.planner) if run_log is not None else None
+    return run_log.finish(trainer.feed.planner) if run_log is not None else None
 
 
 class Evaluation:
@@ -153,23 +154,20 @@ class Evaluation:
 
 
 def train_settings(job: Job) -> TrainSettings:
-    """The trainer's settings from the job's config."""
+    """The trainer's settings from the job's config; what the job's cost model holds comes with it."""
     config = job.config
     return TrainSettings(
         model=job.spec,
         pool=job.pool,
-        cost=job.cost.with_overlap(config.parallel.overlap_exchange),  # replica times as the trainer measures
+        cost=job.cost,
         optim=config.optim.settings(),
         steps=job.steps,
         seed=config.data.seed,
         dtype=config.train.dtype,
-        sequence_parallel=config.parallel.sequence_parallel,
         compare_steps=config.train.compare_steps,
         reduce_dtype=config.train.reduce_dtype,
         timeout_s=config.train.timeout_s,
-        exchange_bucket_bytes=int(config.parallel.exchange_bucket_mb * (1 << 20)),
         overlap=config.parallel.overlap_exchange,
-        memory_budget_bytes=config.parallel.budget_bytes(),
     )
 
 

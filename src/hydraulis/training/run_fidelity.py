@@ -35,7 +35,8 @@ from hydraulis.store import profile_cache
 from hydraulis.training.auto_profile import REFIT_PROFILE
 
 if TYPE_CHECKING:
-    from hydraulis.runtime.trainer import StepMetrics, Trainer
+    from hydraulis.runtime.step_meter import StepMetrics
+    from hydraulis.runtime.trainer import Trainer
     from hydraulis.store.checkpoints import CheckpointInfo
     from hydraulis.training.job import Job
 

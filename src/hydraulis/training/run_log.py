@@ -26,7 +26,7 @@ from hydraulis.training.mixture import source_shares
 
 if TYPE_CHECKING:
     from hydraulis.planner.planner import Planner
-    from hydraulis.runtime.trainer import StepMetrics
+    from hydraulis.runtime.step_meter import StepMetrics
 
 
 class RunLog:
@@ -38,14 +38,17 @@ class RunLog:
         self.job = job
         self.out = Path(job.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(self.out / "config.toml", job.config.to_toml())
         save_pool(self.out / "pool.json", Pool(job.cost.name, ClusterSpec(job.world, job.world), job.pool))
-        # On resume, keep the steps before the checkpoint; later ones (and old summaries) are redone.
-        self.rows = _metrics_before(self.out / "metrics.jsonl", start_step)
+        write_text_atomic(self.out / "config.toml", job.config.to_toml())
+        # On resume, keep the steps before the checkpoint; later ones (and old summaries) are redone. The file a
+        # resume at step K cuts is copied aside first (`metrics.jsonl.before-step-K`).
+        metrics = self.out / "metrics.jsonl"
+        self.rows = [r for r in read_jsonl(metrics) if "step" in r and r["step"] < start_step] if start_step else []
         self.switches = sum(1 for r in self.rows if r.get("switched"))  # deployment switches so far (TensorBoard)
-        _keep_copy(self.out / "metrics.jsonl", start_step)
-        write_text_atomic(self.out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self.rows))
-        self.metrics_file = open(self.out / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        if metrics.is_file() and metrics.stat().st_size:
+            shutil.copy2(metrics, metrics.with_name(f"{metrics.name}.before-step-{start_step}"))
+        write_text_atomic(metrics, "".join(json.dumps(r) + "\n" for r in self.rows))
+        self.metrics_file = open(metrics, "a", encoding="utf-8")  # noqa: SIM115
         self.tb = tensorboard  # a SummaryWriter, or None
         self.console = console()
         self.progress = Progress(
@@ -260,18 +263,6 @@ def kept_line(kept: dict[str, Any], budget: str | int | None) -> str:
         f"never switched: {kept['deployment']} was predicted fastest for all {n} batches planned here ({bound}); "
         f"the others' predicted time against it, median: {others}"
     )
-
-
-def _keep_copy(path: Path, step: int) -> None:
-    """The metrics file a resume at `step` is about to cut, copied aside (`metrics.jsonl.before-step-K`)."""
-    if path.is_file() and path.stat().st_size:
-        shutil.copy2(path, path.with_name(f"{path.name}.before-step-{step}"))
-
-
-def _metrics_before(path: Path, step: int) -> list[dict[str, Any]]:
-    if step == 0:
-        return []
-    return [r for r in read_jsonl(path) if "step" in r and r["step"] < step]
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -39,13 +39,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
+from hydraulis.data.manifest import CorpusManifest
 from hydraulis.errors import HydraulisError
 from hydraulis.runtime.parallelism.context_parallel import ContextShard, shard_layout
+
+if TYPE_CHECKING:
+    from hydraulis.data.sampler import GlobalBatch, TokenBudgetSampler
+    from hydraulis.planner.plan import IterationPlan
+    from hydraulis.runtime.parallelism.groups import ReplicaGroups
 
 IGNORE_INDEX = -100
 
@@ -92,10 +98,13 @@ def count_targets(lengths: Sequence[int]) -> int:
 
 
 class Corpus(Protocol):
-    """What the runtime reads of a corpus: documents' tokens, their target masks, the targets of pieces.
+    """What the runtime reads of a corpus: documents' tokens, their target masks, the targets of pieces, and
+    its manifest (what a checkpoint records of it; None for documents held in memory).
 
     data/indexed.py's IndexedCorpus and training/mixture.py's MixedCorpus are corpora; `TokenDocuments`
     holds documents in memory."""
+
+    manifest: CorpusManifest | None
 
     def __getitem__(self, i: int) -> np.ndarray: ...
 
@@ -112,6 +121,8 @@ class TokenDocuments:
     """Documents' tokens held in memory (tests, benchmarks, `hydraulis check`): every token but a piece's first
     is a target."""
 
+    manifest: CorpusManifest | None = None  # no built corpus: a checkpoint records none
+
     def __init__(self, documents: Sequence[np.ndarray]) -> None:
         self.documents = list(documents)
 
@@ -126,6 +137,38 @@ class TokenDocuments:
 
     def piece_targets(self, docs: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> int:
         return count_targets(lengths)
+
+
+class BatchSource:
+    """The trainer's batches: the sampler draws them (the same on every rank), the corpus gives their tokens; a
+    rank reads only its replica's documents."""
+
+    def __init__(self, corpus: Corpus, sampler: TokenBudgetSampler) -> None:
+        self.corpus, self.sampler = corpus, sampler
+
+    def micro_batches(
+        self, batch: GlobalBatch, plan: IterationPlan, replica: int, groups: ReplicaGroups, corpus: Corpus | None = None
+    ) -> list[MicroBatchInput]:
+        """Replica `replica`'s micro-batches of the plan, its CP rank's share of each, from the training corpus or
+        `corpus` (evaluation's)."""
+        pad = groups.config.tp if groups.tp.sequence_parallel else 1
+        corpus = self.corpus if corpus is None else corpus
+        out = []
+        for k, mb in enumerate(plan.replicas[replica].micro_batches):
+            docs, masks = [], []
+            for i in mb:
+                start, end = int(batch.starts[i]), int(batch.starts[i]) + int(batch.lengths[i])
+                docs.append(torch.from_numpy(np.asarray(corpus[int(batch.docs[i])][start:end], dtype=np.int64)))
+                mask = corpus.target_mask(int(batch.docs[i]))  # SFT corpora: which tokens are targets
+                masks.append(None if mask is None else torch.from_numpy(np.array(mask[start:end], dtype=np.uint8)))
+            joined = concatenate_cp_shard(docs, groups.cp.size, groups.cp.rank, pad_to_multiple=pad, masks=masks)
+            out.append(replace(joined, policy=int(plan.policy(replica, k) or 0)))  # its memory policy
+        return out
+
+    def targets(self, batch: GlobalBatch, corpus: Corpus | None = None) -> int:
+        """The loss's denominator: targets of the whole global batch (SFT: the masked ones), at least 1."""
+        n = (self.corpus if corpus is None else corpus).piece_targets(batch.docs, batch.starts, batch.lengths)
+        return max(int(n), 1)
 
 
 Masks = Sequence[Sequence[int] | torch.Tensor | None] | None

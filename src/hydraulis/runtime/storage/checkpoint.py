@@ -39,7 +39,7 @@ import datetime
 import re
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -71,10 +71,57 @@ from hydraulis.store.checkpoints import (
 
 if TYPE_CHECKING:
     from hydraulis.cost.refit import RefitState
+    from hydraulis.data.manifest import CorpusManifest
+    from hydraulis.runtime.launch import DistEnv
     from hydraulis.runtime.optimizer.layout import ShardLayout
-    from hydraulis.runtime.trainer import Trainer
+    from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
+    from hydraulis.runtime.plan_feed import PlanFeed
+    from hydraulis.runtime.trainer import Trainer, TrainSettings
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Saved:
+    """The stateful parts a checkpoint saves and loads (the plan feed: the next step and its batch's position;
+    the optimizer: the owned state), and what its manifest records of the run (as torchtitan's
+    `CheckpointManager(states=...)`)."""
+
+    feed: PlanFeed
+    optimizer: ShardedOptimizer
+    settings: TrainSettings  # the model, the optimizer's and LR schedule's settings, seed, dtype and pool
+    corpus: CorpusManifest | None  # the training corpus's (None: documents held in memory)
+    env: DistEnv
+    control: dist.ProcessGroup | None  # the CPU group the ranks agree on
+
+    @classmethod
+    def of(cls, trainer: Trainer) -> Saved:
+        """A trainer's parts."""
+        return cls(trainer.feed, trainer.optimizer, trainer.settings, trainer.source.corpus.manifest, trainer.env,
+                   trainer.control)
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world(self) -> int:
+        return self.env.world_size
+
+    @property
+    def layout(self) -> ShardLayout:
+        return self.optimizer.layout
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this rank's training: the next step, the sampler's position there, the
+        LR schedule's inputs and the optimizer's owned state (its tensors live, not copied)."""
+        return {**self.feed.state_dict(), "schedule": self.settings.lr_schedule_state(),
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a `state_dict` (the schedule is this run's settings; the caller compares it)."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.feed.load_state_dict(state)
 
 
 def check_compatible(info: CheckpointInfo, layout: ShardLayout) -> None:
@@ -110,31 +157,27 @@ def check_compatible(info: CheckpointInfo, layout: ShardLayout) -> None:
 
 
 # -- collectives ------------------------------------------------------------------------------------
-def _control(trainer: Trainer) -> dist.ProcessGroup | None:
-    return trainer.control
-
-
-def _agree(trainer: Trainer, fn: Callable[[], T]) -> T:
+def _agree(saved: Saved, fn: Callable[[], T]) -> T:
     """fn() on every rank; if any raised a HydraulisError, every rank raises the first one (none is left waiting)."""
     try:
         result, error = fn(), None
     except HydraulisError as exc:
         result, error = None, str(exc)
     errors = [error]
-    if trainer.world > 1:
-        errors = [None] * trainer.world
-        dist.all_gather_object(errors, error, group=_control(trainer))
+    if saved.world > 1:
+        errors = [None] * saved.world
+        dist.all_gather_object(errors, error, group=saved.control)
     first = next((e for e in errors if e is not None), None)
     if first is not None:
         raise HydraulisError(first)
     return result  # type: ignore[return-value]
 
 
-def _gather(trainer: Trainer, obj: Any) -> list[Any]:
-    if trainer.world == 1:
+def _gather(saved: Saved, obj: Any) -> list[Any]:
+    if saved.world == 1:
         return [obj]
-    out: list[Any] = [None] * trainer.world
-    dist.all_gather_object(out, obj, group=_control(trainer))
+    out: list[Any] = [None] * saved.world
+    dist.all_gather_object(out, obj, group=saved.control)
     return out
 
 
@@ -149,13 +192,13 @@ def stripe_key(key: str, stripe: int) -> str:
     return f"{key}.{stripe:05d}"
 
 
-def _sharded(trainer: Trainer, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _sharded(saved: Saved, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Each owned tensor's chunk of every stripe as the local shard of that stripe's 1-D DTensor (views, no copy)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    mesh = init_device_mesh(trainer.env.device.type, (trainer.world,))
-    layout, rank = trainer.layout, trainer.rank
+    mesh = init_device_mesh(saved.env.device.type, (saved.world,))
+    layout, rank = saved.layout, saved.rank
     out = {}
     for k, t in tensors.items():
         for s in range(layout.stripes):
@@ -168,10 +211,10 @@ def _sharded(trainer: Trainer, tensors: dict[str, torch.Tensor]) -> dict[str, An
 
 # -- save ----------------------------------------------------------------------------------------------
 def _manifest(
-    trainer: Trainer, state: dict[str, Any], files: dict[str, FileEntry], refit: RefitState | None
+    saved: Saved, state: dict[str, Any], files: dict[str, FileEntry], refit: RefitState | None
 ) -> dict[str, Any]:
-    s = trainer.settings
-    corpus_manifest = getattr(trainer.corpus, "manifest", None)
+    s = saved.settings
+    corpus_manifest = saved.corpus
     corpus = None
     tokenizer = None
     if corpus_manifest is not None:
@@ -180,9 +223,9 @@ def _manifest(
     return {
         "schema": CHECKPOINT_SCHEMA,
         "step": state["step"],
-        "world_size": trainer.world,
+        "world_size": saved.world,
         "model": s.model.to_dict(),
-        "parameters": trainer.layout.total,
+        "parameters": saved.layout.total,
         "tokenizer": tokenizer,
         "corpus": corpus,
         "optimizer": {"step": state["optimizer"]["step"], "adamw": asdict(s.optim.adamw)},
@@ -198,9 +241,9 @@ def _manifest(
 
 
 def save_checkpoint(
-    trainer: Trainer, out_dir: str | Path, keep: int = DEFAULT_KEEP, log: Log = aside, refit: RefitState | None = None
+    saved: Saved, out_dir: str | Path, keep: int = DEFAULT_KEEP, log: Log = aside, refit: RefitState | None = None
 ) -> Path:
-    """Save the trainer's state as out_dir/step-NNNNNN (every rank calls it); returns the directory.
+    """Save the parts' state as out_dir/step-NNNNNN (every rank calls it); returns the directory.
 
     `refit`: rank 0's online refit (training/run_fidelity.py), which a resume plans with.
 
@@ -210,10 +253,10 @@ def save_checkpoint(
     import torch.distributed.checkpoint as dcp
 
     out = Path(out_dir)
-    state = trainer.state_dict()
+    state = saved.state_dict()
     name = step_dir_name(state["step"])
     final, tmp = out / name, out / f".{name}.tmp"
-    rank = trainer.rank
+    rank = saved.rank
 
     def prepare() -> None:
         if rank != 0:
@@ -227,33 +270,33 @@ def save_checkpoint(
         except OSError as exc:
             raise HydraulisError(f"{out}: cannot create the checkpoint directory: {exc.strerror or exc}") from None
 
-    _agree(trainer, prepare)
-    sharded = _sharded(trainer, {k: state["optimizer"][k] for k in OPTIM_KEYS})
-    dcp.save(sharded, storage_writer=dcp.FileSystemWriter(str(tmp / OPTIM_DIR)), process_group=_control(trainer))
-    write_json_atomic(tmp / rng_file(rank), rng_state(trainer.env.device))
-    _gather(trainer, None)  # a barrier: every rank's files are written
+    _agree(saved, prepare)
+    sharded = _sharded(saved, {k: state["optimizer"][k] for k in OPTIM_KEYS})
+    dcp.save(sharded, storage_writer=dcp.FileSystemWriter(str(tmp / OPTIM_DIR)), process_group=saved.control)
+    write_json_atomic(tmp / rng_file(rank), rng_state(saved.env.device))
+    _gather(saved, None)  # a barrier: every rank's files are written
     names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file() and not p.name.endswith(".tmp"))
     mine = {n: FileEntry((tmp / n).stat().st_size, sha256_file(tmp / n)) for n in names if _writer(n) == rank}
-    files = {k: v for part in _gather(trainer, mine) for k, v in part.items()}
+    files = {k: v for part in _gather(saved, mine) for k, v in part.items()}
 
     def publish() -> None:
         if rank != 0:
             return
         check_visible(tmp, files)  # every rank's shard, as its writer reported it, before the manifest exists
         try:
-            write_json_atomic(tmp / MANIFEST_FILE, _manifest(trainer, state, files, refit))  # last: marks it complete
+            write_json_atomic(tmp / MANIFEST_FILE, _manifest(saved, state, files, refit))  # last: marks it complete
             replace_directory(tmp, final)  # the same step saved again (e.g. right after a resume) replaces it
         except OSError as exc:
             raise HydraulisError(f"{final}: cannot publish the checkpoint: {exc.strerror or exc}") from None
         prune(out, keep, spare=final)
 
-    _agree(trainer, publish)
+    _agree(saved, publish)
     return final
 
 
 # -- load ----------------------------------------------------------------------------------------------
-def load_checkpoint(trainer: Trainer, path: str | Path, verify: bool = True, log: Log = aside) -> CheckpointInfo:
-    """Put a checkpoint's state into the trainer (every rank calls it), whatever world size saved it.
+def load_checkpoint(saved: Saved, path: str | Path, verify: bool = True, log: Log = aside) -> CheckpointInfo:
+    """Put a checkpoint's state into the saved parts (every rank calls it), whatever world size saved it.
 
     Everything is checked first (with `verify`, every file's checksum, the
     files spread over the ranks); only then are the optimizer, the step, the
@@ -263,57 +306,58 @@ def load_checkpoint(trainer: Trainer, path: str | Path, verify: bool = True, log
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
-    world, rank = trainer.world, trainer.rank
+    world, rank = saved.world, saved.rank
 
     def check() -> CheckpointInfo:
         info = read_manifest(path)
         check_files(info, hashes=False)
         check_files(info, [f"{OPTIM_DIR}/.metadata"])  # checked before DCP unpickles it
-        check_compatible(info, trainer.layout)
-        ours = getattr(trainer.corpus, "manifest", None)
+        check_compatible(info, saved.layout)
+        ours = saved.corpus
         if ours is not None and info.corpus_sha256 is not None and dict(ours.checksums) != info.corpus_sha256:
             raise HydraulisError(
                 f"{info.manifest_path}: saved while training on another corpus (its checksums differ from "
-                f"{getattr(trainer.corpus, 'path', 'this corpus')}'s manifest)"
+                f"corpus {ours.name}'s manifest)"
             )
-        previous = trainer.sampler.state
+        sampler = saved.feed.sampler
+        previous = sampler.state
         try:
-            trainer.sampler.state = info.sampler  # the setter checks the position against the corpus
+            sampler.state = info.sampler  # the setter checks the position against the corpus
         except HydraulisError as exc:
             raise HydraulisError(f"{info.manifest_path}: {exc}") from None
         finally:
-            trainer.sampler.state = previous
+            sampler.state = previous
         if verify:
             check_files(info, sorted(info.files)[rank::world])  # every file once, the reading spread over ranks
         return info
 
-    info = _agree(trainer, check)
-    current = trainer.state_dict()
+    info = _agree(saved, check)
+    current = saved.state_dict()
     fresh = {k: torch.zeros_like(current["optimizer"][k]) for k in OPTIM_KEYS}
 
     def read() -> None:
         try:
             dcp.load(
-                _sharded(trainer, fresh),
+                _sharded(saved, fresh),
                 storage_reader=dcp.FileSystemReader(str(path / OPTIM_DIR)),
-                process_group=_control(trainer),
+                process_group=saved.control,
             )
         except Exception as exc:  # noqa: BLE001 - DCP wraps every rank's read error
             raise HydraulisError(f"{path / OPTIM_DIR}: cannot read the optimizer state: {exc}") from None
         own = path / rng_file(rank)
         source = own if own.name in info.files else path / rng_file(0)
         rng = read_json_object(source)
-        set_rng_state(rng, trainer.env.device, str(source))
+        set_rng_state(rng, saved.env.device, str(source))
 
-    _agree(trainer, read)
-    trainer.load_state_dict(
+    _agree(saved, read)
+    saved.load_state_dict(
         {"step": info.step, "sampler": info.sampler, "optimizer": {**fresh, "step": info.optimizer_step}}
     )
     return info
 
 
 def resume(
-    trainer: Trainer, path: str | Path, verify: bool = True, log: Log = aside, chosen: str | None = None
+    saved: Saved, path: str | Path, verify: bool = True, log: Log = aside, chosen: str | None = None
 ) -> CheckpointInfo | None:
     """Load the checkpoint at `path` or the newest verifying one under it (every rank calls it).
 
@@ -324,15 +368,15 @@ def resume(
     """
 
     def pick() -> str | None:
-        if trainer.rank != 0:
+        if saved.rank != 0:
             return None
         found = chosen or resolve_checkpoint(path, log=log)
         return None if found is None else str(found)
 
-    picked = _gather(trainer, _agree(trainer, pick))[0]
+    picked = _gather(saved, _agree(saved, pick))[0]
     if picked is None:
         return None
-    return load_checkpoint(trainer, picked, verify=verify and Path(picked) == Path(path), log=log)
+    return load_checkpoint(saved, picked, verify=verify and Path(picked) == Path(path), log=log)
 
 
 # -- single-process reading (export) ------------------------------------------------------------------
@@ -364,27 +408,28 @@ def load_master(path: str | Path, verify: bool = True) -> tuple[CheckpointInfo, 
 class CheckpointManager:
     """When a run saves and how many checkpoints it keeps: the loop asks it after every step.
 
-    It saves every `every` steps (0: never), at `last_step` and when the ranks
+    It saves the parts it is handed (`states`) every `every` steps (0: never), at `last_step` and when the ranks
     agreed to stop; it keeps the newest `keep` complete checkpoints.
     """
 
+    states: Saved
     directory: Path
     every: int
     keep: int
     last_step: int
     log: Log = aside
 
-    def resume(self, trainer: Trainer, verify: bool = True, chosen: str | None = None) -> CheckpointInfo | None:
-        """The newest verifying checkpoint (or `chosen`) in the trainer (every rank calls it); None without one."""
-        return resume(trainer, self.directory, verify=verify, log=self.log, chosen=chosen)
+    def resume(self, verify: bool = True, chosen: str | None = None) -> CheckpointInfo | None:
+        """The newest verifying checkpoint (or `chosen`) into the parts (every rank calls it); None without one."""
+        return resume(self.states, self.directory, verify=verify, log=self.log, chosen=chosen)
 
     def due(self, step: int, stopping: bool = False) -> bool:
         return stopping or step == self.last_step or (self.every > 0 and step % self.every == 0)
 
-    def maybe_save(self, trainer: Trainer, stopping: bool = False, refit: RefitState | None = None) -> Path | None:
-        """Save if one is due after the trainer's last step (every rank calls it); the directory, or None."""
-        if not self.due(trainer.step_index, stopping):
+    def maybe_save(self, stopping: bool = False, refit: RefitState | None = None) -> Path | None:
+        """Save if one is due after the last step (every rank calls it); the directory, or None."""
+        if not self.due(self.states.feed.step, stopping):
             return None
-        path = save_checkpoint(trainer, self.directory, keep=self.keep, log=self.log, refit=refit)
+        path = save_checkpoint(self.states, self.directory, keep=self.keep, log=self.log, refit=refit)
         self.log(f"saved {path}")
         return path

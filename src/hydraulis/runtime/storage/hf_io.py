@@ -45,7 +45,6 @@ from hydraulis.store.checkpoints import resolve_checkpoint
 
 if TYPE_CHECKING:
     from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
-    from hydraulis.runtime.trainer import Trainer
 
 
 def unflatten(layout: ShardLayout, vector: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -143,7 +142,7 @@ def _read_range(sl: Any, p: FlatParam, start: int, stop: int, rows: int) -> torc
 
 
 @torch.no_grad()
-def init_from(target: Trainer | ShardedOptimizer, hf_dir: str | Path) -> ModelSpec:
+def init_from(opt: ShardedOptimizer, hf_dir: str | Path) -> ModelSpec:
     """Fill the owned range of the master weights from an HF directory (families.py); padded rows are zeros.
 
     Each rank reads only the slices of tensors in its range; every name and
@@ -152,8 +151,8 @@ def init_from(target: Trainer | ShardedOptimizer, hf_dir: str | Path) -> ModelSp
     """
     from safetensors import safe_open
 
-    opt = getattr(target, "optimizer", target)
     layout: ShardLayout = opt.layout
+    owned = layout.owned_ranges(opt.rank)  # the ranges of the master this rank fills
     hf_dir = Path(hf_dir)
     config_path, _, spec = read_hf_config(hf_dir)
     differ = [d for d in spec.tensor_differences(layout.spec) if d != "padded_vocab"]
@@ -161,7 +160,6 @@ def init_from(target: Trainer | ShardedOptimizer, hf_dir: str | Path) -> ModelSp
         mine = layout.spec.describe()
         raise HydraulisError(f"{config_path}: model {spec.describe()}, this run's model is {mine} ({differ[0]})")
     files = check_weights(hf_dir, spec)  # every name and shape first (job.py checked them too), then the values
-    owned = layout.owned_ranges(opt.rank)
     fresh = torch.empty(layout.owned_size(opt.rank), dtype=torch.float32)
     with contextlib.ExitStack() as stack:
         handles: dict[Path, Any] = {}
