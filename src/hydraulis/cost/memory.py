@@ -1,12 +1,11 @@
 """Memory: the training state the runtime holds, and the per-GPU cap it leaves for activations.
 
-`TrainingState` is the one definition of bytes per parameter that the analytic memory model and the
-runtime's prediction of its peak both read; activations.py counts what the runtime's layers and loss head
-keep for backward; `rank_memory` is one rank's peak buffer by buffer, which the trainer logs beside the
-peak torch's allocator measures (runtime/step_memory.py); `MemoryModel.cap`, the most tokens a micro-batch
-of a config may hold (docs/design.md, section 4), is the largest micro-batch whose `rank_memory` peak fits
-on the config's first and last stage: under CP with the K/V buffers attention keeps, and zero where the
-state and the optimizer exchange's buffers do not fit; under a memory policy (policies.py), its count.
+`TrainingState` is the one definition of bytes per parameter that the memory model and the runtime's
+prediction of its peak both read; activations.py counts what the layers and loss head keep for backward;
+`rank_memory` is one rank's peak buffer by buffer, logged beside the allocator's (runtime/step_memory.py);
+`MemoryModel.cap` (docs/design.md, section 4) is the largest micro-batch whose `rank_memory` peak fits on
+the config's first and last stage: under CP with the K/V buffers attention keeps, zero where the state and
+the exchange's buffers do not fit; under a memory policy (policies.py), its count.
 """
 
 from __future__ import annotations
