@@ -88,7 +88,7 @@ def worker(job: dict) -> dict:
 
     # The optimizer's exchanges on each deployment of the pool, against a DDP-style all-reduce of
     # the whole model's fp32 gradients on every rank.
-    flat = torch.zeros(trainer.layout.total)
+    flat = torch.zeros(trainer.optimizer.layout.total)
     out["allreduce_s"] = timed(lambda: dist.all_reduce(flat))
     out["exchange_s"] = {}
     for index, part in enumerate(trainer.deployments.parts):

@@ -155,7 +155,7 @@ def train(rank: int, world: int, s: TrainSettings, plans: list[Schedule]) -> dic
         "master": opt.master.clone(),
         "traffic": traffic,
         "splits": splits,
-        "owned": trainer.layout.owned_ranges(rank),
+        "owned": trainer.optimizer.layout.owned_ranges(rank),
     }
 
 

@@ -151,10 +151,6 @@ class Trainer:
         """The step this trainer runs next (the plan feed keeps it: it plans that step's batch)."""
         return self.feed.step
 
-    @property
-    def layout(self) -> ShardLayout:
-        return self.optimizer.layout
-
     # -- iterations -------------------------------------------------------------------------
     def step(self) -> StepMetrics:
         """Plan (already in flight), run and report one iteration; the next batch's planning starts at once."""
