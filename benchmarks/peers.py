@@ -1,12 +1,9 @@
 """Hydraulis against plain PyTorch peers: the same global batches on 4 gloo ranks, measured side by side.
 
-The project's yardstick for training speed. Variants, all on the same global batches (the
-token-budget sampler over a built-in corpus):
+The project's yardstick for training speed. Variants, on the same global batches of a built-in corpus:
 
-- `hydraulis`: the real Trainer with its Planner on POOL; plans are made up front (in training
-  rank 0 plans in the background, hidden behind compute), as benchmarks/train_step.py does;
-- each homogeneous deployment of the pool (`4x(tp1,pp1)`, `2x(tp2,pp1)`): the same Trainer, its
-  pool that one deployment, planned by `Planner.plan_on`;
+- `hydraulis`: the real Trainer with its Planner on POOL, plans made up front as benchmarks/train_step.py does;
+- each homogeneous deployment of the pool (`4x(tp1,pp1)`, `2x(tp2,pp1)`): the same Trainer on it alone;
 - `ddp-doc`, `ddp-packed`: torch DDP of transformers' LlamaForCausalLM, one forward per document,
   or one packed row per rank with a block-diagonal causal mask; `fsdp2`: FSDP2, one forward per
   document. benchmarks/peer_models.py says how they train Hydraulis's exact objective (same weights,
@@ -30,33 +27,23 @@ barrier; its time is the slowest rank's, from the step's start to the end of tha
 step (Hydraulis: `StepMetrics.iteration_s`, which ends there too; its per-step reporting is left
 out). tokens/s = the batches' real tokens / the summed step times; median [min-max] over reps.
 
-CPU seconds per iteration: every rank's process CPU time (all its threads) over the timed pass,
-summed over ranks. Divided by the wall time and the cores, it is the share of the machine the variant
-kept busy: near 100%, no better schedule of the same work can be faster here, only less work can.
+CPU seconds per iteration: every rank's process CPU time over the timed pass, summed over ranks; over
+the wall time and the cores, the share of the machine the variant kept busy (near 100%: only less work
+can be faster here).
 
-Memory per rank: VmHWM, the process's high-water mark (it cannot be reset), minus VmRSS after the
-imports (torch, transformers, hydraulis: the same for every variant) and before the variant is built:
-what the variant itself added at its peak, warm-up and timed pass included. Each variant runs in
-processes of its own, so no other variant's memory is in it. Printed: the largest rank, median of reps.
-Beside it, "peak MiB": the most tensor bytes a rank held in any step of the warm-up pass, measured as the
-trainer measures its own (runtime/step_memory.py): a census of live tensors before the step plus the CPU
-allocator's peak above it (torch's profiler; the timed pass runs without it). The budget is checked on it.
+Memory per rank: VmHWM minus VmRSS after the imports and before the variant is built (what the variant
+added at its peak; each variant runs in processes of its own), the largest rank, median of reps. Beside it,
+"peak MiB": the most tensor bytes a rank held in any warm-up step, measured as the trainer measures its own
+(runtime/step_memory.py; the timed pass runs without the profiler). The budget is checked on it.
 
 Exposed exchange time per iteration: the seconds a rank's training thread waited for the exchange of
-parameters and gradients instead of computing, the largest rank's per step, mean over steps (and its
-share of the summed step times). Hydraulis: the trainer's own figure (runtime/optimizer/exchange.py: the time its
-thread spent packing, unpacking and waiting for gather and reduce rounds, which overlap compute); DDP:
-the tail of its synchronising backward after the last gradient was produced; FSDP2: the time in its
-all-gathers and reduce-scatters, which on CPU block (benchmarks/peer_models.py says why both measure the
-same thing). All include waiting for the slowest rank, which a collective cannot complete without; the
-rank that waited least (the slowest one) is printed too: its wait is the exchange alone.
-
-Bytes sent per rank per iteration: DDP and FSDP2 by the ring formula, 2 (N-1)/N x parameter bytes
-(one all-reduce; one all-gather plus one reduce-scatter); Hydraulis's optimizer gather and reduce
-from its exchange plans, averaged over the iterations, largest rank (tensor-parallel activation
-all-reduces inside compute are not counted). The planner's predicted speedup over the best
-homogeneous deployment (sums of `plan.predicted_time_s`) is printed next to the measured one.
-CPU figures are informative: the 4 ranks share this machine's cores.
+parameters and gradients instead of computing (Hydraulis: runtime/optimizer/exchange.py's figure; DDP:
+the tail of its backward after the last gradient; FSDP2: its blocking all-gathers and reduce-scatters;
+benchmarks/peer_models.py says why these measure the same thing), largest rank per step, mean over steps;
+the rank that waited least, whose wait is the exchange alone, is printed too. Bytes sent per rank per
+iteration: DDP and FSDP2 by the ring formula, Hydraulis from its exchange plans (TP's all-reduces inside
+compute not counted). The planner's predicted speedup over the best homogeneous deployment is printed next
+to the measured one. CPU figures are informative: the 4 ranks share this machine's cores.
 
     .venv/bin/python benchmarks/peers.py [--setting all|longtail|sft|small|bounded|tight] [--reps 3] [--steps 12]
         [--tokens N] [--profile P] [--json out.json]

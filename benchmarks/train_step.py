@@ -115,6 +115,28 @@ def worker(job: dict) -> dict:
     return out
 
 
+def print_report(report: dict, r: dict, used: dict, args: argparse.Namespace) -> None:
+    """The report's lines on the terminal."""
+    tput, exposed, best = report["tokens_per_s"], report["exchange_exposed_s"], report["baseline"]
+    print(f"train_step on {WORLD} gloo ranks, tiny model, {args.steps} batches of {args.corpus} x {args.reps} reps "
+          "(CPU: informative)")
+    for k, v in r["tokens_per_s"].items():
+        homog = k not in ("hydraulis", SEQUENTIAL)
+        label = f"{k} (homogeneous{', best measured' if k == best else ''})" if homog else k
+        print(f"  {label:<40} {tput[k]:>8,.0f} tokens/s [{min(v):,.0f}-{max(v):,.0f}]   "
+              f"exposed exchange {exposed[k] * 1e3:6.1f} ms/it   "
+              f"deployments {', '.join(used.get(k, used['hydraulis']))}")
+    print(f"  overlapped / not overlapped exchange: {report['overlap_speedup']:.2f}x tokens/s, exposed exchange "
+          f"{exposed['hydraulis'] * 1e3:.1f} against {exposed[SEQUENTIAL] * 1e3:.1f} ms/it")
+    print(f"  hydraulis / best measured homogeneous ({best}): {report['speedup_vs_best_homogeneous']:.2f}x measured "
+          f"({report['predicted_speedup']:.2f}x predicted by the cost model)")
+    for k, v in report["exchange_s"].items():
+        print(f"  optimizer gather+reduce on {k}: {v * 1e3:.1f} ms vs DDP all-reduce "
+              f"{report['allreduce_s'] * 1e3:.1f} ms: {report['exchange_vs_allreduce'][k]:.2f}x")
+    print(f"  iteration after a switch {report['iteration_switch_s']:.3f} s vs without {report['iteration_stay_s']:.3f}"
+          f" s: {report['switch_vs_stay']:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
@@ -181,23 +203,7 @@ def main() -> None:
         "switch_vs_stay": r["switch_s"] / r["stay_s"],
         "wall_s": time.perf_counter() - start,
     }
-    print(f"train_step on {WORLD} gloo ranks, tiny model, {args.steps} batches of {args.corpus} x {args.reps} reps "
-          "(CPU: informative)")
-    for k, v in r["tokens_per_s"].items():
-        homog = k not in ("hydraulis", SEQUENTIAL)
-        label = f"{k} (homogeneous{', best measured' if k == best else ''})" if homog else k
-        print(f"  {label:<40} {tput[k]:>8,.0f} tokens/s [{min(v):,.0f}-{max(v):,.0f}]   "
-              f"exposed exchange {exposed[k] * 1e3:6.1f} ms/it   "
-              f"deployments {', '.join(used.get(k, used['hydraulis']))}")
-    print(f"  overlapped / not overlapped exchange: {report['overlap_speedup']:.2f}x tokens/s, exposed exchange "
-          f"{exposed['hydraulis'] * 1e3:.1f} against {exposed[SEQUENTIAL] * 1e3:.1f} ms/it")
-    print(f"  hydraulis / best measured homogeneous ({best}): {report['speedup_vs_best_homogeneous']:.2f}x measured "
-          f"({report['predicted_speedup']:.2f}x predicted by the cost model)")
-    for k, v in report["exchange_s"].items():
-        print(f"  optimizer gather+reduce on {k}: {v * 1e3:.1f} ms vs DDP all-reduce "
-              f"{report['allreduce_s'] * 1e3:.1f} ms: {report['exchange_vs_allreduce'][k]:.2f}x")
-    print(f"  iteration after a switch {report['iteration_switch_s']:.3f} s vs without {report['iteration_stay_s']:.3f}"
-          f" s: {report['switch_vs_stay']:.2f}x")
+    print_report(report, r, used, args)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(report, fh, indent=1)
