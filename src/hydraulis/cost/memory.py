@@ -379,17 +379,17 @@ def rank_memory(
     if contributors is None:
         contributors = max(1, num_gpus // config.num_gpus) * config.cp
     buffers, piece, one_round = _exchange(shard, owned, contributors, num_gpus, bucket_bytes, state.scaled)
-    # Otherwise the gather's buffers meet the first forward's layers, the reduce's and the reduced gradient the
-    # last backward's (one micro-batch in flight under 1F1B) once the stage's last blocks freed their activations
-    # (`reduce_wait`); with one micro-batch the gradients those blocks made are beside them.
+    share = max_rank_tokens(tokens, config.cp)  # the fullest CP rank's tokens
+    # Otherwise the gather's buffers meet the first forward's layers, the reduce's and the reduced gradient the last
+    # backward's once the stage's last blocks freed theirs (`reduce_wait`); with one micro-batch, beside their grads.
     block = memory.activation_bytes(config, model, tokens, False, None, dtype_bytes) / model.layers * kept_share(
         model, config.tp, dtype_bytes, memory.sequence_parallel, recompute)
     held_activations = memory.stage_activation_bytes(config, model, stage, tokens, dtype_bytes, recompute,
                                                      micro_batches, window)
     reducing = memory.stage_activation_bytes(config, model, stage, tokens, dtype_bytes, recompute, 1)
     # The block recompute runs again exists beside its backward only, not the loss's forward.
-    again = max_rank_tokens(tokens, config.cp) * recomputed_bytes(
-        model, config.tp, dtype_bytes, memory.sequence_parallel, recompute) * memory.own_per_token
+    again = share * recomputed_bytes(model, config.tp, dtype_bytes, memory.sequence_parallel, recompute) * (
+        memory.own_per_token)
     # The gradients exist from the first backward on: beside a full set in flight only when a forward follows it
     # (more micro-batches than in flight); with exactly as many, beside the others once the first one's are freed.
     full = micro_batches > in_flight(config, stage, micro_batches)
@@ -403,7 +403,7 @@ def rank_memory(
         activations=(held_activations - again) * busy,
         reducing=(reducing - again) * busy,
         loss_transient=memory.loss_transient_bytes(config, model, tokens, dtype_bytes) if busy and last else 0.0,
-        backward=(max_rank_tokens(tokens, config.cp) * backward_bytes(model, config.tp, dtype_bytes) + again)
+        backward=(share * backward_bytes(model, config.tp, dtype_bytes) + again)
         * (busy and memory.own_per_token),
         grads_with_activations=grads_beside,
         exchange_buffers=buffers,
