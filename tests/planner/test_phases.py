@@ -303,3 +303,22 @@ def test_planners_sharing_a_memo_plan_as_planners_without_one():
         assert ours.iteration_time_s == fresh.iteration_time_s
         assert [p.replicas for p in ours.phases] == [p.replicas for p in fresh.phases]
     assert memo and "later" in memo
+
+
+def test_a_refit_planner_keeps_the_deployments_that_missed_a_batch():
+    """The comparison after a run leaves out a homogeneous deployment that could not hold some batch (`missed`);
+    an online refit plans with a new cost model from its step on, and a run that forgot the earlier batches
+    compared against a deployment it could never have used (the demo once measured 1.02x instead of 1.45x)."""
+    from hydraulis.planner.pool import parse_pool
+
+    budgeted = load_cost_model("tiny@cpu-measured").for_job(40 << 20, 4, 64 << 20, False)
+    pool = parse_pool("1x(tp2,pp1) + 2x(tp1,pp1); 4x(tp1,pp1)", ClusterSpec(4))
+    planner = PhasedPlanner(budgeted, 4, pool)
+    planner.schedule(np.array([2000, 100, 200, 300, 50]), 7)  # 4x(tp1,pp1) holds 1,792 tokens at most
+    assert planner.missed == {1}
+    other = budgeted.with_overlap(False)  # another cost model, as a refit's is
+    refit = planner.with_cost(other)
+    assert type(refit) is PhasedPlanner and refit.cost is other
+    refit.schedule(np.array([100, 200, 300, 50]), 8)  # every deployment holds this one
+    assert refit.missed == {1} and set(refit.outlook) == {7, 8}
+    assert planner.missed is refit.missed and planner.outlook is refit.outlook

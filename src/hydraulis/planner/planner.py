@@ -148,6 +148,15 @@ class Planner:
         self.outlook: dict[int, tuple[float, ...]] = {}
         self._last_outlook: tuple[float, ...] = ()
 
+    def with_cost(self, cost: CostModel) -> Planner:
+        """This planner on another cost model (the online refit's), keeping what the run recorded so far: the
+        deployments that missed a batch (the comparison leaves those out) and the outlook."""
+        other = type(self)(cost, self.num_gpus, self.pool, method=self.method,
+                           milp_time_limit_s=self.milp_time_limit_s, full_candidates=self.full_candidates,
+                           refine_rounds=self.refine_rounds)
+        other.missed, other.outlook = self.missed, self.outlook  # the same records
+        return other
+
     def plan(self, lengths: Sequence[int] | np.ndarray, step: int = 0) -> IterationPlan:
         """The fastest plan (by simulation) over the pool deployments that hold the batch."""
         start = time.perf_counter()

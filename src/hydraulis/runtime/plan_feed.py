@@ -111,9 +111,7 @@ class PlanFeed:
         step, as in a run resumed there (its checkpoint keeps the refit), so both plan the same."""
         if self.planner is None:
             return
-        outlook = self.planner.outlook  # the same record: a plan in flight adds its step to it
-        self.planner = PhasedPlanner(cost, self.world, self.pool)
-        self.planner.outlook = outlook
+        self.planner = self.planner.with_cost(cost)  # the same records: a plan in flight adds its step to them
         if self._pending is not None and self._pending[1] is not None:
             batch, future = self._pending
             future.cancel()  # if it already runs, it finishes; its result is never read
