@@ -303,3 +303,25 @@ def test_planners_sharing_a_memo_plan_as_planners_without_one():
         assert ours.iteration_time_s == fresh.iteration_time_s
         assert [p.replicas for p in ours.phases] == [p.replicas for p in fresh.phases]
     assert memo and "later" in memo
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.lists(st.integers(100, 30000), min_size=1, max_size=12), min_size=2, max_size=4))
+def test_samples_are_clipped_where_batches_stop_between_their_longest(sample):
+    """Between the samples' shortest and longest maxima, at config caps STOP_RATIO apart, each sample longer than
+    the level clipped to it: a batch that stops there, with the sample's other sequences."""
+    from hydraulis.planner.phases import STOP_RATIO, _short_batches, stop_levels
+    from hydraulis.planner.pool import replicable_configs
+
+    sample = [np.array(b, dtype=np.int64) for b in sample]
+    configs = replicable_configs(BIG, CLUSTER)
+    tops = [int(b.max()) for b in sample]
+    levels = stop_levels(BIG, 16, configs, sample)
+    caps = {BIG.cap(g, 16) for g in configs}
+    assert all(min(tops) < lv < max(tops) and lv in caps for lv in levels)
+    assert all(b >= a * STOP_RATIO for a, b in zip(levels, levels[1:], strict=False))
+    for lv in levels:
+        clipped = _short_batches(sample, lv, clip=True)
+        longer = [b for b in sample if int(b.max()) > lv]
+        assert len(clipped) == len(longer) and all(int(c.max()) == lv for c in clipped)
+        assert all(np.array_equal(c, np.minimum(b, lv)) for c, b in zip(clipped, longer, strict=True))
