@@ -163,8 +163,9 @@ def run_policies(
     Where no config packs the run's longest sequence otherwise, every baseline recomputes in the configs that
     hold it only so, for all their micro-batches, as its users would switch on for the run: full recompute, or
     the lightest uniform policy that holds it (`PolicyContext.recompute_where_needed`), whichever runs its
-    batches faster. With `memory_policies` hydraulis instead chooses a policy per micro-batch
-    (`CostModel.with_policies`), its own lever. Balance efficiency divides one lower bound per batch, the least
+    batches faster. With `memory_policies` hydraulis also chooses a policy per micro-batch
+    (`CostModel.with_policies`), its own lever, beside the same run-wide choice (without recompute, or with
+    full recompute where needed: the faster). Balance efficiency divides one lower bound per batch, the least
     over the cost models the policies plan on (megatron-dcp's adds its CP group sizes), by each iteration's
     time: how far each policy is from the best possible.
     """
@@ -175,9 +176,9 @@ def run_policies(
                                                      for lightest in (False, True))}.values())
     for policy_name in policies:
         if policy_name == "hydraulis" and memory_policies:
-            ours = dataclasses.replace(ctx, cost=ctx.cost.with_policies(True))
-            ours.cost.name = f"{ctx.cost.name}+policies"
-            tried = [_run_policy(policy_name, ours, batches)]
+            # its own lever beside the same run-wide choice: with full recompute where needed, or without
+            tried = [_run_policy(policy_name, _with_policies(c), batches)
+                     for c in {c.cost.name: c for c in (ctx, contexts[0])}.values()]
         else:
             tried = [_run_policy(policy_name, c, batches) for c in contexts]
         run = min(tried, key=lambda r: sum(r[1]))
@@ -201,6 +202,13 @@ def run_policies(
     ]
     base = next((r.tokens_per_s for r in results if r.policy == BASELINE), math.nan)
     return [dataclasses.replace(r, speedup_vs_megatron=r.tokens_per_s / base) for r in results]
+
+
+def _with_policies(ctx: PolicyContext) -> PolicyContext:
+    """`ctx` whose planner chooses a memory policy per micro-batch (`CostModel.with_policies`)."""
+    cost = ctx.cost.with_policies(True)
+    cost.name = f"{ctx.cost.name}+policies"
+    return dataclasses.replace(ctx, cost=cost)
 
 
 def _run_policy(
