@@ -156,31 +156,36 @@ def run_policies(
     batches: list[np.ndarray],
     policies: Iterable[str],
     keep: Callable[[str, int, Schedule], None] | None = None,
+    memory_policies: bool = False,
 ) -> list[PolicyResult]:
     """Every policy on the same batches and context; `keep(policy, step, schedule)` sees each schedule.
 
-    Every policy gets full recompute where no config packs the run's longest sequence otherwise
-    (`PolicyContext.recompute_where_needed`), the same cost model for all. Balance efficiency divides one
-    lower bound per batch, the least over the cost models the policies plan on (megatron-dcp's adds its CP
-    group sizes), by each iteration's time: how far each policy is from the best possible.
+    Where no config packs the run's longest sequence otherwise, every baseline recomputes in the configs that
+    hold it only so, for all their micro-batches, as its users would switch on for the run: full recompute, or
+    the lightest uniform policy that holds it (`PolicyContext.recompute_where_needed`), whichever runs its
+    batches faster. With `memory_policies` hydraulis also chooses a policy per micro-batch
+    (`CostModel.with_policies`), its own lever, beside the same run-wide choice (without recompute, or with
+    full recompute where needed: the faster). Balance efficiency divides one lower bound per batch, the least
+    over the cost models the policies plan on (megatron-dcp's adds its CP group sizes), by each iteration's
+    time: how far each policy is from the best possible.
     """
     runs = []
-    # One rule for all: recompute where no config packs the longest sequence by its cap, so every policy
-    # plans on the same cost model (the planner's lone micro-batches would hold more, without recompute).
-    own = ctx if ctx.user_pool is not None else ctx.recompute_where_needed(lone=False)
+    contexts = [ctx]
+    if ctx.user_pool is None:  # the user's pool is planned as given
+        contexts = list({c.cost.name: c for c in (ctx.recompute_where_needed(lone=False, lightest=lightest)
+                                                     for lightest in (False, True))}.values())
     for policy_name in policies:
-        policy = make_policy(policy_name, own)
-        times, planning, used = [], [], {}
-        for step, b in enumerate(batches):
-            schedule = policy.schedule(b, step)
-            check_schedule(schedule, policy.cost)  # every sequence once, caps hold: else tokens/s would lie
-            if keep:
+        if policy_name == "hydraulis" and memory_policies:
+            # its own lever beside the same run-wide choice: with full recompute where needed, or without
+            tried = [_run_policy(policy_name, _with_policies(c), batches)
+                     for c in {c.cost.name: c for c in (ctx, contexts[0])}.values()]
+        else:
+            tried = [_run_policy(policy_name, c, batches) for c in contexts]
+        run = min(tried, key=lambda r: sum(r[1]))
+        if keep:
+            for step, schedule in enumerate(run[4]):
                 keep(policy_name, step, schedule)
-            times.append(schedule.iteration_time_s)
-            planning.append(schedule.planning_time_s)
-            for phase in schedule.phases:
-                used[str(phase.deployment)] = used.get(str(phase.deployment), 0) + 1
-        runs.append((policy_name, policy.cost, times, planning, used))
+        runs.append((policy_name, *run[:4]))
     bounds = scenario_bounds(batches, [r[1] for r in runs], ctx.num_gpus)
     tokens = sum(int(b.sum()) for b in batches)
     results = [
@@ -197,6 +202,30 @@ def run_policies(
     ]
     base = next((r.tokens_per_s for r in results if r.policy == BASELINE), math.nan)
     return [dataclasses.replace(r, speedup_vs_megatron=r.tokens_per_s / base) for r in results]
+
+
+def _with_policies(ctx: PolicyContext) -> PolicyContext:
+    """`ctx` whose planner chooses a memory policy per micro-batch (`CostModel.with_policies`)."""
+    cost = ctx.cost.with_policies(True)
+    cost.name = f"{ctx.cost.name}+policies"
+    return dataclasses.replace(ctx, cost=cost)
+
+
+def _run_policy(
+    policy_name: str, ctx: PolicyContext, batches: list[np.ndarray]
+) -> tuple[CostModel, list[float], list[float], dict[str, int], list[Schedule]]:
+    """One policy on the batches: its cost model, iteration and planning times, deployments used, schedules."""
+    policy = make_policy(policy_name, ctx)
+    times, planning, used, schedules = [], [], {}, []
+    for step, b in enumerate(batches):
+        schedule = policy.schedule(b, step)
+        check_schedule(schedule, policy.cost)  # every sequence once, caps hold: else tokens/s would lie
+        schedules.append(schedule)
+        times.append(schedule.iteration_time_s)
+        planning.append(schedule.planning_time_s)
+        for phase in schedule.phases:
+            used[str(phase.deployment)] = used.get(str(phase.deployment), 0) + 1
+    return policy.cost, times, planning, used, schedules
 
 
 def scenario_bounds(batches: list[np.ndarray], costs: list[CostModel], num_gpus: int) -> list[float]:
@@ -217,7 +246,7 @@ def run_scenario(scenario: Scenario, policies: Iterable[str]) -> list[PolicyResu
     cluster = ClusterSpec(scenario.num_gpus)
     batches = scenario.sample(scenario.seed)
     ctx = PolicyContext.build(cost, cluster, batches, sample=scenario.sample(scenario.seed + 1000, 4))
-    return run_policies(scenario.name, ctx, batches, policies)
+    return run_policies(scenario.name, ctx, batches, policies, memory_policies=True)
 
 
 def geomean(values: list[float]) -> float:

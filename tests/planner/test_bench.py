@@ -7,6 +7,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hydraulis.bench import (
     LENGTH_SOURCES,
@@ -237,6 +239,49 @@ def test_baselines_get_full_recompute_only_where_nothing_fits_otherwise():
     assert ctx.recompute_where_needed(lone=True) is ctx  # the planner holds it alone on a deep CP replica
     short = PolicyContext.build(cost, cluster, [batch[1:]])
     assert short.recompute_where_needed(lone=False) is short
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(longest=st.integers(27000, 90000))
+def test_baselines_may_switch_on_the_lightest_uniform_policy_that_holds_the_longest(longest):
+    """Each config that holds the run's longest sequence only under recompute runs the lightest policy that holds
+    it for all its micro-batches (selective where it does); a config it already fits keeps its own."""
+    from hydraulis.cost import load_cost_model
+    from hydraulis.cost.policies import MemoryPolicy
+    from hydraulis.planner.policy import PolicyContext
+    from hydraulis.specs import ClusterSpec
+
+    cost = load_cost_model("llama-70b@h100-80g+cp")
+    ctx = PolicyContext.build(cost, ClusterSpec(64), [np.array([longest, 3000, 800])])
+    light, full = (ctx.recompute_where_needed(lone=False, lightest=x).cost for x in (True, False))
+    for g in (g for g in cost.configs if g.num_gpus <= 64):
+        plain = cost.cap(g, 64) >= longest
+        selective = cost.policy_cap(g, 64, MemoryPolicy.SELECTIVE) >= longest
+        if plain or light is cost:
+            assert light.policies(g) == cost.policies(g)
+        elif selective:
+            assert g in light.selective and light.cap(g, 64) >= longest and g in full.recompute
+        elif g in full.recompute:
+            assert g in light.recompute
+
+
+def test_each_baseline_runs_at_least_as_fast_as_under_full_recompute():
+    """The bench gives every baseline the faster of full recompute and the lightest uniform policy where the
+    longest sequence needs one; hydraulis plans with a policy per micro-batch."""
+    from hydraulis.bench import _run_policy, run_policies
+    from hydraulis.cost import load_cost_model
+    from hydraulis.planner.policy import PolicyContext
+    from hydraulis.specs import ClusterSpec
+
+    cost = load_cost_model("llama-70b@h100-80g+cp")
+    batch = np.array([40000] + [3000, 800] * 20)
+    ctx = PolicyContext.build(cost, ClusterSpec(64), [batch])
+    names = ["megatron", "flops-balanced", "hotspa"]
+    results = {r.policy: r for r in run_policies("t", ctx, [batch], [*names, "hydraulis"], memory_policies=True)}
+    full = ctx.recompute_where_needed(lone=False)
+    for name in names:
+        assert results[name].iteration_times_s[0] <= sum(_run_policy(name, full, [batch])[1]) * (1 + 1e-9)
+    assert results["hydraulis"].tokens_per_s >= max(results[n].tokens_per_s for n in names)
 
 
 def test_bench_lists_a_group_and_refuses_an_unknown_one(cli, tmp_path):

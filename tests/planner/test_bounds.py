@@ -60,3 +60,16 @@ def test_no_policy_beats_the_bound_where_pipelines_hold_long_sequences(name, lon
     ctx = PolicyContext.build(LONG, cluster, [b], [Deployment.parse(t, cluster) for t in POOL])
     policy = make_policy(name, ctx)
     assert lower_bound(b, policy.cost, 64) <= policy.schedule(b).iteration_time_s
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(long=st.integers(8000, 40000), short=st.lists(st.integers(16, 12000), min_size=1, max_size=40))
+def test_no_plan_with_memory_policies_beats_the_bound(long, short):
+    """Under a policy per micro-batch a sequence beyond a config's cap may run beside others at its policy's cost
+    (`ReplicaCost`): the bound prices it so, not as a lone micro-batch pp times over."""
+    b = np.array([long, *short], dtype=np.int64)
+    cluster = ClusterSpec(64)
+    cost = LONG.with_policies(True)
+    ctx = PolicyContext.build(cost, cluster, [b], [Deployment.parse(t, cluster) for t in POOL])
+    policy = make_policy("hydraulis", ctx)
+    assert lower_bound(b, cost, 64) <= policy.schedule(b).iteration_time_s * (1 + 1e-9)

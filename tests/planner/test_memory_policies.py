@@ -99,3 +99,54 @@ def test_a_policy_measured_slower_than_a_heavier_one_is_never_chosen():
     plan = Planner(cost, 4, POOL[:1]).plan(lengths)
     chosen = {plan.policy(r, k) for r, rp in enumerate(plan.replicas) for k in range(len(rp.micro_batches))}
     assert MemoryPolicy.FULL in chosen and MemoryPolicy.SELECTIVE not in chosen
+
+
+LONG70 = load_cost_model("llama-70b@h100-80g+cp").with_policies(True)
+
+
+def test_a_sequence_beyond_every_policys_cap_beside_others_counts_as_lone():
+    """The estimate knows a lone micro-batch by its cost (`ReplicaCost.long_w`); a lighter policy alone may cost
+    less just beyond `reach` than a heavier one beside others at it (tp1pp8: selective alone, full beside), and
+    every longer sequence must still read as lone, or dispatch packs it beside others (found by the bench)."""
+    from hydraulis.planner.replicas import ReplicaCost
+
+    cheaper_beyond = 0
+    for config in (g for g in LONG70.configs if g.num_gpus <= 64):
+        r = ReplicaCost.of(LONG70, config, 64)
+        s = np.arange(r.reach + 1, r.holds + 1, 97)
+        assert (r.seq_costs(s) > r.long_w).all()
+        cheaper_beyond += bool((r.seq_costs(s) <= r.seq_costs(np.array([r.reach]))[0]).any())
+    assert cheaper_beyond  # the case exists on this profile
+
+
+def test_a_uniform_policy_runs_every_micro_batch_of_its_configs():
+    """A baseline's run-wide setting (`with_uniform`): selective's caps are the config's plain ones, its times
+    the derived factors' on every micro-batch; full is the recompute set."""
+    from hydraulis.cost.policies import derived_scales
+
+    g, other = P(1, 1), P(1, 2)
+    cost = TIGHT.with_uniform([g], MemoryPolicy.SELECTIVE)
+    assert cost.policies(g) == (MemoryPolicy.SELECTIVE,) and cost.policies(other) == (MemoryPolicy.NONE,)
+    assert cost.cap(g, 4) == TIGHT.policy_cap(g, 4, MemoryPolicy.SELECTIVE) > TIGHT.cap(g, 4)
+    sa, sb = derived_scales(TIGHT.model)[MemoryPolicy.SELECTIVE]
+    k, u = TIGHT.coefficients(g), cost.coefficients(g)
+    assert (u.a, u.b, u.c) == (k.a * sa, k.b * sb, k.c) and cost.coefficients(other) == TIGHT.coefficients(other)
+    assert cost.stage_time(g, [700]) == TIGHT.stage_time(g, [700], MemoryPolicy.SELECTIVE)
+    assert TIGHT.with_uniform([g], MemoryPolicy.FULL).recompute == {g}
+    assert TIGHT.with_uniform([g], MemoryPolicy.NONE) is TIGHT
+
+
+def test_the_range_programme_packs_a_length_a_policy_holds_beside_others():
+    """Beyond tp1's plain cap, within selective's: without policies a replica runs each such sequence as its lone
+    micro-batch, so two per replica never fit; with them they run beside each other at selective's cost."""
+    from hydraulis.planner.range_dp import LengthHistogram, aware_group_time
+
+    g = P(1, 1)
+    s = TIGHT.cap(g, 4) + 200
+    assert s <= POLICIES.policy_cap(g, 4, MemoryPolicy.SELECTIVE) and 2 * s > TIGHT.lone_cap(g, 4)
+    hist = LengthHistogram(np.array([s]), np.array([8.0]))
+    off = aware_group_time(TIGHT, [g], hist, 4)(0, np.array([0, 1]), np.array([4.0]))
+    on = aware_group_time(POLICIES, [g], hist, 4)(0, np.array([0, 1]), np.array([4.0]))
+    assert np.isinf(off).all() and np.isfinite(on).all()
+    w, c = TIGHT.stage_time(g, [s], MemoryPolicy.SELECTIVE), TIGHT.coefficients(g).c
+    assert 2 * w <= on[0] <= 2 * w + c  # two micro-batches of one sequence each, pp = 1 (c per cap's worth of tokens)

@@ -322,3 +322,25 @@ def test_a_refit_planner_keeps_the_deployments_that_missed_a_batch():
     refit.schedule(np.array([100, 200, 300, 50]), 8)  # every deployment holds this one
     assert refit.missed == {1} and set(refit.outlook) == {7, 8}
     assert planner.missed is refit.missed and planner.outlook is refit.outlook
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.lists(st.integers(100, 30000), min_size=1, max_size=12), min_size=2, max_size=4))
+def test_samples_are_clipped_where_batches_stop_between_their_longest(sample):
+    """Between the samples' shortest and longest maxima, at config caps STOP_RATIO apart, each sample longer than
+    the level clipped to it: a batch that stops there, with the sample's other sequences."""
+    from hydraulis.planner.phases import STOP_RATIO, _short_batches, stop_levels
+    from hydraulis.planner.pool import replicable_configs
+
+    sample = [np.array(b, dtype=np.int64) for b in sample]
+    configs = replicable_configs(BIG, CLUSTER)
+    tops = [int(b.max()) for b in sample]
+    levels = stop_levels(BIG, 16, configs, sample)
+    caps = {BIG.cap(g, 16) for g in configs}
+    assert all(min(tops) < lv < max(tops) and lv in caps for lv in levels)
+    assert all(b >= a * STOP_RATIO for a, b in zip(levels, levels[1:], strict=False))
+    for lv in levels:
+        clipped = _short_batches(sample, lv, clip=True)
+        longer = [b for b in sample if int(b.max()) > lv]
+        assert len(clipped) == len(longer) and all(int(c.max()) == lv for c in clipped)
+        assert all(np.array_equal(c, np.minimum(b, lv)) for c, b in zip(clipped, longer, strict=True))

@@ -141,6 +141,7 @@ class CostModel:
         self._min_efficient = dict(min_efficient_tokens)
         self._set_coefficients(coefficients)
         self.recompute: frozenset[ParallelConfig] = frozenset()
+        self.selective: frozenset[ParallelConfig] = frozenset()  # run selective always (`with_uniform`; the bench)
         # Per-micro-batch memory policies (policies.py): off, every micro-batch runs its config's one policy.
         self.memory_policies = False
         self.policy_scales: dict[ParallelConfig, dict[MemoryPolicy, tuple[float, float]]] = {}  # measured
@@ -185,6 +186,24 @@ class CostModel:
         out.recompute = self.recompute | new
         return out
 
+    def with_uniform(self, configs: Iterable[ParallelConfig], policy: MemoryPolicy) -> CostModel:
+        """A copy in which every micro-batch of these configs runs `policy` (a run-wide setting, as a Megatron
+        user switches on recompute): full is `with_recompute`; selective scales a and b by its factors and makes
+        its caps the configs' plain ones. The simulator's only: the runtime checkpoints the recompute set."""
+        if policy == MemoryPolicy.FULL:
+            return self.with_recompute(configs)
+        new = frozenset(configs) - self.recompute - self.selective
+        if policy == MemoryPolicy.NONE or not new:
+            return self
+        out = copy.copy(self)
+        out.a, out.b = self.a.copy(), self.b.copy()
+        for g in new:
+            sa, sb = self.policy_scale(g, policy)
+            out.a[self.index(g)] *= sa
+            out.b[self.index(g)] *= sb
+        out.selective = self.selective | new
+        return out
+
     def with_policies(self, on: bool) -> CostModel:
         """A copy whose planner may choose a memory policy per micro-batch (`on`), or not: the lightest whose
         cap holds the micro-batch (planner/replicas.py's `ReplicaCost.policy`). The recompute set keeps full."""
@@ -196,12 +215,14 @@ class CostModel:
         """The memory policies a micro-batch of `config` may run, lightest first; the first is its plain one."""
         if config in self.recompute:
             return (MemoryPolicy.FULL,)
+        if config in self.selective:
+            return (MemoryPolicy.SELECTIVE,)
         return LIGHTEST_FIRST if self.memory_policies else (MemoryPolicy.NONE,)
 
     def policy_scale(self, config: ParallelConfig, policy: MemoryPolicy | None) -> tuple[float, float]:
         """(a, b) factors of a micro-batch under `policy` on `config` (None: its plain one): measured by the
         profile where it timed them, else derived from FLOPs; 1 in the recompute set (already in a, b)."""
-        if policy is None or config in self.recompute:
+        if policy is None or config in self.recompute or config in self.selective:
             return 1.0, 1.0
         measured = self.policy_scales.get(config, {})
         return measured[policy] if policy in measured else derived_scales(self.model)[policy]

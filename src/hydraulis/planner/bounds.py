@@ -4,8 +4,10 @@ With w_g(s) = a_g s^2 + b_g s (one stage, c left out), n_g = tp*pp*cp GPUs and
 N the job's GPUs, over the configs g that hold s (the lone cap):
 
 - work: every sequence takes n_g * w_g(s) GPU-seconds on its config, pp_g
-  times that when s is beyond g's plain cap (it runs as its replica's only
-  micro-batch, so each stage idles (pp - 1) * w_g(s) of its trip);
+  times that when s is beyond g's cap (it runs as its replica's only
+  micro-batch, so each stage idles (pp - 1) * w_g(s) of its trip); under
+  memory policies per micro-batch w_g(s) is the lightest holding policy's and
+  the cap the heaviest's beside others (`ReplicaCost`);
 - bubble: the replica that holds the longest sequence idles at least
   (pp_g - 1) * w_g(s_min) per stage under 1F1B (its first forward and last
   backward cross every other stage), which the work term does not count;
@@ -27,6 +29,7 @@ from hydraulis.cost.chunks import chunked_stage_time
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig
+from hydraulis.planner.replicas import ReplicaCost
 
 
 def lower_bound(
@@ -45,9 +48,10 @@ def lower_bound(
     if not configs:
         smallest = min(g.num_gpus for g in cost.configs)
         raise HydraulisError(f"no parallel config of {cost.name} fits {num_gpus} GPU(s); the smallest needs {smallest}")
-    cap = np.array([cost.cap(g, num_gpus) for g in configs])[:, None]
-    lone = np.array([max(cost.lone_cap(g, num_gpus), cost.cap(g, num_gpus)) for g in configs])[:, None]
-    w = cost.cost_matrix(lengths, configs)
+    reps = [ReplicaCost.of(cost, g, num_gpus) for g in configs]
+    cap = np.array([r.reach for r in reps])[:, None]  # beside others, under any memory policy it may run
+    lone = np.array([r.holds for r in reps])[:, None]
+    w = np.stack([r.seq_costs(lengths) for r in reps])  # under the policy each length needs
     gpus = np.array([g.num_gpus for g in configs], dtype=np.float64)[:, None]
     pp = np.array([g.pp for g in configs], dtype=np.float64)[:, None]
     fits = lone >= lengths[None, :]
@@ -63,7 +67,7 @@ def lower_bound(
         raise HydraulisError(f"no config holds a sequence of {longest} tokens (largest lone cap {int(lone.max())})")
     work = np.where(fits, gpus * w * alone, np.inf)
     top = int(np.argmax(lengths))
-    w_min = cost.cost_matrix(lengths[[int(np.argmin(lengths))]], configs)[:, 0]
+    w_min = np.array([r.seq_costs(lengths[[int(np.argmin(lengths))]])[0] for r in reps])
     bubble = np.where(alone[:, top] > 1, 0.0, gpus[:, 0] * (pp[:, 0] - 1) * w_min)
     spread = (work.min(axis=0).sum() - work[:, top].min() + (work[:, top] + bubble).min()) / num_gpus
     trip = np.where(fits, trip_stages * w, np.inf).min(axis=0).max()

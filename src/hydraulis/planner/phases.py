@@ -50,7 +50,9 @@ MIN_GAIN = 0.002  # a phased schedule must beat one phase by this share: a switc
 PHASE_SAMPLES = 4  # sample batches the phased planner plans when choosing deployments for phases
 SHORT_SHARE = 0.1  # a level at least this share of batches stop at counts as the samples cut there
 LEVEL_KEEP = 8  # deployments per level the dispatch estimate ranks, the least work first (`_least_work`)
-Move = tuple[tuple[Deployment, ...], int]  # deployments the pool's greedy adds together, and the level they serve
+STOP_RATIO = 1.2  # the levels between the samples' longest sequences at which they are clipped (`stop_levels`)
+# deployments the pool's greedy adds together, the level they serve, and whether the samples are clipped there
+Move = tuple[tuple[Deployment, ...], int, bool]
 
 
 @dataclass(frozen=True)
@@ -229,19 +231,19 @@ def phase_deployments(
     tops = {str(d): max(cost.cap(g, N) for g in d.configs) for d in candidates}
     levels = spaced_levels(sorted({t for t in tops.values() if t < longest}))
     tables: dict[str, ReplicaTable] = {}
-    moves: list[Move] = [((d,), 0) for d in whole]  # chosen for whole batches: no level
+    moves: list[Move] = [((d,), 0, False) for d in whole]  # chosen for whole batches: no level
     for level in levels:
         parts = [b[b <= level] for b in sample if (b <= level).any()]
-        holding = [d for d in candidates if tops[str(d)] >= level and d not in pool and (d,) not in dict(moves)]
+        holding = [d for d in candidates if tops[str(d)] >= level and d not in pool and (d,) not in _bundles(moves)]
         if parts and (holding := _least_work(cost, N, holding, parts)):
             for d in holding:
                 tables.setdefault(str(d), ReplicaTable.of(cost, d, N))
             est = [sum(dispatch(p, tables[str(d)], search=False).makespan_s for p in parts) for d in holding]
             d = holding[int(np.argmin(est))]
-            moves.append(((d,), min(tops[str(d)], longest - 1)))  # the level: whole batches it holds
-    for bundle, level in _hotspa_moves(cost, cluster, sample, longest):
-        if (bundle := tuple(d for d in bundle if d not in pool)) and bundle not in [m for m, _ in moves]:
-            moves.append((bundle, level))
+            moves.append(((d,), min(tops[str(d)], longest - 1), False))  # the level: whole batches it holds
+    for bundle, level, clip in _hotspa_moves(cost, cluster, sample, longest):
+        if (bundle := tuple(d for d in bundle if d not in pool)) and bundle not in _bundles(moves):
+            moves.append((bundle, level, clip))
     current, schedules = _greedy_phases(cost, N, list(pool), moves, sample, max_pool, min_gain)
     added = current[len(pool) :]
     if len(batches) > len(sample):
@@ -262,13 +264,33 @@ def _hotspa_moves(cost: CostModel, cluster: ClusterSpec, sample: Sequence[np.nda
     configs = replicable_configs(cost, cluster)
     switch = phase_switch_time(cost, N)
     caps = sorted({c for g in configs if (c := cost.cap(g, N)) < longest and short_share(sample, c) >= SHORT_SHARE})
-    cuts = [(list(sample), longest - 1), *((_short_batches(list(sample), lv), lv) for lv in spaced_levels(caps))]
-    moves: dict[tuple[Deployment, ...], int] = {}
-    for batches, level in cuts:
+    cuts = [(list(sample), longest - 1, False),
+            *((_short_batches(list(sample), lv), lv, False) for lv in spaced_levels(caps)),
+            *((_short_batches(list(sample), lv, clip=True), lv, True) for lv in stop_levels(cost, N, configs, sample))]
+    moves: dict[tuple[Deployment, ...], tuple[int, bool]] = {}
+    for batches, level, clip in cuts:
         for b in batches:
             split = homogeneous_split(cost, N, configs, b, switch)
-            moves.setdefault(tuple(homogeneous(configs[k], cluster) for _, k in split), level)
-    return [(m, level) for m, level in moves.items() if m]
+            bundle = tuple(homogeneous(configs[k], cluster) for _, k in split)
+            if clip or bundle not in moves:  # where batches that stop there want it, its gain shows
+                moves[bundle] = (level, clip)
+    return [(m, *at) for m, at in moves.items() if m]
+
+
+def stop_levels(
+    cost: CostModel, num_gpus: int, configs: Sequence[ParallelConfig], sample: Sequence[np.ndarray]
+) -> list[int]:
+    """Lengths where batches like the samples stop that no sample does: the configs' caps between the samples'
+    shortest and longest maxima, STOP_RATIO apart. A few samples show a few maxima; a batch whose longest
+    sequence falls between them may want a deployment none of them does (long-7b-128g-512k: a batch that stops
+    at 135K, between the samples' 85K and 153K, runs best on 4x tp8pp1cp4 beside 32x tp2pp1cp2)."""
+    tops = [int(b.max()) for b in sample]
+    caps = sorted({c for g in configs if min(tops) < (c := cost.cap(g, num_gpus)) < max(tops)})
+    return spaced_levels(caps, STOP_RATIO)
+
+
+def _bundles(moves: Sequence[Move]) -> list[tuple[Deployment, ...]]:
+    return [m for m, _, _ in moves]
 
 
 def _least_work(
@@ -298,18 +320,18 @@ def _greedy_phases(
     planner = PhasedPlanner(cost, num_gpus, current, memo=memo)
     schedules = [planner.schedule(b) for b in sample]
     while len(current) < max_pool:
-        moves = [(m, level) for m, level in ((tuple(d for d in m if d not in current), lv) for m, lv in moves)
-                 if m and len(current) + len(m) <= max_pool]
+        left = ((tuple(d for d in m if d not in current), level, clip) for m, level, clip in moves)
+        moves = [(m, level, clip) for m, level, clip in left if m and len(current) + len(m) <= max_pool]
         if not moves:
             break
         base = float(sum(s.iteration_time_s for s in schedules))
-        before: dict[int, float] = {}  # level -> the current pool's time on the samples cut there
+        before: dict[tuple[int, bool], float] = {}  # level -> the current pool's time on the samples cut there
         trials, gains = [], []
-        for m, level in moves:
+        for m, level, clip in moves:
             trial = PhasedPlanner(cost, num_gpus, [*current, *m], memo=memo)
             trials.append([trial.schedule(b) for b in sample])
             gains.append(base - sum(s.iteration_time_s for s in trials[-1])
-                         + _short_gain(planner, trial, level, sample, before))
+                         + _short_gain(planner, trial, level, sample, before, clip))
         k = int(np.argmax(gains))
         if gains[k] <= min_gain * base:
             break
@@ -327,9 +349,12 @@ def short_share(batches: Sequence[np.ndarray], level: int) -> float:
     return float((1.0 - above) ** np.mean([len(b) for b in batches]))
 
 
-def _short_batches(sample: list[np.ndarray], level: int) -> list[np.ndarray]:
+def _short_batches(sample: list[np.ndarray], level: int, clip: bool = False) -> list[np.ndarray]:
     """The samples cut at `level`, if SHORT_SHARE of batches stop there: a short batch may want a deployment
-    though no sample does (7b-64g-wiki: a third of batches fit tp2pp1's cap, none of 4 samples)."""
+    though no sample does (7b-64g-wiki: a third of batches fit tp2pp1's cap, none of 4 samples). `clip`: those
+    longer than `level` with their longer sequences clipped to it, batches that stop there (`stop_levels`)."""
+    if clip:
+        return [np.minimum(b, level) for b in sample if int(b.max()) > level]
     short = [b[b <= level] for b in sample if (b <= level).any()]
     return short if short_share(sample, level) >= SHORT_SHARE else []
 
@@ -339,14 +364,15 @@ def _short_gain(
     after: PhasedPlanner,
     level: int,
     sample: list[np.ndarray],
-    memo: dict[int, float] | None = None,
+    memo: dict[tuple[int, bool], float] | None = None,
+    clip: bool = False,
 ) -> float:
     """What `after`'s pool saves over `before`'s on the samples cut at `level` (`_short_batches`). `memo`
     (level -> `before`'s time on those cuts) lets the greedy loop plan them once per round and level."""
-    short = _short_batches(sample, level)
+    short = _short_batches(sample, level, clip)
     if not short:
         return 0.0
     memo = {} if memo is None else memo
-    if level not in memo:
-        memo[level] = float(sum(before.schedule(b).iteration_time_s for b in short))
-    return memo[level] - float(sum(after.schedule(b).iteration_time_s for b in short))
+    if (level, clip) not in memo:
+        memo[level, clip] = float(sum(before.schedule(b).iteration_time_s for b in short))
+    return memo[level, clip] - float(sum(after.schedule(b).iteration_time_s for b in short))

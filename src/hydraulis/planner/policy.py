@@ -15,6 +15,7 @@ from typing import Protocol
 import numpy as np
 
 from hydraulis.cost.model import CostModel
+from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.errors import CrowdedError, OverlongError
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.pool import fallback_config, fallback_deployment
@@ -67,11 +68,12 @@ class PolicyContext:
             return self.user_pool
         return self._propose("published")
 
-    def recompute_where_needed(self, lone: bool) -> PolicyContext:
+    def recompute_where_needed(self, lone: bool, lightest: bool = False) -> PolicyContext:
         """This context, or, where no homogeneous deployment holds the run's longest sequence
         (`fallback_config`; `lone` as a policy packs), one whose cost model recomputes activations in the
-        configs that hold it only so: full recompute where a sequence does not fit otherwise, what a
-        user of any system switches on (the bench gives it to every policy alike)."""
+        configs that hold it only so, for all their micro-batches: full recompute, or with `lightest` the
+        lightest uniform memory policy that holds it (selective where it does), what a user of any system
+        switches on for a run (the bench gives it to every baseline alike)."""
         try:
             if lone:  # the planner's fallback may mix configs (`fallback_deployment`)
                 fallback_deployment(self.cost, self.cluster, self.run_max_length, self.sample)
@@ -80,16 +82,23 @@ class PolicyContext:
             return self
         except (OverlongError, CrowdedError):
             pass
-        N, longest, full = self.num_gpus, self.run_max_length, self.cost.with_recompute(self.cost.configs)
+        N, longest, cost = self.num_gpus, self.run_max_length, self.cost
+        policies = (MemoryPolicy.SELECTIVE, MemoryPolicy.FULL) if lightest else (MemoryPolicy.FULL,)
 
-        def holds(cost: CostModel, g: ParallelConfig) -> bool:
-            return (cost.lone_cap(g, N) if lone else cost.cap(g, N)) >= longest
+        def holds(g: ParallelConfig, policy: MemoryPolicy) -> bool:
+            return cost.policy_cap(g, N, policy, 1 if lone else None) >= longest
 
-        need = [g for g in self.cost.configs if g.num_gpus <= N and holds(full, g) and not holds(self.cost, g)]
-        if not need:
+        need: dict[MemoryPolicy, list[ParallelConfig]] = {p: [] for p in policies}
+        for g in cost.configs:
+            if g.num_gpus <= N and g not in cost.recompute and not holds(g, cost.policies(g)[0]):
+                policy = next((p for p in policies if holds(g, p)), None)
+                if policy is not None:
+                    need[policy].append(g)
+        if not any(need.values()):
             return self
-        cost = self.cost.with_recompute(need)
-        cost.name = f"{self.cost.name}+recompute"
+        for policy, configs in need.items():
+            cost = cost.with_uniform(configs, policy)
+        cost.name = f"{self.cost.name}+{'lightest-' if need.get(MemoryPolicy.SELECTIVE) else ''}recompute"
         return dataclasses.replace(self, cost=cost)
 
     def _propose(self, method: str) -> tuple[Deployment, ...]:

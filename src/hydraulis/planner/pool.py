@@ -278,7 +278,7 @@ def fallback_deployment(
             rest = N - k * big.num_gpus
             smalls = [g for g in usable if rest % g.num_gpus == 0 and mixed_room(cost, big, k, g, N, batches)]
             ranked = sorted(smalls, key=lambda g: homogeneous_estimate(
-                cost, g, N, [b[b <= cost.cap(g, N)] for b in batches]))
+                cost, g, N, [b[b <= reach(cost, g, N)] for b in batches]))
             for small in ranked:
                 if (d := place([big] * k + [small] * (rest // small.num_gpus), cluster)) is not None:
                     return d
@@ -290,7 +290,7 @@ def mixed_room(
 ) -> bool:
     """Whether k replicas of `big` beside `small` ones run every batch: sequences beyond big's cap alone, one
     big replica each; those beyond small's cap on the big replicas (so one must be left for them)."""
-    big_cap, small_cap = cost.cap(big, num_gpus), cost.cap(small, num_gpus)
+    big_cap, small_cap = reach(cost, big, num_gpus), reach(cost, small, num_gpus)
     for b in batches:
         b = np.asarray(b)
         alone, mid = int((b > big_cap).sum()), int(((b > small_cap) & (b <= big_cap)).sum())
@@ -299,10 +299,16 @@ def mixed_room(
     return True
 
 
+def reach(cost: CostModel, config: ParallelConfig, num_gpus: int) -> int:
+    """The most tokens a micro-batch of `config` beside others holds (its cap; under memory policies per
+    micro-batch the heaviest's, `ReplicaCost.reach`): beyond it a sequence needs a replica alone."""
+    return ReplicaCost.of(cost, config, num_gpus).reach
+
+
 def has_room(cost: CostModel, config: ParallelConfig, num_gpus: int, batches: Sequence[np.ndarray]) -> bool:
     """Whether `config`'s homogeneous deployment can run every batch: a sequence beyond the cap runs alone on
     a replica (its lone micro-batch), so there must be a replica for each, and one more for the rest."""
-    cap, replicas = cost.cap(config, num_gpus), num_gpus // config.num_gpus
+    cap, replicas = reach(cost, config, num_gpus), num_gpus // config.num_gpus
     for b in batches:
         beyond = int((np.asarray(b) > cap).sum())
         if beyond > replicas or (beyond == replicas and len(b) > beyond):

@@ -45,7 +45,7 @@ from hydraulis.planner.pool import (
     unique_deployments,
 )
 from hydraulis.planner.range_dp import LengthHistogram, dp_deployments
-from hydraulis.planner.replicas import BULK_MIN_SEQUENCES, ReplicaTable
+from hydraulis.planner.replicas import BULK_MIN_SEQUENCES, ReplicaCost, ReplicaTable
 from hydraulis.specs import ClusterSpec
 
 METHODS = ("hydraulis", "published")
@@ -120,22 +120,22 @@ def _fluid_estimates(
 
     N = cluster.num_gpus
     est = np.full((len(candidates), len(batches)), np.inf)
+    reps: dict = {}
     for j, batch in enumerate(batches):
-        parts = [
-            p for p in np.array_split(np.sort(np.asarray(batch, dtype=np.float64)), min(bins, len(batch))) if len(p)
-        ]
-        tokens = np.array([p.sum() for p in parts])
-        squares = np.array([np.dot(p, p) for p in parts])
+        s = np.sort(np.asarray(batch, dtype=np.int64))
+        parts = [p for p in np.array_split(s, min(bins, len(batch))) if len(p)]
+        starts = np.cumsum([0] + [len(p) for p in parts[:-1]])
+        tokens = np.array([p.sum() for p in parts], dtype=np.float64)
         longest = np.array([p[-1] for p in parts])
         for i, d in enumerate(candidates):
             groups = list(Counter(d.configs).items())
             rows = []
             for g, _ in groups:
-                k = cost.coefficients(g)
-                cap = cost.cap(g, N)
-                work = k.a * squares + k.b * tokens + k.c * tokens / max(cap, 1)
-                trip = g.pp * (k.a * longest**2 + k.b * longest + k.c)
-                rows.append((work, trip, cost.lone_cap(g, N) >= longest))
+                r = reps.setdefault(g, ReplicaCost.of(cost, g, N))
+                w = r.seq_costs(s)  # under the memory policy each length needs
+                work = np.add.reduceat(w, starts) + r.c * tokens / max(r.cap, 1)
+                trip = g.pp * (w[starts + np.array([len(p) for p in parts]) - 1] + r.c)
+                rows.append((work, trip, r.holds >= longest))
             fits = np.array([r[2] for r in rows])  # [groups, bins]
             if not fits.any(axis=0).all():
                 continue

@@ -6,7 +6,8 @@ deployment comes out per possible batch maximum length. This module holds that
 programme once, with the group-time function as a parameter: the published
 variant divides the range's work by d, the data-aware variant also charges
 micro-batch overheads, pipeline bubbles and the fact that a long sequence
-cannot be divided across replicas.
+cannot be divided across replicas; under memory policies per micro-batch a
+length beyond a config's cap costs what its lightest holding policy costs.
 
 Everything is vectorised over the number of GPUs, so 1024 GPUs stay fast.
 """
@@ -22,6 +23,7 @@ from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.pool import place, usable_configs
+from hydraulis.planner.replicas import ReplicaCost
 from hydraulis.specs import ClusterSpec
 
 
@@ -90,20 +92,22 @@ def aware_group_time(
     pays c per micro-batch and a 1F1B bubble of (pp - 1) micro-batches; and a
     sequence cannot be split, so a replica never finishes before the longest
     sequence of its range has crossed all pp stages. Replicas beyond the
-    expected number of sequences get nothing to do. A range whose longest
-    sequence exceeds the cap runs as one lone micro-batch per replica
+    expected number of sequences get nothing to do. A length beyond the cap
+    costs its lightest holding memory policy's (`ReplicaCost.seq_costs`); a
+    range whose longest sequence exceeds every policy's cap beside others
+    (`ReplicaCost.reach`) runs as one lone micro-batch per replica
     (`CostModel.lone_cap`): pp x (share + c), if a replica's share fits it.
     """
-    weighted = cost.cost_matrix(hist.lengths, configs) * hist.per_batch[None, :]
-    work = np.concatenate([np.zeros((len(configs), 1)), np.cumsum(weighted, axis=1)], axis=1)
+    reps = [ReplicaCost.of(cost, cfg, num_gpus) for cfg in configs]
+    seq = np.stack([r.seq_costs(hist.lengths) for r in reps])  # under the policy each length needs
+    work = np.concatenate([np.zeros((len(configs), 1)), np.cumsum(seq * hist.per_batch[None, :], axis=1)], axis=1)
     tokens = np.concatenate([[0.0], np.cumsum(hist.lengths * hist.per_batch)])
     count = np.concatenate([[0.0], np.cumsum(hist.per_batch)])
-    a = np.array([cost.coefficients(c).a for c in configs])
-    b = np.array([cost.coefficients(c).b for c in configs])
-    c = np.array([cost.coefficients(c).c for c in configs])
+    c = np.array([r.c for r in reps])
     pp = np.array([cfg.pp for cfg in configs], dtype=np.float64)
-    caps = np.array([max(cost.cap(cfg, num_gpus), 1) for cfg in configs], dtype=np.float64)
-    lone = np.array([cost.lone_cap(cfg, num_gpus) for cfg in configs], dtype=np.float64)
+    caps = np.array([max(r.cap, 1) for r in reps], dtype=np.float64)
+    reach = np.array([r.reach for r in reps], dtype=np.float64)  # a micro-batch beside others, any policy
+    lone = np.array([r.holds for r in reps], dtype=np.float64)
     lengths = hist.lengths.astype(np.float64)
 
     def group_time(k: int, rng: np.ndarray, d: np.ndarray) -> np.ndarray:
@@ -115,8 +119,8 @@ def aware_group_time(
         share = w / busy
         v = np.maximum(1.0, np.ceil((tokens[hi] - tokens[lo]) / busy / caps[k]))
         longest = lengths[hi - 1]
-        trip = pp[k] * (a[k] * longest * longest + b[k] * longest + c[k])
-        if longest > caps[k]:
+        trip = pp[k] * (seq[k, hi - 1] + c[k])
+        if longest > reach[k]:
             fits = (tokens[hi] - tokens[lo]) / busy <= lone[k]
             return np.where(fits, np.maximum(pp[k] * (share + c[k]), trip), np.inf)
         return np.maximum(share + v * c[k] + (pp[k] - 1) * (share / v + c[k]), trip)

@@ -85,8 +85,12 @@ class ReplicaCost:
 
     @property
     def long_w(self) -> float:
-        """The cost of a sequence of `reach` tokens: a replica whose w_max exceeds it holds a longer one."""
-        return float(self.seq_costs(np.array([self.reach]))[0])
+        """The cost of a sequence of `reach` tokens: a replica whose w_max exceeds it holds a longer one. A lone
+        micro-batch's lighter policy may cost less just beyond `reach` than a heavier one beside others at it
+        (70b, tp1pp16: selective alone against full); then the cost just beyond it, so that every longer
+        sequence counts as lone (and the heaviest below it too, which only makes the estimate cautious)."""
+        at, beyond = self.seq_costs(np.array([self.reach, self.reach + 1]))
+        return float(min(at, beyond * (1 - 1e-9)))
 
     @classmethod
     def of(cls, cost: CostModel, config: ParallelConfig, num_gpus: int) -> ReplicaCost:
