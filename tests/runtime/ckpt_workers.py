@@ -104,7 +104,7 @@ def resume_same(rank: int, world: int, corpus_dir: Path, bad: dict[str, Path], g
         t.step_index == 0
         and opt.step_count == 0
         and float(opt.exp_avg.abs().sum()) == 0
-        and bool(torch.equal(opt.master, t.layout.init_owned(opt.rank, SEED)))
+        and bool(torch.equal(opt.master, t.optimizer.layout.init_owned(opt.rank, SEED)))
         and t.source.sampler.state == SamplerState()
     )
     fell_back = resume(Saved.of(t), fallback)

@@ -103,3 +103,48 @@ def test_a_collectives_buffer_is_released_here_once_another_thread_lets_go_and_n
     assert not wait_released([(buffer, uses)])
     assert time.perf_counter() - start >= RELEASE_WAIT_S and kept.numel() == 10
     assert collectives.late_waits == late + 1  # counted: the runtime's tests assert their runs have none
+
+
+def test_a_census_waits_for_the_planner_planning_in_the_background(quiet=None):
+    """A CPU census holds every object of the process; a tuple the planner's thread was building from an
+    iterator meanwhile had two references when it grew, and CPython failed the plan with "SystemError: bad
+    argument to internal function" (seen once in CI, on 4 ranks). The feed's `paused` keeps the census out of
+    planning. Here the planner builds tuples from iterators for a while before each plan, so every census falls
+    inside planning; with `quiet=contextlib.nullcontext` this fails at the first census (tried by hand)."""
+    import threading
+    import time
+
+    import torch
+    from train_workers import corpus, settings
+
+    from hydraulis.data.sampler import TokenBudgetSampler
+    from hydraulis.runtime.plan_feed import PlanFeed
+    from hydraulis.runtime.step_memory import StepMemory
+
+    s = settings()
+    feed = PlanFeed(TokenBudgetSampler([len(d) for d in corpus(s.model.vocab)], 700, 160, seed=1), s.pool, s.cost,
+                    0, 4, None)
+    feed.world = 1  # its broadcast is then local: this process plans and reads its own plans
+    schedule = feed.planner.schedule
+
+    planning = threading.Event()
+
+    def busy(lengths, step):
+        planning.set()
+        until = time.perf_counter() + 0.3
+        while time.perf_counter() < until:
+            tuple(x for x in range(100))
+        return schedule(lengths, step)
+
+    feed.planner.schedule = busy
+    memory = StepMemory(torch.device("cpu"), every=1, quiet=quiet or feed.paused)
+    try:
+        for step in range(4):
+            planning.clear()
+            feed.next()  # the next batch's planning starts in the background
+            assert planning.wait(30)
+            memory.start(0, step, predicted=1e6)  # a census while it plans
+            memory.stop()
+            feed.step += 1
+    finally:
+        feed.close()

@@ -9,8 +9,10 @@ memory); only planning time that compute did not hide is waited for.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -41,10 +43,22 @@ class PlanFeed:
         self.step = 0
         self.last: GlobalBatch | None = None  # the batch last handed out (training/loop.py counts a mixture's sources)
         self._pending: tuple[GlobalBatch, Future | None] | None = None
+        self._planning = threading.Lock()  # held while the planner's thread plans
 
     def _plan(self, lengths: np.ndarray, step: int) -> np.ndarray:
         """Rank 0's schedule of a batch, encoded (in the planner's thread)."""
-        return encode_schedule(self.planner.schedule(lengths, step), self.pool)
+        with self._planning:
+            return encode_schedule(self.planner.schedule(lengths, step), self.pool)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No planning inside: a plan in flight finishes first, the next waits.
+
+        Why: a CPU census of live tensors (runtime/memory_meter.live_tensor_bytes) holds every object of the
+        process, and a tuple the planner's thread was building from an iterator then had two references when it
+        grew: CPython raises "SystemError: bad argument to internal function" in the planner."""
+        with self._planning:
+            yield
 
     def _draw(self) -> tuple[GlobalBatch, Future | None]:
         """The next batch (every rank), its planning started in the background (rank 0)."""

@@ -12,7 +12,10 @@ largest micro-batch under each memory policy. Neither reads the other.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,7 +59,9 @@ class StepMemory:
     of 0. The decision is each rank's own: the meter takes no collective.
 
     `budget` (`[parallel] memory_per_rank`): the bytes a rank may hold; on CUDA the allocator is
-    limited to it (`torch.cuda.set_per_process_memory_fraction`, not run here without a GPU).
+    limited to it (`torch.cuda.set_per_process_memory_fraction`, not run here without a GPU). `quiet`: what
+    keeps this process's other Python threads from building objects during a CPU census (the plan feed's
+    `paused`).
     """
 
     def __init__(
@@ -64,8 +69,9 @@ class StepMemory:
         device: torch.device,
         every: int = CPU_SAMPLE_EVERY,
         budget: int | None = None,
+        quiet: Callable[[], AbstractContextManager] = contextlib.nullcontext,
     ) -> None:
-        self.device, self.every, self.budget = device, every, budget
+        self.device, self.every, self.budget, self.quiet = device, every, budget, quiet
         self.meter = PeakMeter(device)
         self._base = 0
         self._seen: set[int] = set()
@@ -87,7 +93,8 @@ class StepMemory:
         if not self._measuring:
             return
         self._highest = max(self._highest, predicted)
-        self._base = live_tensor_bytes(self.device)
+        with self.quiet():
+            self._base = live_tensor_bytes(self.device)
         self.meter.start()
 
     def stop(self, exchange_buffer_bytes: int = 0) -> MemoryFigures:

@@ -141,7 +141,7 @@ class Trainer:
             timeout,
         )
         self.feed = PlanFeed(sampler, settings.pool, settings.cost, self.rank, self.world, self.control)
-        memory = StepMemory(self.env.device, settings.memory_every, settings.memory_budget_bytes)
+        memory = StepMemory(self.env.device, settings.memory_every, settings.memory_budget_bytes, self.feed.paused)
         self.meter = StepMeter(settings.cost, settings.model, self.deployments, self.world, memory, self.control)
         self.recent = deque(maxlen=settings.compare_steps)
         self._timeouts_settled = False
