@@ -214,7 +214,7 @@ def test_caps_are_kept_per_memory_model_so_a_copy_with_another_budget_has_its_ow
 
 def test_recompute_raises_the_cap_and_costs_a_forward():
     from hydraulis.cost import AnalyticCostModel
-    from hydraulis.cost.model import RECOMPUTE_TIME
+    from hydraulis.cost.policies import RECOMPUTE_TIME
     from hydraulis.parallel import ParallelConfig
     from hydraulis.specs import get_device, get_model
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from hydraulis.cost.activations import KV_BYTES, kv_shard_dim
-from hydraulis.cost.model import RECOMPUTE_TIME, Coefficients, CostModel
+from hydraulis.cost.model import Coefficients, CostModel
+from hydraulis.cost.policies import RECOMPUTE_TIME
 from hydraulis.limits import MAX_GPUS
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import DeviceSpec, ModelSpec

@@ -23,14 +23,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from hydraulis.cost.memory import CAP_GRANULARITY, MemoryModel, TrainingState
-from hydraulis.cost.policies import FULL_TIME, LIGHTEST_FIRST, MemoryPolicy, derived_scales
+from hydraulis.cost.policies import LIGHTEST_FIRST, RECOMPUTE_TIME, MemoryPolicy, derived_scales
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import DeviceSpec, ModelSpec
 
 __all__ = ["CAP_GRANULARITY", "Coefficients", "CostModel", "MemoryModel", "TrainingState", "sequence_costs"]
 
-RECOMPUTE_TIME = FULL_TIME  # training is 4 forwards instead of 3 when each layer's forward runs twice
 FORWARD_SHARE = 1 / 3  # a forward of a training step's three forwards' worth (backward: two)
 def sequence_costs(a: float | np.ndarray, b: float | np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """a*s^2 + b*s: what each sequence adds to a micro-batch's stage time (c is per micro-batch).

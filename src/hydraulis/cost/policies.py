@@ -37,7 +37,7 @@ class MemoryPolicy(IntEnum):
 
 
 LIGHTEST_FIRST = (MemoryPolicy.NONE, MemoryPolicy.SELECTIVE, MemoryPolicy.FULL)
-FULL_TIME = 4 / 3  # a training step is 4 forwards instead of 3 when each block's forward runs twice
+RECOMPUTE_TIME = 4 / 3  # a training step is 4 forwards instead of 3 when each block's forward runs twice
 
 
 def derived_scales(model: ModelSpec) -> dict[MemoryPolicy, tuple[float, float]]:
@@ -49,5 +49,5 @@ def derived_scales(model: ModelSpec) -> dict[MemoryPolicy, tuple[float, float]]:
     return {
         MemoryPolicy.NONE: (1.0, 1.0),
         MemoryPolicy.SELECTIVE: (1.0, 1.0 + mlp / (3 * layers)),
-        MemoryPolicy.FULL: (FULL_TIME, FULL_TIME),
+        MemoryPolicy.FULL: (RECOMPUTE_TIME, RECOMPUTE_TIME),
     }
