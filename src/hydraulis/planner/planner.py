@@ -263,7 +263,14 @@ class Planner:
 
     def _worth_packing(self, screened: list[tuple[Dispatch, int]], n: int) -> list[tuple[Dispatch, int]]:
         """The best screened deployments. In a large batch of light sequences the estimate is close to the
-        packed time, so only those within LARGE_BATCH_MARGIN of the best estimate are packed."""
+        packed time, so only those within LARGE_BATCH_MARGIN of the best estimate are packed.
+
+        On shared CPU cores (`cost.shared_cores`) every one is: the estimate prices each replica as if it had
+        its ranks' cores to itself, where the simulator lets a waiting pipeline stage lend its core, and it
+        ranks deployments apart by up to 1.5x there (peers.py's bounded pool: 2x(tp2,pp1) estimated best,
+        simulated 1.55x the best; 2x(tp1,pp2) estimated 1.29x, simulated best). Such pools are small."""
+        if self.cost.shared_cores is not None:
+            return screened
         top = screened[: self.full_candidates]
         if n < BULK_MIN_SEQUENCES:
             return top
