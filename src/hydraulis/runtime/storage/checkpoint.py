@@ -234,6 +234,7 @@ def _manifest(
         "seed": s.seed,
         "dtype": s.dtype,
         "pool": [{"text": str(d), "replicas": d.to_rows()} for d in s.pool],
+        "missed": state["missed"],  # deployments that could not hold some batch of the run (rank 0's planner)
         "refit": None if refit is None else refit.to_json(),
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "files": {k: asdict(v) for k, v in sorted(files.items())},
@@ -351,7 +352,8 @@ def load_checkpoint(saved: Saved, path: str | Path, verify: bool = True, log: Lo
 
     _agree(saved, read)
     saved.load_state_dict(
-        {"step": info.step, "sampler": info.sampler, "optimizer": {**fresh, "step": info.optimizer_step}}
+        {"step": info.step, "sampler": info.sampler, "missed": info.missed,
+         "optimizer": {**fresh, "step": info.optimizer_step}}
     )
     return info
 
