@@ -150,3 +150,34 @@ def test_the_range_programme_packs_a_length_a_policy_holds_beside_others():
     assert np.isinf(off).all() and np.isfinite(on).all()
     w, c = TIGHT.stage_time(g, [s], MemoryPolicy.SELECTIVE), TIGHT.coefficients(g).c
     assert 2 * w <= on[0] <= 2 * w + c  # two micro-batches of one sequence each, pp = 1 (c per cap's worth of tokens)
+
+
+GPU = load_cost_model("llama-7b@a800-80g+cp").with_policies(True)  # timed on GPUs: no shared cores
+GPU_POOL = [Deployment.parse(t, ClusterSpec(16)) for t in ("4x(tp1,pp4)", "2x(tp2,pp4)", "2x(tp2,pp2) + 1x(tp1,pp8)")]
+
+
+def mixed_batch(seed: int, longest: int) -> np.ndarray:
+    """Short documents, a few beyond the plain caps (within selective's or full's), and one of `longest`."""
+    rng = np.random.default_rng(seed)
+    short = np.minimum(rng.lognormal(7.5, 1.0, 60).astype(np.int64) + 32, 12000)
+    return np.concatenate([short, rng.integers(13000, 60000, 3), [longest]])
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(0, 10_000), st.sampled_from([9000, 40000, 120000, 200000]))
+def test_the_bound_that_skips_packing_is_below_every_plan_and_changes_no_plan(seed, longest):
+    """`Planner.plan` skips packing a deployment whose lower bound (`ReplicaTable.compute_bound` plus the step)
+    is above the best simulated plan so far. The bound is below the simulated compute of the plans the planner
+    makes on each deployment, lone micro-batches and recompute included, and skipping changes no plan."""
+    lengths = mixed_batch(seed, longest)
+    planner = Planner(GPU, 16, GPU_POOL)
+    for k, d in enumerate(GPU_POOL):
+        if planner.holds(d, longest):
+            plan = planner.plan_on(lengths, d)
+            bound = planner._tables[k].compute_bound(lengths)
+            assert bound <= plan.predicted_time_s - GPU.step_time(d.configs) + 1e-9
+    unbounded = Planner(GPU, 16, GPU_POOL)
+    unbounded._bound = lambda lengths, k: 0.0  # type: ignore[method-assign]
+    ours, every = planner.plan(lengths), unbounded.plan(lengths)
+    assert ours.deployment == every.deployment and ours.replicas == every.replicas
+    assert ours.predicted_time_s == every.predicted_time_s

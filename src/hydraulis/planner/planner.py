@@ -184,6 +184,8 @@ class Planner:
         best_s = float("inf")
         simulated: dict[int, float] = {}
         for d, k in self._worth_packing(screened, len(lengths)):
+            if best is not None and self._bound(lengths, k) > best_s * (1 + 1e-9):
+                continue  # no plan on it can beat the best simulated so far: packing it changes nothing
             cand, predicted = self._packed(lengths, k, d)
             simulated[k] = predicted
             if predicted < best_s:
@@ -261,6 +263,13 @@ class Planner:
             self._memo[key] = found
         return found
 
+    def _bound(self, lengths: np.ndarray, k: int) -> float:
+        """A lower bound on any simulated iteration of `lengths` on pool deployment k (0 on shared CPU cores,
+        where a waiting stage lends its core and the profile's times are no floor)."""
+        if self.cost.shared_cores is not None:
+            return 0.0
+        return self._tables[k].compute_bound(lengths) + self.cost.step_time(self.pool[k].configs)
+
     def _worth_packing(self, screened: list[tuple[Dispatch, int]], n: int) -> list[tuple[Dispatch, int]]:
         """The best screened deployments. In a large batch of light sequences the estimate is close to the
         packed time, so only those within LARGE_BATCH_MARGIN of the best estimate are packed.
@@ -309,7 +318,7 @@ class Planner:
         return Candidate(deployment, tuple(p.micro_batches for p in packs), times)
 
     def _exact(self, lengths: np.ndarray, cand: Candidate) -> Candidate:
-        table = ReplicaTable.of(self.cost, cand.deployment, self.num_gpus)
+        table = self._table(cand.deployment)
         start = [[mb.tolist() for mb in mbs] for mbs in cand.micro_batches]
         found = exact_assignment(lengths, table, start, self.milp_time_limit_s)
         if found is None:
@@ -324,7 +333,8 @@ class Planner:
         return Candidate(cand.deployment, tuple(p.micro_batches for p in packs), times)
 
     def _finish(self, step: int, lengths: np.ndarray, cand: Candidate, start: float) -> IterationPlan:
-        return finalize(step, lengths, cand.deployment, cand.micro_batches, self.cost, start)
+        return finalize(step, lengths, cand.deployment, cand.micro_batches, self.cost, start,
+                        self._table(cand.deployment))
 
 
 def _relative(chosen: int, n: int, simulated: dict[int, float], screened: dict[int, float]) -> tuple[float, ...]:
@@ -361,12 +371,15 @@ def finalize(
     micro_batches: Sequence[Sequence[Sequence[int]]],
     cost: CostModel,
     started: float,
+    table: ReplicaTable | None = None,
 ) -> IterationPlan:
     """A validated IterationPlan whose predicted time is the simulator's, and whose planning time ends now.
 
     Every sequence exactly once and every micro-batch within its replica's cap, else a HydraulisError.
+    `table`: the deployment's on `cost`, where the caller has it (building one reads every policy's caps).
     """
-    plan = assemble(step, lengths, deployment, micro_batches, ReplicaTable.of(cost, deployment, deployment.num_gpus))
+    table = ReplicaTable.of(cost, deployment, deployment.num_gpus) if table is None else table
+    plan = assemble(step, lengths, deployment, micro_batches, table)
     plan.validate(cost, deployment.num_gpus, where=f"step {step}")
     predicted = simulate(plan, cost, keep_events=False)
     return dataclasses.replace(plan, predicted_time_s=predicted.iteration_time_s,

@@ -178,6 +178,29 @@ class ReplicaTable:
     def __len__(self) -> int:
         return len(self.replicas)
 
+    def compute_bound(self, lengths: np.ndarray) -> float:
+        """A lower bound on the simulated compute of any plan of `lengths` on this deployment (GPU timing, not
+        shared cores), to skip packing one that cannot win. A 1F1B replica's last stage runs every micro-batch,
+        W + v*c, so the slowest replica takes at least the mean of that; the one holding the longest sequence
+        at least its micro-batch plus (pp - 1) c of warm-up and cool-down, pp times it where it runs alone
+        (beyond the config's reach). A sequence costs a config at least its plain a*s^2 + b*s times the
+        lightest factor of any policy it may run there."""
+        s = np.asarray(lengths, dtype=np.int64)
+        models = self.configs
+        factor = np.array([min([1.0, *(min(t.a / m.a, t.b / m.b) for t in m.tiers + m.lone_tiers)])
+                           if m.a > 0 and m.b > 0 else 0.0 for m in models])
+        w = sequence_costs((np.array([m.a for m in models]) * factor)[:, None],
+                           (np.array([m.b for m in models]) * factor)[:, None], s[None, :])  # [configs, n]
+        c = np.array([m.c for m in models])
+        longest = int(s.max())
+        micro_batches = -(-int(s.sum()) // int(self.lone_cap.max()))
+        mean = (float(w.min(axis=0).sum()) + float(c.min()) * micro_batches) / len(self)
+        pp = np.array([m.pp for m in models], dtype=np.float64)
+        alone = np.array([longest > m.reach for m in models])
+        one = w[:, int(np.argmax(s))] + c
+        holding = np.where(alone, pp * one, one + (pp - 1) * c)[[m.holds >= longest for m in models]]
+        return max(mean, float(holding.min()) if len(holding) else np.inf)
+
     def cost_matrix(self, lengths: np.ndarray) -> np.ndarray:
         """[distinct configs x sequences] of a*s^2 + b*s (under the policy each needs, `ReplicaCost.seq_costs`)."""
         if any(m.tiers or len(m.lone_tiers) > 1 for m in self.configs):
