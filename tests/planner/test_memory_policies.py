@@ -15,8 +15,10 @@ from hydraulis.cost.policies import LIGHTEST_FIRST, MemoryPolicy
 from hydraulis.parallel import Deployment
 from hydraulis.parallel import ParallelConfig as P
 from hydraulis.planner.dispatch import NoRoom
+from hydraulis.planner.packing import stage_times
 from hydraulis.planner.plan import PlanFile, Schedule, decode_plan, encode_plan, load_plan, save_plan
 from hydraulis.planner.planner import Planner
+from hydraulis.planner.replicas import ReplicaCost
 from hydraulis.specs import ClusterSpec
 
 TIGHT = load_cost_model("tiny@cpu-measured").for_job(28 << 20, 4)  # fp32, 28 MiB per rank
@@ -181,3 +183,19 @@ def test_the_bound_that_skips_packing_is_below_every_plan_and_changes_no_plan(se
     ours, every = planner.plan(lengths), unbounded.plan(lengths)
     assert ours.deployment == every.deployment and ours.replicas == every.replicas
     assert ours.predicted_time_s == every.predicted_time_s
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10_000), st.sampled_from([(1, 4), (2, 4), (1, 8), (2, 2, 2)]), st.integers(1, 12))
+def test_stage_times_in_one_pass_are_the_cost_models_one_by_one(seed, config, count):
+    """`packing.stage_times` (what ordering by simulation reads) equals `CostModel.stage_time` per micro-batch
+    under its policy to the last bit, lone micro-batches and those beyond the plain cap included."""
+    rng = np.random.default_rng(seed)
+    replica = ReplicaCost.of(GPU, P(*config), 16)
+    lengths = rng.integers(1, replica.reach if count > 1 else replica.holds, 4 * count)
+    micro_batches = [mb for mb in np.array_split(rng.permutation(len(lengths))[: 2 * count], count) if len(mb)]
+    tokens, times = stage_times(micro_batches, lengths, replica, GPU)
+    want = [GPU.stage_time(replica.config, lengths[mb], replica.policy(int(lengths[mb].sum()), len(micro_batches)))
+            for mb in micro_batches]
+    assert tokens.tolist() == [int(lengths[mb].sum()) for mb in micro_batches]
+    assert times.tolist() == want
