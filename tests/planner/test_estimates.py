@@ -51,6 +51,25 @@ def test_scalar_and_vectorised_estimates_agree(W, T, n, wmax_share, c, pp, cap, 
         assert W + c * max(1, -(-T // cap)) == pytest.approx(vector, rel=1e-12)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 16), st.booleans())
+def test_the_estimate_over_arrays_is_the_scalar_one_to_the_last_bit(seed, pp, lone):
+    """`estimate_time` on arrays (in place, as the local search's swaps call it on a few hundred thousand
+    pairs) and `_scalar_estimate` (the greedy's) compute the same float operations: equal, not close."""
+    rng = np.random.default_rng(seed)
+    shape = (7, 9)
+    W = rng.random(shape) * 10.0 ** rng.uniform(-3, 3)
+    T = rng.integers(1, 10**6, shape)
+    n = rng.integers(0, 50, (7, 1))
+    wmax = W * rng.random(shape)
+    c, cap, me = float(rng.choice([0.0, 1e-3, 0.05])), int(rng.integers(128, 200_000)), int(rng.integers(0, 4096))
+    extra = (int(rng.integers(1, 10**6)), float(np.quantile(wmax, 0.7))) if lone else ()
+    vector = estimate_time(W, T, n, wmax, c, pp, cap, me, *extra)
+    scalar = [[_scalar_estimate(float(W[i, j]), int(T[i, j]), int(n[i, 0]), float(wmax[i, j]), c, pp - 1, cap, me,
+                                *extra) for j in range(shape[1])] for i in range(shape[0])]
+    assert vector.tolist() == scalar
+
+
 def slow_greedy(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray) -> tuple[np.ndarray, list[float]]:
     """greedy_dispatch with every estimate from the vectorised estimate_time: (replica per sequence,
     the chosen replica's estimate at each step)."""

@@ -245,18 +245,40 @@ def estimate_time(
     c = np.asarray(c, dtype=np.float64)
     pp1 = np.asarray(pp, dtype=np.float64) - 1.0
     vmin, vmax = micro_batch_range(T, n, cap, min_efficient)
-    # fmax: an emptied replica's W may be a rounding below 0, and pp = 1 with W = inf (a lone sequence past
-    # its cap) is 0 * inf; neither has a micro-batch count to choose.
-    vstar = np.sqrt(np.fmax(pp1 * W, 0.0) / np.maximum(c, 1e-12))
-    v1 = np.clip(np.floor(vstar), vmin, vmax)
-    v2 = np.clip(v1 + 1.0, vmin, vmax)
-    f1 = W + v1 * c + pp1 * (np.maximum(W / v1, wmax) + c)
-    f2 = W + v2 * c + pp1 * (np.maximum(W / v2, wmax) + c)
-    est = np.minimum(f1, f2)
+    shape = np.broadcast_shapes(W.shape, np.shape(T), np.shape(n), np.shape(wmax), c.shape, pp1.shape,
+                                np.shape(cap), np.shape(min_efficient), np.shape(lone_cap), np.shape(long_w))
+    # In place where it can (the local search's swaps estimate a few hundred thousand pairs at once); the same
+    # operations in the same order as W + v c + pp1 (max(W / v, wmax) + c). fmax: an emptied replica's W may
+    # be a rounding below 0, and pp = 1 with W = inf (a lone sequence past its cap) is 0 * inf; neither has a
+    # micro-batch count to choose.
+    v1 = np.multiply(pp1, W, out=np.empty(shape))
+    np.fmax(v1, 0.0, out=v1)
+    v1 /= np.maximum(c, 1e-12)
+    np.sqrt(v1, out=v1)
+    np.floor(v1, out=v1)
+    v2 = np.add(v1, 1.0, out=np.empty(shape))
+    for v in (v1, v2):
+        np.minimum(np.maximum(v, vmin, out=v), vmax, out=v)
+    est = _one_f_one_b(W, v1, wmax, c, pp1)
+    np.minimum(est, _one_f_one_b(W, v2, wmax, c, pp1), out=est)
     if lone_cap is not None and long_w is not None:
-        lone = np.where(np.asarray(T) <= lone_cap, (pp1 + 1.0) * (W + c), np.inf)
-        est = np.where(np.asarray(wmax) > long_w, lone, est)
+        beyond = np.asarray(wmax) > long_w
+        if beyond.any():
+            lone = np.where(np.asarray(T) <= lone_cap, (pp1 + 1.0) * (W + c), np.inf)
+            est = np.where(beyond, lone, est)
     return np.where(np.asarray(n) > 0, est, 0.0)
+
+
+def _one_f_one_b(W: np.ndarray, v: np.ndarray, wmax: ArrayLike, c: np.ndarray, pp1: np.ndarray) -> np.ndarray:
+    """W + v c + pp1 (max(W / v, wmax) + c), into new arrays of v's shape (0-d ones stay arrays)."""
+    bubble = np.divide(W, v, out=np.empty(v.shape))
+    np.maximum(bubble, wmax, out=bubble)
+    bubble += c
+    bubble *= pp1
+    out = np.multiply(v, c, out=np.empty(v.shape))
+    np.add(W, out, out=out)
+    out += bubble
+    return out
 
 
 @dataclass
