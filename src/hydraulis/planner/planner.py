@@ -286,10 +286,21 @@ class Planner:
         bound = top[0][0].makespan_s * (1 + LARGE_BATCH_MARGIN)
         return [x for x in top if x[0].makespan_s <= bound]
 
-    def _pack(self, lengths: np.ndarray, table: ReplicaTable, d: Dispatch) -> list[Packing]:
+    def _pack(
+        self, lengths: np.ndarray, table: ReplicaTable, d: Dispatch, packed: dict[tuple, Packing] | None = None
+    ) -> list[Packing]:
+        """Each replica's packing; `packed` keeps them by config and members, for the refinement rounds, which
+        leave some replicas' sequences as they were (packing is deterministic)."""
         members = d.all_members()
         bulk = len(lengths) >= BULK_MIN_SEQUENCES
-        return [pack_replica(members[r], lengths, table.replicas[r], self.cost, bulk) for r in range(len(table))]
+        packed = {} if packed is None else packed
+        out = []
+        for r, replica in enumerate(table.replicas):
+            key = (replica.config, members[r].tobytes())
+            if key not in packed:
+                packed[key] = pack_replica(members[r], lengths, replica, self.cost, bulk)
+            out.append(packed[key])
+        return out
 
     def _pack_and_refine(
         self, lengths: np.ndarray, which: int | ReplicaTable, d: Dispatch, deployment: Deployment | None = None
@@ -297,7 +308,8 @@ class Planner:
         table = self._tables[which] if isinstance(which, int) else which
         deployment = self.pool[which] if isinstance(which, int) else deployment
         assert deployment is not None
-        packs = self._pack(lengths, table, d)
+        packed: dict[tuple, Packing] = {}
+        packs = self._pack(lengths, table, d, packed)
         times = np.array([p.time_s for p in packs])
         bias = np.zeros(len(table))
         pipelined = bool((table.pp > 1).any())  # with pp = 1 the estimate is exact
@@ -310,7 +322,7 @@ class Planner:
                 d2 = dispatch(lengths, table, bias)
             except NoRoom:  # the bias moved a long sequence where its lone micro-batch leaves no room
                 break
-            packs2 = self._pack(lengths, table, d2)
+            packs2 = self._pack(lengths, table, d2, packed)
             times2 = np.array([p.time_s for p in packs2])
             if times2.max() >= times.max() - 1e-12:
                 break
