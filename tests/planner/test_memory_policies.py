@@ -12,13 +12,14 @@ from hypothesis import strategies as st
 from hydraulis.cost import load_cost_model
 from hydraulis.cost.memory import DEFAULT_EXCHANGE_BUCKET_BYTES, rank_memory
 from hydraulis.cost.policies import LIGHTEST_FIRST, MemoryPolicy
+from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
 from hydraulis.parallel import ParallelConfig as P
-from hydraulis.planner.dispatch import NoRoom
+from hydraulis.planner.dispatch import NoRoom, dispatch
 from hydraulis.planner.packing import stage_times
 from hydraulis.planner.plan import PlanFile, Schedule, decode_plan, encode_plan, load_plan, save_plan
 from hydraulis.planner.planner import Planner
-from hydraulis.planner.replicas import ReplicaCost
+from hydraulis.planner.replicas import ReplicaCost, ReplicaTable
 from hydraulis.specs import ClusterSpec
 
 TIGHT = load_cost_model("tiny@cpu-measured").for_job(28 << 20, 4)  # fp32, 28 MiB per rank
@@ -199,3 +200,33 @@ def test_stage_times_in_one_pass_are_the_cost_models_one_by_one(seed, config, co
             for mb in micro_batches]
     assert tokens.tolist() == [int(lengths[mb].sum()) for mb in micro_batches]
     assert times.tolist() == want
+
+
+LONG_COST = load_cost_model("llama-70b@h100-80g+cp").with_policies(True)
+LONG_POOL = [Deployment.parse(t, ClusterSpec(128)) for t in
+             ("1x(tp1,pp8,cp8) + 4x(tp2,pp4,cp2)", "2x(tp1,pp8,cp8)", "1x(tp1,pp8,cp8) + 8x(tp1,pp8)")]
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 2), st.floats(0.0, 10.0))
+def test_a_sequence_held_only_alone_never_shares_past_the_lone_cap(seed, longs, spread):
+    """tp1pp8cp8 on 128 GPUs (70b) holds 131,072 tokens only as a replica's lone micro-batch (plain cap 9,728,
+    reach 128,512, lone cap 403,456): dispatch, whatever its bias (the refinement rounds'), never gives such a
+    replica more than its lone cap, and planning either plans or names a pool without room; never "longer than
+    the micro-batch cap" (seen once with policies on a hand-written 70b-128g pool, not reproduced)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.concatenate([rng.integers(64, 30_000, int(rng.integers(5, 120))), [131072] * longs])
+    for d in LONG_POOL:
+        table = ReplicaTable.of(LONG_COST, d, 128)
+        reach = np.array([r.reach for r in table.replicas])
+        try:
+            found = dispatch(lengths, table, rng.normal(0.0, spread, len(table)))
+        except NoRoom:
+            continue
+        for r, members in enumerate(found.all_members()):
+            if len(members) and lengths[members].max() > reach[r]:
+                assert lengths[members].sum() <= table.lone_cap[r]
+    try:
+        Planner(LONG_COST, 128, LONG_POOL).plan(lengths)
+    except HydraulisError as e:
+        assert "no deployment of the pool has room" in str(e)
