@@ -273,15 +273,16 @@ def stage_times(
     `CostModel.stage_time` gives one at a time, in one pass (the sums of squares are exact integers, so the
     float arithmetic is the same)."""
     sizes = np.fromiter((len(mb) for mb in micro_batches), dtype=np.int64, count=len(micro_batches))
-    s = np.asarray(lengths, dtype=np.int64)[np.concatenate(micro_batches)]
-    starts = np.r_[0, np.cumsum(sizes)[:-1]]
-    tokens = np.add.reduceat(s, starts)
+    s = np.asarray(lengths, dtype=np.int64)[np.concatenate(micro_batches).astype(np.int64)]
+    ends = np.cumsum(sizes)
+    # Prefix sums, exact in int64: an empty micro-batch sums to 0 (reduceat would give the next element).
+    tokens = np.diff(np.r_[0, np.cumsum(s)][np.r_[0, ends]])
     count = len(micro_batches)
-    if (sizes == 0).any() or int(tokens.max()) >= EXACT_SQUARES:
+    if int(tokens.max(initial=0)) >= EXACT_SQUARES:
         times = [cost.stage_time(replica.config, lengths[mb], replica.policy(int(t), count))
                  for mb, t in zip(micro_batches, tokens, strict=True)]
         return tokens, np.array(times)
-    squares = np.add.reduceat(s * s, starts).astype(np.float64)
+    squares = np.diff(np.r_[0, np.cumsum(s * s)][np.r_[0, ends]]).astype(np.float64)
     sa, sb = np.ones(count), np.ones(count)
     # Only a micro-batch beyond the cap, or a replica's only one, may run another policy than the plain one.
     for m in np.flatnonzero((tokens > replica.cap) | (count == 1)).tolist():

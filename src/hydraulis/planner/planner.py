@@ -184,8 +184,10 @@ class Planner:
         best_s = float("inf")
         simulated: dict[int, float] = {}
         for d, k in self._worth_packing(screened, len(lengths)):
-            if best is not None and self._bound(lengths, k) > best_s * (1 + 1e-9):
-                continue  # no plan on it can beat the best simulated so far: packing it changes nothing
+            bound = self._bound(lengths, k) if best is not None else 0.0
+            if bound > best_s * (1 + 1e-9):  # no plan on it can beat the best simulated so far: not packed, and
+                simulated[k] = bound  # the outlook counts it at least this slow (like against like, not its estimate)
+                continue
             cand, predicted = self._packed(lengths, k, d)
             simulated[k] = predicted
             if predicted < best_s:
@@ -350,8 +352,9 @@ class Planner:
 
 
 def _relative(chosen: int, n: int, simulated: dict[int, float], screened: dict[int, float]) -> tuple[float, ...]:
-    """Each deployment's predicted time over the chosen one's: simulated where both were, else the dispatch
-    estimates (like against like); inf where it could not hold the batch."""
+    """Each deployment's predicted time over the chosen one's: simulated where both were (for one skipped by its
+    lower bound, the bound: at least that slow), else the dispatch estimates (like against like); inf where it
+    could not hold the batch."""
     def ratio(k: int) -> float:
         if k in simulated:
             return simulated[k] / simulated[chosen] if simulated[chosen] > 0 else 1.0

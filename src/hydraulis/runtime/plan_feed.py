@@ -103,7 +103,8 @@ class PlanFeed:
         """The next step, where its batch starts (the sampler has already drawn one ahead) and, on rank 0, the
         pool deployments that could not hold some batch so far (a resumed run's comparison leaves them out)."""
         position = self._pending[0].state if self._pending is not None else self.sampler.state
-        missed = [] if self.planner is None else sorted(str(self.pool[k]) for k in self.planner.missed)
+        # A copy (one C call): the planner's thread may be adding to the set while a checkpoint saves.
+        missed = [] if self.planner is None else sorted(str(self.pool[k]) for k in self.planner.missed.copy())
         return {"step": self.step, "sampler": position, "missed": missed}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -114,7 +114,8 @@ class Saved:
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of this rank's training: the next step, the sampler's position there, the
-        LR schedule's inputs and the optimizer's owned state (its tensors live, not copied)."""
+        deployments that missed a batch (rank 0's), the LR schedule's inputs and the optimizer's owned state (its
+        tensors live, not copied)."""
         return {**self.feed.state_dict(), "schedule": self.settings.lr_schedule_state(),
                 "optimizer": self.optimizer.state_dict()}
 
