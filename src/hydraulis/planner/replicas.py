@@ -126,6 +126,23 @@ class ReplicaCost:
                 low = max(low, tier.cap)
         return out
 
+    def lightest(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each sequence's least stage cost a*s^2 + b*s beside others and as the replica's lone micro-batch: under
+        the lightest policy whose cap (`cap` and `tiers`; `lone_tiers`, or without policies the lone cap) holds
+        it, inf where none does. A lone one may run a lighter policy than beside others (selective alone past
+        full's cap beside others); a lower bound takes the least of both."""
+        s = np.asarray(lengths, dtype=np.int64)
+        plain = sequence_costs(self.a, self.b, s)
+        beside = np.where(s <= self.cap, plain, np.inf)
+        for tier in self.tiers:
+            beside = np.where((s <= tier.cap) & ~np.isfinite(beside), sequence_costs(tier.a, tier.b, s), beside)
+        if not self.lone_tiers:
+            return beside, np.where(s <= self.holds, plain, np.inf)
+        alone = np.full(len(s), np.inf)
+        for tier in self.lone_tiers:  # lightest first
+            alone = np.where((s <= tier.cap) & ~np.isfinite(alone), sequence_costs(tier.a, tier.b, s), alone)
+        return beside, alone
+
     def policy(self, tokens: int, micro_batches: int) -> MemoryPolicy | None:
         """The policy a micro-batch of `tokens` (one of `micro_batches`) runs: the lightest whose cap holds it;
         None for the config's plain one (or where none holds it, which a plan's validation names)."""
