@@ -41,7 +41,7 @@ def test_refine_plans_a_mix_the_fixed_shapes_miss_and_never_loses():
     cost, cluster, sample = scenario("7b-32g-code-256k-32k")
     start = [Deployment.parse("4x(tp2,pp1,cp4)", cluster)]
     times = _plan_times(cost, cluster, start, sample, None)
-    found, rows = refine(cost, cluster, start, times, sample, 32768, budget_s=60.0)
+    found, rows = refine(cost, cluster, start, times, sample, 32768, budget=40)
     assert rows.shape == (len(found), len(sample)) and str(found[0]) == str(start[0])
     best = int(np.argmin(rows.sum(axis=1)))
     assert rows[best].sum() < 0.98 * times[0].sum()

@@ -253,25 +253,25 @@ def refine(
     times: np.ndarray,
     batches: Sequence[np.ndarray],
     longest: int,
-    budget_s: float,
+    budget: int,
 ) -> tuple[list[Deployment], np.ndarray]:
     """A local search from the candidate planned fastest on the samples: its neighbours (`neighbours`) planned,
-    the best taken while it beats the current by MIN_REFINE and time is left. Every deployment planned joins the
-    candidates (the pool's greedy may want one for some batches)."""
-    start = time.perf_counter()
+    the best taken while it beats the current by MIN_REFINE, at most `budget` of them (a count, not seconds: the
+    pool must not move with the machine's load). Every deployment planned joins the candidates (the pool's
+    greedy may want one for some batches)."""
     N = cluster.num_gpus
     fills = [g for g in usable_configs(cost, cluster) if g.cp == 1]
     fills = sorted(fills, key=lambda g: homogeneous_estimate(cost, g, N, [b[b <= cost.cap(g, N)] for b in batches]))
     fills = fills[:REFINE_FILLS] + [g for g in dict.fromkeys(c for d in candidates for c in d.configs) if g.cp > 1]
     seen = {str(d) for d in candidates}
-    current = int(np.argmin(np.where(np.isfinite(times), times, 1e30).sum(axis=1)))
-    while time.perf_counter() - start < budget_s:
+    current, left = int(np.argmin(np.where(np.isfinite(times), times, 1e30).sum(axis=1))), budget
+    while left > 0:
         fresh = [d for d in neighbours(cost, cluster, candidates[current], fills, longest) if str(d) not in seen]
+        fresh, left = fresh[:left], left - len(fresh[:left])
         if not fresh:
             break
         seen.update(str(d) for d in fresh)
-        rows = _plan_times(cost, cluster, fresh, batches, None)
-        candidates, times = [*candidates, *fresh], np.vstack([times, rows])
+        candidates, times = [*candidates, *fresh], np.vstack([times, _plan_times(cost, cluster, fresh, batches, None)])
         totals = np.where(np.isfinite(times), times, 1e30).sum(axis=1)
         best = int(np.argmin(totals))
         if totals[best] >= totals[current] * (1 - MIN_REFINE):
@@ -371,10 +371,8 @@ def propose(
         if 0 not in kept:
             kept = [0] + kept
         candidates = [candidates[i] for i in kept]
-        planning = time.perf_counter()
         times_all = _plan_times(cost, cluster, candidates, sample, progress)
-        candidates, times_all = refine(cost, cluster, candidates, times_all, sample, longest,
-                                       time.perf_counter() - planning)
+        candidates, times_all = refine(cost, cluster, candidates, times_all, sample, longest, len(candidates))
         pool_idx = greedy_pool(times_all, 0, max_pool)
         times = times_all[pool_idx]
     pool_deployments = tuple(candidates[i] for i in pool_idx)
