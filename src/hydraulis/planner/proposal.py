@@ -367,10 +367,8 @@ def propose(
             # Large batches of light sequences: the dispatch estimate ranks as planning would, and each
             # planned candidate costs seconds, so fewer survive the screen.
             screen = min(screen, LARGE_BATCH_SCREEN)
-        kept = _screen(cost, cluster, candidates, sample, screen)
-        if 0 not in kept:
-            kept = [0] + kept
-        candidates = [candidates[i] for i in kept]
+        kept = _screen(cost, cluster, candidates, sample, screen)  # sorted: the fallback first where kept
+        candidates = [candidates[i] for i in dict.fromkeys([0, *kept])]
         times_all = _plan_times(cost, cluster, candidates, sample, progress)
         candidates, times_all = refine(cost, cluster, candidates, times_all, sample, longest, len(candidates))
         pool_idx = greedy_pool(times_all, 0, max_pool)
