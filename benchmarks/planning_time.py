@@ -3,13 +3,19 @@
 TP x PP x CP space, whose proposal the "built in" figure times). The pool is built beforehand from other
 batches (not timed).
 
+The bench's own: `hydraulis bench`'s planner (the phased one, as `make_policy("hydraulis")` builds it) on the
+256-GPU case, its pool proposed as the bench proposes it (4 samples), with one memory policy per run and with
+one per micro-batch (`CostModel.with_policies`; the pool then proposed with them, as the bench does): each
+iteration timed 3 times, the median kept; mean and max over the iterations against the 1 s target. `--quick`
+leaves it out (two proposals of a few minutes on 2 cores).
+
 Then the growth with the number of sequences: SFT-like batches (lengths
 uniform in 50-400) of 10K, 50K and 200K sequences on 64 and 1024 GPUs, and
 the ratio time(200K) / time(10K) (20x the sequences; n log n would be about
 26x, quadratic 400x). `--proposal` also times proposing a pool for 100K
 sequences on 64 GPUs and 200K on 1024 (targets: 60 s each).
 
-    PYTHONPATH=src python benchmarks/planning_time.py [--quick] [--proposal]
+    PYTHONPATH=src python benchmarks/planning_time.py [--quick] [--proposal] [--bench-only]
 """
 
 from __future__ import annotations
@@ -70,8 +76,49 @@ def proposal_times() -> None:
         print(f"proposal, {gpus} GPUs, {n // 1000}K sequences: {time.perf_counter() - start:.1f} s -> {pool}")
 
 
-def main(quick: bool, with_proposal: bool = False) -> int:
+BENCH_CASE = CASES[3]  # 70b-256g-longmix-4m-64k
+REPEATS = 3
+
+
+def bench_planning(memory_policies: bool) -> bool:
+    """The bench's hydraulis on the 256-GPU case, with or without memory policies per micro-batch: per-iteration
+    planning, the median of REPEATS each; whether the slowest is within the target."""
+    from hydraulis.baselines import make_policy
+    from hydraulis.planner.policy import PolicyContext
+
+    scenario, target = BENCH_CASE
+    cost = load_cost_model(scenario.profile).with_policies(memory_policies)
+    batches = scenario.sample(scenario.seed)
+    t = time.perf_counter()
+    sample = scenario.sample(scenario.seed + 1000, 4)
+    ctx = PolicyContext.build(cost, ClusterSpec(scenario.num_gpus), batches, sample=sample)
+    pool = ctx.pool  # proposed here, with the cost model's policies (the bench's `_with_policies` context)
+    built = time.perf_counter() - t
+    policy = make_policy("hydraulis", ctx)
+    medians, iteration = [], []
+    for step, batch in enumerate(batches):
+        runs = [policy.schedule(batch, step) for _ in range(REPEATS)]
+        medians.append(float(np.median([r.planning_time_s for r in runs])))
+        iteration.append(runs[0].iteration_time_s)
+    worst = max(medians)
+    print(
+        f"{scenario.name}, bench's planner, memory policies {'per micro-batch' if memory_policies else 'off'}: "
+        f"pool of {len(pool)} (proposed in {built:.1f} s); planning mean {np.mean(medians) * 1e3:.0f} ms, "
+        f"max {worst * 1e3:.0f} ms (median of {REPEATS} each; target {target * 1e3:.0f} ms) "
+        f"{'ok' if worst <= target else 'MISSED'}; simulated iterations {', '.join(f'{x:.3f}' for x in iteration)} s"
+    )
+    return worst <= target
+
+
+def main(quick: bool, with_proposal: bool = False, bench_only: bool = False) -> int:
     failed = 0
+    if quick and bench_only:
+        print("--quick leaves out the bench's 256-GPU case that --bench-only runs: give one of them", file=sys.stderr)
+        return 2
+    if not quick:
+        failed += sum(not bench_planning(on) for on in (False, True))
+    if bench_only:
+        return 1 if failed else 0
     for scenario, target in CASES[:2] if quick else CASES:
         cost = load_cost_model(scenario.profile)
         cluster = ClusterSpec(scenario.num_gpus)
@@ -99,4 +146,4 @@ def main(quick: bool, with_proposal: bool = False) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main("--quick" in sys.argv, "--proposal" in sys.argv))
+    sys.exit(main("--quick" in sys.argv, "--proposal" in sys.argv, "--bench-only" in sys.argv))

@@ -107,6 +107,33 @@ def test_a_cached_auto_profile_without_a_cp_config_of_the_pool_is_measured_again
     assert request.mismatch(data) is None
 
 
+def test_a_cached_profile_measured_under_load_says_so_when_reused(tmp_path):
+    """A profile kept in the cache while other processes took the cores is reused (a busy machine would
+    otherwise profile on every run), with one more line: how loaded it was, and that deleting it measures again."""
+    import json
+    from dataclasses import asdict
+
+    from hydraulis.cost.sweep import ProfileSettings
+    from hydraulis.parallel import ParallelConfig
+    from hydraulis.specs import get_model
+    from hydraulis.training.auto_profile import AutoProfile
+
+    spec, settings = get_model("tiny"), ProfileSettings()
+    request = AutoProfile(spec, (ParallelConfig(1, 1),), 4, "cpu", settings)
+    load = {"foreign_cores_median": 0.99, "foreign_cores_max": 1.27, "measured_again": 7, "disturbed_kept": 15}
+    data = {"model": asdict(spec), "device": {"kind": "cpu", "dtype": "fp32"}, "conditions": {"cores": 2},
+            "measurements": {"world_size": 4, "settings": settings.to_json(), "load": load},
+            "time_ms": [{"tp": 1, "pp": 1}]}
+    path = tmp_path / "profile.json"
+    for foreign, said in ((0.99, True), (0.1, False)):
+        data["measurements"]["load"]["foreign_cores_median"] = foreign
+        path.write_text(json.dumps(data))
+        lines: list[str] = []
+        assert request.cached(path, lines.append) == data
+        warned = f"measured while other processes took a median {foreign:.2f} (at most 1.27) of 2 cores: delete it"
+        assert any(warned in line for line in lines) == said, lines
+
+
 def test_steps_over_the_memory_budget_are_marked_counted_and_warned_once(tmp_path, capsys, monkeypatch):
     """[parallel] memory_per_rank: each step whose measured peak exceeded it is marked in metrics.jsonl,
     summary.json counts them beside the budget, and the terminal gets one warning line for the run."""

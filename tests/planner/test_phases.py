@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
@@ -303,6 +304,21 @@ def test_planners_sharing_a_memo_plan_as_planners_without_one():
         assert ours.iteration_time_s == fresh.iteration_time_s
         assert [p.replicas for p in ours.phases] == [p.replicas for p in fresh.phases]
     assert memo and "later" in memo
+
+
+def test_a_batchs_own_memo_plans_as_none(monkeypatch):
+    """A planner without a memo keeps one per batch (`_scoped_memo`: the splits share phases and their estimates
+    the plans' dispatch): the schedules are those planned with nothing remembered, and none outlives the batch."""
+    pool = [Deployment.parse(t, CLUSTER) for t in CP_POOL]
+    ours = PhasedPlanner(BIG_CP.with_policies(True), 16, pool)
+    fresh = PhasedPlanner(BIG_CP.with_policies(True), 16, pool)
+    monkeypatch.setattr(fresh, "_scoped_memo", contextlib.nullcontext)
+    for seed in range(3):
+        b = np.concatenate([code_batch(seed), [LONG + 8000] * 2])
+        a, want = ours.schedule(b), fresh.schedule(b)
+        assert a.iteration_time_s == want.iteration_time_s
+        assert [p.replicas for p in a.phases] == [p.replicas for p in want.phases]
+    assert ours._memo is None and ours._later is not None and ours._later._memo is None
 
 
 def test_a_refit_planner_keeps_the_deployments_that_missed_a_batch():

@@ -11,7 +11,7 @@ from hydraulis.cost import load_cost_model
 from hydraulis.errors import HydraulisError
 from hydraulis.planner import dispatch, packing, planner
 from hydraulis.planner.dispatch import _level_counts
-from hydraulis.planner.packing import first_fit_decreasing
+from hydraulis.planner.packing import first_fit_decreasing, first_fit_without_shortest
 from hydraulis.planner.planner import Planner, check_lengths
 from hydraulis.planner.pool import parse_pool
 from hydraulis.specs import ClusterSpec
@@ -95,6 +95,20 @@ def test_ffd_in_runs_equals_ffd_one_by_one(cap, data):
     values = st.sampled_from([1, 2, 3, cap // 2, cap // 2 + 1, cap]) | st.integers(1, cap)
     lengths = np.array(data.draw(st.lists(values, min_size=1, max_size=1500)))
     assert first_fit_decreasing(lengths, cap) == _ffd_one_by_one(lengths, cap)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(4, 120), st.data())
+def test_ffd_without_the_shortest_in_one_pass_equals_ffd_of_the_rest(cap, data):
+    """`first_fit_without_shortest` (ramp_bins's one pass) is FFD one by one of the batch without its k
+    shortest (a stable ascending sort's first k: ties at the cut drop their first positions)."""
+    values = st.sampled_from([1, 2, 3, cap // 2, cap // 2 + 1, cap]) | st.integers(1, cap)
+    lengths = np.array(data.draw(st.lists(values, min_size=1, max_size=400)))
+    drops = data.draw(st.lists(st.integers(0, len(lengths)), max_size=5))
+    order = np.argsort(lengths, kind="stable")
+    for k, bins in zip(drops, first_fit_without_shortest(lengths, cap, drops), strict=True):
+        rest = order[k:]
+        assert bins == [rest[b].tolist() for b in _ffd_one_by_one(lengths[rest], cap)]
 
 
 def test_lengths_from_2_31_are_refused():

@@ -12,7 +12,9 @@ from hydraulis.planner.plan import plan_from_assignment
 from hydraulis.planner.sim import (
     BACKWARD,
     FORWARD,
+    FORWARD_SHARE,
     closed_form_replica_time,
+    one_f_one_b_order,
     shared_timelines,
     simulate,
     simulate_replica,
@@ -138,3 +140,36 @@ def test_a_waiting_pipeline_stage_lends_its_core():
     timelines = shared_timelines([config, config], [[1.0] * 4] * 2, [[0.0] * 4] * 2, shared)
     assert [t.time_s for t in timelines] == pytest.approx([8.0, 8.0])
     assert (4 + 1) * 2 > 8.0  # what scaling each replica by the deployment's busy ranks predicted
+
+
+def recurrence_1f1b(times: list[float], pp: int, comm: list[float]) -> dict[tuple[int, int, int], float]:
+    """Each event's end from its definition, by recursion: it starts once its stage has run the event before
+    it (1F1B order) and its input has arrived; the simulator's one pass must agree to the last bit."""
+    orders = [one_f_one_b_order(pp, len(times), s) for s in range(pp)]
+    memo: dict[tuple[int, int, int], float] = {}
+
+    def end(s: int, kind: int, j: int) -> float:
+        if (s, kind, j) not in memo:
+            k = orders[s].index((kind, j))
+            start = end(s, *orders[s][k - 1]) if k else 0.0
+            if kind == FORWARD and s > 0:
+                start = max(start, end(s - 1, FORWARD, j) + comm[j])
+            elif kind == BACKWARD:
+                start = max(start, end(s, FORWARD, j) if s == pp - 1 else end(s + 1, BACKWARD, j) + comm[j])
+            share = FORWARD_SHARE if kind == FORWARD else 1.0 - FORWARD_SHARE
+            memo[(s, kind, j)] = start + float(np.float64(times[j]) * share)
+        return memo[(s, kind, j)]
+
+    return {(s, kind, j): end(s, kind, j) for s in range(pp) for kind, j in orders[s]}
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.floats(1e-4, 50.0), min_size=1, max_size=14), st.integers(2, 9), st.floats(0.0, 0.5))
+def test_the_one_pass_1f1b_is_its_recurrence(times, pp, comm_scale):
+    comm = [comm_scale * (1 + (j % 3)) for j in range(len(times))]
+    want = recurrence_1f1b(times, pp, comm)
+    res = simulate_replica(times, pp, comm)
+    got = {(int(s), int(k), int(j)): e for s, j, k, _, e in res.events}
+    assert got == want
+    assert res.time_s == max(want.values())
+    assert simulate_replica(times, pp, comm, keep_events=False).time_s == res.time_s

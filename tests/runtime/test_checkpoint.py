@@ -184,6 +184,33 @@ def test_saves_keep_the_last_k_with_a_complete_manifest(work):
     assert sorted(info.files) == sorted(["optimizer/.metadata", *shards, *(f"rng-{r:05d}.json" for r in range(4))])
     assert json.loads((ckpt / LAST / MANIFEST_FILE).read_text())["schema"] == CHECKPOINT_SCHEMA
     assert results[0]["first"] == results[0]["full"][:SAVE_AT]
+    assert set(info.missed) <= set(info.pool)  # rank 0's record of the deployments that missed a batch
+
+
+def test_a_resume_keeps_the_deployments_that_missed_a_batch():
+    """The feed's state carries rank 0's record of the pool deployments that could not hold some batch, by
+    text: a resumed run's comparison leaves them out too, even on a pool listed in another order."""
+    from train_workers import corpus, settings
+
+    from hydraulis.runtime.plan_feed import PlanFeed
+
+    s = settings()
+    lengths = [len(d) for d in corpus(s.model.vocab)]
+
+    def feed(pool):
+        return PlanFeed(TokenBudgetSampler(lengths, 700, 160, seed=1), pool, s.cost, 0, 4, None)
+
+    before = feed(s.pool)
+    before.planner.missed.add(1)
+    state = before.state_dict()
+    assert state["missed"] == [str(s.pool[1])]
+    after = feed(s.pool[::-1])
+    after.load_state_dict(state)
+    assert after.planner.missed == {len(s.pool) - 2}
+    worker = PlanFeed(TokenBudgetSampler(lengths, 700, 160, seed=1), s.pool, s.cost, 1, 4, None)
+    assert worker.planner is None and worker.state_dict()["missed"] == []  # only rank 0 plans
+    worker.load_state_dict(state)
+    assert worker.step == state["step"]
 
 
 def test_latest_skips_partial_checkpoints_and_sweeps_temporary_ones(work):

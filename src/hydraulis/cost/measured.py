@@ -252,18 +252,30 @@ def summary_rows(data: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-def load_line(data: dict[str, Any]) -> str | None:
-    """What other processes' load did to a CPU profile, in one line (None: it was not measured)."""
-    load = data.get("measurements", {}).get("load")
-    cores = data.get("conditions", {}).get("cores")
+def measured_under_load(data: dict[str, Any]) -> bool:
+    """Whether other processes took enough of the cores to disturb a CPU profile's timings."""
+    load, cores = data.get("measurements", {}).get("load"), data.get("conditions", {}).get("cores")
+    return bool(load and cores and disturbed(load["foreign_cores_median"], cores))
+
+
+def others_load(data: dict[str, Any]) -> str | None:
+    """How much of the cores other processes took while a CPU profile was measured (None: not measured)."""
+    load, cores = data.get("measurements", {}).get("load"), data.get("conditions", {}).get("cores")
     if not load or not cores:
         return None
+    return (f"other processes took a median {load['foreign_cores_median']:.2f} (at most "
+            f"{load['foreign_cores_max']:.2f}) of {cores} cores")
+
+
+def load_line(data: dict[str, Any]) -> str | None:
+    """What other processes' load did to a CPU profile, in one line (None: it was not measured)."""
+    took = others_load(data)
+    if took is None:
+        return None
+    load = data["measurements"]["load"]
     kept = load["disturbed_kept"]
-    loaded = disturbed(load["foreign_cores_median"], cores)
     return (
-        f"load: other processes took a median {load['foreign_cores_median']:.2f} (at most "
-        f"{load['foreign_cores_max']:.2f}) of {cores} cores over the timed rounds; "
-        f"{load['measured_again']} disturbed round(s) measured again"
+        f"load: {took} over the timed rounds; {load['measured_again']} disturbed round(s) measured again"
         + (f", {kept} kept disturbed (the retries ran out)" if kept else "")
-        + (": profile again on a quieter machine" if loaded else "")
+        + (": profile again on a quieter machine" if measured_under_load(data) else "")
     )

@@ -5,9 +5,10 @@ N the job's GPUs, over the configs g that hold s (the lone cap):
 
 - work: every sequence takes n_g * w_g(s) GPU-seconds on its config, pp_g
   times that when s is beyond g's cap (it runs as its replica's only
-  micro-batch, so each stage idles (pp - 1) * w_g(s) of its trip); under
-  memory policies per micro-batch w_g(s) is the lightest holding policy's and
-  the cap the heaviest's beside others (`ReplicaCost`);
+  micro-batch, so each stage idles (pp - 1) * w_g(s) of its trip), the less of
+  the two where both hold it; under memory policies per micro-batch w_g(s) is
+  the lightest policy's that holds it, beside others or alone
+  (`ReplicaCost.lightest`: alone may run a lighter one);
 - bubble: the replica that holds the longest sequence idles at least
   (pp_g - 1) * w_g(s_min) per stage under 1F1B (its first forward and last
   backward cross every other stage), which the work term does not count;
@@ -49,26 +50,24 @@ def lower_bound(
         smallest = min(g.num_gpus for g in cost.configs)
         raise HydraulisError(f"no parallel config of {cost.name} fits {num_gpus} GPU(s); the smallest needs {smallest}")
     reps = [ReplicaCost.of(cost, g, num_gpus) for g in configs]
-    cap = np.array([r.reach for r in reps])[:, None]  # beside others, under any memory policy it may run
-    lone = np.array([r.holds for r in reps])[:, None]
-    w = np.stack([r.seq_costs(lengths) for r in reps])  # under the policy each length needs
+    beside, lone = (np.stack(x) for x in zip(*(r.lightest(lengths) for r in reps), strict=True))
     gpus = np.array([g.num_gpus for g in configs], dtype=np.float64)[:, None]
     pp = np.array([g.pp for g in configs], dtype=np.float64)[:, None]
-    fits = lone >= lengths[None, :]
-    alone = np.where(lengths[None, :] > cap, pp, 1.0)
-    trip_stages = pp
-    if chunked:  # where chunks beat the lone micro-batch (or nothing else holds it): their stage time, once
+    # Per GPU of a config: beside others once (plus the bubble, for the longest), or alone pp trips.
+    spread_w, alone_w = beside, pp * lone
+    trip = pp * np.minimum(beside, lone)
+    if chunked:  # chunks: their stage time, once, and their trip one stage's (`cost.chunks`)
         wc = chunked_stage_time(cost, configs, num_gpus, lengths)
-        better = np.isfinite(wc) & (~fits | (wc < alone * w))
-        w, alone, trip_stages = np.where(better, wc, w), np.where(better, 1.0, alone), np.where(better, 1.0, pp)
-        fits = fits | better
+        spread_w, trip = np.minimum(spread_w, wc), np.minimum(trip, wc)
+    fits = np.isfinite(spread_w) | np.isfinite(alone_w)
     if not fits.any(axis=0).all():
         longest = int(lengths[~fits.any(axis=0)].max())
-        raise HydraulisError(f"no config holds a sequence of {longest} tokens (largest lone cap {int(lone.max())})")
-    work = np.where(fits, gpus * w * alone, np.inf)
+        largest = max(r.holds for r in reps)
+        raise HydraulisError(f"no config holds a sequence of {longest} tokens (largest lone cap {largest})")
+    work = gpus * np.minimum(spread_w, alone_w)
     top = int(np.argmax(lengths))
     w_min = np.array([r.seq_costs(lengths[[int(np.argmin(lengths))]])[0] for r in reps])
-    bubble = np.where(alone[:, top] > 1, 0.0, gpus[:, 0] * (pp[:, 0] - 1) * w_min)
-    spread = (work.min(axis=0).sum() - work[:, top].min() + (work[:, top] + bubble).min()) / num_gpus
-    trip = np.where(fits, trip_stages * w, np.inf).min(axis=0).max()
-    return float(max(spread, trip))
+    bubble = gpus[:, 0] * (pp[:, 0] - 1) * w_min
+    top_work = np.minimum(gpus[:, 0] * spread_w[:, top] + bubble, gpus[:, 0] * alone_w[:, top])
+    spread = (work.min(axis=0).sum() - work[:, top].min() + top_work.min()) / num_gpus
+    return float(max(spread, trip.min(axis=0).max()))

@@ -74,12 +74,17 @@ def _scalar_estimate(
     vmin = max(1, -(-T // cap))
     if pp1 == 0:
         return W + vmin * c
-    vmax = max(vmin, min(n, T // max(me, 1)))
-    v = math.floor(math.sqrt(pp1 * W / max(c, 1e-12)))  # c = 0: as many micro-batches as allowed
-    best = math.inf
-    for u in (min(max(v, vmin), vmax), min(max(v + 1, vmin), vmax)):
-        best = min(best, W + u * c + pp1 * (max(W / u, wmax) + c))
-    return best
+    busy = T // me if me > 1 else T
+    vmax = vmin if busy < vmin or n < vmin else (n if n < busy else busy)
+    v = math.floor(math.sqrt(pp1 * W / (c if c > 1e-12 else 1e-12)))  # c = 0: as many micro-batches as allowed
+    # min(max(v, vmin), vmax) and the same for v + 1, spelled out: this is the greedy's inner loop
+    u = vmin if v < vmin else (vmax if v > vmax else v)
+    q = W / u
+    best = W + u * c + pp1 * ((q if q >= wmax else wmax) + c)
+    u = vmin if v + 1 < vmin else (vmax if v + 1 > vmax else v + 1)
+    q = W / u
+    other = W + u * c + pp1 * ((q if q >= wmax else wmax) + c)
+    return other if other < best else best
 
 
 BULK_RUNS = 128  # slices of the light tail that are water-filled at once
@@ -281,6 +286,11 @@ def improve(lengths: np.ndarray, table: ReplicaTable, d: Dispatch, bias: np.ndar
     return min(found, key=lambda x: x.makespan_s)
 
 
+# The last partition `balanced_start` made: a candidate's packing and its refinement rounds start the local
+# search from it again on the same table and batch (the bias changes, the partition does not).
+_last_partition: tuple[ReplicaTable, tuple[str, bytes], np.ndarray] | None = None
+
+
 def balanced_start(lengths: np.ndarray, table: ReplicaTable) -> np.ndarray | None:
     """Karmarkar-Karp on a*s^2 + b*s over the replicas of a one-config deployment (flops-balanced's partition),
     or None: several configs cost a sequence differently, a bulk batch is water-filled instead, and a sequence
@@ -289,9 +299,15 @@ def balanced_start(lengths: np.ndarray, table: ReplicaTable) -> np.ndarray | Non
         return None
     if int(np.max(lengths, initial=0)) > table.configs[0].cap:
         return None
+    global _last_partition  # noqa: PLW0603 - a one-entry memo
+    key = (lengths.dtype.str, lengths.tobytes())
+    last = _last_partition
+    if last is not None and last[0] is table and last[1] == key:
+        return last[2].copy()
     replica_of = np.empty(len(lengths), dtype=np.int64)
     for r, part in enumerate(karmarkar_karp(table.cost_matrix(lengths)[0], len(table))):
         replica_of[part] = r
+    _last_partition = (table, key, replica_of.copy())
     return replica_of
 
 

@@ -56,38 +56,78 @@ def first_fit_decreasing(lengths: np.ndarray, cap: int) -> list[list[int]]:
     with room, floor(room / s) each, so a run costs one pass over the bins, not
     one per item (100K short sequences are a few hundred runs).
     """
+    return first_fit_without_shortest(lengths, cap, [0])[0]
+
+
+def first_fit_without_shortest(lengths: np.ndarray, cap: int, drops: list[int]) -> list[list[list[int]]]:
+    """`first_fit_decreasing` of `lengths` without its k shortest (by length, then position: the first k of a
+    stable ascending sort), for each k of `drops`, as positions into `lengths`, in one pass.
+
+    First fit places items one after another in decreasing order (ties by position), so without the shortest
+    it is the same pass stopped early: the longer runs as they were, then what is left of the run where the
+    dropped ones begin (its later positions: an ascending sort drops a run's first ones) from the bins as they
+    stood before that run.
+    """
     check_cap(lengths, cap)
     lengths = np.asarray(lengths, dtype=np.int64)
     order = np.argsort(-lengths, kind="stable")
     sorted_lengths = lengths[order]
-    starts = np.flatnonzero(np.r_[True, sorted_lengths[1:] != sorted_lengths[:-1]])
-    ends = np.r_[starts[1:], len(order)]
-    bins: list[list[int]] = []
+    starts = np.flatnonzero(np.r_[True, sorted_lengths[1:] != sorted_lengths[:-1]]).tolist()
+    ends = [*starts[1:], len(order)]
     order_l, sorted_l = order.tolist(), sorted_lengths.tolist()
-    room_l: list[int] = []  # while there are few bins: a plain scan beats numpy's per-call cost
-    rooms = np.zeros(0, dtype=np.int64)
-    for a, e in zip(starts.tolist(), ends.tolist(), strict=True):
-        s, m = sorted_l[a], e - a
+    n = len(order_l)
+    out: list[list[list[int]] | None] = [None] * len(drops)
+    fit = _FirstFit(cap)
+    for a, e in zip(starts, ends, strict=True):
+        for q, k in enumerate(drops):
+            if out[q] is None and n - k < e:  # this run loses its first max(0, e - (n - k)) items
+                early = fit.copy()
+                if n - k > a:
+                    early.place(order_l[a + e - (n - k) : e], sorted_l[a])
+                out[q] = early.bins
+        fit.place(order_l[a:e], sorted_l[a])
+    return [fit.bins if b is None else b for b in out]
+
+
+class _FirstFit:
+    """First fit's bins (positions) and rooms. While there are few bins a plain scan beats numpy's per-call
+    cost; past 64 the rooms move to an array."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.bins: list[list[int]] = []
+        self.room_l: list[int] = []
+        self.rooms = np.zeros(0, dtype=np.int64)
+
+    def copy(self) -> _FirstFit:
+        other = _FirstFit(self.cap)
+        other.bins, other.room_l, other.rooms = [b.copy() for b in self.bins], self.room_l.copy(), self.rooms.copy()
+        return other
+
+    def place(self, items: list[int], s: int) -> None:
+        """A run of items of `s` tokens each, in order: each bin with room takes floor(room / s) of them,
+        the earliest first; the rest open new bins of cap // s each."""
+        bins, room_l, cap, m = self.bins, self.room_l, self.cap, len(items)
         used = 0
         if len(room_l) <= 64:
             for j, room in enumerate(room_l):
                 if room >= s:
                     k = min(room // s, m - used)
-                    bins[j].extend(order_l[a + used : a + used + k])
+                    bins[j].extend(items[used : used + k])
                     room_l[j] -= k * s
                     used += k
                     if used == m:
                         break
             if used < m:
                 per_bin = cap // s
-                for i in range(a + used, e, per_bin):
-                    chunk = order_l[i : min(i + per_bin, e)]
+                for i in range(used, m, per_bin):
+                    chunk = items[i : min(i + per_bin, m)]
                     bins.append(chunk)
                     room_l.append(cap - s * len(chunk))
             if len(room_l) > 64:
-                rooms = np.array(room_l, dtype=np.int64)
-            continue
-        items = order_l[a:e]
+                self.rooms = np.array(room_l, dtype=np.int64)
+            return
+        rooms = self.rooms
         take = np.minimum(rooms // s, m)
         if take.any():
             cum = np.cumsum(take)
@@ -106,8 +146,7 @@ def first_fit_decreasing(lengths: np.ndarray, cap: int) -> list[list[int]]:
             rest = items[used:]
             new_bins = [rest[i : i + per_bin] for i in range(0, len(rest), per_bin)]
             bins.extend(new_bins)
-            rooms = np.concatenate([rooms, np.array([cap - s * len(b) for b in new_bins], dtype=np.int64)])
-    return bins
+            self.rooms = np.concatenate([rooms, np.array([cap - s * len(b) for b in new_bins], dtype=np.int64)])
 
 
 BULK_PACK_ITEMS = 2048  # a replica with more sequences packs its light tail in chunks
@@ -206,11 +245,8 @@ def order_by_simulation(
     `ramp_bins`, tried ascending and as a pyramid only, the orders that win there)."""
     if not micro_batches:
         return Packing((), 0.0)
-    tokens = np.array([int(lengths[mb].sum()) for mb in micro_batches])
-    count = len(micro_batches)
-    times = np.array([cost.stage_time(replica.config, lengths[mb], replica.policy(int(t), count))
-                      for mb, t in zip(micro_batches, tokens, strict=True)])
-    comm = np.array([cost.p2p_time(replica.config, int(t)) for t in tokens])
+    tokens, times = stage_times(micro_batches, lengths, replica, cost)
+    comm = np.array([cost.p2p_time(replica.config, t) for t in tokens.tolist()])
     if replica.pp == 1:
         return Packing(tuple(micro_batches), simulate_replica(times, 1, comm, keep_events=False).time_s)
     best: tuple[float, np.ndarray] | None = None
@@ -225,6 +261,34 @@ def order_by_simulation(
             best = (t, order)
     assert best is not None
     return Packing(tuple(micro_batches[k] for k in best[1].tolist()), best[0])
+
+
+EXACT_SQUARES = 1 << 26  # tokens of a micro-batch below which its sum of squares is an exact float64
+
+
+def stage_times(
+    micro_batches: list[np.ndarray], lengths: np.ndarray, replica: ReplicaCost, cost: CostModel
+) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens and stage time of each micro-batch, each under its memory policy (`ReplicaCost.policy`): what
+    `CostModel.stage_time` gives one at a time, in one pass (the sums of squares are exact integers, so the
+    float arithmetic is the same)."""
+    sizes = np.fromiter((len(mb) for mb in micro_batches), dtype=np.int64, count=len(micro_batches))
+    s = np.asarray(lengths, dtype=np.int64)[np.concatenate(micro_batches).astype(np.int64)]
+    ends = np.cumsum(sizes)
+    # Prefix sums, exact in int64: an empty micro-batch sums to 0 (reduceat would give the next element).
+    tokens = np.diff(np.r_[0, np.cumsum(s)][np.r_[0, ends]])
+    count = len(micro_batches)
+    if int(tokens.max(initial=0)) >= EXACT_SQUARES:
+        times = [cost.stage_time(replica.config, lengths[mb], replica.policy(int(t), count))
+                 for mb, t in zip(micro_batches, tokens, strict=True)]
+        return tokens, np.array(times)
+    squares = np.diff(np.r_[0, np.cumsum(s * s)][np.r_[0, ends]]).astype(np.float64)
+    sa, sb = np.ones(count), np.ones(count)
+    # Only a micro-batch beyond the cap, or a replica's only one, may run another policy than the plain one.
+    for m in np.flatnonzero((tokens > replica.cap) | (count == 1)).tolist():
+        sa[m], sb[m] = cost.policy_scale(replica.config, replica.policy(int(tokens[m]), count))
+    i = cost.index(replica.config)
+    return tokens, sa * cost.a[i] * squares + sb * cost.b[i] * tokens.astype(np.float64) + cost.c[i]
 
 
 def pack_replica(
@@ -309,7 +373,7 @@ def ramp_bins(s: np.ndarray, replica: ReplicaCost) -> list[list[np.ndarray]]:
     weighs the two (on the bench's llama-32b pp2 and pp4 replicas: 0.6-1.4% of a replica's time).
     """
     order = np.argsort(s, kind="stable")
-    out = []
+    ramps = []
     for ramp, copies in itertools.product(RAMPS, (1, 2)):
         pos, small = 0, []
         for share in ramp:
@@ -318,7 +382,8 @@ def ramp_bins(s: np.ndarray, replica: ReplicaCost) -> list[list[np.ndarray]]:
                 if take:
                     small.append(order[pos : pos + take])
                     pos += take
-        rest = order[pos:]
-        if len(rest) and small:
-            out.append(small + [rest[np.array(b, dtype=np.int64)] for b in first_fit_decreasing(s[rest], replica.cap)])
-    return out
+        if pos < len(s) and small:
+            ramps.append((small, pos))
+    # The rest first-fit decreasing: one pass for every ramp (the rest is the batch without its shortest).
+    rests = first_fit_without_shortest(s, replica.cap, [pos for _, pos in ramps]) if ramps else []
+    return [small + [np.array(b, dtype=np.int64) for b in bins] for (small, _), bins in zip(ramps, rests, strict=True)]

@@ -25,9 +25,10 @@ proposed pool, among them hotspa's (`homogeneous_split`), which pay only togethe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,21 +73,36 @@ class PhasedPlanner(Planner):
         """The fastest simulated schedule: the single-phase plan, or the best of the most promising splits."""
         start = time.perf_counter()
         lengths = check_lengths(lengths)
-        best = Schedule.single(self.plan(lengths, step))
-        self.remember(step)
-        if len(self.pool) > 1:
-            for split in self.splits(lengths)[:FULL_SPLITS]:
-                try:
-                    candidate = self._plan_split(lengths, split, step)
-                except HydraulisError:  # a phase no deployment has room for: the split is not a candidate
-                    continue
-                if candidate.iteration_time_s < best.iteration_time_s * (1 - MIN_GAIN):
-                    best = candidate
+        with self._scoped_memo():
+            best = Schedule.single(self.plan(lengths, step))
+            self.remember(step)
+            if len(self.pool) > 1:
+                for split in self.splits(lengths)[:FULL_SPLITS]:
+                    try:
+                        candidate = self._plan_split(lengths, split, step)
+                    except HydraulisError:  # a phase no deployment has room for: the split is not a candidate
+                        continue
+                    if candidate.iteration_time_s < best.iteration_time_s * (1 - MIN_GAIN):
+                        best = candidate
         elapsed = time.perf_counter() - start
         phases = best.phases
         if len(phases) == 1:
             phases = (dataclasses.replace(phases[0], planning_time_s=elapsed),)
         return dataclasses.replace(best, phases=phases, planning_time_s=elapsed)
+
+    @contextlib.contextmanager
+    def _scoped_memo(self) -> Iterator[None]:
+        """One batch's memo where the planner keeps none: the splits' estimates dispatch the parts their plans
+        screen again, and two splits often share a phase (the short one of a 2- and a 3-phase split), planned
+        alike; dispatch and packing are deterministic, so a memo changes no plan."""
+        later = self._later_planner()
+        kept = self._memo, later._memo
+        if self._memo is None:
+            self._memo, later._memo = {}, {}
+        try:
+            yield
+        finally:
+            self._memo, later._memo = kept
 
     @property
     def switch_s(self) -> float:
@@ -141,15 +157,20 @@ class PhasedPlanner(Planner):
                 continue
         return best
 
-    def _plan_split(self, lengths: np.ndarray, split: Split, step: int) -> Schedule:
-        """Every phase planned on its own (the planner picks its deployment), then the whole simulated; a later
-        phase within the caps left beside the earlier phases' reduced gradient (`CostModel.later_phase`)."""
+    def _later_planner(self) -> Planner:
+        """The planner of the phases after the first (built on first use; its memo a part of this one's)."""
         if self._later is None:
             self._later = Planner(self.cost.later_phase(), self.num_gpus, self.pool, method=self.method,
                                   milp_time_limit_s=self.milp_time_limit_s, full_candidates=self.full_candidates,
                                   refine_rounds=self.refine_rounds,
                                   memo=None if self._memo is None else self._memo.setdefault("later", {}))
-        plans = tuple((self._later if k else self).plan(lengths[idx], step) for k, idx in enumerate(split.phases))
+        return self._later
+
+    def _plan_split(self, lengths: np.ndarray, split: Split, step: int) -> Schedule:
+        """Every phase planned on its own (the planner picks its deployment), then the whole simulated; a later
+        phase within the caps left beside the earlier phases' reduced gradient (`CostModel.later_phase`)."""
+        later = self._later_planner()
+        plans = tuple((later if k else self).plan(lengths[idx], step) for k, idx in enumerate(split.phases))
         switch_s = mean_switch_time(plans, self.cost)
         total = phases_time(plans, self.cost, switch_s)
         indices = tuple(tuple(int(i) for i in idx) for idx in split.phases)

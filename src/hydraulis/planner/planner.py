@@ -184,6 +184,10 @@ class Planner:
         best_s = float("inf")
         simulated: dict[int, float] = {}
         for d, k in self._worth_packing(screened, len(lengths)):
+            bound = self._bound(lengths, k) if best is not None else 0.0
+            if bound > best_s * (1 + 1e-9):  # no plan on it can beat the best simulated so far: not packed, and
+                simulated[k] = bound  # the outlook counts it at least this slow (like against like, not its estimate)
+                continue
             cand, predicted = self._packed(lengths, k, d)
             simulated[k] = predicted
             if predicted < best_s:
@@ -261,19 +265,44 @@ class Planner:
             self._memo[key] = found
         return found
 
+    def _bound(self, lengths: np.ndarray, k: int) -> float:
+        """A lower bound on any simulated iteration of `lengths` on pool deployment k (0 on shared CPU cores,
+        where a waiting stage lends its core and the profile's times are no floor)."""
+        if self.cost.shared_cores is not None:
+            return 0.0
+        return self._tables[k].compute_bound(lengths) + self.cost.step_time(self.pool[k].configs)
+
     def _worth_packing(self, screened: list[tuple[Dispatch, int]], n: int) -> list[tuple[Dispatch, int]]:
         """The best screened deployments. In a large batch of light sequences the estimate is close to the
-        packed time, so only those within LARGE_BATCH_MARGIN of the best estimate are packed."""
+        packed time, so only those within LARGE_BATCH_MARGIN of the best estimate are packed.
+
+        On shared CPU cores (`cost.shared_cores`) every one is: the estimate prices each replica as if it had
+        its ranks' cores to itself, where the simulator lets a waiting pipeline stage lend its core, and it
+        ranks deployments apart by up to 1.5x there (peers.py's bounded pool: 2x(tp2,pp1) estimated best,
+        simulated 1.55x the best; 2x(tp1,pp2) estimated 1.29x, simulated best). Such pools are small."""
+        if self.cost.shared_cores is not None:
+            return screened
         top = screened[: self.full_candidates]
         if n < BULK_MIN_SEQUENCES:
             return top
         bound = top[0][0].makespan_s * (1 + LARGE_BATCH_MARGIN)
         return [x for x in top if x[0].makespan_s <= bound]
 
-    def _pack(self, lengths: np.ndarray, table: ReplicaTable, d: Dispatch) -> list[Packing]:
+    def _pack(
+        self, lengths: np.ndarray, table: ReplicaTable, d: Dispatch, packed: dict[tuple, Packing] | None = None
+    ) -> list[Packing]:
+        """Each replica's packing; `packed` keeps them by config and members, for the refinement rounds, which
+        leave some replicas' sequences as they were (packing is deterministic)."""
         members = d.all_members()
         bulk = len(lengths) >= BULK_MIN_SEQUENCES
-        return [pack_replica(members[r], lengths, table.replicas[r], self.cost, bulk) for r in range(len(table))]
+        packed = {} if packed is None else packed
+        out = []
+        for r, replica in enumerate(table.replicas):
+            key = (replica.config, members[r].tobytes())
+            if key not in packed:
+                packed[key] = pack_replica(members[r], lengths, replica, self.cost, bulk)
+            out.append(packed[key])
+        return out
 
     def _pack_and_refine(
         self, lengths: np.ndarray, which: int | ReplicaTable, d: Dispatch, deployment: Deployment | None = None
@@ -281,7 +310,8 @@ class Planner:
         table = self._tables[which] if isinstance(which, int) else which
         deployment = self.pool[which] if isinstance(which, int) else deployment
         assert deployment is not None
-        packs = self._pack(lengths, table, d)
+        packed: dict[tuple, Packing] = {}
+        packs = self._pack(lengths, table, d, packed)
         times = np.array([p.time_s for p in packs])
         bias = np.zeros(len(table))
         pipelined = bool((table.pp > 1).any())  # with pp = 1 the estimate is exact
@@ -294,7 +324,7 @@ class Planner:
                 d2 = dispatch(lengths, table, bias)
             except NoRoom:  # the bias moved a long sequence where its lone micro-batch leaves no room
                 break
-            packs2 = self._pack(lengths, table, d2)
+            packs2 = self._pack(lengths, table, d2, packed)
             times2 = np.array([p.time_s for p in packs2])
             if times2.max() >= times.max() - 1e-12:
                 break
@@ -302,7 +332,7 @@ class Planner:
         return Candidate(deployment, tuple(p.micro_batches for p in packs), times)
 
     def _exact(self, lengths: np.ndarray, cand: Candidate) -> Candidate:
-        table = ReplicaTable.of(self.cost, cand.deployment, self.num_gpus)
+        table = self._table(cand.deployment)
         start = [[mb.tolist() for mb in mbs] for mbs in cand.micro_batches]
         found = exact_assignment(lengths, table, start, self.milp_time_limit_s)
         if found is None:
@@ -317,12 +347,14 @@ class Planner:
         return Candidate(cand.deployment, tuple(p.micro_batches for p in packs), times)
 
     def _finish(self, step: int, lengths: np.ndarray, cand: Candidate, start: float) -> IterationPlan:
-        return finalize(step, lengths, cand.deployment, cand.micro_batches, self.cost, start)
+        return finalize(step, lengths, cand.deployment, cand.micro_batches, self.cost, start,
+                        self._table(cand.deployment))
 
 
 def _relative(chosen: int, n: int, simulated: dict[int, float], screened: dict[int, float]) -> tuple[float, ...]:
-    """Each deployment's predicted time over the chosen one's: simulated where both were, else the dispatch
-    estimates (like against like); inf where it could not hold the batch."""
+    """Each deployment's predicted time over the chosen one's: simulated where both were (for one skipped by its
+    lower bound, the bound: at least that slow), else the dispatch estimates (like against like); inf where it
+    could not hold the batch."""
     def ratio(k: int) -> float:
         if k in simulated:
             return simulated[k] / simulated[chosen] if simulated[chosen] > 0 else 1.0
@@ -354,12 +386,15 @@ def finalize(
     micro_batches: Sequence[Sequence[Sequence[int]]],
     cost: CostModel,
     started: float,
+    table: ReplicaTable | None = None,
 ) -> IterationPlan:
     """A validated IterationPlan whose predicted time is the simulator's, and whose planning time ends now.
 
     Every sequence exactly once and every micro-batch within its replica's cap, else a HydraulisError.
+    `table`: the deployment's on `cost`, where the caller has it (building one reads every policy's caps).
     """
-    plan = assemble(step, lengths, deployment, micro_batches, ReplicaTable.of(cost, deployment, deployment.num_gpus))
+    table = ReplicaTable.of(cost, deployment, deployment.num_gpus) if table is None else table
+    plan = assemble(step, lengths, deployment, micro_batches, table)
     plan.validate(cost, deployment.num_gpus, where=f"step {step}")
     predicted = simulate(plan, cost, keep_events=False)
     return dataclasses.replace(plan, predicted_time_s=predicted.iteration_time_s,

@@ -53,7 +53,7 @@ from hydraulis.planner.replicas import BULK_MIN_SEQUENCES, ReplicaCost, ReplicaT
 from hydraulis.specs import ClusterSpec
 
 METHODS = ("hydraulis", "published")
-SCREEN_BUDGET_S = 10.0
+SCREEN_BUDGET_S = 10.0  # CPU seconds of dispatch estimates in the screen (this thread's: load does not move it)
 REFINE_FILLS = 6  # cp = 1 configs a refined deployment's GPUs may go to, best alone first
 MIN_REFINE = 0.002  # a neighbour must beat the current deployment by this share on the samples
 LARGE_BATCH_SCREEN = 4  # dispatch estimates in screening, before the fluid proxy takes over
@@ -182,11 +182,12 @@ def _screen(
     est = np.full((len(candidates), len(batches)), np.nan)
     tables = [ReplicaTable.of(cost, d, cluster.num_gpus) for d in candidates]
     alive = np.arange(len(candidates))
-    # Large batches make each dispatch slow: past a budget, a fluid LP proxy picks whom to dispatch.
-    start = time.perf_counter()
+    # Large batches make each dispatch slow: past a budget, a fluid LP proxy picks whom to dispatch. The call is
+    # timed in this thread's CPU time, not wall time: other processes' load would otherwise change the pool.
+    start = time.thread_time()
     with contextlib.suppress(NoRoom):  # timing one call: whether it finds room does not matter
         dispatch(batches[0], tables[0], search=False)
-    per_call = time.perf_counter() - start
+    per_call = time.thread_time() - start
     affordable = int(SCREEN_BUDGET_S / max(per_call, 1e-6) / 2)
     if len(alive) > max(affordable, 3 * keep):
         fluid = _fluid_estimates(cost, cluster, candidates, batches)

@@ -126,6 +126,23 @@ class ReplicaCost:
                 low = max(low, tier.cap)
         return out
 
+    def lightest(self, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each sequence's least stage cost a*s^2 + b*s beside others and as the replica's lone micro-batch: under
+        the lightest policy whose cap (`cap` and `tiers`; `lone_tiers`, or without policies the lone cap) holds
+        it, inf where none does. A lone one may run a lighter policy than beside others (selective alone past
+        full's cap beside others); a lower bound takes the least of both."""
+        s = np.asarray(lengths, dtype=np.int64)
+        plain = sequence_costs(self.a, self.b, s)
+        beside = np.where(s <= self.cap, plain, np.inf)
+        for tier in self.tiers:
+            beside = np.where((s <= tier.cap) & ~np.isfinite(beside), sequence_costs(tier.a, tier.b, s), beside)
+        if not self.lone_tiers:
+            return beside, np.where(s <= self.holds, plain, np.inf)
+        alone = np.full(len(s), np.inf)
+        for tier in self.lone_tiers:  # lightest first
+            alone = np.where((s <= tier.cap) & ~np.isfinite(alone), sequence_costs(tier.a, tier.b, s), alone)
+        return beside, alone
+
     def policy(self, tokens: int, micro_batches: int) -> MemoryPolicy | None:
         """The policy a micro-batch of `tokens` (one of `micro_batches`) runs: the lightest whose cap holds it;
         None for the config's plain one (or where none holds it, which a plan's validation names)."""
@@ -178,6 +195,29 @@ class ReplicaTable:
     def __len__(self) -> int:
         return len(self.replicas)
 
+    def compute_bound(self, lengths: np.ndarray) -> float:
+        """A lower bound on the simulated compute of any plan of `lengths` on this deployment (GPU timing, not
+        shared cores), to skip packing one that cannot win. A 1F1B replica's last stage runs every micro-batch,
+        W + v*c, so the slowest replica takes at least the mean of that; the one holding the longest sequence
+        at least its micro-batch plus (pp - 1) c of warm-up and cool-down, pp times it where it runs alone
+        (beyond the config's reach). A sequence costs a config at least its plain a*s^2 + b*s times the
+        lightest factor of any policy it may run there."""
+        s = np.asarray(lengths, dtype=np.int64)
+        models = self.configs
+        factor = np.array([min([1.0, *(min(t.a / m.a, t.b / m.b) for t in m.tiers + m.lone_tiers)])
+                           if m.a > 0 and m.b > 0 else 0.0 for m in models])
+        w = sequence_costs((np.array([m.a for m in models]) * factor)[:, None],
+                           (np.array([m.b for m in models]) * factor)[:, None], s[None, :])  # [configs, n]
+        c = np.array([m.c for m in models])
+        longest = int(s.max())
+        micro_batches = -(-int(s.sum()) // int(self.lone_cap.max()))
+        mean = (float(w.min(axis=0).sum()) + float(c.min()) * micro_batches) / len(self)
+        pp = np.array([m.pp for m in models], dtype=np.float64)
+        alone = np.array([longest > m.reach for m in models])
+        one = w[:, int(np.argmax(s))] + c
+        holding = np.where(alone, pp * one, one + (pp - 1) * c)[[m.holds >= longest for m in models]]
+        return max(mean, float(holding.min()) if len(holding) else np.inf)
+
     def cost_matrix(self, lengths: np.ndarray) -> np.ndarray:
         """[distinct configs x sequences] of a*s^2 + b*s (under the policy each needs, `ReplicaCost.seq_costs`)."""
         if any(m.tiers or len(m.lone_tiers) > 1 for m in self.configs):
@@ -222,18 +262,40 @@ def estimate_time(
     c = np.asarray(c, dtype=np.float64)
     pp1 = np.asarray(pp, dtype=np.float64) - 1.0
     vmin, vmax = micro_batch_range(T, n, cap, min_efficient)
-    # fmax: an emptied replica's W may be a rounding below 0, and pp = 1 with W = inf (a lone sequence past
-    # its cap) is 0 * inf; neither has a micro-batch count to choose.
-    vstar = np.sqrt(np.fmax(pp1 * W, 0.0) / np.maximum(c, 1e-12))
-    v1 = np.clip(np.floor(vstar), vmin, vmax)
-    v2 = np.clip(v1 + 1.0, vmin, vmax)
-    f1 = W + v1 * c + pp1 * (np.maximum(W / v1, wmax) + c)
-    f2 = W + v2 * c + pp1 * (np.maximum(W / v2, wmax) + c)
-    est = np.minimum(f1, f2)
+    shape = np.broadcast_shapes(W.shape, np.shape(T), np.shape(n), np.shape(wmax), c.shape, pp1.shape,
+                                np.shape(cap), np.shape(min_efficient), np.shape(lone_cap), np.shape(long_w))
+    # In place where it can (the local search's swaps estimate a few hundred thousand pairs at once); the same
+    # operations in the same order as W + v c + pp1 (max(W / v, wmax) + c). fmax: an emptied replica's W may
+    # be a rounding below 0, and pp = 1 with W = inf (a lone sequence past its cap) is 0 * inf; neither has a
+    # micro-batch count to choose.
+    v1 = np.multiply(pp1, W, out=np.empty(shape))
+    np.fmax(v1, 0.0, out=v1)
+    v1 /= np.maximum(c, 1e-12)
+    np.sqrt(v1, out=v1)
+    np.floor(v1, out=v1)
+    v2 = np.add(v1, 1.0, out=np.empty(shape))
+    for v in (v1, v2):
+        np.minimum(np.maximum(v, vmin, out=v), vmax, out=v)
+    est = _one_f_one_b(W, v1, wmax, c, pp1)
+    np.minimum(est, _one_f_one_b(W, v2, wmax, c, pp1), out=est)
     if lone_cap is not None and long_w is not None:
-        lone = np.where(np.asarray(T) <= lone_cap, (pp1 + 1.0) * (W + c), np.inf)
-        est = np.where(np.asarray(wmax) > long_w, lone, est)
+        beyond = np.asarray(wmax) > long_w
+        if beyond.any():
+            lone = np.where(np.asarray(T) <= lone_cap, (pp1 + 1.0) * (W + c), np.inf)
+            est = np.where(beyond, lone, est)
     return np.where(np.asarray(n) > 0, est, 0.0)
+
+
+def _one_f_one_b(W: np.ndarray, v: np.ndarray, wmax: ArrayLike, c: np.ndarray, pp1: np.ndarray) -> np.ndarray:
+    """W + v c + pp1 (max(W / v, wmax) + c), into new arrays of v's shape (0-d ones stay arrays)."""
+    bubble = np.divide(W, v, out=np.empty(v.shape))
+    np.maximum(bubble, wmax, out=bubble)
+    bubble += c
+    bubble *= pp1
+    out = np.multiply(v, c, out=np.empty(v.shape))
+    np.add(W, out, out=out)
+    out += bubble
+    return out
 
 
 @dataclass

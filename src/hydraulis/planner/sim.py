@@ -10,6 +10,7 @@ gives exactly (v + pp - 1) * t.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -73,56 +74,79 @@ def _single_stage(t: np.ndarray, keep_events: bool) -> ReplicaTimeline:
     return ReplicaTimeline(float(ends[-1]), np.array([float(t.sum())]), events)
 
 
+@dataclass(frozen=True)
+class _Sweep:
+    """The 1F1B events of pp stages and v micro-batches in an order where each comes after what it waits for:
+    per event its stage, micro-batch and kind, the previous event on its stage and the event it depends on
+    (-1: none), and whether a p2p transfer lies between them. The same for every replica of that shape."""
+
+    stage: list[int]
+    micro_batch: np.ndarray
+    kind: list[int]
+    prev: list[int]
+    dep: list[int]
+    transfer: np.ndarray  # bool
+    forward: np.ndarray  # bool
+    last: list[int]  # each stage's last event
+
+
+@functools.lru_cache(maxsize=256)
+def _sweep(pp: int, v: int) -> _Sweep:
+    """Sweep the stages, each advancing through its 1F1B order until an input is not ready yet: the order
+    in which the events become computable (the simulator's historical order, kept for its event rows)."""
+    orders = [one_f_one_b_order(pp, v, s) for s in range(pp)]
+    index: dict[tuple[int, int, int], int] = {}  # (stage, kind, micro-batch) -> event
+    stage, mb, kind, prev, dep, transfer = [], [], [], [], [], []
+    ptr, last_of = [0] * pp, [-1] * pp
+    while len(index) < 2 * v * pp:
+        progressed = False
+        for s in range(pp):
+            while ptr[s] < len(orders[s]):
+                k, j = orders[s][ptr[s]]
+                if k == FORWARD:
+                    need = (s - 1, FORWARD, j) if s else None
+                else:
+                    need = (s, FORWARD, j) if s == pp - 1 else (s + 1, BACKWARD, j)
+                if need is not None and need not in index:
+                    break
+                index[(s, k, j)] = len(stage)
+                stage.append(s), mb.append(j), kind.append(k), prev.append(last_of[s])
+                dep.append(-1 if need is None else index[need])
+                transfer.append(need is not None and need[0] != s)
+                last_of[s] = index[(s, k, j)]
+                ptr[s] += 1
+                progressed = True
+        if not progressed:  # pragma: no cover - the 1F1B order is deadlock-free
+            raise RuntimeError("1F1B simulation deadlocked")
+    return _Sweep(stage, np.array(mb), kind, prev, dep, np.array(transfer), np.array(kind) == FORWARD, last_of)
+
+
 def _run_1f1b(
     t: np.ndarray, pp: int, comm: list[float], keep_events: bool
 ) -> tuple[list[float], list[tuple[int, int, int, float, float]]]:
-    """Sweep the stages, each advancing through its 1F1B order until an input is not ready yet.
+    """Each event once, in the sweep's order: it starts when its stage is free and its input has arrived.
 
     Returns each stage's finish time and (when kept) the event rows. Plain lists: this loop
     is the planner's inner loop and numpy scalars would slow it several-fold.
     """
-    v = len(t)
-    fwd = (t * FORWARD_SHARE).tolist()
-    bwd = (t * (1.0 - FORWARD_SHARE)).tolist()
-    orders = [one_f_one_b_order(pp, v, s) for s in range(pp)]
-    f_end = [[-1.0] * v for _ in range(pp)]
-    b_end = [[-1.0] * v for _ in range(pp)]
-    free = [0.0] * pp
-    ptr = [0] * pp
+    sweep = _sweep(pp, len(t))
+    j = sweep.micro_batch
+    duration = np.where(sweep.forward, (t * FORWARD_SHARE)[j], (t * (1.0 - FORWARD_SHARE))[j]).tolist()
+    transfer = np.where(sweep.transfer, np.asarray(comm, dtype=np.float64)[j], 0.0).tolist()
+    end = [0.0] * len(duration)
+    begin = [0.0] * len(duration)
+    for e, (p, d) in enumerate(zip(sweep.prev, sweep.dep, strict=True)):
+        start = end[p] if p >= 0 else 0.0
+        if d >= 0:
+            ready = end[d] + transfer[e]
+            if ready > start:
+                start = ready
+        begin[e] = start
+        end[e] = start + duration[e]
     rows: list[tuple[int, int, int, float, float]] = []
-    remaining = 2 * v * pp
-    last = pp - 1
-    while remaining:
-        progressed = False
-        for s in range(pp):
-            order = orders[s]
-            k = ptr[s]
-            while k < len(order):
-                kind, j = order[k]
-                if kind == FORWARD:
-                    # Needs the previous stage's forward of j, plus the transfer.
-                    dep = 0.0 if s == 0 else f_end[s - 1][j]
-                    if dep < 0:
-                        break
-                    start = max(free[s], dep + comm[j] if s else 0.0)
-                    end = f_end[s][j] = start + fwd[j]
-                else:
-                    # Needs the next stage's backward of j (the last stage: its own forward).
-                    dep = f_end[s][j] if s == last else b_end[s + 1][j]
-                    if dep < 0:
-                        break
-                    start = max(free[s], dep if s == last else dep + comm[j])
-                    end = b_end[s][j] = start + bwd[j]
-                free[s] = end
-                if keep_events:
-                    rows.append((s, j, kind, start, end))
-                k += 1
-                remaining -= 1
-                progressed = True
-            ptr[s] = k
-        if not progressed:  # pragma: no cover - the 1F1B order is deadlock-free
-            raise RuntimeError("1F1B simulation deadlocked")
-    return free, rows
+    if keep_events:
+        rows = list(zip(sweep.stage, j.tolist(), sweep.kind, begin, end, strict=True))
+    return [end[e] for e in sweep.last], rows
 
 
 def closed_form_replica_time(stage_times: Sequence[float] | np.ndarray, pp: int) -> float:

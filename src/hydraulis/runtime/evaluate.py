@@ -64,7 +64,7 @@ def evaluate(
             loss = forward_step(part.model, part.groups, micro_batches)
             if loss is not None and part.groups.tp.rank == 0:
                 total += loss.double().cpu()
-        targets += trainer.source.targets(batch, corpus)
+        targets += corpus.piece_targets(batch.docs, batch.starts, batch.lengths)  # eval_set: not all batches 0
     if trainer.world > 1:
         dist.all_reduce(total, group=trainer.control)
     return EvalResult(trainer.step_index, float(total) / max(targets, 1), sum(b.num_tokens for b in batches), targets)

@@ -100,12 +100,18 @@ class PlanFeed:
 
     # -- checkpoints and the online refit ------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The next step and where its batch starts (the sampler has already drawn one ahead)."""
+        """The next step, where its batch starts (the sampler has already drawn one ahead) and, on rank 0, the
+        pool deployments that could not hold some batch so far (a resumed run's comparison leaves them out)."""
         position = self._pending[0].state if self._pending is not None else self.sampler.state
-        return {"step": self.step, "sampler": position}
+        # A copy (one C call): the planner's thread may be adding to the set while a checkpoint saves.
+        missed = [] if self.planner is None else sorted(str(self.pool[k]) for k in self.planner.missed.copy())
+        return {"step": self.step, "sampler": position, "missed": missed}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.restore(state["step"], state["sampler"])
+        if self.planner is not None:  # the texts of this pool's deployments (a resume may change the pool)
+            missed = set(state.get("missed", ()))
+            self.planner.missed.update(k for k, d in enumerate(self.pool) if str(d) in missed)
 
     def restore(self, step: int, position: SamplerState) -> None:
         """Continue at `step` with the batch at `position`: a batch drawn ahead is dropped."""

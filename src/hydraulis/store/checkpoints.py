@@ -65,6 +65,7 @@ class CheckpointInfo:
     corpus_sha256: dict[str, str] | None
     files: dict[str, FileEntry]
     refit: RefitState | None = None  # the online refit the run planned with (cost/refit.py); None: not kept
+    missed: tuple[str, ...] = ()  # pool deployments that could not hold some batch before it was saved
 
     @property
     def manifest_path(self) -> Path:
@@ -108,6 +109,9 @@ def read_manifest(path: str | Path) -> CheckpointInfo:
         sha = f.obj("corpus").obj("sha256")
         sums = {k: sha.str(k) for k in sha.data}
     pool = tuple(Fields(row, f"{manifest}.pool").str("text") for row in f.list("pool"))
+    missed = data.get("missed", [])  # older checkpoints kept none
+    if not isinstance(missed, list) or not all(isinstance(m, str) for m in missed):
+        raise HydraulisError(f"{manifest}.missed: expected a list of deployment texts, got {missed!r}")
     tokenizer = data.get("tokenizer")
     if tokenizer is not None and not isinstance(tokenizer, str):
         raise HydraulisError(f"{manifest}.tokenizer: expected a string or null, got {tokenizer!r}")
@@ -126,6 +130,7 @@ def read_manifest(path: str | Path) -> CheckpointInfo:
         corpus_sha256=sums,
         files=files,
         refit=None if data.get("refit") is None else RefitState.from_json(data["refit"], f"{manifest}.refit"),
+        missed=tuple(missed),
     )
     if f"{OPTIM_DIR}/.metadata" not in files:
         raise HydraulisError(f"{manifest}: lists no {OPTIM_DIR}/.metadata")

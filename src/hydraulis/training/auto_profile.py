@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from hydraulis import interrupt
-from hydraulis.cost.measured import load_line
+from hydraulis.cost.measured import load_line, measured_under_load, others_load
 from hydraulis.cost.sweep import ProfileSettings
 from hydraulis.errors import HydraulisError
 from hydraulis.families import weights_digest
@@ -158,6 +158,8 @@ class AutoProfile:
                 how = f"refit at step {mark.get('step')} of run {mark.get('source')}" if isinstance(mark, dict) \
                     else "profiled before"
                 log(f"cost model: {candidate} ({how} for this model, pool, device and world size)")
+                if candidate == path and measured_under_load(data):
+                    log(f"  measured while {others_load(data)}: delete it to measure again on a quieter machine")
                 return data
             if candidate == path:
                 log(f"profiling again: {path} does not describe this job ({reason})")

@@ -21,6 +21,7 @@ import numpy as np
 from hydraulis.cost.model import CostModel
 from hydraulis.data.indexed import IndexedCorpus, corpus_sampler
 from hydraulis.data.sampler import GlobalBatch, TokenBudgetSampler, held_out
+from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
 from hydraulis.planner.phases import PhasedPlanner
 from hydraulis.planner.plan import encode_schedule
@@ -84,6 +85,11 @@ def eval_set(
 ) -> EvalSet:
     """The run's evaluation: its batches, each planned forward only on the run's pool."""
     batches = eval_batches(config, corpus, held)
+    if not sum(corpus.piece_targets(b.docs, b.starts, b.lengths) for b in batches):
+        where = f"the held-out share ([eval] holdout = {config.eval.holdout}) of {corpus.path}" if held else corpus.path
+        raise HydraulisError(f"[eval]: {where} holds no target tokens in its {len(batches)} batch(es) (every token "
+                             "masked out, or documents of one token): its loss would be undefined; evaluate on "
+                             "data with targets, or leave [eval] out")
     planner = PhasedPlanner(cost.forward_only(), world, pool)
     plans = tuple(encode_schedule(planner.schedule(b.lengths), pool) for b in batches)
     return EvalSet(str(corpus.path), batches, plans, config.eval.every)

@@ -114,7 +114,8 @@ class Saved:
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of this rank's training: the next step, the sampler's position there, the
-        LR schedule's inputs and the optimizer's owned state (its tensors live, not copied)."""
+        deployments that missed a batch (rank 0's), the LR schedule's inputs and the optimizer's owned state (its
+        tensors live, not copied)."""
         return {**self.feed.state_dict(), "schedule": self.settings.lr_schedule_state(),
                 "optimizer": self.optimizer.state_dict()}
 
@@ -234,6 +235,7 @@ def _manifest(
         "seed": s.seed,
         "dtype": s.dtype,
         "pool": [{"text": str(d), "replicas": d.to_rows()} for d in s.pool],
+        "missed": state["missed"],  # deployments that could not hold some batch of the run (rank 0's planner)
         "refit": None if refit is None else refit.to_json(),
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "files": {k: asdict(v) for k, v in sorted(files.items())},
@@ -351,7 +353,8 @@ def load_checkpoint(saved: Saved, path: str | Path, verify: bool = True, log: Lo
 
     _agree(saved, read)
     saved.load_state_dict(
-        {"step": info.step, "sampler": info.sampler, "optimizer": {**fresh, "step": info.optimizer_step}}
+        {"step": info.step, "sampler": info.sampler, "missed": info.missed,
+         "optimizer": {**fresh, "step": info.optimizer_step}}
     )
     return info
 
