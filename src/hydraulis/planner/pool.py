@@ -395,6 +395,17 @@ def homogeneous(config: ParallelConfig, cluster: ClusterSpec) -> Deployment:
     return deployment
 
 
+def homogeneous_cps(
+    cost: CostModel, cluster: ClusterSpec, max_length: int, batches: Sequence[np.ndarray], k: int = 3
+) -> list[ParallelConfig]:
+    """The k CP configs whose homogeneous deployment holds `max_length` and is estimated fastest on the batches:
+    fewer, larger replicas balance a batch of many short sequences better and pay c less often, which can outweigh
+    the K/V all-gather (7b-32g-wikisample: 8x tp2pp1cp2 plans 3% faster than 16x tp2pp1)."""
+    N = cluster.num_gpus
+    cps = [g for g in replicable_configs(cost, cluster) if g.cp > 1 and cost.lone_cap(g, N) >= max_length]
+    return sorted(cps, key=lambda g: homogeneous_estimate(cost, g, N, batches))[:k]
+
+
 def candidate_deployments(
     cost: CostModel, cluster: ClusterSpec, max_length: int, batches: Sequence[np.ndarray], per_role: int = 3
 ) -> list[Deployment]:
@@ -405,7 +416,8 @@ def candidate_deployments(
     configs = usable_configs(cost, cluster)
     # CP configs take the large roles only, and few of them: for short sequences cp replicas of a
     # config do the same work as one CP replica without its K/V all-gather.
-    cps = cp_roles(cost, configs, N, max_length, per_role)
+    cps = list(dict.fromkeys(cp_roles(cost, configs, N, max_length, per_role)
+                             + homogeneous_cps(cost, cluster, max_length, batches, per_role)))
     configs = [g for g in configs if g.cp == 1]
     cap = {g: cost.lone_cap(g, N) for g in configs + cps}  # the longest sequence each holds
     ranked = sorted(configs, key=lambda g: homogeneous_estimate(cost, g, N, [b[b <= cap[g]] for b in batches]))

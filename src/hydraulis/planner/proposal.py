@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ import numpy as np
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.limits import DEFAULT_MAX_POOL
-from hydraulis.parallel import Deployment
+from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.dispatch import NoRoom, dispatch
 from hydraulis.planner.phases import phase_deployments
 from hydraulis.planner.planner import Planner
@@ -42,7 +43,10 @@ from hydraulis.planner.pool import (
     fallback_config,
     fallback_deployment,
     homogeneous,
+    homogeneous_estimate,
+    place,
     unique_deployments,
+    usable_configs,
 )
 from hydraulis.planner.range_dp import LengthHistogram, dp_deployments
 from hydraulis.planner.replicas import BULK_MIN_SEQUENCES, ReplicaCost, ReplicaTable
@@ -50,6 +54,8 @@ from hydraulis.specs import ClusterSpec
 
 METHODS = ("hydraulis", "published")
 SCREEN_BUDGET_S = 10.0  # CPU seconds of dispatch estimates in the screen (this thread's: load does not move it)
+REFINE_FILLS = 6  # cp = 1 configs a refined deployment's GPUs may go to, best alone first
+MIN_REFINE = 0.002  # a neighbour must beat the current deployment by this share on the samples
 LARGE_BATCH_SCREEN = 4  # dispatch estimates in screening, before the fluid proxy takes over
 
 Progress = Callable[[str, int, int], None]
@@ -208,6 +214,73 @@ def _screen(
     return sorted(chosen)
 
 
+def neighbours(
+    cost: CostModel, cluster: ClusterSpec, d: Deployment, fills: Sequence[ParallelConfig], longest: int
+) -> list[Deployment]:
+    """Deployments one step from `d` that still hold `longest`: a replica of a group given to another group,
+    a group's GPUs given to another config of `fills`, or one replica's GPUs to replicas of a `fills` config.
+    The candidates' fixed shapes (k large replicas beside small ones of the best few configs) miss the best mix
+    where the best small config ranks low alone (7b-32g-code: 3x tp2pp1cp4 + 4x tp2pp1, 3% below 4x tp2pp1cp4)."""
+    N = cluster.num_gpus
+    groups = Counter(d.configs)
+    out: list[list[ParallelConfig]] = []
+
+    def spread(base: Counter, gpus: int, g: ParallelConfig) -> None:
+        if gpus > 0 and gpus % g.num_gpus == 0:
+            out.append([h for h, n in (base + Counter({g: gpus // g.num_gpus})).items() for _ in range(n)])
+
+    for g, n in groups.items():
+        rest = groups - Counter({g: n})
+        for h in fills:  # the group's GPUs to another config, or one replica's GPUs beside n - 1 of them
+            if h != g:
+                spread(rest, n * g.num_gpus, h)
+                spread(rest + Counter({g: n - 1}), g.num_gpus, h)
+        for h, m in rest.items():  # one more replica of g, taken from h's GPUs
+            if g.num_gpus % h.num_gpus == 0 and m > g.num_gpus // h.num_gpus:
+                moved = groups + Counter({g: 1}) - Counter({h: g.num_gpus // h.num_gpus})
+                out.append([x for x, k in moved.items() for _ in range(k)])
+    found = []
+    for configs in out:
+        if (sum(g.num_gpus for g in configs) == N and max(cost.lone_cap(g, N) for g in configs) >= longest
+                and (placed := place(sorted(configs, key=lambda g: -cost.lone_cap(g, N)), cluster)) is not None):
+            found.append(placed)
+    return unique_deployments(found)
+
+
+def refine(
+    cost: CostModel,
+    cluster: ClusterSpec,
+    candidates: list[Deployment],
+    times: np.ndarray,
+    batches: Sequence[np.ndarray],
+    longest: int,
+    budget: int,
+) -> tuple[list[Deployment], np.ndarray]:
+    """A local search from the candidate planned fastest on the samples: its neighbours (`neighbours`) planned,
+    the best taken while it beats the current by MIN_REFINE, at most `budget` of them (a count, not seconds: the
+    pool must not move with the machine's load). Every deployment planned joins the candidates (the pool's
+    greedy may want one for some batches)."""
+    N = cluster.num_gpus
+    fills = [g for g in usable_configs(cost, cluster) if g.cp == 1]
+    fills = sorted(fills, key=lambda g: homogeneous_estimate(cost, g, N, [b[b <= cost.cap(g, N)] for b in batches]))
+    fills = fills[:REFINE_FILLS] + [g for g in dict.fromkeys(c for d in candidates for c in d.configs) if g.cp > 1]
+    seen = {str(d) for d in candidates}
+    current, left = int(np.argmin(np.where(np.isfinite(times), times, 1e30).sum(axis=1))), budget
+    while left > 0:
+        fresh = [d for d in neighbours(cost, cluster, candidates[current], fills, longest) if str(d) not in seen]
+        fresh, left = fresh[:left], left - len(fresh[:left])
+        if not fresh:
+            break
+        seen.update(str(d) for d in fresh)
+        candidates, times = [*candidates, *fresh], np.vstack([times, _plan_times(cost, cluster, fresh, batches, None)])
+        totals = np.where(np.isfinite(times), times, 1e30).sum(axis=1)
+        best = int(np.argmin(totals))
+        if totals[best] >= totals[current] * (1 - MIN_REFINE):
+            break
+        current = best
+    return candidates, times
+
+
 def greedy_pool(times: np.ndarray, first: int, max_pool: int, min_gain: float = 0.002) -> list[int]:
     """Row indices: `first`, then the rows that most lower sum over batches of the row-wise minimum."""
     chosen = [first]
@@ -295,11 +368,10 @@ def propose(
             # Large batches of light sequences: the dispatch estimate ranks as planning would, and each
             # planned candidate costs seconds, so fewer survive the screen.
             screen = min(screen, LARGE_BATCH_SCREEN)
-        kept = _screen(cost, cluster, candidates, sample, screen)
-        if 0 not in kept:
-            kept = [0] + kept
-        candidates = [candidates[i] for i in kept]
+        kept = _screen(cost, cluster, candidates, sample, screen)  # sorted: the fallback first where kept
+        candidates = [candidates[i] for i in dict.fromkeys([0, *kept])]
         times_all = _plan_times(cost, cluster, candidates, sample, progress)
+        candidates, times_all = refine(cost, cluster, candidates, times_all, sample, longest, len(candidates))
         pool_idx = greedy_pool(times_all, 0, max_pool)
         times = times_all[pool_idx]
     pool_deployments = tuple(candidates[i] for i in pool_idx)
