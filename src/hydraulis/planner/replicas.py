@@ -200,14 +200,11 @@ class ReplicaTable:
         shared cores), to skip packing one that cannot win. A 1F1B replica's last stage runs every micro-batch,
         W + v*c, so the slowest replica takes at least the mean of that; the one holding the longest sequence
         at least its micro-batch plus (pp - 1) c of warm-up and cool-down, pp times it where it runs alone
-        (beyond the config's reach). A sequence costs a config at least its plain a*s^2 + b*s times the
-        lightest factor of any policy it may run there."""
+        (beyond the config's reach). A sequence costs a config at least its cost under the lightest policy
+        that holds it there, beside others or alone (`ReplicaCost.lightest`, as the bench's bound prices it)."""
         s = np.asarray(lengths, dtype=np.int64)
         models = self.configs
-        factor = np.array([min([1.0, *(min(t.a / m.a, t.b / m.b) for t in m.tiers + m.lone_tiers)])
-                           if m.a > 0 and m.b > 0 else 0.0 for m in models])
-        w = sequence_costs((np.array([m.a for m in models]) * factor)[:, None],
-                           (np.array([m.b for m in models]) * factor)[:, None], s[None, :])  # [configs, n]
+        w = np.stack([np.minimum(*m.lightest(s)) for m in models])  # [configs, n]; inf where a config cannot hold it
         c = np.array([m.c for m in models])
         longest = int(s.max())
         micro_batches = -(-int(s.sum()) // int(self.lone_cap.max()))
