@@ -252,17 +252,24 @@ def summary_rows(data: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def _load(data: dict[str, Any]) -> tuple[dict[str, Any], int] | None:
+    """A CPU profile's record of other processes' load and the cores it ran on (None: not measured)."""
+    load, cores = data.get("measurements", {}).get("load"), data.get("conditions", {}).get("cores")
+    return (load, cores) if load and cores else None
+
+
 def measured_under_load(data: dict[str, Any]) -> bool:
     """Whether other processes took enough of the cores to disturb a CPU profile's timings."""
-    load, cores = data.get("measurements", {}).get("load"), data.get("conditions", {}).get("cores")
-    return bool(load and cores and disturbed(load["foreign_cores_median"], cores))
+    found = _load(data)
+    return found is not None and disturbed(found[0]["foreign_cores_median"], found[1])
 
 
 def others_load(data: dict[str, Any]) -> str | None:
     """How much of the cores other processes took while a CPU profile was measured (None: not measured)."""
-    load, cores = data.get("measurements", {}).get("load"), data.get("conditions", {}).get("cores")
-    if not load or not cores:
+    found = _load(data)
+    if found is None:
         return None
+    load, cores = found
     return (f"other processes took a median {load['foreign_cores_median']:.2f} (at most "
             f"{load['foreign_cores_max']:.2f}) of {cores} cores")
 
