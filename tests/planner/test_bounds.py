@@ -97,3 +97,17 @@ def test_the_bound_on_a_deployments_configs_is_below_its_plans_under_memory_poli
         return
     compute = simulate(planner.plan_on(lengths, deployment), GPU_POLICIES, keep_events=False).compute_time_s
     assert lower_bound(lengths, GPU_POLICIES, 16, list(dict.fromkeys(deployment.configs))) <= compute * (1 + 1e-9)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 10_000))
+def test_bounds_over_many_deployments_equal_each_bound_alone(seed):
+    """`lower_bounds` (the proposal's ranking of phase deployments) computes each config's terms once for all
+    the deployments: the same floats as `lower_bound` on each deployment's configs."""
+    from hydraulis.planner.bounds import lower_bounds
+
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(rng.lognormal(8.0, 1.2, 40).astype(np.int64) + 16, 30000)
+    specs = ["2x(tp2,pp4)", "2x(tp2,pp2) + 1x(tp1,pp8)", "8x(tp2,pp1)", "1x(tp2,pp8)", "4x(tp1,pp2) + 1x(tp2,pp4)"]
+    sets = [list(dict.fromkeys(Deployment.parse(s, ClusterSpec(16)).configs)) for s in specs]
+    assert lower_bounds(lengths, GPU_POLICIES, 16, sets) == [lower_bound(lengths, GPU_POLICIES, 16, c) for c in sets]

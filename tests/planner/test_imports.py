@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hydraulis.plots",
         "hydraulis.files",
         "hydraulis.rank_server",
+        "hydraulis.fan_out",
     ),
     ("hydraulis.parallel", "hydraulis.context", "hydraulis.optim", "hydraulis.families"),
     ("hydraulis.cost", "hydraulis.data", "hydraulis.store"),

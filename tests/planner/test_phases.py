@@ -202,7 +202,7 @@ def test_short_share_is_the_chance_that_a_batch_stops_at_the_level():
 def test_a_deployment_for_short_batches_counts_where_batches_often_stop_short():
     """Samples that each hold one 24K document: tp8pp2 runs the rest faster than tp16pp1; where a third of
     batches have none, the samples cut at its cap count, and where almost none do they do not."""
-    from hydraulis.planner.phases import _short_gain
+    from hydraulis.planner.phases import _short_cuts
 
     pool = [Deployment.parse(BIG_POOL[0], CLUSTER)]
     fast = Deployment.parse(BIG_POOL[1], CLUSTER)
@@ -210,11 +210,12 @@ def test_a_deployment_for_short_batches_counts_where_batches_often_stop_short():
     rng = np.random.default_rng(5)
     often = [np.concatenate([[LONG], rng.integers(1000, 8000, 9)]) for _ in range(4)]
     before, after = PhasedPlanner(BIG, 16, pool), PhasedPlanner(BIG, 16, [*pool, fast])
-    assert _short_gain(before, after, level, often) > 0.05 * sum(
-        PhasedPlanner(BIG, 16, pool).schedule(b[b <= level]).iteration_time_s for b in often
-    )
+    cuts = _short_cuts(often, level)
+    assert [len(b) for b in cuts.values()] == [9] * 4  # each sample without its long document
+    saved = sum(before.schedule(b).iteration_time_s - after.schedule(b).iteration_time_s for b in cuts.values())
+    assert saved > 0.05 * sum(before.schedule(b).iteration_time_s for b in cuts.values())
     rarely = [code_batch(s) for s in range(4)]  # six 24K documents in 46: a batch without one is rare
-    assert _short_gain(before, after, level, rarely) == 0.0
+    assert _short_cuts(rarely, level) == {}
 
 
 def test_the_outlook_is_each_deployments_own_plan_against_the_chosen_one():

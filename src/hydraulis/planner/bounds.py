@@ -23,6 +23,7 @@ bubble, and replicas of one phase hold disjoint GPUs, so no plan beats LB.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -44,30 +45,66 @@ def lower_bound(
     ranking of phase deployments). `chunked`: a sequence beyond a config's cap may also run there in chunks
     (`cost.chunks`, the oracle): its chunks' work, recompute and fixed costs once, not pp times, and its
     trip one stage's."""
-    lengths = np.asarray(lengths, dtype=np.int64)
     configs = [g for g in (configs or cost.configs) if g.num_gpus <= num_gpus]
     if not configs:
         smallest = min(g.num_gpus for g in cost.configs)
         raise HydraulisError(f"no parallel config of {cost.name} fits {num_gpus} GPU(s); the smallest needs {smallest}")
-    reps = [ReplicaCost.of(cost, g, num_gpus) for g in configs]
-    beside, lone = (np.stack(x) for x in zip(*(r.lightest(lengths) for r in reps), strict=True))
-    gpus = np.array([g.num_gpus for g in configs], dtype=np.float64)[:, None]
-    pp = np.array([g.pp for g in configs], dtype=np.float64)[:, None]
-    # Per GPU of a config: beside others once (plus the bubble, for the longest), or alone pp trips.
-    spread_w, alone_w = beside, pp * lone
-    trip = pp * np.minimum(beside, lone)
-    if chunked:  # chunks: their stage time, once, and their trip one stage's (`cost.chunks`)
-        wc = chunked_stage_time(cost, configs, num_gpus, lengths)
-        spread_w, trip = np.minimum(spread_w, wc), np.minimum(trip, wc)
-    fits = np.isfinite(spread_w) | np.isfinite(alone_w)
-    if not fits.any(axis=0).all():
-        longest = int(lengths[~fits.any(axis=0)].max())
-        largest = max(r.holds for r in reps)
-        raise HydraulisError(f"no config holds a sequence of {longest} tokens (largest lone cap {largest})")
-    work = gpus * np.minimum(spread_w, alone_w)
-    top = int(np.argmax(lengths))
-    w_min = np.array([r.seq_costs(lengths[[int(np.argmin(lengths))]])[0] for r in reps])
-    bubble = gpus[:, 0] * (pp[:, 0] - 1) * w_min
-    top_work = np.minimum(gpus[:, 0] * spread_w[:, top] + bubble, gpus[:, 0] * alone_w[:, top])
-    spread = (work.min(axis=0).sum() - work[:, top].min() + top_work.min()) / num_gpus
-    return float(max(spread, trip.min(axis=0).max()))
+    return _Terms.of(lengths, cost, num_gpus, configs, chunked).bound(np.arange(len(configs)))
+
+
+def lower_bounds(
+    lengths: np.ndarray, cost: CostModel, num_gpus: int, config_sets: Sequence[Sequence[ParallelConfig]]
+) -> list[float]:
+    """`lower_bound` over each set of configs (deployments'), each config's terms computed once for all."""
+    every = list(dict.fromkeys(g for configs in config_sets for g in configs))
+    if not every:
+        return [lower_bound(lengths, cost, num_gpus, configs) for configs in config_sets]  # none, or empty sets
+    terms = _Terms.of(lengths, cost, num_gpus, every, False)
+    row = {g: k for k, g in enumerate(every)}
+    return [terms.bound(np.array(sorted({row[g] for g in configs}), dtype=np.int64)) for configs in config_sets]
+
+
+@dataclass(frozen=True)
+class _Terms:
+    """Per config (rows) and sequence (columns): its work terms, for a bound over any subset of the configs."""
+
+    num_gpus: int
+    lengths: np.ndarray
+    holds: np.ndarray  # [configs] the longest sequence each holds
+    spread_w: np.ndarray  # beside others, per stage
+    alone_w: np.ndarray  # alone: pp trips
+    trip: np.ndarray
+    gpus: np.ndarray  # [configs, 1]
+    bubble: np.ndarray  # [configs]
+
+    @classmethod
+    def of(cls, lengths: np.ndarray, cost: CostModel, num_gpus: int, configs: Sequence[ParallelConfig],
+           chunked: bool) -> _Terms:
+        lengths = np.asarray(lengths, dtype=np.int64)
+        reps = [ReplicaCost.of(cost, g, num_gpus) for g in configs]
+        beside, lone = (np.stack(x) for x in zip(*(r.lightest(lengths) for r in reps), strict=True))
+        gpus = np.array([g.num_gpus for g in configs], dtype=np.float64)[:, None]
+        pp = np.array([g.pp for g in configs], dtype=np.float64)[:, None]
+        # Per GPU of a config: beside others once (plus the bubble, for the longest), or alone pp trips.
+        spread_w, alone_w = beside, pp * lone
+        trip = pp * np.minimum(beside, lone)
+        if chunked:  # chunks: their stage time, once, and their trip one stage's (`cost.chunks`)
+            wc = chunked_stage_time(cost, configs, num_gpus, lengths)
+            spread_w, trip = np.minimum(spread_w, wc), np.minimum(trip, wc)
+        w_min = np.array([r.seq_costs(lengths[[int(np.argmin(lengths))]])[0] for r in reps])
+        bubble = gpus[:, 0] * (pp[:, 0] - 1) * w_min
+        return cls(num_gpus, lengths, np.array([r.holds for r in reps]), spread_w, alone_w, trip, gpus, bubble)
+
+    def bound(self, rows: np.ndarray) -> float:
+        """LB over the configs of `rows`."""
+        spread_w, alone_w, gpus = self.spread_w[rows], self.alone_w[rows], self.gpus[rows]
+        fits = np.isfinite(spread_w) | np.isfinite(alone_w)
+        if not fits.any(axis=0).all():
+            longest = int(self.lengths[~fits.any(axis=0)].max())
+            raise HydraulisError(f"no config holds a sequence of {longest} tokens (largest lone cap "
+                                 f"{int(self.holds[rows].max())})")
+        work = gpus * np.minimum(spread_w, alone_w)
+        top = int(np.argmax(self.lengths))
+        top_work = np.minimum(gpus[:, 0] * spread_w[:, top] + self.bubble[rows], gpus[:, 0] * alone_w[:, top])
+        spread = (work.min(axis=0).sum() - work[:, top].min() + top_work.min()) / self.num_gpus
+        return float(max(spread, self.trip[rows].min(axis=0).max()))

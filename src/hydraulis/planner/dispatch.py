@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -138,7 +139,7 @@ def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray |
             r = heaps[g][0][1]
             e = estimate(g, r, s, wi)
             if e == math.inf:  # the least loaded holds a sequence beyond the cap and has no room: try the others
-                e, r = min(((estimate(g, q, s, wi), q) for _, q in heaps[g]), default=(math.inf, -1))
+                e, r = _scan(heaps[g], estimate, g, s, wi, params[g][4:], wmax, T)
             if e < best:
                 best, best_g, best_r = e, g, r
         if best_g < 0:
@@ -156,6 +157,28 @@ def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray |
         sums = ReplicaSums(np.array(W), np.array(T, dtype=np.int64), np.array(n, dtype=np.int64), np.array(wmax))
         _water_fill(lengths, w_arr, order_a[head:], table, bias_a, sums, replica_of)
     return replica_of
+
+
+def _scan(
+    heap: list[tuple[float, int]], estimate: Callable[[int, int, int, float], float], g: int, s: int, wi: float,
+    lone_params: tuple[int, float], wmax: list[float], T: list[int],
+) -> tuple[float, int]:
+    """The least (estimate, replica) of config g's replicas for a sequence of `s` tokens (cost `wi`): what
+    `min` over all of them gives, without estimating those with no room (a replica holding, or about to
+    hold, a sequence beyond the cap runs one lone micro-batch of at most `lone` tokens: `_scalar_estimate`'s
+    inf). Long-context batches leave such a full replica at its heap's top for every shorter sequence."""
+    lone, long_w = lone_params
+    best = (math.inf, -1)
+    lone_s = wi > long_w
+    for _, q in heap:
+        if (lone_s or wmax[q] > long_w) and T[q] + s > lone:
+            if best[1] < 0 or q < best[1] and best[0] == math.inf:  # min() of all-inf picks the least replica
+                best = (math.inf, q)
+            continue
+        found = (estimate(g, q, s, wi), q)
+        if found < best or best[1] < 0:
+            best = found
+    return best
 
 
 def _config_heaps(table: ReplicaTable, keys: list[float]) -> list[list[tuple[float, int]]]:

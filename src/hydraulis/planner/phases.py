@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -35,8 +36,9 @@ import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
+from hydraulis.fan_out import fan_out
 from hydraulis.parallel import Deployment, ParallelConfig
-from hydraulis.planner.bounds import lower_bound
+from hydraulis.planner.bounds import lower_bounds
 from hydraulis.planner.dispatch import NoRoom, dispatch
 from hydraulis.planner.planner import Planner, check_lengths
 from hydraulis.planner.pool import homogeneous, range_estimates, replicable_configs, unique_deployments
@@ -319,7 +321,9 @@ def _least_work(
 ) -> list[Deployment]:
     """The `keep` deployments of the least lower bound on the parts over their own configs (`bounds.py`: the
     work of each sequence on its cheapest config that holds it, bubbles, trips), before dispatch ranks them."""
-    work = [sum(lower_bound(p, cost, num_gpus, list(dict.fromkeys(d.configs))) for p in parts) for d in holding]
+    sets = [list(dict.fromkeys(d.configs)) for d in holding]
+    per_part = [lower_bounds(p, cost, num_gpus, sets) for p in parts]
+    work = [sum(b[k] for b in per_part) for k in range(len(holding))]  # summed in order, as one at a time
     return [holding[i] for i in np.argsort(work, kind="stable")[:keep]]
 
 
@@ -346,13 +350,18 @@ def _greedy_phases(
         if not moves:
             break
         base = float(sum(s.iteration_time_s for s in schedules))
-        before: dict[tuple[int, bool], float] = {}  # level -> the current pool's time on the samples cut there
+        cuts = [_short_cuts(sample, level, clip) for _, level, clip in moves]
+        # The sample batches on the cores (`fan_out`): a memo's plans are of one batch (or its cut), which the
+        # trials of every move share, and the next rounds' too (the workers' come back into the memo).
+        per_sample = fan_out(functools.partial(_sample_trials, planner, current, moves, cuts, sample),
+                             range(len(sample)), memo=memo)
         trials, gains = [], []
-        for m, level, clip in moves:
-            trial = PhasedPlanner(cost, num_gpus, [*current, *m], memo=memo)
-            trials.append([trial.schedule(b) for b in sample])
-            gains.append(base - sum(s.iteration_time_s for s in trials[-1])
-                         + _short_gain(planner, trial, level, sample, before, clip))
+        for i, cut in enumerate(cuts):
+            found = [per_sample[j][i][0] for j in range(len(sample))]
+            # what the move saves on the samples cut at its level, summed in the samples' order
+            short = float(sum(per_sample[j][i][2] for j in cut)) - float(sum(per_sample[j][i][1] for j in cut))
+            trials.append(found)
+            gains.append(base - sum(s.iteration_time_s for s in found) + (short if cut else 0.0))
         k = int(np.argmax(gains))
         if gains[k] <= min_gain * base:
             break
@@ -364,36 +373,43 @@ def _greedy_phases(
     return current, schedules
 
 
+def _sample_trials(
+    planner: PhasedPlanner, current: list[Deployment], moves: list[Move], cuts: list[dict[int, np.ndarray]],
+    sample: list[np.ndarray], j: int,
+) -> list[tuple[Schedule, float, float]]:
+    """Sample batch j on the pool with each move added: its schedule, and the move's and the current pool's
+    iteration on the batch cut at the move's level (0 where it is not cut there; `_short_cuts`)."""
+    before: dict[tuple[int, bool], float] = {}  # (level, clip) -> the current pool's iteration on the cut
+    out = []
+    for (m, level, clip), cut in zip(moves, cuts, strict=True):
+        trial = PhasedPlanner(planner.cost, planner.num_gpus, [*current, *m], memo=planner._memo)
+        after = 0.0
+        if j in cut:
+            if (level, clip) not in before:
+                before[level, clip] = planner.schedule(cut[j]).iteration_time_s
+            after = trial.schedule(cut[j]).iteration_time_s
+        out.append((trial.schedule(sample[j]), after, before.get((level, clip), 0.0) if j in cut else 0.0))
+    return out
+
+
 def short_share(batches: Sequence[np.ndarray], level: int) -> float:
     """The share of batches like these with no sequence above `level` (each sequence drawn independently)."""
     above = float(np.mean(np.concatenate(batches) > level))
     return float((1.0 - above) ** np.mean([len(b) for b in batches]))
 
 
-def _short_batches(sample: list[np.ndarray], level: int, clip: bool = False) -> list[np.ndarray]:
-    """The samples cut at `level`, if SHORT_SHARE of batches stop there: a short batch may want a deployment
-    though no sample does (7b-64g-wiki: a third of batches fit tp2pp1's cap, none of 4 samples). `clip`: those
-    longer than `level` with their longer sequences clipped to it, batches that stop there (`stop_levels`)."""
+def _short_cuts(sample: list[np.ndarray], level: int, clip: bool = False) -> dict[int, np.ndarray]:
+    """The samples cut at `level` (by sample index), if SHORT_SHARE of batches stop there: a short batch may want
+    a deployment though no sample does (7b-64g-wiki: a third of batches fit tp2pp1's cap, none of 4 samples).
+    `clip`: those longer than `level` with their longer sequences clipped to it, batches that stop there
+    (`stop_levels`)."""
     if clip:
-        return [np.minimum(b, level) for b in sample if int(b.max()) > level]
-    short = [b[b <= level] for b in sample if (b <= level).any()]
-    return short if short_share(sample, level) >= SHORT_SHARE else []
+        return {j: np.minimum(b, level) for j, b in enumerate(sample) if int(b.max()) > level}
+    if short_share(sample, level) < SHORT_SHARE:
+        return {}
+    return {j: b[b <= level] for j, b in enumerate(sample) if (b <= level).any()}
 
 
-def _short_gain(
-    before: PhasedPlanner,
-    after: PhasedPlanner,
-    level: int,
-    sample: list[np.ndarray],
-    memo: dict[tuple[int, bool], float] | None = None,
-    clip: bool = False,
-) -> float:
-    """What `after`'s pool saves over `before`'s on the samples cut at `level` (`_short_batches`). `memo`
-    (level -> `before`'s time on those cuts) lets the greedy loop plan them once per round and level."""
-    short = _short_batches(sample, level, clip)
-    if not short:
-        return 0.0
-    memo = {} if memo is None else memo
-    if (level, clip) not in memo:
-        memo[level, clip] = float(sum(before.schedule(b).iteration_time_s for b in short))
-    return memo[level, clip] - float(sum(after.schedule(b).iteration_time_s for b in short))
+def _short_batches(sample: list[np.ndarray], level: int, clip: bool = False) -> list[np.ndarray]:
+    """`_short_cuts`, in the samples' order."""
+    return list(_short_cuts(sample, level, clip).values())

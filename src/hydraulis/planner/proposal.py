@@ -23,6 +23,7 @@ whole sample chooses, come last (`phases.phase_deployments`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -32,6 +33,7 @@ import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
+from hydraulis.fan_out import fan_out, usable_workers
 from hydraulis.limits import DEFAULT_MAX_POOL
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.dispatch import NoRoom, dispatch
@@ -89,18 +91,28 @@ def _plan_times(
     batches: Sequence[np.ndarray],
     progress: Progress | None,
 ) -> np.ndarray:
-    """Planned and simulated iteration time of every batch on every candidate (inf where it cannot hold)."""
-    planner = Planner(cost, cluster.num_gpus, candidates[:1])
-    times = np.full((len(candidates), len(batches)), np.inf)
-    for i, d in enumerate(candidates):
-        top = max(cost.lone_cap(c, cluster.num_gpus) for c in d.configs)
-        for j, b in enumerate(batches):
-            if int(b.max()) <= top:
-                with contextlib.suppress(NoRoom):
-                    times[i, j] = planner.plan_on(b, d).predicted_time_s
+    """Planned and simulated iteration time of every batch on every candidate (inf where it cannot hold): the
+    batches on the cores (`fan_out`, they are alike in size), a few candidates at a time for progress."""
+    columns: list[np.ndarray] = []
+    step = 3 * usable_workers()
+    for start in range(0, len(candidates), step):
+        chunk = list(candidates[start : start + step])
+        columns.append(np.array(fan_out(functools.partial(_plan_column, cost, cluster, chunk), batches)).T)
         if progress:
-            progress("planning samples", i + 1, len(candidates))
-    return times
+            progress("planning samples", start + len(chunk), len(candidates))
+    return np.vstack(columns) if columns else np.zeros((0, len(batches)))
+
+
+def _plan_column(cost: CostModel, cluster: ClusterSpec, candidates: list[Deployment], batch: np.ndarray) -> list[float]:
+    """One batch's planned iteration on each candidate (inf where it cannot hold it)."""
+    planner = Planner(cost, cluster.num_gpus, candidates[:1])
+    out = []
+    for d in candidates:
+        out.append(np.inf)
+        if int(batch.max()) <= max(cost.lone_cap(c, cluster.num_gpus) for c in d.configs):
+            with contextlib.suppress(NoRoom):
+                out[-1] = planner.plan_on(batch, d).predicted_time_s
+    return out
 
 
 def _fluid_estimates(
