@@ -261,7 +261,7 @@ def phase_deployments(
         if parts and (holding := _least_work(cost, N, holding, parts)):
             for d in holding:
                 tables.setdefault(str(d), ReplicaTable.of(cost, d, N))
-            est = [sum(dispatch(p, tables[str(d)], search=False).makespan_s for p in parts) for d in holding]
+            est = fan_out(functools.partial(_estimate_on, parts, tables), holding)
             d = holding[int(np.argmin(est))]
             moves.append(((d,), min(tops[str(d)], longest - 1), False))  # the level: whole batches it holds
     for bundle, level, clip in _hotspa_moves(cost, cluster, sample, longest):
@@ -275,6 +275,11 @@ def phase_deployments(
     used = [float(np.mean([any(p.deployment == d for p in s.phases) for s in schedules])) for d in current]
     usage = tuple(max(u, v) for u, v in zip((*usage, *(0.0,) * len(added)), used, strict=True))
     return added, np.array([s.iteration_time_s for s in schedules]), usage
+
+
+def _estimate_on(parts: list[np.ndarray], tables: dict[str, ReplicaTable], d: Deployment) -> float:
+    """The dispatch estimates of the parts on `d`, summed."""
+    return sum(dispatch(p, tables[str(d)], search=False).makespan_s for p in parts)
 
 
 def _hotspa_moves(cost: CostModel, cluster: ClusterSpec, sample: Sequence[np.ndarray], longest: int) -> list[Move]:

@@ -207,10 +207,7 @@ def _screen(
         score = np.where(np.isfinite(ratio), ratio, 10.0).mean(axis=1)
         alive = np.argsort(score, kind="stable")[: max(affordable, 3 * keep)]
     for j, b in enumerate(batches):
-        for i in alive:
-            if int(tables[i].lone_cap.max()) >= int(b.max()):
-                with contextlib.suppress(NoRoom):  # lone micro-batches for fewer long sequences than it has
-                    est[i, j] = dispatch(b, tables[i], search=False).makespan_s
+        est[alive, j] = fan_out(functools.partial(_makespan, b), [tables[i] for i in alive])
         seen = est[:, : j + 1]
         ratio = seen / np.nanmin(seen, axis=0, keepdims=True)
         # Mean ratio to the best over the batches a candidate was estimated on; unusable ones rank last.
@@ -224,6 +221,14 @@ def _screen(
         if np.isfinite(column).any():
             chosen.add(int(np.argmin(column)))
     return sorted(chosen)
+
+
+def _makespan(batch: np.ndarray, table: ReplicaTable) -> float:
+    """The screen's dispatch estimate of `batch` on a deployment (nan where it cannot hold it)."""
+    if int(table.lone_cap.max()) >= int(batch.max()):
+        with contextlib.suppress(NoRoom):  # lone micro-batches for fewer long sequences than it has
+            return dispatch(batch, table, search=False).makespan_s
+    return np.nan
 
 
 def neighbours(
