@@ -47,6 +47,9 @@ def test_the_environment_sets_the_workers_and_a_bad_value_is_named(monkeypatch):
     monkeypatch.setenv(WORKERS_ENV, "1")
     assert usable_workers() == 1
     assert fan_out(lambda _: os.getpid(), range(3)) == [os.getpid()] * 3  # in this process
+    monkeypatch.delenv(WORKERS_ENV)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * len(os.sched_getaffinity(0))))  # torchrun's ranks of a node
+    assert usable_workers() == 1
     monkeypatch.setenv(WORKERS_ENV, "two")
     with pytest.raises(HydraulisError, match="HYDRAULIS_WORKERS='two'"):
         usable_workers()

@@ -29,7 +29,8 @@ WORKERS_ENV = "HYDRAULIS_WORKERS"
 
 
 def usable_workers() -> int:
-    """Cores this process may run on, or `HYDRAULIS_WORKERS` where set (1: everything in this process)."""
+    """Cores this process may run on, or `HYDRAULIS_WORKERS` where set (1: everything in this process). Under
+    torchrun every rank of a node prepares the job (a pool = "auto" proposes it), so each takes its share."""
     text = os.environ.get(WORKERS_ENV, "").strip()
     if text:
         try:
@@ -41,7 +42,8 @@ def usable_workers() -> int:
         return wanted
     if not sys.platform.startswith("linux"):
         return 1
-    return len(os.sched_getaffinity(0))
+    local_ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return max(1, len(os.sched_getaffinity(0)) // max(1, int(local_ranks) if local_ranks.isdigit() else 1))
 
 
 def fan_out(
