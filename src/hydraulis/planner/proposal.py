@@ -223,6 +223,11 @@ def _screen(
     return sorted(chosen)
 
 
+def _dp_candidates(cost: CostModel, cluster: ClusterSpec, hist: LengthHistogram, aware: bool) -> list[Deployment]:
+    """The range programme's deployments, with the data-aware group time or the published one."""
+    return [d for _, d in dp_deployments(cost, cluster, hist, aware=aware)]
+
+
 def _makespan(batch: np.ndarray, table: ReplicaTable) -> float:
     """The screen's dispatch estimate of `batch` on a deployment (nan where it cannot hold it)."""
     if int(table.lone_cap.max()) >= int(batch.max()):
@@ -375,11 +380,9 @@ def propose(
         times = _plan_times(cost, cluster, candidates, sample, progress)
         pool_idx = list(range(len(candidates)))
     else:
+        aware, published = fan_out(functools.partial(_dp_candidates, cost, cluster, hist), [True, False])
         every = candidates = unique_deployments(
-            [fallback]
-            + [d for _, d in dp_deployments(cost, cluster, hist, aware=True)]
-            + [d for _, d in dp_deployments(cost, cluster, hist, aware=False)]
-            + candidate_deployments(cost, cluster, longest, sample[:4])
+            [fallback] + aware + published + candidate_deployments(cost, cluster, longest, sample[:4])
         )
         if np.mean([len(b) for b in sample]) >= BULK_MIN_SEQUENCES:
             # Large batches of light sequences: the dispatch estimate ranks as planning would, and each
