@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hydraulis.errors import HydraulisError
-from hydraulis.fan_out import WORKERS_ENV, fan_out, usable_workers
+from hydraulis.processes.fan_out import WORKERS_ENV, fan_out, usable_workers
 
 
 def _square_noting(memo: dict, x: int) -> int:

@@ -22,9 +22,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hydraulis import interrupt
 from hydraulis.errors import HydraulisError
 from hydraulis.limits import INT64_MAX, finite, short_repr
+from hydraulis.processes import interrupt
 
 
 def not_found(path: str | Path, what: str = "no such file") -> str:

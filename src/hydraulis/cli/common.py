@@ -114,7 +114,7 @@ def _serve(app: typer.Typer) -> NoReturn:
     SIGINT/SIGTERM are one line and 128 + the signal, after every cleanup ran.
     Anything else is a bug and keeps its traceback.
     """
-    from hydraulis import interrupt
+    from hydraulis.processes import interrupt
 
     interrupt.install()
     try:

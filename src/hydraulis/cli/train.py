@@ -28,8 +28,8 @@ def train(
     ),
 ) -> None:
     """Train; under torchrun every process is one rank, without it --nproc local gloo ranks are spawned."""
-    from hydraulis import rank_server
     from hydraulis.errors import HydraulisError
+    from hydraulis.processes import rank_server
     from hydraulis.progress import say
     from hydraulis.training.config import load_config, start_notes
     from hydraulis.training.job import prepare, torchrun_world

@@ -36,7 +36,6 @@ import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
-from hydraulis.fan_out import fan_out
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.bounds import lower_bounds
 from hydraulis.planner.dispatch import NoRoom, dispatch
@@ -44,6 +43,7 @@ from hydraulis.planner.planner import Planner, check_lengths
 from hydraulis.planner.pool import homogeneous, range_estimates, replicable_configs, unique_deployments
 from hydraulis.planner.replicas import ReplicaTable
 from hydraulis.planner.schedule import Schedule, mean_switch_time, phase_switch_time, phases_time
+from hydraulis.processes.fan_out import fan_out
 from hydraulis.specs import ClusterSpec
 
 MAX_PHASES = 3

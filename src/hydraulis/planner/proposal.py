@@ -33,7 +33,6 @@ import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
-from hydraulis.fan_out import fan_out, usable_workers
 from hydraulis.limits import DEFAULT_MAX_POOL
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.dispatch import NoRoom, dispatch
@@ -52,6 +51,7 @@ from hydraulis.planner.pool import (
 )
 from hydraulis.planner.range_dp import LengthHistogram, dp_deployments
 from hydraulis.planner.replicas import BULK_MIN_SEQUENCES, ReplicaCost, ReplicaTable
+from hydraulis.processes.fan_out import fan_out, usable_workers
 from hydraulis.specs import ClusterSpec
 
 METHODS = ("hydraulis", "published")

@@ -7,7 +7,7 @@ tensor or NCCL communicator exists, and picks NCCL on GPUs, gloo otherwise.
 gloo processes and watches them, so that one rank that fails (an exception,
 a signal, a gloo abort without a Python error) ends the whole job with that
 rank's error instead of leaving its peers blocked in a collective. The ranks
-are forked from a fork server (`rank_server.py`) that imported torch and this
+are forked from a fork server (`processes/rank_server.py`) that imported torch and this
 module once: a process that launches many jobs (the profiler's rounds, the
 tests) pays once. Each rank takes the launcher's environment of the moment,
 as a spawned one did, not the fork server's.
@@ -34,9 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hydraulis import rank_server
 from hydraulis.cost.conditions import cpu_cores
 from hydraulis.errors import HydraulisError
+from hydraulis.processes import rank_server
 from hydraulis.progress import say
 from hydraulis.specs import DTYPE_NAMES
 

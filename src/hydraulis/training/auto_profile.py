@@ -19,13 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from hydraulis import interrupt
 from hydraulis.cost.measured import load_line, measured_under_load, others_load
 from hydraulis.cost.sweep import ProfileSettings
 from hydraulis.errors import HydraulisError
 from hydraulis.families import weights_digest
 from hydraulis.files import read_json_object
 from hydraulis.parallel import ParallelConfig
+from hydraulis.processes import interrupt
 from hydraulis.progress import say
 from hydraulis.specs import ModelSpec
 from hydraulis.store import profile_cache

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from hydraulis import interrupt
 from hydraulis.cost import CostModel
 from hydraulis.data.indexed import IndexedCorpus, check_targets_left, overlong
 from hydraulis.data.sampler import Overlong, TokenBudgetSampler
@@ -23,6 +22,7 @@ from hydraulis.errors import HydraulisError, OverlongError
 from hydraulis.files import write_json_atomic
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.pool import PoolSetting, check_job_pool, parse_pool
+from hydraulis.processes import interrupt
 from hydraulis.progress import say
 from hydraulis.specs import ClusterSpec, ModelSpec
 from hydraulis.store.checkpoints import Log, sweep_temporary
