@@ -56,9 +56,9 @@ def lower_bounds(
     lengths: np.ndarray, cost: CostModel, num_gpus: int, config_sets: Sequence[Sequence[ParallelConfig]]
 ) -> list[float]:
     """`lower_bound` over each set of configs (deployments'), each config's terms computed once for all."""
+    if not config_sets:
+        return []
     every = list(dict.fromkeys(g for configs in config_sets for g in configs))
-    if not every:
-        return [lower_bound(lengths, cost, num_gpus, configs) for configs in config_sets]  # none, or empty sets
     terms = _Terms.of(lengths, cost, num_gpus, every, False)
     row = {g: k for k, g in enumerate(every)}
     return [terms.bound(np.array(sorted({row[g] for g in configs}), dtype=np.int64)) for configs in config_sets]

@@ -163,22 +163,14 @@ def _scan(
     heap: list[tuple[float, int]], estimate: Callable[[int, int, int, float], float], g: int, s: int, wi: float,
     lone_params: tuple[int, float], wmax: list[float], T: list[int],
 ) -> tuple[float, int]:
-    """The least (estimate, replica) of config g's replicas for a sequence of `s` tokens (cost `wi`): what
-    `min` over all of them gives, without estimating those with no room (a replica holding, or about to
-    hold, a sequence beyond the cap runs one lone micro-batch of at most `lone` tokens: `_scalar_estimate`'s
-    inf). Long-context batches leave such a full replica at its heap's top for every shorter sequence."""
+    """The least (estimate, replica) of config g's replicas for a sequence of `s` tokens (cost `wi`), without
+    estimating those with no room: a replica holding, or about to hold, a sequence beyond the cap runs one lone
+    micro-batch of at most `lone` tokens (`_scalar_estimate`'s inf). Long-context batches leave such a full
+    replica at its heap's top for every shorter sequence."""
     lone, long_w = lone_params
-    best = (math.inf, -1)
     lone_s = wi > long_w
-    for _, q in heap:
-        if (lone_s or wmax[q] > long_w) and T[q] + s > lone:
-            if best[1] < 0 or q < best[1] and best[0] == math.inf:  # min() of all-inf picks the least replica
-                best = (math.inf, q)
-            continue
-        found = (estimate(g, q, s, wi), q)
-        if found < best or best[1] < 0:
-            best = found
-    return best
+    return min(((math.inf if (lone_s or wmax[q] > long_w) and T[q] + s > lone else estimate(g, q, s, wi), q)
+                for _, q in heap), default=(math.inf, -1))
 
 
 def _config_heaps(table: ReplicaTable, keys: list[float]) -> list[list[tuple[float, int]]]:

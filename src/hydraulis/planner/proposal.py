@@ -51,7 +51,7 @@ from hydraulis.planner.pool import (
 )
 from hydraulis.planner.range_dp import LengthHistogram, dp_deployments
 from hydraulis.planner.replicas import BULK_MIN_SEQUENCES, ReplicaCost, ReplicaTable
-from hydraulis.processes.fan_out import fan_out, usable_workers
+from hydraulis.processes.fan_out import fan_out
 from hydraulis.specs import ClusterSpec
 
 METHODS = ("hydraulis", "published")
@@ -59,6 +59,7 @@ SCREEN_BUDGET_S = 10.0  # CPU seconds of dispatch estimates in the screen (this 
 REFINE_FILLS = 6  # cp = 1 configs a refined deployment's GPUs may go to, best alone first
 MIN_REFINE = 0.002  # a neighbour must beat the current deployment by this share on the samples
 LARGE_BATCH_SCREEN = 4  # dispatch estimates in screening, before the fluid proxy takes over
+PROGRESS_EVERY = 6  # candidates planned on the samples between progress reports
 
 Progress = Callable[[str, int, int], None]
 
@@ -94,9 +95,8 @@ def _plan_times(
     """Planned and simulated iteration time of every batch on every candidate (inf where it cannot hold): the
     batches on the cores (`fan_out`, they are alike in size), a few candidates at a time for progress."""
     columns: list[np.ndarray] = []
-    step = 3 * usable_workers()
-    for start in range(0, len(candidates), step):
-        chunk = list(candidates[start : start + step])
+    for start in range(0, len(candidates), PROGRESS_EVERY):
+        chunk = list(candidates[start : start + PROGRESS_EVERY])
         columns.append(np.array(fan_out(functools.partial(_plan_column, cost, cluster, chunk), batches)).T)
         if progress:
             progress("planning samples", start + len(chunk), len(candidates))

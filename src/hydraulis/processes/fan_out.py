@@ -108,13 +108,13 @@ def _child(fn: Callable[[T], R], share: Sequence[T], path: str, memo: dict | Non
         try:
             keys = _keys(memo or {})
             results = [fn(x) for x in share]
-            found: object = ("ok", (results, _added(memo, keys) if memo is not None else {}))
+            found: object = (results, _added(memo, keys) if memo is not None else {})
         except BaseException as exc:  # noqa: BLE001 - the parent raises it
-            found = ("error", exc)
+            found = exc
         try:
             data = pickle.dumps(found, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:  # noqa: BLE001 - an exception that does not pickle: its text does
-            data = pickle.dumps(("error", HydraulisError(f"a planning worker failed: {found[1]!r} ({exc})")))
+            data = pickle.dumps(HydraulisError(f"a planning worker failed: {found!r} ({exc})"))
         with open(path, "wb") as f:
             f.write(data)
     except BaseException:  # noqa: BLE001 - nothing to report it to but the exit status
@@ -123,13 +123,12 @@ def _child(fn: Callable[[T], R], share: Sequence[T], path: str, memo: dict | Non
         os._exit(code)
 
 
-def _collect(pid: int, path: str) -> list | BaseException:
-    """A child's results, or the error it raised (or its death's)."""
+def _collect(pid: int, path: str) -> tuple[list, dict] | BaseException:
+    """A child's results and memo entries, or the error it raised (or its death's)."""
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
     if code != 0 or not os.path.exists(path):
         return HydraulisError(f"a forked planning worker (pid {pid}) died with exit status {code} and no result; "
                               f"set {WORKERS_ENV}=1 to plan in this process only")
     with open(path, "rb") as f:
-        _, value = pickle.load(f)
-    return value
+        return pickle.load(f)
