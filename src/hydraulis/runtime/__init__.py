@@ -1,10 +1,10 @@
-"""The runtime that executes plans on torch.distributed (the only package that imports torch).
+"""The runtime that executes plans on torch.distributed (torch is imported only here, in training/ and the profiler).
 
 One process per GPU (gloo on CPU). A replica is (ParallelConfig, global
 ranks); `build_replica_groups` makes its process groups, `StageModel` is the
 part of the model one rank holds, and `train_step` runs its micro-batches
-with 1F1B. See batch.py for how documents become model input,
-context_parallel.py for micro-batches spread over CP ranks, storage/hf.py
+with 1F1B. See parallelism/batch.py for how documents become model input,
+parallelism/context_parallel.py for micro-batches spread over CP ranks, storage/hf.py
 for Hugging Face configs and weights (transformers imported only when used).
 """
 
