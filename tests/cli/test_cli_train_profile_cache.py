@@ -52,7 +52,7 @@ def test_a_second_run_reuses_the_cached_profile(tmp_path, cli, monkeypatch):
     assert second.returncode == 0, second.stderr
     said = " ".join(second.stdout.split())
     if "(kept for this run only: measured under load, the cache keeps only quiet profiles)" in first.stdout:
-        assert shared == [] and "profile: measured now for this run" in said, said
+        assert shared == [] and "profile: new for this run, measured " in said, said
     else:
         assert len(shared) == 1 and "profiling" not in said, said
         assert json.loads(shared[0].read_text()) == json.loads((tmp_path / "first" / "profile.json").read_text())
@@ -129,7 +129,7 @@ def _refit_and_reuse(tmp_path, cli, config, measured):
     run = cli("train", "--config", str(alone), "--nproc", "1", "--steps", "1", "--out", str(tmp_path / "alone"))
     assert run.returncode == 0, run.stderr
     said = " ".join(run.stdout.split())
-    assert "kept for this run only: parallel.profile_cache = false" in said and "profile: measured now" in said
+    assert "kept for this run only: parallel.profile_cache = false" in said and "profile: new for this run" in said
     assert sorted(p.name for p in cache.iterdir()) == before
     assert (tmp_path / "alone" / "profile.json").is_file()
 

@@ -36,7 +36,7 @@ def auto_cost(
         data, fresh, where = shared, shared, f"cached in {request.shared_path()}"
     else:
         data = fresh = request.measure(env_world is not None, log, keep=use_cache)
-        where = "measured now for this run"
+        where = "new for this run"
     cost = for_job(config, ProfiledCostModel.from_dict(data, str(run_dir / AUTO_PROFILE)))
     check_budget(config, spec, cost, configs, world, config.parallel.pool == "auto")
     return cost, fresh, where
