@@ -35,3 +35,13 @@ def test_switches_are_charged_as_each_variant_would_have_paid_them():
     out = charged(rows, own)
     assert out["planned"] == [pytest.approx([1.0, 1.1, 1.1])]  # batch 2's switch charged at the median 0.1 s
     assert out["homogeneous"] == [pytest.approx([1.4, 1.4, 1.4])]
+
+
+def test_the_ranks_cpu_time_is_compared_as_the_wall_time_is():
+    # Wall time 1.0 s against 1.2 s a batch; CPU time (4 ranks) 3.0 s against 4.5 s, one repeat disturbed.
+    wall = {"planned": [[1.0, 1.0]] * 3, "2x(tp2,pp1)": [[1.2, 1.2]] * 3}
+    cpu = {"planned": [[3.0, 3.0], [3.0, 9.0], [3.0, 3.0]], "2x(tp2,pp1)": [[4.5, 4.5]] * 3}
+    out = Comparison(100, 3, wall, {"planned": 2.0, "2x(tp2,pp1)": 2.4}, cpu).to_dict()
+    assert out["measured_speedup"] == pytest.approx(1.2) and out["cpu_speedup"] == pytest.approx(1.5)
+    assert out["cpu_s"] == {"planned": pytest.approx(6.0), "2x(tp2,pp1)": pytest.approx(9.0)}
+    assert "cpu_speedup" not in Comparison(100, 3, wall, {"planned": 2.0, "2x(tp2,pp1)": 2.4}).to_dict()

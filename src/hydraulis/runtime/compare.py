@@ -14,18 +14,27 @@ all on B) let one busy stretch land on one block: beside other work on 2
 cores the demo measured 0.92x and 1.03x where quiet runs measured 1.37x.
 Running a batch right after another variant's switches deployments where the
 variant's own sequence would not: that activation (`StepMetrics.switch_s`)
-is taken out, and charged where its own sequence switches (`_charged`).
+is taken out, and charged where its own sequence switches (`charged`).
+
+Beside wall time, the CPU time of the ranks (their processes', summed over
+ranks): the work a variant does, which other processes' load does not
+stretch (gloo's collectives block rather than spin: a rank waiting 2 s in
+an all-reduce used 4 ms of CPU). On a machine whose cores other work takes,
+wall time is the cores' share, and the balance that makes the planned run
+faster quiet counts for less; the CPU time says what each variant costs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from hydraulis.data.sampler import GlobalBatch
 from hydraulis.errors import HydraulisError
@@ -44,10 +53,13 @@ class Comparison:
     repeats: int
     batch_s: dict[str, list[list[float]]]  # per variant ("planned" or a deployment): [repeat][batch] seconds
     predicted_s: dict[str, float]
+    cpu_s: dict[str, list[list[float]]] | None = None  # the ranks' CPU seconds, summed over ranks, likewise
 
-    def median(self, name: str) -> float:
-        """A variant's time for the batches: per batch the median over the repeats, summed."""
-        return float(np.median(np.asarray(self.batch_s[name]), axis=0).sum())
+    def median(self, name: str, cpu: bool = False) -> float:
+        """A variant's time for the batches (`cpu`: the ranks' CPU time): per batch the median over the
+        repeats, summed."""
+        times = self.cpu_s if cpu and self.cpu_s is not None else self.batch_s
+        return float(np.median(np.asarray(times[name]), axis=0).sum())
 
     @property
     def best_homogeneous(self) -> str:
@@ -66,6 +78,10 @@ class Comparison:
             "measured_speedup": self.median(best) / self.median("planned"),
             "measured_speedup_per_repeat": [float(x) for x in repeats],
             "predicted_speedup": self.predicted_s[best] / self.predicted_s["planned"],
+            **({} if self.cpu_s is None else {
+                "cpu_s": {k: self.median(k, cpu=True) for k in self.cpu_s},
+                "cpu_speedup": self.median(best, cpu=True) / self.median("planned", cpu=True),
+            }),  # fmt: skip
         }
 
 
@@ -103,20 +119,25 @@ def compare(
                                for data, (b, p) in zip(payloads, pairs, strict=True)]
     saved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizer.state_dict().items()}
     step, names = feed.step, list(plans)
-    rows: dict[str, list[list[Timed]]] = {name: [] for name in names}
+    rows: dict[str, list[list[Timed]]] = {name: [[] for _ in range(repeats)] for name in names}
+    cpu = np.zeros((len(names), repeats, len(pairs)))
     for r in range(repeats):
-        for name in names:
-            rows[name].append([])
         for i, (batch, _) in enumerate(pairs):
             for name in names if (r + i) % 2 == 0 else names[::-1]:  # A B, then B A: neither always first
                 feed.step = step + i
+                began = time.process_time()
                 m = run(batch, plans[name][i])
+                cpu[names.index(name), r, i] = time.process_time() - began
                 rows[name][r].append((m.iteration_s, m.switch_s if m.switched else None))
     feed.step = step
     optimizer.load_state_dict(saved)
+    total = torch.from_numpy(cpu)
+    if feed.world > 1:
+        dist.all_reduce(total, group=feed.control)  # every rank's CPU time: the job's
     tokens = sum(b.num_tokens for b, _ in pairs)
     predicted = {name: sum(p.iteration_time_s for p in chosen) for name, chosen in plans.items()}
-    return Comparison(tokens, repeats, charged(rows, {name: _switches(p) for name, p in plans.items()}), predicted)
+    return Comparison(tokens, repeats, charged(rows, {name: _switches(p) for name, p in plans.items()}), predicted,
+                      {name: total[k].tolist() for k, name in enumerate(names)})
 
 
 def _switches(chosen: Sequence[Schedule]) -> list[bool]:
