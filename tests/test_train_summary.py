@@ -107,16 +107,17 @@ def test_a_cached_auto_profile_without_a_cp_config_of_the_pool_is_measured_again
     assert request.mismatch(data) is None
 
 
-def test_a_cached_profile_measured_under_load_says_so_when_reused(tmp_path):
-    """A profile kept in the cache while other processes took the cores is reused (a busy machine would
-    otherwise profile on every run), with one more line: how loaded it was, and that deleting it measures again."""
+def test_a_profile_measured_under_load_is_never_reused_from_the_cache_but_is_the_run_directorys_own(tmp_path):
+    """A profile in the shared cache that other processes' load disturbed (one kept before the cache refused
+    them) is measured again, with the reason in one line: it would carry that hour's load into every later
+    run. The same file as a run directory's own (a resume) is used: that run planned with it."""
     import json
     from dataclasses import asdict
 
     from hydraulis.cost.sweep import ProfileSettings
     from hydraulis.parallel import ParallelConfig
     from hydraulis.specs import get_model
-    from hydraulis.training.auto_profile import AutoProfile
+    from hydraulis.training.auto_profile import AutoProfile, start_lines
 
     spec, settings = get_model("tiny"), ProfileSettings()
     request = AutoProfile(spec, (ParallelConfig(1, 1),), 4, "cpu", settings)
@@ -125,13 +126,17 @@ def test_a_cached_profile_measured_under_load_says_so_when_reused(tmp_path):
             "measurements": {"world_size": 4, "settings": settings.to_json(), "load": load},
             "time_ms": [{"tp": 1, "pp": 1}]}
     path = tmp_path / "profile.json"
-    for foreign, said in ((0.99, True), (0.1, False)):
+    for foreign, busy in ((0.99, True), (0.1, False)):  # over and under a tenth of the 2 cores
         data["measurements"]["load"]["foreign_cores_median"] = foreign
         path.write_text(json.dumps(data))
         lines: list[str] = []
-        assert request.cached(path, lines.append) == data
-        warned = f"measured while other processes took a median {foreign:.2f} (at most 1.27) of 2 cores: delete it"
-        assert any(warned in line for line in lines) == said, lines
+        assert request.cached(path, lines.append) == (None if busy else data)
+        refused = f"measured while other processes took a median {foreign:.2f} (at most 1.27) of 2 cores: the cache"
+        assert any(refused in line for line in lines) == busy, lines
+        assert request.cached(path, lines.append, shared=False) == data
+        said = start_lines(data, "here")[0]
+        assert said == f"profile: here, measured at a time it does not record, {'under load' if busy else 'quiet'}: " \
+            f"other processes took a median {foreign:.2f} (at most 1.27) of 2 cores"
 
 
 def test_steps_over_the_memory_budget_are_marked_counted_and_warned_once(tmp_path, capsys, monkeypatch):

@@ -265,7 +265,8 @@ def test_out_holding_another_run_is_refused(hetero_run, tmp_path, corpus, cli):
 
 def test_the_readme_front_page_is_short_and_its_quick_start_trains(tmp_path, cli):
     """The README's front page (up to its Reference section) reads in minutes, and its quick start's config
-    trains as the README runs it: from the project's directory, on 2 processes (here 2 steps)."""
+    trains as the README runs it: from the project's directory, on 2 processes (here 2 steps), with a pool
+    to switch between."""
     root = Path(__file__).resolve().parents[2]
     front = (root / "README.md").read_text().split("\n## Reference\n")[0]
     assert len(front.splitlines()) <= 120
@@ -275,3 +276,6 @@ def test_the_readme_front_page_is_short_and_its_quick_start_trains(tmp_path, cli
     assert result.returncode == 0, result.stderr
     assert [r["step"] for r in step_rows(tmp_path / "quickstart")] == [0, 1]
     assert run_summary(tmp_path / "quickstart")["eval"]["after_step"] == 2
+    # Its pool switches on 2 processes: the memory budget leaves the longer sections to two-rank replicas.
+    pool = json.loads((tmp_path / "quickstart" / "pool.json").read_text())["deployments"]
+    assert len(pool) >= 2 and any(r["tp"] * r["pp"] == 2 for d in pool for r in d["replicas"]), pool

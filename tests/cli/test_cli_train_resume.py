@@ -56,6 +56,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, session_cli) -> tuple[Path, P
     more = session_cli("train", "--config", str(config), "--nproc", "2", "--out", str(tmp / "split"), "--resume")
     assert more.returncode == 0, more.stderr
     assert f"resuming at step {STOP}" in more.stdout
+    assert "refit: its checkpoint's, after step 5 (tp1pp1)" in more.stdout  # its first lines say what it plans with
     assert "planning with the cost model refit after step 5 (tp1pp1 x" in more.stdout and "refit after" not in (
         more.stdout.split("planning with the cost model refit")[1])  # no refit of its own
     return config, tmp / "straight", tmp / "split"

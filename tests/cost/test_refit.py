@@ -7,6 +7,7 @@ import json
 import re
 from importlib import resources
 
+import numpy as np
 import pytest
 
 from hydraulis.cost import ProfiledCostModel
@@ -113,3 +114,52 @@ def test_a_damaged_refit_state_is_one_line_naming_where(data, message):
     with pytest.raises(HydraulisError, match=re.escape(message)) as exc:
         RefitState.from_json(data, "m.json.refit")
     assert str(exc.value).startswith("m.json.refit")
+
+
+def _refits(ratios) -> list:
+    """The steps a fresh tp1 watch refits after, fed measured / predicted `ratios` by the model it plans with."""
+    refit, scale, done = OnlineRefit(ProfiledCostModel.from_dict(_profile())), 1.0, []
+    for step, r in enumerate(ratios):
+        made = refit.observe(step, [TP1], [r], [scale])
+        if made is not None:
+            scale *= made.scales[TP1]
+            done.append(step)
+    return done
+
+
+def test_a_right_model_under_step_noise_is_seldom_refit_and_a_wrong_one_at_once(monkeypatch):
+    """100 steps of a right model whose steps scatter 20% (log-normal), 30 seeds: the spread test cuts the
+    refits that noise alone makes to a third or less of the rule without it; a 25% error under 8% noise is
+    refit as soon as without it."""
+    import hydraulis.cost.refit as rule
+
+    noisy = [np.exp(np.random.default_rng(seed).normal(0.0, 0.2, 100)) for seed in range(30)]
+    biased = [1.25 * np.exp(np.random.default_rng(seed).normal(0.0, 0.08, 30)) for seed in range(30)]
+    with_test = sum(len(_refits(r)) for r in noisy)
+    first = [_refits(r)[:1] for r in biased]
+    monkeypatch.setattr(rule, "SPREAD_MULTIPLE", 0.0)
+    without = sum(len(_refits(r)) for r in noisy)
+    assert without >= 20 and with_test * 3 <= without, (with_test, without)
+    # The biased runs: each refit (by step 15 here), and at the same step as without the test in 27 of 30.
+    assert all(f and f[0] <= 15 for f in first), first
+    assert sum(f == _refits(r)[:1] for f, r in zip(first, biased, strict=True)) >= 27
+
+
+def test_a_burst_that_scatters_as_much_as_it_is_off_is_not_evidence():
+    # All five more than 15% slow than predicted, but they scatter from 1.18x to 2.6x: a burst, not a level.
+    assert _refits([1.18, 1.9, 1.2, 2.6, 1.4]) == []
+    assert _refits([1.4, 1.45, 1.38, 1.5, 1.42]) == [4]  # the same level, steady: refit
+
+
+def test_the_state_keeps_the_scatter_and_reads_older_checkpoints():
+    cost = ProfiledCostModel.from_dict(_profile())
+    refit = OnlineRefit(cost)
+    for step in range(3):
+        refit.observe(step, [TP1], [1.0], [1.1])
+    saved = RefitState.from_json(json.loads(json.dumps(refit.state().to_json())), "m")
+    assert saved.scatter[TP1] == pytest.approx([np.log(1 / 1.1)] * 3)
+    again = OnlineRefit(cost)
+    again.restore(saved)
+    assert again.scatter == refit.scatter and again.ratios == refit.ratios
+    old = RefitState.from_json({"step": None, "coefficients": {}, "ratios": {"tp1pp1": [1.0]}}, "m")
+    assert old.scatter == {}

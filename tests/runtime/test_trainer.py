@@ -81,7 +81,8 @@ def test_a_measured_comparison_mid_run_changes_nothing(run):
     homogeneous = {"2x(tp1,pp2)", "1x(tp2,pp2)"}  # the pool's homogeneous deployments
     assert set(c["measured_s"]) == {"planned", *homogeneous} and all(len(v) == 1 for v in c["measured_s"].values())
     assert c["best_homogeneous"] in homogeneous
-    assert c["measured_speedup"] > 0 and c["predicted_speedup"] > 0
+    assert c["measured_speedup"] > 0 and c["predicted_speedup"] > 0 and c["cpu_speedup"] > 0
+    assert all(v > 0 for v in c["cpu_s"].values())  # every rank's CPU time, summed
     assert c["tokens"] == sum(m["tokens"] for m in results[0]["metrics"][5:7])  # the two steps before it
 
 

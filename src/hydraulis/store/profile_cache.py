@@ -3,7 +3,10 @@
 A profile measured for one run serves every later run on the same machine
 that asks for the same thing: the file name is a hash of the model (its
 content, not its name or path), the configs, the device (kind and name),
-dtype, world size, core count and sweep, so a lookup is one `stat`. `timings.jsonl` beside the profiles keeps
+dtype, world size, core count and sweep, so a lookup is one `stat`. It holds profiles measured quiet, and
+nothing of a run's own (its online refit stays in its run directory): what a later run reads here does not
+depend on how busy the machine was, or on which run came before (training/auto_profile.py).
+`timings.jsonl` beside the profiles keeps
 how long each profiling took beside the analytic model's compute time for
 it, so the next one, of any model, states its expected time before it starts.
 """
@@ -44,14 +47,6 @@ def cache_path(identity: dict[str, Any], label: str) -> Path:
 def digest(identity: dict[str, Any]) -> str:
     """A short hash of a JSON-able identity (a profile request, a model's content)."""
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
-
-
-def refit_path(path: Path) -> Path:
-    """Where a run keeps its refit of the profile at `path` (cost/refit.py): beside it, marked as refit.
-
-    A later run of the same request takes the refit one first: it was corrected by a run's measurements.
-    """
-    return path.with_name(f"{path.stem}.refit{path.suffix}")
 
 
 def store(path: Path, data: dict[str, Any]) -> None:

@@ -1,19 +1,29 @@
 """`[parallel] profile = "auto"`: measure the pool's configs on this job's own device before training.
 
 The profile (`hydraulis profile`'s machinery) covers this job's device,
-dtype, world size and document lengths. It is looked up first in the shared
-cache (`profile_cache.py`: `$HYDRAULIS_CACHE/profiles`, keyed by model,
-configs, device, dtype, world size, core count and sweep; the model by its
-content, the config as the runtime reads it and, with init_from, the weights'
-headers, never by its name or path, so a copied model is not profiled
-again), then in the run
-directory's `profile.json` (a resume), and measured otherwise, stating its
-expected time first; a measured one goes into both.
+dtype, world size and document lengths. It is looked up first in the run
+directory's `profile.json` (a resume, or a run that failed to start: the
+run's own), then in the shared cache (`profile_cache.py`:
+`$HYDRAULIS_CACHE/profiles`, keyed by model, configs, device, dtype, world
+size, core count and sweep; the model by its content, the config as the
+runtime reads it and, with init_from, the weights' headers, never by its
+name or path, so a copied model is not profiled again), and measured
+otherwise, stating its expected time first; a measured one goes into both.
+
+What never enters the cache, so that one busy hour does not steer the runs
+after it: a profile measured while other processes took a tenth of the
+cores or more (it is kept in the run directory, for this run and its
+resumes, and the next run profiles again), and a run's online refit
+(kept beside the run as `profile.refit.json`; a later run starts from it
+only when `[parallel] profile` names that file). `[parallel]
+profile_cache = false` neither reads nor writes the cache. The run's
+first lines say what it starts from (`start_lines`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +43,8 @@ from hydraulis.store.checkpoints import Log
 from hydraulis.training.config import RunConfig
 
 AUTO_PROFILE = "profile.json"  # the measured profile, cached in the run directory
-# The online refit of the run's profile beside it (cost/refit.py, run_fidelity.py): profile.refit.json.
-REFIT_PROFILE = profile_cache.refit_path(Path(AUTO_PROFILE)).name
+# The online refit of the run's profile beside it (cost/refit.py, run_fidelity.py); never in the shared cache.
+REFIT_PROFILE = "profile.refit.json"
 
 
 def _sweep_for(max_len: int, lengths: np.ndarray) -> dict[str, Any]:
@@ -138,35 +148,30 @@ class AutoProfile:
             return f"it lacks {', '.join(missing)}"
         return None
 
-    def cached(self, path: Path, log: Log = say) -> dict[str, Any] | None:
+    def cached(self, path: Path, log: Log = say, shared: bool = True) -> dict[str, Any] | None:
         """The profile at `path` if it describes this job; None (and why, in the log) otherwise.
 
-        A run's refit of it (profile_cache.refit_path: `NAME.refit.json` beside it; in a run directory
-        `profile.refit.json`) comes first: a run's own measurements corrected it.
+        From the `shared` cache, a profile measured under load is refused too (one written before the cache
+        kept only quiet ones): it would carry that hour's load into every later run. A run directory's own
+        profile is this run's, whatever its load (a resume plans as the run it continues).
         """
-        refit = profile_cache.refit_path(path)
-        for candidate in (refit, path):
-            if not candidate.is_file():
-                continue
-            try:
-                data = read_json_object(candidate)
-            except HydraulisError:
-                data = None
-            reason = "unreadable" if data is None else self.mismatch(data)
-            if reason is None:
-                mark = data.get("refit")
-                how = f"refit at step {mark.get('step')} of run {mark.get('source')}" if isinstance(mark, dict) \
-                    else "profiled before"
-                log(f"cost model: {candidate} ({how} for this model, pool, device and world size)")
-                if candidate == path and measured_under_load(data):
-                    log(f"  measured while {others_load(data)}: delete it to measure again on a quieter machine")
-                return data
-            if candidate == path:
-                log(f"profiling again: {path} does not describe this job ({reason})")
-        return None
+        if not path.is_file():
+            return None
+        try:
+            data = read_json_object(path)
+        except HydraulisError:
+            data = None
+        reason = "unreadable" if data is None else self.mismatch(data)
+        if reason is None and shared and measured_under_load(data):
+            reason = f"measured while {others_load(data)}: the cache reuses only quiet profiles"
+        if reason is not None:
+            log(f"profiling again: {path} does not describe this job ({reason})")
+            return None
+        return data
 
-    def measure(self, torchrun: bool, log: Log = say) -> dict[str, Any]:
-        """Profile the configs now on `world` local processes, with a progress bar; returns the profile data."""
+    def measure(self, torchrun: bool, log: Log = say, keep: bool = True) -> dict[str, Any]:
+        """Profile the configs now on `world` local processes, with a progress bar; returns the profile data,
+        stamped with its time. It goes into the shared cache when `keep` and measured quiet."""
         if torchrun:
             raise HydraulisError(
                 'parallel.profile = "auto" cannot profile under torchrun: run `hydraulis train --nproc` once, '
@@ -188,18 +193,46 @@ class AutoProfile:
         )
         with steps_progress("profiling", steps) as step:
             data = profile_model(self.spec, self.configs, self.world, self.device, self.settings, progress=step)
-        profile_cache.record_timing(self.machine(), steps, data["measurements"]["wall_s"], model, analytic)
-        with interrupt.held():  # stored and named together: an interruption's line says it is there
-            profile_cache.store(self.shared_path(), data)
-            interrupt.keep(f"the measured profile in {self.shared_path()} (the next run of this model uses it)")
+        data["measurements"]["measured_at"] = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+        if keep:  # the cache's timings too: parallel.profile_cache = false writes nothing there
+            profile_cache.record_timing(self.machine(), steps, data["measurements"]["wall_s"], model, analytic)
+        if not keep:
+            kept = "for this run only: parallel.profile_cache = false"
+        elif measured_under_load(data):
+            kept = "for this run only: measured under load, the cache keeps only quiet profiles"
+        else:
+            kept = f"in {self.shared_path().parent}"
+            with interrupt.held():  # stored and named together: an interruption's line says it is there
+                profile_cache.store(self.shared_path(), data)
+                interrupt.keep(f"the measured profile in {self.shared_path()} (the next run of this model uses it)")
         held = ", ".join(
             f"{name} {fid['holdout']['median_abs_rel_error']:.0%}" for name, fid in data["fidelity"].items()
         )
-        log(
-            f"profiled in {data['measurements']['wall_s']:.0f} s (kept in {self.shared_path().parent}); "
-            f"held-out median error per config: {held}"
-        )
+        log(f"profiled in {data['measurements']['wall_s']:.0f} s (kept {kept}); held-out median error per config: "
+            f"{held}")
         load = load_line(data)
         if load:
             log(load)
         return data
+
+
+def start_lines(data: dict[str, Any] | None, where: str, refit: str | None = None) -> list[str]:
+    """A run's first word on what it starts from: the profile (where from, when it was measured, whether
+    quiet) and the refit it carries: `refit` (a resume's, from its checkpoint), else the profile's own mark
+    (a `profile.refit.json` that `[parallel] profile` names), else none."""
+    if data is None:
+        return [f"profile: {where} (analytic: nothing measured)", refit or "refit: none"]
+    when = (data.get("measurements") or {}).get("measured_at")
+    took = others_load(data)
+    if took is None:
+        load = "its load not measured"
+    else:
+        load = ("under load: " if measured_under_load(data) else "quiet: ") + took
+    lines = [f"profile: {where}, measured {when or 'at a time it does not record'}, {load}"]
+    mark = data.get("refit")
+    if refit is None and isinstance(mark, dict):
+        scales = ", ".join(f"{k} x{v:.2f}" for k, v in (mark.get("scales") or {}).items())
+        refit = f"refit: run {mark.get('source')}'s after its step {mark.get('step')} ({scales}), named by " \
+            "parallel.profile"
+    lines.append(refit or "refit: none (this run refits from its own steps, starting from this profile)")
+    return lines

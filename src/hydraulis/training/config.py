@@ -140,6 +140,9 @@ class DataSection(_Section):
 class ParallelSection(_Section):
     pool: str = "auto"  # "auto", a hydraulis.pool/1 file, or deployments separated by ';'
     profile: str = "tiny@cpu"  # a profile file, a preset, MODEL@DEVICE (analytic), or @DEVICE (this model, analytic)
+    # profile = "auto": reuse a quiet profile another run measured on this machine ($HYDRAULIS_CACHE/profiles) and
+    # keep a quiet one measured here for later runs; false: measure for this run, read and write no cache.
+    profile_cache: bool = True
     gpus_per_node: int | None = Field(
         None, ge=1, le=1024, description="torchrun's LOCAL_WORLD_SIZE, else the world size (one node)"
     )

@@ -27,7 +27,7 @@ from hydraulis.progress import say
 from hydraulis.specs import ClusterSpec, ModelSpec
 from hydraulis.store.checkpoints import Log, sweep_temporary
 from hydraulis.store.resume import check_stop_at, resume_point
-from hydraulis.training.auto_profile import AUTO_PROFILE, REFIT_PROFILE
+from hydraulis.training.auto_profile import AUTO_PROFILE, REFIT_PROFILE, start_lines
 from hydraulis.training.config import RunConfig
 from hydraulis.training.evaluation import EvalSet, eval_set, run_sampler
 from hydraulis.training.job_cost import auto_cost, check_budget, for_job, job_cost_model
@@ -54,7 +54,6 @@ class Job:
     max_restarts: int = 0
     resume_from: str | None = None  # the verified checkpoint rank 0 resumes from, picked before any rank starts
     stop_at: int | None = None  # --stop-at: end this invocation at that step; `steps` stays the schedule's length
-    profile_cache: str | None = None  # profile = "auto": the profile's file in the shared cache (a refit goes beside)
     overlong: Overlong | None = None  # what max_len cuts of the corpus (records, target tokens)
     evaluation: EvalSet | None = None  # [eval]: the held-out batches and their plans
     mixture: MixtureSpec | None = None  # [data] corpus as a list: its sources (corpus_path then names them all)
@@ -116,9 +115,10 @@ def prepare(
     spec = _padded(spec, {g.tp for g in (*configs, *proposable)}, _resumed_checkpoint(run_dir, resume, resume_from))
     corpus, mixture = training_corpus(config.data, lambda name, key: _corpus(name, key, tokenizer, token_ids, log))
     sampler, overlong = data_sampler(corpus, config, log)
-    fresh, profile_cache = None, None  # profile = "auto": a profile measured now (or shared), and the cache's file
+    fresh, where = None, config.parallel.profile  # profile = "auto": a profile measured now (or shared), and whence
     if auto_profile:
-        cost, fresh, profile_cache = auto_cost(config, spec, configs, world, sampler, run_dir, env_world, log)
+        cost, fresh, where = auto_cost(config, spec, configs, world, sampler, run_dir, env_world, log)
+    _say_start(cost, where, resume_from, log)
     pool = _propose(cost, cluster, sampler, config) if setting.auto else parse_pool(setting.text, cluster)
     check_job_pool(pool, world, spec, cost, config.data.max_len)
     evaluation = _evaluation(config, corpus, lambda name, key: _corpus(name, key, tokenizer, token_ids, log), cost,
@@ -141,7 +141,6 @@ def prepare(
         max_restarts=max_restarts,
         resume_from=resume_from,
         stop_at=stop_at,
-        profile_cache=profile_cache,
         overlong=overlong,
         evaluation=evaluation,
         mixture=mixture,
@@ -275,6 +274,22 @@ def _resumed_checkpoint(run_dir: Path, resume: bool, chosen: str | None) -> Path
     from hydraulis.store.checkpoints import latest_checkpoint
 
     return latest_checkpoint(run_dir / "checkpoints", sweep=False, log=lambda _: None)
+
+
+def _say_start(cost: CostModel, where: str, checkpoint: str | None, log: Log) -> None:
+    """The run's first word on what it starts from (auto_profile.start_lines); a resume's refit is the one its
+    checkpoint planned with."""
+    refit = None
+    if checkpoint is not None:
+        from hydraulis.store.checkpoints import read_manifest
+
+        state = read_manifest(Path(checkpoint)).refit
+        refit = f"refit: none (its checkpoint {checkpoint} planned without one)"
+        if state is not None and state.coefficients:
+            names = ", ".join(c.name for c in state.coefficients)
+            refit = f"refit: its checkpoint's, after step {state.step} ({names})"
+    for line in start_lines(cost.profile_data, where, refit):
+        log(line)
 
 
 def _padded(spec: ModelSpec, tp_degrees: set[int], resumed: Path | None) -> ModelSpec:

@@ -20,19 +20,26 @@ def auto_cost(
     config: RunConfig, spec: ModelSpec, configs: tuple[ParallelConfig, ...], world: int,
     sampler: TokenBudgetSampler, run_dir: Path, env_world: int | None, log: Log,
 ) -> tuple[CostModel, dict | None, str]:
-    """profile = "auto": the cost model of a profile shared by another run on this machine, kept in the run
-    directory, or measured now; the profile to write once every check has passed (None: nothing new), and the
-    shared cache's file."""
+    """profile = "auto": the cost model of the run directory's own profile (a resume), of a quiet one another
+    run on this machine left in the shared cache, or of one measured now; the profile to write into the run
+    directory once every check has passed (None: nothing new), and where it came from (`start_lines`)."""
     from hydraulis.cost import ProfiledCostModel
 
     config.parallel.recompute_configs(configs)  # a bad recompute list fails before minutes of profiling
     request = AutoProfile.of(config, spec, configs, world, sampler.piece_lengths())
-    shared = request.cached(request.shared_path(), log)
-    cached = shared or request.cached(run_dir / AUTO_PROFILE, log)
-    fresh = shared if shared is not None else None if cached else request.measure(env_world is not None, log)
-    cost = for_job(config, ProfiledCostModel.from_dict(cached or fresh, str(run_dir / AUTO_PROFILE)))
+    use_cache = config.parallel.profile_cache
+    own = request.cached(run_dir / AUTO_PROFILE, log, shared=False)
+    shared = None if own is not None or not use_cache else request.cached(request.shared_path(), log)
+    if own is not None:
+        data, fresh, where = own, None, f"{run_dir / AUTO_PROFILE} (this run directory's)"
+    elif shared is not None:
+        data, fresh, where = shared, shared, f"cached in {request.shared_path()}"
+    else:
+        data = fresh = request.measure(env_world is not None, log, keep=use_cache)
+        where = "new for this run"
+    cost = for_job(config, ProfiledCostModel.from_dict(data, str(run_dir / AUTO_PROFILE)))
     check_budget(config, spec, cost, configs, world, config.parallel.pool == "auto")
-    return cost, fresh, str(request.shared_path())
+    return cost, fresh, where
 
 
 def for_job(config: RunConfig, cost: CostModel) -> CostModel:

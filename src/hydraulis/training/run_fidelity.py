@@ -8,11 +8,12 @@ predicted and measured replica times of every step feed the online refit
 (cost/refit.py): a refit is announced in one line, the planner plans with it
 from the next batch on (under a lasting load it follows the load: this run
 is under it), and the refit profile is written beside the run
-(`profile.refit.json`, with the load of the steps it saw) and, for
-`profile = "auto"` when those steps were quiet, into the profile cache
-marked as refit, where the next run of the same request finds it. A
-checkpoint keeps the refit (`OnlineRefit.state`), and a resume on as many
-ranks plans with it from its first step, as the run it continues would. Dividing
+(`profile.refit.json`, with the load of the steps it saw), never into the
+shared cache: the next run starts from the measured profile, so one run's
+noise does not become the next run's start (`[parallel] profile` naming
+a `profile.refit.json` starts from it on purpose). A checkpoint keeps the
+refit (`OnlineRefit.state`), and a resume on as many ranks plans with it
+from its first step, as the run it continues would. Dividing
 each step by the slowdown processor sharing gives its load was tried and
 dropped: on 2 cores, in one run, a process taking a core slowed 4 ranks
 about 1.9x over the first steps, where processor sharing gives 1.25x (ranks
@@ -28,10 +29,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hydraulis.cost.conditions import Conditions, CpuMeter, cpu_cores, disturbed, warning
+from hydraulis.cost.conditions import Conditions, CpuMeter, cpu_cores, warning
 from hydraulis.cost.refit import REFIT_STEPS, OnlineRefit, Refit, refit_profile
 from hydraulis.files import write_json_atomic
-from hydraulis.store import profile_cache
 from hydraulis.training.auto_profile import REFIT_PROFILE
 
 if TYPE_CHECKING:
@@ -114,7 +114,8 @@ class RunFidelity:
             self.log(line)
 
     def _keep(self, step: int) -> str:
-        """Write the refit profile beside the run, and into the cache for auto if the machine was quiet."""
+        """Write the refit profile beside the run, with the load of the steps it saw. Never into the shared
+        cache: a run's refit follows its own conditions, and a later run starts from the measured profile."""
         data = self.job.cost.profile_data
         if data is None:
             return " (an analytic model: no profile file to keep it in)"
@@ -123,10 +124,4 @@ class RunFidelity:
         refit = refit_profile(data, self.refit.scales, self.job.out, step, replace(self.run, foreign_cores=load))
         path = Path(self.job.out) / REFIT_PROFILE
         write_json_atomic(path, refit)
-        if self.job.profile_cache is None:
-            return f"; kept in {path}"
-        if disturbed(load, self.run.cores):  # this run's planner follows the load; later runs should not
-            return f"; kept in {path}, not in the cache (other processes took {load:.2f} cores meanwhile)"
-        cached = profile_cache.refit_path(Path(self.job.profile_cache))
-        profile_cache.store(cached, refit)
-        return f"; kept in {path} and {cached}"
+        return f"; kept in {path}"

@@ -212,13 +212,17 @@ def report_title(job: Job) -> str:
 
 def comparison_lines(c: dict[str, Any]) -> str:
     """The headline: measured speedup over the best homogeneous deployment beside the predicted one."""
-    tps = {name: c["tokens"] / statistics.median(s) for name, s in c["measured_s"].items()}
-    rows = [f"measured here, the same {c['tokens']:,} tokens, {c['repeats']} interleaved repeats (tokens/s, median):"]
+    tps = {name: c["tokens"] / s for name, s in c["median_s"].items()}
+    rows = [f"measured here, the same {c['tokens']:,} tokens, {c['repeats']} repeats interleaved batch by batch "
+            "(tokens/s; per batch the median over the repeats):"]
     rows += [f"  {name:<32} {v:>9,.0f}" for name, v in tps.items()]
+    spread = c["measured_speedup_per_repeat"]
     rows.append(
-        f"  planned / best homogeneous ({c['best_homogeneous']}): {c['measured_speedup']:.2f}x measured, "
-        f"{c['predicted_speedup']:.2f}x predicted"
+        f"  planned / best homogeneous ({c['best_homogeneous']}): {c['measured_speedup']:.2f}x measured "
+        f"({min(spread):.2f}-{max(spread):.2f}x over the repeats), {c['predicted_speedup']:.2f}x predicted"
     )
+    if "cpu_speedup" in c:  # the work, which other processes' load does not stretch (runtime/compare.py)
+        rows.append(f"  CPU time of the ranks, planned / best homogeneous: {c['cpu_speedup']:.2f}x")
     return "\n".join(rows)
 
 
