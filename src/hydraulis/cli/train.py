@@ -30,10 +30,11 @@ def train(
     """Train; under torchrun every process is one rank, without it --nproc local gloo ranks are spawned."""
     from hydraulis.errors import HydraulisError
     from hydraulis.processes import rank_server
-    from hydraulis.progress import say
+    from hydraulis.progress import keep_going, say, transcribe
     from hydraulis.training.config import load_config, start_notes
     from hydraulis.training.job import prepare, torchrun_world
 
+    keep_going()  # a closed terminal or pipe (`| tee` killed by Ctrl-C, `| head`) must not stop the run
     if steps is not None and steps < 1:
         raise HydraulisError(f"--steps must be positive, got {steps}")
     if change_schedule and not resume:
@@ -42,6 +43,7 @@ def train(
         load_config(config), nproc, out, steps, resume, max_restarts, stop_at=stop_at, change_schedule=change_schedule
     )
     if torchrun_world() is None or os.environ.get("RANK") == "0":  # where a default matters: one line each
+        transcribe(job.transcript)  # the lines said so far, and every later one
         for line in start_notes(job.config, job.steps):
             say(line)
     if job.world > 1 and torchrun_world() is None:

@@ -69,6 +69,14 @@ class Job:
     def checkpoints(self) -> Path:
         return Path(self.out) / "checkpoints"
 
+    @property
+    def transcript(self) -> Path:
+        """The run's log: every line the launcher and rank 0 print, whether or not a terminal shows them."""
+        return Path(self.out) / TRANSCRIPT
+
+
+TRANSCRIPT = "train.log"  # Job.transcript
+
 
 def torchrun_world() -> int | None:
     """The world size torchrun gives this process, or None when it runs alone."""
@@ -357,8 +365,8 @@ def _check_out(run_dir: Path, config: RunConfig, resume: bool) -> None:
         if run_dir.is_dir() and (run_dir / "config.toml").is_file():
             return
         raise HydraulisError(f"{run_dir}: holds no run to resume (no config.toml); drop --resume or fix --out")
-    # A directory holding only an auto profile (a run that failed to start) is run into again.
-    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} - {AUTO_PROFILE}:
+    # A directory holding only an auto profile and the log (a run that failed to start) is run into again.
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} - {AUTO_PROFILE, TRANSCRIPT}:
         previous = run_dir / "config.toml"
         if previous.is_file() and previous.read_text(encoding="utf-8") == config.to_toml():
             raise HydraulisError(f"{run_dir}: already holds this run; add --resume to continue it or choose --out")
