@@ -23,6 +23,10 @@ def train(
     change_schedule: bool = typer.Option(
         False, "--change-schedule", help="With --resume: accept another LR schedule than the checkpoint's."
     ),
+    change_config: bool = typer.Option(
+        False, "--change-config",
+        help="With --resume: accept a config whose [data], [model], [parallel] or [optim] differs from the run's.",
+    ),
     max_restarts: int = typer.Option(
         0, "--max-restarts", help="Local runs: after a rank fails, restart this often from the last checkpoint."
     ),
@@ -37,10 +41,15 @@ def train(
     keep_going()  # a closed terminal or pipe (`| tee` killed by Ctrl-C, `| head`) must not stop the run
     if steps is not None and steps < 1:
         raise HydraulisError(f"--steps must be positive, got {steps}")
+    if max_restarts < 0:
+        raise HydraulisError(f"--max-restarts must be non-negative, got {max_restarts}")
     if change_schedule and not resume:
         raise HydraulisError("--change-schedule needs --resume: a new run has no schedule to change")
+    if change_config and not resume:
+        raise HydraulisError("--change-config needs --resume: a new run has no config to change")
     job = prepare(
-        load_config(config), nproc, out, steps, resume, max_restarts, stop_at=stop_at, change_schedule=change_schedule
+        load_config(config), nproc, out, steps, resume, max_restarts, stop_at=stop_at,
+        change_schedule=change_schedule, change_config=change_config,
     )
     if torchrun_world() is None or os.environ.get("RANK") == "0":  # where a default matters: one line each
         transcribe(job.transcript)  # the lines said so far, and every later one

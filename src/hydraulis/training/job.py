@@ -26,7 +26,7 @@ from hydraulis.processes import interrupt
 from hydraulis.progress import say
 from hydraulis.specs import ClusterSpec, ModelSpec
 from hydraulis.store.checkpoints import Log, sweep_temporary
-from hydraulis.store.resume import check_stop_at, resume_point
+from hydraulis.store.resume import check_config_change, check_stop_at, resume_point
 from hydraulis.training.auto_profile import AUTO_PROFILE, REFIT_PROFILE
 from hydraulis.training.config import RunConfig
 from hydraulis.training.evaluation import EvalSet, eval_set, run_sampler
@@ -95,10 +95,10 @@ def prepare(
     log: Log = say,
     stop_at: int | None = None,
     change_schedule: bool = False,
+    change_config: bool = False,
 ) -> Job:
-    """A checked job; raises HydraulisError (one line) on any bad input, having written nothing."""
-    if max_restarts < 0:
-        raise HydraulisError(f"--max-restarts must be non-negative, got {max_restarts}")
+    """A checked job (`max_restarts` >= 0: the command checks it); raises HydraulisError (one line) on any bad
+    input, having written nothing."""
     config, run_dir, steps = _resolved(config, out, steps)
     # torchrun restarts every worker with the same arguments after a failure: continue, don't start over.
     resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
@@ -111,7 +111,7 @@ def prepare(
     env_world = torchrun_world()
     resume_from = None
     if env_world is None or int(os.environ["RANK"]) == 0:  # under torchrun rank 0 writes the run directory
-        resume_from = _check_run_dir(run_dir, config, resume, steps, stop_at, change_schedule, log)
+        resume_from = _check_run_dir(run_dir, config, resume, steps, stop_at, log, (change_schedule, change_config))
     check_stop_at(stop_at, steps, 0)
     world = _world(nproc, env_world, setting.gpus())
     gpn = config.parallel.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -190,15 +190,17 @@ def _resolved(config: RunConfig, out: str | None, steps: int | None) -> tuple[Ru
 
 
 def _check_run_dir(
-    run_dir: Path, config: RunConfig, resume: bool, steps: int, stop_at: int | None, change_schedule: bool, log: Log
+    run_dir: Path, config: RunConfig, resume: bool, steps: int, stop_at: int | None, log: Log,
+    changes: tuple[bool, bool] = (False, False),
 ) -> str | None:
     """The run directory checked; on resume, the checkpoint to resume from. Damaged checkpoints are skipped
-    (one line); none verifying is refused here, before any rank."""
+    (one line); none verifying is refused here, before any rank. `changes`: --change-schedule, --change-config."""
     _check_out(run_dir, config, resume)
     if not resume:
         return None
+    check_config_change(run_dir, config.to_toml(), changes[1], log)
     schedule = config.optim.settings().lr_schedule_state(steps)
-    point = resume_point(run_dir / "checkpoints", schedule, change_schedule, log)
+    point = resume_point(run_dir / "checkpoints", schedule, changes[0], log)
     check_stop_at(stop_at, steps, point.step)
     return point.checkpoint
 
