@@ -181,6 +181,12 @@ def bench(
         write_json_atomic(outputs.stage(out / "bench.json"), report)
         bench_plot(report, outputs.stage(out / "bench.png"))
     console.print(bench_table(report))
-    for line in summary_lines(report):
+    every = get_scenarios(None, None)
+    judged = {s.name for s in chosen} == {s.name for s in every} and set(policies) == set(POLICIES)
+    for line in summary_lines(report, judged):
         console.print(line)
+    if not judged:  # the project's targets are for its whole set: a subset is not judged against them
+        console.print(f"the project's targets (docs/results.md) are for all {len(every)} scenarios and "
+                      f"{len(POLICIES)} policies; this run has {len(chosen)} and {len(set(policies))}, so it is not "
+                      "judged against them")
     console.print(f"wrote {out / 'bench.json'} and {out / 'bench.png'} ({report['wall_s']:.0f} s)")

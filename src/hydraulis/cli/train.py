@@ -35,7 +35,7 @@ def train(
     from hydraulis.errors import HydraulisError
     from hydraulis.processes import rank_server
     from hydraulis.progress import keep_going, say, transcribe
-    from hydraulis.training.config import load_config, start_notes
+    from hydraulis.training.config import load_config, naming_file, start_notes
     from hydraulis.training.job import prepare, torchrun_world
 
     keep_going()  # a closed terminal or pipe (`| tee` killed by Ctrl-C, `| head`) must not stop the run
@@ -47,10 +47,13 @@ def train(
         raise HydraulisError("--change-schedule needs --resume: a new run has no schedule to change")
     if change_config and not resume:
         raise HydraulisError("--change-config needs --resume: a new run has no config to change")
-    job = prepare(
-        load_config(config), nproc, out, steps, resume, max_restarts, stop_at=stop_at,
-        change_schedule=change_schedule, change_config=change_config,
-    )
+    try:
+        job = prepare(
+            load_config(config), nproc, out, steps, resume, max_restarts, stop_at=stop_at,
+            change_schedule=change_schedule, change_config=change_config,
+        )
+    except HydraulisError as exc:
+        raise HydraulisError(naming_file(str(exc), config)) from None
     if torchrun_world() is None or os.environ.get("RANK") == "0":  # where a default matters: one line each
         transcribe(job.transcript)  # the lines said so far, and every later one
         for line in start_notes(job.config, job.steps):

@@ -18,7 +18,7 @@ from pathlib import Path
 from hydraulis.cost import CostModel
 from hydraulis.data.indexed import IndexedCorpus, check_targets_left, overlong
 from hydraulis.data.sampler import Overlong, TokenBudgetSampler
-from hydraulis.errors import HydraulisError, OverlongError
+from hydraulis.errors import CrowdedError, HydraulisError, OverlongError
 from hydraulis.files import write_json_atomic
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.pool import PoolSetting, check_job_pool, parse_pool
@@ -186,7 +186,9 @@ def _resolved(config: RunConfig, out: str | None, steps: int | None) -> tuple[Ru
     run_dir = Path(out or config.train.out)
     steps = steps if steps is not None else config.train.steps
     config = config.model_copy(update={"train": config.train.model_copy(update={"out": str(run_dir), "steps": steps})})
-    return config.with_absolute_paths(), run_dir, steps
+    config = config.with_absolute_paths()
+    _check_corpus_names(config)  # every one, before any is built
+    return config, run_dir, steps
 
 
 def _check_run_dir(
@@ -225,6 +227,15 @@ def _world(nproc: int | None, env_world: int | None, pool_gpus: int | None) -> i
             f"run {pool_gpus} ranks (--nproc {pool_gpus}) or give a pool for {world}"
         )
     return world
+
+
+def _check_corpus_names(config: RunConfig) -> None:
+    from hydraulis.data.builtin import check_corpus_name
+
+    for name in config.data.corpora:
+        check_corpus_name(name, "data.corpus")
+    if config.eval.enabled and config.eval.corpus is not None:
+        check_corpus_name(config.eval.corpus, "eval.corpus")
 
 
 def _corpus(name: str, key: str, tokenizer: str, token_ids: str, log: Log) -> IndexedCorpus:
@@ -340,6 +351,19 @@ def check_tokenizer(tokenizer: str, spec: ModelSpec, init_from: str | None) -> s
 CONFIG_OVERLONG = "a lower [data] max_len ([data] overlong cuts longer documents)"
 
 
+def crowded_ways(config: RunConfig) -> tuple[str, ...]:
+    """The config's ways out of a CrowdedError, none of them what it already says."""
+    data, parallel = config.data, config.parallel
+    ways = [f"a lower data.max_len (now {data.max_len})",
+            f"a lower data.tokens_per_batch (now {data.tokens_per_batch}: fewer long sequences share a batch)",
+            "more ranks (--nproc)"]
+    if parallel.recompute is not True:
+        ways.append("parallel.recompute = true")
+    if parallel.memory_per_rank is not None:
+        ways.append(f"a larger parallel.memory_per_rank (now {parallel.memory_per_rank})")
+    return tuple(ways)
+
+
 def _propose(
     cost: CostModel, cluster: ClusterSpec, sampler: TokenBudgetSampler, config: RunConfig
 ) -> tuple[Deployment, ...]:
@@ -357,6 +381,8 @@ def _propose(
         )
     except OverlongError as exc:  # the planner's message names `plan`'s flags; the job words it in config keys
         raise HydraulisError(exc.worded(CONFIG_OVERLONG, "[parallel] profile = {}")) from None
+    except CrowdedError as exc:
+        raise HydraulisError(exc.worded(crowded_ways(config))) from None
     return tuple(proposal.pool.deployments)
 
 
