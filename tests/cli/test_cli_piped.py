@@ -66,6 +66,28 @@ def test_propose_and_plan_are_unwrapped(cli, tmp_path, workload):
     res = cli("plan", "-n", "16", "-w", str(workload), "--pool", str(pool), "-o", str(plan), env=NARROW)
     lines = _unwrapped(res, f"-> {plan}")
     assert len(_table_rows(lines)) == 2  # one row per batch
+    planned = json.loads(plan.read_text())["iterations"]
+    tokens = sum(sum(it["lengths"]) for it in planned)
+    assert f"total: 2 iteration(s), {tokens:,} tokens in " in lines[-1], lines  # the totals, from the plan file
+    png = tmp_path / "t.png"
+    res = cli("simulate", "--plan", str(plan), "--timeline", str(png), env=NARROW)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert f"total: 2 iteration(s), {tokens:,} tokens in " in lines[-2], lines
+    assert lines[-1].startswith(f"wrote {png} ") and png.read_bytes()[:4] == b"\x89PNG"  # the file it announces
+
+
+def test_the_proposal_table_says_what_its_shares_and_blanks_mean():
+    """A phased pool's shares add up to more than 100%, a deployment may run no sample batch, and one that only
+    runs phases has no whole-batch time: each is said in a line under the table."""
+    from hydraulis.cli.propose import _table_notes
+
+    rows = [{"usage": 0.75, "mean_time_s": 1.9}, {"usage": 0.5, "mean_time_s": None},
+            {"usage": 0.0, "mean_time_s": 2.1}]
+    notes = _table_notes(rows, 8)
+    assert notes[0].startswith("batches on it: the share of the 8 sample batches") and "add up to 125%" in notes[0]
+    assert notes[1].startswith("#2: no sample batch ran on it") and notes[2].startswith("phases only:")
+    assert _table_notes([{"usage": 0.6, "mean_time_s": 1.0}, {"usage": 0.4, "mean_time_s": 1.1}], 8) == []
 
 
 @pytest.mark.parametrize("args", [(), ("plan",), ("data", "build")])

@@ -92,6 +92,12 @@ def load_job(
     return cost, cluster, load_workload(workload, tokens_per_batch, num_batches, seed)
 
 
+def totals_line(iterations: int, tokens: int, seconds: float, how: str) -> str:
+    """The last line of `plan` and `simulate`: the iterations' tokens and time (`how`: predicted, simulated)."""
+    rate = tokens / seconds if seconds > 0 else 0.0
+    return f"total: {iterations} iteration(s), {tokens:,} tokens in {seconds:.3f} s {how}, {rate:,.0f} tokens/s"
+
+
 def fail(message: str) -> NoReturn:
     """One line on stderr, exit code 2: the contract for bad input."""
     say(f"error: {' '.join(message.split())}", sys.stderr)  # in a run's transcript too

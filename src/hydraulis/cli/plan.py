@@ -23,6 +23,7 @@ from hydraulis.cli.common import (
     gpus_option,
     load_job,
     table,
+    totals_line,
 )
 from hydraulis.errors import HydraulisError
 
@@ -104,6 +105,8 @@ def plan(
     ]
     columns = ["step", "deployment(s)", "tokens", "seqs", "time s", "tokens/s", "plan ms"]
     console.print(table(f"{policy} plan for {work.name} on {gpus} GPUs ({cost.name}) -> {out}", columns, rows))
+    console.print(totals_line(len(plans), sum(p.num_tokens for p in plans), sum(p.iteration_time_s for p in plans),
+                              "predicted") + f"; planning {sum(p.planning_time_s for p in plans) * 1e3:.1f} ms")
     if proposes:
         console.print(f"proposed pool (`hydraulis propose` saves one): {'; '.join(str(d) for d in ctx.pool)}")
 
