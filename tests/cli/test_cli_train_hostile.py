@@ -287,8 +287,9 @@ def test_sigterm_while_profiling_says_what_it_leaves(after, base, tmp_path, monk
         return
     assert len(profiles) == 1 and f"kept the measured profile in {profiles[0]}" in lines[0], (profiles, lines)
     kept_in_out = f"{out / 'profile.json'} (a run into the same --out uses it)"
-    if out.exists():  # the job had copied it into --out too
-        assert sorted(p.name for p in out.iterdir()) == ["profile.json"] and kept_in_out in lines[0], lines
+    if out.exists():  # the job had copied it into --out too, and begun the run's log there
+        assert sorted(p.name for p in out.iterdir()) == ["profile.json", "train.log"], lines
+        assert kept_in_out in lines[0] and f"{out / 'train.log'} (the run's log)" in lines[0], lines
     else:
         assert str(out) not in lines[0], lines
 

@@ -33,7 +33,7 @@ def train(
 ) -> None:
     """Train; under torchrun every process is one rank, without it --nproc local gloo ranks are spawned."""
     from hydraulis.errors import HydraulisError
-    from hydraulis.processes import rank_server
+    from hydraulis.processes import interrupt, rank_server
     from hydraulis.progress import keep_going, say, transcribe
     from hydraulis.training.config import load_config, naming_file, start_notes
     from hydraulis.training.job import prepare, torchrun_world
@@ -56,6 +56,7 @@ def train(
         raise HydraulisError(naming_file(str(exc), config)) from None
     if torchrun_world() is None or os.environ.get("RANK") == "0":  # where a default matters: one line each
         transcribe(job.transcript)  # the lines said so far, and every later one
+        interrupt.keep(f"{job.transcript} (the run's log)")
         for line in start_notes(job.config, job.steps):
             say(line)
     if job.world > 1 and torchrun_world() is None:

@@ -61,7 +61,6 @@ def resume_point(
 
 
 DECIDING = ("data", "model", "parallel", "optim")  # the config sections that decide a run's batches and plans
-UNCHANGEABLE = ("data.corpus",)  # a checkpoint's sampler position means nothing in another corpus
 SCHEDULE_KEYS = ("lr", "warmup", "schedule", "min_lr_ratio")  # [optim] keys the LR schedule's check covers
 
 
@@ -91,12 +90,6 @@ def check_config_change(run_dir: Path, config_toml: str, change_config: bool, lo
         raise HydraulisError(
             f"{run_dir}: resuming would change {', '.join(deciding)}: a resume trains the batches and plans of the "
             "run it continues (its config.toml); put them back in --config, or add --change-config to mean it"
-        )
-    if any(change.startswith(f"{key} (") for change in deciding for key in UNCHANGEABLE):
-        raise HydraulisError(
-            f"{run_dir}: data.corpus cannot change on a resume, even with --change-config: a checkpoint's place in "
-            f"the data is a position in its own corpus; to go on from its weights on another corpus, `hydraulis "
-            f"export --checkpoint {run_dir} --out DIR`, then a new run with [model] init_from = DIR"
         )
     if deciding:
         log(f"--change-config: from the resumed step the run trains with {', '.join(deciding)}")

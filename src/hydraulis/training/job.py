@@ -59,6 +59,7 @@ class Job:
     evaluation: EvalSet | None = None  # [eval]: the held-out batches and their plans
     mixture: MixtureSpec | None = None  # [data] corpus as a list: its sources (corpus_path then names them all)
     sampler: TokenBudgetSampler | None = None  # the training sampler (prepare builds and checks it once), at its start
+    change_config: bool = False  # --change-config: a resume on another corpus starts the data at its beginning
 
     @property
     def end_step(self) -> int:
@@ -145,7 +146,7 @@ def prepare(
         tokenizer=tokenizer,
         out=str(run_dir),
         steps=steps,
-        resume=resume,
+        resume=resume, change_config=change_config,
         max_restarts=max_restarts,
         resume_from=resume_from,
         stop_at=stop_at,

@@ -89,7 +89,7 @@ def _train(job: Job, stop: StopRequest) -> dict[str, Any] | None:
         Saved.of(trainer), job.checkpoints, config.train.checkpoint_every, config.train.keep_checkpoints,
         job.end_step, log,
     )
-    resumed = checkpoints.resume(chosen=job.resume_from) if job.resume else None
+    resumed = checkpoints.resume(chosen=job.resume_from, new_corpus=job.change_config) if job.resume else None
     if resumed is not None:
         log(f"resuming at step {trainer.step_index}")
     else:  # a fresh start, also a resume (or a restart) before the first checkpoint: init_from included
