@@ -14,7 +14,19 @@ class HydraulisError(ValueError):
 
 class CrowdedError(HydraulisError):
     """Sequences the caps hold, but only each as its replica's lone micro-batch, and a batch has more of them
-    than any deployment has such replicas beside room for the rest (an overlong refusal, worded truly)."""
+    than any deployment has such replicas beside room for the rest (an overlong refusal, worded truly). The
+    message names the command line's ways out; the training job words them in its config keys (`worded`)."""
+
+    def __init__(self, length: int, config: str, lone_cap: int, gpus: int, replicas: int) -> None:
+        self.length, self.config, self.lone_cap, self.gpus, self.replicas = length, config, lone_cap, gpus, replicas
+        super().__init__(self.worded(("a workload of shorter sequences (hydraulis workload --max-len)",
+                                      "more GPUs (--gpus)", "a larger --memory-per-rank")))
+
+    def worded(self, ways: tuple[str, ...]) -> str:
+        either = ", ".join(ways[:-1]) + " or " + ways[-1] if len(ways) > 1 else ways[0]
+        return (f"a sequence of {self.length} tokens fits {self.config} only as a replica's lone micro-batch (lone "
+                f"cap {self.lone_cap}), and {self.gpus} GPUs hold {self.replicas} such replica(s), too few for a "
+                f"batch's long sequences beside the rest; use {either}")
 
 
 class OverlongError(HydraulisError):

@@ -301,7 +301,8 @@ def parse_deployment_configs(text: str) -> list[ParallelConfig]:
             config = None
         if match is None or config is None:
             raise HydraulisError(
-                f"cannot parse deployment item {item.strip()!r} in {text.strip()!r}{_unbalanced(item)}; "
+                f"cannot parse deployment item {item.strip()!r}"
+                + (f" in {text.strip()!r}" if item.strip() != text.strip() else "") + f"{_unbalanced(item)}; "
                 "write e.g. '1x(tp8,pp1) + 6x(tp2,pp2)'"
             )
         count = int(match.group(1) or 1)

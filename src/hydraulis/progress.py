@@ -4,14 +4,25 @@ A cluster job's stderr is usually a file, where a live bar shows nothing
 until it ends; there we print a line each tenth of the way (and at least once
 a minute), so a long profile is never silent. Output that is not a terminal
 (a pipe, a log file) is never wrapped: a line stays whole for grep and logs.
+
+A training run must outlive its terminal: `keep_going` makes a closed or
+broken terminal or pipe (`| tee` killed by the same Ctrl-C, `| head`, a closed
+window) silent instead of fatal, and `transcribe` copies the run's lines
+(`say`, `note`) into a file of its run directory, where they still arrive.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, TextIO
 
 LOG_EVERY_S = 60.0
@@ -21,8 +32,97 @@ Log = Callable[[str], None]  # what components report through, instead of printi
 
 
 def say(message: str, stream: TextIO | None = None) -> None:
-    """The run's log: one line on stdout (or `stream`), flushed at once (a cluster job's log may be a file)."""
+    """The run's log: one line on stdout (or `stream`), flushed at once (a cluster job's log may be a file),
+    and in the run's transcript when there is one."""
+    note(message)
     print(message, file=stream or sys.stdout, flush=True)
+
+
+_transcript: TextIO | None = None  # the run directory's log file (transcribe), or None
+_before: list[str] = []  # the lines said before there was one (a run's preparation), up to MAX_BEFORE
+MAX_BEFORE = 1000
+
+
+def transcribe(path: Path) -> None:
+    """From now on `say` and `note` also append their lines to `path` (the run directory's log), after the
+    ones said before (its preparation: a run directory is written only once its input is known good)."""
+    global _transcript
+    if _transcript is not None and not _transcript.closed:
+        if _transcript.name == str(path):
+            return
+        _transcript.close()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _transcript = open(path, "a", encoding="utf-8")  # noqa: SIM115 - open for the process's life
+    _transcript.write("".join(line + "\n" for line in _before))
+    _transcript.flush()
+    _before.clear()
+
+
+def note(message: str) -> None:
+    """One line into the transcript only: what the caller shows on the terminal by other means (rich)."""
+    if _transcript is not None and not _transcript.closed:
+        _transcript.write(message + "\n")
+        _transcript.flush()
+    elif len(_before) < MAX_BEFORE:
+        _before.append(message)
+
+
+class _Tolerant(io.TextIOBase):
+    """A standard stream whose terminal or pipe may go away: the first write that fails (EPIPE, EIO) turns
+    the stream's file descriptor into /dev/null, so this and every later write (print, rich, C++ warnings)
+    succeeds without showing anything, and the work goes on."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.gone = False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                self.stream.write(text)
+            except (OSError, ValueError):
+                self._lose()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                self._lose()
+
+    def _lose(self) -> None:
+        self.gone = True
+        with contextlib.suppress(OSError, ValueError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self.stream.fileno())
+            os.close(null)
+
+    def isatty(self) -> bool:
+        return not self.gone and self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self.stream.encoding
+
+    @property
+    def errors(self) -> str | None:  # type: ignore[override]
+        return self.stream.errors
+
+
+def keep_going() -> None:
+    """A closed or broken terminal or pipe no longer stops this process (idempotent): stdout and stderr
+    swallow its write errors, and SIGHUP (the terminal closed) is ignored. Training runs call it in the
+    launcher and in every rank: they share the terminal."""
+    if not isinstance(sys.stdout, _Tolerant):
+        sys.stdout = _Tolerant(sys.stdout)
+    if not isinstance(sys.stderr, _Tolerant):
+        sys.stderr = _Tolerant(sys.stderr)
+    if threading.current_thread() is threading.main_thread():  # where Python sets handlers
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
 def aside(message: str) -> None:

@@ -49,8 +49,9 @@ SUMMARY_TARGETS: dict[str, tuple[str, str, float | None]] = {
 }
 
 
-def summary_lines(report: dict) -> list[str]:
-    """The summary, each figure with its target and whether this run met it."""
+def summary_lines(report: dict, judged: bool = True) -> list[str]:
+    """The summary, each figure with its target and whether this run met it; not `judged` (a run of fewer
+    scenarios or policies than the project's targets are for), the figures alone."""
     s = report["summary"]
     lines = [
         f"hydraulis vs the best other policy on {name}: {b['speedup']:.3f}x ({b['policy']})"
@@ -60,7 +61,7 @@ def summary_lines(report: dict) -> list[str]:
         if key not in s:
             continue
         line = f"{label}: {fmt.format(s[key])}"
-        if target is not None:
+        if target is not None and judged:
             line += f" (target >= {fmt.format(target)}: {'met' if s[key] >= target else 'NOT met'})"
         lines.append(line)
     return lines

@@ -308,8 +308,9 @@ def test_resume_on_a_pool_without_tp_keeps_the_padding(trained, tmp_path, corpus
     sections = {"model": f'init_from = "{tmp / "hf-in"}"', "data": f'corpus = "{corpus}"\n{DATA}',
                 "parallel": 'pool = "2x(tp1,pp1)"\nprofile = "@cpu"', "train": "steps = 3"}  # fmt: skip
     config = write_config(tmp_path / "resume.toml", corpus, **sections)
-    # 3 steps where the run had 2: a longer schedule, which a resume takes only when asked
-    done = cli("train", "--config", str(config), "--nproc", "2", "--out", str(run), "--resume", "--change-schedule")
+    # 3 steps where the run had 2 (a longer schedule) on another pool: changes a resume takes only when asked
+    done = cli("train", "--config", str(config), "--nproc", "2", "--out", str(run), "--resume", "--change-schedule",
+               "--change-config")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert [r["step"] for r in step_rows(run)][-1] == 2
     manifest = json.loads((run / "checkpoints" / "step-000003" / "manifest.json").read_text())

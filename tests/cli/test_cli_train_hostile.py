@@ -115,7 +115,8 @@ def test_relative_paths_are_read_from_the_current_directory(key, base, tmp_path,
     elsewhere.mkdir()
     line = one_line(cli("train", "--config", str(config), "--nproc", "1", "--out", str(tmp_path / "o"), cwd=elsewhere))
     tried = elsewhere / ("models/tiny/config.json" if key == "init_from" else "data/docs")
-    assert line.startswith(f"error: {tried}: no such file"), line
+    given = f"{config}: data.corpus = 'data/docs': " if key == "corpus" else ""  # the key and file it came from
+    assert line.startswith(f"error: {given}{tried}: no such file"), line
     assert line.endswith("a relative path is read from the current directory"), line
 
 
@@ -156,12 +157,21 @@ def test_damaged_runs_are_refused_and_left_alone(case, base, tmp_path, cli):
     config = Path(shutil.copy(config, tmp_path / "run.toml"))
     if damage:
         damage(out)
+    meant = ()
     if change_config:
         change_config(config)
+        # without --change-config the config's comparison refuses first (naming model.*); with it, the checkpoint
+        line = one_line(cli("train", "--config", str(config), "--nproc", "1", "--out", str(out), "--resume"))
+        assert "would change model." in line and "--change-config" in line, line
+        meant = ("--change-config",)
     before = snapshot(out)
-    line = one_line(cli("train", "--config", str(config), "--nproc", "1", "--out", str(out), "--resume"))
+    line = one_line(cli("train", "--config", str(config), "--nproc", "1", "--out", str(out), "--resume", *meant))
     assert expected in line, line
-    assert snapshot(out) == before
+    after = snapshot(out)
+    if meant:  # refused by a rank, once the run had started: its log (train.log) says why, nothing else changed
+        assert (out / "train.log").read_text().splitlines()[-1] == line
+        before.pop("train.log"), after.pop("train.log")
+    assert after == before
 
 
 def test_a_damaged_newest_manifest_falls_back(base, tmp_path, cli):
@@ -187,6 +197,22 @@ def test_export_of_a_run_directory_takes_its_newest_complete_checkpoint(base, tm
     done = cli("export", "--checkpoint", str(damaged), "--out", str(tmp_path / "older"))
     assert done.returncode == 0 and f"exporting {damaged / 'checkpoints' / 'step-000001'}" in done.stdout, done
     assert snapshot(damaged) == before  # nothing swept or changed: an export only reads
+
+
+def test_export_of_a_run_without_a_checkpoint_yet_says_so_and_what_to_do(base, tmp_path, cli):
+    _, _, run = base
+    young = tmp_path / "young"
+    shutil.copytree(run, young)
+    shutil.rmtree(young / "checkpoints")
+    (young / "checkpoints").mkdir()
+    line = one_line(cli("export", "--checkpoint", str(young), "--out", str(tmp_path / "hf")))
+    assert line.startswith(f"error: {young}: the run has no checkpoint yet"), line
+    assert "checkpoint_every" in (young / "config.toml").read_text()  # the key it names is the run's
+    command = line.split("`")[1].split()  # the command it names, and its flags, exist
+    assert command[:2] == ["hydraulis", "train"] and Path(command[command.index("--config") + 1]).is_file()
+    flags = cli("train", "--help").stdout
+    assert all(f in flags for f in ("--config", "--out", "--resume", "--stop-at"))
+    assert not (tmp_path / "hf").exists()
 
 
 @pytest.mark.parametrize("glob", ["/etc/*", "../*", "**a"])
@@ -261,8 +287,9 @@ def test_sigterm_while_profiling_says_what_it_leaves(after, base, tmp_path, monk
         return
     assert len(profiles) == 1 and f"kept the measured profile in {profiles[0]}" in lines[0], (profiles, lines)
     kept_in_out = f"{out / 'profile.json'} (a run into the same --out uses it)"
-    if out.exists():  # the job had copied it into --out too
-        assert sorted(p.name for p in out.iterdir()) == ["profile.json"] and kept_in_out in lines[0], lines
+    if out.exists():  # the job had copied it into --out too, and begun the run's log there
+        assert sorted(p.name for p in out.iterdir()) == ["profile.json", "train.log"], lines
+        assert kept_in_out in lines[0] and f"{out / 'train.log'} (the run's log)" in lines[0], lines
     else:
         assert str(out) not in lines[0], lines
 

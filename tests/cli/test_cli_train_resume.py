@@ -103,7 +103,8 @@ def test_changing_the_schedule_on_resume_needs_the_flag_and_prints_both(runs, tm
 
 @pytest.mark.parametrize(("args", "message"), [(("--stop-at", "11"), "outside the schedule's 1..10"),
                                                (("--stop-at", "0"), "outside the schedule's 1..10"),
-                                               (("--change-schedule",), "needs --resume")])  # fmt: skip
+                                               (("--change-schedule",), "needs --resume"),
+                                               (("--change-config",), "needs --resume")])  # fmt: skip
 def test_bad_stop_at_or_schedule_flags_are_one_line(runs, tmp_path, cli, args, message):
     config = runs[0]
     result = cli("train", "--config", str(config), "--nproc", "2", "--out", str(tmp_path / "o"), *args)
@@ -123,3 +124,52 @@ def test_memory_a_step_did_not_measure_is_null_in_metrics_and_left_out_of_the_su
             assert r["memory_predicted_bytes"] > 0  # predicted every step
         summary = run_summary(run)
         assert summary["memory_peak_bytes"] == max(rows[0]["memory_peak_bytes"], rows[STOP]["memory_peak_bytes"])
+
+
+CHANGED = {  # each config key that decides the batches and plans, and a new value for it (section, old, new)
+    "data.tokens_per_batch": ("data", "tokens_per_batch = 384", "tokens_per_batch = 512"),
+    "data.max_len": ("data", "max_len = 128", "max_len = 96"),
+    "data.seed": ("data", "seed = 3", "seed = 4"),
+    "data.corpus": ("data", None, None),  # the run's is the default (python-stdlib); then the test's own
+    "parallel.pool": ("parallel", f'pool = "{TP1}; {TP2}"', f'pool = "{TP1}"'),
+}
+
+
+def test_a_resume_that_changes_the_batches_or_plans_is_refused_unless_meant(runs, tmp_path, cli):
+    config, _, split = runs
+    out = tmp_path / "out"
+    shutil.copytree(split, out)
+    shutil.rmtree(out / "checkpoints" / f"step-{STEPS:06d}")  # continue from step STOP
+    before = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    text, other = config.read_text(), make_corpus(tmp_path / "other-docs")
+    edits = {key: (old, new) for key, (_, old, new) in CHANGED.items() if old is not None}
+    edits["data.corpus"] = ('tokenizer = "bytes"', f'tokenizer = "bytes"\ncorpus = "{other}"')
+    for key, (old, new) in edits.items():
+        assert old in text, key
+        changed = tmp_path / f"{key}.toml"
+        changed.write_text(text.replace(old, new))
+        refused = cli("train", "--config", str(changed), "--nproc", "2", "--out", str(out), "--resume")
+        assert refused.returncode == 2, (key, refused.stdout)
+        line = refused.stderr.strip()
+        assert "\n" not in line and f"would change {key} (" in line and "--change-config" in line, line
+        assert line.count(" -> ") == 1, line  # that key only
+        assert "built into the cache" not in refused.stdout  # refused before the new corpus is built
+        assert {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == before
+    everything = text
+    for old, new in edits.values():
+        everything = everything.replace(old, new)
+    (tmp_path / "all.toml").write_text(everything)
+    meant = cli("train", "--config", str(tmp_path / "all.toml"), "--nproc", "2", "--out", str(out), "--resume",
+                "--change-config", "--stop-at", str(STOP + 1))  # fmt: skip
+    assert meant.returncode == 0, meant.stderr
+    said = next(line for line in meant.stdout.splitlines() if line.startswith("--change-config: "))
+    assert all(f"{key} (" in said for key in edits), said
+    # another corpus: the sampler's position meant nothing there, so the data starts at its beginning
+    assert "was saved on another corpus; the data starts at this corpus's beginning" in meant.stdout
+    recorded = (out / "config.toml").read_text()
+    assert "tokens_per_batch = 512" in recorded and "max_len = 96" in recorded and "seed = 4" in recorded
+    assert f'corpus = "{other}"' in recorded
+    rows, straight = step_rows(out), step_rows(runs[1])
+    assert [r["step"] for r in rows] == list(range(STOP + 1))
+    assert (rows[STOP]["epoch"], rows[STOP]["position"]) == (0, 0)
+    assert (straight[STOP]["epoch"], straight[STOP]["position"]) != (0, 0)  # where the old corpus had got to

@@ -76,7 +76,7 @@ def test_plan_with_inline_pool(cli, tmp_path):
 
 
 @pytest.mark.parametrize(("pool", "needle"), [
-    ("4x(tp4,pp1", "'4x(tp4,pp1' in '4x(tp4,pp1' (unbalanced parentheses)"),  # truncated
+    ("4x(tp4,pp1", "item '4x(tp4,pp1' (unbalanced parentheses)"),  # truncated, named once
     ("8x(tp2,pp1)); 4x(tp4,pp1)", "(unbalanced parentheses)"),
     ("8x(tp2,pp1) + 0x(tp1,pp1)", "replica count must be 1 to"),
     ("8x(tp2,pp1); 4x(tp4,pp1) banana", "'4x(tp4,pp1) banana'"),  # trailing garbage

@@ -12,7 +12,10 @@ import typer
 from hydraulis.errors import HydraulisError
 from hydraulis.limits import MAX_BATCHES, MAX_GPUS, MAX_SEED, MAX_TOKENS_PER_BATCH
 from hydraulis.progress import console as _console
-from hydraulis.progress import table  # noqa: F401 - the commands' tables
+from hydraulis.progress import (
+    say,
+    table,  # noqa: F401 - the commands' tables
+)
 
 if TYPE_CHECKING:
     from hydraulis.cost import CostModel
@@ -89,9 +92,15 @@ def load_job(
     return cost, cluster, load_workload(workload, tokens_per_batch, num_batches, seed)
 
 
+def totals_line(iterations: int, tokens: int, seconds: float, how: str) -> str:
+    """The last line of `plan` and `simulate`: the iterations' tokens and time (`how`: predicted, simulated)."""
+    rate = tokens / seconds if seconds > 0 else 0.0
+    return f"total: {iterations} iteration(s), {tokens:,} tokens in {seconds:.3f} s {how}, {rate:,.0f} tokens/s"
+
+
 def fail(message: str) -> NoReturn:
     """One line on stderr, exit code 2: the contract for bad input."""
-    print(f"error: {' '.join(message.split())}", file=sys.stderr)
+    say(f"error: {' '.join(message.split())}", sys.stderr)  # in a run's transcript too
     sys.exit(2)
 
 
@@ -120,10 +129,10 @@ def _serve(app: typer.Typer) -> NoReturn:
     try:
         code = app(prog_name="hydraulis", standalone_mode=False)
     except interrupt.Interrupted as exc:
-        print(f"interrupted ({exc}); {interrupt.left_behind()}", file=sys.stderr)
+        say(f"interrupted ({exc}); {interrupt.left_behind()}", sys.stderr)
         sys.exit(exc.exit_code)
     except typer.Abort:  # typer's own KeyboardInterrupt handling
-        print(f"interrupted (SIGINT); {interrupt.left_behind()}", file=sys.stderr)
+        say(f"interrupted (SIGINT); {interrupt.left_behind()}", sys.stderr)
         sys.exit(130)
     except typer.TyperException as exc:  # argument errors: one line, not a box
         ctx = getattr(exc, "ctx", None)
@@ -141,7 +150,7 @@ def _serve(app: typer.Typer) -> NoReturn:
     except MemoryError:
         fail("out of memory; use smaller batches, a smaller token budget or fewer sequences")
     if code == 130:  # typer turns a KeyboardInterrupt (a second Ctrl-C while ranks run) into 130, silently
-        print("interrupted (SIGINT); stopped at once", file=sys.stderr)
+        say("interrupted (SIGINT); stopped at once", sys.stderr)
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -8,7 +8,15 @@ from typing import TYPE_CHECKING
 import typer
 
 from hydraulis.cli.app import app
-from hydraulis.cli.common import DtypeOption, MemoryPerRankOption, ProfileOption, console, print_json, table
+from hydraulis.cli.common import (
+    DtypeOption,
+    MemoryPerRankOption,
+    ProfileOption,
+    console,
+    print_json,
+    table,
+    totals_line,
+)
 from hydraulis.errors import HydraulisError
 from hydraulis.limits import MAX_GPUS
 
@@ -125,6 +133,10 @@ def simulate(
         for r in results
     ]
     console.print(table(f"simulated {plan} with {cost.name}", columns, body))
+    tokens, seconds = sum(r["tokens"] for r in results), sum(r["iteration_time_s"] for r in results)
+    console.print(totals_line(len(results), tokens, seconds, "simulated"))
+    if timeline is not None:
+        console.print(f"wrote {timeline} (the 1F1B timelines of the first {min(4, len(results))} step(s))")
 
 
 def _simulated(it: Schedule, sims: list[SimResult], total: float) -> dict:

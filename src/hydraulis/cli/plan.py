@@ -23,6 +23,7 @@ from hydraulis.cli.common import (
     gpus_option,
     load_job,
     table,
+    totals_line,
 )
 from hydraulis.errors import HydraulisError
 
@@ -104,6 +105,8 @@ def plan(
     ]
     columns = ["step", "deployment(s)", "tokens", "seqs", "time s", "tokens/s", "plan ms"]
     console.print(table(f"{policy} plan for {work.name} on {gpus} GPUs ({cost.name}) -> {out}", columns, rows))
+    console.print(totals_line(len(plans), sum(p.num_tokens for p in plans), sum(p.iteration_time_s for p in plans),
+                              "predicted") + f"; planning {sum(p.planning_time_s for p in plans) * 1e3:.1f} ms")
     if proposes:
         console.print(f"proposed pool (`hydraulis propose` saves one): {'; '.join(str(d) for d in ctx.pool)}")
 
@@ -181,6 +184,12 @@ def bench(
         write_json_atomic(outputs.stage(out / "bench.json"), report)
         bench_plot(report, outputs.stage(out / "bench.png"))
     console.print(bench_table(report))
-    for line in summary_lines(report):
+    every = get_scenarios(None, None)
+    judged = {s.name for s in chosen} == {s.name for s in every} and set(policies) == set(POLICIES)
+    for line in summary_lines(report, judged):
         console.print(line)
+    if not judged:  # the project's targets are for its whole set: a subset is not judged against them
+        console.print(f"the project's targets (docs/results.md) are for all {len(every)} scenarios and "
+                      f"{len(POLICIES)} policies; this run has {len(chosen)} and {len(set(policies))}, so it is not "
+                      "judged against them")
     console.print(f"wrote {out / 'bench.json'} and {out / 'bench.png'} ({report['wall_s']:.0f} s)")

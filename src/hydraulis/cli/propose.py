@@ -65,24 +65,44 @@ def propose(
     if as_json:
         print_json(summary)
         return
+    rows = summary["deployments"]
     body = [
         [
             i,
-            r["deployment"],
+            r["deployment"] + (" (fallback)" if i == 0 else ""),
             r["largest_cap"],
             f"{r['usage']:.0%}",
-            f"{r['mean_time_s']:.3f}" if r["mean_time_s"] is not None else "-",
+            f"{r['mean_time_s']:.3f}" if r["mean_time_s"] is not None else "phases only",
         ]
-        for i, r in enumerate(summary["deployments"])
+        for i, r in enumerate(rows)
     ]
     title = f"{method} pool for {work.name} on {gpus} GPUs ({cost.name}) -> {out}"
-    console.print(table(title, ["#", "deployment", "largest cap", "chosen", "mean time s"], body))
+    columns = ["#", "deployment", "largest cap", "batches on it", "mean time s (whole batches)"]
+    console.print(table(title, columns, body))
+    for line in _table_notes(rows, summary["samples"]):
+        console.print(line)
     fallback_tps = summary["fallback_tokens_per_s"]
     console.print(
         f"{summary['samples']} sample batches, {summary['candidates']} candidates planned: "
         f"{result.throughput:,.0f} tokens/s with the pool vs {fallback_tps:,.0f} with the fallback alone "
         f"({result.throughput / fallback_tps:.2f}x), in {result.elapsed_s:.1f} s"
     )
+
+
+def _table_notes(rows: list[dict], samples: int) -> list[str]:
+    """What the table's columns mean where they would mislead: shares over 100% and rows of 0% or no time."""
+    notes = []
+    total = sum(r["usage"] for r in rows)
+    if total > 1.005:
+        notes.append(f"batches on it: the share of the {samples} sample batches each runs, whole or as one phase of "
+                     f"a phased step; a phased step runs on several, so the shares add up to {total:.0%}")
+    idle = [str(i) for i, r in enumerate(rows) if i > 0 and r["usage"] < 0.005]
+    if idle:
+        notes.append(f"#{', #'.join(idle)}: no sample batch ran on it in the final schedules (it was added while "
+                     "the pool was searched); the planner may still choose it for other batches")
+    if any(r["mean_time_s"] is None for r in rows):
+        notes.append("phases only: it holds no sample batch whole, so it has no whole-batch time; it runs phases")
+    return notes
 
 
 def _propose_with_progress(

@@ -23,25 +23,40 @@ def train(
     change_schedule: bool = typer.Option(
         False, "--change-schedule", help="With --resume: accept another LR schedule than the checkpoint's."
     ),
+    change_config: bool = typer.Option(
+        False, "--change-config",
+        help="With --resume: accept a config whose [data], [model], [parallel] or [optim] differs from the run's.",
+    ),
     max_restarts: int = typer.Option(
         0, "--max-restarts", help="Local runs: after a rank fails, restart this often from the last checkpoint."
     ),
 ) -> None:
     """Train; under torchrun every process is one rank, without it --nproc local gloo ranks are spawned."""
     from hydraulis.errors import HydraulisError
-    from hydraulis.processes import rank_server
-    from hydraulis.progress import say
-    from hydraulis.training.config import load_config, start_notes
+    from hydraulis.processes import interrupt, rank_server
+    from hydraulis.progress import keep_going, say, transcribe
+    from hydraulis.training.config import load_config, naming_file, start_notes
     from hydraulis.training.job import prepare, torchrun_world
 
+    keep_going()  # a closed terminal or pipe (`| tee` killed by Ctrl-C, `| head`) must not stop the run
     if steps is not None and steps < 1:
         raise HydraulisError(f"--steps must be positive, got {steps}")
+    if max_restarts < 0:
+        raise HydraulisError(f"--max-restarts must be non-negative, got {max_restarts}")
     if change_schedule and not resume:
         raise HydraulisError("--change-schedule needs --resume: a new run has no schedule to change")
-    job = prepare(
-        load_config(config), nproc, out, steps, resume, max_restarts, stop_at=stop_at, change_schedule=change_schedule
-    )
+    if change_config and not resume:
+        raise HydraulisError("--change-config needs --resume: a new run has no config to change")
+    try:
+        job = prepare(
+            load_config(config), nproc, out, steps, resume, max_restarts, stop_at=stop_at,
+            change_schedule=change_schedule, change_config=change_config,
+        )
+    except HydraulisError as exc:
+        raise HydraulisError(naming_file(str(exc), config)) from None
     if torchrun_world() is None or os.environ.get("RANK") == "0":  # where a default matters: one line each
+        transcribe(job.transcript)  # the lines said so far, and every later one
+        interrupt.keep(f"{job.transcript} (the run's log)")
         for line in start_notes(job.config, job.steps):
             say(line)
     if job.world > 1 and torchrun_world() is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 from hydraulis.cost.analytic import AnalyticCostModel
@@ -38,9 +39,19 @@ def load_cost_model(name: str) -> CostModel:
         return ProfiledCostModel.from_file(name)
     if "@" in name:
         model, _, device = name.partition("@")
-        return AnalyticCostModel(get_model(model), get_device(device))
-    raise HydraulisError(
-        f"unknown profile {name!r}: give a profile file, a preset ({', '.join(PRESETS)}) "
-        f"or MODEL@DEVICE for the analytic model, each optionally with {CP_SUFFIX} "
-        f"(models: {', '.join(MODELS)}; devices: {', '.join(DEVICES)})"
+        try:
+            return AnalyticCostModel(get_model(model), get_device(device))
+        except HydraulisError as exc:  # a preset mistyped reads as MODEL@DEVICE: name the presets too
+            raise HydraulisError(unknown_profile(name, str(exc))) from None
+    raise HydraulisError(unknown_profile(name))
+
+
+def unknown_profile(name: str, why: str = "") -> str:
+    """What a profile name that is none: the closest preset, then every kind of profile there is."""
+    close = difflib.get_close_matches(name, list(PRESETS), n=1)
+    return (
+        f"unknown profile {name!r}" + (f" ({why})" if why else "")
+        + (f"; the closest preset is {close[0]!r}" if close else "")
+        + f"; give a profile file, a preset ({', '.join(PRESETS)}) or MODEL@DEVICE for the analytic model, each "
+        f"optionally with {CP_SUFFIX} (models: {', '.join(MODELS)}; devices: {', '.join(DEVICES)})"
     )

@@ -187,15 +187,23 @@ def resolve_corpus(
     once: sources.py), or a built-in name (a path wins if both exist)."""
     from hydraulis.data.sources import ensure_source, is_buildable
 
+    check_corpus_name(spec)
     path = Path(spec)
-    if path.exists():
-        if is_buildable(path):
-            return ensure_source(path, tokenizer, progress, log) if log else ensure_source(path, tokenizer, progress)
-        return open_corpus(path)
-    if str(spec) in BUILTINS:
+    if not path.exists():
         return ensure_builtin(str(spec), tokenizer, progress)
+    if is_buildable(path):
+        return ensure_source(path, tokenizer, progress, log) if log else ensure_source(path, tokenizer, progress)
+    return open_corpus(path)
+
+
+def check_corpus_name(spec: str | Path, key: str | None = None) -> None:
+    """A corpus name that is neither a path that exists nor a built-in name is one line (naming the config
+    key it came from, `key`), before anything is built."""
+    if Path(spec).exists() or str(spec) in BUILTINS:
+        return
+    given = f"{key} = {str(spec)!r}: " if key else ""
     raise HydraulisError(
-        not_found(path, f"no such file or directory, and not a built-in corpus ({', '.join(BUILTINS)})")
+        given + not_found(spec, f"no such file or directory, and not a built-in corpus ({', '.join(BUILTINS)})")
     )
 
 

@@ -245,11 +245,7 @@ def fallback_config(
                if holds(g, N) >= max_length and has_room(cost, g, N, batches)]
     if not holding and (held := [g for g in replicable_configs(cost, cluster) if holds(g, N) >= max_length]):
         g = max(held, key=lambda g: (N // g.num_gpus, holds(g, N)))
-        raise CrowdedError(
-            f"a sequence of {max_length} tokens fits {g.name} only as a replica's lone micro-batch (lone cap "
-            f"{holds(g, N)}), and {N} GPUs hold {N // g.num_gpus} such replica(s), too few for a batch's long "
-            "sequences beside the rest; use --overlong split|truncate|drop, more GPUs or recompute"
-        )
+        raise CrowdedError(max_length, g.name, holds(g, N), N, N // g.num_gpus)
     if not holding:
         cap, name = largest_cap(cost, cluster, lone=lone)
         cp = None if any(g.cp > 1 for g in cost.configs) else cost.name
@@ -334,6 +330,9 @@ def parse_pool(text: str, cluster: ClusterSpec, where: str = "--pool") -> tuple[
     return tuple(Deployment.parse(t, cluster) for t in pool_items(text, where))
 
 
+CONFIG_POOL = "parallel.pool"  # the config key of a job's pool (PoolSetting)
+
+
 @dataclass(frozen=True)
 class PoolSetting:
     """A job's `[parallel] pool`, told apart once: "auto" (proposed from the job's data), a file, or inline."""
@@ -352,13 +351,13 @@ class PoolSetting:
     def gpus(self) -> int | None:
         """The GPUs each of its deployments uses, checked before any placement; None for auto (the job sizes it)."""
         if self.kind == "inline":
-            return inline_pool_world(self.text, "parallel.pool")
+            return inline_pool_world(self.text, CONFIG_POOL)
         return None if self.auto else load_pool(self.text).cluster.num_gpus
 
     def configs(self) -> tuple[ParallelConfig, ...]:
         """The configs its deployments use (none for auto, whose configs the proposal picks)."""
         if self.kind == "inline":
-            return tuple(c for t in pool_items(self.text, "parallel.pool") for c in parse_deployment_configs(t))
+            return tuple(c for t in pool_items(self.text, CONFIG_POOL) for c in parse_deployment_configs(t))
         return () if self.auto else tuple(r.config for d in load_pool(self.text).deployments for r in d.replicas)
 
 
@@ -370,6 +369,9 @@ def pool_items(text: str, where: str = "--pool") -> tuple[str, ...]:
         raise HydraulisError(
             f"{where}: {text!r} names no deployment; give deployments like '16x(tp2,pp1); 1x(tp8,pp1) + 12x(tp2,pp1)'"
         )
+    if where == CONFIG_POOL and "(" not in text and "x" not in text.lower():  # a word, not a deployment
+        raise HydraulisError(f"{where} = {text!r}: neither \"auto\", a pool file that exists, nor deployments; write "
+                             "\"auto\" (proposed from the data), a hydraulis.pool/1 file or '2x(tp1,pp1); 1x(tp2,pp1)'")
     for item in items:
         try:
             parse_deployment_configs(item)
@@ -378,7 +380,7 @@ def pool_items(text: str, where: str = "--pool") -> tuple[str, ...]:
     return items
 
 
-def inline_pool_world(text: str, where: str = "parallel.pool") -> int:
+def inline_pool_world(text: str, where: str = CONFIG_POOL) -> int:
     """The GPU count of an inline pool, checked before any placement: every deployment must use the same."""
     items = pool_items(text, where)
     sizes = [sum(c.num_gpus for c in parse_deployment_configs(t)) for t in items]

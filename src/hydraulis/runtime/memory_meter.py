@@ -5,11 +5,20 @@ torch keeps no allocator statistics, so the block runs under torch's
 profiler with memory profiling, which records every allocation and free of
 the CPU allocator; the running sum of those events gives the peak above
 what was allocated at entry. Neither reads a byte count from the model.
+
+Memory profiling makes torch's CPU allocator log a warning on stderr when a
+block allocated before the window is freed inside it (every step frees the
+last one's tensors): `_AllocatorNotice` takes exactly that line out of the
+window's stderr and passes every other one on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
+import sys
+import tempfile
 from types import TracebackType
 
 import torch
@@ -35,6 +44,7 @@ class PeakMeter:
         self._base = 0
         self._windows: dict[str, int] = {}
         self._active = False
+        self._notice: _AllocatorNotice | None = None
 
     def __enter__(self) -> PeakMeter:
         return self.start()
@@ -58,6 +68,7 @@ class PeakMeter:
             # The legacy (non-Kineto) profiler: it records the CPU allocator's events as Kineto does,
             # without Kineto's start/stop lines on stderr and its second of start-up.
             config = ProfilerConfig(ProfilerState.CPU, False, True, False, False, False, _ExperimentalConfig())
+            self._notice = _AllocatorNotice.start()
             _autograd._enable_profiler_legacy(config)
         return self
 
@@ -69,6 +80,9 @@ class PeakMeter:
             self.peak_bytes = max(0, torch.cuda.max_memory_allocated(self.device) - self._base)
             return
         threads = _autograd._disable_profiler_legacy()
+        if self._notice is not None:
+            self._notice.stop()
+            self._notice = None
         # Each thread's events are in order; a stable sort by time merges the threads and keeps that order.
         events = sorted(
             ((e.start_us(), e.kind(), e.name(), e.cpu_memory_usage(), i) for i, t in enumerate(threads) for e in t),
@@ -96,6 +110,45 @@ class PeakMeter:
 
     def window_peak(self, name: str) -> int:
         return self._windows.get(name, 0)
+
+
+class _AllocatorNotice:
+    """stderr (fd 2) into a file while the CPU memory profiler runs; then every line but the allocator's
+    "Memory block of unknown size was allocated before the profiling started" goes on to stderr.
+
+    That line says the profiler cannot see the freeing of a block it did not see allocated, which is the
+    meter's design (it measures the peak above the window's start), so nobody can act on it; torch logs it
+    for one such block in 1000 (a log counter), on every rank. torch has no switch for it alone."""
+
+    SAID = (b"CPUAllocator.cpp", b"Memory block of unknown size")
+
+    def __init__(self, file: tempfile.TemporaryFile, saved: int) -> None:  # type: ignore[valid-type]
+        self.file, self.saved = file, saved
+
+    @classmethod
+    def start(cls) -> _AllocatorNotice | None:
+        """None where stderr is no file descriptor to borrow (then the line shows, as it did)."""
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        try:
+            saved = os.dup(2)
+        except OSError:
+            return None
+        file = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop
+        os.dup2(file.fileno(), 2)
+        return cls(file, saved)
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        self.file.seek(0)
+        kept = b"".join(line for line in self.file if not all(s in line for s in self.SAID))
+        self.file.close()
+        if kept:
+            with contextlib.suppress(OSError):
+                os.write(2, kept)
 
 
 def live_tensor_bytes(device: torch.device | str = "cpu") -> int:

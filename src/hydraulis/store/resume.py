@@ -4,16 +4,19 @@ One rule picks the checkpoint (`checkpoints.latest_checkpoint`: the newest
 that verifies whole). The LR schedule is part of the run: `[train] steps` is
 its length, `--stop-at K` only ends this invocation early, and a resume whose
 schedule differs from the checkpoint's is refused unless `--change-schedule`
-asks for it (which prints both schedules).
+asks for it (which prints both schedules). So is a change of the config that
+decides the batches and plans (`DECIDING`), unless `--change-config` asks for it.
 """
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hydraulis.errors import HydraulisError
+from hydraulis.files import read_text
 from hydraulis.progress import Log, say
 from hydraulis.store.checkpoints import latest_checkpoint, read_manifest
 
@@ -55,6 +58,47 @@ def resume_point(
             )
         log(f"--change-schedule: the LR schedule changes {change}")
     return ResumePoint(str(found), info.step)
+
+
+DECIDING = ("data", "model", "parallel", "optim")  # the config sections that decide a run's batches and plans
+SCHEDULE_KEYS = ("lr", "warmup", "schedule", "min_lr_ratio")  # [optim] keys the LR schedule's check covers
+
+
+def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """What a resume would change of a run's recorded config (both as read from TOML: a key unset is absent):
+    `section.key (old -> new)` for the keys that decide the batches and plans, then for the others."""
+    deciding, others = [], []
+    for section in sorted(old.keys() | new.keys()):
+        was, now = old.get(section, {}), new.get(section, {})
+        for key in sorted(was.keys() | now.keys()):
+            if was.get(key) != now.get(key) and not (section == "optim" and key in SCHEDULE_KEYS):
+                change = f"{section}.{key} ({_shown(was.get(key))} -> {_shown(now.get(key))})"
+                (deciding if section in DECIDING else others).append(change)
+    return deciding, others
+
+
+def check_config_change(run_dir: Path, config_toml: str, change_config: bool, log: Log = say) -> None:
+    """Refuse a resume whose config (`config_toml`, resolved) changes what decides the batches and plans of the
+    run it continues (its config.toml), unless `change_config`; say what else config.toml will record anew."""
+    recorded = run_dir / "config.toml"
+    try:
+        old = tomllib.loads(read_text(recorded))
+    except tomllib.TOMLDecodeError as exc:
+        raise HydraulisError(f"{recorded}: not valid TOML ({exc}), so the run it records cannot be resumed") from None
+    deciding, others = config_changes(old, tomllib.loads(config_toml))
+    if deciding and not change_config:
+        raise HydraulisError(
+            f"{run_dir}: resuming would change {', '.join(deciding)}: a resume trains the batches and plans of the "
+            "run it continues (its config.toml); put them back in --config, or add --change-config to mean it"
+        )
+    if deciding:
+        log(f"--change-config: from the resumed step the run trains with {', '.join(deciding)}")
+    if others:
+        log(f"resuming with {', '.join(others)}; config.toml records the change")
+
+
+def _shown(value: Any) -> str:
+    return "unset" if value is None else repr(value)
 
 
 def check_stop_at(stop_at: int | None, steps: int, start: int) -> None:

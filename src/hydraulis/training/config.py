@@ -397,6 +397,12 @@ def parse_config(data: dict[str, Any], where: str = "config") -> RunConfig:
         raise HydraulisError(first_error(exc, where)) from None
 
 
+def naming_file(message: str, path: str | Path) -> str:
+    """A message that starts with a config key (`parallel.pool: ...`), with the config file named before it."""
+    section = message.split(".", 1)[0]
+    return f"{path}: {message}" if section in RunConfig.model_fields and "." in message else message
+
+
 def load_config(path: str | Path) -> RunConfig:
     path = Path(path)
     text = read_text(path, missing="no such config file")

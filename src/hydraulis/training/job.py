@@ -18,7 +18,7 @@ from pathlib import Path
 from hydraulis.cost import CostModel
 from hydraulis.data.indexed import IndexedCorpus, check_targets_left, overlong
 from hydraulis.data.sampler import Overlong, TokenBudgetSampler
-from hydraulis.errors import HydraulisError, OverlongError
+from hydraulis.errors import CrowdedError, HydraulisError, OverlongError
 from hydraulis.files import write_json_atomic
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.pool import PoolSetting, check_job_pool, parse_pool
@@ -26,7 +26,7 @@ from hydraulis.processes import interrupt
 from hydraulis.progress import say
 from hydraulis.specs import ClusterSpec, ModelSpec
 from hydraulis.store.checkpoints import Log, sweep_temporary
-from hydraulis.store.resume import check_stop_at, resume_point
+from hydraulis.store.resume import check_config_change, check_stop_at, resume_point
 from hydraulis.training.auto_profile import AUTO_PROFILE, REFIT_PROFILE, start_lines
 from hydraulis.training.config import RunConfig
 from hydraulis.training.evaluation import EvalSet, eval_set, run_sampler
@@ -58,6 +58,7 @@ class Job:
     evaluation: EvalSet | None = None  # [eval]: the held-out batches and their plans
     mixture: MixtureSpec | None = None  # [data] corpus as a list: its sources (corpus_path then names them all)
     sampler: TokenBudgetSampler | None = None  # the training sampler (prepare builds and checks it once), at its start
+    change_config: bool = False  # --change-config: a resume on another corpus starts the data at its beginning
 
     @property
     def end_step(self) -> int:
@@ -67,6 +68,14 @@ class Job:
     @property
     def checkpoints(self) -> Path:
         return Path(self.out) / "checkpoints"
+
+    @property
+    def transcript(self) -> Path:
+        """The run's log: every line the launcher and rank 0 print, whether or not a terminal shows them."""
+        return Path(self.out) / TRANSCRIPT
+
+
+TRANSCRIPT = "train.log"  # Job.transcript
 
 
 def torchrun_world() -> int | None:
@@ -86,10 +95,10 @@ def prepare(
     log: Log = say,
     stop_at: int | None = None,
     change_schedule: bool = False,
+    change_config: bool = False,
 ) -> Job:
-    """A checked job; raises HydraulisError (one line) on any bad input, having written nothing."""
-    if max_restarts < 0:
-        raise HydraulisError(f"--max-restarts must be non-negative, got {max_restarts}")
+    """A checked job (`max_restarts` >= 0: the command checks it); raises HydraulisError (one line) on any bad
+    input, having written nothing."""
     config, run_dir, steps = _resolved(config, out, steps)
     # torchrun restarts every worker with the same arguments after a failure: continue, don't start over.
     resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
@@ -102,7 +111,7 @@ def prepare(
     env_world = torchrun_world()
     resume_from = None
     if env_world is None or int(os.environ["RANK"]) == 0:  # under torchrun rank 0 writes the run directory
-        resume_from = _check_run_dir(run_dir, config, resume, steps, stop_at, change_schedule, log)
+        resume_from = _check_run_dir(run_dir, config, resume, steps, stop_at, log, (change_schedule, change_config))
     check_stop_at(stop_at, steps, 0)
     world = _world(nproc, env_world, setting.gpus())
     gpn = config.parallel.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -137,7 +146,7 @@ def prepare(
         tokenizer=tokenizer,
         out=str(run_dir),
         steps=steps,
-        resume=resume,
+        resume=resume, change_config=change_config,
         max_restarts=max_restarts,
         resume_from=resume_from,
         stop_at=stop_at,
@@ -177,19 +186,23 @@ def _resolved(config: RunConfig, out: str | None, steps: int | None) -> tuple[Ru
     run_dir = Path(out or config.train.out)
     steps = steps if steps is not None else config.train.steps
     config = config.model_copy(update={"train": config.train.model_copy(update={"out": str(run_dir), "steps": steps})})
-    return config.with_absolute_paths(), run_dir, steps
+    config = config.with_absolute_paths()
+    _check_corpus_names(config)  # every one, before any is built
+    return config, run_dir, steps
 
 
 def _check_run_dir(
-    run_dir: Path, config: RunConfig, resume: bool, steps: int, stop_at: int | None, change_schedule: bool, log: Log
+    run_dir: Path, config: RunConfig, resume: bool, steps: int, stop_at: int | None, log: Log,
+    changes: tuple[bool, bool] = (False, False),
 ) -> str | None:
     """The run directory checked; on resume, the checkpoint to resume from. Damaged checkpoints are skipped
-    (one line); none verifying is refused here, before any rank."""
+    (one line); none verifying is refused here, before any rank. `changes`: --change-schedule, --change-config."""
     _check_out(run_dir, config, resume)
     if not resume:
         return None
+    check_config_change(run_dir, config.to_toml(), changes[1], log)
     schedule = config.optim.settings().lr_schedule_state(steps)
-    point = resume_point(run_dir / "checkpoints", schedule, change_schedule, log)
+    point = resume_point(run_dir / "checkpoints", schedule, changes[0], log)
     check_stop_at(stop_at, steps, point.step)
     return point.checkpoint
 
@@ -214,6 +227,15 @@ def _world(nproc: int | None, env_world: int | None, pool_gpus: int | None) -> i
             f"run {pool_gpus} ranks (--nproc {pool_gpus}) or give a pool for {world}"
         )
     return world
+
+
+def _check_corpus_names(config: RunConfig) -> None:
+    from hydraulis.data.builtin import check_corpus_name
+
+    for name in config.data.corpora:
+        check_corpus_name(name, "data.corpus")
+    if config.eval.enabled and config.eval.corpus is not None:
+        check_corpus_name(config.eval.corpus, "eval.corpus")
 
 
 def _corpus(name: str, key: str, tokenizer: str, token_ids: str, log: Log) -> IndexedCorpus:
@@ -345,6 +367,19 @@ def check_tokenizer(tokenizer: str, spec: ModelSpec, init_from: str | None) -> s
 CONFIG_OVERLONG = "a lower [data] max_len ([data] overlong cuts longer documents)"
 
 
+def crowded_ways(config: RunConfig) -> tuple[str, ...]:
+    """The config's ways out of a CrowdedError, none of them what it already says."""
+    data, parallel = config.data, config.parallel
+    ways = [f"a lower data.max_len (now {data.max_len})",
+            f"a lower data.tokens_per_batch (now {data.tokens_per_batch}: fewer long sequences share a batch)",
+            "more ranks (--nproc)"]
+    if parallel.recompute is not True:
+        ways.append("parallel.recompute = true")
+    if parallel.memory_per_rank is not None:
+        ways.append(f"a larger parallel.memory_per_rank (now {parallel.memory_per_rank})")
+    return tuple(ways)
+
+
 def _propose(
     cost: CostModel, cluster: ClusterSpec, sampler: TokenBudgetSampler, config: RunConfig
 ) -> tuple[Deployment, ...]:
@@ -362,6 +397,8 @@ def _propose(
         )
     except OverlongError as exc:  # the planner's message names `plan`'s flags; the job words it in config keys
         raise HydraulisError(exc.worded(CONFIG_OVERLONG, "[parallel] profile = {}")) from None
+    except CrowdedError as exc:
+        raise HydraulisError(exc.worded(crowded_ways(config))) from None
     return tuple(proposal.pool.deployments)
 
 
@@ -372,8 +409,8 @@ def _check_out(run_dir: Path, config: RunConfig, resume: bool) -> None:
         if run_dir.is_dir() and (run_dir / "config.toml").is_file():
             return
         raise HydraulisError(f"{run_dir}: holds no run to resume (no config.toml); drop --resume or fix --out")
-    # A directory holding only an auto profile (a run that failed to start) is run into again.
-    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} - {AUTO_PROFILE}:
+    # A directory holding only an auto profile and the log (a run that failed to start) is run into again.
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} - {AUTO_PROFILE, TRANSCRIPT}:
         previous = run_dir / "config.toml"
         if previous.is_file() and previous.read_text(encoding="utf-8") == config.to_toml():
             raise HydraulisError(f"{run_dir}: already holds this run; add --resume to continue it or choose --out")

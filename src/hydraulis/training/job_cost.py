@@ -120,4 +120,8 @@ def job_cost_model(profile: str, spec: ModelSpec) -> CostModel:
         from hydraulis.specs import get_device
 
         return AnalyticCostModel(spec, get_device(profile[1:]))
-    return load_cost_model(profile)
+    try:
+        return load_cost_model(profile)
+    except HydraulisError as exc:  # the job's own key, so the command names the config file too
+        raise HydraulisError(f'parallel.profile: {exc}; or "auto" (this model measured here first) or @DEVICE '
+                             "(the analytic model of this model's shape)") from None

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hydraulis.data.indexed import IndexedCorpus, open_corpus
-from hydraulis.progress import say
+from hydraulis.progress import keep_going, say, transcribe
 from hydraulis.runtime.divergence import DivergenceGuard
 from hydraulis.runtime.evaluate import evaluate
 from hydraulis.runtime.launch import RankFailed, init_distributed, leave_distributed, spawn
@@ -69,6 +69,7 @@ def run_rank(job: Job) -> dict[str, Any] | None:
     rank half-way through writing its run directory.
     """
     stop = StopRequest()
+    keep_going()  # the ranks share the launcher's terminal: one that goes away must not stop them
     try:
         return _train(job, stop)
     finally:
@@ -82,11 +83,13 @@ def _train(job: Job, stop: StopRequest) -> dict[str, Any] | None:
     trainer = Trainer(settings, corpus, job.sampler, env)
     check_shared_run_dir(Path(job.out), env.rank, env.world_size, trainer.control)  # before any file is written
     log = say if env.rank == 0 else _silent
+    if env.rank == 0:
+        transcribe(job.transcript)
     checkpoints = CheckpointManager(
         Saved.of(trainer), job.checkpoints, config.train.checkpoint_every, config.train.keep_checkpoints,
         job.end_step, log,
     )
-    resumed = checkpoints.resume(chosen=job.resume_from) if job.resume else None
+    resumed = checkpoints.resume(chosen=job.resume_from, new_corpus=job.change_config) if job.resume else None
     if resumed is not None:
         log(f"resuming at step {trainer.step_index}")
     else:  # a fresh start, also a resume (or a restart) before the first checkpoint: init_from included

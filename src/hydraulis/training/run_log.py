@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from hydraulis.files import read_jsonl, write_json_atomic, write_text_atomic
 from hydraulis.planner.pool import Pool, save_pool
-from hydraulis.progress import console
+from hydraulis.progress import console, note
 from hydraulis.report import iteration_errors, training_plot
 from hydraulis.specs import ClusterSpec
 from hydraulis.training.job import Job
@@ -64,10 +64,15 @@ class RunLog:
         self.comparison: dict[str, Any] | None = None
         self.warned_budget = False  # one line per run for a peak over [parallel] memory_per_rank
         self.progress.start()
-        self.console.print(
+        self._print(
             f"training {job.spec.name} ({job.spec.num_params / 1e6:.2f}M parameters) on {job.world} rank(s); pool: "
             + "; ".join(str(d) for d in job.pool)
         )
+
+    def _print(self, text: str, **options: Any) -> None:
+        """A line on the terminal (above the progress bar) and in the run's transcript (progress.transcribe)."""
+        note(text)
+        self.console.print(text, **options)
 
     def step(self, m: StepMetrics, extra: dict[str, Any] | None = None) -> None:
         """One step's row; `extra` adds what rank 0 measured beside the trainer (run_fidelity.py: the load)."""
@@ -82,7 +87,7 @@ class RunLog:
         if m.memory_over_budget and not self.warned_budget:
             self.warned_budget = True
             MiB, budget = 2**20, self.job.config.parallel
-            self.console.print(  # one line per run; metrics.jsonl marks every step over it
+            self._print(  # one line per run; metrics.jsonl marks every step over it
                 f"warning: step {m.step}: a rank peaked at {m.memory_peak_bytes / MiB:.1f} MiB, over parallel."
                 f"memory_per_rank {budget.memory_per_rank} ({budget.budget_bytes() / MiB:.1f} MiB; predicted "
                 f"{m.memory_predicted_bytes / MiB:.1f} MiB)",
@@ -92,14 +97,14 @@ class RunLog:
         if m.step % self.job.config.train.log_every == 0 or m.step == self.job.steps - 1:
             measured = ", ".join(f"{t:.3f}" for t in m.replica_s)
             predicted = ", ".join(f"{t:.3f}" for t in m.replica_predicted_s)
-            self.console.print(
+            self._print(
                 f"step {m.step:>4}  loss {m.loss:6.3f}  {m.tokens_per_s:>7,.0f} tok/s  {m.deployment}"
                 f"  {m.iteration_s:.2f} s (predicted {m.predicted_s:.2f})" + ("  switched" if m.switched else ""),
                 highlight=False,
             )
-            self.console.print(f"      replicas measured [{measured}] s, predicted [{predicted}] s", highlight=False)
+            self._print(f"      replicas measured [{measured}] s, predicted [{predicted}] s", highlight=False)
         if "eval_loss" in row:  # [eval] ran after this step (loop.Evaluation)
-            self.console.print(
+            self._print(
                 f"eval after {m.step + 1} steps: loss {row['eval_loss']:.4f} (perplexity {row['eval_perplexity']:.2f})"
                 f" on {row['eval_tokens']:,} held-out tokens",
                 highlight=False,
@@ -164,7 +169,7 @@ class RunLog:
             training_plot(self.rows, self.out / "report.png", report_title(self.job),
                           self.job.config.parallel.budget_bytes())
         shares = ", ".join(f"{k}: {v:.0%}" for k, v in summary["deployment_share"].items())
-        self.console.print(
+        self._print(
             f"done: {summary['steps']} steps, loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}, "
             f"mean {summary['tokens_per_s']:,.0f} tokens/s; steps per deployment: {shares}; "
             f"{summary['switches']} switch(es) costing {summary['switch_s']:.3f} s; "
@@ -173,22 +178,23 @@ class RunLog:
         )
         if summary.get("eval"):
             e = summary["eval"]
-            self.console.print(
+            self._print(
                 f"eval: loss {e['loss_first']:.4f} -> {e['loss']:.4f} (perplexity {e['perplexity']:.2f}) "
                 f"in {e['evaluations']} evaluation(s) of {e['tokens']:,} held-out tokens",
                 highlight=False,
             )
         if kept is not None:
-            self.console.print(kept_line(kept, self.job.config.parallel.memory_per_rank), highlight=False)
+            self._print(kept_line(kept, self.job.config.parallel.memory_per_rank), highlight=False)
         if summary.get("sources"):
-            self.console.print("sources: " + "; ".join(
+            self._print("sources: " + "; ".join(
                 f"{n} {v['token_share']:.1%} of tokens (weight {v['weight']:.1%}), {v['target_share']:.1%} of targets"
                 for n, v in summary["sources"].items()), highlight=False, soft_wrap=True)  # fmt: skip
         if self.job.overlong is not None and self.job.overlong.records:
-            self.console.print(f"overlong: {self.job.overlong.describe()}", highlight=False)
+            self._print(f"overlong: {self.job.overlong.describe()}", highlight=False)
         if self.comparison is not None:
-            self.console.print(comparison_lines(self.comparison), highlight=False)
-        self.console.print(f"run directory: {self.out} (metrics.jsonl, report.png, tb/, config.toml, pool.json)")
+            self._print(comparison_lines(self.comparison), highlight=False)
+        self._print(f"run directory: {self.out} (metrics.jsonl, report.png, train.log, tb/, config.toml, "
+                    "pool.json)")
         return summary
 
 

@@ -297,14 +297,21 @@ def save_checkpoint(
 
 
 # -- load ----------------------------------------------------------------------------------------------
-def load_checkpoint(saved: Saved, path: str | Path, verify: bool = True, log: Log = aside) -> CheckpointInfo:
+def load_checkpoint(
+    saved: Saved, path: str | Path, verify: bool = True, log: Log = aside, new_corpus: bool = False
+) -> CheckpointInfo:
     """Put a checkpoint's state into the saved parts (every rank calls it), whatever world size saved it.
 
     Everything is checked first (with `verify`, every file's checksum, the
     files spread over the ranks); only then are the optimizer, the step, the
     sampler and the RNGs replaced. The next `step()` trains exactly the batch
-    an uninterrupted run would have trained next.
-    """
+    an uninterrupted run would have trained next; with `new_corpus` (--change-config), one saved on another
+    corpus goes on at this one's start (its sampler's position means nothing here)."""
+    fresh_data = saved.feed.state_dict()["sampler"]  # where this corpus starts (before anything is loaded)
+    def moved_from(info: CheckpointInfo) -> bool:  # saved on another corpus than this run's
+        ours = saved.corpus
+        return ours is not None and info.corpus_sha256 is not None and dict(ours.checksums) != info.corpus_sha256
+
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
@@ -315,16 +322,15 @@ def load_checkpoint(saved: Saved, path: str | Path, verify: bool = True, log: Lo
         check_files(info, hashes=False)
         check_files(info, [f"{OPTIM_DIR}/.metadata"])  # checked before DCP unpickles it
         check_compatible(info, saved.layout)
-        ours = saved.corpus
-        if ours is not None and info.corpus_sha256 is not None and dict(ours.checksums) != info.corpus_sha256:
+        if moved_from(info) and not new_corpus:
             raise HydraulisError(
                 f"{info.manifest_path}: saved while training on another corpus (its checksums differ from "
-                f"corpus {ours.name}'s manifest)"
+                f"corpus {saved.corpus.name}'s manifest)"
             )
         sampler = saved.feed.sampler
         previous = sampler.state
         try:
-            sampler.state = info.sampler  # the setter checks the position against the corpus
+            sampler.state = fresh_data if moved_from(info) else info.sampler  # the setter checks it
         except HydraulisError as exc:
             raise HydraulisError(f"{info.manifest_path}: {exc}") from None
         finally:
@@ -334,6 +340,10 @@ def load_checkpoint(saved: Saved, path: str | Path, verify: bool = True, log: Lo
         return info
 
     info = _agree(saved, check)
+    moved = moved_from(info)
+    if moved:
+        log(f"--change-config: {path} was saved on another corpus; the data starts at this corpus's beginning, "
+            f"the weights, optimizer and LR schedule continue at step {info.step}")
     current = saved.state_dict()
     fresh = {k: torch.zeros_like(current["optimizer"][k]) for k in OPTIM_KEYS}
 
@@ -353,14 +363,15 @@ def load_checkpoint(saved: Saved, path: str | Path, verify: bool = True, log: Lo
 
     _agree(saved, read)
     saved.load_state_dict(
-        {"step": info.step, "sampler": info.sampler, "missed": info.missed,
+        {"step": info.step, "sampler": fresh_data if moved else info.sampler, "missed": info.missed,
          "optimizer": {**fresh, "step": info.optimizer_step}}
     )
     return info
 
 
 def resume(
-    saved: Saved, path: str | Path, verify: bool = True, log: Log = aside, chosen: str | None = None
+    saved: Saved, path: str | Path, verify: bool = True, log: Log = aside, chosen: str | None = None,
+    new_corpus: bool = False,
 ) -> CheckpointInfo | None:
     """Load the checkpoint at `path` or the newest verifying one under it (every rank calls it).
 
@@ -379,7 +390,7 @@ def resume(
     picked = _gather(saved, _agree(saved, pick))[0]
     if picked is None:
         return None
-    return load_checkpoint(saved, picked, verify=verify and Path(picked) == Path(path), log=log)
+    return load_checkpoint(saved, picked, verify and Path(picked) == Path(path), log, new_corpus)
 
 
 # -- single-process reading (export) ------------------------------------------------------------------
@@ -422,9 +433,9 @@ class CheckpointManager:
     last_step: int
     log: Log = aside
 
-    def resume(self, verify: bool = True, chosen: str | None = None) -> CheckpointInfo | None:
+    def resume(self, verify: bool = True, chosen: str | None = None, new_corpus: bool = False) -> CheckpointInfo | None:
         """The newest verifying checkpoint (or `chosen`) into the parts (every rank calls it); None without one."""
-        return resume(self.states, self.directory, verify=verify, log=self.log, chosen=chosen)
+        return resume(self.states, self.directory, verify=verify, log=self.log, chosen=chosen, new_corpus=new_corpus)
 
     def due(self, step: int, stopping: bool = False) -> bool:
         return stopping or step == self.last_step or (self.every > 0 and step % self.every == 0)

@@ -41,7 +41,7 @@ from hydraulis.runtime.storage.export_files import (
 )
 from hydraulis.runtime.storage.hf import VOCAB_TENSORS, hf_config, hf_name, to_hf_state_dict
 from hydraulis.specs import ModelSpec
-from hydraulis.store.checkpoints import resolve_checkpoint
+from hydraulis.store.checkpoints import STEP_DIR, resolve_checkpoint
 
 if TYPE_CHECKING:
     from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
@@ -58,6 +58,21 @@ def unflatten(layout: ShardLayout, vector: torch.Tensor) -> dict[str, torch.Tens
 
 
 # -- export ----------------------------------------------------------------------------------------
+def _no_checkpoint(path: Path) -> Path:
+    """`path` when it is meant as a checkpoint itself (its load names what is missing); a run directory or
+    another directory without one is one line saying so and what to do."""
+    if STEP_DIR.fullmatch(path.name) or not path.is_dir():
+        return path
+    if (path / "config.toml").is_file() or (path / "checkpoints").is_dir():
+        raise HydraulisError(
+            f"{path}: the run has no checkpoint yet (a run saves one at its end, every [train] checkpoint_every "
+            "steps, at --stop-at K and on Ctrl-C); wait for one, or continue the run (`hydraulis train --config "
+            f"{path / 'config.toml'} --out {path} --resume`), then export"
+        )
+    raise HydraulisError(f"{path}: holds no checkpoint (step-NNNNNN/manifest.json) and is no run directory; "
+                         "give --checkpoint a run directory or one of its checkpoints/step-NNNNNN")
+
+
 def export_hf(
     checkpoint: str | Path,
     out: str | Path,
@@ -84,7 +99,7 @@ def export_hf(
         raise HydraulisError(f"{out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise HydraulisError(f"{out}: already exists (pass --force to replace it)")
-    chosen = resolve_checkpoint(checkpoint, log=log or aside, sweep=False) or Path(checkpoint)
+    chosen = resolve_checkpoint(checkpoint, log=log or aside, sweep=False) or _no_checkpoint(Path(checkpoint))
     if chosen != Path(checkpoint) and log is not None:
         log(f"exporting {chosen}, the newest complete checkpoint of {checkpoint}")
     info, master = load_master(chosen)
