@@ -175,7 +175,8 @@ def test_profile_auto_is_reused_when_it_matches_and_measured_again_otherwise(aut
     args = ("--nproc", "4", "--out", str(run), "--resume", "--steps", "4", "--change-schedule")
     resumed = cli("train", "--config", str(config), *args)
     assert resumed.returncode == 0, resumed.stderr
-    assert "profiled before" in resumed.stdout and "profiling tiny" not in resumed.stdout
+    assert "profile.json (this run directory's), measured" in resumed.stdout
+    assert "profiling tiny" not in resumed.stdout
     assert (run / "profile.json").read_bytes() == cached
     # A directory holding only a profile that lacks a config of the pool: measured again, then trained.
     again = tmp_path / "again"
