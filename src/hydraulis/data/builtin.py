@@ -31,10 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
-from hydraulis.data.indexed import IfExists, IndexedCorpus, build_corpus, open_corpus
+from hydraulis.data.build.corpus import IfExists, build_corpus
+from hydraulis.data.build.staging import cache_dir
+from hydraulis.data.indexed import IndexedCorpus, open_corpus
 from hydraulis.data.readers import ReadCounts, read_text_file
 from hydraulis.data.sampler import Policy
-from hydraulis.data.staging import cache_dir
 from hydraulis.data.tokenizer import get_tokenizer
 from hydraulis.errors import HydraulisError
 from hydraulis.files import not_found
@@ -151,8 +152,10 @@ def build_builtin(
     progress: bool = False,
     if_exists: IfExists = "error",
     overlong: tuple[int, Policy] | None = None,
+    workers: int | None = None,
 ) -> IndexedCorpus:
-    """Build a built-in corpus into `out` (every `stride`-th file when sub-sampling); `overlong`: build_corpus's."""
+    """Build a built-in corpus into `out` (every `stride`-th file when sub-sampling); `overlong`, `workers`:
+    build_corpus's."""
     builtin = get_builtin(name)
     if stride < 1:
         raise HydraulisError(f"stride must be positive, got {stride}")
@@ -162,7 +165,10 @@ def build_builtin(
     total = sum(p.stat().st_size for p in files)
     with byte_progress(total, f"building {name} ({tokenizer})", enabled=progress) as advance:
         docs = builtin.read_documents(files, counts, advance)
-        return build_corpus(docs, out, tokenizer, source, counts, name=name, if_exists=if_exists, overlong=overlong)
+        return build_corpus(
+            docs, out, tokenizer, source, counts, name=name, if_exists=if_exists, overlong=overlong,
+            workers=workers, resume=source,
+        )
 
 
 def ensure_builtin(name: str, tokenizer: str = "gpt2", progress: bool = False) -> IndexedCorpus:
