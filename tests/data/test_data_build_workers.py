@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +28,9 @@ from hydraulis.data.indexed import MANIFEST_FILE, open_corpus
 from hydraulis.data.readers import InputOptions, ReadCounts
 from hydraulis.data.records import SkippableRecord
 from hydraulis.data.sources import read_source
-from hydraulis.data.tokenizer import get_tokenizer
+from hydraulis.data.tokenizer import ByteTokenizer, get_tokenizer
 from hydraulis.errors import HydraulisError
+from hydraulis.processes.stream_map import WorkerLost
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -103,6 +105,28 @@ def test_sft_chat_records_on_two_workers_equal_one_worker(
     with pytest.raises(SkippableRecord, match=r"sft\.jsonl:32: no assistant turn.*--skip-bad"):
         sft_build(src, tmp_path / "bad", str(tok_dir), 2)  # raised in a worker, raised again here
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "sft.jsonl", "two"]  # bad input: nothing left
+
+
+@dataclass(frozen=True)
+class DyingTokenizer(ByteTokenizer):
+    """Bytes, except that a worker given the text "die" is killed (as the kernel's OOM killer would)."""
+
+    parent: int = 0
+
+    def encode(self, text: str) -> np.ndarray:
+        if text == "die" and os.getpid() != self.parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().encode(text)
+
+
+def test_a_worker_killed_is_an_error_not_a_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(building, "CHUNK_DOCS", 2)
+    tok = DyingTokenizer(parent=os.getpid())
+    docs = ["a", "b", "c", "d", "die", "e", "f", "g"]
+    with pytest.raises(WorkerLost, match="a worker process died without a result"):
+        build_corpus(docs, tmp_path / "c", tok, "t", workers=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no resume key: nothing a next build could use
+    assert len(build_corpus(docs, tmp_path / "c", tok, "t", workers=1)) == 8  # in this process: no worker to kill
 
 
 KILLABLE = """

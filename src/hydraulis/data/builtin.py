@@ -171,7 +171,9 @@ def build_builtin(
         )
 
 
-def ensure_builtin(name: str, tokenizer: str = "gpt2", progress: bool = False) -> IndexedCorpus:
+def ensure_builtin(
+    name: str, tokenizer: str = "gpt2", progress: bool = False, workers: int | None = None
+) -> IndexedCorpus:
     """The cached build of a built-in corpus, built (or rebuilt, if stale or damaged) on first use."""
     builtin = get_builtin(name)
     path = cache_dir() / "corpora" / f"{name}-{get_tokenizer(tokenizer).name}"  # a path's tokenizer: hf-HASH
@@ -182,24 +184,25 @@ def ensure_builtin(name: str, tokenizer: str = "gpt2", progress: bool = False) -
                 return corpus
         except HydraulisError:
             pass  # damaged cache: rebuild below
-        return build_builtin(name, path, tokenizer, progress=progress, if_exists="replace")
-    return build_builtin(name, path, tokenizer, progress=progress, if_exists="keep")
+        return build_builtin(name, path, tokenizer, progress=progress, if_exists="replace", workers=workers)
+    return build_builtin(name, path, tokenizer, progress=progress, if_exists="keep", workers=workers)
 
 
 def resolve_corpus(
-    spec: str | Path, tokenizer: str = "gpt2", progress: bool = False, log: Callable[[str], None] | None = None
+    spec: str | Path, tokenizer: str = "gpt2", progress: bool = False, log: Callable[[str], None] | None = None,
+    workers: int | None = None,
 ) -> IndexedCorpus:
     """A corpus given as a built corpus directory, a source file or datasets directory (built into the cache
-    once: sources.py), or a built-in name (a path wins if both exist)."""
+    once: sources.py), or a built-in name (a path wins if both exist); those built on `workers` processes."""
     from hydraulis.data.sources import ensure_source, is_buildable
 
     path = Path(spec)
     if path.exists():
         if is_buildable(path):
-            return ensure_source(path, tokenizer, progress, log) if log else ensure_source(path, tokenizer, progress)
+            return ensure_source(path, tokenizer, progress, log, workers)
         return open_corpus(path)
     if str(spec) in BUILTINS:
-        return ensure_builtin(str(spec), tokenizer, progress)
+        return ensure_builtin(str(spec), tokenizer, progress, workers)
     raise HydraulisError(
         not_found(path, f"no such file or directory, and not a built-in corpus ({', '.join(BUILTINS)})")
     )

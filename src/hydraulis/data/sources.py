@@ -96,11 +96,12 @@ def _stderr(message: str) -> None:
 
 
 def ensure_source(
-    path: Path, tokenizer: str, progress: bool = False, log: Callable[[str], None] = _stderr,
+    path: Path, tokenizer: str, progress: bool = False, log: Callable[[str], None] | None = None,
     workers: int | None = None,
 ) -> IndexedCorpus:
     """The cached build of a source file or datasets directory (see the module docstring); `workers`:
     build_corpus's."""
+    log = log or _stderr
     tok = get_tokenizer(tokenizer)
     key = source_key(path, source_files(path, InputOptions()))
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]

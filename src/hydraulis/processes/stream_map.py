@@ -9,7 +9,8 @@ in one piece.)
 The workers are forked, so the function and what it closes over (a tokenizer, an output directory) are
 inherited, not pickled: only the items and the results travel. Each worker dies with its parent (Linux's
 parent-death signal: a SIGKILLed build leaves no orphan working on) and ignores SIGINT (the parent handles
-Ctrl-C and ends them). One worker, or a stream of a single item, runs in this process.
+Ctrl-C and ends them). One worker, or a stream of a single item, runs in this process. A worker that
+dies without a result is an error here (concurrent.futures notices), never a wait for ever.
 """
 
 from __future__ import annotations
@@ -22,8 +23,12 @@ import sys
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from itertools import chain, islice
 from typing import Any, TypeVar
+
+from hydraulis.errors import HydraulisError
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -34,28 +39,43 @@ PR_SET_PDEATHSIG = 1
 
 def stream_map(fn: Callable[[T], R], items: Iterable[T], workers: int, ahead: int = 2) -> Iterator[R]:
     """`map(fn, items)` on up to `workers` forked processes, in order, at most `ahead * workers` items in
-    flight. Use it in a `with contextlib.closing(...)`: closing it ends the workers."""
+    flight. Use it in a `with contextlib.closing(...)`: closing it ends the workers (those busy finish their
+    item first). A worker that dies (killed, out of memory) is a WorkerLost."""
     stream = iter(items)
     first = list(islice(stream, 2))
     if workers <= 1 or len(first) < 2 or not hasattr(os, "fork"):
         yield from map(fn, chain(first, stream))
         return
     _FN[:] = [fn]
-    with warnings.catch_warnings():  # Python 3.12+ warns of fork beside threads (a progress bar's): the
-        warnings.simplefilter("ignore", DeprecationWarning)  # workers only run `fn` and write their own files
-        pool = multiprocessing.get_context("fork").Pool(workers, initializer=_worker_start, initargs=(os.getpid(),))
+    context = multiprocessing.get_context("fork")
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_worker_start, initargs=(os.getpid(),))
     try:
-        pending: deque[Any] = deque()
-        for item in chain(first, stream):
-            pending.append(pool.apply_async(_call, (item,)))
+        pending: deque[Future[Any]] = deque()
+        with warnings.catch_warnings():  # Python 3.12+ warns of fork beside threads (a progress bar's): the
+            warnings.simplefilter("ignore", DeprecationWarning)  # workers only run `fn` and write their own files
+            pending.append(pool.submit(_call, first[0]))  # forks the workers (all of them, with fork)
+        for item in chain(first[1:], stream):
+            pending.append(pool.submit(_call, item))
             while len(pending) >= ahead * workers:
-                yield pending.popleft().get()
+                yield _result(pending.popleft())
         while pending:
-            yield pending.popleft().get()
+            yield _result(pending.popleft())
     finally:
-        pool.terminate()
-        pool.join()
+        pool.shutdown(wait=True, cancel_futures=True)
         _FN.clear()
+
+
+class WorkerLost(HydraulisError):
+    """A worker process died without a result (killed, out of memory): not the input's fault."""
+
+
+def _result(future: Future[R]) -> R:
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        raise WorkerLost(
+            "a worker process died without a result (killed, or out of memory?); run again with fewer workers"
+        ) from None
 
 
 def _call(item: Any) -> Any:

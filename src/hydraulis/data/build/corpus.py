@@ -49,7 +49,7 @@ from hydraulis.errors import HydraulisError
 from hydraulis.files import replace_directory, write_json_atomic
 from hydraulis.processes import interrupt
 from hydraulis.processes.fan_out import usable_workers
-from hydraulis.processes.stream_map import stream_map
+from hydraulis.processes.stream_map import WorkerLost, stream_map
 
 CHUNK_CHARS = 4_000_000  # characters a worker tokenizes at once: bounds memory, amortizes the hand-over
 CHUNK_DOCS = 1024
@@ -133,7 +133,8 @@ def _build(
         build.parts.remove()
         return corpus
     except BaseException as exc:
-        if isinstance(exc, HydraulisError) or not build.resumable or not build.parts.any_finished():
+        bad_input = isinstance(exc, HydraulisError) and not isinstance(exc, WorkerLost)
+        if bad_input or not build.resumable or not build.parts.any_finished():
             build.parts.remove()  # bad input, or nothing a next build could use: no partial output
         else:
             interrupt.keep(f"{build.parts.path}: the finished parts, which the next build of {out} reuses")
