@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from hydraulis.data.sft import EncodedChunk
+from hydraulis.errors import HydraulisError
 from hydraulis.files import temp_prefix, write_json_atomic
 
 LOCK_FILE = "lock"
@@ -115,8 +116,11 @@ def held_parts(out: Path, itemsize: int) -> Iterator[PartsDir]:
     another builder removed while this one waited is made again)."""
     path = out.parent / f"{temp_prefix(out.name)}parts"
     while True:
-        path.mkdir(exist_ok=True)
-        fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            path.mkdir(exist_ok=True)
+            fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise HydraulisError(f"{out}: cannot create the corpus directory: {exc.strerror or exc}") from None
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             if os.fstat(fd).st_ino == os.stat(path / LOCK_FILE).st_ino:
