@@ -119,11 +119,12 @@ def _build(
 ) -> IndexedCorpus:  # fmt: skip
     """Assemble in a temporary directory, publish, then drop the parts; an input error drops them too, an
     interruption keeps them for the next build."""
+    tmp: Path | None = None
     try:
-        tmp = temp_dir(out, ".tmp")
-    except OSError as exc:
-        raise HydraulisError(f"{out}: cannot create the corpus directory: {exc.strerror or exc}") from None
-    try:
+        try:
+            tmp = temp_dir(out, ".tmp")
+        except OSError as exc:
+            raise HydraulisError(f"{out}: cannot create the corpus directory: {exc.strerror or exc}") from None
         manifest = _assemble(tmp, build, documents, source, counts, name, workers)
         if cut is not None:
             manifest = _with_overlong(tmp, manifest, *cut)
@@ -140,7 +141,8 @@ def _build(
             interrupt.keep(f"{build.parts.path}: the finished parts, which the next build of {out} reuses")
         raise
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 class _Build:
