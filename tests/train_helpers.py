@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hydraulis.data.indexed import build_corpus
+from hydraulis.data.build.corpus import build_corpus
 
 BASE = {
     "model": 'preset = "tiny"',

@@ -165,22 +165,58 @@ def rule(out: Any, title: str) -> None:
     out.print(Rule(title), width=min(out.width, LOG_RULE_WIDTH))
 
 
+LOG_QUIET_S = 10.0  # a log hears of work shorter than this only from its result
+
+
 @contextmanager
 def byte_progress(total: int, description: str, enabled: bool = True) -> Iterator[Callable[[int], None] | None]:
-    """A rich progress bar on stderr over input bytes; None (no bar) when disabled or rich is missing."""
+    """Progress over input bytes on stderr, with the throughput and the time left: a rich bar on a terminal,
+    in a log a line each tenth of the way (and at least once a minute) once the work has run LOG_QUIET_S;
+    None (nothing shown) when disabled or rich is missing."""
     if not enabled:
         yield None
         return
     try:
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
     except ImportError:
         yield None
         return
     err = console(stderr=True)
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=err, transient=True, disable=not err.is_terminal) as bar:
+    if not err.is_terminal:
+        yield _byte_lines(total, description)
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())  # fmt: skip
+    with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)
+
+
+def _byte_lines(total: int, description: str) -> Callable[[int], None]:
+    """byte_progress's advance in a log: MB done, MB/s, the time left."""
+    start = last = time.perf_counter()
+    done, shown = 0, 0
+
+    def advance(n: int) -> None:
+        nonlocal done, shown, last
+        done += n
+        now = time.perf_counter()
+        tenth = 10 * done // max(1, total)
+        if now - start >= LOG_QUIET_S and (tenth > shown or now - last >= LOG_EVERY_S):
+            shown, last = tenth, now
+            rate = done / (now - start)
+            left = (total - done) / rate if rate > 0 else float("inf")
+            print(f"{description}: {done / 1e6:,.0f}/{total / 1e6:,.0f} MB ({done / max(1, total):.0%}), "
+                  f"{rate / 1e6:.1f} MB/s, {left:.0f} s left", file=sys.stderr, flush=True)
+
+    return advance
 
 
 @contextmanager

@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 
 from train_helpers import run_summary, step_rows, tensorboard_of, write_config  # noqa: E402
 
-from hydraulis.data.indexed import build_corpus  # noqa: E402
+from hydraulis.data.build.corpus import build_corpus  # noqa: E402
 
 pytestmark = pytest.mark.dist
 

@@ -93,7 +93,7 @@ def test_existing_output_and_force(cli, tmp_path: Path) -> None:  # noqa: ANN001
 def test_stats_of_a_mixture_draw_each_source_at_its_weight(cli, tmp_path: Path) -> None:  # noqa: ANN001
     """20 short documents (11 bytes) and 20 long ones (101) at equal weights: one mixture epoch serves as many
     tokens as both hold (2,240), half from each, so the short ones are drawn about 5 times over."""
-    from hydraulis.data.indexed import build_corpus
+    from hydraulis.data.build.corpus import build_corpus
 
     build_corpus(["s" * 10] * 20, tmp_path / "short", "bytes", "short", name="short")
     build_corpus(["l" * 100] * 20, tmp_path / "long", "bytes", "long", name="long")

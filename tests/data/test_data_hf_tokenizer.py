@@ -9,7 +9,8 @@ import pytest
 from test_data_cli import hidden, one_line_error
 from tokenizer_helpers import TEXT, train_bpe
 
-from hydraulis.data.indexed import build_corpus, open_corpus
+from hydraulis.data.build.corpus import build_corpus
+from hydraulis.data.indexed import open_corpus
 from hydraulis.data.tokenizer import get_tokenizer
 from hydraulis.errors import HydraulisError
 from hydraulis.training.config import parse_config

@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hydraulis.data.indexed import INDEX_FILE, MANIFEST_FILE, TOKENS_FILE, build_corpus, open_corpus
+from hydraulis.data.build.corpus import build_corpus
+from hydraulis.data.indexed import INDEX_FILE, MANIFEST_FILE, TOKENS_FILE, open_corpus
 from hydraulis.data.tokenizer import ByteTokenizer, get_tokenizer
 from hydraulis.errors import HydraulisError
 

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hydraulis.data.indexed import build_corpus, open_corpus
+from hydraulis.data.build.corpus import build_corpus
+from hydraulis.data.indexed import open_corpus
 from hydraulis.data.sampler import Mixture, SamplerState, TokenBudgetSampler, mixed_order
 from hydraulis.errors import HydraulisError
 from hydraulis.training.mixture import MixedCorpus, source_shares

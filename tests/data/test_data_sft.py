@@ -10,7 +10,8 @@ import pytest
 from test_data_cli import hidden, one_line_error
 from tokenizer_helpers import train_bpe
 
-from hydraulis.data.indexed import MASK_FILE, build_corpus, open_corpus
+from hydraulis.data.build.corpus import build_corpus
+from hydraulis.data.indexed import MASK_FILE, open_corpus
 from hydraulis.data.readers import InputOptions, ReadCounts
 from hydraulis.data.sources import read_source
 

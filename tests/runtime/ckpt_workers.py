@@ -9,7 +9,8 @@ import numpy as np
 import torch
 from train_workers import cpu_settings
 
-from hydraulis.data.indexed import build_corpus, open_corpus
+from hydraulis.data.build.corpus import build_corpus
+from hydraulis.data.indexed import open_corpus
 from hydraulis.data.sampler import SamplerState, TokenBudgetSampler
 from hydraulis.errors import HydraulisError
 from hydraulis.optim import AdamWSettings, OptimSettings

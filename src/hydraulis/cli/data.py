@@ -66,13 +66,19 @@ def build(
     as_json: bool = typer.Option(False, "--json", help="Print the manifest as JSON."),
     max_len: int = MaxLenOption,
     overlong: str = OverlongOption,
+    workers: int = typer.Option(
+        None, "--workers", "-j", help="Processes that tokenize (default: the cores available).", min=1, max=4096
+    ),
 ) -> None:
-    """Tokenize a source into an indexed corpus (tokens.bin + index.idx + manifest.json)."""
-    from hydraulis.data.builtin import BUILTINS, build_builtin
-    from hydraulis.data.indexed import build_corpus
+    """Tokenize a source into an indexed corpus (tokens.bin + index.idx + manifest.json), on every core;
+    a build interrupted or killed leaves no corpus, and the next one reuses what it finished."""
+    import time
+
+    from hydraulis.data.build.corpus import build_corpus
+    from hydraulis.data.builtin import BUILTINS, build_builtin, get_builtin
     from hydraulis.data.readers import InputOptions, ReadCounts
     from hydraulis.data.records import check_format
-    from hydraulis.data.sources import read_source, source_bytes
+    from hydraulis.data.sources import read_source, source_bytes, source_files, source_key
     from hydraulis.data.tokenizer import get_tokenizer
     from hydraulis.progress import byte_progress
 
@@ -80,17 +86,27 @@ def build(
     if_exists = "replace" if force else "error"
     path = Path(source)
     cut = (max_len, check_policy(overlong)) if max_len is not None else None
+    start = time.perf_counter()
     if not path.exists() and source in BUILTINS:
-        corpus = build_builtin(source, out, tokenizer, progress=True, if_exists=if_exists, overlong=cut)
+        total = sum(p.stat().st_size for p in get_builtin(source).find_files())
+        corpus = build_builtin(
+            source, out, tokenizer, progress=True, if_exists=if_exists, overlong=cut, workers=workers
+        )
     else:
         options = InputOptions(field=field, skip_missing=skip_missing, glob=glob, format=check_format(fmt))
         total = source_bytes(path, options)
         counts = ReadCounts()
         with byte_progress(total, f"tokenizing {path.name} ({tok.name})") as advance:
             docs = read_source(path, counts, options, advance)
-            where = str(path.resolve())
-            corpus = build_corpus(docs, out, tok, where, counts, if_exists=if_exists, skip_bad=skip_bad, overlong=cut)
-    m = corpus.manifest
+            corpus = build_corpus(
+                docs, out, tok, str(path.resolve()), counts, if_exists=if_exists, skip_bad=skip_bad, overlong=cut,
+                workers=workers, resume=source_key(path, source_files(path, options)) + f"\n{options}",
+            )
+    _print_built(out, corpus.manifest, time.perf_counter() - start, total, as_json)
+
+
+def _print_built(out: Path, m: Any, seconds: float, total: int, as_json: bool) -> None:
+    """The manifest (--json), or what was built, how fast, and what the readers did."""
     if as_json:
         print_json(m.to_dict())
         return
@@ -98,6 +114,7 @@ def build(
         f"built {out}: {m.documents:,} documents, {m.tokens:,} tokens, {m.target_tokens:,} targets "
         f"({m.tokenizer}, {m.dtype}), longest {m.max_length:,}"
     )
+    console.print(f"in {seconds:.1f} s: {total / 1e6 / seconds:.1f} MB/s of input, {m.tokens / seconds:,.0f} tokens/s")
     if m.overlong is not None:
         console.print(f"overlong: {m.overlong.describe()}")
     rows = [[k.replace("_", " "), v] for k, v in m.report.to_dict().items()]

@@ -31,10 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
-from hydraulis.data.indexed import IfExists, IndexedCorpus, build_corpus, open_corpus
+from hydraulis.data.build.corpus import IfExists, build_corpus
+from hydraulis.data.build.staging import cache_dir
+from hydraulis.data.indexed import IndexedCorpus, open_corpus
 from hydraulis.data.readers import ReadCounts, read_text_file
 from hydraulis.data.sampler import Policy
-from hydraulis.data.staging import cache_dir
 from hydraulis.data.tokenizer import get_tokenizer
 from hydraulis.errors import HydraulisError
 from hydraulis.files import not_found
@@ -151,8 +152,10 @@ def build_builtin(
     progress: bool = False,
     if_exists: IfExists = "error",
     overlong: tuple[int, Policy] | None = None,
+    workers: int | None = None,
 ) -> IndexedCorpus:
-    """Build a built-in corpus into `out` (every `stride`-th file when sub-sampling); `overlong`: build_corpus's."""
+    """Build a built-in corpus into `out` (every `stride`-th file when sub-sampling); `overlong`, `workers`:
+    build_corpus's."""
     builtin = get_builtin(name)
     if stride < 1:
         raise HydraulisError(f"stride must be positive, got {stride}")
@@ -162,10 +165,15 @@ def build_builtin(
     total = sum(p.stat().st_size for p in files)
     with byte_progress(total, f"building {name} ({tokenizer})", enabled=progress) as advance:
         docs = builtin.read_documents(files, counts, advance)
-        return build_corpus(docs, out, tokenizer, source, counts, name=name, if_exists=if_exists, overlong=overlong)
+        return build_corpus(
+            docs, out, tokenizer, source, counts, name=name, if_exists=if_exists, overlong=overlong,
+            workers=workers, resume=source,
+        )
 
 
-def ensure_builtin(name: str, tokenizer: str = "gpt2", progress: bool = False) -> IndexedCorpus:
+def ensure_builtin(
+    name: str, tokenizer: str = "gpt2", progress: bool = False, workers: int | None = None
+) -> IndexedCorpus:
     """The cached build of a built-in corpus, built (or rebuilt, if stale or damaged) on first use."""
     builtin = get_builtin(name)
     path = cache_dir() / "corpora" / f"{name}-{get_tokenizer(tokenizer).name}"  # a path's tokenizer: hf-HASH
@@ -176,23 +184,24 @@ def ensure_builtin(name: str, tokenizer: str = "gpt2", progress: bool = False) -
                 return corpus
         except HydraulisError:
             pass  # damaged cache: rebuild below
-        return build_builtin(name, path, tokenizer, progress=progress, if_exists="replace")
-    return build_builtin(name, path, tokenizer, progress=progress, if_exists="keep")
+        return build_builtin(name, path, tokenizer, progress=progress, if_exists="replace", workers=workers)
+    return build_builtin(name, path, tokenizer, progress=progress, if_exists="keep", workers=workers)
 
 
 def resolve_corpus(
-    spec: str | Path, tokenizer: str = "gpt2", progress: bool = False, log: Callable[[str], None] | None = None
+    spec: str | Path, tokenizer: str = "gpt2", progress: bool = False, log: Callable[[str], None] | None = None,
+    workers: int | None = None,
 ) -> IndexedCorpus:
     """A corpus given as a built corpus directory, a source file or datasets directory (built into the cache
-    once: sources.py), or a built-in name (a path wins if both exist)."""
+    once: sources.py), or a built-in name (a path wins if both exist); those built on `workers` processes."""
     from hydraulis.data.sources import ensure_source, is_buildable
 
     check_corpus_name(spec)
     path = Path(spec)
     if not path.exists():
-        return ensure_builtin(str(spec), tokenizer, progress)
+        return ensure_builtin(str(spec), tokenizer, progress, workers)
     if is_buildable(path):
-        return ensure_source(path, tokenizer, progress, log) if log else ensure_source(path, tokenizer, progress)
+        return ensure_source(path, tokenizer, progress, log, workers)
     return open_corpus(path)
 
 

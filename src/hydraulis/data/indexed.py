@@ -15,48 +15,28 @@ A corpus is a directory:
 Reading a document is O(1): a slice of the memory map at its offset. Lengths
 (what the planner needs) come from the index without touching the tokens.
 
-The builder streams: documents are tokenized in chunks and appended, so memory
-stays bounded by the chunk, not the corpus. Samples are plain documents or
-SFT records (sft.py); mask.bin is written from the first SFT record on (the
-documents before it get ones). It writes into a hidden temporary
-directory next to the target and renames it into place only when everything,
-manifest last, is written: a crash leaves no directory that `open_corpus` accepts.
+A corpus is built by `data/build/` (corpus.py): on every core, atomically, resumable.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import os
-import shutil
 import struct
-import sys
-from collections.abc import Iterable, Iterator
-from dataclasses import replace
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
 
 import numpy as np
 
 from hydraulis.data.manifest import INDEX_FILE, MANIFEST_FILE, MASK_FILE, TOKENS_FILE, CorpusManifest
-from hydraulis.data.readers import ReadCounts
-from hydraulis.data.records import Sample
 from hydraulis.data.sampler import Mixture, Overlong, Policy, TokenBudgetSampler
-from hydraulis.data.sft import encode_samples
-from hydraulis.data.staging import OWNER_FILE, default_permissions, occupied, sweep_temporaries, temp_dir
-from hydraulis.data.tokenizer import Tokenizer, get_tokenizer, token_dtype
+from hydraulis.data.tokenizer import get_tokenizer, token_dtype
 from hydraulis.errors import HydraulisError
-from hydraulis.files import not_found, replace_directory, sha256_file, write_json_atomic
+from hydraulis.files import not_found, sha256_file
 
 __all__ = ["INDEX_FILE", "MANIFEST_FILE", "MASK_FILE", "TOKENS_FILE", "CorpusManifest", "IndexedCorpus"]
 
 INDEX_MAGIC = b"HYDIDX\x00\x01"
 INDEX_VERSION = 1
 INDEX_HEADER = struct.Struct("<8sIIQQ")  # magic, version, token itemsize, documents, tokens
-CHUNK_CHARS = 4_000_000  # characters tokenized at once: bounds memory, keeps tiktoken's threads busy
-CHUNK_DOCS = 1024
-
-IfExists = Literal["error", "replace", "keep"]
 
 
 class IndexedCorpus:
@@ -254,138 +234,6 @@ def _read_index(path: Path) -> tuple[np.ndarray, np.ndarray, int, int]:
     return offsets, lengths, itemsize, total
 
 
-def build_corpus(
-    documents: Iterable[Sample],
-    out: str | Path,
-    tokenizer: Tokenizer | str,
-    source: str,
-    counts: ReadCounts | None = None,
-    name: str | None = None,
-    if_exists: IfExists = "error",
-    skip_bad: bool = False,
-    overlong: tuple[int, Policy] | None = None,
-) -> IndexedCorpus:
-    """Tokenize documents into a corpus directory at `out`, atomically.
-
-    `counts` is the readers' counter object (filled while `documents` is
-    consumed); its final state goes into the manifest. `if_exists` says what
-    to do when `out` already exists: fail, replace it, or keep it (used by the
-    built-in cache when two processes build the same corpus at once).
-    `skip_bad` skips SFT records with no target token instead of refusing them.
-    `overlong` (max_len, policy): the manifest says what training with them cuts;
-    a corpus left without target tokens by them is refused.
-    """
-    out = Path(out)
-    tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-    counts = counts if counts is not None else ReadCounts()
-    if out.exists() and not out.is_dir():
-        raise HydraulisError(f"{out}: exists and is not a directory")
-    if occupied(out) and if_exists == "error":
-        raise HydraulisError(f"{out}: already exists (pass --force to replace it)")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        swept = sweep_temporaries(out)
-        tmp = temp_dir(out, ".tmp")
-    except OSError as exc:
-        raise HydraulisError(f"{out}: cannot create the corpus directory: {exc.strerror or exc}") from None
-    if swept:
-        print(
-            f"removed {swept} temporary director{'y' if swept == 1 else 'ies'} left by an interrupted build "
-            f"in {out.parent.absolute()}",
-            file=sys.stderr,
-        )
-    try:
-        manifest = _write(tmp, documents, tok, source, counts, name or out.name, skip_bad)
-        if overlong is not None:
-            manifest = _with_overlong(tmp, manifest, *overlong)
-        (tmp / OWNER_FILE).unlink()
-        default_permissions(tmp)
-        return _publish(tmp, out, if_exists, manifest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _write(
-    tmp: Path, documents: Iterable[Sample], tok: Tokenizer, source: str, counts: ReadCounts, name: str, skip_bad: bool
-) -> CorpusManifest:
-    dtype = token_dtype(tok.vocab_size)
-    lengths: list[int] = []
-    tokens_hash, mask_hash = hashlib.sha256(), hashlib.sha256()
-    mask_fh: BinaryIO | None = None
-    written = targets = 0
-    with contextlib.ExitStack() as stack:
-        fh = stack.enter_context((tmp / TOKENS_FILE).open("wb"))
-        for chunk in _chunks(documents):
-            for doc in encode_samples(chunk, tok, counts, skip_bad):
-                data = doc.ids.astype(dtype).tobytes()
-                fh.write(data)
-                tokens_hash.update(data)
-                lengths.append(len(doc.ids))
-                if doc.mask is not None and mask_fh is None:  # the first SFT record: ones for what came before
-                    mask_fh = stack.enter_context((tmp / MASK_FILE).open("wb"))
-                    _write_hashed(mask_fh, mask_hash, np.ones(written, dtype=np.uint8))
-                if mask_fh is not None:
-                    mask = doc.mask if doc.mask is not None else np.ones(len(doc.ids), dtype=np.uint8)
-                    _write_hashed(mask_fh, mask_hash, mask)
-                targets += len(doc.ids) - 1 if doc.mask is None else int(np.count_nonzero(doc.mask[1:]))
-                written += len(doc.ids)
-        for f in (fh, mask_fh):
-            if f is not None:
-                f.flush()
-                os.fsync(f.fileno())
-    if not lengths:
-        report = counts.freeze()
-        raise HydraulisError(
-            f"{source}: no documents to build a corpus from ({report.files} files read, "
-            f"{report.empty_skipped} empty, {report.binary_skipped} binary, "
-            f"{report.missing_field_skipped} without the field skipped, "
-            f"{report.no_target_skipped} without a target skipped)"
-        )
-    lens = np.asarray(lengths, dtype="<i8")
-    offsets = np.zeros_like(lens)
-    np.cumsum(lens[:-1], out=offsets[1:])
-    total = int(lens.sum())
-    index = INDEX_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, dtype.itemsize, len(lens), total)
-    index += offsets.tobytes() + lens.tobytes()
-    with (tmp / INDEX_FILE).open("wb") as fh:
-        fh.write(index)
-        fh.flush()
-        os.fsync(fh.fileno())
-    checksums = {TOKENS_FILE: tokens_hash.hexdigest(), INDEX_FILE: hashlib.sha256(index).hexdigest()}
-    if mask_fh is not None:
-        checksums[MASK_FILE] = mask_hash.hexdigest()
-    manifest = CorpusManifest(
-        name=name,
-        source=source,
-        tokenizer=tok.name,
-        vocab_size=tok.vocab_size,
-        eod_id=tok.eod_id,
-        dtype=dtype.name,
-        documents=len(lens),
-        tokens=total,
-        max_length=int(lens.max()),
-        report=counts.freeze(),
-        checksums=checksums,
-        tokenizer_source=getattr(tok, "source", None),
-        tokenizer_sha256=tuple(getattr(tok, "sha256", ())),
-        targets=targets,
-        masked=mask_fh is not None,
-    )
-    write_json_atomic(tmp / MANIFEST_FILE, manifest.to_dict())  # written last: its presence marks completeness
-    return manifest
-
-
-def _with_overlong(tmp: Path, manifest: CorpusManifest, max_len: int, policy: Policy) -> CorpusManifest:
-    """The manifest with what training at max_len under `policy` cuts; refused when no target token is left."""
-    corpus = open_corpus(tmp)
-    cut = overlong(corpus, corpus_sampler(corpus, max_len, max_len, 0, policy))
-    assert cut is not None
-    check_targets_left(cut, f"--max-len {max_len} --overlong {policy}")
-    manifest = replace(manifest, overlong=cut)
-    write_json_atomic(tmp / MANIFEST_FILE, manifest.to_dict())
-    return manifest
-
-
 def check_targets_left(cut: Overlong, setting: str) -> None:
     """Refuse a corpus that would train on nothing: every target token cut away by the over-long policy."""
     if cut.targets_kept == 0:
@@ -393,43 +241,6 @@ def check_targets_left(cut: Overlong, setting: str) -> None:
             f"{setting}: no target token is left ({cut.describe()}): nothing to train on; "
             "raise max_len or choose another over-long policy"
         )
-
-
-def _write_hashed(fh: BinaryIO, digest: Any, values: np.ndarray) -> None:
-    data = values.astype(np.uint8).tobytes()
-    fh.write(data)
-    digest.update(data)
-
-
-def _chunks(documents: Iterable[Sample]) -> Iterator[list[Sample]]:
-    chunk: list[Sample] = []
-    chars = 0
-    for sample in documents:
-        chunk.append(sample)
-        chars += len(sample) if isinstance(sample, str) else 1024
-        if chars >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:
-            yield chunk
-            chunk, chars = [], 0
-    if chunk:
-        yield chunk
-
-
-def _publish(tmp: Path, out: Path, if_exists: IfExists, manifest: CorpusManifest) -> IndexedCorpus:
-    """Rename the finished temporary directory into place (one rename: readers see all or nothing)."""
-    if occupied(out):
-        if if_exists == "keep":
-            return open_corpus(out)
-        if if_exists == "error":
-            raise HydraulisError(f"{out}: appeared while building (pass --force to replace it)")
-        replace_directory(tmp, out, old=temp_dir(out, ".old"))  # marked, so that sweeps spare it
-    else:
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            if out.exists() and if_exists == "keep":  # another process won the race
-                return open_corpus(out)
-            raise
-    return open_corpus(out)
 
 
 def _sha256_file(path: Path) -> str:

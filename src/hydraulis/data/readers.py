@@ -84,7 +84,7 @@ def is_binary(data: bytes) -> bool:
 
 
 def _keep(text: str, counts: ReadCounts) -> bool:
-    if not text.strip():
+    if not text or text.isspace():  # as `not text.strip()`, without copying the text
         counts.empty_skipped += 1
         return False
     counts.documents += 1
@@ -121,12 +121,14 @@ def read_jsonl(
         for number, raw in enumerate(fh, start=1):
             if progress:
                 progress(len(raw))
-            line = decode(raw, counts).strip()
-            if not line:
+            if raw.isspace() or not raw:
                 counts.blank_lines += 1
                 continue
-            try:
-                record = json.loads(line)
+            try:  # the bytes as they are (json decodes UTF-8 itself); what is not UTF-8 is replaced and counted
+                try:
+                    record = json.loads(raw)
+                except UnicodeDecodeError:
+                    record = json.loads(decode(raw, counts))
             except json.JSONDecodeError as exc:
                 raise HydraulisError(f"{path}:{number}: not valid JSON ({exc.msg}, column {exc.colno})") from None
             sample = record_sample(record, options, f"{path}:{number}", counts)

@@ -56,6 +56,9 @@ class SkippableRecord(HydraulisError):
         self.reason = reason
         self.flag = flag
 
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # raised in a build's worker, raised again here
+        return SkippableRecord, (self.reason, self.flag)
+
 
 def parse_record(record: Any, field: str, fmt: Format, where: str) -> Sample:
     """The sample a record holds; BadRecord (one line naming `where`) when it holds none."""

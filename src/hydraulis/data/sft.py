@@ -55,23 +55,34 @@ _TRACKING: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextV
 
 
 @dataclass(frozen=True)
-class Encoded:
-    """One document's ids (eod included) and its target mask (None: every token is a target)."""
+class EncodedChunk:
+    """A chunk of samples as the corpus stores them: tokens back to back, each document's length, the targets."""
 
-    ids: np.ndarray
-    mask: np.ndarray | None
+    tokens: np.ndarray  # in the corpus's token dtype
+    lengths: np.ndarray  # int64, one per document kept (end-of-document token included)
+    mask: np.ndarray | None  # uint8 per token when the chunk holds an SFT record (ones for its texts); else None
+    targets: int  # tokens the loss counts (module docstring)
 
 
-def encode_samples(samples: Sequence[Sample], tok: Tokenizer, counts: ReadCounts, skip_bad: bool) -> list[Encoded]:
-    """Encode a chunk of samples in order; plain texts in one batch call (tiktoken's threads)."""
+def encode_samples(
+    samples: Sequence[Sample], tok: Tokenizer, counts: ReadCounts, skip_bad: bool, dtype: np.dtype
+) -> EncodedChunk:
+    """Encode a chunk of samples in order, with one concatenation into `dtype` for the whole chunk (a document
+    costs its tokenizer call and little else: no per-document arrays beyond the tokenizer's own)."""
     prefix = np.asarray(prefix_of(tok), dtype=np.int64)
     eod = np.asarray([tok.eod_id], dtype=np.int64)
-    texts = [s for s in samples if isinstance(s, str)]
-    plain = iter(tok.encode_batch(texts)) if texts else iter(())
-    out = []
+    pieces: list[np.ndarray] = []
+    masks: list[np.ndarray | int] = []  # a text's mask is its length (ones), made only if the chunk needs one
+    lengths: list[int] = []
+    targets = 0
     for s in samples:
         if isinstance(s, str):
-            out.append(Encoded(np.concatenate([prefix, next(plain), eod]), None))
+            ids = tok.encode(s)
+            pieces += (prefix, ids, eod) if len(prefix) else (ids, eod)
+            n = len(prefix) + len(ids) + 1
+            lengths.append(n)
+            masks.append(n)
+            targets += n - 1
             continue
         ids, mask = _prompt_completion(s, tok, prefix, eod) if isinstance(s, PromptCompletion) else _chat(s, tok)
         if not mask.any():
@@ -81,8 +92,15 @@ def encode_samples(samples: Sequence[Sample], tok: Tokenizer, counts: ReadCounts
             counts.documents -= 1
             counts.sft_records -= 1
             continue
-        out.append(Encoded(ids, mask))
-    return out
+        pieces.append(ids)
+        masks.append(mask)
+        lengths.append(len(ids))
+        targets += int(np.count_nonzero(mask[1:]))
+    tokens = np.concatenate(pieces, dtype=dtype, casting="unsafe") if pieces else np.empty(0, dtype=dtype)
+    mask_all = None
+    if any(not isinstance(m, int) for m in masks):
+        mask_all = np.concatenate([np.ones(m, dtype=np.uint8) if isinstance(m, int) else m for m in masks])
+    return EncodedChunk(tokens, np.asarray(lengths, dtype=np.int64), mask_all, targets)
 
 
 def _no_target(s: PromptCompletion | Chat) -> str:

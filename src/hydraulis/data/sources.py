@@ -16,11 +16,12 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from hydraulis.data.build.corpus import build_corpus
+from hydraulis.data.build.staging import cache_dir
 from hydraulis.data.columnar import datasets_files, is_columnar, read_columnar
-from hydraulis.data.indexed import IndexedCorpus, build_corpus, open_corpus
+from hydraulis.data.indexed import IndexedCorpus, open_corpus
 from hydraulis.data.readers import InputOptions, Progress, ReadCounts, is_jsonl, read_jsonl, read_text_file
 from hydraulis.data.records import Sample, SkippableRecord
-from hydraulis.data.staging import cache_dir
 from hydraulis.data.tokenizer import get_tokenizer
 from hydraulis.errors import HydraulisError
 from hydraulis.files import not_found
@@ -78,6 +79,11 @@ def source_bytes(source: Path, options: InputOptions = InputOptions()) -> int:
     return sum(p.stat().st_size for p in source_files(source, options))
 
 
+def source_key(path: Path, files: list[Path]) -> str:
+    """What identifies a source's contents: its path, and its files' names, sizes and modification times."""
+    return f"{path.resolve()}: " + ", ".join(f"{p.name} {p.stat().st_size} {p.stat().st_mtime_ns}" for p in files)
+
+
 def is_buildable(path: Path) -> bool:
     """A source that `[data] corpus` may name directly: a jsonl, parquet or arrow file, or a datasets directory."""
     if path.is_file():
@@ -90,12 +96,14 @@ def _stderr(message: str) -> None:
 
 
 def ensure_source(
-    path: Path, tokenizer: str, progress: bool = False, log: Callable[[str], None] = _stderr
+    path: Path, tokenizer: str, progress: bool = False, log: Callable[[str], None] | None = None,
+    workers: int | None = None,
 ) -> IndexedCorpus:
-    """The cached build of a source file or datasets directory (see the module docstring)."""
+    """The cached build of a source file or datasets directory (see the module docstring); `workers`:
+    build_corpus's."""
+    log = log or _stderr
     tok = get_tokenizer(tokenizer)
-    files = source_files(path, InputOptions())
-    key = f"{path.resolve()}: " + ", ".join(f"{p.name} {p.stat().st_size} {p.stat().st_mtime_ns}" for p in files)
+    key = source_key(path, source_files(path, InputOptions()))
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     out = cache_dir() / "sources" / f"{path.stem or path.name}-{digest}-{tok.name}"
     existed = out.exists()
@@ -113,7 +121,10 @@ def ensure_source(
             docs = read_source(path, counts, InputOptions(), advance)
             # Under torchrun every rank prepares the job: the first build to finish is the one all of them keep.
             if_exists = "replace" if existed else "keep"
-            corpus = build_corpus(docs, out, tok, key, counts, name=path.stem or path.name, if_exists=if_exists)
+            corpus = build_corpus(
+                docs, out, tok, key, counts, name=path.stem or path.name, if_exists=if_exists, workers=workers,
+                resume=key,
+            )
     except SkippableRecord as exc:  # its flag is one of `data build`'s, not of the command that got here
         raise HydraulisError(
             f"{exc.reason}; to skip such records, build the corpus with `hydraulis data build {path} --out DIR "

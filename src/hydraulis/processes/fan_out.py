@@ -28,9 +28,10 @@ R = TypeVar("R")
 WORKERS_ENV = "HYDRAULIS_WORKERS"
 
 
-def usable_workers() -> int:
+def usable_workers(per_rank: bool = True) -> int:
     """Cores this process may run on, or `HYDRAULIS_WORKERS` where set (1: everything in this process). Under
-    torchrun every rank of a node prepares the job (a pool = "auto" proposes it), so each takes its share."""
+    torchrun every rank of a node prepares the job (a pool = "auto" proposes it), so each takes its share
+    (`per_rank`); a corpus build takes them all (the other ranks wait for it)."""
     text = os.environ.get(WORKERS_ENV, "").strip()
     if text:
         try:
@@ -42,7 +43,7 @@ def usable_workers() -> int:
         return wanted
     if not sys.platform.startswith("linux"):
         return 1
-    local_ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    local_ranks = os.environ.get("LOCAL_WORLD_SIZE", "1") if per_rank else "1"
     return max(1, len(os.sched_getaffinity(0)) // max(1, int(local_ranks) if local_ranks.isdigit() else 1))
 
 

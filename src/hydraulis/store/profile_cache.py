@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hydraulis.cost.conditions import cpu_cores
-from hydraulis.data.staging import cache_dir
+from hydraulis.data.build.staging import cache_dir
 from hydraulis.errors import HydraulisError
 from hydraulis.files import read_jsonl, write_json_atomic
 from hydraulis.parallel import ParallelConfig

@@ -98,6 +98,8 @@ class DataSection(_Section):
     max_len: int = Field(2048, ge=2, le=MAX_TOKENS)
     overlong: Literal["split", "truncate", "drop"] = "split"
     seed: int = Field(1, ge=0, le=2**32 - 1)
+    # Processes that tokenize a source or built-in corpus built into the cache (data build's --workers).
+    build_workers: int | None = Field(None, ge=1, le=4096, description="the cores available")
 
     @model_validator(mode="after")
     def _fits(self) -> DataSection:

@@ -10,6 +10,7 @@ returns is what every rank of loop.py receives.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -122,7 +123,8 @@ def prepare(
     # Vocabulary padding for every TP degree the pool has (with pool = "auto": may have).
     proposable = cost.configs if cost is not None and setting.auto else ()
     spec = _padded(spec, {g.tp for g in (*configs, *proposable)}, _resumed_checkpoint(run_dir, resume, resume_from))
-    corpus, mixture = training_corpus(config.data, lambda name, key: _corpus(name, key, tokenizer, token_ids, log))
+    named = functools.partial(_corpus, tokenizer, token_ids, log, config.data.build_workers)  # (name, key): a corpus
+    corpus, mixture = training_corpus(config.data, named)
     sampler, overlong = data_sampler(corpus, config, log)
     fresh, where = None, config.parallel.profile  # profile = "auto": a profile measured now (or shared), and whence
     if auto_profile:
@@ -130,8 +132,7 @@ def prepare(
     _say_start(cost, where, resume_from, log)
     pool = _propose(cost, cluster, sampler, config) if setting.auto else parse_pool(setting.text, cluster)
     check_job_pool(pool, world, spec, cost, config.data.max_len)
-    evaluation = _evaluation(config, corpus, lambda name, key: _corpus(name, key, tokenizer, token_ids, log), cost,
-                             world, tuple(pool), log)  # fmt: skip
+    evaluation = _evaluation(config, corpus, named, cost, world, tuple(pool), log)
     if fresh is not None:  # written only now: bad input leaves nothing behind
         _keep_profile(run_dir, fresh)
     if resume_from is not None:
@@ -238,12 +239,12 @@ def _check_corpus_names(config: RunConfig) -> None:
         check_corpus_name(config.eval.corpus, "eval.corpus")
 
 
-def _corpus(name: str, key: str, tokenizer: str, token_ids: str, log: Log) -> IndexedCorpus:
-    """The corpus `name` of config key `key` (built when it is a builtin one), tokenized with the model's
-    tokenizer."""
+def _corpus(tokenizer: str, token_ids: str, log: Log, workers: int | None, name: str, key: str) -> IndexedCorpus:
+    """The corpus `name` of config key `key` (built when it is a builtin one or a source, on `workers`
+    processes), tokenized with the model's tokenizer."""
     from hydraulis.data.builtin import resolve_corpus
 
-    corpus = resolve_corpus(name, tokenizer, progress=True, log=log)
+    corpus = resolve_corpus(name, tokenizer, progress=True, log=log, workers=workers)
     if corpus.manifest.tokenizer != token_ids:
         made = corpus.manifest.tokenizer_source or corpus.manifest.tokenizer
         raise HydraulisError(
