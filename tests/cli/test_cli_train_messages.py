@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hydraulis.cost import PRESETS, load_cost_model
-from hydraulis.data.indexed import build_corpus
+from hydraulis.data.build.corpus import build_corpus
 from hydraulis.training.config import RunConfig, load_config
 from hydraulis.training.job import crowded_ways
 
