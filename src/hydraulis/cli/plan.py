@@ -152,6 +152,7 @@ def bench(
     ),
     out: Path = typer.Option(Path("bench-out"), "--out", "-o", help="Directory for bench.json and bench.png."),
     list_only: bool = typer.Option(False, "--list", help="List scenarios and policies, run nothing."),
+    vp1: bool = typer.Option(False, "--vp1", help="Every policy runs plain 1F1B (vp = 1), as before interleaving."),
 ) -> None:
     """Run every policy on built-in scenarios; print a table, write JSON and a PNG bar chart."""
     from rich.progress import Progress
@@ -176,7 +177,7 @@ def bench(
         return
     with Progress(console=err_console, transient=True) as progress:
         task = progress.add_task(f"{len(chosen)} scenario(s)", total=len(chosen))
-        report = run_bench(chosen, policies, lambda s: progress.advance(task))
+        report = run_bench(chosen, policies, lambda s: progress.advance(task), interleave=not vp1)
     with OutputSet() as outputs:  # both files or neither
         write_json_atomic(outputs.stage(out / "bench.json"), report)
         bench_plot(report, outputs.stage(out / "bench.png"))
