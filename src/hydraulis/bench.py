@@ -213,9 +213,10 @@ def run_policies(
 
 
 def _with_policies(ctx: PolicyContext) -> PolicyContext:
-    """`ctx` whose planner chooses a memory policy per micro-batch (`CostModel.with_policies`)."""
-    cost = ctx.cost.with_policies(True)
-    cost.name = f"{ctx.cost.name}+policies"
+    """`ctx` whose planner chooses a memory policy per micro-batch (`CostModel.with_policies`), and where plans may
+    interleave, its configs' interleaved forms beside them (`CostModel.with_interleaving`)."""
+    cost = (ctx.cost.with_interleaving() if ctx.interleave else ctx.cost).with_policies(True)
+    cost.name = f"{cost.name}+policies"
     return dataclasses.replace(ctx, cost=cost)
 
 

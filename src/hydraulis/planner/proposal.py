@@ -34,7 +34,7 @@ import numpy as np
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.limits import DEFAULT_MAX_POOL
-from hydraulis.parallel import Deployment, ParallelConfig, Replica
+from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.dispatch import NoRoom, dispatch
 from hydraulis.planner.phases import phase_deployments
 from hydraulis.planner.planner import Planner
@@ -303,31 +303,6 @@ def refine(
     return candidates, times
 
 
-def interleave_pool(
-    cost: CostModel, cluster: ClusterSpec, pool: Sequence[Deployment], sample: Sequence[np.ndarray]
-) -> tuple[tuple[Deployment, ...], np.ndarray]:
-    """The pool with each deployment's deep configs interleaved at one vp (of `ParallelConfig.vp_choices`, on the
-    same devices) where the phased planner then runs the samples faster, one deployment at a time; its memory is
-    counted by the caps of the interleaved configs. The sample's phased times after it."""
-    from hydraulis.planner.phases import PhasedPlanner
-
-    def total(deployments: Sequence[Deployment]) -> np.ndarray:
-        planner = PhasedPlanner(cost, cluster.num_gpus, tuple(deployments))
-        return np.array([planner.schedule(b, step).iteration_time_s for step, b in enumerate(sample)])
-
-    out, best = list(pool), total(pool)
-    for k, d in enumerate(pool):
-        for v in sorted({v for g in d.configs for v in g.vp_choices(cost.model)}, reverse=True):
-            configs = [g.interleaved(v) if v in g.vp_choices(cost.model) else g for g in d.configs]
-            trial = [*out[:k], Deployment(tuple(Replica(g, r.devices) for g, r in zip(configs, d.replicas,
-                                                                                    strict=True))), *out[k + 1:]]
-            with contextlib.suppress(HydraulisError):
-                times = total(trial)
-                if times.sum() < best.sum() * (1 - MIN_REFINE):
-                    out, best = trial, times
-    return tuple(out), best
-
-
 def greedy_pool(times: np.ndarray, first: int, max_pool: int, min_gain: float = 0.002) -> list[int]:
     """Row indices: `first`, then the rows that most lower sum over batches of the row-wise minimum."""
     chosen = [first]
@@ -382,11 +357,11 @@ def propose(
     screen: int = 10,
     max_length: int | None = None,
     progress: Progress | None = None,
-    interleave: bool = False,
 ) -> Proposal:
-    """Propose a pool of at most `max_pool` deployments for batches like `batches`; its fallback holds `max_length`
-    (default: the longest sampled sequence). `interleave`: deep configs may run interleaved 1F1B where that pays
-    (`interleave_pool`); off by default, as the runtime runs vp = 1."""
+    """Propose a pool of at most `max_pool` deployments for batches like `batches`.
+
+    The fallback holds `max_length` (default: the longest sampled sequence).
+    """
     start = time.perf_counter()
     if method not in METHODS:
         raise HydraulisError(f"unknown proposal method {method!r}; use one of {', '.join(METHODS)}")
@@ -430,8 +405,6 @@ def propose(
         pool_deployments = (pool_deployments[0], *extra)
         rows = {str(d): times_all[k] for k, d in enumerate(candidates)}
         times = np.array([rows.get(str(d), np.full(len(sample), np.inf)) for d in pool_deployments])
-    if interleave and method == "hydraulis":
-        pool_deployments, phased = interleave_pool(cost, cluster, pool_deployments, sample)
     return Proposal(
         pool=Pool(cost.name, cluster, pool_deployments, usage),
         method=method,
