@@ -168,3 +168,23 @@ def test_configs_name_parse_and_validate_vp():
         ParallelConfig(4, 8, 1, 3).validate(model)
     with pytest.raises(HydraulisError, match="needs a pipeline"):
         ParallelConfig(1, 1, 1, 2)
+
+
+def test_an_interleaved_plan_round_trips_its_vp_and_plain_rows_stay_as_they_were():
+    cluster = ClusterSpec(16)
+    dep = Deployment.parse("1x(tp1,pp8,vp2) + 2x(tp2,pp2)", cluster)
+    plan = plan_from_assignment(0, [4096, 2048, 1024], dep, [[[0], [1]], [[2]], []], 0.0)
+    data = plan.to_dict()
+    assert [row.get("vp") for row in data["deployment"]] == [2, None, None]
+    back = type(plan).from_dict(data, cluster, "plan")
+    assert back.deployment.configs == dep.configs and str(back.deployment) == "1x(tp1,pp8,vp2) + 2x(tp2,pp2)"
+
+
+def test_with_interleaving_offers_each_recipe_vp_at_the_same_coefficients():
+    cost = load_cost_model("llama-70b@h100-80g+cp")
+    wide = cost.with_interleaving()
+    extra = set(wide.configs) - set(cost.configs)
+    assert extra and all(g.vp > 1 and g.base in cost.configs and g.vp in g.base.vp_choices(cost.model) for g in extra)
+    assert ParallelConfig(4, 8, 1, 5) in extra and not any(g.pp <= 2 for g in extra)
+    g = ParallelConfig(4, 8, 1, 5)
+    assert wide.coefficients(g) == cost.coefficients(g.base) and wide.name == f"{cost.name}+vp"
