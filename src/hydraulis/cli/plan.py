@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,6 +13,7 @@ from hydraulis.cli.app import app
 from hydraulis.cli.common import (
     DtypeOption,
     GpusPerNodeOption,
+    InterleaveOption,
     MemoryPerRankOption,
     NumBatchesOption,
     ProfileOption,
@@ -61,6 +63,7 @@ def plan(
     memory_per_rank: str = MemoryPerRankOption,
     dtype: str = DtypeOption,
     memory_policies: bool = MemoryPoliciesOption,
+    interleave: bool = InterleaveOption,
 ) -> None:
     """Choose a deployment, dispatch and pack each global batch of a workload."""
     from rich.progress import Progress
@@ -76,10 +79,10 @@ def plan(
     cost, cluster, work = load_job(
         profile, gpus, gpus_per_node, workload, tokens_per_batch, num_batches, seed, memory_per_rank, dtype
     )
-    cost = cost.with_policies(memory_policies)
+    cost = (cost.with_interleaving() if interleave else cost).with_policies(memory_policies)
     deployments = parse_pool(pool, cluster) if pool else None
     batches = _within_caps(work.batches, largest_cap(cost, cluster, deployments), overlong, workload, cost)
-    ctx = PolicyContext.build(cost, cluster, batches, deployments)
+    ctx = dataclasses.replace(PolicyContext.build(cost, cluster, batches, deployments), interleave=interleave)
     proposes = deployments is None and policy == "hydraulis"
     with err_console.status("proposing a deployment pool from the workload" if proposes else "preparing"):
         chosen = make_policy(policy, ctx)
