@@ -376,3 +376,58 @@ def _timeline(config: ParallelConfig, lanes: list[_Lane], rows: list, keep_event
     end = max((lane.finished for lane in lanes), default=0.0)
     events = np.array(rows, dtype=np.float64).reshape(-1, 5) if keep_events else None
     return ReplicaTimeline(float(end), busy, events)
+
+
+# -- zero-bubble oracle --------------------------------------------------------------------------------
+# The backward split into B (input gradients, on the critical path) and W (weight gradients, free to wait):
+# each stage runs its forwards and B's in 1F1B order and fits its pending W's, each of its own length, into the
+# gaps its inputs leave, as ZB-H1 (Qi et al., ICLR 2024) does at 1F1B's memory: a W still pending keeps its
+# micro-batch's activations, so before a forward would hold more than 1F1B's pp - s micro-batches, the oldest
+# W's run first. An oracle: the simulator's only (the runtime runs 1F1B).
+
+
+def zero_bubble_replica(
+    forward_s: Sequence[float], input_grad_s: Sequence[float], weight_grad_s: Sequence[float], pp: int,
+    p2p_s: Sequence[float] | float = 0.0,
+) -> tuple[float, list[int]]:
+    """The replica's time under the zero-bubble oracle and each stage's most micro-batches held at once."""
+    m = len(forward_s)
+    comm = np.broadcast_to(np.asarray(p2p_s, dtype=np.float64), (m,)).tolist()
+    sweep = _sweep(pp, m)
+    clock, end = [0.0] * pp, [0.0] * len(sweep.stage)
+    pending: list[list[int]] = [[] for _ in range(pp)]  # micro-batches whose W waits, oldest first
+    held, peak = [0] * pp, [0] * pp
+    w = list(map(float, weight_grad_s))
+    for e, (s, j, kind, d) in enumerate(zip(sweep.stage, sweep.micro_batch.tolist(), sweep.kind, sweep.dep,
+                                            strict=True)):
+        ready = end[d] + (comm[j] if sweep.transfer[e] else 0.0) if d >= 0 else 0.0
+        if kind == FORWARD:
+            while pending[s] and held[s] >= pp - s:  # memory: 1F1B's in flight at most
+                clock[s] += w[pending[s][0]]
+                held[s] -= 1
+                pending[s].pop(0)
+        while pending[s] and clock[s] + w[pending[s][0]] <= ready:  # the gap before the input: W's that fit
+            clock[s] += w[pending[s][0]]
+            held[s] -= 1
+            pending[s].pop(0)
+        start = max(clock[s], ready)
+        end[e] = clock[s] = start + (forward_s[j] if kind == FORWARD else input_grad_s[j])
+        if kind == FORWARD:
+            held[s] += 1
+            peak[s] = max(peak[s], held[s])
+        else:
+            pending[s].append(j)
+    return max(c + sum(w[j] for j in rest) for c, rest in zip(clock, pending, strict=True)), peak
+
+
+def zero_bubble_split(plan: IterationPlan, replica: int, cost: CostModel) -> tuple[list[float], ...]:
+    """Each micro-batch's forward, B and W seconds on one stage: W is the weight gradients' share, the
+    per-token b term's half of the backward (attention's a s^2 has no weights; c stays with B)."""
+    config = plan.deployment.replicas[replica].config
+    times, _ = replica_stage_times(plan, replica, cost)
+    b = cost.coefficients(config).b
+    tokens = [int(s.sum()) for s in plan.micro_batch_lengths(replica)]
+    weight = [b * cost.policy_scale(config, plan.policy(replica, k))[1] * n * (1 - FORWARD_SHARE) / 2
+              for k, n in enumerate(tokens)]
+    forward = [t * FORWARD_SHARE for t in times]
+    return forward, [t * (1 - FORWARD_SHARE) - wk for t, wk in zip(times, weight, strict=True)], weight
