@@ -29,6 +29,8 @@ test_activations.py` checks these counts against the tensors torch saves.
 
 from __future__ import annotations
 
+import functools
+
 from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import ModelSpec
@@ -199,6 +201,7 @@ def held_layers(model: ModelSpec, config: ParallelConfig, held: int | None) -> i
     return model.layers // (config.pp * config.vp) * held
 
 
+@functools.lru_cache(maxsize=4096)
 def interleave_group(pp: int, micro_batches: int) -> int:
     """Megatron's micro-batch group of interleaved 1F1B (microbatch_group_size_per_vp_stage) for M micro-batches:
     the smallest N >= pp whose last group is whole or holds at least pp (Megatron refuses a shorter last group,
@@ -209,6 +212,7 @@ def interleave_group(pp: int, micro_batches: int) -> int:
     return next(n for n in range(pp, micro_batches + 1) if micro_batches % n == 0 or micro_batches % n >= pp)
 
 
+@functools.lru_cache(maxsize=1024)
 def worst_count(config: ParallelConfig, stage: int) -> int:
     """The micro-batch count of at least two that makes a stage hold the most chunks at once: the count a cap for
     any count is for (1F1B: pp + 1, more than in flight; interleaved, the largest warm-up over counts to 4 pp)."""
