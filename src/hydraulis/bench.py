@@ -178,9 +178,11 @@ def run_policies(
                                                      for lightest in (False, True))}.values())
     for policy_name in policies:
         if policy_name == "hydraulis" and memory_policies:
-            # its own lever beside the same run-wide choice: with full recompute where needed, or without
-            tried = [_run_policy(policy_name, _with_policies(c), batches)
-                     for c in {c.cost.name: c for c in (ctx, contexts[0])}.values()]
+            # its own lever beside the same run-wide choice: with full recompute where needed, or without; and, as
+            # the baselines, plain 1F1B where interleaving's larger config space proposes a slower pool
+            run_wide = {c.cost.name: c for c in (ctx, contexts[0])}.values()
+            tried = [_run_policy(policy_name, _with_policies(dataclasses.replace(c, interleave=on)), batches)
+                     for c in run_wide for on in dict.fromkeys((ctx.interleave, False))]
         else:
             tried = [_run_policy(policy_name, c, batches) for c in contexts]
         run = min(tried, key=lambda r: sum(r[1]))
