@@ -15,7 +15,10 @@ the ratio time(200K) / time(10K) (20x the sequences; n log n would be about
 26x, quadratic 400x). `--proposal` also times proposing a pool for 100K
 sequences on 64 GPUs and 200K on 1024 (targets: 60 s each).
 
-    PYTHONPATH=src python benchmarks/planning_time.py [--quick] [--proposal] [--bench-only]
+`--interleave` times the bench's planner as `hydraulis bench` runs it now: its configs also interleaved
+(`CostModel.with_interleaving`), with memory policies per micro-batch, beside the same without interleaving.
+
+    PYTHONPATH=src python benchmarks/planning_time.py [--quick] [--proposal] [--bench-only] [--interleave]
 """
 
 from __future__ import annotations
@@ -80,14 +83,16 @@ BENCH_CASE = CASES[3]  # 70b-256g-longmix-4m-64k
 REPEATS = 3
 
 
-def bench_planning(memory_policies: bool) -> bool:
-    """The bench's hydraulis on the 256-GPU case, with or without memory policies per micro-batch: per-iteration
-    planning, the median of REPEATS each; whether the slowest is within the target."""
+def bench_planning(memory_policies: bool, interleave: bool = False) -> bool:
+    """The bench's hydraulis on the 256-GPU case, with or without memory policies per micro-batch (and its
+    configs' interleaved forms): per-iteration planning, the median of REPEATS each; whether the slowest is within
+    the target."""
     from hydraulis.baselines import make_policy
     from hydraulis.planner.policy import PolicyContext
 
     scenario, target = BENCH_CASE
-    cost = load_cost_model(scenario.profile).with_policies(memory_policies)
+    cost = load_cost_model(scenario.profile)
+    cost = (cost.with_interleaving() if interleave else cost).with_policies(memory_policies)
     batches = scenario.sample(scenario.seed)
     t = time.perf_counter()
     sample = scenario.sample(scenario.seed + 1000, 4)
@@ -102,7 +107,8 @@ def bench_planning(memory_policies: bool) -> bool:
         iteration.append(runs[0].iteration_time_s)
     worst = max(medians)
     print(
-        f"{scenario.name}, bench's planner, memory policies {'per micro-batch' if memory_policies else 'off'}: "
+        f"{scenario.name}, bench's planner, memory policies {'per micro-batch' if memory_policies else 'off'}"
+        f"{', interleaving weighed' if interleave else ''}: "
         f"pool of {len(pool)} (proposed in {built:.1f} s); planning mean {np.mean(medians) * 1e3:.0f} ms, "
         f"max {worst * 1e3:.0f} ms (median of {REPEATS} each; target {target * 1e3:.0f} ms) "
         f"{'ok' if worst <= target else 'MISSED'}; simulated iterations {', '.join(f'{x:.3f}' for x in iteration)} s"
@@ -110,11 +116,13 @@ def bench_planning(memory_policies: bool) -> bool:
     return worst <= target
 
 
-def main(quick: bool, with_proposal: bool = False, bench_only: bool = False) -> int:
+def main(quick: bool, with_proposal: bool = False, bench_only: bool = False, interleave: bool = False) -> int:
     failed = 0
     if quick and bench_only:
         print("--quick leaves out the bench's 256-GPU case that --bench-only runs: give one of them", file=sys.stderr)
         return 2
+    if interleave:  # the bench's planner now, beside the same without interleaving, one after the other
+        return 1 if sum(not bench_planning(True, on) for on in (False, True)) else 0
     if not quick:
         failed += sum(not bench_planning(on) for on in (False, True))
     if bench_only:
@@ -146,4 +154,5 @@ def main(quick: bool, with_proposal: bool = False, bench_only: bool = False) -> 
 
 
 if __name__ == "__main__":
-    sys.exit(main("--quick" in sys.argv, "--proposal" in sys.argv, "--bench-only" in sys.argv))
+    sys.exit(main("--quick" in sys.argv, "--proposal" in sys.argv, "--bench-only" in sys.argv,
+                  "--interleave" in sys.argv))

@@ -34,6 +34,7 @@ from hydraulis.specs import ClusterSpec
 
 BENCH_SCHEMA = "hydraulis.bench/1"
 BASELINE = "megatron"
+INTERLEAVING = ("megatron", "token-balanced", "flops-balanced", "hotspa")  # baselines that run the recipes' vp
 REFERENCE = "hydraulis-reference"
 
 LengthSource = Callable[[int], tuple[np.ndarray, np.ndarray]]
@@ -148,6 +149,7 @@ class PolicyResult:
     iteration_times_s: tuple[float, ...]
     deployments: dict[str, int] = field(default_factory=dict)  # phase deployment -> how often used
     speedup_vs_megatron: float = math.nan
+    tokens_per_s_vp1: float | None = None  # a baseline that interleaves: its tokens/s under plain 1F1B (before)
 
 
 def run_policies(
@@ -169,24 +171,31 @@ def run_policies(
     over the cost models the policies plan on (megatron-dcp's adds its CP group sizes), by each iteration's
     time: how far each policy is from the best possible.
     """
-    runs = []
+    runs, vp1 = [], {}
     contexts = [ctx]
     if ctx.user_pool is None:  # the user's pool is planned as given
         contexts = list({c.cost.name: c for c in (ctx.recompute_where_needed(lone=False, lightest=lightest)
                                                      for lightest in (False, True))}.values())
     for policy_name in policies:
         if policy_name == "hydraulis" and memory_policies:
-            # its own lever beside the same run-wide choice: with full recompute where needed, or without
-            tried = [_run_policy(policy_name, _with_policies(c), batches)
-                     for c in {c.cost.name: c for c in (ctx, contexts[0])}.values()]
+            # its own lever beside the same run-wide choice: with full recompute where needed, or without; and, as
+            # the baselines, plain 1F1B where interleaving's larger config space proposes a slower pool
+            run_wide = {c.cost.name: c for c in (ctx, contexts[0])}.values()
+            tried = [_run_policy(policy_name, _with_policies(dataclasses.replace(c, interleave=on)), batches)
+                     for c in run_wide for on in dict.fromkeys((ctx.interleave, False))]
         else:
             tried = [_run_policy(policy_name, c, batches) for c in contexts]
         run = min(tried, key=lambda r: sum(r[1]))
+        if policy_name in INTERLEAVING and ctx.interleave:  # before it gained interleaving, the same way
+            before = min((_run_policy(policy_name, dataclasses.replace(c, interleave=False), batches)
+                          for c in contexts), key=lambda r: sum(r[1]))
+            vp1[policy_name] = sum(int(b.sum()) for b in batches) / sum(before[1])
+            run = min(run, before, key=lambda r: sum(r[1]))  # its users keep plain 1F1B where that is faster
         if keep:
             for step, schedule in enumerate(run[4]):
                 keep(policy_name, step, schedule)
         runs.append((policy_name, *run[:4]))
-    bounds = scenario_bounds(batches, [r[1] for r in runs], ctx.num_gpus)
+    bounds = scenario_bounds(batches, [r[1] for r in runs], ctx.num_gpus, ctx.interleave)
     tokens = sum(int(b.sum()) for b in batches)
     results = [
         PolicyResult(
@@ -197,6 +206,7 @@ def run_policies(
             float(np.mean(planning) * 1e3),
             tuple(times),
             used,
+            tokens_per_s_vp1=vp1.get(policy_name),
         )
         for policy_name, _, times, planning, used in runs
     ]
@@ -205,9 +215,10 @@ def run_policies(
 
 
 def _with_policies(ctx: PolicyContext) -> PolicyContext:
-    """`ctx` whose planner chooses a memory policy per micro-batch (`CostModel.with_policies`)."""
-    cost = ctx.cost.with_policies(True)
-    cost.name = f"{ctx.cost.name}+policies"
+    """`ctx` whose planner chooses a memory policy per micro-batch (`CostModel.with_policies`), and where plans may
+    interleave, its configs' interleaved forms beside them (`CostModel.with_interleaving`)."""
+    cost = (ctx.cost.with_interleaving() if ctx.interleave else ctx.cost).with_policies(True)
+    cost.name = f"{cost.name}+policies"
     return dataclasses.replace(ctx, cost=cost)
 
 
@@ -228,24 +239,29 @@ def _run_policy(
     return policy.cost, times, planning, used, schedules
 
 
-def scenario_bounds(batches: list[np.ndarray], costs: list[CostModel], num_gpus: int) -> list[float]:
-    """Per batch, the least lower bound over these cost models (those that hold the batch at all)."""
+def scenario_bounds(
+    batches: list[np.ndarray], costs: list[CostModel], num_gpus: int, interleave: bool = False
+) -> list[float]:
+    """Per batch, the least lower bound over these cost models (those that hold the batch at all; `interleave`:
+    with their configs' interleaved bubbles too)."""
     unique = {c.name: c for c in costs}.values()
     out = []
     for b in batches:
         held = []
         for cost in unique:
             with contextlib.suppress(HydraulisError):  # a model that holds no config for it bounds nothing
-                held.append(lower_bound(b, cost, num_gpus))
+                held.append(lower_bound(b, cost, num_gpus, interleave=interleave))
         out.append(min(held) if held else math.nan)
     return out
 
 
-def run_scenario(scenario: Scenario, policies: Iterable[str]) -> list[PolicyResult]:
+def run_scenario(scenario: Scenario, policies: Iterable[str], interleave: bool = True) -> list[PolicyResult]:
+    """`interleave` off: every policy runs plain 1F1B, the bench as it was before interleaving."""
     cost = load_cost_model(scenario.profile)
     cluster = ClusterSpec(scenario.num_gpus)
     batches = scenario.sample(scenario.seed)
     ctx = PolicyContext.build(cost, cluster, batches, sample=scenario.sample(scenario.seed + 1000, 4))
+    ctx = dataclasses.replace(ctx, interleave=interleave)
     return run_policies(scenario.name, ctx, batches, policies, memory_policies=True)
 
 
@@ -303,7 +319,8 @@ def summarize(results: list[PolicyResult], scenarios: list[Scenario]) -> dict:
 
 
 def run_bench(
-    scenarios: list[Scenario], policies: list[str], on_scenario: Callable[[Scenario], None] | None = None
+    scenarios: list[Scenario], policies: list[str], on_scenario: Callable[[Scenario], None] | None = None,
+    interleave: bool = True,
 ) -> dict:
     for p in policies:
         if p not in POLICIES:
@@ -313,14 +330,15 @@ def run_bench(
     start = time.perf_counter()
     results: list[PolicyResult] = []
     for s in scenarios:
-        results += run_scenario(s, policies)
+        results += run_scenario(s, policies, interleave)
         if on_scenario:
             on_scenario(s)
     return {
         "schema": BENCH_SCHEMA,
         "scenarios": [asdict(s) for s in scenarios],
         "policies": policies,
-        "results": [{**asdict(r), "iteration_times_s": list(r.iteration_times_s)} for r in results],
+        "results": [{**{k: v for k, v in asdict(r).items() if v is not None},  # tokens_per_s_vp1 where it is one
+                     "iteration_times_s": list(r.iteration_times_s)} for r in results],
         "summary": summarize(results, scenarios),
         "wall_s": time.perf_counter() - start,
     }

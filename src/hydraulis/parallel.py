@@ -22,6 +22,8 @@ from hydraulis.files import Fields
 from hydraulis.limits import MAX_GPUS
 from hydraulis.specs import ClusterSpec, ModelSpec
 
+MAX_VP, MIN_CHUNK_LAYERS = 8, 2  # the interleaving the published recipes run (`ParallelConfig.vp_choices`)
+
 # What a pipeline stage runs for a micro-batch: the simulator's timelines (planner/sim.py) and the runtime's 1F1B
 # (runtime/pipeline.py) name their events with these.
 FORWARD, BACKWARD = 0, 1
@@ -29,15 +31,21 @@ FORWARD, BACKWARD = 0, 1
 
 @dataclass(frozen=True, order=True)
 class ParallelConfig:
+    """tp x pp x cp GPUs; `vp` virtual stages (model chunks) per pipeline rank, run as interleaved 1F1B
+    (planner/sim.py): 1, the plain 1F1B, is every config's default and what the runtime runs today."""
+
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    vp: int = 1
 
     def __post_init__(self) -> None:
-        for field in ("tp", "pp", "cp"):
+        for field in ("tp", "pp", "cp", "vp"):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise HydraulisError(f"parallel config: {field} must be a positive integer, got {value!r}")
+        if self.vp > 1 and self.pp == 1:
+            raise HydraulisError(f"parallel config: vp={self.vp} needs a pipeline; use vp = 1 with pp = 1")
 
     @property
     def num_gpus(self) -> int:
@@ -48,25 +56,46 @@ class ParallelConfig:
         """GPUs of one pipeline stage: cp TP groups of tp GPUs each."""
         return self.tp * self.cp
 
+    @property
+    def base(self) -> ParallelConfig:
+        """The same GPUs run without interleaving: what the cost model's coefficients and measurements are of."""
+        return self if self.vp == 1 else ParallelConfig(self.tp, self.pp, self.cp)
+
+    def interleaved(self, vp: int) -> ParallelConfig:
+        """This config's GPUs with `vp` model chunks per pipeline rank."""
+        return ParallelConfig(self.tp, self.pp, self.cp, vp)
+
+    def vp_choices(self, model: ModelSpec) -> tuple[int, ...]:
+        """The vp > 1 a user of interleaving runs here, largest first: above pp = 2, those of at most MAX_VP that
+        cut each stage's layers into chunks of at least MIN_CHUNK_LAYERS (Megatron-LM's Llama-3 recipes: 70B
+        PP8 VP5, 405B PP8 VP8; Megatron-Bridge's 70B PP4 VP5); none at pp <= 2 or where the layers do not split."""
+        per_stage = model.layers // self.pp
+        if self.pp <= 2 or model.layers % self.pp:
+            return ()
+        return tuple(v for v in range(MAX_VP, 1, -1) if per_stage % v == 0 and per_stage // v >= MIN_CHUNK_LAYERS)
+
     def cp_spans_nodes(self, gpus_per_node: int) -> bool:
         """Whether a stage's CP group crosses nodes (placement keeps a stage that fits in one node)."""
         return self.cp > 1 and self.group_size > gpus_per_node
 
     @property
     def name(self) -> str:
-        return f"tp{self.tp}pp{self.pp}" + (f"cp{self.cp}" if self.cp > 1 else "")
+        return f"tp{self.tp}pp{self.pp}" + (f"cp{self.cp}" if self.cp > 1 else "") + (
+            f"vp{self.vp}" if self.vp > 1 else "")
 
     def __str__(self) -> str:
         return self.name
 
     def compact(self) -> str:
-        return f"(tp{self.tp},pp{self.pp}" + (f",cp{self.cp})" if self.cp > 1 else ")")
+        return (f"(tp{self.tp},pp{self.pp}" + (f",cp{self.cp}" if self.cp > 1 else "")
+                + (f",vp{self.vp}" if self.vp > 1 else "") + ")")
 
-    _PATTERN = re.compile(r"tp\s*(\d+)\s*,?\s*pp\s*(\d+)\s*(?:,?\s*cp\s*(\d+))?")
+    _PATTERN = re.compile(r"tp\s*(\d+)\s*,?\s*pp\s*(\d+)\s*(?:,?\s*cp\s*(\d+))?\s*(?:,?\s*vp\s*(\d+))?")
 
     @classmethod
     def parse(cls, text: str) -> ParallelConfig:
-        """Accepts `tp2pp1`, `tp2,pp1`, `(tp2,pp1,cp2)`: parentheses around the whole of it, or none."""
+        """Accepts `tp2pp1`, `tp2,pp1`, `(tp2,pp1,cp2)`, `(tp4,pp8,vp5)`: parentheses around the whole of it, or
+        none."""
         body = text.strip().lower()
         if body.startswith("(") and body.endswith(")"):
             body = body[1:-1].strip()
@@ -76,21 +105,29 @@ class ParallelConfig:
                 f"cannot parse parallel config {text.strip()!r}{_unbalanced(text)}; "
                 "write it like 'tp2pp1' or '(tp2,pp1)'"
             )
-        tp, pp, cp = match.groups()
-        return cls(int(tp), int(pp), int(cp or 1))
+        tp, pp, cp, vp = match.groups()
+        return cls(int(tp), int(pp), int(cp or 1), int(vp or 1))
 
     @classmethod
     def from_fields(cls, f: Fields) -> ParallelConfig:
-        """A config from a JSON row's `tp`, `pp` and `cp` (default 1) fields."""
+        """A config from a JSON row's `tp`, `pp`, `cp` and `vp` (default 1) fields."""
         return cls(
             f.int("tp", minimum=1, maximum=MAX_GPUS),
             f.int("pp", minimum=1, maximum=MAX_GPUS),
             f.int("cp", default=1, minimum=1, maximum=MAX_GPUS),
+            f.int("vp", default=1, minimum=1, maximum=MAX_GPUS),
         )
+
+    def row(self) -> dict[str, int]:
+        """The JSON fields `from_fields` reads; `vp` only where it is not 1 (files of plain 1F1B stay as they were)."""
+        return {"tp": self.tp, "pp": self.pp, "cp": self.cp, **({"vp": self.vp} if self.vp > 1 else {})}
 
     def validate(self, model: ModelSpec) -> None:
         if model.layers % self.pp:
             raise HydraulisError(f"{self.name}: {model.name} has {model.layers} layers, not divisible by pp={self.pp}")
+        if model.layers % (self.pp * self.vp):
+            raise HydraulisError(f"{self.name}: {model.name} has {model.layers} layers, not divisible into pp x vp = "
+                                 f"{self.pp * self.vp} chunks; use a vp that divides {model.layers // self.pp}")
         if model.heads % self.tp:
             raise HydraulisError(f"{self.name}: {model.name} has {model.heads} heads, not divisible by tp={self.tp}")
         if model.kv_heads % self.tp and self.tp % model.kv_heads:
@@ -194,9 +231,9 @@ class Deployment:
         return cls.place(parse_deployment_configs(text), cluster)
 
     def to_rows(self) -> list[dict[str, Any]]:
-        """The JSON form of plan and pool files: one {tp, pp, cp, devices} row per replica."""
+        """The JSON form of plan and pool files: one {tp, pp, cp, [vp,] devices} row per replica."""
         return [
-            {"tp": r.config.tp, "pp": r.config.pp, "cp": r.config.cp, "devices": list(r.devices)} for r in self.replicas
+            {**r.config.row(), "devices": list(r.devices)} for r in self.replicas
         ]
 
     @classmethod

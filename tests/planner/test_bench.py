@@ -291,3 +291,32 @@ def test_bench_lists_a_group_and_refuses_an_unknown_one(cli, tmp_path):
     bad = cli("bench", "--group", "huge", "--out", str(tmp_path / "out"))
     assert bad.returncode == 2 and "unknown scenario group 'huge'" in bad.stderr and "Traceback" not in bad.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_baselines_interleave_as_the_recipes_do_and_report_their_plain_figure(interleave):
+    """With interleaving, megatron and hotspa run the recipes' vp above PP 2 where it is faster, and report their
+    plain-1F1B tokens/s beside it; with it off (`bench --vp1`) no schedule holds a vp and nothing is reported."""
+    from hydraulis.baselines.homogeneous import recipe_interleaving
+    from hydraulis.bench import run_policies
+    from hydraulis.cost import load_cost_model
+    from hydraulis.parallel import ParallelConfig
+    from hydraulis.planner.policy import PolicyContext
+    from hydraulis.specs import ClusterSpec
+
+    cost = load_cost_model("llama-70b@h100-80g+cp")
+    batch = np.array([16000] + [3000, 800] * 20)
+    ctx = dataclasses.replace(PolicyContext.build(cost, ClusterSpec(64), [batch]), interleave=interleave)
+    seen: set[int] = set()
+    keep = lambda policy, step, schedule: seen.update(r.config.vp for p in schedule.phases  # noqa: E731
+                                                      for r in p.deployment.replicas)
+    results = run_policies("t", ctx, [batch], ["megatron", "hotspa"], keep=keep)
+    for r in results:
+        if interleave:
+            assert r.tokens_per_s_vp1 is not None and r.tokens_per_s >= r.tokens_per_s_vp1 * (1 - 1e-12)
+        else:
+            assert r.tokens_per_s_vp1 is None
+    assert (max(seen) > 1) == interleave  # hotspa runs tp?pp8 interleaved on some range
+    deep = ParallelConfig(4, 8)
+    assert recipe_interleaving(ctx, deep, 1024) == (deep.interleaved(5) if interleave else deep)
+    assert recipe_interleaving(ctx, ParallelConfig(4, 2), 1024) == ParallelConfig(4, 2)  # PP 2: none

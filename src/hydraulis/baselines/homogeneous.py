@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from hydraulis.errors import HydraulisError
-from hydraulis.parallel import Deployment
+from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.dispatch import karmarkar_karp
 from hydraulis.planner.packing import check_cap, first_fit_decreasing
 from hydraulis.planner.plan import IterationPlan
@@ -44,6 +44,22 @@ def data_order_packing(lengths: np.ndarray, cap: int) -> list[list[int]]:
     return out
 
 
+def recipe_interleaving(ctx: PolicyContext, config: ParallelConfig, longest: int) -> ParallelConfig:
+    """`config` with the interleaving its users run (`ParallelConfig.vp_choices`, the largest whose cap still holds
+    the run's `longest` sequence, as they would shrink it before the run ran out of memory); itself without. Off
+    where the context says so (`PolicyContext.interleave`: the bench's before-and-after)."""
+    return next((g for g in interleavings(ctx, config) if ctx.cost.cap(g, ctx.num_gpus) >= longest), config)
+
+
+def interleavings(ctx: PolicyContext, config: ParallelConfig) -> list[ParallelConfig]:
+    """`config` with each vp of `ParallelConfig.vp_choices` whose cap holds anything, largest vp first; none where
+    `PolicyContext.interleave` is off."""
+    if not ctx.interleave:
+        return []
+    held = (config.interleaved(v) for v in config.vp_choices(ctx.cost.model))
+    return [g for g in held if ctx.cost.cap(g, ctx.num_gpus) > 0]
+
+
 class Homogeneous:
     """One homogeneous deployment for the run; `assign` decides which replica runs which sequences."""
 
@@ -54,7 +70,7 @@ class Homogeneous:
         if deployment is None:
             # packed to the cap whatever the micro-batch count: no lone micro-batches (packing.py)
             config = fallback_config(ctx.cost, ctx.cluster, ctx.run_max_length, ctx.sample, lone=False)
-            deployment = homogeneous(config, ctx.cluster)
+            deployment = homogeneous(recipe_interleaving(ctx, config, ctx.run_max_length), ctx.cluster)
         self.deployment = deployment
         self.replica = ReplicaCost.of(ctx.cost, deployment.configs[0], ctx.num_gpus)
         assigners: dict[str, Callable[[np.ndarray], list[list[list[int]]]]] = {

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from hydraulis.baselines.homogeneous import Homogeneous
+from hydraulis.baselines.homogeneous import Homogeneous, interleavings
 from hydraulis.errors import OverlongError
 from hydraulis.planner.phases import homogeneous_split
 from hydraulis.planner.planner import check_lengths
@@ -45,7 +45,9 @@ class HotSpa:
     def __init__(self, ctx: PolicyContext) -> None:
         self.ctx = ctx
         self.cost = ctx.cost
-        self.configs = replicable_configs(ctx.cost, ctx.cluster)
+        # Each config as its users may run it: with any interleaving of the recipes (`ParallelConfig.vp_choices`)
+        # whose cap holds a range, or without, for the longer ranges interleaving's smaller cap leaves out.
+        self.configs = [v for g in replicable_configs(ctx.cost, ctx.cluster) for v in (*interleavings(ctx, g), g)]
         self.caps = np.array([ctx.cost.cap(g, ctx.num_gpus) for g in self.configs])
         self.switch_s = switch_time(ctx)
         self._phase = {g: Homogeneous.on(ctx, homogeneous(g, ctx.cluster), "flops-balanced") for g in self.configs}

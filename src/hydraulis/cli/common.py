@@ -40,6 +40,10 @@ MemoryPerRankOption = typer.Option(
     help="What one rank's tensors may hold ('96MiB', '70GB'): the caps use it in place of the device's memory.",
 )
 DtypeOption = typer.Option("bf16", "--dtype", help="Compute dtype the caps are for: bf16 or fp32.")
+InterleaveOption = typer.Option(
+    False, "--interleave", help="Also weigh interleaved 1F1B for configs above pp 2 (vp of Megatron's recipes); "
+    "planned and simulated only: `hydraulis train` runs vp = 1."
+)
 
 
 def cost_model(profile: str, memory_per_rank: str | None = None, dtype: str = "bf16") -> CostModel:

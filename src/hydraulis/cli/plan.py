@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,6 +13,7 @@ from hydraulis.cli.app import app
 from hydraulis.cli.common import (
     DtypeOption,
     GpusPerNodeOption,
+    InterleaveOption,
     MemoryPerRankOption,
     NumBatchesOption,
     ProfileOption,
@@ -62,6 +64,7 @@ def plan(
     memory_per_rank: str = MemoryPerRankOption,
     dtype: str = DtypeOption,
     memory_policies: bool = MemoryPoliciesOption,
+    interleave: bool = InterleaveOption,
 ) -> None:
     """Choose a deployment, dispatch and pack each global batch of a workload."""
     from rich.progress import Progress
@@ -77,10 +80,10 @@ def plan(
     cost, cluster, work = load_job(
         profile, gpus, gpus_per_node, workload, tokens_per_batch, num_batches, seed, memory_per_rank, dtype
     )
-    cost = cost.with_policies(memory_policies)
+    cost = (cost.with_interleaving() if interleave else cost).with_policies(memory_policies)
     deployments = parse_pool(pool, cluster) if pool else None
     batches = _within_caps(work.batches, largest_cap(cost, cluster, deployments), overlong, workload, cost)
-    ctx = PolicyContext.build(cost, cluster, batches, deployments)
+    ctx = dataclasses.replace(PolicyContext.build(cost, cluster, batches, deployments), interleave=interleave)
     proposes = deployments is None and policy == "hydraulis"
     with err_console.status("proposing a deployment pool from the workload" if proposes else "preparing"):
         chosen = make_policy(policy, ctx)
@@ -155,6 +158,7 @@ def bench(
     ),
     out: Path = typer.Option(Path("bench-out"), "--out", "-o", help="Directory for bench.json and bench.png."),
     list_only: bool = typer.Option(False, "--list", help="List scenarios and policies, run nothing."),
+    vp1: bool = typer.Option(False, "--vp1", help="Every policy runs plain 1F1B (vp = 1), as before interleaving."),
 ) -> None:
     """Run every policy on built-in scenarios; print a table, write JSON and a PNG bar chart."""
     from rich.progress import Progress
@@ -179,7 +183,7 @@ def bench(
         return
     with Progress(console=err_console, transient=True) as progress:
         task = progress.add_task(f"{len(chosen)} scenario(s)", total=len(chosen))
-        report = run_bench(chosen, policies, lambda s: progress.advance(task))
+        report = run_bench(chosen, policies, lambda s: progress.advance(task), interleave=not vp1)
     with OutputSet() as outputs:  # both files or neither
         write_json_atomic(outputs.stage(out / "bench.json"), report)
         bench_plot(report, outputs.stage(out / "bench.png"))

@@ -11,6 +11,7 @@ from hydraulis.cli.app import app
 from hydraulis.cli.common import (
     DtypeOption,
     GpusPerNodeOption,
+    InterleaveOption,
     MemoryPerRankOption,
     NumBatchesOption,
     ProfileOption,
@@ -50,6 +51,7 @@ def propose(
     memory_per_rank: str = MemoryPerRankOption,
     dtype: str = DtypeOption,
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    interleave: bool = InterleaveOption,
 ) -> None:
     """Propose a pool: the homogeneous fallback plus heterogeneous deployments the planner will pick."""
     from hydraulis.files import check_output
@@ -59,6 +61,7 @@ def propose(
     cost, cluster, work = load_job(
         profile, gpus, gpus_per_node, workload, tokens_per_batch, num_batches, seed, memory_per_rank, dtype
     )
+    cost = cost.with_interleaving() if interleave else cost
     result = _propose_with_progress(cost, cluster, work, max_pool, method)
     save_pool(out, result.pool)
     summary = _summary(result, cost, gpus, method, out)

@@ -29,6 +29,8 @@ test_activations.py` checks these counts against the tensors torch saves.
 
 from __future__ import annotations
 
+import functools
+
 from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import ModelSpec
@@ -172,15 +174,48 @@ def kv_buffer_bytes(
     if config.cp == 1:
         return 0.0
     per_layer = 2 * kv_shard_dim(model, config.tp) * KV_BYTES
-    in_flight_layers = model.layers // config.pp * (config.pp if held is None else held)
+    in_flight_layers = held_layers(model, config, held)
     kept_layers = 1 if recompute == MemoryPolicy.FULL else in_flight_layers
     return kept_layers * per_layer * (1 - 1 / (2 * config.cp)) + LIVE_KV_COPIES * per_layer
 
 
 def in_flight(config: ParallelConfig, stage: int, micro_batches: int) -> int:
-    """Micro-batches whose activations a stage holds at once under 1F1B: min(pp - stage, M).
+    """Model chunks (each L / (pp vp) layers) whose activations a stage holds at once, under 1F1B min(pp - stage, M).
 
     Stage s warms up with min(pp - s - 1, M) forwards and then alternates one forward with one
     backward (runtime/pipeline.py), so a lone micro-batch on a deep replica is held once, not pp times.
+    Interleaved (vp > 1, planner/sim.py's `interleaved_order`), Megatron's warm-up: 2 (pp - s - 1) + (vp - 1) N
+    chunk forwards before the first backward (N = `interleave_group`), then one more, at most all M vp.
     """
-    return max(1, min(config.pp - stage, micro_batches))
+    if config.vp == 1:
+        return max(1, min(config.pp - stage, micro_batches))
+    warmup = 2 * (config.pp - stage - 1) + (config.vp - 1) * interleave_group(config.pp, micro_batches)
+    return max(1, min(warmup + 1, micro_batches * config.vp))
+
+
+def held_layers(model: ModelSpec, config: ParallelConfig, held: int | None) -> int:
+    """Layers whose activations a stage keeps for `held` chunks in flight (None: the first stage's at its worst
+    count, `worst_count`; under 1F1B pp chunks of L / pp layers, L in all)."""
+    if held is None:
+        held = in_flight(config, 0, worst_count(config, 0))
+    return model.layers // (config.pp * config.vp) * held
+
+
+@functools.lru_cache(maxsize=4096)
+def interleave_group(pp: int, micro_batches: int) -> int:
+    """Megatron's micro-batch group of interleaved 1F1B (microbatch_group_size_per_vp_stage) for M micro-batches:
+    the smallest N >= pp whose last group is whole or holds at least pp (Megatron refuses a shorter last group,
+    and its order then deadlocks); M itself below pp (every forward is then in the warm-up). Megatron's default is
+    pp with M a multiple of pp; a plan's micro-batch counts vary, so each replica gets the smallest that runs."""
+    if micro_batches <= pp:
+        return max(1, micro_batches)
+    return next(n for n in range(pp, micro_batches + 1) if micro_batches % n == 0 or micro_batches % n >= pp)
+
+
+@functools.lru_cache(maxsize=1024)
+def worst_count(config: ParallelConfig, stage: int) -> int:
+    """The micro-batch count of at least two that makes a stage hold the most chunks at once: the count a cap for
+    any count is for (1F1B: pp + 1, more than in flight; interleaved, the largest warm-up over counts to 4 pp)."""
+    if config.vp == 1:
+        return config.pp + 1
+    return max(range(2, 4 * config.pp + 1), key=lambda m: (in_flight(config, stage, m), m))

@@ -19,12 +19,14 @@ from hydraulis.context import max_rank_tokens
 from hydraulis.cost.activations import (
     backward_bytes,
     head_bytes,
+    held_layers,
     in_flight,
     kept_share,
     kv_buffer_bytes,
     loss_transient_bytes,
     recomputed_bytes,
     stack_bytes,
+    worst_count,
 )
 from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.cost.shards import head_is_embedding, layer_shard_params, shard_params
@@ -44,14 +46,11 @@ BUDGET_MARGIN = 0.1  # the largest share of a memory budget per rank kept as the
 class TrainingState:
     """Bytes per parameter of training state, exactly as the runtime holds it (runtime/optimizer/sharded.py).
 
-    With the compute shard (replicated across replicas): parameters in the
-    compute dtype and the sum of their gradients over the micro-batches, in
-    as many bytes (under bf16 a scaled fp16 sum, runtime/modeling/main_grad.py).
-    Sharded over all N ranks (the owner shards): fp32 master
-    weights and two fp32 AdamW moments, held throughout, and the reduced
-    gradient, which exists from the reduce to the step (runtime/optimizer/
-    sharded.py's OwnedGradient). The analytic memory model and
-    `rank_memory` both read this one definition; the default is bf16 compute.
+    With the compute shard (replicated across replicas): parameters in the compute dtype and the sum of their
+    gradients over the micro-batches, in as many bytes (under bf16 a scaled fp16 sum, runtime/modeling/main_grad.py).
+    Sharded over all N ranks (the owner shards): fp32 master weights and two fp32 AdamW moments, held throughout,
+    and the reduced gradient, which exists from the reduce to the step (runtime/optimizer/sharded.py's
+    OwnedGradient). The analytic memory model and `rank_memory` both read this one definition; bf16 by default.
     """
 
     param_bytes: int = 2
@@ -187,7 +186,7 @@ class MemoryModel:
         """Bytes per token one rank's layers keep (under CP, per token of the rank's share), with `held`
         micro-batches of L/pp layers in flight (default pp, the first stage's in 1F1B: L layers in all), under
         the memory policy `recompute` (policies.MemoryPolicy; a bool reads as none or full)."""
-        layers = model.layers // config.pp * (config.pp if held is None else held)
+        layers = held_layers(model, config, held)
         d = self.compute_dtype_bytes if dtype_bytes is None else dtype_bytes
         if not self.activation_bytes_per_token_hidden_layer:
             return stack_bytes(model, config.tp, d, self.sequence_parallel, recompute, layers)
@@ -215,7 +214,7 @@ class MemoryModel:
         last stage, the loss head's of the one in its loss (activations.head_bytes)."""
         count = None if micro_batches is None else in_flight(config, stage, micro_batches)
         held = self.activation_bytes(config, model, tokens, recompute, count, dtype_bytes)
-        if window is not None and count is not None and count > 1 and tokens:
+        if window is not None and count is not None and count > 1 and tokens and config.vp == 1:
             # The largest micro-batch whole, the others' tokens at the marginal micro-batch's bytes per token.
             one = self.activation_bytes(config, model, tokens, recompute, 1, dtype_bytes)
             held = one + (held - one) * (min(window, count * tokens) - tokens) / ((count - 1) * tokens)
@@ -251,11 +250,12 @@ class MemoryModel:
         holds ceil(T/cp) + 2cp tokens of T plus the K/V attention keeps (`kv_buffer_bytes`), so the cap
         is about cp x the per-rank one, less those.
         """
-        count = config.pp + 1 if micro_batches is None else micro_batches  # more than in flight: the worst
         budget, bucket = self.usable_bytes, self.exchange_bucket_bytes
         caps = []
         for stage in sorted({0, config.pp - 1}):
-            def rank(tokens: int, stage: int = stage) -> RankMemory:
+            count = worst_count(config, stage) if micro_batches is None else micro_batches
+
+            def rank(tokens: int, stage: int = stage, count: int = count) -> RankMemory:
                 return rank_memory(
                     self, model, config, stage, num_gpus, tokens, self.compute_dtype_bytes, bucket, recompute, count
                 )
@@ -392,7 +392,7 @@ def rank_memory(
         memory.own_per_token)
     # The gradients exist from the first backward on: beside a full set in flight only when a forward follows it
     # (more micro-batches than in flight); with exactly as many, beside the others once the first one's are freed.
-    full = micro_batches > in_flight(config, stage, micro_batches)
+    full = micro_batches * config.vp > in_flight(config, stage, micro_batches)  # in_flight counts chunks
     grads_beside = grads if full else max(0.0, grads - reducing) * (micro_batches > 1)
     made = 0.0 if micro_batches > 1 else layer_shard_params(model, config.tp) * state.grad_bytes
     last = stage == config.pp - 1

@@ -164,6 +164,16 @@ class CostModel:
         out.recompute = frozenset(recompute)
         return out
 
+    def with_interleaving(self) -> CostModel:
+        """A copy whose configs also run interleaved 1F1B, each at every vp of `ParallelConfig.vp_choices` (the same
+        coefficients: the same layers per stage; their caps count the warm-up's chunks), so that proposal and
+        planner weigh them beside plain 1F1B. Named apart: its plans hold configs the plain model's do not."""
+        out = copy.copy(self)
+        extra = [g.interleaved(v) for g in self.configs for v in g.vp_choices(self.model)]
+        out.configs = tuple(sorted((*self.configs, *extra), key=lambda c: (c.num_gpus, c.tp, c.pp, c.cp, c.vp)))
+        out.name = f"{self.name}+vp"
+        return out
+
     def with_overlap(self, overlap: bool) -> CostModel:
         """A copy whose replica times hold the exchange inside compute when `overlap` (the trainer's setting)."""
         out = copy.copy(self)
@@ -176,7 +186,7 @@ class CostModel:
         The runtime checkpoints every transformer block of exactly these configs' replicas, so
         the planner's caps and times describe what runs.
         """
-        new = frozenset(configs) - self.recompute
+        new = frozenset(g.base for g in configs) - self.recompute
         out = copy.copy(self)
         idx = [self.index(g) for g in new]
         out.a, out.b = self.a.copy(), self.b.copy()
@@ -191,7 +201,7 @@ class CostModel:
         its caps the configs' plain ones. The simulator's only: the runtime checkpoints the recompute set."""
         if policy == MemoryPolicy.FULL:
             return self.with_recompute(configs)
-        new = frozenset(configs) - self.recompute - self.selective
+        new = frozenset(g.base for g in configs) - self.recompute - self.selective
         if policy == MemoryPolicy.NONE or not new:
             return self
         out = copy.copy(self)
@@ -212,6 +222,7 @@ class CostModel:
 
     def policies(self, config: ParallelConfig) -> tuple[MemoryPolicy, ...]:
         """The memory policies a micro-batch of `config` may run, lightest first; the first is its plain one."""
+        config = config.base  # a run-wide setting holds for every vp of the config's GPUs
         if config in self.recompute:
             return (MemoryPolicy.FULL,)
         if config in self.selective:
@@ -221,6 +232,7 @@ class CostModel:
     def policy_scale(self, config: ParallelConfig, policy: MemoryPolicy | None) -> tuple[float, float]:
         """(a, b) factors of a micro-batch under `policy` on `config` (None: its plain one): measured by the
         profile where it timed them, else derived from FLOPs; 1 in the recompute set (already in a, b)."""
+        config = config.base
         if policy is None or config in self.recompute or config in self.selective:
             return 1.0, 1.0
         measured = self.policy_scales.get(config, {})
@@ -242,7 +254,7 @@ class CostModel:
     # -- coefficients -------------------------------------------------------
     def index(self, config: ParallelConfig) -> int:
         try:
-            return self._index[config]
+            return self._index[config.base]  # interleaving changes no coefficient: the same stage's work
         except KeyError:
             known = ", ".join(c.name for c in self.configs)
             raise HydraulisError(f"cost model {self.name!r} has no config {config.name}; it knows {known}") from None
@@ -382,8 +394,8 @@ class CostModel:
         step = self.optimizer_step
         if step is None or not step.reduce or not step.gather:
             return self.grad_sync_time(num_gpus)
-        before = tuple(step.reduce) if before is None else before
-        after = tuple(step.gather) if after is None else after
+        before = tuple(step.reduce) if before is None else tuple(c.base for c in before)
+        after = tuple(step.gather) if after is None else tuple(c.base for c in after)
         if not all(c in step.reduce for c in before) or not all(c in step.gather for c in after):
             return self.grad_sync_time(num_gpus)
         seconds = self._at_world(max(step.reduce[c] for c in before) + max(step.gather[c] for c in after), num_gpus)
@@ -395,7 +407,7 @@ class CostModel:
         its first micro-batch; both send the reduce from backward. Measured, at the profile's world size
         (rescaled as step_time does); 0 where not measured. Part of the step, not added to the iteration:
         it moves time from after compute into each replica's."""
-        step = self.optimizer_step
+        step, config = self.optimizer_step, config.base
         if step is None or config not in step.reduce:
             return 0.0
         seconds = self._at_world(step.reduce[config] + (step.gather.get(config, 0.0) if config.pp == 1 else 0.0),
@@ -413,7 +425,7 @@ class CostModel:
         the exchange estimate of grad_sync_time.
         """
         num_gpus = sum(c.num_gpus for c in configs)
-        step = self.optimizer_step
+        step, configs = self.optimizer_step, [c.base for c in configs]
         if step is None or not all(c in step.seconds for c in configs):
             return self.grad_sync_time(num_gpus)
         seconds = self._at_world(max(step.seconds[c] for c in configs), num_gpus)

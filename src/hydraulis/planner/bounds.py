@@ -12,6 +12,8 @@ N the job's GPUs, over the configs g that hold s (the lone cap):
 - bubble: the replica that holds the longest sequence idles at least
   (pp_g - 1) * w_g(s_min) per stage under 1F1B (its first forward and last
   backward cross every other stage), which the work term does not count;
+  interleaved with vp_g chunks per stage, (pp_g - 1) / vp_g * w_g(s_min): the
+  first forward and last backward cross the others chunk by chunk;
 - trip: the longest sequence crosses its pipeline, pp_g * w_g(s).
 
     LB = max( (sum_i min_g work_g(s_i) + bubble) / N ,  max_i min_g pp_g * w_g(s_i) )
@@ -40,12 +42,16 @@ def lower_bound(
     num_gpus: int,
     configs: Sequence[ParallelConfig] | None = None,
     chunked: bool = False,
+    interleave: bool = False,
 ) -> float:
     """LB over the cost model's configs that fit the job, or over `configs` (a deployment's, the proposal's
     ranking of phase deployments). `chunked`: a sequence beyond a config's cap may also run there in chunks
     (`cost.chunks`, the oracle): its chunks' work, recompute and fixed costs once, not pp times, and its
-    trip one stage's."""
+    trip one stage's. `interleave`: the cost model's configs also at their largest vp (`vp_choices`), whose
+    bubble is the least, where plans may interleave."""
     configs = [g for g in (configs or cost.configs) if g.num_gpus <= num_gpus]
+    if interleave:
+        configs += [g.interleaved(g.vp_choices(cost.model)[0]) for g in configs if g.vp_choices(cost.model)]
     if not configs:
         smallest = min(g.num_gpus for g in cost.configs)
         raise HydraulisError(f"no parallel config of {cost.name} fits {num_gpus} GPU(s); the smallest needs {smallest}")
@@ -92,7 +98,8 @@ class _Terms:
             wc = chunked_stage_time(cost, configs, num_gpus, lengths)
             spread_w, trip = np.minimum(spread_w, wc), np.minimum(trip, wc)
         w_min = np.array([r.seq_costs(lengths[[int(np.argmin(lengths))]])[0] for r in reps])
-        bubble = gpus[:, 0] * (pp[:, 0] - 1) * w_min
+        vp = np.array([g.vp for g in configs], dtype=np.float64)
+        bubble = gpus[:, 0] * (pp[:, 0] - 1) / vp * w_min  # interleaved: vp chunks of 1/vp of it each
         return cls(num_gpus, lengths, np.array([r.holds for r in reps]), spread_w, alone_w, trip, gpus, bubble)
 
     def bound(self, rows: np.ndarray) -> float:

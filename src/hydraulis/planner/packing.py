@@ -256,7 +256,7 @@ def order_by_simulation(
     elif bulk or sum(len(mb) for mb in micro_batches) >= BULK_PACK_ITEMS:
         orders = orders[2:]  # many light micro-batches: the orders with small ones at the ends
     for order in orders:
-        t = simulate_replica(times[order], replica.pp, comm[order], keep_events=False).time_s
+        t = simulate_replica(times[order], replica.pp, comm[order], keep_events=False, vp=replica.config.vp).time_s
         if best is None or t < best[0]:
             best = (t, order)
     assert best is not None
@@ -342,14 +342,14 @@ def choose_bins(s: np.ndarray, replica: ReplicaCost, bulk: bool = False) -> list
         return [ffd]
     w = replica.seq_costs(s)
     W, T, n = float(w.sum()), int(s.sum()), len(s)
-    pp1 = replica.pp - 1
+    pp1 = replica.bubble_stages  # pp - 1, interleaved (pp - 1) / vp
     vmin, vmax = (int(x) for x in micro_batch_range(T, n, replica.cap, replica.min_efficient))
     vstar = math.floor(math.sqrt(pp1 * W / max(replica.c, 1e-12)))
     tries = (vstar, vstar + 1) if bulk or len(s) >= BULK_PACK_ITEMS else (vstar - 1, vstar, vstar + 1, vstar + 2, vmin)
     candidates = sorted({min(max(v, vmin), vmax) for v in tries})
 
     def closed(bins: list[np.ndarray]) -> float:
-        return closed_form_replica_time([w[b].sum() + replica.c for b in bins], replica.pp)
+        return closed_form_replica_time([w[b].sum() + replica.c for b in bins], replica.pp, replica.config.vp)
 
     ranked = [(closed(ffd), 0, ffd)]
     for v in candidates:

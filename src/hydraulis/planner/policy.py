@@ -47,6 +47,10 @@ class PolicyContext:
     sample: tuple[np.ndarray, ...]  # sample batches, for choosing configs and proposing pools
     user_pool: tuple[Deployment, ...] | None = None  # the user's pool: every pool-based policy uses it
     proposed_pool: tuple[Deployment, ...] | None = None  # a pool already proposed from this data
+    # The baselines run the recipes' interleaving, and the bench's hydraulis plans on `CostModel.with_interleaving`;
+    # off (`hydraulis bench --vp1`), every policy runs plain 1F1B. The bench's only: the trainer's contexts leave it
+    # off (the runtime runs vp = 1).
+    interleave: bool = False
 
     @property
     def num_gpus(self) -> int:

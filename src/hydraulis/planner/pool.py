@@ -230,8 +230,8 @@ def range_estimates(
     ct = np.concatenate([[0], np.cumsum(s, dtype=np.int64)])
     n = hi - lo
     wmax = w[np.maximum(hi - 1, 0)]  # the costs grow with the length
-    per = estimate_time((cw[hi] - cw[lo]) / R, (ct[hi] - ct[lo]) // R + 1, np.maximum(1, n // R), wmax, r.c, r.pp,
-                        r.cap, r.min_efficient)
+    per = estimate_time((cw[hi] - cw[lo]) / R, (ct[hi] - ct[lo]) // R + 1, np.maximum(1, n // R), wmax, r.c,
+                        1 + r.bubble_stages, r.cap, r.min_efficient)
     return np.where(n > 0, np.maximum(per, r.pp * (wmax + r.c)), np.inf)
 
 

@@ -68,6 +68,13 @@ class ReplicaCost:
         return self.config.pp
 
     @property
+    def bubble_stages(self) -> float:
+        """The stages' worth of warm-up and cool-down a replica pays: pp - 1 under 1F1B, (pp - 1) / vp
+        interleaved (its chunks are 1/vp of a stage). The estimates' pp - 1; a lone micro-batch still makes pp
+        trips."""
+        return self.pp - 1 if self.config.vp == 1 else (self.pp - 1) / self.config.vp
+
+    @property
     def reach(self) -> int:
         """The most tokens a micro-batch beside others holds, under the heaviest policy."""
         return self.tiers[-1].cap if self.tiers else self.cap
@@ -183,7 +190,7 @@ class ReplicaTable:
         return cls(
             replicas=reps,
             c=np.array([r.c for r in reps]),
-            pp=np.array([r.pp for r in reps], dtype=np.float64),
+            pp=np.array([1 + r.bubble_stages for r in reps], dtype=np.float64),  # the estimates' pp: its bubble
             cap=np.array([r.cap for r in reps], dtype=np.int64),
             min_efficient=np.array([r.min_efficient for r in reps], dtype=np.int64),
             group=np.array([distinct[g] for g in configs], dtype=np.int64),
@@ -210,9 +217,10 @@ class ReplicaTable:
         micro_batches = -(-int(s.sum()) // int(self.lone_cap.max()))
         mean = (float(w.min(axis=0).sum()) + float(c.min()) * micro_batches) / len(self)
         pp = np.array([m.pp for m in models], dtype=np.float64)
+        bubble = np.array([m.bubble_stages for m in models], dtype=np.float64)
         alone = np.array([longest > m.reach for m in models])
         one = w[:, int(np.argmax(s))] + c
-        holding = np.where(alone, pp * one, one + (pp - 1) * c)[[m.holds >= longest for m in models]]
+        holding = np.where(alone, pp * one, one + bubble * c)[[m.holds >= longest for m in models]]
         return max(mean, float(holding.min()) if len(holding) else np.inf)
 
     def cost_matrix(self, lengths: np.ndarray) -> np.ndarray:

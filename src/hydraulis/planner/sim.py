@@ -1,11 +1,13 @@
-"""Event-level 1F1B simulator: executes an IterationPlan against the cost model.
+"""Event-level pipeline simulator: executes an IterationPlan against the cost model.
 
 Each stage runs its micro-batches in the non-interleaved 1F1B order (warm-up
-forwards, steady one-forward-one-backward, cool-down backwards). A forward
-needs the previous stage's forward of the same micro-batch, a backward the
-next stage's backward, each plus a p2p transfer. Forward is 1/3 and backward
-2/3 of the stage time t. With equal micro-batches and free transfers, this
-gives exactly (v + pp - 1) * t.
+forwards, steady one-forward-one-backward, cool-down backwards), or, for a
+config with vp > 1 model chunks per rank, Megatron's interleaved 1F1B order
+(`interleaved_order`). A forward needs the previous (virtual) stage's forward
+of the same micro-batch, a backward the next one's backward, each plus a p2p
+transfer. Forward is 1/3 and backward 2/3 of the stage time t, a chunk 1/vp of
+each. With m equal micro-batches and free transfers, this gives exactly
+(m + pp - 1) * t, interleaved (m + (pp - 1) / vp) * t where m is a multiple of pp.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hydraulis.cost.activations import interleave_group
 from hydraulis.cost.model import CostModel, SharedCores
 from hydraulis.parallel import BACKWARD, FORWARD, ParallelConfig
 from hydraulis.planner.plan import IterationPlan
@@ -33,12 +36,53 @@ def one_f_one_b_order(pp: int, v: int, stage: int) -> list[tuple[int, int]]:
     return order
 
 
+def interleaved_order(pp: int, vp: int, m: int, stage: int) -> list[tuple[int, int, int]]:
+    """(kind, micro-batch, chunk) in the order stage `stage` runs them under interleaved 1F1B with `vp` chunks.
+
+    Megatron-LM's schedule (core/pipeline_parallel/schedules.py: `get_schedule_table`,
+    `get_pp_rank_microbatches`): the forwards go through groups of `interleave_group` micro-batches, every
+    chunk of a group in turn, the backwards the same with the chunks reversed; a stage warms up with
+    2 (pp - stage - 1) + (vp - 1) N forwards (all m vp of them where fewer) and then alternates one forward
+    with one backward. vp = 1 is `one_f_one_b_order`, chunk 0.
+    """
+    if vp == 1:
+        return [(kind, j, 0) for kind, j in one_f_one_b_order(pp, m, stage)]
+    group = interleave_group(pp, m)
+    table = []
+    for first in range(0, m, group):
+        last = m if first + group >= m else first + group  # Megatron's last group takes what is left
+        table += [(j, c) for c in range(vp) for j in range(first, last)]
+        if last == m:
+            break
+    total = m * vp
+    warmup = min(total, 2 * (pp - stage - 1) + (vp - 1) * group)
+    forwards = [(FORWARD, j, c) for j, c in table]
+    backwards = [(BACKWARD, j, vp - 1 - c) for j, c in table]
+    order = forwards[:warmup]
+    for k in range(total - warmup):
+        order += [forwards[warmup + k], backwards[k]]
+    return order + backwards[total - warmup:]
+
+
+def depends_on(pp: int, vp: int, stage: int, kind: int, chunk: int) -> tuple[int, int, int] | None:
+    """(stage, kind, chunk) of the event an event waits for, the same micro-batch's; None: the first forward.
+    Virtual stage chunk * pp + stage; a forward waits for the one before, a backward for the one after, the last
+    virtual stage's backward for its own forward."""
+    virtual = chunk * pp + stage
+    if kind == FORWARD:
+        return None if virtual == 0 else ((virtual - 1) % pp, FORWARD, (virtual - 1) // pp)
+    if virtual == pp * vp - 1:
+        return stage, FORWARD, chunk
+    return (virtual + 1) % pp, BACKWARD, (virtual + 1) // pp
+
+
 @dataclass(frozen=True)
 class ReplicaTimeline:
     time_s: float
     stage_busy_s: np.ndarray  # [pp]
     # One row per event: stage, micro-batch, kind (0 forward, 1 backward), start, end.
     events: np.ndarray | None
+    chunks: np.ndarray | None = None  # interleaved (vp > 1): each event's model chunk; None under plain 1F1B
 
 
 def simulate_replica(
@@ -46,8 +90,10 @@ def simulate_replica(
     pp: int,
     p2p_s: Sequence[float] | np.ndarray | float = 0.0,
     keep_events: bool = True,
+    vp: int = 1,
 ) -> ReplicaTimeline:
-    """Run 1F1B on `pp` stages for micro-batches of the given stage times (in order)."""
+    """Run 1F1B (interleaved with `vp` chunks per stage) on `pp` stages for micro-batches of the given stage
+    times (in order); `p2p_s`, each micro-batch's one crossing of a stage boundary (vp pp - 1 of them each way)."""
     t = np.asarray(stage_times, dtype=np.float64)
     v = len(t)
     if v == 0:
@@ -55,9 +101,10 @@ def simulate_replica(
     if pp == 1:
         return _single_stage(t, keep_events)
     comm = np.broadcast_to(np.asarray(p2p_s, dtype=np.float64), (v,)).tolist()
-    free, rows = _run_1f1b(t, pp, comm, keep_events)
+    free, rows, chunks = _run_1f1b(t, pp, comm, keep_events, vp)
     busy = np.full(pp, float(t.sum()))
-    return ReplicaTimeline(max(free), busy, np.array(rows) if keep_events else None)
+    return ReplicaTimeline(max(free), busy, np.array(rows) if keep_events else None,
+                           chunks if keep_events and vp > 1 else None)
 
 
 def _single_stage(t: np.ndarray, keep_events: bool) -> ReplicaTimeline:
@@ -76,13 +123,15 @@ def _single_stage(t: np.ndarray, keep_events: bool) -> ReplicaTimeline:
 
 @dataclass(frozen=True)
 class _Sweep:
-    """The 1F1B events of pp stages and v micro-batches in an order where each comes after what it waits for:
-    per event its stage, micro-batch and kind, the previous event on its stage and the event it depends on
-    (-1: none), and whether a p2p transfer lies between them. The same for every replica of that shape."""
+    """The events of pp stages and v micro-batches (vp chunks each) in an order where each comes after what it
+    waits for: per event its stage, micro-batch, kind and chunk, the previous event on its stage and the event
+    it depends on (-1: none), and whether a p2p transfer lies between them. The same for every replica of that
+    shape."""
 
     stage: list[int]
     micro_batch: np.ndarray
     kind: list[int]
+    chunk: np.ndarray
     prev: list[int]
     dep: list[int]
     transfer: np.ndarray  # bool
@@ -91,47 +140,46 @@ class _Sweep:
 
 
 @functools.lru_cache(maxsize=256)
-def _sweep(pp: int, v: int) -> _Sweep:
-    """Sweep the stages, each advancing through its 1F1B order until an input is not ready yet: the order
+def _sweep(pp: int, v: int, vp: int = 1) -> _Sweep:
+    """Sweep the stages, each advancing through its order until an input is not ready yet: the order
     in which the events become computable (the simulator's historical order, kept for its event rows)."""
-    orders = [one_f_one_b_order(pp, v, s) for s in range(pp)]
-    index: dict[tuple[int, int, int], int] = {}  # (stage, kind, micro-batch) -> event
-    stage, mb, kind, prev, dep, transfer = [], [], [], [], [], []
+    orders = [interleaved_order(pp, vp, v, s) for s in range(pp)]
+    index: dict[tuple[int, int, int, int], int] = {}  # (stage, kind, chunk, micro-batch) -> event
+    stage, mb, kind, chunk, prev, dep, transfer = [], [], [], [], [], [], []
     ptr, last_of = [0] * pp, [-1] * pp
-    while len(index) < 2 * v * pp:
+    while len(index) < 2 * v * pp * vp:
         progressed = False
         for s in range(pp):
             while ptr[s] < len(orders[s]):
-                k, j = orders[s][ptr[s]]
-                if k == FORWARD:
-                    need = (s - 1, FORWARD, j) if s else None
-                else:
-                    need = (s, FORWARD, j) if s == pp - 1 else (s + 1, BACKWARD, j)
+                k, j, c = orders[s][ptr[s]]
+                on = depends_on(pp, vp, s, k, c)
+                need = None if on is None else (*on, j)
                 if need is not None and need not in index:
                     break
-                index[(s, k, j)] = len(stage)
-                stage.append(s), mb.append(j), kind.append(k), prev.append(last_of[s])
+                index[(s, k, c, j)] = len(stage)
+                stage.append(s), mb.append(j), kind.append(k), chunk.append(c), prev.append(last_of[s])
                 dep.append(-1 if need is None else index[need])
                 transfer.append(need is not None and need[0] != s)
-                last_of[s] = index[(s, k, j)]
+                last_of[s] = index[(s, k, c, j)]
                 ptr[s] += 1
                 progressed = True
-        if not progressed:  # pragma: no cover - the 1F1B order is deadlock-free
-            raise RuntimeError("1F1B simulation deadlocked")
-    return _Sweep(stage, np.array(mb), kind, prev, dep, np.array(transfer), np.array(kind) == FORWARD, last_of)
+        if not progressed:
+            raise RuntimeError(f"the pipeline order deadlocked (pp={pp}, vp={vp}, {v} micro-batches)")
+    return _Sweep(stage, np.array(mb), kind, np.array(chunk), prev, dep, np.array(transfer),
+                  np.array(kind) == FORWARD, last_of)
 
 
 def _run_1f1b(
-    t: np.ndarray, pp: int, comm: list[float], keep_events: bool
-) -> tuple[list[float], list[tuple[int, int, int, float, float]]]:
+    t: np.ndarray, pp: int, comm: list[float], keep_events: bool, vp: int = 1
+) -> tuple[list[float], list[tuple[int, int, int, float, float]], np.ndarray]:
     """Each event once, in the sweep's order: it starts when its stage is free and its input has arrived.
 
-    Returns each stage's finish time and (when kept) the event rows. Plain lists: this loop
+    Returns each stage's finish time, the event rows (when kept) and their chunks. Plain lists: this loop
     is the planner's inner loop and numpy scalars would slow it several-fold.
     """
-    sweep = _sweep(pp, len(t))
+    sweep = _sweep(pp, len(t), vp)
     j = sweep.micro_batch
-    duration = np.where(sweep.forward, (t * FORWARD_SHARE)[j], (t * (1.0 - FORWARD_SHARE))[j]).tolist()
+    duration = np.where(sweep.forward, (t * FORWARD_SHARE / vp)[j], (t * (1.0 - FORWARD_SHARE) / vp)[j]).tolist()
     transfer = np.where(sweep.transfer, np.asarray(comm, dtype=np.float64)[j], 0.0).tolist()
     end = [0.0] * len(duration)
     begin = [0.0] * len(duration)
@@ -146,13 +194,14 @@ def _run_1f1b(
     rows: list[tuple[int, int, int, float, float]] = []
     if keep_events:
         rows = list(zip(sweep.stage, j.tolist(), sweep.kind, begin, end, strict=True))
-    return [end[e] for e in sweep.last], rows
+    return [end[e] for e in sweep.last], rows, sweep.chunk
 
 
-def closed_form_replica_time(stage_times: Sequence[float] | np.ndarray, pp: int) -> float:
-    """sum t + (pp - 1) * max t: close to the simulation, exact for equal micro-batches."""
+def closed_form_replica_time(stage_times: Sequence[float] | np.ndarray, pp: int, vp: int = 1) -> float:
+    """sum t + (pp - 1) / vp * max t: close to the simulation, exact for equal micro-batches (interleaved: for a
+    count that is a multiple of pp)."""
     t = np.asarray(stage_times, dtype=np.float64)
-    return float(t.sum() + (pp - 1) * t.max()) if len(t) else 0.0
+    return float(t.sum() + (pp - 1) / vp * t.max()) if len(t) else 0.0
 
 
 @dataclass(frozen=True)
@@ -181,7 +230,8 @@ def replica_stage_times(plan: IterationPlan, replica: int, cost: CostModel) -> t
 
 
 def simulate(plan: IterationPlan, cost: CostModel, keep_events: bool = True) -> SimResult:
-    """The plan's iteration: every replica's 1F1B, then the step after compute.
+    """The plan's iteration: every replica's 1F1B (interleaved where its config has vp > 1), then the step after
+    compute.
 
     With `cost.overlap_exchange` (the trainer's, from `[parallel] overlap_exchange`) the exchange runs
     inside compute, so each busy replica's time, as the trainer measures it, holds its share of the step
@@ -196,7 +246,7 @@ def simulate(plan: IterationPlan, cost: CostModel, keep_events: bool = True) -> 
         timelines = shared_timelines(plan.deployment.configs, [t for t, _ in stage_times],
                                      [c for _, c in stage_times], shared, keep_events)
     else:
-        timelines = [simulate_replica(times, replica.config.pp, comm, keep_events=keep_events)
+        timelines = [simulate_replica(times, replica.config.pp, comm, keep_events=keep_events, vp=replica.config.vp)
                      for replica, (times, comm) in zip(plan.deployment.replicas, stage_times, strict=True)]
     for replica, timeline in zip(plan.deployment.replicas, timelines, strict=True):
         for s in range(replica.config.pp):
@@ -234,13 +284,13 @@ _EPS = 1e-12
 
 
 class _Lane:
-    """One pipeline stage of one replica: its 1F1B tasks in order, and where it is in them."""
+    """One pipeline stage of one replica: its (interleaved) 1F1B tasks in order, and where it is in them."""
 
-    def __init__(self, replica: int, stage: int, pp: int, times: np.ndarray, scale: float, ranks: int) -> None:
-        self.replica, self.stage, self.ranks = replica, stage, ranks
-        self.order = one_f_one_b_order(pp, len(times), stage)
-        self.work = [scale * times[j] * (FORWARD_SHARE if kind == FORWARD else 1 - FORWARD_SHARE)
-                     for kind, j in self.order]
+    def __init__(self, replica: int, stage: int, config: ParallelConfig, times: np.ndarray, scale: float) -> None:
+        self.replica, self.stage, self.ranks = replica, stage, config.tp * config.cp
+        self.order = interleaved_order(config.pp, config.vp, len(times), stage)
+        self.work = [scale * times[j] * (FORWARD_SHARE if kind == FORWARD else 1 - FORWARD_SHARE) / config.vp
+                     for kind, j, _ in self.order]
         self.next = 0
         self.remaining = -1.0  # work left of the running task; negative: none running
         self.started = 0.0
@@ -263,10 +313,11 @@ def shared_timelines(
     lanes: list[_Lane] = []
     for r, (config, times) in enumerate(zip(configs, stage_times, strict=True)):
         t = np.asarray(times, dtype=np.float64)
-        scale = 1.0 / shared.slowdown(config, shared.busy_ranks[config]) if config in shared.busy_ranks else 1.0
+        base = config.base
+        scale = 1.0 / shared.slowdown(base, shared.busy_ranks[base]) if base in shared.busy_ranks else 1.0
         if len(t):
-            lanes += [_Lane(r, s, config.pp, t, scale, config.tp * config.cp) for s in range(config.pp)]
-    ends: dict[tuple[int, int, int, int], float] = {}  # (replica, stage, kind, micro-batch) -> end
+            lanes += [_Lane(r, s, config, t, scale) for s in range(config.pp)]
+    ends: dict[tuple[int, int, int, int, int], float] = {}  # (replica, stage, kind, chunk, micro-batch) -> end
     rows: list[list[tuple[int, int, int, float, float]]] = [[] for _ in configs]
     now = 0.0
     while True:
@@ -289,8 +340,8 @@ def shared_timelines(
         for lane, rate in zip(running, rates, strict=True):
             lane.remaining -= step * rate
             if lane.remaining <= _EPS * max(1.0, lane.work[lane.next]):
-                kind, j = lane.order[lane.next]
-                ends[(lane.replica, lane.stage, kind, j)] = now
+                kind, j, chunk = lane.order[lane.next]
+                ends[(lane.replica, lane.stage, kind, chunk, j)] = now
                 lane.busy += now - lane.started
                 lane.finished = now
                 if keep_events:
@@ -302,22 +353,20 @@ def shared_timelines(
 
 def _ready(lane: _Lane, ends: dict, configs: Sequence[ParallelConfig], comm: Sequence[Sequence[float]]) -> float:
     """When the lane's next task may start: its dependency's end plus the transfer; inf while it has not ended."""
-    kind, j = lane.order[lane.next]
-    last = configs[lane.replica].pp - 1
-    if kind == FORWARD:
-        if lane.stage == 0:
-            return 0.0
-        dep = ends.get((lane.replica, lane.stage - 1, kind, j))
-    elif lane.stage == last:
-        return ends.get((lane.replica, lane.stage, FORWARD, j), np.inf)
-    else:
-        dep = ends.get((lane.replica, lane.stage + 1, kind, j))
+    kind, j, chunk = lane.order[lane.next]
+    config = configs[lane.replica]
+    on = depends_on(config.pp, config.vp, lane.stage, kind, chunk)
+    if on is None:
+        return 0.0
+    dep = ends.get((lane.replica, *on, j))
+    if on[0] == lane.stage:  # the last virtual stage's backward after its own forward: no transfer
+        return np.inf if dep is None else dep
     return np.inf if dep is None else dep + comm[lane.replica][j]
 
 
 def _rate(shared: SharedCores, config: ParallelConfig, busy: int) -> float:
     """Work per second of a stage of `config` while `busy` ranks compute (1 for a config measured unshared)."""
-    return 1.0 / shared.slowdown(config, busy) if config in shared.busy_ranks else 1.0
+    return 1.0 / shared.slowdown(config, busy) if config.base in shared.busy_ranks else 1.0
 
 
 def _timeline(config: ParallelConfig, lanes: list[_Lane], rows: list, keep_events: bool) -> ReplicaTimeline:
@@ -327,3 +376,58 @@ def _timeline(config: ParallelConfig, lanes: list[_Lane], rows: list, keep_event
     end = max((lane.finished for lane in lanes), default=0.0)
     events = np.array(rows, dtype=np.float64).reshape(-1, 5) if keep_events else None
     return ReplicaTimeline(float(end), busy, events)
+
+
+# -- zero-bubble oracle --------------------------------------------------------------------------------
+# The backward split into B (input gradients, on the critical path) and W (weight gradients, free to wait):
+# each stage runs its forwards and B's in 1F1B order and fits its pending W's, each of its own length, into the
+# gaps its inputs leave, as ZB-H1 (Qi et al., ICLR 2024) does at 1F1B's memory: a W still pending keeps its
+# micro-batch's activations, so before a forward would hold more than 1F1B's pp - s micro-batches, the oldest
+# W's run first. An oracle: the simulator's only (the runtime runs 1F1B).
+
+
+def zero_bubble_replica(
+    forward_s: Sequence[float], input_grad_s: Sequence[float], weight_grad_s: Sequence[float], pp: int,
+    p2p_s: Sequence[float] | float = 0.0,
+) -> tuple[float, list[int]]:
+    """The replica's time under the zero-bubble oracle and each stage's most micro-batches held at once."""
+    m = len(forward_s)
+    comm = np.broadcast_to(np.asarray(p2p_s, dtype=np.float64), (m,)).tolist()
+    sweep = _sweep(pp, m)
+    clock, end = [0.0] * pp, [0.0] * len(sweep.stage)
+    pending: list[list[int]] = [[] for _ in range(pp)]  # micro-batches whose W waits, oldest first
+    held, peak = [0] * pp, [0] * pp
+    w = list(map(float, weight_grad_s))
+    for e, (s, j, kind, d) in enumerate(zip(sweep.stage, sweep.micro_batch.tolist(), sweep.kind, sweep.dep,
+                                            strict=True)):
+        ready = end[d] + (comm[j] if sweep.transfer[e] else 0.0) if d >= 0 else 0.0
+        if kind == FORWARD:
+            while pending[s] and held[s] >= pp - s:  # memory: 1F1B's in flight at most
+                clock[s] += w[pending[s][0]]
+                held[s] -= 1
+                pending[s].pop(0)
+        while pending[s] and clock[s] + w[pending[s][0]] <= ready:  # the gap before the input: W's that fit
+            clock[s] += w[pending[s][0]]
+            held[s] -= 1
+            pending[s].pop(0)
+        start = max(clock[s], ready)
+        end[e] = clock[s] = start + (forward_s[j] if kind == FORWARD else input_grad_s[j])
+        if kind == FORWARD:
+            held[s] += 1
+            peak[s] = max(peak[s], held[s])
+        else:
+            pending[s].append(j)
+    return max(c + sum(w[j] for j in rest) for c, rest in zip(clock, pending, strict=True)), peak
+
+
+def zero_bubble_split(plan: IterationPlan, replica: int, cost: CostModel) -> tuple[list[float], ...]:
+    """Each micro-batch's forward, B and W seconds on one stage: W is the weight gradients' share, the
+    per-token b term's half of the backward (attention's a s^2 has no weights; c stays with B)."""
+    config = plan.deployment.replicas[replica].config
+    times, _ = replica_stage_times(plan, replica, cost)
+    b = cost.coefficients(config).b
+    tokens = [int(s.sum()) for s in plan.micro_batch_lengths(replica)]
+    weight = [b * cost.policy_scale(config, plan.policy(replica, k))[1] * n * (1 - FORWARD_SHARE) / 2
+              for k, n in enumerate(tokens)]
+    forward = [t * FORWARD_SHARE for t in times]
+    return forward, [t * (1 - FORWARD_SHARE) - wk for t, wk in zip(times, weight, strict=True)], weight

@@ -1,0 +1,215 @@
+"""Interleaved 1F1B (vp model chunks per pipeline rank): its order, its timeline and the memory it holds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hydraulis.cost import load_cost_model
+from hydraulis.cost.activations import in_flight, interleave_group
+from hydraulis.errors import HydraulisError
+from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.planner.bounds import lower_bound
+from hydraulis.planner.plan import plan_from_assignment
+from hydraulis.planner.sim import (
+    BACKWARD,
+    FORWARD,
+    FORWARD_SHARE,
+    interleaved_order,
+    one_f_one_b_order,
+    simulate,
+    simulate_replica,
+    zero_bubble_replica,
+)
+from hydraulis.specs import ClusterSpec, get_model
+
+
+def recurrence(times: list[float], pp: int, vp: int, comm: list[float]) -> dict[tuple[int, int, int, int], float]:
+    """Each event's end from its definition: after the event before it on its stage, and after its input. Virtual
+    stage k = chunk * pp + stage runs layers k / (pp vp) onwards: a forward needs virtual stage k - 1's forward
+    (on rank k - 1 mod pp), a backward k + 1's backward, the very last one its own forward; each transfer
+    between ranks costs the micro-batch's p2p time."""
+    orders = [interleaved_order(pp, vp, len(times), s) for s in range(pp)]
+    position = [{e: k for k, e in enumerate(order)} for order in orders]
+    memo: dict[tuple[int, int, int, int], float] = {}
+    last = pp * vp - 1
+
+    def end(s: int, kind: int, j: int, c: int) -> float:
+        key = (s, kind, j, c)
+        if key not in memo:
+            k = position[s][(kind, j, c)]
+            start = end(s, *orders[s][k - 1]) if k else 0.0
+            virtual = c * pp + s
+            if kind == FORWARD and virtual > 0:
+                before = virtual - 1
+                start = max(start, end(before % pp, FORWARD, j, before // pp) + comm[j])
+            elif kind == BACKWARD and virtual == last:
+                start = max(start, end(s, FORWARD, j, c))
+            elif kind == BACKWARD:
+                after = virtual + 1
+                start = max(start, end(after % pp, BACKWARD, j, after // pp) + comm[j])
+            share = FORWARD_SHARE if kind == FORWARD else 1.0 - FORWARD_SHARE
+            memo[key] = start + float(np.float64(times[j]) * share / vp)
+        return memo[key]
+
+    return {(s, kind, j, c): end(s, kind, j, c) for s in range(pp) for kind, j, c in orders[s]}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(1e-3, 20.0), min_size=1, max_size=12), st.integers(2, 6), st.integers(2, 4),
+       st.floats(0.0, 0.3))
+def test_the_simulation_is_its_recurrence(times, pp, vp, comm_scale):
+    comm = [comm_scale * (1 + j % 3) for j in range(len(times))]
+    want = recurrence(times, pp, vp, comm)
+    res = simulate_replica(times, pp, comm, vp=vp)
+    got = {(int(s), int(k), int(j), int(c)): e for (s, j, k, _, e), c in zip(res.events, res.chunks, strict=True)}
+    assert got == pytest.approx(want, rel=1e-12, abs=1e-12)
+    assert res.time_s == pytest.approx(max(want.values()), rel=1e-12)
+    assert simulate_replica(times, pp, comm, keep_events=False, vp=vp).time_s == res.time_s
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(1e-3, 20.0), min_size=1, max_size=12), st.integers(1, 8), st.floats(0.0, 0.3))
+def test_vp1_is_the_plain_1f1b(times, pp, comm):
+    """vp = 1 is today's simulator to the bit: the same order, each event's end the same float."""
+    for s in range(pp):
+        assert interleaved_order(pp, 1, len(times), s) == [(k, j, 0) for k, j in one_f_one_b_order(pp, len(times), s)]
+    plain, interleaved = simulate_replica(times, pp, comm), simulate_replica(times, pp, comm, vp=1)
+    assert plain.time_s == interleaved.time_s
+    np.testing.assert_array_equal(plain.events, interleaved.events)
+    assert interleaved.chunks is None
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+@pytest.mark.parametrize("vp", [2, 3, 5])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_equal_micro_batches_leave_the_closed_form_bubble(pp, vp, groups):
+    """m = groups x pp equal micro-batches, free transfers: the bubble is (pp - 1) / (vp m) of the work."""
+    m, t = groups * pp, 0.37
+    res = simulate_replica([t] * m, pp, vp=vp)
+    assert res.time_s / (m * t) - 1 == pytest.approx((pp - 1) / (vp * m), rel=1e-9)
+
+
+@pytest.mark.parametrize("pp", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("vp", [2, 3, 4, 5])
+def test_every_micro_batch_count_runs_and_each_event_once(pp, vp):
+    """Megatron's group rule (`interleave_group`) leaves no count that deadlocks; every (micro-batch, chunk) runs
+    its forward and its backward once on each stage."""
+    for m in range(1, 4 * pp + 3):
+        res = simulate_replica(np.linspace(1.0, 2.0, m), pp, 0.01, vp=vp)
+        keys = {(int(s), int(j), int(k), int(c)) for (s, j, k, _, _), c in zip(res.events, res.chunks, strict=True)}
+        assert len(keys) == len(res.events) == 2 * pp * vp * m
+        group = interleave_group(pp, m)
+        assert group == m if m <= pp else (pp <= group <= m and (m % group == 0 or m % group >= pp))
+
+
+def held_by_order(pp: int, vp: int, m: int, stage: int) -> int:
+    """Most chunks whose activations the stage holds at once: forwards run less backwards run, at their peak."""
+    held = peak = 0
+    for kind, _, _ in interleaved_order(pp, vp, m, stage):
+        held += 1 if kind == FORWARD else -1
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+@pytest.mark.parametrize("vp", [1, 2, 5])
+def test_the_memory_model_holds_what_the_order_holds(pp, vp):
+    config = ParallelConfig(1, pp, 1, vp)
+    for m in range(1, 4 * pp + 2):
+        for s in range(pp):
+            assert in_flight(config, s, m) == held_by_order(pp, vp, m, s)
+
+
+def test_the_warm_up_counted_by_hand():
+    """pp 4, vp 2, 8 micro-batches: stage 0 warms up with 2 x 3 + 1 x 4 = 10 chunk forwards and holds 11 chunks of
+    L/8 layers at once (1F1B: 4 micro-batches of L/4); the last stage 0 + 4 + 1 = 5 (1F1B: 1)."""
+    assert in_flight(ParallelConfig(1, 4, 1, 2), 0, 8) == 11
+    assert in_flight(ParallelConfig(1, 4, 1, 2), 3, 8) == 5
+    assert in_flight(ParallelConfig(1, 4), 0, 8) == 4
+    # A lone micro-batch: all vp chunks, one stage's layers, as under 1F1B.
+    assert in_flight(ParallelConfig(1, 4, 1, 2), 0, 1) == 2
+
+
+def test_interleaving_costs_memory_and_keeps_the_lone_cap():
+    """More layers in flight: a smaller cap beside others; a lone micro-batch holds one stage's layers either way."""
+    cost = load_cost_model("llama-70b@h100-80g+cp")
+    plain, interleaved = ParallelConfig(4, 8), ParallelConfig(4, 8, 1, 5)
+    assert cost.cap(interleaved, 64) < cost.cap(plain, 64)
+    assert cost.lone_cap(interleaved, 64) == cost.lone_cap(plain, 64)
+    assert cost.stage_time(interleaved, [4096]) == cost.stage_time(plain, [4096])
+
+
+def test_an_interleaved_plan_beats_1f1b_and_stays_above_its_bound():
+    cost = load_cost_model("llama-7b@a800-80g")
+    cluster = ClusterSpec(8)
+    lengths = [4096] * 8 + [2048] * 8
+    times = {}
+    for text in ("1x(tp1,pp8)", "1x(tp1,pp8,vp2)"):
+        dep = Deployment.parse(text, cluster)
+        plan = plan_from_assignment(0, lengths, dep, [[[i] for i in range(16)]], 0.0)
+        res = simulate(plan, cost)
+        times[text] = res.compute_time_s
+        assert res.iteration_time_s >= lower_bound(np.array(lengths), cost, 8, dep.configs) - 1e-12
+    assert times["1x(tp1,pp8,vp2)"] < times["1x(tp1,pp8)"]
+
+
+def test_configs_name_parse_and_validate_vp():
+    config = ParallelConfig.parse("(tp4,pp8,vp5)")
+    assert config == ParallelConfig(4, 8, 1, 5) and config.name == "tp4pp8vp5" and config.base == ParallelConfig(4, 8)
+    assert ParallelConfig.parse("tp1pp4cp2vp2").compact() == "(tp1,pp4,cp2,vp2)"
+    assert ParallelConfig(2, 4).row() == {"tp": 2, "pp": 4, "cp": 1}
+    model = get_model("llama-70b")
+    assert ParallelConfig(4, 8).vp_choices(model) == (5, 2)  # Megatron-LM's Llama-3 70B recipe: TP4 PP8 VP5
+    assert ParallelConfig(4, 4).vp_choices(model) == (5, 4, 2)  # Megatron-Bridge's: PP4 VP5
+    assert ParallelConfig(1, 2).vp_choices(model) == ()
+    with pytest.raises(HydraulisError, match="vp"):
+        ParallelConfig(4, 8, 1, 3).validate(model)
+    with pytest.raises(HydraulisError, match="needs a pipeline"):
+        ParallelConfig(1, 1, 1, 2)
+
+
+def test_an_interleaved_plan_round_trips_its_vp_and_plain_rows_stay_as_they_were():
+    cluster = ClusterSpec(16)
+    dep = Deployment.parse("1x(tp1,pp8,vp2) + 2x(tp2,pp2)", cluster)
+    plan = plan_from_assignment(0, [4096, 2048, 1024], dep, [[[0], [1]], [[2]], []], 0.0)
+    data = plan.to_dict()
+    assert [row.get("vp") for row in data["deployment"]] == [2, None, None]
+    back = type(plan).from_dict(data, cluster, "plan")
+    assert back.deployment.configs == dep.configs and str(back.deployment) == "1x(tp1,pp8,vp2) + 2x(tp2,pp2)"
+
+
+def test_with_interleaving_offers_each_recipe_vp_at_the_same_coefficients():
+    cost = load_cost_model("llama-70b@h100-80g+cp")
+    wide = cost.with_interleaving()
+    extra = set(wide.configs) - set(cost.configs)
+    assert extra and all(g.vp > 1 and g.base in cost.configs and g.vp in g.base.vp_choices(cost.model) for g in extra)
+    assert ParallelConfig(4, 8, 1, 5) in extra and not any(g.pp <= 2 for g in extra)
+    g = ParallelConfig(4, 8, 1, 5)
+    assert wide.coefficients(g) == cost.coefficients(g.base) and wide.name == f"{cost.name}+vp"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(1e-3, 20.0), min_size=1, max_size=12), st.integers(1, 6), st.floats(0.0, 0.3),
+       st.floats(0.0, 1.0))
+def test_the_zero_bubble_oracle_is_1f1b_without_w_and_never_slower_with_it(times, pp, comm, share):
+    """No weight-gradient work: the oracle is the plain 1F1B (to the bit on a pipeline). Some: W's wait for gaps or
+    run before a forward would hold more than 1F1B's micro-batches, so it is never slower and never holds more."""
+    forward = [t * FORWARD_SHARE for t in times]
+    backward = [t * (1 - FORWARD_SHARE) for t in times]
+    plain = simulate_replica(times, pp, comm).time_s
+    alike = zero_bubble_replica(forward, backward, [0.0] * len(times), pp, comm)[0]
+    assert alike == plain if pp > 1 else alike == pytest.approx(plain, rel=1e-12)  # one stage: a sum's rounding
+    weight = [b * share for b in backward]
+    time_s, peak = zero_bubble_replica(forward, [b - w for b, w in zip(backward, weight, strict=True)], weight, pp,
+                                       comm)
+    assert time_s <= plain * (1 + 1e-12)
+    assert all(k <= min(pp - s, len(times)) for s, k in enumerate(peak))
+
+
+def test_the_zero_bubble_oracle_fills_the_cool_down_with_w():
+    """pp 4, 8 micro-batches of F = B = W = 1: 1F1B takes (8 + 3) x 3 = 33; deferring W into the gaps leaves the
+    bubble (pp - 1)(F + B) = 6 instead of 9, at 1F1B's memory: 30."""
+    assert zero_bubble_replica([1.0] * 8, [1.0] * 8, [1.0] * 8, 4) == (30.0, [4, 3, 2, 1])
