@@ -57,6 +57,7 @@ def test_two_workers_build_one_workers_corpus_from_jsonl_and_parquet(cli, tmp_pa
     src = tmp_path / "src"
     src.mkdir()
     lines, rows = texts(2500, 0), texts(1500, 1)
+    lines[7] = "scraped text with a lone \ud83d surrogate, escaped in its json line"
     (src / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines) + "\n")
     pq.write_table(pa.Table.from_pylist([{"text": t} for t in rows]), src / "b.parquet", row_group_size=500)
     built = {}
@@ -69,9 +70,9 @@ def test_two_workers_build_one_workers_corpus_from_jsonl_and_parquet(cli, tmp_pa
     corpus = open_corpus(tmp_path / "w2", verify=True)
     tok = get_tokenizer("gpt2")
     assert len(corpus) == 4000 and corpus.manifest.report.blank_lines == 1
-    for i in (0, 1023, 1024, 2499, 2500, 3999):  # either side of the chunks' edges, and of the files'
-        text = (lines + rows)[i]
-        assert corpus[i].tolist() == tok.encode(text).tolist() + [tok.eod_id]
+    for i in (0, 7, 1023, 1024, 2499, 2500, 3999):  # either side of the chunks' edges, and of the files'
+        text = (lines + rows)[i]  # against tiktoken's own encode_ordinary, not the build's encode
+        assert corpus[i].tolist() == tok.encoding.encode_ordinary(text) + [tok.eod_id]
     assert not list(tmp_path.glob(".w2.*"))  # neither parts nor temporaries left
 
 
@@ -198,3 +199,23 @@ def test_a_build_killed_at_random_moments_leaves_no_corpus_and_the_next_finishes
     assert corpus_files(out) == corpus_files(reference)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "docs.jsonl", "reference"]
     assert np.array_equal(open_corpus(out, verify=True).lengths, open_corpus(reference).lengths)
+
+
+def test_a_stale_cache_corpus_another_rank_rebuilt_while_this_one_waited_is_kept(tmp_path: Path) -> None:
+    """Under torchrun every rank finds the cache's corpus stale and asks to replace it; the first one to hold
+    the lock rebuilds it, and the others take that build instead of tokenizing everything again in turn."""
+    source = "builtin:test (fingerprint 1)"
+    documents = texts(50, 2)
+    out = tmp_path / "cache-corpus"
+    first = build_corpus(iter(documents), out, "bytes", source, if_exists="replace", resume=source, workers=1)
+
+    def untouched():  # noqa: ANN202
+        raise AssertionError("the documents were read again")
+        yield
+
+    again = build_corpus(untouched(), out, "bytes", source, if_exists="replace", resume=source, workers=1)
+    assert again.path == first.path and len(again) == 50
+    # Another source is a real replacement: built again.
+    other = build_corpus(iter(documents[:10]), out, "bytes", "builtin:test (fingerprint 2)", if_exists="replace",
+                         resume="builtin:test (fingerprint 2)", workers=1)  # fmt: skip
+    assert len(other) == 10

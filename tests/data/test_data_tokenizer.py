@@ -38,6 +38,14 @@ def test_gpt2_matches_the_reference_ids() -> None:
     assert (tok.name, tok.vocab_size, tok.eod_id) == ("gpt2", 50257, 50256)
     assert tok.encode("Hello world").tolist() == [15496, 995]
     assert tok.encode(" the").tolist() == [262]
+
+
+def test_gpt2_encodes_as_tiktokens_encode_ordinary_lone_surrogates_too() -> None:
+    """json.loads turns scraped text's escaped "\\ud83d" into a lone surrogate; tiktoken's encode_ordinary
+    replaces it, and so must the array path the corpus build takes (once, it raised instead)."""
+    tok = get_tokenizer("gpt2")
+    for text in [*SAMPLES, "a lone \ud83d surrogate", "\udc00"]:
+        assert tok.encode(text).tolist() == tok.encoding.encode_ordinary(text)
     assert tok.decode([tok.eod_id]) == "<|endoftext|>"
 
 

@@ -93,7 +93,12 @@ class GPT2Tokenizer:
     def encode(self, text: str) -> np.ndarray:
         # As encode_ordinary (no special token allowed: a literal "<|endoftext|>" inside a document is text, not
         # a boundary), but into an array straight from the Rust side: no list of Python ints to convert.
-        return self.encoding.encode_to_numpy(text, disallowed_special=()).astype(np.int64)
+        try:
+            ids = self.encoding.encode_to_numpy(text, disallowed_special=())
+        except UnicodeEncodeError:  # a lone surrogate (json's "\ud83d" in scraped text): replaced, as
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")  # encode_ordinary does
+            ids = self.encoding.encode_to_numpy(text, disallowed_special=())
+        return ids.astype(np.int64)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         out = self.encoding.encode_ordinary_batch(list(texts), num_threads=self.threads)

@@ -93,3 +93,6 @@ def _worker_start(parent: int) -> None:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before the signal was asked for
         os._exit(1)
+    # A progress bar's thread may have held its console's lock at the fork: a write through the inherited
+    # wrappers would wait for it forever; the plain streams cannot.
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__

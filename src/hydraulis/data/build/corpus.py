@@ -105,12 +105,23 @@ def build_corpus(
             if not parts.any_finished():
                 parts.remove()
             return open_corpus(out)
+        if if_exists == "replace" and resume == source and (fresh := _built_from(out, source)) is not None:
+            return fresh  # a cache's stale corpus that another process (a torchrun rank) rebuilt while this one waited
         key = None if resume is None else "\n".join([resume, source, tok.name, f"skip_bad={skip_bad}",
                                                      f"chunks={CHUNK_CHARS},{CHUNK_DOCS}", dtype.name])  # fmt: skip
         parts.start(key)
         build = _Build(parts, tok, dtype, skip_bad, resumable=key is not None)
         workers = usable_workers(per_rank=False) if workers is None else workers
         return _build(build, documents, out, source, counts, name or out.name, if_exists, overlong, workers)
+
+
+def _built_from(out: Path, source: str) -> IndexedCorpus | None:
+    """The corpus at `out` when it is whole and was built from `source`."""
+    try:
+        corpus = open_corpus(out)
+    except HydraulisError:
+        return None
+    return corpus if corpus.manifest.source == source else None
 
 
 def _build(
