@@ -120,3 +120,20 @@ def test_the_meter_drops_the_allocators_unknown_block_line_and_passes_others_on(
     assert meter.peak_bytes >= kept.numel() * 4
     _, err = capfd.readouterr()
     assert err == "a line of someone else's\n"
+
+
+def test_a_step_that_raises_leaves_neither_the_profiler_on_nor_stderr_borrowed(capfd):
+    """The meter borrows fd 2 for its window; a step that raises inside it (a lost peer, a bug) abandons the
+    meter (the trainer's run_schedule), and stderr is the terminal's again, the profiler off."""
+    import os
+
+    from torch.autograd import _profiler_enabled
+
+    before = os.fstat(2).st_ino
+    meter = PeakMeter().start()
+    assert os.fstat(2).st_ino != before and _profiler_enabled()
+    meter.abandon()
+    assert os.fstat(2).st_ino == before and not _profiler_enabled()
+    os.write(2, b"after the failed step\n")
+    assert capfd.readouterr().err == "after the failed step\n"
+    meter.abandon()  # twice, or after a stop: nothing more to undo

@@ -72,6 +72,16 @@ class PeakMeter:
             _autograd._enable_profiler_legacy(config)
         return self
 
+    def abandon(self) -> None:
+        """Stop without a figure (the step raised): the profiler off and stderr back where it was."""
+        if self._active and self.device.type == "cpu" and _autograd._profiler_enabled():
+            with contextlib.suppress(Exception):
+                _autograd._disable_profiler_legacy()
+        if self._notice is not None:
+            self._notice.stop()
+            self._notice = None
+        self._active = False
+
     def stop(self) -> None:
         if not self._active:
             return
@@ -134,15 +144,21 @@ class _AllocatorNotice:
             saved = os.dup(2)
         except OSError:
             return None
-        file = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop
-        os.dup2(file.fileno(), 2)
+        try:
+            file = tempfile.TemporaryFile()  # noqa: SIM115 - closed in stop
+            os.dup2(file.fileno(), 2)
+        except OSError:
+            os.close(saved)
+            return None
         return cls(file, saved)
 
     def stop(self) -> None:
-        with contextlib.suppress(Exception):
-            sys.stderr.flush()
-        os.dup2(self.saved, 2)
-        os.close(self.saved)
+        try:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+        finally:
+            os.dup2(self.saved, 2)
+            os.close(self.saved)
         self.file.seek(0)
         kept = b"".join(line for line in self.file if not all(s in line for s in self.SAID))
         self.file.close()

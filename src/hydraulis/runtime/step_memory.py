@@ -97,6 +97,10 @@ class StepMemory:
             self._base = live_tensor_bytes(self.device)
         self.meter.start()
 
+    def abandon(self) -> None:
+        """The iteration raised: stop measuring, leave nothing on (PeakMeter.abandon)."""
+        self.meter.abandon()
+
     def stop(self, exchange_buffer_bytes: int = 0) -> MemoryFigures:
         """The iteration's figures; `exchange_buffer_bytes`: what its exchanges' buffers held at most (on CUDA the
         exchange's peak, which the allocator cannot tell apart; on CPU the allocator's peak inside them is)."""

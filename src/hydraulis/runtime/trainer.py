@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hydraulis.cost.memory import RankMemory
 from hydraulis.cost.model import CostModel
 from hydraulis.data.sampler import GlobalBatch, TokenBudgetSampler
 from hydraulis.optim import OptimSettings
@@ -164,9 +165,20 @@ class Trainer:
 
     def run_schedule(self, batch: GlobalBatch, schedule: Schedule, planning_unhidden_s: float = 0.0) -> StepMetrics:
         """Its phases one after another (runtime/phases.py), then one optimizer step on their summed gradients."""
-        s, step = self.settings, self.step_index
         indices = [self.deployments.index(p.deployment) for p in schedule.phases]
-        ranks = self.meter.begin(indices, schedule, step)
+        ranks = self.meter.begin(indices, schedule, self.step_index)
+        try:
+            return self._run_measured(batch, schedule, indices, ranks, planning_unhidden_s)
+        except BaseException:  # the memory meter's profiler and its hold on stderr end with the step
+            self.meter.memory.abandon()
+            raise
+
+    def _run_measured(
+        self, batch: GlobalBatch, schedule: Schedule, indices: list[int], ranks: list[RankMemory],
+        planning_unhidden_s: float,
+    ) -> StepMetrics:
+        """run_schedule's iteration between the memory meter's start and its end."""
+        s, step = self.settings, self.step_index
         start = time.perf_counter()
         targets = self.source.targets(batch)
         parts = PhaseParts(self.deployments, self.source, DTYPES[s.reduce_dtype], s.overlap)

@@ -338,6 +338,9 @@ def _pool_configs(setting: PoolSetting, spec: ModelSpec, world: int) -> tuple[Pa
         configs = [c for c in candidate_configs(spec, world) if world % c.num_gpus == 0 and c.cp == 1]
     for g in configs:
         g.validate(spec)
+        if g.vp > 1:  # before anything is written or any rank (a profiler's too) starts on it
+            raise HydraulisError(f"parallel.pool: {g.name} interleaves (vp = {g.vp}), which is planned and "
+                                 f"simulated but not trained yet; use {g.base.name}")
     return tuple(sorted(set(configs), key=lambda c: (c.num_gpus, c.tp, c.pp, c.cp)))
 
 
