@@ -325,7 +325,7 @@ def load_checkpoint(
         if moved_from(info) and not new_corpus:
             raise HydraulisError(
                 f"{info.manifest_path}: saved while training on another corpus (its checksums differ from "
-                f"corpus {saved.corpus.name}'s manifest)"
+                f"corpus {saved.corpus.name}'s manifest); add --change-config to continue it on this corpus"
             )
         sampler = saved.feed.sampler
         previous = sampler.state
