@@ -334,7 +334,9 @@ def test_sigkill_during_a_real_build_then_the_next_build_sweeps(cli, tmp_path):
     res = cli("data", "build", str(src), "-o", str(tmp_path / "other"), "-t", "bytes")
     assert res.returncode == 0, res.stderr
     assert f"removed 1 temporary directory left by an interrupted build in {tmp_path}" in res.stderr
-    assert not list(tmp_path.glob(".corpus.*")) and not (tmp_path / "corpus").exists()
+    assert not list(tmp_path.glob(".corpus.*.tmp")) and not (tmp_path / "corpus").exists()
+    # What stays is the killed build's finished parts, for the next build of that corpus to reuse (or remove).
+    assert [p.name for p in tmp_path.glob(".corpus.*")] in ([], [".corpus.parts"])
 
 
 # -- partial output on error -------------------------------------------------------------------------
