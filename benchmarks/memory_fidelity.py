@@ -4,7 +4,7 @@ For each model (tiny, small) and compute dtype (fp32, bf16), 4 gloo ranks
 train a few steps on each deployment of a pool that has every kind of
 config the CPU runs: tp1pp1, a TP gang beside tp1 replicas, pipelines, a
 replica left idle. Each step is planned on that deployment by the
-planner; every rank measures its own peak (runtime/step_memory.py: a
+planner; every rank measures its own peak (runtime/metering/step_memory.py: a
 census of live tensors at the iteration's start plus the CPU allocator's
 peak above it) and predicts it (cost.memory.rank_memory). Prints each
 rank's error, |measured - predicted| / predicted, and the worst per model,

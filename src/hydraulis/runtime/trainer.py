@@ -45,14 +45,14 @@ from hydraulis.runtime.compare import Comparison, compare
 from hydraulis.runtime.deployments import RankPool
 from hydraulis.runtime.divergence import finite
 from hydraulis.runtime.launch import DTYPES, DistEnv, init_distributed
+from hydraulis.runtime.metering.step_memory import CPU_SAMPLE_EVERY, StepMemory
+from hydraulis.runtime.metering.step_meter import StepMeter, StepMetrics, StepOutcome, clock
 from hydraulis.runtime.optimizer.layout import ShardLayout
 from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
 from hydraulis.runtime.parallelism.batch import BatchSource, Corpus
 from hydraulis.runtime.parallelism.groups import built_groups
 from hydraulis.runtime.phases import PhaseParts, loss_part, run_phases
 from hydraulis.runtime.plan_feed import PlanFeed
-from hydraulis.runtime.step_memory import CPU_SAMPLE_EVERY, StepMemory
-from hydraulis.runtime.step_meter import StepMeter, StepMetrics, StepOutcome, clock
 from hydraulis.runtime.timeouts import DEFAULT_TIMEOUT_S, first_step_timeout, settle_timeouts
 from hydraulis.specs import ModelSpec
 

@@ -26,7 +26,7 @@ from hydraulis.training.mixture import source_shares
 
 if TYPE_CHECKING:
     from hydraulis.planner.planner import Planner
-    from hydraulis.runtime.step_meter import StepMetrics
+    from hydraulis.runtime.metering.step_meter import StepMetrics
 
 
 class RunLog:
@@ -296,7 +296,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "planning_unhidden_s": sum(r["planning_unhidden_s"] for r in rows),
         "iteration_error_median": statistics.median(errors) if errors else 0.0,
         "iteration_error_max": max(errors) if errors else 0.0,
-        # The largest over steps of each rank-wise maximum (runtime/step_memory.py); the prediction over the
+        # The largest over steps of each rank-wise maximum (runtime/metering/step_memory.py); the prediction over the
         # measured steps only (CPU measures a sample of them), so the two describe the same iterations; None where
         # no step was measured.
         **memory_summary(rows),
