@@ -33,8 +33,8 @@ def worker(model: str, dtype: str, steps: int, sequence_parallel: bool) -> list[
     from hydraulis.optim import OptimSettings
     from hydraulis.parallel import Deployment
     from hydraulis.planner.planner import Planner
-    from hydraulis.runtime.launch import init_distributed
     from hydraulis.runtime.parallelism.batch import TokenDocuments
+    from hydraulis.runtime.parallelism.launch import init_distributed
     from hydraulis.runtime.trainer import Trainer, TrainSettings
     from hydraulis.specs import DTYPE_BYTES, MODELS, ClusterSpec, get_device
 
@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--json", default=None, help="write every rank's figures here")
     args = parser.parse_args()
-    from hydraulis.runtime.launch import spawn
+    from hydraulis.runtime.parallelism.launch import spawn
     from hydraulis.specs import DTYPE_NAMES, MODELS
 
     models, dtypes = args.models.split(","), args.dtypes.split(",")

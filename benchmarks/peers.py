@@ -296,7 +296,7 @@ def worker(job: dict, variant: str) -> dict:
     import transformers  # noqa: F401 - imported before the baseline by every variant alike
 
     from hydraulis.data.indexed import open_corpus
-    from hydraulis.runtime.launch import init_distributed
+    from hydraulis.runtime.parallelism.launch import init_distributed
 
     env = init_distributed("cpu")
     corpus = open_corpus(job["corpus"])
@@ -316,7 +316,7 @@ def worker(job: dict, variant: str) -> dict:
 # -- measuring and reporting ---------------------------------------------------------------------
 def measure(job: dict, reps: int) -> dict[str, list[dict]]:
     """Interleaved: every variant once per repetition, each in a fresh job of WORLD processes."""
-    from hydraulis.runtime.launch import spawn
+    from hydraulis.runtime.parallelism.launch import spawn
 
     variants = [*job["plans"], *job["peers"]]
     tokens = sum(b.num_tokens for b in job["batches"])

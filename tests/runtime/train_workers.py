@@ -20,9 +20,9 @@ from hydraulis.planner.plan import IterationPlan, Schedule
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.schedule import mean_switch_time, phases_time
 from hydraulis.runtime import IGNORE_INDEX, StageModel, concatenate_documents, count_targets
-from hydraulis.runtime.launch import init_distributed
 from hydraulis.runtime.optimizer.layout import ShardLayout
 from hydraulis.runtime.parallelism.batch import TokenDocuments
+from hydraulis.runtime.parallelism.launch import init_distributed
 from hydraulis.runtime.trainer import Trainer, TrainSettings
 from hydraulis.specs import MODELS, ClusterSpec, get_device
 

@@ -227,7 +227,7 @@ def comparison_lines(c: dict[str, Any]) -> str:
         f"  planned / best homogeneous ({c['best_homogeneous']}): {c['measured_speedup']:.2f}x measured "
         f"({min(spread):.2f}-{max(spread):.2f}x over the repeats), {c['predicted_speedup']:.2f}x predicted"
     )
-    if "cpu_speedup" in c:  # the work, which other processes' load does not stretch (runtime/compare.py)
+    if "cpu_speedup" in c:  # the work, which other processes' load does not stretch (runtime/metering/compare.py)
         rows.append(f"  CPU time of the ranks, planned / best homogeneous: {c['cpu_speedup']:.2f}x")
     return "\n".join(rows)
 

@@ -155,7 +155,7 @@ def check_step(
 ) -> dict[str, Any]:
     """The Trainer's iteration on one rank, 1x(tp1,pp1): time, MFU, peak memory against the model (and the budget);
     and the collectives of its process group (`machine.collectives`)."""
-    from hydraulis.runtime.launch import init_distributed
+    from hydraulis.runtime.parallelism.launch import init_distributed
     from hydraulis.runtime.trainer import Trainer, TrainSettings
 
     spec, peak, peak_source = machine.device_spec(device)
