@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hydraulis.planner",),
     ("hydraulis.baselines",),
     # The runtime's sub-packages, each a layer: collectives and groups; the model; the optimizer's layout and
-    # exchange; the runtime's own modules (pipeline, phases, trainer, ...) with its meters, which measure the step
+    # exchange; the runtime's own modules (pipeline, iteration, trainer, ...) with its meters, which measure the step
     # the trainer runs and the trainer reads (the profiler and `hydraulis check` among them drive the trainer:
     # one layer, no circle of modules); storage.
     ("hydraulis.runtime.parallelism",),

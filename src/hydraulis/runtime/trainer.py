@@ -43,6 +43,7 @@ from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.plan import IterationPlan, Schedule
 from hydraulis.runtime.deployments import RankPool
 from hydraulis.runtime.divergence import finite
+from hydraulis.runtime.iteration import PhaseParts, loss_part, run_phases
 from hydraulis.runtime.metering.compare import Comparison, compare
 from hydraulis.runtime.metering.step_memory import CPU_SAMPLE_EVERY, StepMemory
 from hydraulis.runtime.metering.step_meter import StepMeter, StepMetrics, StepOutcome, clock
@@ -52,7 +53,6 @@ from hydraulis.runtime.parallelism.batch import BatchSource, Corpus
 from hydraulis.runtime.parallelism.groups import built_groups
 from hydraulis.runtime.parallelism.launch import DTYPES, DistEnv, init_distributed
 from hydraulis.runtime.parallelism.timeouts import DEFAULT_TIMEOUT_S, first_step_timeout, settle_timeouts
-from hydraulis.runtime.phases import PhaseParts, loss_part, run_phases
 from hydraulis.runtime.plan_feed import PlanFeed
 from hydraulis.specs import ModelSpec
 
@@ -164,7 +164,7 @@ class Trainer:
         return self.run_schedule(batch, Schedule.single(plan), planning_unhidden_s)
 
     def run_schedule(self, batch: GlobalBatch, schedule: Schedule, planning_unhidden_s: float = 0.0) -> StepMetrics:
-        """Its phases one after another (runtime/phases.py), then one optimizer step on their summed gradients."""
+        """Its phases one after another (runtime/iteration.py), then one optimizer step on their summed gradients."""
         indices = [self.deployments.index(p.deployment) for p in schedule.phases]
         ranks = self.meter.begin(indices, schedule, self.step_index)
         try:

@@ -21,8 +21,8 @@ from hydraulis.cost.model import CostModel
 from hydraulis.data.sampler import GlobalBatch
 from hydraulis.planner.plan import Schedule
 from hydraulis.runtime.deployments import RankPool
+from hydraulis.runtime.iteration import PhaseRun, switch_cost
 from hydraulis.runtime.metering.step_memory import MemoryFigures, StepMemory, predicted_rank
-from hydraulis.runtime.phases import PhaseRun, switch_cost
 from hydraulis.specs import ModelSpec
 
 
@@ -63,7 +63,7 @@ class StepMetrics:
     # smallest, the slowest rank's, which is the exchange alone.
     exchange_exposed_s: float = 0.0
     exchange_exposed_min_s: float = 0.0
-    phases: int = 1  # deployments one after another in this iteration (runtime/phases.py)
+    phases: int = 1  # deployments one after another in this iteration (runtime/iteration.py)
     phase_switch_s: float = 0.0  # their switches, measured (the rank that waited least: the switches alone)
     phase_switch_predicted_s: float = 0.0
     memory_over_budget: bool = False  # a rank's measured peak exceeded [parallel] memory_per_rank
