@@ -35,9 +35,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hydraulis.planner",),
     ("hydraulis.baselines",),
     # The runtime's sub-packages, each a layer: collectives and groups; the model; the optimizer's layout and
-    # exchange; the runtime's own modules (pipeline, iteration, trainer, ...) with its meters, which measure the step
-    # the trainer runs and the trainer reads (`hydraulis check`'s check.py among them runs the trainer: one layer,
-    # no circle of modules); storage.
+    # exchange; the runtime's own modules (pipeline, iteration, trainer, check, ...) with its meters, which measure
+    # the step the trainer runs and the trainer reads (one layer, no circle of modules); storage.
     ("hydraulis.runtime.parallelism",),
     ("hydraulis.runtime.modeling",),
     ("hydraulis.runtime.optimizer",),
