@@ -77,7 +77,7 @@ def worker(sizes_mib: list[int], reps: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from hydraulis.runtime.launch import init_distributed
+    from hydraulis.runtime.parallelism.launch import init_distributed
 
     env = init_distributed("cpu")
     result = {}
@@ -112,7 +112,7 @@ def main() -> None:
         parser.error(f"--sizes {args.sizes!r}: give whole MiB, comma-separated, e.g. 1,4,16,64")
     if args.reps < 1 or any(s < 1 for s in sizes):
         parser.error("--reps and every size must be at least 1")
-    from hydraulis.runtime.launch import spawn
+    from hydraulis.runtime.parallelism.launch import spawn
 
     print(f"{WORLD} gloo ranks, fp32, {args.reps} interleaved repetitions per size; the slowest rank's time, "
           "median (CPU: informative)", flush=True)

@@ -1,6 +1,6 @@
 """The prepared check of the CUDA paths the CPU tests cannot reach, on one GPU: `hydraulis check --device cuda`.
 
-The check is the command (src/hydraulis/cli/check.py, its work in runtime/metering/check.py and
+The check is the command (src/hydraulis/cli/check.py, its work in runtime/check.py and
 machine.py): torch, CUDA, NCCL and gloo, the devices, the attention kernel each dtype takes, varlen and CP
 attention in bf16 against an fp32 reference, one training step of a model preset with its time, MFU and
 peak memory against the memory model. This script runs it on CUDA unless told otherwise; its arguments are

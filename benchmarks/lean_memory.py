@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from hydraulis.runtime import IGNORE_INDEX, StageModel, TensorParallel, concatenate_documents, head_cross_entropy
-from hydraulis.runtime.memory_meter import PeakMeter
+from hydraulis.runtime.metering.memory_meter import PeakMeter
 from hydraulis.runtime.modeling.main_grad import attach_main_grads, clear_grads, gradient
 from hydraulis.runtime.optimizer.layout import ShardLayout
 from hydraulis.specs import MODELS

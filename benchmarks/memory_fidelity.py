@@ -4,7 +4,7 @@ For each model (tiny, small) and compute dtype (fp32, bf16), 4 gloo ranks
 train a few steps on each deployment of a pool that has every kind of
 config the CPU runs: tp1pp1, a TP gang beside tp1 replicas, pipelines, a
 replica left idle. Each step is planned on that deployment by the
-planner; every rank measures its own peak (runtime/step_memory.py: a
+planner; every rank measures its own peak (runtime/metering/step_memory.py: a
 census of live tensors at the iteration's start plus the CPU allocator's
 peak above it) and predicts it (cost.memory.rank_memory). Prints each
 rank's error, |measured - predicted| / predicted, and the worst per model,
@@ -33,8 +33,8 @@ def worker(model: str, dtype: str, steps: int, sequence_parallel: bool) -> list[
     from hydraulis.optim import OptimSettings
     from hydraulis.parallel import Deployment
     from hydraulis.planner.planner import Planner
-    from hydraulis.runtime.launch import init_distributed
     from hydraulis.runtime.parallelism.batch import TokenDocuments
+    from hydraulis.runtime.parallelism.launch import init_distributed
     from hydraulis.runtime.trainer import Trainer, TrainSettings
     from hydraulis.specs import DTYPE_BYTES, MODELS, ClusterSpec, get_device
 
@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--json", default=None, help="write every rank's figures here")
     args = parser.parse_args()
-    from hydraulis.runtime.launch import spawn
+    from hydraulis.runtime.parallelism.launch import spawn
     from hydraulis.specs import DTYPE_NAMES, MODELS
 
     models, dtypes = args.models.split(","), args.dtypes.split(",")

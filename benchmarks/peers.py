@@ -34,7 +34,7 @@ can be faster here).
 Memory per rank: VmHWM minus VmRSS after the imports and before the variant is built (what the variant
 added at its peak; each variant runs in processes of its own), the largest rank, median of reps. Beside it,
 "peak MiB": the most tensor bytes a rank held in any warm-up step, measured as the trainer measures its own
-(runtime/step_memory.py; the timed pass runs without the profiler). The budget is checked on it.
+(runtime/metering/step_memory.py; the timed pass runs without the profiler). The budget is checked on it.
 
 Exposed exchange time per iteration: the seconds a rank's training thread waited for the exchange of
 parameters and gradients instead of computing (Hydraulis: runtime/optimizer/exchange.py's figure; DDP:
@@ -256,12 +256,12 @@ def peer_runner(job: dict, variant: str, env, corpus, total_steps: int):
 def run_pass(step, steps: int, meter: bool = False) -> dict[str, list[float]]:
     """Every step after a barrier; per step the slowest rank's time, the global loss, the grad norm, and
     the exposed exchange (largest over ranks, and this rank's own). `meter`: also each step's peak of tensor
-    bytes on this rank, as the trainer measures its own (runtime/step_memory.py): a census of live tensors
+    bytes on this rank, as the trainer measures its own (runtime/metering/step_memory.py): a census of live tensors
     before the step plus the CPU allocator's peak above it, by torch's profiler (it slows the step)."""
     import torch
     import torch.distributed as dist
 
-    from hydraulis.runtime.memory_meter import PeakMeter, live_tensor_bytes
+    from hydraulis.runtime.metering.memory_meter import PeakMeter, live_tensor_bytes
 
     seconds, cpu, shares, norms, exposed, peaks = [], [], [], [], [], []
     for i in range(steps):
@@ -296,7 +296,7 @@ def worker(job: dict, variant: str) -> dict:
     import transformers  # noqa: F401 - imported before the baseline by every variant alike
 
     from hydraulis.data.indexed import open_corpus
-    from hydraulis.runtime.launch import init_distributed
+    from hydraulis.runtime.parallelism.launch import init_distributed
 
     env = init_distributed("cpu")
     corpus = open_corpus(job["corpus"])
@@ -316,7 +316,7 @@ def worker(job: dict, variant: str) -> dict:
 # -- measuring and reporting ---------------------------------------------------------------------
 def measure(job: dict, reps: int) -> dict[str, list[dict]]:
     """Interleaved: every variant once per repetition, each in a fresh job of WORLD processes."""
-    from hydraulis.runtime.launch import spawn
+    from hydraulis.runtime.parallelism.launch import spawn
 
     variants = [*job["plans"], *job["peers"]]
     tokens = sum(b.num_tokens for b in job["batches"])

@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from hydraulis.parallel import ParallelConfig, Replica
 from hydraulis.runtime import StageModel, build_replica_groups, concatenate_documents, count_targets, train_step
-from hydraulis.runtime.launch import spawn
 from hydraulis.runtime.optimizer.layout import reset_parameters
+from hydraulis.runtime.parallelism.launch import spawn
 from hydraulis.specs import get_model
 
 

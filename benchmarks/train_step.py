@@ -50,8 +50,8 @@ def worker(job: dict) -> dict:
 
     from hydraulis.data.indexed import open_corpus
     from hydraulis.optim import OptimSettings
-    from hydraulis.runtime.launch import init_distributed
     from hydraulis.runtime.optimizer.exchange import reduce as reduce_all
+    from hydraulis.runtime.parallelism.launch import init_distributed
     from hydraulis.runtime.trainer import Trainer, TrainSettings
 
     env = init_distributed("cpu")
@@ -146,7 +146,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    from hydraulis.runtime.launch import spawn
+    from hydraulis.runtime.parallelism.launch import spawn
 
     spec = get_model("tiny")
     cost = load_cost_model(args.profile)

@@ -79,7 +79,8 @@ def _children(pid: int) -> list[int]:
 
 
 def rank_pids(pid: int) -> list[int]:
-    """The rank processes of the command `pid`: the children of the fork server it started (runtime/launch.py)."""
+    """The rank processes of the command `pid`: the children of the fork server it started
+    (runtime/parallelism/launch.py)."""
     ranks = []
     for child in _children(pid):
         try:

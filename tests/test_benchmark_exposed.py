@@ -46,7 +46,7 @@ def _delayed_allreduce(state, bucket):
 
 
 def _worker() -> dict:
-    from hydraulis.runtime.launch import init_distributed
+    from hydraulis.runtime.parallelism.launch import init_distributed
 
     env = init_distributed("cpu")
     peers = load_peers()
@@ -67,7 +67,7 @@ def _worker() -> dict:
 
 @pytest.mark.dist
 def test_exposed_exchange_of_the_peers():
-    from hydraulis.runtime.launch import spawn
+    from hydraulis.runtime.parallelism.launch import spawn
 
     ranks = spawn(_worker, 2, deadline_s=300)
     for rank, out in enumerate(ranks):

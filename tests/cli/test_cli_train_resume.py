@@ -116,7 +116,7 @@ def test_memory_a_step_did_not_measure_is_null_in_metrics_and_left_out_of_the_su
     _, straight, split = runs
     for run in (straight, split):
         rows = step_rows(run)
-        # CPU measures a sample of the steps (runtime/step_memory.py): here each deployment's first.
+        # CPU measures a sample of the steps (runtime/metering/step_memory.py): here each deployment's first.
         assert [r["step"] for r in rows if r["memory_peak_bytes"] is not None] == [0, STOP]
         for r in rows:
             unmeasured = r["memory_peak_bytes"] is None

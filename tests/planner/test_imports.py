@@ -35,13 +35,13 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hydraulis.planner",),
     ("hydraulis.baselines",),
     # The runtime's sub-packages, each a layer: collectives and groups; the model; the optimizer's layout and
-    # exchange; the runtime's own modules (launch, pipeline, trainer, ...); storage; the machine's meters.
+    # exchange; the runtime's own modules (pipeline, iteration, trainer, check, ...) with its meters, which measure
+    # the step the trainer runs and the trainer reads (one layer, no circle of modules); storage.
     ("hydraulis.runtime.parallelism",),
     ("hydraulis.runtime.modeling",),
     ("hydraulis.runtime.optimizer",),
-    ("hydraulis.runtime",),
+    ("hydraulis.runtime", "hydraulis.runtime.metering"),
     ("hydraulis.runtime.storage",),
-    ("hydraulis.runtime.metering",),
     ("hydraulis.bench", "hydraulis.report", "hydraulis.training"),
     ("hydraulis.cli", "hydraulis.__main__"),
 )

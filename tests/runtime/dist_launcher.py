@@ -1,4 +1,4 @@
-"""Run a function on N gloo processes and fail fast: the runtime's own launcher, `runtime.launch.spawn`.
+"""Run a function on N gloo processes and fail fast: the runtime's own launcher, `runtime.parallelism.launch.spawn`.
 
 A gloo mismatch can abort a rank without a Python exception, and a rank
 that raises leaves its peers blocked in a collective. `spawn` polls its
@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from hydraulis.runtime.launch import RankFailed, spawn
+from hydraulis.runtime.parallelism.launch import RankFailed, spawn
 
 PG_TIMEOUT_S = 30
 

@@ -130,7 +130,7 @@ def check_configs(rank: int, world: int) -> dict:
 def collective_peaks(rounds: tuple[int, ...] = (2, 30)) -> dict[str, list[float]]:
     """The CPU meter's peak (MiB) over `rounds` of each TP collective on 1 MiB, its result dropped at once: with every
     free seen by the meter it does not grow with the rounds (a free left to gloo's worker thread would count)."""
-    from hydraulis.runtime.memory_meter import PeakMeter
+    from hydraulis.runtime.metering.memory_meter import PeakMeter
     from hydraulis.runtime.parallelism.tensor_parallel import TensorParallel, enter_tp_region, exit_tp_region
 
     x = torch.ones(1 << 16, 4)

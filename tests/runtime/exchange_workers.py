@@ -8,9 +8,9 @@ import torch
 from train_workers import corpus, cpu_settings, sampler
 
 from hydraulis.planner.plan import IterationPlan
-from hydraulis.runtime.launch import init_distributed
 from hydraulis.runtime.parallelism import collectives, groups
 from hydraulis.runtime.parallelism.batch import TokenDocuments
+from hydraulis.runtime.parallelism.launch import init_distributed
 from hydraulis.runtime.trainer import Trainer, TrainSettings
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from hydraulis.errors import HydraulisError
-from hydraulis.runtime.launch import init_distributed
+from hydraulis.runtime.parallelism.launch import init_distributed
 
 
 def fails_on(rank_to_fail: int, how: str) -> int:

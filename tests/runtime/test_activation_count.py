@@ -18,7 +18,7 @@ from hydraulis.cost.memory import rank_memory
 from hydraulis.cost.policies import LIGHTEST_FIRST, MemoryPolicy
 from hydraulis.parallel import ParallelConfig
 from hydraulis.runtime import StageModel, concatenate_documents, single_process_groups, train_step
-from hydraulis.runtime.memory_meter import PeakMeter
+from hydraulis.runtime.metering.memory_meter import PeakMeter
 from hydraulis.runtime.modeling.main_grad import attach_main_grads
 from hydraulis.specs import MODELS, Architecture, get_device
 

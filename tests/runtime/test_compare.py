@@ -1,4 +1,4 @@
-"""The measured comparison's arithmetic (runtime/compare.py): per batch the median over repeats, and switches
+"""The measured comparison's arithmetic (runtime/metering/compare.py): per batch the median over repeats, and switches
 charged as each variant's own sequence pays them, not as the batch-by-batch interleaving made them."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from hydraulis.runtime.compare import Comparison, charged  # noqa: E402
+from hydraulis.runtime.metering.compare import Comparison, charged  # noqa: E402
 
 
 def test_one_disturbed_repeat_of_a_batch_moves_nothing_where_medians_of_totals_lose_it():

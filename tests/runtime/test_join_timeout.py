@@ -16,7 +16,7 @@ import datetime, os, socket, sys
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
 os.environ.update(RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 from hydraulis.errors import HydraulisError
-from hydraulis.runtime.launch import init_distributed
+from hydraulis.runtime.parallelism.launch import init_distributed
 try:
     init_distributed("cpu", timeout=datetime.timedelta(seconds=3))
 except HydraulisError as exc:

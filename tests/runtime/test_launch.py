@@ -7,7 +7,7 @@ import time
 import launch_workers
 import pytest
 
-from hydraulis.runtime.launch import PG_TIMEOUT, RankFailed, spawn
+from hydraulis.runtime.parallelism.launch import PG_TIMEOUT, RankFailed, spawn
 
 pytestmark = pytest.mark.dist
 

@@ -36,7 +36,7 @@ def test_cpu_iterations_are_sampled_first_use_of_each_deployment_and_every_nth_s
     """The CPU trace costs a large share of a small step: only due iterations are measured, others say 0."""
     import torch
 
-    from hydraulis.runtime.step_memory import StepMemory
+    from hydraulis.runtime.metering.step_memory import StepMemory
 
     memory = StepMemory(torch.device("cpu"), every=4)
     measured = []
@@ -58,7 +58,7 @@ def test_under_a_budget_the_riskiest_iterations_are_measured_too():
     (those are the ones that could break the budget); without one, the same predictions change nothing."""
     import torch
 
-    from hydraulis.runtime.step_memory import StepMemory
+    from hydraulis.runtime.metering.step_memory import StepMemory
 
     predicted = [5e6, 4e6, 6e6, 6e6, 7e6, 3e6]
     for budget, expected in ((None, [True] + [False] * 5), (8 << 20, [True, False, True, False, True, False])):
@@ -118,8 +118,8 @@ def test_a_census_waits_for_the_planner_planning_in_the_background(quiet=None):
     from train_workers import corpus, settings
 
     from hydraulis.data.sampler import TokenBudgetSampler
+    from hydraulis.runtime.metering.step_memory import StepMemory
     from hydraulis.runtime.plan_feed import PlanFeed
-    from hydraulis.runtime.step_memory import StepMemory
 
     s = settings()
     feed = PlanFeed(TokenBudgetSampler([len(d) for d in corpus(s.model.vocab)], 700, 160, seed=1), s.pool, s.cost,

@@ -20,9 +20,9 @@ from hydraulis.planner.plan import IterationPlan, Schedule
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.schedule import mean_switch_time, phases_time
 from hydraulis.runtime import IGNORE_INDEX, StageModel, concatenate_documents, count_targets
-from hydraulis.runtime.launch import init_distributed
 from hydraulis.runtime.optimizer.layout import ShardLayout
 from hydraulis.runtime.parallelism.batch import TokenDocuments
+from hydraulis.runtime.parallelism.launch import init_distributed
 from hydraulis.runtime.trainer import Trainer, TrainSettings
 from hydraulis.specs import MODELS, ClusterSpec, get_device
 
@@ -34,7 +34,7 @@ CRAFTED = 5  # steps run on plans made here (one with an idle replica); the rest
 # The deployment of each crafted step: switches every step, back and forth.
 CRAFTED_DEPLOYMENTS = (0, 1, 0, 2, 1)
 IDLE_STEP = 2  # in this crafted step, replica 2 of deployment 0 gets no micro-batch
-# Crafted steps run in phases (runtime/phases.py): the deployment of each phase, shortest sequences first.
+# Crafted steps run in phases (runtime/iteration.py): the deployment of each phase, shortest sequences first.
 PHASED = {1: (0, 2), 4: (2, 0, 1)}
 # Crafted steps whose micro-batches cycle through the memory policies (none, selective, full recompute).
 MIXED = (0, 2, 3)

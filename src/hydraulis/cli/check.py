@@ -1,4 +1,4 @@
-"""`hydraulis check`: what this machine offers a run and whether the runtime works on it (runtime/metering/check.py)."""
+"""`hydraulis check`: what this machine offers a run and whether the runtime works on it (runtime/check.py)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def check(
     budget = None if memory_per_rank is None else parse_size(memory_per_rank, "--memory-per-rank")
     if out is not None and out.is_dir():
         raise HydraulisError(f"--out {out} is a directory; give a file name")
-    from hydraulis.runtime.metering.check import run_check
+    from hydraulis.runtime.check import run_check
     from hydraulis.runtime.metering.machine import check_device
 
     where = check_device(device)

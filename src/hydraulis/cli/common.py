@@ -113,7 +113,7 @@ def run_app(app: typer.Typer) -> NoReturn:
     try:
         _serve(app)
     except SystemExit as exc:
-        launch = sys.modules.get("hydraulis.runtime.launch")  # imported only where torch is
+        launch = sys.modules.get("hydraulis.runtime.parallelism.launch")  # imported only where torch is
         if launch is not None and launch.joined_a_job() and isinstance(exc.code, int | None):
             launch.leave_process(exc.code or 0)
         raise

@@ -2,7 +2,7 @@
 
 `TrainingState` is the one definition of bytes per parameter that the memory model and the runtime's
 prediction of its peak both read; activations.py counts what the layers and loss head keep for backward;
-`rank_memory` is one rank's peak buffer by buffer, logged beside the allocator's (runtime/step_memory.py);
+`rank_memory` is one rank's peak buffer by buffer, logged beside the allocator's (runtime/metering/step_memory.py);
 `MemoryModel.cap` (docs/design.md, section 4) is the largest micro-batch whose `rank_memory` peak fits on
 the config's first and last stage: under CP with the K/V buffers attention keeps, zero where the state and
 the exchange's buffers do not fit; under a memory policy (policies.py), its count.

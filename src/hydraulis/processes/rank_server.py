@@ -1,4 +1,4 @@
-"""The fork server that local ranks are forked from (runtime/launch.py's `spawn`).
+"""The fork server that local ranks are forked from (runtime/parallelism/launch.py's `spawn`).
 
 It imports torch and the launcher once, before any thread or CUDA context
 exists, and forks every rank from there: a spawned rank imported them again
@@ -14,7 +14,7 @@ import multiprocessing
 from multiprocessing import forkserver
 from multiprocessing.context import ForkServerContext
 
-PRELOAD = ["hydraulis.runtime.launch"]  # torch and the launcher
+PRELOAD = ["hydraulis.runtime.parallelism.launch"]  # torch and the launcher
 
 
 def context() -> ForkServerContext:

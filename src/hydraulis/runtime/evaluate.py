@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from hydraulis.data.sampler import GlobalBatch
 from hydraulis.planner.plan import decode_schedule
+from hydraulis.runtime.iteration import sub_batch
 from hydraulis.runtime.parallelism.batch import Corpus
-from hydraulis.runtime.phases import sub_batch
 from hydraulis.runtime.pipeline import forward_step
 from hydraulis.runtime.trainer import Trainer
 

@@ -54,7 +54,7 @@ class PlanFeed:
     def paused(self) -> Iterator[None]:
         """No planning inside: a plan in flight finishes first, the next waits.
 
-        Why: a CPU census of live tensors (runtime/memory_meter.live_tensor_bytes) holds every object of the
+        Why: a CPU census of live tensors (runtime/metering/memory_meter.live_tensor_bytes) holds every object of the
         process, and a tuple the planner's thread was building from an iterator then had two references when it
         grew: CPython raises "SystemError: bad argument to internal function" in the planner."""
         with self._planning:

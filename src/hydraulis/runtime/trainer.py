@@ -41,19 +41,19 @@ from hydraulis.data.sampler import GlobalBatch, TokenBudgetSampler
 from hydraulis.optim import OptimSettings
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.plan import IterationPlan, Schedule
-from hydraulis.runtime.compare import Comparison, compare
 from hydraulis.runtime.deployments import RankPool
 from hydraulis.runtime.divergence import finite
-from hydraulis.runtime.launch import DTYPES, DistEnv, init_distributed
+from hydraulis.runtime.iteration import PhaseParts, loss_part, run_phases
+from hydraulis.runtime.metering.compare import Comparison, compare
+from hydraulis.runtime.metering.step_memory import CPU_SAMPLE_EVERY, StepMemory
+from hydraulis.runtime.metering.step_meter import StepMeter, StepMetrics, StepOutcome, clock
 from hydraulis.runtime.optimizer.layout import ShardLayout
 from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
 from hydraulis.runtime.parallelism.batch import BatchSource, Corpus
 from hydraulis.runtime.parallelism.groups import built_groups
-from hydraulis.runtime.phases import PhaseParts, loss_part, run_phases
+from hydraulis.runtime.parallelism.launch import DTYPES, DistEnv, init_distributed
+from hydraulis.runtime.parallelism.timeouts import DEFAULT_TIMEOUT_S, first_step_timeout, settle_timeouts
 from hydraulis.runtime.plan_feed import PlanFeed
-from hydraulis.runtime.step_memory import CPU_SAMPLE_EVERY, StepMemory
-from hydraulis.runtime.step_meter import StepMeter, StepMetrics, StepOutcome, clock
-from hydraulis.runtime.timeouts import DEFAULT_TIMEOUT_S, first_step_timeout, settle_timeouts
 from hydraulis.specs import ModelSpec
 
 
@@ -76,7 +76,7 @@ class TrainSettings:
     compare_steps: int = 0  # the last batches kept for `Trainer.compare`
     exchange_bucket_bytes: int | None = None  # the most bytes one exchange buffer holds; None: the cost model's
     reduce_dtype: str = "fp32"  # what gradients travel in to their owners (summed in fp32 there)
-    timeout_s: float = DEFAULT_TIMEOUT_S  # process-group timeout after the first step (timeouts.py)
+    timeout_s: float = DEFAULT_TIMEOUT_S  # process-group timeout after the first step (parallelism/timeouts.py)
     memory_every: int = CPU_SAMPLE_EVERY  # on CPU, measure memory every this many steps (step_memory.py)
     # [parallel] memory_per_rank: each rank's measured peak is checked; None: the cost model's (None without one)
     memory_budget_bytes: int | None = None
@@ -164,7 +164,7 @@ class Trainer:
         return self.run_schedule(batch, Schedule.single(plan), planning_unhidden_s)
 
     def run_schedule(self, batch: GlobalBatch, schedule: Schedule, planning_unhidden_s: float = 0.0) -> StepMetrics:
-        """Its phases one after another (runtime/phases.py), then one optimizer step on their summed gradients."""
+        """Its phases one after another (runtime/iteration.py), then one optimizer step on their summed gradients."""
         indices = [self.deployments.index(p.deployment) for p in schedule.phases]
         ranks = self.meter.begin(indices, schedule, self.step_index)
         try:
@@ -201,7 +201,7 @@ class Trainer:
 
     # -- measured comparison ------------------------------------------------------------------
     def compare(self, repeats: int = 3) -> Comparison | None:
-        """The recent batches again, as planned and on each homogeneous deployment (runtime/compare.py)."""
+        """The recent batches again, as planned and on each homogeneous deployment (runtime/metering/compare.py)."""
         return compare(self.run_schedule, self.feed, self.optimizer, list(self.recent), repeats)
 
     # -- the online refit ------------------------------------------------------------------------

@@ -89,7 +89,7 @@ class AutoProfile:
 
         device = config.train.device
         if device == "auto":
-            from hydraulis.runtime.launch import device_kind  # torch, only to ask whether a GPU is there
+            from hydraulis.runtime.parallelism.launch import device_kind  # torch, only to ask whether a GPU is there
 
             device = device_kind(device)
         settings = ProfileSettings(**_sweep_for(config.data.max_len, lengths), dtype=config.train.dtype)

@@ -245,7 +245,7 @@ class TrainSection(_Section):
     steps: int = Field(100, ge=1, le=10**9)
     dtype: Literal[DTYPE_NAMES] = DTYPE_NAMES[0]  # type: ignore[valid-type]
     reduce_dtype: Literal[DTYPE_NAMES] = DTYPE_NAMES[0]  # type: ignore[valid-type]
-    # Process-group timeout in seconds once the first step is done (which gets 3x: runtime/timeouts.py).
+    # Process-group timeout in seconds once the first step is done (which gets 3x: runtime/parallelism/timeouts.py).
     timeout_s: float = Field(DEFAULT_TIMEOUT_S, gt=0, le=MAX_TIMEOUT_S)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     log_every: int = Field(1, ge=1)

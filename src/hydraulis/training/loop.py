@@ -26,10 +26,10 @@ from hydraulis.data.indexed import IndexedCorpus, open_corpus
 from hydraulis.progress import keep_going, say, transcribe
 from hydraulis.runtime.divergence import DivergenceGuard
 from hydraulis.runtime.evaluate import evaluate
-from hydraulis.runtime.launch import RankFailed, init_distributed, leave_distributed, spawn
+from hydraulis.runtime.parallelism.launch import RankFailed, init_distributed, leave_distributed, spawn
+from hydraulis.runtime.parallelism.timeouts import first_step_timeout
 from hydraulis.runtime.storage.checkpoint import CheckpointManager, Saved
 from hydraulis.runtime.storage.rundir import check_shared_run_dir
-from hydraulis.runtime.timeouts import first_step_timeout
 from hydraulis.runtime.trainer import Trainer, TrainSettings
 from hydraulis.training.job import Job, torchrun_world
 from hydraulis.training.run_fidelity import RunFidelity

@@ -35,7 +35,7 @@ from hydraulis.files import write_json_atomic
 from hydraulis.training.auto_profile import REFIT_PROFILE
 
 if TYPE_CHECKING:
-    from hydraulis.runtime.step_meter import StepMetrics
+    from hydraulis.runtime.metering.step_meter import StepMetrics
     from hydraulis.runtime.trainer import Trainer
     from hydraulis.store.checkpoints import CheckpointInfo
     from hydraulis.training.job import Job

@@ -26,7 +26,7 @@ from hydraulis.training.mixture import source_shares
 
 if TYPE_CHECKING:
     from hydraulis.planner.planner import Planner
-    from hydraulis.runtime.step_meter import StepMetrics
+    from hydraulis.runtime.metering.step_meter import StepMetrics
 
 
 class RunLog:
@@ -227,7 +227,7 @@ def comparison_lines(c: dict[str, Any]) -> str:
         f"  planned / best homogeneous ({c['best_homogeneous']}): {c['measured_speedup']:.2f}x measured "
         f"({min(spread):.2f}-{max(spread):.2f}x over the repeats), {c['predicted_speedup']:.2f}x predicted"
     )
-    if "cpu_speedup" in c:  # the work, which other processes' load does not stretch (runtime/compare.py)
+    if "cpu_speedup" in c:  # the work, which other processes' load does not stretch (runtime/metering/compare.py)
         rows.append(f"  CPU time of the ranks, planned / best homogeneous: {c['cpu_speedup']:.2f}x")
     return "\n".join(rows)
 
@@ -296,7 +296,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "planning_unhidden_s": sum(r["planning_unhidden_s"] for r in rows),
         "iteration_error_median": statistics.median(errors) if errors else 0.0,
         "iteration_error_max": max(errors) if errors else 0.0,
-        # The largest over steps of each rank-wise maximum (runtime/step_memory.py); the prediction over the
+        # The largest over steps of each rank-wise maximum (runtime/metering/step_memory.py); the prediction over the
         # measured steps only (CPU measures a sample of them), so the two describe the same iterations; None where
         # no step was measured.
         **memory_summary(rows),

@@ -17,10 +17,10 @@ import torch.distributed as dist
 
 from hydraulis.cost.conditions import cpu_cores
 from hydraulis.errors import HydraulisError
-from hydraulis.runtime.launch import DTYPES
 from hydraulis.runtime.metering.profiler import describe_device
 from hydraulis.runtime.modeling.attention import attention_backend
 from hydraulis.runtime.modeling.blockwise_attention import block_kernel
+from hydraulis.runtime.parallelism.launch import DTYPES
 from hydraulis.specs import DEVICES, DeviceSpec
 from hydraulis.store import profile_cache
 

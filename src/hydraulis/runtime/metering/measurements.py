@@ -20,10 +20,10 @@ from hydraulis.cost.measured import filling_replicas
 from hydraulis.cost.policies import LIGHTEST_FIRST, MemoryPolicy
 from hydraulis.cost.sweep import ProfileSettings
 from hydraulis.parallel import ParallelConfig, Replica
-from hydraulis.runtime.launch import DistEnv
 from hydraulis.runtime.modeling.model import StageModel
 from hydraulis.runtime.parallelism.batch import MicroBatchInput, concatenate_cp_shard
 from hydraulis.runtime.parallelism.groups import ReplicaGroups, build_replica_groups
+from hydraulis.runtime.parallelism.launch import DistEnv
 from hydraulis.runtime.pipeline import micro_batch_loss, train_step
 from hydraulis.specs import ModelSpec
 

@@ -80,9 +80,9 @@ from hydraulis.cost.measured import build_profile, filling_replicas
 from hydraulis.cost.sweep import ProfileSettings, check_configs, sweep
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig
-from hydraulis.runtime.launch import DTYPES, DistEnv, init_distributed, spawn
 from hydraulis.runtime.metering.measurements import JOB_TIMEOUT, ConfigRun, measure_collectives, measure_optimizer_step
 from hydraulis.runtime.parallelism.groups import ReplicaGroups, build_replica_groups
+from hydraulis.runtime.parallelism.launch import DTYPES, DistEnv, init_distributed, spawn
 from hydraulis.specs import ModelSpec
 
 

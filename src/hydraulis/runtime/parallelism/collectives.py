@@ -4,7 +4,7 @@ Gloo runs a collective on a worker thread whose work object holds the
 tensors it was given, and drops it a moment after `wait` returns. Were the
 training thread done with a tensor by then, its last reference, and so its
 free, would be on the worker: torch's profiler, which the CPU memory meter
-reads (runtime/memory_meter.py), records a thread's allocations and
+reads (runtime/metering/memory_meter.py), records a thread's allocations and
 frees only where it was enabled, so the meter would count the tensor as held
 for the rest of the step (up to 1.9 MiB of tiny's 5-10 MiB peaks). So on
 CPU each collective gets aliases of its tensors (new tensors over the same

@@ -1,7 +1,7 @@
 """Saving and loading training state: the owner shards with torch.distributed.checkpoint (DCP).
 
 The directory's names, manifest, discovery and retention are torch-free, in
-hydraulis/store/checkpoints.py; the RNG states are runtime/rng.py.
+hydraulis/store/checkpoints.py; the RNG states are runtime/storage/rng.py.
 
 A checkpoint is a directory `step-000123` (the trainer step it resumes at):
 
@@ -50,7 +50,7 @@ import torch.distributed as dist
 from hydraulis.errors import HydraulisError
 from hydraulis.files import read_json_object, replace_directory, sha256_file, write_json_atomic
 from hydraulis.progress import aside
-from hydraulis.runtime.rng import rng_state, set_rng_state
+from hydraulis.runtime.storage.rng import rng_state, set_rng_state
 from hydraulis.store.checkpoints import (
     CHECKPOINT_SCHEMA,
     DEFAULT_KEEP,
@@ -72,9 +72,9 @@ from hydraulis.store.checkpoints import (
 if TYPE_CHECKING:
     from hydraulis.cost.refit import RefitState
     from hydraulis.data.manifest import CorpusManifest
-    from hydraulis.runtime.launch import DistEnv
     from hydraulis.runtime.optimizer.layout import ShardLayout
     from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
+    from hydraulis.runtime.parallelism.launch import DistEnv
     from hydraulis.runtime.plan_feed import PlanFeed
     from hydraulis.runtime.trainer import Trainer, TrainSettings
 

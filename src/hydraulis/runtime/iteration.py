@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from hydraulis.data.sampler import GlobalBatch
 from hydraulis.planner.plan import IterationPlan, Schedule
@@ -33,7 +32,6 @@ from hydraulis.runtime.divergence import poisoned
 from hydraulis.runtime.optimizer.exchange import Exchange
 from hydraulis.runtime.parallelism.batch import BatchSource
 from hydraulis.runtime.pipeline import StepResult, train_step
-from hydraulis.runtime.step_memory import MemoryFigures
 
 
 @dataclass(frozen=True)
@@ -127,40 +125,3 @@ def loss_part(runs: Sequence[PhaseRun], device: torch.device) -> torch.Tensor:
 def switch_cost(runs: Sequence[PhaseRun]) -> float:
     """The in-iteration switch cost on this rank (0 for one phase)."""
     return sum(r.switch_s(k == 0, k == len(runs) - 1) for k, r in enumerate(runs))
-
-
-@dataclass(frozen=True)
-class RankFigures:
-    """An iteration's figures on one rank; `across_ranks` makes each the largest over ranks, the `_min` ones the
-    smallest (they travel negated), in one all-reduce over the control group."""
-
-    replica_s: tuple[float, ...]  # compute seconds of each replica of each phase, phase after phase (0: not ours)
-    memory_peak: float  # bytes (runtime/step_memory.py)
-    memory_predicted: float
-    exchange_peak: float
-    memory_error: float
-    exposed_s: float  # the exchange's time compute did not hide (exchange.py)
-    exposed_min_s: float
-    switch_s: float  # the in-iteration switch cost (`switch_cost`)
-    switch_min_s: float
-
-    @staticmethod
-    def of(runs: Sequence[PhaseRun], memory: MemoryFigures) -> RankFigures:
-        replica_s: list[float] = []
-        for run in runs:
-            times = [0.0] * len(run.plan.deployment.replicas)
-            times[run.part.replica] = run.compute_s
-            replica_s += times
-        exposed, switch = sum(r.exchange.exposed_s for r in runs), switch_cost(runs)
-        return RankFigures(tuple(replica_s), memory.peak, memory.predicted, memory.exchange_peak, memory.error,
-                           exposed, exposed, switch, switch)
-
-    def across_ranks(self, group: dist.ProcessGroup | None) -> RankFigures:
-        names = [f.name for f in fields(self) if f.name != "replica_s"]
-        signs = [-1.0 if name.endswith("_min_s") else 1.0 for name in names]
-        values = torch.tensor([*self.replica_s, *(s * getattr(self, n) for n, s in zip(names, signs, strict=True))],
-                              dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-        out, k = values.tolist(), len(self.replica_s)
-        return RankFigures(tuple(out[:k]), **{n: s * v for n, s, v in zip(names, signs, out[k:], strict=True)})

@@ -26,7 +26,7 @@ from hydraulis.cost.memory import RankMemory, rank_memory
 from hydraulis.cost.model import CostModel
 from hydraulis.planner.plan import IterationPlan
 from hydraulis.runtime.deployments import RankDeployment
-from hydraulis.runtime.memory_meter import PeakMeter, live_tensor_bytes
+from hydraulis.runtime.metering.memory_meter import PeakMeter, live_tensor_bytes
 from hydraulis.runtime.optimizer.exchange_plan import EXCHANGE_WINDOW
 from hydraulis.specs import ModelSpec
 

@@ -13,7 +13,7 @@
    analytic cost model's arithmetic) over the device's dense bf16 peak;
 4. the peak memory of those steps as the Trainer measures it (`torch.cuda.max_memory_allocated`; on CPU the
    allocator's events) against its memory model's prediction, both the Trainer's own metrics
-   (runtime/step_memory.py); under a memory budget, that no step went over it.
+   (runtime/metering/step_memory.py); under a memory budget, that no step went over it.
 
 Attention errors above their bf16 tolerance, a non-finite loss or a step over the budget make `ok` false
 (the command exits 1); time, MFU and memory against the model are reported figures.
@@ -155,7 +155,7 @@ def check_step(
 ) -> dict[str, Any]:
     """The Trainer's iteration on one rank, 1x(tp1,pp1): time, MFU, peak memory against the model (and the budget);
     and the collectives of its process group (`machine.collectives`)."""
-    from hydraulis.runtime.launch import init_distributed
+    from hydraulis.runtime.parallelism.launch import init_distributed
     from hydraulis.runtime.trainer import Trainer, TrainSettings
 
     spec, peak, peak_source = machine.device_spec(device)
@@ -197,7 +197,7 @@ def check_step(
     batches = batches[WARMUP:]
     done = sum(int(b.lengths.sum()) for b in batches)
     flops = sum(training_flops(model, b.lengths) for b in batches)
-    # The Trainer measures and predicts every iteration's peak (runtime/step_memory.py): one implementation.
+    # The Trainer measures and predicts every iteration's peak (runtime/metering/step_memory.py): one implementation.
     sampled = [m for m in timed if m.memory_peak_bytes is not None] or timed  # steps the meter measured
     predicted = max(m.memory_predicted_bytes for m in sampled)
     measured = max((m.memory_peak_bytes for m in sampled if m.memory_peak_bytes is not None), default=None)

@@ -4,14 +4,14 @@ The predicted times travel with the schedule: the planner simulated them
 with the trainer's cost model (planner.finalize, planner/phases.py), so the
 runtime simulates nothing. Memory is measured and predicted per rank
 (step_memory.py); the figures of every rank travel in one all-reduce over
-the control group (phases.py's `RankFigures`), and rank 0 reports the largest.
+the control group (`RankFigures`), and rank 0 reports the largest.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -21,8 +21,8 @@ from hydraulis.cost.model import CostModel
 from hydraulis.data.sampler import GlobalBatch
 from hydraulis.planner.plan import Schedule
 from hydraulis.runtime.deployments import RankPool
-from hydraulis.runtime.phases import PhaseRun, RankFigures
-from hydraulis.runtime.step_memory import StepMemory, predicted_rank
+from hydraulis.runtime.iteration import PhaseRun, switch_cost
+from hydraulis.runtime.metering.step_memory import MemoryFigures, StepMemory, predicted_rank
 from hydraulis.specs import ModelSpec
 
 
@@ -52,7 +52,7 @@ class StepMetrics:
     epoch: int
     position: int
     skipped: bool = False  # a non-finite loss or gradient norm: the optimizer did not step (divergence.py)
-    # Bytes, the largest over ranks (runtime/step_memory.py): measured by the allocator, and predicted.
+    # Bytes, the largest over ranks (runtime/metering/step_memory.py): measured by the allocator, and predicted.
     # None: not measured (CPU measures a sample of the steps), never a zero that reads as a measurement.
     memory_peak_bytes: int | None = None
     memory_predicted_bytes: int = 0
@@ -63,7 +63,7 @@ class StepMetrics:
     # smallest, the slowest rank's, which is the exchange alone.
     exchange_exposed_s: float = 0.0
     exchange_exposed_min_s: float = 0.0
-    phases: int = 1  # deployments one after another in this iteration (runtime/phases.py)
+    phases: int = 1  # deployments one after another in this iteration (runtime/iteration.py)
     phase_switch_s: float = 0.0  # their switches, measured (the rank that waited least: the switches alone)
     phase_switch_predicted_s: float = 0.0
     memory_over_budget: bool = False  # a rank's measured peak exceeded [parallel] memory_per_rank
@@ -80,6 +80,43 @@ class StepMetrics:
         d["micro_batches"] = list(self.micro_batches)
         d["tokens_per_s"] = self.tokens_per_s
         return d
+
+
+@dataclass(frozen=True)
+class RankFigures:
+    """An iteration's figures on one rank; `across_ranks` makes each the largest over ranks, the `_min` ones the
+    smallest (they travel negated), in one all-reduce over the control group."""
+
+    replica_s: tuple[float, ...]  # compute seconds of each replica of each phase, phase after phase (0: not ours)
+    memory_peak: float  # bytes (runtime/metering/step_memory.py)
+    memory_predicted: float
+    exchange_peak: float
+    memory_error: float
+    exposed_s: float  # the exchange's time compute did not hide (exchange.py)
+    exposed_min_s: float
+    switch_s: float  # the in-iteration switch cost (`switch_cost`)
+    switch_min_s: float
+
+    @staticmethod
+    def of(runs: Sequence[PhaseRun], memory: MemoryFigures) -> RankFigures:
+        replica_s: list[float] = []
+        for run in runs:
+            times = [0.0] * len(run.plan.deployment.replicas)
+            times[run.part.replica] = run.compute_s
+            replica_s += times
+        exposed, switch = sum(r.exchange.exposed_s for r in runs), switch_cost(runs)
+        return RankFigures(tuple(replica_s), memory.peak, memory.predicted, memory.exchange_peak, memory.error,
+                           exposed, exposed, switch, switch)
+
+    def across_ranks(self, group: dist.ProcessGroup | None) -> RankFigures:
+        names = [f.name for f in fields(self) if f.name != "replica_s"]
+        signs = [-1.0 if name.endswith("_min_s") else 1.0 for name in names]
+        values = torch.tensor([*self.replica_s, *(s * getattr(self, n) for n, s in zip(names, signs, strict=True))],
+                              dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+        out, k = values.tolist(), len(self.replica_s)
+        return RankFigures(tuple(out[:k]), **{n: s * v for n, s, v in zip(names, signs, out[k:], strict=True)})
 
 
 @dataclass(frozen=True)
