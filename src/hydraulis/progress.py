@@ -199,19 +199,36 @@ def byte_progress(total: int, description: str, enabled: bool = True) -> Iterato
         yield lambda n: bar.advance(task, n)
 
 
+class _LogPace:
+    """When a log hears of progress: each tenth of the way and at least once a minute, after `quiet_s`."""
+
+    def __init__(self, total: int, quiet_s: float = 0.0) -> None:
+        self.total, self.quiet_s = total, quiet_s
+        self.start = self.last = time.perf_counter()
+        self.done = self.shown = 0
+
+    def advance(self, n: int, last_too: bool = False) -> float | None:
+        """Count `n` more; the seconds since the start when a line is due now (also at the end, `last_too`)."""
+        self.done += n
+        now = time.perf_counter()
+        tenth = 10 * self.done // max(1, self.total)
+        if now - self.start < self.quiet_s:
+            return None
+        if tenth > self.shown or now - self.last >= LOG_EVERY_S or (last_too and self.done >= self.total):
+            self.shown, self.last = tenth, now
+            return now - self.start
+        return None
+
+
 def _byte_lines(total: int, description: str) -> Callable[[int], None]:
     """byte_progress's advance in a log: MB done, MB/s, the time left."""
-    start = last = time.perf_counter()
-    done, shown = 0, 0
+    pace = _LogPace(total, LOG_QUIET_S)
 
     def advance(n: int) -> None:
-        nonlocal done, shown, last
-        done += n
-        now = time.perf_counter()
-        tenth = 10 * done // max(1, total)
-        if now - start >= LOG_QUIET_S and (tenth > shown or now - last >= LOG_EVERY_S):
-            shown, last = tenth, now
-            rate = done / (now - start)
+        elapsed = pace.advance(n)
+        if elapsed is not None:
+            done = pace.done
+            rate = done / elapsed
             left = (total - done) / rate if rate > 0 else float("inf")
             print(f"{description}: {done / 1e6:,.0f}/{total / 1e6:,.0f} MB ({done / max(1, total):.0%}), "
                   f"{rate / 1e6:.1f} MB/s, {left:.0f} s left", file=sys.stderr, flush=True)
@@ -231,17 +248,13 @@ def steps_progress(description: str, total: int) -> Iterator[Callable[[str, int]
             task = bar.add_task(description, total=total)
             yield lambda label, steps: bar.update(task, advance=steps, description=f"{description}: {label}")
         return
-    start = last = time.perf_counter()
-    done, shown = 0, 0
+    pace = _LogPace(total)
 
     def advance(label: str, steps: int) -> None:
-        nonlocal done, shown, last
-        done += steps
-        now = time.perf_counter()
-        tenth = 10 * done // max(1, total)
-        if tenth > shown or now - last >= LOG_EVERY_S or done >= total:
-            shown, last = tenth, now
-            print(f"{description}: {label} {done}/{total} ({done / max(1, total):.0%}, {now - start:.0f} s)",
+        elapsed = pace.advance(steps, last_too=True)
+        if elapsed is not None:
+            done = pace.done
+            print(f"{description}: {label} {done}/{total} ({done / max(1, total):.0%}, {elapsed:.0f} s)",
                   file=sys.stderr, flush=True)
 
     yield advance
