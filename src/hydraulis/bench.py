@@ -88,38 +88,50 @@ class Scenario:
 
 
 K = 1024
+
+
+def _scenarios(rows: tuple[tuple[str, str, int, int, int, str], ...], prefix: str = "", **rest) -> list[Scenario]:
+    """Scenarios from rows of (name, device, GPUs, K tokens per batch, K max length, lengths source); the model
+    is the name's first word (its llama preset), the profile that model on that device with CP."""
+    return [
+        Scenario(
+            name=prefix + name, profile=f"llama-{name.split('-')[0]}@{device}+cp", num_gpus=gpus,
+            tokens_per_batch=tokens * K, max_length=length * K, lengths=source, **rest,
+        )
+        for name, device, gpus, tokens, length, source in rows
+    ]
+
+
 SCENARIOS: tuple[Scenario, ...] = (
-    # Real corpora (GPT-2 tokens; documents above the max length split into pieces).
-    Scenario("7b-32g-stdlib-256k-32k", "llama-7b@a800-80g+cp", 32, 256 * K, 32 * K, "python-stdlib"),
-    Scenario("13b-64g-stdlib-1m-32k", "llama-13b@a800-80g+cp", 64, 1024 * K, 32 * K, "python-stdlib"),
-    Scenario("7b-32g-wikisample-512k-16k", "llama-7b@a800-80g+cp", 32, 512 * K, 16 * K, "wiki-sample"),
-    Scenario("32b-64g-wikisample-1m-32k", "llama-32b@a800-80g+cp", 64, 1024 * K, 32 * K, "wiki-sample"),
-    Scenario("7b-16g-bbc-256k-8k", "llama-7b@a800-80g+cp", 16, 256 * K, 8 * K, "bbc-news"),
-    # Synthetic mixtures calibrated to public statistics.
-    Scenario("7b-16g-wiki-256k-8k", "llama-7b@a800-80g+cp", 16, 256 * K, 8 * K, "wiki"),
-    Scenario("7b-32g-wiki-512k-16k", "llama-7b@a800-80g+cp", 32, 512 * K, 16 * K, "wiki"),
-    Scenario("7b-32g-code-256k-32k", "llama-7b@a800-80g+cp", 32, 256 * K, 32 * K, "code"),
-    Scenario("7b-64g-wiki-1m-32k", "llama-7b@a800-80g+cp", 64, 1024 * K, 32 * K, "wiki"),
-    Scenario("13b-32g-code-512k-16k", "llama-13b@a800-80g+cp", 32, 512 * K, 16 * K, "code"),
-    Scenario("13b-64g-wiki-1m-32k", "llama-13b@a800-80g+cp", 64, 1024 * K, 32 * K, "wiki"),
-    Scenario("32b-16g-code-256k-16k", "llama-32b@a800-80g+cp", 16, 256 * K, 16 * K, "code"),
-    Scenario("32b-64g-wiki-1m-32k", "llama-32b@a800-80g+cp", 64, 1024 * K, 32 * K, "wiki"),
+    *_scenarios((
+        # Real corpora (GPT-2 tokens; documents above the max length split into pieces).
+        ("7b-32g-stdlib-256k-32k", "a800-80g", 32, 256, 32, "python-stdlib"),
+        ("13b-64g-stdlib-1m-32k", "a800-80g", 64, 1024, 32, "python-stdlib"),
+        ("7b-32g-wikisample-512k-16k", "a800-80g", 32, 512, 16, "wiki-sample"),
+        ("32b-64g-wikisample-1m-32k", "a800-80g", 64, 1024, 32, "wiki-sample"),
+        ("7b-16g-bbc-256k-8k", "a800-80g", 16, 256, 8, "bbc-news"),
+        # Synthetic mixtures calibrated to public statistics.
+        ("7b-16g-wiki-256k-8k", "a800-80g", 16, 256, 8, "wiki"),
+        ("7b-32g-wiki-512k-16k", "a800-80g", 32, 512, 16, "wiki"),
+        ("7b-32g-code-256k-32k", "a800-80g", 32, 256, 32, "code"),
+        ("7b-64g-wiki-1m-32k", "a800-80g", 64, 1024, 32, "wiki"),
+        ("13b-32g-code-512k-16k", "a800-80g", 32, 512, 16, "code"),
+        ("13b-64g-wiki-1m-32k", "a800-80g", 64, 1024, 32, "wiki"),
+        ("32b-16g-code-256k-16k", "a800-80g", 16, 256, 16, "code"),
+        ("32b-64g-wiki-1m-32k", "a800-80g", 64, 1024, 32, "wiki"),
+    )),
     # Long context, where memory binds (issue 42): python-stdlib's longest file is 414K GPT-2 tokens (wiki-sample's
     # 54K, too short for these lengths); longmix is ProLong's long-context mix (data/synthetic.py).
-    *(
-        Scenario(f"long-{name}", f"llama-{name.split('-')[0]}@{device}+cp", gpus, tokens * K, length * K, source,
-                 batches=2, group="long")
-        for name, device, gpus, tokens, length, source in (
-            ("7b-32g-stdlib-1m-128k", "a800-80g", 32, 1024, 128, "python-stdlib"),
-            ("13b-64g-stdlib-1m-256k", "a800-80g", 64, 1024, 256, "python-stdlib"),
-            ("7b-128g-stdlib-2m-512k", "a800-80g", 128, 2048, 512, "python-stdlib"),
-            ("70b-64g-stdlib-1m-64k", "h100-80g", 64, 1024, 64, "python-stdlib"),
-            ("7b-64g-longmix-2m-256k", "a800-80g", 64, 2048, 256, "longmix"),
-            ("13b-128g-longmix-2m-512k", "a800-80g", 128, 2048, 512, "longmix"),
-            ("70b-128g-longmix-2m-128k", "h100-80g", 128, 2048, 128, "longmix"),
-            ("70b-256g-longmix-4m-64k", "h100-80g", 256, 4096, 64, "longmix"),
-        )
-    ),
+    *_scenarios((
+        ("7b-32g-stdlib-1m-128k", "a800-80g", 32, 1024, 128, "python-stdlib"),
+        ("13b-64g-stdlib-1m-256k", "a800-80g", 64, 1024, 256, "python-stdlib"),
+        ("7b-128g-stdlib-2m-512k", "a800-80g", 128, 2048, 512, "python-stdlib"),
+        ("70b-64g-stdlib-1m-64k", "h100-80g", 64, 1024, 64, "python-stdlib"),
+        ("7b-64g-longmix-2m-256k", "a800-80g", 64, 2048, 256, "longmix"),
+        ("13b-128g-longmix-2m-512k", "a800-80g", 128, 2048, 512, "longmix"),
+        ("70b-128g-longmix-2m-128k", "h100-80g", 128, 2048, 128, "longmix"),
+        ("70b-256g-longmix-4m-64k", "h100-80g", 256, 4096, 64, "longmix"),
+    ), prefix="long-", batches=2, group="long"),
 )
 GROUPS = ("main", "long")  # main: the 13 scenarios of 8K-32K; long: 64K-512K
 
@@ -199,13 +211,13 @@ def run_policies(
     tokens = sum(int(b.sum()) for b in batches)
     results = [
         PolicyResult(
-            name,
-            policy_name,
-            tokens / sum(times),
-            float(np.mean([lb / t for lb, t in zip(bounds, times, strict=True)])),
-            float(np.mean(planning) * 1e3),
-            tuple(times),
-            used,
+            scenario=name,
+            policy=policy_name,
+            tokens_per_s=tokens / sum(times),
+            balance_efficiency=float(np.mean([lb / t for lb, t in zip(bounds, times, strict=True)])),
+            planning_ms=float(np.mean(planning) * 1e3),
+            iteration_times_s=tuple(times),
+            deployments=used,
             tokens_per_s_vp1=vp1.get(policy_name),
         )
         for policy_name, _, times, planning, used in runs

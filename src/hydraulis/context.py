@@ -126,5 +126,5 @@ def split_for_cp(lengths: Sequence[int] | np.ndarray, cp: int) -> ContextSplit:
         split[order[:k]] = True
         rank, doc, start, stop, loads = _place(lengths, order, split, cp)
         if loads.max() <= bound and loads.min() > 0:
-            return ContextSplit(cp, lengths, split.copy(), rank, doc, start, stop)
-    return ContextSplit(cp, lengths, split.copy(), rank, doc, start, stop)
+            break
+    return ContextSplit(cp=cp, lengths=lengths, split=split.copy(), rank=rank, doc=doc, start=start, stop=stop)

@@ -18,7 +18,11 @@ class CrowdedError(HydraulisError):
     message names the command line's ways out; the training job words them in its config keys (`worded`)."""
 
     def __init__(self, length: int, config: str, lone_cap: int, gpus: int, replicas: int) -> None:
-        self.length, self.config, self.lone_cap, self.gpus, self.replicas = length, config, lone_cap, gpus, replicas
+        self.length = length
+        self.config = config
+        self.lone_cap = lone_cap
+        self.gpus = gpus
+        self.replicas = replicas
         super().__init__(self.worded(("a workload of shorter sequences (hydraulis workload --max-len)",
                                       "more GPUs (--gpus)", "a larger --memory-per-rank")))
 
@@ -37,7 +41,9 @@ class OverlongError(HydraulisError):
     def __init__(self, length: int, cap: int, cap_name: str, *, where: str = "", scope: str = "",
                  policies: tuple[str, ...] = ("split", "truncate", "drop"), remedies: tuple[str, ...] = ("more GPUs",),
                  cp_profile: str | None = None) -> None:
-        self.length, self.cap, self.cap_name = length, cap, cap_name
+        self.length = length
+        self.cap = cap
+        self.cap_name = cap_name
         self.where = where  # what was planned ("hotspa", "w.json: batch 3"), or nothing
         self.scope = scope  # whose caps ("in the pool", "on 16 GPUs"), or nothing
         self.policies = policies  # the overlong policies that would run it

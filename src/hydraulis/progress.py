@@ -203,7 +203,8 @@ class _LogPace:
     """When a log hears of progress: each tenth of the way and at least once a minute, after `quiet_s`."""
 
     def __init__(self, total: int, quiet_s: float = 0.0) -> None:
-        self.total, self.quiet_s = total, quiet_s
+        self.total = total
+        self.quiet_s = quiet_s
         self.start = self.last = time.perf_counter()
         self.done = self.shown = 0
 
@@ -215,7 +216,8 @@ class _LogPace:
         if now - self.start < self.quiet_s:
             return None
         if tenth > self.shown or now - self.last >= LOG_EVERY_S or (last_too and self.done >= self.total):
-            self.shown, self.last = tenth, now
+            self.shown = tenth
+            self.last = now
             return now - self.start
         return None
 

@@ -47,7 +47,7 @@ def check(
     steps = default_steps if steps is None else steps
     if tokens < 1 or steps < 1:
         raise HydraulisError(f"--tokens and --steps must be positive, got {tokens} and {steps}")
-    report = run_check(where, get_model(model or name), tokens, steps, dtype, budget)
+    report = run_check(where, get_model(model or name), tokens=tokens, steps=steps, dtype=dtype, budget=budget)
     text = json.dumps(report, indent=1, default=float) + "\n"
     if out is not None:
         from hydraulis.files import write_text_atomic

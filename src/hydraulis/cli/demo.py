@@ -50,7 +50,10 @@ def demo(
     for name in names:
         check_output(out / name)
     with OutputSet() as outputs:  # every file or none, even on Ctrl-C
-        _demo(corpus, profile, gpus, tokens_per_batch, max_len, batches, out, outputs)
+        _demo(
+            corpus, profile, gpus=gpus, tokens_per_batch=tokens_per_batch, max_len=max_len, batches=batches,
+            out=out, outputs=outputs,
+        )
 
 
 def _demo(
@@ -103,7 +106,9 @@ def _demo(
     ]
     console.print(table(f"pool -> {out / 'pool.json'}", ["#", "deployment", "largest cap", "chosen"], rows))
 
-    _compare(cost, cluster, c.name, work, sample, proposal.pool.deployments, out, outputs)
+    _compare(
+        cost, cluster, name=c.name, work=work, sample=sample, pool=proposal.pool.deployments, out=out, outputs=outputs
+    )
 
 
 def _compare(

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     import numpy as np
 
     from hydraulis.cost.model import CostModel
+    from hydraulis.planner.plan import Schedule
+    from hydraulis.planner.policy import Policy
 
 
 MemoryPoliciesOption = typer.Option(
@@ -67,8 +69,6 @@ def plan(
     interleave: bool = InterleaveOption,
 ) -> None:
     """Choose a deployment, dispatch and pack each global batch of a workload."""
-    from rich.progress import Progress
-
     from hydraulis.baselines import make_policy
     from hydraulis.files import check_output
     from hydraulis.planner.plan import PlanFile, save_plan
@@ -78,7 +78,8 @@ def plan(
     check_output(out, "--out")
     _check_policy(policy, memory_policies)
     cost, cluster, work = load_job(
-        profile, gpus, gpus_per_node, workload, tokens_per_batch, num_batches, seed, memory_per_rank, dtype
+        profile, gpus=gpus, gpus_per_node=gpus_per_node, workload=workload, tokens_per_batch=tokens_per_batch,
+        num_batches=num_batches, seed=seed, memory_per_rank=memory_per_rank, dtype=dtype,
     )
     cost = (cost.with_interleaving() if interleave else cost).with_policies(memory_policies)
     deployments = parse_pool(pool, cluster) if pool else None
@@ -87,12 +88,7 @@ def plan(
     proposes = deployments is None and policy == "hydraulis"
     with err_console.status("proposing a deployment pool from the workload" if proposes else "preparing"):
         chosen = make_policy(policy, ctx)
-    plans = []
-    with Progress(console=err_console, transient=True) as progress:
-        task = progress.add_task(f"planning {len(batches)} iteration(s)", total=len(batches))
-        for step, b in enumerate(batches):
-            plans.append(chosen.schedule(b, step))
-            progress.advance(task)
+    plans = _schedule_all(chosen, batches)
     save_plan(out, PlanFile(cost.name, gpus, tuple(plans), gpus_per_node))
     rows = [
         [
@@ -112,6 +108,19 @@ def plan(
                               "predicted") + f"; planning {sum(p.planning_time_s for p in plans) * 1e3:.1f} ms")
     if proposes:
         console.print(f"proposed pool (`hydraulis propose` saves one): {'; '.join(str(d) for d in ctx.pool)}")
+
+
+def _schedule_all(chosen: Policy, batches: list[np.ndarray]) -> list[Schedule]:
+    """Each global batch's schedule under the chosen policy, in order, with a progress bar."""
+    from rich.progress import Progress
+
+    plans = []
+    with Progress(console=err_console, transient=True) as progress:
+        task = progress.add_task(f"planning {len(batches)} iteration(s)", total=len(batches))
+        for step, b in enumerate(batches):
+            plans.append(chosen.schedule(b, step))
+            progress.advance(task)
+    return plans
 
 
 def _check_policy(policy: str, memory_policies: bool) -> None:

@@ -91,7 +91,7 @@ def profile(
 
     total = progress_steps(chosen, settings, world)
     with steps_progress(f"profiling {spec.name} on {world} process(es)", total) as step:
-        data = profile_model(spec, chosen, world, device, settings, name, progress=step)
+        data = profile_model(spec, chosen, nproc=world, device=device, settings=settings, name=name, progress=step)
     write_json_atomic(out, data)
     _print_profile(data, out, len(chosen))
 

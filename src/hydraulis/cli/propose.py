@@ -59,7 +59,8 @@ def propose(
 
     check_output(out, "--out")
     cost, cluster, work = load_job(
-        profile, gpus, gpus_per_node, workload, tokens_per_batch, num_batches, seed, memory_per_rank, dtype
+        profile, gpus=gpus, gpus_per_node=gpus_per_node, workload=workload, tokens_per_batch=tokens_per_batch,
+        num_batches=num_batches, seed=seed, memory_per_rank=memory_per_rank, dtype=dtype,
     )
     cost = cost.with_interleaving() if interleave else cost
     result = _propose_with_progress(cost, cluster, work, max_pool, method)

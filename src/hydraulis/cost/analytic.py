@@ -16,8 +16,9 @@ from __future__ import annotations
 import math
 
 from hydraulis.cost.context_parallel import kv_gather
-from hydraulis.cost.memory import MemoryModel, TrainingState
+from hydraulis.cost.memory import MemoryModel
 from hydraulis.cost.model import Coefficients, CostModel
+from hydraulis.cost.shards import TrainingState
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import DeviceSpec, GiB, ModelSpec
 
@@ -87,7 +88,12 @@ class AnalyticCostModel(CostModel):
             embedding_state_bytes=held.total_bytes,
         )
         min_eff = {tp: 256 * (1 + int(math.log2(tp))) for tp in (1, 2, 4, 8, 16)}
-        super().__init__(f"{model.name}@{device.name}", model, device, coefficients, memory, min_eff)
+        super().__init__(
+            f"{model.name}@{device.name}", model, device,
+            coefficients=coefficients, memory=memory, min_efficient_tokens=min_eff,
+        )
         if recompute:
             recomputed = self.with_recompute(self.configs)
-            self.a, self.b, self.recompute = recomputed.a, recomputed.b, recomputed.recompute
+            self.a = recomputed.a
+            self.b = recomputed.b
+            self.recompute = recomputed.recompute

@@ -17,8 +17,9 @@ import numpy as np
 
 from hydraulis.cost.conditions import Conditions, disturbed
 from hydraulis.cost.fit import FitResult, fidelity, fit_link, fit_robust, holdout_fidelity
-from hydraulis.cost.memory import CAP_GRANULARITY, TrainingState
+from hydraulis.cost.memory import CAP_GRANULARITY
 from hydraulis.cost.profiled import PROFILE_SCHEMA
+from hydraulis.cost.shards import TrainingState
 from hydraulis.cost.sweep import ProfileSettings, sweep
 from hydraulis.parallel import ParallelConfig, Replica
 from hydraulis.specs import GiB, ModelSpec

@@ -1,7 +1,7 @@
 """Memory: the training state the runtime holds, and the per-GPU cap it leaves for activations.
 
-`TrainingState` is the one definition of bytes per parameter that the memory model and the runtime's
-prediction of its peak both read; activations.py counts what the layers and loss head keep for backward;
+`TrainingState` (shards.py) is the one definition of bytes per parameter that the memory model and the
+runtime's prediction of its peak both read; activations.py counts what the layers and loss head keep for backward;
 `rank_memory` is one rank's peak buffer by buffer, logged beside the allocator's (runtime/metering/step_memory.py);
 `MemoryModel.cap` (docs/design.md, section 4) is the largest micro-batch whose `rank_memory` peak fits on
 the config's first and last stage: under CP with the K/V buffers attention keeps, zero where the state and
@@ -29,7 +29,7 @@ from hydraulis.cost.activations import (
     worst_count,
 )
 from hydraulis.cost.policies import MemoryPolicy
-from hydraulis.cost.shards import head_is_embedding, layer_shard_params, shard_params
+from hydraulis.cost.shards import TrainingState, head_is_embedding, layer_shard_params, shard_params
 from hydraulis.limits import DEFAULT_EXCHANGE_BUCKET_BYTES
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import ModelSpec
@@ -40,57 +40,6 @@ EXCHANGE_ELEMENT_BYTES = 4  # the exchange's rounds are sized for fp32 elements 
 ACTIVATION_DTYPE_BYTES = 2  # a published activation factor is for bf16 unless its profile says otherwise
 CAP_DTYPE_BYTES = 2  # the caps are for bf16 compute unless the job says otherwise
 BUDGET_MARGIN = 0.1  # the largest share of a memory budget per rank kept as the safety margin
-
-
-@dataclass(frozen=True)
-class TrainingState:
-    """Bytes per parameter of training state, exactly as the runtime holds it (runtime/optimizer/sharded.py).
-
-    With the compute shard (replicated across replicas): parameters in the compute dtype and the sum of their
-    gradients over the micro-batches, in as many bytes (under bf16 a scaled fp16 sum, runtime/modeling/main_grad.py).
-    Sharded over all N ranks (the owner shards): fp32 master weights and two fp32 AdamW moments, held throughout,
-    and the reduced gradient, which exists from the reduce to the step (runtime/optimizer/sharded.py's
-    OwnedGradient). The analytic memory model and `rank_memory` both read this one definition; bf16 by default.
-    """
-
-    param_bytes: int = 2
-    grad_bytes: int = 2
-    master_bytes: int = 4
-    moment_bytes: int = 8
-    reduced_grad_bytes: int = 2
-
-    @classmethod
-    def for_dtype(cls, dtype_bytes: int) -> TrainingState:
-        """The state under a compute dtype of `dtype_bytes` bytes (under bf16 the reduced gradient is a 2-byte
-        scaled sum too, runtime/optimizer/sharded.py's OwnedGradient)."""
-        return cls(param_bytes=dtype_bytes, grad_bytes=dtype_bytes, reduced_grad_bytes=dtype_bytes)
-
-    @property
-    def scaled(self) -> bool:
-        """Whether the reduced gradient is a scaled fp16 sum, summed per round in an fp32 scratch."""
-        return self.reduced_grad_bytes < 4
-
-    @property
-    def replicated_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes
-
-    @property
-    def sharded_bytes(self) -> int:
-        return self.held_sharded_bytes + self.reduced_grad_bytes
-
-    @property
-    def held_sharded_bytes(self) -> int:
-        """The owned state held throughout: fp32 master weights and moments (not the reduced gradient)."""
-        return self.master_bytes + self.moment_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        return self.replicated_bytes + self.sharded_bytes
-
-    @property
-    def sharded_fraction(self) -> float:
-        """The memory model's optimizer_sharded_fraction (alpha)."""
-        return self.sharded_bytes / self.total_bytes
 
 
 @dataclass(frozen=True)
@@ -189,7 +138,9 @@ class MemoryModel:
         layers = held_layers(model, config, held)
         d = self.compute_dtype_bytes if dtype_bytes is None else dtype_bytes
         if not self.activation_bytes_per_token_hidden_layer:
-            return stack_bytes(model, config.tp, d, self.sequence_parallel, recompute, layers)
+            return stack_bytes(
+                model, config.tp, d, sequence_parallel=self.sequence_parallel, recompute=recompute, layers=layers
+            )
         scale = d / self.activation_dtype_bytes
         full = (model.hidden / config.tp) * self.activation_factor(config.tp) * scale
         if recompute == MemoryPolicy.FULL:  # each layer's input (full hidden), plus the one recomputed
@@ -213,15 +164,26 @@ class MemoryModel:
         `window`, the most tokens those in flight hold at once, when known, else count x `tokens`) and, on the
         last stage, the loss head's of the one in its loss (activations.head_bytes)."""
         count = None if micro_batches is None else in_flight(config, stage, micro_batches)
-        held = self.activation_bytes(config, model, tokens, recompute, count, dtype_bytes)
+        held = self.activation_bytes(config, model, tokens, recompute=recompute, held=count, dtype_bytes=dtype_bytes)
         if window is not None and count is not None and count > 1 and tokens and config.vp == 1:
             # The largest micro-batch whole, the others' tokens at the marginal micro-batch's bytes per token.
-            one = self.activation_bytes(config, model, tokens, recompute, 1, dtype_bytes)
+            one = self.activation_bytes(config, model, tokens, recompute=recompute, held=1, dtype_bytes=dtype_bytes)
             held = one + (held - one) * (min(window, count * tokens) - tokens) / ((count - 1) * tokens)
         if stage == config.pp - 1:
             share = max_rank_tokens(tokens, config.cp) if tokens else 0
-            held += head_bytes(model, config.tp, dtype_bytes, share, self.sequence_parallel, self.own_per_token)
+            held += head_bytes(
+                model, config.tp, dtype_bytes, share,
+                sequence_parallel=self.sequence_parallel, per_token=self.own_per_token,
+            )
         return held
+
+    def block_bytes(
+        self, config: ParallelConfig, model: ModelSpec, tokens: int, dtype_bytes: int, recompute: int
+    ) -> float:
+        """What one block keeps for backward of a micro-batch of `tokens` on its fullest rank: what each block
+        whose backward has run frees (`reduce_wait`)."""
+        per_block = self.activation_bytes(config, model, tokens, dtype_bytes=dtype_bytes) / model.layers
+        return per_block * kept_share(model, config.tp, dtype_bytes, self.sequence_parallel, recompute)
 
     def loss_transient_bytes(self, config: ParallelConfig, model: ModelSpec, tokens: int, dtype_bytes: int) -> float:
         """The last stage's loss forward on top of what it keeps (activations.loss_transient_bytes)."""
@@ -257,7 +219,8 @@ class MemoryModel:
 
             def rank(tokens: int, stage: int = stage, count: int = count) -> RankMemory:
                 return rank_memory(
-                    self, model, config, stage, num_gpus, tokens, self.compute_dtype_bytes, bucket, recompute, count
+                    self, model, config, stage=stage, num_gpus=num_gpus, tokens=tokens,
+                    dtype_bytes=self.compute_dtype_bytes, bucket_bytes=bucket, recompute=recompute, micro_batches=count,
                 )
 
             empty = rank(0)
@@ -270,8 +233,11 @@ class MemoryModel:
         """What the fullest stage of `config` holds before any activation: parameters, gradients, owned
         optimizer state and the exchange's buffers (the phase after backward), in the compute dtype."""
         bucket = self.exchange_bucket_bytes
-        ranks = [rank_memory(self, model, config, stage, num_gpus, 0, self.compute_dtype_bytes, bucket)
-                 for stage in sorted({0, config.pp - 1})]
+        ranks = [
+            rank_memory(self, model, config, stage=stage, num_gpus=num_gpus, tokens=0,
+                        dtype_bytes=self.compute_dtype_bytes, bucket_bytes=bucket)
+            for stage in sorted({0, config.pp - 1})
+        ]
         return max(rank.params + rank.owned + rank.after for rank in ranks)
 
     @property
@@ -378,23 +344,24 @@ def rank_memory(
     reduced *= not memory.reduced_held
     if contributors is None:
         contributors = max(1, num_gpus // config.num_gpus) * config.cp
-    buffers, piece, one_round = _exchange(shard, owned, contributors, num_gpus, bucket_bytes, state.scaled)
+    buffers, piece, one_round = _exchange(
+        shard, owned, contributors=contributors, num_gpus=num_gpus, bucket_bytes=bucket_bytes, scaled=state.scaled
+    )
     share = max_rank_tokens(tokens, config.cp)  # the fullest CP rank's tokens
-    # Otherwise the gather's buffers meet the first forward's layers, the reduce's and the reduced gradient the last
-    # backward's once the stage's last blocks freed theirs (`reduce_wait`); with one micro-batch, beside their grads.
-    block = memory.activation_bytes(config, model, tokens, False, None, dtype_bytes) / model.layers * kept_share(
-        model, config.tp, dtype_bytes, memory.sequence_parallel, recompute)
-    held_activations = memory.stage_activation_bytes(config, model, stage, tokens, dtype_bytes, recompute,
-                                                     micro_batches, window)
-    reducing = memory.stage_activation_bytes(config, model, stage, tokens, dtype_bytes, recompute, 1)
+    held_activations = memory.stage_activation_bytes(
+        config, model, stage=stage, tokens=tokens, dtype_bytes=dtype_bytes, recompute=recompute,
+        micro_batches=micro_batches, window=window,
+    )
+    reducing = memory.stage_activation_bytes(
+        config, model, stage=stage, tokens=tokens, dtype_bytes=dtype_bytes, recompute=recompute, micro_batches=1
+    )
     # The block recompute runs again exists beside its backward only, not the loss's forward.
-    again = share * recomputed_bytes(model, config.tp, dtype_bytes, memory.sequence_parallel, recompute) * (
-        memory.own_per_token)
+    again = share * memory.own_per_token * recomputed_bytes(
+        model, config.tp, dtype_bytes, sequence_parallel=memory.sequence_parallel, policy=recompute)
     # The gradients exist from the first backward on: beside a full set in flight only when a forward follows it
     # (more micro-batches than in flight); with exactly as many, beside the others once the first one's are freed.
     full = micro_batches * config.vp > in_flight(config, stage, micro_batches)  # in_flight counts chunks
     grads_beside = grads if full else max(0.0, grads - reducing) * (micro_batches > 1)
-    made = 0.0 if micro_batches > 1 else layer_shard_params(model, config.tp) * state.grad_bytes
     last = stage == config.pp - 1
     rank = RankMemory(
         params=shard * state.param_bytes,
@@ -403,8 +370,7 @@ def rank_memory(
         activations=(held_activations - again) * busy,
         reducing=(reducing - again) * busy,
         loss_transient=memory.loss_transient_bytes(config, model, tokens, dtype_bytes) if busy and last else 0.0,
-        backward=(share * backward_bytes(model, config.tp, dtype_bytes) + again)
-        * (busy and memory.own_per_token),
+        backward=(share * backward_bytes(model, config.tp, dtype_bytes) + again) * (busy and memory.own_per_token),
         grads_with_activations=grads_beside,
         exchange_buffers=buffers,
         exchange_buffers_with_activations=0.0,
@@ -413,10 +379,13 @@ def rank_memory(
     )
     if one_round or not busy:
         return rank
-    after = reduce_wait(buffers + reduced, block - made, memory.usable_bytes - rank.before_reduce,
-                        model.layers // config.pp)
-    return replace(rank, reduce_after=after,
-                   exchange_buffers_with_activations=max(0.0, buffers + reduced + after * (made - block)))
+    # Otherwise the gather's buffers meet the first forward's layers, the reduce's and the reduced gradient the last
+    # backward's once the stage's last blocks freed theirs (`reduce_wait`); with one micro-batch, beside their grads.
+    made = 0.0 if micro_batches > 1 else layer_shard_params(model, config.tp) * state.grad_bytes
+    net = memory.block_bytes(config, model, tokens, dtype_bytes, recompute) - made
+    after = reduce_wait(buffers + reduced, net, memory.usable_bytes - rank.before_reduce, model.layers // config.pp)
+    beside = max(0.0, buffers + reduced - after * net)
+    return replace(rank, reduce_after=after, exchange_buffers_with_activations=beside)
 
 
 def _exchange(

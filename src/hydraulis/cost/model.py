@@ -22,8 +22,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from hydraulis.cost.memory import CAP_GRANULARITY, MemoryModel, TrainingState
+from hydraulis.cost.memory import CAP_GRANULARITY, MemoryModel
 from hydraulis.cost.policies import LIGHTEST_FIRST, RECOMPUTE_TIME, MemoryPolicy, derived_scales
+from hydraulis.cost.shards import TrainingState
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import DeviceSpec, ModelSpec
@@ -189,7 +190,8 @@ class CostModel:
         new = frozenset(g.base for g in configs) - self.recompute
         out = copy.copy(self)
         idx = [self.index(g) for g in new]
-        out.a, out.b = self.a.copy(), self.b.copy()
+        out.a = self.a.copy()
+        out.b = self.b.copy()
         out.a[idx] *= RECOMPUTE_TIME
         out.b[idx] *= RECOMPUTE_TIME
         out.recompute = self.recompute | new
@@ -205,7 +207,8 @@ class CostModel:
         if policy == MemoryPolicy.NONE or not new:
             return self
         out = copy.copy(self)
-        out.a, out.b = self.a.copy(), self.b.copy()
+        out.a = self.a.copy()
+        out.b = self.b.copy()
         for g in new:
             sa, sb = self.policy_scale(g, policy)
             out.a[self.index(g)] *= sa
@@ -245,7 +248,9 @@ class CostModel:
         out = copy.copy(self)
         share = np.full(len(self.configs), FORWARD_SHARE)
         share[[self.index(g) for g in self.recompute]] = FORWARD_SHARE / RECOMPUTE_TIME
-        out.a, out.b, out.c = self.a * share, self.b * share, self.c * FORWARD_SHARE
+        out.a = self.a * share
+        out.b = self.b * share
+        out.c = self.c * FORWARD_SHARE
         return out
 
     def __repr__(self) -> str:

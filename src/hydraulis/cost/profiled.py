@@ -108,7 +108,10 @@ class ProfiledCostModel(CostModel):
                 busy_ranks,
             )
         step = _optimizer_step(f) if "optimizer_step" in data else None
-        cost = cls(f.str("name"), model, device, coefficients, memory, min_eff, collectives, shared, step)
+        cost = cls(
+            f.str("name"), model, device, coefficients=coefficients, memory=memory, min_efficient_tokens=min_eff,
+            collectives=collectives, shared_cores=shared, optimizer_step=step,
+        )
         cost.profile_data = data
         table = f.obj("policy_time") if "policy_time" in data else None  # measured memory policies' factors
         for name in table.data if table is not None else ():

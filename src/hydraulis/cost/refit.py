@@ -119,7 +119,9 @@ class OnlineRefit:
     """Watches predicted against measured replica times, step by step, and refits configs that stay off."""
 
     def __init__(self, cost: CostModel, window: int = REFIT_STEPS, threshold: float = REFIT_ERROR) -> None:
-        self.cost, self.window, self.threshold = cost, window, threshold
+        self.cost = cost
+        self.window = window
+        self.threshold = threshold
         self.ratios: dict[ParallelConfig, list[float]] = {}  # measured / predicted per step, since the last refit
         self.scales: dict[ParallelConfig, float] = {}  # the product of every refit so far, per config
         self.step: int | None = None  # the last refit's step

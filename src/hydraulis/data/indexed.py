@@ -189,7 +189,7 @@ def open_corpus(path: str | Path, verify: bool = False) -> IndexedCorpus:
         if not mask_path.is_file() or mask_path.stat().st_size != total:
             raise HydraulisError(f"{mask_path}: missing or not one byte per token (rebuild the corpus)")
         mask = np.memmap(mask_path, dtype=np.uint8, mode="r", shape=(total,))
-    corpus = IndexedCorpus(path, manifest, tokens, offsets, lengths, mask)
+    corpus = IndexedCorpus(path, manifest, tokens=tokens, offsets=offsets, lengths=lengths, mask=mask)
     if verify:
         corpus.verify()
     return corpus

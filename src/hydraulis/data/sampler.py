@@ -85,8 +85,10 @@ class Overlong:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Overlong:
         records = data["split"] + data["truncated"] + data["dropped"]
-        return cls(data["max_len"], data["policy"], records, data["pieces"],
-                   data["target_tokens_lost"], data["target_tokens_kept"])  # fmt: skip
+        return cls(
+            max_len=data["max_len"], policy=data["policy"], records=records, pieces=data["pieces"],
+            targets_lost=data["target_tokens_lost"], targets_kept=data["target_tokens_kept"],
+        )
 
     def describe(self) -> str:
         """One line: how many records the policy cut, and the target tokens that cost."""
@@ -265,7 +267,9 @@ class TokenBudgetSampler:
             docs, starts, lens = self.pieces(self.order(epoch))
         else:
             drawable = np.arange(len(self.lengths)) if self.documents is None else self.documents
-            docs, starts, lens = mixed_order(self.mixture, drawable, self.pieces, self.seed, epoch, self.shuffle)
+            docs, starts, lens = mixed_order(
+                self.mixture, drawable, self.pieces, seed=self.seed, epoch=epoch, shuffle=self.shuffle
+            )
         pieces = _Epoch(docs, starts, lens, _cumsum(lens))
         self._epoch_cache = (epoch, pieces)
         return pieces
@@ -301,7 +305,10 @@ class TokenBudgetSampler:
             over = np.intersect1d(over, self.documents)
         docs, starts, lens = self.pieces(over)
         lost = targets(over, np.zeros_like(over), self.lengths[over]) - targets(docs, starts, lens)
-        return Overlong(self.max_len, self.policy, len(over), len(docs), int(lost), int(total - lost))
+        return Overlong(
+            max_len=self.max_len, policy=self.policy, records=len(over), pieces=len(docs), targets_lost=int(lost),
+            targets_kept=int(total - lost),
+        )
 
     def next_batch(self) -> GlobalBatch:
         """The next global batch: pieces in order until the next one would exceed the budget."""

@@ -95,4 +95,5 @@ def _worker_start(parent: int) -> None:
         os._exit(1)
     # A progress bar's thread may have held its console's lock at the fork: a write through the inherited
     # wrappers would wait for it forever; the plain streams cannot.
-    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    sys.stdout = sys.__stdout__
+    sys.stderr = sys.__stderr__

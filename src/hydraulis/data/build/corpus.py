@@ -112,7 +112,10 @@ def build_corpus(
         parts.start(key)
         build = _Build(parts, tok, dtype, skip_bad, resumable=key is not None)
         workers = usable_workers(per_rank=False) if workers is None else workers
-        return _build(build, documents, out, source, counts, name or out.name, if_exists, overlong, workers)
+        return _build(
+            build, documents, out=out, source=source, counts=counts, name=name or out.name, if_exists=if_exists,
+            cut=overlong, workers=workers,
+        )
 
 
 def _built_from(out: Path, source: str) -> IndexedCorpus | None:
@@ -136,7 +139,9 @@ def _build(
             tmp = temp_dir(out, ".tmp")
         except OSError as exc:
             raise HydraulisError(f"{out}: cannot create the corpus directory: {exc.strerror or exc}") from None
-        manifest = _assemble(tmp, build, documents, source, counts, name, workers)
+        manifest = _assemble(
+            tmp, build, documents, source=source, counts=counts, name=name, workers=workers
+        )
         if cut is not None:
             manifest = _with_overlong(tmp, manifest, *cut)
         (tmp / OWNER_FILE).unlink()
@@ -160,7 +165,11 @@ class _Build:
     """What a worker needs to turn chunk k into part k (inherited by the forked workers, never pickled)."""
 
     def __init__(self, parts: PartsDir, tok: Tokenizer, dtype: np.dtype, skip_bad: bool, resumable: bool) -> None:
-        self.parts, self.tok, self.dtype, self.skip_bad, self.resumable = parts, tok, dtype, skip_bad, resumable
+        self.parts = parts
+        self.tok = tok
+        self.dtype = dtype
+        self.skip_bad = skip_bad
+        self.resumable = resumable
         self.reused = 0
 
     def encode(self, item: tuple[int, list[Sample] | None]) -> Part:
@@ -188,9 +197,11 @@ class _Writer:
     """tokens.bin and mask.bin as the parts arrive, hashed on the way."""
 
     def __init__(self, tmp: Path, stack: contextlib.ExitStack) -> None:
-        self.tmp, self.stack = tmp, stack
+        self.tmp = tmp
+        self.stack = stack
         self.tokens = stack.enter_context((tmp / TOKENS_FILE).open("wb"))
-        self.tokens_hash, self.mask_hash = hashlib.sha256(), hashlib.sha256()
+        self.tokens_hash = hashlib.sha256()
+        self.mask_hash = hashlib.sha256()
         self.mask: BinaryIO | None = None
         self.written = 0
 
@@ -243,7 +254,9 @@ def _assemble(
     lens = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
     if not len(lens):
         raise HydraulisError(_nothing_read(source, counts.freeze()))
-    return _finish(tmp, build, lens, writer, targets, source, counts, name)
+    return _finish(
+        tmp, build, lens, writer=writer, targets=targets, source=source, counts=counts, name=name
+    )
 
 
 def _finish(

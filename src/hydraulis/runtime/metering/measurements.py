@@ -87,9 +87,11 @@ class StageRunner:
     """One forward and backward of one micro-batch on this rank's stage (see the module docstring)."""
 
     def __init__(self, model: StageModel, groups: ReplicaGroups, batches: Sequence[MicroBatchInput], seed: int) -> None:
-        self.model, self.groups = model, groups
+        self.model = model
+        self.groups = groups
         param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
+        self.device = param.device
+        self.dtype = param.dtype
         self.batches = [b.to(self.device) for b in batches]
         g = torch.Generator(device="cpu").manual_seed(seed + 7919 * groups.stage)
         hidden = model.spec.hidden
@@ -134,9 +136,12 @@ class ConfigRun:
         device: torch.device,
         dtype: torch.dtype,
     ) -> None:
-        self.groups, self.settings = groups, settings
+        self.groups = groups
+        self.settings = settings
         batches = [concatenate_cp_shard(docs, groups.cp.size, groups.cp.rank) for docs in documents]
-        self.model = StageModel(spec, groups.tp, groups.stage, groups.config.pp, dtype, device, cp=groups.cp)
+        self.model = StageModel(
+            spec, groups.tp, stage=groups.stage, num_stages=groups.config.pp, dtype=dtype, device=device, cp=groups.cp
+        )
         self.run = StageRunner(self.model, groups, batches, settings.seed)
         self.clock = Clock(device)
         self.count = len(batches)

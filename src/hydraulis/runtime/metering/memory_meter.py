@@ -67,7 +67,10 @@ class PeakMeter:
         else:
             # The legacy (non-Kineto) profiler: it records the CPU allocator's events as Kineto does,
             # without Kineto's start/stop lines on stderr and its second of start-up.
-            config = ProfilerConfig(ProfilerState.CPU, False, True, False, False, False, _ExperimentalConfig())
+            config = ProfilerConfig(
+                ProfilerState.CPU, report_input_shapes=False, profile_memory=True, with_stack=False, with_flops=False,
+                with_modules=False, experimental_config=_ExperimentalConfig(),
+            )
             self._notice = _AllocatorNotice.start()
             _autograd._enable_profiler_legacy(config)
         return self
@@ -133,7 +136,8 @@ class _AllocatorNotice:
     SAID = (b"CPUAllocator.cpp", b"Memory block of unknown size")
 
     def __init__(self, file: tempfile.TemporaryFile, saved: int) -> None:  # type: ignore[valid-type]
-        self.file, self.saved = file, saved
+        self.file = file
+        self.saved = saved
 
     @classmethod
     def start(cls) -> _AllocatorNotice | None:

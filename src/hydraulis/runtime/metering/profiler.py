@@ -60,6 +60,7 @@ the profile. This is the only module outside runtime/ that imports torch.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import platform
@@ -124,7 +125,10 @@ class LoadCheck:
     """
 
     def __init__(self, env: DistEnv, cores: int | None, retries: int, budget: int) -> None:
-        self.env, self.cores, self.retries, self.budget = env, cores, retries, budget
+        self.env = env
+        self.cores = cores
+        self.retries = retries
+        self.budget = budget
         self.meter = None
         if cores is not None:  # CPU ranks: the load that matters is the CPU's
             pids: list[Any] = [None] * env.world_size
@@ -214,7 +218,9 @@ def measure(
     for r, config in order:
         mine = groups[config]
         if mine is not None and config not in runs:
-            runs[config] = ConfigRun(spec, mine, documents, settings, env.device, dtype)
+            runs[config] = ConfigRun(
+                spec, mine, documents=documents, settings=settings, device=env.device, dtype=dtype
+            )
         for attempt in range(settings.load_retries + 1):
             load.start()
             if mine is not None:
@@ -227,7 +233,7 @@ def measure(
             if env.device.type == "cuda":
                 torch.cuda.empty_cache()
     collectives = measure_collectives(env, settings, report) if env.world_size > 1 else None
-    step = measure_optimizer_step(spec, configs, settings, env, dtype, report)
+    step = measure_optimizer_step(spec, configs, settings=settings, env=env, dtype=dtype, report=report)
     return {
         "rank": env.rank, "context_bytes": context, "threads": threads, "cores": cores, "busy_ranks": busy,
         "configs": measured, "collectives": collectives, "optimizer_step_s": step, "load": load.result(),
@@ -317,14 +323,15 @@ def profile_model(
         listener.start()
     started = time.perf_counter()
     try:
-        ranks = spawn(_worker, world, spec, configs, settings, device, channel)
+        job = functools.partial(_worker, spec, configs, settings=settings, device=device, progress=channel)
+        ranks = spawn(job, world)
     finally:
         if listener is not None:
             time.sleep(0.2)  # let the last reports through
             stop.set()
             listener.join(timeout=1)
     info = describe_device(device, world, settings.dtype_for(device), ranks[0]["threads"])
-    data = build_profile(spec, configs, settings, ranks, info, name)
+    data = build_profile(spec, configs, settings=settings, ranks=ranks, device=info, name=name)
     data["measurements"]["wall_s"] = time.perf_counter() - started
     return data
 

@@ -71,7 +71,10 @@ class StepMemory:
         budget: int | None = None,
         quiet: Callable[[], AbstractContextManager] = contextlib.nullcontext,
     ) -> None:
-        self.device, self.every, self.budget, self.quiet = device, every, budget, quiet
+        self.device = device
+        self.every = every
+        self.budget = budget
+        self.quiet = quiet
         self.meter = PeakMeter(device)
         self._base = 0
         self._seen: set[int] = set()
@@ -144,7 +147,8 @@ def predicted_rank(
         same = [t * kept[p] / kept[policy] for t, p in zip(sizes, policies, strict=True)]
         window = max((sum(same[i : i + k]) for i in range(max(1, len(same) - k + 1))), default=0)
         ranks.append(rank_memory(
-            memory, model, config, groups.stage, world, tokens, dtype_bytes, bucket_bytes, policy,
-            len(micro_batches), sum(r.config.cp for r in plan.deployment.replicas), max(tokens, int(window)),
+            memory, model, config, stage=groups.stage, num_gpus=world, tokens=tokens, dtype_bytes=dtype_bytes,
+            bucket_bytes=bucket_bytes, recompute=policy, micro_batches=len(micro_batches),
+            contributors=sum(r.config.cp for r in plan.deployment.replicas), window=max(tokens, int(window)),
         ))
     return max(ranks, key=lambda r: r.peak)

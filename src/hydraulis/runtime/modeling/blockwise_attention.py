@@ -82,7 +82,9 @@ class _MergedBlocks(torch.autograd.Function):
             out = (out.float() * (lse - merged).exp().unsqueeze(-1)
                    + out_p.float() * (lse_p - merged).exp().unsqueeze(-1)).to(q.dtype)
             lse = merged
-        ctx.kernel, ctx.aux, ctx.aux_prefix = kernel, aux, aux_prefix
+        ctx.kernel = kernel
+        ctx.aux = aux
+        ctx.aux_prefix = aux_prefix
         ctx.save_for_backward(q, k, v, kp, vp, out, lse)
         return out
 
@@ -90,10 +92,10 @@ class _MergedBlocks(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, kp, vp, out, lse = ctx.saved_tensors
         dout = dout.contiguous()
-        dq, dk, dv = ctx.kernel.backward(dout, q, k, v, out, lse, ctx.aux, True)
+        dq, dk, dv = ctx.kernel.backward(dout, q, k, v, out=out, lse=lse, aux=ctx.aux, causal=True)
         dkp = dvp = None  # an empty prefix has no gradient
         if kp.shape[2] > 0:
-            dq_p, dkp, dvp = ctx.kernel.backward(dout, q, kp, vp, out, lse, ctx.aux_prefix, False)
+            dq_p, dkp, dvp = ctx.kernel.backward(dout, q, kp, vp, out=out, lse=lse, aux=ctx.aux_prefix, causal=False)
             dq = dq + dq_p
         return dq, dk, dv, dkp, dvp, None
 
@@ -122,7 +124,7 @@ def _cpu_flash() -> BlockKernel | None:
         return out, lse, None
 
     def backward(dout, q, k, v, out, lse, aux, causal):
-        return backward_op(dout, q, k, v, out, lse, 0.0, causal)
+        return backward_op(dout, q, k, v, out=out, logsumexp=lse, dropout_p=0.0, is_causal=causal)
 
     return BlockKernel("cpu-flash", forward, backward)
 
@@ -143,8 +145,9 @@ def _cuda_flash() -> BlockKernel | None:
         cum_q, cum_k, max_q, max_k, seed, offset = aux
         group = q.shape[1] // k.shape[1]
         dq, dk, dv = backward_op(
-            dout, q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]), out, lse,
-            cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset,
+            dout, q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]), out=out, logsumexp=lse,
+            cum_seq_q=cum_q, cum_seq_k=cum_k, max_q=max_q, max_k=max_k, dropout_p=0.0, is_causal=causal,
+            philox_seed=seed, philox_offset=offset,
         )
         return dq, _sum_heads(dk, group), _sum_heads(dv, group)
 

@@ -21,7 +21,8 @@ class _GatherKV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local, pad, cp):
-        ctx.cp, ctx.n = cp, local.shape[0]
+        ctx.cp = cp
+        ctx.n = local.shape[0]
         padded = local.new_zeros((pad, *local.shape[1:]))
         padded[: local.shape[0]] = local
         out = local.new_empty((cp.size * pad, *local.shape[1:]))
@@ -68,7 +69,10 @@ def context_attention(
         if key_rows is None:  # a whole document (or padding): causal within its local rows
             out = causal_sdpa(q[start:end], k[start:end], v[start:end])
         else:  # a chunk at global positions [a, b): its own keys causally, keys 0..a-1 in full
-            out = chunk_attention(q[start:end], k[start:end], v[start:end], k_all[key_rows], v_all[key_rows], kernel)
+            out = chunk_attention(
+                q[start:end], k[start:end], v[start:end], k_prefix=k_all[key_rows], v_prefix=v_all[key_rows],
+                kernel=kernel,
+            )
         pieces.append(out)
     if not pieces:  # a CP rank without tokens in this micro-batch (it has no split documents either)
         return torch.empty_like(q)

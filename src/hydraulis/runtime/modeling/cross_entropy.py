@@ -69,7 +69,7 @@ def _chunk(
     A function of its own so that the chunk's logits are freed before the next chunk's exist.
     """
     want = grad_h is not None or grad_w is not None
-    loss, g = _chunk_loss(F.linear(hc, weight), targets, vocab_start, valid, tp, want)
+    loss, g = _chunk_loss(F.linear(hc, weight), targets, vocab_start=vocab_start, valid=valid, tp=tp, grad=want)
     if g is None:
         return loss.sum()
     g = g.to(hc.dtype)  # the fp32 one is freed here
@@ -99,8 +99,10 @@ class _HeadCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=_wide(h.dtype), device=h.device)
         rows = loss_chunk_rows(h.shape[0], weight.shape[0])
         for a in range(0, h.shape[0], rows):
-            total += _chunk(h[a : a + rows], weight, targets[a : a + rows], vocab_start, valid, tp,
-                            None if grad_h is None else grad_h[a : a + rows], grad_w)
+            total += _chunk(
+                h[a : a + rows], weight, targets[a : a + rows], vocab_start=vocab_start, valid=valid, tp=tp,
+                grad_h=None if grad_h is None else grad_h[a : a + rows], grad_w=grad_w,
+            )
         ctx.weight_dtype = weight.dtype
         ctx.save_for_backward(grad_h, grad_w)
         return total

@@ -144,7 +144,8 @@ class BatchSource:
     rank reads only its replica's documents."""
 
     def __init__(self, corpus: Corpus, sampler: TokenBudgetSampler) -> None:
-        self.corpus, self.sampler = corpus, sampler
+        self.corpus = corpus
+        self.sampler = sampler
 
     def micro_batches(
         self, batch: GlobalBatch, plan: IterationPlan, replica: int, groups: ReplicaGroups, corpus: Corpus | None = None

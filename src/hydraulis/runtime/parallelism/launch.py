@@ -215,7 +215,8 @@ class _Forward:
     `grace_s`, ends them at once."""
 
     def __init__(self, procs: list, grace_s: float) -> None:
-        self.procs, self.grace_s = procs, grace_s
+        self.procs = procs
+        self.grace_s = grace_s
         self.since: float | None = None
         self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
 

@@ -210,7 +210,8 @@ class ColumnParallelLinear(nn.Module):
         bias: bool = False,
     ):  # fmt: skip
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features = in_features
+        self.out_features = out_features
         local = tp.split(out_features, "output features")
         self.weight = set_shard(_init_weight(local, in_features, dtype, device), ShardSpec(dim=0))
         # A bias splits with the output features (Qwen2's q, k, v).
@@ -227,7 +228,8 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel, dtype=torch.float32, device=None):
         super().__init__()
         self.tp = tp
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features = in_features
+        self.out_features = out_features
         self.weight = set_shard(
             _init_weight(out_features, tp.split(in_features, "input features"), dtype, device), ShardSpec(dim=1)
         )
