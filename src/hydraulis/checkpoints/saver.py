@@ -1,7 +1,7 @@
 """Saving and loading training state: the owner shards with torch.distributed.checkpoint (DCP).
 
 The directory's names, manifest, discovery and retention are torch-free, in
-hydraulis/store/checkpoints.py; the RNG states are runtime/storage/rng.py.
+manifest.py beside it; the RNG states are rng.py.
 
 A checkpoint is a directory `step-000123` (the trainer step it resumes at):
 
@@ -47,11 +47,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from hydraulis.errors import HydraulisError
-from hydraulis.files import read_json_object, replace_directory, sha256_file, write_json_atomic
-from hydraulis.progress import aside
-from hydraulis.runtime.storage.rng import rng_state, set_rng_state
-from hydraulis.store.checkpoints import (
+from hydraulis.checkpoints.manifest import (
     CHECKPOINT_SCHEMA,
     DEFAULT_KEEP,
     MANIFEST_FILE,
@@ -59,7 +55,6 @@ from hydraulis.store.checkpoints import (
     OPTIM_KEYS,
     CheckpointInfo,
     FileEntry,
-    Log,
     check_files,
     check_visible,
     prune,
@@ -68,6 +63,10 @@ from hydraulis.store.checkpoints import (
     rng_file,
     step_dir_name,
 )
+from hydraulis.checkpoints.rng import rng_state, set_rng_state
+from hydraulis.errors import HydraulisError
+from hydraulis.files import read_json_object, replace_directory, sha256_file, write_json_atomic
+from hydraulis.progress import Log, aside
 
 if TYPE_CHECKING:
     from hydraulis.cost.refit import RefitState

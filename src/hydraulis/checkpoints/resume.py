@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hydraulis.checkpoints.manifest import latest_checkpoint, read_manifest
 from hydraulis.errors import HydraulisError
 from hydraulis.files import read_text
 from hydraulis.progress import Log, say
-from hydraulis.store.checkpoints import latest_checkpoint, read_manifest
 
 
 @dataclass(frozen=True)

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hydraulis.checkpoints.manifest import CheckpointInfo
 from hydraulis.errors import HydraulisError
 from hydraulis.families import CONFIG_FILE, read_hf_config
 from hydraulis.files import not_found
-from hydraulis.store.checkpoints import CheckpointInfo
 
 BUILTIN_IDS = {"bytes": (256, None), "gpt2": (50256, 50256)}  # name -> (eos, bos), data/tokenizer.py's ids
 # The files of a Hugging Face tokenizer (slow or fast), as save_pretrained writes them.
