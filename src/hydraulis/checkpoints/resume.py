@@ -1,6 +1,6 @@
 """What `--resume` continues from, checked before any rank starts (no torch).
 
-One rule picks the checkpoint (`checkpoints.latest_checkpoint`: the newest
+One rule picks the checkpoint (`manifest.latest_checkpoint`: the newest
 that verifies whole). The LR schedule is part of the run: `[train] steps` is
 its length, `--stop-at K` only ends this invocation early, and a resume whose
 schedule differs from the checkpoint's is refused unless `--change-schedule`

@@ -12,7 +12,7 @@ A checkpoint is a directory `step-000123` (the trainer step it resumes at):
     optimizer/          DCP: `.metadata` and one `__R_0.distcp` per saving rank
     rng-00000.json ...  each rank's torch, numpy and python RNG states
 
-Each rank writes only what it owns (layout.py): its chunk of every stripe
+Each rank writes only what it owns (runtime/optimizer/layout.py): its chunk of every stripe
 of the fp32 master, exp_avg and exp_avg_sq, each chunk the local shard of
 one 1-D DTensor per stripe (`master.00003`), sharded on dim 0 over all
 ranks. The chunks are torch.chunk sizes, exactly DTensor's Shard(0), and the
@@ -96,8 +96,8 @@ class Saved:
     @classmethod
     def of(cls, trainer: Trainer) -> Saved:
         """A trainer's parts."""
-        return cls(trainer.feed, trainer.optimizer, trainer.settings, trainer.source.corpus.manifest, trainer.env,
-                   trainer.control)
+        return cls(feed=trainer.feed, optimizer=trainer.optimizer, settings=trainer.settings,
+                   corpus=trainer.source.corpus.manifest, env=trainer.env, control=trainer.control)
 
     @property
     def rank(self) -> int:
