@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hydraulis.store import profile_cache
+from hydraulis.cost import profile_cache
 
 HERE = {"device": "cpu", "device_name": "cpu", "cores": 2}
 

@@ -5,7 +5,7 @@ renamed into place together (`OutputSet`); a whole directory (a corpus, a
 checkpoint, an exported model) is built under a temporary name and swapped in
 by `replace_directory`. Readers raise one HydraulisError that names the file.
 
-The JSON file formats (docs/design.md, section 8) are read and written here
+The JSON file formats (docs/reference.md, File formats) are read and written here
 too: every format carries a `schema` key, readers name the file and the
 field that is wrong (`Fields`), and `write_json_atomic` publishes through
 `OutputSet`, so a crash never leaves a half-written file behind.

@@ -24,11 +24,11 @@ transformers = pytest.importorskip("transformers")
 from tokenizer_helpers import train_bpe  # noqa: E402
 from train_helpers import hf_loss, step_rows, write_config  # noqa: E402
 
+from hydraulis.checkpoints.saver import load_master  # noqa: E402
 from hydraulis.data.indexed import open_corpus  # noqa: E402
 from hydraulis.data.sampler import TokenBudgetSampler  # noqa: E402
 from hydraulis.runtime import StageModel, concatenate_documents  # noqa: E402
 from hydraulis.runtime.optimizer.layout import ShardLayout  # noqa: E402
-from hydraulis.runtime.storage.checkpoint import load_master  # noqa: E402
 from hydraulis.runtime.storage.hf_io import unflatten  # noqa: E402
 
 pytestmark = pytest.mark.dist

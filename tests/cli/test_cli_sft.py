@@ -247,9 +247,9 @@ def test_first_sft_loss_is_transformers_loss_with_prompt_labels_ignored(case):
 
 
 def test_export_reloads_in_transformers_as_the_trained_model_and_its_tokenizer(case):
+    from hydraulis.checkpoints.saver import load_master
     from hydraulis.runtime import StageModel, concatenate_documents
     from hydraulis.runtime.optimizer.layout import ShardLayout
-    from hydraulis.runtime.storage.checkpoint import load_master
     from hydraulis.runtime.storage.hf_io import unflatten
 
     source, export = case["model"], case["export"]

@@ -10,8 +10,8 @@ pytest.importorskip("torch")
 
 from train_helpers import step_rows, write_config  # noqa: E402
 
+from hydraulis.checkpoints.manifest import read_manifest, verify_checkpoint  # noqa: E402
 from hydraulis.runtime.divergence import POISON_ENV  # noqa: E402
-from hydraulis.store.checkpoints import read_manifest, verify_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.dist
 

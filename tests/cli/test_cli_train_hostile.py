@@ -307,7 +307,7 @@ def test_a_second_ctrl_c_stops_at_once_and_publishes_nothing_partial(base, tmp_p
     assert proc.returncode == 130, (proc.returncode, stderr)
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and "SIGINT" in lines[0] and "Traceback" not in stderr, stderr
-    from hydraulis.store.checkpoints import list_checkpoints, verify_checkpoint
+    from hydraulis.checkpoints.manifest import list_checkpoints, verify_checkpoint
 
     for _, path in list_checkpoints(out / "checkpoints"):  # every published checkpoint is whole
         verify_checkpoint(path)

@@ -2,8 +2,9 @@
 
 Layers, lowest first; a module may import its own layer and the ones below,
 never one above. Inside a layer the imports form no circle either. Only the
-runtime (and the training loop that drives it) imports torch, so the planner,
-cost model, simulator and data work with numpy and scipy alone.
+runtime, the training loop that drives it and the checkpoints' torch half
+import torch, so the planner, cost model, simulator and data work with numpy
+and scipy alone.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from cli_helpers import SRC
 
 PACKAGE = SRC / "hydraulis"
 
+# The checkpoints' torch half; its format half (manifest, resume, export_files) is torch-free, so the job checks a
+# resume before any rank starts.
+CHECKPOINTS_TORCH = tuple(f"hydraulis.checkpoints.{m}" for m in ("saver", "rng", "rundir", "export"))
 # Module-name prefixes of each layer, lowest first (docs/design.md, section 9).
 LAYERS: tuple[tuple[str, ...], ...] = (
     (
@@ -31,7 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hydraulis.processes",
     ),
     ("hydraulis.parallel", "hydraulis.context", "hydraulis.optim", "hydraulis.families"),
-    ("hydraulis.cost", "hydraulis.data", "hydraulis.store"),
+    ("hydraulis.cost", "hydraulis.data"),
     ("hydraulis.planner",),
     ("hydraulis.baselines",),
     # The runtime's sub-packages, each a layer: collectives and groups; the model; the optimizer's layout and
@@ -42,10 +46,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hydraulis.runtime.optimizer",),
     ("hydraulis.runtime", "hydraulis.runtime.metering"),
     ("hydraulis.runtime.storage",),
+    ("hydraulis.checkpoints",),  # saves the runtime's parts; the runtime never reads a checkpoint
     ("hydraulis.bench", "hydraulis.report", "hydraulis.training"),
     ("hydraulis.cli", "hydraulis.__main__"),
 )
-TORCH_ALLOWED = ("hydraulis.runtime", "hydraulis.training.loop")
+TORCH_ALLOWED = ("hydraulis.runtime", "hydraulis.training.loop", *CHECKPOINTS_TORCH)
 
 
 def _module_name(path: Path) -> str:
@@ -154,6 +159,7 @@ def test_cli_is_on_top():
         ("hydraulis.planner.policy", ["torch"]),
         ("hydraulis.bench", ["torch"]),
         ("hydraulis.training.config", ["torch"]),
+        ("hydraulis.checkpoints.resume", ["torch"]),
     ],
 )
 def test_import_direction_at_run_time(module, absent):

@@ -9,13 +9,13 @@ import numpy as np
 import torch
 from train_workers import cpu_settings
 
+from hydraulis.checkpoints.saver import Saved, load_checkpoint, resume, save_checkpoint
 from hydraulis.data.build.corpus import build_corpus
 from hydraulis.data.indexed import open_corpus
 from hydraulis.data.sampler import SamplerState, TokenBudgetSampler
 from hydraulis.errors import HydraulisError
 from hydraulis.optim import AdamWSettings, OptimSettings
 from hydraulis.runtime.parallelism.launch import init_distributed
-from hydraulis.runtime.storage.checkpoint import Saved, load_checkpoint, resume, save_checkpoint
 from hydraulis.runtime.storage.hf_io import init_from
 from hydraulis.runtime.trainer import Trainer, TrainSettings
 

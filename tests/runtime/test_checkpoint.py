@@ -30,18 +30,7 @@ from ckpt_workers import (
 from dist_launcher import run_workers
 from train_helpers import hf_loss
 
-from hydraulis.data.indexed import open_corpus
-from hydraulis.data.sampler import TokenBudgetSampler
-from hydraulis.errors import HydraulisError
-from hydraulis.optim import AdamWSettings
-from hydraulis.runtime import IGNORE_INDEX, StageModel, concatenate_documents, count_targets
-from hydraulis.runtime.optimizer.layout import ShardLayout, full_shapes
-from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
-from hydraulis.runtime.storage.checkpoint import load_master
-from hydraulis.runtime.storage.hf import hf_config, hf_name
-from hydraulis.runtime.storage.hf_io import init_from, unflatten
-from hydraulis.specs import MODELS
-from hydraulis.store.checkpoints import (
+from hydraulis.checkpoints.manifest import (
     CHECKPOINT_SCHEMA,
     MANIFEST_FILE,
     latest_checkpoint,
@@ -49,6 +38,17 @@ from hydraulis.store.checkpoints import (
     read_manifest,
     step_dir_name,
 )
+from hydraulis.checkpoints.saver import load_master
+from hydraulis.data.indexed import open_corpus
+from hydraulis.data.sampler import TokenBudgetSampler
+from hydraulis.errors import HydraulisError
+from hydraulis.optim import AdamWSettings
+from hydraulis.runtime import IGNORE_INDEX, StageModel, concatenate_documents, count_targets
+from hydraulis.runtime.optimizer.layout import ShardLayout, full_shapes
+from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
+from hydraulis.runtime.storage.hf import hf_config, hf_name
+from hydraulis.runtime.storage.hf_io import init_from, unflatten
+from hydraulis.specs import MODELS
 
 pytestmark = pytest.mark.dist
 

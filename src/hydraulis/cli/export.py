@@ -27,7 +27,7 @@ def export(
     ),
 ) -> None:
     """Assemble the full fp32 model of a checkpoint on one process and write it for transformers."""
-    from hydraulis.runtime.storage.hf_io import export_hf
+    from hydraulis.checkpoints.export import export_hf
 
     export_hf(checkpoint, out, force=force, max_position_embeddings=max_positions, log=typer.echo,
               tokenizer=not no_tokenizer, source_config=not no_source_config)

@@ -1,4 +1,5 @@
-"""The runtime that executes plans on torch.distributed (torch is imported only here, in training/ and the profiler).
+"""The runtime that executes plans on torch.distributed (with training/loop.py and checkpoints/saver.py, rng.py,
+rundir.py and export.py: the only modules that import torch, as tests/planner/test_imports.py checks).
 
 One process per GPU (gloo on CPU). A replica is (ParallelConfig, global
 ranks); `build_replica_groups` makes its process groups, `StageModel` is the

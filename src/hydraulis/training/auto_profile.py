@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from hydraulis.cost import profile_cache
 from hydraulis.cost.measured import load_line, measured_under_load, others_load
 from hydraulis.cost.sweep import ProfileSettings
 from hydraulis.errors import HydraulisError
@@ -36,10 +37,8 @@ from hydraulis.families import weights_digest
 from hydraulis.files import read_json_object
 from hydraulis.parallel import ParallelConfig
 from hydraulis.processes import interrupt
-from hydraulis.progress import say
+from hydraulis.progress import Log, say
 from hydraulis.specs import ModelSpec
-from hydraulis.store import profile_cache
-from hydraulis.store.checkpoints import Log
 from hydraulis.training.config import RunConfig
 
 AUTO_PROFILE = "profile.json"  # the measured profile, cached in the run directory

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from hydraulis.checkpoints.manifest import DEFAULT_KEEP
 from hydraulis.cost.context_parallel import CP_SUFFIX
 from hydraulis.cost.profiled import PRESETS
 from hydraulis.data.tokenizer import TOKENIZERS
@@ -32,7 +33,6 @@ from hydraulis.limits import (
 )
 from hydraulis.optim import LR_SCHEDULES, AdamWSettings, OptimSettings
 from hydraulis.specs import DTYPE_NAMES, MODELS, SHAPE_FIELDS, ModelSpec
-from hydraulis.store.checkpoints import DEFAULT_KEEP
 
 MAX_TOKENS = 2**31 - 1
 

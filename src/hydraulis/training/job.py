@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from hydraulis.checkpoints.manifest import sweep_temporary
+from hydraulis.checkpoints.resume import check_config_change, check_stop_at, resume_point
 from hydraulis.cost import CostModel
 from hydraulis.data.indexed import IndexedCorpus, check_targets_left, overlong
 from hydraulis.data.sampler import Overlong, TokenBudgetSampler
@@ -24,10 +26,8 @@ from hydraulis.files import write_json_atomic
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.pool import PoolSetting, check_job_pool, parse_pool
 from hydraulis.processes import interrupt
-from hydraulis.progress import say
+from hydraulis.progress import Log, say
 from hydraulis.specs import ClusterSpec, ModelSpec
-from hydraulis.store.checkpoints import Log, sweep_temporary
-from hydraulis.store.resume import check_config_change, check_stop_at, resume_point
 from hydraulis.training.auto_profile import AUTO_PROFILE, REFIT_PROFILE, start_lines
 from hydraulis.training.config import RunConfig
 from hydraulis.training.evaluation import EvalSet, eval_set, run_sampler
@@ -294,7 +294,7 @@ def _resumed_checkpoint(run_dir: Path, resume: bool, chosen: str | None) -> Path
     (which did not choose), the same rule's choice made again."""
     if not resume or chosen is not None:
         return Path(chosen) if chosen is not None else None
-    from hydraulis.store.checkpoints import latest_checkpoint
+    from hydraulis.checkpoints.manifest import latest_checkpoint
 
     return latest_checkpoint(run_dir / "checkpoints", sweep=False, log=lambda _: None)
 
@@ -304,7 +304,7 @@ def _say_start(cost: CostModel, where: str, checkpoint: str | None, log: Log) ->
     checkpoint planned with."""
     refit = None
     if checkpoint is not None:
-        from hydraulis.store.checkpoints import read_manifest
+        from hydraulis.checkpoints.manifest import read_manifest
 
         state = read_manifest(Path(checkpoint)).refit
         refit = f"refit: none (its checkpoint {checkpoint} planned without one)"
@@ -320,7 +320,7 @@ def _padded(spec: ModelSpec, tp_degrees: set[int], resumed: Path | None) -> Mode
     padded = spec.padded_for(tp_degrees)
     if resumed is None:
         return padded
-    from hydraulis.store.checkpoints import read_manifest
+    from hydraulis.checkpoints.manifest import read_manifest
 
     before = read_manifest(resumed).model
     if before.vocab == spec.vocab and all(before.vocab_rows % tp == 0 for tp in tp_degrees):

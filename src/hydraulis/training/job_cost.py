@@ -10,8 +10,8 @@ from hydraulis.cost import CostModel, load_cost_model
 from hydraulis.data.sampler import TokenBudgetSampler
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig
+from hydraulis.progress import Log
 from hydraulis.specs import DTYPE_BYTES, ModelSpec
-from hydraulis.store.checkpoints import Log
 from hydraulis.training.auto_profile import AUTO_PROFILE, AutoProfile
 from hydraulis.training.config import RunConfig
 

@@ -4,7 +4,7 @@ One loop that reads top to bottom: plan and step (the trainer plans the next
 batch in the background while this one computes), log, maybe checkpoint,
 maybe stop. What it drives sits beside it: the `Trainer` (runtime/trainer.py),
 assembled from the job's settings, corpus and sampler; the `CheckpointManager`
-(runtime/storage/checkpoint.py), handed the trainer's stateful parts; the `RunLog`
+(checkpoints/saver.py), handed the trainer's stateful parts; the `RunLog`
 (run_log.py) and a `StopRequest` for SIGTERM and SIGINT. Everything that can fail
 on bad input was checked before, in job.py.
 """
@@ -22,14 +22,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hydraulis.checkpoints.rundir import check_shared_run_dir
+from hydraulis.checkpoints.saver import CheckpointManager, Saved
 from hydraulis.data.indexed import IndexedCorpus, open_corpus
 from hydraulis.progress import keep_going, say, transcribe
 from hydraulis.runtime.divergence import DivergenceGuard
 from hydraulis.runtime.evaluate import evaluate
 from hydraulis.runtime.parallelism.launch import RankFailed, init_distributed, leave_distributed, spawn
 from hydraulis.runtime.parallelism.timeouts import first_step_timeout
-from hydraulis.runtime.storage.checkpoint import CheckpointManager, Saved
-from hydraulis.runtime.storage.rundir import check_shared_run_dir
 from hydraulis.runtime.trainer import Trainer, TrainSettings
 from hydraulis.training.job import Job, torchrun_world
 from hydraulis.training.run_fidelity import RunFidelity

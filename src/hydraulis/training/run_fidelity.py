@@ -35,9 +35,9 @@ from hydraulis.files import write_json_atomic
 from hydraulis.training.auto_profile import REFIT_PROFILE
 
 if TYPE_CHECKING:
+    from hydraulis.checkpoints.manifest import CheckpointInfo
     from hydraulis.runtime.metering.step_meter import StepMetrics
     from hydraulis.runtime.trainer import Trainer
-    from hydraulis.store.checkpoints import CheckpointInfo
     from hydraulis.training.job import Job
 
 LOAD_STEPS = 5  # steps of other processes' load before a run says its load differs from the profile's

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hydraulis.cost import profile_cache
 from hydraulis.cost.conditions import cpu_cores
 from hydraulis.errors import HydraulisError
 from hydraulis.runtime.metering.profiler import describe_device
@@ -22,7 +23,6 @@ from hydraulis.runtime.modeling.attention import attention_backend
 from hydraulis.runtime.modeling.blockwise_attention import block_kernel
 from hydraulis.runtime.parallelism.launch import DTYPES
 from hydraulis.specs import DEVICES, DeviceSpec
-from hydraulis.store import profile_cache
 
 GPU_PRESETS = ("h200", "h100", "a800", "a100")  # the GPU device presets (specs.DEVICES), by the name they go by
 
@@ -120,7 +120,7 @@ def device_spec(device: torch.device) -> tuple[DeviceSpec, float | None, str]:
 
 
 def profiles(device: torch.device, dtype: str) -> list[dict[str, Any]]:
-    """The shared cache's profiles measured on a machine like this one (store/profile_cache.py)."""
+    """The shared cache's profiles measured on a machine like this one (cost/profile_cache.py)."""
     described = describe_device(device.type, 1, dtype, torch.get_num_threads())
     memory = described["memory_bytes"] if device.type == "cuda" else None
     return profile_cache.matching(described["name"], cpu_cores(), memory)

@@ -55,7 +55,7 @@ says which method it used.
 
 Coefficients come from a robust fit (cost/fit.py); a third of the points is
 held out of a second fit, and its error on them is the fidelity stored with
-the profile. This is the only module outside runtime/ that imports torch.
+the profile.
 """
 
 from __future__ import annotations

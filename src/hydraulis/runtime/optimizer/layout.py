@@ -170,7 +170,7 @@ class ShardLayout:
         self.stripes = max(1, -(-offset // self.stripe))
         # Per stripe, torch.chunk sizes (ceil(len / N), the last ranks smaller or empty): DTensor's Shard(0)
         # split, so a rank's chunk of a stripe is exactly its local shard of that stripe's 1-D DTensor and
-        # checkpoints reshard (checkpoint.py). bounds[s, r]: global start of rank r's chunk of stripe s.
+        # checkpoints reshard (checkpoints/saver.py). bounds[s, r]: global start of rank r's chunk of stripe s.
         starts = np.arange(self.stripes, dtype=np.int64) * self.stripe
         lengths = np.minimum(starts + self.stripe, offset) - starts
         chunk = -(-lengths // world_size)

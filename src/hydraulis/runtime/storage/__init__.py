@@ -1,1 +1,1 @@
-"""What a run keeps on disk: distributed checkpoints, Hugging Face weights in and out, the run directory."""
+"""Hugging Face weights in: their configs and names (hf.py), and loading them into the owned shards (hf_io.py)."""

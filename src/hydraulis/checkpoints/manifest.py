@@ -2,7 +2,7 @@
 
 A checkpoint is a directory `step-000123` (the trainer step it resumes at)
 whose `manifest.json` (`hydraulis.checkpoint/1`) is written last and lists
-every file with its size and sha256; runtime/storage/checkpoint.py writes and reads
+every file with its size and sha256; saver.py writes and reads
 the tensors. Everything here runs without torch, so a job is checked before
 any rank starts.
 """

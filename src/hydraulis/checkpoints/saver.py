@@ -1,7 +1,7 @@
 """Saving and loading training state: the owner shards with torch.distributed.checkpoint (DCP).
 
 The directory's names, manifest, discovery and retention are torch-free, in
-hydraulis/store/checkpoints.py; the RNG states are runtime/storage/rng.py.
+manifest.py beside it; the RNG states are rng.py.
 
 A checkpoint is a directory `step-000123` (the trainer step it resumes at):
 
@@ -12,7 +12,7 @@ A checkpoint is a directory `step-000123` (the trainer step it resumes at):
     optimizer/          DCP: `.metadata` and one `__R_0.distcp` per saving rank
     rng-00000.json ...  each rank's torch, numpy and python RNG states
 
-Each rank writes only what it owns (layout.py): its chunk of every stripe
+Each rank writes only what it owns (runtime/optimizer/layout.py): its chunk of every stripe
 of the fp32 master, exp_avg and exp_avg_sq, each chunk the local shard of
 one 1-D DTensor per stripe (`master.00003`), sharded on dim 0 over all
 ranks. The chunks are torch.chunk sizes, exactly DTensor's Shard(0), and the
@@ -47,11 +47,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from hydraulis.errors import HydraulisError
-from hydraulis.files import read_json_object, replace_directory, sha256_file, write_json_atomic
-from hydraulis.progress import aside
-from hydraulis.runtime.storage.rng import rng_state, set_rng_state
-from hydraulis.store.checkpoints import (
+from hydraulis.checkpoints.manifest import (
     CHECKPOINT_SCHEMA,
     DEFAULT_KEEP,
     MANIFEST_FILE,
@@ -59,7 +55,6 @@ from hydraulis.store.checkpoints import (
     OPTIM_KEYS,
     CheckpointInfo,
     FileEntry,
-    Log,
     check_files,
     check_visible,
     prune,
@@ -68,6 +63,10 @@ from hydraulis.store.checkpoints import (
     rng_file,
     step_dir_name,
 )
+from hydraulis.checkpoints.rng import rng_state, set_rng_state
+from hydraulis.errors import HydraulisError
+from hydraulis.files import read_json_object, replace_directory, sha256_file, write_json_atomic
+from hydraulis.progress import Log, aside
 
 if TYPE_CHECKING:
     from hydraulis.cost.refit import RefitState
@@ -97,8 +96,8 @@ class Saved:
     @classmethod
     def of(cls, trainer: Trainer) -> Saved:
         """A trainer's parts."""
-        return cls(trainer.feed, trainer.optimizer, trainer.settings, trainer.source.corpus.manifest, trainer.env,
-                   trainer.control)
+        return cls(feed=trainer.feed, optimizer=trainer.optimizer, settings=trainer.settings,
+                   corpus=trainer.source.corpus.manifest, env=trainer.env, control=trainer.control)
 
     @property
     def rank(self) -> int:

@@ -1,6 +1,6 @@
 """What `--resume` continues from, checked before any rank starts (no torch).
 
-One rule picks the checkpoint (`checkpoints.latest_checkpoint`: the newest
+One rule picks the checkpoint (`manifest.latest_checkpoint`: the newest
 that verifies whole). The LR schedule is part of the run: `[train] steps` is
 its length, `--stop-at K` only ends this invocation early, and a resume whose
 schedule differs from the checkpoint's is refused unless `--change-schedule`
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hydraulis.checkpoints.manifest import latest_checkpoint, read_manifest
 from hydraulis.errors import HydraulisError
 from hydraulis.files import read_text
 from hydraulis.progress import Log, say
-from hydraulis.store.checkpoints import latest_checkpoint, read_manifest
 
 
 @dataclass(frozen=True)

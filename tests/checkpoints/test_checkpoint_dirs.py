@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hydraulis.store.checkpoints import MANIFEST_FILE, list_checkpoints, prune, step_dir_name, sweep_temporary
+from hydraulis.checkpoints.manifest import MANIFEST_FILE, list_checkpoints, prune, step_dir_name, sweep_temporary
 
 
 def make(out: Path, step: int) -> Path:

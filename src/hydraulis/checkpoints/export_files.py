@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hydraulis.checkpoints.manifest import CheckpointInfo
 from hydraulis.errors import HydraulisError
 from hydraulis.families import CONFIG_FILE, read_hf_config
 from hydraulis.files import not_found
-from hydraulis.store.checkpoints import CheckpointInfo
 
 BUILTIN_IDS = {"bytes": (256, None), "gpt2": (50256, 50256)}  # name -> (eos, bos), data/tokenizer.py's ids
 # The files of a Hugging Face tokenizer (slow or fast), as save_pretrained writes them.
@@ -130,9 +130,11 @@ def export_source(info: CheckpointInfo, tokenizer: bool = True, source: bool = T
     if name in BUILTIN_IDS:
         eos, bos = BUILTIN_IDS[name]
         builtin = name if tokenizer else None
-        return ExportSource(name, (), builtin, eos, bos, None, _source_config(init_from, info, source))
+        return ExportSource(tokenizer=name, files=(), builtin=builtin, eos=eos, bos=bos, pad=None,
+                            source_config=_source_config(init_from, info, source))
     if not tokenizer:
-        return ExportSource(name, (), None, None, None, None, _source_config(init_from, info, source))
+        return ExportSource(tokenizer=name, files=(), builtin=None, eos=None, bos=None, pad=None,
+                            source_config=_source_config(init_from, info, source))
     configured = data.get("tokenizer")
     paths = (n for n in (name, configured) if n and n not in BUILTIN_IDS and n != "auto" and not IDENTITY.fullmatch(n))
     candidates = [Path(n) for n in paths]
@@ -145,7 +147,8 @@ def export_source(info: CheckpointInfo, tokenizer: bool = True, source: bool = T
         where = where.parent  # a saved tokenizer's file: its directory says which tokens are special
     files = _hf_tokenizer_files(where)
     eos, bos, pad = _hf_ids(files, where)
-    return ExportSource(name, files, None, eos, bos, pad, _source_config(init_from, info, source))
+    return ExportSource(tokenizer=name, files=files, builtin=None, eos=eos, bos=bos, pad=pad,
+                        source_config=_source_config(init_from, info, source))
 
 
 def _missing_tokenizer(info: CheckpointInfo, name: str | None, candidates: list[Path]) -> str:
