@@ -71,7 +71,7 @@ def run_replica(
 
 def _compare(spec, model_name, groups, micro_batches, calls: int = 1) -> dict:
     """`calls` > 1 splits the micro-batches over several train_step calls that accumulate gradients."""
-    model = StageModel(spec, groups.tp, groups.stage, groups.config.pp)
+    model = StageModel(spec, groups.tp, groups.stage, groups.config.pp, vp=groups.config.vp)
     reset_parameters(model, SEED)
     docs = documents(spec.vocab)
     packed = [concatenate_documents([docs[i] for i in mb], pad_to_multiple=groups.config.tp) for mb in micro_batches]
@@ -94,6 +94,7 @@ def _compare(spec, model_name, groups, micro_batches, calls: int = 1) -> dict:
         "tp_rank": groups.tp.rank,
         "loss": loss,
         "pp": groups.config.pp,
+        "vp": groups.config.vp,
         "schedules": [r.order for r in results],
         "ref_loss": ref_loss,
         "errors": errors,
@@ -120,6 +121,13 @@ def check_configs(rank: int, world: int) -> dict:
         out["pp2-one-mb"] = _compare(MODELS["tiny-mha"], "tiny-mha", groups, MICRO_BATCHES[2:3])
     else:
         out["tp2-mqa"] = _compare(_custom("tiny-mqa"), "tiny-mqa", groups, MICRO_BATCHES)
+    # Interleaved 1F1B, two model chunks per rank: with TP and SP on one replica; beside a tp2 replica, on three
+    # micro-batches (Megatron's group of three) of the batch.
+    out["tp2pp2vp2-sp"] = run_replica("tiny", ParallelConfig(2, 2, vp=2), (2, 0, 3, 1), MICRO_BATCHES, True)
+    e, f = Replica(ParallelConfig(2, 1), (1, 2)), Replica(ParallelConfig(1, 2, vp=2), (0, 3))
+    groups = build_replica_groups([e, f], sequence_parallel=True)
+    out["hetero-vp2"] = _compare(MODELS["tiny"], "tiny", groups, MICRO_BATCHES[:1] if rank in e.devices
+                                 else MICRO_BATCHES[1:])
     out["collective-peaks"] = collective_peaks()
     from hydraulis.runtime.parallelism import collectives
 

@@ -5,9 +5,9 @@ groups of EVERY deployment in the pool are built at start-up, on every rank,
 in pool order; `build_replica_groups` caches them by rank list, so
 deployments that share a replica share its groups. Each rank keeps one
 `StageModel` per role it can take (a deployment's replica config, stage and
-TP and CP rank); only the active deployment's model holds parameter storage, and a
-switch frees the old one's and gathers the new one's from the optimizer's
-owners. Nothing of the optimizer moves.
+TP and CP rank; interleaved, all vp model chunks of its stage); only the
+active deployment's model holds parameter storage, and a switch frees the
+old one's and gathers the new one's from the optimizer's owners. Nothing of the optimizer moves.
 """
 
 from __future__ import annotations
@@ -92,9 +92,8 @@ class RankPool:
             key = (groups.ranks, groups.config, groups.stage, groups.tp.rank, groups.cp.rank)
             if key not in models:
                 g = groups.config
-                model = StageModel(
-                    spec, groups.tp, groups.stage, g.pp, dtype, device, recompute=g in recompute, cp=groups.cp
-                )
+                model = StageModel(spec, groups.tp, groups.stage, g.pp, dtype, device, recompute=g in recompute,
+                                   cp=groups.cp, vp=g.vp)
                 release(model)
                 if dtype != torch.float32:
                     attach_main_grads(model)  # sum micro-batches in scaled fp16 (main_grad.py)
