@@ -47,7 +47,9 @@ class InterleavedRun:
         param = next(model.parameters())
         self.model = model
         self.num_global_targets = num_global_targets
-        self.pp, self.vp, self.stage = groups.config.pp, groups.config.vp, groups.stage
+        self.pp = groups.config.pp
+        self.vp = groups.config.vp
+        self.stage = groups.stage
         self.prev_rank, self.next_rank = virtual_neighbours(groups)
         self.p2p = LaneP2P(groups, param.device, param.dtype, model.spec.hidden)
         self.batches = [b.to(param.device) for b in micro_batches]

@@ -140,8 +140,11 @@ class _StageRun:
         num_global_targets: int,
     ):
         param = next(model.parameters())
-        self.model, self.groups, self.num_global_targets = model, groups, num_global_targets
-        self.first, self.last = groups.is_first_stage, groups.is_last_stage
+        self.model = model
+        self.groups = groups
+        self.num_global_targets = num_global_targets
+        self.first = groups.is_first_stage
+        self.last = groups.is_last_stage
         self.p2p = LaneP2P(groups, param.device, param.dtype, model.spec.hidden)
         self.batches = [b.to(param.device) for b in micro_batches]
         self.warmup = min(groups.config.pp - groups.stage - 1, len(self.batches))

@@ -334,7 +334,8 @@ class StageModel(nn.Module):
         if not self.is_last:
             raise HydraulisError(f"stage {self.stage} of {self.num_stages} has no head")
         h = self._trunk(x, batch, self.vp - 1)
-        return head_cross_entropy(h, self.head_weight, batch.targets, self.vocab_start, self.valid_vocab, self.tp)
+        return head_cross_entropy(h, self.head_weight, batch.targets, vocab_start=self.vocab_start,
+                                  valid=self.valid_vocab, tp=self.tp)
 
     # ------------------------------------------------------------ layouts
 

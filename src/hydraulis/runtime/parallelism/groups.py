@@ -176,4 +176,5 @@ def single_process_groups(config: ParallelConfig = ParallelConfig()) -> ReplicaG
     """The trivial replica of one process (tp = pp = 1): no torch.distributed needed."""
     if config.num_gpus != 1:
         raise HydraulisError(f"{config.name} needs {config.num_gpus} processes, not one")
-    return ReplicaGroups(config, (0,), 0, 0, TensorParallel(), None, None, None, None)
+    return ReplicaGroups(config=config, ranks=(0,), rank=0, stage=0, tp=TensorParallel(), pp_group=None,
+                         replica_group=None, prev_rank=None, next_rank=None)
