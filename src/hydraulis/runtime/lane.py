@@ -3,22 +3,21 @@
 No shape header: every rank knows each micro-batch's activation shape from
 the plan (tokens, or tokens / tp under SP, by hidden), so it allocates the
 receive buffer itself. Plain 1F1B pairs each send with the receive its next
-step needs in one batched call (`send_recv`); interleaved 1F1B posts each
-send on its own and goes on (`post_send`), so a rank waits only for what it
-receives, and a tag keeps activations and gradients that travel between the
-same two ranks apart (with pp = 2, or on the wrap from the last stage to the
-first, both directions carry both).
+step needs in one batched call (`send_recv`); interleaved 1F1B exchanges what
+one lockstep tick made in one batched call (`exchange`, interleaved.py).
+Batched, sends and receives pair up on every backend: alone, an NCCL send
+blocks its stream until the peer receives.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from hydraulis.runtime.parallelism.batch import MicroBatchInput
 from hydraulis.runtime.parallelism.groups import ReplicaGroups
-
-ACTIVATION_TAG, GRADIENT_TAG = 0, 1
 
 
 class LaneP2P:
@@ -30,7 +29,6 @@ class LaneP2P:
         self.hidden = hidden
         self.group = groups.pp_group
         self.tp = groups.tp
-        self.pending: list[tuple[dist.Work, torch.Tensor]] = []  # posted sends and the tensors they read
 
     def shape(self, batch: MicroBatchInput) -> tuple[int, int]:
         tokens = batch.num_tokens // self.tp.size if self.tp.sequence_parallel else batch.num_tokens
@@ -58,22 +56,19 @@ class LaneP2P:
                 work.wait()
         return into
 
-    def post_send(self, tensor: torch.Tensor, to: int, tag: int) -> None:
-        """Send without waiting; the tensor is kept until the send completed (`finish_sends`, or a later post)."""
-        self.pending = [(w, t) for w, t in self.pending if not w.is_completed()]
-        tensor = tensor.contiguous()
-        self.pending.append((dist.isend(tensor, to, group=self.group, tag=tag), tensor))
-
-    def recv(self, source: int, batch: MicroBatchInput, tag: int) -> torch.Tensor:
-        """`batch`'s activation (or its gradient) from `source`, waited for."""
-        into = torch.empty(self.shape(batch), dtype=self.dtype, device=self.device)
-        dist.irecv(into, source, group=self.group, tag=tag).wait()
+    def exchange(
+        self, sends: Sequence[tuple[torch.Tensor, int]], receives: Sequence[tuple[int, MicroBatchInput]]
+    ) -> list[torch.Tensor]:
+        """Sends (tensor, to) and receives (from, of `batch`'s activation shape) in one batch, waited whole; the
+        received tensors in order. Each pair of ranks has at most one transfer each way in it."""
+        into = [torch.empty(self.shape(b), dtype=self.dtype, device=self.device) for _, b in receives]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), to, group=self.group) for t, to in sends]
+        ops += [dist.P2POp(dist.irecv, buf, source, group=self.group) for buf, (source, _) in zip(into, receives,
+                                                                                                strict=True)]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
         return into
-
-    def finish_sends(self) -> None:
-        for work, _ in self.pending:
-            work.wait()
-        self.pending = []
 
 
 def deallocate_output(out: torch.Tensor) -> None:
@@ -81,8 +76,8 @@ def deallocate_output(out: torch.Tensor) -> None:
 
     The next stage holds its own copy; this stage needs only the graph behind
     the output for its backward, which `backward_from` runs without the
-    shape check that the freed tensor would fail. A send still in flight
-    holds the detached tensor it reads, which keeps the storage until it is done.
+    shape check that the freed tensor would fail. A detached tensor that
+    waits to be sent keeps the storage until it is.
     """
     out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
 
