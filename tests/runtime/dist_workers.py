@@ -20,6 +20,7 @@ from hydraulis.runtime import (
     train_step,
 )
 from hydraulis.runtime.optimizer.layout import reset_parameters
+from hydraulis.runtime.pipeline import forward_step
 from hydraulis.specs import MODELS
 
 SEED = 1234
@@ -82,6 +83,7 @@ def _compare(spec, model_name, groups, micro_batches, calls: int = 1) -> dict:
     ]
     loss = None if results[0].loss is None else sum(r.loss for r in results)
     grads = model.full_grads()
+    evaluated = forward_step(model, groups, packed)  # forward only, as evaluation runs it: the same loss
     ref_loss, ref_grads = reference(model_name, tuple(i for mb in micro_batches for i in mb))
     errors = {}
     for name, g in grads.items():
@@ -93,6 +95,7 @@ def _compare(spec, model_name, groups, micro_batches, calls: int = 1) -> dict:
         "stage": groups.stage,
         "tp_rank": groups.tp.rank,
         "loss": loss,
+        "eval_loss": None if evaluated is None else float(evaluated) / count_targets(LENGTHS),
         "pp": groups.config.pp,
         "vp": groups.config.vp,
         "schedules": [r.order for r in results],

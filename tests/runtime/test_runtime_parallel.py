@@ -36,6 +36,9 @@ def test_gradients_match_reference(four_rank_results, scenario):
         by_config.setdefault(rep["config"], set()).update(rep["errors"])
         if rep["loss"] is not None:
             assert rep["loss"] == pytest.approx(rep["ref_loss"], rel=RTOL)
+            assert rep["eval_loss"] == pytest.approx(rep["ref_loss"], rel=RTOL)  # evaluation's forward only
+        else:
+            assert rep["eval_loss"] is None
     # Together the ranks of every replica hold every parameter of the model.
     for config, names in by_config.items():
         assert names == set(reports[0]["all_params"]), config
