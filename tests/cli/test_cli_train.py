@@ -224,7 +224,9 @@ BAD = {
         {"parallel": f"{_PARALLEL}\nexchange_bucket_mb = 1e9"},
         "parallel.exchange_bucket_mb 1e+09 is too large for the device's",
     ),
-    "interleaved pool": ({"parallel": 'pool = "2x(tp1,pp2,vp2)"'}, "parallel.pool: tp1pp2vp2 interleaves (vp = 2)"),
+    "interleaving beyond the layers": (
+        {"parallel": 'pool = "2x(tp1,pp2,vp4)"'}, "tp1pp2vp4: tiny has 4 layers, not divisible into pp x vp = 8"
+    ),
     "zero timeout": ({"train": "steps = 6\ntimeout_s = 0"}, "train.timeout_s"),
     "negative timeout": ({"train": "steps = 6\ntimeout_s = -5"}, "train.timeout_s"),
     "timeout of a year": ({"train": "steps = 6\ntimeout_s = 31536000"}, "train.timeout_s"),

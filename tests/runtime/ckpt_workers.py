@@ -25,6 +25,9 @@ SAVE_AT = 3  # the interrupted run stops after this many steps
 KEEP = 2
 POOL_4 = ("1x(tp2,pp1) + 2x(tp1,pp1)", "2x(tp1,pp2)", "1x(tp2,pp2)")
 POOL_2 = ("1x(tp2,pp1)", "2x(tp1,pp1)")
+# One pipeline pool without and with interleaving: the planner gives both the same micro-batches, and an interleaved
+# step computes the same bits as a plain one, so a checkpoint of either resumes on the other bit for bit.
+POOL_V1, POOL_V2 = ("2x(tp1,pp2)",), ("2x(tp1,pp2,vp2)",)
 TOKENS_PER_BATCH = 700
 MAX_LEN = 160
 
@@ -50,8 +53,9 @@ def make_trainer(world: int, pool: tuple[str, ...], corpus_dir: Path, model: str
     return Trainer(settings(world, pool, model), corpus, sampler, env)
 
 
-def first_run(rank: int, world: int, corpus_dir: Path, ckpt: Path, other: Path) -> dict:
-    """An uninterrupted run of STEPS, then a run that saves after each of its SAVE_AT steps (keeping KEEP)."""
+def first_run(rank: int, world: int, corpus_dir: Path, ckpt: Path, other: Path, interleaved: Path) -> dict:
+    """An uninterrupted run of STEPS, then a run that saves after each of its SAVE_AT steps (keeping KEEP); then
+    `interleaving_runs`."""
     t = make_trainer(world, POOL_4, corpus_dir)
     full = [t.step() for _ in range(STEPS)]
     t.close()
@@ -69,6 +73,7 @@ def first_run(rank: int, world: int, corpus_dir: Path, ckpt: Path, other: Path) 
     save_checkpoint(Saved.of(mha), other)
     mha.close()
     return {
+        **interleaving_runs(world, corpus_dir, interleaved),
         "full": [m.loss for m in full],
         "full_positions": [(m.epoch, m.position) for m in full],
         "first": [m.loss for m in first],
@@ -76,6 +81,32 @@ def first_run(rank: int, world: int, corpus_dir: Path, ckpt: Path, other: Path) 
         "exp_avg": t.optimizer.exp_avg.clone(),
         "rng": after_save,
     }
+
+
+def interleaving_runs(world: int, corpus_dir: Path, out: Path) -> dict:
+    """An uninterrupted run of STEPS on POOL_V1; runs of SAVE_AT steps on POOL_V1 and POOL_V2, each saved (to
+    out / "v1" and out / "v2") for `resume_interleaving`."""
+    t = make_trainer(world, POOL_V1, corpus_dir)
+    full = [t.step().loss for _ in range(STEPS)]
+    t.close()
+    for name, pool in (("v1", POOL_V1), ("v2", POOL_V2)):
+        part = make_trainer(world, pool, corpus_dir)
+        for _ in range(SAVE_AT):
+            part.step()
+        save_checkpoint(Saved.of(part), out / name)
+        part.close()
+    return {"full_v1": full, "master_v1": t.optimizer.master.clone()}
+
+
+def resume_interleaving(world: int, corpus_dir: Path, saved: Path) -> dict:
+    """The POOL_V1 checkpoint resumed on POOL_V2 and the POOL_V2 one on POOL_V1: each run's losses and master."""
+    out = {}
+    for name, pool in (("v1", POOL_V2), ("v2", POOL_V1)):
+        t = make_trainer(world, pool, corpus_dir)
+        resume(Saved.of(t), saved / name)
+        out[f"from_{name}"] = ([t.step().loss for _ in range(STEPS - SAVE_AT)], t.optimizer.master.clone())
+        t.close()
+    return out
 
 
 def seed_rngs(seed: int) -> None:
@@ -96,8 +127,12 @@ def _error(fn) -> str | None:
     return None
 
 
-def resume_same(rank: int, world: int, corpus_dir: Path, bad: dict[str, Path], good: Path, fallback: Path) -> dict:
-    """In new processes: refused loads leave the trainer as it was; a damaged newest falls back; then resume."""
+def resume_same(
+    rank: int, world: int, corpus_dir: Path, bad: dict[str, Path], good: Path, fallback: Path, interleaved: Path
+) -> dict:
+    """In new processes: refused loads leave the trainer as it was; a damaged newest falls back; then resume; then
+    `resume_interleaving`."""
+    interleaving = resume_interleaving(world, corpus_dir, interleaved)
     t = make_trainer(world, POOL_4, corpus_dir)
     errors = {name: _error(lambda p=p: load_checkpoint(Saved.of(t), p)) for name, p in bad.items()}
     opt = t.optimizer
@@ -114,6 +149,7 @@ def resume_same(rank: int, world: int, corpus_dir: Path, bad: dict[str, Path], g
     losses = [t.step() for _ in range(STEPS - SAVE_AT)]
     t.close()
     return {
+        **interleaving,
         "errors": errors,
         "untouched": untouched,
         "fallback_step": None if fell_back is None else fell_back.step,

@@ -31,6 +31,8 @@ SCENARIOS = {
     "cp2pp2": ((Replica(ParallelConfig(1, 2, 2), (0, 1, 2, 3)),), False, False),
     # activation recompute reruns the K/V all-gather in backward, on every CP rank alike
     "cp2pp2-recompute": ((Replica(ParallelConfig(1, 2, 2), (1, 3, 0, 2)),), False, True),
+    # interleaved 1F1B, two model chunks per rank: the p2p lanes of each CP rank wrap from the last stage to the first
+    "cp2pp2vp2": ((Replica(ParallelConfig(1, 2, 2, vp=2), (2, 0, 3, 1)),), False, False),
 }
 
 
@@ -44,7 +46,7 @@ def run_scenarios(
         replicas, sp, recompute = SCENARIOS[scenario]
         groups = build_replica_groups(replicas, sp, TIMEOUT)
         config = groups.config
-        model = StageModel(spec, groups.tp, groups.stage, config.pp, recompute=recompute, cp=groups.cp)
+        model = StageModel(spec, groups.tp, groups.stage, config.pp, recompute=recompute, cp=groups.cp, vp=config.vp)
         model.load_full_state_dict(state)
         pad = config.tp if sp else 1
         packed = [concatenate_cp_shard([docs[i] for i in mb], config.cp, groups.cp.rank, pad) for mb in micro_batches]

@@ -20,6 +20,7 @@ from hydraulis.runtime import (
     train_step,
 )
 from hydraulis.runtime.optimizer.layout import reset_parameters
+from hydraulis.runtime.pipeline import forward_step
 from hydraulis.specs import MODELS
 
 SEED = 1234
@@ -71,7 +72,7 @@ def run_replica(
 
 def _compare(spec, model_name, groups, micro_batches, calls: int = 1) -> dict:
     """`calls` > 1 splits the micro-batches over several train_step calls that accumulate gradients."""
-    model = StageModel(spec, groups.tp, groups.stage, groups.config.pp)
+    model = StageModel(spec, groups.tp, groups.stage, groups.config.pp, vp=groups.config.vp)
     reset_parameters(model, SEED)
     docs = documents(spec.vocab)
     packed = [concatenate_documents([docs[i] for i in mb], pad_to_multiple=groups.config.tp) for mb in micro_batches]
@@ -82,6 +83,7 @@ def _compare(spec, model_name, groups, micro_batches, calls: int = 1) -> dict:
     ]
     loss = None if results[0].loss is None else sum(r.loss for r in results)
     grads = model.full_grads()
+    evaluated = forward_step(model, groups, packed)  # forward only, as evaluation runs it: the same loss
     ref_loss, ref_grads = reference(model_name, tuple(i for mb in micro_batches for i in mb))
     errors = {}
     for name, g in grads.items():
@@ -93,7 +95,9 @@ def _compare(spec, model_name, groups, micro_batches, calls: int = 1) -> dict:
         "stage": groups.stage,
         "tp_rank": groups.tp.rank,
         "loss": loss,
+        "eval_loss": None if evaluated is None else float(evaluated) / count_targets(LENGTHS),
         "pp": groups.config.pp,
+        "vp": groups.config.vp,
         "schedules": [r.order for r in results],
         "ref_loss": ref_loss,
         "errors": errors,
@@ -120,6 +124,13 @@ def check_configs(rank: int, world: int) -> dict:
         out["pp2-one-mb"] = _compare(MODELS["tiny-mha"], "tiny-mha", groups, MICRO_BATCHES[2:3])
     else:
         out["tp2-mqa"] = _compare(_custom("tiny-mqa"), "tiny-mqa", groups, MICRO_BATCHES)
+    # Interleaved 1F1B, two model chunks per rank: with TP and SP on one replica; beside a tp2 replica, on three
+    # micro-batches (Megatron's group of three) of the batch.
+    out["tp2pp2vp2-sp"] = run_replica("tiny", ParallelConfig(2, 2, vp=2), (2, 0, 3, 1), MICRO_BATCHES, True)
+    e, f = Replica(ParallelConfig(2, 1), (1, 2)), Replica(ParallelConfig(1, 2, vp=2), (0, 3))
+    groups = build_replica_groups([e, f], sequence_parallel=True)
+    out["hetero-vp2"] = _compare(MODELS["tiny"], "tiny", groups, MICRO_BATCHES[:1] if rank in e.devices
+                                 else MICRO_BATCHES[1:])
     out["collective-peaks"] = collective_peaks()
     from hydraulis.runtime.parallelism import collectives
 

@@ -1,8 +1,9 @@
 """Checkpoints on gloo: bit-for-bit resume, resharding 4 -> 2 ranks, partial and bad checkpoints, HF in and out.
 
 Three spawns: the first run (4 ranks: uninterrupted, interrupted with saves,
-another model's checkpoint), the resume in new processes (4 ranks, with the
-refused loads first), and 2 ranks on another pool (resharded resume, then
+another model's checkpoint, saves with and without interleaving), the resume in
+new processes (4 ranks, with the refused loads first, each save resumed with the
+other vp), and 2 ranks on another pool (resharded resume, then
 training from a Hugging Face model and saving it for the export tests).
 """
 
@@ -63,7 +64,7 @@ def work(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     corpus = make_corpus(root / "corpus")
     ckpt, other = root / "run", root / "other"
-    results = run_workers(first_run, 4, corpus, ckpt, other, deadline_s=300)
+    results = run_workers(first_run, 4, corpus, ckpt, other, root / "interleaved", deadline_s=300)
     return root, corpus, ckpt, other, results
 
 
@@ -116,7 +117,7 @@ def resumed(work, bad):
     root, corpus, ckpt, _, _ = work
     fallback = variant(root, ckpt, "fallback")
     (fallback / LAST / MANIFEST_FILE).unlink()  # killed before the manifest: the previous one is loaded
-    return run_workers(resume_same, 4, corpus, bad, ckpt, fallback, deadline_s=300)
+    return run_workers(resume_same, 4, corpus, bad, ckpt, fallback, root / "interleaved", deadline_s=300)
 
 
 def randomised_hf_model(spec, seed: int):
@@ -262,6 +263,17 @@ def test_resume_continues_bit_for_bit(work, resumed):
         want = torch.cat([r[key] for r in work[4]])
         assert torch.equal(got, want), key
     print(f"\nbit-for-bit resume: losses {resumed[0]['losses']} == {full['full'][SAVE_AT:]}")
+
+
+def test_a_checkpoint_resumes_bit_for_bit_with_interleaving_changed(work, resumed):
+    """Saved at vp = 1, resumed at vp = 2 and back (2x(tp1,pp2) and 2x(tp1,pp2,vp2), whose plans hold the same
+    micro-batches): each run's losses and master weights are the bits of an uninterrupted vp = 1 run."""
+    full, master = work[4][0]["full_v1"], [r["master_v1"] for r in work[4]]
+    for saved in ("v1", "v2"):
+        for rank, r in enumerate(resumed):
+            losses, got = r[f"from_{saved}"]
+            assert losses == full[SAVE_AT:], (saved, losses, full)  # ==: the same bits
+            assert torch.equal(got, master[rank]), saved
 
 
 EXPECTED_ERRORS = {

@@ -8,7 +8,7 @@ import dist_workers
 import pytest
 from dist_launcher import WorkerFailed, run_workers
 
-from hydraulis.planner.sim import one_f_one_b_order
+from hydraulis.planner.sim import interleaved_order, one_f_one_b_order
 
 pytestmark = pytest.mark.dist
 
@@ -24,7 +24,8 @@ def _reports(results, scenario):
     return [r[scenario] for r in results if scenario in r]
 
 
-@pytest.mark.parametrize("scenario", ["tp2pp2", "tp2pp2-sp", "hetero", "pp2-one-mb", "tp2-mqa"])
+@pytest.mark.parametrize("scenario", ["tp2pp2", "tp2pp2-sp", "hetero", "pp2-one-mb", "tp2-mqa", "tp2pp2vp2-sp",
+                                      "hetero-vp2"])
 def test_gradients_match_reference(four_rank_results, scenario):
     reports = _reports(four_rank_results, scenario)
     assert reports
@@ -35,17 +36,26 @@ def test_gradients_match_reference(four_rank_results, scenario):
         by_config.setdefault(rep["config"], set()).update(rep["errors"])
         if rep["loss"] is not None:
             assert rep["loss"] == pytest.approx(rep["ref_loss"], rel=RTOL)
+            assert rep["eval_loss"] == pytest.approx(rep["ref_loss"], rel=RTOL)  # evaluation's forward only
+        else:
+            assert rep["eval_loss"] is None
     # Together the ranks of every replica hold every parameter of the model.
     for config, names in by_config.items():
         assert names == set(reports[0]["all_params"]), config
 
 
-@pytest.mark.parametrize("scenario", ["tp2pp2", "tp2pp2-sp", "hetero", "pp2-one-mb"])
+@pytest.mark.parametrize("scenario", ["tp2pp2", "tp2pp2-sp", "hetero", "pp2-one-mb", "tp2pp2vp2-sp", "hetero-vp2"])
 def test_stages_run_the_simulators_1f1b_order(four_rank_results, scenario):
+    """Plain 1F1B as the simulator's `one_f_one_b_order`; interleaved (vp = 2) as its `interleaved_order`, every
+    chunk of every micro-batch forward and backward once."""
     for rep in _reports(four_rank_results, scenario):
         for schedule in rep["schedules"]:
-            count = len(schedule) // 2
-            assert list(schedule) == one_f_one_b_order(rep["pp"], count, rep["stage"])
+            count = len(schedule) // 2 // rep["vp"]
+            if rep["vp"] == 1:
+                assert list(schedule) == one_f_one_b_order(rep["pp"], count, rep["stage"])
+                continue
+            assert list(schedule) == interleaved_order(rep["pp"], rep["vp"], count, rep["stage"])
+            assert sorted(schedule) == sorted((k, j, c) for k in (0, 1) for j in range(count) for c in range(2))
 
 
 def test_replica_losses_add_up_to_global_loss(four_rank_results):

@@ -93,6 +93,9 @@ def test_losses_match_single_process(run):
     np.testing.assert_allclose(got, losses, rtol=1e-5)
     # Phases accumulate every phase's gradients into the owners before the one optimizer step.
     np.testing.assert_allclose([got[k] for k in PHASED], [losses[k] for k in PHASED], rtol=1e-6)
+    # Step 1's first phase interleaves (1x(tp1,pp2,vp2) beside a tp2 replica, model chunks of one layer).
+    metrics = results[0]["metrics"]
+    assert metrics[1]["deployment"].startswith("1x(tp1,pp2,vp2) + 1x(tp2,pp1) | ")
     assert got[-1] < got[0]
 
 

@@ -28,14 +28,15 @@ from hydraulis.specs import MODELS, ClusterSpec, get_device
 
 SEED = 5
 WORLD = 4
-POOL_TEXT = ("1x(tp2,pp1) + 2x(tp1,pp1)", "2x(tp1,pp2)", "1x(tp2,pp2)")
+# The last deployment interleaves: two model chunks per pipeline rank beside a tp2 replica.
+POOL_TEXT = ("1x(tp2,pp1) + 2x(tp1,pp1)", "2x(tp1,pp2)", "1x(tp2,pp2)", "1x(tp1,pp2,vp2) + 1x(tp2,pp1)")
 STEPS = 8
 CRAFTED = 5  # steps run on plans made here (one with an idle replica); the rest plan inside the trainer
 # The deployment of each crafted step: switches every step, back and forth.
 CRAFTED_DEPLOYMENTS = (0, 1, 0, 2, 1)
 IDLE_STEP = 2  # in this crafted step, replica 2 of deployment 0 gets no micro-batch
 # Crafted steps run in phases (runtime/iteration.py): the deployment of each phase, shortest sequences first.
-PHASED = {1: (0, 2), 4: (2, 0, 1)}
+PHASED = {1: (3, 2), 4: (2, 0, 1)}
 # Crafted steps whose micro-batches cycle through the memory policies (none, selective, full recompute).
 MIXED = (0, 2, 3)
 # Between the steps' gradient norms (0.65 to 0.77): clipping is inactive at steps 0, 1, 3 and 6, active at the rest.

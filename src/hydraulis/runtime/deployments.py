@@ -5,9 +5,9 @@ groups of EVERY deployment in the pool are built at start-up, on every rank,
 in pool order; `build_replica_groups` caches them by rank list, so
 deployments that share a replica share its groups. Each rank keeps one
 `StageModel` per role it can take (a deployment's replica config, stage and
-TP and CP rank); only the active deployment's model holds parameter storage, and a
-switch frees the old one's and gathers the new one's from the optimizer's
-owners. Nothing of the optimizer moves.
+TP and CP rank; interleaved, all vp model chunks of its stage); only the
+active deployment's model holds parameter storage, and a switch frees the
+old one's and gathers the new one's from the optimizer's owners. Nothing of the optimizer moves.
 """
 
 from __future__ import annotations
@@ -80,7 +80,9 @@ class RankPool:
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     ) -> None:
         self.pool = tuple(pool)
-        self.optimizer, self.dtype, self.device = optimizer, dtype, device
+        self.optimizer = optimizer
+        self.dtype = dtype
+        self.device = device
         rank = optimizer.rank
         models: dict[tuple, tuple[StageModel, ExchangeHooks]] = {}
         self.parts: list[RankDeployment] = []
@@ -92,9 +94,8 @@ class RankPool:
             key = (groups.ranks, groups.config, groups.stage, groups.tp.rank, groups.cp.rank)
             if key not in models:
                 g = groups.config
-                model = StageModel(
-                    spec, groups.tp, groups.stage, g.pp, dtype, device, recompute=g in recompute, cp=groups.cp
-                )
+                model = StageModel(spec, groups.tp, groups.stage, g.pp, dtype=dtype, device=device,
+                                   recompute=g in recompute, cp=groups.cp, vp=g.vp)
                 release(model)
                 if dtype != torch.float32:
                     attach_main_grads(model)  # sum micro-batches in scaled fp16 (main_grad.py)
@@ -102,7 +103,8 @@ class RankPool:
                 models[key] = (model, hooks)
             model, hooks = models[key]
             plan = optimizer.exchange_plan(deployment, sequence_parallel)
-            self.parts.append(RankDeployment(deployment, replica, groups, model, plan, hooks))
+            self.parts.append(RankDeployment(deployment=deployment, replica=replica, groups=groups, model=model,
+                                             exchange_plan=plan, hooks=hooks))
         self.current: int | None = None
 
     def index(self, deployment: Deployment) -> int:
@@ -134,8 +136,8 @@ class RankPool:
         the owners add to the gradient earlier phases of the iteration reduced instead of starting from zero.
         `reduce_after`: the stage's last blocks backward frees before the reduce's first round (cost/memory.py).
         """
-        ex = Exchange(self.optimizer, part.exchange_plan, part.params, self.dtype, reduce_dtype, micro_batches, overlap,
-                     accumulate, reduce_after)
+        ex = Exchange(self.optimizer, part.exchange_plan, part.params, self.dtype, reduce_dtype=reduce_dtype,
+                      micro_batches=micro_batches, enabled=overlap, accumulate=accumulate, reduce_after=reduce_after)
         if not overlap or part.groups.config.pp > 1:
             ex.gather_ahead()
         return ex

@@ -1,8 +1,8 @@
 """The compute of an iteration, phase by phase: each phase its deployment on its part of the batch.
 
 A plan of one phase is what every iteration was before phases existed: activate
-the deployment, gather the compute shard (overlapped with forward), run 1F1B on
-this rank's micro-batches, reduce the gradients into the owners. A phased
+the deployment, gather the compute shard (overlapped with forward), run 1F1B
+(interleaved where the replica has vp > 1) on this rank's micro-batches, reduce the gradients into the owners. A phased
 schedule (planner/phases.py) repeats that per phase on the same fixed optimizer
 layout, and the owners add each later phase's gradients to what the earlier
 phases reduced (`ReduceStream`'s `accumulate`); the trainer then takes the

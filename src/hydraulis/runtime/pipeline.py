@@ -14,7 +14,8 @@ non-interleaved 1F1B):
 
 A forward's send and the next backward's receive go in one batched p2p
 call, `send_recv` (and a backward's send with the next forward's receive), so paired
-stages never wait on each other's sends. Gradients accumulate in `.grad`
+stages never wait on each other's sends (lane.py). A config with vp > 1 model
+chunks per rank runs interleaved 1F1B instead (interleaved.py). Gradients accumulate in `.grad`
 across micro-batches; each micro-batch's loss is its sum of token losses
 divided by the real targets of the WHOLE global batch, so the accumulated
 gradient equals single-device training on that batch.
@@ -27,10 +28,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import BACKWARD, FORWARD
+from hydraulis.runtime.interleaved import InterleavedRun, forward_chunks
+from hydraulis.runtime.lane import LaneP2P, backward_from, deallocate_output
 from hydraulis.runtime.modeling.model import StageModel
 from hydraulis.runtime.parallelism.batch import MicroBatchInput
 from hydraulis.runtime.parallelism.groups import ReplicaGroups
@@ -43,7 +45,9 @@ class StepResult:
     loss_sum_tensor: torch.Tensor | None  # sum of token losses (last stage); a tensor, so no device sync here
     num_targets: int  # real targets of this replica's micro-batches
     num_global_targets: int
-    order: tuple[tuple[int, int], ...]  # (FORWARD or BACKWARD, micro-batch) as run; equals sim.one_f_one_b_order
+    # (FORWARD or BACKWARD, micro-batch) as run, equal to sim.one_f_one_b_order; interleaved (vp > 1):
+    # (kind, micro-batch, chunk), sim.interleaved_order
+    order: tuple[tuple[int, ...], ...]
 
     @property
     def loss_sum(self) -> float | None:
@@ -59,69 +63,6 @@ def micro_batch_loss(model: StageModel, x: torch.Tensor, batch: MicroBatchInput)
     """The last stage's forward of one micro-batch to its sum of token losses (fp32 scalar), the head's
     logits computed in chunks of rows and never kept (cross_entropy.py)."""
     return model.loss_sum(x, batch)
-
-
-class _P2P:
-    """P2p along one pipeline lane; the sends and receives of one step go in one batch.
-
-    No shape header: every rank knows each micro-batch's activation shape
-    from the plan (tokens, or tokens / tp under SP, by hidden), so it
-    allocates the receive buffer itself.
-    """
-
-    def __init__(self, groups: ReplicaGroups, device: torch.device, dtype: torch.dtype, hidden: int):
-        self.groups, self.device, self.dtype, self.hidden = groups, device, dtype, hidden
-        self.group = groups.pp_group
-        self.tp = groups.tp
-
-    def shape(self, batch: MicroBatchInput) -> tuple[int, int]:
-        tokens = batch.num_tokens // self.tp.size if self.tp.sequence_parallel else batch.num_tokens
-        return tokens, self.hidden
-
-    def send_recv(
-        self,
-        send: torch.Tensor | None,
-        send_to: int | None,
-        recv_from: int | None,
-        recv_batch: MicroBatchInput | None = None,
-    ) -> torch.Tensor | None:
-        send_to = send_to if send is not None else None
-        into = None
-        if recv_from is not None:
-            into = torch.empty(self.shape(recv_batch), dtype=self.dtype, device=self.device)
-        ops = []
-        if send_to is not None:
-            ops.append(dist.P2POp(dist.isend, send.contiguous(), send_to, group=self.group))
-        if into is not None:
-            ops.append(dist.P2POp(dist.irecv, into, recv_from, group=self.group))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        return into
-
-
-def deallocate_output(out: torch.Tensor) -> None:
-    """Free a sent stage output's storage but keep its autograd node (Megatron's deallocate_output_tensor).
-
-    The next stage holds its own copy; this stage needs only the graph behind
-    the output for its backward, which `_backward_from` runs without the
-    shape check that the freed tensor would fail.
-    """
-    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
-
-
-def _backward_from(out: torch.Tensor, grad: torch.Tensor) -> None:
-    from torch.autograd.variable import Variable
-
-    Variable._execution_engine.run_backward(
-        tensors=(out,),
-        grad_tensors=(grad,),
-        keep_graph=False,
-        create_graph=False,
-        inputs=(),
-        allow_unreachable=True,
-        accumulate_grad=True,
-    )
 
 
 def train_step(
@@ -145,38 +86,32 @@ def train_step(
     if not micro_batches:
         return StepResult(None, 0, num_global_targets, ())
     stashed = model.stash_partial_grads() if reduce_partial_grads else None
-    stage = _StageRun(model, groups, micro_batches, num_global_targets)
-    stage.warm_up()
-    stage.steady_state()
-    stage.cool_down()
+    if groups.config.vp > 1:
+        stage = InterleavedRun(model, groups, micro_batches, num_global_targets)
+        stage.run()
+    else:
+        stage = _StageRun(model, groups, micro_batches, num_global_targets)
+        stage.warm_up()
+        stage.steady_state()
+        stage.cool_down()
     if reduce_partial_grads:
         model.finish_grads(stashed)
     return StepResult(
-        loss_sum_tensor=stage.loss_sum if groups.is_last_stage else None,
+        loss_sum_tensor=stage.loss_sum if groups.is_last_stage else None,  # the head: the last stage's last chunk
         num_targets=sum(b.num_targets for b in micro_batches),
         num_global_targets=num_global_targets,
         order=tuple(stage.order),
     )
 
 
-@torch.no_grad()
 def forward_step(
     model: StageModel, groups: ReplicaGroups, micro_batches: Sequence[MicroBatchInput]
 ) -> torch.Tensor | None:
-    """Forward only (evaluation): each micro-batch through the stages in order; the last stage's sum of token
-    losses (None elsewhere). No activation is kept, so stages need no schedule beyond receive, compute, send."""
+    """Forward only (evaluation): each micro-batch through the (virtual) stages in order; the last stage's sum of
+    token losses (None elsewhere). No activation is kept, so stages need no schedule beyond receive, compute, send."""
     if not micro_batches:
         return None
-    param = next(model.parameters())
-    p2p = _P2P(groups, param.device, param.dtype, model.spec.hidden)
-    total = torch.zeros((), dtype=torch.float32, device=param.device)
-    for batch in (b.to(param.device) for b in micro_batches):
-        x = batch.tokens if groups.is_first_stage else p2p.send_recv(None, None, groups.prev_rank, batch)
-        if groups.is_last_stage:
-            total += micro_batch_loss(model, x, batch)
-        else:
-            p2p.send_recv(model(x, batch), groups.next_rank, None)
-    return total if groups.is_last_stage else None
+    return forward_chunks(model, groups, micro_batches)
 
 
 def _check_step(
@@ -185,10 +120,10 @@ def _check_step(
     """Reject a step before any communication, so every rank of the replica fails alike instead of hanging."""
     if num_global_targets <= 0:
         raise HydraulisError(f"the global batch has {num_global_targets} target tokens; it needs at least one")
-    if (model.stage, model.num_stages) != (groups.stage, groups.config.pp):
-        raise HydraulisError(
-            f"model is stage {model.stage} of {model.num_stages}, groups say {groups.stage} of {groups.config.pp}"
-        )
+    config = groups.config
+    if (model.stage, model.num_stages, model.vp) != (groups.stage, config.pp, config.vp):
+        raise HydraulisError(f"model is stage {model.stage} of {model.num_stages} with {model.vp} chunks, "
+                             f"groups say {groups.stage} of {config.pp} with {config.vp}")
     tp = groups.tp
     if tp.sequence_parallel and any(b.num_tokens % tp.size for b in micro_batches):
         raise HydraulisError(
@@ -205,9 +140,12 @@ class _StageRun:
         num_global_targets: int,
     ):
         param = next(model.parameters())
-        self.model, self.groups, self.num_global_targets = model, groups, num_global_targets
-        self.first, self.last = groups.is_first_stage, groups.is_last_stage
-        self.p2p = _P2P(groups, param.device, param.dtype, model.spec.hidden)
+        self.model = model
+        self.groups = groups
+        self.num_global_targets = num_global_targets
+        self.first = groups.is_first_stage
+        self.last = groups.is_last_stage
+        self.p2p = LaneP2P(groups, param.device, param.dtype, model.spec.hidden)
         self.batches = [b.to(param.device) for b in micro_batches]
         self.warmup = min(groups.config.pp - groups.stage - 1, len(self.batches))
         self.in_flight: deque[tuple[int, torch.Tensor | None, torch.Tensor]] = deque()  # (micro-batch, input, output)
@@ -283,5 +221,5 @@ class _StageRun:
         if self.last:
             out.backward()
         else:
-            _backward_from(out, grad_out)
+            backward_from(out, grad_out)
         return None if x is None else x.grad

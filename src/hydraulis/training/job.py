@@ -330,7 +330,8 @@ def _padded(spec: ModelSpec, tp_degrees: set[int], resumed: Path | None) -> Mode
 
 def _pool_configs(setting: PoolSetting, spec: ModelSpec, world: int) -> tuple[ParallelConfig, ...]:
     """The configs profile = "auto" measures: the pool's; with pool = "auto" every config the proposal may use.
-    Each checked against the model (its heads and layers split as the config asks)."""
+    Each checked against the model (its heads and layers split as the config asks); an interleaved one is measured
+    as its GPUs without interleaving (`base`), whose coefficients the cost model reads for every vp."""
     configs = setting.configs()
     if setting.auto:
         from hydraulis.cost.analytic import candidate_configs
@@ -338,10 +339,7 @@ def _pool_configs(setting: PoolSetting, spec: ModelSpec, world: int) -> tuple[Pa
         configs = [c for c in candidate_configs(spec, world) if world % c.num_gpus == 0 and c.cp == 1]
     for g in configs:
         g.validate(spec)
-        if g.vp > 1:  # before anything is written or any rank (a profiler's too) starts on it
-            raise HydraulisError(f"parallel.pool: {g.name} interleaves (vp = {g.vp}), which is planned and "
-                                 f"simulated but not trained yet; use {g.base.name}")
-    return tuple(sorted(set(configs), key=lambda c: (c.num_gpus, c.tp, c.pp, c.cp)))
+    return tuple(sorted({g.base for g in configs}, key=lambda c: (c.num_gpus, c.tp, c.pp, c.cp)))
 
 
 def check_tokenizer(tokenizer: str, spec: ModelSpec, init_from: str | None) -> str:

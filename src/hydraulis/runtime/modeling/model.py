@@ -9,7 +9,9 @@ padded vocabulary (`spec.padded_vocab`) adds embedding and head rows whose
 logits are -inf, so they never win and take no loss. `StageModel` is the
 part one rank holds: stage s of pp holds a contiguous range of layers, the
 first stage also the embedding, the last the final norm and the head; every
-weight is this rank's TP shard. With tp = pp = 1 it is the whole model, which
+weight is this rank's TP shard. Interleaved (vp > 1 model chunks per rank, as
+Megatron): chunk c of stage s is virtual stage c * pp + s of pp * vp, so a rank
+holds vp ranges of layers, and `forward` runs one chunk. With tp = pp = 1 it is the whole model, which
 the tests use as the single-device reference.
 
 Parameter names are those of the full model (`layers.7.attn.wq.weight`)
@@ -67,6 +69,11 @@ def stage_layers(num_layers: int, pp: int, stage: int) -> range:
         raise HydraulisError(f"{num_layers} layers cannot be split evenly into {pp} pipeline stages")
     per = num_layers // pp
     return range(stage * per, (stage + 1) * per)
+
+
+def chunk_layers(num_layers: int, pp: int, stage: int, vp: int = 1) -> tuple[range, ...]:
+    """The layers of each of a stage's vp model chunks: chunk c is virtual stage c * pp + stage of pp * vp."""
+    return tuple(stage_layers(num_layers, pp * vp, c * pp + stage) for c in range(vp))
 
 
 class RMSNorm(nn.Module):
@@ -243,21 +250,27 @@ class StageModel(nn.Module):
         device: torch.device | str | None = None,
         recompute: bool = False,
         cp: ContextParallel | None = None,
+        vp: int = 1,
     ):
         super().__init__()
-        self.spec, self.tp, self.stage, self.num_stages = spec, tp, stage, num_stages
+        self.spec = spec
+        self.tp = tp
+        self.stage = stage
+        self.num_stages = num_stages
+        self.vp = vp
         # Context parallelism: this rank holds only its CP rank's tokens; attention gathers K/V over the group.
         self.cp = cp or ContextParallel()
         # Full activation recompute for every micro-batch (the recompute set); else each micro-batch's own
         # memory policy (`MicroBatchInput.policy`, cost/policies.py): full keeps only each block's input and runs
         # its forward again in backward, selective does so for each block's MLP.
         self.recompute = recompute
-        self.layer_range = stage_layers(spec.layers, num_stages, stage)
+        self.chunks = chunk_layers(spec.layers, num_stages, stage, vp)
         tied = spec.arch.tied_embeddings
         has_embedding = self.is_first or (tied and self.is_last)
         rows = spec.vocab_rows
         self.embedding = VocabParallelEmbedding(rows, spec.hidden, tp, dtype, device) if has_embedding else None
-        self.layers = nn.ModuleDict({str(i): Block(spec, tp, dtype, device, self.cp) for i in self.layer_range})
+        layers = [i for chunk in self.chunks for i in chunk]
+        self.layers = nn.ModuleDict({str(i): Block(spec, tp, dtype, device, self.cp) for i in layers})
         self.norm = self.output = None
         if self.is_last:
             self.norm = RMSNorm(spec.hidden, tp.sequence_parallel, dtype, device, spec.arch.norm_eps)
@@ -288,21 +301,26 @@ class StageModel(nn.Module):
         rows = self.spec.vocab_rows // self.tp.size
         return max(0, min(rows, self.spec.vocab - self.vocab_start))
 
-    def _trunk(self, x: torch.Tensor, batch: MicroBatchInput) -> torch.Tensor:
-        """The stage's layers; on the last stage also the final norm, entered into the TP region for the head."""
-        h = self.embedding(x) if self.is_first else x
+    def has_head(self, chunk: int) -> bool:
+        """Whether `chunk` is the model's last virtual stage: the one with the final norm and the head."""
+        return self.is_last and chunk == self.vp - 1
+
+    def _trunk(self, x: torch.Tensor, batch: MicroBatchInput, chunk: int) -> torch.Tensor:
+        """The chunk's layers; on the last stage also the final norm, entered into the TP region for the head."""
+        h = self.embedding(x) if self.is_first and chunk == 0 else x
         rope = rope_tables(batch.positions, self.spec.head_dim, h.dtype, self.spec.arch)
         full = self.recompute or batch.policy == MemoryPolicy.FULL
-        for layer in self.layers.values():
+        for layer in (self.layers[str(i)] for i in self.chunks[chunk]):
             if full and torch.is_grad_enabled():
                 h = torch.utils.checkpoint.checkpoint(layer, h, rope, batch, use_reentrant=False)
             else:
                 h = layer(h, rope, batch, batch.policy == MemoryPolicy.SELECTIVE)
-        return enter_tp_region(self.norm(h), self.tp) if self.is_last else h
+        return enter_tp_region(self.norm(h), self.tp) if self.has_head(chunk) else h
 
-    def forward(self, x: torch.Tensor, batch: MicroBatchInput) -> torch.Tensor:
-        h = self._trunk(x, batch)
-        if not self.is_last:
+    def forward(self, x: torch.Tensor, batch: MicroBatchInput, chunk: int = 0) -> torch.Tensor:
+        """Model chunk `chunk` (the only one unless interleaved) on token ids or the previous chunk's output."""
+        h = self._trunk(x, batch, chunk)
+        if not self.has_head(chunk):
             return h
         logits = F.linear(h, self.head_weight)
         if self.valid_vocab < logits.shape[-1]:
@@ -315,8 +333,9 @@ class StageModel(nn.Module):
         (cross_entropy.py); training uses this, `forward` gives the logits themselves."""
         if not self.is_last:
             raise HydraulisError(f"stage {self.stage} of {self.num_stages} has no head")
-        h = self._trunk(x, batch)
-        return head_cross_entropy(h, self.head_weight, batch.targets, self.vocab_start, self.valid_vocab, self.tp)
+        h = self._trunk(x, batch, self.vp - 1)
+        return head_cross_entropy(h, self.head_weight, batch.targets, vocab_start=self.vocab_start,
+                                  valid=self.valid_vocab, tp=self.tp)
 
     # ------------------------------------------------------------ layouts
 

@@ -268,7 +268,7 @@ def init_param_range(p: FlatParam, start: int, stop: int, seed: int) -> torch.Te
 def reset_parameters(model: StageModel, seed: int) -> None:
     """Deterministic init of a stage model, whatever its layout: the values the optimizer's owners start from."""
     layout = ShardLayout(model.spec, 1)
-    role = Role(ParallelConfig(model.tp.size, model.num_stages), model.stage, model.tp.rank)
+    role = Role(ParallelConfig(model.tp.size, model.num_stages, vp=model.vp), model.stage, model.tp.rank)
     named = dict(model.named_parameters())
     for lp in layout.local_params(role):
         named[lp.name].copy_(lp.from_canonical(layout.init_range(*lp.gather, seed)))
@@ -283,7 +283,7 @@ def full_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
 def _param_shapes(spec: ModelSpec, role: Role) -> tuple[tuple[str, tuple[int, ...], ShardSpec], ...]:
     """(name, full shape, shard spec) of a role's parameters, from a model built on the meta device."""
     tp = TensorParallel.describing(role.config.tp, role.tp_rank, role.sequence_parallel)
-    model = StageModel(spec, tp, role.stage, role.config.pp, device="meta")
+    model = StageModel(spec, tp, role.stage, role.config.pp, device="meta", vp=role.config.vp)
     return tuple((name, layout.full_shape, layout.shard) for name, layout in model.param_layouts().items())
 
 

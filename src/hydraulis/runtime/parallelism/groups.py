@@ -89,9 +89,6 @@ def rank_roles(config: ParallelConfig, ranks: Sequence[int]) -> dict[int, tuple[
 
 
 def check_replica(config: ParallelConfig, ranks: Sequence[int], world_size: int) -> None:
-    if config.vp > 1:
-        raise HydraulisError(f"replica {config.name}: the runtime runs plain 1F1B only (vp = 1); interleaving is "
-                             f"planned and simulated, not trained yet: use {config.base.name} in the pool")
     if len(ranks) != config.num_gpus:
         raise HydraulisError(f"replica {config.name} needs {config.num_gpus} ranks, got {len(ranks)}")
     if len(set(ranks)) != len(ranks):

@@ -1,0 +1,96 @@
+"""One pipeline lane's point-to-point traffic and the autograd steps around it, for every pipeline schedule.
+
+No shape header: every rank knows each micro-batch's activation shape from
+the plan (tokens, or tokens / tp under SP, by hidden), so it allocates the
+receive buffer itself. Plain 1F1B pairs each send with the receive its next
+step needs in one batched call (`send_recv`); interleaved 1F1B exchanges what
+one lockstep tick made in one batched call (`exchange`, interleaved.py).
+Batched, sends and receives pair up on every backend: alone, an NCCL send
+blocks its stream until the peer receives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from hydraulis.runtime.parallelism.batch import MicroBatchInput
+from hydraulis.runtime.parallelism.groups import ReplicaGroups
+
+
+class LaneP2P:
+    """P2p along one pipeline lane (global ranks, on the lane's group)."""
+
+    def __init__(self, groups: ReplicaGroups, device: torch.device, dtype: torch.dtype, hidden: int):
+        self.device = device
+        self.dtype = dtype
+        self.hidden = hidden
+        self.group = groups.pp_group
+        self.tp = groups.tp
+
+    def shape(self, batch: MicroBatchInput) -> tuple[int, int]:
+        tokens = batch.num_tokens // self.tp.size if self.tp.sequence_parallel else batch.num_tokens
+        return tokens, self.hidden
+
+    def send_recv(
+        self,
+        send: torch.Tensor | None,
+        send_to: int | None,
+        recv_from: int | None,
+        recv_batch: MicroBatchInput | None = None,
+    ) -> torch.Tensor | None:
+        """One batch: a send, a receive of `recv_batch`'s activation shape, or both; waited whole."""
+        send_to = send_to if send is not None else None
+        into = None
+        if recv_from is not None:
+            into = torch.empty(self.shape(recv_batch), dtype=self.dtype, device=self.device)
+        ops = []
+        if send_to is not None:
+            ops.append(dist.P2POp(dist.isend, send.contiguous(), send_to, group=self.group))
+        if into is not None:
+            ops.append(dist.P2POp(dist.irecv, into, recv_from, group=self.group))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return into
+
+    def exchange(
+        self, sends: Sequence[tuple[torch.Tensor, int]], receives: Sequence[tuple[int, MicroBatchInput]]
+    ) -> list[torch.Tensor]:
+        """Sends (tensor, to) and receives (from, of `batch`'s activation shape) in one batch, waited whole; the
+        received tensors in order. Each pair of ranks has at most one transfer each way in it."""
+        into = [torch.empty(self.shape(b), dtype=self.dtype, device=self.device) for _, b in receives]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), to, group=self.group) for t, to in sends]
+        ops += [dist.P2POp(dist.irecv, buf, source, group=self.group) for buf, (source, _) in zip(into, receives,
+                                                                                                strict=True)]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return into
+
+
+def deallocate_output(out: torch.Tensor) -> None:
+    """Free a sent stage output's storage but keep its autograd node (Megatron's deallocate_output_tensor).
+
+    The next stage holds its own copy; this stage needs only the graph behind
+    the output for its backward, which `backward_from` runs without the
+    shape check that the freed tensor would fail. A detached tensor that
+    waits to be sent keeps the storage until it is.
+    """
+    out.data = torch.empty((1,), device=out.device, dtype=out.dtype)
+
+
+def backward_from(out: torch.Tensor, grad: torch.Tensor) -> None:
+    from torch.autograd.variable import Variable
+
+    Variable._execution_engine.run_backward(
+        tensors=(out,),
+        grad_tensors=(grad,),
+        keep_graph=False,
+        create_graph=False,
+        inputs=(),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
