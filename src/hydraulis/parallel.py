@@ -25,7 +25,7 @@ from hydraulis.specs import ClusterSpec, ModelSpec
 MAX_VP, MIN_CHUNK_LAYERS = 8, 2  # the interleaving the published recipes run (`ParallelConfig.vp_choices`)
 
 # What a pipeline stage runs for a micro-batch: the simulator's timelines (planner/sim.py) and the runtime's 1F1B
-# (runtime/pipeline.py) name their events with these.
+# (runtime/pipeline/) name their events with these.
 FORWARD, BACKWARD = 0, 1
 
 

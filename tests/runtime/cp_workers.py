@@ -15,7 +15,7 @@ from hydraulis.parallel import ParallelConfig, Replica
 from hydraulis.runtime import StageModel, build_replica_groups, count_targets
 from hydraulis.runtime.parallelism.batch import TokenDocuments, concatenate_cp_shard
 from hydraulis.runtime.parallelism.launch import init_distributed
-from hydraulis.runtime.pipeline import train_step
+from hydraulis.runtime.pipeline.step import train_step
 from hydraulis.runtime.trainer import Trainer, TrainSettings
 from hydraulis.specs import MODELS, ModelSpec
 

@@ -20,7 +20,7 @@ from hydraulis.runtime import (
     train_step,
 )
 from hydraulis.runtime.optimizer.layout import reset_parameters
-from hydraulis.runtime.pipeline import forward_step
+from hydraulis.runtime.pipeline.step import forward_step
 from hydraulis.specs import MODELS
 
 SEED = 1234

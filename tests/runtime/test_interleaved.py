@@ -6,7 +6,7 @@ import pytest
 
 from hydraulis.parallel import BACKWARD, FORWARD
 from hydraulis.planner.sim import interleaved_order
-from hydraulis.runtime.interleaved import lockstep, message
+from hydraulis.runtime.pipeline.interleaved import lockstep, message
 
 
 @pytest.mark.parametrize(("pp", "vp"), [(2, 2), (2, 4), (3, 2), (4, 2), (4, 3)])

@@ -183,7 +183,7 @@ def in_flight(config: ParallelConfig, stage: int, micro_batches: int) -> int:
     """Model chunks (each L / (pp vp) layers) whose activations a stage holds at once, under 1F1B min(pp - stage, M).
 
     Stage s warms up with min(pp - s - 1, M) forwards and then alternates one forward with one
-    backward (runtime/pipeline.py), so a lone micro-batch on a deep replica is held once, not pp times.
+    backward (runtime/pipeline/), so a lone micro-batch on a deep replica is held once, not pp times.
     Interleaved (vp > 1, planner/sim.py's `interleaved_order`), Megatron's warm-up: 2 (pp - s - 1) + (vp - 1) N
     chunk forwards before the first backward (N = `interleave_group`), then one more, at most all M vp.
     """

@@ -23,7 +23,8 @@ from hydraulis.runtime.parallelism.batch import (
 from hydraulis.runtime.parallelism.context_parallel import ContextParallel
 from hydraulis.runtime.parallelism.groups import ReplicaGroups, build_replica_groups, single_process_groups
 from hydraulis.runtime.parallelism.tensor_parallel import ShardSpec, TensorParallel
-from hydraulis.runtime.pipeline import StepResult, micro_batch_loss, train_step
+from hydraulis.runtime.pipeline.one_f_one_b import micro_batch_loss
+from hydraulis.runtime.pipeline.step import StepResult, train_step
 
 __all__ = [
     "IGNORE_INDEX",

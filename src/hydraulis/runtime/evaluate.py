@@ -24,7 +24,7 @@ from hydraulis.data.sampler import GlobalBatch
 from hydraulis.planner.plan import decode_schedule
 from hydraulis.runtime.iteration import sub_batch
 from hydraulis.runtime.parallelism.batch import Corpus
-from hydraulis.runtime.pipeline import forward_step
+from hydraulis.runtime.pipeline.step import forward_step
 from hydraulis.runtime.trainer import Trainer
 
 

@@ -31,7 +31,7 @@ from hydraulis.runtime.deployments import RankDeployment, RankPool
 from hydraulis.runtime.divergence import poisoned
 from hydraulis.runtime.optimizer.exchange import Exchange
 from hydraulis.runtime.parallelism.batch import BatchSource
-from hydraulis.runtime.pipeline import StepResult, train_step
+from hydraulis.runtime.pipeline.step import StepResult, train_step
 
 
 @dataclass(frozen=True)

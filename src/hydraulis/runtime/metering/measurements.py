@@ -24,7 +24,8 @@ from hydraulis.runtime.modeling.model import StageModel
 from hydraulis.runtime.parallelism.batch import MicroBatchInput, concatenate_cp_shard
 from hydraulis.runtime.parallelism.groups import ReplicaGroups, build_replica_groups
 from hydraulis.runtime.parallelism.launch import DistEnv
-from hydraulis.runtime.pipeline import micro_batch_loss, train_step
+from hydraulis.runtime.pipeline.one_f_one_b import micro_batch_loss
+from hydraulis.runtime.pipeline.step import train_step
 from hydraulis.specs import ModelSpec
 
 # Idle ranks wait at a barrier while a config runs; a large model's sweep can take minutes.

@@ -143,7 +143,7 @@ def predicted_rank(
     ranks = []
     for policy in set(policies) or {plain}:  # an idle replica's: its plain one
         tokens = max((t for t, p in zip(sizes, policies, strict=True) if p == policy), default=0)
-        # 1F1B holds consecutive micro-batches in flight (runtime/pipeline.py): the fullest window's tokens.
+        # 1F1B holds consecutive micro-batches in flight (runtime/pipeline/): the fullest window's tokens.
         same = [t * kept[p] / kept[policy] for t, p in zip(sizes, policies, strict=True)]
         window = max((sum(same[i : i + k]) for i in range(max(1, len(same) - k + 1))), default=0)
         ranks.append(rank_memory(

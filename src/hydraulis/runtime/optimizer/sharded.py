@@ -7,7 +7,7 @@ gradient (`OwnedGradient`). An iteration is
 
 1. gather: every rank receives its compute shard (its replica's TP slice of
    its stage) from the owners, cast to the compute dtype;
-2. forward and backward of the rank's micro-batches (pipeline.py);
+2. forward and backward of the rank's micro-batches (pipeline/);
 3. reduce: every rank sends its gradients to their owners, which sum the
    contributions of all replicas and of the CP ranks within one (the loss is already divided by the global
    batch's target tokens, so the sum is the gradient of the whole batch);

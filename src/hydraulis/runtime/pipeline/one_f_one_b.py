@@ -1,4 +1,4 @@
-"""An own 1F1B pipeline executor for micro-batches of different lengths.
+"""The non-interleaved 1F1B executor, for micro-batches of different lengths.
 
 `torch.distributed.pipelining` assumes one activation shape for every
 micro-batch (and aborts the process otherwise); packed micro-batches differ
@@ -15,48 +15,21 @@ non-interleaved 1F1B):
 A forward's send and the next backward's receive go in one batched p2p
 call, `send_recv` (and a backward's send with the next forward's receive), so paired
 stages never wait on each other's sends (lane.py). A config with vp > 1 model
-chunks per rank runs interleaved 1F1B instead (interleaved.py). Gradients accumulate in `.grad`
-across micro-batches; each micro-batch's loss is its sum of token losses
-divided by the real targets of the WHOLE global batch, so the accumulated
-gradient equals single-device training on that batch.
+chunks per rank runs interleaved 1F1B instead (interleaved.py; step.py chooses).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from hydraulis.errors import HydraulisError
 from hydraulis.parallel import BACKWARD, FORWARD
-from hydraulis.runtime.interleaved import InterleavedRun, forward_chunks
-from hydraulis.runtime.lane import LaneP2P, backward_from, deallocate_output
 from hydraulis.runtime.modeling.model import StageModel
 from hydraulis.runtime.parallelism.batch import MicroBatchInput
 from hydraulis.runtime.parallelism.groups import ReplicaGroups
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one rank learns from a step; the loss is known on the last stage only."""
-
-    loss_sum_tensor: torch.Tensor | None  # sum of token losses (last stage); a tensor, so no device sync here
-    num_targets: int  # real targets of this replica's micro-batches
-    num_global_targets: int
-    # (FORWARD or BACKWARD, micro-batch) as run, equal to sim.one_f_one_b_order; interleaved (vp > 1):
-    # (kind, micro-batch, chunk), sim.interleaved_order
-    order: tuple[tuple[int, ...], ...]
-
-    @property
-    def loss_sum(self) -> float | None:
-        return None if self.loss_sum_tensor is None else float(self.loss_sum_tensor)
-
-    @property
-    def loss(self) -> float | None:
-        """This replica's share of the global mean loss; shares of all replicas add up to it."""
-        return None if self.loss_sum is None else self.loss_sum / self.num_global_targets
+from hydraulis.runtime.pipeline.lane import LaneP2P, backward_from, deallocate_output
 
 
 def micro_batch_loss(model: StageModel, x: torch.Tensor, batch: MicroBatchInput) -> torch.Tensor:
@@ -65,74 +38,8 @@ def micro_batch_loss(model: StageModel, x: torch.Tensor, batch: MicroBatchInput)
     return model.loss_sum(x, batch)
 
 
-def train_step(
-    model: StageModel,
-    groups: ReplicaGroups,
-    micro_batches: Sequence[MicroBatchInput],
-    num_global_targets: int,
-    reduce_partial_grads: bool = True,
-) -> StepResult:
-    """Forward and backward of this replica's micro-batches in 1F1B order; gradients add into `.grad`.
 
-    Every rank of the replica calls it with the same micro-batches in execution
-    order. The caller zeroes gradients before an iteration and steps the
-    optimizer after it; several calls in between accumulate exactly. A
-    replica without micro-batches returns at once (no communication), and
-    its gradients stay untouched. `reduce_partial_grads=False` leaves partial
-    gradients (SP norms, replicated KV heads) unsummed over the TP group, for
-    a caller whose gradient reduce sums them anyway (the sharded optimizer).
-    """
-    _check_step(model, groups, micro_batches, num_global_targets)
-    if not micro_batches:
-        return StepResult(None, 0, num_global_targets, ())
-    stashed = model.stash_partial_grads() if reduce_partial_grads else None
-    if groups.config.vp > 1:
-        stage = InterleavedRun(model, groups, micro_batches, num_global_targets)
-        stage.run()
-    else:
-        stage = _StageRun(model, groups, micro_batches, num_global_targets)
-        stage.warm_up()
-        stage.steady_state()
-        stage.cool_down()
-    if reduce_partial_grads:
-        model.finish_grads(stashed)
-    return StepResult(
-        loss_sum_tensor=stage.loss_sum if groups.is_last_stage else None,  # the head: the last stage's last chunk
-        num_targets=sum(b.num_targets for b in micro_batches),
-        num_global_targets=num_global_targets,
-        order=tuple(stage.order),
-    )
-
-
-def forward_step(
-    model: StageModel, groups: ReplicaGroups, micro_batches: Sequence[MicroBatchInput]
-) -> torch.Tensor | None:
-    """Forward only (evaluation): each micro-batch through the (virtual) stages in order; the last stage's sum of
-    token losses (None elsewhere). No activation is kept, so stages need no schedule beyond receive, compute, send."""
-    if not micro_batches:
-        return None
-    return forward_chunks(model, groups, micro_batches)
-
-
-def _check_step(
-    model: StageModel, groups: ReplicaGroups, micro_batches: Sequence[MicroBatchInput], num_global_targets: int
-) -> None:
-    """Reject a step before any communication, so every rank of the replica fails alike instead of hanging."""
-    if num_global_targets <= 0:
-        raise HydraulisError(f"the global batch has {num_global_targets} target tokens; it needs at least one")
-    config = groups.config
-    if (model.stage, model.num_stages, model.vp) != (groups.stage, config.pp, config.vp):
-        raise HydraulisError(f"model is stage {model.stage} of {model.num_stages} with {model.vp} chunks, "
-                             f"groups say {groups.stage} of {config.pp} with {config.vp}")
-    tp = groups.tp
-    if tp.sequence_parallel and any(b.num_tokens % tp.size for b in micro_batches):
-        raise HydraulisError(
-            f"sequence parallelism needs micro-batches of a multiple of tp={tp.size} tokens; "
-            "pack them with pad_to_multiple=tp"
-        )
-
-
-class _StageRun:
+class OneFOneBRun:
     """One stage's run of one step: its micro-batches in flight, the order as run, the loss so far."""
 
     def __init__(

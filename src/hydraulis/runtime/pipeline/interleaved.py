@@ -24,10 +24,10 @@ import torch
 
 from hydraulis.parallel import FORWARD
 from hydraulis.planner.sim import depends_on, interleaved_order
-from hydraulis.runtime.lane import LaneP2P, backward_from, deallocate_output
 from hydraulis.runtime.modeling.model import StageModel
 from hydraulis.runtime.parallelism.batch import MicroBatchInput
 from hydraulis.runtime.parallelism.groups import ReplicaGroups, lane_ranks
+from hydraulis.runtime.pipeline.lane import LaneP2P, backward_from, deallocate_output
 
 Event = tuple[int, int, int]  # (FORWARD or BACKWARD, micro-batch, chunk)
 
