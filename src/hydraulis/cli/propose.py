@@ -94,15 +94,15 @@ def _table_notes(summary: dict) -> list[str]:
     if summary["phased"]:
         notes.append(f"{summary['phased']} of the {samples} batches ran in phases, one after another: each "
                      "deployment's share counts its phases' tokens")
-    for i, r in enumerate(rows):
-        if r["batches"] == 0 and i == 0:
-            notes.append("#0 runs none of them but stays: the fallback holds every batch up to the longest sequence; "
-                         "its time is its whole batches'")
-        elif r["batches"] == 0:
-            why = ("the published generator's pool, as it makes it" if summary["method"] == "published" else
-                   "the samples planned without it were slower (the phased planner cuts batches at the pool's caps)")
-            notes.append(f"#{i} runs none of them but stays: {why}; its time is its whole batches' (-: it holds "
-                         "none whole)")
+    if rows[0]["batches"] == 0:
+        notes.append("#0 runs none of them but stays: the fallback holds every batch up to the longest sequence; "
+                     "its time is its whole batches'")
+    if idle := [i for i, r in enumerate(rows) if i > 0 and r["batches"] == 0]:
+        why = ("the published generator's pool, as it makes it" if summary["method"] == "published" else
+               "the samples planned without them were slower (the phased planner cuts batches at the pool's caps)")
+        blank = " (-: it holds none whole)" if any(rows[i]["mean_time_s"] is None for i in idle) else ""
+        notes.append(f"#{', #'.join(map(str, idle))} run none of them but stay: {why}; their time is their whole "
+                     f"batches'{blank}")
     return notes
 
 
