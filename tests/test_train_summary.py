@@ -177,3 +177,51 @@ def test_steps_over_the_memory_budget_are_marked_counted_and_warned_once(tmp_pat
     warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning")]
     assert warnings == ["warning: step 1: a rank peaked at 45.0 MiB, over parallel.memory_per_rank 40MiB "
                         "(40.0 MiB; predicted 35.0 MiB)"]
+
+
+def test_a_step_on_one_deployment_in_consecutive_phases_says_why(tmp_path, capsys, monkeypatch):
+    """The planner's schedule of a batch whose 14,810 and 14,485 tokens fit 2x(tp8,pp1) only as its replicas'
+    only micro-batches (tests/planner/test_phases.py): the step's line names the two phases on it once, with the
+    memory as the reason, metrics.jsonl counts those micro-batches, summary.json and the closing line the step."""
+    pytest.importorskip("torch")
+    import numpy as np
+
+    import hydraulis.training.run_log
+    from hydraulis.cost import load_cost_model
+    from hydraulis.parallel import Deployment
+    from hydraulis.planner.phases import PhasedPlanner
+    from hydraulis.runtime.metering.step_meter import MemoryChoices
+    from hydraulis.runtime.trainer import StepMetrics
+    from hydraulis.specs import ClusterSpec, get_model
+    from hydraulis.training.config import parse_config
+    from hydraulis.training.job import Job
+    from hydraulis.training.run_log import RunLog
+
+    cost, cluster = load_cost_model("llama-32b@a800-80g"), ClusterSpec(16)
+    pool = tuple(Deployment.parse(t, cluster) for t in ("1x(tp16,pp1)", "2x(tp8,pp1)", "1x(tp8,pp2)"))
+    rng = np.random.default_rng(6)
+    b = np.concatenate([[int(rng.integers(12000, 24576))] * int(rng.integers(1, 5)),
+                        np.minimum(rng.lognormal(7.8, 1.0, 40).astype(np.int64) + 64, 20000)])
+    schedule = PhasedPlanner(cost, 16, list(pool)).schedule(b)
+    choices = MemoryChoices.of(schedule, cost, 16)
+    assert choices.alone == 2 and choices.totals == {"none": sum(len(r.micro_batches) for p in schedule.phases
+                                                                 for r in p.replicas)}
+    config = parse_config({"parallel": {"pool": "; ".join(map(str, pool))}, "train": {"log_every": 1}})
+    job = Job(config, get_model("tiny"), cost, pool, 16, "", "bytes", str(tmp_path), 1)
+    log = RunLog(job)
+    replicas = sum(len(p.replicas) for p in schedule.phases)
+    log.step(StepMetrics(0, 5.0, int(b.sum()), len(b), " | ".join(str(p.deployment) for p in schedule.phases), 2,
+                         False, 20.0, schedule.iteration_time_s, 0.0, 0.0, 0.0, 0.0, 0.0, 1e-3, 1.0, (1.0,) * replicas,
+                         (1.0,) * replicas, tuple(len(r.micro_batches) for p in schedule.phases for r in p.replicas),
+                         0, 0, phases=3, memory_choices=choices))
+    log.close()
+    monkeypatch.setattr(hydraulis.training.run_log, "training_plot", lambda *args: None)
+    summary = log.finish()
+    out = capsys.readouterr().out
+    assert ("2 phases of 2x(tp8,pp1), then 1x(tp16,pp1) (memory: 2 micro-batch(es) fit only as their replica's "
+            "only one)") in out
+    assert metric_rows(tmp_path)[0]["memory_choices"] == {"policies": {"none": list(choices.policies[0][1])},
+                                                          "alone": 2}
+    assert summary["memory_choices"]["steps_repeated_phases"] == 1 and summary["memory_choices"]["alone"] == 2
+    assert "memory: 1 step(s) ran one deployment in several phases; 2 micro-batch(es) fit only as their replica's " \
+        "only one" in out

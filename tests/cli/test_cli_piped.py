@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hydraulis.bench import SCENARIOS
@@ -77,17 +78,45 @@ def test_propose_and_plan_are_unwrapped(cli, tmp_path, workload):
     assert lines[-1].startswith(f"wrote {png} ") and png.read_bytes()[:4] == b"\x89PNG"  # the file it announces
 
 
-def test_the_proposal_table_says_what_its_shares_and_blanks_mean():
-    """A phased pool's shares add up to more than 100%, a deployment may run no sample batch, and one that only
-    runs phases has no whole-batch time: each is said in a line under the table."""
-    from hydraulis.cli.propose import _table_notes
+@pytest.mark.parametrize("profile, gpus, max_len", [
+    ("llama-32b@a800-80g", 16, 24576),  # only tp16pp1 holds 24K: every batch runs in phases beside 2x(tp8,pp1)
+    ("llama-7b@a800-80g", 32, 32768),  # heterogeneous deployments hold 32K too: the fallback runs no batch
+])
+def test_the_proposal_table_counts_each_token_once_and_fills_every_row(cli, tmp_path, profile, gpus, max_len):
+    """Each deployment's share of the samples' tokens, the batches it runs and their mean iteration are what
+    `hydraulis plan` makes of the same batches on the proposed pool: the shares add up to 100%, every row has
+    a time, and no deployment but the fallback runs none of them (one that does is said why it stays)."""
+    from hydraulis.planner.plan import load_plan
 
-    rows = [{"usage": 0.75, "mean_time_s": 1.9}, {"usage": 0.5, "mean_time_s": None},
-            {"usage": 0.0, "mean_time_s": 2.1}]
-    notes = _table_notes(rows, 8)
-    assert notes[0].startswith("batches on it: the share of the 8 sample batches") and "add up to 125%" in notes[0]
-    assert notes[1].startswith("#2: no sample batch ran on it") and notes[2].startswith("phases only:")
-    assert _table_notes([{"usage": 0.6, "mean_time_s": 1.0}, {"usage": 0.4, "mean_time_s": 1.1}], 8) == []
+    lengths, probs = get_mixture("code").histogram(max_len)
+    workload, pool, plan = tmp_path / "w.json", tmp_path / "pool.json", tmp_path / "plan.json"
+    workload.write_text(json.dumps({
+        "schema": "hydraulis.workload/1", "name": "code", "lengths": lengths.tolist(), "counts": probs.tolist(),
+        "tokens_per_batch": 262144, "num_batches": 4, "seed": 0,
+    }))  # fmt: skip
+    res = cli("propose", "-p", profile, "-n", str(gpus), "-w", str(workload), "-o", str(pool), env=NARROW)
+    lines = _unwrapped(res, "tokens on it: its share of the 4 sample batches' tokens")
+    assert cli("plan", "-p", profile, "-n", str(gpus), "-w", str(workload), "--pool", str(pool), "-o",
+               str(plan)).returncode == 0  # fmt: skip
+    pooled = [d["text"] for d in json.loads(pool.read_text())["deployments"]]
+    usage = [d["usage"] for d in json.loads(pool.read_text())["deployments"]]
+    planned = load_plan(plan).iterations
+    tokens = {d: sum(p.num_tokens for it in planned for p in it.phases if str(p.deployment) == d) for d in pooled}
+    on = {d: [it.iteration_time_s for it in planned if any(str(p.deployment) == d for p in it.phases)] for d in pooled}
+    assert usage == pytest.approx([tokens[d] / sum(tokens.values()) for d in pooled], abs=1e-4)
+    assert sum(usage) == pytest.approx(1.0, abs=1e-3) and all(on[d] for d in pooled[1:])
+    rows = _table_rows(lines)
+    assert len(rows) == len(pooled)
+    for row, d, u in zip(rows, pooled, usage, strict=True):
+        cells = [c.strip() for c in row.strip("│").split("│")]
+        assert cells[1].startswith(d) and cells[3] == f"{u:.0%}" and cells[4] == f"{len(on[d])} of 4", cells
+        if on[d]:
+            assert cells[5] == f"{np.mean(on[d]):.3f}", (cells, on[d])
+        else:  # the fallback, which runs none of them: its whole batches' time, and why it stays
+            assert float(cells[5]) > 0 and any(line.startswith("#0 runs none of them but stays") for line in lines)
+    phased = sum(len({str(p.deployment) for p in it.phases}) > 1 for it in planned)
+    assert any(line.startswith(f"{phased} of the 4 batches ran in phases") for line in lines) == (phased > 0)
+    assert phased == (4 if gpus == 16 else 0) and (not on[pooled[0]]) == (gpus == 32)  # both cases are seen
 
 
 @pytest.mark.parametrize("args", [(), ("plan",), ("data", "build")])

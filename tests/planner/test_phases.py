@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hydraulis.cost import load_cost_model
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
-from hydraulis.planner.phases import MAX_PHASES, PhasedPlanner
+from hydraulis.planner.phases import FULL_SPLITS, MAX_PHASES, PhasedPlanner
 from hydraulis.planner.plan import (
     PlanFile,
     Schedule,
@@ -25,7 +25,7 @@ from hydraulis.planner.plan import (
 )
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.proposal import propose
-from hydraulis.planner.schedule import check_schedule
+from hydraulis.planner.schedule import check_schedule, mean_switch_time, phases_time
 from hydraulis.planner.sim import simulate
 from hydraulis.specs import ClusterSpec
 
@@ -78,6 +78,51 @@ def test_one_deployment_when_phases_do_not_pay():
     assert len(schedule.phases) == 1 and str(schedule.phases[0].deployment) == "1x(tp8,pp2)"
     assert schedule.iteration_time_s == schedule.phases[0].predicted_time_s
     assert schedule.planning_time_s == schedule.phases[0].planning_time_s > 0
+
+
+def test_neighbouring_phases_on_one_deployment_are_planned_as_one_where_that_is_faster():
+    """tiny at 26 MiB per rank on 4 ranks: the best split's ranges, each planned on its own, put the 85 and the
+    1,408 tokens on one deployment in two phases, one replica busy in each; one phase on it runs both at once
+    and saves a switch, and the planner takes it."""
+    cost = load_cost_model("tiny@cpu-measured").for_job(26 << 20, 4)  # fp32, as the quick start
+    cluster = ClusterSpec(4)
+    pool = [Deployment.parse(t, cluster) for t in ("1x(tp4,pp1)", "1x(tp1,pp2) + 1x(tp2,pp1)", "4x(tp1,pp1)")]
+    b = np.array([2048, 85, 1408, 27, 15, 2048, 132, 2048])
+    p = PhasedPlanner(cost, 4, pool)
+    apart = []  # each range of the splits the planner plans in full, planned on its own (as before the merge)
+    for split in p.splits(b)[:FULL_SPLITS]:
+        plans = [(p._later_planner() if k else p).plan(b[idx], 0) for k, idx in enumerate(split.phases)]
+        apart.append((phases_time(plans, cost, mean_switch_time(plans, cost)), [str(x.deployment) for x in plans]))
+    repeated = [t for t, names in apart if any(x == y for x, y in zip(names, names[1:], strict=False))]
+    assert repeated  # not vacuous: a split planned apart runs one deployment in consecutive phases
+    schedule = p.schedule(b)
+    check_schedule(schedule, cost)
+    names = [str(x.deployment) for x in schedule.phases]
+    assert not any(x == y for x, y in zip(names, names[1:], strict=False)), names
+    assert schedule.iteration_time_s < min(repeated) and schedule.iteration_time_s <= min(t for t, _ in apart)
+
+
+def test_a_deployment_runs_consecutive_phases_where_a_sequence_fits_only_as_its_replicas_only_micro_batch():
+    """llama-32b on 16 GPUs: 14,810 and 14,485 tokens exceed tp8pp1's cap beside other micro-batches (in a later
+    phase 11,520) but fit as a replica's only one (15,360), so 2x(tp8,pp1) runs them in a phase of their own after
+    the shorter ones; in one phase on it they find no room, and the planner keeps the two."""
+    cluster = ClusterSpec(16)
+    pool = [Deployment.parse(t, cluster) for t in ("1x(tp16,pp1)", "2x(tp8,pp1)", "1x(tp8,pp2)")]
+    rng = np.random.default_rng(6)
+    b = np.concatenate([[int(rng.integers(12000, 24576))] * int(rng.integers(1, 5)),
+                        np.minimum(rng.lognormal(7.8, 1.0, 40).astype(np.int64) + 64, 20000)])
+    p = PhasedPlanner(BIG, 16, pool)
+    schedule = p.schedule(b)
+    check_schedule(schedule, BIG)
+    names = [str(x.deployment) for x in schedule.phases]
+    assert names == ["2x(tp8,pp1)", "2x(tp8,pp1)", "1x(tp16,pp1)"]
+    tp8, later = pool[1].configs[0], BIG.later_phase()
+    second = schedule.phases[1]
+    assert all(len(r.micro_batches) == 1 for r in second.replicas)
+    alone = [int(second.micro_batch_lengths(r)[0].sum()) for r in range(len(second.replicas))]
+    assert all(later.cap(tp8, 16) < t <= later.lone_cap(tp8, 16) for t in alone), alone
+    with pytest.raises(HydraulisError, match="no replica has room"):
+        p.plan_on(b[[*schedule.indices[0], *schedule.indices[1]]], pool[1])
 
 
 LARGEST = 74_000  # below tp8pp1's cap on 16 GPUs

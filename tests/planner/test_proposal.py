@@ -12,9 +12,10 @@ from hydraulis.data.synthetic import get_mixture
 from hydraulis.data.workload import sample_batches
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.planner.phases import PhasedPlanner
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import Pool, has_room, load_pool, save_pool
-from hydraulis.planner.proposal import greedy_pool, propose
+from hydraulis.planner.proposal import _without_idle, greedy_pool, propose, tokens_per_deployment
 from hydraulis.specs import ClusterSpec
 
 COST = load_cost_model("llama-7b@a800-80g")
@@ -63,6 +64,24 @@ def test_proposed_pool_beats_the_fallback_on_fresh_batches(wiki16):
     t_pool = sum(with_pool.plan(b).predicted_time_s for b in test)
     t_alone = sum(alone.plan(b).predicted_time_s for b in test)
     assert t_pool <= t_alone + 1e-9
+
+
+def test_a_deployment_that_runs_no_samples_tokens_leaves_the_pool_and_the_samples_plan_no_slower(wiki16):
+    """The pool's usage is each deployment's share of the samples' tokens, whole or in phases (adding up to 1);
+    one the planner gives none of them (2x(tp8,pp1): few, slow replicas) is dropped,
+    the samples planned again on the rest exactly as fast."""
+    cluster, train, result = wiki16
+    assert result.tokens_on.sum() == pytest.approx(result.sample_tokens.sum())
+    assert list(result.pool.usage) == pytest.approx(list(result.tokens_on.sum(axis=1) / result.sample_tokens.sum()))
+    assert all(u > 0 for u in result.pool.usage[1:])  # the fallback alone may run none (it holds every batch)
+    sample = train[: result.sample_tokens.size]
+    idle = Deployment.parse("2x(tp8,pp1)", cluster)
+    pool = (*result.pool.deployments, idle)
+    schedules = [PhasedPlanner(COST, 16, list(pool)).schedule(b) for b in sample]
+    assert tokens_per_deployment(pool, schedules)[-1].sum() == 0  # not vacuous: it runs none of them
+    kept, again = _without_idle(COST, cluster, pool, schedules, sample)
+    assert kept == result.pool.deployments
+    assert sum(s.iteration_time_s for s in again) <= sum(s.iteration_time_s for s in schedules) + 1e-12
 
 
 def test_published_method_gives_distinct_dp_deployments():

@@ -104,7 +104,7 @@ def _demo(
         [i, str(d), max(cost.lone_cap(g, gpus) for g in d.configs), f"{u:.0%}"]
         for i, (d, u) in enumerate(zip(proposal.pool.deployments, proposal.pool.usage or (), strict=True))
     ]
-    console.print(table(f"pool -> {out / 'pool.json'}", ["#", "deployment", "largest cap", "chosen"], rows))
+    console.print(table(f"pool -> {out / 'pool.json'}", ["#", "deployment", "largest cap", "tokens on it"], rows))
 
     _compare(
         cost, cluster, name=c.name, work=work, sample=sample, pool=proposal.pool.deployments, out=out, outputs=outputs

@@ -70,20 +70,13 @@ def propose(
         print_json(summary)
         return
     rows = summary["deployments"]
-    body = [
-        [
-            i,
-            r["deployment"] + (" (fallback)" if i == 0 else ""),
-            r["largest_cap"],
-            f"{r['usage']:.0%}",
-            f"{r['mean_time_s']:.3f}" if r["mean_time_s"] is not None else "phases only",
-        ]
-        for i, r in enumerate(rows)
-    ]
+    body = [[i, r["deployment"] + (" (fallback)" if i == 0 else ""), r["largest_cap"], f"{r['usage']:.0%}",
+             f"{r['batches']} of {summary['samples']}", "-" if r["mean_time_s"] is None else f"{r['mean_time_s']:.3f}"]
+            for i, r in enumerate(rows)]
     title = f"{method} pool for {work.name} on {gpus} GPUs ({cost.name}) -> {out}"
-    columns = ["#", "deployment", "largest cap", "batches on it", "mean time s (whole batches)"]
+    columns = ["#", "deployment", "largest cap", "tokens on it", "batches on it", "mean iteration s"]
     console.print(table(title, columns, body))
-    for line in _table_notes(rows, summary["samples"]):
+    for line in _table_notes(summary):
         console.print(line)
     fallback_tps = summary["fallback_tokens_per_s"]
     console.print(
@@ -93,19 +86,23 @@ def propose(
     )
 
 
-def _table_notes(rows: list[dict], samples: int) -> list[str]:
-    """What the table's columns mean where they would mislead: shares over 100% and rows of 0% or no time."""
-    notes = []
-    total = sum(r["usage"] for r in rows)
-    if total > 1.005:
-        notes.append(f"batches on it: the share of the {samples} sample batches each runs, whole or as one phase of "
-                     f"a phased step; a phased step runs on several, so the shares add up to {total:.0%}")
-    idle = [str(i) for i, r in enumerate(rows) if i > 0 and r["usage"] < 0.005]
-    if idle:
-        notes.append(f"#{', #'.join(idle)}: no sample batch ran on it in the final schedules (it was added while "
-                     "the pool was searched); the planner may still choose it for other batches")
-    if any(r["mean_time_s"] is None for r in rows):
-        notes.append("phases only: it holds no sample batch whole, so it has no whole-batch time; it runs phases")
+def _table_notes(summary: dict) -> list[str]:
+    """What the columns count, and why a deployment that runs none of the samples' tokens stays in the pool."""
+    rows, samples = summary["deployments"], summary["samples"]
+    notes = [f"tokens on it: its share of the {samples} sample batches' tokens as the planner chose (whole batches "
+             "or phases); batches on it: those it runs, whole or a phase; mean iteration s: theirs, simulated"]
+    if summary["phased"]:
+        notes.append(f"{summary['phased']} of the {samples} batches ran in phases, one after another: each "
+                     "deployment's share counts its phases' tokens")
+    if rows[0]["batches"] == 0:
+        notes.append("#0 runs none of them but stays: the fallback holds every batch up to the longest sequence; "
+                     "its time is its whole batches'")
+    if idle := [i for i, r in enumerate(rows) if i > 0 and r["batches"] == 0]:
+        why = ("the published generator's pool, as it makes it" if summary["method"] == "published" else
+               "the samples planned without them were slower (the phased planner cuts batches at the pool's caps)")
+        blank = " (-: it holds none whole)" if any(rows[i]["mean_time_s"] is None for i in idle) else ""
+        notes.append(f"#{', #'.join(map(str, idle))} run none of them but stay: {why}; their time is their whole "
+                     f"batches'{blank}")
     return notes
 
 
@@ -129,17 +126,18 @@ def _propose_with_progress(
 
 def _summary(result: Proposal, cost: CostModel, gpus: int, method: str, out: Path) -> dict:
     """What --json prints and the table shows: the pool's deployments and the throughput with and without it."""
-    mean_times = [float(t[t < float("inf")].mean()) if (t < float("inf")).any() else None for t in result.times_s]
-    rows = [
-        {
-            "deployment": str(d),
-            "replicas": len(d),
-            "largest_cap": max(cost.lone_cap(c, gpus) for c in d.configs),
-            "usage": u,
-            "mean_time_s": m,
-        }
-        for d, u, m in zip(result.pool.deployments, result.pool.usage or (), mean_times, strict=True)
-    ]
+    import numpy as np
+
+    on = result.tokens_on > 0  # [deployments, samples]: the batches each runs, whole or a phase
+    iterations = result.best_times_s if result.phased_times_s is None else result.phased_times_s
+    rows = []
+    for d, u, runs, whole in zip(result.pool.deployments, result.pool.usage or (), on, result.times_s, strict=True):
+        # the mean iteration of the batches it runs; of one that runs none (the fallback), its whole batches'
+        held = whole[np.isfinite(whole)]
+        mean = iterations[runs].mean() if runs.any() else held.mean() if len(held) else None
+        rows.append({"deployment": str(d), "replicas": len(d), "usage": u, "batches": int(runs.sum()),
+                     "largest_cap": max(cost.lone_cap(c, gpus) for c in d.configs),
+                     "mean_time_s": None if mean is None else float(mean)})
     return {
         "profile": cost.name,
         "num_gpus": gpus,
@@ -150,5 +148,6 @@ def _summary(result: Proposal, cost: CostModel, gpus: int, method: str, out: Pat
         "tokens_per_s": result.throughput,
         "fallback_tokens_per_s": float(result.sample_tokens.sum() / result.times_s[0].sum()),
         "elapsed_s": result.elapsed_s,
+        "phased": int((on.sum(axis=0) > 1).sum()),  # sample batches run in phases of several deployments
         "deployments": rows,
     }

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.bounds import lower_bounds
 from hydraulis.planner.dispatch import NoRoom, dispatch
+from hydraulis.planner.plan import IterationPlan
 from hydraulis.planner.planner import Planner, check_lengths
 from hydraulis.planner.pool import homogeneous, range_estimates, replicable_configs, unique_deployments
 from hydraulis.planner.replicas import ReplicaTable
@@ -100,11 +102,13 @@ class PhasedPlanner(Planner):
         later = self._later_planner()
         kept = self._memo, later._memo
         if self._memo is None:
-            self._memo, later._memo = {}, {}
+            self._memo = {}
+            later._memo = {}
         try:
             yield
         finally:
-            self._memo, later._memo = kept
+            self._memo = kept[0]
+            later._memo = kept[1]
 
     @property
     def switch_s(self) -> float:
@@ -170,13 +174,40 @@ class PhasedPlanner(Planner):
 
     def _plan_split(self, lengths: np.ndarray, split: Split, step: int) -> Schedule:
         """Every phase planned on its own (the planner picks its deployment), then the whole simulated; a later
-        phase within the caps left beside the earlier phases' reduced gradient (`CostModel.later_phase`)."""
+        phase within the caps left beside the earlier phases' reduced gradient (`CostModel.later_phase`). Where
+        the planner picks one deployment for consecutive phases, they are planned as one phase on it too and
+        the faster kept (`_merged`): a phase apart on the same deployment pays only for memory."""
         later = self._later_planner()
         plans = tuple((later if k else self).plan(lengths[idx], step) for k, idx in enumerate(split.phases))
+        phased = self._phased(lengths, split.phases, plans, step)
+        merged = self._merged(lengths, split.phases, plans, step)
+        return merged if merged is not None and merged.iteration_time_s <= phased.iteration_time_s else phased
+
+    def _phased(self, lengths: np.ndarray, parts: Sequence[np.ndarray], plans: tuple[IterationPlan, ...],
+                step: int) -> Schedule:
         switch_s = mean_switch_time(plans, self.cost)
         total = phases_time(plans, self.cost, switch_s)
-        indices = tuple(tuple(int(i) for i in idx) for idx in split.phases)
-        return Schedule(step, tuple(int(x) for x in lengths), plans, indices, switch_s, total, 0.0)
+        indices = tuple(tuple(int(i) for i in idx) for idx in parts)
+        return Schedule(step=step, lengths=tuple(int(x) for x in lengths), phases=plans, indices=indices,
+                        switch_s=switch_s, iteration_time_s=total, planning_time_s=0.0)
+
+    def _merged(self, lengths: np.ndarray, parts: Sequence[np.ndarray], plans: tuple[IterationPlan, ...],
+                step: int) -> Schedule | None:
+        """Each run of consecutive phases on one deployment planned as one phase on it (neighbouring length
+        ranges, each planned on its own, may go to one deployment); None where none is, or a merge has no room."""
+        runs = [[k for k, _ in run] for _, run in itertools.groupby(enumerate(plans), key=lambda x: x[1].deployment)]
+        if len(runs) == len(plans):
+            return None
+        later = self._later_planner()
+        merged = [np.concatenate([parts[k] for k in run]) for run in runs]
+        try:
+            if len(runs) == 1:
+                return Schedule.single(self.plan_on(lengths, plans[0].deployment, step))
+            again = tuple((later if n else self).plan_on(lengths[idx], plans[run[0]].deployment, step)
+                          for n, (run, idx) in enumerate(zip(runs, merged, strict=True)))
+        except HydraulisError:  # the merged phase has no room: its sequences fit only in phases apart
+            return None
+        return self._phased(lengths, merged, again, step)
 
 
 def spaced_levels(levels: Sequence[int], ratio: float = LEVEL_RATIO) -> list[int]:
@@ -203,7 +234,7 @@ def homogeneous_split(
     m = len(cuts)
     lo, hi = np.meshgrid(cuts, cuts, indexing="ij")  # the range s[cuts[i]:cuts[j]] at [i, j]
     top = s[np.maximum(hi - 1, 0)]
-    est = np.stack([np.where((hi > lo) & (cap >= top), range_estimates(cost, g, num_gpus, s, lo, hi), np.inf)
+    est = np.stack([np.where((hi > lo) & (cap >= top), range_estimates(cost, g, num_gpus, s, lo=lo, hi=hi), np.inf)
                     for g, cap in zip(configs, caps, strict=True)])
     pick, est = est.argmin(axis=0), est.min(axis=0)
     best = np.full(m, np.inf)
@@ -231,19 +262,17 @@ def phase_deployments(
     pool: Sequence[Deployment],
     batches: Sequence[np.ndarray],
     max_pool: int,
-    usage: tuple[float, ...],
     min_gain: float = 0.002,
     whole: Sequence[Deployment] = (),
-) -> tuple[list[Deployment], np.ndarray, tuple[float, ...]]:
+) -> tuple[list[Deployment], list[Schedule]]:
     """Deployments for the short phases of phased plans and short batches, which no sample chose whole, beside
     `whole` (chosen for whole samples), all competing for the pool's room.
 
     For each cap level below the longest sampled sequence, the candidate (or homogeneous deployment)
     whose dispatch estimate on the sequences up to that level is best, and hotspa's (`_hotspa_moves`);
     then, greedily while the pool has room, the move that most lowers the phased planner's iterations on
-    the samples (and on them cut at its level, `_short_batches`). Returns those added, the phased iteration
-    time of each sample batch on the final pool, and the pool's usage: each deployment's share of samples
-    on which it was chosen whole (`usage`) or in whose schedule it runs a phase."""
+    the samples (and on them cut at its level, `_short_batches`). Returns those added and the phased
+    planner's schedule of each of `batches` on the final pool."""
     N = cluster.num_gpus
     sample = list(batches[:PHASE_SAMPLES])
     longest = max(int(b.max()) for b in sample)
@@ -267,14 +296,12 @@ def phase_deployments(
     for bundle, level, clip in _hotspa_moves(cost, cluster, sample, longest):
         if (bundle := tuple(d for d in bundle if d not in pool)) and bundle not in _bundles(moves):
             moves.append((bundle, level, clip))
-    current, schedules = _greedy_phases(cost, N, list(pool), moves, sample, max_pool, min_gain)
+    current, schedules = _greedy_phases(cost, N, list(pool), moves, sample, max_pool=max_pool, min_gain=min_gain)
     added = current[len(pool) :]
     if len(batches) > len(sample):
         planner = PhasedPlanner(cost, N, current)
         schedules = [planner.schedule(b) for b in batches]
-    used = [float(np.mean([any(p.deployment == d for p in s.phases) for s in schedules])) for d in current]
-    usage = tuple(max(u, v) for u, v in zip((*usage, *(0.0,) * len(added)), used, strict=True))
-    return added, np.array([s.iteration_time_s for s in schedules]), usage
+    return added, schedules
 
 
 def _estimate_on(parts: list[np.ndarray], tables: dict[str, ReplicaTable], d: Deployment) -> float:

@@ -13,8 +13,9 @@ File format `hydraulis.pool/1`:
                       "usage": 0.25}, ...]}
 
 `text` is the compact form; `replicas` pins the devices (without it the
-deployment is placed from `text`). `usage`, optional, is the share of sampled
-batches on which the planner chose that deployment when the pool was proposed.
+deployment is placed from `text`). `usage`, optional, is the share of the sampled
+batches' tokens the planner ran on that deployment (whole or in phases) when the pool
+was proposed; the shares add up to 1.
 """
 
 from __future__ import annotations

@@ -15,9 +15,10 @@ planner and simulator, and builds the pool greedily: first the homogeneous
 fallback that holds the longest sequence, then, one at a time, the candidate
 that most lowers the mean iteration time when the planner picks the best pool
 deployment per batch. Diversity follows from that objective: a deployment
-enters only if the planner would actually choose it for some batches. How
-often it was chosen is recorded as its usage. Deployments for phases, which no
-whole sample chooses, come last (`phases.phase_deployments`).
+enters only if the planner would actually choose it for some batches; its
+usage is its share of the samples' tokens as the planner chose, whole or in
+phases, and one that ends up with none leaves the pool again. Deployments for
+phases, which no whole sample chooses, come last (`phases.phase_deployments`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from hydraulis.errors import HydraulisError
 from hydraulis.limits import DEFAULT_MAX_POOL
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.dispatch import NoRoom, dispatch
-from hydraulis.planner.phases import phase_deployments
+from hydraulis.planner.phases import PhasedPlanner, phase_deployments
+from hydraulis.planner.plan import Schedule
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import (
     Pool,
@@ -73,6 +75,7 @@ class Proposal:
     sample_tokens: np.ndarray  # tokens of each sample batch
     elapsed_s: float
     phased_times_s: np.ndarray | None = None  # [sample batches]: the phased planner's iteration on the pool
+    tokens_on: np.ndarray | None = None  # [pool deployments, sample batches]: tokens each runs, whole or in phases
 
     @property
     def best_times_s(self) -> np.ndarray:
@@ -358,10 +361,8 @@ def propose(
     max_length: int | None = None,
     progress: Progress | None = None,
 ) -> Proposal:
-    """Propose a pool of at most `max_pool` deployments for batches like `batches`.
-
-    The fallback holds `max_length` (default: the longest sampled sequence).
-    """
+    """Propose a pool of at most `max_pool` deployments for batches like `batches`; the fallback holds
+    `max_length` (default: the longest sampled sequence)."""
     start = time.perf_counter()
     if method not in METHODS:
         raise HydraulisError(f"unknown proposal method {method!r}; use one of {', '.join(METHODS)}")
@@ -391,26 +392,57 @@ def propose(
         kept = _screen(cost, cluster, candidates, sample, screen)  # sorted: the fallback first where kept
         candidates = [candidates[i] for i in dict.fromkeys([0, *kept])]
         times_all = _plan_times(cost, cluster, candidates, sample, progress)
-        candidates, times_all = refine(cost, cluster, candidates, times_all, sample, longest, len(candidates))
+        candidates, times_all = refine(cost, cluster, candidates, times_all, sample, longest=longest,
+                                       budget=len(candidates))
         pool_idx = greedy_pool(times_all, 0, max_pool)
         times = times_all[pool_idx]
     pool_deployments = tuple(candidates[i] for i in pool_idx)
-    winners = np.argmin(times, axis=0)
-    usage = tuple(float(np.mean(winners == k)) for k in range(len(pool_deployments)))
+    sample_tokens = np.array([float(b.sum()) for b in sample])
+    tokens_on = np.eye(len(pool_deployments))[np.argmin(times, axis=0)].T * sample_tokens  # whole, on the fastest
     phased = None
     if method == "hydraulis" and max_pool > 1:
         # The whole-batch choices compete with the phases' for the pool's room, on the phased planner's time.
-        extra, phased, usage = phase_deployments(cost, cluster, every, pool_deployments[:1], sample, max_pool,
-                                                 usage[:1], whole=pool_deployments[1:])
-        pool_deployments = (pool_deployments[0], *extra)
+        extra, schedules = phase_deployments(cost, cluster, every, pool_deployments[:1], sample, max_pool=max_pool,
+                                             whole=pool_deployments[1:])
+        pool_deployments, schedules = _without_idle(cost, cluster, (pool_deployments[0], *extra), schedules, sample)
+        phased = np.array([s.iteration_time_s for s in schedules])
+        tokens_on = tokens_per_deployment(pool_deployments, schedules)
         rows = {str(d): times_all[k] for k, d in enumerate(candidates)}
         times = np.array([rows.get(str(d), np.full(len(sample), np.inf)) for d in pool_deployments])
+    usage = tuple(float(t) for t in tokens_on.sum(axis=1) / tokens_on.sum())
     return Proposal(
         pool=Pool(cost.name, cluster, pool_deployments, usage),
         method=method,
         candidates=tuple(candidates),
         times_s=times,
-        sample_tokens=np.array([float(b.sum()) for b in sample]),
+        sample_tokens=sample_tokens,
         elapsed_s=time.perf_counter() - start,
         phased_times_s=phased,
+        tokens_on=tokens_on,
     )
+
+
+def tokens_per_deployment(pool: Sequence[Deployment], schedules: Sequence[Schedule]) -> np.ndarray:
+    """[pool deployments, batches]: the tokens of each batch each deployment runs (whole, or in its phases)."""
+    out = np.zeros((len(pool), len(schedules)))
+    for j, schedule in enumerate(schedules):
+        for plan in schedule.phases:
+            out[pool.index(plan.deployment), j] += plan.num_tokens
+    return out
+
+
+def _without_idle(
+    cost: CostModel, cluster: ClusterSpec, pool: tuple[Deployment, ...], schedules: list[Schedule],
+    sample: Sequence[np.ndarray],
+) -> tuple[tuple[Deployment, ...], list[Schedule]]:
+    """The pool less the deployments, but the fallback, that run no sample's tokens (later ones took theirs over),
+    the samples planned again, where no slower: the phased planner cuts batches at the pool's caps."""
+    used = {str(plan.deployment) for s in schedules for plan in s.phases}
+    kept = tuple(d for k, d in enumerate(pool) if k == 0 or str(d) in used)
+    if len(kept) == len(pool):
+        return pool, schedules
+    planner = PhasedPlanner(cost, cluster.num_gpus, list(kept))
+    again = [planner.schedule(b) for b in sample]
+    if sum(s.iteration_time_s for s in again) <= sum(s.iteration_time_s for s in schedules) * (1 + 1e-9):
+        return kept, again
+    return pool, schedules

@@ -8,6 +8,7 @@ run directory also gets `config.toml` (the resolved config), `pool.json`,
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import shutil
@@ -16,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hydraulis.cost.policies import LIGHTEST_FIRST
 from hydraulis.files import read_jsonl, write_json_atomic, write_text_atomic
 from hydraulis.planner.pool import Pool, save_pool
 from hydraulis.progress import console, note
@@ -98,11 +100,12 @@ class RunLog:
             measured = ", ".join(f"{t:.3f}" for t in m.replica_s)
             predicted = ", ".join(f"{t:.3f}" for t in m.replica_predicted_s)
             self._print(
-                f"step {m.step:>4}  loss {m.loss:6.3f}  {m.tokens_per_s:>7,.0f} tok/s  {m.deployment}"
+                f"step {m.step:>4}  loss {m.loss:6.3f}  {m.tokens_per_s:>7,.0f} tok/s  {deployment_text(m)}"
                 f"  {m.iteration_s:.2f} s (predicted {m.predicted_s:.2f})" + ("  switched" if m.switched else ""),
                 highlight=False,
             )
-            self._print(f"      replicas measured [{measured}] s, predicted [{predicted}] s", highlight=False)
+            self._print(f"      replicas measured [{measured}] s, predicted [{predicted}] s{policy_text(m)}",
+                        highlight=False)
         if "eval_loss" in row:  # [eval] ran after this step (loop.Evaluation)
             self._print(
                 f"eval after {m.step + 1} steps: loss {row['eval_loss']:.4f} (perplexity {row['eval_perplexity']:.2f})"
@@ -113,7 +116,7 @@ class RunLog:
     def _tensorboard(self, m: StepMetrics, row: dict[str, Any]) -> None:
         """One step in TensorBoard: the training scalars; the deployment by name, as text (a phased step's
         phases separated by ` | `); switches and phases; memory in MiB: predicted, the measured peak where it was
-        measured, and the budget (`memory_per_rank`) when there is one."""
+        measured, and the budget (`memory_per_rank`) when there is one; micro-batches per memory policy."""
         tb, step, mib = self.tb, m.step, float(1 << 20)
         for key in ("loss", "lr", "grad_norm", "tokens_per_s", "iteration_s", "predicted_s", "planning_s"):
             tb.add_scalar(f"train/{key}", row[key], step)
@@ -124,6 +127,10 @@ class RunLog:
         tb.add_scalar("deployment/switch_s", m.switch_s if m.switched else 0.0, step)
         tb.add_scalar("deployment/phases", m.phases, step)
         tb.add_scalar("deployment/phase_switch_s", m.phase_switch_s, step)
+        totals = m.memory_choices.totals  # micro-batches per memory policy, and those that fit only alone
+        for policy in LIGHTEST_FIRST:
+            tb.add_scalar(f"memory/policy_{policy.label}", totals.get(policy.label, 0), step)
+        tb.add_scalar("memory/alone", m.memory_choices.alone, step)
         tb.add_scalar("memory/predicted_mib", m.memory_predicted_bytes / mib, step)
         if m.memory_peak_bytes:  # measured on this step (CPU measures a sample of them; null otherwise)
             tb.add_scalar("memory/peak_mib", m.memory_peak_bytes / mib, step)
@@ -189,6 +196,8 @@ class RunLog:
             self._print("sources: " + "; ".join(
                 f"{n} {v['token_share']:.1%} of tokens (weight {v['weight']:.1%}), {v['target_share']:.1%} of targets"
                 for n, v in summary["sources"].items()), highlight=False, soft_wrap=True)  # fmt: skip
+        if (line := choices_line(summary)) is not None:
+            self._print(line, highlight=False)
         if self.job.overlong is not None and self.job.overlong.records:
             self._print(f"overlong: {self.job.overlong.describe()}", highlight=False)
         if self.comparison is not None:
@@ -305,7 +314,61 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         # steps on which a rank's measured peak exceeded [parallel] memory_per_rank
         "steps_over_budget": sum(1 for r in rows if r.get("memory_over_budget")),
         "eval": _last_eval(rows),
+        "memory_choices": memory_choices_summary(rows),
     }
+
+
+def deployment_text(m: StepMetrics) -> str:
+    """The step's deployments for the terminal: consecutive phases on one deployment as `N phases of D` (the
+    phases joined by `, then `), and why: the planner keeps them apart only where one phase on it simulated
+    slower or had no room (planner/phases.py's `_merged`), which micro-batches that fit only alone make so."""
+    runs = [(name, len(list(group))) for name, group in itertools.groupby(m.deployment.split(" | "))]
+    if all(n == 1 for _, n in runs):
+        return m.deployment
+    text = ", then ".join(name if n == 1 else f"{n} phases of {name}" for name, n in runs)
+    alone = m.memory_choices.alone
+    return text + (f" (memory: {alone} micro-batch(es) fit only as their replica's only one)" if alone
+                   else " (simulated faster than one phase)")
+
+
+def policy_text(m: StepMetrics) -> str:
+    """The step's micro-batches per memory policy, where any ran another than none ('' otherwise)."""
+    totals = m.memory_choices.totals
+    if set(totals) <= {"none"}:
+        return ""
+    return "; micro-batches by memory policy: " + ", ".join(f"{n} {label}" for label, n in totals.items())
+
+
+def memory_choices_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over the steps: micro-batches per memory policy, the steps that ran more than one policy, the micro-batches
+    that fit only as their replica's only one, and the steps that ran one deployment in consecutive phases."""
+    totals: Counter[str] = Counter()
+    mixed = alone = repeated = 0
+    for r in rows:
+        choices = r.get("memory_choices") or {"policies": {}, "alone": 0}  # absent in rows before 2026-12-06
+        step = Counter({label: sum(row) for label, row in choices["policies"].items()})
+        totals += step
+        mixed += len(+step) > 1
+        alone += choices["alone"]
+        names = r["deployment"].split(" | ")
+        repeated += any(a == b for a, b in zip(names, names[1:], strict=False))
+    return {"micro_batches": {p.label: totals[p.label] for p in LIGHTEST_FIRST if totals[p.label]},
+            "steps_mixed": mixed, "alone": alone, "steps_repeated_phases": repeated}
+
+
+def choices_line(summary: dict[str, Any]) -> str | None:
+    """The closing line on memory policies and repeated phases; None where every micro-batch ran none and no
+    step ran one deployment in consecutive phases."""
+    c = summary.get("memory_choices")
+    parts = []
+    if c and not set(c["micro_batches"]) <= {"none"}:
+        policies = ", ".join(f"{n:,} {label}" for label, n in c["micro_batches"].items())
+        parts.append(f"micro-batches by policy {policies} ({c['steps_mixed']} of {summary['steps']} steps mixed them)")
+    if c and c["steps_repeated_phases"]:
+        parts.append(f"{c['steps_repeated_phases']} step(s) ran one deployment in several phases")
+    if not parts:
+        return None
+    return f"memory: {'; '.join(parts)}; {c['alone']:,} micro-batch(es) fit only as their replica's only one"
 
 
 def _last_eval(rows: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -18,12 +18,50 @@ import torch.distributed as dist
 
 from hydraulis.cost.memory import RankMemory
 from hydraulis.cost.model import CostModel
+from hydraulis.cost.policies import LIGHTEST_FIRST
 from hydraulis.data.sampler import GlobalBatch
 from hydraulis.planner.plan import Schedule
 from hydraulis.runtime.deployments import RankPool
 from hydraulis.runtime.iteration import PhaseRun, switch_cost
 from hydraulis.runtime.metering.step_memory import MemoryFigures, StepMemory, predicted_rank
 from hydraulis.specs import ModelSpec
+
+
+@dataclass(frozen=True)
+class MemoryChoices:
+    """What the planner chose for a step's memory (cost/policies.py): each memory policy's micro-batches per
+    replica (replicas phase after phase, as `StepMetrics.micro_batches`), and `alone`, the micro-batches that
+    fit their policy only as their replica's only one in their phase (beside another they would need a heavier
+    policy, or not fit): why a phase of its own on the same deployment, or a lighter policy, paid."""
+
+    policies: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (policy, micro-batches per replica), lightest first
+    alone: int = 0
+
+    @staticmethod
+    def of(schedule: Schedule, cost: CostModel, num_gpus: int) -> MemoryChoices:
+        counts = {p: [] for p in LIGHTEST_FIRST}
+        alone = 0
+        for k, plan in enumerate(schedule.phases):
+            phase_cost = cost.later_phase() if k else cost  # a later phase holds the earlier ones' reduced gradient
+            for r, replica in enumerate(plan.replicas):
+                config = plan.deployment.replicas[r].config
+                plain = phase_cost.policies(config)[0]  # a plan lists none where every one runs it
+                chosen = [plan.policy(r, m) for m in range(len(replica.micro_batches))]
+                ran = [plain if p is None else p for p in chosen]
+                for p, row in counts.items():
+                    row.append(ran.count(p))
+                if len(ran) == 1:
+                    tokens = sum(plan.lengths[i] for i in replica.micro_batches[0])
+                    alone += tokens > phase_cost.policy_cap(config, num_gpus, ran[0])
+        return MemoryChoices(tuple((p.label, tuple(row)) for p, row in counts.items() if any(row)), alone)
+
+    @property
+    def totals(self) -> dict[str, int]:
+        """Micro-batches per memory policy, over the replicas."""
+        return {label: sum(row) for label, row in self.policies}
+
+    def to_dict(self) -> dict:
+        return {"policies": {label: list(row) for label, row in self.policies}, "alone": self.alone}
 
 
 @dataclass(frozen=True)
@@ -68,6 +106,7 @@ class StepMetrics:
     phase_switch_predicted_s: float = 0.0
     memory_over_budget: bool = False  # a rank's measured peak exceeded [parallel] memory_per_rank
     deployment_indices: tuple[int, ...] = ()  # each phase's deployment in the pool: replica_s follows them
+    memory_choices: MemoryChoices = MemoryChoices()  # each micro-batch's memory policy; those that fit only alone
 
     @property
     def tokens_per_s(self) -> float:
@@ -78,6 +117,7 @@ class StepMetrics:
         d["replica_s"] = list(self.replica_s)
         d["replica_predicted_s"] = list(self.replica_predicted_s)
         d["micro_batches"] = list(self.micro_batches)
+        d["memory_choices"] = self.memory_choices.to_dict()
         d["tokens_per_s"] = self.tokens_per_s
         return d
 
@@ -105,8 +145,9 @@ class RankFigures:
             times[run.part.replica] = run.compute_s
             replica_s += times
         exposed, switch = sum(r.exchange.exposed_s for r in runs), switch_cost(runs)
-        return RankFigures(tuple(replica_s), memory.peak, memory.predicted, memory.exchange_peak, memory.error,
-                           exposed, exposed, switch, switch)
+        return RankFigures(replica_s=tuple(replica_s), memory_peak=memory.peak, memory_predicted=memory.predicted,
+                           exchange_peak=memory.exchange_peak, memory_error=memory.error, exposed_s=exposed,
+                           exposed_min_s=exposed, switch_s=switch, switch_min_s=switch)
 
     def across_ranks(self, group: dist.ProcessGroup | None) -> RankFigures:
         names = [f.name for f in fields(self) if f.name != "replica_s"]
@@ -142,8 +183,12 @@ class StepMeter:
         self, cost: CostModel, model: ModelSpec, pool: RankPool, world: int, memory: StepMemory,
         control: dist.ProcessGroup | None,
     ) -> None:
-        self.cost, self.model, self.pool, self.world = cost, model, pool, world
-        self.memory, self.control = memory, control
+        self.cost = cost
+        self.model = model
+        self.pool = pool
+        self.world = world
+        self.memory = memory
+        self.control = control
         self.runs: tuple[PhaseRun, ...] = ()
         self.mine: RankFigures | None = None
 
@@ -157,7 +202,7 @@ class StepMeter:
         the others 5%."""
         pool = self.pool
         ranks = [predicted_rank(self.cost.later_phase() if n else self.cost, self.model, pool.parts[k], p,
-                                self.world, pool.dtype, pool.optimizer.bucket_bytes)
+                                world=self.world, dtype=pool.dtype, bucket_bytes=pool.optimizer.bucket_bytes)
                  for n, (k, p) in enumerate(zip(indices, schedule.phases, strict=True))]
         self.memory.start(indices[0], step, max(r.peak for r in ranks))
         if pool.device.type == "cpu" and self.world > 1:
@@ -170,7 +215,8 @@ class StepMeter:
     ) -> StepMetrics:
         """The iteration's metrics (meaningful on rank 0), its figures the largest over ranks."""
         memory = self.memory.stop(max(r.exchange.buffer_bytes for r in runs))
-        self.runs, self.mine = tuple(runs), RankFigures.of(runs, memory)
+        self.runs = tuple(runs)
+        self.mine = RankFigures.of(runs, memory)
         figures = self.mine.across_ranks(self.control)
         # Each replica's prediction travels with its plan (planner.finalize); a plan made by hand without one: 0.
         predicted = [p.replica_predicted_s or (0.0,) * len(p.replicas) for p in schedule.phases]
@@ -196,6 +242,7 @@ class StepMeter:
             phase_switch_predicted_s=schedule.switch_s * (len(runs) - 1),
             memory_over_budget=budget is not None and figures.memory_peak > budget,
             deployment_indices=tuple(indices),
+            memory_choices=MemoryChoices.of(schedule, self.cost, self.world),
         )
 
 
