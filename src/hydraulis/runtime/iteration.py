@@ -98,7 +98,8 @@ def run_phase(
     model = part.model
     part.clear_grads()
     count = len(plan.replicas[part.replica].micro_batches)
-    exchange = pool.exchange(part, count, parts.reduce_dtype, parts.overlap, accumulate, reduce_after)
+    exchange = pool.exchange(part, micro_batches=count, reduce_dtype=parts.reduce_dtype, overlap=parts.overlap,
+                             accumulate=accumulate, reduce_after=reduce_after)
     gathered = time.perf_counter()
     micro_batches = parts.source.micro_batches(batch, plan, part.replica, part.groups)
     # poisoned: a test hook, off unless asked for
@@ -109,8 +110,9 @@ def run_phase(
     computed = time.perf_counter()
     exchange.finish()
     reduced = time.perf_counter()
-    return PhaseRun(index, plan, part, result, exchange, switched, activated - start, gathered - activated,
-                    computed - gathered, reduced - computed)
+    return PhaseRun(index=index, plan=plan, part=part, result=result, exchange=exchange, switched=switched,
+                    activate_s=activated - start, gather_s=gathered - activated, compute_s=computed - gathered,
+                    reduce_s=reduced - computed)
 
 
 def loss_part(runs: Sequence[PhaseRun], device: torch.device) -> torch.Tensor:

@@ -62,7 +62,9 @@ class _Rounds(ABC):
 
     def __init__(self, opt: ShardedOptimizer, plan: ExchangePlan, kind: str, dtype: torch.dtype,
                  order: Sequence[int]) -> None:
-        self.opt, self.plan, self.kind = opt, plan, kind
+        self.opt = opt
+        self.plan = plan
+        self.kind = kind
         self.order = tuple(order)  # round indices in issue order
         self.issued = 0  # positions in `order`
         self.retired = 0
@@ -288,8 +290,8 @@ class Exchange:
                  dtype: torch.dtype, reduce_dtype: torch.dtype, micro_batches: int, enabled: bool = True,
                  accumulate: bool = False, reduce_after: int = 1) -> None:
         self.gather = GatherStream(opt, plan, params, dtype)
-        self.reduce = ReduceStream(opt, plan, lambda i: gradient(params[i]), reduce_dtype, self.gather, accumulate,
-                                   reduce_after)
+        self.reduce = ReduceStream(opt, plan, lambda i: gradient(params[i]), reduce_dtype, after=self.gather,
+                                   accumulate=accumulate, reduce_after=reduce_after)
         self.micro_batches = micro_batches
         self.enabled = enabled  # False: the hooks do nothing, gather and reduce run whole (`gather_ahead`, `finish`)
 

@@ -127,7 +127,8 @@ class ExchangePlan:
         by_round = _round_windows(layout, window)
         local = locals_[rank]
         base = np.array([p.gather[0] for p in local], np.int64)
-        rounds = tuple(_round(layout, rank, parts, gathers, reduces, base) for parts in by_round)
+        rounds = tuple(_round(layout, rank=rank, parts=parts, gathers=gathers, reduces=reduces, base=base)
+                       for parts in by_round)
         needs = _gather_needs(deployment, rank, by_round, locals_)
         return cls(rank=rank, local=local, window=window, rounds=rounds, gather_needs=needs)
 
@@ -249,8 +250,9 @@ def _round(
         g_recv_n.append(n_gather)
         r_send_n.append(n_reduce)
     return ExchangeRound(
-        tuple(g_send), tuple(g_send_n), tuple(g_recv), tuple(g_recv_n),
-        tuple(r_send), tuple(r_send_n), tuple(r_recv), tuple(r_recv_n), parts[0][0],
+        gather_send=tuple(g_send), gather_send_splits=tuple(g_send_n), gather_recv=tuple(g_recv),
+        gather_recv_splits=tuple(g_recv_n), reduce_send=tuple(r_send), reduce_send_splits=tuple(r_send_n),
+        reduce_recv=tuple(r_recv), reduce_recv_splits=tuple(r_recv_n), stripe=parts[0][0],
     )
 
 

@@ -66,7 +66,9 @@ class OwnedGradient:
     """
 
     def __init__(self, size: int, device: torch.device, scaled: bool, piece_bytes: int) -> None:
-        self.scaled, self.size, self.device = scaled, size, device
+        self.scaled = scaled
+        self.size = size
+        self.device = device
         self.piece = max(1, piece_bytes // EXCHANGE_ELEMENT_BYTES)
         self.dtype = ACCUMULATOR if scaled else torch.float32
         self.values = torch.zeros(0, dtype=self.dtype, device=device)  # released: a sum of zero
@@ -145,7 +147,9 @@ class ShardedOptimizer:
     ) -> None:
         if bucket_bytes < EXCHANGE_ELEMENT_BYTES:
             raise HydraulisError(f"exchange bucket of {bucket_bytes} bytes: it must hold at least one element")
-        self.layout, self.rank, self.settings = layout, rank, settings
+        self.layout = layout
+        self.rank = rank
+        self.settings = settings
         self.bucket_bytes = bucket_bytes
         self.device = torch.device(device)
         self.group = group
