@@ -49,7 +49,7 @@ class PolicyContext:
     proposed_pool: tuple[Deployment, ...] | None = None  # a pool already proposed from this data
     # The baselines run the recipes' interleaving, and the bench's hydraulis plans on `CostModel.with_interleaving`;
     # off (`hydraulis bench --vp1`), every policy runs plain 1F1B. The bench's only: the trainer's contexts leave it
-    # off (the runtime runs vp = 1).
+    # off (its proposal weighs plain 1F1B only; a pool given with vp trains).
     interleave: bool = False
 
     @property
