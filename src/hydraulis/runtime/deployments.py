@@ -95,7 +95,7 @@ class RankPool:
             if key not in models:
                 g = groups.config
                 model = StageModel(spec, groups.tp, groups.stage, g.pp, dtype=dtype, device=device,
-                                   recompute=g in recompute, cp=groups.cp, vp=g.vp)
+                                   recompute=g.base in recompute, cp=groups.cp, vp=g.vp)  # the set holds base configs
                 release(model)
                 if dtype != torch.float32:
                     attach_main_grads(model)  # sum micro-batches in scaled fp16 (main_grad.py)
