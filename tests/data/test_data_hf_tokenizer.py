@@ -111,7 +111,7 @@ def test_train_checks_the_tokenizer_before_any_rank(tok_dir: Path, tmp_path: Pat
     corpus = tmp_path / "c"
     build_corpus(SAMPLES * 20, corpus, str(tok_dir), source="test")
     job = _prepare(tmp_path, corpus=str(corpus), tokenizer=str(tok_dir))  # the tiny model's 512 ids hold 400
-    assert job.tokenizer == str(tok_dir)
+    assert job.data.tokenizer == str(tok_dir)
     big = train_bpe(tmp_path / "big", vocab_size=600)
     assert get_tokenizer(str(big)).vocab_size > 512
     with pytest.raises(

@@ -3,8 +3,8 @@
 Every bad field gets one line naming its key (`data.tokens_per_batch`) and
 what is allowed; unknown keys are refused, so a typo never silently falls
 back to a default. `load_config` returns the validated model;
-`training.job.prepare` turns it into the frozen `Job` the ranks take (model
-spec, cost model, pool placed on the world size), checking everything that
+`training.job.prepare` turns it, once, into the frozen `RunSettings` the ranks take
+(training/settings.py: model spec, cost model, pool placed on the world size), checking everything that
 can be checked before any rank starts.
 """
 

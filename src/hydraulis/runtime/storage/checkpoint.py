@@ -76,7 +76,8 @@ if TYPE_CHECKING:
     from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
     from hydraulis.runtime.parallelism.launch import DistEnv
     from hydraulis.runtime.plan_feed import PlanFeed
-    from hydraulis.runtime.trainer import Trainer, TrainSettings
+    from hydraulis.runtime.trainer import Trainer
+    from hydraulis.settings import TrainerSettings
 
 T = TypeVar("T")
 
@@ -89,7 +90,7 @@ class Saved:
 
     feed: PlanFeed
     optimizer: ShardedOptimizer
-    settings: TrainSettings  # the model, the optimizer's and LR schedule's settings, seed, dtype and pool
+    settings: TrainerSettings  # the model, the optimizer's and LR schedule's settings, seed, dtype and pool
     corpus: CorpusManifest | None  # the training corpus's (None: documents held in memory)
     env: DistEnv
     control: dist.ProcessGroup | None  # the CPU group the ranks agree on
@@ -232,9 +233,9 @@ def _manifest(
         "optimizer": {"step": state["optimizer"]["step"], "adamw": asdict(s.optim.adamw)},
         "sampler": state["sampler"].to_dict(),
         "schedule": state["schedule"],
-        "seed": s.seed,
-        "dtype": s.dtype,
-        "pool": [{"text": str(d), "replicas": d.to_rows()} for d in s.pool],
+        "seed": s.train.seed,
+        "dtype": s.train.dtype,
+        "pool": [{"text": str(d), "replicas": d.to_rows()} for d in s.parallel.pool],
         "missed": state["missed"],  # deployments that could not hold some batch of the run (rank 0's planner)
         "refit": None if refit is None else refit.to_json(),
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
