@@ -69,7 +69,10 @@ class StepMemory:
         budget: int | None = None,
         quiet: Callable[[], AbstractContextManager] = contextlib.nullcontext,
     ) -> None:
-        self.device, self.every, self.budget, self.quiet = device, every, budget, quiet
+        self.device = device
+        self.every = every
+        self.budget = budget
+        self.quiet = quiet
         self.meter = PeakMeter(device)
         self._base = 0
         self._seen: set[int] = set()
