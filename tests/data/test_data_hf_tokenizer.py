@@ -150,7 +150,7 @@ def test_auto_is_the_checkpoint_tokenizer(tok_dir: Path, tmp_path: Path) -> None
         )
         return prepare(cfg, nproc=1, out=str(tmp_path / "run"), steps=1, resume=False)
 
-    assert run().tokenizer == str(hf)  # auto: the checkpoint's own, the same files as the corpus's
+    assert run().data.tokenizer == str(hf)  # auto: the checkpoint's own, the same files as the corpus's
     other = train_bpe(tmp_path / "other", vocab_size=380)
     with pytest.raises(HydraulisError, match=r"data.tokenizer .*other .* is not the tokenizer of model.init_from"):
         run(tokenizer=str(other))

@@ -169,11 +169,9 @@ def check_step(
         within = " within --memory-per-rank" if budget is not None else ""
         raise HydraulisError(f"model {model.name} does not fit one {spec.name}{within} by the memory model")
     corpus, sampler = _workload(model, tokens, max_len)
-    # memory_every=1: every step's memory measured (CUDA always is; CPU samples otherwise)
-    settings = TrainerSettings(
-        model=model, parallel=ParallelSettings.of(pool, cost, memory_budget_bytes=budget),
-        optim=OptimSettings(lr=1e-4, warmup=1), train=TrainSettings(steps=WARMUP + steps, dtype=dtype, memory_every=1),
-    )
+    train = TrainSettings(steps=WARMUP + steps, dtype=dtype, memory_every=1)  # every step measured (CPU samples)
+    settings = TrainerSettings(model=model, parallel=ParallelSettings.of(pool, cost),  # the budget: the cost model's
+                               optim=OptimSettings(lr=1e-4, warmup=1), train=train)
     env = init_distributed(device.type)
     trainer = Trainer(settings=settings, corpus=TokenDocuments(corpus), sampler=sampler, env=env)
     planner = Planner(cost, 1, pool)
@@ -184,6 +182,8 @@ def check_step(
     try:
         for i, (batch, plan) in enumerate(zip(batches, plans, strict=True)):
             metrics, seconds = _timed(device, lambda b=batch, p=plan: trainer.run_iteration(b, p))
+            if i == 0:  # as a run does after its first step (training/run.py)
+                trainer.settle_timeouts()
             losses.append(metrics.loss)
             if i >= WARMUP:
                 times.append(seconds)
