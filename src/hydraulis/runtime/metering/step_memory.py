@@ -145,7 +145,8 @@ def predicted_rank(
         same = [t * kept[p] / kept[policy] for t, p in zip(sizes, policies, strict=True)]
         window = max((sum(same[i : i + k]) for i in range(max(1, len(same) - k + 1))), default=0)
         ranks.append(rank_memory(
-            memory, model, config, groups.stage, world, tokens, dtype_bytes, bucket_bytes, policy,
-            len(micro_batches), sum(r.config.cp for r in plan.deployment.replicas), max(tokens, int(window)),
+            memory, model, config, stage=groups.stage, num_gpus=world, tokens=tokens, dtype_bytes=dtype_bytes,
+            bucket_bytes=bucket_bytes, recompute=policy, micro_batches=len(micro_batches),
+            contributors=sum(r.config.cp for r in plan.deployment.replicas), window=max(tokens, int(window)),
         ))
     return max(ranks, key=lambda r: r.peak)

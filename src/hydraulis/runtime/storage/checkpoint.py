@@ -98,8 +98,8 @@ class Saved:
     @classmethod
     def of(cls, trainer: Trainer) -> Saved:
         """A trainer's parts."""
-        return cls(trainer.feed, trainer.optimizer, trainer.settings, trainer.source.corpus.manifest, trainer.env,
-                   trainer.control)
+        return cls(feed=trainer.feed, optimizer=trainer.optimizer, settings=trainer.settings,
+                   corpus=trainer.source.corpus.manifest, env=trainer.env, control=trainer.control)
 
     @property
     def rank(self) -> int:
