@@ -39,7 +39,7 @@ from hydraulis.cost.model import CostModel
 from hydraulis.data.sampler import GlobalBatch, TokenBudgetSampler
 from hydraulis.planner.phases import PhasedPlanner
 from hydraulis.planner.plan import IterationPlan, Schedule
-from hydraulis.runtime.deployments import RankPool
+from hydraulis.runtime.deployments import BuiltDeployments
 from hydraulis.runtime.divergence import finite
 from hydraulis.runtime.iteration import PhaseParts, loss_part, run_phases
 from hydraulis.runtime.metering.compare import Comparison, compare
@@ -84,7 +84,7 @@ class Trainer:
     source: BatchSource  # the sampler and the corpus reader
     control: dist.ProcessGroup | None  # plans and figures travel on it (a CPU group: NCCL cannot carry host memory)
     optimizer: ShardedOptimizer  # owns the master weights and AdamW's state; runs the exchange
-    deployments: RankPool  # every deployment of the pool, built at start-up
+    deployments: BuiltDeployments  # every deployment of the pool, built at start-up
     feed: PlanFeed  # the next batch and its schedule, planned on rank 0 a step ahead
     meter: StepMeter  # predictions, memory and metrics
     recent: deque[tuple[GlobalBatch, Schedule]]  # the last batches, for `compare`
@@ -111,7 +111,7 @@ class Trainer:
             scaled_grad=dtype != torch.float32,  # 2-byte reduced gradients under bf16 (optimizer.OwnedGradient)
         )
         self.optimizer.init(train.seed)
-        self.deployments = RankPool(
+        self.deployments = BuiltDeployments(
             spec=model, pool=parallel.pool, optimizer=self.optimizer, dtype=dtype, device=self.env.device,
             sequence_parallel=parallel.sequence_parallel, recompute=parallel.recompute, timeout=timeout,
         )
