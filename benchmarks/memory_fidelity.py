@@ -35,7 +35,8 @@ def worker(model: str, dtype: str, steps: int, sequence_parallel: bool) -> list[
     from hydraulis.planner.planner import Planner
     from hydraulis.runtime.parallelism.batch import TokenDocuments
     from hydraulis.runtime.parallelism.launch import init_distributed
-    from hydraulis.runtime.trainer import Trainer, TrainSettings
+    from hydraulis.runtime.trainer import Trainer
+    from hydraulis.settings import ParallelSettings, TrainerSettings, TrainSettings
     from hydraulis.specs import DTYPE_BYTES, MODELS, ClusterSpec, get_device
 
     env = init_distributed("cpu")
@@ -47,10 +48,12 @@ def worker(model: str, dtype: str, steps: int, sequence_parallel: bool) -> list[
     pool = tuple(Deployment.parse(text, cluster) for text in POOL)
     cost = AnalyticCostModel(spec, get_device("cpu")).for_job(
         None, DTYPE_BYTES[dtype], sequence_parallel=sequence_parallel)
-    settings = TrainSettings(model=spec, pool=pool, cost=cost, optim=OptimSettings(lr=1e-3, warmup=1),
-                             steps=steps * len(pool), dtype=dtype, sequence_parallel=sequence_parallel,
-                             memory_every=1)
-    trainer = Trainer(settings, TokenDocuments(docs), sampler, env)
+    settings = TrainerSettings(
+        model=spec, parallel=ParallelSettings.of(pool, cost, sequence_parallel=sequence_parallel),
+        optim=OptimSettings(lr=1e-3, warmup=1),
+        train=TrainSettings(steps=steps * len(pool), dtype=dtype, memory_every=1),
+    )
+    trainer = Trainer(settings=settings, corpus=TokenDocuments(docs), sampler=sampler, env=env)
     rows = []
     for deployment in pool:
         planner = Planner(cost, WORLD, [deployment])  # the same plan on every rank: deterministic

@@ -219,14 +219,14 @@ def prepare(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 # -- the ranks: one variant, a warm-up pass and a timed pass ---------------------------------------
 def hydraulis_runner(job: dict, variant: str, env, corpus, total_steps: int):
-    from hydraulis.runtime.trainer import Trainer, TrainSettings
-
+    from hydraulis.runtime.trainer import Trainer
+    from hydraulis.settings import ParallelSettings, TrainerSettings, TrainSettings
     plans = job["plans"][variant]
     pool = job["pool"] if variant in ("hydraulis", OFF) else (plans[0].deployment,)
     sampler = TokenBudgetSampler(corpus.lengths, job["tokens"], job["max_len"], seed=SEED, policy=job["overlong"])
-    settings = TrainSettings(job["spec"], pool, job["costs"][variant], job["optim"], total_steps)
-    trainer = Trainer(settings, corpus, sampler, env)
-    parts = []
+    settings = TrainerSettings(model=job["spec"], parallel=ParallelSettings.of(pool, job["costs"][variant]),
+                               optim=job["optim"], train=TrainSettings(steps=total_steps))
+    trainer, parts = Trainer(settings=settings, corpus=corpus, sampler=sampler, env=env), []
 
     def step(i: int):
         m = trainer.run_iteration(job["batches"][i], plans[i])

@@ -25,7 +25,6 @@ benchmarks/peers.py compares Hydraulis with transformers' model under DDP and FS
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import time
@@ -44,32 +43,40 @@ POOL = "4x(tp1,pp1); 2x(tp2,pp1); 1x(tp2,pp1) + 2x(tp1,pp1)"  # as benchmarks/pe
 SEQUENTIAL = "hydraulis, exchange not overlapped"
 
 
+def trainer_settings(job: dict, overlap: bool = True):
+    """The trainer's settings, the exchange beside compute or not (the cost model's replica times included)."""
+    from hydraulis.optim import OptimSettings
+    from hydraulis.settings import ParallelSettings, TrainerSettings, TrainSettings
+
+    return TrainerSettings(model=job["spec"], parallel=ParallelSettings.of(job["pool"], job["cost"], overlap),
+                           optim=OptimSettings(lr=1e-3, warmup=2), train=TrainSettings(steps=job["steps"]))
+
+
 def worker(job: dict) -> dict:
     import torch
     import torch.distributed as dist
 
     from hydraulis.data.indexed import open_corpus
-    from hydraulis.optim import OptimSettings
     from hydraulis.runtime.optimizer.exchange import reduce as reduce_all
     from hydraulis.runtime.parallelism.launch import init_distributed
-    from hydraulis.runtime.trainer import Trainer, TrainSettings
+    from hydraulis.runtime.trainer import Trainer
 
     env = init_distributed("cpu")
     corpus = open_corpus(job["corpus"])
-    settings = TrainSettings(job["spec"], job["pool"], job["cost"], OptimSettings(lr=1e-3, warmup=2), job["steps"])
+    settings = trainer_settings(job)
     sampler = TokenBudgetSampler(corpus.lengths, 2048, 1024, seed=1)
-    trainer = Trainer(settings, corpus, sampler, env)
+    trainer = Trainer(settings=settings, corpus=corpus, sampler=sampler, env=env)
     batches = job["batches"]
     variants = [(name, plans, True) for name, plans in job["plans"].items()]
     variants.append((SEQUENTIAL, job["plans"]["hydraulis"], False))
     out: dict = {"tokens_per_s": {name: [] for name, _, _ in variants}, "exposed_s": {n: [] for n, _, _ in variants}}
     for _, plans, overlap in variants:  # one warm-up pass each
-        trainer.settings = dataclasses.replace(settings, overlap=overlap)
+        trainer.settings = trainer_settings(job, overlap)
         for b, p in zip(batches, plans, strict=True):
             trainer.run_iteration(b, p)
     for _ in range(job["reps"]):  # interleaved: a slow spell of the machine hits every variant alike
         for name, plans, overlap in variants:
-            trainer.settings = dataclasses.replace(settings, overlap=overlap)
+            trainer.settings = trainer_settings(job, overlap)
             rows = [trainer.run_iteration(b, p) for b, p in zip(batches, plans, strict=True)]
             out["tokens_per_s"][name].append(sum(r.tokens for r in rows) / sum(r.iteration_s for r in rows))
             out["exposed_s"][name].append(statistics.fmean(r.exchange_exposed_s for r in rows))

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hydraulis.checkpoints.manifest import DEFAULT_KEEP
 from hydraulis.errors import HydraulisError
 from hydraulis.optim import AdamWSettings, OptimSettings
+from hydraulis.settings import DEFAULT_KEEP
 from hydraulis.specs import MODELS
 from hydraulis.training.config import RunConfig, default_text, load_config, parse_config, start_notes
 

@@ -146,16 +146,25 @@ def test_steps_over_the_memory_budget_are_marked_counted_and_warned_once(tmp_pat
 
     pytest.importorskip("torch")
     from hydraulis.cost import load_cost_model
+    from hydraulis.data.sampler import TokenBudgetSampler
     from hydraulis.planner.pool import parse_pool
     from hydraulis.runtime.trainer import StepMetrics
     from hydraulis.specs import ClusterSpec, get_model
     from hydraulis.training.config import parse_config
-    from hydraulis.training.job import Job
+    from hydraulis.training.job import trainer_settings
+    from hydraulis.training.job_cost import for_job
     from hydraulis.training.run_log import RunLog
+    from hydraulis.training.settings import DataSettings, Invocation, RunSettings
 
-    config = parse_config({"parallel": {"pool": "4x(tp1,pp1)", "memory_per_rank": "40MiB"}})
+    config = parse_config({"parallel": {"pool": "4x(tp1,pp1)", "memory_per_rank": "40MiB"},
+                           "train": {"steps": 3}})
     pool = parse_pool("4x(tp1,pp1)", ClusterSpec(4))
-    job = Job(config, get_model("tiny"), load_cost_model("tiny@cpu-measured"), pool, 4, "", "bytes", str(tmp_path), 3)
+    cost = for_job(config, load_cost_model("tiny@cpu-measured"))  # the budget in it, as a job's
+    job = RunSettings(
+        trainer=trainer_settings(config, get_model("tiny"), tuple(pool), cost),
+        data=DataSettings(corpus_path="", tokenizer="bytes", sampler=TokenBudgetSampler([4], 16, 8), max_len=8),
+        invocation=Invocation(out=str(tmp_path)), world=4, config_toml=config.to_toml(),
+    )
     log = RunLog(job)
     for step, peak in enumerate((30 << 20, 45 << 20, 41 << 20)):
         log.step(StepMetrics(step, 5.0, 100, 2, "4x(tp1,pp1)", 0, False, 0.1, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0, 1e-3,

@@ -352,8 +352,8 @@ def test_the_example_config_prepares_with_a_jsonl_corpus_and_the_checkpoint_toke
     data["parallel"] = {"pool": "1x(tp1,pp1)", "profile": "@cpu"}
     said: list[str] = []
     job = prepare(parse_config(data), nproc=1, out=str(tmp_path / "run"), steps=1, resume=False, log=said.append)
-    assert job.tokenizer == str(run["hf"])
-    built = open_corpus(job.corpus_path)
+    assert job.data.tokenizer == str(run["hf"])
+    built = open_corpus(job.data.corpus_path)
     assert built.manifest.tokenizer == get_tokenizer(str(run["hf"])).name and built.manifest.masked
     assert built.manifest.target_tokens == open_corpus(run["corpus"]).manifest.target_tokens
     assert any("sft.jsonl: built into the cache once" in line for line in said), said

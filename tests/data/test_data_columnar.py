@@ -142,8 +142,8 @@ def test_a_jsonl_corpus_in_the_config_is_built_once_and_reused(tmp_path: Path) -
     first = run("a")
     assert len(said) == 1 and "data.jsonl: built into the cache once (60 documents" in said[0]
     second = run("b")
-    assert said[1] == f"{src}: using its build in the cache ({first.corpus_path})"
-    assert second.corpus_path == first.corpus_path
+    assert said[1] == f"{src}: using its build in the cache ({first.data.corpus_path})"
+    assert second.data.corpus_path == first.data.corpus_path
     src.write_text(src.read_text() + json.dumps({"text": "one more"}) + "\n")
     third = run("c")
-    assert "built into the cache once (61 documents" in said[2] and third.corpus_path != first.corpus_path
+    assert "built into the cache once (61 documents" in said[2] and third.data.corpus_path != first.data.corpus_path

@@ -111,7 +111,7 @@ def test_train_checks_the_tokenizer_before_any_rank(tok_dir: Path, tmp_path: Pat
     corpus = tmp_path / "c"
     build_corpus(SAMPLES * 20, corpus, str(tok_dir), source="test")
     job = _prepare(tmp_path, corpus=str(corpus), tokenizer=str(tok_dir))  # the tiny model's 512 ids hold 400
-    assert job.tokenizer == str(tok_dir)
+    assert job.data.tokenizer == str(tok_dir)
     big = train_bpe(tmp_path / "big", vocab_size=600)
     assert get_tokenizer(str(big)).vocab_size > 512
     with pytest.raises(
@@ -150,7 +150,7 @@ def test_auto_is_the_checkpoint_tokenizer(tok_dir: Path, tmp_path: Path) -> None
         )
         return prepare(cfg, nproc=1, out=str(tmp_path / "run"), steps=1, resume=False)
 
-    assert run().tokenizer == str(hf)  # auto: the checkpoint's own, the same files as the corpus's
+    assert run().data.tokenizer == str(hf)  # auto: the checkpoint's own, the same files as the corpus's
     other = train_bpe(tmp_path / "other", vocab_size=380)
     with pytest.raises(HydraulisError, match=r"data.tokenizer .*other .* is not the tokenizer of model.init_from"):
         run(tokenizer=str(other))

@@ -38,6 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hydraulis.cost", "hydraulis.data"),
     ("hydraulis.planner",),
     ("hydraulis.baselines",),
+    ("hydraulis.settings",),  # what a trainer runs, resolved before any rank starts (torch-free)
     # The runtime's sub-packages, each a layer: collectives and groups; the model; the optimizer's layout and
     # exchange; the runtime's own modules (pipeline, iteration, trainer, check, ...) with its meters, which measure
     # the step the trainer runs and the trainer reads (one layer, no circle of modules); storage.
@@ -50,7 +51,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hydraulis.bench", "hydraulis.report", "hydraulis.training"),
     ("hydraulis.cli", "hydraulis.__main__"),
 )
-TORCH_ALLOWED = ("hydraulis.runtime", "hydraulis.training.loop", *CHECKPOINTS_TORCH)
+TORCH_ALLOWED = ("hydraulis.runtime", "hydraulis.training.loop", "hydraulis.training.run", *CHECKPOINTS_TORCH)
 
 
 def _module_name(path: Path) -> str:

@@ -17,7 +17,8 @@ from hydraulis.errors import HydraulisError
 from hydraulis.optim import AdamWSettings, OptimSettings
 from hydraulis.runtime.parallelism.launch import init_distributed
 from hydraulis.runtime.storage.hf_io import init_from
-from hydraulis.runtime.trainer import Trainer, TrainSettings
+from hydraulis.runtime.trainer import Trainer
+from hydraulis.settings import TrainerSettings
 
 SEED = 7
 STEPS = 6
@@ -41,7 +42,7 @@ def make_corpus(path: Path, seed: int = SEED, documents: int = 48) -> Path:
     return path
 
 
-def settings(world: int, pool: tuple[str, ...], model: str = "tiny") -> TrainSettings:
+def settings(world: int, pool: tuple[str, ...], model: str = "tiny") -> TrainerSettings:
     optim = OptimSettings(lr=3e-3, warmup=2, schedule="cosine", adamw=AdamWSettings(weight_decay=0.1, grad_clip=0.5))
     return cpu_settings(world, pool, optim, STEPS, model, seed=SEED)
 
@@ -50,7 +51,7 @@ def make_trainer(world: int, pool: tuple[str, ...], corpus_dir: Path, model: str
     env = init_distributed("cpu")
     corpus = open_corpus(corpus_dir)
     sampler = TokenBudgetSampler(corpus.lengths, TOKENS_PER_BATCH, max_len=MAX_LEN, seed=SEED)
-    return Trainer(settings(world, pool, model), corpus, sampler, env)
+    return Trainer(settings=settings(world, pool, model), corpus=corpus, sampler=sampler, env=env)
 
 
 def first_run(rank: int, world: int, corpus_dir: Path, ckpt: Path, other: Path, interleaved: Path) -> dict:

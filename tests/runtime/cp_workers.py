@@ -16,7 +16,8 @@ from hydraulis.runtime import StageModel, build_replica_groups, count_targets
 from hydraulis.runtime.parallelism.batch import TokenDocuments, concatenate_cp_shard
 from hydraulis.runtime.parallelism.launch import init_distributed
 from hydraulis.runtime.pipeline.step import train_step
-from hydraulis.runtime.trainer import Trainer, TrainSettings
+from hydraulis.runtime.trainer import Trainer
+from hydraulis.settings import TrainerSettings
 from hydraulis.specs import MODELS, ModelSpec
 
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -102,19 +103,19 @@ def cp_train_sampler(docs: list[np.ndarray]) -> TokenBudgetSampler:
     return TokenBudgetSampler([len(d) for d in docs], tokens_per_batch=800, max_len=LONG_DOC, seed=7)
 
 
-def cp_train_settings() -> TrainSettings:
+def cp_train_settings() -> TrainerSettings:
     # cp4 alone holds the long document; batches without it may take cp2 next to two tp1pp1 replicas
     pool = ("1x(tp1,pp1,cp4)", "1x(tp1,pp1,cp2) + 2x(tp1,pp1)")
     optim = OptimSettings(lr=1e-3, warmup=1, schedule="cosine", adamw=AdamWSettings(eps=1e-6, grad_clip=0.5))
     return cpu_settings(4, pool, optim, CP_TRAIN_STEPS, cost=cp_train_cost(), seed=3)
 
 
-def train_cp(rank: int, world: int, s: TrainSettings) -> dict:
+def train_cp(rank: int, world: int, s: TrainerSettings) -> dict:
     """The trainer on 4 ranks, planning every step itself; rank 0's metrics and every owner's master range."""
     env = init_distributed("cpu")
     docs = cp_train_corpus(s.model.vocab)
-    trainer = Trainer(s, TokenDocuments(docs), cp_train_sampler(docs), env)
-    metrics = [trainer.step().to_dict() for _ in range(s.steps)]
+    trainer = Trainer(settings=s, corpus=TokenDocuments(docs), sampler=cp_train_sampler(docs), env=env)
+    metrics = [trainer.step().to_dict() for _ in range(s.train.steps)]
     trainer.close()
     return {"metrics": metrics, "master": trainer.optimizer.master.clone()}
 

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
-from train_workers import corpus, cpu_settings, sampler
+from train_workers import corpus, cpu_settings, sampler, varied
 
 from hydraulis.planner.plan import IterationPlan
 from hydraulis.runtime.parallelism import collectives, groups
 from hydraulis.runtime.parallelism.batch import TokenDocuments
 from hydraulis.runtime.parallelism.launch import init_distributed
-from hydraulis.runtime.trainer import Trainer, TrainSettings
+from hydraulis.runtime.trainer import Trainer
+from hydraulis.settings import TrainerSettings
 
 
 def timeout_s(group) -> float:
@@ -21,7 +20,7 @@ def timeout_s(group) -> float:
 
 
 def train_variants(
-    rank: int, world: int, s: TrainSettings, plans: list[IterationPlan], variants: list[dict]
+    rank: int, world: int, s: TrainerSettings, plans: list[IterationPlan], variants: list[dict]
 ) -> list[dict]:
     """The same switching steps once per variant of the settings: final owned master, losses, exchange peaks."""
     env = init_distributed("cpu")
@@ -29,16 +28,19 @@ def train_variants(
     for changes in variants:
         docs = corpus(s.model.vocab)
         smp = sampler(docs)
-        trainer = Trainer(dataclasses.replace(s, **changes), TokenDocuments(docs), smp, env)
+        trainer = Trainer(settings=varied(s, **changes), corpus=TokenDocuments(docs), sampler=smp, env=env)
         metrics, early, buffers = [], [], []
         for plan in plans:
             metrics.append(trainer.run_iteration(smp.next_batch(), plan))
+            if len(metrics) == 1:  # after the first step, as the run does (training/run.py)
+                trainer.settle_timeouts()
             ex = trainer.meter.runs[-1].exchange
             buffers.append(ex.buffer_bytes)
             early.append((ex.gather.early, ex.reduce.early, len(trainer.deployments.parts[
-                trainer.settings.pool.index(plan.deployment)].exchange_plan.rounds)))
+                trainer.settings.parallel.pool.index(plan.deployment)].exchange_plan.rounds)))
         trainer.close()
-        plan_rounds = {str(d): len(trainer.optimizer.exchange_plan(d, s.sequence_parallel).rounds) for d in s.pool}
+        plan_rounds = {str(d): len(trainer.optimizer.exchange_plan(d, s.parallel.sequence_parallel).rounds)
+                       for d in s.parallel.pool}
         out.append({
             "master": trainer.optimizer.master.clone(),
             "losses": [m.loss for m in metrics],
@@ -69,7 +71,7 @@ def train_small(rank: int, world: int, steps: int, bucket_bytes: int) -> list[di
         world, ["4x(tp1,pp1)"], OptimSettings(lr=1e-3, warmup=1), steps, "small", exchange_bucket_bytes=bucket_bytes,
         memory_every=1,  # every step measured, not the CPU default's sample
     )
-    trainer = Trainer(s, TokenDocuments(docs), smp, env)
+    trainer = Trainer(settings=s, corpus=TokenDocuments(docs), sampler=smp, env=env)
     metrics = [trainer.step().to_dict() for _ in range(steps)]
     trainer.close()
     return metrics

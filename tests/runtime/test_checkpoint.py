@@ -199,16 +199,16 @@ def test_a_resume_keeps_the_deployments_that_missed_a_batch():
     lengths = [len(d) for d in corpus(s.model.vocab)]
 
     def feed(pool):
-        return PlanFeed(TokenBudgetSampler(lengths, 700, 160, seed=1), pool, s.cost, 0, 4, None)
+        return PlanFeed(TokenBudgetSampler(lengths, 700, 160, seed=1), pool, s.parallel.cost, 0, 4, None)
 
-    before = feed(s.pool)
+    before = feed(s.parallel.pool)
     before.planner.missed.add(1)
     state = before.state_dict()
-    assert state["missed"] == [str(s.pool[1])]
-    after = feed(s.pool[::-1])
+    assert state["missed"] == [str(s.parallel.pool[1])]
+    after = feed(s.parallel.pool[::-1])
     after.load_state_dict(state)
-    assert after.planner.missed == {len(s.pool) - 2}
-    worker = PlanFeed(TokenBudgetSampler(lengths, 700, 160, seed=1), s.pool, s.cost, 1, 4, None)
+    assert after.planner.missed == {len(s.parallel.pool) - 2}
+    worker = PlanFeed(TokenBudgetSampler(lengths, 700, 160, seed=1), s.parallel.pool, s.parallel.cost, 1, 4, None)
     assert worker.planner is None and worker.state_dict()["missed"] == []  # only rank 0 plans
     worker.load_state_dict(state)
     assert worker.step == state["step"]

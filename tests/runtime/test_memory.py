@@ -122,8 +122,8 @@ def test_a_census_waits_for_the_planner_planning_in_the_background(quiet=None):
     from hydraulis.runtime.plan_feed import PlanFeed
 
     s = settings()
-    feed = PlanFeed(TokenBudgetSampler([len(d) for d in corpus(s.model.vocab)], 700, 160, seed=1), s.pool, s.cost,
-                    0, 4, None)
+    feed = PlanFeed(TokenBudgetSampler([len(d) for d in corpus(s.model.vocab)], 700, 160, seed=1), s.parallel.pool,
+                    s.parallel.cost, 0, 4, None)
     feed.world = 1  # its broadcast is then local: this process plans and reads its own plans
     schedule = feed.planner.schedule
 

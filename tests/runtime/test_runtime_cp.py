@@ -230,10 +230,11 @@ def test_cp_training_matches_single_process():
     from train_workers import reference
 
     s = cp_workers.cp_train_settings()
-    assert s.cost.cap(ParallelConfig(1, 1), 4) * 4 == cp_workers.LONG_DOC <= s.cost.cap(ParallelConfig(1, 1, 4), 4)
+    assert (s.parallel.cost.cap(ParallelConfig(1, 1), 4) * 4 == cp_workers.LONG_DOC
+            <= s.parallel.cost.cap(ParallelConfig(1, 1, 4), 4))
     docs = cp_workers.cp_train_corpus(s.model.vocab)
     smp = cp_workers.cp_train_sampler(docs)
-    assert any(cp_workers.LONG_DOC in smp.next_batch().lengths for _ in range(s.steps))
+    assert any(cp_workers.LONG_DOC in smp.next_batch().lengths for _ in range(s.train.steps))
     results = run_workers(cp_workers.train_cp, 4, s, deadline_s=150)
     ref_losses, ref_params = reference(s, docs, cp_workers.cp_train_sampler(docs))
     got = [m["loss"] for m in results[0]["metrics"]]

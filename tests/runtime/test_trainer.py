@@ -67,8 +67,8 @@ def test_phased_steps_run_their_phases_and_measure_the_switches(run):
     for step, deployments in PHASED.items():
         m = metrics[step]
         assert m["phases"] == len(deployments) == len(plans[step].phases)
-        assert m["deployment"] == " | ".join(str(s.pool[k]) for k in deployments)
-        assert len(m["micro_batches"]) == sum(len(s.pool[k].replicas) for k in deployments)
+        assert m["deployment"] == " | ".join(str(s.parallel.pool[k]) for k in deployments)
+        assert len(m["micro_batches"]) == sum(len(s.parallel.pool[k].replicas) for k in deployments)
         assert m["phase_switch_s"] > 0 and m["phase_switch_predicted_s"] > 0
     single = [m for k, m in enumerate(metrics) if k not in PHASED]
     assert all(m["phase_switch_s"] == 0 and m["phases"] == 1 for m in single)
@@ -143,7 +143,7 @@ def test_final_parameters_match_single_process(run):
         # noise level may move by a few ulps more on one side; the tensor as a whole must agree to 1e-5.
         worst[name] = float((got[name] - ref).norm() / ref.norm())
     assert max(worst.values()) < 1e-5, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
-    initial = ShardLayout(s.model, 1).full_state_dict(s.seed)
+    initial = ShardLayout(s.model, 1).full_state_dict(s.train.seed)
     moved = [float((got[n] - initial[n]).abs().max()) for n in params]
     assert min(moved) > 1e-3  # every tensor really trained: this compares two runs, not two initial models
 
@@ -154,7 +154,7 @@ def shard_elements(s, tp: int, pp: int, stage: int) -> tuple[int, int]:
     Norm weights are replicated over TP; without SP their gradients are equal on every TP rank, so
     each sends 1/tp; with SP each rank's is partial, so each sends all of it and the owner sums.
     """
-    sp = s.sequence_parallel and tp > 1
+    sp = s.parallel.sequence_parallel and tp > 1
     m = s.model
     kv_dim = m.kv_heads * m.head_dim
     kv_split = m.kv_heads % tp == 0
@@ -176,7 +176,7 @@ def shard_elements(s, tp: int, pp: int, stage: int) -> tuple[int, int]:
 def test_exchanges_move_exactly_each_ranks_shards(run):
     s, _, results, *_ = run
     total = ShardLayout(s.model, 1).total
-    for deployment in s.pool:
+    for deployment in s.parallel.pool:
         key = str(deployment)
         for replica in deployment.replicas:
             g = replica.config
@@ -190,7 +190,7 @@ def test_exchanges_move_exactly_each_ranks_shards(run):
             # Every replica contributes each owned gradient element exactly once (under SP, the TP ranks
             # of a replica each send their partial norm gradients, which the owner sums).
             received, once = r["splits"][key]["reduce_recv"], len(deployment.replicas) * owned
-            assert received == once if not s.sequence_parallel else received >= once
+            assert received == once if not s.parallel.sequence_parallel else received >= once
             assert r["traffic"][key]["gather_recv"] <= r["splits"][key]["gather_recv"]
         assert sum(r["splits"][key]["gather_send"] for r in results) == sum(
             r["splits"][key]["gather_recv"] for r in results

@@ -23,7 +23,8 @@ from hydraulis.runtime import IGNORE_INDEX, StageModel, concatenate_documents, c
 from hydraulis.runtime.optimizer.layout import ShardLayout
 from hydraulis.runtime.parallelism.batch import TokenDocuments
 from hydraulis.runtime.parallelism.launch import init_distributed
-from hydraulis.runtime.trainer import Trainer, TrainSettings
+from hydraulis.runtime.trainer import Trainer
+from hydraulis.settings import ParallelSettings, TrainerSettings, TrainSettings
 from hydraulis.specs import MODELS, ClusterSpec, get_device
 
 SEED = 5
@@ -61,22 +62,38 @@ def cpu_settings(
     model: str = "tiny",
     cost: CostModel | None = None,
     **fields: Any,
-) -> TrainSettings:
-    """The workers' TrainSettings: a model preset, its pool parsed for `world` ranks on one node, the given cost
-    model (the analytic CPU one by default); `fields` sets the rest."""
+) -> TrainerSettings:
+    """The workers' settings: a model preset, its pool parsed for `world` ranks on one node, the given cost
+    model (the analytic CPU one by default); `fields` sets the rest (ParallelSettings.of's or TrainSettings')."""
     spec = MODELS[model]
     cluster = ClusterSpec(world, gpus_per_node=world)
-    return TrainSettings(
+    parallel = {k: fields.pop(k) for k in PARALLEL_FIELDS if k in fields}
+    return TrainerSettings(
         model=spec,
-        pool=tuple(Deployment.parse(t, cluster) for t in pool),
-        cost=cost if cost is not None else AnalyticCostModel(spec, get_device("cpu")),
+        parallel=ParallelSettings.of(
+            tuple(Deployment.parse(t, cluster) for t in pool),
+            cost if cost is not None else AnalyticCostModel(spec, get_device("cpu")),
+            **parallel,
+        ),
         optim=optim,
-        steps=steps,
-        **fields,
+        train=TrainSettings(steps=steps, **fields),
     )
 
 
-def settings(model: str = "tiny", sequence_parallel: bool = False) -> TrainSettings:
+PARALLEL_FIELDS = ("overlap", "sequence_parallel", "exchange_bucket_bytes", "memory_budget_bytes")
+
+
+def varied(s: TrainerSettings, **changes: Any) -> TrainerSettings:
+    """`s` with some of its values changed, resolved as a job's are (ParallelSettings.of: `overlap` in the cost)."""
+    p = s.parallel
+    now = {"overlap": p.overlap, "sequence_parallel": p.sequence_parallel,
+           "exchange_bucket_bytes": p.exchange_bucket_bytes, "memory_budget_bytes": p.memory_budget_bytes}
+    parallel = {**now, **{k: changes.pop(k) for k in PARALLEL_FIELDS if k in changes}}
+    return dataclasses.replace(s, parallel=ParallelSettings.of(p.pool, p.cost, **parallel),
+                               train=dataclasses.replace(s.train, **changes))
+
+
+def settings(model: str = "tiny", sequence_parallel: bool = False) -> TrainerSettings:
     """eps 1e-6 keeps AdamW well conditioned: with 1e-8, elements whose gradient is at fp32 rounding
     level (sums that cancel) take +-lr steps whose sign depends on summation order, and the two runs
     drift apart by about 1e-5 for reasons that have nothing to do with the distribution."""
@@ -87,14 +104,14 @@ def settings(model: str = "tiny", sequence_parallel: bool = False) -> TrainSetti
     )
 
 
-def crafted_plans(s: TrainSettings) -> list[IterationPlan]:
+def crafted_plans(s: TrainerSettings) -> list[IterationPlan]:
     """Plans of the first CRAFTED batches on chosen deployments, one leaving a replica idle."""
     docs = corpus(s.model.vocab)
     smp = sampler(docs)
-    planner = Planner(s.cost, WORLD, s.pool)
+    planner = Planner(s.parallel.cost, WORLD, s.parallel.pool)
     plans = []
     for step, k in enumerate(CRAFTED_DEPLOYMENTS):
-        plan = planner.plan_on(smp.next_batch().lengths, s.pool[k], step)
+        plan = planner.plan_on(smp.next_batch().lengths, s.parallel.pool[k], step)
         if step == IDLE_STEP:
             r = plan.replicas
             moved = type(r[0])(r[1].micro_batches + r[2].micro_batches)
@@ -110,9 +127,9 @@ def crafted_plans(s: TrainSettings) -> list[IterationPlan]:
     return plans
 
 
-def crafted_schedules(s: TrainSettings) -> list[Schedule]:
+def crafted_schedules(s: TrainerSettings) -> list[Schedule]:
     """The crafted plans, the PHASED steps instead cut into phases, shortest sequences first."""
-    planner = Planner(s.cost, WORLD, s.pool)
+    planner = Planner(s.parallel.cost, WORLD, s.parallel.pool)
     return [
         phased(planner, np.asarray(plan.lengths), step, PHASED[step]) if step in PHASED else Schedule.single(plan)
         for step, plan in enumerate(crafted_plans(s))
@@ -128,11 +145,11 @@ def phased(planner: Planner, lengths: np.ndarray, step: int, deployments: tuple[
                     switch, phases_time(plans, planner.cost, switch), 0.0)
 
 
-def train(rank: int, world: int, s: TrainSettings, plans: list[Schedule]) -> dict:
+def train(rank: int, world: int, s: TrainerSettings, plans: list[Schedule]) -> dict:
     env = init_distributed("cpu")
     docs = corpus(s.model.vocab)
     smp = sampler(docs)
-    trainer = Trainer(s, TokenDocuments(docs), smp, env)
+    trainer = Trainer(settings=s, corpus=TokenDocuments(docs), sampler=smp, env=env)
     metrics = [trainer.run_schedule(smp.next_batch(), plan) for plan in plans]
     metrics += [trainer.step() for _ in range(2)]
     # The measured comparison runs real iterations mid-run: training must go on as if it had not.
@@ -140,15 +157,15 @@ def train(rank: int, world: int, s: TrainSettings, plans: list[Schedule]) -> dic
     metrics += [trainer.step() for _ in range(STEPS - len(metrics))]
     trainer.close()
     opt = trainer.optimizer
-    traffic = {str(d): opt.exchange_plan(d, s.sequence_parallel).traffic() for d in s.pool}
+    traffic = {str(d): opt.exchange_plan(d, s.parallel.sequence_parallel).traffic() for d in s.parallel.pool}
     splits = {
         str(d): {
-            "gather_recv": sum(opt.exchange_plan(d, s.sequence_parallel).gather_recv_splits),
-            "gather_send": sum(opt.exchange_plan(d, s.sequence_parallel).gather_send_splits),
-            "reduce_send": sum(opt.exchange_plan(d, s.sequence_parallel).reduce_send_splits),
-            "reduce_recv": sum(opt.exchange_plan(d, s.sequence_parallel).reduce_recv_splits),
+            "gather_recv": sum(opt.exchange_plan(d, s.parallel.sequence_parallel).gather_recv_splits),
+            "gather_send": sum(opt.exchange_plan(d, s.parallel.sequence_parallel).gather_send_splits),
+            "reduce_send": sum(opt.exchange_plan(d, s.parallel.sequence_parallel).reduce_send_splits),
+            "reduce_recv": sum(opt.exchange_plan(d, s.parallel.sequence_parallel).reduce_recv_splits),
         }
-        for d in s.pool
+        for d in s.parallel.pool
     }
     return {
         "metrics": [m.to_dict() for m in metrics],
@@ -161,7 +178,7 @@ def train(rank: int, world: int, s: TrainSettings, plans: list[Schedule]) -> dic
 
 
 def reference(
-    s: TrainSettings,
+    s: TrainerSettings,
     docs: list[np.ndarray] | None = None,
     smp: TokenBudgetSampler | None = None,
     norms: list[float] | None = None,
@@ -174,7 +191,7 @@ def reference(
     docs = corpus(spec.vocab) if docs is None else docs
     smp = sampler(docs) if smp is None else smp
     model = StageModel(spec)
-    model.load_full_state_dict(ShardLayout(spec, 1).full_state_dict(s.seed))
+    model.load_full_state_dict(ShardLayout(spec, 1).full_state_dict(s.train.seed))
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     a = s.optim.adamw
@@ -186,7 +203,7 @@ def reference(
         foreach=False,
     )
     losses = []
-    for step in range(s.steps):
+    for step in range(s.train.steps):
         batch = smp.next_batch()
         total = count_targets(batch.lengths)
         loss = torch.zeros(())
@@ -201,7 +218,7 @@ def reference(
         if norms is not None:
             norms.append(float(norm))
         for group in opt.param_groups:
-            group["lr"] = s.optim.lr_at(step, s.steps)
+            group["lr"] = s.optim.lr_at(step, s.train.steps)
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))

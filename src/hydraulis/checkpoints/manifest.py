@@ -28,7 +28,6 @@ MANIFEST_FILE = "manifest.json"
 OPTIM_DIR = "optimizer"
 OPTIM_KEYS = ("master", "exp_avg", "exp_avg_sq")
 STEP_DIR = re.compile(r"step-(\d+)")
-DEFAULT_KEEP = 2  # the config's [train] keep_checkpoints default (config.TrainSection)
 
 
 def step_dir_name(step: int) -> str:

@@ -49,7 +49,6 @@ import torch.distributed as dist
 
 from hydraulis.checkpoints.manifest import (
     CHECKPOINT_SCHEMA,
-    DEFAULT_KEEP,
     MANIFEST_FILE,
     OPTIM_DIR,
     OPTIM_KEYS,
@@ -67,6 +66,7 @@ from hydraulis.checkpoints.rng import rng_state, set_rng_state
 from hydraulis.errors import HydraulisError
 from hydraulis.files import read_json_object, replace_directory, sha256_file, write_json_atomic
 from hydraulis.progress import Log, aside
+from hydraulis.settings import DEFAULT_KEEP
 
 if TYPE_CHECKING:
     from hydraulis.cost.refit import RefitState
@@ -75,7 +75,8 @@ if TYPE_CHECKING:
     from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
     from hydraulis.runtime.parallelism.launch import DistEnv
     from hydraulis.runtime.plan_feed import PlanFeed
-    from hydraulis.runtime.trainer import Trainer, TrainSettings
+    from hydraulis.runtime.trainer import Trainer
+    from hydraulis.settings import TrainerSettings
 
 T = TypeVar("T")
 
@@ -88,7 +89,7 @@ class Saved:
 
     feed: PlanFeed
     optimizer: ShardedOptimizer
-    settings: TrainSettings  # the model, the optimizer's and LR schedule's settings, seed, dtype and pool
+    settings: TrainerSettings  # the model, the optimizer's and LR schedule's settings, seed, dtype and pool
     corpus: CorpusManifest | None  # the training corpus's (None: documents held in memory)
     env: DistEnv
     control: dist.ProcessGroup | None  # the CPU group the ranks agree on
@@ -231,9 +232,9 @@ def _manifest(
         "optimizer": {"step": state["optimizer"]["step"], "adamw": asdict(s.optim.adamw)},
         "sampler": state["sampler"].to_dict(),
         "schedule": state["schedule"],
-        "seed": s.seed,
-        "dtype": s.dtype,
-        "pool": [{"text": str(d), "replicas": d.to_rows()} for d in s.pool],
+        "seed": s.train.seed,
+        "dtype": s.train.dtype,
+        "pool": [{"text": str(d), "replicas": d.to_rows()} for d in s.parallel.pool],
         "missed": state["missed"],  # deployments that could not hold some batch of the run (rank 0's planner)
         "refit": None if refit is None else refit.to_json(),
         "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -48,19 +48,20 @@ def train(
     if change_config and not resume:
         raise HydraulisError("--change-config needs --resume: a new run has no config to change")
     try:
-        job = prepare(
-            load_config(config), nproc, out, steps, resume, max_restarts, stop_at=stop_at,
-            change_schedule=change_schedule, change_config=change_config,
+        run_config = load_config(config)
+        settings = prepare(
+            run_config, nproc=nproc, out=out, steps=steps, resume=resume, max_restarts=max_restarts,
+            stop_at=stop_at, change_schedule=change_schedule, change_config=change_config,
         )
     except HydraulisError as exc:
         raise HydraulisError(naming_file(str(exc), config)) from None
     if torchrun_world() is None or os.environ.get("RANK") == "0":  # where a default matters: one line each
-        transcribe(job.transcript)  # the lines said so far, and every later one
-        interrupt.keep(f"{job.transcript} (the run's log)")
-        for line in start_notes(job.config, job.steps):
+        transcribe(settings.transcript)  # the lines said so far, and every later one
+        interrupt.keep(f"{settings.transcript} (the run's log)")
+        for line in start_notes(run_config, settings.steps):
             say(line)
-    if job.world > 1 and torchrun_world() is None:
+    if settings.world > 1 and torchrun_world() is None:
         rank_server.start()  # its import of torch runs beside the launcher's, next
     from hydraulis.training.loop import run  # torch only now: bad input above fails fast, without it
 
-    run(job)
+    run(settings)

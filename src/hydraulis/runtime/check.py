@@ -37,6 +37,7 @@ from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.planner import Planner
 from hydraulis.runtime.metering import machine
 from hydraulis.runtime.parallelism.batch import TokenDocuments
+from hydraulis.settings import ParallelSettings, TrainerSettings, TrainSettings
 from hydraulis.specs import DTYPE_BYTES, ClusterSpec, ModelSpec
 
 # bf16 keeps 8 significant bits (relative rounding 2^-9): errors of a few roundings pass, a wrong mask,
@@ -156,7 +157,7 @@ def check_step(
     """The Trainer's iteration on one rank, 1x(tp1,pp1): time, MFU, peak memory against the model (and the budget);
     and the collectives of its process group (`machine.collectives`)."""
     from hydraulis.runtime.parallelism.launch import init_distributed
-    from hydraulis.runtime.trainer import Trainer, TrainSettings
+    from hydraulis.runtime.trainer import Trainer
 
     spec, peak, peak_source = machine.device_spec(device)
     config = ParallelConfig(1, 1)
@@ -168,11 +169,11 @@ def check_step(
         within = " within --memory-per-rank" if budget is not None else ""
         raise HydraulisError(f"model {model.name} does not fit one {spec.name}{within} by the memory model")
     corpus, sampler = _workload(model, tokens, max_len)
-    # memory_every=1: every step's memory measured (CUDA always is; CPU samples otherwise)
-    settings = TrainSettings(model, pool, cost, OptimSettings(lr=1e-4, warmup=1), WARMUP + steps, dtype=dtype,
-                             memory_every=1, memory_budget_bytes=budget)  # fmt: skip
+    train = TrainSettings(steps=WARMUP + steps, dtype=dtype, memory_every=1)  # every step measured (CPU samples)
+    settings = TrainerSettings(model=model, parallel=ParallelSettings.of(pool, cost),  # the budget: the cost model's
+                               optim=OptimSettings(lr=1e-4, warmup=1), train=train)
     env = init_distributed(device.type)
-    trainer = Trainer(settings, TokenDocuments(corpus), sampler, env)
+    trainer = Trainer(settings=settings, corpus=TokenDocuments(corpus), sampler=sampler, env=env)
     planner = Planner(cost, 1, pool)
     batches = sampler.batches(WARMUP + steps)
     plans = [planner.plan(b.lengths, i) for i, b in enumerate(batches)]
@@ -181,6 +182,8 @@ def check_step(
     try:
         for i, (batch, plan) in enumerate(zip(batches, plans, strict=True)):
             metrics, seconds = _timed(device, lambda b=batch, p=plan: trainer.run_iteration(b, p))
+            if i == 0:  # as a run does after its first step (training/run.py)
+                trainer.settle_timeouts()
             losses.append(metrics.loss)
             if i >= WARMUP:
                 times.append(seconds)
@@ -229,7 +232,7 @@ def run_check(
                               "head_dim": head_dim}  # fmt: skip
     report["varlen"] = check_varlen(device)
     report["cp"] = check_cp(device)
-    report["step"] = check_step(device, model, tokens, steps, dtype, budget)
+    report["step"] = check_step(device=device, model=model, tokens=tokens, steps=steps, dtype=dtype, budget=budget)
     report["profiles"] = machine.profiles(device, dtype)
     report["wall_s"] = time.perf_counter() - begin
     backends_work = all(b["works"] for b in report["step"]["collectives"].values())

@@ -65,7 +65,7 @@ class RankDeployment:
         clear_grads(self.model.parameters())
 
 
-class RankPool:
+class BuiltDeployments:
     """Every deployment of the pool, ready to run on this rank; one of them active at a time."""
 
     def __init__(

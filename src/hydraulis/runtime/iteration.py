@@ -27,7 +27,7 @@ import torch
 
 from hydraulis.data.sampler import GlobalBatch
 from hydraulis.planner.plan import IterationPlan, Schedule
-from hydraulis.runtime.deployments import RankDeployment, RankPool
+from hydraulis.runtime.deployments import BuiltDeployments, RankDeployment
 from hydraulis.runtime.divergence import poisoned
 from hydraulis.runtime.optimizer.exchange import Exchange
 from hydraulis.runtime.parallelism.batch import BatchSource
@@ -67,7 +67,7 @@ class PhaseParts:
     """What the phases of an iteration run on: this rank's deployments, the batches' source, and how gradients
     travel to their owners (`reduce_dtype`; beside compute unless `overlap` is off)."""
 
-    pool: RankPool
+    pool: BuiltDeployments
     source: BatchSource
     reduce_dtype: torch.dtype
     overlap: bool

@@ -37,11 +37,14 @@ class PlanFeed:
         self, sampler: TokenBudgetSampler, pool: tuple[Deployment, ...], cost: CostModel, rank: int, world: int,
         control: dist.ProcessGroup | None,
     ) -> None:
-        self.sampler, self.pool, self.world, self.control = sampler, pool, world, control
+        self.sampler = sampler
+        self.pool = pool
+        self.world = world
+        self.control = control
         self.planner = PhasedPlanner(cost, world, pool) if rank == 0 else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner") if rank == 0 else None
         self.step = 0
-        self.last: GlobalBatch | None = None  # the batch last handed out (training/loop.py counts a mixture's sources)
+        self.last: GlobalBatch | None = None  # the batch last handed out (training/run.py counts a mixture's sources)
         self._pending: tuple[GlobalBatch, Future | None] | None = None
         self._planning = threading.Lock()  # held while the planner's thread plans
 

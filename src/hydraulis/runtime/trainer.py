@@ -1,6 +1,6 @@
 """One training step per call: sampler -> planner -> deployment -> 1F1B -> sharded AdamW.
 
-One `Trainer` per rank; the loop that calls it is hydraulis/training/loop.py. Each `step`:
+One `Trainer` per rank; the run that calls it is hydraulis/training/run.py. Each `step`:
 
 1. takes the global batch the sampler drew (every rank draws the same
    batches from the seed, without communicating) and its plan, which rank 0
@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -38,119 +37,105 @@ import torch.distributed as dist
 from hydraulis.cost.memory import RankMemory
 from hydraulis.cost.model import CostModel
 from hydraulis.data.sampler import GlobalBatch, TokenBudgetSampler
-from hydraulis.optim import OptimSettings
-from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.planner.phases import PhasedPlanner
 from hydraulis.planner.plan import IterationPlan, Schedule
-from hydraulis.runtime.deployments import RankPool
+from hydraulis.runtime.deployments import BuiltDeployments
 from hydraulis.runtime.divergence import finite
 from hydraulis.runtime.iteration import PhaseParts, loss_part, run_phases
 from hydraulis.runtime.metering.compare import Comparison, compare
-from hydraulis.runtime.metering.step_memory import CPU_SAMPLE_EVERY, StepMemory
+from hydraulis.runtime.metering.step_memory import StepMemory
 from hydraulis.runtime.metering.step_meter import StepMeter, StepMetrics, StepOutcome, clock
 from hydraulis.runtime.optimizer.layout import ShardLayout
 from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
 from hydraulis.runtime.parallelism.batch import BatchSource, Corpus
 from hydraulis.runtime.parallelism.groups import built_groups
 from hydraulis.runtime.parallelism.launch import DTYPES, DistEnv, init_distributed
-from hydraulis.runtime.parallelism.timeouts import DEFAULT_TIMEOUT_S, first_step_timeout, settle_timeouts
+from hydraulis.runtime.parallelism.timeouts import first_step_timeout, settle_timeouts
 from hydraulis.runtime.plan_feed import PlanFeed
-from hydraulis.specs import ModelSpec
+from hydraulis.settings import TrainerSettings
 
 
 @dataclass(frozen=True)
-class TrainSettings:
-    """The runtime's settings, one value each (validated in training/config.py; the loop makes them from the job).
+class StepSums:
+    """The job-wide numbers of a step, read back in one sync: the loss sum over every replica and CP rank, and the
+    global gradient norm (they ride in one all-reduce: ShardedOptimizer.global_norm)."""
 
-    The cost model plans and predicts what these settings run: its exchange bucket, memory budget, sequence
-    parallelism and recompute set (made the job's once, training/job_cost.py) are the runtime's unless given here
-    (tests, benchmarks), and `overlap` goes into it here."""
+    loss_sum: float
+    grad_norm: float
 
-    model: ModelSpec
-    pool: tuple[Deployment, ...]
-    cost: CostModel
-    optim: OptimSettings
-    steps: int
-    seed: int = 1
-    dtype: str = "fp32"
-    sequence_parallel: bool | None = None  # None: the cost model's
-    compare_steps: int = 0  # the last batches kept for `Trainer.compare`
-    exchange_bucket_bytes: int | None = None  # the most bytes one exchange buffer holds; None: the cost model's
-    reduce_dtype: str = "fp32"  # what gradients travel in to their owners (summed in fp32 there)
-    timeout_s: float = DEFAULT_TIMEOUT_S  # process-group timeout after the first step (parallelism/timeouts.py)
-    memory_every: int = CPU_SAMPLE_EVERY  # on CPU, measure memory every this many steps (step_memory.py)
-    # [parallel] memory_per_rank: each rank's measured peak is checked; None: the cost model's (None without one)
-    memory_budget_bytes: int | None = None
-    overlap: bool = True  # gather and reduce beside compute (runtime/optimizer/exchange.py)
-
-    def __post_init__(self) -> None:
-        memory = self.cost.memory
-        given = {"sequence_parallel": memory.sequence_parallel, "exchange_bucket_bytes": memory.exchange_bucket_bytes,
-                 "memory_budget_bytes": memory.budget_bytes}
-        for name, value in given.items():
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, value)
-        object.__setattr__(self, "cost", self.cost.with_overlap(self.overlap))  # replica times as the exchange runs
+    @classmethod
+    def read(cls, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> StepSums:
+        loss, norm = torch.stack([loss_sum.double().cpu(), grad_norm.detach().double().cpu()]).tolist()
+        return cls(loss_sum=loss, grad_norm=norm)
 
     @property
-    def recompute(self) -> frozenset[ParallelConfig]:
-        """The configs whose blocks recompute activations: the cost model's set, whose caps and times count it."""
-        return self.cost.recompute
-
-    def lr_schedule_state(self) -> dict[str, Any]:
-        """What the LR at each step depends on (optim.OptimSettings.lr_schedule_state)."""
-        return self.optim.lr_schedule_state(self.steps)
+    def finite(self) -> bool:
+        """Whether the step may update the weights (the same numbers on every rank: they agree)."""
+        return finite(self.loss_sum, self.grad_norm)
 
 
 class Trainer:
     """One rank's training (see the module docstring), made of these parts; every rank of the job builds one."""
 
-    settings: TrainSettings
+    settings: TrainerSettings
     env: DistEnv
     rank: int
     world: int
     source: BatchSource  # the sampler and the corpus reader
     control: dist.ProcessGroup | None  # plans and figures travel on it (a CPU group: NCCL cannot carry host memory)
     optimizer: ShardedOptimizer  # owns the master weights and AdamW's state; runs the exchange
-    deployments: RankPool  # every deployment of the pool, built at start-up
+    deployments: BuiltDeployments  # every deployment of the pool, built at start-up
     feed: PlanFeed  # the next batch and its schedule, planned on rank 0 a step ahead
     meter: StepMeter  # predictions, memory and metrics
     recent: deque[tuple[GlobalBatch, Schedule]]  # the last batches, for `compare`
 
     def __init__(
         self,
-        settings: TrainSettings,
+        settings: TrainerSettings,
         corpus: Corpus,
         sampler: TokenBudgetSampler,
         env: DistEnv | None = None,
     ) -> None:
         self.settings = settings
         self.env = env or init_distributed()
-        self.rank, self.world = self.env.rank, self.env.world_size
+        self.rank = self.env.rank
+        self.world = self.env.world_size
         self.source = BatchSource(corpus, sampler)
-        timeout = first_step_timeout(settings.timeout_s)
+        model, parallel, train = settings.model, settings.parallel, settings.train
+        timeout = first_step_timeout(train.timeout_s)
         self.control = dist.new_group(backend="gloo", timeout=timeout) if self.env.backend != "gloo" else None
-        dtype = DTYPES[settings.dtype]
-        layout = ShardLayout(settings.model, self.world)
+        dtype = DTYPES[train.dtype]
         self.optimizer = ShardedOptimizer(
-            layout, self.rank, settings.optim.adamw, self.env.device, bucket_bytes=settings.exchange_bucket_bytes,
+            ShardLayout(model, self.world), self.rank, settings.optim.adamw, self.env.device,
+            bucket_bytes=parallel.exchange_bucket_bytes,
             scaled_grad=dtype != torch.float32,  # 2-byte reduced gradients under bf16 (optimizer.OwnedGradient)
         )
-        self.optimizer.init(settings.seed)
-        self.deployments = RankPool(
-            settings.model, settings.pool, self.optimizer, dtype, self.env.device, settings.sequence_parallel,
-            settings.recompute,
-            timeout,
+        self.optimizer.init(train.seed)
+        self.deployments = BuiltDeployments(
+            spec=model, pool=parallel.pool, optimizer=self.optimizer, dtype=dtype, device=self.env.device,
+            sequence_parallel=parallel.sequence_parallel, recompute=parallel.recompute, timeout=timeout,
         )
-        self.feed = PlanFeed(sampler, settings.pool, settings.cost, self.rank, self.world, self.control)
-        memory = StepMemory(self.env.device, settings.memory_every, settings.memory_budget_bytes, self.feed.paused)
-        self.meter = StepMeter(settings.cost, settings.model, self.deployments, self.world, memory, self.control)
-        self.recent = deque(maxlen=settings.compare_steps)
-        self._timeouts_settled = False
+        self.feed = PlanFeed(sampler=sampler, pool=parallel.pool, cost=parallel.cost, rank=self.rank, world=self.world,
+                             control=self.control)
+        memory = StepMemory(self.env.device, train.memory_every, parallel.memory_budget_bytes, self.feed.paused)
+        self.meter = StepMeter(cost=parallel.cost, model=model, pool=self.deployments, world=self.world, memory=memory,
+                               control=self.control)
+        self.recent = deque(maxlen=train.compare_steps)
 
     @property
     def step_index(self) -> int:
         """The step this trainer runs next (the plan feed keeps it: it plans that step's batch)."""
         return self.feed.step
+
+    @property
+    def last_batch(self) -> GlobalBatch | None:
+        """The batch of the last step (a mixture's run log counts its sources)."""
+        return self.feed.last
+
+    @property
+    def planner(self) -> PhasedPlanner | None:
+        """Rank 0's planner (None on the other ranks): the run's summary reads its outlook."""
+        return self.feed.planner
 
     # -- iterations -------------------------------------------------------------------------
     def step(self) -> StepMetrics:
@@ -181,22 +166,22 @@ class Trainer:
         s, step = self.settings, self.step_index
         start = time.perf_counter()
         targets = self.source.targets(batch)
-        parts = PhaseParts(self.deployments, self.source, DTYPES[s.reduce_dtype], s.overlap)
-        runs = run_phases(parts, step, batch, schedule, targets, [r.reduce_after for r in ranks])
+        parts = PhaseParts(self.deployments, self.source, DTYPES[s.train.reduce_dtype], s.parallel.overlap)
+        runs = run_phases(parts=parts, step=step, batch=batch, schedule=schedule, targets=targets,
+                          reduce_after=[r.reduce_after for r in ranks])
         norm, extra = self.optimizer.global_norm(extra=loss_part(runs, self.env.device).reshape(1))
-        lr = s.optim.lr_at(step, s.steps)
-        values = torch.stack([norm.detach().double().cpu(), extra[0].double().cpu()]).tolist()  # one sync per step
-        skipped = not finite(values[1], values[0])  # the same numbers on every rank: they agree
-        self.optimizer.step(lr, norm, skip=skipped)
+        lr = s.optim.lr_at(step, s.train.steps)
+        sums = StepSums.read(extra[0], norm)  # one sync per step
+        self.optimizer.step(lr, norm, skip=not sums.finite)
         finished = clock(self.env.device)  # the iteration ends here; what follows only reports on it
         for r in runs:
             r.part.clear_grads()
-        outcome = StepOutcome(values[1], targets, values[0], lr, skipped, finished - start, planning_unhidden_s)
-        metrics = self.meter.end(step, batch, schedule, indices, runs, outcome)
+        outcome = StepOutcome(
+            loss_sum=sums.loss_sum, targets=targets, grad_norm=sums.grad_norm, lr=lr, skipped=not sums.finite,
+            iteration_s=finished - start, planning_unhidden_s=planning_unhidden_s,
+        )
+        metrics = self.meter.end(step=step, batch=batch, schedule=schedule, indices=indices, runs=runs, outcome=outcome)
         self.feed.step += 1
-        if not self._timeouts_settled:  # the first step is done: every group gets the steady timeout
-            settle_timeouts(self.settings.timeout_s, [*built_groups(), self.control])
-            self._timeouts_settled = True
         return metrics
 
     # -- measured comparison ------------------------------------------------------------------
@@ -207,9 +192,13 @@ class Trainer:
     # -- the online refit ------------------------------------------------------------------------
     def use_cost(self, cost: CostModel) -> None:
         """Plan (rank 0) and predict the next batches with `cost`: the online refit's model (plan_feed.py)."""
-        self.settings = replace(self.settings, cost=cost)
-        self.meter.cost = self.settings.cost
-        self.feed.use_cost(self.settings.cost)
+        self.settings = self.settings.with_cost(cost)
+        self.meter.cost = self.settings.parallel.cost
+        self.feed.use_cost(self.settings.parallel.cost)
+
+    def settle_timeouts(self) -> None:
+        """After the first step: every group gets the steady timeout (parallelism/timeouts.py; the run calls it)."""
+        settle_timeouts(self.settings.train.timeout_s, [*built_groups(), self.control])
 
     def close(self) -> None:
         self.feed.close()

@@ -100,7 +100,8 @@ class AutoProfile:
 
         name = describe_device(device, world, settings.dtype_for(device), 1)["name"]
         weights = weights_digest(config.model.init_from) if config.model.init_from else ""
-        return cls(spec, configs, world, device, settings, name, weights)
+        return cls(spec=spec, configs=configs, world=world, device=device, settings=settings, device_name=name,
+                   weights=weights)
 
     def machine(self) -> dict[str, Any]:
         return profile_cache.machine(self.device, self.device_name)

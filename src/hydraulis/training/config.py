@@ -3,8 +3,8 @@
 Every bad field gets one line naming its key (`data.tokens_per_batch`) and
 what is allowed; unknown keys are refused, so a typo never silently falls
 back to a default. `load_config` returns the validated model;
-`training.job.prepare` turns it into the frozen `Job` the ranks take (model
-spec, cost model, pool placed on the world size), checking everything that
+`training.job.prepare` turns it, once, into the frozen `RunSettings` the ranks take
+(training/settings.py: model spec, cost model, pool placed on the world size), checking everything that
 can be checked before any rank starts.
 """
 
@@ -17,7 +17,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from hydraulis.checkpoints.manifest import DEFAULT_KEEP
 from hydraulis.cost.context_parallel import CP_SUFFIX
 from hydraulis.cost.profiled import PRESETS
 from hydraulis.data.tokenizer import TOKENIZERS
@@ -32,6 +31,7 @@ from hydraulis.limits import (
     parse_size,
 )
 from hydraulis.optim import LR_SCHEDULES, AdamWSettings, OptimSettings
+from hydraulis.settings import DEFAULT_KEEP
 from hydraulis.specs import DTYPE_NAMES, MODELS, SHAPE_FIELDS, ModelSpec
 
 MAX_TOKENS = 2**31 - 1

@@ -8,7 +8,7 @@ until `[eval] tokens`: the same batches at every evaluation and after every
 resume. Each batch is planned here, once, by the run's planner on the run's
 pool with the forward-only cost model (`CostModel.forward_only`), so every
 evaluation runs the same plans; the ranks run them forward only
-(runtime/evaluate.py). The loss is the mean over the batches' target tokens
+(runtime/evaluation.py). The loss is the mean over the batches' target tokens
 (SFT: the masked ones), as training counts them.
 """
 
@@ -57,8 +57,9 @@ def run_sampler(config: RunConfig, corpus: IndexedCorpus) -> TokenBudgetSampler:
     """The training sampler of a run, built once before the ranks start (job.prepare); every rank gets a copy."""
     data = config.data
     return corpus_sampler(
-        corpus, data.tokens_per_batch, data.max_len, data.seed, data.overlong, training_documents(config, corpus),
-        corpus.mixture,  # a MixedCorpus (training/mixture.py): its sources by their weights
+        corpus, tokens_per_batch=data.tokens_per_batch, max_len=data.max_len, seed=data.seed, policy=data.overlong,
+        documents=training_documents(config, corpus),
+        mixture=corpus.mixture,  # a MixedCorpus (training/mixture.py): its sources by their weights
     )
 
 
@@ -67,8 +68,8 @@ def eval_batches(config: RunConfig, corpus: IndexedCorpus, held: bool) -> tuple[
     batches of the run's token budget, until `[eval] tokens` (at least one batch)."""
     data = config.data
     docs = held_out(len(corpus), config.eval.holdout, data.seed)[1] if held else None
-    sampler = corpus_sampler(corpus, data.tokens_per_batch, data.max_len, data.seed, data.overlong, docs,
-                             shuffle=False, cross_epochs=False)  # fmt: skip
+    sampler = corpus_sampler(corpus, tokens_per_batch=data.tokens_per_batch, max_len=data.max_len, seed=data.seed,
+                             policy=data.overlong, documents=docs, shuffle=False, cross_epochs=False)
     batches: list[GlobalBatch] = []
     tokens = 0
     while not batches or sampler.state.epoch == 0:

@@ -4,8 +4,9 @@
 or any file is written: it validates the config, opens (or builds) the
 corpus, loads the cost model (measuring it first with `profile = "auto"`,
 auto_profile.py), places or proposes the pool for the world size, and
-checks that the model fits some config of the pool at max_len. The `Job` it
-returns is what every rank of loop.py receives.
+checks that the model fits some config of the pool at max_len. The
+`RunSettings` it returns (training/settings.py), every default and derived value
+resolved in it, is all that every rank of loop.py receives.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from hydraulis.checkpoints.manifest import sweep_temporary
@@ -27,56 +28,17 @@ from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.pool import PoolSetting, check_job_pool, parse_pool
 from hydraulis.processes import interrupt
 from hydraulis.progress import Log, say
+from hydraulis.settings import ParallelSettings, TrainerSettings, TrainSettings
 from hydraulis.specs import ClusterSpec, ModelSpec
 from hydraulis.training.auto_profile import AUTO_PROFILE, REFIT_PROFILE, start_lines
 from hydraulis.training.config import RunConfig
 from hydraulis.training.evaluation import EvalSet, eval_set, run_sampler
 from hydraulis.training.job_cost import auto_cost, check_budget, for_job, job_cost_model
-from hydraulis.training.mixture import MixtureSpec, training_corpus
+from hydraulis.training.mixture import training_corpus
+from hydraulis.training.settings import TRANSCRIPT, DataSettings, Invocation, RunSettings
 
 RUN_FILES = ("metrics.jsonl", "config.toml", "pool.json", "summary.json", "report.png", "tb", AUTO_PROFILE,
              REFIT_PROFILE)
-
-
-@dataclass(frozen=True)
-class Job:
-    """Everything a rank needs, resolved and checked in the parent (picklable for spawn)."""
-
-    config: RunConfig
-    spec: ModelSpec
-    cost: CostModel
-    pool: tuple[Deployment, ...]
-    world: int
-    corpus_path: str
-    tokenizer: str
-    out: str
-    steps: int
-    resume: bool = False
-    max_restarts: int = 0
-    resume_from: str | None = None  # the verified checkpoint rank 0 resumes from, picked before any rank starts
-    stop_at: int | None = None  # --stop-at: end this invocation at that step; `steps` stays the schedule's length
-    overlong: Overlong | None = None  # what max_len cuts of the corpus (records, target tokens)
-    evaluation: EvalSet | None = None  # [eval]: the held-out batches and their plans
-    mixture: MixtureSpec | None = None  # [data] corpus as a list: its sources (corpus_path then names them all)
-    sampler: TokenBudgetSampler | None = None  # the training sampler (prepare builds and checks it once), at its start
-    change_config: bool = False  # --change-config: a resume on another corpus starts the data at its beginning
-
-    @property
-    def end_step(self) -> int:
-        """The step this invocation trains up to (exclusive)."""
-        return self.stop_at or self.steps
-
-    @property
-    def checkpoints(self) -> Path:
-        return Path(self.out) / "checkpoints"
-
-    @property
-    def transcript(self) -> Path:
-        """The run's log: every line the launcher and rank 0 print, whether or not a terminal shows them."""
-        return Path(self.out) / TRANSCRIPT
-
-
-TRANSCRIPT = "train.log"  # Job.transcript
 
 
 def torchrun_world() -> int | None:
@@ -87,19 +49,11 @@ def torchrun_world() -> int | None:
 
 
 def prepare(
-    config: RunConfig,
-    nproc: int | None,
-    out: str | None,
-    steps: int | None,
-    resume: bool,
-    max_restarts: int = 0,
-    log: Log = say,
-    stop_at: int | None = None,
-    change_schedule: bool = False,
-    change_config: bool = False,
-) -> Job:
-    """A checked job (`max_restarts` >= 0: the command checks it); raises HydraulisError (one line) on any bad
-    input, having written nothing."""
+    config: RunConfig, nproc: int | None, out: str | None, steps: int | None, resume: bool, max_restarts: int = 0,
+    log: Log = say, stop_at: int | None = None, change_schedule: bool = False, change_config: bool = False,
+) -> RunSettings:
+    """The run's settings, every default and derived value resolved, checked (`max_restarts` >= 0: the command
+    checks it); raises HydraulisError (one line) on any bad input, having written nothing."""
     config, run_dir, steps = _resolved(config, out, steps)
     # torchrun restarts every worker with the same arguments after a failure: continue, don't start over.
     resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
@@ -112,49 +66,59 @@ def prepare(
     env_world = torchrun_world()
     resume_from = None
     if env_world is None or int(os.environ["RANK"]) == 0:  # under torchrun rank 0 writes the run directory
-        resume_from = _check_run_dir(run_dir, config, resume, steps, stop_at, log, (change_schedule, change_config))
+        resume_from = _check_run_dir(run_dir, config, resume=resume, steps=steps, stop_at=stop_at, log=log,
+                                     changes=(change_schedule, change_config))
     check_stop_at(stop_at, steps, 0)
+    invocation = Invocation(out=str(run_dir), resume=resume, resume_from=resume_from, stop_at=stop_at,
+                            change_config=change_config, max_restarts=max_restarts)
     world = _world(nproc, env_world, setting.gpus())
     gpn = config.parallel.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     cluster = ClusterSpec(world, min(gpn, world))
     # The model against every config the pool may use, before any corpus build, profile or rank.
     configs = _pool_configs(setting, spec, world)
-    configs = check_budget(config, spec, cost, configs, world, setting.auto)  # before any profile or rank
+    configs = check_budget(config, spec=spec, cost=cost, configs=configs, world=world, auto=setting.auto)
     # Vocabulary padding for every TP degree the pool has (with pool = "auto": may have).
     proposable = cost.configs if cost is not None and setting.auto else ()
     spec = _padded(spec, {g.tp for g in (*configs, *proposable)}, _resumed_checkpoint(run_dir, resume, resume_from))
     named = functools.partial(_corpus, tokenizer, token_ids, log, config.data.build_workers)  # (name, key): a corpus
     corpus, mixture = training_corpus(config.data, named)
     sampler, overlong = data_sampler(corpus, config, log)
+    data = DataSettings(corpus_path=str(corpus.path), tokenizer=tokenizer, sampler=sampler,
+                        max_len=config.data.max_len, mixture=mixture, overlong=overlong)
     fresh, where = None, config.parallel.profile  # profile = "auto": a profile measured now (or shared), and whence
     if auto_profile:
-        cost, fresh, where = auto_cost(config, spec, configs, world, sampler, run_dir, env_world, log)
+        cost, fresh, where = auto_cost(config, spec=spec, configs=configs, world=world, sampler=sampler,
+                                       run_dir=run_dir, env_world=env_world, log=log)
     _say_start(cost, where, resume_from, log)
     pool = _propose(cost, cluster, sampler, config) if setting.auto else parse_pool(setting.text, cluster)
     check_job_pool(pool, world, spec, cost, config.data.max_len)
-    evaluation = _evaluation(config, corpus, named, cost, world, tuple(pool), log)
+    evaluation = _evaluation(config, corpus=corpus, open_corpus=named, cost=cost, world=world, pool=tuple(pool),
+                             log=log)
     if fresh is not None:  # written only now: bad input leaves nothing behind
         _keep_profile(run_dir, fresh)
     if resume_from is not None:
         sweep_temporary(run_dir / "checkpoints", log)
-    return Job(
-        config=config,
-        spec=spec,
-        cost=cost,
-        pool=tuple(pool),
-        world=world,
-        corpus_path=str(corpus.path),
-        tokenizer=tokenizer,
-        out=str(run_dir),
-        steps=steps,
-        resume=resume, change_config=change_config,
-        max_restarts=max_restarts,
-        resume_from=resume_from,
-        stop_at=stop_at,
-        overlong=overlong,
-        evaluation=evaluation,
-        mixture=mixture,
-        sampler=sampler,
+    return RunSettings(trainer=trainer_settings(config, spec, tuple(pool), cost), data=data, invocation=invocation,
+                       world=world, config_toml=config.to_toml(), eval=evaluation)
+
+
+def trainer_settings(
+    config: RunConfig, spec: ModelSpec, pool: tuple[Deployment, ...], cost: CostModel
+) -> TrainerSettings:
+    """What every rank's trainer runs: the model, the pool on the job's cost model (`overlap` in it), [optim] and
+    [train] (the config's steps, resolved)."""
+    train, parallel = config.train, config.parallel
+    return TrainerSettings(
+        model=spec,
+        parallel=ParallelSettings.of(pool, cost, parallel.overlap_exchange, memory_per_rank=parallel.memory_per_rank),
+        optim=config.optim.settings(),
+        train=TrainSettings(
+            steps=train.steps, seed=config.data.seed, dtype=train.dtype, reduce_dtype=train.reduce_dtype,
+            timeout_s=train.timeout_s, compare_steps=train.compare_steps, compare_repeats=train.compare_repeats,
+            device=train.device, log_every=train.log_every, checkpoint_every=train.checkpoint_every,
+            keep_checkpoints=train.keep_checkpoints, max_bad_steps=train.max_bad_steps,
+            init_from=config.model.init_from,
+        ),
     )
 
 
@@ -167,7 +131,7 @@ def _evaluation(
         return None
     held = config.eval.corpus is None
     source = corpus if held else open_corpus(config.eval.corpus, "eval.corpus")
-    evaluation = eval_set(config, source, held, cost, world, pool)
+    evaluation = eval_set(config, corpus=source, held=held, cost=cost, world=world, pool=pool)
     log(f"evaluation: {evaluation.tokens:,} held-out tokens in {len(evaluation.batches)} batch(es), after "
         + (f"every {config.eval.every} steps and " if config.eval.every else "") + "the last step")
     return evaluation

@@ -38,7 +38,7 @@ def auto_cost(
         data = fresh = request.measure(env_world is not None, log, keep=use_cache)
         where = "new for this run"
     cost = for_job(config, ProfiledCostModel.from_dict(data, str(run_dir / AUTO_PROFILE)))
-    check_budget(config, spec, cost, configs, world, config.parallel.pool == "auto")
+    check_budget(config, spec=spec, cost=cost, configs=configs, world=world, auto=config.parallel.pool == "auto")
     return cost, fresh, where
 
 

@@ -71,7 +71,7 @@ class MixedCorpus:
         self.bounds = np.concatenate([[0], np.cumsum([len(c) for c in sources])]).astype(np.int64)
         self.mixture = Mixture(names, tuple(int(b) for b in self.bounds), weights)
         self.lengths = np.concatenate([c.lengths for c in sources])
-        self.path = "mixture:" + "+".join(str(c.path) for c in sources)  # what Job.corpus_path and EvalSet name
+        self.path = "mixture:" + "+".join(str(c.path) for c in sources)  # what DataSettings and EvalSet name
         first, shares = sources[0].manifest, zip(names, self.mixture.weights, strict=True)
         self.manifest = replace(
             first,

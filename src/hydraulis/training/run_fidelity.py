@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,7 +37,7 @@ if TYPE_CHECKING:
     from hydraulis.checkpoints.manifest import CheckpointInfo
     from hydraulis.runtime.metering.step_meter import StepMetrics
     from hydraulis.runtime.trainer import Trainer
-    from hydraulis.training.job import Job
+    from hydraulis.training.settings import RunSettings
 
 LOAD_STEPS = 5  # steps of other processes' load before a run says its load differs from the profile's
 
@@ -47,18 +46,21 @@ class RunFidelity:
     """Built on rank 0 after the trainer; `after(metrics)` once per step."""
 
     def __init__(
-        self, job: Job, trainer: Trainer, pids: Sequence[int], threads: int, log: Callable[[str], None],
+        self, settings: RunSettings, trainer: Trainer, pids: Sequence[int], threads: int, log: Callable[[str], None],
         resumed: CheckpointInfo | None = None,
     ):
-        self.job, self.trainer, self.log = job, trainer, log
-        self.profile = Conditions.from_json((job.cost.profile_data or {}).get("conditions"))
-        self.run = Conditions(job.world, threads, cpu_cores())
+        self.settings = settings
+        self.trainer = trainer
+        self.log = log
+        self.profile_data = settings.trainer.parallel.cost.profile_data  # the profile the run started from
+        self.profile = Conditions.from_json((self.profile_data or {}).get("conditions"))
+        self.run = Conditions(settings.world, threads, cpu_cores())
         self.meter = CpuMeter(pids)
         self.loads: list[float | None] = []  # other processes' cores, per step
         self.load_said = False
         self.seen: set[int] = set()  # deployments that ran once
         self.observed: list[float | None] = []  # the load of every step the refit saw
-        self.refit = OnlineRefit(trainer.settings.cost)
+        self.refit = OnlineRefit(settings.trainer.parallel.cost)
         line = warning(self.profile, self.run)
         if line:
             log(line)
@@ -70,10 +72,10 @@ class RunFidelity:
         state = resumed.refit
         if state is None:
             return
-        if resumed.world_size != self.job.world:
+        if resumed.world_size != self.settings.world:
             if state.coefficients:
                 self.log(f"the cost model's refit in {resumed.path} was made on {resumed.world_size} rank(s); "
-                         f"this run has {self.job.world}, so it plans with its profile again")
+                         f"this run has {self.settings.world}, so it plans with its profile again")
             return
         done = self.refit.restore(state)
         if done is not None:
@@ -91,7 +93,7 @@ class RunFidelity:
             self.seen.update(indices)
         else:
             self.observed.append(load)
-            configs = [c for k in indices for c in self.job.pool[k].configs]  # replica_s's order
+            configs = [c for k in indices for c in self.settings.trainer.parallel.pool[k].configs]  # replica_s's order
             done = self.refit.observe(metrics.step, configs, metrics.replica_s, metrics.replica_predicted_s)
             if done is not None:
                 self._use(done)
@@ -116,12 +118,13 @@ class RunFidelity:
     def _keep(self, step: int) -> str:
         """Write the refit profile beside the run, with the load of the steps it saw. Never into the shared
         cache: a run's refit follows its own conditions, and a later run starts from the measured profile."""
-        data = self.job.cost.profile_data
+        data = self.profile_data
         if data is None:
             return " (an analytic model: no profile file to keep it in)"
         recent = [x for x in self.observed[-REFIT_STEPS:] if x is not None]
         load = float(np.median(recent)) if recent else None
-        refit = refit_profile(data, self.refit.scales, self.job.out, step, replace(self.run, foreign_cores=load))
-        path = Path(self.job.out) / REFIT_PROFILE
+        out = str(self.settings.out)
+        refit = refit_profile(data, self.refit.scales, out, step, replace(self.run, foreign_cores=load))
+        path = self.settings.out / REFIT_PROFILE
         write_json_atomic(path, refit)
         return f"; kept in {path}"

@@ -23,8 +23,8 @@ from hydraulis.planner.pool import Pool, save_pool
 from hydraulis.progress import console, note
 from hydraulis.report import iteration_errors, training_plot
 from hydraulis.specs import ClusterSpec
-from hydraulis.training.job import Job
 from hydraulis.training.mixture import source_shares
+from hydraulis.training.settings import RunSettings
 
 if TYPE_CHECKING:
     from hydraulis.planner.planner import Planner
@@ -34,14 +34,16 @@ if TYPE_CHECKING:
 class RunLog:
     """Rank 0's view of the run: metrics file, TensorBoard, terminal progress, summary and report."""
 
-    def __init__(self, job: Job, start_step: int = 0, tensorboard: Any = None) -> None:
+    def __init__(self, settings: RunSettings, start_step: int = 0, tensorboard: Any = None) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self.job = job
-        self.out = Path(job.out)
+        self.settings = settings
+        parallel = settings.trainer.parallel
+        self.out = Path(settings.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        save_pool(self.out / "pool.json", Pool(job.cost.name, ClusterSpec(job.world, job.world), job.pool))
-        write_text_atomic(self.out / "config.toml", job.config.to_toml())
+        save_pool(self.out / "pool.json", Pool(parallel.cost.name, ClusterSpec(settings.world, settings.world),
+                                               parallel.pool))
+        write_text_atomic(self.out / "config.toml", settings.config_toml)
         # On resume, keep the steps before the checkpoint; later ones (and old summaries) are redone. The file a
         # resume at step K cuts is copied aside first (`metrics.jsonl.before-step-K`).
         metrics = self.out / "metrics.jsonl"
@@ -62,13 +64,14 @@ class RunLog:
             console=self.console,
             transient=True,
         )
-        self.task = self.progress.add_task("train", total=job.steps, completed=start_step, info="")
+        self.task = self.progress.add_task("train", total=settings.steps, completed=start_step, info="")
         self.comparison: dict[str, Any] | None = None
         self.warned_budget = False  # one line per run for a peak over [parallel] memory_per_rank
         self.progress.start()
+        spec = settings.trainer.model
         self._print(
-            f"training {job.spec.name} ({job.spec.num_params / 1e6:.2f}M parameters) on {job.world} rank(s); pool: "
-            + "; ".join(str(d) for d in job.pool)
+            f"training {spec.name} ({spec.num_params / 1e6:.2f}M parameters) on {settings.world} rank(s); pool: "
+            + "; ".join(str(d) for d in parallel.pool)
         )
 
     def _print(self, text: str, **options: Any) -> None:
@@ -88,15 +91,15 @@ class RunLog:
         self.progress.update(self.task, advance=1, info=info)
         if m.memory_over_budget and not self.warned_budget:
             self.warned_budget = True
-            MiB, budget = 2**20, self.job.config.parallel
+            MiB, budget = 2**20, self.settings.trainer.parallel
             self._print(  # one line per run; metrics.jsonl marks every step over it
                 f"warning: step {m.step}: a rank peaked at {m.memory_peak_bytes / MiB:.1f} MiB, over parallel."
-                f"memory_per_rank {budget.memory_per_rank} ({budget.budget_bytes() / MiB:.1f} MiB; predicted "
+                f"memory_per_rank {budget.memory_per_rank} ({budget.memory_budget_bytes / MiB:.1f} MiB; predicted "
                 f"{m.memory_predicted_bytes / MiB:.1f} MiB)",
                 highlight=False,
                 soft_wrap=True,
             )
-        if m.step % self.job.config.train.log_every == 0 or m.step == self.job.steps - 1:
+        if m.step % self.settings.trainer.train.log_every == 0 or m.step == self.settings.steps - 1:
             measured = ", ".join(f"{t:.3f}" for t in m.replica_s)
             predicted = ", ".join(f"{t:.3f}" for t in m.replica_predicted_s)
             self._print(
@@ -106,7 +109,7 @@ class RunLog:
             )
             self._print(f"      replicas measured [{measured}] s, predicted [{predicted}] s{policy_text(m)}",
                         highlight=False)
-        if "eval_loss" in row:  # [eval] ran after this step (loop.Evaluation)
+        if "eval_loss" in row:  # [eval] ran after this step (run.Run._evaluate)
             self._print(
                 f"eval after {m.step + 1} steps: loss {row['eval_loss']:.4f} (perplexity {row['eval_perplexity']:.2f})"
                 f" on {row['eval_tokens']:,} held-out tokens",
@@ -135,7 +138,7 @@ class RunLog:
         if m.memory_peak_bytes:  # measured on this step (CPU measures a sample of them; null otherwise)
             tb.add_scalar("memory/peak_mib", m.memory_peak_bytes / mib, step)
             tb.add_scalar("memory/exchange_peak_mib", (m.exchange_peak_bytes or 0) / mib, step)
-        budget = self.job.config.parallel.budget_bytes()
+        budget = self.settings.trainer.parallel.memory_budget_bytes
         if budget is not None:
             tb.add_scalar("memory/budget_mib", budget / mib, step)
         if "eval_loss" in row:  # [eval] ran after this step
@@ -158,23 +161,24 @@ class RunLog:
         """The summary (summary.json, the metrics' last line, report.png and the closing lines); `planner`,
         rank 0's, says what the pool's other deployments were predicted to cost (`kept_one`)."""
         summary = summarize(self.rows)
-        summary["memory_budget_bytes"] = self.job.config.parallel.budget_bytes()
-        kept = kept_one(self.job, self.rows, planner)
+        budget = self.settings.trainer.parallel.memory_budget_bytes
+        summary["memory_budget_bytes"] = budget
+        kept = kept_one(self.settings, self.rows, planner)
         if kept is not None:
             summary["never_switched"] = kept
         if self.comparison is not None:
             summary["comparison"] = self.comparison
-        if self.job.overlong is not None:  # what max_len cut of the corpus (records, target tokens)
-            summary["overlong"] = self.job.overlong.to_dict()
-        mix = self.job.mixture
+        overlong = self.settings.data.overlong
+        if overlong is not None:  # what max_len cut of the corpus (records, target tokens)
+            summary["overlong"] = overlong.to_dict()
+        mix = self.settings.data.mixture
         if mix is not None:  # each source's tokens and targets over the run's steps, beside its weight
             summary["sources"] = source_shares(self.rows, mix.shares())
         with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as fh:
             fh.write(json.dumps({"summary": summary}) + "\n")
         write_json_atomic(self.out / "summary.json", summary)
         if self.rows:
-            training_plot(self.rows, self.out / "report.png", report_title(self.job),
-                          self.job.config.parallel.budget_bytes())
+            training_plot(self.rows, self.out / "report.png", report_title(self.settings), budget)
         shares = ", ".join(f"{k}: {v:.0%}" for k, v in summary["deployment_share"].items())
         self._print(
             f"done: {summary['steps']} steps, loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}, "
@@ -191,15 +195,15 @@ class RunLog:
                 highlight=False,
             )
         if kept is not None:
-            self._print(kept_line(kept, self.job.config.parallel.memory_per_rank), highlight=False)
+            self._print(kept_line(kept, self.settings.trainer.parallel.memory_per_rank), highlight=False)
         if summary.get("sources"):
             self._print("sources: " + "; ".join(
                 f"{n} {v['token_share']:.1%} of tokens (weight {v['weight']:.1%}), {v['target_share']:.1%} of targets"
                 for n, v in summary["sources"].items()), highlight=False, soft_wrap=True)  # fmt: skip
         if (line := choices_line(summary)) is not None:
             self._print(line, highlight=False)
-        if self.job.overlong is not None and self.job.overlong.records:
-            self._print(f"overlong: {self.job.overlong.describe()}", highlight=False)
+        if overlong is not None and overlong.records:
+            self._print(f"overlong: {overlong.describe()}", highlight=False)
         if self.comparison is not None:
             self._print(comparison_lines(self.comparison), highlight=False)
         self._print(f"run directory: {self.out} (metrics.jsonl, report.png, train.log, tb/, config.toml, "
@@ -218,11 +222,11 @@ def memory_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "exchange_peak_bytes": most("exchange_peak_bytes"), "memory_error_max": most("memory_error")}
 
 
-def report_title(job: Job) -> str:
+def report_title(settings: RunSettings) -> str:
     """report.png's title: the run (its directory), its model and ranks, and its pool."""
-    pool = "; ".join(str(d) for d in job.pool)
-    return (f"run {job.out}: {job.spec.name} ({job.spec.num_params / 1e6:.2f}M parameters), {job.steps} steps on "
-            f"{job.world} rank(s)\npool {pool}")
+    spec, pool = settings.trainer.model, "; ".join(str(d) for d in settings.trainer.parallel.pool)
+    return (f"run {settings.out}: {spec.name} ({spec.num_params / 1e6:.2f}M parameters), {settings.steps} steps on "
+            f"{settings.world} rank(s)\npool {pool}")
 
 
 def comparison_lines(c: dict[str, Any]) -> str:
@@ -241,11 +245,12 @@ def comparison_lines(c: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def kept_one(job: Job, rows: list[dict[str, Any]], planner: Planner | None) -> dict[str, Any] | None:
+def kept_one(settings: RunSettings, rows: list[dict[str, Any]], planner: Planner | None) -> dict[str, Any] | None:
     """Why a run on a pool of several deployments ran one of them on every step (None: it did not): each
     other one's predicted time over the chosen one's (the median over the batches it held), how many batches
     it could not hold, and the longest sequence each holds within the memory (`memory_per_rank`, if set)."""
-    if planner is None or len(job.pool) < 2 or not rows or len({r["deployment"] for r in rows}) > 1:
+    pool = settings.trainer.parallel.pool
+    if planner is None or len(pool) < 2 or not rows or len({r["deployment"] for r in rows}) > 1:
         return None
     if rows[0].get("phases", 1) > 1:  # one phased schedule on every step still switches inside it
         return None
@@ -253,14 +258,15 @@ def kept_one(job: Job, rows: list[dict[str, Any]], planner: Planner | None) -> d
     seen = [ratios for step, ratios in sorted(planner.outlook.items()) if step in steps]
     chosen, caps = rows[0]["deployment_index"], planner.caps()
     others = []
-    for k, deployment in enumerate(job.pool):
+    for k, deployment in enumerate(pool):
         if k != chosen:
             held = [v[k] for v in seen if math.isfinite(v[k])]
             others.append({"deployment": str(deployment), "holds_tokens": caps[k],
                            "batches_not_held": len(seen) - len(held),
                            "predicted_vs_chosen": statistics.median(held) if held else None})
-    return {"deployment": str(job.pool[chosen]), "holds_tokens": caps[chosen], "max_len": job.config.data.max_len,
-            "memory_budget_bytes": job.config.parallel.budget_bytes(), "batches": len(seen), "others": others}
+    return {"deployment": str(pool[chosen]), "holds_tokens": caps[chosen], "max_len": settings.data.max_len,
+            "memory_budget_bytes": settings.trainer.parallel.memory_budget_bytes, "batches": len(seen),
+            "others": others}
 
 
 def kept_line(kept: dict[str, Any], budget: str | int | None) -> str:

@@ -3,7 +3,7 @@
 Real iterations (gather, 1F1B, reduce, AdamW), timed as `Trainer.run_schedule`
 times them; the optimizer state and step index are restored afterwards, so
 training is unchanged. It is the run's own benchmark, apart from the step:
-the trainer only keeps the batches (`TrainSettings.compare_steps`).
+the trainer only keeps the batches (`TrainSettings.compare_steps`, hydraulis/settings.py).
 
 Interleaved batch by batch: each batch runs on every variant back to back
 (the order alternating, A B then B A), so a burst of other work hits the

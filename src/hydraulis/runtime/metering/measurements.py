@@ -268,7 +268,7 @@ def measure_optimizer_step(
     """
     from hydraulis.optim import AdamWSettings
     from hydraulis.parallel import Deployment
-    from hydraulis.runtime.deployments import RankPool
+    from hydraulis.runtime.deployments import BuiltDeployments
     from hydraulis.runtime.optimizer.exchange import reduce
     from hydraulis.runtime.optimizer.layout import ShardLayout
     from hydraulis.runtime.optimizer.sharded import ShardedOptimizer
@@ -277,7 +277,7 @@ def measure_optimizer_step(
     optimizer = ShardedOptimizer(ShardLayout(spec, world), env.rank, AdamWSettings(), env.device)
     optimizer.init(settings.seed)
     pool = [Deployment(filling_replicas(c, world)) for c in configs]
-    deployments = RankPool(spec, pool, optimizer, dtype, env.device, timeout=JOB_TIMEOUT)
+    deployments = BuiltDeployments(spec, pool, optimizer, dtype, env.device, timeout=JOB_TIMEOUT)
     times: dict[str, dict[str, list[float]]] = {}
     for i, config in enumerate(configs):
         part, _ = deployments.activate(i)

@@ -28,6 +28,7 @@ from hydraulis.planner.plan import IterationPlan
 from hydraulis.runtime.deployments import RankDeployment
 from hydraulis.runtime.metering.memory_meter import PeakMeter, live_tensor_bytes
 from hydraulis.runtime.optimizer.exchange_plan import EXCHANGE_WINDOW
+from hydraulis.settings import CPU_SAMPLE_EVERY  # CPU iterations are sampled: a trace costs much of a small step
 from hydraulis.specs import ModelSpec
 
 
@@ -45,9 +46,6 @@ class MemoryFigures:
         return abs(self.peak - self.predicted) / self.predicted if self.predicted > 0 and self.peak > 0 else 0.0
 
 
-# On CPU the measurement is a trace of every allocation plus a census of live tensors: it costs a
-# large share of a small model's step, so CPU iterations are sampled (CUDA's counters are free).
-CPU_SAMPLE_EVERY = 50
 
 
 class StepMemory:

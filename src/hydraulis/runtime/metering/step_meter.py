@@ -21,7 +21,7 @@ from hydraulis.cost.model import CostModel
 from hydraulis.cost.policies import LIGHTEST_FIRST
 from hydraulis.data.sampler import GlobalBatch
 from hydraulis.planner.plan import Schedule
-from hydraulis.runtime.deployments import RankPool
+from hydraulis.runtime.deployments import BuiltDeployments
 from hydraulis.runtime.iteration import PhaseRun, switch_cost
 from hydraulis.runtime.metering.step_memory import MemoryFigures, StepMemory, predicted_rank
 from hydraulis.specs import ModelSpec
@@ -180,7 +180,7 @@ class StepMeter:
     largest over ranks): what a benchmark of one rank's exchange or memory reads."""
 
     def __init__(
-        self, cost: CostModel, model: ModelSpec, pool: RankPool, world: int, memory: StepMemory,
+        self, cost: CostModel, model: ModelSpec, pool: BuiltDeployments, world: int, memory: StepMemory,
         control: dist.ProcessGroup | None,
     ) -> None:
         self.cost = cost

@@ -51,7 +51,7 @@ def evaluate(
 ) -> EvalResult:
     """The held-out loss of the model as the optimizer's owners hold it now (every rank calls it): `batches` of
     `corpus`, each run on its plan (plan.encode_schedule on the run's pool)."""
-    pool = trainer.settings.pool
+    pool = trainer.settings.parallel.pool
     total = torch.zeros((), dtype=torch.float64)
     targets = 0
     for batch, data in zip(batches, plans, strict=True):
