@@ -197,14 +197,16 @@ def test_a_step_on_one_deployment_in_consecutive_phases_says_why(tmp_path, capsy
 
     import hydraulis.training.run_log
     from hydraulis.cost import load_cost_model
+    from hydraulis.data.sampler import TokenBudgetSampler
     from hydraulis.parallel import Deployment
     from hydraulis.planner.phases import PhasedPlanner
     from hydraulis.runtime.metering.step_meter import MemoryChoices
     from hydraulis.runtime.trainer import StepMetrics
     from hydraulis.specs import ClusterSpec, get_model
     from hydraulis.training.config import parse_config
-    from hydraulis.training.job import Job
+    from hydraulis.training.job import trainer_settings
     from hydraulis.training.run_log import RunLog
+    from hydraulis.training.settings import DataSettings, Invocation, RunSettings
 
     cost, cluster = load_cost_model("llama-32b@a800-80g"), ClusterSpec(16)
     pool = tuple(Deployment.parse(t, cluster) for t in ("1x(tp16,pp1)", "2x(tp8,pp1)", "1x(tp8,pp2)"))
@@ -215,8 +217,12 @@ def test_a_step_on_one_deployment_in_consecutive_phases_says_why(tmp_path, capsy
     choices = MemoryChoices.of(schedule, cost, 16)
     assert choices.alone == 2 and choices.totals == {"none": sum(len(r.micro_batches) for p in schedule.phases
                                                                  for r in p.replicas)}
-    config = parse_config({"parallel": {"pool": "; ".join(map(str, pool))}, "train": {"log_every": 1}})
-    job = Job(config, get_model("tiny"), cost, pool, 16, "", "bytes", str(tmp_path), 1)
+    config = parse_config({"parallel": {"pool": "; ".join(map(str, pool))}, "train": {"log_every": 1, "steps": 1}})
+    job = RunSettings(
+        trainer=trainer_settings(config, get_model("tiny"), pool, cost),
+        data=DataSettings(corpus_path="", tokenizer="bytes", sampler=TokenBudgetSampler([4], 16, 8), max_len=8),
+        invocation=Invocation(out=str(tmp_path)), world=16, config_toml=config.to_toml(),
+    )
     log = RunLog(job)
     replicas = sum(len(p.replicas) for p in schedule.phases)
     log.step(StepMetrics(0, 5.0, int(b.sum()), len(b), " | ".join(str(p.deployment) for p in schedule.phases), 2,
