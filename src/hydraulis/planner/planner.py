@@ -259,8 +259,11 @@ class Planner:
         if self._memo is not None and key in self._memo:
             return self._memo[key]
         cand = self._pack_and_refine(lengths, k, improve(lengths, self._tables[k], d))
-        plan = assemble(0, lengths, cand.deployment, cand.micro_batches, self._tables[k])
-        found = cand, simulate(plan, self.cost, keep_events=False).iteration_time_s
+        if self.cost.shared_cores is None:  # each replica's time is its packing's simulation: the slowest, the step
+            found = cand, cand.compute_s + self.cost.step_time(cand.deployment.configs)
+        else:
+            plan = assemble(0, lengths, cand.deployment, cand.micro_batches, self._tables[k])
+            found = cand, simulate(plan, self.cost, keep_events=False).iteration_time_s
         if self._memo is not None:
             self._memo[key] = found
         return found

@@ -100,11 +100,17 @@ def simulate_replica(
         return ReplicaTimeline(0.0, np.zeros(pp), np.zeros((0, 5)) if keep_events else None)
     if pp == 1:
         return _single_stage(t, keep_events)
-    comm = np.broadcast_to(np.asarray(p2p_s, dtype=np.float64), (v,)).tolist()
-    free, rows, chunks = _run_1f1b(t, pp, comm, keep_events, vp)
-    busy = np.full(pp, float(t.sum()))
-    return ReplicaTimeline(max(free), busy, np.array(rows) if keep_events else None,
-                           chunks if keep_events and vp > 1 else None)
+    comm = np.broadcast_to(np.asarray(p2p_s, dtype=np.float64), (v,))
+    sweep = _sweep(pp, v, vp)
+    end = _ends(t, pp, comm, vp)
+    assert end is not None
+    busy, time_s = np.full(pp, float(t.sum())), max(end[e] for e in sweep.last)
+    if not keep_events:
+        return ReplicaTimeline(time_s, busy, None)
+    ends = np.array(end)  # each start again, as the loop took it
+    begin = np.maximum(ends[sweep.prev], ends[sweep.dep] + np.where(sweep.transfer, comm[sweep.micro_batch], 0.0))
+    rows = np.column_stack([sweep.stage, sweep.micro_batch, sweep.kind, begin, ends[:-1]]).astype(np.float64)
+    return ReplicaTimeline(time_s, busy, rows, sweep.chunk if vp > 1 else None)
 
 
 def _single_stage(t: np.ndarray, keep_events: bool) -> ReplicaTimeline:
@@ -137,6 +143,7 @@ class _Sweep:
     transfer: np.ndarray  # bool
     forward: np.ndarray  # bool
     last: list[int]  # each stage's last event
+    by_stage: np.ndarray  # the events grouped by stage, each stage's in its order
 
 
 @functools.lru_cache(maxsize=256)
@@ -166,35 +173,45 @@ def _sweep(pp: int, v: int, vp: int = 1) -> _Sweep:
         if not progressed:
             raise RuntimeError(f"the pipeline order deadlocked (pp={pp}, vp={vp}, {v} micro-batches)")
     return _Sweep(stage, np.array(mb), kind, np.array(chunk), prev, dep, np.array(transfer),
-                  np.array(kind) == FORWARD, last_of)
+                  np.array(kind) == FORWARD, last_of, np.argsort(stage, kind="stable"))
 
 
-def _run_1f1b(
-    t: np.ndarray, pp: int, comm: list[float], keep_events: bool, vp: int = 1
-) -> tuple[list[float], list[tuple[int, int, int, float, float]], np.ndarray]:
-    """Each event once, in the sweep's order: it starts when its stage is free and its input has arrived.
+def replica_time_below(stage_times: np.ndarray, pp: int, p2p_s: np.ndarray, vp: int = 1, beat: float = np.inf) -> float:
+    """`simulate_replica`'s time (pp > 1), or inf once it is surely above `beat` (`_ends`): a search drops an
+    order that loses without running the rest of it."""
+    t = np.asarray(stage_times, dtype=np.float64)
+    end = _ends(t, pp, np.asarray(p2p_s, dtype=np.float64), vp, beat)
+    return np.inf if end is None else max(end[e] for e in _sweep(pp, len(t), vp).last)
 
-    Returns each stage's finish time, the event rows (when kept) and their chunks. Plain lists: this loop
-    is the planner's inner loop and numpy scalars would slow it several-fold.
-    """
+
+def _ends(t: np.ndarray, pp: int, comm: np.ndarray, vp: int, beat: float = np.inf) -> list[float] | None:
+    """Each event's end, once, in the sweep's order: it starts when its stage is free and its input has arrived
+    (plain lists: the planner's inner loop; one slot more, 0.0, which index -1, no previous event or input, reads).
+    None once an event's end, the work its stage has left after it, and the last micro-batch's backward back
+    from that stage to the first (which ends every stage's order) exceed `beat`: the time would."""
     sweep = _sweep(pp, len(t), vp)
     j = sweep.micro_batch
-    duration = np.where(sweep.forward, (t * FORWARD_SHARE / vp)[j], (t * (1.0 - FORWARD_SHARE) / vp)[j]).tolist()
-    transfer = np.where(sweep.transfer, np.asarray(comm, dtype=np.float64)[j], 0.0).tolist()
-    end = [0.0] * len(duration)
-    begin = [0.0] * len(duration)
-    for e, (p, d) in enumerate(zip(sweep.prev, sweep.dep, strict=True)):
-        start = end[p] if p >= 0 else 0.0
-        if d >= 0:
-            ready = end[d] + transfer[e]
-            if ready > start:
-                start = ready
-        begin[e] = start
-        end[e] = start + duration[e]
-    rows: list[tuple[int, int, int, float, float]] = []
-    if keep_events:
-        rows = list(zip(sweep.stage, j.tolist(), sweep.kind, begin, end, strict=True))
-    return [end[e] for e in sweep.last], rows, sweep.chunk
+    duration = np.where(sweep.forward, (t * FORWARD_SHARE / vp)[j], (t * (1.0 - FORWARD_SHARE) / vp)[j])
+    transfer = np.where(sweep.transfer, comm[j], 0.0).tolist()
+    above = [np.inf] * len(transfer)
+    if beat < np.inf:  # by stage, each stage runs 2 m vp events: each micro-batch's whole t
+        left = t.sum() - np.cumsum(duration[sweep.by_stage].reshape(pp, -1), axis=1)
+        drain = np.arange(pp)[:, None] * ((1.0 - FORWARD_SHARE) * t[-1] / vp + comm[-1])
+        bound = np.empty_like(duration)
+        bound[sweep.by_stage] = (beat + FLOOR_MARGIN * abs(beat) - left - drain).ravel()
+        above = bound.tolist()
+    end = [0.0] * (len(duration) + 1)
+    for e, p, d, x, w, h in zip(range(len(transfer)), sweep.prev, sweep.dep, transfer, duration.tolist(), above,
+                                strict=True):
+        start, ready = end[p], end[d] + x
+        finish = (ready if ready > start else start) + w
+        if finish > h:
+            return None
+        end[e] = finish
+    return end
+
+
+FLOOR_MARGIN = 1e-9  # relative: a bound's float sums may round above a time they meet exactly
 
 
 def closed_form_replica_time(stage_times: Sequence[float] | np.ndarray, pp: int, vp: int = 1) -> float:
