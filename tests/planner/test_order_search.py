@@ -50,8 +50,8 @@ def one_by_one(candidates, lengths, rep, cost):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.integers(64, 6000), min_size=2, max_size=60), st.sampled_from([(2, 1), (4, 1), (4, 2), (4, 4), (8, 2)]),
-       st.integers(0, 3))
+@given(st.lists(st.integers(64, 6000), min_size=2, max_size=60),
+       st.sampled_from([(2, 1), (4, 1), (4, 2), (4, 4), (8, 2)]), st.integers(0, 3))
 def test_the_search_chooses_what_simulating_every_order_chooses(batch, shape, seed):
     rep, cost = replica(*shape)
     lengths = np.array(batch)

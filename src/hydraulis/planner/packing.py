@@ -258,9 +258,12 @@ def fastest_packing(
     replica: ReplicaCost,
     cost: CostModel,
     bulk: bool = False,
+    beat: float = np.inf,
 ) -> Packing:
     """The least simulated time over candidate packings (micro-batches, ramped) in their execution orders; of
-    equal times the first packing's first order, as simulating each in turn would choose.
+    equal times the first packing's first order, as simulating each in turn would choose. Where that time is
+    above `beat`, a packing said to take more than `beat` (inf, or its time): a caller that wants less learns so
+    sooner.
 
     Exact with fewer simulations: every order's floor (`replica_time_floor`, a lower bound on its simulated time)
     is computed first, orders are simulated from the lowest floor up, and one whose floor cannot beat the best
@@ -293,7 +296,7 @@ def fastest_packing(
             seen[key] = simulate_replica(times[order], 1, comm[order], keep_events=False).time_s
         elif key not in seen:  # inf where it surely loses to the best found (the best only falls)
             seen[key] = replica_time_below(times[order], replica.pp, comm[order], replica.config.vp,
-                                           np.inf if best is None else best[0])
+                                           beat if best is None else min(beat, best[0]))
         if best is None or (seen[key], k, o) < best:
             best = (seen[key], k, o)
     assert best is not None
@@ -346,9 +349,15 @@ def stage_times(
 
 
 def pack_replica(
-    indices: np.ndarray, lengths: np.ndarray, replica: ReplicaCost, cost: CostModel, bulk: bool = False
+    indices: np.ndarray,
+    lengths: np.ndarray,
+    replica: ReplicaCost,
+    cost: CostModel,
+    bulk: bool = False,
+    beat: float = np.inf,
 ) -> Packing:
-    """Micro-batches (of batch indices) for the sequences `indices` on `replica`, ordered.
+    """Micro-batches (of batch indices) for the sequences `indices` on `replica`, ordered (`fastest_packing`: a
+    time of `beat` or more where none is less).
 
     `bulk` (a large batch of light sequences, or a replica with many): the closed form ranks packings
     as the simulation would, so fewer are built and only the best is simulated, in two orders.
@@ -365,7 +374,7 @@ def pack_replica(
                 f"{replica.config.name}: a sequence longer than the cap of {replica.cap} tokens runs as the "
                 f"replica's lone micro-batch, of at most {replica.holds} tokens, but it holds {tokens}"
             )
-        return order_by_simulation([indices], np.asarray(lengths), replica, cost)
+        return fastest_packing([([indices], False)], np.asarray(lengths), replica, cost, beat=beat)
     # With many sequences the closed form ranks packings as the simulation would: simulate only the best.
     bulk = bulk or len(s) >= BULK_PACK_ITEMS
     alone = s > replica.cap  # within a memory policy's cap: each its own micro-batch under it
@@ -378,7 +387,7 @@ def pack_replica(
         candidates.append((None, False))
     mbs = [([indices] if bins is None else [rest[b] for b in bins] + singles, ramped)
            for bins, ramped in candidates or [([], False)]]
-    return fastest_packing(mbs, np.asarray(lengths), replica, cost, bulk)
+    return fastest_packing(mbs, np.asarray(lengths), replica, cost, bulk, beat)
 
 
 SIMULATED_PACKINGS = 3  # the closed form ranks packings; this many of the best are simulated

@@ -292,19 +292,23 @@ class Planner:
         return [x for x in top if x[0].makespan_s <= bound]
 
     def _pack(
-        self, lengths: np.ndarray, table: ReplicaTable, d: Dispatch, packed: dict[tuple, Packing] | None = None
-    ) -> list[Packing]:
+        self, lengths: np.ndarray, table: ReplicaTable, d: Dispatch, packed: dict[tuple, Packing] | None = None,
+        beat: float = np.inf, first: np.ndarray | None = None,
+    ) -> list[Packing] | None:
         """Each replica's packing; `packed` keeps them by config and members, for the refinement rounds, which
-        leave some replicas' sequences as they were (packing is deterministic)."""
+        leave some replicas' sequences as they were (packing is deterministic). None as soon as a replica's
+        packing takes `beat` or more (its search gives up beyond it): the replicas in the order `first`."""
         members = d.all_members()
         bulk = len(lengths) >= BULK_MIN_SEQUENCES
         packed = {} if packed is None else packed
-        out = []
-        for r, replica in enumerate(table.replicas):
+        out: list[Packing] = [Packing((), 0.0)] * len(table.replicas)
+        for r in range(len(table.replicas)) if first is None else first.tolist():
+            replica = table.replicas[r]
             key = (replica.config, members[r].tobytes())
-            if key not in packed:
-                packed[key] = pack_replica(members[r], lengths, replica, self.cost, bulk)
-            out.append(packed[key])
+            found = packed[key] if key in packed else pack_replica(members[r], lengths, replica, self.cost, bulk, beat)
+            if found.time_s >= beat:
+                return None
+            out[r] = packed[key] = found
         return out
 
     def _pack_and_refine(
@@ -315,6 +319,7 @@ class Planner:
         assert deployment is not None
         packed: dict[tuple, Packing] = {}
         packs = self._pack(lengths, table, d, packed)
+        assert packs is not None
         times = np.array([p.time_s for p in packs])
         bias = np.zeros(len(table))
         pipelined = bool((table.pp > 1).any())  # with pp = 1 the estimate is exact
@@ -327,11 +332,13 @@ class Planner:
                 d2 = dispatch(lengths, table, bias)
             except NoRoom:  # the bias moved a long sequence where its lone micro-batch leaves no room
                 break
-            packs2 = self._pack(lengths, table, d2, packed)
-            times2 = np.array([p.time_s for p in packs2])
-            if times2.max() >= times.max() - 1e-12:
+            # The round counts only if every replica comes out faster than the slowest before: the likeliest
+            # to miss (by its estimate, bias included) packed first, and none more once one misses.
+            packs2 = self._pack(lengths, table, d2, packed, beat=float(times.max()) - 1e-12,
+                                first=np.argsort(-d2.estimate_s, kind="stable"))
+            if packs2 is None:
                 break
-            d, packs, times = d2, packs2, times2
+            d, packs, times = d2, packs2, np.array([p.time_s for p in packs2])
         return Candidate(deployment, tuple(p.micro_batches for p in packs), times)
 
     def _exact(self, lengths: np.ndarray, cand: Candidate) -> Candidate:
