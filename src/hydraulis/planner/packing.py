@@ -107,7 +107,9 @@ class _FirstFit:
 
     def copy(self) -> _FirstFit:
         other = _FirstFit(self.cap)
-        other.bins, other.room_l, other.rooms = [b.copy() for b in self.bins], self.room_l.copy(), self.rooms.copy()
+        other.bins = [b.copy() for b in self.bins]
+        other.room_l = self.room_l.copy()
+        other.rooms = self.rooms.copy()
         return other
 
     def place(self, items: list[int], s: int) -> None:
@@ -387,7 +389,8 @@ def pack_replica(
         candidates.append((None, False))
     mbs = [([indices] if bins is None else [rest[b] for b in bins] + singles, ramped)
            for bins, ramped in candidates or [([], False)]]
-    return fastest_packing(mbs, np.asarray(lengths), replica, cost, bulk, beat)
+    return fastest_packing(candidates=mbs, lengths=np.asarray(lengths), replica=replica, cost=cost, bulk=bulk,
+                           beat=beat)
 
 
 SIMULATED_PACKINGS = 3  # the closed form ranks packings; this many of the best are simulated

@@ -100,7 +100,8 @@ class PhasedPlanner(Planner):
         later = self._later_planner()
         kept = self._memo, later._memo
         if self._memo is None:
-            self._memo, later._memo = {}, {}
+            self._memo = {}
+            later._memo = {}
         try:
             yield
         finally:
@@ -176,7 +177,8 @@ class PhasedPlanner(Planner):
         switch_s = mean_switch_time(plans, self.cost)
         total = phases_time(plans, self.cost, switch_s)
         indices = tuple(tuple(int(i) for i in idx) for idx in split.phases)
-        return Schedule(step, tuple(int(x) for x in lengths), plans, indices, switch_s, total, 0.0)
+        return Schedule(step=step, lengths=tuple(int(x) for x in lengths), phases=plans, indices=indices,
+                        switch_s=switch_s, iteration_time_s=total, planning_time_s=0.0)
 
 
 def spaced_levels(levels: Sequence[int], ratio: float = LEVEL_RATIO) -> list[int]:
@@ -203,7 +205,8 @@ def homogeneous_split(
     m = len(cuts)
     lo, hi = np.meshgrid(cuts, cuts, indexing="ij")  # the range s[cuts[i]:cuts[j]] at [i, j]
     top = s[np.maximum(hi - 1, 0)]
-    est = np.stack([np.where((hi > lo) & (cap >= top), range_estimates(cost, g, num_gpus, s, lo, hi), np.inf)
+    est = np.stack([np.where((hi > lo) & (cap >= top), range_estimates(cost=cost, config=g, num_gpus=num_gpus, s=s,
+                                                                       lo=lo, hi=hi), np.inf)
                     for g, cap in zip(configs, caps, strict=True)])
     pick, est = est.argmin(axis=0), est.min(axis=0)
     best = np.full(m, np.inf)
@@ -267,7 +270,8 @@ def phase_deployments(
     for bundle, level, clip in _hotspa_moves(cost, cluster, sample, longest):
         if (bundle := tuple(d for d in bundle if d not in pool)) and bundle not in _bundles(moves):
             moves.append((bundle, level, clip))
-    current, schedules = _greedy_phases(cost, N, list(pool), moves, sample, max_pool, min_gain)
+    current, schedules = _greedy_phases(cost=cost, num_gpus=N, current=list(pool), moves=moves, sample=sample,
+                                        max_pool=max_pool, min_gain=min_gain)
     added = current[len(pool) :]
     if len(batches) > len(sample):
         planner = PhasedPlanner(cost, N, current)
@@ -358,8 +362,9 @@ def _greedy_phases(
         cuts = [_short_cuts(sample, level, clip) for _, level, clip in moves]
         # The sample batches on the cores (`fan_out`): a memo's plans are of one batch (or its cut), which the
         # trials of every move share, and the next rounds' too (the workers' come back into the memo).
-        per_sample = fan_out(functools.partial(_sample_trials, planner, current, moves, cuts, sample),
-                             range(len(sample)), memo=memo)
+        trials = functools.partial(_sample_trials, planner=planner, current=current, moves=moves, cuts=cuts,
+                                   sample=sample)
+        per_sample = fan_out(trials, range(len(sample)), memo=memo)
         trials, gains = [], []
         for i, cut in enumerate(cuts):
             found = [per_sample[j][i][0] for j in range(len(sample))]
@@ -379,8 +384,8 @@ def _greedy_phases(
 
 
 def _sample_trials(
-    planner: PhasedPlanner, current: list[Deployment], moves: list[Move], cuts: list[dict[int, np.ndarray]],
-    sample: list[np.ndarray], j: int,
+    j: int, planner: PhasedPlanner, current: list[Deployment], moves: list[Move], cuts: list[dict[int, np.ndarray]],
+    sample: list[np.ndarray],
 ) -> list[tuple[Schedule, float, float]]:
     """Sample batch j on the pool with each move added: its schedule, and the move's and the current pool's
     iteration on the batch cut at the move's level (0 where it is not cut there; `_short_cuts`)."""

@@ -154,7 +154,8 @@ class Planner:
         other = type(self)(cost, self.num_gpus, self.pool, method=self.method,
                            milp_time_limit_s=self.milp_time_limit_s, full_candidates=self.full_candidates,
                            refine_rounds=self.refine_rounds)
-        other.missed, other.outlook = self.missed, self.outlook  # the same records
+        other.missed = self.missed  # the same records
+        other.outlook = self.outlook
         return other
 
     def plan(self, lengths: Sequence[int] | np.ndarray, step: int = 0) -> IterationPlan:
@@ -305,7 +306,9 @@ class Planner:
         for r in range(len(table.replicas)) if first is None else first.tolist():
             replica = table.replicas[r]
             key = (replica.config, members[r].tobytes())
-            found = packed[key] if key in packed else pack_replica(members[r], lengths, replica, self.cost, bulk, beat)
+            found = packed[key] if key in packed else pack_replica(indices=members[r], lengths=lengths,
+                                                                   replica=replica, cost=self.cost, bulk=bulk,
+                                                                   beat=beat)
             if found.time_s >= beat:
                 return None
             out[r] = packed[key] = found
@@ -357,8 +360,8 @@ class Planner:
         return Candidate(cand.deployment, tuple(p.micro_batches for p in packs), times)
 
     def _finish(self, step: int, lengths: np.ndarray, cand: Candidate, start: float) -> IterationPlan:
-        return finalize(step, lengths, cand.deployment, cand.micro_batches, self.cost, start,
-                        self._table(cand.deployment))
+        return finalize(step=step, lengths=lengths, deployment=cand.deployment, micro_batches=cand.micro_batches,
+                        cost=self.cost, started=start, table=self._table(cand.deployment))
 
 
 def _relative(chosen: int, n: int, simulated: dict[int, float], screened: dict[int, float]) -> tuple[float, ...]:

@@ -391,7 +391,8 @@ def propose(
         kept = _screen(cost, cluster, candidates, sample, screen)  # sorted: the fallback first where kept
         candidates = [candidates[i] for i in dict.fromkeys([0, *kept])]
         times_all = _plan_times(cost, cluster, candidates, sample, progress)
-        candidates, times_all = refine(cost, cluster, candidates, times_all, sample, longest, len(candidates))
+        candidates, times_all = refine(cost=cost, cluster=cluster, candidates=candidates, times=times_all,
+                                       batches=sample, longest=longest, budget=len(candidates))
         pool_idx = greedy_pool(times_all, 0, max_pool)
         times = times_all[pool_idx]
     pool_deployments = tuple(candidates[i] for i in pool_idx)
@@ -400,8 +401,9 @@ def propose(
     phased = None
     if method == "hydraulis" and max_pool > 1:
         # The whole-batch choices compete with the phases' for the pool's room, on the phased planner's time.
-        extra, phased, usage = phase_deployments(cost, cluster, every, pool_deployments[:1], sample, max_pool,
-                                                 usage[:1], whole=pool_deployments[1:])
+        extra, phased, usage = phase_deployments(cost=cost, cluster=cluster, candidates=every,
+                                                 pool=pool_deployments[:1], batches=sample, max_pool=max_pool,
+                                                 usage=usage[:1], whole=pool_deployments[1:])
         pool_deployments = (pool_deployments[0], *extra)
         rows = {str(d): times_all[k] for k, d in enumerate(candidates)}
         times = np.array([rows.get(str(d), np.full(len(sample), np.inf)) for d in pool_deployments])

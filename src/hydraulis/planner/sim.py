@@ -24,6 +24,7 @@ from hydraulis.parallel import BACKWARD, FORWARD, ParallelConfig
 from hydraulis.planner.plan import IterationPlan
 
 FORWARD_SHARE = 1.0 / 3.0
+FLOOR_MARGIN = 1e-9  # relative: a bound's float sums may round above a time they meet exactly
 
 def one_f_one_b_order(pp: int, v: int, stage: int) -> list[tuple[int, int]]:
     """(kind, micro-batch) in the order stage `stage` runs them."""
@@ -172,8 +173,8 @@ def _sweep(pp: int, v: int, vp: int = 1) -> _Sweep:
                 progressed = True
         if not progressed:
             raise RuntimeError(f"the pipeline order deadlocked (pp={pp}, vp={vp}, {v} micro-batches)")
-    return _Sweep(stage, np.array(mb), kind, np.array(chunk), prev, dep, np.array(transfer),
-                  np.array(kind) == FORWARD, last_of, np.argsort(stage, kind="stable"))
+    return _Sweep(stage, np.array(mb), kind, np.array(chunk), prev, dep=dep, transfer=np.array(transfer),
+                  forward=np.array(kind) == FORWARD, last=last_of, by_stage=np.argsort(stage, kind="stable"))
 
 
 def replica_time_below(stage_times: np.ndarray, pp: int, p2p_s: np.ndarray, vp: int = 1, beat: float = np.inf) -> float:
@@ -185,10 +186,9 @@ def replica_time_below(stage_times: np.ndarray, pp: int, p2p_s: np.ndarray, vp: 
 
 
 def _ends(t: np.ndarray, pp: int, comm: np.ndarray, vp: int, beat: float = np.inf) -> list[float] | None:
-    """Each event's end, once, in the sweep's order: it starts when its stage is free and its input has arrived
-    (plain lists: the planner's inner loop; one slot more, 0.0, which index -1, no previous event or input, reads).
-    None once an event's end, the work its stage has left after it, and the last micro-batch's backward back
-    from that stage to the first (which ends every stage's order) exceed `beat`: the time would."""
+    """Each event's end in the sweep's order, after its stage's previous event and its input (plain lists: the
+    inner loop; one slot more, 0.0, read by index -1: none). None once an event's end, its stage's work left and
+    the last micro-batch's backward back to stage 0 (every stage's order ends with it) exceed `beat`."""
     sweep = _sweep(pp, len(t), vp)
     j = sweep.micro_batch
     duration = np.where(sweep.forward, (t * FORWARD_SHARE / vp)[j], (t * (1.0 - FORWARD_SHARE) / vp)[j])
@@ -201,17 +201,13 @@ def _ends(t: np.ndarray, pp: int, comm: np.ndarray, vp: int, beat: float = np.in
         bound[sweep.by_stage] = (beat + FLOOR_MARGIN * abs(beat) - left - drain).ravel()
         above = bound.tolist()
     end = [0.0] * (len(duration) + 1)
-    for e, p, d, x, w, h in zip(range(len(transfer)), sweep.prev, sweep.dep, transfer, duration.tolist(), above,
-                                strict=True):
+    for e, (p, d, x, w, h) in enumerate(zip(sweep.prev, sweep.dep, transfer, duration.tolist(), above, strict=True)):
         start, ready = end[p], end[d] + x
         finish = (ready if ready > start else start) + w
         if finish > h:
             return None
         end[e] = finish
     return end
-
-
-FLOOR_MARGIN = 1e-9  # relative: a bound's float sums may round above a time they meet exactly
 
 
 def closed_form_replica_time(stage_times: Sequence[float] | np.ndarray, pp: int, vp: int = 1) -> float:
@@ -304,7 +300,9 @@ class _Lane:
     """One pipeline stage of one replica: its (interleaved) 1F1B tasks in order, and where it is in them."""
 
     def __init__(self, replica: int, stage: int, config: ParallelConfig, times: np.ndarray, scale: float) -> None:
-        self.replica, self.stage, self.ranks = replica, stage, config.tp * config.cp
+        self.replica = replica
+        self.stage = stage
+        self.ranks = config.tp * config.cp
         self.order = interleaved_order(config.pp, config.vp, len(times), stage)
         self.work = [scale * times[j] * (FORWARD_SHARE if kind == FORWARD else 1 - FORWARD_SHARE) / config.vp
                      for kind, j, _ in self.order]
@@ -341,7 +339,8 @@ def shared_timelines(
         arrivals = [_ready(lane, ends, configs, comm) for lane in lanes if not lane.done and lane.remaining < 0]
         for lane in lanes:
             if not lane.done and lane.remaining < 0 and _ready(lane, ends, configs, comm) <= now + _EPS:
-                lane.remaining, lane.started = lane.work[lane.next], now
+                lane.remaining = lane.work[lane.next]
+                lane.started = now
         running = [lane for lane in lanes if lane.remaining >= 0]
         if not running:
             if all(lane.done for lane in lanes):
@@ -363,7 +362,8 @@ def shared_timelines(
                 lane.finished = now
                 if keep_events:
                     rows[lane.replica].append((lane.stage, j, kind, lane.started, now))
-                lane.next, lane.remaining = lane.next + 1, -1.0
+                lane.next += 1
+                lane.remaining = -1.0
     return [_timeline(config, [lane for lane in lanes if lane.replica == r], rows[r], keep_events)
             for r, config in enumerate(configs)]
 
