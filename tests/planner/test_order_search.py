@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hydraulis.cost import load_cost_model
-from hydraulis.parallel import ParallelConfig
+from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.packing import (
     BULK_PACK_ITEMS,
     execution_orders,
@@ -19,8 +19,10 @@ from hydraulis.planner.packing import (
     replica_time_floor,
     stage_times,
 )
+from hydraulis.planner.planner import Planner
 from hydraulis.planner.replicas import ReplicaCost
 from hydraulis.planner.sim import replica_time_below, simulate_replica
+from hydraulis.specs import ClusterSpec
 
 GPUS = 16
 
@@ -83,3 +85,29 @@ def test_the_floor_and_the_early_stop_bound_the_simulation(times, pp, vp, comm_s
     assert replica_time_below(t, pp, comm, vp, exact) == exact
     assert replica_time_below(t, pp, comm, vp, exact * (1 + 1e-6)) == exact
     assert replica_time_below(t, pp, comm, vp, exact * (1 - 1e-6)) == np.inf
+
+
+class _WholeRounds(Planner):
+    """The refinement as it was: every replica of a round packed in full, the round dropped after."""
+
+    def _pack(self, lengths, table, d, packed=None, beat=np.inf, first=None):
+        packs = super()._pack(lengths, table, d, packed)
+        return None if max(p.time_s for p in packs) >= beat else packs
+
+
+@functools.cache
+def planners() -> tuple[Planner, Planner]:
+    cost = load_cost_model("llama-7b@a800-80g").with_interleaving()
+    cluster = ClusterSpec(GPUS)
+    pool = [Deployment.parse(t, cluster) for t in ("2x(tp1,pp4,vp2) + 4x(tp2,pp1)", "2x(tp2,pp2) + 2x(tp1,pp4)")]
+    return Planner(cost, GPUS, pool), _WholeRounds(cost, GPUS, pool)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.integers(64, 12000), min_size=4, max_size=120))
+def test_a_round_that_stops_at_its_first_miss_plans_what_a_whole_round_plans(batch):
+    fast, whole = planners()
+    a, b = fast.plan(np.array(batch)), whole.plan(np.array(batch))
+    assert a.deployment == b.deployment
+    assert a.predicted_time_s == b.predicted_time_s
+    assert [r.micro_batches for r in a.replicas] == [r.micro_batches for r in b.replicas]
