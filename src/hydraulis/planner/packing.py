@@ -269,7 +269,7 @@ def fastest_packing(
 
     Exact with fewer simulations: every order's floor (`replica_time_floor`, a lower bound on its simulated time)
     is computed first, orders are simulated from the lowest floor up, and one whose floor cannot beat the best
-    found is never simulated (interleaved pipelines have vp times the events, and the floor is close).
+    found is never simulated (interleaved pipelines have vp times the events).
     """
     rows = []  # (floor, packing, order) and what simulating it takes
     prepared = []
