@@ -134,7 +134,8 @@ class DynamicCP:
         bound = tall * self.budget * (1 + WORKLOAD_SLACK)
         leftovers = []
         for i in pending:
-            placed = self._place(i, int(lengths[i]), groups, owner, load, bound, first=i == pending[0])
+            placed = self._place(i, int(lengths[i]), groups=groups, owner=owner, load=load, bound=bound,
+                                 first=i == pending[0])
             if not placed:
                 leftovers.append(i)
         while (owner < 0).any():
@@ -239,8 +240,9 @@ class DynamicCP:
             plan, idx = self._plan(lengths, mb, step, start)
             plans.append(plan)
             indices.append(idx)
-        return Schedule(step, tuple(int(x) for x in lengths), tuple(plans), tuple(indices), 0.0, total,
-                        time.perf_counter() - start)
+        return Schedule(step=step, lengths=tuple(int(x) for x in lengths), phases=tuple(plans),
+                        indices=tuple(indices), switch_s=0.0, iteration_time_s=total,
+                        planning_time_s=time.perf_counter() - start)
 
     def _plan(self, lengths: np.ndarray, mb: MicroBatch, step: int, start: float) -> tuple[IterationPlan, tuple]:
         """One micro-batch as a plan: each CP group a replica with one micro-batch (for validation and the bench)."""
@@ -252,7 +254,8 @@ class DynamicCP:
         idx = tuple(int(i) for g in groups for i in g.members)
         pos = {i: k for k, i in enumerate(idx)}
         micro = [[[pos[i] for i in g.members]] for g in groups]
-        return finalize(step, lengths[list(idx)], deployment, micro, self.cost, start), idx
+        return finalize(step=step, lengths=lengths[list(idx)], deployment=deployment, micro_batches=micro,
+                        cost=self.cost, started=start), idx
 
 
 def candidate_bases(ctx: PolicyContext) -> list[ParallelConfig]:

@@ -94,7 +94,8 @@ class Homogeneous:
                 f"{self.name}: a sequence of {longest} tokens is longer than the cap of its deployment "
                 f"{self.deployment} ({cap} tokens; the run's longest sequence was given as {self.ctx.run_max_length})"
             )
-        return finalize(step, lengths, self.deployment, self._assign(lengths), self.ctx.cost, start)
+        return finalize(step=step, lengths=lengths, deployment=self.deployment, micro_batches=self._assign(lengths),
+                        cost=self.ctx.cost, started=start)
 
     def schedule(self, lengths: np.ndarray, step: int = 0) -> Schedule:
         return Schedule.single(self.plan(lengths, step))

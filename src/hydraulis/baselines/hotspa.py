@@ -70,12 +70,6 @@ class HotSpa:
             indices.append(tuple(int(i) for i in idx))
         switch_s = mean_switch_time(plans, self.ctx.cost)
         total = phases_time(plans, self.ctx.cost, switch_s)
-        return Schedule(
-            step,
-            tuple(int(s) for s in lengths),
-            tuple(plans),
-            tuple(indices),
-            switch_s,
-            total,
-            time.perf_counter() - start,
-        )
+        return Schedule(step=step, lengths=tuple(int(s) for s in lengths), phases=tuple(plans),
+                        indices=tuple(indices), switch_s=switch_s, iteration_time_s=total,
+                        planning_time_s=time.perf_counter() - start)

@@ -96,7 +96,8 @@ def milp_bins(s: np.ndarray, w: np.ndarray, cap: int, v: int, time_limit_s: floa
     integer[nx] = False
     col_hi = np.ones(ncol)
     col_hi[nx] = np.inf
-    res = solve_milp(cost, a, lo, hi, np.zeros(ncol), col_hi, integer, time_limit_s)
+    res = solve_milp(cost=cost, rows=a, row_lo=lo, row_hi=hi, col_lo=np.zeros(ncol), col_hi=col_hi, integer=integer,
+                     time_limit_s=time_limit_s)
     if res.x is None:
         return None
     x = res.x[:nx].reshape(n, v) > 0.5
@@ -156,5 +157,6 @@ class Reference:
                 continue
             bins = pack_reference(lengths[idx], table.replicas[r])
             micro_batches.append([idx[b].tolist() for b in bins])
-        plan = finalize(step, lengths, self.ctx.reference_pool[k], micro_batches, self.ctx.cost, start)
+        plan = finalize(step=step, lengths=lengths, deployment=self.ctx.reference_pool[k],
+                        micro_batches=micro_batches, cost=self.ctx.cost, started=start)
         return Schedule.single(plan)

@@ -91,5 +91,6 @@ class SlimeFlops:
         weights = np.array([float(flops[b].sum()) for b in bins])
         ranks = karmarkar_karp(weights, dp, equal_size=True)  # step 3
         micro = [[bins[j] for j in sorted(part) if bins[j]] for part in ranks]
-        plan = finalize(step, lengths, self.deployment, micro, self.cost, start)
+        plan = finalize(step=step, lengths=lengths, deployment=self.deployment, micro_batches=micro, cost=self.cost,
+                        started=start)
         return Schedule.single(plan)
