@@ -7,14 +7,11 @@ from hypothesis import strategies as st
 
 from hydraulis.cost import load_cost_model
 from hydraulis.cost.model import SharedCores
-from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.parallel import BACKWARD, FORWARD, Deployment, ParallelConfig, one_f_one_b_order
 from hydraulis.planner.plan import plan_from_assignment
 from hydraulis.planner.sim import (
-    BACKWARD,
-    FORWARD,
     FORWARD_SHARE,
     closed_form_replica_time,
-    one_f_one_b_order,
     shared_timelines,
     simulate,
     simulate_replica,

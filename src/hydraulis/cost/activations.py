@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 
 from hydraulis.cost.policies import MemoryPolicy
-from hydraulis.parallel import ParallelConfig
+from hydraulis.parallel import ParallelConfig, interleave_group
 from hydraulis.specs import ModelSpec
 
 KV_BYTES = 2  # K and V travel over the CP group in the compute dtype (bf16)
@@ -202,16 +202,6 @@ def held_layers(model: ModelSpec, config: ParallelConfig, held: int | None) -> i
 
 
 @functools.lru_cache(maxsize=4096)
-def interleave_group(pp: int, micro_batches: int) -> int:
-    """Megatron's micro-batch group of interleaved 1F1B (microbatch_group_size_per_vp_stage) for M micro-batches:
-    the smallest N >= pp whose last group is whole or holds at least pp (Megatron refuses a shorter last group,
-    and its order then deadlocks); M itself below pp (every forward is then in the warm-up). Megatron's default is
-    pp with M a multiple of pp; a plan's micro-batch counts vary, so each replica gets the smallest that runs."""
-    if micro_batches <= pp:
-        return max(1, micro_batches)
-    return next(n for n in range(pp, micro_batches + 1) if micro_batches % n == 0 or micro_batches % n >= pp)
-
-
 @functools.lru_cache(maxsize=1024)
 def worst_count(config: ParallelConfig, stage: int) -> int:
     """The micro-batch count of at least two that makes a stage hold the most chunks at once: the count a cap for

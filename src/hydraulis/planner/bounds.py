@@ -100,7 +100,8 @@ class _Terms:
         w_min = np.array([r.seq_costs(lengths[[int(np.argmin(lengths))]])[0] for r in reps])
         vp = np.array([g.vp for g in configs], dtype=np.float64)
         bubble = gpus[:, 0] * (pp[:, 0] - 1) / vp * w_min  # interleaved: vp chunks of 1/vp of it each
-        return cls(num_gpus, lengths, np.array([r.holds for r in reps]), spread_w, alone_w, trip, gpus, bubble)
+        return cls(num_gpus=num_gpus, lengths=lengths, holds=np.array([r.holds for r in reps]), spread_w=spread_w,
+                   alone_w=alone_w, trip=trip, gpus=gpus, bubble=bubble)
 
     def bound(self, rows: np.ndarray) -> float:
         """LB over the configs of `rows`."""

@@ -126,7 +126,8 @@ def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray |
         c, pp1, cap, me, lone, long_w = params[g]
         if pp1 == 0 and max(wmax[r], wi) <= long_w:  # the common case, inlined: W + c * ceil(T / cap)
             return W[r] + wi + c * max(1, -(-(T[r] + s) // cap)) + bias_l[r]
-        e = _scalar_estimate(W[r] + wi, T[r] + s, n[r] + 1, max(wmax[r], wi), c, pp1, cap, me, lone, long_w)
+        e = _scalar_estimate(W=W[r] + wi, T=T[r] + s, n=n[r] + 1, wmax=max(wmax[r], wi), c=c, pp1=pp1, cap=cap, me=me,
+                             lone=lone, long_w=long_w)
         return e + bias_l[r]
 
     for i, p in zip(order, positions, strict=True):
@@ -139,7 +140,8 @@ def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray |
             r = heaps[g][0][1]
             e = estimate(g, r, s, wi)
             if e == math.inf:  # the least loaded holds a sequence beyond the cap and has no room: try the others
-                e, r = _scan(heaps[g], estimate, g, s, wi, params[g][4:], wmax, T)
+                e, r = _scan(heap=heaps[g], estimate=estimate, g=g, s=s, wi=wi, lone_params=params[g][4:], wmax=wmax,
+                             T=T)
             if e < best:
                 best, best_g, best_r = e, g, r
         if best_g < 0:
@@ -155,7 +157,8 @@ def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray |
     replica_of = np.array(out, dtype=np.int64)
     if head < len(lengths):
         sums = ReplicaSums(np.array(W), np.array(T, dtype=np.int64), np.array(n, dtype=np.int64), np.array(wmax))
-        _water_fill(lengths, w_arr, order_a[head:], table, bias_a, sums, replica_of)
+        _water_fill(lengths=lengths, w=w_arr, tail=order_a[head:], table=table, bias=bias_a, sums=sums,
+                    replica_of=replica_of)
     return replica_of
 
 

@@ -58,7 +58,7 @@ def local_search(
     w_own = wg[group[replica_of], np.arange(len(lengths))]
     sums = ReplicaSums.of(lengths, w_own, replica_of, R)
     est = estimates(sums, table, bias)
-    search = _Search(lengths, table, bias, wg, replica_of, sums, est)
+    search = _Search(lengths=lengths, table=table, bias=bias, wg=wg, replica_of=replica_of, sums=sums, est=est)
     p = table.params
     for _ in range(max_rounds):
         b = int(np.argmax(est))

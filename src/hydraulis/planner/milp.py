@@ -71,7 +71,8 @@ def solve_milp(
         raise HydraulisError("the exact (MILP) methods need highspy: pip install 'hydraulis[cli]'") from None
     a = sparse.csc_matrix(rows)
     lp = highspy.HighsLp()
-    lp.num_col_, lp.num_row_ = a.shape[1], a.shape[0]
+    lp.num_col_ = a.shape[1]
+    lp.num_row_ = a.shape[0]
     lp.col_cost_ = np.asarray(cost, dtype=np.float64)
     lp.col_lower_ = np.asarray(col_lo, dtype=np.float64)
     lp.col_upper_ = np.asarray(col_hi, dtype=np.float64)
@@ -151,7 +152,8 @@ def exact_assignment(
     col_hi = np.full(cols.count, np.inf)
     col_hi[: cols.m_off] = 1.0
     x0 = None if start is None else _start_vector(start, lengths, table, cols)
-    res = solve_milp(cost, a, lo, hi, np.zeros(cols.count), col_hi, integer, time_limit_s, x0)
+    res = solve_milp(cost=cost, rows=a, row_lo=lo, row_hi=hi, col_lo=np.zeros(cols.count), col_hi=col_hi,
+                     integer=integer, time_limit_s=time_limit_s, start=x0)
     if res.x is None:
         return None
     out: list[list[list[int]]] = [[[] for _ in range(slots[r])] for r in range(len(table))]

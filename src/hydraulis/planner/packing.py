@@ -32,7 +32,13 @@ import numpy as np
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.planner.replicas import HEAVY_SHARE, ReplicaCost, micro_batch_range
-from hydraulis.planner.sim import closed_form_replica_time, simulate_replica
+from hydraulis.planner.sim import (
+    FLOOR_MARGIN,
+    FORWARD_SHARE,
+    closed_form_replica_time,
+    replica_time_below,
+    simulate_replica,
+)
 
 
 @dataclass(frozen=True)
@@ -101,7 +107,9 @@ class _FirstFit:
 
     def copy(self) -> _FirstFit:
         other = _FirstFit(self.cap)
-        other.bins, other.room_l, other.rooms = [b.copy() for b in self.bins], self.room_l.copy(), self.rooms.copy()
+        other.bins = [b.copy() for b in self.bins]
+        other.room_l = self.room_l.copy()
+        other.rooms = self.rooms.copy()
         return other
 
     def place(self, items: list[int], s: int) -> None:
@@ -243,24 +251,75 @@ def order_by_simulation(
 ) -> Packing:
     """Put the micro-batches in the order whose simulated 1F1B time is least (`ramped`: a packing of
     `ramp_bins`, tried ascending and as a pyramid only, the orders that win there)."""
-    if not micro_batches:
-        return Packing((), 0.0)
-    tokens, times = stage_times(micro_batches, lengths, replica, cost)
-    comm = np.array([cost.p2p_time(replica.config, t) for t in tokens.tolist()])
-    if replica.pp == 1:
-        return Packing(tuple(micro_batches), simulate_replica(times, 1, comm, keep_events=False).time_s)
-    best: tuple[float, np.ndarray] | None = None
-    orders = execution_orders(times)
-    if ramped:
-        orders = orders[1::3]  # ascending, the pyramid
-    elif bulk or sum(len(mb) for mb in micro_batches) >= BULK_PACK_ITEMS:
-        orders = orders[2:]  # many light micro-batches: the orders with small ones at the ends
-    for order in orders:
-        t = simulate_replica(times[order], replica.pp, comm[order], keep_events=False, vp=replica.config.vp).time_s
-        if best is None or t < best[0]:
-            best = (t, order)
+    return fastest_packing([(micro_batches, ramped)], np.asarray(lengths), replica, cost, bulk)
+
+
+def fastest_packing(
+    candidates: list[tuple[list[np.ndarray], bool]],
+    lengths: np.ndarray,
+    replica: ReplicaCost,
+    cost: CostModel,
+    bulk: bool = False,
+    beat: float = np.inf,
+) -> Packing:
+    """The least simulated time over candidate packings (micro-batches, ramped) in their execution orders; of
+    equal times the first packing's first order, as simulating each in turn would choose. Where that time is
+    above `beat`, a packing said to take more than `beat` (inf, or its time): a caller that wants less learns so
+    sooner.
+
+    Exact with fewer simulations: every order's floor (`replica_time_floor`, a lower bound on its simulated time)
+    is computed first, orders are simulated from the lowest floor up, and one whose floor cannot beat the best
+    found is never simulated (interleaved pipelines have vp times the events).
+    """
+    rows = []  # (floor, packing, order) and what simulating it takes
+    prepared = []
+    for k, (mbs, ramped) in enumerate(candidates):
+        if not mbs:
+            return Packing((), 0.0)
+        tokens, times = stage_times(mbs, lengths, replica, cost)
+        comm = np.array([cost.p2p_time(replica.config, t) for t in tokens.tolist()])
+        orders = [np.arange(len(mbs))] if replica.pp == 1 else execution_orders(times)
+        if replica.pp > 1 and ramped:
+            orders = orders[1::3]  # ascending, the pyramid
+        elif replica.pp > 1 and (bulk or sum(len(mb) for mb in mbs) >= BULK_PACK_ITEMS):
+            orders = orders[2:]  # many light micro-batches: the orders with small ones at the ends
+        prepared.append((mbs, times, comm, orders))
+        floors = replica_time_floor(times, comm, orders, replica.pp, replica.config.vp)
+        rows += [(f, k, o) for o, f in enumerate(floors.tolist())]
+    best: tuple[float, int, int] | None = None
+    seen: dict[bytes, float] = {}  # packings often repeat another's times: simulated once
+    for floor, k, o in sorted(rows):
+        if best is not None and (floor, k, o) > best:
+            break  # sorted by floor: no later one beats the best either
+        _, times, comm, orders = prepared[k]
+        order = orders[o]
+        key = times[order].tobytes() + comm[order].tobytes()
+        if key not in seen and replica.pp == 1:
+            seen[key] = simulate_replica(times[order], 1, comm[order], keep_events=False).time_s
+        elif key not in seen:  # inf where it surely loses to the best found (the best only falls)
+            seen[key] = replica_time_below(times[order], replica.pp, comm[order], replica.config.vp,
+                                           beat if best is None else min(beat, best[0]))
+        if best is None or (seen[key], k, o) < best:
+            best = (seen[key], k, o)
     assert best is not None
-    return Packing(tuple(micro_batches[k] for k in best[1].tolist()), best[0])
+    t, k, o = best
+    mbs = prepared[k][0]
+    return Packing(tuple(mbs[j] for j in prepared[k][3][o].tolist()), t)
+
+
+def replica_time_floor(
+    times: np.ndarray, comm: np.ndarray, orders: list[np.ndarray], pp: int, vp: int
+) -> np.ndarray:
+    """Per order, a lower bound on its simulated (interleaved) 1F1B time: the last stage starts after the first
+    micro-batch's forward crossed the pp - 1 stages before it, then runs all its work, sum t, ending with the
+    last micro-batch's backward of chunk 0, which crosses the pp - 1 stages back (each crossing one p2p). One
+    stage (pp = 1): no floor, it is simulated at no cost."""
+    if pp == 1:
+        return np.full(len(orders), -math.inf)
+    first = np.array([o[0] for o in orders])
+    last = np.array([o[-1] for o in orders])
+    chain = (FORWARD_SHARE * times[first] + (1.0 - FORWARD_SHARE) * times[last]) / vp + comm[first] + comm[last]
+    return (float(times.sum()) + (pp - 1) * chain) * (1.0 - FLOOR_MARGIN)
 
 
 EXACT_SQUARES = 1 << 26  # tokens of a micro-batch below which its sum of squares is an exact float64
@@ -292,9 +351,15 @@ def stage_times(
 
 
 def pack_replica(
-    indices: np.ndarray, lengths: np.ndarray, replica: ReplicaCost, cost: CostModel, bulk: bool = False
+    indices: np.ndarray,
+    lengths: np.ndarray,
+    replica: ReplicaCost,
+    cost: CostModel,
+    bulk: bool = False,
+    beat: float = np.inf,
 ) -> Packing:
-    """Micro-batches (of batch indices) for the sequences `indices` on `replica`, ordered.
+    """Micro-batches (of batch indices) for the sequences `indices` on `replica`, ordered (`fastest_packing`: a
+    time of `beat` or more where none is less).
 
     `bulk` (a large batch of light sequences, or a replica with many): the closed form ranks packings
     as the simulation would, so fewer are built and only the best is simulated, in two orders.
@@ -311,8 +376,7 @@ def pack_replica(
                 f"{replica.config.name}: a sequence longer than the cap of {replica.cap} tokens runs as the "
                 f"replica's lone micro-batch, of at most {replica.holds} tokens, but it holds {tokens}"
             )
-        return order_by_simulation([indices], np.asarray(lengths), replica, cost)
-    best: Packing | None = None
+        return fastest_packing([([indices], False)], np.asarray(lengths), replica, cost, beat=beat)
     # With many sequences the closed form ranks packings as the simulation would: simulate only the best.
     bulk = bulk or len(s) >= BULK_PACK_ITEMS
     alone = s > replica.cap  # within a memory policy's cap: each its own micro-batch under it
@@ -323,13 +387,10 @@ def pack_replica(
         candidates += [(bins, True) for bins in ramp_bins(s, replica)]
     if singles and tokens <= replica.plain_lone:  # or all of it as one plain lone micro-batch, no recompute
         candidates.append((None, False))
-    for bins, ramped in candidates or [([], False)]:
-        mbs = [indices] if bins is None else [rest[b] for b in bins] + singles
-        packing = order_by_simulation(mbs, np.asarray(lengths), replica, cost, bulk, ramped)
-        if best is None or packing.time_s < best.time_s:
-            best = packing
-    assert best is not None
-    return best
+    mbs = [([indices] if bins is None else [rest[b] for b in bins] + singles, ramped)
+           for bins, ramped in candidates or [([], False)]]
+    return fastest_packing(candidates=mbs, lengths=np.asarray(lengths), replica=replica, cost=cost, bulk=bulk,
+                           beat=beat)
 
 
 SIMULATED_PACKINGS = 3  # the closed form ranks packings; this many of the best are simulated

@@ -296,7 +296,8 @@ def phase_deployments(
     for bundle, level, clip in _hotspa_moves(cost, cluster, sample, longest):
         if (bundle := tuple(d for d in bundle if d not in pool)) and bundle not in _bundles(moves):
             moves.append((bundle, level, clip))
-    current, schedules = _greedy_phases(cost, N, list(pool), moves, sample, max_pool=max_pool, min_gain=min_gain)
+    current, schedules = _greedy_phases(cost=cost, num_gpus=N, current=list(pool), moves=moves, sample=sample,
+                                        max_pool=max_pool, min_gain=min_gain)
     added = current[len(pool) :]
     if len(batches) > len(sample):
         planner = PhasedPlanner(cost, N, current)
@@ -385,8 +386,9 @@ def _greedy_phases(
         cuts = [_short_cuts(sample, level, clip) for _, level, clip in moves]
         # The sample batches on the cores (`fan_out`): a memo's plans are of one batch (or its cut), which the
         # trials of every move share, and the next rounds' too (the workers' come back into the memo).
-        per_sample = fan_out(functools.partial(_sample_trials, planner, current, moves, cuts, sample),
-                             range(len(sample)), memo=memo)
+        trials = functools.partial(_sample_trials, planner=planner, current=current, moves=moves, cuts=cuts,
+                                   sample=sample)
+        per_sample = fan_out(trials, range(len(sample)), memo=memo)
         trials, gains = [], []
         for i, cut in enumerate(cuts):
             found = [per_sample[j][i][0] for j in range(len(sample))]
@@ -406,8 +408,8 @@ def _greedy_phases(
 
 
 def _sample_trials(
-    planner: PhasedPlanner, current: list[Deployment], moves: list[Move], cuts: list[dict[int, np.ndarray]],
-    sample: list[np.ndarray], j: int,
+    j: int, planner: PhasedPlanner, current: list[Deployment], moves: list[Move], cuts: list[dict[int, np.ndarray]],
+    sample: list[np.ndarray],
 ) -> list[tuple[Schedule, float, float]]:
     """Sample batch j on the pool with each move added: its schedule, and the move's and the current pool's
     iteration on the batch cut at the move's level (0 where it is not cut there; `_short_cuts`)."""

@@ -193,15 +193,8 @@ class Schedule:
 
     @classmethod
     def single(cls, plan: IterationPlan) -> Schedule:
-        return cls(
-            plan.step,
-            plan.lengths,
-            (plan,),
-            (tuple(range(len(plan.lengths))),),
-            0.0,
-            plan.predicted_time_s,
-            plan.planning_time_s,
-        )
+        return cls(step=plan.step, lengths=plan.lengths, phases=(plan,), indices=(tuple(range(len(plan.lengths))),),
+                   switch_s=0.0, iteration_time_s=plan.predicted_time_s, planning_time_s=plan.planning_time_s)
 
     def to_dict(self) -> dict[str, Any]:
         """One phase: the plan's own JSON (as before phases existed); several: `phases`, each with `indices`."""
@@ -236,9 +229,10 @@ class Schedule:
             plans.append(IterationPlan.from_dict({**row, "step": step, "lengths": [lengths[i] for i in idx]},
                                                  cluster, at))
             indices.append(tuple(idx))
-        schedule = cls(step, tuple(lengths), tuple(plans), tuple(indices), f.float("switch_s", default=0.0, minimum=0),
-                       f.float("predicted_time_s", default=0.0, minimum=0),
-                       f.float("planning_time_s", default=0.0, minimum=0))
+        schedule = cls(step=step, lengths=tuple(lengths), phases=tuple(plans), indices=tuple(indices),
+                       switch_s=f.float("switch_s", default=0.0, minimum=0),
+                       iteration_time_s=f.float("predicted_time_s", default=0.0, minimum=0),
+                       planning_time_s=f.float("planning_time_s", default=0.0, minimum=0))
         covered = sorted(i for idx in indices for i in idx)
         if covered != list(range(len(lengths))):
             raise HydraulisError(f"{where}: the phases' indices do not cover every sequence of the batch exactly once")
@@ -342,7 +336,8 @@ def decode_plan(data: np.ndarray, step: int, lengths: Sequence[int], pool: Seque
         own = policies[k : k + int(c)].tolist()
         per_policies.append(() if all(p < 0 for p in own) else own)
         k += int(c)
-    plan = plan_from_assignment(step, lengths, pool[index], per_replica, predicted, planning, per_policies)
+    plan = plan_from_assignment(step=step, lengths=lengths, deployment=pool[index], micro_batches=per_replica,
+                                predicted_time_s=predicted, planning_time_s=planning, policies=per_policies)
     return dataclasses.replace(plan, replica_predicted_s=tuple(per_replica_s)) if per_replica_s else plan
 
 
@@ -374,8 +369,8 @@ def decode_schedule(data: np.ndarray, step: int, lengths: Sequence[int], pool: S
         indices.append(idx)
         pos += size
     switch, total, planning = data[pos : pos + 3].view(np.float64)
-    return Schedule(step, tuple(int(x) for x in lengths), tuple(plans), tuple(indices), float(switch), float(total),
-                    float(planning))
+    return Schedule(step=step, lengths=tuple(int(x) for x in lengths), phases=tuple(plans), indices=tuple(indices),
+                    switch_s=float(switch), iteration_time_s=float(total), planning_time_s=float(planning))
 
 
 def _ints(values: Sequence[int] | np.ndarray) -> list[int]:

@@ -154,7 +154,8 @@ class Planner:
         other = type(self)(cost, self.num_gpus, self.pool, method=self.method,
                            milp_time_limit_s=self.milp_time_limit_s, full_candidates=self.full_candidates,
                            refine_rounds=self.refine_rounds)
-        other.missed, other.outlook = self.missed, self.outlook  # the same records
+        other.missed = self.missed  # the same records
+        other.outlook = self.outlook
         return other
 
     def plan(self, lengths: Sequence[int] | np.ndarray, step: int = 0) -> IterationPlan:
@@ -259,8 +260,11 @@ class Planner:
         if self._memo is not None and key in self._memo:
             return self._memo[key]
         cand = self._pack_and_refine(lengths, k, improve(lengths, self._tables[k], d))
-        plan = assemble(0, lengths, cand.deployment, cand.micro_batches, self._tables[k])
-        found = cand, simulate(plan, self.cost, keep_events=False).iteration_time_s
+        if self.cost.shared_cores is None:  # each replica's time is its packing's simulation: the slowest, the step
+            found = cand, cand.compute_s + self.cost.step_time(cand.deployment.configs)
+        else:
+            plan = assemble(0, lengths, cand.deployment, cand.micro_batches, self._tables[k])
+            found = cand, simulate(plan, self.cost, keep_events=False).iteration_time_s
         if self._memo is not None:
             self._memo[key] = found
         return found
@@ -289,19 +293,25 @@ class Planner:
         return [x for x in top if x[0].makespan_s <= bound]
 
     def _pack(
-        self, lengths: np.ndarray, table: ReplicaTable, d: Dispatch, packed: dict[tuple, Packing] | None = None
-    ) -> list[Packing]:
+        self, lengths: np.ndarray, table: ReplicaTable, d: Dispatch, packed: dict[tuple, Packing] | None = None,
+        beat: float = np.inf, first: np.ndarray | None = None,
+    ) -> list[Packing] | None:
         """Each replica's packing; `packed` keeps them by config and members, for the refinement rounds, which
-        leave some replicas' sequences as they were (packing is deterministic)."""
+        leave some replicas' sequences as they were (packing is deterministic). None as soon as a replica's
+        packing takes `beat` or more (its search gives up beyond it): the replicas in the order `first`."""
         members = d.all_members()
         bulk = len(lengths) >= BULK_MIN_SEQUENCES
         packed = {} if packed is None else packed
-        out = []
-        for r, replica in enumerate(table.replicas):
+        out: list[Packing] = [Packing((), 0.0)] * len(table.replicas)
+        for r in range(len(table.replicas)) if first is None else first.tolist():
+            replica = table.replicas[r]
             key = (replica.config, members[r].tobytes())
-            if key not in packed:
-                packed[key] = pack_replica(members[r], lengths, replica, self.cost, bulk)
-            out.append(packed[key])
+            found = packed[key] if key in packed else pack_replica(indices=members[r], lengths=lengths,
+                                                                   replica=replica, cost=self.cost, bulk=bulk,
+                                                                   beat=beat)
+            if found.time_s >= beat:
+                return None
+            out[r] = packed[key] = found
         return out
 
     def _pack_and_refine(
@@ -312,6 +322,7 @@ class Planner:
         assert deployment is not None
         packed: dict[tuple, Packing] = {}
         packs = self._pack(lengths, table, d, packed)
+        assert packs is not None
         times = np.array([p.time_s for p in packs])
         bias = np.zeros(len(table))
         pipelined = bool((table.pp > 1).any())  # with pp = 1 the estimate is exact
@@ -324,11 +335,13 @@ class Planner:
                 d2 = dispatch(lengths, table, bias)
             except NoRoom:  # the bias moved a long sequence where its lone micro-batch leaves no room
                 break
-            packs2 = self._pack(lengths, table, d2, packed)
-            times2 = np.array([p.time_s for p in packs2])
-            if times2.max() >= times.max() - 1e-12:
+            # The round counts only if every replica comes out faster than the slowest before: the likeliest
+            # to miss (by its estimate, bias included) packed first, and none more once one misses.
+            packs2 = self._pack(lengths, table, d2, packed, beat=float(times.max()) - 1e-12,
+                                first=np.argsort(-d2.estimate_s, kind="stable"))
+            if packs2 is None:
                 break
-            d, packs, times = d2, packs2, times2
+            d, packs, times = d2, packs2, np.array([p.time_s for p in packs2])
         return Candidate(deployment, tuple(p.micro_batches for p in packs), times)
 
     def _exact(self, lengths: np.ndarray, cand: Candidate) -> Candidate:
@@ -347,8 +360,8 @@ class Planner:
         return Candidate(cand.deployment, tuple(p.micro_batches for p in packs), times)
 
     def _finish(self, step: int, lengths: np.ndarray, cand: Candidate, start: float) -> IterationPlan:
-        return finalize(step, lengths, cand.deployment, cand.micro_batches, self.cost, start,
-                        self._table(cand.deployment))
+        return finalize(step=step, lengths=lengths, deployment=cand.deployment, micro_batches=cand.micro_batches,
+                        cost=self.cost, started=start, table=self._table(cand.deployment))
 
 
 def _relative(chosen: int, n: int, simulated: dict[int, float], screened: dict[int, float]) -> tuple[float, ...]:

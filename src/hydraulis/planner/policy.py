@@ -123,11 +123,6 @@ class PolicyContext:
         """`pool` is the user's; `proposed` one proposed beforehand; `sample` defaults to the batches."""
         sample = tuple(np.asarray(b, dtype=np.int64) for b in (sample if sample is not None else batches))
         longest = max(int(np.max(b)) for b in list(batches) + list(sample))
-        return cls(
-            cost,
-            cluster,
-            longest,
-            sample,
-            tuple(pool) if pool is not None else None,
-            tuple(proposed) if proposed is not None else None,
-        )
+        return cls(cost=cost, cluster=cluster, run_max_length=longest, sample=sample,
+                   user_pool=tuple(pool) if pool is not None else None,
+                   proposed_pool=tuple(proposed) if proposed is not None else None)

@@ -211,11 +211,8 @@ def homogeneous_estimate(
     cost: CostModel, config: ParallelConfig, num_gpus: int, batches: Sequence[np.ndarray]
 ) -> float:
     """Mean estimated time of a batch spread evenly over N / n_g replicas of `config`."""
-    times = [
-        float(range_estimates(cost, config, num_gpus, np.sort(b), np.array([0]), np.array([len(b)]))[0])
-        for b in batches
-        if len(b)
-    ]
+    times = [float(range_estimates(cost, config, num_gpus, s=np.sort(b), lo=np.array([0]), hi=np.array([len(b)]))[0])
+             for b in batches if len(b)]
     return float(np.mean(times)) if times else float("inf")
 
 
@@ -231,8 +228,8 @@ def range_estimates(
     ct = np.concatenate([[0], np.cumsum(s, dtype=np.int64)])
     n = hi - lo
     wmax = w[np.maximum(hi - 1, 0)]  # the costs grow with the length
-    per = estimate_time((cw[hi] - cw[lo]) / R, (ct[hi] - ct[lo]) // R + 1, np.maximum(1, n // R), wmax, r.c,
-                        1 + r.bubble_stages, r.cap, r.min_efficient)
+    per = estimate_time(W=(cw[hi] - cw[lo]) / R, T=(ct[hi] - ct[lo]) // R + 1, n=np.maximum(1, n // R), wmax=wmax,
+                        c=r.c, pp=1 + r.bubble_stages, cap=r.cap, min_efficient=r.min_efficient)
     return np.where(n > 0, np.maximum(per, r.pp * (wmax + r.c)), np.inf)
 
 
@@ -273,7 +270,8 @@ def fallback_deployment(
     for big in bigs[:3]:
         for k in range(1, N // big.num_gpus):
             rest = N - k * big.num_gpus
-            smalls = [g for g in usable if rest % g.num_gpus == 0 and mixed_room(cost, big, k, g, N, batches)]
+            smalls = [g for g in usable
+                      if rest % g.num_gpus == 0 and mixed_room(cost, big, k, small=g, num_gpus=N, batches=batches)]
             ranked = sorted(smalls, key=lambda g: homogeneous_estimate(
                 cost, g, N, [b[b <= reach(cost, g, N)] for b in batches]))
             for small in ranked:

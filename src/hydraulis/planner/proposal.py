@@ -392,8 +392,8 @@ def propose(
         kept = _screen(cost, cluster, candidates, sample, screen)  # sorted: the fallback first where kept
         candidates = [candidates[i] for i in dict.fromkeys([0, *kept])]
         times_all = _plan_times(cost, cluster, candidates, sample, progress)
-        candidates, times_all = refine(cost, cluster, candidates, times_all, sample, longest=longest,
-                                       budget=len(candidates))
+        candidates, times_all = refine(cost=cost, cluster=cluster, candidates=candidates, times=times_all,
+                                       batches=sample, longest=longest, budget=len(candidates))
         pool_idx = greedy_pool(times_all, 0, max_pool)
         times = times_all[pool_idx]
     pool_deployments = tuple(candidates[i] for i in pool_idx)

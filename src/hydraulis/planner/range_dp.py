@@ -277,7 +277,8 @@ def dp_deployments(
     group_time = aware_group_time(cost, configs, hist, N) if aware else published_group_time(cost, configs, hist)
     bounds = length_boundaries(hist, [cap for c in configs for cap in (cost.cap(c, N), cost.lone_cap(c, N))])
     out = []
-    for max_length, _, groups in range_dp(cost, N, hist, configs, group_time, bounds):
+    for max_length, _, groups in range_dp(cost=cost, num_gpus=N, hist=hist, configs=configs, group_time=group_time,
+                                          boundaries=bounds):
         deployment = groups_to_deployment(groups, cluster)
         if deployment is not None:
             out.append((max_length, deployment))

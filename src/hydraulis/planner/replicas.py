@@ -114,8 +114,9 @@ class ReplicaCost:
                     top = at
             # A policy slower than a heavier one (measured factors can say so) is never the better choice.
             rows[:] = [t for j, t in enumerate(rows) if all(t.a <= u.a and t.b <= u.b for u in rows[j + 1 :])]
-        return cls(config, k.a, k.b, k.c, cap, cost.min_efficient_tokens(config), lone, tuple(tiers[None]),
-                   tuple(tiers[1]), cost.policies(config)[0])
+        return cls(config=config, a=k.a, b=k.b, c=k.c, cap=cap, min_efficient=cost.min_efficient_tokens(config),
+                   lone_cap=lone, tiers=tuple(tiers[None]), lone_tiers=tuple(tiers[1]),
+                   plain=cost.policies(config)[0])
 
     def seq_costs(self, lengths: np.ndarray) -> np.ndarray:
         """a*s^2 + b*s of each sequence, under the lightest policy whose cap holds it alone (beyond `reach`,
@@ -267,8 +268,7 @@ def estimate_time(
     c = np.asarray(c, dtype=np.float64)
     pp1 = np.asarray(pp, dtype=np.float64) - 1.0
     vmin, vmax = micro_batch_range(T, n, cap, min_efficient)
-    shape = np.broadcast_shapes(W.shape, np.shape(T), np.shape(n), np.shape(wmax), c.shape, pp1.shape,
-                                np.shape(cap), np.shape(min_efficient), np.shape(lone_cap), np.shape(long_w))
+    shape = np.broadcast_shapes(*map(np.shape, (W, T, n, wmax, c, pp1, cap, min_efficient, lone_cap, long_w)))
     # In place where it can (the local search's swaps estimate a few hundred thousand pairs at once); the same
     # operations in the same order as W + v c + pp1 (max(W / v, wmax) + c). fmax: an emptied replica's W may
     # be a rounding below 0, and pp = 1 with W = inf (a lone sequence past its cap) is 0 * inf; neither has a

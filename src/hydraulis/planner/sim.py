@@ -3,7 +3,7 @@
 Each stage runs its micro-batches in the non-interleaved 1F1B order (warm-up
 forwards, steady one-forward-one-backward, cool-down backwards), or, for a
 config with vp > 1 model chunks per rank, Megatron's interleaved 1F1B order
-(`interleaved_order`). A forward needs the previous (virtual) stage's forward
+(`parallel.interleaved_order`). A forward needs the previous (virtual) stage's forward
 of the same micro-batch, a backward the next one's backward, each plus a p2p
 transfer. Forward is 1/3 and backward 2/3 of the stage time t, a chunk 1/vp of
 each. With m equal micro-batches and free transfers, this gives exactly
@@ -18,63 +18,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hydraulis.cost.activations import interleave_group
 from hydraulis.cost.model import CostModel, SharedCores
-from hydraulis.parallel import BACKWARD, FORWARD, ParallelConfig
+from hydraulis.parallel import FORWARD, ParallelConfig, depends_on, interleaved_order
 from hydraulis.planner.plan import IterationPlan
 
 FORWARD_SHARE = 1.0 / 3.0
-
-def one_f_one_b_order(pp: int, v: int, stage: int) -> list[tuple[int, int]]:
-    """(kind, micro-batch) in the order stage `stage` runs them."""
-    warmup = min(pp - 1 - stage, v)
-    order = [(FORWARD, j) for j in range(warmup)]
-    for j in range(v - warmup):
-        order.append((FORWARD, warmup + j))
-        order.append((BACKWARD, j))
-    order += [(BACKWARD, j) for j in range(v - warmup, v)]
-    return order
-
-
-def interleaved_order(pp: int, vp: int, m: int, stage: int) -> list[tuple[int, int, int]]:
-    """(kind, micro-batch, chunk) in the order stage `stage` runs them under interleaved 1F1B with `vp` chunks.
-
-    Megatron-LM's schedule (core/pipeline_parallel/schedules.py: `get_schedule_table`,
-    `get_pp_rank_microbatches`): the forwards go through groups of `interleave_group` micro-batches, every
-    chunk of a group in turn, the backwards the same with the chunks reversed; a stage warms up with
-    2 (pp - stage - 1) + (vp - 1) N forwards (all m vp of them where fewer) and then alternates one forward
-    with one backward. vp = 1 is `one_f_one_b_order`, chunk 0.
-    """
-    if vp == 1:
-        return [(kind, j, 0) for kind, j in one_f_one_b_order(pp, m, stage)]
-    group = interleave_group(pp, m)
-    table = []
-    for first in range(0, m, group):
-        last = m if first + group >= m else first + group  # Megatron's last group takes what is left
-        table += [(j, c) for c in range(vp) for j in range(first, last)]
-        if last == m:
-            break
-    total = m * vp
-    warmup = min(total, 2 * (pp - stage - 1) + (vp - 1) * group)
-    forwards = [(FORWARD, j, c) for j, c in table]
-    backwards = [(BACKWARD, j, vp - 1 - c) for j, c in table]
-    order = forwards[:warmup]
-    for k in range(total - warmup):
-        order += [forwards[warmup + k], backwards[k]]
-    return order + backwards[total - warmup:]
-
-
-def depends_on(pp: int, vp: int, stage: int, kind: int, chunk: int) -> tuple[int, int, int] | None:
-    """(stage, kind, chunk) of the event an event waits for, the same micro-batch's; None: the first forward.
-    Virtual stage chunk * pp + stage; a forward waits for the one before, a backward for the one after, the last
-    virtual stage's backward for its own forward."""
-    virtual = chunk * pp + stage
-    if kind == FORWARD:
-        return None if virtual == 0 else ((virtual - 1) % pp, FORWARD, (virtual - 1) // pp)
-    if virtual == pp * vp - 1:
-        return stage, FORWARD, chunk
-    return (virtual + 1) % pp, BACKWARD, (virtual + 1) // pp
-
+FLOOR_MARGIN = 1e-9  # relative: a bound's float sums may round above a time they meet exactly
 
 @dataclass(frozen=True)
 class ReplicaTimeline:
@@ -100,11 +49,17 @@ def simulate_replica(
         return ReplicaTimeline(0.0, np.zeros(pp), np.zeros((0, 5)) if keep_events else None)
     if pp == 1:
         return _single_stage(t, keep_events)
-    comm = np.broadcast_to(np.asarray(p2p_s, dtype=np.float64), (v,)).tolist()
-    free, rows, chunks = _run_1f1b(t, pp, comm, keep_events, vp)
-    busy = np.full(pp, float(t.sum()))
-    return ReplicaTimeline(max(free), busy, np.array(rows) if keep_events else None,
-                           chunks if keep_events and vp > 1 else None)
+    comm = np.broadcast_to(np.asarray(p2p_s, dtype=np.float64), (v,))
+    sweep = _sweep(pp, v, vp)
+    end = _ends(t, pp, comm, vp)
+    assert end is not None
+    busy, time_s = np.full(pp, float(t.sum())), max(end[e] for e in sweep.last)
+    if not keep_events:
+        return ReplicaTimeline(time_s, busy, None)
+    ends = np.array(end)  # each start again, as the loop took it
+    begin = np.maximum(ends[sweep.prev], ends[sweep.dep] + np.where(sweep.transfer, comm[sweep.micro_batch], 0.0))
+    rows = np.column_stack([sweep.stage, sweep.micro_batch, sweep.kind, begin, ends[:-1]]).astype(np.float64)
+    return ReplicaTimeline(time_s, busy, rows, sweep.chunk if vp > 1 else None)
 
 
 def _single_stage(t: np.ndarray, keep_events: bool) -> ReplicaTimeline:
@@ -137,6 +92,7 @@ class _Sweep:
     transfer: np.ndarray  # bool
     forward: np.ndarray  # bool
     last: list[int]  # each stage's last event
+    by_stage: np.ndarray  # the events grouped by stage, each stage's in its order
 
 
 @functools.lru_cache(maxsize=256)
@@ -165,36 +121,41 @@ def _sweep(pp: int, v: int, vp: int = 1) -> _Sweep:
                 progressed = True
         if not progressed:
             raise RuntimeError(f"the pipeline order deadlocked (pp={pp}, vp={vp}, {v} micro-batches)")
-    return _Sweep(stage, np.array(mb), kind, np.array(chunk), prev, dep, np.array(transfer),
-                  np.array(kind) == FORWARD, last_of)
+    return _Sweep(stage, np.array(mb), kind, np.array(chunk), prev, dep=dep, transfer=np.array(transfer),
+                  forward=np.array(kind) == FORWARD, last=last_of, by_stage=np.argsort(stage, kind="stable"))
 
 
-def _run_1f1b(
-    t: np.ndarray, pp: int, comm: list[float], keep_events: bool, vp: int = 1
-) -> tuple[list[float], list[tuple[int, int, int, float, float]], np.ndarray]:
-    """Each event once, in the sweep's order: it starts when its stage is free and its input has arrived.
+def replica_time_below(stage_times: np.ndarray, pp: int, p2p_s: np.ndarray, vp: int = 1, beat: float = np.inf) -> float:
+    """`simulate_replica`'s time (pp > 1), or inf once it is surely above `beat` (`_ends`): a search drops an
+    order that loses without running the rest of it."""
+    t = np.asarray(stage_times, dtype=np.float64)
+    end = _ends(t, pp, np.asarray(p2p_s, dtype=np.float64), vp, beat)
+    return np.inf if end is None else max(end[e] for e in _sweep(pp, len(t), vp).last)
 
-    Returns each stage's finish time, the event rows (when kept) and their chunks. Plain lists: this loop
-    is the planner's inner loop and numpy scalars would slow it several-fold.
-    """
+
+def _ends(t: np.ndarray, pp: int, comm: np.ndarray, vp: int, beat: float = np.inf) -> list[float] | None:
+    """Each event's end in the sweep's order, after its stage's previous event and its input (plain lists: the
+    inner loop; one slot more, 0.0, read by index -1: none). None once an event's end, its stage's work left and
+    the last micro-batch's backward back to stage 0 (every stage's order ends with it) exceed `beat`."""
     sweep = _sweep(pp, len(t), vp)
     j = sweep.micro_batch
-    duration = np.where(sweep.forward, (t * FORWARD_SHARE / vp)[j], (t * (1.0 - FORWARD_SHARE) / vp)[j]).tolist()
-    transfer = np.where(sweep.transfer, np.asarray(comm, dtype=np.float64)[j], 0.0).tolist()
-    end = [0.0] * len(duration)
-    begin = [0.0] * len(duration)
-    for e, (p, d) in enumerate(zip(sweep.prev, sweep.dep, strict=True)):
-        start = end[p] if p >= 0 else 0.0
-        if d >= 0:
-            ready = end[d] + transfer[e]
-            if ready > start:
-                start = ready
-        begin[e] = start
-        end[e] = start + duration[e]
-    rows: list[tuple[int, int, int, float, float]] = []
-    if keep_events:
-        rows = list(zip(sweep.stage, j.tolist(), sweep.kind, begin, end, strict=True))
-    return [end[e] for e in sweep.last], rows, sweep.chunk
+    duration = np.where(sweep.forward, (t * FORWARD_SHARE / vp)[j], (t * (1.0 - FORWARD_SHARE) / vp)[j])
+    transfer = np.where(sweep.transfer, comm[j], 0.0).tolist()
+    above = [np.inf] * len(transfer)
+    if beat < np.inf:  # by stage, each stage runs 2 m vp events: each micro-batch's whole t
+        left = t.sum() - np.cumsum(duration[sweep.by_stage].reshape(pp, -1), axis=1)
+        drain = np.arange(pp)[:, None] * ((1.0 - FORWARD_SHARE) * t[-1] / vp + comm[-1])
+        bound = np.empty_like(duration)
+        bound[sweep.by_stage] = (beat + FLOOR_MARGIN * abs(beat) - left - drain).ravel()
+        above = bound.tolist()
+    end = [0.0] * (len(duration) + 1)
+    for e, (p, d, x, w, h) in enumerate(zip(sweep.prev, sweep.dep, transfer, duration.tolist(), above, strict=True)):
+        start, ready = end[p], end[d] + x
+        finish = (ready if ready > start else start) + w
+        if finish > h:
+            return None
+        end[e] = finish
+    return end
 
 
 def closed_form_replica_time(stage_times: Sequence[float] | np.ndarray, pp: int, vp: int = 1) -> float:
@@ -287,7 +248,9 @@ class _Lane:
     """One pipeline stage of one replica: its (interleaved) 1F1B tasks in order, and where it is in them."""
 
     def __init__(self, replica: int, stage: int, config: ParallelConfig, times: np.ndarray, scale: float) -> None:
-        self.replica, self.stage, self.ranks = replica, stage, config.tp * config.cp
+        self.replica = replica
+        self.stage = stage
+        self.ranks = config.tp * config.cp
         self.order = interleaved_order(config.pp, config.vp, len(times), stage)
         self.work = [scale * times[j] * (FORWARD_SHARE if kind == FORWARD else 1 - FORWARD_SHARE) / config.vp
                      for kind, j, _ in self.order]
@@ -324,7 +287,8 @@ def shared_timelines(
         arrivals = [_ready(lane, ends, configs, comm) for lane in lanes if not lane.done and lane.remaining < 0]
         for lane in lanes:
             if not lane.done and lane.remaining < 0 and _ready(lane, ends, configs, comm) <= now + _EPS:
-                lane.remaining, lane.started = lane.work[lane.next], now
+                lane.remaining = lane.work[lane.next]
+                lane.started = now
         running = [lane for lane in lanes if lane.remaining >= 0]
         if not running:
             if all(lane.done for lane in lanes):
@@ -346,7 +310,8 @@ def shared_timelines(
                 lane.finished = now
                 if keep_events:
                     rows[lane.replica].append((lane.stage, j, kind, lane.started, now))
-                lane.next, lane.remaining = lane.next + 1, -1.0
+                lane.next += 1
+                lane.remaining = -1.0
     return [_timeline(config, [lane for lane in lanes if lane.replica == r], rows[r], keep_events)
             for r, config in enumerate(configs)]
 
