@@ -12,6 +12,7 @@ stage-major; within a stage of tp*cp devices, local index = cp_rank*tp + tp_rank
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -418,6 +419,7 @@ def depends_on(pp: int, vp: int, stage: int, kind: int, chunk: int) -> tuple[int
     return (virtual + 1) % pp, BACKWARD, (virtual + 1) // pp
 
 
+@functools.lru_cache(maxsize=4096)
 def interleave_group(pp: int, micro_batches: int) -> int:
     """Megatron's micro-batch group of interleaved 1F1B (microbatch_group_size_per_vp_stage) for M micro-batches:
     the smallest N >= pp whose last group is whole or holds at least pp (Megatron refuses a shorter last group,

@@ -58,20 +58,36 @@ def train_variants(
     return out
 
 
-def train_small(rank: int, world: int, steps: int, bucket_bytes: int) -> list[dict]:
-    """Model `small` on `4x(tp1,pp1)` in fp32, planned by the trainer: each step's metrics."""
+def train_small(rank: int, world: int, steps: int, bucket_bytes: int, pipelines: tuple[str, ...] = ()) -> dict:
+    """Model `small` on `4x(tp1,pp1)` in fp32, planned by the trainer: each step's metrics; then the same on each
+    of `pipelines` (a pool of one deployment each) for `steps` steps: this rank's stage and its measured and
+    predicted peaks per step."""
+    import gc
+
     from hydraulis.data.sampler import TokenBudgetSampler
     from hydraulis.optim import OptimSettings
     from hydraulis.specs import MODELS
 
     env = init_distributed("cpu")
-    docs = corpus(MODELS["small"].vocab)
-    smp = TokenBudgetSampler([len(d) for d in docs], tokens_per_batch=2048, max_len=160, seed=1)
-    s = cpu_settings(
-        world, ["4x(tp1,pp1)"], OptimSettings(lr=1e-3, warmup=1), steps, "small", exchange_bucket_bytes=bucket_bytes,
-        memory_every=1,  # every step measured, not the CPU default's sample
-    )
-    trainer = Trainer(settings=s, corpus=TokenDocuments(docs), sampler=smp, env=env)
-    metrics = [trainer.step().to_dict() for _ in range(steps)]
-    trainer.close()
-    return metrics
+    out: dict = {"pipelines": {}}
+    for pool in ("4x(tp1,pp1)", *pipelines):
+        docs = corpus(MODELS["small"].vocab)
+        smp = TokenBudgetSampler([len(d) for d in docs], tokens_per_batch=2048, max_len=160, seed=1)
+        s = cpu_settings(
+            world, [pool], OptimSettings(lr=1e-3, warmup=1), steps, "small", exchange_bucket_bytes=bucket_bytes,
+            memory_every=1,  # every step measured, not the CPU default's sample
+        )
+        trainer = Trainer(settings=s, corpus=TokenDocuments(docs), sampler=smp, env=env)
+        metrics, figures = [], []
+        for _ in range(steps):
+            metrics.append(trainer.step().to_dict())
+            mine = trainer.meter.mine
+            figures.append((trainer.meter.runs[-1].part.groups.stage, mine.memory_peak, mine.memory_predicted))
+        trainer.close()
+        del trainer
+        gc.collect()  # the next pool's census finds none of this one's tensors
+        if pool == "4x(tp1,pp1)":
+            out["metrics"] = metrics
+        else:
+            out["pipelines"][pool] = figures
+    return out

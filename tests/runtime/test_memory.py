@@ -14,9 +14,18 @@ BUCKET = 4 << 20
 STEPS = 3
 
 
+PIPELINES = ("2x(tp1,pp2)", "2x(tp1,pp2,vp2)")  # plain and interleaved 1F1B (chunks of two layers)
+PIPELINE_ERROR = 0.05
+
+
+@pytest.fixture(scope="module")
+def small_runs():
+    return run_workers(train_small, 4, STEPS, BUCKET, PIPELINES, deadline_s=400)
+
+
 @pytest.mark.dist
-def test_small_on_four_ranks_peaks_as_predicted_and_the_exchange_within_three_buckets():
-    metrics = run_workers(train_small, 4, STEPS, BUCKET, deadline_s=400)[0]
+def test_small_on_four_ranks_peaks_as_predicted_and_the_exchange_within_three_buckets(small_runs):
+    metrics = small_runs[0]["metrics"]
     assert len(metrics) == STEPS
     for m in metrics:
         assert 0 < m["exchange_peak_bytes"] <= 3 * BUCKET, m["exchange_peak_bytes"]
@@ -30,6 +39,22 @@ def test_small_on_four_ranks_peaks_as_predicted_and_the_exchange_within_three_bu
     assert summary["exchange_peak_bytes"] == max(m["exchange_peak_bytes"] for m in metrics)
     assert summary["memory_error_max"] <= 0.15
     json.dumps(summary)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("pool", PIPELINES)
+def test_pipelined_small_peaks_within_five_percent_of_the_memory_model_on_every_stage(small_runs, pool):
+    """Every rank of `small` under plain and interleaved 1F1B: its measured peak (the allocator's) within 5% of
+    `rank_memory`'s. The first stage's peak is the embedding's backward (a dense fp32 gradient of the 50,304-row
+    table, 49 MiB, beside the gradients, the reduce's buffers and the chunks still in flight): uncounted, it
+    was predicted 11-13% low under 1F1B and 20.6% low interleaved (where the gradients were also counted
+    beside a whole micro-batch's chunks, not chunk by chunk)."""
+    rows = [(rank, step, *figures) for rank, r in enumerate(small_runs) for step, figures in enumerate(
+        r["pipelines"][pool])]
+    assert {stage for _, _, stage, _, _ in rows} == {0, 1} and len(rows) == 4 * STEPS
+    for rank, step, stage, peak, predicted in rows:
+        assert peak > 250 * 2**20, (rank, step)  # measured, and the state alone is 210 MiB
+        assert abs(peak - predicted) / predicted <= PIPELINE_ERROR, (pool, rank, step, stage, peak, predicted)
 
 
 def test_cpu_iterations_are_sampled_first_use_of_each_deployment_and_every_nth_step():

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 
 from hydraulis.cost.policies import MemoryPolicy
+from hydraulis.cost.shards import layer_shard_params, shard_params
 from hydraulis.parallel import ParallelConfig, interleave_group
 from hydraulis.specs import ModelSpec
 
@@ -187,10 +188,35 @@ def in_flight(config: ParallelConfig, stage: int, micro_batches: int) -> int:
     Interleaved (vp > 1, planner/sim.py's `interleaved_order`), Megatron's warm-up: 2 (pp - s - 1) + (vp - 1) N
     chunk forwards before the first backward (N = `interleave_group`), then one more, at most all M vp.
     """
+    return max(1, min(warmup(config, stage, micro_batches) + 1, micro_batches * config.vp))
+
+
+def warmup(config: ParallelConfig, stage: int, micro_batches: int) -> int:
+    """Chunk forwards a stage runs before its first backward (`in_flight`), at most all M vp."""
     if config.vp == 1:
-        return max(1, min(config.pp - stage, micro_batches))
-    warmup = 2 * (config.pp - stage - 1) + (config.vp - 1) * interleave_group(config.pp, micro_batches)
-    return max(1, min(warmup + 1, micro_batches * config.vp))
+        return min(config.pp - stage - 1, micro_batches)
+    group = interleave_group(config.pp, micro_batches)
+    return min(micro_batches * config.vp, 2 * (config.pp - stage - 1) + (config.vp - 1) * group)
+
+
+def backward_index(config: ParallelConfig, micro_batches: int, micro_batch: int, chunk: int) -> int:
+    """Where the backward of a micro-batch's chunk comes among its stage's M vp backwards: by groups of
+    N micro-batches (`interleave_group`), each group's chunks from the last to the first (planner/sim.py's
+    `interleaved_order`); under 1F1B the micro-batch's own index."""
+    if config.vp == 1:
+        return micro_batch
+    group = interleave_group(config.pp, micro_batches)
+    first = micro_batch // group * group
+    size = min(group, micro_batches - first)
+    return first * config.vp + (config.vp - 1 - chunk) * size + micro_batch - first
+
+
+def held_after(config: ParallelConfig, stage: int, micro_batches: int, k: int, refill: bool = True) -> int:
+    """Chunks a stage holds once its k-th backward freed its chunk: with `refill`, after the forward that
+    follows it in the steady state (warm-up + 1, as many as `in_flight`), else before it (warm-up); fewer in
+    the cool-down, where no forward follows."""
+    held = warmup(config, stage, micro_batches) + refill
+    return max(0, min(held, micro_batches * config.vp - k - 1))
 
 
 def held_layers(model: ModelSpec, config: ParallelConfig, held: int | None) -> int:
@@ -201,11 +227,106 @@ def held_layers(model: ModelSpec, config: ParallelConfig, held: int | None) -> i
     return model.layers // (config.pp * config.vp) * held
 
 
-@functools.lru_cache(maxsize=4096)
 @functools.lru_cache(maxsize=1024)
-def worst_count(config: ParallelConfig, stage: int) -> int:
-    """The micro-batch count of at least two that makes a stage hold the most chunks at once: the count a cap for
-    any count is for (1F1B: pp + 1, more than in flight; interleaved, the largest warm-up over counts to 4 pp)."""
+def worst_counts(config: ParallelConfig, stage: int) -> tuple[int, ...]:
+    """The micro-batch counts of at least two that make a stage hold the most at once: the counts a cap for any
+    count is for (1F1B: pp + 1, more than in flight). Interleaved, over counts to 4 pp, the one with the
+    largest warm-up, and the one with the largest among those where a forward follows chunk 0's first
+    backward, so that every gradient meets the chunks in flight (`gradients_beside`)."""
     if config.vp == 1:
-        return config.pp + 1
-    return max(range(2, 4 * config.pp + 1), key=lambda m: (in_flight(config, stage, m), m))
+        return (config.pp + 1,)
+    counts = range(2, 4 * config.pp + 1)
+
+    def full(m: int) -> bool:
+        return backward_index(config, m, 0, 0) < m * config.vp - warmup(config, stage, m) - 1
+
+    worst = [max(group, key=lambda m: (in_flight(config, stage, m), m))
+             for group in ([m for m in counts if not full(m)], [m for m in counts if full(m)]) if group]
+    return tuple(sorted(set(worst)))
+
+
+def worst_count(config: ParallelConfig, stage: int) -> int:
+    """The count of `worst_counts` that holds the most chunks at once."""
+    return max(worst_counts(config, stage), key=lambda m: (in_flight(config, stage, m), m))
+
+
+def chunk_grads(model: ModelSpec, config: ParallelConfig, stage: int, grad_bytes: int) -> list[float]:
+    """Per model chunk, the bytes of the gradient sums its parameters make, from its first backward on: its
+    layers' and, on the first stage chunk 0's, the embedding's, on the last the last chunk's, the head's."""
+    layers = model.layers // (config.pp * config.vp) * layer_shard_params(model, config.tp) * grad_bytes
+    sums = [float(layers)] * config.vp
+    sums[0 if stage == 0 else -1] += shard_params(model, config, stage) * grad_bytes - config.vp * layers
+    return sums
+
+
+def gradients_beside(
+    config: ParallelConfig, stage: int, micro_batches: int, *, grads: float, reducing: float, one: float,
+    sums: list[float], start: int | None,
+) -> tuple[float, float | None]:
+    """The gradients beside the activations in flight, and those beside the reduce (None: the same); `reducing`:
+    the activations the reduce meets, `one`: a chunk's, `sums`: each chunk's gradients (`chunk_grads`), `start`:
+    the backward the reduce starts in (`reduce_start`; None: after the last).
+
+    1F1B: the first backward makes every gradient: beside a full set in flight when a forward follows it (more
+    micro-batches than in flight); with exactly as many, beside the others once the first one's are freed.
+    Interleaved, backward runs the chunks from the last to the first, so chunk c's gradients (and the first
+    stage's embedding's, chunk 0's) appear at its first backward, beside what the stage then holds
+    (`held_after`): counted beside all in flight, each chunk freed by then (`one`) less. The reduce meets the
+    chunks not yet through backward at its start (`reduce_chunks`) and the gradients made by then, or a later
+    chunk's first backward's, each chunk freed since less. A lone micro-batch runs the stage's layers forward
+    and then backward as under 1F1B, whatever the chunks."""
+    if config.vp == 1 or micro_batches == 1:
+        full = micro_batches * config.vp > in_flight(config, stage, micro_batches)
+        return (grads if full else max(0.0, grads - reducing) * (micro_batches > 1)), None
+    held = in_flight(config, stage, micro_batches)
+    firsts = [backward_index(config, micro_batches, 0, c) for c in range(config.vp)]
+    made = [sum(sums[c:]) for c in range(config.vp)]  # after chunk c's first backward: chunks c.. have theirs
+    beside = max(made[c] - (held - held_after(config, stage, micro_batches, k)) * one for c, k in enumerate(firsts))
+    start = micro_batches * config.vp - 1 if start is None else start
+    chunks = reduce_chunks(config, stage, micro_batches, start)
+    later = [made[c] - (chunks - held_after(config, stage, micro_batches, k, refill=False)) * one
+             for c, k in enumerate(firsts) if k > start]
+    at_start = made[min(c for c, k in enumerate(firsts) if k <= start)]
+    return max(0.0, beside), max([at_start, *later])
+
+
+def reduce_chunks(config: ParallelConfig, stage: int, micro_batches: int, start: int | None) -> int | None:
+    """Chunks in flight when the reduce starts in backward `start` (`reduce_start`; None: after the last), the
+    one in backward included; None under 1F1B or with one micro-batch (one micro-batch's: `in_flight`'s)."""
+    if config.vp == 1 or micro_batches == 1:
+        return None
+    start = micro_batches * config.vp - 1 if start is None else start
+    return held_after(config, stage, micro_batches, start, refill=False) + 1
+
+
+def reduce_start(model: ModelSpec, config: ParallelConfig, micro_batches: int) -> int | None:
+    """The backward (`backward_index`) in which the reduce's first round goes out: the last micro-batch's
+    through the stage's blocks before its last (runtime/optimizer/exchange.py's `_tail`), its last chunk's
+    unless that chunk is the one block; None where the stage has no block before it."""
+    per_chunk = model.layers // (config.pp * config.vp)
+    chunk = config.vp - 1 - (per_chunk < 2)
+    return None if chunk < 0 else backward_index(config, micro_batches, micro_batches - 1, chunk)
+
+
+def embedding_backward(
+    config: ParallelConfig, micro_batches: int, *, scaled: bool, table: float, one: float, start: int | None,
+    exchange: float,
+) -> float:
+    """What the first stage holds beside every gradient while the embedding's backward runs (the last of each
+    micro-batch's, chunk 0's): the dense gradient of the whole vocabulary shard (`table`, in the compute dtype;
+    0 on other stages) before it is added to the sum, beside the chunks then in flight (`one` each) and, once
+    the reduce has started (`start`), its buffers and the reduced gradient (`exchange`). In fp32 the first
+    micro-batch's gradient becomes the sum itself (autograd keeps it); scaled sums (main_grad.py) copy every
+    one. 0 where no such backward runs."""
+    if not table:
+        return 0.0
+    first = 0 if scaled else 1
+    worst = None
+    for j in range(first, micro_batches):
+        k = backward_index(config, micro_batches, j, 0)
+        reducing = start is not None and k >= start
+        here = held_after(config, 0, micro_batches, k, refill=False) * one + exchange * reducing
+        worst = here if worst is None else max(worst, here)
+        if reducing:  # later ones hold fewer chunks
+            break
+    return 0.0 if worst is None else table + worst

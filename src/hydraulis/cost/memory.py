@@ -18,6 +18,9 @@ import numpy as np
 from hydraulis.context import max_rank_tokens
 from hydraulis.cost.activations import (
     backward_bytes,
+    chunk_grads,
+    embedding_backward,
+    gradients_beside,
     head_bytes,
     held_layers,
     in_flight,
@@ -25,8 +28,10 @@ from hydraulis.cost.activations import (
     kv_buffer_bytes,
     loss_transient_bytes,
     recomputed_bytes,
+    reduce_chunks,
+    reduce_start,
     stack_bytes,
-    worst_count,
+    worst_counts,
 )
 from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.cost.shards import TrainingState, head_is_embedding, layer_shard_params, shard_params
@@ -157,13 +162,14 @@ class MemoryModel:
 
     def stage_activation_bytes(
         self, config: ParallelConfig, model: ModelSpec, stage: int, tokens: int, dtype_bytes: int, recompute: int,
-        micro_batches: int | None = None, window: int | None = None,
+        micro_batches: int | None = None, window: int | None = None, chunks: int | None = None,
     ) -> float:
         """What micro-batches of at most `tokens` keep for backward on a stage's fullest rank in the compute dtype:
         the layers' activations of those in flight (`in_flight`; all pp of them when the count is not given;
-        `window`, the most tokens those in flight hold at once, when known, else count x `tokens`) and, on the
-        last stage, the loss head's of the one in its loss (activations.head_bytes)."""
-        count = None if micro_batches is None else in_flight(config, stage, micro_batches)
+        `chunks` of them when given; `window`, the most tokens those in flight hold at once, when known, else
+        count x `tokens`) and, on the last stage, the loss head's of the one in its loss (activations.head_bytes)."""
+        count = chunks if chunks is not None else None if micro_batches is None else in_flight(
+            config, stage, micro_batches)
         held = self.activation_bytes(config, model, tokens, recompute=recompute, held=count, dtype_bytes=dtype_bytes)
         if window is not None and count is not None and count > 1 and tokens and config.vp == 1:
             # The largest micro-batch whole, the others' tokens at the marginal micro-batch's bytes per token.
@@ -206,7 +212,8 @@ class MemoryModel:
         its parameters, gradients and owned optimizer state, the activations of the micro-batches its
         stage holds in flight and (last stage) the loss head's, and beside them the loss's forward or the
         exchange's buffers (it overlaps compute). `micro_batches`: the replica's count; None, any count
-        of at least two (stage s holds pp - s of them, `in_flight`); 1, the replica's lone micro-batch
+        of at least two (stage s holds pp - s of them, `in_flight`; interleaved, each of `worst_counts`); 1, the
+        replica's lone micro-batch
         (`lone_cap`: a deep replica holds it once, not pp times). The first and the last stage bind
         (embedding; head). 0 where not even the state and the exchange's buffers fit. Under CP a rank
         holds ceil(T/cp) + 2cp tokens of T plus the K/V attention keeps (`kv_buffer_bytes`), so the cap
@@ -214,8 +221,8 @@ class MemoryModel:
         """
         budget, bucket = self.usable_bytes, self.exchange_bucket_bytes
         caps = []
-        for stage in sorted({0, config.pp - 1}):
-            count = worst_count(config, stage) if micro_batches is None else micro_batches
+        for stage, count in ((s, c) for s in sorted({0, config.pp - 1})
+                             for c in (worst_counts(config, s) if micro_batches is None else (micro_batches,))):
 
             def rank(tokens: int, stage: int = stage, count: int = count) -> RankMemory:
                 return rank_memory(
@@ -274,8 +281,13 @@ class RankMemory:
     then each layer's backward holds its working set (`backward`). The exchange overlaps compute: the
     gather's buffers meet the first forward's layers, the reduce's (and the gradient it fills) the last
     backward, by when 1F1B holds one micro-batch (`reducing`), once the stage's last block freed its
-    activations, unless one round moves everything (it then runs after the last layer). After the
-    backward come the reduce's tail and the AdamW step's bucket-sized temporary.
+    activations, unless one round moves everything (it then runs after the last layer). Interleaved, the
+    gradients appear chunk by chunk and the reduce meets the chunks not yet through backward
+    (activations.gradients_beside: `grads_with_activations`, `reduce_grads`, `reducing`). On the first stage
+    the embedding's backward (the last of a micro-batch's) holds a dense gradient of its vocabulary shard
+    beside every gradient sum, the chunks in flight and, once started, the reduce's buffers
+    (`embedding_backward`, activations.embedding_backward). After the backward come the reduce's tail and
+    the AdamW step's bucket-sized temporary.
     """
 
     params: float
@@ -291,6 +303,8 @@ class RankMemory:
     reduced: float  # the reduced gradient, from the reduce to the step (0: held throughout, in `owned`)
     reducing: float  # the activations beside the reduce: one micro-batch's (1F1B's last backward)
     reduce_after: int = 1  # the stage's last blocks backward frees before the reduce's first round (`reduce_wait`)
+    reduce_grads: float | None = None  # interleaved: the gradients made by the reduce's start (None: as beside)
+    embedding_backward: float = 0.0  # first stage: the embedding's backward beside every gradient (`_embedding`)
 
     @property
     def after(self) -> float:
@@ -300,10 +314,13 @@ class RankMemory:
     @property
     def with_activations(self) -> float:
         """What the activations' phase adds to the parameters and owned state: the activations, the gradients
-        already allocated, and the loss's forward or, after it, a layer's backward and the exchange's buffers."""
-        return self.grads_with_activations + max(
-            self.activations + max(self.loss_transient, self.backward),
-            self.reducing + self.backward + self.exchange_buffers_with_activations,
+        already allocated, and the loss's forward or, after it, a layer's backward and the exchange's buffers;
+        on the first stage, or the embedding's backward beside every gradient."""
+        beside = self.grads_with_activations if self.reduce_grads is None else self.reduce_grads
+        return max(
+            self.grads_with_activations + self.activations + max(self.loss_transient, self.backward),
+            beside + self.reducing + self.backward + self.exchange_buffers_with_activations,
+            self.grads + self.embedding_backward if self.embedding_backward else 0.0,
         )
 
     @property
@@ -313,21 +330,13 @@ class RankMemory:
     @property
     def before_reduce(self) -> float:
         """The reduce's phase without the reduce: state, gradients, one micro-batch and a layer's backward."""
-        return self.params + self.owned + self.grads_with_activations + self.reducing + self.backward
+        beside = self.grads_with_activations if self.reduce_grads is None else self.reduce_grads
+        return self.params + self.owned + beside + self.reducing + self.backward
 
 
 def rank_memory(
-    memory: MemoryModel,
-    model: ModelSpec,
-    config: ParallelConfig,
-    stage: int,
-    num_gpus: int,
-    tokens: int,
-    dtype_bytes: int,
-    bucket_bytes: int,
-    recompute: int = 0,
-    micro_batches: int = 2,
-    contributors: int | None = None,
+    memory: MemoryModel, model: ModelSpec, config: ParallelConfig, stage: int, num_gpus: int, tokens: int,
+    dtype_bytes: int, bucket_bytes: int, recompute: int = 0, micro_batches: int = 2, contributors: int | None = None,
     window: int | None = None,
 ) -> RankMemory:
     """A rank's memory for `micro_batches` micro-batches of at most `tokens` in the compute dtype's bytes;
@@ -352,16 +361,21 @@ def rank_memory(
         config, model, stage=stage, tokens=tokens, dtype_bytes=dtype_bytes, recompute=recompute,
         micro_batches=micro_batches, window=window,
     )
-    reducing = memory.stage_activation_bytes(
-        config, model, stage=stage, tokens=tokens, dtype_bytes=dtype_bytes, recompute=recompute, micro_batches=1
+    start = reduce_start(model, config, micro_batches) if busy and not one_round else None
+    reducing = memory.stage_activation_bytes(  # what the reduce meets: one micro-batch under 1F1B
+        config, model, stage=stage, tokens=tokens, dtype_bytes=dtype_bytes, recompute=recompute, micro_batches=1,
+        chunks=reduce_chunks(config, stage, micro_batches, start),
     )
     # The block recompute runs again exists beside its backward only, not the loss's forward.
     again = share * memory.own_per_token * recomputed_bytes(
         model, config.tp, dtype_bytes, sequence_parallel=memory.sequence_parallel, policy=recompute)
-    # The gradients exist from the first backward on: beside a full set in flight only when a forward follows it
-    # (more micro-batches than in flight); with exactly as many, beside the others once the first one's are freed.
-    full = micro_batches * config.vp > in_flight(config, stage, micro_batches)  # in_flight counts chunks
-    grads_beside = grads if full else max(0.0, grads - reducing) * (micro_batches > 1)
+    one = float(np.diff([memory.activation_bytes(config, model, tokens, recompute, held=k, dtype_bytes=dtype_bytes)
+                         for k in (1, 2)])[0])  # one more chunk in flight
+    grads_beside, reduce_grads = gradients_beside(
+        config, stage, micro_batches, grads=grads, reducing=reducing, one=one, start=start,
+        sums=chunk_grads(model, config, stage, state.grad_bytes),
+    )
+    table = model.vocab_rows // config.tp * model.hidden * dtype_bytes * (busy and stage == 0)
     last = stage == config.pp - 1
     rank = RankMemory(
         params=shard * state.param_bytes,
@@ -372,10 +386,14 @@ def rank_memory(
         loss_transient=memory.loss_transient_bytes(config, model, tokens, dtype_bytes) if busy and last else 0.0,
         backward=(share * backward_bytes(model, config.tp, dtype_bytes) + again) * (busy and memory.own_per_token),
         grads_with_activations=grads_beside,
+        reduce_grads=reduce_grads,
         exchange_buffers=buffers,
         exchange_buffers_with_activations=0.0,
         step=piece * (1 + state.scaled),
         reduced=reduced,
+        embedding_backward=embedding_backward(
+            config, micro_batches, scaled=state.scaled, table=table, one=one, start=start, exchange=buffers + reduced
+        ),
     )
     if one_round or not busy:
         return rank
