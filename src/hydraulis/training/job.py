@@ -1,7 +1,8 @@
 """A training job, resolved and checked before any rank starts (no torch).
 
 `prepare` does everything that can fail on bad input BEFORE any rank starts
-or any file is written: it validates the config, opens (or builds) the
+or any file is written: it reads the validated config once, into the frozen
+`JobConfig` (job_config.py) every step below takes, opens (or builds) the
 corpus, loads the cost model (measuring it first with `profile = "auto"`,
 auto_profile.py), places or proposes the pool for the world size, and
 checks that the model fits some config of the pool at max_len. The
@@ -213,7 +214,7 @@ def _corpus(tokenizer: str, token_ids: str, log: Log, workers: int | None, name:
 
 
 def data_sampler(
-    corpus: IndexedCorpus, data: DataChoice, holdout: float = 0.0, log: Log = say
+    corpus: IndexedCorpus, data: DataChoice, holdout: float, log: Log = say
 ) -> tuple[TokenBudgetSampler, Overlong | None]:
     """The run's sampler (the documents `[eval] holdout` leaves it) and what its max_len cuts (said in a line
     when anything); a run whose pieces hold no target token is refused: it would train on nothing."""

@@ -47,12 +47,8 @@ class DataChoice:
 
     @classmethod
     def of(cls, data: dict[str, Any]) -> DataChoice:
+        """`[data]`'s values (`RunConfig.resolved_values`) as a record."""
         return cls(**{**data, "corpus": _tuple(data["corpus"]), "weights": _tuple(data["weights"])})
-
-    @property
-    def corpora(self) -> tuple[str, ...]:
-        """The corpus, or the mixture's corpora."""
-        return (self.corpus,) if isinstance(self.corpus, str) else self.corpus
 
     def tokenizer_for(self, spec: ModelSpec, init_from: str | None = None) -> str:
         """As given; `auto`: the init_from checkpoint's own tokenizer when it ships one, else GPT-2 when
@@ -83,6 +79,7 @@ class ParallelChoice:
 
     @classmethod
     def of(cls, parallel: dict[str, Any]) -> ParallelChoice:
+        """`[parallel]`'s values (`RunConfig.resolved_values`) as a record, the budget in bytes."""
         memory = parallel["memory_per_rank"]
         budget = None if memory is None else parse_size(memory, "parallel.memory_per_rank")
         return cls(**{**parallel, "recompute": _tuple(parallel["recompute"]), "budget_bytes": budget})
