@@ -12,7 +12,7 @@ from hydraulis.errors import HydraulisError
 from hydraulis.optim import AdamWSettings, OptimSettings
 from hydraulis.settings import DEFAULT_KEEP
 from hydraulis.specs import MODELS
-from hydraulis.training.config import RunConfig, default_text, load_config, parse_config, start_notes
+from hydraulis.training.config import RunConfig, default_text, load_config, parse_config, start_notes, toml_text
 
 
 def test_defaults_come_from_the_settings_records():
@@ -124,7 +124,7 @@ def test_a_run_starts_with_a_line_where_a_default_matters():
 def test_a_mixture_round_trips_and_names_its_corpora():
     config = parse_config({"data": {"corpus": ["python-stdlib", "bbc-news"], "weights": [4, 1]}})
     assert config.data.corpora == ["python-stdlib", "bbc-news"]
-    again = parse_config(tomllib.loads(config.with_absolute_paths().to_toml()))
+    again = parse_config(tomllib.loads(toml_text(config.resolved_values())))
     assert again.data.corpus == ["python-stdlib", "bbc-news"] and again.data.weights == [4.0, 1.0]
     assert parse_config({}).data.corpora == ["python-stdlib"]
 

@@ -147,23 +147,27 @@ def test_steps_over_the_memory_budget_are_marked_counted_and_warned_once(tmp_pat
     pytest.importorskip("torch")
     from hydraulis.cost import load_cost_model
     from hydraulis.data.sampler import TokenBudgetSampler
+    from hydraulis.optim import OptimSettings
     from hydraulis.planner.pool import parse_pool
     from hydraulis.runtime.trainer import StepMetrics
     from hydraulis.specs import ClusterSpec, get_model
-    from hydraulis.training.config import parse_config
+    from hydraulis.training.config import parse_config, toml_text
     from hydraulis.training.job import trainer_settings
+    from hydraulis.training.job_config import ParallelChoice, train_settings
     from hydraulis.training.job_cost import for_job
     from hydraulis.training.run_log import RunLog
     from hydraulis.training.settings import DataSettings, Invocation, RunSettings
 
-    config = parse_config({"parallel": {"pool": "4x(tp1,pp1)", "memory_per_rank": "40MiB"},
-                           "train": {"steps": 3}})
+    values = parse_config({"parallel": {"pool": "4x(tp1,pp1)", "memory_per_rank": "40MiB"},
+                           "train": {"steps": 3}}).resolved_values()
+    parallel = ParallelChoice.of(values["parallel"])
     pool = parse_pool("4x(tp1,pp1)", ClusterSpec(4))
-    cost = for_job(config, load_cost_model("tiny@cpu-measured"))  # the budget in it, as a job's
+    cost = for_job(load_cost_model("tiny@cpu-measured"), parallel, "fp32")  # the budget in it, as a job's
     job = RunSettings(
-        trainer=trainer_settings(config, get_model("tiny"), tuple(pool), cost),
+        trainer=trainer_settings(get_model("tiny"), tuple(pool), cost, parallel=parallel, optim=OptimSettings(),
+                                 train=train_settings(values)),
         data=DataSettings(corpus_path="", tokenizer="bytes", sampler=TokenBudgetSampler([4], 16, 8), max_len=8),
-        invocation=Invocation(out=str(tmp_path)), world=4, config_toml=config.to_toml(),
+        invocation=Invocation(out=str(tmp_path)), world=4, config_toml=toml_text(values),
     )
     log = RunLog(job)
     for step, peak in enumerate((30 << 20, 45 << 20, 41 << 20)):
@@ -198,13 +202,15 @@ def test_a_step_on_one_deployment_in_consecutive_phases_says_why(tmp_path, capsy
     import hydraulis.training.run_log
     from hydraulis.cost import load_cost_model
     from hydraulis.data.sampler import TokenBudgetSampler
+    from hydraulis.optim import OptimSettings
     from hydraulis.parallel import Deployment
     from hydraulis.planner.phases import PhasedPlanner
     from hydraulis.runtime.metering.step_meter import MemoryChoices
     from hydraulis.runtime.trainer import StepMetrics
     from hydraulis.specs import ClusterSpec, get_model
-    from hydraulis.training.config import parse_config
+    from hydraulis.training.config import parse_config, toml_text
     from hydraulis.training.job import trainer_settings
+    from hydraulis.training.job_config import ParallelChoice, train_settings
     from hydraulis.training.run_log import RunLog
     from hydraulis.training.settings import DataSettings, Invocation, RunSettings
 
@@ -217,11 +223,13 @@ def test_a_step_on_one_deployment_in_consecutive_phases_says_why(tmp_path, capsy
     choices = MemoryChoices.of(schedule, cost, 16)
     assert choices.alone == 2 and choices.totals == {"none": sum(len(r.micro_batches) for p in schedule.phases
                                                                  for r in p.replicas)}
-    config = parse_config({"parallel": {"pool": "; ".join(map(str, pool))}, "train": {"log_every": 1, "steps": 1}})
+    values = parse_config({"parallel": {"pool": "; ".join(map(str, pool))},
+                           "train": {"log_every": 1, "steps": 1}}).resolved_values()
     job = RunSettings(
-        trainer=trainer_settings(config, get_model("tiny"), pool, cost),
+        trainer=trainer_settings(get_model("tiny"), pool, cost, parallel=ParallelChoice.of(values["parallel"]),
+                                 optim=OptimSettings(), train=train_settings(values)),
         data=DataSettings(corpus_path="", tokenizer="bytes", sampler=TokenBudgetSampler([4], 16, 8), max_len=8),
-        invocation=Invocation(out=str(tmp_path)), world=16, config_toml=config.to_toml(),
+        invocation=Invocation(out=str(tmp_path)), world=16, config_toml=toml_text(values),
     )
     log = RunLog(job)
     replicas = sum(len(p.replicas) for p in schedule.phases)

@@ -14,6 +14,7 @@ from hydraulis.cost import PRESETS, load_cost_model
 from hydraulis.data.build.corpus import build_corpus
 from hydraulis.training.config import RunConfig, load_config
 from hydraulis.training.job import crowded_ways
+from hydraulis.training.job_config import DataChoice, ParallelChoice
 
 pytest.importorskip("torch")
 
@@ -64,9 +65,9 @@ def test_sequences_only_a_lone_micro_batch_holds_name_the_config_keys_it_does_no
     assert {"data.max_len", "data.tokens_per_batch", "parallel.memory_per_rank", "parallel.recompute"} <= keys
     assert "(now 1920)" in line and "(now 26MiB)" in line and "--nproc" in line
     # with recompute = true (which trains this config: tp1pp2 then holds both) it is not named again
-    given = load_config(config)
-    recomputing = given.model_copy(update={"parallel": given.parallel.model_copy(update={"recompute": True})})
-    assert not any("recompute" in way for way in crowded_ways(recomputing))
+    values = load_config(config).resolved_values()
+    recomputing = ParallelChoice.of({**values["parallel"], "recompute": True})
+    assert not any("recompute" in way for way in crowded_ways(DataChoice.of(values["data"]), recomputing))
 
 
 def test_a_missing_eval_corpus_names_its_key_before_the_training_corpus_is_built(tmp_path, cli):

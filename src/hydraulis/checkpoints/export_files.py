@@ -14,7 +14,7 @@ names it (`tokenizer`); the run directory's `config.toml` (beside
   eos or bos: the export copies it with a minimal tokenizer_config.json and
   leaves the ids null.
 
-A run records its paths absolute (training/config.py `with_absolute_paths`),
+A run records its paths absolute (training/config.py `RunConfig.resolved_values`),
 so an export finds them from any directory. A tokenizer (or an `init_from`
 model) that is not where the run recorded it is refused in one line naming
 the path tried, before anything is written: `--no-tokenizer` (`--no-source-config`)

@@ -39,7 +39,6 @@ from hydraulis.parallel import ParallelConfig
 from hydraulis.processes import interrupt
 from hydraulis.progress import Log, say
 from hydraulis.specs import ModelSpec
-from hydraulis.training.config import RunConfig
 
 AUTO_PROFILE = "profile.json"  # the measured profile, cached in the run directory
 # The online refit of the run's profile beside it (cost/refit.py, run_fidelity.py); never in the shared cache.
@@ -82,16 +81,18 @@ class AutoProfile:
 
     @classmethod
     def of(
-        cls, config: RunConfig, spec: ModelSpec, configs: tuple[ParallelConfig, ...], world: int, lengths: np.ndarray
+        cls, spec: ModelSpec, configs: tuple[ParallelConfig, ...], world: int, lengths: np.ndarray, *, device: str,
+        dtype: str, max_len: int, init_from: str | None,
     ) -> AutoProfile:
+        """The request of a job: its `[train] device` (auto: a GPU if there is one) and dtype, the sweep of its
+        `[data] max_len` and document `lengths`, and, with `[model] init_from`, its weights."""
         from hydraulis.cost.sweep import check_configs
 
-        device = config.train.device
         if device == "auto":
             from hydraulis.runtime.parallelism.launch import device_kind  # torch, only to ask whether a GPU is there
 
             device = device_kind(device)
-        settings = ProfileSettings(**_sweep_for(config.data.max_len, lengths), dtype=config.train.dtype)
+        settings = ProfileSettings(**_sweep_for(max_len, lengths), dtype=dtype)
         try:
             check_configs(spec, configs, world, device)
         except HydraulisError as exc:
@@ -99,7 +100,7 @@ class AutoProfile:
         from hydraulis.runtime.metering.profiler import describe_device
 
         name = describe_device(device, world, settings.dtype_for(device), 1)["name"]
-        weights = weights_digest(config.model.init_from) if config.model.init_from else ""
+        weights = weights_digest(init_from) if init_from else ""
         return cls(spec=spec, configs=configs, world=world, device=device, settings=settings, device_name=name,
                    weights=weights)
 

@@ -3,9 +3,9 @@
 Every bad field gets one line naming its key (`data.tokens_per_batch`) and
 what is allowed; unknown keys are refused, so a typo never silently falls
 back to a default. `load_config` returns the validated model;
-`training.job.prepare` turns it, once, into the frozen `RunSettings` the ranks take
-(training/settings.py: model spec, cost model, pool placed on the world size), checking everything that
-can be checked before any rank starts.
+`training.job.prepare` resolves it, once, into the frozen `JobConfig` (training/job_config.py), and from
+that the `RunSettings` the ranks take (training/settings.py: model spec, cost model, pool placed on the
+world size), checking everything that can be checked before any rank starts.
 """
 
 from __future__ import annotations
@@ -129,15 +129,6 @@ class DataSection(_Section):
         """The corpus, or the mixture's corpora."""
         return [self.corpus] if isinstance(self.corpus, str) else list(self.corpus)
 
-    def tokenizer_for(self, spec: ModelSpec, init_from: str | None = None) -> str:
-        """As given; `auto`: the init_from checkpoint's own tokenizer when it ships one, else GPT-2 when
-        the vocabulary holds it, else bytes (the tiny models' 512 entries)."""
-        if self.tokenizer != "auto":
-            return self.tokenizer
-        if init_from is not None and (Path(init_from) / "tokenizer.json").is_file():
-            return init_from
-        return "gpt2" if spec.vocab >= 50257 else "bytes"
-
 
 class ParallelSection(_Section):
     pool: str = "auto"  # "auto", a hydraulis.pool/1 file, or deployments separated by ';'
@@ -183,10 +174,6 @@ class ParallelSection(_Section):
         name = self.profile.removesuffix("+cp")
         return "@" in name and name not in PRESETS and not name.endswith(".json") and not Path(name).is_file()
 
-    def budget_bytes(self) -> int | None:
-        """`memory_per_rank` in bytes, or None for the device's own memory."""
-        return None if self.memory_per_rank is None else parse_size(self.memory_per_rank, "parallel.memory_per_rank")
-
     @field_validator("recompute")
     @classmethod
     def _configs(cls, v: bool | list[str]) -> bool | list[str]:
@@ -199,20 +186,6 @@ class ParallelSection(_Section):
                 except HydraulisError as exc:
                     raise ValueError(str(exc)) from None
         return v
-
-    def recompute_configs(self, configs) -> frozenset:
-        """The configs (of those given) whose replicas recompute activations."""
-        from hydraulis.parallel import ParallelConfig
-
-        if isinstance(self.recompute, bool):
-            return frozenset(configs) if self.recompute else frozenset()
-        named = {ParallelConfig.parse(t) for t in self.recompute}
-        unknown = named - set(configs)
-        if unknown:
-            raise HydraulisError(
-                f"parallel.recompute: {', '.join(sorted(g.name for g in unknown))} is not a config of the profile"
-            )
-        return frozenset(named)
 
 
 _OPTIM, _ADAMW = OptimSettings(), AdamWSettings()  # the defaults, written once in optim.py
@@ -273,10 +246,6 @@ class EvalSection(_Section):
             raise ValueError("give holdout or corpus, not both: the held-out data comes from one of them")
         return self
 
-    @property
-    def enabled(self) -> bool:
-        return self.corpus is not None or self.holdout > 0
-
 
 class RunConfig(_Section):
     model: ModelSection = ModelSection()
@@ -286,41 +255,50 @@ class RunConfig(_Section):
     train: TrainSection = TrainSection()
     eval: EvalSection = EvalSection()
 
-    def with_absolute_paths(self) -> RunConfig:
-        """Every path of the config that names an existing file or directory, absolute (from the current
-        directory, as it was read), and the run directory: what `config.toml` records, so that an export or a
-        rerun finds them from anywhere. Names (a built-in corpus, tokenizer, preset) and paths that are not
-        there stay as given (the checks name the path they tried)."""
+    def resolved_values(self, out: str | None = None, steps: int | None = None) -> dict[str, dict[str, Any]]:
+        """Every key's value (defaults included), with the command line's run directory (`out`, absolute) and
+        `steps` in them, and every path that names an existing file or directory absolute (from the current
+        directory, as it was read): what `config.toml` records (`toml_text`) and what the job's records hold
+        (training/job_config.py), so that an export or a rerun finds them from anywhere. Names (a built-in
+        corpus, tokenizer, preset) and paths that are not there stay as given (the checks name the path they
+        tried)."""
         def absolute(value: str | None, names: tuple[str, ...] = (), suffix: str = "") -> str | None:
             if value is None or value in ("auto", *names):
                 return value
             base = value[: -len(suffix)] if suffix and value.endswith(suffix) else value
             return os.path.abspath(base) + value[len(base) :] if Path(base).exists() else value
 
+        values = self.model_dump()
+        data, parallel = values["data"], values["parallel"]
         corpora = [absolute(c) for c in self.data.corpora]
-        update = {
-            "model": {"init_from": absolute(self.model.init_from)},
-            "data": {"corpus": corpora[0] if isinstance(self.data.corpus, str) else corpora,
-                     "tokenizer": absolute(self.data.tokenizer, TOKENIZERS)},
-            "parallel": {"pool": absolute(self.parallel.pool),
-                         "profile": absolute(self.parallel.profile, tuple(PRESETS), CP_SUFFIX)},
-            "train": {"out": os.path.abspath(self.train.out)},
-        }  # fmt: skip
-        return self.model_copy(update={k: getattr(self, k).model_copy(update=v) for k, v in update.items()})
+        values["model"]["init_from"] = absolute(self.model.init_from)
+        data["corpus"] = corpora[0] if isinstance(self.data.corpus, str) else corpora
+        data["tokenizer"] = absolute(self.data.tokenizer, TOKENIZERS)
+        parallel["pool"] = absolute(self.parallel.pool)
+        parallel["profile"] = absolute(self.parallel.profile, tuple(PRESETS), CP_SUFFIX)
+        values["train"]["out"] = os.path.abspath(out or self.train.out)
+        values["train"]["steps"] = self.train.steps if steps is None else steps
+        return values
 
     def to_toml(self) -> str:
-        """The resolved config as TOML (every key, defaults included), so a run can be repeated from it.
+        """The config as TOML, every key as given or defaulted (`toml_text`)."""
+        return toml_text(self.model_dump())
 
-        TOML has no null: a key left unset is a comment saying what unset means (`# gpus_per_node: unset,
-        ...`), so the file reads back to the same config."""
-        lines = []
-        for section, values in self.model_dump().items():
-            lines.append(f"[{section}]")
-            for key, value in values.items():
-                shown = f"# {key}: {unset(section, key)}" if value is None else f"{key} = {_toml_value(value)}"
-                lines.append(shown)
-            lines.append("")
-        return "\n".join(lines)
+
+def toml_text(values: dict[str, dict[str, Any]]) -> str:
+    """A config's values (`RunConfig.resolved_values`) as TOML, every key, defaults included, so a run can be
+    repeated from it.
+
+    TOML has no null: a key left unset is a comment saying what unset means (`# gpus_per_node: unset,
+    ...`), so the file reads back to the same config."""
+    lines = []
+    for section, keys in values.items():
+        lines.append(f"[{section}]")
+        for key, value in keys.items():
+            shown = f"# {key}: {unset(section, key)}" if value is None else f"{key} = {_toml_value(value)}"
+            lines.append(shown)
+        lines.append("")
+    return "\n".join(lines)
 
 
 def start_notes(config: RunConfig, steps: int) -> list[str]:

@@ -25,7 +25,7 @@ from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
 from hydraulis.planner.phases import PhasedPlanner
 from hydraulis.planner.plan import encode_schedule
-from hydraulis.training.config import RunConfig
+from hydraulis.training.job_config import DataChoice, EvalChoice
 
 
 @dataclass(frozen=True)
@@ -46,35 +46,36 @@ class EvalSet:
         return step == last or (self.every > 0 and step % self.every == 0)
 
 
-def training_documents(config: RunConfig, corpus: IndexedCorpus) -> np.ndarray | None:
-    """The documents the training sampler draws: all of them (None), or those `[eval] holdout` leaves it."""
-    if config.eval.holdout <= 0:
+def training_documents(holdout: float, seed: int, corpus: IndexedCorpus) -> np.ndarray | None:
+    """The documents the training sampler draws: all of them (None), or those `[eval] holdout` leaves it (by the
+    `[data] seed`)."""
+    if holdout <= 0:
         return None
-    return held_out(len(corpus), config.eval.holdout, config.data.seed)[0]
+    return held_out(len(corpus), holdout, seed)[0]
 
 
-def run_sampler(config: RunConfig, corpus: IndexedCorpus) -> TokenBudgetSampler:
+def run_sampler(data: DataChoice, holdout: float, corpus: IndexedCorpus) -> TokenBudgetSampler:
     """The training sampler of a run, built once before the ranks start (job.prepare); every rank gets a copy."""
-    data = config.data
     return corpus_sampler(
         corpus, tokens_per_batch=data.tokens_per_batch, max_len=data.max_len, seed=data.seed, policy=data.overlong,
-        documents=training_documents(config, corpus),
+        documents=training_documents(holdout, data.seed, corpus),
         mixture=corpus.mixture,  # a MixedCorpus (training/mixture.py): its sources by their weights
     )
 
 
-def eval_batches(config: RunConfig, corpus: IndexedCorpus, held: bool) -> tuple[GlobalBatch, ...]:
+def eval_batches(
+    data: DataChoice, evaluation: EvalChoice, corpus: IndexedCorpus, held: bool
+) -> tuple[GlobalBatch, ...]:
     """The held-out documents (`held`: the holdout share of `corpus`, else all of it) in corpus order, in
     batches of the run's token budget, until `[eval] tokens` (at least one batch)."""
-    data = config.data
-    docs = held_out(len(corpus), config.eval.holdout, data.seed)[1] if held else None
+    docs = held_out(len(corpus), evaluation.holdout, data.seed)[1] if held else None
     sampler = corpus_sampler(corpus, tokens_per_batch=data.tokens_per_batch, max_len=data.max_len, seed=data.seed,
                              policy=data.overlong, documents=docs, shuffle=False, cross_epochs=False)
     batches: list[GlobalBatch] = []
     tokens = 0
     while not batches or sampler.state.epoch == 0:
         batch = sampler.next_batch()
-        if batches and tokens + batch.num_tokens > config.eval.tokens:
+        if batches and tokens + batch.num_tokens > evaluation.tokens:
             break
         batches.append(batch)
         tokens += batch.num_tokens
@@ -82,15 +83,16 @@ def eval_batches(config: RunConfig, corpus: IndexedCorpus, held: bool) -> tuple[
 
 
 def eval_set(
-    config: RunConfig, corpus: IndexedCorpus, held: bool, cost: CostModel, world: int, pool: tuple[Deployment, ...]
+    data: DataChoice, evaluation: EvalChoice, *, corpus: IndexedCorpus, held: bool, cost: CostModel, world: int,
+    pool: tuple[Deployment, ...],
 ) -> EvalSet:
     """The run's evaluation: its batches, each planned forward only on the run's pool."""
-    batches = eval_batches(config, corpus, held)
+    batches = eval_batches(data, evaluation, corpus, held)
     if not sum(corpus.piece_targets(b.docs, b.starts, b.lengths) for b in batches):
-        where = f"the held-out share ([eval] holdout = {config.eval.holdout}) of {corpus.path}" if held else corpus.path
+        where = f"the held-out share ([eval] holdout = {evaluation.holdout}) of {corpus.path}" if held else corpus.path
         raise HydraulisError(f"[eval]: {where} holds no target tokens in its {len(batches)} batch(es) (every token "
                              "masked out, or documents of one token): its loss would be undefined; evaluate on "
                              "data with targets, or leave [eval] out")
     planner = PhasedPlanner(cost.forward_only(), world, pool)
     plans = tuple(encode_schedule(planner.schedule(b.lengths), pool) for b in batches)
-    return EvalSet(str(corpus.path), batches, plans, config.eval.every)
+    return EvalSet(str(corpus.path), batches, plans, evaluation.every)

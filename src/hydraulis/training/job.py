@@ -1,7 +1,8 @@
 """A training job, resolved and checked before any rank starts (no torch).
 
 `prepare` does everything that can fail on bad input BEFORE any rank starts
-or any file is written: it validates the config, opens (or builds) the
+or any file is written: it reads the validated config once, into the frozen
+`JobConfig` (job_config.py) every step below takes, opens (or builds) the
 corpus, loads the cost model (measuring it first with `profile = "auto"`,
 auto_profile.py), places or proposes the pool for the world size, and
 checks that the model fits some config of the pool at max_len. The
@@ -24,6 +25,7 @@ from hydraulis.data.indexed import IndexedCorpus, check_targets_left, overlong
 from hydraulis.data.sampler import Overlong, TokenBudgetSampler
 from hydraulis.errors import CrowdedError, HydraulisError, OverlongError
 from hydraulis.files import write_json_atomic
+from hydraulis.optim import OptimSettings
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.pool import PoolSetting, check_job_pool, parse_pool
 from hydraulis.processes import interrupt
@@ -31,8 +33,18 @@ from hydraulis.progress import Log, say
 from hydraulis.settings import ParallelSettings, TrainerSettings, TrainSettings
 from hydraulis.specs import ClusterSpec, ModelSpec
 from hydraulis.training.auto_profile import AUTO_PROFILE, REFIT_PROFILE, start_lines
-from hydraulis.training.config import RunConfig
+from hydraulis.training.config import RunConfig, toml_text
 from hydraulis.training.evaluation import EvalSet, eval_set, run_sampler
+from hydraulis.training.job_config import (
+    DataChoice,
+    EvalChoice,
+    JobConfig,
+    ModelChoice,
+    ParallelChoice,
+    check_corpus_names,
+    model_choice,
+    train_settings,
+)
 from hydraulis.training.job_cost import auto_cost, check_budget, for_job, job_cost_model
 from hydraulis.training.mixture import training_corpus
 from hydraulis.training.settings import TRANSCRIPT, DataSettings, Invocation, RunSettings
@@ -54,86 +66,90 @@ def prepare(
 ) -> RunSettings:
     """The run's settings, every default and derived value resolved, checked (`max_restarts` >= 0: the command
     checks it); raises HydraulisError (one line) on any bad input, having written nothing."""
-    config, run_dir, steps = _resolved(config, out, steps)
+    values = config.resolved_values(out, steps)  # --out, --steps, paths absolute: what config.toml records
+    check_corpus_names(values)  # every one, before any is built
+    job = JobConfig(  # the one reading of the config: every part below reads this frozen tree
+        model=model_choice(config.model, values["model"]["init_from"]), data=DataChoice.of(values["data"]),
+        parallel=ParallelChoice.of(values["parallel"]), optim=config.optim.settings(), train=train_settings(values),
+        eval=EvalChoice(**values["eval"]), run_dir=Path(out or config.train.out), toml=toml_text(values),
+    )
+    run_dir, steps, data, parallel = job.run_dir, job.train.steps, job.data, job.parallel
     # torchrun restarts every worker with the same arguments after a failure: continue, don't start over.
     resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    spec = model_spec(config)
-    setting = PoolSetting.parse(config.parallel.pool)
-    auto_profile = config.parallel.profile == "auto"  # measured below, once the world size and the pool are known
-    cost = None if auto_profile else for_job(config, job_cost_model(config.parallel.profile, spec))
-    tokenizer = config.data.tokenizer_for(spec, config.model.init_from)
-    token_ids = check_tokenizer(tokenizer, spec, config.model.init_from)  # a bad one fails before anything runs
+    spec = model_spec(job.model, data.max_len)
+    setting = PoolSetting.parse(parallel.pool)
+    auto_profile = parallel.profile == "auto"  # measured below, once the world size and the pool are known
+    cost = None if auto_profile else for_job(job_cost_model(parallel.profile, spec), parallel, job.train.dtype)
+    tokenizer = data.tokenizer_for(spec, job.model.init_from)
+    token_ids = check_tokenizer(tokenizer, spec, job.model.init_from)  # a bad one fails before anything runs
     env_world = torchrun_world()
     resume_from = None
     if env_world is None or int(os.environ["RANK"]) == 0:  # under torchrun rank 0 writes the run directory
-        resume_from = _check_run_dir(run_dir, config, resume=resume, steps=steps, stop_at=stop_at, log=log,
+        resume_from = _check_run_dir(job, resume=resume, stop_at=stop_at, log=log,
                                      changes=(change_schedule, change_config))
     check_stop_at(stop_at, steps, 0)
     invocation = Invocation(out=str(run_dir), resume=resume, resume_from=resume_from, stop_at=stop_at,
                             change_config=change_config, max_restarts=max_restarts)
     world = _world(nproc, env_world, setting.gpus())
-    gpn = config.parallel.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    gpn = parallel.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     cluster = ClusterSpec(world, min(gpn, world))
     # The model against every config the pool may use, before any corpus build, profile or rank.
     configs = _pool_configs(setting, spec, world)
-    configs = check_budget(config, spec=spec, cost=cost, configs=configs, world=world, auto=setting.auto)
+    configs = check_budget(cost, parallel, spec=spec, configs=configs, world=world, dtype=job.train.dtype,
+                           max_len=data.max_len)
     # Vocabulary padding for every TP degree the pool has (with pool = "auto": may have).
     proposable = cost.configs if cost is not None and setting.auto else ()
     spec = _padded(spec, {g.tp for g in (*configs, *proposable)}, _resumed_checkpoint(run_dir, resume, resume_from))
-    named = functools.partial(_corpus, tokenizer, token_ids, log, config.data.build_workers)  # (name, key): a corpus
-    corpus, mixture = training_corpus(config.data, named)
-    sampler, overlong = data_sampler(corpus, config, log)
-    data = DataSettings(corpus_path=str(corpus.path), tokenizer=tokenizer, sampler=sampler,
-                        max_len=config.data.max_len, mixture=mixture, overlong=overlong)
-    fresh, where = None, config.parallel.profile  # profile = "auto": a profile measured now (or shared), and whence
+    named = functools.partial(_corpus, tokenizer, token_ids, log, data.build_workers)  # (name, key): a corpus
+    corpus, mixture = training_corpus(data, named)
+    sampler, overlong = data_sampler(corpus, data, job.eval.holdout, log)
+    data_settings = DataSettings(corpus_path=str(corpus.path), tokenizer=tokenizer, sampler=sampler,
+                                 max_len=data.max_len, mixture=mixture, overlong=overlong)
+    fresh, where = None, parallel.profile  # profile = "auto": a profile measured now (or shared), and whence
     if auto_profile:
-        cost, fresh, where = auto_cost(config, spec=spec, configs=configs, world=world, sampler=sampler,
-                                       run_dir=run_dir, env_world=env_world, log=log)
+        cost, fresh, where = auto_cost(job, spec=spec, configs=configs, world=world, sampler=sampler,
+                                       env_world=env_world, log=log)
     _say_start(cost, where, resume_from, log)
-    pool = _propose(cost, cluster, sampler, config) if setting.auto else parse_pool(setting.text, cluster)
-    check_job_pool(pool, world, spec, cost, config.data.max_len)
-    evaluation = _evaluation(config, corpus=corpus, open_corpus=named, cost=cost, world=world, pool=tuple(pool),
+    pool = _propose(cost, cluster, sampler, data, parallel) if setting.auto else parse_pool(setting.text, cluster)
+    check_job_pool(pool, world, spec, cost, data.max_len)
+    evaluation = _evaluation(job, corpus=corpus, open_corpus=named, cost=cost, world=world, pool=tuple(pool),
                              log=log)
     if fresh is not None:  # written only now: bad input leaves nothing behind
         _keep_profile(run_dir, fresh)
     if resume_from is not None:
         sweep_temporary(run_dir / "checkpoints", log)
-    return RunSettings(trainer=trainer_settings(config, spec, tuple(pool), cost), data=data, invocation=invocation,
-                       world=world, config_toml=config.to_toml(), eval=evaluation)
+    trainer = trainer_settings(spec, tuple(pool), cost, parallel=parallel, optim=job.optim, train=job.train)
+    return RunSettings(trainer=trainer, data=data_settings, invocation=invocation, world=world, config_toml=job.toml,
+                       eval=evaluation)
 
 
 def trainer_settings(
-    config: RunConfig, spec: ModelSpec, pool: tuple[Deployment, ...], cost: CostModel
+    spec: ModelSpec, pool: tuple[Deployment, ...], cost: CostModel, *, parallel: ParallelChoice,
+    optim: OptimSettings, train: TrainSettings,
 ) -> TrainerSettings:
     """What every rank's trainer runs: the model, the pool on the job's cost model (`overlap` in it), [optim] and
     [train] (the config's steps, resolved)."""
-    train, parallel = config.train, config.parallel
     return TrainerSettings(
         model=spec,
         parallel=ParallelSettings.of(pool, cost, parallel.overlap_exchange, memory_per_rank=parallel.memory_per_rank),
-        optim=config.optim.settings(),
-        train=TrainSettings(
-            steps=train.steps, seed=config.data.seed, dtype=train.dtype, reduce_dtype=train.reduce_dtype,
-            timeout_s=train.timeout_s, compare_steps=train.compare_steps, compare_repeats=train.compare_repeats,
-            device=train.device, log_every=train.log_every, checkpoint_every=train.checkpoint_every,
-            keep_checkpoints=train.keep_checkpoints, max_bad_steps=train.max_bad_steps,
-            init_from=config.model.init_from,
-        ),
+        optim=optim,
+        train=train,
     )
 
 
 def _evaluation(
-    config: RunConfig, corpus: IndexedCorpus, open_corpus: Callable[[str, str], IndexedCorpus], cost: CostModel,
+    job: JobConfig, corpus: IndexedCorpus, open_corpus: Callable[[str, str], IndexedCorpus], cost: CostModel,
     world: int, pool: tuple[Deployment, ...], log: Log,
 ) -> EvalSet | None:
     """[eval]'s batches and plans: its own corpus, or the share of the training corpus the sampler left out."""
-    if not config.eval.enabled:
+    ev = job.eval
+    if not ev.enabled:
         return None
-    held = config.eval.corpus is None
-    source = corpus if held else open_corpus(config.eval.corpus, "eval.corpus")
-    evaluation = eval_set(config, corpus=source, held=held, cost=cost, world=world, pool=pool)
+    held = ev.corpus is None
+    source = corpus if held else open_corpus(ev.corpus, "eval.corpus")
+    evaluation = eval_set(job.data, ev, corpus=source, held=held, cost=cost, world=world, pool=pool)
     log(f"evaluation: {evaluation.tokens:,} held-out tokens in {len(evaluation.batches)} batch(es), after "
-        + (f"every {config.eval.every} steps and " if config.eval.every else "") + "the last step")
+        + (f"every {ev.every} steps and " if ev.every else "") + "the last step")
     return evaluation
 
 
@@ -145,29 +161,17 @@ def _keep_profile(run_dir: Path, fresh: dict) -> None:
         interrupt.keep(f"{run_dir / AUTO_PROFILE} (a run into the same --out uses it)")
 
 
-def _resolved(config: RunConfig, out: str | None, steps: int | None) -> tuple[RunConfig, Path, int]:
-    """The config with the command line's run directory and steps in it, its paths absolute: what config.toml
-    records, so a run directory says what it ran, and where its files are from anywhere."""
-    run_dir = Path(out or config.train.out)
-    steps = steps if steps is not None else config.train.steps
-    config = config.model_copy(update={"train": config.train.model_copy(update={"out": str(run_dir), "steps": steps})})
-    config = config.with_absolute_paths()
-    _check_corpus_names(config)  # every one, before any is built
-    return config, run_dir, steps
-
-
 def _check_run_dir(
-    run_dir: Path, config: RunConfig, resume: bool, steps: int, stop_at: int | None, log: Log,
-    changes: tuple[bool, bool] = (False, False),
+    job: JobConfig, resume: bool, stop_at: int | None, log: Log, changes: tuple[bool, bool] = (False, False),
 ) -> str | None:
     """The run directory checked; on resume, the checkpoint to resume from. Damaged checkpoints are skipped
     (one line); none verifying is refused here, before any rank. `changes`: --change-schedule, --change-config."""
-    _check_out(run_dir, config, resume)
+    run_dir, steps = job.run_dir, job.train.steps
+    _check_out(run_dir, job.toml, resume)
     if not resume:
         return None
-    check_config_change(run_dir, config.to_toml(), changes[1], log)
-    schedule = config.optim.settings().lr_schedule_state(steps)
-    point = resume_point(run_dir / "checkpoints", schedule, changes[0], log)
+    check_config_change(run_dir, job.toml, changes[1], log)
+    point = resume_point(run_dir / "checkpoints", job.optim.lr_schedule_state(steps), changes[0], log)
     check_stop_at(stop_at, steps, point.step)
     return point.checkpoint
 
@@ -194,15 +198,6 @@ def _world(nproc: int | None, env_world: int | None, pool_gpus: int | None) -> i
     return world
 
 
-def _check_corpus_names(config: RunConfig) -> None:
-    from hydraulis.data.builtin import check_corpus_name
-
-    for name in config.data.corpora:
-        check_corpus_name(name, "data.corpus")
-    if config.eval.enabled and config.eval.corpus is not None:
-        check_corpus_name(config.eval.corpus, "eval.corpus")
-
-
 def _corpus(tokenizer: str, token_ids: str, log: Log, workers: int | None, name: str, key: str) -> IndexedCorpus:
     """The corpus `name` of config key `key` (built when it is a builtin one or a source, on `workers`
     processes), tokenized with the model's tokenizer."""
@@ -219,12 +214,11 @@ def _corpus(tokenizer: str, token_ids: str, log: Log, workers: int | None, name:
 
 
 def data_sampler(
-    corpus: IndexedCorpus, config: RunConfig, log: Log = say
+    corpus: IndexedCorpus, data: DataChoice, holdout: float, log: Log = say
 ) -> tuple[TokenBudgetSampler, Overlong | None]:
-    """The run's sampler and what its max_len cuts (said in a line when anything); a run whose pieces
-    hold no target token is refused: it would train on nothing."""
-    data = config.data
-    sampler = run_sampler(config, corpus)
+    """The run's sampler (the documents `[eval] holdout` leaves it) and what its max_len cuts (said in a line
+    when anything); a run whose pieces hold no target token is refused: it would train on nothing."""
+    sampler = run_sampler(data, holdout, corpus)
     cut = overlong(corpus, sampler)
     if cut is not None:
         check_targets_left(cut, f"[data] max_len = {data.max_len}, overlong = {data.overlong!r}")
@@ -233,23 +227,22 @@ def data_sampler(
     return sampler, cut
 
 
-def model_spec(config: RunConfig) -> ModelSpec:
-    """The model of the config; with init_from, the Hugging Face directory's own shape, its weights' files,
-    tensor names and shapes checked against it (headers only) before any corpus, profile or rank."""
-    section = config.model
-    if section.init_from is None:
-        return section.spec()
+def model_spec(model: ModelChoice, max_len: int) -> ModelSpec:
+    """The model of the config; with init_from, the Hugging Face directory's own shape (at `[data] max_len`), its
+    weights' files, tensor names and shapes checked against it (headers only) before any corpus, profile or
+    rank."""
+    if model.init_from is None:
+        return model.shape
     from hydraulis.families import check_weights, read_hf_config
 
-    path, _, spec = read_hf_config(section.init_from, config.data.max_len)
-    given = section.model_fields_set - {"init_from"}
-    if given:
-        mine = section.spec()
+    path, _, spec = read_hf_config(model.init_from, max_len)
+    if model.given:
+        mine = model.shape
         differ = mine.shape_differences(spec)
         if differ:
             key = differ[0]
             raise HydraulisError(f"model.{key} is {getattr(mine, key)} but {path} says {getattr(spec, key)}; drop it")
-    check_weights(section.init_from, spec)
+    check_weights(model.init_from, spec)
     return spec
 
 
@@ -333,9 +326,8 @@ def check_tokenizer(tokenizer: str, spec: ModelSpec, init_from: str | None) -> s
 CONFIG_OVERLONG = "a lower [data] max_len ([data] overlong cuts longer documents)"
 
 
-def crowded_ways(config: RunConfig) -> tuple[str, ...]:
+def crowded_ways(data: DataChoice, parallel: ParallelChoice) -> tuple[str, ...]:
     """The config's ways out of a CrowdedError, none of them what it already says."""
-    data, parallel = config.data, config.parallel
     ways = [f"a lower data.max_len (now {data.max_len})",
             f"a lower data.tokens_per_batch (now {data.tokens_per_batch}: fewer long sequences share a batch)",
             "more ranks (--nproc)"]
@@ -347,28 +339,28 @@ def crowded_ways(config: RunConfig) -> tuple[str, ...]:
 
 
 def _propose(
-    cost: CostModel, cluster: ClusterSpec, sampler: TokenBudgetSampler, config: RunConfig
+    cost: CostModel, cluster: ClusterSpec, sampler: TokenBudgetSampler, data: DataChoice, parallel: ParallelChoice
 ) -> tuple[Deployment, ...]:
     """Pool "auto": a pool proposed from sample batches of this data (another seed than training's)."""
     from hydraulis.planner.proposal import propose
 
-    data = config.data
     sample = TokenBudgetSampler(
         sampler.lengths, data.tokens_per_batch, data.max_len, data.seed + 1, data.overlong,
         documents=sampler.documents, mixture=sampler.mixture,  # the run's mixture of lengths
     ).batches(8)
     try:
         proposal = propose(
-            cost, cluster, [b.lengths for b in sample], max_pool=config.parallel.max_pool, max_length=data.max_len
+            cost, cluster, [b.lengths for b in sample], max_pool=parallel.max_pool, max_length=data.max_len
         )
     except OverlongError as exc:  # the planner's message names `plan`'s flags; the job words it in config keys
         raise HydraulisError(exc.worded(CONFIG_OVERLONG, "[parallel] profile = {}")) from None
     except CrowdedError as exc:
-        raise HydraulisError(exc.worded(crowded_ways(config))) from None
+        raise HydraulisError(exc.worded(crowded_ways(data, parallel))) from None
     return tuple(proposal.pool.deployments)
 
 
-def _check_out(run_dir: Path, config: RunConfig, resume: bool) -> None:
+def _check_out(run_dir: Path, toml: str, resume: bool) -> None:
+    """The run directory may take this run (`toml`: its config.toml), or holds the run a resume continues."""
     if run_dir.exists() and not run_dir.is_dir():
         raise HydraulisError(f"{run_dir}: exists and is not a directory; choose another --out")
     if resume:
@@ -378,6 +370,6 @@ def _check_out(run_dir: Path, config: RunConfig, resume: bool) -> None:
     # A directory holding only an auto profile and the log (a run that failed to start) is run into again.
     if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} - {AUTO_PROFILE, TRANSCRIPT}:
         previous = run_dir / "config.toml"
-        if previous.is_file() and previous.read_text(encoding="utf-8") == config.to_toml():
+        if previous.is_file() and previous.read_text(encoding="utf-8") == toml:
             raise HydraulisError(f"{run_dir}: already holds this run; add --resume to continue it or choose --out")
         raise HydraulisError(f"{run_dir}: already holds a different run (or other files); choose another --out")

@@ -22,7 +22,7 @@ from hydraulis.data.indexed import IndexedCorpus, open_corpus
 from hydraulis.data.readers import ReadReport
 from hydraulis.data.sampler import GlobalBatch, Mixture
 from hydraulis.errors import HydraulisError
-from hydraulis.training.config import DataSection
+from hydraulis.training.job_config import DataChoice
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class MixtureSpec:
 
 
 def training_corpus(
-    data: DataSection, open_one: Callable[[str, str], IndexedCorpus]
+    data: DataChoice, open_one: Callable[[str, str], IndexedCorpus]
 ) -> tuple[IndexedCorpus | MixedCorpus, MixtureSpec | None]:
     """The run's corpus: `[data] corpus` opened by `open_one(name, key)` (which checks its tokenizer), or the
     mixture of its corpora and the spec the ranks open it by."""
