@@ -34,7 +34,7 @@ class DataSettings:
 class Invocation:
     """What the command line asked of this run, beside the config."""
 
-    out: str  # the run directory (--out, else [train] out), absolute
+    out: str  # the run directory (--out, else [train] out), as given
     resume: bool = False
     resume_from: str | None = None  # the verified checkpoint rank 0 resumes from, picked before any rank starts
     stop_at: int | None = None  # --stop-at: end this invocation at that step; the schedule keeps its length
