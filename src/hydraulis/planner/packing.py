@@ -255,12 +255,8 @@ def order_by_simulation(
 
 
 def fastest_packing(
-    candidates: list[tuple[list[np.ndarray], bool]],
-    lengths: np.ndarray,
-    replica: ReplicaCost,
-    cost: CostModel,
-    bulk: bool = False,
-    beat: float = np.inf,
+    candidates: list[tuple[list[np.ndarray], bool]], lengths: np.ndarray, replica: ReplicaCost, cost: CostModel,
+    bulk: bool = False, beat: float = np.inf,
 ) -> Packing:
     """The least simulated time over candidate packings (micro-batches, ramped) in their execution orders; of
     equal times the first packing's first order, as simulating each in turn would choose. Where that time is
@@ -351,11 +347,7 @@ def stage_times(
 
 
 def pack_replica(
-    indices: np.ndarray,
-    lengths: np.ndarray,
-    replica: ReplicaCost,
-    cost: CostModel,
-    bulk: bool = False,
+    indices: np.ndarray, lengths: np.ndarray, replica: ReplicaCost, cost: CostModel, bulk: bool = False,
     beat: float = np.inf,
 ) -> Packing:
     """Micro-batches (of batch indices) for the sequences `indices` on `replica`, ordered (`fastest_packing`: a
