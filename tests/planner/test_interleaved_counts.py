@@ -38,7 +38,6 @@ def test_the_grouped_cap_holds_at_every_allowed_count_and_beats_the_any_count_ca
     assert all(replica.cap <= COST.micro_batch_cap(config, 128, m) for m in allowed)
     assert replica.cap == min(COST.micro_batch_cap(config, 128, m) for m in allowed)
     assert replica.cap > COST.cap(config, 128)  # the cap for any count, the baselines' (M in (pp, 2 pp) binds)
-    assert ReplicaCost.of(COST, config, 128, grouped=False).cap == COST.cap(config, 128)
     assert COST.cap(config, 128) == min(COST.micro_batch_cap(config, 128, m) for m in range(2, 4 * config.pp + 1))
     if config == ParallelConfig(1, 8, 8, 5):
         assert (COST.cap(config, 128), replica.cap) == (5504, 8320)

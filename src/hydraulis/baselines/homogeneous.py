@@ -72,7 +72,7 @@ class Homogeneous:
             config = fallback_config(ctx.cost, ctx.cluster, ctx.run_max_length, ctx.sample, lone=False)
             deployment = homogeneous(recipe_interleaving(ctx, config, ctx.run_max_length), ctx.cluster)
         self.deployment = deployment
-        self.replica = ReplicaCost.of(ctx.cost, deployment.configs[0], ctx.num_gpus, grouped=False)  # any count
+        self.replica = ReplicaCost.of(ctx.cost, deployment.configs[0], ctx.num_gpus)
         assigners: dict[str, Callable[[np.ndarray], list[list[list[int]]]]] = {
             "megatron": self._megatron,
             "token-balanced": lambda s: self._balanced(s, s.astype(np.float64)),

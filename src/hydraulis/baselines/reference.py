@@ -130,7 +130,7 @@ class Reference:
     def __init__(self, ctx: PolicyContext, seed: int = 0) -> None:
         self.ctx = ctx
         self.cost = ctx.cost
-        self.tables = [ReplicaTable.of(ctx.cost, d, ctx.num_gpus, grouped=False) for d in ctx.reference_pool]
+        self.tables = [ReplicaTable.of(ctx.cost, d, ctx.num_gpus) for d in ctx.reference_pool]
         self.seed = seed
 
     def schedule(self, lengths: np.ndarray, step: int = 0) -> Schedule:

@@ -63,7 +63,6 @@ class ReplicaCost:
     tiers: tuple[Tier, ...] = ()
     lone_tiers: tuple[Tier, ...] = ()
     plain: MemoryPolicy = MemoryPolicy.NONE  # the policy of a micro-batch within the cap (full: the recompute set)
-    grouped: bool = True  # interleaved: packed only into counts whose group is pp (`grouped_cap`); False: any count
 
     @property
     def pp(self) -> int:
@@ -102,17 +101,14 @@ class ReplicaCost:
         return float(min(at, beyond * (1 - 1e-9)))
 
     @classmethod
-    def of(cls, cost: CostModel, config: ParallelConfig, num_gpus: int, grouped: bool = True) -> ReplicaCost:
-        """`grouped=False`: the cap for any count (a baseline that packs its own counts)."""
+    def of(cls, cost: CostModel, config: ParallelConfig, num_gpus: int) -> ReplicaCost:
         k = cost.coefficients(config)
-        cap = grouped_cap(cost, config, num_gpus, cost.policies(config)[0], grouped)
-        lone = cost.lone_cap(config, num_gpus)
+        cap, lone = grouped_cap(cost, config, num_gpus, cost.policies(config)[0]), cost.lone_cap(config, num_gpus)
         tiers: dict[int | None, list[Tier]] = {None: [], 1: []}
         for count, rows in tiers.items():
             top = cap if count is None else 0
             for p in cost.policies(config)[count is None:]:
-                at = cost.policy_cap(config, num_gpus, p, 1) if count else grouped_cap(cost, config, num_gpus, p,
-                                                                                      grouped)
+                at = cost.policy_cap(config, num_gpus, p, 1) if count else grouped_cap(cost, config, num_gpus, p)
                 if at > top:
                     sa, sb = cost.policy_scale(config, p)
                     rows.append(Tier(p, at, sa * k.a, sb * k.b))
@@ -121,7 +117,7 @@ class ReplicaCost:
             rows[:] = [t for j, t in enumerate(rows) if all(t.a <= u.a and t.b <= u.b for u in rows[j + 1 :])]
         return cls(config=config, a=k.a, b=k.b, c=k.c, cap=cap, min_efficient=cost.min_efficient_tokens(config),
                    lone_cap=lone, tiers=tuple(tiers[None]), lone_tiers=tuple(tiers[1]),
-                   plain=cost.policies(config)[0], grouped=grouped)
+                   plain=cost.policies(config)[0])
 
     def seq_costs(self, lengths: np.ndarray) -> np.ndarray:
         """a*s^2 + b*s of each sequence, under the lightest policy whose cap holds it alone (beyond `reach`,
@@ -166,13 +162,11 @@ class ReplicaCost:
         return None if found == self.plain else found
 
 
-def grouped_cap(
-    cost: CostModel, config: ParallelConfig, num_gpus: int, policy: MemoryPolicy, grouped: bool = True
-) -> int:
+def grouped_cap(cost: CostModel, config: ParallelConfig, num_gpus: int, policy: MemoryPolicy) -> int:
     """A policy's cap on a replica of `config` for every count of at least two it may run (`grouped_count`): an
     interleaved replica runs only counts whose Megatron group is pp, so its cap is the least of theirs, not the
     cap for any count (whose worst, M in (pp, 2 pp), holds nearly every chunk in flight)."""
-    if config.vp == 1 or not grouped:
+    if config.vp == 1:
         return cost.policy_cap(config, num_gpus, policy)
     return min(cost.policy_cap(config, num_gpus, policy, m) for m in grouped_counts(config.pp))
 
@@ -182,7 +176,7 @@ def allowed_counts(mbs: list[np.ndarray], lengths: np.ndarray, replica: ReplicaC
     ones (by tokens) split in two up to the next multiple of pp, else the two smallest merged within the cap
     down to the multiple below; None where neither reaches one. 1F1B, or a count it may run: as they are."""
     pp, vp = replica.pp, replica.config.vp
-    if not replica.grouped or grouped_count(pp, vp, len(mbs)):
+    if grouped_count(pp, vp, len(mbs)):
         return mbs
     mbs = [np.asarray(mb, dtype=np.int64) for mb in mbs]
     sizes = [int(lengths[mb].sum()) for mb in mbs]
@@ -224,14 +218,12 @@ class ReplicaTable:
         return (self.c, self.pp, self.cap, self.min_efficient, self.lone_cap, self.long_w)
 
     @classmethod
-    def of(
-        cls, cost: CostModel, deployment: Deployment | Sequence[ParallelConfig], num_gpus: int, grouped: bool = True
-    ) -> ReplicaTable:
+    def of(cls, cost: CostModel, deployment: Deployment | Sequence[ParallelConfig], num_gpus: int) -> ReplicaTable:
         configs = deployment.configs if isinstance(deployment, Deployment) else tuple(deployment)
         distinct: dict[ParallelConfig, int] = {}
         for g in configs:
             distinct.setdefault(g, len(distinct))
-        models = tuple(ReplicaCost.of(cost, g, num_gpus, grouped) for g in distinct)
+        models = tuple(ReplicaCost.of(cost, g, num_gpus) for g in distinct)
         reps = tuple(models[distinct[g]] for g in configs)
         return cls(
             replicas=reps,
