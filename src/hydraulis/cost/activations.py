@@ -209,16 +209,3 @@ def worst_count(config: ParallelConfig, stage: int) -> int:
     if config.vp == 1:
         return config.pp + 1
     return max(range(2, 4 * config.pp + 1), key=lambda m: (in_flight(config, stage, m), m))
-
-
-def grouped_count(pp: int, vp: int, micro_batches: int) -> bool:
-    """Whether Hydraulis's planner may run an interleaved replica at this count: Megatron's group is then pp (M a
-    multiple of pp, or M <= pp, all in the warm-up), so a stage holds at most 2 (pp - 1) + (vp - 1) pp + 1 chunks;
-    a count whose group is larger (M in (pp, 2 pp): nearly all M vp) would cut the cap by about a third. 1F1B: any."""
-    return vp == 1 or micro_batches <= pp or micro_batches % pp == 0
-
-
-def grouped_counts(pp: int) -> tuple[int, int]:
-    """The counts of at least two, by `grouped_count`, whose caps bound every other's: pp (the most in flight
-    of M <= pp, M vp of them, no gradients beside) and 2 pp (a multiple of pp: all of them hold the same)."""
-    return pp, 2 * pp

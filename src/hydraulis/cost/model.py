@@ -317,14 +317,10 @@ class CostModel:
     def micro_batch_cap(
         self, config: ParallelConfig, num_gpus: int, micro_batches: int, policy: MemoryPolicy | None = None
     ) -> int:
-        """Most tokens of each of a replica's `micro_batches` micro-batches (under `policy`: its cap); interleaved,
-        the cap at that very count (in flight depends on it: activations.in_flight)."""
-        count = micro_batches if config.vp > 1 or micro_batches == 1 else None
+        """Most tokens of each of a replica's `micro_batches` micro-batches (under `policy`: its cap)."""
         if policy is not None:
-            return self.policy_cap(config, num_gpus, policy, count)
-        if micro_batches == 1:
-            return self.lone_cap(config, num_gpus)
-        return self.policy_cap(config, num_gpus, self.policies(config)[0], count)
+            return self.policy_cap(config, num_gpus, policy, 1 if micro_batches == 1 else None)
+        return self.lone_cap(config, num_gpus) if micro_batches == 1 else self.cap(config, num_gpus)
 
     def for_job(
         self, memory_bytes: int | None, dtype_bytes: int, bucket_bytes: int | None = None,

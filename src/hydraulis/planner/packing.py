@@ -3,12 +3,14 @@
 pp = 1: the replica's time is sum(t) = W + v*c, so the fewest micro-batches
 win: first-fit decreasing by tokens under the cap.
 
-pp > 1: 1F1B adds (pp - 1) x the largest micro-batch, so more micro-batches shrink the bubble but each
-adds c. Around v* = sqrt((pp-1) W / c) (within the cap's minimum and the busy threshold: no micro-batch
-below min_efficient_tokens when the replica has tokens to spare) we balance cost with LPT under the token
-cap, keep the v with the best closed form, then pick the execution order by simulation: the first
-micro-batch sets the warm-up and the last the cool-down, so small ones belong at the ends. `ramp_bins`
-adds packings with a few small micro-batches of the shortest sequences made for those ends.
+pp > 1: 1F1B adds (pp - 1) x the largest micro-batch, so more micro-batches
+shrink the bubble but each adds c. Around v* = sqrt((pp-1) W / c) (within the
+cap's minimum and the busy threshold: no micro-batch below min_efficient_tokens
+when the replica has tokens to spare) we balance cost with LPT under the token
+cap, keep the v with the best closed form, then pick the execution order by
+simulation: the first micro-batch sets the warm-up and the last the cool-down,
+so small ones belong at the ends. `ramp_bins` adds packings with a few small
+micro-batches of the shortest sequences made for those ends.
 
 With memory policies per micro-batch (replicas.py), a sequence beyond the cap but within a policy's runs
 as its own micro-batch under that policy, beside the others packed as above.
@@ -29,7 +31,7 @@ import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
-from hydraulis.planner.replicas import HEAVY_SHARE, ReplicaCost, allowed_counts, micro_batch_range
+from hydraulis.planner.replicas import HEAVY_SHARE, ReplicaCost, micro_batch_range
 from hydraulis.planner.sim import (
     FLOOR_MARGIN,
     FORWARD_SHARE,
@@ -267,11 +269,10 @@ def fastest_packing(
 
     Exact with fewer simulations: every order's floor (`replica_time_floor`, a lower bound on its simulated time)
     is computed first, orders are simulated from the lowest floor up, and one whose floor cannot beat the best
-    found is never simulated (interleaved pipelines have vp times the events). Interleaved, each packing is first
-    re-cut to a count the replica may run (`allowed_counts`).
+    found is never simulated (interleaved pipelines have vp times the events).
     """
-    fixed = [(allowed_counts(mbs, lengths, replica), ramped) for mbs, ramped in candidates]  # interleaved: group pp
-    candidates, rows, prepared = [c for c in fixed if c[0] is not None] or candidates, [], []  # rows: (floor, k, o)
+    rows = []  # (floor, packing, order) and what simulating it takes
+    prepared = []
     for k, (mbs, ramped) in enumerate(candidates):
         if not mbs:
             return Packing((), 0.0)

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hydraulis.cost.activations import grouped_count, grouped_counts
 from hydraulis.cost.model import CostModel, sequence_costs
 from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.parallel import Deployment, ParallelConfig
@@ -103,12 +102,12 @@ class ReplicaCost:
     @classmethod
     def of(cls, cost: CostModel, config: ParallelConfig, num_gpus: int) -> ReplicaCost:
         k = cost.coefficients(config)
-        cap, lone = grouped_cap(cost, config, num_gpus, cost.policies(config)[0]), cost.lone_cap(config, num_gpus)
+        cap, lone = cost.cap(config, num_gpus), cost.lone_cap(config, num_gpus)
         tiers: dict[int | None, list[Tier]] = {None: [], 1: []}
         for count, rows in tiers.items():
             top = cap if count is None else 0
             for p in cost.policies(config)[count is None:]:
-                at = cost.policy_cap(config, num_gpus, p, 1) if count else grouped_cap(cost, config, num_gpus, p)
+                at = cost.policy_cap(config, num_gpus, p, count)
                 if at > top:
                     sa, sb = cost.policy_scale(config, p)
                     rows.append(Tier(p, at, sa * k.a, sb * k.b))
@@ -160,42 +159,6 @@ class ReplicaCost:
         tiers = self.lone_tiers if micro_batches == 1 else self.tiers
         found = next((t.policy for t in tiers if tokens <= t.cap), None)
         return None if found == self.plain else found
-
-
-def grouped_cap(cost: CostModel, config: ParallelConfig, num_gpus: int, policy: MemoryPolicy) -> int:
-    """A policy's cap on a replica of `config` for every count of at least two it may run (`grouped_count`): an
-    interleaved replica runs only counts whose Megatron group is pp, so its cap is the least of theirs, not the
-    cap for any count (whose worst, M in (pp, 2 pp), holds nearly every chunk in flight)."""
-    if config.vp == 1:
-        return cost.policy_cap(config, num_gpus, policy)
-    return min(cost.policy_cap(config, num_gpus, policy, m) for m in grouped_counts(config.pp))
-
-
-def allowed_counts(mbs: list[np.ndarray], lengths: np.ndarray, replica: ReplicaCost) -> list[np.ndarray] | None:
-    """Micro-batches (batch indices each) re-cut to a count the replica may run (`grouped_count`): the largest
-    ones (by tokens) split in two up to the next multiple of pp, else the two smallest merged within the cap
-    down to the multiple below; None where neither reaches one. 1F1B, or a count it may run: as they are."""
-    pp, vp = replica.pp, replica.config.vp
-    if grouped_count(pp, vp, len(mbs)):
-        return mbs
-    mbs = [np.asarray(mb, dtype=np.int64) for mb in mbs]
-    sizes = [int(lengths[mb].sum()) for mb in mbs]
-    up, down = -(-len(mbs) // pp) * pp, len(mbs) // pp * pp
-    if sum(len(mb) for mb in mbs) >= up:
-        split = [list(x) for x in zip(mbs, sizes, strict=True)]
-        while len(split) < up:
-            k = max((j for j in range(len(split)) if len(split[j][0]) > 1), key=lambda j: split[j][1])
-            mb = split[k][0][np.argsort(-lengths[split[k][0]], kind="stable")]
-            halves = [mb[0::2], mb[1::2]]
-            split[k:k + 1] = [[h, int(lengths[h].sum())] for h in halves]
-        return [mb for mb, _ in split]
-    merged = sorted(zip(sizes, range(len(mbs)), mbs, strict=True), key=lambda x: x[:2])
-    while len(merged) > down:
-        (sa, ka, a), (sb, _, b) = merged[0], merged[1]
-        if sa + sb > replica.cap:
-            return None
-        merged = sorted([(sa + sb, ka, np.concatenate([a, b]))] + merged[2:], key=lambda x: x[:2])
-    return [mb for _, _, mb in merged]
 
 
 @dataclass(frozen=True)
