@@ -90,3 +90,14 @@ def rank_pids(pid: int) -> list[int]:
         if b"forkserver" in cmdline:
             ranks += _children(child)
     return sorted(ranks)
+
+
+def one_line_error(res: subprocess.CompletedProcess[str], *needles: str) -> str:
+    """A refusal as the project promises it: exit 2, no traceback, one `error: ` line naming each needle; the line."""
+    assert res.returncode == 2, (res.returncode, res.stdout[-2000:], res.stderr[-2000:])
+    assert "Traceback" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]

@@ -29,10 +29,14 @@ def test_placement_keeps_tp_groups_in_a_node():
     cluster = ClusterSpec(32, 8)
     dep = Deployment.parse("1x(tp8,pp1) + 1x(tp4,pp2) + 4x(tp2,pp1) + 4x(tp1,pp2)", cluster)
     dep.validate(cluster)
+    _stages_in_a_node(dep, 8)
+    assert sorted(d for r in dep.replicas for d in r.devices) == list(range(32))
+
+
+def _stages_in_a_node(dep: Deployment, gpn: int) -> None:
     for replica in dep.replicas:
         for s in range(replica.config.pp):
-            assert len({d // 8 for d in replica.stage_devices(s)}) == 1
-    assert sorted(d for r in dep.replicas for d in r.devices) == list(range(32))
+            assert len({d // gpn for d in replica.stage_devices(s)}) == 1
 
 
 def test_tp_above_node_takes_whole_nodes():
@@ -85,15 +89,19 @@ def test_explicit_devices_are_checked():
     st.lists(st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (4, 2), (8, 1), (1, 4)]), min_size=1, max_size=12)
 )
 def test_power_of_two_deployments_always_place(pairs):
-    configs = [ParallelConfig(tp, pp) for tp, pp in pairs]
-    n = sum(c.num_gpus for c in configs)
-    # Pad to whole nodes with single GPUs so the cluster is full.
-    pad = (-n) % 8
-    configs += [ParallelConfig(1, 1)] * pad
-    cluster = ClusterSpec(n + pad, 8)
+    _placed_on_full_nodes([ParallelConfig(tp, pp) for tp, pp in pairs])
+
+
+def _placed_on_full_nodes(configs: list[ParallelConfig]) -> tuple[Deployment, ClusterSpec]:
+    """The configs padded to whole 8-GPU nodes with single GPUs (so the cluster is full), placed and validated,
+    in the order given."""
+    pad = (-sum(c.num_gpus for c in configs)) % 8
+    configs = configs + [ParallelConfig(1, 1)] * pad
+    cluster = ClusterSpec(sum(c.num_gpus for c in configs), 8)
     dep = Deployment.place(configs, cluster)
     dep.validate(cluster)
     assert dep.configs == tuple(configs)
+    return dep, cluster
 
 
 def test_deployment_rows_round_trip_and_name_the_bad_field():
@@ -136,10 +144,8 @@ def test_cp_group_that_fits_a_node_stays_in_it():
     cluster = ClusterSpec(24, 8)
     dep = Deployment.parse("2x(tp2,pp2,cp2) + 1x(tp4,pp1,cp2)", cluster)
     dep.validate(cluster)
-    for replica in dep.replicas:
-        for s in range(replica.config.pp):
-            assert len({d // 8 for d in replica.stage_devices(s)}) == 1
-        assert not replica.config.cp_spans_nodes(8)
+    _stages_in_a_node(dep, 8)
+    assert not any(replica.config.cp_spans_nodes(8) for replica in dep.replicas)
 
 
 def test_cp_group_not_a_multiple_of_a_node_places_tp_groups_apart():
@@ -179,14 +185,7 @@ def test_explicit_cp_devices_may_span_nodes_but_not_split_a_tp_group():
     )
 )
 def test_power_of_two_cp_deployments_always_place_with_tp_in_a_node(triples):
-    configs = [ParallelConfig(tp, pp, cp) for tp, pp, cp in triples]
-    n = sum(c.num_gpus for c in configs)
-    pad = (-n) % 8
-    configs += [ParallelConfig(1, 1)] * pad
-    cluster = ClusterSpec(n + pad, 8)
-    dep = Deployment.place(configs, cluster)
-    dep.validate(cluster)
-    assert dep.configs == tuple(configs)
+    dep, cluster = _placed_on_full_nodes([ParallelConfig(tp, pp, cp) for tp, pp, cp in triples])
     assert sorted(d for r in dep.replicas for d in r.devices) == list(range(cluster.num_gpus))
     _tp_groups_in_a_node(dep, 8)
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_helpers import start_cli, wait_for_handlers
+from cli_helpers import one_line_error, start_cli, wait_for_handlers
 
 from hydraulis.planner.plan import load_plan
 
@@ -26,15 +26,6 @@ def tree(root: Path) -> set[str]:
     """Every entry under root, hidden ones included."""
     return {str(p.relative_to(root)) for p in root.rglob("*")}
 
-
-def one_line_error(res: subprocess.CompletedProcess[str], *needles: str) -> None:
-    assert res.returncode == 2, (res.returncode, res.stdout[-2000:], res.stderr[-2000:])
-    assert "Traceback" not in res.stderr
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1, res.stderr
-    assert lines[0].startswith("error: "), res.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 def workload(path: Path, **data) -> Path:

@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import pytest
+from cli_helpers import one_line_error
 
 from hydraulis.data.workload import WORKLOAD_SCHEMA, load_workload
 
@@ -12,12 +13,6 @@ from hydraulis.data.workload import WORKLOAD_SCHEMA, load_workload
 def hidden(parent: Path) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
 
-
-def one_line_error(res) -> str:  # noqa: ANN001
-    assert res.returncode == 2, res.stdout + res.stderr
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
-    return lines[0]
 
 
 @pytest.fixture

@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from test_data_cli import hidden, one_line_error
+from cli_helpers import one_line_error
+from test_data_cli import hidden
 from tokenizer_helpers import TEXT, train_bpe
 
 from hydraulis.data.build.corpus import build_corpus

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_data_cli import hidden, one_line_error
+from cli_helpers import one_line_error
+from test_data_cli import hidden
 from tokenizer_helpers import train_bpe
 
 from hydraulis.data.build.corpus import build_corpus

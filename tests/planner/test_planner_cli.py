@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from cli_helpers import one_line_error
 
 from hydraulis.cost import load_cost_model
 from hydraulis.parallel import ParallelConfig
@@ -19,13 +20,6 @@ def write(path, batches):
     path.write_text(json.dumps({"schema": "hydraulis.workload/1", "name": path.stem, "batches": batches}))
     return path
 
-
-def one_line_error(res, *needles):
-    assert res.returncode == 2, res.stdout + res.stderr
-    assert "Traceback" not in res.stderr
-    assert res.stderr.strip().count("\n") == 0, res.stderr
-    for needle in needles:
-        assert needle in res.stderr, res.stderr
 
 
 def test_plan_writes_a_valid_plan(cli, tmp_path):

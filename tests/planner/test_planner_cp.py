@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from cli_helpers import one_line_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -104,12 +105,6 @@ def _workload(path, batches):
     return path
 
 
-def _one_line_error(res, *needles):
-    assert res.returncode == 2, res.stdout + res.stderr
-    assert "Traceback" not in res.stderr and res.stderr.strip().count("\n") == 0, res.stderr
-    for needle in needles:
-        assert needle in res.stderr, res.stderr
-
 
 def test_plan_keeps_a_document_whole_on_a_cp_replica(cli, tmp_path):
     from hydraulis.planner.plan import load_plan
@@ -131,12 +126,12 @@ def test_plan_refuses_what_even_the_largest_cp_replica_cannot_hold(cli, tmp_path
     out = tmp_path / "plan.json"
     w = _workload(tmp_path / "w.json", [[100, 5_000_000]])
     res = cli("plan", "--profile", "llama-7b@a800-80g+cp", "--gpus", str(GPUS), "--workload", str(w), "--out", str(out))
-    _one_line_error(res, "5000000 tokens", "largest cap", "cp")
+    one_line_error(res, "5000000 tokens", "largest cap", "cp")
     assert not out.exists()
     # Without CP configs the same document names the way out.
     w = _workload(tmp_path / "w2.json", [[100, PLAIN_CAP + 20_000]])
     res = cli("plan", "--gpus", str(GPUS), "--workload", str(w), "--out", str(out))
-    _one_line_error(res, f"{PLAIN_CAP + 20_000} tokens", "split", "--profile llama-7b@a800-80g+cp")
+    one_line_error(res, f"{PLAIN_CAP + 20_000} tokens", "split", "--profile llama-7b@a800-80g+cp")
     assert not out.exists()
     res = cli("plan", "--gpus", str(GPUS), "--workload", str(w), "--out", str(out), "--overlong", "split")
     assert res.returncode == 0, res.stderr
@@ -163,7 +158,7 @@ def test_bad_cp_pools_are_one_line(cli, tmp_path, pool, needle):
         "--out",
         str(out),
     )
-    _one_line_error(res, needle)
+    one_line_error(res, needle)
     assert not out.exists()
 
 

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from cli_helpers import one_line_error
 
 from hydraulis.cost import ProfiledCostModel
 from hydraulis.cost.conditions import cpu_cores
@@ -22,13 +23,6 @@ from hydraulis.specs import get_model
 THREADS = {"threads_per_rank": max(1, cpu_cores() // 2)}  # as the launcher sets them for 2 ranks
 FAST = ("--totals", "64,128", "--min-doc", "32", "--repeats", "2", "--warmup", "1", "--collective-bytes", "1024,65536")
 
-
-def one_line_error(res, *needles):
-    assert res.returncode == 2, res.stdout + res.stderr
-    assert "Traceback" not in res.stderr
-    assert res.stderr.strip().count("\n") == 0, res.stderr
-    for needle in needles:
-        assert needle in res.stderr, res.stderr
 
 
 @pytest.mark.dist
