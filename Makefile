@@ -23,7 +23,7 @@ lint: $(STAMP)
 test: lint
 	$(VENV)/bin/pytest -q
 
-# The demo trains for real (4 CPU ranks under a memory budget, 3-9 minutes on 2 cores), then shows the simulated
+# The demo trains for real (4 CPU ranks under a memory budget, 1-4 minutes on 2 cores), then shows the simulated
 # comparison at cluster scale. Its run directory is the demo's own, so it starts fresh each time.
 demo: $(STAMP)
 	rm -rf demo-out/train
