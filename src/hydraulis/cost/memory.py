@@ -316,10 +316,9 @@ class RankMemory:
         """What the activations' phase adds to the parameters and owned state: the activations, the gradients
         already allocated, and the loss's forward or, after it, a layer's backward and the exchange's buffers;
         on the first stage, or the embedding's backward beside every gradient."""
-        beside = self.grads_with_activations if self.reduce_grads is None else self.reduce_grads
         return max(
             self.grads_with_activations + self.activations + max(self.loss_transient, self.backward),
-            beside + self.reducing + self.backward + self.exchange_buffers_with_activations,
+            self.grads_beside_reduce + self.reducing + self.backward + self.exchange_buffers_with_activations,
             self.grads + self.embedding_backward if self.embedding_backward else 0.0,
         )
 
@@ -330,8 +329,13 @@ class RankMemory:
     @property
     def before_reduce(self) -> float:
         """The reduce's phase without the reduce: state, gradients, one micro-batch and a layer's backward."""
-        beside = self.grads_with_activations if self.reduce_grads is None else self.reduce_grads
-        return self.params + self.owned + beside + self.reducing + self.backward
+        return self.params + self.owned + self.grads_beside_reduce + self.reducing + self.backward
+
+    @property
+    def grads_beside_reduce(self) -> float:
+        """The gradients beside the reduce: those made by the time it starts (`reduce_grads`), else the ones
+        beside the activations."""
+        return self.grads_with_activations if self.reduce_grads is None else self.reduce_grads
 
 
 def rank_memory(

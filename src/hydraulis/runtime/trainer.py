@@ -172,12 +172,13 @@ class Trainer:
         norm, extra = self.optimizer.global_norm(extra=loss_part(runs, self.env.device).reshape(1))
         lr = s.optim.lr_at(step, s.train.steps)
         sums = StepSums.read(extra[0], norm)  # one sync per step
-        self.optimizer.step(lr, norm, skip=not sums.finite)
+        skipped = not sums.finite  # the same numbers on every rank: they agree
+        self.optimizer.step(lr, norm, skip=skipped)
         finished = clock(self.env.device)  # the iteration ends here; what follows only reports on it
         for r in runs:
             r.part.clear_grads()
         outcome = StepOutcome(
-            loss_sum=sums.loss_sum, targets=targets, grad_norm=sums.grad_norm, lr=lr, skipped=not sums.finite,
+            loss_sum=sums.loss_sum, targets=targets, grad_norm=sums.grad_norm, lr=lr, skipped=skipped,
             iteration_s=finished - start, planning_unhidden_s=planning_unhidden_s,
         )
         metrics = self.meter.end(step=step, batch=batch, schedule=schedule, indices=indices, runs=runs, outcome=outcome)

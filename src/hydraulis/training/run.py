@@ -56,10 +56,9 @@ class Run:
         self.log = say if self.env.rank == 0 else _silent
         if self.env.rank == 0:
             transcribe(settings.transcript)
-        states = Saved(feed=self.trainer.feed, optimizer=self.trainer.optimizer, settings=settings.trainer,
-                       corpus=self.corpus.manifest, env=self.env, control=self.trainer.control)
         self.checkpoints = CheckpointManager(
-            states=states, directory=settings.checkpoints, every=train.checkpoint_every, keep=train.keep_checkpoints,
+            states=Saved.of(self.trainer), directory=settings.checkpoints, every=train.checkpoint_every,
+            keep=train.keep_checkpoints,
             last_step=settings.end_step, log=self.log,
         )
         self.guard = DivergenceGuard(train.max_bad_steps)

@@ -38,11 +38,14 @@ class MemoryChoices:
     alone: int = 0
 
     @staticmethod
-    def of(schedule: Schedule, cost: CostModel, num_gpus: int) -> MemoryChoices:
+    def of(schedule: Schedule, cost: CostModel, num_gpus: int, later: CostModel | None = None) -> MemoryChoices:
+        """`later`: `cost.later_phase()`, where the caller keeps one (its caps' cache with it)."""
         counts = {p: [] for p in LIGHTEST_FIRST}
         alone = 0
+        if len(schedule.phases) > 1 and later is None:
+            later = cost.later_phase()
         for k, plan in enumerate(schedule.phases):
-            phase_cost = cost.later_phase() if k else cost  # a later phase holds the earlier ones' reduced gradient
+            phase_cost = later if k else cost  # a later phase holds the earlier ones' reduced gradient
             for r, replica in enumerate(plan.replicas):
                 config = plan.deployment.replicas[r].config
                 plain = phase_cost.policies(config)[0]  # a plan lists none where every one runs it
@@ -190,7 +193,15 @@ class StepMeter:
         self.memory = memory
         self.control = control
         self.runs: tuple[PhaseRun, ...] = ()
+        self._later: tuple[CostModel, CostModel] | None = None  # (the cost, its later_phase()): built once each
         self.mine: RankFigures | None = None
+
+    def later_cost(self) -> CostModel:
+        """The cost model of a phase after the first (`CostModel.later_phase`), made once per cost model (a refit
+        gives a new one), not per step: its caps cache with it."""
+        if self._later is None or self._later[0] is not self.cost:
+            self._later = (self.cost, self.cost.later_phase())
+        return self._later[1]
 
     def begin(self, indices: Sequence[int], schedule: Schedule, step: int) -> list[RankMemory]:
         """This rank's predicted memory in each phase (a later one holds the earlier phases' reduced gradient);
@@ -201,7 +212,7 @@ class StepMeter:
         collective, counted the census as training: the demo's measured steps ran 18% over their prediction,
         the others 5%."""
         pool = self.pool
-        ranks = [predicted_rank(self.cost.later_phase() if n else self.cost, self.model, pool.parts[k], p,
+        ranks = [predicted_rank(self.later_cost() if n else self.cost, self.model, pool.parts[k], p,
                                 world=self.world, dtype=pool.dtype, bucket_bytes=pool.optimizer.bucket_bytes)
                  for n, (k, p) in enumerate(zip(indices, schedule.phases, strict=True))]
         self.memory.start(indices[0], step, max(r.peak for r in ranks))
@@ -242,7 +253,7 @@ class StepMeter:
             phase_switch_predicted_s=schedule.switch_s * (len(runs) - 1),
             memory_over_budget=budget is not None and figures.memory_peak > budget,
             deployment_indices=tuple(indices),
-            memory_choices=MemoryChoices.of(schedule, self.cost, self.world),
+            memory_choices=MemoryChoices.of(schedule, self.cost, self.world, later=self.later_cost()),
         )
 
 
