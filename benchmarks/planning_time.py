@@ -31,7 +31,7 @@ import numpy as np
 from hydraulis.bench import Scenario
 from hydraulis.cost import load_cost_model
 from hydraulis.planner.planner import Planner
-from hydraulis.planner.proposal import propose
+from hydraulis.planner.proposal.propose import propose
 from hydraulis.specs import ClusterSpec
 
 K = 1024
@@ -69,7 +69,7 @@ def growth(quick: bool) -> None:
 
 
 def proposal_times() -> None:
-    from hydraulis.planner.proposal import propose
+    from hydraulis.planner.proposal.propose import propose
 
     cost = load_cost_model("llama-7b@a800-80g")
     for gpus, n in PROPOSAL_JOBS:

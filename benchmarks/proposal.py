@@ -27,7 +27,7 @@ from hydraulis.errors import HydraulisError
 from hydraulis.planner.phases import PhasedPlanner
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import homogeneous, usable_configs
-from hydraulis.planner.proposal import propose
+from hydraulis.planner.proposal.propose import propose
 from hydraulis.specs import ClusterSpec
 
 

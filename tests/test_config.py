@@ -26,7 +26,7 @@ def test_max_pool_has_one_default_for_a_config_and_propose(cli):
     import inspect
 
     from hydraulis.cli.propose import propose as command
-    from hydraulis.planner.proposal import propose
+    from hydraulis.planner.proposal.propose import propose
 
     default = RunConfig().parallel.max_pool
     assert default == inspect.signature(propose).parameters["max_pool"].default

@@ -61,7 +61,7 @@ def test_the_environment_sets_the_workers_and_a_bad_value_is_named(monkeypatch):
 def test_a_proposal_on_the_cores_is_the_one_planned_in_this_process(monkeypatch):
     """The proposal's sample plans and phase trials fanned out: the same pool, usage and planned times."""
     from hydraulis.cost import load_cost_model
-    from hydraulis.planner.proposal import propose
+    from hydraulis.planner.proposal.propose import propose
     from hydraulis.specs import ClusterSpec
 
     cost = load_cost_model("llama-7b@a800-80g+cp")

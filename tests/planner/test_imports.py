@@ -156,7 +156,7 @@ def test_cli_is_on_top():
     [
         ("hydraulis.planner.schedule", ["hydraulis.planner.planner", "hydraulis.planner.policy"]),
         ("hydraulis.planner.planner", ["hydraulis.planner.policy", "hydraulis.planner.proposal", "torch"]),
-        ("hydraulis.planner.proposal", ["hydraulis.planner.policy", "torch"]),
+        ("hydraulis.planner.proposal.propose", ["hydraulis.planner.policy", "torch"]),
         ("hydraulis.planner.policy", ["torch"]),
         ("hydraulis.bench", ["torch"]),
         ("hydraulis.training.config", ["torch"]),

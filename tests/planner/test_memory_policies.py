@@ -142,7 +142,7 @@ def test_a_uniform_policy_runs_every_micro_batch_of_its_configs():
 def test_the_range_programme_packs_a_length_a_policy_holds_beside_others():
     """Beyond tp1's plain cap, within selective's: without policies a replica runs each such sequence as its lone
     micro-batch, so two per replica never fit; with them they run beside each other at selective's cost."""
-    from hydraulis.planner.range_dp import LengthHistogram, aware_group_time
+    from hydraulis.planner.proposal.range_dp import LengthHistogram, aware_group_time
 
     g = P(1, 1)
     s = TIGHT.cap(g, 4) + 200

@@ -24,7 +24,7 @@ from hydraulis.planner.plan import (
     save_plan,
 )
 from hydraulis.planner.planner import Planner
-from hydraulis.planner.proposal import propose
+from hydraulis.planner.proposal.propose import propose
 from hydraulis.planner.schedule import check_schedule, mean_switch_time, phases_time
 from hydraulis.planner.sim import simulate
 from hydraulis.specs import ClusterSpec

@@ -16,7 +16,7 @@ from hydraulis.cost import load_cost_model
 from hydraulis.planner.planner import Planner, apply_overlong
 from hydraulis.planner.policy import PolicyContext
 from hydraulis.planner.pool import parse_pool
-from hydraulis.planner.proposal import propose
+from hydraulis.planner.proposal.propose import propose
 from hydraulis.specs import ClusterSpec
 
 COST = load_cost_model("llama-7b@a800-80g+cp")

@@ -15,7 +15,7 @@ from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.phases import PhasedPlanner
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import Pool, has_room, load_pool, save_pool
-from hydraulis.planner.proposal import _without_idle, greedy_pool, propose, tokens_per_deployment
+from hydraulis.planner.proposal.propose import _without_idle, greedy_pool, propose, tokens_per_deployment
 from hydraulis.specs import ClusterSpec
 
 COST = load_cost_model("llama-7b@a800-80g")
@@ -166,12 +166,12 @@ def test_propose_and_plan_through_the_command(cli, tmp_path):
 
 
 def test_fluid_estimate_of_a_homogeneous_deployment_is_its_share_of_the_work():
-    from hydraulis.planner.proposal import _fluid_estimates
+    from hydraulis.planner.proposal.screen import fluid_estimates
 
     cluster = ClusterSpec(16)
     deployment = Deployment.parse("8x(tp2,pp1)", cluster)
     batch = np.array([1000] * 64)
-    (est,) = _fluid_estimates(COST, cluster, [deployment], [batch])[:, 0]
+    (est,) = fluid_estimates(COST, cluster, [deployment], [batch])[:, 0]
     k = COST.coefficients(deployment.configs[0])
     cap = COST.cap(deployment.configs[0], 16)
     work = k.a * (batch**2).sum() + k.b * batch.sum() + k.c * batch.sum() / cap
@@ -179,18 +179,18 @@ def test_fluid_estimate_of_a_homogeneous_deployment_is_its_share_of_the_work():
 
 
 def test_screening_falls_back_to_the_fluid_proxy_past_its_budget(monkeypatch):
-    import hydraulis.planner.proposal as proposal
+    import hydraulis.planner.proposal.screen as screen
 
     calls = []
-    real = proposal._fluid_estimates
+    real = screen.fluid_estimates
 
     def recording(*args, **kwargs):
         out = real(*args, **kwargs)
         calls.append(out.shape)
         return out
 
-    monkeypatch.setattr(proposal, "SCREEN_BUDGET_S", 1e-9)
-    monkeypatch.setattr(proposal, "_fluid_estimates", recording)
+    monkeypatch.setattr(screen, "SCREEN_BUDGET_S", 1e-9)
+    monkeypatch.setattr(screen, "fluid_estimates", recording)
     cluster = ClusterSpec(32)
     train = batches("code", 32768, 262144, 3, 5)
     result = propose(COST, cluster, train, max_pool=3)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hydraulis.cost import load_cost_model
-from hydraulis.planner.range_dp import LengthHistogram, aware_group_time, published_group_time, range_dp
+from hydraulis.planner.proposal.range_dp import LengthHistogram, aware_group_time, published_group_time, range_dp
 
 COST = load_cost_model("llama-7b@a800-80g")
 

@@ -1,5 +1,5 @@
 """The proposal's candidates beyond their fixed shapes: homogeneous CP deployments and the local search from the
-candidate planned fastest (`proposal.refine`), on the bench's own batches."""
+candidate planned fastest (`proposal/refine.py`), on the bench's own batches."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from hydraulis.bench import get_scenarios
 from hydraulis.cost import load_cost_model
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.pool import candidate_deployments
-from hydraulis.planner.proposal import _plan_times, neighbours, refine
+from hydraulis.planner.proposal.refine import neighbours, refine
+from hydraulis.planner.proposal.screen import plan_times
 from hydraulis.specs import ClusterSpec
 
 
@@ -40,7 +41,7 @@ def test_refine_plans_a_mix_the_fixed_shapes_miss_and_never_loses():
     replicas, which the candidates' shapes (CP large replicas beside the best small configs alone) lack."""
     cost, cluster, sample = scenario("7b-32g-code-256k-32k")
     start = [Deployment.parse("4x(tp2,pp1,cp4)", cluster)]
-    times = _plan_times(cost, cluster, start, sample, None)
+    times = plan_times(cost, cluster, start, sample, None)
     found, rows = refine(cost, cluster, start, times, sample, 32768, budget=40)
     assert rows.shape == (len(found), len(sample)) and str(found[0]) == str(start[0])
     best = int(np.argmin(rows.sum(axis=1)))

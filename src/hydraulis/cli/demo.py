@@ -72,7 +72,7 @@ def _demo(
     from hydraulis.data.stats import length_stats
     from hydraulis.data.workload import Workload, save_workload
     from hydraulis.planner.pool import save_pool
-    from hydraulis.planner.proposal import propose
+    from hydraulis.planner.proposal.propose import propose
     from hydraulis.specs import ClusterSpec
 
     cost = load_cost_model(profile)

@@ -30,7 +30,7 @@ from hydraulis.limits import DEFAULT_MAX_POOL, MAX_POOL
 if TYPE_CHECKING:
     from hydraulis.cost import CostModel
     from hydraulis.data.workload import Workload
-    from hydraulis.planner.proposal import Proposal
+    from hydraulis.planner.proposal.propose import Proposal
     from hydraulis.specs import ClusterSpec
 
 
@@ -112,7 +112,7 @@ def _propose_with_progress(
     """The proposal, with a transient progress bar on stderr (it can take minutes on large clusters)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from hydraulis.planner.proposal import propose as run_proposal
+    from hydraulis.planner.proposal.propose import propose as run_proposal
 
     columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}")]
     with Progress(*columns, TimeElapsedColumn(), console=err_console, transient=True) as progress:

@@ -19,7 +19,7 @@ from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.errors import CrowdedError, OverlongError
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.pool import fallback_config, fallback_deployment
-from hydraulis.planner.proposal import propose
+from hydraulis.planner.proposal.propose import propose
 from hydraulis.planner.schedule import Schedule
 from hydraulis.specs import ClusterSpec
 

@@ -2,7 +2,7 @@
 
 A pool is the few deployments the planner may choose from each iteration; the
 first is the homogeneous fallback (the cheapest config that holds the longest
-sequence, replicated over all GPUs). `hydraulis propose` (proposal.py) builds
+sequence, replicated over all GPUs). `hydraulis propose` (proposal/) builds
 pools; this module holds what a pool is and the pieces proposal starts from.
 
 File format `hydraulis.pool/1`:

@@ -342,7 +342,7 @@ def _propose(
     cost: CostModel, cluster: ClusterSpec, sampler: TokenBudgetSampler, data: DataChoice, parallel: ParallelChoice
 ) -> tuple[Deployment, ...]:
     """Pool "auto": a pool proposed from sample batches of this data (another seed than training's)."""
-    from hydraulis.planner.proposal import propose
+    from hydraulis.planner.proposal.propose import propose
 
     sample = TokenBudgetSampler(
         sampler.lengths, data.tokens_per_batch, data.max_len, data.seed + 1, data.overlong,
