@@ -48,8 +48,8 @@ class PolicyContext:
     user_pool: tuple[Deployment, ...] | None = None  # the user's pool: every pool-based policy uses it
     proposed_pool: tuple[Deployment, ...] | None = None  # a pool already proposed from this data
     # The baselines run the recipes' interleaving, and the bench's hydraulis plans on `CostModel.with_interleaving`;
-    # off (`hydraulis bench --vp1`), every policy runs plain 1F1B. The bench's only: the trainer's contexts leave it
-    # off (its proposal weighs plain 1F1B only; a pool given with vp trains).
+    # off (`hydraulis bench --vp1`), every policy runs plain 1F1B. The bench's only: the trainer weighs vp in its own
+    # proposal (`training.job.propose_pool`, `[parallel] interleave`).
     interleave: bool = False
 
     @property

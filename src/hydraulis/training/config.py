@@ -145,6 +145,9 @@ class ParallelSection(_Section):
     # holds it); false: every micro-batch of a config runs its one policy (full in `recompute`, else none).
     memory_policies: bool = False
     max_pool: int = Field(DEFAULT_MAX_POOL, ge=1, le=MAX_POOL)
+    # pool = "auto" weighs interleaved 1F1B too (`hydraulis propose --interleave`): each config above pp 2 at the
+    # vp of Megatron's recipes where its layers split into chunks; false: plain 1F1B only.
+    interleave: bool = True
     # The optimizer's gather and reduce run in rounds, two in flight, each with a send and a receive buffer of
     # at most half this many MiB (runtime/optimizer/exchange_plan.py): two buckets in all.
     exchange_bucket_mb: float = Field(DEFAULT_EXCHANGE_BUCKET_BYTES / (1 << 20), gt=0)

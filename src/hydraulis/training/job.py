@@ -110,7 +110,7 @@ def prepare(
         cost, fresh, where = auto_cost(job, spec=spec, configs=configs, world=world, sampler=sampler,
                                        env_world=env_world, log=log)
     _say_start(cost, where, resume_from, log)
-    pool = _propose(cost, cluster, sampler, data, parallel) if setting.auto else parse_pool(setting.text, cluster)
+    pool = propose_pool(cost, cluster, sampler, data, parallel) if setting.auto else parse_pool(setting.text, cluster)
     check_job_pool(pool, world, spec, cost, data.max_len)
     evaluation = _evaluation(job, corpus=corpus, open_corpus=named, cost=cost, world=world, pool=tuple(pool),
                              log=log)
@@ -338,19 +338,24 @@ def crowded_ways(data: DataChoice, parallel: ParallelChoice) -> tuple[str, ...]:
     return tuple(ways)
 
 
-def _propose(
+def propose_pool(
     cost: CostModel, cluster: ClusterSpec, sampler: TokenBudgetSampler, data: DataChoice, parallel: ParallelChoice
 ) -> tuple[Deployment, ...]:
-    """Pool "auto": a pool proposed from sample batches of this data (another seed than training's)."""
+    """Pool "auto": a pool proposed from sample batches of this data (another seed than training's). With
+    `[parallel] interleave` the proposal weighs, as `hydraulis propose --interleave`, each config's interleaved
+    forms beside it (`CostModel.with_interleaving`: above pp 2, where its layers split into chunks); the run
+    trains them on `cost`, whose coefficients are the same stage's work."""
     from hydraulis.planner.proposal.propose import propose
 
     sample = TokenBudgetSampler(
         sampler.lengths, data.tokens_per_batch, data.max_len, data.seed + 1, data.overlong,
         documents=sampler.documents, mixture=sampler.mixture,  # the run's mixture of lengths
     ).batches(8)
+    weighed = cost.with_interleaving() if parallel.interleave else cost
+    weighed = cost if weighed.configs == cost.configs else weighed  # no config interleaves: the plain proposal
     try:
         proposal = propose(
-            cost, cluster, [b.lengths for b in sample], max_pool=parallel.max_pool, max_length=data.max_len
+            weighed, cluster, [b.lengths for b in sample], max_pool=parallel.max_pool, max_length=data.max_len
         )
     except OverlongError as exc:  # the planner's message names `plan`'s flags; the job words it in config keys
         raise HydraulisError(exc.worded(CONFIG_OVERLONG, "[parallel] profile = {}")) from None

@@ -72,6 +72,7 @@ class ParallelChoice:
     recompute: bool | tuple[str, ...]
     memory_policies: bool
     max_pool: int
+    interleave: bool
     exchange_bucket_mb: float
     overlap_exchange: bool
     memory_per_rank: str | int | None  # as the config wrote it (messages name it)
