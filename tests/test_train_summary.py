@@ -205,7 +205,7 @@ def test_a_step_on_one_deployment_in_consecutive_phases_says_why(tmp_path, capsy
     from hydraulis.optim import OptimSettings
     from hydraulis.parallel import Deployment
     from hydraulis.planner.phases import PhasedPlanner
-    from hydraulis.runtime.metering.step_meter import MemoryChoices
+    from hydraulis.planner.schedule import MemoryChoices
     from hydraulis.runtime.trainer import StepMetrics
     from hydraulis.specs import ClusterSpec, get_model
     from hydraulis.training.config import parse_config, toml_text

@@ -93,7 +93,7 @@ def simulate(
     """Simulate each iteration of a plan with 1F1B and report its times."""
     from hydraulis.cost import load_cost_model
     from hydraulis.planner.plan import load_plan
-    from hydraulis.planner.schedule import check_schedule, phases_time
+    from hydraulis.planner.schedule import check_schedule, phases_time, schedule_text
     from hydraulis.planner.sim import simulate as run_sim
 
     if timeline is not None:
@@ -121,7 +121,7 @@ def simulate(
     body = [
         [
             r["step"],
-            r["deployment"],
+            schedule_text(it, cost, plan_file.num_gpus),  # repeated phases merged and explained (JSON: each phase)
             r["tokens"],
             r["micro_batches"],
             f"{r['iteration_time_s']:.3f}",
@@ -130,7 +130,7 @@ def simulate(
             _most_idle(r["gpu_idle_s"]),
             f"{r['tokens_per_s']:,.0f}",
         ]
-        for r in results
+        for it, r in zip(plan_file.iterations, results, strict=True)
     ]
     console.print(table(f"simulated {plan} with {cost.name}", columns, body))
     tokens, seconds = sum(r["tokens"] for r in results), sum(r["iteration_time_s"] for r in results)

@@ -74,6 +74,7 @@ def plan(
     from hydraulis.planner.plan import PlanFile, save_plan
     from hydraulis.planner.policy import PolicyContext
     from hydraulis.planner.pool import largest_cap, parse_pool
+    from hydraulis.planner.schedule import schedule_text
 
     check_output(out, "--out")
     _check_policy(policy, memory_policies)
@@ -93,7 +94,7 @@ def plan(
     rows = [
         [
             p.step,
-            " | ".join(str(phase.deployment) for phase in p.phases),  # phases one after another
+            schedule_text(p, chosen.cost, gpus),  # phases one after another, repeated ones merged and explained
             p.num_tokens,
             len(p.lengths),
             f"{p.iteration_time_s:.3f}",

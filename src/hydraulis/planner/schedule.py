@@ -10,17 +10,21 @@ file and wire formats.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from hydraulis.cost.model import CostModel
+from hydraulis.cost.policies import LIGHTEST_FIRST
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig
 from hydraulis.planner.plan import IterationPlan, Schedule
 from hydraulis.planner.sim import simulate
 
-__all__ = ["Schedule", "check_schedule", "phase_switch_time", "mean_switch_time", "phases_time"]
+__all__ = ["Schedule", "MemoryChoices", "check_schedule", "phase_switch_time", "mean_switch_time", "phases_time",
+           "phases_text", "schedule_text"]
 
 
 def phase_switch_time(
@@ -78,3 +82,68 @@ def check_schedule(schedule: Schedule, cost: CostModel | None = None, where: str
     if (seen != 1).any():
         i = int(np.flatnonzero(seen != 1)[0])
         raise HydraulisError(f"{where}: sequence {i} is in {int(seen[i])} phases, not one")
+
+
+@dataclass(frozen=True)
+class MemoryChoices:
+    """What the planner chose for a step's memory (cost/policies.py): each memory policy's micro-batches per
+    replica (replicas phase after phase, as `StepMetrics.micro_batches`), and `alone`, the micro-batches that
+    fit their policy only as their replica's only one in their phase (beside another they would need a heavier
+    policy, or not fit): why a phase of its own on the same deployment, or a lighter policy, paid."""
+
+    policies: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (policy, micro-batches per replica), lightest first
+    alone: int = 0
+
+    @staticmethod
+    def of(schedule: Schedule, cost: CostModel, num_gpus: int, later: CostModel | None = None) -> MemoryChoices:
+        """`later`: `cost.later_phase()`, where the caller keeps one (its caps' cache with it)."""
+        counts = {p: [] for p in LIGHTEST_FIRST}
+        alone = 0
+        if len(schedule.phases) > 1 and later is None:
+            later = cost.later_phase()
+        for k, plan in enumerate(schedule.phases):
+            phase_cost = later if k else cost  # a later phase holds the earlier ones' reduced gradient
+            for r, replica in enumerate(plan.replicas):
+                config = plan.deployment.replicas[r].config
+                plain = phase_cost.policies(config)[0]  # a plan lists none where every one runs it
+                chosen = [plan.policy(r, m) for m in range(len(replica.micro_batches))]
+                ran = [plain if p is None else p for p in chosen]
+                for p, row in counts.items():
+                    row.append(ran.count(p))
+                if len(ran) == 1:
+                    tokens = sum(plan.lengths[i] for i in replica.micro_batches[0])
+                    alone += tokens > phase_cost.policy_cap(config, num_gpus, ran[0])
+        return MemoryChoices(tuple((p.label, tuple(row)) for p, row in counts.items() if any(row)), alone)
+
+    @property
+    def totals(self) -> dict[str, int]:
+        """Micro-batches per memory policy, over the replicas."""
+        return {label: sum(row) for label, row in self.policies}
+
+    def to_dict(self) -> dict:
+        return {"policies": {label: list(row) for label, row in self.policies}, "alone": self.alone}
+
+
+def phase_runs(names: Sequence[str]) -> list[tuple[str, int]]:
+    """A schedule's deployments phase after phase as (deployment, consecutive phases on it)."""
+    return [(name, len(list(group))) for name, group in itertools.groupby(names)]
+
+
+def phases_text(names: Sequence[str], alone: int) -> str:
+    """A schedule's deployments phase after phase for a person (`hydraulis train`'s step lines, `plan` and
+    `simulate`): consecutive phases on one deployment as `N phases of D` (the runs joined by `, then `), and why:
+    the planner keeps them apart only where one phase on it simulated slower or had no room (planner/phases.py's
+    `_merged`), which micro-batches that fit only alone (`alone`, `MemoryChoices`) make so."""
+    runs = phase_runs(names)
+    if all(n == 1 for _, n in runs):
+        return " | ".join(names)
+    text = ", then ".join(name if n == 1 else f"{n} phases of {name}" for name, n in runs)
+    return text + (f" (memory: {alone} micro-batch(es) fit only as their replica's only one)" if alone
+                   else " (simulated faster than one phase)")
+
+
+def schedule_text(schedule: Schedule, cost: CostModel, num_gpus: int) -> str:
+    """`phases_text` of a schedule planned on `cost` for `num_gpus` (the memory counted only where it is said)."""
+    names = [str(p.deployment) for p in schedule.phases]
+    repeated = len(phase_runs(names)) < len(names)
+    return phases_text(names, MemoryChoices.of(schedule, cost, num_gpus).alone if repeated else 0)

@@ -8,7 +8,6 @@ run directory also gets `config.toml` (the resolved config), `pool.json`,
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import shutil
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from hydraulis.cost.policies import LIGHTEST_FIRST
 from hydraulis.files import read_jsonl, write_json_atomic, write_text_atomic
 from hydraulis.planner.pool import Pool, save_pool
+from hydraulis.planner.schedule import phase_runs, phases_text
 from hydraulis.progress import console, note
 from hydraulis.report import iteration_errors, training_plot
 from hydraulis.specs import ClusterSpec
@@ -325,16 +325,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def deployment_text(m: StepMetrics) -> str:
-    """The step's deployments for the terminal: consecutive phases on one deployment as `N phases of D` (the
-    phases joined by `, then `), and why: the planner keeps them apart only where one phase on it simulated
-    slower or had no room (planner/phases.py's `_merged`), which micro-batches that fit only alone make so."""
-    runs = [(name, len(list(group))) for name, group in itertools.groupby(m.deployment.split(" | "))]
-    if all(n == 1 for _, n in runs):
-        return m.deployment
-    text = ", then ".join(name if n == 1 else f"{n} phases of {name}" for name, n in runs)
-    alone = m.memory_choices.alone
-    return text + (f" (memory: {alone} micro-batch(es) fit only as their replica's only one)" if alone
-                   else " (simulated faster than one phase)")
+    """The step's deployments for the terminal, repeated phases merged and explained (`phases_text`)."""
+    return phases_text(m.deployment.split(" | "), m.memory_choices.alone)
 
 
 def policy_text(m: StepMetrics) -> str:
@@ -357,7 +349,7 @@ def memory_choices_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         mixed += len(+step) > 1
         alone += choices["alone"]
         names = r["deployment"].split(" | ")
-        repeated += any(a == b for a, b in zip(names, names[1:], strict=False))
+        repeated += len(phase_runs(names)) < len(names)
     return {"micro_batches": {p.label: totals[p.label] for p in LIGHTEST_FIRST if totals[p.label]},
             "steps_mixed": mixed, "alone": alone, "steps_repeated_phases": repeated}
 

@@ -18,53 +18,13 @@ import torch.distributed as dist
 
 from hydraulis.cost.memory import RankMemory
 from hydraulis.cost.model import CostModel
-from hydraulis.cost.policies import LIGHTEST_FIRST
 from hydraulis.data.sampler import GlobalBatch
 from hydraulis.planner.plan import Schedule
+from hydraulis.planner.schedule import MemoryChoices
 from hydraulis.runtime.deployments import BuiltDeployments
 from hydraulis.runtime.iteration import PhaseRun, switch_cost
 from hydraulis.runtime.metering.step_memory import MemoryFigures, StepMemory, predicted_rank
 from hydraulis.specs import ModelSpec
-
-
-@dataclass(frozen=True)
-class MemoryChoices:
-    """What the planner chose for a step's memory (cost/policies.py): each memory policy's micro-batches per
-    replica (replicas phase after phase, as `StepMetrics.micro_batches`), and `alone`, the micro-batches that
-    fit their policy only as their replica's only one in their phase (beside another they would need a heavier
-    policy, or not fit): why a phase of its own on the same deployment, or a lighter policy, paid."""
-
-    policies: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (policy, micro-batches per replica), lightest first
-    alone: int = 0
-
-    @staticmethod
-    def of(schedule: Schedule, cost: CostModel, num_gpus: int, later: CostModel | None = None) -> MemoryChoices:
-        """`later`: `cost.later_phase()`, where the caller keeps one (its caps' cache with it)."""
-        counts = {p: [] for p in LIGHTEST_FIRST}
-        alone = 0
-        if len(schedule.phases) > 1 and later is None:
-            later = cost.later_phase()
-        for k, plan in enumerate(schedule.phases):
-            phase_cost = later if k else cost  # a later phase holds the earlier ones' reduced gradient
-            for r, replica in enumerate(plan.replicas):
-                config = plan.deployment.replicas[r].config
-                plain = phase_cost.policies(config)[0]  # a plan lists none where every one runs it
-                chosen = [plan.policy(r, m) for m in range(len(replica.micro_batches))]
-                ran = [plain if p is None else p for p in chosen]
-                for p, row in counts.items():
-                    row.append(ran.count(p))
-                if len(ran) == 1:
-                    tokens = sum(plan.lengths[i] for i in replica.micro_batches[0])
-                    alone += tokens > phase_cost.policy_cap(config, num_gpus, ran[0])
-        return MemoryChoices(tuple((p.label, tuple(row)) for p, row in counts.items() if any(row)), alone)
-
-    @property
-    def totals(self) -> dict[str, int]:
-        """Micro-batches per memory policy, over the replicas."""
-        return {label: sum(row) for label, row in self.policies}
-
-    def to_dict(self) -> dict:
-        return {"policies": {label: list(row) for label, row in self.policies}, "alone": self.alone}
 
 
 @dataclass(frozen=True)
