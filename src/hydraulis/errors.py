@@ -12,6 +12,9 @@ class HydraulisError(ValueError):
     """Bad input, named together with what to do about it."""
 
 
+SHORTER_WORKLOAD = "a workload of shorter sequences (hydraulis workload --max-len)"  # the commands' way to cut them
+
+
 class CrowdedError(HydraulisError):
     """Sequences the caps hold, but only each as its replica's lone micro-batch, and a batch has more of them
     than any deployment has such replicas beside room for the rest (an overlong refusal, worded truly). The
@@ -23,7 +26,7 @@ class CrowdedError(HydraulisError):
         self.lone_cap = lone_cap
         self.gpus = gpus
         self.replicas = replicas
-        super().__init__(self.worded(("a workload of shorter sequences (hydraulis workload --max-len)",
+        super().__init__(self.worded((SHORTER_WORKLOAD,
                                       "more GPUs (--gpus)", "a larger --memory-per-rank")))
 
     def worded(self, ways: tuple[str, ...]) -> str:

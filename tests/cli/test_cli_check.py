@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -76,6 +77,11 @@ def test_check_on_cpu_prints_its_lines_and_json_and_passes(tmp_path, cli):
     assert len(report["cp"]["chunks"]) == 8 and sum(report["cp"]["chunks"]) == report["cp"]["document"]
     step = report["step"]
     assert step["ok"] and step["mfu"] > 0 and step["tokens_per_s"] > 0 and "estimate" in step["peak_source"]
+    # a timed step holds the tokens --help promises on cpu (2048), within 10%: whole documents; the line says them
+    assert all(0.9 * 2048 <= t <= 2048 for t in step["tokens_per_step"]), step["tokens_per_step"]
+    assert "default: 65536; cpu 2048)" in " ".join(cli("check", "--help").stdout.split())
+    said = next(line for line in lines if "tokens a step" in line)
+    assert f"({np.mean(step['tokens_per_step']):,.0f} tokens a step)" in said, said
     # the Trainer's own figures: the CPU allocator's peak against the memory model's prediction, within the budget
     assert 0 < step["memory_peak_bytes"] <= step["budget_bytes"] == 64 << 20 and step["memory_predicted_bytes"] > 0
     assert [p["name"] for p in report["profiles"]] == ["here"]  # the other one was measured on other cores

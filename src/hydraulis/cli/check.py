@@ -20,7 +20,9 @@ DEFAULTS = {"cuda": ("small", 65536, 5), "cpu": ("tiny", 2048, 1)}  # (model, to
 def check(
     device: str = typer.Option("auto", "--device", help="auto (a GPU when torch sees one), cuda or cpu."),
     model: str = typer.Option(None, "--model", help="Model preset of the training step (default: small; cpu tiny)."),
-    tokens: int = typer.Option(None, "--tokens", help="Tokens per training step (default: 65536; cpu 2048)."),
+    tokens: int = typer.Option(
+        None, "--tokens", help="Tokens per training step, within 10% (whole documents; default: 65536; cpu 2048)."
+    ),
     steps: int = typer.Option(None, "--steps", help="Timed training steps after 2 warm-up ones (default: 5; cpu 1)."),
     dtype: str = typer.Option("bf16", "--dtype", help="Compute dtype of the training step: bf16 or fp32."),
     memory_per_rank: str = MemoryPerRankOption,

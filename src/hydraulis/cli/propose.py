@@ -112,6 +112,7 @@ def _propose_with_progress(
     """The proposal, with a transient progress bar on stderr (it can take minutes on large clusters)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from hydraulis.errors import SHORTER_WORKLOAD, HydraulisError, OverlongError
     from hydraulis.planner.proposal.propose import propose as run_proposal
 
     columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}")]
@@ -121,7 +122,10 @@ def _propose_with_progress(
         def report(what: str, done: int, total: int) -> None:
             progress.update(task, description=what, completed=done, total=total)
 
-        return run_proposal(cost, cluster, list(work.batches), max_pool=max_pool, method=method, progress=report)
+        try:
+            return run_proposal(cost, cluster, list(work.batches), max_pool=max_pool, method=method, progress=report)
+        except OverlongError as exc:  # propose has no --overlong: the workload's maker cuts them
+            raise HydraulisError(exc.worded(SHORTER_WORKLOAD, "--profile {}")) from None
 
 
 def _summary(result: Proposal, cost: CostModel, gpus: int, method: str, out: Path) -> dict:

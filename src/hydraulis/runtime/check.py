@@ -21,6 +21,7 @@ Attention errors above their bf16 tolerance, a non-finite loss or a step over th
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -29,7 +30,7 @@ import torch
 
 from hydraulis.context import split_for_cp
 from hydraulis.cost import AnalyticCostModel
-from hydraulis.data.sampler import TokenBudgetSampler
+from hydraulis.data.sampler import GlobalBatch, TokenBudgetSampler
 from hydraulis.errors import HydraulisError
 from hydraulis.limits import DEFAULT_EXCHANGE_BUCKET_BYTES
 from hydraulis.optim import OptimSettings
@@ -50,6 +51,7 @@ SIZES = {  # (documents of the varlen check, CP document length, heads, kv heads
 }
 CP = 4
 WARMUP = 2  # untimed steps first (allocator, kernels' first calls)
+FULL = 0.9  # a step's batch holds at least this share of --tokens
 
 
 def document_mask(lengths) -> torch.Tensor:
@@ -151,6 +153,15 @@ def _workload(model: ModelSpec, tokens: int, max_len: int) -> tuple[list[np.ndar
     return corpus, TokenBudgetSampler(lengths, tokens, max_len, seed=1)
 
 
+def _full_batches(sampler: TokenBudgetSampler, tokens: int, count: int) -> list[GlobalBatch]:
+    """The sampler's first `count` batches that hold at least FULL of the budget: whole documents leave some short
+    (a long one that did not fit ends them), and `--tokens` is what a timed step holds."""
+    full = [b for b in itertools.islice(sampler, 64 * count) if b.lengths.sum() >= FULL * tokens]
+    if len(full) < count:
+        raise HydraulisError(f"--tokens {tokens}: too few batches of its documents fill it; give a larger --tokens")
+    return full[:count]
+
+
 def check_step(
     device: torch.device, model: ModelSpec, tokens: int, steps: int, dtype: str = "bf16", budget: int | None = None
 ) -> dict[str, Any]:
@@ -175,7 +186,7 @@ def check_step(
     env = init_distributed(device.type)
     trainer = Trainer(settings=settings, corpus=TokenDocuments(corpus), sampler=sampler, env=env)
     planner = Planner(cost, 1, pool)
-    batches = sampler.batches(WARMUP + steps)
+    batches = _full_batches(sampler, tokens, WARMUP + steps)
     plans = [planner.plan(b.lengths, i) for i, b in enumerate(batches)]
     times, losses, timed = [], [], []
     out_of_memory = None

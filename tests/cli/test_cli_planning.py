@@ -1,11 +1,14 @@
-"""`hydraulis plan` and `simulate` show a step's consecutive phases on one deployment merged and say why, as
-`hydraulis train`'s step lines do (planner/schedule.py `phases_text`, one implementation)."""
+"""The planning commands' words: `hydraulis plan` and `simulate` show a step's consecutive phases on one deployment
+merged and say why, as `hydraulis train`'s step lines do (planner/schedule.py `phases_text`, one implementation);
+`propose`'s refusals name only ways it and the commands beside it take."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
+from cli_helpers import one_line_error
 
 from hydraulis.cost import load_cost_model
 from hydraulis.planner.schedule import phase_runs
@@ -47,3 +50,16 @@ def test_plan_and_simulate_merge_repeated_phases_and_name_the_memory(cli, tmp_pa
     assert sim.returncode == 0 and said in sim.stdout, sim.stdout + sim.stderr
     sim_json = cli("simulate", "--plan", str(out), "--json")  # the JSON keeps each phase
     assert json.loads(sim_json.stdout)["iterations"][0]["deployment"] == " | ".join(names)
+
+
+def test_propose_refuses_an_overlong_workload_naming_only_flags_that_exist(cli, tmp_path):
+    """A sequence longer than every cap: `propose` has no --overlong (plan has), so its line names how the
+    workload is cut where it is made (`hydraulis workload --max-len`), and every flag it names exists there."""
+    workload = tmp_path / "huge.json"
+    workload.write_text(json.dumps({"schema": "hydraulis.workload/1", "name": "huge", "batches": [[400000, 3000]]}))
+    res = cli("propose", "-n", "16", "-w", str(workload), "-o", str(tmp_path / "pool.json"))
+    line = one_line_error(res, "longer than the largest cap")
+    assert not (tmp_path / "pool.json").exists() and "--overlong" not in line, line
+    assert "hydraulis workload --max-len" in line and "--max-len" in cli("workload", "--help").stdout
+    profile = re.search(r"--profile (\S+)\)", line).group(1)
+    assert load_cost_model(profile).name.endswith("+cp"), profile  # the CP profile it names loads
