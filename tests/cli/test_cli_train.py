@@ -46,6 +46,9 @@ def test_train_writes_the_run_directory(hetero_run):
     assert 'pool = "1x(tp2,pp1)' in resolved
     assert "# memory_per_rank: unset, the device's own memory" in resolved and "# gpus_per_node: unset" in resolved
     assert "loss" in result.stdout and "tok/s" in result.stdout
+    # step 0's measured time holds the process's one-time setup, which its prediction does not: its line says so
+    lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert [line.startswith("step    0") for line in lines if "first step here: one-time setup" in line] == [True]
     # The pool never switched: the summary and the last lines say what the others were predicted to cost.
     kept = summary["never_switched"]
     assert set(summary["deployment_share"]) == {kept["deployment"]} and kept["batches"] == 6

@@ -45,6 +45,14 @@ class ReadReport:
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
 
+    def left_out(self) -> str:
+        """What the readers made no document of, in words ('' when nothing): why a source of N records or lines
+        holds fewer documents."""
+        counts = ((self.empty_skipped, "empty"), (self.binary_skipped, "binary"),
+                  (self.missing_field_skipped, "without the field"), (self.blank_lines, "blank line(s)"),
+                  (self.no_target_skipped, "without a target"))
+        return ", ".join(f"{n:,} {what}" for n, what in counts if n)
+
 
 class ReadCounts:
     """The counters of a `ReadReport` while reading (the readers add to them), frozen into one at the end."""

@@ -131,8 +131,10 @@ def ensure_source(
             f"--tokenizer {tokenizer} {exc.flag}` and set [data] corpus = DIR"
         ) from None
     m = corpus.manifest
+    left = m.report.left_out()
     log(
         f"{path}: built into the cache once ({m.documents:,} documents, {m.tokens:,} tokens, "
         f"{m.target_tokens:,} targets; {out}); later runs reuse it until the file changes"
+        + (f"; left out: {left}" if left else "")
     )
     return corpus

@@ -31,6 +31,11 @@ if TYPE_CHECKING:
     from hydraulis.runtime.metering.step_meter import StepMetrics
 
 
+# The prediction is a steady step's; a process's first also allocates, runs kernels for the first time and opens
+# its connections.
+FIRST_STEP = "  (first step here: one-time setup too)"
+
+
 class RunLog:
     """Rank 0's view of the run: metrics file, TensorBoard, terminal progress, summary and report."""
 
@@ -38,6 +43,7 @@ class RunLog:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.settings = settings
+        self.start_step = start_step  # this process's first step: it also pays what later steps reuse
         parallel = settings.trainer.parallel
         self.out = Path(settings.out)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -104,7 +110,8 @@ class RunLog:
             predicted = ", ".join(f"{t:.3f}" for t in m.replica_predicted_s)
             self._print(
                 f"step {m.step:>4}  loss {m.loss:6.3f}  {m.tokens_per_s:>7,.0f} tok/s  {deployment_text(m)}"
-                f"  {m.iteration_s:.2f} s (predicted {m.predicted_s:.2f})" + ("  switched" if m.switched else ""),
+                f"  {m.iteration_s:.2f} s (predicted {m.predicted_s:.2f})" + ("  switched" if m.switched else "")
+                + (FIRST_STEP if m.step == self.start_step else ""),
                 highlight=False,
             )
             self._print(f"      replicas measured [{measured}] s, predicted [{predicted}] s{policy_text(m)}",
