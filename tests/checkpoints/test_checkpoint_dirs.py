@@ -38,3 +38,20 @@ def test_sweeping_an_unfinished_replacement_restores_the_only_copy(tmp_path):
     assert (tmp_path / "step-000004" / "rng-00000.json").is_file()
     assert not old.exists() and not tmp.exists()
     assert any("restored" in line for line in lines)
+
+
+def test_a_key_added_after_a_run_was_saved_is_no_change_at_its_default():
+    """A run saved before `[parallel] interleave` existed resumes: its config.toml lacks the key, which reads as
+    its default; a real change of it, or of a deciding key, is still named."""
+    from hydraulis.checkpoints.resume import config_changes
+    from hydraulis.training.config import RunConfig
+
+    defaults = RunConfig().model_dump()
+    new = {"parallel": {"interleave": True, "pool": "auto"}, "data": {"seed": 1}}
+    old = {"parallel": {"pool": "auto"}, "data": {"seed": 1}}
+    assert config_changes(old, new, defaults) == ([], [])
+    assert config_changes(old, new) == (["parallel.interleave (unset -> True)"], [])
+    turned_off = {"parallel": {"interleave": False, "pool": "auto"}, "data": {"seed": 2}}
+    assert config_changes(old, turned_off, defaults) == (
+        ["data.seed (1 -> 2)", "parallel.interleave (True -> False)"], [],
+    )

@@ -64,28 +64,40 @@ DECIDING = ("data", "model", "parallel", "optim")  # the config sections that de
 SCHEDULE_KEYS = ("lr", "warmup", "schedule", "min_lr_ratio")  # [optim] keys the LR schedule's check covers
 
 
-def config_changes(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
+def config_changes(
+    old: dict[str, Any], new: dict[str, Any], defaults: dict[str, dict[str, Any]] | None = None
+) -> tuple[list[str], list[str]]:
     """What a resume would change of a run's recorded config (both as read from TOML: a key unset is absent):
-    `section.key (old -> new)` for the keys that decide the batches and plans, then for the others."""
+    `section.key (old -> new)` for the keys that decide the batches and plans, then for the others. A key absent
+    from one side reads as its default (`defaults`), so a key added to the config after a run was saved, at its
+    default, is no change."""
     deciding, others = [], []
     for section in sorted(old.keys() | new.keys()):
-        was, now = old.get(section, {}), new.get(section, {})
+        was, now, default = old.get(section, {}), new.get(section, {}), (defaults or {}).get(section, {})
         for key in sorted(was.keys() | now.keys()):
-            if was.get(key) != now.get(key) and not (section == "optim" and key in SCHEDULE_KEYS):
-                change = f"{section}.{key} ({_shown(was.get(key))} -> {_shown(now.get(key))})"
+            before, after = was.get(key, default.get(key)), now.get(key, default.get(key))
+            if before != after and not (section == "optim" and key in SCHEDULE_KEYS):
+                change = f"{section}.{key} ({_shown(before)} -> {_shown(after)})"
                 (deciding if section in DECIDING else others).append(change)
     return deciding, others
 
 
-def check_config_change(run_dir: Path, config_toml: str, change_config: bool, log: Log = say) -> None:
+def check_config_change(
+    run_dir: Path,
+    config_toml: str,
+    change_config: bool,
+    log: Log = say,
+    defaults: dict[str, dict[str, Any]] | None = None,
+) -> None:
     """Refuse a resume whose config (`config_toml`, resolved) changes what decides the batches and plans of the
-    run it continues (its config.toml), unless `change_config`; say what else config.toml will record anew."""
+    run it continues (its config.toml), unless `change_config`; say what else config.toml will record anew.
+    `defaults`: every key's default, for keys a run's config.toml predates."""
     recorded = run_dir / "config.toml"
     try:
         old = tomllib.loads(read_text(recorded))
     except tomllib.TOMLDecodeError as exc:
         raise HydraulisError(f"{recorded}: not valid TOML ({exc}), so the run it records cannot be resumed") from None
-    deciding, others = config_changes(old, tomllib.loads(config_toml))
+    deciding, others = config_changes(old, tomllib.loads(config_toml), defaults)
     if deciding and not change_config:
         raise HydraulisError(
             f"{run_dir}: resuming would change {', '.join(deciding)}: a resume trains the batches and plans of the "

@@ -170,7 +170,7 @@ def _check_run_dir(
     _check_out(run_dir, job.toml, resume)
     if not resume:
         return None
-    check_config_change(run_dir, job.toml, changes[1], log)
+    check_config_change(run_dir, job.toml, changes[1], log, defaults=RunConfig().model_dump())
     point = resume_point(run_dir / "checkpoints", job.optim.lr_schedule_state(steps), changes[0], log)
     check_stop_at(stop_at, steps, point.step)
     return point.checkpoint
