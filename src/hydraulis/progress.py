@@ -260,3 +260,28 @@ def steps_progress(description: str, total: int) -> Iterator[Callable[[str, int]
                   file=sys.stderr, flush=True)
 
     yield advance
+
+
+@contextmanager
+def stage_progress(description: str) -> Iterator[Callable[[str, int, int], None]]:
+    """Yields report(stage, done, total) for work whose stages each have their own total (a proposal): a rich
+    bar on a terminal (it leaves no line behind), in a log a line at each tenth of a stage and at its end."""
+    err = console(stderr=True)
+    if err.is_terminal:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TimeElapsedColumn())  # fmt: skip
+        with Progress(*columns, console=err, transient=True) as bar:
+            task = bar.add_task(description, total=None)
+            yield lambda stage, done, total: bar.update(task, description=stage, completed=done, total=total)
+        return
+    paces: dict[str, _LogPace] = {}
+
+    def report(stage: str, done: int, total: int) -> None:
+        pace = paces.setdefault(stage, _LogPace(total))
+        elapsed = pace.advance(done - pace.done, last_too=True)
+        if elapsed is not None:
+            print(f"{description}: {stage} {done}/{total} ({elapsed:.0f} s)", file=sys.stderr, flush=True)
+
+    yield report

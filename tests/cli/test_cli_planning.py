@@ -59,6 +59,7 @@ def test_propose_refuses_an_overlong_workload_naming_only_flags_that_exist(cli, 
     workload.write_text(json.dumps({"schema": "hydraulis.workload/1", "name": "huge", "batches": [[400000, 3000]]}))
     res = cli("propose", "-n", "16", "-w", str(workload), "-o", str(tmp_path / "pool.json"))
     line = one_line_error(res, "longer than the largest cap")
+    assert res.stderr == line + "\n", res.stderr  # not even a blank line: progress leaves nothing in a log
     assert not (tmp_path / "pool.json").exists() and "--overlong" not in line, line
     assert "hydraulis workload --max-len" in line and "--max-len" in cli("workload", "--help").stdout
     profile = re.search(r"--profile (\S+)\)", line).group(1)

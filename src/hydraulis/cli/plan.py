@@ -28,6 +28,7 @@ from hydraulis.cli.common import (
     totals_line,
 )
 from hydraulis.errors import HydraulisError
+from hydraulis.progress import steps_progress
 
 if TYPE_CHECKING:
     import numpy as np
@@ -113,14 +114,11 @@ def plan(
 
 def _schedule_all(chosen: Policy, batches: list[np.ndarray]) -> list[Schedule]:
     """Each global batch's schedule under the chosen policy, in order, with a progress bar."""
-    from rich.progress import Progress
-
     plans = []
-    with Progress(console=err_console, transient=True) as progress:
-        task = progress.add_task(f"planning {len(batches)} iteration(s)", total=len(batches))
+    with steps_progress(f"planning {len(batches)} iteration(s)", len(batches)) as advance:
         for step, b in enumerate(batches):
             plans.append(chosen.schedule(b, step))
-            progress.advance(task)
+            advance(f"batch {step}", 1)
     return plans
 
 
@@ -171,7 +169,6 @@ def bench(
     vp1: bool = typer.Option(False, "--vp1", help="Every policy runs plain 1F1B (vp = 1), as before interleaving."),
 ) -> None:
     """Run every policy on built-in scenarios; print a table, write JSON and a PNG bar chart."""
-    from rich.progress import Progress
 
     from hydraulis.baselines import POLICIES
     from hydraulis.bench import get_scenarios, run_bench
@@ -191,9 +188,8 @@ def bench(
         console.print(table("scenarios", columns, rows))
         console.print("policies: " + ", ".join(POLICIES))
         return
-    with Progress(console=err_console, transient=True) as progress:
-        task = progress.add_task(f"{len(chosen)} scenario(s)", total=len(chosen))
-        report = run_bench(chosen, policies, lambda s: progress.advance(task), interleave=not vp1)
+    with steps_progress(f"{len(chosen)} scenario(s)", len(chosen)) as advance:
+        report = run_bench(chosen, policies, lambda s: advance(s.name, 1), interleave=not vp1)
     with OutputSet() as outputs:  # both files or neither
         write_json_atomic(outputs.stage(out / "bench.json"), report)
         bench_plot(report, outputs.stage(out / "bench.png"))

@@ -19,7 +19,6 @@ from hydraulis.cli.common import (
     TokensPerBatchOption,
     WorkloadOption,
     console,
-    err_console,
     gpus_option,
     load_job,
     print_json,
@@ -109,19 +108,12 @@ def _table_notes(summary: dict) -> list[str]:
 def _propose_with_progress(
     cost: CostModel, cluster: ClusterSpec, work: Workload, max_pool: int, method: str
 ) -> Proposal:
-    """The proposal, with a transient progress bar on stderr (it can take minutes on large clusters)."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
+    """The proposal, with progress on stderr (it can take minutes on large clusters)."""
     from hydraulis.errors import SHORTER_WORKLOAD, HydraulisError, OverlongError
     from hydraulis.planner.proposal.propose import propose as run_proposal
+    from hydraulis.progress import stage_progress
 
-    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}")]
-    with Progress(*columns, TimeElapsedColumn(), console=err_console, transient=True) as progress:
-        task = progress.add_task("proposing", total=None)
-
-        def report(what: str, done: int, total: int) -> None:
-            progress.update(task, description=what, completed=done, total=total)
-
+    with stage_progress("proposing") as report:
         try:
             return run_proposal(cost, cluster, list(work.batches), max_pool=max_pool, method=method, progress=report)
         except OverlongError as exc:  # propose has no --overlong: the workload's maker cuts them
