@@ -227,6 +227,8 @@ class _Forward:
         for p in self.procs:
             if p.exitcode is None and p.pid is not None:
                 os.kill(p.pid, signum)
+        if sys.stdout.isatty():  # rank 0's progress bar holds the terminal's line, after the echoed ^C
+            print(file=sys.stdout, flush=True)
         say(f"{signal.Signals(signum).name} passed on to the ranks; send it again to stop them at once")
 
     def overdue(self) -> bool:
