@@ -3,7 +3,7 @@
 Each stage runs its micro-batches in the non-interleaved 1F1B order (warm-up
 forwards, steady one-forward-one-backward, cool-down backwards), or, for a
 config with vp > 1 model chunks per rank, Megatron's interleaved 1F1B order
-(`parallel.interleaved_order`). A forward needs the previous (virtual) stage's forward
+(`pipeline_order.interleaved_order`). A forward needs the previous (virtual) stage's forward
 of the same micro-batch, a backward the next one's backward, each plus a p2p
 transfer. Forward is 1/3 and backward 2/3 of the stage time t, a chunk 1/vp of
 each. With m equal micro-batches and free transfers, this gives exactly
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from hydraulis.cost.model import CostModel, SharedCores
-from hydraulis.parallel import FORWARD, ParallelConfig, depends_on, interleaved_order
+from hydraulis.parallel import ParallelConfig
+from hydraulis.pipeline_order import FORWARD, depends_on, interleaved_order
 from hydraulis.planner.plan import IterationPlan
 
 FORWARD_SHARE = 1.0 / 3.0

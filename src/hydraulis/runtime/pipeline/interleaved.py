@@ -3,7 +3,7 @@
 Chunk c of stage s is virtual stage c * pp + s (Megatron's layout, model.py's
 `chunk_layers`): a micro-batch goes through stages 0..pp-1 with chunk 0, then
 from the last stage back to the first with chunk 1, and so on. Each rank runs
-`parallel.interleaved_order`, the one order the simulator times (Megatron's
+`pipeline_order.interleaved_order`, the one order the simulator times (Megatron's
 schedule table and micro-batch groups), so simulation and runtime run one order.
 
 The stages go in lockstep ticks (`lockstep`): in a tick each stage runs at most
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hydraulis.parallel import FORWARD, depends_on, interleaved_order
+from hydraulis.pipeline_order import FORWARD, depends_on, interleaved_order
 from hydraulis.runtime.modeling.model import StageModel
 from hydraulis.runtime.parallelism.batch import MicroBatchInput
 from hydraulis.runtime.parallelism.groups import ReplicaGroups, lane_ranks

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hydraulis.parallel import BACKWARD, FORWARD
+from hydraulis.pipeline_order import BACKWARD, FORWARD, warmup_count
 from hydraulis.runtime.modeling.model import StageModel
 from hydraulis.runtime.parallelism.batch import MicroBatchInput
 from hydraulis.runtime.parallelism.groups import ReplicaGroups
@@ -54,7 +54,7 @@ class OneFOneBRun:
         self.last = groups.is_last_stage
         self.p2p = LaneP2P(groups, param.device, param.dtype, model.spec.hidden)
         self.batches = [b.to(param.device) for b in micro_batches]
-        self.warmup = min(groups.config.pp - groups.stage - 1, len(self.batches))
+        self.warmup = warmup_count(groups.config.pp, 1, len(self.batches), groups.stage)
         self.in_flight: deque[tuple[int, torch.Tensor | None, torch.Tensor]] = deque()  # (micro-batch, input, output)
         self.order: list[tuple[int, int]] = []
         self.loss_sum = torch.zeros((), dtype=torch.float32, device=param.device)

@@ -28,8 +28,8 @@ class StepResult:
     loss_sum_tensor: torch.Tensor | None  # sum of token losses (last stage); a tensor, so no device sync here
     num_targets: int  # real targets of this replica's micro-batches
     num_global_targets: int
-    # (FORWARD or BACKWARD, micro-batch) as run, equal to parallel.one_f_one_b_order; interleaved (vp > 1):
-    # (kind, micro-batch, chunk), parallel.interleaved_order
+    # (FORWARD or BACKWARD, micro-batch) as run, equal to pipeline_order.one_f_one_b_order; interleaved (vp > 1):
+    # (kind, micro-batch, chunk), pipeline_order.interleaved_order
     order: tuple[tuple[int, ...], ...]
 
     @property
