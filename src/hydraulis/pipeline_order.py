@@ -2,12 +2,15 @@
 counts (cost/activations.py) and the runtime runs (runtime/pipeline/).
 
 An event is (FORWARD or BACKWARD, micro-batch, model chunk); chunk c of stage s is virtual stage c * pp + s
-(Megatron's layout). Plain 1F1B is the interleaved order with one chunk, under its own warm-up.
+(Megatron's layout). Plain 1F1B is the interleaved order with one chunk, under its own warm-up. `event_graph`
+puts every stage's events in one order where each comes after what it waits for: the simulator times that graph,
+the runtime's interleaved lockstep ticks it.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 # What a pipeline stage runs for a micro-batch: the simulator's timelines and the runtime's 1F1B name their events
 # with these.
@@ -80,3 +83,45 @@ def interleave_group(pp: int, micro_batches: int) -> int:
     if micro_batches <= pp:
         return max(1, micro_batches)
     return next(n for n in range(pp, micro_batches + 1) if micro_batches % n == 0 or micro_batches % n >= pp)
+
+
+@dataclass(frozen=True)
+class EventGraph:
+    """The events of pp stages and M micro-batches (vp chunks each) in an order where each comes after what it
+    waits for: per event its stage, kind, micro-batch and chunk, the previous event on its stage and the event it
+    depends on (`depends_on`; -1: none), as indices into this order."""
+
+    stage: tuple[int, ...]
+    kind: tuple[int, ...]
+    micro_batch: tuple[int, ...]
+    chunk: tuple[int, ...]
+    prev: tuple[int, ...]
+    dep: tuple[int, ...]
+    last: tuple[int, ...]  # each stage's last event
+
+
+@functools.lru_cache(maxsize=256)
+def event_graph(pp: int, vp: int, micro_batches: int) -> EventGraph:
+    """Sweep the stages, each advancing through its `stage_order` until an input is not ready yet: the order in
+    which the events become computable (the simulator's event rows keep it)."""
+    orders = [stage_order(pp, vp, micro_batches, s) for s in range(pp)]
+    index: dict[tuple[int, int, int, int], int] = {}  # (stage, kind, chunk, micro-batch) -> event
+    rows: list[tuple[int, int, int, int, int, int]] = []  # (stage, kind, micro-batch, chunk, prev, dep)
+    ptr, last = [0] * pp, [-1] * pp
+    while len(rows) < 2 * micro_batches * pp * vp:
+        progressed = False
+        for s in range(pp):
+            while ptr[s] < len(orders[s]):
+                k, j, c = orders[s][ptr[s]]
+                on = depends_on(pp, vp, s, k, c)
+                if on is not None and (*on, j) not in index:
+                    break
+                index[(s, k, c, j)] = len(rows)
+                rows.append((s, k, j, c, last[s], -1 if on is None else index[(*on, j)]))
+                last[s] = len(rows) - 1
+                ptr[s] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"the pipeline order deadlocked (pp={pp}, vp={vp}, {micro_batches} micro-batches)")
+    stage, kind, mb, chunk, prev, dep = (tuple(col) for col in zip(*rows, strict=True)) if rows else ((),) * 6
+    return EventGraph(stage, kind, mb, chunk, prev, dep, tuple(last))

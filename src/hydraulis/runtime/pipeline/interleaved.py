@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hydraulis.pipeline_order import FORWARD, depends_on, interleaved_order
+from hydraulis.pipeline_order import FORWARD, event_graph
 from hydraulis.runtime.modeling.model import StageModel
 from hydraulis.runtime.parallelism.batch import MicroBatchInput
 from hydraulis.runtime.parallelism.groups import ReplicaGroups, lane_ranks
@@ -33,30 +33,17 @@ Event = tuple[int, int, int]  # (FORWARD or BACKWARD, micro-batch, chunk)
 
 @functools.lru_cache(maxsize=256)
 def lockstep(pp: int, vp: int, micro_batches: int) -> tuple[tuple[Event | None, ...], ...]:
-    """Per tick, each stage's event (None: it waits): every stage in `interleaved_order`, an event in the first
-    tick after the one that made its input."""
-    orders = [interleaved_order(pp, vp, micro_batches, s) for s in range(pp)]
-    done: dict[tuple[int, int, int, int], int] = {}  # (stage, kind, chunk, micro-batch) -> its tick
-    position = [0] * pp
-    ticks: list[tuple[Event | None, ...]] = []
-    while any(position[s] < len(orders[s]) for s in range(pp)):
-        row = []
-        for s in range(pp):
-            event = orders[s][position[s]] if position[s] < len(orders[s]) else None
-            if event is not None:
-                kind, j, chunk = event
-                on = depends_on(pp, vp, s, kind, chunk)
-                if on is not None and done.get((*on, j), len(ticks)) >= len(ticks):
-                    event = None
-            row.append(event)
-        if not any(row):
-            raise RuntimeError(f"the interleaved order deadlocked (pp={pp}, vp={vp}, {micro_batches} micro-batches)")
-        for s, event in enumerate(row):
-            if event is not None:
-                done[(s, event[0], event[2], event[1])] = len(ticks)
-                position[s] += 1
-        ticks.append(tuple(row))
-    return tuple(ticks)
+    """Per tick, each stage's event (None: it waits): every stage in its `stage_order`, an event in the first tick
+    after its stage's previous event and after the one that made its input (the simulator's `event_graph`, each
+    event one tick long)."""
+    g = event_graph(pp, vp, micro_batches)
+    tick = [0] * len(g.stage)
+    for e, (p, d) in enumerate(zip(g.prev, g.dep, strict=True)):  # the graph's order: p and d come before e
+        tick[e] = max(tick[p] + 1 if p >= 0 else 0, tick[d] + 1 if d >= 0 else 0)
+    rows: list[list[Event | None]] = [[None] * pp for _ in range(max(tick, default=-1) + 1)]
+    for e, t in enumerate(tick):
+        rows[t][g.stage[e]] = (g.kind[e], g.micro_batch[e], g.chunk[e])
+    return tuple(tuple(row) for row in rows)
 
 
 def message(pp: int, vp: int, stage: int, event: Event) -> tuple[int, Event] | None:
