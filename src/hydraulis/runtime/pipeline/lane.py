@@ -41,20 +41,10 @@ class LaneP2P:
         recv_from: int | None,
         recv_batch: MicroBatchInput | None = None,
     ) -> torch.Tensor | None:
-        """One batch: a send, a receive of `recv_batch`'s activation shape, or both; waited whole."""
-        send_to = send_to if send is not None else None
-        into = None
-        if recv_from is not None:
-            into = torch.empty(self.shape(recv_batch), dtype=self.dtype, device=self.device)
-        ops = []
-        if send_to is not None:
-            ops.append(dist.P2POp(dist.isend, send.contiguous(), send_to, group=self.group))
-        if into is not None:
-            ops.append(dist.P2POp(dist.irecv, into, recv_from, group=self.group))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        return into
+        """One `exchange`: a send, a receive of `recv_batch`'s activation shape, or both; the received tensor."""
+        sends = [(send, send_to)] if send is not None and send_to is not None else []
+        received = self.exchange(sends, [(recv_from, recv_batch)] if recv_from is not None else [])
+        return received[0] if received else None
 
     def exchange(
         self, sends: Sequence[tuple[torch.Tensor, int]], receives: Sequence[tuple[int, MicroBatchInput]]
