@@ -26,7 +26,7 @@ from hydraulis.pipeline_order import FORWARD, event_graph
 from hydraulis.runtime.modeling.model import StageModel
 from hydraulis.runtime.parallelism.batch import MicroBatchInput
 from hydraulis.runtime.parallelism.groups import ReplicaGroups, lane_ranks
-from hydraulis.runtime.pipeline.lane import LaneP2P, backward_from, deallocate_output
+from hydraulis.runtime.pipeline.lane import LaneP2P, LossShares, backward_from, deallocate_output
 
 Event = tuple[int, int, int]  # (FORWARD or BACKWARD, micro-batch, chunk)
 
@@ -74,7 +74,6 @@ class InterleavedRun:
         param = next(model.parameters())
         config = groups.config
         self.model = model
-        self.num_global_targets = num_global_targets
         self.pp = config.pp
         self.vp = config.vp
         self.stage = groups.stage
@@ -85,7 +84,7 @@ class InterleavedRun:
         self.inbox: dict[Event, torch.Tensor] = {}  # received activations (forward) and gradients (backward)
         self.outbox: torch.Tensor | None = None  # what this tick's event sends
         self.order: list[Event] = []
-        self.loss_sum = torch.zeros((), dtype=torch.float32, device=param.device)
+        self.loss = LossShares(num_global_targets, param.device)
 
     def run(self) -> None:
         """Every tick of `lockstep`: the values of the tick before exchanged, then this stage's event."""
@@ -121,9 +120,7 @@ class InterleavedRun:
         virtual = chunk * self.pp + self.stage
         x = None if virtual == 0 else self.inbox.pop(event).requires_grad_()
         if virtual == self.pp * self.vp - 1:
-            token_loss_sum = self.model.loss_sum(x, batch)
-            self.loss_sum = self.loss_sum + token_loss_sum.detach()
-            out = token_loss_sum / self.num_global_targets
+            out = self.loss.share(self.model, x, batch)
         else:
             out = self.model(batch.tokens if x is None else x, batch, chunk)
             self.outbox = out.detach()

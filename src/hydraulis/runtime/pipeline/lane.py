@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from hydraulis.runtime.modeling.model import StageModel
 from hydraulis.runtime.parallelism.batch import MicroBatchInput
 from hydraulis.runtime.parallelism.groups import ReplicaGroups
 
@@ -59,6 +60,22 @@ class LaneP2P:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         return into
+
+
+class LossShares:
+    """The head's side of a step, under every schedule: each micro-batch's share of the global mean loss (its sum of
+    token losses over the global batch's targets, what its backward starts from) and the sum of token losses so
+    far, a tensor (no device sync)."""
+
+    def __init__(self, num_global_targets: int, device: torch.device):
+        self.num_global_targets = num_global_targets
+        self.sum = torch.zeros((), dtype=torch.float32, device=device)
+
+    def share(self, model: StageModel, x: torch.Tensor | None, batch: MicroBatchInput) -> torch.Tensor:
+        """The last virtual stage's forward of one micro-batch to its loss share; its token losses added to `sum`."""
+        token_loss_sum = model.loss_sum(x, batch)
+        self.sum = self.sum + token_loss_sum.detach()
+        return token_loss_sum / self.num_global_targets
 
 
 def deallocate_output(out: torch.Tensor) -> None:

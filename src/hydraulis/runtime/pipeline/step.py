@@ -74,7 +74,7 @@ def train_step(
     if reduce_partial_grads:
         model.finish_grads(stashed)
     return StepResult(
-        loss_sum_tensor=stage.loss_sum if groups.is_last_stage else None,  # the head: the last stage's last chunk
+        loss_sum_tensor=stage.loss.sum if groups.is_last_stage else None,  # the head: the last stage's last chunk
         num_targets=sum(b.num_targets for b in micro_batches),
         num_global_targets=num_global_targets,
         order=tuple(stage.order),
