@@ -223,22 +223,25 @@ class CostModel:
         out.memory_policies = on
         return out
 
+    def recomputes(self, config: ParallelConfig) -> bool:
+        """Whether `config` is in the recompute set: its runtime checkpoints every block of every micro-batch (a
+        run-wide setting holds for every vp of the config's GPUs: the set holds base configs)."""
+        return config.base in self.recompute
+
     def policies(self, config: ParallelConfig) -> tuple[MemoryPolicy, ...]:
         """The memory policies a micro-batch of `config` may run, lightest first; the first is its plain one."""
-        config = config.base  # a run-wide setting holds for every vp of the config's GPUs
-        if config in self.recompute:
+        if self.recomputes(config):
             return (MemoryPolicy.FULL,)
-        if config in self.selective:
+        if config.base in self.selective:
             return (MemoryPolicy.SELECTIVE,)
         return LIGHTEST_FIRST if self.memory_policies else (MemoryPolicy.NONE,)
 
     def policy_scale(self, config: ParallelConfig, policy: MemoryPolicy | None) -> tuple[float, float]:
         """(a, b) factors of a micro-batch under `policy` on `config` (None: its plain one): measured by the
         profile where it timed them, else derived from FLOPs; 1 in the recompute set (already in a, b)."""
-        config = config.base
-        if policy is None or config in self.recompute or config in self.selective:
+        if policy is None or self.recomputes(config) or config.base in self.selective:
             return 1.0, 1.0
-        measured = self.policy_scales.get(config, {})
+        measured = self.policy_scales.get(config.base, {})
         return measured[policy] if policy in measured else derived_scales(self.model)[policy]
 
     def forward_only(self) -> CostModel:
