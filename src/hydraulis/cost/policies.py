@@ -7,15 +7,20 @@
 - full: each block is checkpointed: it keeps its input, and backward runs its whole forward again.
 
 The planner chooses one per micro-batch (docs/design.md, section 4.3): the lightest whose cap holds it.
-`FULL` is 1 and `NONE` 0, so a `recompute` flag reads as a policy.
+`FULL` is 1 and `NONE` 0, so a `recompute` flag reads as a policy. What a micro-batch runs: `policy_run`.
 """
 
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 from hydraulis.errors import HydraulisError
 from hydraulis.specs import ModelSpec
+
+if TYPE_CHECKING:
+    from hydraulis.cost.model import CostModel
+    from hydraulis.parallel import ParallelConfig
 
 
 class MemoryPolicy(IntEnum):
@@ -51,3 +56,12 @@ def derived_scales(model: ModelSpec) -> dict[MemoryPolicy, tuple[float, float]]:
         MemoryPolicy.SELECTIVE: (1.0, 1.0 + mlp / (3 * layers)),
         MemoryPolicy.FULL: (RECOMPUTE_TIME, RECOMPUTE_TIME),
     }
+
+
+def policy_run(cost: CostModel, config: ParallelConfig, listed: int | None) -> MemoryPolicy:
+    """The policy a micro-batch of `config` runs: the one its plan lists, None meaning the config's plain one
+    (`CostModel.policies`); a config of the recompute set runs full whatever is listed (the runtime checkpoints
+    its every block: runtime/modeling/model.py)."""
+    if listed is None or cost.recomputes(config):
+        return cost.policies(config)[0]
+    return MemoryPolicy(listed)

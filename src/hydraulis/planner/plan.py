@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from hydraulis.cost.model import CostModel
-from hydraulis.cost.policies import MemoryPolicy
+from hydraulis.cost.policies import MemoryPolicy, policy_run
 from hydraulis.errors import HydraulisError
 from hydraulis.files import Fields, load_json, write_json_atomic
 from hydraulis.limits import MAX_GPUS, MAX_LENGTH, MAX_SEQUENCES
@@ -109,7 +109,7 @@ class IterationPlan:
                     key = (config, len(mbs) == 1, self.policy(r, m))
                     if key not in caps:
                         caps[key] = cost.micro_batch_cap(config, num_gpus or self.deployment.num_gpus, len(mbs),
-                                                         key[2] if key[2] is not None else cost.policies(config)[0])
+                                                         policy_run(cost, config, key[2]))
                     cap[m] = caps[key]
                 tokens = np.add.reduceat(lengths[flat], ends - sizes)
                 if (tokens > cap).any():

@@ -166,7 +166,8 @@ class Trainer:
         s, step = self.settings, self.step_index
         start = time.perf_counter()
         targets = self.source.targets(batch)
-        parts = PhaseParts(self.deployments, self.source, DTYPES[s.train.reduce_dtype], s.parallel.overlap)
+        parts = PhaseParts(pool=self.deployments, source=self.source, reduce_dtype=DTYPES[s.train.reduce_dtype],
+                           overlap=s.parallel.overlap, cost=s.parallel.cost)
         runs = run_phases(parts=parts, step=step, batch=batch, schedule=schedule, targets=targets,
                           reduce_after=[r.reduce_after for r in ranks])
         norm, extra = self.optimizer.global_norm(extra=loss_part(runs, self.env.device).reshape(1))

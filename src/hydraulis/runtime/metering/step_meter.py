@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from hydraulis.cost.memory import RankMemory
 from hydraulis.cost.model import CostModel
-from hydraulis.cost.policies import LIGHTEST_FIRST
+from hydraulis.cost.policies import LIGHTEST_FIRST, policy_run
 from hydraulis.data.sampler import GlobalBatch
 from hydraulis.planner.plan import Schedule
 from hydraulis.runtime.deployments import BuiltDeployments
@@ -48,9 +48,7 @@ class MemoryChoices:
             phase_cost = later if k else cost  # a later phase holds the earlier ones' reduced gradient
             for r, replica in enumerate(plan.replicas):
                 config = plan.deployment.replicas[r].config
-                plain = phase_cost.policies(config)[0]  # a plan lists none where every one runs it
-                chosen = [plan.policy(r, m) for m in range(len(replica.micro_batches))]
-                ran = [plain if p is None else p for p in chosen]
+                ran = [policy_run(phase_cost, config, plan.policy(r, m)) for m in range(len(replica.micro_batches))]
                 for p, row in counts.items():
                     row.append(ran.count(p))
                 if len(ran) == 1:
