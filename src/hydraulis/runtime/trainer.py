@@ -121,6 +121,7 @@ class Trainer:
         self.meter = StepMeter(cost=parallel.cost, model=model, pool=self.deployments, world=self.world, memory=memory,
                                control=self.control)
         self.recent = deque(maxlen=train.compare_steps)
+        self.settled = False  # whether the groups have the steady timeout (after the first step)
 
     @property
     def step_index(self) -> int:
@@ -153,10 +154,14 @@ class Trainer:
         indices = [self.deployments.index(p.deployment) for p in schedule.phases]
         ranks = self.meter.begin(indices, schedule, self.step_index)
         try:
-            return self._run_measured(batch, schedule, indices, ranks, planning_unhidden_s)
+            metrics = self._run_measured(batch, schedule, indices, ranks, planning_unhidden_s)
         except BaseException:  # the memory meter's profiler and its hold on stderr end with the step
             self.meter.memory.abandon()
             raise
+        if not self.settled:  # the first step is done: every group gets the steady timeout (parallelism/timeouts.py)
+            settle_timeouts(self.settings.train.timeout_s, [*built_groups(), self.control])
+            self.settled = True
+        return metrics
 
     def _run_measured(
         self, batch: GlobalBatch, schedule: Schedule, indices: list[int], ranks: list[RankMemory],
@@ -197,10 +202,6 @@ class Trainer:
         self.settings = self.settings.with_cost(cost)
         self.meter.cost = self.settings.parallel.cost
         self.feed.use_cost(self.settings.parallel.cost)
-
-    def settle_timeouts(self) -> None:
-        """After the first step: every group gets the steady timeout (parallelism/timeouts.py; the run calls it)."""
-        settle_timeouts(self.settings.train.timeout_s, [*built_groups(), self.control])
 
     def close(self) -> None:
         self.feed.close()
