@@ -124,4 +124,4 @@ def event_graph(pp: int, vp: int, micro_batches: int) -> EventGraph:
         if not progressed:
             raise RuntimeError(f"the pipeline order deadlocked (pp={pp}, vp={vp}, {micro_batches} micro-batches)")
     stage, kind, mb, chunk, prev, dep = (tuple(col) for col in zip(*rows, strict=True)) if rows else ((),) * 6
-    return EventGraph(stage, kind, mb, chunk, prev, dep, tuple(last))
+    return EventGraph(stage=stage, kind=kind, micro_batch=mb, chunk=chunk, prev=prev, dep=dep, last=tuple(last))

@@ -61,7 +61,7 @@ def evaluate(
             trainer.deployments.gather(part)
             part_batch = batch if len(schedule.phases) == 1 else sub_batch(batch, positions)
             micro_batches = trainer.source.micro_batches(part_batch, plan, part.replica, part.groups,
-                                                         trainer.settings.parallel.cost, corpus)
+                                                         cost=trainer.settings.parallel.cost, corpus=corpus)
             loss = forward_step(part.model, part.groups, micro_batches)
             if loss is not None and part.groups.tp.rank == 0:
                 total += loss.double().cpu()
