@@ -230,18 +230,22 @@ class CostModel:
 
     def policies(self, config: ParallelConfig) -> tuple[MemoryPolicy, ...]:
         """The memory policies a micro-batch of `config` may run, lightest first; the first is its plain one."""
-        if self.recomputes(config):
+        base = config.base  # a run-wide setting holds for every vp of the config's GPUs
+        if self.recomputes(base):
             return (MemoryPolicy.FULL,)
-        if config.base in self.selective:
+        if base in self.selective:
             return (MemoryPolicy.SELECTIVE,)
         return LIGHTEST_FIRST if self.memory_policies else (MemoryPolicy.NONE,)
 
     def policy_scale(self, config: ParallelConfig, policy: MemoryPolicy | None) -> tuple[float, float]:
         """(a, b) factors of a micro-batch under `policy` on `config` (None: its plain one): measured by the
         profile where it timed them, else derived from FLOPs; 1 in the recompute set (already in a, b)."""
-        if policy is None or self.recomputes(config) or config.base in self.selective:
+        if policy is None:
             return 1.0, 1.0
-        measured = self.policy_scales.get(config.base, {})
+        base = config.base
+        if self.recomputes(base) or base in self.selective:
+            return 1.0, 1.0
+        measured = self.policy_scales.get(base, {})
         return measured[policy] if policy in measured else derived_scales(self.model)[policy]
 
     def forward_only(self) -> CostModel:
