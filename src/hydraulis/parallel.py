@@ -12,7 +12,6 @@ stage-major; within a stage of tp*cp devices, local index = cp_rank*tp + tp_rank
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -24,10 +23,6 @@ from hydraulis.limits import MAX_GPUS
 from hydraulis.specs import ClusterSpec, ModelSpec
 
 MAX_VP, MIN_CHUNK_LAYERS = 8, 2  # the interleaving the published recipes run (`ParallelConfig.vp_choices`)
-
-# What a pipeline stage runs for a micro-batch: the simulator's timelines (planner/sim.py) and the runtime's 1F1B
-# (runtime/pipeline/) name their events with these.
-FORWARD, BACKWARD = 0, 1
 
 
 @dataclass(frozen=True, order=True)
@@ -365,66 +360,3 @@ def format_configs(configs: Iterable[ParallelConfig]) -> str:
     if last is not None:
         parts.append(f"{count}x{last.compact()}")
     return " + ".join(parts)
-
-
-# -- the order of a pipeline stage's events (the simulator times it, the runtime runs it) ------------------
-def one_f_one_b_order(pp: int, v: int, stage: int) -> list[tuple[int, int]]:
-    """(kind, micro-batch) in the order stage `stage` runs them."""
-    warmup = min(pp - 1 - stage, v)
-    order = [(FORWARD, j) for j in range(warmup)]
-    for j in range(v - warmup):
-        order.append((FORWARD, warmup + j))
-        order.append((BACKWARD, j))
-    order += [(BACKWARD, j) for j in range(v - warmup, v)]
-    return order
-
-
-def interleaved_order(pp: int, vp: int, m: int, stage: int) -> list[tuple[int, int, int]]:
-    """(kind, micro-batch, chunk) in the order stage `stage` runs them under interleaved 1F1B with `vp` chunks.
-
-    Megatron-LM's schedule (core/pipeline_parallel/schedules.py: `get_schedule_table`,
-    `get_pp_rank_microbatches`): the forwards go through groups of `interleave_group` micro-batches, every
-    chunk of a group in turn, the backwards the same with the chunks reversed; a stage warms up with
-    2 (pp - stage - 1) + (vp - 1) N forwards (all m vp of them where fewer) and then alternates one forward
-    with one backward. vp = 1 is `one_f_one_b_order`, chunk 0.
-    """
-    if vp == 1:
-        return [(kind, j, 0) for kind, j in one_f_one_b_order(pp, m, stage)]
-    group = interleave_group(pp, m)
-    table = []
-    for first in range(0, m, group):
-        last = m if first + group >= m else first + group  # Megatron's last group takes what is left
-        table += [(j, c) for c in range(vp) for j in range(first, last)]
-        if last == m:
-            break
-    total = m * vp
-    warmup = min(total, 2 * (pp - stage - 1) + (vp - 1) * group)
-    forwards = [(FORWARD, j, c) for j, c in table]
-    backwards = [(BACKWARD, j, vp - 1 - c) for j, c in table]
-    order = forwards[:warmup]
-    for k in range(total - warmup):
-        order += [forwards[warmup + k], backwards[k]]
-    return order + backwards[total - warmup:]
-
-
-def depends_on(pp: int, vp: int, stage: int, kind: int, chunk: int) -> tuple[int, int, int] | None:
-    """(stage, kind, chunk) of the event an event waits for, the same micro-batch's; None: the first forward.
-    Virtual stage chunk * pp + stage; a forward waits for the one before, a backward for the one after, the last
-    virtual stage's backward for its own forward."""
-    virtual = chunk * pp + stage
-    if kind == FORWARD:
-        return None if virtual == 0 else ((virtual - 1) % pp, FORWARD, (virtual - 1) // pp)
-    if virtual == pp * vp - 1:
-        return stage, FORWARD, chunk
-    return (virtual + 1) % pp, BACKWARD, (virtual + 1) // pp
-
-
-@functools.lru_cache(maxsize=4096)
-def interleave_group(pp: int, micro_batches: int) -> int:
-    """Megatron's micro-batch group of interleaved 1F1B (microbatch_group_size_per_vp_stage) for M micro-batches:
-    the smallest N >= pp whose last group is whole or holds at least pp (Megatron refuses a shorter last group,
-    and its order then deadlocks); M itself below pp (every forward is then in the warm-up). Megatron's default is
-    pp with M a multiple of pp; a plan's micro-batch counts vary, so each replica gets the smallest that runs."""
-    if micro_batches <= pp:
-        return max(1, micro_batches)
-    return next(n for n in range(pp, micro_batches + 1) if micro_batches % n == 0 or micro_batches % n >= pp)

@@ -16,7 +16,7 @@ from typing import Any
 from hydraulis.cost.model import CostModel
 from hydraulis.limits import DEFAULT_TIMEOUT_S
 from hydraulis.optim import OptimSettings
-from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.parallel import Deployment
 from hydraulis.specs import ModelSpec
 
 # On CPU a step's memory is measured by a trace of every allocation and a census of live tensors: it costs a large
@@ -58,11 +58,6 @@ class ParallelSettings:
             overlap=overlap,
             memory_per_rank=memory_per_rank,
         )
-
-    @property
-    def recompute(self) -> frozenset[ParallelConfig]:
-        """The configs whose blocks recompute activations: the cost model's set, whose caps and times count it."""
-        return self.cost.recompute
 
     def with_cost(self, cost: CostModel) -> ParallelSettings:
         """Planning and predicting with `cost` (the online refit's), as the exchange runs."""

@@ -226,6 +226,9 @@ def test_recompute_raises_the_cap_and_costs_a_forward():
     i = cost.index(g)
     assert rc.a[i] == pytest.approx(cost.a[i] * RECOMPUTE_TIME) and rc.b[i] == pytest.approx(cost.b[i] * RECOMPUTE_TIME)
     assert rc.c[i] == cost.c[i] and cost.recompute == frozenset() and rc.recompute == {g}
+    deep = ParallelConfig(2, 4)
+    assert cost.with_recompute([deep.interleaved(2)]).recomputes(deep.interleaved(4))  # every vp of its GPUs
+    assert rc.recomputes(g) and not rc.recomputes(other) and not cost.recomputes(g)
     whole = AnalyticCostModel(get_model("llama-7b"), get_device("a800-80g"), recompute=True)
     assert whole.recompute == set(whole.configs) and whole.cap(g, 32) == rc.cap(g, 32)
 

@@ -9,8 +9,8 @@ import pytest
 from hydraulis.cost import load_cost_model
 from hydraulis.cost.activations import backward_index, held_after, in_flight
 from hydraulis.cost.memory import rank_memory
-from hydraulis.parallel import BACKWARD, FORWARD, ParallelConfig
-from hydraulis.planner.sim import interleaved_order
+from hydraulis.parallel import ParallelConfig
+from hydraulis.pipeline_order import BACKWARD, FORWARD, interleaved_order
 
 
 @pytest.mark.parametrize(("pp", "vp"), [(2, 1), (4, 1), (2, 2), (3, 2), (4, 2), (2, 4), (3, 3)])

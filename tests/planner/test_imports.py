@@ -34,7 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "hydraulis.files",
         "hydraulis.processes",
     ),
-    ("hydraulis.parallel", "hydraulis.context", "hydraulis.optim", "hydraulis.families"),
+    ("hydraulis.parallel", "hydraulis.pipeline_order", "hydraulis.context", "hydraulis.optim", "hydraulis.families"),
     ("hydraulis.cost", "hydraulis.data"),
     ("hydraulis.planner",),
     ("hydraulis.baselines",),

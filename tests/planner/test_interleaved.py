@@ -10,15 +10,8 @@ from hypothesis import strategies as st
 from hydraulis.cost import load_cost_model
 from hydraulis.cost.activations import in_flight
 from hydraulis.errors import HydraulisError
-from hydraulis.parallel import (
-    BACKWARD,
-    FORWARD,
-    Deployment,
-    ParallelConfig,
-    interleave_group,
-    interleaved_order,
-    one_f_one_b_order,
-)
+from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.pipeline_order import BACKWARD, FORWARD, interleave_group, interleaved_order, one_f_one_b_order
 from hydraulis.planner.bounds import lower_bound
 from hydraulis.planner.plan import plan_from_assignment
 from hydraulis.planner.sim import (

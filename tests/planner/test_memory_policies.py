@@ -241,3 +241,21 @@ def test_a_sequence_held_only_alone_never_shares_past_the_lone_cap(seed, longs, 
         Planner(LONG_COST, 128, LONG_POOL).plan(lengths)
     except HydraulisError as e:
         assert "no deployment of the pool has room" in str(e)
+
+
+def test_a_config_that_always_recomputes_runs_full_whatever_its_plan_lists():
+    """One rule (`policy_run`): a plan's None is the config's plain policy, and a config of the recompute set runs
+    full whatever its plan lists (its model checkpoints every block). The runtime's batches read None as none and
+    the memory meter an explicit none as full, where the step's counts and the plan's caps read them as listed."""
+    from hydraulis.planner.plan import plan_from_assignment
+
+    g = P(1, 2)
+    full = TIGHT.with_recompute([g])
+    listed = (None, MemoryPolicy.NONE, MemoryPolicy.SELECTIVE, MemoryPolicy.FULL)
+    assert {full.policy_run(c, p) for c in (g, g.interleaved(2)) for p in listed} == {MemoryPolicy.FULL}
+    assert [POLICIES.policy_run(g, p) for p in listed] == [MemoryPolicy.NONE, *listed[1:]]
+    lone = full.policy_cap(g, 2, MemoryPolicy.FULL, 1)
+    assert lone > TIGHT.lone_cap(g, 2)  # a lone micro-batch only full recompute holds, its plan listing none
+    plan = plan_from_assignment(0, [lone], Deployment.parse("1x(tp1,pp2)", ClusterSpec(2)), [[[0]]], 0.0,
+                                policies=[[MemoryPolicy.NONE]])
+    plan.validate(full, 2)

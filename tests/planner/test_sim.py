@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from hydraulis.cost import load_cost_model
 from hydraulis.cost.model import SharedCores
-from hydraulis.parallel import BACKWARD, FORWARD, Deployment, ParallelConfig, one_f_one_b_order
+from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.pipeline_order import BACKWARD, FORWARD, one_f_one_b_order
 from hydraulis.planner.plan import plan_from_assignment
 from hydraulis.planner.sim import (
     FORWARD_SHARE,

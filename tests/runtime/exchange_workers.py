@@ -31,9 +31,7 @@ def train_variants(
         trainer = Trainer(settings=varied(s, **changes), corpus=TokenDocuments(docs), sampler=smp, env=env)
         metrics, early, buffers = [], [], []
         for plan in plans:
-            metrics.append(trainer.run_iteration(smp.next_batch(), plan))
-            if len(metrics) == 1:  # after the first step, as the run does (training/run.py)
-                trainer.settle_timeouts()
+            metrics.append(trainer.run_iteration(smp.next_batch(), plan))  # the first settles the timeouts
             ex = trainer.meter.runs[-1].exchange
             buffers.append(ex.buffer_bytes)
             early.append((ex.gather.early, ex.reduce.early, len(trainer.deployments.parts[

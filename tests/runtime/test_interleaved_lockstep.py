@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hydraulis.parallel import BACKWARD, FORWARD, interleaved_order
+from hydraulis.pipeline_order import BACKWARD, FORWARD, interleaved_order
 from hydraulis.runtime.pipeline.interleaved import lockstep, message
 
 

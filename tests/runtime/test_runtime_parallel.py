@@ -8,7 +8,7 @@ import dist_workers
 import pytest
 from dist_launcher import WorkerFailed, run_workers
 
-from hydraulis.parallel import interleaved_order, one_f_one_b_order
+from hydraulis.pipeline_order import interleaved_order, one_f_one_b_order
 
 pytestmark = pytest.mark.dist
 

@@ -33,7 +33,8 @@ import functools
 
 from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.cost.shards import layer_shard_params, shard_params
-from hydraulis.parallel import ParallelConfig, interleave_group
+from hydraulis.parallel import ParallelConfig
+from hydraulis.pipeline_order import interleave_group, warmup_count
 from hydraulis.specs import ModelSpec
 
 KV_BYTES = 2  # K and V travel over the CP group in the compute dtype (bf16)
@@ -192,11 +193,8 @@ def in_flight(config: ParallelConfig, stage: int, micro_batches: int) -> int:
 
 
 def warmup(config: ParallelConfig, stage: int, micro_batches: int) -> int:
-    """Chunk forwards a stage runs before its first backward (`in_flight`), at most all M vp."""
-    if config.vp == 1:
-        return min(config.pp - stage - 1, micro_batches)
-    group = interleave_group(config.pp, micro_batches)
-    return min(micro_batches * config.vp, 2 * (config.pp - stage - 1) + (config.vp - 1) * group)
+    """Chunk forwards a stage runs before its first backward (`in_flight`; pipeline_order.warmup_count)."""
+    return warmup_count(config.pp, config.vp, micro_batches, stage)
 
 
 def backward_index(config: ParallelConfig, micro_batches: int, micro_batch: int, chunk: int) -> int:

@@ -36,7 +36,7 @@ def kv_share(cost: CostModel, config: ParallelConfig) -> float:
     (both per CP rank's share; the configs that recompute keep only each layer's input)."""
     model = cost.model
     kv = 2 * kv_shard_dim(model, config.tp) * KV_BYTES * (model.layers // config.pp)
-    return kv / cost.memory.bytes_per_token(config, model, recompute=config in cost.recompute)
+    return kv / cost.memory.bytes_per_token(config, model, recompute=cost.recomputes(config))
 
 
 def chunk_sizes(

@@ -86,7 +86,7 @@ def cp_coefficients(cost: CostModel, config: ParallelConfig) -> Coefficients:
     base = ParallelConfig(config.tp, config.pp)
     k = cost.coefficients(base)
     db, dc = kv_gather(cost.model, cost.device, config)
-    scale = RECOMPUTE_TIME if base in cost.recompute else 1.0  # the all-gather is rerun with the forward
+    scale = RECOMPUTE_TIME if cost.recomputes(base) else 1.0  # the all-gather is rerun with the forward
     return Coefficients(k.a / config.cp, k.b / config.cp + db * scale, k.c + dc)
 
 
@@ -96,6 +96,6 @@ def with_cp_configs(cost: CostModel, configs: Sequence[ParallelConfig], name: st
     recompute = set(cost.recompute)
     for g in configs:
         coefficients[g] = cp_coefficients(cost, g)
-        if ParallelConfig(g.tp, g.pp) in cost.recompute:
+        if cost.recomputes(ParallelConfig(g.tp, g.pp)):
             recompute.add(g)
     return cost.with_configs(name, coefficients, recompute)

@@ -223,22 +223,34 @@ class CostModel:
         out.memory_policies = on
         return out
 
+    def recomputes(self, config: ParallelConfig) -> bool:
+        """Whether `config` is in the recompute set: its runtime checkpoints every block of every micro-batch (a
+        run-wide setting holds for every vp of the config's GPUs: the set holds base configs)."""
+        return config.base in self.recompute
+
+    def policy_run(self, config: ParallelConfig, listed: int | None) -> MemoryPolicy:
+        """The policy a micro-batch of `config` runs: the one its plan lists, None meaning the plain one; a config of
+        the recompute set runs full whatever is listed (the runtime checkpoints its every block: modeling/model.py)."""
+        return self.policies(config)[0] if listed is None or self.recomputes(config) else MemoryPolicy(listed)
+
     def policies(self, config: ParallelConfig) -> tuple[MemoryPolicy, ...]:
         """The memory policies a micro-batch of `config` may run, lightest first; the first is its plain one."""
-        config = config.base  # a run-wide setting holds for every vp of the config's GPUs
-        if config in self.recompute:
+        base = config.base  # a run-wide setting holds for every vp of the config's GPUs
+        if self.recomputes(base):
             return (MemoryPolicy.FULL,)
-        if config in self.selective:
+        if base in self.selective:
             return (MemoryPolicy.SELECTIVE,)
         return LIGHTEST_FIRST if self.memory_policies else (MemoryPolicy.NONE,)
 
     def policy_scale(self, config: ParallelConfig, policy: MemoryPolicy | None) -> tuple[float, float]:
         """(a, b) factors of a micro-batch under `policy` on `config` (None: its plain one): measured by the
         profile where it timed them, else derived from FLOPs; 1 in the recompute set (already in a, b)."""
-        config = config.base
-        if policy is None or config in self.recompute or config in self.selective:
+        if policy is None:
             return 1.0, 1.0
-        measured = self.policy_scales.get(config, {})
+        base = config.base
+        if self.recomputes(base) or base in self.selective:
+            return 1.0, 1.0
+        measured = self.policy_scales.get(base, {})
         return measured[policy] if policy in measured else derived_scales(self.model)[policy]
 
     def forward_only(self) -> CostModel:

@@ -7,7 +7,7 @@
 - full: each block is checkpointed: it keeps its input, and backward runs its whole forward again.
 
 The planner chooses one per micro-batch (docs/design.md, section 4.3): the lightest whose cap holds it.
-`FULL` is 1 and `NONE` 0, so a `recompute` flag reads as a policy.
+`FULL` is 1 and `NONE` 0, so a `recompute` flag reads as a policy. What a micro-batch runs: `CostModel.policy_run`.
 """
 
 from __future__ import annotations

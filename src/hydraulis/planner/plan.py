@@ -109,7 +109,7 @@ class IterationPlan:
                     key = (config, len(mbs) == 1, self.policy(r, m))
                     if key not in caps:
                         caps[key] = cost.micro_batch_cap(config, num_gpus or self.deployment.num_gpus, len(mbs),
-                                                         key[2] if key[2] is not None else cost.policies(config)[0])
+                                                         cost.policy_run(config, key[2]))
                     cap[m] = caps[key]
                 tokens = np.add.reduceat(lengths[flat], ends - sizes)
                 if (tokens > cap).any():

@@ -94,7 +94,7 @@ class PolicyContext:
 
         need: dict[MemoryPolicy, list[ParallelConfig]] = {p: [] for p in policies}
         for g in cost.configs:
-            if g.num_gpus <= N and g not in cost.recompute and not holds(g, cost.policies(g)[0]):
+            if g.num_gpus <= N and not cost.recomputes(g) and not holds(g, cost.policies(g)[0]):
                 policy = next((p for p in policies if holds(g, p)), None)
                 if policy is not None:
                     need[policy].append(g)

@@ -105,9 +105,7 @@ class MemoryChoices:
             phase_cost = later if k else cost  # a later phase holds the earlier ones' reduced gradient
             for r, replica in enumerate(plan.replicas):
                 config = plan.deployment.replicas[r].config
-                plain = phase_cost.policies(config)[0]  # a plan lists none where every one runs it
-                chosen = [plan.policy(r, m) for m in range(len(replica.micro_batches))]
-                ran = [plain if p is None else p for p in chosen]
+                ran = [phase_cost.policy_run(config, plan.policy(r, m)) for m in range(len(replica.micro_batches))]
                 for p, row in counts.items():
                     row.append(ran.count(p))
                 if len(ran) == 1:

@@ -3,7 +3,7 @@
 Each stage runs its micro-batches in the non-interleaved 1F1B order (warm-up
 forwards, steady one-forward-one-backward, cool-down backwards), or, for a
 config with vp > 1 model chunks per rank, Megatron's interleaved 1F1B order
-(`parallel.interleaved_order`). A forward needs the previous (virtual) stage's forward
+(`pipeline_order.interleaved_order`). A forward needs the previous (virtual) stage's forward
 of the same micro-batch, a backward the next one's backward, each plus a p2p
 transfer. Forward is 1/3 and backward 2/3 of the stage time t, a chunk 1/vp of
 each. With m equal micro-batches and free transfers, this gives exactly
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from hydraulis.cost.model import CostModel, SharedCores
-from hydraulis.parallel import FORWARD, ParallelConfig, depends_on, interleaved_order
+from hydraulis.parallel import ParallelConfig
+from hydraulis.pipeline_order import FORWARD, depends_on, event_graph, interleaved_order
 from hydraulis.planner.plan import IterationPlan
 
 FORWARD_SHARE = 1.0 / 3.0
@@ -97,32 +98,13 @@ class _Sweep:
 
 @functools.lru_cache(maxsize=256)
 def _sweep(pp: int, v: int, vp: int = 1) -> _Sweep:
-    """Sweep the stages, each advancing through its order until an input is not ready yet: the order
-    in which the events become computable (the simulator's historical order, kept for its event rows)."""
-    orders = [interleaved_order(pp, vp, v, s) for s in range(pp)]
-    index: dict[tuple[int, int, int, int], int] = {}  # (stage, kind, chunk, micro-batch) -> event
-    stage, mb, kind, chunk, prev, dep, transfer = [], [], [], [], [], [], []
-    ptr, last_of = [0] * pp, [-1] * pp
-    while len(index) < 2 * v * pp * vp:
-        progressed = False
-        for s in range(pp):
-            while ptr[s] < len(orders[s]):
-                k, j, c = orders[s][ptr[s]]
-                on = depends_on(pp, vp, s, k, c)
-                need = None if on is None else (*on, j)
-                if need is not None and need not in index:
-                    break
-                index[(s, k, c, j)] = len(stage)
-                stage.append(s), mb.append(j), kind.append(k), chunk.append(c), prev.append(last_of[s])
-                dep.append(-1 if need is None else index[need])
-                transfer.append(need is not None and need[0] != s)
-                last_of[s] = index[(s, k, c, j)]
-                ptr[s] += 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError(f"the pipeline order deadlocked (pp={pp}, vp={vp}, {v} micro-batches)")
-    return _Sweep(stage, np.array(mb), kind, np.array(chunk), prev, dep=dep, transfer=np.array(transfer),
-                  forward=np.array(kind) == FORWARD, last=last_of, by_stage=np.argsort(stage, kind="stable"))
+    """`pipeline_order.event_graph` as the simulator reads it: the order in which the events become computable
+    (the simulator's historical order, kept for its event rows)."""
+    g = event_graph(pp, vp, v)
+    stage, kind, prev, dep = list(g.stage), list(g.kind), list(g.prev), list(g.dep)
+    transfer = [d >= 0 and stage[d] != s for s, d in zip(stage, dep, strict=True)]
+    return _Sweep(stage, np.array(g.micro_batch), kind, np.array(g.chunk), prev, dep=dep, transfer=np.array(transfer),
+                  forward=np.array(kind) == FORWARD, last=list(g.last), by_stage=np.argsort(stage, kind="stable"))
 
 
 def replica_time_below(stage_times: np.ndarray, pp: int, p2p_s: np.ndarray, vp: int = 1, beat: float = np.inf) -> float:

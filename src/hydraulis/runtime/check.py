@@ -193,8 +193,6 @@ def check_step(
     try:
         for i, (batch, plan) in enumerate(zip(batches, plans, strict=True)):
             metrics, seconds = _timed(device, lambda b=batch, p=plan: trainer.run_iteration(b, p))
-            if i == 0:  # as a run does after its first step (training/run.py)
-                trainer.settle_timeouts()
             losses.append(metrics.loss)
             if i >= WARMUP:
                 times.append(seconds)

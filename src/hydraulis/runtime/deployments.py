@@ -13,7 +13,7 @@ old one's and gathers the new one's from the optimizer's owners. Nothing of the 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -76,7 +76,7 @@ class BuiltDeployments:
         dtype: torch.dtype,
         device: torch.device,
         sequence_parallel: bool = False,
-        recompute: frozenset[ParallelConfig] = frozenset(),
+        recomputes: Callable[[ParallelConfig], bool] = lambda config: False,
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     ) -> None:
         self.pool = tuple(pool)
@@ -95,7 +95,7 @@ class BuiltDeployments:
             if key not in models:
                 g = groups.config
                 model = StageModel(spec, groups.tp, groups.stage, g.pp, dtype=dtype, device=device,
-                                   recompute=g.base in recompute, cp=groups.cp, vp=g.vp)  # the set holds base configs
+                                   recompute=recomputes(g), cp=groups.cp, vp=g.vp)  # CostModel.recomputes
                 release(model)
                 if dtype != torch.float32:
                     attach_main_grads(model)  # sum micro-batches in scaled fp16 (main_grad.py)

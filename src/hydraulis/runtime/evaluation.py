@@ -60,7 +60,8 @@ def evaluate(
             part, _ = trainer.deployments.activate(trainer.deployments.index(plan.deployment))
             trainer.deployments.gather(part)
             part_batch = batch if len(schedule.phases) == 1 else sub_batch(batch, positions)
-            micro_batches = trainer.source.micro_batches(part_batch, plan, part.replica, part.groups, corpus)
+            micro_batches = trainer.source.micro_batches(part_batch, plan, part.replica, part.groups,
+                                                         cost=trainer.settings.parallel.cost, corpus=corpus)
             loss = forward_step(part.model, part.groups, micro_batches)
             if loss is not None and part.groups.tp.rank == 0:
                 total += loss.double().cpu()

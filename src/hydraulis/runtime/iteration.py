@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hydraulis.cost.model import CostModel
 from hydraulis.data.sampler import GlobalBatch
 from hydraulis.planner.plan import IterationPlan, Schedule
 from hydraulis.runtime.deployments import BuiltDeployments, RankDeployment
@@ -64,13 +65,15 @@ def sub_batch(batch: GlobalBatch, positions: Sequence[int]) -> GlobalBatch:
 
 @dataclass(frozen=True)
 class PhaseParts:
-    """What the phases of an iteration run on: this rank's deployments, the batches' source, and how gradients
-    travel to their owners (`reduce_dtype`; beside compute unless `overlap` is off)."""
+    """What the phases of an iteration run on: this rank's deployments, the batches' source, how gradients
+    travel to their owners (`reduce_dtype`; beside compute unless `overlap` is off), the plans' cost model (what
+    a micro-batch whose plan lists no memory policy runs)."""
 
     pool: BuiltDeployments
     source: BatchSource
     reduce_dtype: torch.dtype
     overlap: bool
+    cost: CostModel
 
 
 def run_phases(
@@ -101,7 +104,7 @@ def run_phase(
     exchange = pool.exchange(part, micro_batches=count, reduce_dtype=parts.reduce_dtype, overlap=parts.overlap,
                              accumulate=accumulate, reduce_after=reduce_after)
     gathered = time.perf_counter()
-    micro_batches = parts.source.micro_batches(batch, plan, part.replica, part.groups)
+    micro_batches = parts.source.micro_batches(batch, plan, part.replica, part.groups, parts.cost)
     # poisoned: a test hook, off unless asked for
     with part.exchanging(exchange), poisoned(model, step, part.groups.is_last_stage):
         result = train_step(model, part.groups, micro_batches, targets, reduce_partial_grads=False)

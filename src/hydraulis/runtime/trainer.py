@@ -113,7 +113,7 @@ class Trainer:
         self.optimizer.init(train.seed)
         self.deployments = BuiltDeployments(
             spec=model, pool=parallel.pool, optimizer=self.optimizer, dtype=dtype, device=self.env.device,
-            sequence_parallel=parallel.sequence_parallel, recompute=parallel.recompute, timeout=timeout,
+            sequence_parallel=parallel.sequence_parallel, recomputes=parallel.cost.recomputes, timeout=timeout,
         )
         self.feed = PlanFeed(sampler=sampler, pool=parallel.pool, cost=parallel.cost, rank=self.rank, world=self.world,
                              control=self.control)
@@ -121,6 +121,7 @@ class Trainer:
         self.meter = StepMeter(cost=parallel.cost, model=model, pool=self.deployments, world=self.world, memory=memory,
                                control=self.control)
         self.recent = deque(maxlen=train.compare_steps)
+        self.settled = False  # whether the groups have the steady timeout (after the first step)
 
     @property
     def step_index(self) -> int:
@@ -153,10 +154,14 @@ class Trainer:
         indices = [self.deployments.index(p.deployment) for p in schedule.phases]
         ranks = self.meter.begin(indices, schedule, self.step_index)
         try:
-            return self._run_measured(batch, schedule, indices, ranks, planning_unhidden_s)
+            metrics = self._run_measured(batch, schedule, indices, ranks, planning_unhidden_s)
         except BaseException:  # the memory meter's profiler and its hold on stderr end with the step
             self.meter.memory.abandon()
             raise
+        if not self.settled:  # the first step is done: every group gets the steady timeout (parallelism/timeouts.py)
+            settle_timeouts(self.settings.train.timeout_s, [*built_groups(), self.control])
+            self.settled = True
+        return metrics
 
     def _run_measured(
         self, batch: GlobalBatch, schedule: Schedule, indices: list[int], ranks: list[RankMemory],
@@ -166,7 +171,8 @@ class Trainer:
         s, step = self.settings, self.step_index
         start = time.perf_counter()
         targets = self.source.targets(batch)
-        parts = PhaseParts(self.deployments, self.source, DTYPES[s.train.reduce_dtype], s.parallel.overlap)
+        parts = PhaseParts(pool=self.deployments, source=self.source, reduce_dtype=DTYPES[s.train.reduce_dtype],
+                           overlap=s.parallel.overlap, cost=s.parallel.cost)
         runs = run_phases(parts=parts, step=step, batch=batch, schedule=schedule, targets=targets,
                           reduce_after=[r.reduce_after for r in ranks])
         norm, extra = self.optimizer.global_norm(extra=loss_part(runs, self.env.device).reshape(1))
@@ -196,10 +202,6 @@ class Trainer:
         self.settings = self.settings.with_cost(cost)
         self.meter.cost = self.settings.parallel.cost
         self.feed.use_cost(self.settings.parallel.cost)
-
-    def settle_timeouts(self) -> None:
-        """After the first step: every group gets the steady timeout (parallelism/timeouts.py; the run calls it)."""
-        settle_timeouts(self.settings.train.timeout_s, [*built_groups(), self.control])
 
     def close(self) -> None:
         self.feed.close()

@@ -2,7 +2,7 @@
 
 training/loop.py starts a `Run` on every rank. It reads top to bottom: plan
 and step (the trainer plans the next batch in the background while this one
-computes), settle the timeouts after the first step, watch the predictions
+computes; the first step settles the timeouts), watch the predictions
 (rank 0), evaluate when `[eval]` is due, log, guard against divergence, maybe
 checkpoint, maybe stop. Its parts, each built by keyword from `RunSettings`
 (training/settings.py) and nothing else: the `Trainer` (runtime/trainer.py),
@@ -111,13 +111,9 @@ class Run:
         self.run_log = self._run_log() if self.env.rank == 0 else None
         self.watch = self._watch(resumed)
         trainer, settings = self.trainer, self.settings
-        first = True
         try:
             while trainer.step_index < settings.end_step:
-                metrics = trainer.step()
-                if first:  # the first step is done: every group gets the steady timeout
-                    trainer.settle_timeouts()
-                    first = False
+                metrics = trainer.step()  # the first one settles the groups' timeouts (Trainer.run_schedule)
                 if self._after(metrics):
                     break
             else:

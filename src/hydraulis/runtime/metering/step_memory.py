@@ -132,9 +132,8 @@ def predicted_rank(
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     config = groups.config
     memory = dataclasses.replace(cost.memory, sequence_parallel=groups.tp.sequence_parallel)
-    chosen = [plan.policy(part.replica, m) for m in range(len(micro_batches))]  # None: the config's plain one
+    policies = [cost.policy_run(config, plan.policy(part.replica, m)) for m in range(len(micro_batches))]
     plain = cost.policies(config)[0]
-    policies = [p or plain for p in chosen]
     sizes = [int(lengths[list(mb)].sum()) for mb in micro_batches]
     k = in_flight(config, groups.stage, len(sizes))
     kept = {p: memory.bytes_per_token(config, model, p, 1, dtype_bytes) for p in {*policies, plain}}

@@ -49,6 +49,7 @@ from hydraulis.errors import HydraulisError
 from hydraulis.runtime.parallelism.context_parallel import ContextShard, shard_layout
 
 if TYPE_CHECKING:
+    from hydraulis.cost.model import CostModel
     from hydraulis.data.sampler import GlobalBatch, TokenBudgetSampler
     from hydraulis.planner.plan import IterationPlan
     from hydraulis.runtime.parallelism.groups import ReplicaGroups
@@ -148,10 +149,11 @@ class BatchSource:
         self.sampler = sampler
 
     def micro_batches(
-        self, batch: GlobalBatch, plan: IterationPlan, replica: int, groups: ReplicaGroups, corpus: Corpus | None = None
+        self, batch: GlobalBatch, plan: IterationPlan, replica: int, groups: ReplicaGroups, cost: CostModel,
+        corpus: Corpus | None = None,
     ) -> list[MicroBatchInput]:
         """Replica `replica`'s micro-batches of the plan, its CP rank's share of each, from the training corpus or
-        `corpus` (evaluation's)."""
+        `corpus` (evaluation's), each with the memory policy it runs (`cost.policy_run`, the plan's)."""
         pad = groups.config.tp if groups.tp.sequence_parallel else 1
         corpus = self.corpus if corpus is None else corpus
         out = []
@@ -163,7 +165,7 @@ class BatchSource:
                 mask = corpus.target_mask(int(batch.docs[i]))  # SFT corpora: which tokens are targets
                 masks.append(None if mask is None else torch.from_numpy(np.array(mask[start:end], dtype=np.uint8)))
             joined = concatenate_cp_shard(docs, groups.cp.size, groups.cp.rank, pad_to_multiple=pad, masks=masks)
-            out.append(replace(joined, policy=int(plan.policy(replica, k) or 0)))  # its memory policy
+            out.append(replace(joined, policy=int(cost.policy_run(groups.config, plan.policy(replica, k)))))
         return out
 
     def targets(self, batch: GlobalBatch, corpus: Corpus | None = None) -> int:

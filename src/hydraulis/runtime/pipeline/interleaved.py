@@ -3,7 +3,7 @@
 Chunk c of stage s is virtual stage c * pp + s (Megatron's layout, model.py's
 `chunk_layers`): a micro-batch goes through stages 0..pp-1 with chunk 0, then
 from the last stage back to the first with chunk 1, and so on. Each rank runs
-`parallel.interleaved_order`, the one order the simulator times (Megatron's
+`pipeline_order.interleaved_order`, the one order the simulator times (Megatron's
 schedule table and micro-batch groups), so simulation and runtime run one order.
 
 The stages go in lockstep ticks (`lockstep`): in a tick each stage runs at most
@@ -22,41 +22,28 @@ from collections.abc import Sequence
 
 import torch
 
-from hydraulis.parallel import FORWARD, depends_on, interleaved_order
+from hydraulis.pipeline_order import FORWARD, event_graph
 from hydraulis.runtime.modeling.model import StageModel
 from hydraulis.runtime.parallelism.batch import MicroBatchInput
 from hydraulis.runtime.parallelism.groups import ReplicaGroups, lane_ranks
-from hydraulis.runtime.pipeline.lane import LaneP2P, backward_from, deallocate_output
+from hydraulis.runtime.pipeline.lane import LaneP2P, LossShares, backward_from, deallocate_output
 
 Event = tuple[int, int, int]  # (FORWARD or BACKWARD, micro-batch, chunk)
 
 
 @functools.lru_cache(maxsize=256)
 def lockstep(pp: int, vp: int, micro_batches: int) -> tuple[tuple[Event | None, ...], ...]:
-    """Per tick, each stage's event (None: it waits): every stage in `interleaved_order`, an event in the first
-    tick after the one that made its input."""
-    orders = [interleaved_order(pp, vp, micro_batches, s) for s in range(pp)]
-    done: dict[tuple[int, int, int, int], int] = {}  # (stage, kind, chunk, micro-batch) -> its tick
-    position = [0] * pp
-    ticks: list[tuple[Event | None, ...]] = []
-    while any(position[s] < len(orders[s]) for s in range(pp)):
-        row = []
-        for s in range(pp):
-            event = orders[s][position[s]] if position[s] < len(orders[s]) else None
-            if event is not None:
-                kind, j, chunk = event
-                on = depends_on(pp, vp, s, kind, chunk)
-                if on is not None and done.get((*on, j), len(ticks)) >= len(ticks):
-                    event = None
-            row.append(event)
-        if not any(row):
-            raise RuntimeError(f"the interleaved order deadlocked (pp={pp}, vp={vp}, {micro_batches} micro-batches)")
-        for s, event in enumerate(row):
-            if event is not None:
-                done[(s, event[0], event[2], event[1])] = len(ticks)
-                position[s] += 1
-        ticks.append(tuple(row))
-    return tuple(ticks)
+    """Per tick, each stage's event (None: it waits): every stage in its `stage_order`, an event in the first tick
+    after its stage's previous event and after the one that made its input (the simulator's `event_graph`, each
+    event one tick long)."""
+    g = event_graph(pp, vp, micro_batches)
+    tick = [0] * len(g.stage)
+    for e, (p, d) in enumerate(zip(g.prev, g.dep, strict=True)):  # the graph's order: p and d come before e
+        tick[e] = max(tick[p] + 1 if p >= 0 else 0, tick[d] + 1 if d >= 0 else 0)
+    rows: list[list[Event | None]] = [[None] * pp for _ in range(max(tick, default=-1) + 1)]
+    for e, t in enumerate(tick):
+        rows[t][g.stage[e]] = (g.kind[e], g.micro_batch[e], g.chunk[e])
+    return tuple(tuple(row) for row in rows)
 
 
 def message(pp: int, vp: int, stage: int, event: Event) -> tuple[int, Event] | None:
@@ -87,7 +74,6 @@ class InterleavedRun:
         param = next(model.parameters())
         config = groups.config
         self.model = model
-        self.num_global_targets = num_global_targets
         self.pp = config.pp
         self.vp = config.vp
         self.stage = groups.stage
@@ -98,7 +84,7 @@ class InterleavedRun:
         self.inbox: dict[Event, torch.Tensor] = {}  # received activations (forward) and gradients (backward)
         self.outbox: torch.Tensor | None = None  # what this tick's event sends
         self.order: list[Event] = []
-        self.loss_sum = torch.zeros((), dtype=torch.float32, device=param.device)
+        self.loss = LossShares(num_global_targets, param.device)
 
     def run(self) -> None:
         """Every tick of `lockstep`: the values of the tick before exchanged, then this stage's event."""
@@ -134,9 +120,7 @@ class InterleavedRun:
         virtual = chunk * self.pp + self.stage
         x = None if virtual == 0 else self.inbox.pop(event).requires_grad_()
         if virtual == self.pp * self.vp - 1:
-            token_loss_sum = self.model.loss_sum(x, batch)
-            self.loss_sum = self.loss_sum + token_loss_sum.detach()
-            out = token_loss_sum / self.num_global_targets
+            out = self.loss.share(self.model, x, batch)
         else:
             out = self.model(batch.tokens if x is None else x, batch, chunk)
             self.outbox = out.detach()

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from hydraulis.runtime.modeling.model import StageModel
 from hydraulis.runtime.parallelism.batch import MicroBatchInput
 from hydraulis.runtime.parallelism.groups import ReplicaGroups
 
@@ -41,20 +42,10 @@ class LaneP2P:
         recv_from: int | None,
         recv_batch: MicroBatchInput | None = None,
     ) -> torch.Tensor | None:
-        """One batch: a send, a receive of `recv_batch`'s activation shape, or both; waited whole."""
-        send_to = send_to if send is not None else None
-        into = None
-        if recv_from is not None:
-            into = torch.empty(self.shape(recv_batch), dtype=self.dtype, device=self.device)
-        ops = []
-        if send_to is not None:
-            ops.append(dist.P2POp(dist.isend, send.contiguous(), send_to, group=self.group))
-        if into is not None:
-            ops.append(dist.P2POp(dist.irecv, into, recv_from, group=self.group))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        return into
+        """One `exchange`: a send, a receive of `recv_batch`'s activation shape, or both; the received tensor."""
+        sends = [(send, send_to)] if send is not None and send_to is not None else []
+        received = self.exchange(sends, [(recv_from, recv_batch)] if recv_from is not None else [])
+        return received[0] if received else None
 
     def exchange(
         self, sends: Sequence[tuple[torch.Tensor, int]], receives: Sequence[tuple[int, MicroBatchInput]]
@@ -69,6 +60,22 @@ class LaneP2P:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         return into
+
+
+class LossShares:
+    """The head's side of a step, under every schedule: each micro-batch's share of the global mean loss (its sum of
+    token losses over the global batch's targets, what its backward starts from) and the sum of token losses so
+    far, a tensor (no device sync)."""
+
+    def __init__(self, num_global_targets: int, device: torch.device):
+        self.num_global_targets = num_global_targets
+        self.sum = torch.zeros((), dtype=torch.float32, device=device)
+
+    def share(self, model: StageModel, x: torch.Tensor | None, batch: MicroBatchInput) -> torch.Tensor:
+        """The last virtual stage's forward of one micro-batch to its loss share; its token losses added to `sum`."""
+        token_loss_sum = model.loss_sum(x, batch)
+        self.sum = self.sum + token_loss_sum.detach()
+        return token_loss_sum / self.num_global_targets
 
 
 def deallocate_output(out: torch.Tensor) -> None:

@@ -25,11 +25,11 @@ from collections.abc import Sequence
 
 import torch
 
-from hydraulis.parallel import BACKWARD, FORWARD
+from hydraulis.pipeline_order import BACKWARD, FORWARD, warmup_count
 from hydraulis.runtime.modeling.model import StageModel
 from hydraulis.runtime.parallelism.batch import MicroBatchInput
 from hydraulis.runtime.parallelism.groups import ReplicaGroups
-from hydraulis.runtime.pipeline.lane import LaneP2P, backward_from, deallocate_output
+from hydraulis.runtime.pipeline.lane import LaneP2P, LossShares, backward_from, deallocate_output
 
 
 def micro_batch_loss(model: StageModel, x: torch.Tensor, batch: MicroBatchInput) -> torch.Tensor:
@@ -49,15 +49,14 @@ class OneFOneBRun:
         param = next(model.parameters())
         self.model = model
         self.groups = groups
-        self.num_global_targets = num_global_targets
         self.first = groups.is_first_stage
         self.last = groups.is_last_stage
         self.p2p = LaneP2P(groups, param.device, param.dtype, model.spec.hidden)
         self.batches = [b.to(param.device) for b in micro_batches]
-        self.warmup = min(groups.config.pp - groups.stage - 1, len(self.batches))
+        self.warmup = warmup_count(groups.config.pp, 1, len(self.batches), groups.stage)
         self.in_flight: deque[tuple[int, torch.Tensor | None, torch.Tensor]] = deque()  # (micro-batch, input, output)
         self.order: list[tuple[int, int]] = []
-        self.loss_sum = torch.zeros((), dtype=torch.float32, device=param.device)
+        self.loss = LossShares(num_global_targets, param.device)
         self.next_forward = 0
 
     def warm_up(self) -> None:
@@ -112,12 +111,7 @@ class OneFOneBRun:
             x = batch.tokens
         else:
             x.requires_grad_()
-        if self.last:
-            token_loss_sum = micro_batch_loss(self.model, x, batch)
-            self.loss_sum = self.loss_sum + token_loss_sum.detach()
-            out = token_loss_sum / self.num_global_targets
-        else:
-            out = self.model(x, batch)
+        out = self.loss.share(self.model, x, batch) if self.last else self.model(x, batch)
         self.in_flight.append((index, None if self.first else x, out))
         return out
 

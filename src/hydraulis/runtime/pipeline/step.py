@@ -28,8 +28,8 @@ class StepResult:
     loss_sum_tensor: torch.Tensor | None  # sum of token losses (last stage); a tensor, so no device sync here
     num_targets: int  # real targets of this replica's micro-batches
     num_global_targets: int
-    # (FORWARD or BACKWARD, micro-batch) as run, equal to parallel.one_f_one_b_order; interleaved (vp > 1):
-    # (kind, micro-batch, chunk), parallel.interleaved_order
+    # (FORWARD or BACKWARD, micro-batch) as run, equal to pipeline_order.one_f_one_b_order; interleaved (vp > 1):
+    # (kind, micro-batch, chunk), pipeline_order.interleaved_order
     order: tuple[tuple[int, ...], ...]
 
     @property
@@ -74,7 +74,7 @@ def train_step(
     if reduce_partial_grads:
         model.finish_grads(stashed)
     return StepResult(
-        loss_sum_tensor=stage.loss_sum if groups.is_last_stage else None,  # the head: the last stage's last chunk
+        loss_sum_tensor=stage.loss.sum if groups.is_last_stage else None,  # the head: the last stage's last chunk
         num_targets=sum(b.num_targets for b in micro_batches),
         num_global_targets=num_global_targets,
         order=tuple(stage.order),

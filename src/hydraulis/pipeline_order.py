@@ -1,0 +1,127 @@
+"""The order of a pipeline stage's events: one table that the simulator times (planner/sim.py), the memory model
+counts (cost/activations.py) and the runtime runs (runtime/pipeline/).
+
+An event is (FORWARD or BACKWARD, micro-batch, model chunk); chunk c of stage s is virtual stage c * pp + s
+(Megatron's layout). Plain 1F1B is the interleaved order with one chunk, under its own warm-up. `event_graph`
+puts every stage's events in one order where each comes after what it waits for: the simulator times that graph,
+the runtime's interleaved lockstep ticks it.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+# What a pipeline stage runs for a micro-batch: the simulator's timelines and the runtime's 1F1B name their events
+# with these.
+FORWARD, BACKWARD = 0, 1
+
+Event = tuple[int, int, int]  # (FORWARD or BACKWARD, micro-batch, chunk)
+
+
+def warmup_count(pp: int, vp: int, micro_batches: int, stage: int) -> int:
+    """Chunk forwards stage `stage` runs before its first backward, at most all M vp: under 1F1B pp - s - 1
+    (Megatron-core's non-interleaved schedule), interleaved 2 (pp - s - 1) + (vp - 1) N (N: `interleave_group`)."""
+    if vp == 1:
+        return min(pp - stage - 1, micro_batches)
+    return min(micro_batches * vp, 2 * (pp - stage - 1) + (vp - 1) * interleave_group(pp, micro_batches))
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_order(pp: int, vp: int, micro_batches: int, stage: int) -> tuple[Event, ...]:
+    """The events of stage `stage` in the order it runs them, interleaved 1F1B with `vp` chunks (vp = 1: 1F1B).
+
+    Megatron-LM's schedule (core/pipeline_parallel/schedules.py: `get_schedule_table`,
+    `get_pp_rank_microbatches`): the forwards go through groups of `interleave_group` micro-batches, every
+    chunk of a group in turn, the backwards the same with the chunks reversed; a stage runs `warmup_count`
+    forwards and then alternates one forward with one backward.
+    """
+    m, group = micro_batches, interleave_group(pp, micro_batches)
+    table = []
+    for first in range(0, m, group):
+        last = m if first + group >= m else first + group  # Megatron's last group takes what is left
+        table += [(j, c) for c in range(vp) for j in range(first, last)]
+        if last == m:
+            break
+    total, warmup = m * vp, warmup_count(pp, vp, m, stage)
+    forwards = [(FORWARD, j, c) for j, c in table]
+    backwards = [(BACKWARD, j, vp - 1 - c) for j, c in table]
+    order = forwards[:warmup]
+    for k in range(total - warmup):
+        order += [forwards[warmup + k], backwards[k]]
+    return tuple(order + backwards[total - warmup:])
+
+
+def one_f_one_b_order(pp: int, v: int, stage: int) -> list[tuple[int, int]]:
+    """(kind, micro-batch) in the order stage `stage` runs them under 1F1B (`stage_order` with one chunk)."""
+    return [(kind, j) for kind, j, _ in stage_order(pp, 1, v, stage)]
+
+
+def interleaved_order(pp: int, vp: int, m: int, stage: int) -> list[Event]:
+    """(kind, micro-batch, chunk) in the order stage `stage` runs them (`stage_order`, as a list)."""
+    return list(stage_order(pp, vp, m, stage))
+
+
+def depends_on(pp: int, vp: int, stage: int, kind: int, chunk: int) -> tuple[int, int, int] | None:
+    """(stage, kind, chunk) of the event an event waits for, the same micro-batch's; None: the first forward.
+    Virtual stage chunk * pp + stage; a forward waits for the one before, a backward for the one after, the last
+    virtual stage's backward for its own forward."""
+    virtual = chunk * pp + stage
+    if kind == FORWARD:
+        return None if virtual == 0 else ((virtual - 1) % pp, FORWARD, (virtual - 1) // pp)
+    if virtual == pp * vp - 1:
+        return stage, FORWARD, chunk
+    return (virtual + 1) % pp, BACKWARD, (virtual + 1) // pp
+
+
+@functools.lru_cache(maxsize=4096)
+def interleave_group(pp: int, micro_batches: int) -> int:
+    """Megatron's micro-batch group of interleaved 1F1B (microbatch_group_size_per_vp_stage) for M micro-batches:
+    the smallest N >= pp whose last group is whole or holds at least pp (Megatron refuses a shorter last group,
+    and its order then deadlocks); M itself below pp (every forward is then in the warm-up). Megatron's default is
+    pp with M a multiple of pp; a plan's micro-batch counts vary, so each replica gets the smallest that runs."""
+    if micro_batches <= pp:
+        return max(1, micro_batches)
+    return next(n for n in range(pp, micro_batches + 1) if micro_batches % n == 0 or micro_batches % n >= pp)
+
+
+@dataclass(frozen=True)
+class EventGraph:
+    """The events of pp stages and M micro-batches (vp chunks each) in an order where each comes after what it
+    waits for: per event its stage, kind, micro-batch and chunk, the previous event on its stage and the event it
+    depends on (`depends_on`; -1: none), as indices into this order."""
+
+    stage: tuple[int, ...]
+    kind: tuple[int, ...]
+    micro_batch: tuple[int, ...]
+    chunk: tuple[int, ...]
+    prev: tuple[int, ...]
+    dep: tuple[int, ...]
+    last: tuple[int, ...]  # each stage's last event
+
+
+@functools.lru_cache(maxsize=256)
+def event_graph(pp: int, vp: int, micro_batches: int) -> EventGraph:
+    """Sweep the stages, each advancing through its `stage_order` until an input is not ready yet: the order in
+    which the events become computable (the simulator's event rows keep it)."""
+    orders = [stage_order(pp, vp, micro_batches, s) for s in range(pp)]
+    index: dict[tuple[int, int, int, int], int] = {}  # (stage, kind, chunk, micro-batch) -> event
+    rows: list[tuple[int, int, int, int, int, int]] = []  # (stage, kind, micro-batch, chunk, prev, dep)
+    ptr, last = [0] * pp, [-1] * pp
+    while len(rows) < 2 * micro_batches * pp * vp:
+        progressed = False
+        for s in range(pp):
+            while ptr[s] < len(orders[s]):
+                k, j, c = orders[s][ptr[s]]
+                on = depends_on(pp, vp, s, k, c)
+                if on is not None and (*on, j) not in index:
+                    break
+                index[(s, k, c, j)] = len(rows)
+                rows.append((s, k, j, c, last[s], -1 if on is None else index[(*on, j)]))
+                last[s] = len(rows) - 1
+                ptr[s] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"the pipeline order deadlocked (pp={pp}, vp={vp}, {micro_batches} micro-batches)")
+    stage, kind, mb, chunk, prev, dep = (tuple(col) for col in zip(*rows, strict=True)) if rows else ((),) * 6
+    return EventGraph(stage=stage, kind=kind, micro_batch=mb, chunk=chunk, prev=prev, dep=dep, last=tuple(last))
