@@ -69,15 +69,17 @@ def run_context(ctx: PolicyContext, batches: list[np.ndarray]) -> tuple[list[flo
 
 
 def describe(batches: list[np.ndarray], plain: list[float], chunked: list[ChunkedSchedule | None]) -> str:
-    """Which batches chunked, how many of their sequences and tokens, and on what."""
+    """Which batches gain from passes of their own, how many sequences and tokens those run (how many in
+    chunks), and on what."""
     used = [(b, v) for b, t, v in zip(batches, plain, chunked, strict=True) if v and v.iteration_time_s < t]
     n = sum(len(b) for b in batches)
-    count = sum(len(v.placed) for _, v in used)
-    tokens = sum(int(b[[q.position for q in v.placed]].sum()) for b, v in used)
-    runs = Counter(f"{q.run.config.name}/{q.run.policy.label} k={q.run.k}" for _, v in used for q in v.placed)
+    placed = [(b, q) for b, v in used for q in v.placed]
+    tokens = sum(int(b[q.position]) for b, q in placed)
+    runs = Counter(f"{q.run.config.name}/{q.run.policy.label} k={q.run.k}" for _, q in placed)
     where = ", ".join(f"{k} x{m}" for k, m in runs.most_common(4)) or "none"
-    return (f"{len(used)}/{len(batches)} batches chunk {count}/{n} sequences "
-            f"({tokens / sum(int(b.sum()) for b in batches):.1%} of tokens): {where}")
+    return (f"{len(used)}/{len(batches)} batches run {len(placed)}/{n} sequences in passes of their own, "
+            f"{sum(q.run.k > 1 for _, q in placed)} in chunks ({tokens / sum(int(b.sum()) for b in batches):.1%} "
+            f"of tokens): {where}")
 
 
 def passes_by_size(cost: CostModel, num_gpus: int, length: int) -> str:
@@ -111,7 +113,7 @@ def main(args: list[str]) -> int:
         passes = passes_by_size(_with_policies(ctx).cost, s.num_gpus, longest)
         print(f"  longest {longest:,} alone, fastest pass: {passes}")
         print(f"{s.name}: iteration {plain_s / len(batches):.2f} s plain, {chunk_s / len(batches):.2f} s with chunks "
-              f"({plain_s / chunk_s:.3f}x; {best[3]}); {describe(batches, best[1], best[2])}", flush=True)
+              f"({plain_s / chunk_s:.4f}x; {best[3]}); {describe(batches, best[1], best[2])}", flush=True)
     print(f"geometric mean: {geomean(gains):.3f}x")
     return 0
 
