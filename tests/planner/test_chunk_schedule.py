@@ -13,7 +13,15 @@ from hypothesis import strategies as st
 from hydraulis.cost import load_cost_model
 from hydraulis.cost.chunks import chunk_sizes, chunked_stage_time, kv_share, lone_cap
 from hydraulis.parallel import Deployment
-from hydraulis.planner.chunk_schedule import chunk_pass, chunk_run, chunk_time, in_chunks, place_chunked
+from hydraulis.planner.chunk_schedule import (
+    chunk_pass,
+    chunk_run,
+    chunk_time,
+    fastest_pass,
+    in_chunks,
+    place_chunked,
+    plan_chunked,
+)
 from hydraulis.planner.phases import PhasedPlanner
 from hydraulis.planner.sim import simulate_replica
 from hydraulis.specs import ClusterSpec
@@ -98,3 +106,16 @@ def test_placing_chunked_sequences_counts_every_replicas_time():
     for q in placed:
         config = schedule.phases[q.phase].deployment.configs[q.replica]
         assert q.run.config == config and q.run.length == lengths[q.position]
+
+
+def test_a_chunked_schedule_runs_every_sequence_once_and_nothing_beats_a_pass_alone():
+    planner = _planner()
+    rng = np.random.default_rng(4)
+    lengths = np.append(np.minimum(rng.lognormal(8.5, 0.9, 40).astype(np.int64) + 64, 16_000), [90_000, 70_000])
+    configs = [g for d in planner.pool for g in d.configs]
+    out = plan_chunked(planner.schedule, planner.cost, 16, lengths, [[40, 41]], configs)
+    assert out is not None
+    assert sorted([*out.rest, *(q.position for q in out.placed)]) == list(range(len(lengths)))
+    assert out.iteration_time_s >= fastest_pass(planner.cost, configs, 16, 90_000)
+    assert plan_chunked(planner.schedule, planner.cost, 16, lengths, [[40, 41]], configs,
+                        beat=fastest_pass(planner.cost, configs, 16, 90_000)) is None
