@@ -56,6 +56,10 @@ def test_profile_on_gloo_writes_a_profile_that_caps_and_plan_accept(cli, tmp_pat
         assert (
             fid["holdout"]["n"] >= 1 and fid["holdout"]["worst_abs_rel_error"] >= fid["holdout"]["median_abs_rel_error"]
         )
+    # A config timed with fewer replicas than fill the job was timed crowded too (every replica at once).
+    for row in data["time_ms"]:
+        crowded = row["busy_ranks"] < 2
+        assert ("crowded" in row) == crowded and (not crowded or row["crowded"]["busy_ranks"] == 2), row
     points = data["measurements"]["points"]
     assert len(points) == 3 * len(sweep(ProfileSettings(totals=(64, 128), min_doc=32)))
     assert all(p["time_ms"] > 0 and len(p["stage_ms"]) == ParallelConfig.parse(p["config"]).pp for p in points)

@@ -170,6 +170,18 @@ class LoadCheck:
                 "disturbed_kept": sum(disturbed(x, self.cores) for x in self.kept), "measured_again": self.redone}
 
 
+def _replica_groups(
+    configs: Sequence[ParallelConfig], world: int, cores: int | None, threads: int
+) -> tuple[dict[ParallelConfig, ReplicaGroups], dict[str, int]]:
+    """Each config's groups for this rank (new_group is a collective of the whole job: every rank, same order),
+    and the ranks of the replicas the cores hold, which the timed rounds run."""
+    groups, busy = {}, {}
+    for config in configs:
+        groups[config] = build_replica_groups(filling_replicas(config, world), timeout=JOB_TIMEOUT, replica_group=True)
+        busy[config.name] = replicas_at_once(config, world, cores, threads) * config.num_gpus
+    return groups, busy
+
+
 @dataclass(frozen=True)
 class Rounds:
     """Each config's rounds in order: a warm-up, the timed repeats (the replicas the cores hold), the crowded
@@ -224,13 +236,7 @@ def measure(
     documents = [[torch.randint(0, spec.vocab, (s,), generator=g) for s in lengths] for lengths in sweep(settings)]
     cores = cpu_cores() if env.device.type == "cpu" else None
     threads = torch.get_num_threads()
-    groups: dict[ParallelConfig, ReplicaGroups] = {}
-    busy: dict[str, int] = {}
-    for config in configs:  # new_group is a collective of the whole job: every rank, same order
-        groups[config] = build_replica_groups(
-            filling_replicas(config, env.world_size), timeout=JOB_TIMEOUT, replica_group=True
-        )
-        busy[config.name] = replicas_at_once(config, env.world_size, cores, threads) * config.num_gpus
+    groups, busy = _replica_groups(configs, env.world_size, cores, threads)
     rounds = Rounds(settings.repeats, settings.crowded_repeats)
     order = (
         [(r, c) for r in range(rounds.count) for c in configs]
@@ -243,9 +249,13 @@ def measure(
     measured: dict[str, Any] = {}
     crowded: dict[str, Any] = {}
     for r, config in order:
+        crowds = busy[config.name] < env.world_size // config.num_gpus * config.num_gpus
+        if rounds.crowded(r) and not crowds:  # the cores held every replica: nothing to time crowded
+            if report:
+                report(config.name, len(documents))
+            continue
         # the replicas the cores hold run, the others wait at the barrier; in a crowded round all of them run
-        crowds = rounds.crowded_repeats > 0 and busy[config.name] < env.world_size // config.num_gpus * config.num_gpus
-        runs_here = env.rank < busy[config.name] or (rounds.crowded(r) and crowds)
+        runs_here = rounds.crowded(r) or env.rank < busy[config.name]
         if runs_here and config not in runs:
             runs[config] = ConfigRun(
                 spec, groups[config], documents=documents, settings=settings, device=env.device, dtype=dtype
@@ -254,8 +264,6 @@ def measure(
             load.start()
             if runs_here:
                 _config_round(runs[config], r, rounds, report if attempt == 0 else None)
-            elif report and attempt == 0:  # rank 0 always runs: here only a crowded round nobody needs
-                report(config.name, len(documents))
             dist.barrier()  # ranks without a replica of this config wait here
             if not rounds.timed(r) or not load.again(attempt):
                 break
@@ -263,7 +271,7 @@ def measure(
             run = runs.pop(config)
             if env.rank < busy[config.name]:
                 measured[config.name] = run.result()
-            if crowds:
+            if crowds and rounds.crowded_repeats:
                 crowded[config.name] = run.crowded
             if env.device.type == "cuda":
                 torch.cuda.empty_cache()
