@@ -201,7 +201,6 @@ class ConfigRun:
             "cp_rank": self.groups.cp.rank,
             "tokens": [b.num_tokens for b in self.run.batches],
             "times_s": self.times,
-            "crowded_s": self.crowded,
             "policy_point": self.longest,
             "policy_times_s": self.policy_times,
             "activation_bytes": self.activation,
