@@ -84,10 +84,11 @@ class SharedCores:
     Processor sharing: k busy ranks of `threads_per_rank` threads each load the cores
     max(1, k * threads / cores), and a stage is slowed by that load, so a time measured at one load is
     rescaled to another; the simulator runs every replica's stages together under it (planner/sim.py).
-    Where the profile also timed a config with every replica of the job at once (`crowded`: those busy
-    ranks, and how much slower than as measured), its slowdown runs linearly from the load it was
-    measured at to that one instead: a TP rank blocked in gloo's collectives lends its core (tiny's
-    tp2pp1, 1.6x slower beside its twin, not 2x), and more processes than cores pay for switching.
+    Where the profile also timed a config with every replica of the job at once (`crowded`: those ranks,
+    how much slower than as measured), its slowdown among ranks of its own config runs linearly between
+    the two loads: a TP rank blocked in gloo lends its core to its twin (tiny's tp2pp1: 1.6x, not 2x).
+    Beside other configs, processor sharing: a tp2 rank back from a collective waits for a core busy tp1
+    ranks hold (6% slower than processor sharing beside two tp1 replicas, results.md).
     """
 
     cores: int
@@ -98,10 +99,10 @@ class SharedCores:
     def load(self, busy: int) -> float:
         return max(1.0, busy * self.threads_per_rank / self.cores)
 
-    def slowdown(self, config: ParallelConfig, busy: int) -> float:
-        """How much slower than alone a stage of `config` computes while `busy` ranks compute."""
+    def slowdown(self, config: ParallelConfig, busy: int, alike: bool = False) -> float:
+        """How much slower than alone a stage of `config` computes while `busy` ranks (`alike`: all its own) do."""
         at, base = self.load(busy), config.base
-        if base not in self.crowded or base not in self.busy_ranks:
+        if not alike or base not in self.crowded or base not in self.busy_ranks:
             return at
         full, measured = self.crowded[base]
         low, high = self.load(self.busy_ranks[base]), self.load(full)
