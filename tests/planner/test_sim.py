@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hydraulis.cost import load_cost_model
-from hydraulis.cost.model import SharedCores
+from hydraulis.cost.conditions import SharedCores
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.pipeline_order import BACKWARD, FORWARD, one_f_one_b_order
 from hydraulis.planner.plan import plan_from_assignment

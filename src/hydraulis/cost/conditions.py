@@ -1,4 +1,5 @@
-"""The conditions a profile was measured under, and a run's: world size, threads, cores, other processes' load.
+"""The conditions a profile was measured under, and a run's: world size, threads, cores, other processes' load;
+and how ranks that share cores slow each other (`SharedCores`).
 
 Why: a CPU profile predicts a run only under the conditions it was measured
 in. Ranks beside it, threads per rank and the cores all change a rank's
@@ -19,8 +20,11 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hydraulis.parallel import ParallelConfig
 
 # Other processes taking more than this share of the cores disturb a measurement (2 cores: 0.2 of a core).
 DISTURBED_SHARE = 0.1
@@ -140,3 +144,39 @@ def warning(profile: Conditions | None, run: Conditions) -> str | None:
         return None
     return "cost model: this run differs from its profile's conditions: " + "; ".join(diff) + \
         " (predictions carry the difference; profile under the run's conditions to remove it)"
+
+
+@dataclass(frozen=True)
+class SharedCores:
+    """CPU ranks that share `cores` cores, and how many computed at once when each config was measured.
+
+    Why: with more ranks than cores (gloo on a laptop) a replica's time depends on how many
+    ranks compute beside it, and a plan that leaves replicas idle runs the busy ones faster.
+    Processor sharing: k busy ranks of `threads_per_rank` threads each load the cores
+    max(1, k * threads / cores), and a stage is slowed by that load, so a time measured at one load is
+    rescaled to another; the simulator runs every replica's stages together under it (planner/sim.py).
+    Where the profile also timed a config with every replica of the job at once (`crowded`: those ranks,
+    how much slower than as measured), its slowdown among ranks of its own config runs linearly between
+    the two loads: a TP rank blocked in gloo lends its core to its twin (tiny's tp2pp1: 1.6x, not 2x).
+    Beside other configs, processor sharing: a tp2 rank back from a collective waits for a core busy tp1
+    ranks hold (6% slower than processor sharing beside two tp1 replicas, results.md).
+    """
+
+    cores: int
+    threads_per_rank: int
+    busy_ranks: dict[ParallelConfig, int]  # ranks computing at once while the config was measured
+    crowded: dict[ParallelConfig, tuple[int, float]] = field(default_factory=dict)  # (busy ranks, slowdown)
+
+    def load(self, busy: int) -> float:
+        return max(1.0, busy * self.threads_per_rank / self.cores)
+
+    def slowdown(self, config: ParallelConfig, busy: int, alike: bool = False) -> float:
+        """How much slower than alone a stage of `config` computes while `busy` ranks (`alike`: all its own) do."""
+        at, base = self.load(busy), config.base
+        if not alike or base not in self.crowded or base not in self.busy_ranks:
+            return at
+        full, measured = self.crowded[base]
+        low, high = self.load(self.busy_ranks[base]), self.load(full)
+        if at <= low or high <= low:
+            return at
+        return low * (1 + (measured - 1) * (at - low) / (high - low))

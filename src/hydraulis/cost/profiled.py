@@ -7,6 +7,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from hydraulis.cost.conditions import SharedCores
 from hydraulis.cost.memory import MemoryModel
 from hydraulis.cost.model import (
     Coefficients,
@@ -14,7 +15,6 @@ from hydraulis.cost.model import (
     CostModel,
     Link,
     OptimizerStep,
-    SharedCores,
 )
 from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.errors import HydraulisError

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hydraulis.cost.model import CostModel, SharedCores
+from hydraulis.cost.conditions import SharedCores
+from hydraulis.cost.model import CostModel
 from hydraulis.parallel import ParallelConfig
 from hydraulis.pipeline_order import FORWARD, depends_on, event_graph, interleaved_order
 from hydraulis.planner.plan import IterationPlan
