@@ -10,14 +10,13 @@ the owners across phases and the optimizer steps once; a phase change costs one
 more exchange: the reduce of the phase's gradients and the gather into the next
 layout (`schedule.phase_switch_time`, as the profile measured them for the two deployments).
 
-The search: the pool's deployments hold sequences up to their largest cap, so
-the batch, sorted by length, is cut only at those caps (a phase is a length
-range; which deployments may run it changes only there). A dynamic programme
-over the cuts, on dispatch estimates, finds the best split into 2..MAX_PHASES
-ranges, switches included; the most promising splits are planned in full (each
-phase by the planner, on the pool deployment its simulation prefers) and the
-fastest simulated schedule, single phase included, wins. The phase holding the
-longest sequences runs last.
+The search: the pool's deployments hold sequences up to their largest cap, so the batch, sorted by
+length, is cut at those caps (which deployments may run a range changes there) and after each of its
+TOP_CUTS longest (a few long ones may run better alone, the next ones with the bulk: long-7b-128g).
+A dynamic programme over the cuts, on dispatch estimates, finds the best split into 2..MAX_PHASES
+ranges, switches included; the most promising splits are planned in full (each phase by the planner,
+on the pool deployment its simulation prefers) and the fastest simulated schedule, single phase
+included, wins. The phase holding the longest sequences runs last.
 
 The pool must hold the phases' deployments: `phase_deployments` adds them to a
 proposed pool, among them hotspa's (`homogeneous_split`), which pay only together.
@@ -55,6 +54,7 @@ MIN_GAIN = 0.002  # a phased schedule must beat one phase by this share: a switc
 PHASE_SAMPLES = 4  # sample batches the phased planner plans when choosing deployments for phases
 SHORT_SHARE = 0.1  # a level at least this share of batches stop at counts as the samples cut there
 LEVEL_KEEP = 8  # deployments per level the dispatch estimate ranks, the least work first (`_least_work`)
+TOP_CUTS = 8  # the batch is cut after each of its longest sequences too, not only at caps (`PhasedPlanner.splits`)
 STOP_RATIO = 1.2  # the levels between the samples' longest sequences at which they are clipped (`stop_levels`)
 # deployments the pool's greedy adds together, the level they serve, and whether the samples are clipped there
 Move = tuple[tuple[Deployment, ...], int, bool]
@@ -117,13 +117,14 @@ class PhasedPlanner(Planner):
         return phase_switch_time(self.cost, self.num_gpus, configs, configs)
 
     def splits(self, lengths: np.ndarray) -> list[Split]:
-        """Splits of the batch into 2..MAX_PHASES length ranges at the pool's caps, best estimate first."""
+        """Splits into 2..MAX_PHASES length ranges, cut at the pool's caps or after its TOP_CUTS longest; best first."""
         order = np.argsort(lengths, kind="stable")
         s = lengths[order]
         tops = np.array([int(t.cap.max()) for t in self._tables])
         lone = np.array([int(t.lone_cap.max()) for t in self._tables])  # what a replica's only micro-batch holds
         levels = sorted({int(c) for c in tops if s[0] <= c < s[-1]})
-        cuts = sorted({0, len(s), *(int(np.searchsorted(s, lv, side="right")) for lv in levels)})
+        at_caps = (int(np.searchsorted(s, lv, side="right")) for lv in levels)
+        cuts = sorted({0, *at_caps, *range(max(1, len(s) - TOP_CUTS), len(s) + 1)})
         m = len(cuts)
         if m < 3:
             return []
