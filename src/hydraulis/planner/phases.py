@@ -11,8 +11,8 @@ more exchange: the reduce of the phase's gradients and the gather into the next
 layout (`schedule.phase_switch_time`, as the profile measured them for the two deployments).
 
 The search: the pool's deployments hold sequences up to their largest cap, so the batch, sorted by
-length, is cut at those caps (which deployments may run a range changes there) and after each of its
-TOP_CUTS longest (a few long ones may run better alone, the next ones with the bulk: long-7b-128g).
+length, is cut at those caps (which deployments may run a range changes there) and after its k longest
+for each k of TOP_CUTS (a few may run alone, the next with the bulk; idle long replicas take bulk work).
 A dynamic programme over the cuts, on dispatch estimates, finds the best split into 2..MAX_PHASES
 ranges, switches included; the most promising splits are planned in full (each phase by the planner,
 on the pool deployment its simulation prefers) and the fastest simulated schedule, single phase
@@ -54,7 +54,7 @@ MIN_GAIN = 0.002  # a phased schedule must beat one phase by this share: a switc
 PHASE_SAMPLES = 4  # sample batches the phased planner plans when choosing deployments for phases
 SHORT_SHARE = 0.1  # a level at least this share of batches stop at counts as the samples cut there
 LEVEL_KEEP = 8  # deployments per level the dispatch estimate ranks, the least work first (`_least_work`)
-TOP_CUTS = 8  # the batch is cut after each of its longest sequences too, not only at caps (`PhasedPlanner.splits`)
+TOP_CUTS = (*range(1, 9), 12, 16, 24, 32, 48, 64)  # the batch is cut after its k longest too (`splits`)
 STOP_RATIO = 1.2  # the levels between the samples' longest sequences at which they are clipped (`stop_levels`)
 # deployments the pool's greedy adds together, the level they serve, and whether the samples are clipped there
 Move = tuple[tuple[Deployment, ...], int, bool]
@@ -117,14 +117,14 @@ class PhasedPlanner(Planner):
         return phase_switch_time(self.cost, self.num_gpus, configs, configs)
 
     def splits(self, lengths: np.ndarray) -> list[Split]:
-        """Splits into 2..MAX_PHASES length ranges, cut at the pool's caps or after its TOP_CUTS longest; best first."""
+        """Splits into 2..MAX_PHASES length ranges, cut at the pool's caps or after its k longest; best first."""
         order = np.argsort(lengths, kind="stable")
         s = lengths[order]
         tops = np.array([int(t.cap.max()) for t in self._tables])
         lone = np.array([int(t.lone_cap.max()) for t in self._tables])  # what a replica's only micro-batch holds
         levels = sorted({int(c) for c in tops if s[0] <= c < s[-1]})
         at_caps = (int(np.searchsorted(s, lv, side="right")) for lv in levels)
-        cuts = sorted({0, *at_caps, *range(max(1, len(s) - TOP_CUTS), len(s) + 1)})
+        cuts = sorted({0, len(s), *at_caps, *(len(s) - k for k in TOP_CUTS if k < len(s))})
         m = len(cuts)
         if m < 3:
             return []
