@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from hydraulis.cost import load_cost_model
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
-from hydraulis.planner import phases
 from hydraulis.planner.phases import FULL_SPLITS, MAX_PHASES, TOP_CUTS, PhasedPlanner
 from hydraulis.planner.plan import (
     PlanFile,
@@ -126,7 +125,7 @@ def test_a_deployment_runs_consecutive_phases_where_a_sequence_fits_only_as_its_
         p.plan_on(b[[*schedule.indices[0], *schedule.indices[1]]], pool[1])
 
 
-def test_splits_cut_after_the_longest_sequences_too(monkeypatch):
+def test_splits_cut_after_the_longest_sequences_too():
     """llama-7b on 16 GPUs: 60K, 45K and 40K among 60 short sequences. No pool cap falls between 45K and 60K, so cut
     only at caps the 45K and 40K share the 60K's phase (estimated 12.4 s); the batch is cut after its k longest too
     (k of TOP_CUTS), and the best split's estimate is the least of every such two-phase cut (10.9 s or less)."""
@@ -137,8 +136,7 @@ def test_splits_cut_after_the_longest_sequences_too(monkeypatch):
     by_count = [p._estimate(s[:-k], lone) + p._estimate(s[-k:], lone) + p.switch_s for k in TOP_CUTS if k < len(s)]
     best = p.splits(b)[0]
     assert best.estimate_s <= min(by_count) * (1 + 1e-12)
-    monkeypatch.setattr(phases, "TOP_CUTS", ())
-    at_caps = p.splits(b)[0]
+    at_caps = p.splits(b, top_cuts=())[0]
     assert any({60000, 45000} <= set(b[part].tolist()) for part in at_caps.phases)
     assert best.estimate_s < 0.9 * at_caps.estimate_s
 
