@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hydraulis.cost import load_cost_model
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
-from hydraulis.planner.phases import FULL_SPLITS, MAX_PHASES, PhasedPlanner
+from hydraulis.planner.phases import FULL_SPLITS, MAX_PHASES, TOP_CUTS, PhasedPlanner
 from hydraulis.planner.plan import (
     PlanFile,
     Schedule,
@@ -123,6 +123,22 @@ def test_a_deployment_runs_consecutive_phases_where_a_sequence_fits_only_as_its_
     assert all(later.cap(tp8, 16) < t <= later.lone_cap(tp8, 16) for t in alone), alone
     with pytest.raises(HydraulisError, match="no replica has room"):
         p.plan_on(b[[*schedule.indices[0], *schedule.indices[1]]], pool[1])
+
+
+def test_splits_cut_after_the_longest_sequences_too():
+    """llama-7b on 16 GPUs: 60K, 45K and 40K among 60 short sequences. No pool cap falls between 45K and 60K, so cut
+    only at caps the 45K and 40K share the 60K's phase (estimated 12.4 s); the batch is cut after its k longest too
+    (k of TOP_CUTS), and the best split's estimate is the least of every such two-phase cut (10.9 s or less)."""
+    p = planner("small")
+    b = np.concatenate([[60000, 45000, 40000], np.random.default_rng(0).integers(500, 9000, 60)])
+    s = np.sort(b)
+    lone = np.array(p.caps())
+    by_count = [p._estimate(s[:-k], lone) + p._estimate(s[-k:], lone) + p.switch_s for k in TOP_CUTS if k < len(s)]
+    best = p.splits(b)[0]
+    assert best.estimate_s <= min(by_count) * (1 + 1e-12)
+    at_caps = p.splits(b, top_cuts=())[0]
+    assert any({60000, 45000} <= set(b[part].tolist()) for part in at_caps.phases)
+    assert best.estimate_s < 0.9 * at_caps.estimate_s
 
 
 LARGEST = 74_000  # below tp8pp1's cap on 16 GPUs

@@ -1,26 +1,23 @@
 """Phases within an iteration: a global batch run as a short sequence of deployments, each on part of it.
 
-One deployment must hold a batch's longest sequence, so with one deployment per
-iteration every short sequence pays for the parallelism the longest needs (on a
-small cluster, often one large replica for all). A phased plan runs the long
-sequences on a deployment that holds them and the others on deployments that
-run them faster, one after the other (HotSPa's temporal switching, with
-Hydraulis's heterogeneous deployments in every phase). Gradients accumulate in
-the owners across phases and the optimizer steps once; a phase change costs one
-more exchange: the reduce of the phase's gradients and the gather into the next
-layout (`schedule.phase_switch_time`, as the profile measured them for the two deployments).
+One deployment must hold a batch's longest sequence, so with one deployment per iteration every short sequence
+pays for the parallelism the longest needs (on a small cluster, often one large replica for all). A phased
+plan runs the long sequences on a deployment that holds them and the others on deployments that run them
+faster, one after the other (HotSPa's temporal switching, with Hydraulis's heterogeneous deployments in every
+phase). Gradients accumulate in the owners across phases and the optimizer steps once; a phase change costs
+one more exchange: the reduce of the phase's gradients and the gather into the next layout
+(`schedule.phase_switch_time`, as the profile measured them for the two deployments).
 
-The search: the pool's deployments hold sequences up to their largest cap, so
-the batch, sorted by length, is cut only at those caps (a phase is a length
-range; which deployments may run it changes only there). A dynamic programme
-over the cuts, on dispatch estimates, finds the best split into 2..MAX_PHASES
-ranges, switches included; the most promising splits are planned in full (each
-phase by the planner, on the pool deployment its simulation prefers) and the
-fastest simulated schedule, single phase included, wins. The phase holding the
-longest sequences runs last.
+The search: the pool's deployments hold sequences up to their largest cap, so the batch, sorted by length, is
+cut at those caps (which deployments may run a range changes there) and after its k longest for each k of
+TOP_CUTS (a few may run alone, the next with the bulk; idle long replicas take bulk work). A dynamic programme
+over the cuts, on dispatch estimates, finds the best split into 2..MAX_PHASES ranges, switches included; the
+most promising splits, and those at the caps alone, are planned in full (each phase by the planner, on the
+pool deployment its simulation prefers) and the fastest simulated schedule, single phase included, wins. The
+phase holding the longest sequences runs last.
 
-The pool must hold the phases' deployments: `phase_deployments` adds them to a
-proposed pool, among them hotspa's (`homogeneous_split`), which pay only together.
+The pool must hold the phases' deployments: `phase_deployments` adds them to a proposed pool, among them
+hotspa's (`homogeneous_split`), which pay only together.
 """
 
 from __future__ import annotations
@@ -55,6 +52,7 @@ MIN_GAIN = 0.002  # a phased schedule must beat one phase by this share: a switc
 PHASE_SAMPLES = 4  # sample batches the phased planner plans when choosing deployments for phases
 SHORT_SHARE = 0.1  # a level at least this share of batches stop at counts as the samples cut there
 LEVEL_KEEP = 8  # deployments per level the dispatch estimate ranks, the least work first (`_least_work`)
+TOP_CUTS = (*range(1, 9), 12, 16, 24, 32, 48, 64)  # the batch is cut after its k longest too (`splits`)
 STOP_RATIO = 1.2  # the levels between the samples' longest sequences at which they are clipped (`stop_levels`)
 # deployments the pool's greedy adds together, the level they serve, and whether the samples are clipped there
 Move = tuple[tuple[Deployment, ...], int, bool]
@@ -81,7 +79,9 @@ class PhasedPlanner(Planner):
             best = Schedule.single(self.plan(lengths, step))
             self.remember(step)
             if len(self.pool) > 1:
-                for split in self.splits(lengths)[:FULL_SPLITS]:
+                # the best splits at the caps alone too: a count cut's estimate may crowd out one that simulates faster
+                both = [*self.splits(lengths, ())[:FULL_SPLITS], *self.splits(lengths)[:FULL_SPLITS]]
+                for split in {tuple(len(p) for p in x.phases): x for x in both}.values():  # sizes: the cuts
                     try:
                         candidate = self._plan_split(lengths, split, step)
                     except HydraulisError:  # a phase no deployment has room for: the split is not a candidate
@@ -116,14 +116,15 @@ class PhasedPlanner(Planner):
         configs = tuple({c for d in self.pool for c in d.configs})
         return phase_switch_time(self.cost, self.num_gpus, configs, configs)
 
-    def splits(self, lengths: np.ndarray) -> list[Split]:
-        """Splits of the batch into 2..MAX_PHASES length ranges at the pool's caps, best estimate first."""
+    def splits(self, lengths: np.ndarray, top_cuts: Sequence[int] = TOP_CUTS) -> list[Split]:
+        """Splits into 2..MAX_PHASES length ranges, cut at the caps or after the k longest (`top_cuts`); best first."""
         order = np.argsort(lengths, kind="stable")
         s = lengths[order]
         tops = np.array([int(t.cap.max()) for t in self._tables])
         lone = np.array([int(t.lone_cap.max()) for t in self._tables])  # what a replica's only micro-batch holds
         levels = sorted({int(c) for c in tops if s[0] <= c < s[-1]})
-        cuts = sorted({0, len(s), *(int(np.searchsorted(s, lv, side="right")) for lv in levels)})
+        at_caps = (int(np.searchsorted(s, lv, side="right")) for lv in levels)
+        cuts = sorted({0, len(s), *at_caps, *(len(s) - k for k in top_cuts if k < len(s))})
         m = len(cuts)
         if m < 3:
             return []
