@@ -119,7 +119,7 @@ def time_below(orders: Orders, row: int, beat: float = np.inf) -> float:
     if end is None:
         return np.inf
     key = (len(sweep.last), orders.layout.vp, orders.times[row].tobytes(), orders.comm[row].tobytes())
-    return remember(key, max(end[e] for e in sweep.last))
+    return remember(key, max(end[e + 1] for e in sweep.last))
 
 
 def replica_time_below(stage_times: np.ndarray, pp: int, p2p_s: np.ndarray, vp: int = 1, beat: float = np.inf) -> float:

@@ -334,10 +334,9 @@ def pack_replica(
     bulk = bulk or len(s) >= BULK_PACK_ITEMS
     alone = s > replica.cap  # within a memory policy's cap: each its own micro-batch under it
     singles, rest, s = [indices[[k]] for k in np.flatnonzero(alone)], indices[~alone], s[~alone]
-    chosen = choose_bins(s, replica, bulk)[: 1 if bulk else SIMULATED_PACKINGS] if len(s) else []
-    candidates = [(bins, False) for bins in chosen]
-    if replica.pp > 1 and len(s):
-        candidates += [(bins, True) for bins in ramp_bins(s, replica)]
+    ffd, ramps = first_fits(s, replica) if len(s) else ([], [])
+    chosen = choose_bins(s, replica, bulk, ffd)[: 1 if bulk else SIMULATED_PACKINGS] if len(s) else []
+    candidates = [(bins, False) for bins in chosen] + [(bins, True) for bins in ramps]
     if singles and tokens <= replica.plain_lone:  # or all of it as one plain lone micro-batch, no recompute
         candidates.append((None, False))
     mbs = [([indices] if bins is None else [rest[b] for b in bins] + singles, ramped)
@@ -349,9 +348,13 @@ def pack_replica(
 SIMULATED_PACKINGS = 3  # the closed form ranks packings; this many of the best are simulated
 
 
-def choose_bins(s: np.ndarray, replica: ReplicaCost, bulk: bool = False) -> list[list[np.ndarray]]:
-    """Candidate packings (positions into `s` per micro-batch), best closed-form 1F1B time first."""
-    ffd = [np.array(b, dtype=np.int64) for b in first_fit_decreasing(s, replica.cap)]
+def choose_bins(
+    s: np.ndarray, replica: ReplicaCost, bulk: bool = False, ffd: list[np.ndarray] | None = None
+) -> list[list[np.ndarray]]:
+    """Candidate packings (positions into `s` per micro-batch), best closed-form 1F1B time first (`ffd`: `s`'s
+    first-fit decreasing, where the caller has it)."""
+    if ffd is None:
+        ffd = [np.array(b, dtype=np.int64) for b in first_fit_decreasing(s, replica.cap)]
     if replica.pp == 1 or len(s) == 1:
         return [ffd]
     w = replica.seq_costs(s)
@@ -386,9 +389,15 @@ def ramp_bins(s: np.ndarray, replica: ReplicaCost) -> list[list[np.ndarray]]:
     pyramid, small micro-batches at the ends shorten the bubble. Each extra one costs c, and the simulation
     weighs the two (on the bench's llama-32b pp2 and pp4 replicas: 0.6-1.4% of a replica's time).
     """
+    return first_fits(s, replica)[1]
+
+
+def first_fits(s: np.ndarray, replica: ReplicaCost) -> tuple[list[np.ndarray], list[list[np.ndarray]]]:
+    """`s`'s first-fit decreasing and, pipelined (pp > 1), `ramp_bins`'s packings: the rests of every ramp (the
+    batch without its shortest) and the whole from one first-fit pass."""
     order = np.argsort(s, kind="stable")
     ramps = []
-    for ramp, copies in itertools.product(RAMPS, (1, 2)):
+    for ramp, copies in itertools.product(RAMPS, (1, 2)) if replica.pp > 1 else ():
         pos, small = 0, []
         for share in ramp:
             for _ in range(copies):
@@ -398,6 +407,6 @@ def ramp_bins(s: np.ndarray, replica: ReplicaCost) -> list[list[np.ndarray]]:
                     pos += take
         if pos < len(s) and small:
             ramps.append((small, pos))
-    # The rest first-fit decreasing: one pass for every ramp (the rest is the batch without its shortest).
-    rests = first_fit_without_shortest(s, replica.cap, [pos for _, pos in ramps]) if ramps else []
-    return [small + [np.array(b, dtype=np.int64) for b in bins] for (small, _), bins in zip(ramps, rests, strict=True)]
+    whole, *rests = first_fit_without_shortest(s, replica.cap, [0] + [pos for _, pos in ramps])
+    return [np.array(b, dtype=np.int64) for b in whole], [
+        small + [np.array(b, dtype=np.int64) for b in bins] for (small, _), bins in zip(ramps, rests, strict=True)]

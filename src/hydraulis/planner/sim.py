@@ -13,6 +13,7 @@ each. With m equal micro-batches and free transfers, this gives exactly
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,10 +57,10 @@ def simulate_replica(
     duration, transfer = event_costs(sweep, t[None], comm[None], vp)
     end = run_events(sweep, duration[0].tolist(), transfer[0].tolist())
     assert end is not None
-    time_s = remember(key, max(end[e] for e in sweep.last))
+    time_s = remember(key, max(end[e + 1] for e in sweep.last))
     if not keep_events:
         return ReplicaTimeline(time_s, busy, None)
-    ends = np.array(end)  # each start again, as the loop took it
+    ends = np.array(end[1:] + end[:1])  # each start again, as the loop took it (index -1: none)
     begin = np.maximum(ends[sweep.prev], ends[sweep.dep] + np.where(sweep.transfer, comm[sweep.micro_batch], 0.0))
     rows = np.column_stack([sweep.stage, sweep.micro_batch, sweep.kind, begin, ends[:-1]]).astype(np.float64)
     return ReplicaTimeline(time_s, busy, rows, sweep.chunk if vp > 1 else None)
@@ -111,43 +112,60 @@ class _Sweep:
     last: list[int]  # each stage's last event
     by_stage: np.ndarray  # the events grouped by stage, each stage's in its order
     chain: np.ndarray  # [v, 2 vp pp]: each micro-batch's events, each waiting for the one before it
+    links: list[tuple[int, int]]  # per event, prev + 1 and dep + 1: `run_events`'s slots
 
 
 @functools.lru_cache(maxsize=256)
 def _sweep(pp: int, v: int, vp: int = 1) -> _Sweep:
     """Sweep the stages, each advancing through its order until an input is not ready yet: the order
     in which the events become computable (the simulator's historical order, kept for its event rows)."""
-    orders = [interleaved_order(pp, vp, v, s) for s in range(pp)]
-    index: dict[tuple[int, int, int, int], int] = {}  # (stage, kind, chunk, micro-batch) -> event
-    stage, mb, kind, chunk, prev, dep, transfer = [], [], [], [], [], [], []
+    n = 2 * v * pp * vp
+    orders = []  # each stage's order: its events' keys ((stage, kind, chunk) * v + micro-batch), their inputs'
+    for s in range(pp):
+        order = interleaved_order(pp, vp, v, s)
+        kind_j_chunk = np.fromiter(itertools.chain.from_iterable(order), np.int64, 3 * len(order)).reshape(-1, 3)
+        slot = kind_j_chunk[:, 0] * vp + kind_j_chunk[:, 2]
+        on = [depends_on(pp, vp, s, k, c) for k in (0, 1) for c in range(vp)]
+        need = np.array([-1 if x is None else (x[0] * 2 + x[1]) * vp + x[2] for x in on])[slot]
+        own = (s * 2 * vp + slot) * v + kind_j_chunk[:, 1]
+        orders.append((own.tolist(), np.where(need < 0, -1, need * v + kind_j_chunk[:, 1]).tolist()))
+    index = [-1] * n  # key -> event
+    keys, dep, prev = [], [], []
     ptr, last_of = [0] * pp, [-1] * pp
-    while len(index) < 2 * v * pp * vp:
+    while len(keys) < n:
         progressed = False
         for s in range(pp):
-            while ptr[s] < len(orders[s]):
-                k, j, c = orders[s][ptr[s]]
-                on = depends_on(pp, vp, s, k, c)
-                need = None if on is None else (*on, j)
-                if need is not None and need not in index:
-                    break
-                index[(s, k, c, j)] = len(stage)
-                stage.append(s), mb.append(j), kind.append(k), chunk.append(c), prev.append(last_of[s])
-                dep.append(-1 if need is None else index[need])
-                transfer.append(need is not None and need[0] != s)
-                last_of[s] = index[(s, k, c, j)]
-                ptr[s] += 1
-                progressed = True
+            own, need = orders[s]
+            at, last = ptr[s], last_of[s]
+            while at < len(own):
+                d = need[at]
+                if d >= 0:
+                    d = index[d]
+                    if d < 0:
+                        break
+                index[own[at]] = e = len(keys)
+                keys.append(own[at]), dep.append(d), prev.append(last)
+                last = e
+                at += 1
+            progressed |= at > ptr[s]
+            ptr[s], last_of[s] = at, last
         if not progressed:
             raise RuntimeError(f"the pipeline order deadlocked (pp={pp}, vp={vp}, {v} micro-batches)")
-    waits, chain = np.array(dep), [np.zeros(0, dtype=np.int64)]
+    code = np.array(keys)
+    mb, chunk, kind, stage = code % v, code // v % vp, code // (v * vp) % 2, code // (2 * v * vp)
+    dep_a = np.array(dep)
+    transfer = (dep_a >= 0) & (stage[dep_a] != stage)
+    stage = stage.tolist()
+    waits, chain = dep_a, [np.zeros(0, dtype=np.int64)]
     then = np.full(len(dep) + 1, -1)  # the event that waits for each (-1: none)
     then[waits] = np.arange(len(dep))
-    chain[0] = np.flatnonzero(waits < 0)[np.argsort(np.array(mb)[waits < 0], kind="stable")]
+    chain[0] = np.flatnonzero(waits < 0)[np.argsort(mb[waits < 0], kind="stable")]
     for _ in range(2 * pp * vp - 1):
         chain.append(then[chain[-1]])
-    return _Sweep(stage, np.array(mb), kind, np.array(chunk), prev, dep=dep, transfer=np.array(transfer),
-                  forward=np.array(kind) == FORWARD, last=last_of, by_stage=np.argsort(stage, kind="stable"),
-                  chain=np.stack(chain, axis=1))
+    links = list(zip((np.array(prev) + 1).tolist(), (dep_a + 1).tolist(), strict=True))
+    return _Sweep(stage, mb, kind.tolist(), chunk, prev, dep=dep, transfer=transfer,
+                  forward=kind == FORWARD, last=last_of, by_stage=np.argsort(stage, kind="stable"),
+                  chain=np.stack(chain, axis=1), links=links)
 
 
 def event_costs(sweep: _Sweep, t: np.ndarray, comm: np.ndarray, vp: int) -> tuple[np.ndarray, np.ndarray]:
@@ -162,15 +180,16 @@ def run_events(
     sweep: _Sweep, duration: list[float], transfer: list[float], above: list[float] | None = None
 ) -> list[float] | None:
     """Each event's end in the sweep's order, after its stage's previous event and its input (plain lists: the
-    inner loop; one slot more, 0.0, read by index -1: none). None once an event ends after its `above`."""
-    end = [0.0] * (len(duration) + 1)
+    inner loop), one slot first, 0.0, the end of none. None once an event ends after its `above`."""
+    end = [0.0]
+    finished = end.append
     limits = [np.inf] * len(duration) if above is None else above
-    for e, (p, d, x, w, h) in enumerate(zip(sweep.prev, sweep.dep, transfer, duration, limits, strict=True)):
+    for (p, d), x, w, h in zip(sweep.links, transfer, duration, limits, strict=True):
         start, ready = end[p], end[d] + x
         finish = (ready if ready > start else start) + w
         if finish > h:
             return None
-        end[e] = finish
+        finished(finish)
     return end
 
 
