@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,7 +58,7 @@ def simulate_replica(
     duration, transfer = event_costs(sweep, t[None], comm[None], vp)
     end = run_events(sweep, duration[0].tolist(), transfer[0].tolist())
     assert end is not None
-    time_s = remember(key, max(end[e + 1] for e in sweep.last))
+    time_s = max(end[e + 1] for e in sweep.last)
     if not keep_events:
         return ReplicaTimeline(time_s, busy, None)
     ends = np.array(end[1:] + end[:1])  # each start again, as the loop took it (index -1: none)
@@ -66,8 +67,8 @@ def simulate_replica(
     return ReplicaTimeline(time_s, busy, rows, sweep.chunk if vp > 1 else None)
 
 
-# The times of the last simulations run to their end, by (pp, vp, stage times, p2p times): the planner simulates
-# its chosen packings again (`simulate`), which its packing search ran already (`order_search.time_below`).
+# The times of the packing search's last simulations run to their end (`order_search.time_below`), by (pp, vp,
+# stage times, p2p times): the planner simulates its chosen packings again (`simulate`).
 _FINISHED: dict[tuple[int, int, bytes, bytes], float] = {}
 FINISHED_KEPT = 4096
 
@@ -176,6 +177,9 @@ def event_costs(sweep: _Sweep, t: np.ndarray, comm: np.ndarray, vp: int) -> tupl
     return duration, np.where(sweep.transfer, comm[:, j], 0.0)
 
 
+RUN: Counter[str] = Counter()  # simulations and events `run_events` ran in this process: the work, load aside
+
+
 def run_events(
     sweep: _Sweep, duration: list[float], transfer: list[float], above: list[float] | None = None
 ) -> list[float] | None:
@@ -184,12 +188,15 @@ def run_events(
     end = [0.0]
     finished = end.append
     limits = [np.inf] * len(duration) if above is None else above
+    RUN["simulations"] += 1
     for (p, d), x, w, h in zip(sweep.links, transfer, duration, limits, strict=True):
         start, ready = end[p], end[d] + x
         finish = (ready if ready > start else start) + w
         if finish > h:
+            RUN["events"] += len(end)
             return None
         finished(finish)
+    RUN["events"] += len(end) - 1
     return end
 
 
