@@ -11,17 +11,17 @@ from hypothesis import strategies as st
 
 from hydraulis.cost import load_cost_model
 from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.planner.order_search import after_each, prepare, replica_time_below
 from hydraulis.planner.packing import (
     BULK_PACK_ITEMS,
     execution_orders,
     fastest_packing,
     ramp_bins,
-    replica_time_floor,
     stage_times,
 )
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.replicas import ReplicaCost
-from hydraulis.planner.sim import replica_time_below, simulate_replica
+from hydraulis.planner.sim import simulate_replica
 from hydraulis.specs import ClusterSpec
 
 GPUS = 16
@@ -74,13 +74,17 @@ def test_the_search_chooses_what_simulating_every_order_chooses(batch, shape, se
 @given(st.lists(st.floats(1e-3, 5.0), min_size=1, max_size=24), st.integers(2, 6), st.integers(1, 4),
        st.floats(0.0, 0.2))
 def test_the_floor_and_the_early_stop_bound_the_simulation(times, pp, vp, comm_scale):
-    """The floor is never above the simulated time; the search's simulation gives that time unless told to beat
-    less, and then gives up (inf) exactly where the time is above it."""
+    """The floor and the time still to come after each event are never above what the simulation gives; the
+    search's simulation gives its time unless told to beat less, and then gives up (inf) exactly where the time is
+    above it."""
     t = np.array(times)
     comm = comm_scale * (1 + np.arange(len(t)) % 3)
     exact = simulate_replica(t, pp, comm, keep_events=False, vp=vp).time_s
-    orders = [np.arange(len(t))]
-    assert replica_time_floor(t, comm, orders, pp, vp)[0] <= exact
+    bounds = prepare(t[None], comm[None], pp, vp)
+    assert bounds.floor[0] <= exact
+    # After each event ends (the simulation's rows, in the same order) the iteration takes at least `after` more.
+    ends = simulate_replica(t, pp, comm, vp=vp).events[:, 4]
+    assert (ends[bounds.layout.sweep.by_stage] + after_each(bounds, 0) <= exact * (1 + 1e-9)).all()
     assert replica_time_below(t, pp, comm, vp) == exact
     assert replica_time_below(t, pp, comm, vp, exact) == exact
     assert replica_time_below(t, pp, comm, vp, exact * (1 + 1e-6)) == exact

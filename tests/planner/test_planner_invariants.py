@@ -217,12 +217,14 @@ def test_plan_on_the_bench_batches_never_behind_flops_balanced():
 def test_ramp_bins_partition_the_sequences_under_the_cap(batch):
     """Every ramp packing holds each sequence once, no micro-batch over the cap, small ones first and
     within their token budgets."""
-    from hydraulis.planner.packing import RAMPS, ramp_bins
+    from hydraulis.planner.packing import RAMPS, first_fit_decreasing, first_fits, ramp_bins
     from hydraulis.planner.replicas import ReplicaCost
 
     p = planner()
     replica = ReplicaCost.of(p.cost, Deployment.parse("4x(tp2,pp2)", CLUSTER).configs[0], 16)
     lengths = np.array(batch)
+    # The pass that gives the ramps' rests gives the whole batch's first-fit decreasing too.
+    assert [b.tolist() for b in first_fits(lengths, replica)[0]] == first_fit_decreasing(lengths, replica.cap)
     for bins in ramp_bins(lengths, replica):
         assert sorted(np.concatenate(bins).tolist()) == list(range(len(lengths)))
         tokens = [int(lengths[b].sum()) for b in bins]

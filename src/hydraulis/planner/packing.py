@@ -31,14 +31,9 @@ import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
+from hydraulis.planner.order_search import fastest_order
 from hydraulis.planner.replicas import HEAVY_SHARE, ReplicaCost, micro_batch_range
-from hydraulis.planner.sim import (
-    FLOOR_MARGIN,
-    FORWARD_SHARE,
-    closed_form_replica_time,
-    replica_time_below,
-    simulate_replica,
-)
+from hydraulis.planner.sim import closed_form_replica_time, simulate_replica
 
 
 @dataclass(frozen=True)
@@ -261,15 +256,10 @@ def fastest_packing(
     """The least simulated time over candidate packings (micro-batches, ramped) in their execution orders; of
     equal times the first packing's first order, as simulating each in turn would choose. Where that time is
     above `beat`, a packing said to take more than `beat` (inf, or its time): a caller that wants less learns so
-    sooner.
-
-    Exact with fewer simulations: every order's floor (`replica_time_floor`, a lower bound on its simulated time)
-    is computed first, orders are simulated from the lowest floor up, and one whose floor cannot beat the best
-    found is never simulated (interleaved pipelines have vp times the events).
+    sooner. Pipelines search by bounded simulations (`order_search.fastest_order`); one stage's time is its sum.
     """
-    rows = []  # (floor, packing, order) and what simulating it takes
-    prepared = []
-    for k, (mbs, ramped) in enumerate(candidates):
+    prepared = []  # (micro-batches, stage times, p2p times, orders)
+    for mbs, ramped in candidates:
         if not mbs:
             return Packing((), 0.0)
         tokens, times = stage_times(mbs, lengths, replica, cost)
@@ -280,42 +270,13 @@ def fastest_packing(
         elif replica.pp > 1 and (bulk or sum(len(mb) for mb in mbs) >= BULK_PACK_ITEMS):
             orders = orders[2:]  # many light micro-batches: the orders with small ones at the ends
         prepared.append((mbs, times, comm, orders))
-        floors = replica_time_floor(times, comm, orders, replica.pp, replica.config.vp)
-        rows += [(f, k, o) for o, f in enumerate(floors.tolist())]
-    best: tuple[float, int, int] | None = None
-    seen: dict[bytes, float] = {}  # packings often repeat another's times: simulated once
-    for floor, k, o in sorted(rows):
-        if best is not None and (floor, k, o) > best:
-            break  # sorted by floor: no later one beats the best either
-        _, times, comm, orders = prepared[k]
-        order = orders[o]
-        key = times[order].tobytes() + comm[order].tobytes()
-        if key not in seen and replica.pp == 1:
-            seen[key] = simulate_replica(times[order], 1, comm[order], keep_events=False).time_s
-        elif key not in seen:  # inf where it surely loses to the best found (the best only falls)
-            seen[key] = replica_time_below(times[order], replica.pp, comm[order], replica.config.vp,
-                                           beat if best is None else min(beat, best[0]))
-        if best is None or (seen[key], k, o) < best:
-            best = (seen[key], k, o)
-    assert best is not None
-    t, k, o = best
+    if replica.pp == 1:
+        t, k, o = min((simulate_replica(times, 1, comm, keep_events=False).time_s, k, 0)
+                      for k, (_, times, comm, _) in enumerate(prepared))
+    else:
+        t, k, o = fastest_order([p[1:] for p in prepared], replica.pp, replica.config.vp, beat)
     mbs = prepared[k][0]
     return Packing(tuple(mbs[j] for j in prepared[k][3][o].tolist()), t)
-
-
-def replica_time_floor(
-    times: np.ndarray, comm: np.ndarray, orders: list[np.ndarray], pp: int, vp: int
-) -> np.ndarray:
-    """Per order, a lower bound on its simulated (interleaved) 1F1B time: the last stage starts after the first
-    micro-batch's forward crossed the pp - 1 stages before it, then runs all its work, sum t, ending with the
-    last micro-batch's backward of chunk 0, which crosses the pp - 1 stages back (each crossing one p2p). One
-    stage (pp = 1): no floor, it is simulated at no cost."""
-    if pp == 1:
-        return np.full(len(orders), -math.inf)
-    first = np.array([o[0] for o in orders])
-    last = np.array([o[-1] for o in orders])
-    chain = (FORWARD_SHARE * times[first] + (1.0 - FORWARD_SHARE) * times[last]) / vp + comm[first] + comm[last]
-    return (float(times.sum()) + (pp - 1) * chain) * (1.0 - FLOOR_MARGIN)
 
 
 EXACT_SQUARES = 1 << 26  # tokens of a micro-batch below which its sum of squares is an exact float64
@@ -373,10 +334,9 @@ def pack_replica(
     bulk = bulk or len(s) >= BULK_PACK_ITEMS
     alone = s > replica.cap  # within a memory policy's cap: each its own micro-batch under it
     singles, rest, s = [indices[[k]] for k in np.flatnonzero(alone)], indices[~alone], s[~alone]
-    chosen = choose_bins(s, replica, bulk)[: 1 if bulk else SIMULATED_PACKINGS] if len(s) else []
-    candidates = [(bins, False) for bins in chosen]
-    if replica.pp > 1 and len(s):
-        candidates += [(bins, True) for bins in ramp_bins(s, replica)]
+    ffd, ramps = first_fits(s, replica) if len(s) else ([], [])
+    chosen = choose_bins(s, replica, bulk, ffd)[: 1 if bulk else SIMULATED_PACKINGS] if len(s) else []
+    candidates = [(bins, False) for bins in chosen] + [(bins, True) for bins in ramps]
     if singles and tokens <= replica.plain_lone:  # or all of it as one plain lone micro-batch, no recompute
         candidates.append((None, False))
     mbs = [([indices] if bins is None else [rest[b] for b in bins] + singles, ramped)
@@ -388,9 +348,13 @@ def pack_replica(
 SIMULATED_PACKINGS = 3  # the closed form ranks packings; this many of the best are simulated
 
 
-def choose_bins(s: np.ndarray, replica: ReplicaCost, bulk: bool = False) -> list[list[np.ndarray]]:
-    """Candidate packings (positions into `s` per micro-batch), best closed-form 1F1B time first."""
-    ffd = [np.array(b, dtype=np.int64) for b in first_fit_decreasing(s, replica.cap)]
+def choose_bins(
+    s: np.ndarray, replica: ReplicaCost, bulk: bool = False, ffd: list[np.ndarray] | None = None
+) -> list[list[np.ndarray]]:
+    """Candidate packings (positions into `s` per micro-batch), best closed-form 1F1B time first (`ffd`: `s`'s
+    first-fit decreasing, where the caller has it)."""
+    if ffd is None:
+        ffd = [np.array(b, dtype=np.int64) for b in first_fit_decreasing(s, replica.cap)]
     if replica.pp == 1 or len(s) == 1:
         return [ffd]
     w = replica.seq_costs(s)
@@ -425,9 +389,15 @@ def ramp_bins(s: np.ndarray, replica: ReplicaCost) -> list[list[np.ndarray]]:
     pyramid, small micro-batches at the ends shorten the bubble. Each extra one costs c, and the simulation
     weighs the two (on the bench's llama-32b pp2 and pp4 replicas: 0.6-1.4% of a replica's time).
     """
+    return first_fits(s, replica)[1]
+
+
+def first_fits(s: np.ndarray, replica: ReplicaCost) -> tuple[list[np.ndarray], list[list[np.ndarray]]]:
+    """`s`'s first-fit decreasing and, pipelined (pp > 1), `ramp_bins`'s packings: the rests of every ramp (the
+    batch without its shortest) and the whole from one first-fit pass."""
     order = np.argsort(s, kind="stable")
     ramps = []
-    for ramp, copies in itertools.product(RAMPS, (1, 2)):
+    for ramp, copies in itertools.product(RAMPS, (1, 2)) if replica.pp > 1 else ():
         pos, small = 0, []
         for share in ramp:
             for _ in range(copies):
@@ -437,6 +407,6 @@ def ramp_bins(s: np.ndarray, replica: ReplicaCost) -> list[list[np.ndarray]]:
                     pos += take
         if pos < len(s) and small:
             ramps.append((small, pos))
-    # The rest first-fit decreasing: one pass for every ramp (the rest is the batch without its shortest).
-    rests = first_fit_without_shortest(s, replica.cap, [pos for _, pos in ramps]) if ramps else []
-    return [small + [np.array(b, dtype=np.int64) for b in bins] for (small, _), bins in zip(ramps, rests, strict=True)]
+    whole, *rests = first_fit_without_shortest(s, replica.cap, [0] + [pos for _, pos in ramps])
+    return [np.array(b, dtype=np.int64) for b in whole], [
+        small + [np.array(b, dtype=np.int64) for b in bins] for (small, _), bins in zip(ramps, rests, strict=True)]

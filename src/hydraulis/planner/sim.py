@@ -13,6 +13,7 @@ each. With m equal micro-batches and free transfers, this gives exactly
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,7 +26,6 @@ from hydraulis.pipeline_order import FORWARD, depends_on, event_graph, interleav
 from hydraulis.planner.plan import IterationPlan
 
 FORWARD_SHARE = 1.0 / 3.0
-FLOOR_MARGIN = 1e-9  # relative: a bound's float sums may round above a time they meet exactly
 
 @dataclass(frozen=True)
 class ReplicaTimeline:
@@ -52,16 +52,34 @@ def simulate_replica(
     if pp == 1:
         return _single_stage(t, keep_events)
     comm = np.broadcast_to(np.asarray(p2p_s, dtype=np.float64), (v,))
+    busy, key = np.full(pp, float(t.sum())), (pp, vp, t.tobytes(), comm.tobytes())
+    if not keep_events and key in _FINISHED:
+        return ReplicaTimeline(_FINISHED[key], busy, None)
     sweep = _sweep(pp, v, vp)
-    end = _ends(t, pp, comm, vp)
+    duration, transfer = event_costs(sweep, t[None], comm[None], vp)
+    end = run_events(sweep, duration[0].tolist(), transfer[0].tolist())
     assert end is not None
-    busy, time_s = np.full(pp, float(t.sum())), max(end[e] for e in sweep.last)
+    time_s = max(end[e + 1] for e in sweep.last)
     if not keep_events:
         return ReplicaTimeline(time_s, busy, None)
-    ends = np.array(end)  # each start again, as the loop took it
+    ends = np.array(end[1:] + end[:1])  # each start again, as the loop took it (index -1: none)
     begin = np.maximum(ends[sweep.prev], ends[sweep.dep] + np.where(sweep.transfer, comm[sweep.micro_batch], 0.0))
     rows = np.column_stack([sweep.stage, sweep.micro_batch, sweep.kind, begin, ends[:-1]]).astype(np.float64)
     return ReplicaTimeline(time_s, busy, rows, sweep.chunk if vp > 1 else None)
+
+
+# The times of the packing search's last simulations run to their end (`order_search.time_below`), by (pp, vp,
+# stage times, p2p times): the planner simulates its chosen packings again (`simulate`).
+_FINISHED: dict[tuple[int, int, bytes, bytes], float] = {}
+FINISHED_KEPT = 4096
+
+
+def remember(key: tuple[int, int, bytes, bytes], time_s: float) -> float:
+    """Keep a finished simulation's time (the oldest forgotten past FINISHED_KEPT); return it."""
+    if len(_FINISHED) >= FINISHED_KEPT:
+        del _FINISHED[next(iter(_FINISHED))]
+    _FINISHED[key] = time_s
+    return time_s
 
 
 def _single_stage(t: np.ndarray, keep_events: bool) -> ReplicaTimeline:
@@ -95,49 +113,59 @@ class _Sweep:
     forward: np.ndarray  # bool
     last: list[int]  # each stage's last event
     by_stage: np.ndarray  # the events grouped by stage, each stage's in its order
+    chain: np.ndarray  # [v, 2 vp pp]: each micro-batch's events, each waiting for the one before it
+    links: list[tuple[int, int]]  # per event, prev + 1 and dep + 1: `run_events`'s slots
 
 
 @functools.lru_cache(maxsize=256)
 def _sweep(pp: int, v: int, vp: int = 1) -> _Sweep:
     """`pipeline_order.event_graph` as the simulator reads it: the order in which the events become computable
-    (the simulator's historical order, kept for its event rows)."""
+    (the simulator's historical order, kept for its event rows), with each micro-batch's chain of events and the
+    inner loop's slots."""
     g = event_graph(pp, vp, v)
-    stage, kind, prev, dep = list(g.stage), list(g.kind), list(g.prev), list(g.dep)
-    transfer = [d >= 0 and stage[d] != s for s, d in zip(stage, dep, strict=True)]
-    return _Sweep(stage, np.array(g.micro_batch), kind, np.array(g.chunk), prev, dep=dep, transfer=np.array(transfer),
-                  forward=np.array(kind) == FORWARD, last=list(g.last), by_stage=np.argsort(stage, kind="stable"))
+    stage, prev, dep = list(g.stage), list(g.prev), list(g.dep)
+    mb, kind, dep_a = np.array(g.micro_batch), np.array(g.kind), np.array(g.dep)
+    stage_a = np.array(stage)
+    transfer = (dep_a >= 0) & (stage_a[dep_a] != stage_a)
+    chain = [np.flatnonzero(dep_a < 0)[np.argsort(mb[dep_a < 0], kind="stable")]]
+    then = np.full(len(dep) + 1, -1)  # the event that waits for each (-1: none)
+    then[dep_a] = np.arange(len(dep))
+    for _ in range(2 * pp * vp - 1):
+        chain.append(then[chain[-1]])
+    links = list(zip((np.array(prev) + 1).tolist(), (dep_a + 1).tolist(), strict=True))
+    return _Sweep(stage, mb, kind.tolist(), np.array(g.chunk), prev, dep=dep, transfer=transfer,
+                  forward=kind == FORWARD, last=list(g.last), by_stage=np.argsort(stage, kind="stable"),
+                  chain=np.stack(chain, axis=1), links=links)
 
 
-def replica_time_below(stage_times: np.ndarray, pp: int, p2p_s: np.ndarray, vp: int = 1, beat: float = np.inf) -> float:
-    """`simulate_replica`'s time (pp > 1), or inf once it is surely above `beat` (`_ends`): a search drops an
-    order that loses without running the rest of it."""
-    t = np.asarray(stage_times, dtype=np.float64)
-    end = _ends(t, pp, np.asarray(p2p_s, dtype=np.float64), vp, beat)
-    return np.inf if end is None else max(end[e] for e in _sweep(pp, len(t), vp).last)
-
-
-def _ends(t: np.ndarray, pp: int, comm: np.ndarray, vp: int, beat: float = np.inf) -> list[float] | None:
-    """Each event's end in the sweep's order, after its stage's previous event and its input (plain lists: the
-    inner loop; one slot more, 0.0, read by index -1: none). None once an event's end, its stage's work left and
-    the last micro-batch's backward back to stage 0 (every stage's order ends with it) exceed `beat`."""
-    sweep = _sweep(pp, len(t), vp)
+def event_costs(sweep: _Sweep, t: np.ndarray, comm: np.ndarray, vp: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each event's duration and the p2p transfer before it, in the sweep's order, for orders of stage times `t`
+    and p2p times `comm` ([orders, micro-batches] each)."""
     j = sweep.micro_batch
-    duration = np.where(sweep.forward, (t * FORWARD_SHARE / vp)[j], (t * (1.0 - FORWARD_SHARE) / vp)[j])
-    transfer = np.where(sweep.transfer, comm[j], 0.0).tolist()
-    above = [np.inf] * len(transfer)
-    if beat < np.inf:  # by stage, each stage runs 2 m vp events: each micro-batch's whole t
-        left = t.sum() - np.cumsum(duration[sweep.by_stage].reshape(pp, -1), axis=1)
-        drain = np.arange(pp)[:, None] * ((1.0 - FORWARD_SHARE) * t[-1] / vp + comm[-1])
-        bound = np.empty_like(duration)
-        bound[sweep.by_stage] = (beat + FLOOR_MARGIN * abs(beat) - left - drain).ravel()
-        above = bound.tolist()
-    end = [0.0] * (len(duration) + 1)
-    for e, (p, d, x, w, h) in enumerate(zip(sweep.prev, sweep.dep, transfer, duration.tolist(), above, strict=True)):
+    duration = np.where(sweep.forward, (t * FORWARD_SHARE / vp)[:, j], (t * (1.0 - FORWARD_SHARE) / vp)[:, j])
+    return duration, np.where(sweep.transfer, comm[:, j], 0.0)
+
+
+RUN: Counter[str] = Counter()  # simulations and events `run_events` ran in this process: the work, load aside
+
+
+def run_events(
+    sweep: _Sweep, duration: list[float], transfer: list[float], above: list[float] | None = None
+) -> list[float] | None:
+    """Each event's end in the sweep's order, after its stage's previous event and its input (plain lists: the
+    inner loop), one slot first, 0.0, the end of none. None once an event ends after its `above`."""
+    end = [0.0]
+    finished = end.append
+    limits = [np.inf] * len(duration) if above is None else above
+    RUN["simulations"] += 1
+    for (p, d), x, w, h in zip(sweep.links, transfer, duration, limits, strict=True):
         start, ready = end[p], end[d] + x
         finish = (ready if ready > start else start) + w
         if finish > h:
+            RUN["events"] += len(end)
             return None
-        end[e] = finish
+        finished(finish)
+    RUN["events"] += len(end) - 1
     return end
 
 
