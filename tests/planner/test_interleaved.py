@@ -20,7 +20,9 @@ from hydraulis.parallel import (
     one_f_one_b_order,
 )
 from hydraulis.planner.bounds import lower_bound
+from hydraulis.planner.dispatch import _scalar_estimate
 from hydraulis.planner.plan import plan_from_assignment
+from hydraulis.planner.replicas import estimate_time
 from hydraulis.planner.sim import (
     FORWARD_SHARE,
     simulate,
@@ -217,3 +219,21 @@ def test_the_zero_bubble_oracle_fills_the_cool_down_with_w():
     """pp 4, 8 micro-batches of F = B = W = 1: 1F1B takes (8 + 3) x 3 = 33; deferring W into the gaps leaves the
     bubble (pp - 1)(F + B) = 6 instead of 9, at 1F1B's memory: 30."""
     assert zero_bubble_replica([1.0] * 8, [1.0] * 8, [1.0] * 8, 4) == (30.0, [4, 3, 2, 1])
+
+
+@pytest.mark.parametrize(("pp", "vp"), [(8, 5), (8, 2), (4, 2)])
+def test_the_estimate_of_fewer_micro_batches_than_stages_is_the_simulated_time(pp, vp):
+    """Interleaved, v < pp equal micro-batches wait for their chunks to come round: the simulation's
+    pp t + (v - 1) t / vp, which the dispatch's estimate (`wrap`) and its scalar form give; 1F1B's (v + pp - 1) t
+    needs no wrap."""
+    t = 0.5
+    for v in range(1, 2 * pp + 1):
+        sums = {"W": v * t, "T": v * 1000, "n": v, "wmax": t, "c": 0.0, "cap": 1000, "min_efficient": 0}
+        for wrap, config_vp in ((pp, vp), (0, 1)):
+            simulated = simulate_replica([t] * v, pp, keep_events=False, vp=config_vp).time_s
+            if v > pp and v % pp and config_vp > 1:
+                continue  # a count whose last group is short: the closed form is a floor there
+            est = float(estimate_time(**sums, pp=1 + (pp - 1) / config_vp, wrap=wrap))
+            assert est == pytest.approx(simulated, rel=1e-9), (v, config_vp)
+            scalar = _scalar_estimate(v * t, v * 1000, v, t, 0.0, (pp - 1) / config_vp, 1000, 0, wrap=wrap)
+            assert scalar == pytest.approx(est, rel=1e-12)

@@ -32,6 +32,15 @@ from hydraulis.specs import DeviceSpec, ModelSpec
 __all__ = ["CAP_GRANULARITY", "Coefficients", "CostModel", "MemoryModel", "TrainingState", "sequence_costs"]
 
 FORWARD_SHARE = 1 / 3  # a forward of a training step's three forwards' worth (backward: two)
+def counted(config: ParallelConfig, micro_batches: int) -> int | None:
+    """The micro-batch count a cap is for: the count itself where it may hold fewer in flight than the worst count
+    (`memory.cap`'s None): 1F1B below pp, interleaved up to 4 pp (`activations.worst_counts`' range); else None."""
+    if micro_batches == 1:
+        return 1
+    top = 4 * config.pp if config.vp > 1 else config.pp - 1
+    return micro_batches if micro_batches <= top else None
+
+
 def sequence_costs(a: float | np.ndarray, b: float | np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """a*s^2 + b*s: what each sequence adds to a micro-batch's stage time (c is per micro-batch).
 
@@ -317,9 +326,10 @@ class CostModel:
     def micro_batch_cap(
         self, config: ParallelConfig, num_gpus: int, micro_batches: int, policy: MemoryPolicy | None = None
     ) -> int:
-        """Most tokens of each of a replica's `micro_batches` micro-batches (under `policy`: its cap)."""
+        """Most tokens of each of a replica's `micro_batches` micro-batches (under `policy`: its cap), at that count
+        where fewer of them are in flight than at the worst (`counted`)."""
         if policy is not None:
-            return self.policy_cap(config, num_gpus, policy, 1 if micro_batches == 1 else None)
+            return self.policy_cap(config, num_gpus, policy, counted(config, micro_batches))
         return self.lone_cap(config, num_gpus) if micro_batches == 1 else self.cap(config, num_gpus)
 
     def for_job(
