@@ -71,7 +71,7 @@ def _scalar_estimate(
     if n == 0:
         return 0.0
     if lone is not None and long_w is not None and wmax > long_w:  # a lone micro-batch (replicas.py)
-        return (pp1 + 1) * (W + c) if lone >= T else math.inf
+        return max(pp1 + 1, wrap) * (W + c) if lone >= T else math.inf
     vmin = max(1, -(-T // cap))
     if pp1 == 0:
         return W + vmin * c

@@ -312,7 +312,8 @@ def estimate_time(
     if lone_cap is not None and long_w is not None:
         beyond = np.asarray(wmax) > long_w
         if beyond.any():
-            lone = np.where(np.asarray(T) <= lone_cap, (pp1 + 1.0) * (W + c), np.inf)
+            trips = pp1 + 1.0 if wrap is None else np.maximum(pp1 + 1.0, wrap)  # interleaved: pp, not 1 + pp1
+            lone = np.where(np.asarray(T) <= lone_cap, trips * (W + c), np.inf)
             est = np.where(beyond, lone, est)
     return np.where(np.asarray(n) > 0, est, 0.0)
 
