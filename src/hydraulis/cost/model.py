@@ -29,9 +29,11 @@ from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import DeviceSpec, ModelSpec
 
-__all__ = ["CAP_GRANULARITY", "Coefficients", "CostModel", "MemoryModel", "TrainingState", "sequence_costs"]
+__all__ = ["CAP_GRANULARITY", "Coefficients", "CostModel", "MemoryModel", "TrainingState", "counted", "sequence_costs"]
 
 FORWARD_SHARE = 1 / 3  # a forward of a training step's three forwards' worth (backward: two)
+
+
 def counted(config: ParallelConfig, micro_batches: int) -> int | None:
     """The micro-batch count a cap is for: the count itself where it may hold fewer in flight than the worst count
     (`memory.cap`'s None): 1F1B below pp, interleaved up to 4 pp (`activations.worst_counts`' range); else None."""
