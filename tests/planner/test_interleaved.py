@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -21,8 +23,10 @@ from hydraulis.parallel import (
 )
 from hydraulis.planner.bounds import lower_bound
 from hydraulis.planner.dispatch import _scalar_estimate
+from hydraulis.planner.packing import pack_replica
 from hydraulis.planner.plan import plan_from_assignment
-from hydraulis.planner.replicas import estimate_time
+from hydraulis.planner.planner import assemble
+from hydraulis.planner.replicas import ReplicaCost, ReplicaTable, estimate_time
 from hydraulis.planner.sim import (
     FORWARD_SHARE,
     simulate,
@@ -243,3 +247,20 @@ def test_the_estimate_of_fewer_micro_batches_than_stages_is_the_simulated_time(p
     est = float(estimate_time(**lone, pp=1 + (pp - 1) / vp, wrap=pp))
     assert est == pytest.approx(simulate_replica([t], pp, keep_events=False, vp=vp).time_s, rel=1e-9)
     assert _scalar_estimate(t, 5000, 1, t, 0.0, (pp - 1) / vp, 1000, 0, lone=8000, long_w=t / 2, wrap=pp) == est
+
+
+def test_an_interleaved_replica_bound_by_its_cap_packs_to_a_count_whose_group_is_pp():
+    """Where the any-count cap sets the count, counts whose group is pp hold more per micro-batch: the packing
+    takes one at its cap, with fewer micro-batches (less fixed cost) than the any-count cap allows, faster as
+    simulated, and the plan holds at its own count."""
+    cost = load_cost_model("llama-70b@h100-80g+cp").with_interleaving().with_policies(True)
+    deployment = Deployment.parse("1x(tp1,pp8,cp8,vp5)", ClusterSpec(64))
+    replica = ReplicaCost.of(cost, deployment.configs[0], 64)
+    lengths = np.full(200, replica.cap // 3)
+    assert replica.cap_at(16) > replica.cap
+    grouped = pack_replica(np.arange(200), lengths, replica, cost)
+    plain = pack_replica(np.arange(200), lengths, dataclasses.replace(replica, count_cap=None), cost)
+    count = len(grouped.micro_batches)
+    assert count % 8 == 0 and count < len(plain.micro_batches) and grouped.time_s < plain.time_s
+    plan = assemble(0, lengths, deployment, [grouped.micro_batches], ReplicaTable.of(cost, deployment, 64))
+    plan.validate(cost, 64)

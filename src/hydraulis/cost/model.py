@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from hydraulis.cost.activations import counted
 from hydraulis.cost.memory import CAP_GRANULARITY, MemoryModel
 from hydraulis.cost.policies import LIGHTEST_FIRST, RECOMPUTE_TIME, MemoryPolicy, derived_scales
 from hydraulis.cost.shards import TrainingState
@@ -29,18 +30,9 @@ from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig
 from hydraulis.specs import DeviceSpec, ModelSpec
 
-__all__ = ["CAP_GRANULARITY", "Coefficients", "CostModel", "MemoryModel", "TrainingState", "counted", "sequence_costs"]
+__all__ = ["CAP_GRANULARITY", "Coefficients", "CostModel", "MemoryModel", "TrainingState", "sequence_costs"]
 
 FORWARD_SHARE = 1 / 3  # a forward of a training step's three forwards' worth (backward: two)
-
-
-def counted(config: ParallelConfig, micro_batches: int) -> int | None:
-    """The micro-batch count a cap is for: the count itself where it may hold fewer in flight than the worst count
-    (`memory.cap`'s None): 1F1B below pp, interleaved up to 4 pp (`activations.worst_counts`' range); else None."""
-    if micro_batches == 1:
-        return 1
-    top = 4 * config.pp if config.vp > 1 else config.pp - 1
-    return micro_batches if micro_batches <= top else None
 
 
 def sequence_costs(a: float | np.ndarray, b: float | np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hydraulis.cost.model import CostModel, counted, sequence_costs
+from hydraulis.cost.activations import counted
+from hydraulis.cost.model import CostModel, sequence_costs
 from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.parallel import Deployment, ParallelConfig
 
@@ -166,6 +167,13 @@ class ReplicaCost:
         for tier in self.lone_tiers:  # lightest first
             alone = np.where((s <= tier.cap) & ~np.isfinite(alone), sequence_costs(tier.a, tier.b, s), alone)
         return beside, alone
+
+    def cap_at(self, micro_batches: int) -> int:
+        """The plain policy's cap of each of `micro_batches` micro-batches: at that count where the planner chooses
+        per micro-batch and the count holds fewer in flight than the worst (`counted`), else `cap`."""
+        if self.count_cap is None or micro_batches < 2 or counted(self.config, micro_batches) is None:
+            return self.cap
+        return max(self.cap, self.count_cap(micro_batches, self.plain))
 
     def policy(self, tokens: int, micro_batches: int) -> MemoryPolicy | None:
         """The policy a micro-batch of `tokens` (one of `micro_batches`) runs: the lightest whose cap holds it;
