@@ -119,7 +119,7 @@ def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray |
     L = lengths.tolist()
     groups = range(len(table.configs))
     heaps = _config_heaps(table, bias_l)
-    params = [(m.c, m.bubble_stages, m.cap, m.min_efficient, m.holds, m.long_w, m.wrap) for m in table.configs]
+    params = [(m.c, m.bubble_stages, m.estimate_cap, m.min_efficient, m.holds, m.long_w, m.wrap) for m in table.configs]
     W = [0.0] * R
     T = [0] * R
     n = [0] * R

@@ -168,6 +168,12 @@ class ReplicaCost:
             alone = np.where((s <= tier.cap) & ~np.isfinite(alone), sequence_costs(tier.a, tier.b, s), alone)
         return beside, alone
 
+    @property
+    def estimate_cap(self) -> int:
+        """The token cap the estimates count micro-batches by: interleaved, that of counts whose group is pp, which
+        the packing takes where the cap sets the count (`cap_at`)."""
+        return self.cap_at(2 * self.pp) if self.config.vp > 1 else self.cap
+
     def cap_at(self, micro_batches: int) -> int:
         """The plain policy's cap of each of `micro_batches` micro-batches: at that count where the planner chooses
         per micro-batch and the count holds fewer in flight than the worst (`counted`), else `cap`."""
@@ -198,7 +204,7 @@ class ReplicaTable:
     replicas: tuple[ReplicaCost, ...]
     c: np.ndarray
     pp: np.ndarray
-    cap: np.ndarray
+    cap: np.ndarray  # `ReplicaCost.estimate_cap` of each replica
     min_efficient: np.ndarray
     group: np.ndarray  # index into `configs` per replica
     configs: tuple[ReplicaCost, ...]  # distinct configs, first-appearance order
@@ -223,7 +229,7 @@ class ReplicaTable:
             replicas=reps,
             c=np.array([r.c for r in reps]),
             pp=np.array([1 + r.bubble_stages for r in reps], dtype=np.float64),  # the estimates' pp: its bubble
-            cap=np.array([r.cap for r in reps], dtype=np.int64),
+            cap=np.array([r.estimate_cap for r in reps], dtype=np.int64),
             min_efficient=np.array([r.min_efficient for r in reps], dtype=np.int64),
             group=np.array([distinct[g] for g in configs], dtype=np.int64),
             configs=models,
