@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -13,7 +15,11 @@ from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.pipeline_order import BACKWARD, FORWARD, interleave_group, interleaved_order, one_f_one_b_order
 from hydraulis.planner.bounds import lower_bound
+from hydraulis.planner.dispatch import _scalar_estimate
+from hydraulis.planner.packing import pack_replica
 from hydraulis.planner.plan import plan_from_assignment
+from hydraulis.planner.planner import assemble
+from hydraulis.planner.replicas import ReplicaCost, ReplicaTable, estimate_time
 from hydraulis.planner.sim import (
     FORWARD_SHARE,
     simulate,
@@ -210,3 +216,44 @@ def test_the_zero_bubble_oracle_fills_the_cool_down_with_w():
     """pp 4, 8 micro-batches of F = B = W = 1: 1F1B takes (8 + 3) x 3 = 33; deferring W into the gaps leaves the
     bubble (pp - 1)(F + B) = 6 instead of 9, at 1F1B's memory: 30."""
     assert zero_bubble_replica([1.0] * 8, [1.0] * 8, [1.0] * 8, 4) == (30.0, [4, 3, 2, 1])
+
+
+@pytest.mark.parametrize(("pp", "vp"), [(8, 5), (8, 2), (4, 2)])
+def test_the_estimate_of_fewer_micro_batches_than_stages_is_the_simulated_time(pp, vp):
+    """Interleaved, v < pp equal micro-batches wait for their chunks to come round: the simulation's
+    pp t + (v - 1) t / vp, which the dispatch's estimate (`wrap`) and its scalar form give; 1F1B's (v + pp - 1) t
+    needs no wrap."""
+    t = 0.5
+    for v in range(1, 2 * pp + 1):
+        sums = {"W": v * t, "T": v * 1000, "n": v, "wmax": t, "c": 0.0, "cap": 1000, "min_efficient": 0}
+        for wrap, config_vp in ((pp, vp), (0, 1)):
+            simulated = simulate_replica([t] * v, pp, keep_events=False, vp=config_vp).time_s
+            if v > pp and v % pp and config_vp > 1:
+                continue  # a count whose last group is short: the closed form is a floor there
+            est = float(estimate_time(**sums, pp=1 + (pp - 1) / config_vp, wrap=wrap))
+            assert est == pytest.approx(simulated, rel=1e-9), (v, config_vp)
+            scalar = _scalar_estimate(v * t, v * 1000, v, t, 0.0, (pp - 1) / config_vp, 1000, 0, wrap=wrap)
+            assert scalar == pytest.approx(est, rel=1e-12)
+    # A sequence past the cap runs as the replica's lone micro-batch: pp trips, interleaved too.
+    lone = {"W": t, "T": 5000, "n": 1, "wmax": t, "c": 0.0, "cap": 1000, "min_efficient": 0, "lone_cap": 8000,
+            "long_w": t / 2}
+    est = float(estimate_time(**lone, pp=1 + (pp - 1) / vp, wrap=pp))
+    assert est == pytest.approx(simulate_replica([t], pp, keep_events=False, vp=vp).time_s, rel=1e-9)
+    assert _scalar_estimate(t, 5000, 1, t, 0.0, (pp - 1) / vp, 1000, 0, lone=8000, long_w=t / 2, wrap=pp) == est
+
+
+def test_an_interleaved_replica_bound_by_its_cap_packs_to_a_count_whose_group_is_pp():
+    """Where the any-count cap sets the count, counts whose group is pp hold more per micro-batch: the packing
+    takes one at its cap, with fewer micro-batches (less fixed cost) than the any-count cap allows, faster as
+    simulated, and the plan holds at its own count."""
+    cost = load_cost_model("llama-70b@h100-80g+cp").with_interleaving().with_policies(True)
+    deployment = Deployment.parse("1x(tp1,pp8,cp8,vp5)", ClusterSpec(64))
+    replica = ReplicaCost.of(cost, deployment.configs[0], 64)
+    lengths = np.full(200, replica.cap // 3)
+    assert replica.cap_at(16) > replica.cap
+    grouped = pack_replica(np.arange(200), lengths, replica, cost)
+    plain = pack_replica(np.arange(200), lengths, dataclasses.replace(replica, count_cap=None), cost)
+    count = len(grouped.micro_batches)
+    assert count % 8 == 0 and count < len(plain.micro_batches) and grouped.time_s < plain.time_s
+    plan = assemble(0, lengths, deployment, [grouped.micro_batches], ReplicaTable.of(cost, deployment, 64))
+    plan.validate(cost, 64)

@@ -3,9 +3,11 @@ their times in the simulator, and the plan's JSON and wire forms carrying them."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,7 +20,7 @@ from hydraulis.parallel import ParallelConfig as P
 from hydraulis.planner.dispatch import NoRoom, dispatch
 from hydraulis.planner.packing import stage_times
 from hydraulis.planner.plan import PlanFile, Schedule, decode_plan, encode_plan, load_plan, save_plan
-from hydraulis.planner.planner import Planner
+from hydraulis.planner.planner import Planner, assemble
 from hydraulis.planner.replicas import ReplicaCost, ReplicaTable
 from hydraulis.specs import ClusterSpec
 
@@ -259,3 +261,24 @@ def test_a_config_that_always_recomputes_runs_full_whatever_its_plan_lists():
     plan = plan_from_assignment(0, [lone], Deployment.parse("1x(tp1,pp2)", ClusterSpec(2)), [[[0]]], 0.0,
                                 policies=[[MemoryPolicy.NONE]])
     plan.validate(full, 2)
+
+
+def test_a_micro_batch_runs_the_lightest_policy_its_replicas_own_count_holds():
+    """Fewer micro-batches than the worst count keep fewer chunks in flight (interleaved, a count whose group is pp;
+    1F1B, below pp): a micro-batch past a policy's any-count cap runs it where its count's cap holds it, the plan
+    validates at that count, and the same micro-batch under a lighter policy than its count holds does not."""
+    cost = LONG_COST.with_interleaving()
+    deployment = Deployment.parse("1x(tp1,pp8,cp16,vp5)", ClusterSpec(128))
+    config = deployment.configs[0]
+    replica = ReplicaCost.of(cost, config, 128)
+    longest = (cost.policy_cap(config, 128, MemoryPolicy.SELECTIVE) + cost.micro_batch_cap(
+        config, 128, 16, MemoryPolicy.SELECTIVE)) // 2  # past selective's any-count cap, within its cap at 16
+    assert longest > cost.policy_cap(config, 128, MemoryPolicy.NONE, 16)
+    lengths = np.array([longest] + [4096] * 15)
+    plan = assemble(0, lengths, deployment, [[[k] for k in range(16)]], ReplicaTable.of(cost, deployment, 128))
+    assert plan.policy(0, 0) == MemoryPolicy.SELECTIVE and replica.policy(longest, 16) == MemoryPolicy.SELECTIVE
+    assert replica.policy(longest, 4 * config.pp + 1) == MemoryPolicy.FULL  # past the counted range: any count's
+    plan.validate(cost, 128)
+    plain = dataclasses.replace(plan, replicas=(dataclasses.replace(plan.replicas[0], policies=()),))
+    with pytest.raises(HydraulisError, match="over its cap"):
+        plain.validate(cost, 128)

@@ -243,6 +243,18 @@ def worst_counts(config: ParallelConfig, stage: int) -> tuple[int, ...]:
     return tuple(sorted(set(worst)))
 
 
+def counted(config: ParallelConfig, micro_batches: int) -> int | None:
+    """The micro-batch count a cap is for: the count itself where it may hold fewer in flight than the worst count
+    (`memory.cap`'s None): 1F1B below pp, interleaved up to 4 pp (`worst_counts`' range) and at every
+    multiple of pp (Megatron's group of pp: the fewest chunks in flight beyond pp); else None."""
+    if micro_batches == 1:
+        return 1
+    if config.vp > 1 and micro_batches % config.pp == 0:
+        return micro_batches
+    top = 4 * config.pp if config.vp > 1 else config.pp - 1
+    return micro_batches if micro_batches <= top else None
+
+
 def worst_count(config: ParallelConfig, stage: int) -> int:
     """The count of `worst_counts` that holds the most chunks at once."""
     return max(worst_counts(config, stage), key=lambda m: (in_flight(config, stage, m), m))

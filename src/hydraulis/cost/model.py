@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from hydraulis.cost.activations import counted
 from hydraulis.cost.conditions import SharedCores
 from hydraulis.cost.memory import CAP_GRANULARITY, MemoryModel
 from hydraulis.cost.policies import LIGHTEST_FIRST, RECOMPUTE_TIME, MemoryPolicy, derived_scales
@@ -33,6 +34,8 @@ from hydraulis.specs import DeviceSpec, ModelSpec
 __all__ = ["CAP_GRANULARITY", "Coefficients", "CostModel", "MemoryModel", "TrainingState", "sequence_costs"]
 
 FORWARD_SHARE = 1 / 3  # a forward of a training step's three forwards' worth (backward: two)
+
+
 def sequence_costs(a: float | np.ndarray, b: float | np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """a*s^2 + b*s: what each sequence adds to a micro-batch's stage time (c is per micro-batch).
 
@@ -307,9 +310,10 @@ class CostModel:
     def micro_batch_cap(
         self, config: ParallelConfig, num_gpus: int, micro_batches: int, policy: MemoryPolicy | None = None
     ) -> int:
-        """Most tokens of each of a replica's `micro_batches` micro-batches (under `policy`: its cap)."""
+        """Most tokens of each of a replica's `micro_batches` micro-batches (under `policy`: its cap), at that count
+        where fewer of them are in flight than at the worst (`counted`)."""
         if policy is not None:
-            return self.policy_cap(config, num_gpus, policy, 1 if micro_batches == 1 else None)
+            return self.policy_cap(config, num_gpus, policy, counted(config, micro_batches))
         return self.lone_cap(config, num_gpus) if micro_batches == 1 else self.cap(config, num_gpus)
 
     def for_job(

@@ -65,13 +65,13 @@ class Dispatch:
 
 def _scalar_estimate(
     W: float, T: int, n: int, wmax: float, c: float, pp1: int, cap: int, me: int,
-    lone: int | None = None, long_w: float | None = None,
+    lone: int | None = None, long_w: float | None = None, wrap: int = 0,
 ) -> float:
     """`estimate_time` for one replica in plain Python: the greedy's inner loop."""
     if n == 0:
         return 0.0
     if lone is not None and long_w is not None and wmax > long_w:  # a lone micro-batch (replicas.py)
-        return (pp1 + 1) * (W + c) if lone >= T else math.inf
+        return max(pp1 + 1, wrap) * (W + c) if lone >= T else math.inf
     vmin = max(1, -(-T // cap))
     if pp1 == 0:
         return W + vmin * c
@@ -82,9 +82,13 @@ def _scalar_estimate(
     u = vmin if v < vmin else (vmax if v > vmax else v)
     q = W / u
     best = W + u * c + pp1 * ((q if q >= wmax else wmax) + c)
+    if u < wrap:  # an interleaved replica's chunks come round (replicas.py)
+        best += (q + c) * (wrap - u) * (1 - pp1 / (wrap - 1))
     u = vmin if v + 1 < vmin else (vmax if v + 1 > vmax else v + 1)
     q = W / u
     other = W + u * c + pp1 * ((q if q >= wmax else wmax) + c)
+    if u < wrap:
+        other += (q + c) * (wrap - u) * (1 - pp1 / (wrap - 1))
     return other if other < best else best
 
 
@@ -115,7 +119,7 @@ def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray |
     L = lengths.tolist()
     groups = range(len(table.configs))
     heaps = _config_heaps(table, bias_l)
-    params = [(m.c, m.bubble_stages, m.cap, m.min_efficient, m.holds, m.long_w) for m in table.configs]
+    params = [(m.c, m.bubble_stages, m.estimate_cap, m.min_efficient, m.holds, m.long_w, m.wrap) for m in table.configs]
     W = [0.0] * R
     T = [0] * R
     n = [0] * R
@@ -123,11 +127,11 @@ def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray |
     out = [0] * len(L)
 
     def estimate(g: int, r: int, s: int, wi: float) -> float:
-        c, pp1, cap, me, lone, long_w = params[g]
+        c, pp1, cap, me, lone, long_w, wrap = params[g]
         if pp1 == 0 and max(wmax[r], wi) <= long_w:  # the common case, inlined: W + c * ceil(T / cap)
             return W[r] + wi + c * max(1, -(-(T[r] + s) // cap)) + bias_l[r]
         e = _scalar_estimate(W=W[r] + wi, T=T[r] + s, n=n[r] + 1, wmax=max(wmax[r], wi), c=c, pp1=pp1, cap=cap, me=me,
-                             lone=lone, long_w=long_w)
+                             lone=lone, long_w=long_w, wrap=wrap)
         return e + bias_l[r]
 
     for i, p in zip(order, positions, strict=True):
@@ -140,7 +144,7 @@ def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray |
             r = heaps[g][0][1]
             e = estimate(g, r, s, wi)
             if e == math.inf:  # the least loaded holds a sequence beyond the cap and has no room: try the others
-                e, r = _scan(heap=heaps[g], estimate=estimate, g=g, s=s, wi=wi, lone_params=params[g][4:], wmax=wmax,
+                e, r = _scan(heap=heaps[g], estimate=estimate, g=g, s=s, wi=wi, lone_params=params[g][4:6], wmax=wmax,
                              T=T)
             if e < best:
                 best, best_g, best_r = e, g, r

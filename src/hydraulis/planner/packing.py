@@ -368,9 +368,16 @@ def choose_bins(
     def closed(bins: list[np.ndarray]) -> float:
         return closed_form_replica_time([w[b].sum() + replica.c for b in bins], replica.pp, replica.config.vp)
 
+    if replica.config.vp > 1 and replica.cap_at(2 * replica.pp) > replica.cap:
+        # interleaved, counts whose group is pp hold more per micro-batch (ReplicaCost.cap_at): where the cap binds
+        # the count, the least such count at its cap (fewer micro-batches, less c), and the next
+        pp = replica.pp
+        fewest = -(-T // replica.cap_at(2 * pp))  # micro-batches at that cap
+        least = max(2, -(-fewest // pp)) * pp
+        candidates = sorted({*candidates, *(v for v in (least, least + pp) if v < vmin and v <= n)})
     ranked = [(closed(ffd), 0, ffd)]
     for v in candidates:
-        found = balanced_bins(s, w, replica.cap, v, bulk)
+        found = balanced_bins(s, w, replica.cap_at(v), v, bulk)
         if found is not None:
             bins = [np.array(b, dtype=np.int64) for b in found]
             ranked.append((closed(bins), len(ranked), bins))

@@ -79,7 +79,7 @@ class IterationPlan:
             )
         lengths = self.lengths_array
         seen = np.zeros(n, dtype=np.int64)
-        caps: dict[tuple[ParallelConfig, bool, int | None], int] = {}
+        caps: dict[tuple[ParallelConfig, int, int | None], int] = {}
         for r, replica in enumerate(self.replicas):
             mbs = replica.micro_batches
             if not mbs:
@@ -106,7 +106,7 @@ class IterationPlan:
             if cost is not None:
                 cap = np.empty(len(mbs), dtype=np.int64)
                 for m in range(len(mbs)):  # a lone micro-batch has the lone cap (CostModel.lone_cap)
-                    key = (config, len(mbs) == 1, self.policy(r, m))
+                    key = (config, len(mbs), self.policy(r, m))
                     if key not in caps:
                         caps[key] = cost.micro_batch_cap(config, num_gpus or self.deployment.num_gpus, len(mbs),
                                                          cost.policy_run(config, key[2]))

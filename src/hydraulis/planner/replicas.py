@@ -10,6 +10,11 @@ v runs from the token-cap minimum ceil(T / cap) up to the count n (and down to
 T / min_efficient_tokens, below which a micro-batch leaves the GPU idle); the
 unconstrained optimum is v* = sqrt((pp - 1) * W / c). For pp = 1 this is W + c*ceil(T/cap).
 
+Interleaved (vp > 1) the pp - 1 above is (pp - 1) / vp, and fewer micro-batches than stages wait for their
+chunks to come round: stage 0 runs chunk k + 1 of the first micro-batch only after it crossed the pp stages,
+so the replica takes pp (W / v + c) + (v - 1) / vp (W / v + c) for v equal ones (`planner/sim.py`), which the
+estimate adds as (pp - v)(1 - 1 / vp)(W / v + c) where v < pp (`ReplicaCost.wrap`).
+
 With memory policies per micro-batch (`CostModel.with_policies`), a sequence beyond the cap but within a
 recompute policy's cap (`tiers`) runs as its own micro-batch under the lightest policy that holds it, its
 cost scaled by the policy's (`ReplicaCost.seq_costs`) beside the others.
@@ -21,11 +26,13 @@ cap, in pp (W + c), and cannot hold more (estimate infinite).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from hydraulis.cost.activations import counted
 from hydraulis.cost.model import CostModel, sequence_costs
 from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.parallel import Deployment, ParallelConfig
@@ -62,6 +69,9 @@ class ReplicaCost:
     tiers: tuple[Tier, ...] = ()
     lone_tiers: tuple[Tier, ...] = ()
     plain: MemoryPolicy = MemoryPolicy.NONE  # the policy of a micro-batch within the cap (full: the recompute set)
+    # Where the planner chooses a policy per micro-batch: a policy's cap at the replica's own count (`micro_batch_cap`:
+    # fewer in flight than at the worst count, `counted`), read when a micro-batch is beyond the any-count cap.
+    count_cap: Callable[[int, MemoryPolicy], int] | None = field(default=None, compare=False, repr=False)
 
     @property
     def pp(self) -> int:
@@ -73,6 +83,12 @@ class ReplicaCost:
         interleaved (its chunks are 1/vp of a stage). The estimates' pp - 1; a lone micro-batch still makes pp
         trips."""
         return self.pp - 1 if self.config.vp == 1 else (self.pp - 1) / self.config.vp
+
+    @property
+    def wrap(self) -> int:
+        """The pp below which an interleaved replica's micro-batches wait for their chunks to come round; 0 under
+        1F1B, where v < pp costs what the estimate says."""
+        return self.pp if self.config.vp > 1 else 0
 
     @property
     def reach(self) -> int:
@@ -114,9 +130,10 @@ class ReplicaCost:
                     top = at
             # A policy slower than a heavier one (measured factors can say so) is never the better choice.
             rows[:] = [t for j, t in enumerate(rows) if all(t.a <= u.a and t.b <= u.b for u in rows[j + 1 :])]
+        count_cap = functools.partial(cost.micro_batch_cap, config, num_gpus) if cost.memory_policies else None
         return cls(config=config, a=k.a, b=k.b, c=k.c, cap=cap, min_efficient=cost.min_efficient_tokens(config),
                    lone_cap=lone, tiers=tuple(tiers[None]), lone_tiers=tuple(tiers[1]),
-                   plain=cost.policies(config)[0])
+                   plain=cost.policies(config)[0], count_cap=count_cap if config.pp > 1 else None)
 
     def seq_costs(self, lengths: np.ndarray) -> np.ndarray:
         """a*s^2 + b*s of each sequence, under the lightest policy whose cap holds it alone (beyond `reach`,
@@ -151,11 +168,30 @@ class ReplicaCost:
             alone = np.where((s <= tier.cap) & ~np.isfinite(alone), sequence_costs(tier.a, tier.b, s), alone)
         return beside, alone
 
+    @property
+    def estimate_cap(self) -> int:
+        """The token cap the estimates count micro-batches by: interleaved, that of counts whose group is pp, which
+        the packing takes where the cap sets the count (`cap_at`)."""
+        return self.cap_at(2 * self.pp) if self.config.vp > 1 else self.cap
+
+    def cap_at(self, micro_batches: int) -> int:
+        """The plain policy's cap of each of `micro_batches` micro-batches: at that count where the planner chooses
+        per micro-batch and the count holds fewer in flight than the worst (`counted`), else `cap`."""
+        if self.count_cap is None or micro_batches < 2 or counted(self.config, micro_batches) is None:
+            return self.cap
+        return max(self.cap, self.count_cap(micro_batches, self.plain))
+
     def policy(self, tokens: int, micro_batches: int) -> MemoryPolicy | None:
         """The policy a micro-batch of `tokens` (one of `micro_batches`) runs: the lightest whose cap holds it;
         None for the config's plain one (or where none holds it, which a plan's validation names)."""
         if micro_batches != 1 and tokens <= self.cap:
             return None
+        if micro_batches != 1 and self.count_cap is not None and counted(self.config, micro_batches) is not None:
+            # at its own count: the lightest of the plain one and the tiers' (those never slower than a heavier)
+            found = next((p for p in (self.plain, *(t.policy for t in self.tiers))
+                          if tokens <= self.count_cap(micro_batches, p)), None)
+            if found is not None:
+                return None if found == self.plain else found
         tiers = self.lone_tiers if micro_batches == 1 else self.tiers
         found = next((t.policy for t in tiers if tokens <= t.cap), None)
         return None if found == self.plain else found
@@ -168,17 +204,18 @@ class ReplicaTable:
     replicas: tuple[ReplicaCost, ...]
     c: np.ndarray
     pp: np.ndarray
-    cap: np.ndarray
+    cap: np.ndarray  # `ReplicaCost.estimate_cap` of each replica
     min_efficient: np.ndarray
     group: np.ndarray  # index into `configs` per replica
     configs: tuple[ReplicaCost, ...]  # distinct configs, first-appearance order
     lone_cap: np.ndarray  # the longest sequence each replica holds (`ReplicaCost.holds`)
     long_w: np.ndarray  # the cost of a cap-long sequence on each replica (`ReplicaCost.long_w`)
+    wrap: np.ndarray  # `ReplicaCost.wrap` of each replica
 
     @property
     def params(self) -> tuple[np.ndarray, ...]:
         """The per-replica arguments of `estimate_time` after the four sums."""
-        return (self.c, self.pp, self.cap, self.min_efficient, self.lone_cap, self.long_w)
+        return (self.c, self.pp, self.cap, self.min_efficient, self.lone_cap, self.long_w, self.wrap)
 
     @classmethod
     def of(cls, cost: CostModel, deployment: Deployment | Sequence[ParallelConfig], num_gpus: int) -> ReplicaTable:
@@ -192,12 +229,13 @@ class ReplicaTable:
             replicas=reps,
             c=np.array([r.c for r in reps]),
             pp=np.array([1 + r.bubble_stages for r in reps], dtype=np.float64),  # the estimates' pp: its bubble
-            cap=np.array([r.cap for r in reps], dtype=np.int64),
+            cap=np.array([r.estimate_cap for r in reps], dtype=np.int64),
             min_efficient=np.array([r.min_efficient for r in reps], dtype=np.int64),
             group=np.array([distinct[g] for g in configs], dtype=np.int64),
             configs=models,
             lone_cap=np.array([r.holds for r in reps], dtype=np.int64),
             long_w=np.array([r.long_w for r in reps]),
+            wrap=np.array([r.wrap for r in reps], dtype=np.float64),
         )
 
     def __len__(self) -> int:
@@ -258,17 +296,19 @@ def estimate_time(
     min_efficient: ArrayLike,
     lone_cap: ArrayLike | None = None,
     long_w: ArrayLike | None = None,
+    wrap: ArrayLike | None = None,
 ) -> np.ndarray:
     """Estimated 1F1B time of replicas holding sequences with these sums (broadcasts; 0 if empty).
 
     With `lone_cap` and `long_w`: a replica whose w_max exceeds long_w holds a sequence longer than the
-    cap, so all of it runs as one micro-batch, pp (W + c), if T fits the lone cap, else never (inf).
+    cap, so all of it runs as one micro-batch, pp (W + c), if T fits the lone cap, else never (inf). With
+    `wrap` (`ReplicaCost.wrap`), an interleaved replica's fewer micro-batches than stages wait for their chunks.
     """
     W = np.asarray(W, dtype=np.float64)
     c = np.asarray(c, dtype=np.float64)
     pp1 = np.asarray(pp, dtype=np.float64) - 1.0
     vmin, vmax = micro_batch_range(T, n, cap, min_efficient)
-    shape = np.broadcast_shapes(*map(np.shape, (W, T, n, wmax, c, pp1, cap, min_efficient, lone_cap, long_w)))
+    shape = np.broadcast_shapes(*map(np.shape, (W, T, n, wmax, c, pp1, cap, min_efficient, lone_cap, long_w, wrap)))
     # In place where it can (the local search's swaps estimate a few hundred thousand pairs at once); the same
     # operations in the same order as W + v c + pp1 (max(W / v, wmax) + c). fmax: an emptied replica's W may
     # be a rounding below 0, and pp = 1 with W = inf (a lone sequence past its cap) is 0 * inf; neither has a
@@ -281,25 +321,36 @@ def estimate_time(
     v2 = np.add(v1, 1.0, out=np.empty(shape))
     for v in (v1, v2):
         np.minimum(np.maximum(v, vmin, out=v), vmax, out=v)
-    est = _one_f_one_b(W, v1, wmax, c, pp1)
-    np.minimum(est, _one_f_one_b(W, v2, wmax, c, pp1), out=est)
+    est = _one_f_one_b(W=W, v=v1, wmax=wmax, c=c, pp1=pp1, wrap=wrap)
+    np.minimum(est, _one_f_one_b(W=W, v=v2, wmax=wmax, c=c, pp1=pp1, wrap=wrap), out=est)
     if lone_cap is not None and long_w is not None:
         beyond = np.asarray(wmax) > long_w
         if beyond.any():
-            lone = np.where(np.asarray(T) <= lone_cap, (pp1 + 1.0) * (W + c), np.inf)
+            trips = pp1 + 1.0 if wrap is None else np.maximum(pp1 + 1.0, wrap)  # interleaved: pp, not 1 + pp1
+            lone = np.where(np.asarray(T) <= lone_cap, trips * (W + c), np.inf)
             est = np.where(beyond, lone, est)
     return np.where(np.asarray(n) > 0, est, 0.0)
 
 
-def _one_f_one_b(W: np.ndarray, v: np.ndarray, wmax: ArrayLike, c: np.ndarray, pp1: np.ndarray) -> np.ndarray:
-    """W + v c + pp1 (max(W / v, wmax) + c), into new arrays of v's shape (0-d ones stay arrays)."""
-    bubble = np.divide(W, v, out=np.empty(v.shape))
-    np.maximum(bubble, wmax, out=bubble)
+def _one_f_one_b(
+    W: np.ndarray, v: np.ndarray, wmax: ArrayLike, c: np.ndarray, pp1: np.ndarray, wrap: ArrayLike | None = None
+) -> np.ndarray:
+    """W + v c + pp1 (max(W / v, wmax) + c), into new arrays of v's shape (0-d ones stay arrays); with `wrap`,
+    plus (wrap - v)(1 - pp1 / (wrap - 1))(W / v + c) where v < wrap (pp1 is (pp - 1) / vp there)."""
+    mean = np.divide(W, v, out=np.empty(v.shape))
+    bubble = np.maximum(mean, wmax)
     bubble += c
     bubble *= pp1
     out = np.multiply(v, c, out=np.empty(v.shape))
     np.add(W, out, out=out)
     out += bubble
+    if wrap is not None:
+        short = np.maximum(np.asarray(wrap) - v, 0.0)
+        if short.any():
+            mean += c
+            mean *= short
+            mean *= 1.0 - pp1 / np.maximum(np.asarray(wrap) - 1.0, 1.0)
+            out += mean
     return out
 
 
