@@ -165,19 +165,6 @@ def test_shared_cores_rescale_a_plan_by_the_ranks_it_keeps_busy():
     three = plan_from_assignment(0, [100, 900, 900], dep, [[[0]], [[1]], [[2]], []], 0.0)
     a, b = simulate(three, plain).replica_times_s[:2]
     np.testing.assert_allclose(simulate(three, shared).replica_times_s, [1.5 * a, b + 0.5 * a, b + 0.5 * a, 0.0])
-    # Timed with all four ranks busy too, 1.6x slower than with two (a TP rank blocked in gloo lends its core):
-    # four busy ranks of its own take 1.6x, two their time as measured, three halfway (1.3x); beside
-    # ranks of other configs, which the crowded rounds did not time, processor sharing.
-    data["time_ms"][0]["crowded"] = {"busy_ranks": 4, "slowdown": 1.6}
-    crowded = ProfiledCostModel.from_dict(data)
-    assert crowded.shared_cores is not None and crowded.shared_cores.crowded == {ParallelConfig(1, 1): (4, 1.6)}
-    np.testing.assert_allclose(simulate(four, crowded).replica_times_s, 1.6 * simulate(four, plain).replica_times_s)
-    np.testing.assert_allclose(simulate(two, crowded).replica_times_s, simulate(two, plain).replica_times_s)
-    assert crowded.shared_cores.slowdown(ParallelConfig(1, 1), 3, alike=True) == pytest.approx(1.3)
-    assert crowded.shared_cores.slowdown(ParallelConfig(1, 1), 4) == 2.0
-    mixed = plan_from_assignment(0, [300, 300, 300], Deployment.parse("1x(tp1,pp2) + 2x(tp1,pp1)", ClusterSpec(4)),
-                                 [[[0]], [[1]], [[2]]], 0.0)  # fmt: skip
-    np.testing.assert_allclose(simulate(mixed, crowded).replica_times_s, simulate(mixed, shared).replica_times_s)
     data["time_ms"][0]["busy_ranks"] = 0
     with pytest.raises(HydraulisError, match="busy_ranks"):
         ProfiledCostModel.from_dict(data)

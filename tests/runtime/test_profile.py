@@ -13,7 +13,7 @@ from cli_helpers import one_line_error
 from hydraulis.cost import ProfiledCostModel
 from hydraulis.cost.conditions import cpu_cores
 from hydraulis.cost.fit import fit_robust
-from hydraulis.cost.measured import CPU_MEMORY_METHOD, build_profile, crowded_slowdown, summary_rows
+from hydraulis.cost.measured import CPU_MEMORY_METHOD, build_profile, summary_rows
 from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.cost.sweep import ProfileSettings, parse_config_list, sweep
 from hydraulis.parallel import ParallelConfig
@@ -56,10 +56,6 @@ def test_profile_on_gloo_writes_a_profile_that_caps_and_plan_accept(cli, tmp_pat
         assert (
             fid["holdout"]["n"] >= 1 and fid["holdout"]["worst_abs_rel_error"] >= fid["holdout"]["median_abs_rel_error"]
         )
-    # A config timed with fewer replicas than fill the job was timed crowded too (every replica at once).
-    for row in data["time_ms"]:
-        crowded = row["busy_ranks"] < 2
-        assert ("crowded" in row) == crowded and (not crowded or row["crowded"]["busy_ranks"] == 2), row
     points = data["measurements"]["points"]
     assert len(points) == 3 * len(sweep(ProfileSettings(totals=(64, 128), min_doc=32)))
     assert all(p["time_ms"] > 0 and len(p["stage_ms"]) == ParallelConfig.parse(p["config"]).pp for p in points)
@@ -219,15 +215,6 @@ def test_build_profile_uses_the_replicas_that_ran_and_records_the_shared_cores()
     cost = ProfiledCostModel.from_dict(data)
     assert cost.policy_scale(ParallelConfig(1, 1), MemoryPolicy.FULL) == pytest.approx((2, 2), rel=1e-3)
     assert cost.shared_cores is not None and cost.shared_cores.busy_ranks == {ParallelConfig(1, 1): 1}
-    assert "crowded" not in data["time_ms"][0]  # never timed with both replicas at once: processor sharing alone
-    # Timed with both at once too (rank 1 ran in the crowded rounds only): its slowdown over the points' sum,
-    # where each replica's slowest repeat is dropped by the median.
-    ran["crowded_s"] = {"tp1pp1": [[1.5 * t, 1.5 * t, 9 * t] for t in true]}
-    waited["crowded_s"] = {"tp1pp1": [[1.7 * t, 1.7 * t, 1.7 * t] for t in true]}
-    data = build_profile(spec, [ParallelConfig(1, 1)], settings, [ran, waited], device)
-    assert data["time_ms"][0]["crowded"] == {"busy_ranks": 2, "slowdown": pytest.approx(1.6, rel=1e-3)}
-    del waited["crowded_s"]  # a replica that did not report: unknown
-    assert crowded_slowdown(ParallelConfig(1, 1), [ran, waited], true) is None
     for p, t in zip(points, true, strict=True):
         assert cost.stage_time(ParallelConfig(1, 1), p) == pytest.approx(t, rel=1e-3)
 

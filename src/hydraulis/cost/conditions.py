@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -152,31 +152,18 @@ class SharedCores:
 
     Why: with more ranks than cores (gloo on a laptop) a replica's time depends on how many
     ranks compute beside it, and a plan that leaves replicas idle runs the busy ones faster.
-    Processor sharing: k busy ranks of `threads_per_rank` threads each load the cores
-    max(1, k * threads / cores), and a stage is slowed by that load, so a time measured at one load is
-    rescaled to another; the simulator runs every replica's stages together under it (planner/sim.py).
-    Where the profile also timed a config with every replica of the job at once (`crowded`: those ranks,
-    how much slower than as measured), its slowdown among ranks of its own config runs linearly between
-    the two loads: a TP rank blocked in gloo lends its core to its twin (tiny's tp2pp1: 1.6x, not 2x).
-    Beside other configs, processor sharing: a tp2 rank back from a collective waits for a core busy tp1
-    ranks hold (6% slower than processor sharing beside two tp1 replicas, results.md).
+    Processor sharing: k busy ranks of `threads_per_rank` threads each are slowed by
+    max(1, k * threads / cores), so a time measured at one load is rescaled to another; the
+    simulator runs every replica's stages together under it (planner/sim.py).
     """
 
     cores: int
     threads_per_rank: int
     busy_ranks: dict[ParallelConfig, int]  # ranks computing at once while the config was measured
-    crowded: dict[ParallelConfig, tuple[int, float]] = field(default_factory=dict)  # (busy ranks, slowdown)
 
     def load(self, busy: int) -> float:
         return max(1.0, busy * self.threads_per_rank / self.cores)
 
-    def slowdown(self, config: ParallelConfig, busy: int, alike: bool = False) -> float:
-        """How much slower than alone a stage of `config` computes while `busy` ranks (`alike`: all its own) do."""
-        at, base = self.load(busy), config.base
-        if not alike or base not in self.crowded or base not in self.busy_ranks:
-            return at
-        full, measured = self.crowded[base]
-        low, high = self.load(self.busy_ranks[base]), self.load(full)
-        if at <= low or high <= low:
-            return at
-        return low * (1 + (measured - 1) * (at - low) / (high - low))
+    def slowdown(self, config: ParallelConfig, busy: int) -> float:
+        """How much slower than alone a stage of `config` computes while `busy` ranks compute."""
+        return self.load(busy)

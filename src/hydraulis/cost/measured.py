@@ -42,30 +42,6 @@ def _point_times(config: ParallelConfig, ranks: Sequence[dict[str, Any]], world:
     per_rank = {
         r["rank"]: np.asarray(r["configs"][config.name]["times_s"]) for r in ranks if config.name in r["configs"]
     }  # [points, repeats]
-    return _replica_times(config, per_rank, world)
-
-
-def crowded_slowdown(config: ParallelConfig, ranks: Sequence[dict[str, Any]], alone: Sequence[float]) -> float | None:
-    """How much slower the config ran with every replica of the job at once than as measured (`alone`, its
-    point times): summed over the points, so the long micro-batches weigh most; None where not measured
-    (a job whose cores held every replica, or a profile from before 2026-12-06).
-
-    Why: processor sharing rescales all of a time by the ranks busy, and misjudges both ways on 2 cores.
-    gloo's collectives block, so a TP rank waiting for its peer lends its core: the demo's 2x(tp2,pp1) took
-    3.17 s where 4.00 s was predicted (2x its time alone; measured 1.6x). Four processes on two cores pay
-    for switching: 4x(tp1,pp1) ran a median 13% over its predictions, other deployments 1-3%."""
-    per_rank = {r["rank"]: np.asarray(r["crowded_s"][config.name]) for r in ranks
-                if config.name in r.get("crowded_s", {})}  # fmt: skip
-    replicas = filling_replicas(config, len(ranks))
-    if not per_rank or any(m not in per_rank for replica in replicas for m in replica.devices):
-        return None
-    crowded, _ = _replica_times(config, per_rank, len(ranks))
-    return max(1.0, float(sum(crowded) / sum(alone)))  # never faster beside more work (load that came and went)
-
-
-def _replica_times(config: ParallelConfig, per_rank: dict[int, np.ndarray], world: int) -> tuple[list, list]:
-    """`_point_times` of the ranks' [point, repeat] seconds in `per_rank`, over the replicas all of whose ranks
-    are there."""
     points = next(iter(per_rank.values())).shape[0]
     replica_times, replica_stages = [], []
     for replica in filling_replicas(config, world):  # the replicas `measure` ran, on the same ranks
@@ -99,10 +75,8 @@ def _link(rows: Sequence[Sequence[dict[str, Any]]]) -> dict[str, Any] | None:
     }
 
 
-def _time_row(config: ParallelConfig, fit: FitResult, held: dict[str, Any], busy: int | None,
-              crowded: float | None = None, world: int = 1) -> dict[str, Any]:
-    """A config's `time_ms` row: the fitted coefficients (ms) and the held-out error; on shared CPU cores the
-    ranks busy as it was timed, and how much slower it ran with all of the `world` ranks busy (`crowded`)."""
+def _time_row(config: ParallelConfig, fit: FitResult, held: dict[str, Any], busy: int | None) -> dict[str, Any]:
+    """A config's `time_ms` row: the fitted coefficients (ms) and the held-out error."""
     co = fit.coefficients
     row = {
         "tp": config.tp,
@@ -117,8 +91,6 @@ def _time_row(config: ParallelConfig, fit: FitResult, held: dict[str, Any], busy
     }
     if busy is not None:
         row["busy_ranks"] = busy
-    if busy is not None and crowded is not None:
-        row["crowded"] = {"busy_ranks": world // config.num_gpus * config.num_gpus, "slowdown": crowded}
     return row
 
 
@@ -204,9 +176,7 @@ def build_profile(
         held = holdout_fidelity(points, times, settings.holdout_fraction, settings.seed)
         predicted = [t * (1 + r) for t, r in zip(times, fit.residuals, strict=True)]
         fits[config.name] = {"holdout": held, "fit": fidelity(predicted, times)}
-        busy = ranks[0]["busy_ranks"][config.name] if shared else None
-        crowded = crowded_slowdown(config, ranks, times)
-        time_rows.append(_time_row(config, fit, held, busy=busy, crowded=crowded, world=world))
+        time_rows.append(_time_row(config, fit, held, ranks[0]["busy_ranks"][config.name] if shared else None))
         rows = [r["configs"][config.name] for r in ranks if config.name in r["configs"]]
         activation[config.tp] = max(activation.get(config.tp, 0.0), _activation(spec, config, rows, points))
         state_per_param = max([state_per_param, *(r["static_bytes"] / max(1, r["params"]) for r in rows)])

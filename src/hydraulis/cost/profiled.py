@@ -74,6 +74,7 @@ class ProfiledCostModel(CostModel):
         device = dataclasses.replace(base, memory_bytes=memory_bytes, gpus_per_node=gpus_per_node)
 
         coefficients: dict[ParallelConfig, Coefficients] = {}
+        busy_ranks: dict[ParallelConfig, int] = {}
         for i, row in enumerate(f.list("time_ms")):
             r = Fields(row, f"{where}.time_ms[{i}]")
             config = ParallelConfig.from_fields(r)
@@ -82,6 +83,8 @@ class ProfiledCostModel(CostModel):
             coefficients[config] = Coefficients(
                 r.float("a", minimum=0) / 1e3, r.float("b", minimum=0) / 1e3, r.float("c", minimum=0) / 1e3
             )
+            if "busy_ranks" in row:
+                busy_ranks[config] = r.int("busy_ranks", minimum=1, maximum=MAX_GPUS)
         if not coefficients:
             raise HydraulisError(f"{where}.time_ms: no configs")
 
@@ -97,7 +100,13 @@ class ProfiledCostModel(CostModel):
         for config in coefficients:
             config.validate(model)
         collectives = _collectives(f) if "collectives" in data else None
-        shared = _shared_cores(f) if "shared_cores" in data else None
+        shared = None
+        if "shared_cores" in data:
+            sc = f.obj("shared_cores")
+            shared = SharedCores(
+                sc.int("cores", minimum=1, maximum=MAX_GPUS), sc.int("threads_per_rank", minimum=1, maximum=MAX_GPUS),
+                busy_ranks,
+            )
         step = _optimizer_step(f) if "optimizer_step" in data else None
         cost = cls(
             f.str("name"), model, device, coefficients=coefficients, memory=memory, min_efficient_tokens=min_eff,
@@ -143,23 +152,6 @@ def _memory(f: Fields, memory_bytes: int, activation_dtype_bytes: int) -> Memory
     if memory.optimizer_sharded_fraction > 1:
         raise HydraulisError(f"{mem.where}.optimizer_sharded_fraction: must be at most 1")
     return memory
-
-
-def _shared_cores(f: Fields) -> SharedCores:
-    """The profile's `shared_cores`, with each `time_ms` row's busy ranks and crowded slowdown where it has them."""
-    sc = f.obj("shared_cores")
-    busy: dict[ParallelConfig, int] = {}
-    crowded: dict[ParallelConfig, tuple[int, float]] = {}
-    for i, row in enumerate(f.list("time_ms")):
-        r = Fields(row, f"{f.where}.time_ms[{i}]")
-        config = ParallelConfig.from_fields(r)
-        if "busy_ranks" in row:
-            busy[config] = r.int("busy_ranks", minimum=1, maximum=MAX_GPUS)
-        if "crowded" in row:  # timed with every replica at once too
-            c = r.obj("crowded")
-            crowded[config] = (c.int("busy_ranks", minimum=1, maximum=MAX_GPUS), c.float("slowdown", minimum=1.0))
-    cores = sc.int("cores", minimum=1, maximum=MAX_GPUS)
-    return SharedCores(cores, sc.int("threads_per_rank", minimum=1, maximum=MAX_GPUS), busy, crowded)
 
 
 def _dtype_bytes(device: Fields) -> int:

@@ -39,9 +39,6 @@ class ProfileSettings:
     # A timed round during which other processes took a tenth of the cores or more runs again, this often
     # (and at most half of all timed rounds run again: runtime/metering/profiler.py's LoadCheck).
     load_retries: int = 1
-    # Timed rounds of each config with all its replicas at once, where the CPU's cores held fewer: how much
-    # slower a config runs in a full job than alone (cost.model.SharedCores.crowded; 0: not measured).
-    crowded_repeats: int = 3
 
     def __post_init__(self) -> None:
         if not self.totals or any(t < 1 for t in self.totals):
@@ -52,8 +49,6 @@ class ProfileSettings:
             raise HydraulisError(f"threads per rank must be positive, got {self.threads}")
         if self.warmup < 0 or self.repeats < 1 or self.collective_repeats < 1:
             raise HydraulisError("warm-up must be non-negative and repeats at least 1")
-        if self.crowded_repeats < 0:
-            raise HydraulisError(f"crowded repeats must be non-negative, got {self.crowded_repeats}")
         if self.load_retries < 0:
             raise HydraulisError(f"--load-retries must be non-negative, got {self.load_retries}")
         if self.dtype is not None and self.dtype not in DTYPE_NAMES:

@@ -307,8 +307,7 @@ def shared_timelines(
             now = min(a for a in arrivals if a > now)  # every stage waits for a transfer
             continue
         busy = sum(lane.ranks for lane in running)
-        alike = len({configs[lane.replica].base for lane in running}) == 1  # beside its own replicas only
-        rates = [_rate(shared, configs[lane.replica], busy, alike) for lane in running]
+        rates = [_rate(shared, configs[lane.replica], busy) for lane in running]
         step = min(lane.remaining / rate for lane, rate in zip(running, rates, strict=True))
         waiting = [a for a in arrivals if now + _EPS < a < now + step]
         step = min([step, *(a - now for a in waiting)])
@@ -341,10 +340,9 @@ def _ready(lane: _Lane, ends: dict, configs: Sequence[ParallelConfig], comm: Seq
     return np.inf if dep is None else dep + comm[lane.replica][j]
 
 
-def _rate(shared: SharedCores, config: ParallelConfig, busy: int, alike: bool = False) -> float:
-    """Work per second of a stage of `config` while `busy` ranks compute, all of its config where `alike`
-    (1 for a config measured unshared)."""
-    return 1.0 / shared.slowdown(config, busy, alike) if config.base in shared.busy_ranks else 1.0
+def _rate(shared: SharedCores, config: ParallelConfig, busy: int) -> float:
+    """Work per second of a stage of `config` while `busy` ranks compute (1 for a config measured unshared)."""
+    return 1.0 / shared.slowdown(config, busy) if config.base in shared.busy_ranks else 1.0
 
 
 def _timeline(config: ParallelConfig, lanes: list[_Lane], rows: list, keep_events: bool) -> ReplicaTimeline:

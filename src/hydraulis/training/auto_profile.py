@@ -128,7 +128,7 @@ class AutoProfile:
         if self.device_name not in DEVICES:
             return None
         cost = AnalyticCostModel(self.spec, DEVICES[self.device_name], configs=list(self.configs))
-        rounds = 1 + self.settings.warmup + self.settings.repeats + self.settings.crowded_repeats
+        rounds = 1 + self.settings.warmup + self.settings.repeats
         return sum(rounds * g.pp * cost.stage_time(g, point) for g in self.configs for point in sweep(self.settings))
 
     def mismatch(self, data: dict[str, Any]) -> str | None:

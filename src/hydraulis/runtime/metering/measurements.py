@@ -147,8 +147,6 @@ class ConfigRun:
         self.clock = Clock(device)
         self.count = len(batches)
         self.times = [[0.0] * settings.repeats for _ in batches]
-        self.crowded = [[0.0] * settings.crowded_repeats for _ in batches]  # every replica of the job at once
-        self.warm = False  # a rank whose replica waited while the others were timed warms up in the crowded rounds
         # The memory policies' recompute, timed at the sweep's longest point beside its plain run.
         self.longest = max(range(len(batches)), key=lambda i: batches[i].num_tokens)
         self.policy_times = {p.label: [0.0] * settings.repeats for p in LIGHTEST_FIRST[1:]}
@@ -158,7 +156,6 @@ class ConfigRun:
     def warmup(self, i: int) -> None:
         for _ in range(self.settings.warmup):
             self.run(i)
-        self.warm = self.warm or i == self.count - 1
 
     def timed(self, i: int, repeat: int) -> None:
         barrier(self.groups.replica_group, self.clock)
@@ -167,13 +164,6 @@ class ConfigRun:
             for p in LIGHTEST_FIRST[1:]:
                 barrier(self.groups.replica_group, self.clock)
                 self.policy_times[p.label][repeat] = self.clock.time(lambda p=p: self.run(i, p))
-
-    def crowded_timed(self, i: int, repeat: int) -> None:
-        """A timed run while every replica of the config runs too (`measure`'s crowded rounds)."""
-        if not self.warm:
-            self.warmup(i)
-        barrier(self.groups.replica_group, self.clock)
-        self.crowded[i][repeat] = self.clock.time(lambda: self.run(i))
 
     def memory(self, i: int) -> None:
         barrier(self.groups.replica_group, self.clock)

@@ -16,12 +16,8 @@ What is timed, and why:
   the cores, and training often leaves replicas idle. The profile records
   the cores, the threads per rank and the ranks busy per config
   (`shared_cores`, `busy_ranks`), and the simulator replays a plan's
-  replicas sharing the cores (cost.model.SharedCores). There, crowded
-  rounds time every replica at once too (`crowded`): how much slower the
-  config runs in a full job than processor sharing says (a TP rank blocked
-  in gloo lends its core; more processes than cores pay for switching).
-  Configs take turns by rounds (warm-up, each timed repeat, the crowded
-  ones, memory), so that load from other
+  replicas sharing the cores (cost.model.SharedCores). Configs take turns
+  by rounds (warm-up, each timed repeat, memory), so that load from other
   processes, which drifts over minutes, spreads over all configs instead
   of biasing the planner's comparison of them; ranks not running the
   config wait at a barrier.
@@ -74,7 +70,6 @@ import resource
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -170,45 +165,12 @@ class LoadCheck:
                 "disturbed_kept": sum(disturbed(x, self.cores) for x in self.kept), "measured_again": self.redone}
 
 
-def _replica_groups(
-    configs: Sequence[ParallelConfig], world: int, cores: int | None, threads: int
-) -> tuple[dict[ParallelConfig, ReplicaGroups], dict[str, int]]:
-    """Each config's groups for this rank (new_group is a collective of the whole job: every rank, same order),
-    and the ranks of the replicas the cores hold, which the timed rounds run."""
-    groups, busy = {}, {}
-    for config in configs:
-        groups[config] = build_replica_groups(filling_replicas(config, world), timeout=JOB_TIMEOUT, replica_group=True)
-        busy[config.name] = replicas_at_once(config, world, cores, threads) * config.num_gpus
-    return groups, busy
-
-
-@dataclass(frozen=True)
-class Rounds:
-    """Each config's rounds in order: a warm-up, the timed repeats (the replicas the cores hold), the crowded
-    repeats (every replica of the job at once, on a CPU whose cores held fewer), the memory census."""
-
-    repeats: int
-    crowded_repeats: int
-
-    @property
-    def count(self) -> int:
-        return 1 + self.repeats + self.crowded_repeats + 1
-
-    def timed(self, r: int) -> bool:
-        return 1 <= r <= self.repeats + self.crowded_repeats
-
-    def crowded(self, r: int) -> bool:
-        return self.repeats < r <= self.repeats + self.crowded_repeats
-
-
-def _config_round(run: ConfigRun, r: int, rounds: Rounds, report: Callable[[str, int], None] | None) -> None:
-    """One round of one config on this rank (`Rounds`); a rank whose replica waited runs only the crowded ones."""
+def _config_round(run: ConfigRun, r: int, repeats: int, report: Callable[[str, int], None] | None) -> None:
+    """One round of one config on this rank: warm-up (0), a timed repeat (1..repeats) or the memory census."""
     for i in range(run.count):
         if r == 0:
             run.warmup(i)
-        elif rounds.crowded(r):
-            run.crowded_timed(i, r - 1 - rounds.repeats)
-        elif rounds.timed(r):
+        elif r <= repeats:
             run.timed(i, r - 1)
         else:
             run.memory(i)
@@ -236,51 +198,45 @@ def measure(
     documents = [[torch.randint(0, spec.vocab, (s,), generator=g) for s in lengths] for lengths in sweep(settings)]
     cores = cpu_cores() if env.device.type == "cpu" else None
     threads = torch.get_num_threads()
-    groups, busy = _replica_groups(configs, env.world_size, cores, threads)
-    rounds = Rounds(settings.repeats, settings.crowded_repeats)
+    groups: dict[ParallelConfig, ReplicaGroups | None] = {}
+    busy: dict[str, int] = {}
+    for config in configs:  # new_group is a collective of the whole job: every rank, same order
+        n = config.num_gpus
+        mine = build_replica_groups(filling_replicas(config, env.world_size), timeout=JOB_TIMEOUT, replica_group=True)
+        at_once = replicas_at_once(config, env.world_size, cores, threads)
+        busy[config.name] = at_once * n
+        groups[config] = mine if env.rank // n < at_once else None  # the others wait at the barrier
+    rounds = 1 + settings.repeats + 1  # warm-up, timed repeats, memory
     order = (
-        [(r, c) for r in range(rounds.count) for c in configs]
+        [(r, c) for r in range(rounds) for c in configs]
         if settings.interleave
-        else [(r, c) for c in configs for r in range(rounds.count)]
+        else [(r, c) for c in configs for r in range(rounds)]
     )
-    timed = (settings.repeats + settings.crowded_repeats) * len(configs)
-    load = LoadCheck(env, cores, settings.load_retries, budget=max(1, timed // 2))
+    load = LoadCheck(env, cores, settings.load_retries, budget=max(1, settings.repeats * len(configs) // 2))
     runs: dict[ParallelConfig, ConfigRun] = {}
     measured: dict[str, Any] = {}
-    crowded: dict[str, Any] = {}
     for r, config in order:
-        crowds = busy[config.name] < env.world_size // config.num_gpus * config.num_gpus
-        if rounds.crowded(r) and not crowds:  # the cores held every replica: nothing to time crowded
-            if report:
-                report(config.name, len(documents))
-            continue
-        # the replicas the cores hold run, the others wait at the barrier; in a crowded round all of them run
-        runs_here = rounds.crowded(r) or env.rank < busy[config.name]
-        if runs_here and config not in runs:
+        mine = groups[config]
+        if mine is not None and config not in runs:
             runs[config] = ConfigRun(
-                spec, groups[config], documents=documents, settings=settings, device=env.device, dtype=dtype
+                spec, mine, documents=documents, settings=settings, device=env.device, dtype=dtype
             )
         for attempt in range(settings.load_retries + 1):
             load.start()
-            if runs_here:
-                _config_round(runs[config], r, rounds, report if attempt == 0 else None)
+            if mine is not None:
+                _config_round(runs[config], r, settings.repeats, report if attempt == 0 else None)
             dist.barrier()  # ranks without a replica of this config wait here
-            if not rounds.timed(r) or not load.again(attempt):
+            if not 1 <= r <= settings.repeats or not load.again(attempt):
                 break
-        if config in runs and r == rounds.count - 1:  # the config's last round: free its model
-            run = runs.pop(config)
-            if env.rank < busy[config.name]:
-                measured[config.name] = run.result()
-            if crowds and rounds.crowded_repeats:
-                crowded[config.name] = run.crowded
+        if mine is not None and r == rounds - 1:  # the config's last round: free its model
+            measured[config.name] = runs.pop(config).result()
             if env.device.type == "cuda":
                 torch.cuda.empty_cache()
     collectives = measure_collectives(env, settings, report) if env.world_size > 1 else None
     step = measure_optimizer_step(spec, configs, settings=settings, env=env, dtype=dtype, report=report)
     return {
         "rank": env.rank, "context_bytes": context, "threads": threads, "cores": cores, "busy_ranks": busy,
-        "configs": measured, "crowded_s": crowded, "collectives": collectives, "optimizer_step_s": step,
-        "load": load.result(),
+        "configs": measured, "collectives": collectives, "optimizer_step_s": step, "load": load.result(),
     }
 
 
@@ -296,7 +252,7 @@ def _worker(
 
 def progress_steps(configs: Sequence[ParallelConfig], settings: ProfileSettings, world: int) -> int:
     """How many `report` steps a job makes (for a progress bar's total)."""
-    per_config = len(sweep(settings)) * Rounds(settings.repeats, settings.crowded_repeats).count + 1  # + the step
+    per_config = len(sweep(settings)) * (1 + settings.repeats + 1) + 1  # + the optimizer step
     return len(configs) * per_config + (2 * len(settings.collective_bytes) if world > 1 else 0)
 
 
