@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from hydraulis.bench import _run_policy, _with_policies, get_scenarios
+from hydraulis.bench import _run_policy, _with_policies, geomean, get_scenarios
 from hydraulis.cost import load_cost_model
 from hydraulis.planner.plan import IterationPlan, Schedule
 from hydraulis.planner.policy import PolicyContext
@@ -63,7 +63,7 @@ def main(args: list[str]) -> int:
         ratios.append(plan_s / zb_s)
         print(f"{s.name}: plan {plan_s:.2f} s, zero-bubble oracle {zb_s:.2f} s, {plan_s / zb_s:.3f}x; "
               f"{np.mean([v > 1 for v in replicas]):.0%} of the plan's replicas interleaved", flush=True)
-    print(f"geometric mean: {float(np.exp(np.mean(np.log(ratios)))):.3f}x")
+    print(f"geometric mean: {geomean(ratios):.3f}x")
     return 0
 
 
