@@ -1,4 +1,4 @@
-"""Chunked long sequences as a schedule on the bench (issue 50, item 4; `planner/chunk_schedule.py`).
+"""Chunked long sequences as a schedule on the bench (issue 50, item 4; `planner/oracles/chunk_schedule.py`).
 
 Per scenario, on the bench's own batches, cost models and hydraulis (the contexts `hydraulis bench` tries
 for it: with and without recompute where needed, interleaving on and off, memory policies per micro-batch):
@@ -25,7 +25,7 @@ from hydraulis.baselines import make_policy
 from hydraulis.bench import _with_policies, geomean, get_scenarios
 from hydraulis.cost import load_cost_model
 from hydraulis.cost.model import CostModel
-from hydraulis.planner.chunk_schedule import ChunkedSchedule, chunk_run, chunk_time, plan_chunked
+from hydraulis.planner.oracles.chunk_schedule import ChunkedSchedule, chunk_run, chunk_time, plan_chunked
 from hydraulis.planner.policy import PolicyContext
 from hydraulis.planner.schedule import check_schedule
 from hydraulis.specs import ClusterSpec

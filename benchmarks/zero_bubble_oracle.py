@@ -1,12 +1,15 @@
-"""The zero-bubble oracle against interleaved 1F1B on the bench's long scenarios (issue 50, item 3).
+"""The zero-bubble oracle on the plan's own order against (interleaved) 1F1B on the bench's plans (issue 50, item 3).
 
-Per scenario, hydraulis plans the bench's batches as the bench has it (interleaving on: its proposal and planner
-weigh every vp of the recipes). Each phase's replicas then run their micro-batches, as planned, under the
-zero-bubble oracle of `planner/sim.py` (`zero_bubble_replica`: the backward split into B and W, W's of unequal
-micro-batches fitted into the gaps, at most 1F1B's micro-batches held, on the config's plain pipeline) instead
-of the plan's (interleaved) 1F1B; the exchange, switches and step stay. Printed: the plan's time, the oracle's,
-their ratio (what the schedule could gain on these plans), and the share of the plan's replicas that were
-interleaved. Simulated: load does not move the figures.
+Per scenario, hydraulis plans the bench's batches as `hydraulis bench` has it (policies per micro-batch, with and
+without full recompute where needed, interleaved and plain 1F1B: the fastest). Each phase's replicas then run
+their micro-batches, as planned and in the plan's (interleaved) order, under the zero-bubble oracle of
+`planner/oracles/zero_bubble.py` (each backward split into B and W, the W's deferred into the stages' gaps within
+the plan's memory cap); the exchange, switches and step stay. Printed per scenario: the plan's time, the
+oracle's, the gain; the W's share of the backward by the cost model and by the model's FLOPs (a check of the
+split); the share of the W seconds deferred past a later F or B, and run early because the cap bound, and the
+share of the replicas' phases where it bound; the share of the plan's replicas interleaved. Simulated: load does
+not move the figures. Plans that are all pp = 1 gain nothing by construction (no bubble: every W waits for the
+end at no cost).
 
     PYTHONPATH=src python benchmarks/zero_bubble_oracle.py [SCENARIO ...]
 """
@@ -15,55 +18,98 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections import Counter
 
 import numpy as np
 
 from hydraulis.bench import _run_policy, _with_policies, geomean, get_scenarios
 from hydraulis.cost import load_cost_model
+from hydraulis.cost.model import FORWARD_SHARE, CostModel
+from hydraulis.cost.policies import derived_scales
+from hydraulis.planner.oracles.zero_bubble import replica_oracle, zero_bubble_split
 from hydraulis.planner.plan import IterationPlan, Schedule
 from hydraulis.planner.policy import PolicyContext
-from hydraulis.planner.sim import replica_stage_times, simulate, zero_bubble_replica, zero_bubble_split
+from hydraulis.planner.sim import simulate
 from hydraulis.specs import ClusterSpec
 
+# The bench's scenarios whose hydraulis plans run pipelines (docs/results.md, the bench after 2026-12-07's merges).
+PIPELINED = ("long-70b-64g-stdlib-1m-64k", "long-70b-128g-longmix-2m-128k", "long-70b-256g-longmix-4m-64k",
+             "32b-64g-wiki-1m-32k", "32b-64g-wikisample-1m-32k")
 
-def oracle_compute(plan: IterationPlan, cost) -> float:
-    """The phase's compute under the oracle: its slowest replica's."""
-    out = 0.0
-    for r, replica in enumerate(plan.deployment.replicas):
-        if not plan.micro_batch_lengths(r):
-            continue
-        forward, input_grad, weight = zero_bubble_split(plan, r, cost)
-        _, comm = replica_stage_times(plan, r, cost)
-        out = max(out, zero_bubble_replica(forward, input_grad, weight, replica.config.pp, comm)[0])
+
+def plan_bench(scenario) -> tuple[CostModel, list[float], list[Schedule]]:
+    """The bench's hydraulis on the scenario's batches: its cost model, iteration times and schedules."""
+    batches = scenario.sample(scenario.seed)
+    ctx = PolicyContext.build(load_cost_model(scenario.profile), ClusterSpec(scenario.num_gpus), batches,
+                              sample=scenario.sample(scenario.seed + 1000, 4))
+    ctx = dataclasses.replace(ctx, interleave=True)  # as `hydraulis bench` (its default) before the run-wide choice
+    run_wide = {c.cost.name: c for c in (ctx, ctx.recompute_where_needed(lone=False))}.values()
+    tried = (_run_policy("hydraulis", _with_policies(dataclasses.replace(c, interleave=on)), batches)
+             for c in run_wide for on in (True, False))
+    cost, times, _, _, schedules = min(tried, key=lambda r: sum(r[1]))
+    return cost, times, schedules
+
+
+def weight_shares(plan: IterationPlan, replica: int, cost: CostModel) -> tuple[float, float, float]:
+    """Per replica, sums of micro-batches' plain backward seconds (no policy's recompute: 2/3 of a s^2 + b s) and
+    of W's share of them by the cost model (`zero_bubble_split`) and by the model's FLOPs (the GEMMs' weight
+    gradients, one forward's GEMMs, over two forwards' GEMMs and attention, as slime's `forward_flops` counts
+    them); the two shares should agree where b is the GEMMs' work."""
+    config = plan.deployment.replicas[replica].config
+    model, k = cost.model, cost.coefficients(config)
+    scale_a, scale_b = derived_scales(model)[cost.policies(config)[0]]  # a run-wide policy's, in a and b already
+    _, _, weight = zero_bubble_split(plan, replica, cost)
+    gemm = 2.0 * (model.params_per_layer - 2 * model.hidden)
+    attention = 2.0 * model.heads * model.head_dim
+    out = np.zeros(3)
+    for w, s in zip(weight, plan.micro_batch_lengths(replica), strict=True):
+        n, squares = float(s.sum()), float(np.dot(s, s))
+        backward = (1 - FORWARD_SHARE) * (k.a / scale_a * squares + k.b / scale_b * n)
+        out += (backward, w, backward * gemm * n / (2 * (gemm * n + attention * squares)))
+    return tuple(out)
+
+
+def oracle_schedule(schedule: Schedule, cost: CostModel) -> Counter:
+    """The schedule's iteration with each phase's compute under the oracle (the rest as simulated), also without
+    a memory cap, and figures summed over its replicas' phases: plain backward, W and W-by-FLOPs seconds (per
+    stage), W seconds deferred and forced by the cap (per stage), phases where the cap bound."""
+    out: Counter = Counter(time=schedule.iteration_time_s, uncapped=schedule.iteration_time_s)
+    for p, plan in enumerate(schedule.phases):
+        phase_cost = cost if p == 0 else cost.later_phase()
+        compute = uncapped = 0.0
+        for r, replica in enumerate(plan.deployment.replicas):
+            if not plan.micro_batch_lengths(r):
+                continue
+            run = replica_oracle(plan, r, phase_cost)
+            compute = max(compute, run.time_s)
+            uncapped = max(uncapped, replica_oracle(plan, r, phase_cost, capped=False).time_s)
+            backward, weight, by_flops = weight_shares(plan, r, phase_cost)
+            pp = replica.config.pp
+            out.update(backward=backward, weight=weight, weight_by_flops=by_flops, deferred=run.deferred_s / pp,
+                       forced=run.forced_s / pp, replicas=1, bound=run.forced > 0, pipelined=pp > 1,
+                       interleaved=replica.config.vp > 1)
+        simulated = simulate(plan, phase_cost, keep_events=False).compute_time_s
+        out.update(time=compute - simulated, uncapped=uncapped - simulated)
     return out
 
 
-def oracle_time(schedule: Schedule, cost) -> float:
-    """The schedule's iteration with each phase's compute under the oracle, the rest as simulated."""
-    total = schedule.iteration_time_s
-    for plan in schedule.phases:
-        total += oracle_compute(plan, cost) - simulate(plan, cost, keep_events=False).compute_time_s
-    return total
-
-
 def main(args: list[str]) -> int:
-    ratios = []
-    for s in get_scenarios(args or None, None if args else "long"):
-        batches = s.sample(s.seed)
-        ctx = PolicyContext.build(load_cost_model(s.profile), ClusterSpec(s.num_gpus), batches,
-                                  sample=s.sample(s.seed + 1000, 4))
-        ctx = dataclasses.replace(ctx, interleave=True)
-        # The bench's hydraulis: a memory policy per micro-batch, without recompute or with it where needed.
-        run_wide = {c.cost.name: c for c in (ctx, ctx.recompute_where_needed(lone=False))}.values()
-        cost, times, _, _, schedules = min((_run_policy("hydraulis", _with_policies(c), batches) for c in run_wide),
-                                           key=lambda r: sum(r[1]))
+    gains = []
+    for s in get_scenarios(args or PIPELINED):
+        cost, times, schedules = plan_bench(s)
         plan_s = float(sum(times))
-        zb_s = float(sum(oracle_time(k, cost) for k in schedules))
-        replicas = [r.config.vp for k in schedules for p in k.phases for r in p.deployment.replicas]
-        ratios.append(plan_s / zb_s)
-        print(f"{s.name}: plan {plan_s:.2f} s, zero-bubble oracle {zb_s:.2f} s, {plan_s / zb_s:.3f}x; "
-              f"{np.mean([v > 1 for v in replicas]):.0%} of the plan's replicas interleaved", flush=True)
-    print(f"geometric mean: {geomean(ratios):.3f}x")
+        sums: Counter = Counter()
+        for k in schedules:
+            sums.update(oracle_schedule(k, cost))
+        gains.append(plan_s / sums["time"])
+        w = sums["weight"] or 1.0
+        print(f"{s.name}: plan {plan_s:.2f} s, oracle {sums['time']:.2f} s, gain {gains[-1]:.4f}x (without a cap "
+              f"{plan_s / sums['uncapped']:.4f}x); W {sums['weight'] / sums['backward']:.1%} of the plain backward "
+              f"(by FLOPs {sums['weight_by_flops'] / sums['backward']:.1%}), deferred {sums['deferred'] / w:.1%}, "
+              f"forced by the cap {sums['forced'] / w:.1%}; the cap bound in {sums['bound']} of "
+              f"{sums['replicas']} replicas' phases; pipelined {sums['pipelined']}, interleaved "
+              f"{sums['interleaved']}", flush=True)
+    print(f"geometric mean gain: {geomean(gains):.4f}x")
     return 0
 
 

@@ -1,6 +1,6 @@
-"""Chunked long sequences as a schedule (planner/chunk_schedule.py): the chunks' real order on a pipeline against
-the simulator's lone micro-batch, the oracle's bound (cost/chunks.py) and the memory cap; and their placement
-on a schedule's replicas."""
+"""Chunked long sequences as a schedule (planner/oracles/chunk_schedule.py): the chunks' real order on a pipeline
+against the simulator's lone micro-batch, the oracle's bound (cost/chunks.py) and the memory cap; and their
+placement on a schedule's replicas."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hydraulis.cost import load_cost_model
 from hydraulis.cost.chunks import chunk_sizes, chunked_stage_time, kv_share, lone_cap
 from hydraulis.parallel import Deployment
-from hydraulis.planner.chunk_schedule import (
+from hydraulis.planner.oracles.chunk_schedule import (
     chunk_pass,
     chunk_run,
     chunk_time,

@@ -20,12 +20,7 @@ from hydraulis.planner.packing import pack_replica
 from hydraulis.planner.plan import plan_from_assignment
 from hydraulis.planner.planner import assemble
 from hydraulis.planner.replicas import ReplicaCost, ReplicaTable, estimate_time
-from hydraulis.planner.sim import (
-    FORWARD_SHARE,
-    simulate,
-    simulate_replica,
-    zero_bubble_replica,
-)
+from hydraulis.planner.sim import FORWARD_SHARE, simulate, simulate_replica
 from hydraulis.specs import ClusterSpec, get_model
 
 
@@ -192,30 +187,6 @@ def test_with_interleaving_offers_each_recipe_vp_at_the_same_coefficients():
     assert ParallelConfig(4, 8, 1, 5) in extra and not any(g.pp <= 2 for g in extra)
     g = ParallelConfig(4, 8, 1, 5)
     assert wide.coefficients(g) == cost.coefficients(g.base) and wide.name == f"{cost.name}+vp"
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.floats(1e-3, 20.0), min_size=1, max_size=12), st.integers(1, 6), st.floats(0.0, 0.3),
-       st.floats(0.0, 1.0))
-def test_the_zero_bubble_oracle_is_1f1b_without_w_and_never_slower_with_it(times, pp, comm, share):
-    """No weight-gradient work: the oracle is the plain 1F1B (to the bit on a pipeline). Some: W's wait for gaps or
-    run before a forward would hold more than 1F1B's micro-batches, so it is never slower and never holds more."""
-    forward = [t * FORWARD_SHARE for t in times]
-    backward = [t * (1 - FORWARD_SHARE) for t in times]
-    plain = simulate_replica(times, pp, comm).time_s
-    alike = zero_bubble_replica(forward, backward, [0.0] * len(times), pp, comm)[0]
-    assert alike == plain if pp > 1 else alike == pytest.approx(plain, rel=1e-12)  # one stage: a sum's rounding
-    weight = [b * share for b in backward]
-    time_s, peak = zero_bubble_replica(forward, [b - w for b, w in zip(backward, weight, strict=True)], weight, pp,
-                                       comm)
-    assert time_s <= plain * (1 + 1e-12)
-    assert all(k <= min(pp - s, len(times)) for s, k in enumerate(peak))
-
-
-def test_the_zero_bubble_oracle_fills_the_cool_down_with_w():
-    """pp 4, 8 micro-batches of F = B = W = 1: 1F1B takes (8 + 3) x 3 = 33; deferring W into the gaps leaves the
-    bubble (pp - 1)(F + B) = 6 instead of 9, at 1F1B's memory: 30."""
-    assert zero_bubble_replica([1.0] * 8, [1.0] * 8, [1.0] * 8, 4) == (30.0, [4, 3, 2, 1])
 
 
 @pytest.mark.parametrize(("pp", "vp"), [(8, 5), (8, 2), (4, 2)])

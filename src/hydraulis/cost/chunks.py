@@ -2,7 +2,7 @@
 replica, in order, each chunk attending to the keys and values its predecessors left (ChunkFlow,
 InfiniPipe), could gain beyond recompute and CP. No plan runs chunks; the bench's bound takes them as one
 more way to run a sequence (`planner.bounds.lower_bound(chunked=True)`), `benchmarks/chunk_oracle.py`
-compares the bounds, and `planner/chunk_schedule.py` runs the chunks' real order on the pipeline.
+compares the bounds, and `planner/oracles/chunk_schedule.py` runs the chunks' real order on the pipeline.
 
 A sequence of s tokens beyond a config's lone cap (what a lone micro-batch holds whole) runs there in a pass
 of its own under one of the config's memory policies (the least time), as K = ceil(s / C) chunks, the
@@ -19,7 +19,7 @@ first s - C tokens and of c per chunk. (Holding N chunks of C / N recomputes as 
 one chunk of the largest C is the best.) A chunk below the config's busy threshold
 (`min_efficient_tokens`) is not offered. Optimistic in one respect, so a bound on the gain: the chunks of
 one sequence cross the pipeline as if their bubbles were filled by other work (all forwards first, then
-all backwards, leaves (pp - 1) chunk-stages idle at each end; `planner/chunk_schedule.py` counts them).
+all backwards, leaves (pp - 1) chunk-stages idle at each end; `planner/oracles/chunk_schedule.py` counts them).
 """
 
 from __future__ import annotations

@@ -1,0 +1,208 @@
+"""The zero-bubble oracle (issue 50, item 3): a plan's own (interleaved) 1F1B with each backward split into B, the
+input gradients on the critical path, and W, the weight gradients, which may wait for a gap.
+
+Every stage runs its forwards and B's in the plan's order (`pipeline_order.stage_order`, vp chunks per stage) and
+its pending W's, oldest first, in the idle time before its next event's input arrives, never delaying an F or a B
+(Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, without their hand-made order). A deferred W holds its
+chunk's linear layers' inputs and output gradients (`weight_grad_bytes`) until it ends, where its B freed the rest
+of the chunk's activations; before an event would lift a stage above its memory cap, the oldest pending W's run
+first (the cap binds). A W may stop and resume between gaps (at layer granularity in a runtime; here in any
+fraction): so a stage's clock plus its pending W's never passes interleaved 1F1B's clock, and the oracle is never
+slower than the plan's own order. Greedy list scheduling: an oracle of what the schedule could gain, not an
+optimum (on pp 4, 8 equal micro-batches of F = B = W = 1 at 1F1B's memory it takes 30 where ZB-H1 takes 27). The
+simulator's only: the runtime runs (interleaved) 1F1B.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hydraulis.context import max_rank_tokens
+from hydraulis.cost.activations import in_flight
+from hydraulis.cost.model import FORWARD_SHARE, CostModel
+from hydraulis.cost.policies import MemoryPolicy, derived_scales
+from hydraulis.pipeline_order import FORWARD, event_graph, stage_order
+from hydraulis.planner.plan import IterationPlan
+from hydraulis.planner.sim import replica_stage_times
+from hydraulis.specs import ModelSpec
+
+_EPS = 1e-9  # relative slack of a memory comparison (sums of bytes in another order)
+
+
+@dataclass(frozen=True)
+class ZeroBubbleRun:
+    """One replica under the oracle: its time, each stage's most bytes held (the memory unit given), and seconds
+    of W work in all, run after a later F or B of its stage (deferred), and run early because the cap bound."""
+
+    time_s: float
+    peak: tuple[float, ...]
+    weight_s: float
+    deferred_s: float
+    forced_s: float
+    forced: int  # W's the cap made run before an event
+
+
+def order_peak(pp: int, vp: int, held: Sequence[float]) -> list[float]:
+    """Each stage's most bytes held under the plan's own order, each W right after its B (a fused backward frees
+    its chunk's activations layer by layer, a transient the memory model counts apart): its chunks in flight, each
+    micro-batch's `held` bytes from its forward to its backward."""
+    peaks = []
+    for s in range(pp):
+        now = peak = 0.0
+        for kind, j, _ in stage_order(pp, vp, len(held), s):
+            now += held[j] if kind == FORWARD else -held[j]
+            peak = max(peak, now)
+        peaks.append(peak)
+    return peaks
+
+
+class _Stage:
+    """A stage's clock, bytes held and pending W's ([micro-batch, work left, bytes, still fresh]), oldest first."""
+
+    def __init__(self, cap: float) -> None:
+        self.clock = self.held = self.peak = 0.0
+        self.cap = cap
+        self.pending: list[list] = []
+        self.deferred = self.forced_s = 0.0
+        self.forced = 0
+
+    def run(self, until: float | None = None) -> None:
+        """The oldest pending W: whole (`until` None), or as much of it as ends by `until`."""
+        w = self.pending[0]
+        work = w[1] if until is None else min(w[1], until - self.clock)
+        self.deferred += 0.0 if w[3] else work
+        if until is not None and work < w[1]:
+            w[1] -= work
+            self.clock = until
+            return
+        self.clock += w[1]
+        self.held -= w[2]
+        self.pending.pop(0)
+
+    def make_room(self, delta: float = 0.0) -> None:
+        """Run the oldest W's while an event adding `delta` bytes would hold (or the stage holds) more than the cap."""
+        while self.pending and self.held + delta > self.cap * (1 + _EPS):
+            self.forced_s += self.pending[0][1]
+            self.forced += 1
+            self.run()
+
+    def fill(self, ready: float) -> None:
+        """Pending W's in the gap before `ready`, never past it."""
+        while self.pending and self.clock < ready:
+            self.run(ready)
+
+
+def zero_bubble_replica(
+    forward_s: Sequence[float], input_grad_s: Sequence[float], weight_grad_s: Sequence[float], pp: int,
+    vp: int = 1, p2p_s: Sequence[float] | float = 0.0, held: Sequence[float] | None = None,
+    weight_held: Sequence[float] | None = None, cap: Sequence[float] | None = None,
+) -> ZeroBubbleRun:
+    """The replica's time under the oracle: forward, B and W seconds of each micro-batch on one stage (all vp
+    chunks), p2p as the simulator's; one chunk's activations (`held`) and its deferred W's bytes (`weight_held`)
+    per micro-batch, both 1 by default; each stage's cap (default and floor: what the plan's own order holds,
+    `order_peak`, so at vp = 1 and the defaults 1F1B's pp - s micro-batches). Bytes held are counted between
+    events, as `order_peak` counts them."""
+    m = len(forward_s)
+    held = [1.0] * m if held is None else list(map(float, held))
+    weight_held = held if weight_held is None else list(map(float, weight_held))
+    own = order_peak(pp, vp, held)
+    caps = own if cap is None else [max(c, o) for c, o in zip(cap, own, strict=True)]
+    comm = np.broadcast_to(np.asarray(p2p_s, dtype=np.float64), (m,)).tolist()
+    g = event_graph(pp, vp, m)
+    stages = [_Stage(c) for c in caps]
+    end = [0.0] * len(g.stage)
+    for e, (s, kind, j, d) in enumerate(zip(g.stage, g.kind, g.micro_batch, g.dep, strict=True)):
+        ready = 0.0 if d < 0 else end[d] + (comm[j] if g.stage[d] != s else 0.0)
+        stage = stages[s]
+        if kind == FORWARD:
+            stage.make_room(held[j])
+        stage.fill(ready)
+        for w in stage.pending:
+            w[3] = False  # run after this event from here on: deferred
+        start = stage.clock if stage.clock > ready else ready
+        end[e] = stage.clock = start + (forward_s[j] if kind == FORWARD else input_grad_s[j]) / vp
+        if kind == FORWARD:
+            stage.held += held[j]
+        else:  # the chunk's activations give way to what its W keeps; more than the cap: W's run now, its own last
+            stage.held += weight_held[j] - held[j]
+            stage.pending.append([j, weight_grad_s[j] / vp, weight_held[j], True])
+            stage.make_room()
+        stage.peak = max(stage.peak, stage.held)
+    for stage in stages:
+        while stage.pending:
+            stage.run()
+    return ZeroBubbleRun(
+        time_s=max(stage.clock for stage in stages), peak=tuple(stage.peak for stage in stages),
+        weight_s=pp * float(np.sum(weight_grad_s)), deferred_s=sum(stage.deferred for stage in stages),
+        forced_s=sum(stage.forced_s for stage in stages), forced=sum(stage.forced for stage in stages),
+    )
+
+
+# -- the plan's split and memory, from the cost and memory models ---------------------------------------------
+
+
+def zero_bubble_split(plan: IterationPlan, replica: int, cost: CostModel) -> tuple[list[float], ...]:
+    """Each micro-batch's forward, B and W seconds on one stage. W is the weight gradients' GEMMs: half the
+    backward's share of the plain per-token b term (b counts the layers' and the head's GEMMs); attention's a s^2
+    has no weights and c stays with B, as does the forward a memory policy runs again (it precedes B). A config
+    of the run-wide recompute or selective set has that policy's scale in b already: W takes it out."""
+    config = plan.deployment.replicas[replica].config
+    times, _ = replica_stage_times(plan, replica, cost)
+    b = cost.coefficients(config).b
+    run_wide = cost.policies(config)[0]
+    if run_wide != MemoryPolicy.NONE:
+        b /= derived_scales(cost.model)[run_wide][1]
+    tokens = [int(s.sum()) for s in plan.micro_batch_lengths(replica)]
+    weight = [b * n * (1 - FORWARD_SHARE) / 2 for n in tokens]
+    forward = [t * FORWARD_SHARE for t in times]
+    return forward, [t * (1 - FORWARD_SHARE) - w for t, w in zip(times, weight, strict=True)], weight
+
+
+def weight_grad_bytes(model: ModelSpec, tp: int, dtype_bytes: int) -> float:
+    """Per token and layer on a TP rank: what a deferred W keeps, each linear layer's input and output gradient
+    (cost/activations.py's tensors): q/k/v's and w1/w3's input (the norms' outputs, hidden each), o_proj's (q
+    columns) and w2's (ffn / tp); the gradients of q/k/v (q + 2 kv), o_proj (hidden), w1 and w3 (2 ffn / tp) and
+    w2 (hidden). Without sequence parallelism (the hidden-wide ones are whole on every TP rank)."""
+    q = model.heads * model.head_dim / tp
+    kv = model.kv_heads * model.head_dim / tp
+    f = model.ffn / tp
+    return dtype_bytes * ((2 * model.hidden + q + f) + (q + 2 * kv + 2 * model.hidden + 2 * f))
+
+
+def replica_memory(plan: IterationPlan, replica: int, cost: CostModel) -> tuple[list[float], list[float], list[float]]:
+    """Per micro-batch, one chunk's activations under its policy (the memory model's count of one more chunk in
+    flight) and its deferred W's bytes; per stage, the cap: the room the plan's cap leaves the first stage, its
+    chunks in flight at the plan's count each at the micro-batch cap's tokens (the least over the replica's
+    policies), in the same count. Every stage gets it: the ranks have the same memory and about the same state
+    (L / pp layers), and the first stage holds the most in flight (the last stage's head is left out)."""
+    config = plan.deployment.replicas[replica].config
+    memory, model = cost.memory, cost.model
+    d = memory.compute_dtype_bytes
+    lengths = plan.micro_batch_lengths(replica)
+    m = len(lengths)
+    policies = [cost.policy_run(config, plan.policy(replica, k)) for k in range(m)]
+
+    def chunk(tokens: int, policy: MemoryPolicy) -> float:
+        two, one = (memory.activation_bytes(config, model, tokens, recompute=policy, held=k, dtype_bytes=d)
+                    for k in (2, 1))
+        return two - one
+
+    held = [chunk(int(s.sum()), p) for s, p in zip(lengths, policies, strict=True)]
+    per_token = model.layers // (config.pp * config.vp) * weight_grad_bytes(model, config.tp, d)
+    weight_held = [max_rank_tokens(int(s.sum()), config.cp) * per_token for s in lengths]
+    room = min(chunk(cost.micro_batch_cap(config, plan.deployment.num_gpus, m, p), p) for p in set(policies))
+    return held, weight_held, [in_flight(config, 0, m) * room] * config.pp
+
+
+def replica_oracle(plan: IterationPlan, replica: int, cost: CostModel, capped: bool = True) -> ZeroBubbleRun:
+    """One replica of a plan under the oracle, its split and memory from the cost model (`capped` off: memory
+    without bound, what the W's alone could gain)."""
+    config = plan.deployment.replicas[replica].config
+    forward, input_grad, weight = zero_bubble_split(plan, replica, cost)
+    _, comm = replica_stage_times(plan, replica, cost)
+    held, weight_held, cap = replica_memory(plan, replica, cost)
+    return zero_bubble_replica(forward, input_grad, weight, config.pp, vp=config.vp, p2p_s=comm, held=held,
+                               weight_held=weight_held, cap=cap if capped else [np.inf] * config.pp)
