@@ -5,11 +5,13 @@ without full recompute where needed, interleaved and plain 1F1B: the fastest). E
 their micro-batches, as planned and in the plan's (interleaved) order, under the zero-bubble oracle of
 `planner/oracles/zero_bubble.py` (each backward split into B and W, the W's deferred into the stages' gaps within
 the plan's memory cap); the exchange, switches and step stay. Printed per scenario: the plan's time, the
-oracle's, the gain; the W's share of the backward by the cost model and by the model's FLOPs (a check of the
-split); the share of the W seconds deferred past a later F or B, and run early because the cap bound, and the
-share of the replicas' phases where it bound; the share of the plan's replicas interleaved. Simulated: load does
-not move the figures. Plans that are all pp = 1 gain nothing by construction (no bubble: every W waits for the
-end at no cost).
+oracle's, the gain, and the gain without a memory cap; over the pipelined replicas, the W's share of the plain
+backward by the cost model and by the model's FLOPs (a check of the split), the share of the W seconds deferred
+past a later F or B and of those run early because the cap bound, and in how many replicas' phases it bound; the
+share of compute's GPU seconds the oracle frees on the replicas as planned (a planner that knew the oracle could
+rebalance them; the gain above keeps the plan). Simulated: load does not move the figures. Replicas of pp = 1 gain
+nothing by construction (no gap: every W waits for the end or the cap at no cost), so plans that are all pp = 1
+gain nothing.
 
     PYTHONPATH=src python benchmarks/zero_bubble_oracle.py [SCENARIO ...]
 """
@@ -32,9 +34,10 @@ from hydraulis.planner.policy import PolicyContext
 from hydraulis.planner.sim import simulate
 from hydraulis.specs import ClusterSpec
 
-# The bench's scenarios whose hydraulis plans run pipelines (docs/results.md, the bench after 2026-12-07's merges).
+# The bench's scenarios whose hydraulis plans run pipelines (docs/results.md: the bench after 2026-12-07's merges,
+# and the main group's deployments under interleaved 1F1B); every other plans pp = 1 only.
 PIPELINED = ("long-70b-64g-stdlib-1m-64k", "long-70b-128g-longmix-2m-128k", "long-70b-256g-longmix-4m-64k",
-             "32b-64g-wiki-1m-32k", "32b-64g-wikisample-1m-32k")
+             "32b-64g-wiki-1m-32k", "32b-64g-wikisample-1m-32k", "32b-16g-code-256k-16k")
 
 
 def plan_bench(scenario) -> tuple[CostModel, list[float], list[Schedule]]:
@@ -71,11 +74,13 @@ def weight_shares(plan: IterationPlan, replica: int, cost: CostModel) -> tuple[f
 
 def oracle_schedule(schedule: Schedule, cost: CostModel) -> Counter:
     """The schedule's iteration with each phase's compute under the oracle (the rest as simulated), also without
-    a memory cap, and figures summed over its replicas' phases: plain backward, W and W-by-FLOPs seconds (per
-    stage), W seconds deferred and forced by the cap (per stage), phases where the cap bound."""
+    a memory cap; figures summed over its pipelined replicas' phases: plain backward, W and W-by-FLOPs seconds
+    (per stage), W seconds deferred and forced by the cap (per stage), phases where the cap bound; the GPU seconds of
+    compute, and those the oracle frees on the replicas as planned (what a planner that knew it could rebalance)."""
     out: Counter = Counter(time=schedule.iteration_time_s, uncapped=schedule.iteration_time_s)
     for p, plan in enumerate(schedule.phases):
         phase_cost = cost if p == 0 else cost.later_phase()
+        simulated = simulate(plan, phase_cost, keep_events=False)
         compute = uncapped = 0.0
         for r, replica in enumerate(plan.deployment.replicas):
             if not plan.micro_batch_lengths(r):
@@ -83,13 +88,15 @@ def oracle_schedule(schedule: Schedule, cost: CostModel) -> Counter:
             run = replica_oracle(plan, r, phase_cost)
             compute = max(compute, run.time_s)
             uncapped = max(uncapped, replica_oracle(plan, r, phase_cost, capped=False).time_s)
-            backward, weight, by_flops = weight_shares(plan, r, phase_cost)
-            pp = replica.config.pp
-            out.update(backward=backward, weight=weight, weight_by_flops=by_flops, deferred=run.deferred_s / pp,
-                       forced=run.forced_s / pp, replicas=1, bound=run.forced > 0, pipelined=pp > 1,
-                       interleaved=replica.config.vp > 1)
-        simulated = simulate(plan, phase_cost, keep_events=False).compute_time_s
-        out.update(time=compute - simulated, uncapped=uncapped - simulated)
+            config = replica.config
+            out.update(replicas=1, freed=config.num_gpus * (simulated.timelines[r].time_s - run.time_s))
+            if config.pp > 1:  # one stage has no gap: its W's wait for the end or the cap, at no cost
+                backward, weight, by_flops = weight_shares(plan, r, phase_cost)
+                out.update(backward=backward, weight=weight, weight_by_flops=by_flops, pipelined=1,
+                           deferred=run.deferred_s / config.pp, forced=run.forced_s / config.pp, bound=run.forced > 0,
+                           interleaved=config.vp > 1)
+        out.update(time=compute - simulated.compute_time_s, uncapped=uncapped - simulated.compute_time_s,
+                   gpu_s=plan.deployment.num_gpus * simulated.compute_time_s)
     return out
 
 
@@ -102,13 +109,13 @@ def main(args: list[str]) -> int:
         for k in schedules:
             sums.update(oracle_schedule(k, cost))
         gains.append(plan_s / sums["time"])
-        w = sums["weight"] or 1.0
+        w, backward = sums["weight"] or 1.0, sums["backward"] or 1.0
         print(f"{s.name}: plan {plan_s:.2f} s, oracle {sums['time']:.2f} s, gain {gains[-1]:.4f}x (without a cap "
-              f"{plan_s / sums['uncapped']:.4f}x); W {sums['weight'] / sums['backward']:.1%} of the plain backward "
-              f"(by FLOPs {sums['weight_by_flops'] / sums['backward']:.1%}), deferred {sums['deferred'] / w:.1%}, "
-              f"forced by the cap {sums['forced'] / w:.1%}; the cap bound in {sums['bound']} of "
-              f"{sums['replicas']} replicas' phases; pipelined {sums['pipelined']}, interleaved "
-              f"{sums['interleaved']}", flush=True)
+              f"{plan_s / sums['uncapped']:.4f}x); W {sums['weight'] / backward:.1%} of the plain backward "
+              f"(by FLOPs {sums['weight_by_flops'] / backward:.1%}), deferred {sums['deferred'] / w:.1%}, "
+              f"forced by the cap {sums['forced'] / w:.1%}; the cap bound in {sums['bound']} of the "
+              f"{sums['pipelined']} pipelined replicas' phases ({sums['interleaved']} interleaved) of "
+              f"{sums['replicas']}; GPU time freed {sums['freed'] / sums['gpu_s']:.2%} of compute's", flush=True)
     print(f"geometric mean gain: {geomean(gains):.4f}x")
     return 0
 
