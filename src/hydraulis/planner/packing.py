@@ -300,8 +300,9 @@ def stage_times(
         return tokens, np.array(times)
     squares = np.diff(np.r_[0, np.cumsum(s * s)][np.r_[0, ends]]).astype(np.float64)
     sa, sb = np.ones(count), np.ones(count)
-    # Only a micro-batch beyond the cap, or a replica's only one, may run another policy than the plain one.
-    for m in np.flatnonzero((tokens > replica.cap) | (count == 1)).tolist():
+    # Only a micro-batch beyond the plain policy's cap at this count, or a replica's only one, may run another
+    # policy than the plain one (`ReplicaCost.policy`).
+    for m in np.flatnonzero((tokens > replica.cap_at(count)) | (count == 1)).tolist():
         sa[m], sb[m] = cost.policy_scale(replica.config, replica.policy(int(tokens[m]), count))
     i = cost.index(replica.config)
     return tokens, sa * cost.a[i] * squares + sb * cost.b[i] * tokens.astype(np.float64) + cost.c[i]
