@@ -46,7 +46,7 @@ DEPLOYMENTS = (
 def test_scalar_and_vectorised_estimates_agree(W, T, n, wmax_share, c, pp, cap, me):
     wmax = W * wmax_share
     vector = float(estimate_time(W, T, n, wmax, c, pp, cap, me))
-    scalar = _scalar_estimate(W, T, n, wmax, c, pp - 1, cap, me)
+    scalar = _scalar_estimate(W, T, n, wmax, (c, pp - 1, cap, me, None, None, 0))
     assert math.isfinite(scalar)
     assert scalar == pytest.approx(vector, rel=1e-12)
     if pp == 1:  # the greedy's inlined branch: W + c * ceil(T / cap)
@@ -68,8 +68,9 @@ def test_the_estimate_over_arrays_is_the_scalar_one_to_the_last_bit(seed, pp, lo
     extra = (int(rng.integers(1, 10**6)), float(np.quantile(wmax, 0.7))) if lone else ()
     wrap = wrap if pp > 1 else 0  # an interleaved config has pp > 2
     vector = estimate_time(W, T, n, wmax, c, pp, cap, me, *extra, wrap=wrap)
-    scalar = [[_scalar_estimate(float(W[i, j]), int(T[i, j]), int(n[i, 0]), float(wmax[i, j]), c, pp - 1, cap, me,
-                                *extra, wrap=wrap) for j in range(shape[1])] for i in range(shape[0])]
+    params = (c, pp - 1, cap, me, *(extra or (None, None)), wrap)
+    scalar = [[_scalar_estimate(float(W[i, j]), int(T[i, j]), int(n[i, 0]), float(wmax[i, j]), params)
+               for j in range(shape[1])] for i in range(shape[0])]
     assert vector.tolist() == scalar
 
 

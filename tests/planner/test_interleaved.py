@@ -203,14 +203,14 @@ def test_the_estimate_of_fewer_micro_batches_than_stages_is_the_simulated_time(p
                 continue  # a count whose last group is short: the closed form is a floor there
             est = float(estimate_time(**sums, pp=1 + (pp - 1) / config_vp, wrap=wrap))
             assert est == pytest.approx(simulated, rel=1e-9), (v, config_vp)
-            scalar = _scalar_estimate(v * t, v * 1000, v, t, 0.0, (pp - 1) / config_vp, 1000, 0, wrap=wrap)
+            scalar = _scalar_estimate(v * t, v * 1000, v, t, (0.0, (pp - 1) / config_vp, 1000, 0, None, None, wrap))
             assert scalar == pytest.approx(est, rel=1e-12)
     # A sequence past the cap runs as the replica's lone micro-batch: pp trips, interleaved too.
     lone = {"W": t, "T": 5000, "n": 1, "wmax": t, "c": 0.0, "cap": 1000, "min_efficient": 0, "lone_cap": 8000,
             "long_w": t / 2}
     est = float(estimate_time(**lone, pp=1 + (pp - 1) / vp, wrap=pp))
     assert est == pytest.approx(simulate_replica([t], pp, keep_events=False, vp=vp).time_s, rel=1e-9)
-    assert _scalar_estimate(t, 5000, 1, t, 0.0, (pp - 1) / vp, 1000, 0, lone=8000, long_w=t / 2, wrap=pp) == est
+    assert _scalar_estimate(t, 5000, 1, t, (0.0, (pp - 1) / vp, 1000, 0, 8000, t / 2, pp)) == est
 
 
 def test_an_interleaved_replica_bound_by_its_cap_packs_to_a_count_whose_group_is_pp():

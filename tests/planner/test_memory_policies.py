@@ -158,6 +158,7 @@ def test_the_range_programme_packs_a_length_a_policy_holds_beside_others():
 
 
 GPU = load_cost_model("llama-7b@a800-80g+cp").with_policies(True)  # timed on GPUs: no shared cores
+GPU_VP = GPU.with_interleaving()
 GPU_POOL = [Deployment.parse(t, ClusterSpec(16)) for t in ("4x(tp1,pp4)", "2x(tp2,pp4)", "2x(tp2,pp2) + 1x(tp1,pp8)")]
 
 
@@ -195,12 +196,15 @@ def test_the_bound_that_skips_packing_is_below_every_plan_and_changes_no_plan(se
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.integers(0, 10_000), st.sampled_from([(1, 4), (2, 4), (1, 8), (2, 2, 2)]), st.integers(1, 12))
+@given(st.integers(0, 10_000), st.sampled_from([(1, 4), (2, 4), (1, 8), (2, 2, 2), (1, 4, 1, 2), (1, 8, 1, 2)]),
+       st.integers(1, 12))
 def test_stage_times_in_one_pass_are_the_cost_models_one_by_one(seed, config, count):
     """`packing.stage_times` (what ordering by simulation reads) equals `CostModel.stage_time` per micro-batch
-    under its policy to the last bit, lone micro-batches and those beyond the plain cap included."""
+    under its policy to the last bit, lone micro-batches, those beyond the plain cap and, interleaved, those
+    beyond it within their count's cap (`ReplicaCost.cap_at`) included."""
     rng = np.random.default_rng(seed)
-    replica = ReplicaCost.of(GPU, P(*config), 16)
+    cost = GPU_VP if len(config) > 3 else GPU
+    replica = ReplicaCost.of(cost, P(*config), 16)
     lengths = rng.integers(1, replica.reach if count > 1 else replica.holds, 4 * count)
     micro_batches = np.array_split(rng.permutation(len(lengths))[: 2 * count], count)
     if seed % 3 == 0:  # an empty micro-batch first, in the middle and last: it sums to 0 tokens
@@ -208,8 +212,8 @@ def test_stage_times_in_one_pass_are_the_cost_models_one_by_one(seed, config, co
     if seed % 5 == 0:  # a micro-batch past EXACT_SQUARES tokens: the one-by-one path, the same figures
         lengths = np.r_[lengths, 1 << 26]
         micro_batches = [*micro_batches, np.array([len(lengths) - 1])]
-    tokens, times = stage_times(micro_batches, lengths, replica, GPU)
-    want = [GPU.stage_time(replica.config, lengths[mb], replica.policy(int(lengths[mb].sum()), len(micro_batches)))
+    tokens, times = stage_times(micro_batches, lengths, replica, cost)
+    want = [cost.stage_time(replica.config, lengths[mb], replica.policy(int(lengths[mb].sum()), len(micro_batches)))
             for mb in micro_batches]
     assert tokens.tolist() == [int(lengths[mb].sum()) for mb in micro_batches]
     assert times.tolist() == want

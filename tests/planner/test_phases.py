@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 
 import numpy as np
@@ -23,7 +24,7 @@ from hydraulis.planner.plan import (
     load_plan,
     save_plan,
 )
-from hydraulis.planner.planner import Planner
+from hydraulis.planner.planner import Planner, later_phase
 from hydraulis.planner.proposal.propose import propose
 from hydraulis.planner.schedule import check_schedule, mean_switch_time, phases_time
 from hydraulis.planner.sim import simulate
@@ -123,6 +124,31 @@ def test_a_deployment_runs_consecutive_phases_where_a_sequence_fits_only_as_its_
     assert all(later.cap(tp8, 16) < t <= later.lone_cap(tp8, 16) for t in alone), alone
     with pytest.raises(HydraulisError, match="no replica has room"):
         p.plan_on(b[[*schedule.indices[0], *schedule.indices[1]]], pool[1])
+
+
+def test_plan_on_within_the_phased_planners_memo_is_plan_on_without_it():
+    """A merge of phases plans the merged part with `plan_on`, which within the memo takes the screen's packed
+    candidate of that pool deployment (`Planner._packed`) or packs it there: the plan of planning it afresh."""
+    pool = [Deployment.parse(t, CLUSTER) for t in SMALL_POOL]
+    b = np.random.default_rng(4).integers(200, 9000, 48)
+    kept = Planner(SMALL, CLUSTER.num_gpus, pool, memo={})
+    kept.plan(b)  # packs the deployments its screen keeps
+    assert any(("packed", d, b.tobytes()) in kept._memo for d in pool)  # not vacuous: some are taken from the memo
+    for d in pool:
+        got, want = kept.plan_on(b, d), Planner(SMALL, CLUSTER.num_gpus, pool).plan_on(b, d)
+        assert got.replicas == want.replicas and got.predicted_time_s == want.predicted_time_s
+
+
+def test_the_later_phases_cost_model_is_one_while_its_cost_model_stays_as_it_was():
+    """Phased planners of one cost model share one later-phase copy (its caps computed once); a cost model changed
+    since gets a fresh one, as `CostModel.later_phase` would give."""
+    cost = copy.copy(SMALL)
+    later = later_phase(cost)
+    assert later_phase(cost) is later and later.memory.reduced_held and not cost.memory.reduced_held
+    g = next(c for c in cost.configs if c.num_gpus <= CLUSTER.num_gpus)
+    assert later.cap(g, CLUSTER.num_gpus) == cost.later_phase().cap(g, CLUSTER.num_gpus) < cost.cap(g, CLUSTER.num_gpus)
+    cost.name = "renamed"
+    assert later_phase(cost) is not later and later_phase(cost).name == "renamed"
 
 
 def test_splits_cut_after_the_longest_sequences_too():

@@ -63,13 +63,17 @@ class Dispatch:
         return np.split(order, np.cumsum(counts)[:-1])
 
 
-def _scalar_estimate(
-    W: float, T: int, n: int, wmax: float, c: float, pp1: int, cap: int, me: int,
-    lone: int | None = None, long_w: float | None = None, wrap: int = 0,
-) -> float:
-    """`estimate_time` for one replica in plain Python: the greedy's inner loop."""
+# A replica's arguments of `_scalar_estimate` after the four sums: c, pp - 1 (the bubble's stages), cap, min_efficient,
+# lone cap, long_w (None, None: no lone micro-batch) and wrap.
+EstimateParams = tuple[float, float, int, int, int | None, float | None, int]
+
+
+def _scalar_estimate(W: float, T: int, n: int, wmax: float, params: EstimateParams) -> float:
+    """`estimate_time` for one replica in plain Python: the greedy's inner loop (its parameters one tuple: a call
+    of eleven keywords took longer than the estimate)."""
     if n == 0:
         return 0.0
+    c, pp1, cap, me, lone, long_w, wrap = params
     if lone is not None and long_w is not None and wmax > long_w:  # a lone micro-batch (replicas.py)
         return max(pp1 + 1, wrap) * (W + c) if lone >= T else math.inf
     vmin = max(1, -(-T // cap))
@@ -119,7 +123,8 @@ def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray |
     L = lengths.tolist()
     groups = range(len(table.configs))
     heaps = _config_heaps(table, bias_l)
-    params = [(m.c, m.bubble_stages, m.estimate_cap, m.min_efficient, m.holds, m.long_w, m.wrap) for m in table.configs]
+    params: list[EstimateParams] = [(m.c, m.bubble_stages, m.estimate_cap, m.min_efficient, m.holds, m.long_w, m.wrap)
+                                    for m in table.configs]
     W = [0.0] * R
     T = [0] * R
     n = [0] * R
@@ -127,12 +132,10 @@ def greedy_dispatch(lengths: np.ndarray, table: ReplicaTable, bias: np.ndarray |
     out = [0] * len(L)
 
     def estimate(g: int, r: int, s: int, wi: float) -> float:
-        c, pp1, cap, me, lone, long_w, wrap = params[g]
-        if pp1 == 0 and max(wmax[r], wi) <= long_w:  # the common case, inlined: W + c * ceil(T / cap)
-            return W[r] + wi + c * max(1, -(-(T[r] + s) // cap)) + bias_l[r]
-        e = _scalar_estimate(W=W[r] + wi, T=T[r] + s, n=n[r] + 1, wmax=max(wmax[r], wi), c=c, pp1=pp1, cap=cap, me=me,
-                             lone=lone, long_w=long_w, wrap=wrap)
-        return e + bias_l[r]
+        p = params[g]
+        if p[1] == 0 and max(wmax[r], wi) <= p[5]:  # the common case, inlined: W + c * ceil(T / cap)
+            return W[r] + wi + p[0] * max(1, -(-(T[r] + s) // p[2])) + bias_l[r]
+        return _scalar_estimate(W[r] + wi, T[r] + s, n[r] + 1, max(wmax[r], wi), p) + bias_l[r]
 
     for i, p in zip(order, positions, strict=True):
         s = L[i]

@@ -38,7 +38,7 @@ from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.bounds import lower_bounds
 from hydraulis.planner.dispatch import NoRoom, dispatch
 from hydraulis.planner.plan import IterationPlan
-from hydraulis.planner.planner import Planner, check_lengths
+from hydraulis.planner.planner import Planner, check_lengths, later_phase
 from hydraulis.planner.pool import homogeneous, range_estimates, replicable_configs, unique_deployments
 from hydraulis.planner.replicas import ReplicaTable
 from hydraulis.planner.schedule import Schedule, mean_switch_time, phase_switch_time, phases_time
@@ -167,7 +167,7 @@ class PhasedPlanner(Planner):
     def _later_planner(self) -> Planner:
         """The planner of the phases after the first (built on first use; its memo a part of this one's)."""
         if self._later is None:
-            self._later = Planner(self.cost.later_phase(), self.num_gpus, self.pool, method=self.method,
+            self._later = Planner(later_phase(self.cost), self.num_gpus, self.pool, method=self.method,
                                   milp_time_limit_s=self.milp_time_limit_s, full_candidates=self.full_candidates,
                                   refine_rounds=self.refine_rounds,
                                   memo=None if self._memo is None else self._memo.setdefault("later", {}))

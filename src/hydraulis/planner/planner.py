@@ -4,7 +4,7 @@ For every pool deployment that holds the batch's longest sequence, stage 1
 dispatches by estimate; the most promising deployments are then packed
 (stage 2) and simulated, and the fastest simulated plan wins. Packing feeds
 back into dispatch: the gap between each replica's simulated and estimated
-time becomes a per-replica bias and dispatch runs again while that pays.
+time becomes a per-replica bias and dispatch runs again, kept where that pays.
 The plan's predicted time is the simulator's iteration time for it.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -94,6 +95,20 @@ def apply_overlong(
     return CappedBatch(kept, int(over.sum()))
 
 
+_LATER: weakref.WeakKeyDictionary[CostModel, CostModel] = weakref.WeakKeyDictionary()
+
+
+def later_phase(cost: CostModel) -> CostModel:
+    """`cost.later_phase()`, one per cost model while it stays as it was (every attribute the same object but
+    the memory model), so its caps, a bisection each, are computed once for all the phased planners of that
+    cost model: the proposal's trials, then the run's planner."""
+    later = _LATER.get(cost)
+    if later is None or any(later.__dict__.get(k) is not v for k, v in vars(cost).items()
+                            if k not in ("memory", "_cap_cache")):
+        later = _LATER[cost] = cost.later_phase()
+    return later
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One deployment planned for one batch."""
@@ -121,7 +136,7 @@ class Planner:
         method: str = "heuristic",
         milp_time_limit_s: float = 5.0,
         full_candidates: int = 3,
-        refine_rounds: int = 2,
+        refine_rounds: int = 1,  # a second round changed no bench plan but one batch's, by 0.0003% (results.md)
         memo: dict | None = None,
     ) -> None:
         if method not in METHODS:
@@ -217,7 +232,13 @@ class Planner:
         table = self._table(deployment)
         if int(table.lone_cap.max()) < int(lengths.max()):
             raise HydraulisError(f"{deployment} cannot hold a sequence of {int(lengths.max())} tokens")
-        cand = self._pack_and_refine(lengths, table, dispatch(lengths, table), deployment)
+        if deployment in self.pool and self._memo is not None:
+            # a pool deployment's candidate is `_packed`'s (the same greedy, search and packing): once per memo
+            # (the phased planner merges phases into a part its screen already packed)
+            k = self.pool.index(deployment)
+            cand = self._packed(lengths, k, self._greedy(lengths, k))[0]
+        else:
+            cand = self._pack_and_refine(lengths, table, dispatch(lengths, table), deployment)
         if self.method == "milp":
             cand = self._exact(lengths, cand)
         return self._finish(step, lengths, cand, start)
