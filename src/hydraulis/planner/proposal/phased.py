@@ -163,8 +163,10 @@ def _greedy_phases(
         base = float(sum(s.iteration_time_s for s in schedules))
         cuts = [_short_cuts(sample, level, clip) for _, level, clip in moves]
         # The sample batches on the cores (`fan_out`): a memo's plans are of one batch (or its cut), which the
-        # trials of every move share, and the next rounds' too (the workers' come back into the memo).
-        trials = functools.partial(_sample_trials, planner=planner, current=current, moves=moves, cuts=cuts,
+        # trials of every move share, and the next rounds' too (the workers' come back into the memo). Each
+        # move's planner is built here, once: a worker plans its share of the samples on the one it inherits.
+        pools = [PhasedPlanner(cost, num_gpus, [*current, *m], memo=memo) for m, _, _ in moves]
+        trials = functools.partial(_sample_trials, planner=planner, trials=pools, moves=moves, cuts=cuts,
                                    sample=sample)
         per_sample = fan_out(trials, range(len(sample)), memo=memo)
         trials, gains = [], []
@@ -186,15 +188,15 @@ def _greedy_phases(
 
 
 def _sample_trials(
-    j: int, planner: PhasedPlanner, current: list[Deployment], moves: list[Move], cuts: list[dict[int, np.ndarray]],
+    j: int, planner: PhasedPlanner, trials: list[PhasedPlanner], moves: list[Move], cuts: list[dict[int, np.ndarray]],
     sample: list[np.ndarray],
 ) -> list[tuple[Schedule, float, float]]:
-    """Sample batch j on the pool with each move added: its schedule, and the move's and the current pool's
-    iteration on the batch cut at the move's level (0 where it is not cut there; `_short_cuts`)."""
+    """Sample batch j on the pool with each move added (`trials`, the pool's planner with each): its schedule, and
+    the move's and the current pool's iteration on the batch cut at the move's level (0 where it is not cut there;
+    `_short_cuts`)."""
     before: dict[tuple[int, bool], float] = {}  # (level, clip) -> the current pool's iteration on the cut
     out = []
-    for (m, level, clip), cut in zip(moves, cuts, strict=True):
-        trial = PhasedPlanner(planner.cost, planner.num_gpus, [*current, *m], memo=planner._memo)
+    for (_, level, clip), cut, trial in zip(moves, cuts, trials, strict=True):
         after = 0.0
         if j in cut:
             if (level, clip) not in before:
