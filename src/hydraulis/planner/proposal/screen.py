@@ -37,23 +37,23 @@ def plan_times(
     progress: Progress | None,
 ) -> np.ndarray:
     """Planned and simulated iteration time of every batch on every candidate (inf where it cannot hold): the
-    batches on the cores (`fan_out`, they are alike in size), a few candidates at a time for progress. The
-    candidates' replica tables are built here, once, for every batch (the children inherit them)."""
+    batches on the cores (`fan_out`, they are alike in size), a few candidates at a time for progress."""
     columns: list[np.ndarray] = []
     for start in range(0, len(candidates), PROGRESS_EVERY):
-        chunk = Planner(cost, cluster.num_gpus, candidates[start : start + PROGRESS_EVERY])
-        columns.append(np.array(fan_out(functools.partial(_plan_column, chunk), batches)).T)
+        chunk = list(candidates[start : start + PROGRESS_EVERY])
+        columns.append(np.array(fan_out(functools.partial(_plan_column, cost, cluster, chunk), batches)).T)
         if progress:
-            progress("planning samples", start + len(chunk.pool), len(candidates))
+            progress("planning samples", start + len(chunk), len(candidates))
     return np.vstack(columns) if columns else np.zeros((0, len(batches)))
 
 
-def _plan_column(planner: Planner, batch: np.ndarray) -> list[float]:
-    """One batch's planned iteration on each of the planner's deployments (inf where one cannot hold it)."""
+def _plan_column(cost: CostModel, cluster: ClusterSpec, candidates: list[Deployment], batch: np.ndarray) -> list[float]:
+    """One batch's planned iteration on each candidate (inf where it cannot hold it)."""
+    planner = Planner(cost, cluster.num_gpus, candidates[:1])
     out = []
-    for d in planner.pool:
+    for d in candidates:
         out.append(np.inf)
-        if int(batch.max()) <= max(planner.cost.lone_cap(c, planner.num_gpus) for c in d.configs):
+        if int(batch.max()) <= max(cost.lone_cap(c, cluster.num_gpus) for c in d.configs):
             with contextlib.suppress(NoRoom):
                 out[-1] = planner.plan_on(batch, d).predicted_time_s
     return out
