@@ -278,7 +278,7 @@ def test_proposal_offers_hotspas_cp_phase_and_the_planner_keeps_up_with_hotspa()
 
 
 def test_short_share_is_the_chance_that_a_batch_stops_at_the_level():
-    from hydraulis.planner.phases import short_share
+    from hydraulis.planner.proposal.phased import short_share
 
     batches = [np.array([100, 200, 300, 5000]), np.array([100, 200, 300, 400])]
     assert short_share(batches, 5000) == 1.0
@@ -289,7 +289,7 @@ def test_short_share_is_the_chance_that_a_batch_stops_at_the_level():
 def test_a_deployment_for_short_batches_counts_where_batches_often_stop_short():
     """Samples that each hold one 24K document: tp8pp2 runs the rest faster than tp16pp1; where a third of
     batches have none, the samples cut at its cap count, and where almost none do they do not."""
-    from hydraulis.planner.phases import _short_cuts
+    from hydraulis.planner.proposal.phased import _short_cuts
 
     pool = [Deployment.parse(BIG_POOL[0], CLUSTER)]
     fast = Deployment.parse(BIG_POOL[1], CLUSTER)
@@ -433,8 +433,8 @@ def test_a_refit_planner_keeps_the_deployments_that_missed_a_batch():
 def test_samples_are_clipped_where_batches_stop_between_their_longest(sample):
     """Between the samples' shortest and longest maxima, at config caps STOP_RATIO apart, each sample longer than
     the level clipped to it: a batch that stops there, with the sample's other sequences."""
-    from hydraulis.planner.phases import STOP_RATIO, _short_batches, stop_levels
     from hydraulis.planner.pool import replicable_configs
+    from hydraulis.planner.proposal.phased import STOP_RATIO, _short_batches, stop_levels
 
     sample = [np.array(b, dtype=np.int64) for b in sample]
     configs = replicable_configs(BIG, CLUSTER)

@@ -18,8 +18,9 @@ deployment per batch. Diversity follows from that objective: a deployment
 enters only if the planner would actually choose it for some batches; its
 usage is its share of the samples' tokens as the planner chose, whole or in
 phases, and one that ends up with none leaves the pool again. Deployments for
-phases, which no whole sample chooses, come last (`phases.phase_deployments`).
+phases, which no whole sample chooses, come last (`phased.phase_deployments`).
 
 Modules: `propose.py` (the pool), `screen.py` (which candidates to plan), `refine.py` (a local
-search around the best), `range_dp.py` (the range programme that generates candidates).
+search around the best), `range_dp.py` (the range programme that generates candidates), `phased.py` (the
+deployments for phases).
 """

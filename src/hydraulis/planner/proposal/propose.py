@@ -13,7 +13,7 @@ from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.limits import DEFAULT_MAX_POOL
 from hydraulis.parallel import Deployment
-from hydraulis.planner.phases import PhasedPlanner, phase_deployments
+from hydraulis.planner.phases import PhasedPlanner
 from hydraulis.planner.plan import Schedule
 from hydraulis.planner.pool import (
     Pool,
@@ -23,6 +23,7 @@ from hydraulis.planner.pool import (
     homogeneous,
     unique_deployments,
 )
+from hydraulis.planner.proposal.phased import phase_deployments
 from hydraulis.planner.proposal.range_dp import LengthHistogram, dp_deployments
 from hydraulis.planner.proposal.refine import refine
 from hydraulis.planner.proposal.screen import LARGE_BATCH_SCREEN, Progress, plan_times, screen_candidates
