@@ -76,7 +76,8 @@ def lower_bounds(
     trips: bool = False,
 ) -> list[float]:
     """`lower_bound` over each set of configs (deployments'), each config's terms computed once for all. The
-    proposal ranks its phase deployments on LB, without the trips (`trips` off), as it was measured."""
+    proposal ranks its phase deployments on LB (`trips` off): LB* ranked them to the same plans on the three
+    long scenarios measured, not shown better (docs/results.md)."""
     if not config_sets:
         return []
     every = list(dict.fromkeys(g for configs in config_sets for g in configs))
