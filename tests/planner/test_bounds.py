@@ -110,4 +110,88 @@ def test_bounds_over_many_deployments_equal_each_bound_alone(seed):
     lengths = np.minimum(rng.lognormal(8.0, 1.2, 40).astype(np.int64) + 16, 30000)
     specs = ["2x(tp2,pp4)", "2x(tp2,pp2) + 1x(tp1,pp8)", "8x(tp2,pp1)", "1x(tp2,pp8)", "4x(tp1,pp2) + 1x(tp2,pp4)"]
     sets = [list(dict.fromkeys(Deployment.parse(s, ClusterSpec(16)).configs)) for s in specs]
-    assert lower_bounds(lengths, GPU_POLICIES, 16, sets) == [lower_bound(lengths, GPU_POLICIES, 16, c) for c in sets]
+    assert lower_bounds(lengths, GPU_POLICIES, 16, sets) == [
+        lower_bound(lengths, GPU_POLICIES, 16, c, trips=False) for c in sets]
+    # with the trips the scan's sums run in another order of the configs
+    with_trips = [lower_bound(lengths, GPU_POLICIES, 16, c) for c in sets]
+    assert lower_bounds(lengths, GPU_POLICIES, 16, sets, trips=True) == pytest.approx(with_trips, rel=1e-12)
+
+
+DEEP_POOLS = {  # 7B on 16 GPUs under memory policies: without CP past 227K only pipelines hold a sequence
+    "llama-7b@a800-80g": ("1x(tp2,pp8)", "2x(tp2,pp4)", "2x(tp8,pp1)", "8x(tp2,pp1)", "1x(tp2,pp4) + 4x(tp2,pp1)"),
+    "llama-7b@a800-80g+cp": ("1x(tp2,pp8)", "2x(tp2,pp4)", "1x(tp8,pp1,cp2)", "8x(tp2,pp1)", "4x(tp2,pp1,cp2)"),
+}
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), profile=st.sampled_from(sorted(DEEP_POOLS)), long=st.integers(100_000, 440_000))
+def test_the_trips_bound_stays_below_plans_where_deep_configs_hold_the_longest(seed, profile, long):
+    """Long sequences that pipelines hold cheaply but slowly (pp trips of their stage time), or CP or wide replicas
+    faster: the bound with the trips in it is at least LB and below the simulated iteration of hydraulis's phased
+    plans on a pool of such deployments."""
+    rng = np.random.default_rng(seed)
+    longest = [long] if profile == "llama-7b@a800-80g" else [long * 3 // 4, *rng.integers(50_000, long * 3 // 4, 2)]
+    b = np.concatenate([longest, rng.integers(64, 20_000, 40)]).astype(np.int64)
+    cost, cluster = load_cost_model(profile).with_policies(True), ClusterSpec(16)
+    ctx = PolicyContext.build(cost, cluster, [b], [Deployment.parse(t, cluster) for t in DEEP_POOLS[profile]])
+    simulated = make_policy("hydraulis", ctx).schedule(b).iteration_time_s
+    new = lower_bound(b, cost, 16)
+    assert lower_bound(b, cost, 16, trips=False) <= new * (1 + 1e-12) and new <= simulated * (1 + 1e-9)
+
+
+TINY = load_cost_model("llama-7b@a800-80g")
+
+
+def _best_plan(lengths: np.ndarray) -> float:
+    """An exhaustive search on 8 GPUs: every deployment of the replicable configs, each solved by the MILP
+    (`exact_assignment`: the closed form sum t + (pp - 1) max t, above both of the bound's terms on every
+    replica); inf where none holds the batch within its caps."""
+    from hydraulis.planner.milp import exact_assignment
+    from hydraulis.planner.pool import place, replicable_configs
+    from hydraulis.planner.replicas import ReplicaTable
+
+    cluster = ClusterSpec(8)
+    found = (exact_assignment(lengths, ReplicaTable.of(TINY, d, 8), None, time_limit_s=10.0, max_slots=5)
+             for d in (place(f, cluster) for f in _multisets(replicable_configs(TINY, cluster), 8)) if d is not None)
+    return min((f[1] for f in found if f is not None), default=np.inf)
+
+
+def _multisets(configs: list[ParallelConfig], gpus: int) -> list[tuple[ParallelConfig, ...]]:
+    """Every multiset of `configs` of `gpus` GPUs in all."""
+    if gpus == 0:
+        return [()]
+    return [(g, *rest) for k, g in enumerate(configs) if g.num_gpus <= gpus
+            for rest in _multisets(configs[k:], gpus - g.num_gpus)]
+
+
+@settings(max_examples=4, deadline=None)
+@given(long=st.integers(8000, 76_000), short=st.lists(st.integers(64, 6000), min_size=1, max_size=3))
+def test_the_trips_bound_is_below_the_best_plan_of_every_deployment(long, short):
+    lengths = np.array([long, *short], dtype=np.int64)
+    best = _best_plan(lengths)
+    new = lower_bound(lengths, TINY, 8)
+    assert lower_bound(lengths, TINY, 8, trips=False) <= new * (1 + 1e-12) and new <= best * (1 + 1e-9)
+
+
+def test_the_trips_bound_is_tighter_where_the_cheapest_config_is_too_slow_for_a_sequence():
+    """8 GPUs, 7B without CP: a 26.6K sequence is cheapest on tp4pp1 (1.12 s of the 8 GPUs' time), where it alone
+    takes 2.23 s, more than the best plan (1.52 s); LB* runs it on tp8pp1. LB < LB* <= the exhaustive search's best."""
+    lengths = np.array([26629, 219, 434, 1371, 1768])
+    old, new = lower_bound(lengths, TINY, 8, trips=False), lower_bound(lengths, TINY, 8)
+    assert old < 0.95 * new and new <= _best_plan(lengths)
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10_000), chunked=st.booleans(), interleave=st.booleans(), policies=st.booleans(),
+       spec=st.sampled_from([None, "1x(tp2,pp8)", "2x(tp2,pp2) + 1x(tp1,pp8)", "1x(tp8,pp1,cp2)", "4x(tp2,pp1,cp2)"]))
+def test_the_trips_only_raise_the_bound_in_every_variant(seed, chunked, interleave, policies, spec):
+    """LB* (the scan over the trips, `_Terms.scan`) >= LB (each sequence's cheapest way whatever its trip): the scan
+    ends at every way open, where its sum is LB's, over the job's configs or a deployment's, with chunks,
+    interleaved configs or memory policies."""
+    rng = np.random.default_rng(seed)
+    lengths = np.concatenate([rng.integers(30_000, 200_000, 2), rng.lognormal(8, 1.2, 50).astype(np.int64) + 16])
+    cost = load_cost_model("llama-7b@a800-80g+cp").with_policies(policies)
+    configs = None if spec is None else list(dict.fromkeys(Deployment.parse(spec, ClusterSpec(16)).configs))
+    lengths = np.minimum(lengths, max(cost.lone_cap(g, 16) for g in configs or cost.configs if g.num_gpus <= 16))
+    kw = {"configs": configs, "chunked": chunked, "interleave": interleave}
+    assert lower_bound(lengths, cost, 16, trips=False, **kw) <= lower_bound(lengths, cost, 16, **kw) * (1 + 1e-12)

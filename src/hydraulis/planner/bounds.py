@@ -20,6 +20,18 @@ N the job's GPUs, over the configs g that hold s (the lone cap):
 
 Each replica's time in the simulator is at least its stages' work plus that
 bubble, and replicas of one phase hold disjoint GPUs, so no plan beats LB.
+
+With the trips in it (`lower_bound`'s own): a sequence runs within one phase on
+one replica, so in a plan of time T its way of running (config; beside others,
+alone or in chunks) has its trip <= T (beside others pp_g * w_g(s), the lightest
+policy's of both; alone pp_g times the lone w_g(s); chunked one stage's). With
+work_T and bubble_T the terms over those ways only, every plan of time T has
+T >= F(T) = (sum_i min work_T(s_i) + bubble_T) / N; F does not rise with T, so
+
+    LB* = the least T >= max_i min trip(s_i) with T >= F(T)  (>= LB)
+
+is the least max(t, F(t)) over the trips t, each sequence's F steps summed by a
+sort (`_Terms.scan`). The proposal ranks deployments on LB (`lower_bounds`).
 """
 
 from __future__ import annotations
@@ -43,31 +55,35 @@ def lower_bound(
     configs: Sequence[ParallelConfig] | None = None,
     chunked: bool = False,
     interleave: bool = False,
+    trips: bool = True,
 ) -> float:
-    """LB over the cost model's configs that fit the job, or over `configs` (a deployment's, the proposal's
-    ranking of phase deployments). `chunked`: a sequence beyond a config's cap may also run there in chunks
-    (`cost.chunks`, the oracle): its chunks' work, recompute and fixed costs once, not pp times, and its
-    trip one stage's. `interleave`: the cost model's configs also at their largest vp (`vp_choices`), whose
-    bubble is the least, where plans may interleave."""
+    """LB* over the cost model's configs that fit the job, or over `configs` (a deployment's). `chunked`: a
+    sequence beyond a config's cap may also run there in chunks (`cost.chunks`, the oracle): its chunks' work,
+    recompute and fixed costs once, not pp times, and its trip one stage's. `interleave`: the cost model's
+    configs also at their largest vp (`vp_choices`), whose bubble is the least, where plans may interleave.
+    `trips` off: LB, each sequence on its cheapest config whatever its trip."""
     configs = [g for g in (configs or cost.configs) if g.num_gpus <= num_gpus]
     if interleave:
         configs += [g.interleaved(g.vp_choices(cost.model)[0]) for g in configs if g.vp_choices(cost.model)]
     if not configs:
         smallest = min(g.num_gpus for g in cost.configs)
         raise HydraulisError(f"no parallel config of {cost.name} fits {num_gpus} GPU(s); the smallest needs {smallest}")
-    return _Terms.of(lengths, cost, num_gpus, configs, chunked).bound(np.arange(len(configs)))
+    return _Terms.of(lengths, cost, num_gpus, configs, chunked).bound(np.arange(len(configs)), trips)
 
 
 def lower_bounds(
-    lengths: np.ndarray, cost: CostModel, num_gpus: int, config_sets: Sequence[Sequence[ParallelConfig]]
+    lengths: np.ndarray, cost: CostModel, num_gpus: int, config_sets: Sequence[Sequence[ParallelConfig]],
+    trips: bool = False,
 ) -> list[float]:
-    """`lower_bound` over each set of configs (deployments'), each config's terms computed once for all."""
+    """`lower_bound` over each set of configs (deployments'), each config's terms computed once for all. The
+    proposal ranks its phase deployments on LB (`trips` off): LB* ranked them to the same plans on the three
+    long scenarios measured, not shown better (docs/results.md)."""
     if not config_sets:
         return []
     every = list(dict.fromkeys(g for configs in config_sets for g in configs))
     terms = _Terms.of(lengths, cost, num_gpus, every, False)
     row = {g: k for k, g in enumerate(every)}
-    return [terms.bound(np.array(sorted({row[g] for g in configs}), dtype=np.int64)) for configs in config_sets]
+    return [terms.bound(np.array(sorted({row[g] for g in configs}), dtype=np.int64), trips) for configs in config_sets]
 
 
 @dataclass(frozen=True)
@@ -77,9 +93,10 @@ class _Terms:
     num_gpus: int
     lengths: np.ndarray
     holds: np.ndarray  # [configs] the longest sequence each holds
-    spread_w: np.ndarray  # beside others, per stage
-    alone_w: np.ndarray  # alone: pp trips
-    trip: np.ndarray
+    beside_w: np.ndarray  # beside others, per stage
+    alone_w: np.ndarray  # alone: pp trips, its trip too
+    trip: np.ndarray  # beside others: pp_g w_g(s), the lighter of both policies
+    chunk_w: np.ndarray  # in chunks: one stage's time, its trip too (inf: not chunked)
     gpus: np.ndarray  # [configs, 1]
     bubble: np.ndarray  # [configs]
 
@@ -92,20 +109,20 @@ class _Terms:
         gpus = np.array([g.num_gpus for g in configs], dtype=np.float64)[:, None]
         pp = np.array([g.pp for g in configs], dtype=np.float64)[:, None]
         # Per GPU of a config: beside others once (plus the bubble, for the longest), or alone pp trips.
-        spread_w, alone_w = beside, pp * lone
         trip = pp * np.minimum(beside, lone)
+        chunk_w = np.full_like(beside, np.inf)
         if chunked:  # chunks: their stage time, once, and their trip one stage's (`cost.chunks`)
-            wc = chunked_stage_time(cost, configs, num_gpus, lengths)
-            spread_w, trip = np.minimum(spread_w, wc), np.minimum(trip, wc)
+            chunk_w = chunked_stage_time(cost, configs, num_gpus, lengths)
         w_min = np.array([r.seq_costs(lengths[[int(np.argmin(lengths))]])[0] for r in reps])
         vp = np.array([g.vp for g in configs], dtype=np.float64)
         bubble = gpus[:, 0] * (pp[:, 0] - 1) / vp * w_min  # interleaved: vp chunks of 1/vp of it each
-        return cls(num_gpus=num_gpus, lengths=lengths, holds=np.array([r.holds for r in reps]), spread_w=spread_w,
-                   alone_w=alone_w, trip=trip, gpus=gpus, bubble=bubble)
+        return cls(num_gpus=num_gpus, lengths=lengths, holds=np.array([r.holds for r in reps]), beside_w=beside,
+                   alone_w=pp * lone, trip=trip, chunk_w=chunk_w, gpus=gpus, bubble=bubble)
 
-    def bound(self, rows: np.ndarray) -> float:
-        """LB over the configs of `rows`."""
-        spread_w, alone_w, gpus = self.spread_w[rows], self.alone_w[rows], self.gpus[rows]
+    def bound(self, rows: np.ndarray, trips: bool = True) -> float:
+        """LB over the configs of `rows`; `trips`: LB*, the scan over the trips (module docstring)."""
+        spread_w = np.minimum(self.beside_w[rows], self.chunk_w[rows])  # beside others or in chunks: the less
+        alone_w, gpus = self.alone_w[rows], self.gpus[rows]
         fits = np.isfinite(spread_w) | np.isfinite(alone_w)
         if not fits.any(axis=0).all():
             longest = int(self.lengths[~fits.any(axis=0)].max())
@@ -115,4 +132,26 @@ class _Terms:
         top = int(np.argmax(self.lengths))
         top_work = np.minimum(gpus[:, 0] * spread_w[:, top] + self.bubble[rows], gpus[:, 0] * alone_w[:, top])
         spread = (work.min(axis=0).sum() - work[:, top].min() + top_work.min()) / self.num_gpus
-        return float(max(spread, self.trip[rows].min(axis=0).max()))
+        least_trip = float(np.minimum(self.trip[rows], self.chunk_w[rows]).min(axis=0).max())
+        plain = float(max(spread, least_trip))
+        return self.scan(rows, least_trip) if trips else plain
+
+    def scan(self, rows: np.ndarray, least_trip: float) -> float:
+        """The least max(t, F(t)) over the trips t >= `least_trip`: each way of running each sequence (config;
+        beside others, alone, in chunks) as work and trip, each sequence's least work among those of trip <= t
+        stepping down at its own trips; the steps of all sequences, sorted by trip, summed."""
+        gpus, top = self.gpus[rows], int(np.argmax(self.lengths))
+        beside, chunks = gpus * self.beside_w[rows], gpus * self.chunk_w[rows]
+        beside[:, top] += self.bubble[rows]  # the replica that holds the longest idles its bubble beside others
+        chunks[:, top] += self.bubble[rows]
+        work = np.concatenate([beside, gpus * self.alone_w[rows], chunks])
+        trip = np.concatenate([self.trip[rows], self.alone_w[rows], self.chunk_w[rows]])
+        trip = np.where(np.isfinite(work), np.maximum(trip, least_trip), np.inf)
+        order = np.argsort(trip, axis=0, kind="stable")
+        least = np.minimum.accumulate(np.take_along_axis(work, order, axis=0), axis=0)
+        at, step = np.take_along_axis(trip, order, axis=0)[1:].ravel(), np.diff(least, axis=0).ravel()
+        steps = np.flatnonzero(step < 0)
+        by = np.argsort(at[steps], kind="stable")
+        t = np.concatenate([[least_trip], at[steps][by]])
+        total = least[0].sum() + np.concatenate([[0.0], np.cumsum(step[steps][by])])
+        return float(np.min(np.maximum(t, total / self.num_gpus)))
