@@ -228,7 +228,6 @@ def held_layers(model: ModelSpec, config: ParallelConfig, held: int | None) -> i
 COUNT_HORIZON = 1024  # the most micro-batches the cap for any count is for (`worst_counts`); beyond, each count's own
 
 
-@functools.lru_cache(maxsize=1024)
 def worst_counts(config: ParallelConfig, stage: int) -> tuple[int, ...]:
     """The micro-batch counts of at least two that make a stage hold the most at once: the counts a cap for any
     count is for (1F1B: pp + 1, more than in flight). Interleaved, Megatron's group N (`interleave_group`, the
@@ -237,8 +236,13 @@ def worst_counts(config: ParallelConfig, stage: int) -> tuple[int, ...]:
     count's worst. Over the counts to COUNT_HORIZON, the one with the largest warm-up, and the one with the
     largest among those where a forward follows chunk 0's first backward, so that every gradient meets the
     chunks in flight (`gradients_beside`); `counted` holds every interleaved plan at its own count."""
-    if config.vp == 1:
-        return (config.pp + 1,)
+    return (config.pp + 1,) if config.vp == 1 else _worst_interleaved(config.pp, config.vp, stage)
+
+
+@functools.lru_cache(maxsize=256)
+def _worst_interleaved(pp: int, vp: int, stage: int) -> tuple[int, ...]:
+    """`worst_counts` of an interleaved stage, which the TP and CP sizes do not move: one scan per pp, vp, stage."""
+    config = ParallelConfig(1, pp, vp=vp)
     counts = range(2, COUNT_HORIZON + 1)
 
     def full(m: int) -> bool:
