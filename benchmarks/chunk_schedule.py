@@ -22,7 +22,7 @@ from collections import Counter
 import numpy as np
 
 from hydraulis.baselines import make_policy
-from hydraulis.bench import _with_policies, geomean, get_scenarios
+from hydraulis.bench import geomean, get_scenarios, hydraulis_contexts
 from hydraulis.cost import load_cost_model
 from hydraulis.cost.model import CostModel
 from hydraulis.planner.oracles.chunk_schedule import ChunkedSchedule, chunk_run, chunk_time, plan_chunked
@@ -34,12 +34,6 @@ DEFAULT = ("long-7b-64g-longmix-2m-256k", "long-13b-128g-longmix-2m-512k", "long
 KEEP = (0, 1, 2)  # how many of a batch's longest sequences stay in the plan (the long phase) ...
 TAKE = (1, 2, 3, 5)  # ... and how many of the next longest run chunked: the candidate sets
 SHORTEST = 8192  # no shorter sequence runs chunked: chunks are for long sequences
-
-
-def hydraulis_contexts(ctx: PolicyContext) -> list[PolicyContext]:
-    """The contexts `bench.run_policies` plans hydraulis in (memory policies on), each named by its cost model."""
-    run_wide = {c.cost.name: c for c in (ctx, ctx.recompute_where_needed(lone=False))}.values()
-    return [_with_policies(dataclasses.replace(c, interleave=on)) for c in run_wide for on in (True, False)]
 
 
 def candidate_sets(lengths: np.ndarray) -> list[np.ndarray]:
@@ -98,7 +92,7 @@ def main(args: list[str]) -> int:
         batches = s.sample(s.seed)
         ctx = PolicyContext.build(cost, ClusterSpec(s.num_gpus), batches, sample=s.sample(s.seed + 1000, 4))
         plain_s, best = np.inf, None  # the bench's hydraulis: its fastest context; the variant's: its own
-        for c in hydraulis_contexts(ctx):
+        for c in hydraulis_contexts(dataclasses.replace(ctx, interleave=True)):
             plain, chunked = run_context(c, batches)
             with_chunks = [min(t, v.iteration_time_s) if v else t for t, v in zip(plain, chunked, strict=True)]
             print(f"  {s.name} on {c.cost.name}: {sum(plain):.2f} s plain, {sum(with_chunks):.2f} s with chunks",
@@ -110,7 +104,7 @@ def main(args: list[str]) -> int:
         chunk_s = best[0]
         gains.append(plain_s / chunk_s)
         longest = max(int(b.max()) for b in batches)
-        passes = passes_by_size(_with_policies(ctx).cost, s.num_gpus, longest)
+        passes = passes_by_size(hydraulis_contexts(ctx)[0].cost, s.num_gpus, longest)
         print(f"  longest {longest:,} alone, fastest pass: {passes}")
         print(f"{s.name}: iteration {plain_s / len(batches):.2f} s plain, {chunk_s / len(batches):.2f} s with chunks "
               f"({plain_s / chunk_s:.4f}x; {best[3]}); {describe(batches, best[1], best[2])}", flush=True)

@@ -107,7 +107,7 @@ def bench_planning(memory_policies: bool, interleave: bool = False) -> bool:
     t, cpu = time.perf_counter(), cpu_s()
     sample = scenario.sample(scenario.seed + 1000, 4)
     ctx = PolicyContext.build(cost, ClusterSpec(scenario.num_gpus), batches, sample=sample)
-    pool = ctx.pool  # proposed here, with the cost model's policies (the bench's `_with_policies` context)
+    pool = ctx.pool  # proposed here, with the cost model's policies (as in the bench's `hydraulis_contexts`)
     built, cpu = time.perf_counter() - t, cpu_s() - cpu
     policy = make_policy("hydraulis", ctx)
     medians, iteration, work = [], [], []

@@ -24,13 +24,15 @@ from collections import Counter
 
 import numpy as np
 
-from hydraulis.bench import _run_policy, _with_policies, geomean, get_scenarios
+from hydraulis.baselines import make_policy
+from hydraulis.bench import geomean, get_scenarios, hydraulis_contexts
 from hydraulis.cost import load_cost_model
 from hydraulis.cost.model import FORWARD_SHARE, CostModel
 from hydraulis.cost.policies import derived_scales
 from hydraulis.planner.oracles.zero_bubble import replica_oracle, zero_bubble_split
 from hydraulis.planner.plan import IterationPlan, Schedule
 from hydraulis.planner.policy import PolicyContext
+from hydraulis.planner.schedule import check_schedule
 from hydraulis.planner.sim import simulate
 from hydraulis.specs import ClusterSpec
 
@@ -40,17 +42,24 @@ PIPELINED = ("long-70b-64g-stdlib-1m-64k", "long-70b-128g-longmix-2m-128k", "lon
              "32b-64g-wiki-1m-32k", "32b-64g-wikisample-1m-32k", "32b-16g-code-256k-16k")
 
 
+def plan_batches(ctx: PolicyContext, batches: list[np.ndarray]) -> tuple[CostModel, list[Schedule]]:
+    """Hydraulis's schedule of each batch in `ctx`, checked (every sequence once, caps held), and its cost model."""
+    policy = make_policy("hydraulis", ctx)
+    schedules = [policy.schedule(b, step) for step, b in enumerate(batches)]
+    for schedule in schedules:
+        check_schedule(schedule, policy.cost)
+    return policy.cost, schedules
+
+
 def plan_bench(scenario) -> tuple[CostModel, list[float], list[Schedule]]:
-    """The bench's hydraulis on the scenario's batches: its cost model, iteration times and schedules."""
+    """The bench's hydraulis on the scenario's batches (the fastest of `hydraulis_contexts`, interleaving on as
+    `hydraulis bench` runs by default): its cost model, iteration times and schedules."""
     batches = scenario.sample(scenario.seed)
     ctx = PolicyContext.build(load_cost_model(scenario.profile), ClusterSpec(scenario.num_gpus), batches,
                               sample=scenario.sample(scenario.seed + 1000, 4))
-    ctx = dataclasses.replace(ctx, interleave=True)  # as `hydraulis bench` (its default) before the run-wide choice
-    run_wide = {c.cost.name: c for c in (ctx, ctx.recompute_where_needed(lone=False))}.values()
-    tried = (_run_policy("hydraulis", _with_policies(dataclasses.replace(c, interleave=on)), batches)
-             for c in run_wide for on in (True, False))
-    cost, times, _, _, schedules = min(tried, key=lambda r: sum(r[1]))
-    return cost, times, schedules
+    cost, schedules = min((plan_batches(c, batches) for c in hydraulis_contexts(
+        dataclasses.replace(ctx, interleave=True))), key=lambda r: sum(k.iteration_time_s for k in r[1]))
+    return cost, [k.iteration_time_s for k in schedules], schedules
 
 
 def weight_shares(plan: IterationPlan, replica: int, cost: CostModel) -> tuple[float, float, float]:

@@ -190,11 +190,7 @@ def run_policies(
                                                      for lightest in (False, True))}.values())
     for policy_name in policies:
         if policy_name == "hydraulis" and memory_policies:
-            # its own lever beside the same run-wide choice: with full recompute where needed, or without; and, as
-            # the baselines, plain 1F1B where interleaving's larger config space proposes a slower pool
-            run_wide = {c.cost.name: c for c in (ctx, contexts[0])}.values()
-            tried = [_run_policy(policy_name, _with_policies(dataclasses.replace(c, interleave=on)), batches)
-                     for c in run_wide for on in dict.fromkeys((ctx.interleave, False))]
+            tried = [_run_policy(policy_name, c, batches) for c in hydraulis_contexts(ctx)]
         else:
             tried = [_run_policy(policy_name, c, batches) for c in contexts]
         run = min(tried, key=lambda r: sum(r[1]))
@@ -226,12 +222,20 @@ def run_policies(
     return [dataclasses.replace(r, speedup_vs_megatron=r.tokens_per_s / base) for r in results]
 
 
-def _with_policies(ctx: PolicyContext) -> PolicyContext:
-    """`ctx` whose planner chooses a memory policy per micro-batch (`CostModel.with_policies`), and where plans may
-    interleave, its configs' interleaved forms beside them (`CostModel.with_interleaving`)."""
-    cost = (ctx.cost.with_interleaving() if ctx.interleave else ctx.cost).with_policies(True)
-    cost.name = f"{cost.name}+policies"
-    return dataclasses.replace(ctx, cost=cost)
+def hydraulis_contexts(ctx: PolicyContext) -> list[PolicyContext]:
+    """The contexts the bench plans hydraulis in, of which `run_policies` keeps the fastest: its own lever, a memory
+    policy per micro-batch (`CostModel.with_policies`), beside the baselines' run-wide choice (as given, or with
+    full recompute where needed: `PolicyContext.recompute_where_needed`; a user's pool as given), each with the
+    configs' interleaved forms where `ctx` interleaves (`CostModel.with_interleaving`) and, as the baselines,
+    plain 1F1B, where interleaving's larger config space proposes a slower pool."""
+    run_wide = [ctx] if ctx.user_pool is not None else [ctx, ctx.recompute_where_needed(lone=False)]
+    out = []
+    for c in {c.cost.name: c for c in run_wide}.values():
+        for on in dict.fromkeys((ctx.interleave, False)):
+            cost = (c.cost.with_interleaving() if on else c.cost).with_policies(True)
+            cost.name = f"{cost.name}+policies"
+            out.append(dataclasses.replace(c, interleave=on, cost=cost))
+    return out
 
 
 def _run_policy(

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from hydraulis.cost import load_cost_model
-from hydraulis.cost.activations import backward_index, held_after, in_flight
+from hydraulis.cost.activations import COUNT_HORIZON, backward_index, held_after, in_flight
 from hydraulis.cost.memory import rank_memory
 from hydraulis.parallel import ParallelConfig
-from hydraulis.pipeline_order import BACKWARD, FORWARD, interleaved_order
+from hydraulis.pipeline_order import BACKWARD, FORWARD, interleave_group, interleaved_order
 
 
 @pytest.mark.parametrize(("pp", "vp"), [(2, 1), (4, 1), (2, 2), (3, 2), (4, 2), (2, 4), (3, 3)])
@@ -36,18 +37,27 @@ def test_backward_positions_and_chunks_held_are_the_simulators_order(pp, vp):
 
 
 def test_an_interleaved_cap_holds_for_every_count_and_the_embeddings_backward_binds_small():
-    """The cap for any count fits every count of at least two to 4 pp on every stage (once it fit only the count
-    with the largest warm-up: llama-32b tp2pp6 vp2 went 2.6 GB over at 19 micro-batches). On `small` in bf16
+    """The cap for any count fits every count of at least two to 12 pp on every stage and, on the stages it checks,
+    each count to the horizon whose group outgrows every smaller count's (once it fit only the count with the
+    largest warm-up: llama-32b tp2pp6 vp2 went 2.6 GB over at 19 micro-batches; then the counts to 4 pp:
+    llama-70b tp1pp8cp8vp5 at 128 GPUs held 5,760 tokens, 67 and 111 micro-batches 5,504). On `small` in bf16
     the embedding's dense gradient (50,304 x 256 x 2 bytes) beside every gradient binds the first stage."""
     cost = load_cost_model("llama-32b@a800-80g+cp")
     mem, spec = cost.memory, cost.model
     for config in (ParallelConfig(2, 6, vp=2), ParallelConfig(2, 4, vp=5), ParallelConfig(4, 2, cp=2, vp=2)):
         cap = mem.cap(config, spec, 64)
         assert cap > 0
+        groups = np.maximum.accumulate([interleave_group(config.pp, m) for m in range(COUNT_HORIZON + 1)])
+        grown = np.flatnonzero(groups[1:] > groups[:-1]) + 1
         for stage in range(config.pp):
-            for m in range(2, 4 * config.pp + 1):
+            far = grown if stage in (0, config.pp - 1) else []
+            for m in sorted({*range(2, 12 * config.pp + 1), *(int(m) for m in far if m > 1)}):
                 rank = rank_memory(mem, spec, config, stage, 64, cap, 2, mem.exchange_bucket_bytes, micro_batches=m)
                 assert rank.peak <= mem.usable_bytes, (config, stage, m)
+    long = load_cost_model("llama-70b@h100-80g+cp")
+    config = ParallelConfig(1, 8, 8, 5)
+    assert long.memory.cap(config, long.model, 128) <= min(
+        long.memory.cap(config, long.model, 128, micro_batches=m) for m in (25, 67, 111, 157, 631))
     small = load_cost_model("small@cpu")
     first = rank_memory(small.memory, small.model, ParallelConfig(1, 2, vp=2), 0, 4, 256, 2, 4 << 20,
                         micro_batches=3)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hydraulis.cost import load_cost_model
-from hydraulis.cost.activations import in_flight
+from hydraulis.cost.activations import COUNT_HORIZON, counted, in_flight, worst_count
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.pipeline_order import BACKWARD, FORWARD, interleave_group, interleaved_order, one_f_one_b_order
@@ -119,6 +119,29 @@ def test_the_memory_model_holds_what_the_order_holds(pp, vp):
     for m in range(1, 4 * pp + 2):
         for s in range(pp):
             assert in_flight(config, s, m) == held_by_order(pp, vp, m, s)
+
+
+@pytest.mark.parametrize("pp", [3, 4, 8])
+@pytest.mark.parametrize("vp", [2, 4, 5])
+def test_the_count_a_cap_is_for_holds_what_the_order_holds_at_every_count(pp, vp):
+    """Walking each stage's order (`stage_order`) for every count to 12 pp: the count its cap is for (`counted`;
+    None: the cap for any count's, `worst_counts`) holds, as the memory model counts it, at least the chunks the
+    order holds at once, and so does the worst count. Megatron's group has no period (1 + lcm(pp, ..., 2pp - 1)
+    micro-batches need a group of at least 2 pp, beyond every smaller count's), so every interleaved count is
+    held at its own; to the horizon the worst count holds the most by the model's count."""
+    config = ParallelConfig(1, pp, 1, vp)
+    for s in range(pp):
+        worst = in_flight(config, s, worst_count(config, s))
+        for m in range(2, 12 * pp + 1):
+            held = held_by_order(pp, vp, m, s)
+            used = counted(config, m)
+            assert in_flight(config, s, worst_count(config, s) if used is None else used) >= held, (s, m)
+            assert worst >= held, (s, m)
+        assert all(worst >= in_flight(config, s, m) for m in range(2, COUNT_HORIZON + 1))
+    far = 1 + int(np.lcm.reduce(np.arange(pp, 2 * pp)))
+    assert interleave_group(pp, far) >= 2 * pp > max(interleave_group(pp, m) for m in range(2, 4 * pp))
+    assert in_flight(config, 0, far) > max(in_flight(config, 0, m) for m in range(2, 4 * pp + 1))
+    assert counted(config, far) == far
 
 
 def test_the_warm_up_counted_by_hand():

@@ -12,11 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hydraulis.cost import load_cost_model
+from hydraulis.cost.activations import COUNT_HORIZON, worst_count
 from hydraulis.cost.memory import DEFAULT_EXCHANGE_BUCKET_BYTES, rank_memory
 from hydraulis.cost.policies import LIGHTEST_FIRST, MemoryPolicy
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
 from hydraulis.parallel import ParallelConfig as P
+from hydraulis.pipeline_order import interleave_group
 from hydraulis.planner.dispatch import NoRoom, dispatch
 from hydraulis.planner.packing import stage_times
 from hydraulis.planner.plan import PlanFile, Schedule, decode_plan, encode_plan, load_plan, save_plan
@@ -270,7 +272,8 @@ def test_a_config_that_always_recomputes_runs_full_whatever_its_plan_lists():
 def test_a_micro_batch_runs_the_lightest_policy_its_replicas_own_count_holds():
     """Fewer micro-batches than the worst count keep fewer chunks in flight (interleaved, a count whose group is pp;
     1F1B, below pp): a micro-batch past a policy's any-count cap runs it where its count's cap holds it, the plan
-    validates at that count, and the same micro-batch under a lighter policy than its count holds does not."""
+    validates at that count, and the same micro-batch under a lighter policy than its count holds does not. Past the
+    any-count cap's horizon a count may hold less than it: a micro-batch at that cap runs a heavier policy there."""
     cost = LONG_COST.with_interleaving()
     deployment = Deployment.parse("1x(tp1,pp8,cp16,vp5)", ClusterSpec(128))
     config = deployment.configs[0]
@@ -281,7 +284,11 @@ def test_a_micro_batch_runs_the_lightest_policy_its_replicas_own_count_holds():
     lengths = np.array([longest] + [4096] * 15)
     plan = assemble(0, lengths, deployment, [[[k] for k in range(16)]], ReplicaTable.of(cost, deployment, 128))
     assert plan.policy(0, 0) == MemoryPolicy.SELECTIVE and replica.policy(longest, 16) == MemoryPolicy.SELECTIVE
-    assert replica.policy(longest, 4 * config.pp + 1) == MemoryPolicy.FULL  # past the counted range: any count's
+    assert replica.policy(longest, worst_count(config, 0)) == MemoryPolicy.FULL  # the any-count cap's own count
+    beyond = 1446  # pp 8: a group of 21, past every count's to the horizon (`worst_counts`), so a cap below its
+    assert interleave_group(8, beyond) > max(interleave_group(8, m) for m in range(2, COUNT_HORIZON + 1))
+    assert cost.micro_batch_cap(config, 128, beyond, MemoryPolicy.NONE) < replica.cap
+    assert replica.policy(replica.cap, beyond) == MemoryPolicy.SELECTIVE
     plan.validate(cost, 128)
     plain = dataclasses.replace(plan, replicas=(dataclasses.replace(plan.replicas[0], policies=()),))
     with pytest.raises(HydraulisError, match="over its cap"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 
@@ -9,6 +10,7 @@ import numpy as np
 import torch
 from train_workers import cpu_settings
 
+from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.data.sampler import TokenBudgetSampler
 from hydraulis.optim import AdamWSettings, OptimSettings
 from hydraulis.parallel import ParallelConfig, Replica
@@ -47,10 +49,12 @@ def run_scenarios(
         replicas, sp, recompute = SCENARIOS[scenario]
         groups = build_replica_groups(replicas, sp, TIMEOUT)
         config = groups.config
-        model = StageModel(spec, groups.tp, groups.stage, config.pp, recompute=recompute, cp=groups.cp, vp=config.vp)
+        model = StageModel(spec, groups.tp, groups.stage, config.pp, cp=groups.cp, vp=config.vp)
         model.load_full_state_dict(state)
         pad = config.tp if sp else 1
-        packed = [concatenate_cp_shard([docs[i] for i in mb], config.cp, groups.cp.rank, pad) for mb in micro_batches]
+        packed = [dataclasses.replace(concatenate_cp_shard([docs[i] for i in mb], config.cp, groups.cp.rank, pad),
+                                      policy=int(MemoryPolicy.FULL if recompute else MemoryPolicy.NONE))
+                  for mb in micro_batches]
         result = train_step(model, groups, packed, total)
         out[scenario] = {
             "replica": replicas.index(next(r for r in replicas if rank in r.devices)),

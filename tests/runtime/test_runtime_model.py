@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.errors import HydraulisError
 from hydraulis.runtime import (
     IGNORE_INDEX,
@@ -204,15 +206,16 @@ def test_layout_errors_are_user_errors():
 
 
 def test_recompute_gives_the_same_gradients():
-    """Activation recompute (checkpointed blocks) changes memory, never the loss or a gradient."""
+    """Activation recompute (checkpointed blocks: a micro-batch under full recompute) changes memory, never the
+    loss or a gradient."""
     spec = MODELS["tiny"]
     batch = concatenate_documents([torch.randint(0, spec.vocab, (n,), generator=torch.Generator().manual_seed(n))
                             for n in (9, 30, 4)])
     grads = []
-    for recompute in (False, True):
-        model = StageModel(spec, recompute=recompute)
+    for policy in (MemoryPolicy.NONE, MemoryPolicy.FULL):
+        model = StageModel(spec)
         reset_parameters(model, 3)
-        logits = model(batch.tokens, batch)
+        logits = model(batch.tokens, dataclasses.replace(batch, policy=int(policy)))
         torch.nn.functional.cross_entropy(logits, batch.targets, ignore_index=IGNORE_INDEX).backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for name, g in grads[0].items():

@@ -225,15 +225,25 @@ def held_layers(model: ModelSpec, config: ParallelConfig, held: int | None) -> i
     return model.layers // (config.pp * config.vp) * held
 
 
-@functools.lru_cache(maxsize=1024)
+COUNT_HORIZON = 1024  # the most micro-batches the cap for any count is for (`worst_counts`); beyond, each count's own
+
+
 def worst_counts(config: ParallelConfig, stage: int) -> tuple[int, ...]:
     """The micro-batch counts of at least two that make a stage hold the most at once: the counts a cap for any
-    count is for (1F1B: pp + 1, more than in flight). Interleaved, over counts to 4 pp, the one with the
-    largest warm-up, and the one with the largest among those where a forward follows chunk 0's first
-    backward, so that every gradient meets the chunks in flight (`gradients_beside`)."""
-    if config.vp == 1:
-        return (config.pp + 1,)
-    counts = range(2, 4 * config.pp + 1)
+    count is for (1F1B: pp + 1, more than in flight). Interleaved, Megatron's group N (`interleave_group`, the
+    smallest from pp that leaves no last group under pp) follows no period: M = 1 mod lcm(pp, ..., K) needs
+    N > K, and the warm-up grows with N (pp 8: N 15 at M = 133, 16 at 157, 20 at 631), so no count is every
+    count's worst. Over the counts to COUNT_HORIZON, the one with the largest warm-up, and the one with the
+    largest among those where a forward follows chunk 0's first backward, so that every gradient meets the
+    chunks in flight (`gradients_beside`); `counted` holds every interleaved plan at its own count."""
+    return (config.pp + 1,) if config.vp == 1 else _worst_interleaved(config.pp, config.vp, stage)
+
+
+@functools.lru_cache(maxsize=256)
+def _worst_interleaved(pp: int, vp: int, stage: int) -> tuple[int, ...]:
+    """`worst_counts` of an interleaved stage, which the TP and CP sizes do not move: one scan per pp, vp, stage."""
+    config = ParallelConfig(1, pp, vp=vp)
+    counts = range(2, COUNT_HORIZON + 1)
 
     def full(m: int) -> bool:
         return backward_index(config, m, 0, 0) < m * config.vp - warmup(config, stage, m) - 1
@@ -244,15 +254,12 @@ def worst_counts(config: ParallelConfig, stage: int) -> tuple[int, ...]:
 
 
 def counted(config: ParallelConfig, micro_batches: int) -> int | None:
-    """The micro-batch count a cap is for: the count itself where it may hold fewer in flight than the worst count
-    (`memory.cap`'s None): 1F1B below pp, interleaved up to 4 pp (`worst_counts`' range) and at every
-    multiple of pp (Megatron's group of pp: the fewest chunks in flight beyond pp); else None."""
-    if micro_batches == 1:
-        return 1
-    if config.vp > 1 and micro_batches % config.pp == 0:
+    """The micro-batch count a cap is for: the count itself where it may hold other than the worst count's in
+    flight (`memory.cap`'s None): 1F1B below pp (fewer), interleaved every count (its group, and the chunks in
+    flight with it, grow past any finite worst: `worst_counts`); else None (1F1B from pp on, pp - s in flight)."""
+    if micro_batches == 1 or config.vp > 1:
         return micro_batches
-    top = 4 * config.pp if config.vp > 1 else config.pp - 1
-    return micro_batches if micro_batches <= top else None
+    return micro_batches if micro_batches < config.pp else None
 
 
 def worst_count(config: ParallelConfig, stage: int) -> int:

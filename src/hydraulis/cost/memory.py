@@ -212,8 +212,8 @@ class MemoryModel:
         its parameters, gradients and owned optimizer state, the activations of the micro-batches its
         stage holds in flight and (last stage) the loss head's, and beside them the loss's forward or the
         exchange's buffers (it overlaps compute). `micro_batches`: the replica's count; None, any count
-        of at least two (stage s holds pp - s of them, `in_flight`; interleaved, each of `worst_counts`); 1, the
-        replica's lone micro-batch
+        of at least two (stage s holds pp - s of them, `in_flight`; interleaved, each of `worst_counts`, the worst
+        to COUNT_HORIZON, as no count is every count's worst); 1, the replica's lone micro-batch
         (`lone_cap`: a deep replica holds it once, not pp times). The first and the last stage bind
         (embedding; head). 0 where not even the state and the exchange's buffers fit. Under CP a rank
         holds ceil(T/cp) + 2cp tokens of T plus the K/V attention keeps (`kv_buffer_bytes`), so the cap

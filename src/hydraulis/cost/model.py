@@ -310,11 +310,13 @@ class CostModel:
     def micro_batch_cap(
         self, config: ParallelConfig, num_gpus: int, micro_batches: int, policy: MemoryPolicy | None = None
     ) -> int:
-        """Most tokens of each of a replica's `micro_batches` micro-batches (under `policy`: its cap), at that count
-        where fewer of them are in flight than at the worst (`counted`)."""
-        if policy is not None:
-            return self.policy_cap(config, num_gpus, policy, counted(config, micro_batches))
-        return self.lone_cap(config, num_gpus) if micro_batches == 1 else self.cap(config, num_gpus)
+        """Most tokens of each of a replica's `micro_batches` micro-batches (under `policy`: its cap; None, the plain
+        one, or any policy for a lone one), at that count where it may hold other than the worst count (`counted`:
+        interleaved every count, whose chunks in flight follow no period)."""
+        if policy is None and micro_batches == 1:
+            return self.lone_cap(config, num_gpus)
+        policy = self.policies(config)[0] if policy is None else policy
+        return self.policy_cap(config, num_gpus, policy, counted(config, micro_batches))
 
     def for_job(
         self, memory_bytes: int | None, dtype_bytes: int, bucket_bytes: int | None = None,

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hydraulis.cost.activations import counted
+from hydraulis.cost.activations import COUNT_HORIZON, counted
 from hydraulis.cost.model import CostModel, sequence_costs
 from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.parallel import Deployment, ParallelConfig
@@ -69,8 +69,8 @@ class ReplicaCost:
     tiers: tuple[Tier, ...] = ()
     lone_tiers: tuple[Tier, ...] = ()
     plain: MemoryPolicy = MemoryPolicy.NONE  # the policy of a micro-batch within the cap (full: the recompute set)
-    # Where the planner chooses a policy per micro-batch: a policy's cap at the replica's own count (`micro_batch_cap`:
-    # fewer in flight than at the worst count, `counted`), read when a micro-batch is beyond the any-count cap.
+    # Where the planner chooses a policy per micro-batch: a policy's cap at the replica's own count (`micro_batch_cap`,
+    # `counted`: interleaved every count, 1F1B below pp), read when a micro-batch is beyond the any-count cap.
     count_cap: Callable[[int, MemoryPolicy], int] | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -176,22 +176,23 @@ class ReplicaCost:
 
     def cap_at(self, micro_batches: int) -> int:
         """The plain policy's cap of each of `micro_batches` micro-batches: at that count where the planner chooses
-        per micro-batch and the count holds fewer in flight than the worst (`counted`), else `cap`."""
+        per micro-batch and the count may hold other than the worst in flight (`counted`), else `cap`."""
         if self.count_cap is None or micro_batches < 2 or counted(self.config, micro_batches) is None:
             return self.cap
-        return max(self.cap, self.count_cap(micro_batches, self.plain))
+        return self.count_cap(micro_batches, self.plain)
 
     def policy(self, tokens: int, micro_batches: int) -> MemoryPolicy | None:
         """The policy a micro-batch of `tokens` (one of `micro_batches`) runs: the lightest whose cap holds it;
         None for the config's plain one (or where none holds it, which a plan's validation names)."""
-        if micro_batches != 1 and tokens <= self.cap:
-            return None
+        if micro_batches != 1 and tokens <= self.cap and micro_batches <= COUNT_HORIZON:
+            return None  # the any-count cap holds every count to the horizon
         if micro_batches != 1 and self.count_cap is not None and counted(self.config, micro_batches) is not None:
             # at its own count: the lightest of the plain one and the tiers' (those never slower than a heavier)
             found = next((p for p in (self.plain, *(t.policy for t in self.tiers))
                           if tokens <= self.count_cap(micro_batches, p)), None)
-            if found is not None:
-                return None if found == self.plain else found
+            return None if found in (None, self.plain) else found
+        if micro_batches != 1 and tokens <= self.cap:
+            return None
         tiers = self.lone_tiers if micro_batches == 1 else self.tiers
         found = next((t.policy for t in tiers if tokens <= t.cap), None)
         return None if found == self.plain else found

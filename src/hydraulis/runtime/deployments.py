@@ -13,14 +13,14 @@ old one's and gathers the new one's from the optimizer's owners. Nothing of the 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
 
 from hydraulis.errors import HydraulisError
-from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.parallel import Deployment
 from hydraulis.runtime.modeling.main_grad import attach_main_grads, clear_grads, gradient
 from hydraulis.runtime.modeling.model import StageModel
 from hydraulis.runtime.optimizer.exchange import Exchange, ExchangeHooks, attach_exchange_hooks, gather
@@ -76,7 +76,6 @@ class BuiltDeployments:
         dtype: torch.dtype,
         device: torch.device,
         sequence_parallel: bool = False,
-        recomputes: Callable[[ParallelConfig], bool] = lambda config: False,
         timeout: datetime.timedelta = DEFAULT_TIMEOUT,
     ) -> None:
         self.pool = tuple(pool)
@@ -94,8 +93,8 @@ class BuiltDeployments:
             key = (groups.ranks, groups.config, groups.stage, groups.tp.rank, groups.cp.rank)
             if key not in models:
                 g = groups.config
-                model = StageModel(spec, groups.tp, groups.stage, g.pp, dtype=dtype, device=device,
-                                   recompute=recomputes(g), cp=groups.cp, vp=g.vp)  # CostModel.recomputes
+                model = StageModel(spec, groups.tp, groups.stage, g.pp, dtype=dtype, device=device, cp=groups.cp,
+                                   vp=g.vp)  # the recompute set runs full by its micro-batches' policy
                 release(model)
                 if dtype != torch.float32:
                     attach_main_grads(model)  # sum micro-batches in scaled fp16 (main_grad.py)

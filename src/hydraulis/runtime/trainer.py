@@ -113,7 +113,7 @@ class Trainer:
         self.optimizer.init(train.seed)
         self.deployments = BuiltDeployments(
             spec=model, pool=parallel.pool, optimizer=self.optimizer, dtype=dtype, device=self.env.device,
-            sequence_parallel=parallel.sequence_parallel, recomputes=parallel.cost.recomputes, timeout=timeout,
+            sequence_parallel=parallel.sequence_parallel, timeout=timeout,
         )
         self.feed = PlanFeed(sampler=sampler, pool=parallel.pool, cost=parallel.cost, rank=self.rank, world=self.world,
                              control=self.control)

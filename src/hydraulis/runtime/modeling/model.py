@@ -248,7 +248,6 @@ class StageModel(nn.Module):
         num_stages: int = 1,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
-        recompute: bool = False,
         cp: ContextParallel | None = None,
         vp: int = 1,
     ):
@@ -260,10 +259,9 @@ class StageModel(nn.Module):
         self.vp = vp
         # Context parallelism: this rank holds only its CP rank's tokens; attention gathers K/V over the group.
         self.cp = cp or ContextParallel()
-        # Full activation recompute for every micro-batch (the recompute set); else each micro-batch's own
-        # memory policy (`MicroBatchInput.policy`, cost/policies.py): full keeps only each block's input and runs
-        # its forward again in backward, selective does so for each block's MLP.
-        self.recompute = recompute
+        # Each micro-batch's own memory policy (`MicroBatchInput.policy`, cost/policies.py; the recompute set's
+        # configs get full from `CostModel.policy_run`): full keeps only each block's input and runs its forward
+        # again in backward, selective does so for each block's MLP.
         self.chunks = chunk_layers(spec.layers, num_stages, stage, vp)
         tied = spec.arch.tied_embeddings
         has_embedding = self.is_first or (tied and self.is_last)
@@ -309,7 +307,7 @@ class StageModel(nn.Module):
         """The chunk's layers; on the last stage also the final norm, entered into the TP region for the head."""
         h = self.embedding(x) if self.is_first and chunk == 0 else x
         rope = rope_tables(batch.positions, self.spec.head_dim, h.dtype, self.spec.arch)
-        full = self.recompute or batch.policy == MemoryPolicy.FULL
+        full = batch.policy == MemoryPolicy.FULL
         for layer in (self.layers[str(i)] for i in self.chunks[chunk]):
             if full and torch.is_grad_enabled():
                 h = torch.utils.checkpoint.checkpoint(layer, h, rope, batch, use_reentrant=False)
