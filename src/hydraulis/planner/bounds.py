@@ -128,13 +128,14 @@ class _Terms:
             longest = int(self.lengths[~fits.any(axis=0)].max())
             raise HydraulisError(f"no config holds a sequence of {longest} tokens (largest lone cap "
                                  f"{int(self.holds[rows].max())})")
+        least_trip = float(np.minimum(self.trip[rows], self.chunk_w[rows]).min(axis=0).max())
+        if trips:
+            return self.scan(rows, least_trip)
         work = gpus * np.minimum(spread_w, alone_w)
         top = int(np.argmax(self.lengths))
         top_work = np.minimum(gpus[:, 0] * spread_w[:, top] + self.bubble[rows], gpus[:, 0] * alone_w[:, top])
         spread = (work.min(axis=0).sum() - work[:, top].min() + top_work.min()) / self.num_gpus
-        least_trip = float(np.minimum(self.trip[rows], self.chunk_w[rows]).min(axis=0).max())
-        plain = float(max(spread, least_trip))
-        return self.scan(rows, least_trip) if trips else plain
+        return float(max(spread, least_trip))
 
     def scan(self, rows: np.ndarray, least_trip: float) -> float:
         """The least max(t, F(t)) over the trips t >= `least_trip`: each way of running each sequence (config;

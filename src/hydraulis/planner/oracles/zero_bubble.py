@@ -149,8 +149,12 @@ def zero_bubble_split(plan: IterationPlan, replica: int, cost: CostModel) -> tup
     backward's share of the plain per-token b term (b counts the layers' and the head's GEMMs); attention's a s^2
     has no weights and c stays with B, as does the forward a memory policy runs again (it precedes B). A config
     of the run-wide recompute or selective set has that policy's scale in b already: W takes it out."""
+    return _split(plan, replica, cost, replica_stage_times(plan, replica, cost)[0])
+
+
+def _split(plan: IterationPlan, replica: int, cost: CostModel, times: Sequence[float]) -> tuple[list[float], ...]:
+    """`zero_bubble_split` of the micro-batches' stage `times` (the simulator's, `replica_stage_times`)."""
     config = plan.deployment.replicas[replica].config
-    times, _ = replica_stage_times(plan, replica, cost)
     b = cost.coefficients(config).b
     run_wide = cost.policies(config)[0]
     if run_wide != MemoryPolicy.NONE:
@@ -201,8 +205,8 @@ def replica_oracle(plan: IterationPlan, replica: int, cost: CostModel, capped: b
     """One replica of a plan under the oracle, its split and memory from the cost model (`capped` off: memory
     without bound, what the W's alone could gain)."""
     config = plan.deployment.replicas[replica].config
-    forward, input_grad, weight = zero_bubble_split(plan, replica, cost)
-    _, comm = replica_stage_times(plan, replica, cost)
+    times, comm = replica_stage_times(plan, replica, cost)
+    forward, input_grad, weight = _split(plan, replica, cost, times)
     held, weight_held, cap = replica_memory(plan, replica, cost)
     return zero_bubble_replica(forward, input_grad, weight, config.pp, vp=config.vp, p2p_s=comm, held=held,
                                weight_held=weight_held, cap=cap if capped else [np.inf] * config.pp)
