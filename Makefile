@@ -23,8 +23,9 @@ lint: $(STAMP)
 test: lint
 	$(VENV)/bin/pytest -q
 
-# The demo trains for real (4 CPU ranks under a memory budget, 1-4 minutes on 2 cores), then shows the simulated
-# comparison at cluster scale. Its run directory is the demo's own, so it starts fresh each time.
+# The demo trains for real (4 CPU ranks under a memory budget; the first run profiles eight configs, about 11
+# minutes in all on 2 cores shared with other work), then shows the simulated comparison at cluster scale. Its
+# run directory is the demo's own, so it starts fresh each time.
 demo: $(STAMP)
 	rm -rf demo-out/train
 	$(VENV)/bin/hydraulis train --config examples/tiny-cpu.toml --nproc 4 --out demo-out/train

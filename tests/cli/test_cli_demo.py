@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 from hydraulis.planner.plan import load_plan
-from hydraulis.planner.pool import load_pool
+from hydraulis.planner.pool import load_pool, parse_pool
 from hydraulis.specs import ClusterSpec
+from hydraulis.training.config import load_config
+
+DEMO = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.toml"
 
 
 def test_demo_runs_end_to_end(cli, tmp_path):
@@ -43,3 +48,23 @@ def test_simulate_writes_a_timeline(cli, tmp_path):
     res = cli("simulate", "--plan", str(plan), "--timeline", str(png))
     assert res.returncode == 0, res.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_demo_compares_with_every_homogeneous_deployment_a_user_would_try_and_states_its_caps(cli):
+    """`make demo`'s headline is over the best homogeneous deployment of its pool that held every batch
+    (runtime/metering/compare.py), so the pool holds every homogeneous deployment of its 4 ranks (tp x pp of
+    1, 2, 4; cp 2 and 4), with memory policies on for them as for the planned run; the caps its comment
+    states are `hydraulis caps`' at its budget, and they leave long files beyond a tp1 replica."""
+    config = load_config(DEMO)
+    pool = parse_pool(config.parallel.pool, ClusterSpec(4))
+    wanted = {f"{4 // (tp * pp)}x(tp{tp},pp{pp})" for tp in (1, 2, 4) for pp in (1, 2, 4) if tp * pp <= 4}
+    assert {str(d) for d in pool if d.is_homogeneous} == wanted | {"2x(tp1,pp1,cp2)", "1x(tp1,pp1,cp4)"}
+    assert config.parallel.memory_policies and any(not d.is_homogeneous for d in pool)
+    res = cli("caps", "-p", "tiny@cpu-measured+cp", "-n", "4", "--memory-per-rank", config.parallel.memory_per_rank,
+              "--dtype", config.train.dtype, "--json")
+    assert res.returncode == 0, res.stderr
+    caps = {c["config"]: (c["cap_tokens"], c["lone_cap_tokens"]) for c in json.loads(res.stdout)["configs"]}
+    stated = {m[1]: (int(m[2].replace(",", "")), int(m[3].replace(",", "")))
+              for m in re.finditer(r"\b(tp\dpp\d(?:cp\d)?) ([\d,]+)/([\d,]+)", DEMO.read_text())}
+    assert len(stated) == 8 and all(caps[name] == cap for name, cap in stated.items()), (stated, caps)
+    assert caps["tp1pp1"][0] < config.data.max_len <= caps["tp1pp1cp2"][0]
