@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from hydraulis.cli.app import app
 from hydraulis.cli.common import MemoryPerRankOption
 from hydraulis.errors import HydraulisError
+
+if TYPE_CHECKING:
+    from hydraulis.specs import ModelSpec
 
 GiB = 1 << 30
 DEFAULTS = {"cuda": ("small", 65536, 5), "cpu": ("tiny", 2048, 1)}  # (model, tokens per step, timed steps)
@@ -62,7 +65,7 @@ def check(
         raise typer.Exit(1)
 
 
-def _sizes(kind: str, model: str | None, tokens: int | None, steps: int | None) -> tuple[Any, int, int]:
+def _sizes(kind: str, model: str | None, tokens: int | None, steps: int | None) -> tuple[ModelSpec, int, int]:
     """The step's model, tokens and timed steps on a device of `kind` (cpu or cuda): the flags, else DEFAULTS."""
     from hydraulis.specs import get_model
 
