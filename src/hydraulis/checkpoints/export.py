@@ -5,7 +5,8 @@ vector (saver.py `load_master`), the layout's canonical order turns it into
 full tensors, runtime/storage/hf.py renames them, and export_files.py adds
 the tokenizer and its special ids. Written into a hidden temporary directory
 and renamed into place, so a crash leaves no half-written model.
-transformers is needed only to write `config.json`.
+transformers is needed only to write `config.json`; torch is imported once the input is checked, so a
+refusal (no checkpoint, its tokenizer or source config gone) is one line without it.
 """
 
 from __future__ import annotations
@@ -23,15 +24,11 @@ from hydraulis.checkpoints.export_files import (
     generation_config,
     with_special_ids,
 )
-from hydraulis.checkpoints.manifest import STEP_DIR, resolve_checkpoint
-from hydraulis.checkpoints.saver import load_master
+from hydraulis.checkpoints.manifest import STEP_DIR, read_manifest, resolve_checkpoint
 from hydraulis.errors import HydraulisError
 from hydraulis.families import ARCHITECTURES, CONFIG_FILE, WEIGHTS_FILE
 from hydraulis.files import default_mode, replace_directory
 from hydraulis.progress import aside
-from hydraulis.runtime.optimizer.layout import ShardLayout
-from hydraulis.runtime.storage.hf import hf_config, to_hf_state_dict
-from hydraulis.runtime.storage.hf_io import unflatten
 
 
 def _no_checkpoint(path: Path) -> Path:
@@ -68,8 +65,6 @@ def export_hf(
     Everything is read and checked before anything is written; `out` must not
     exist (or be empty) unless `force`.
     """
-    from safetensors.torch import save_file
-
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise HydraulisError(f"{out}: exists and is not a directory")
@@ -78,9 +73,17 @@ def export_hf(
     chosen = resolve_checkpoint(checkpoint, log=log or aside, sweep=False) or _no_checkpoint(Path(checkpoint))
     if chosen != Path(checkpoint) and log is not None:
         log(f"exporting {chosen}, the newest complete checkpoint of {checkpoint}")
+    source = export_source(read_manifest(chosen), tokenizer, source_config)
+    # torch only now: a refusal above (no checkpoint, a tokenizer or source config gone) needs none
+    from safetensors.torch import save_file
+
+    from hydraulis.checkpoints.saver import load_master
+    from hydraulis.runtime.optimizer.layout import ShardLayout
+    from hydraulis.runtime.storage.hf import hf_config, to_hf_state_dict
+    from hydraulis.runtime.storage.hf_io import unflatten
+
     info, master = load_master(chosen)
     spec = info.model
-    source = export_source(info, tokenizer, source_config)
     tensors = to_hf_state_dict(unflatten(ShardLayout(spec, 1), master), spec)
     if max_position_embeddings is None:
         max_position_embeddings = (source.source_config or {}).get("max_position_embeddings") or 4096

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from hydraulis.cli.app import app
 from hydraulis.cli.common import MemoryPerRankOption
 from hydraulis.errors import HydraulisError
+
+if TYPE_CHECKING:
+    from hydraulis.specs import ModelSpec
 
 GiB = 1 << 30
 DEFAULTS = {"cuda": ("small", 65536, 5), "cpu": ("tiny", 2048, 1)}  # (model, tokens per step, timed steps)
@@ -31,7 +34,7 @@ def check(
 ) -> None:
     """Check this machine: torch, CUDA, NCCL/gloo, devices, attention kernels and their correctness, one step."""
     from hydraulis.limits import parse_size
-    from hydraulis.specs import DTYPE_BYTES, get_model
+    from hydraulis.specs import DTYPE_BYTES
 
     if device not in ("auto", "cuda", "cpu"):
         raise HydraulisError(f"--device {device!r}: use auto, cuda or cpu")
@@ -40,16 +43,14 @@ def check(
     budget = None if memory_per_rank is None else parse_size(memory_per_rank, "--memory-per-rank")
     if out is not None and out.is_dir():
         raise HydraulisError(f"--out {out} is a directory; give a file name")
+    if device != "auto":  # the defaults are known without torch: bad input fails fast, without it
+        _sizes(device, model, tokens, steps)
     from hydraulis.runtime.check import run_check
     from hydraulis.runtime.metering.machine import check_device
 
     where = check_device(device)
-    name, default_tokens, default_steps = DEFAULTS[where.type]
-    tokens = default_tokens if tokens is None else tokens
-    steps = default_steps if steps is None else steps
-    if tokens < 1 or steps < 1:
-        raise HydraulisError(f"--tokens and --steps must be positive, got {tokens} and {steps}")
-    report = run_check(where, get_model(model or name), tokens=tokens, steps=steps, dtype=dtype, budget=budget)
+    spec, tokens, steps = _sizes(where.type, model, tokens, steps)
+    report = run_check(where, spec, tokens=tokens, steps=steps, dtype=dtype, budget=budget)
     text = json.dumps(report, indent=1, default=float) + "\n"
     if out is not None:
         from hydraulis.files import write_text_atomic
@@ -62,6 +63,18 @@ def check(
             typer.echo(line)
     if not report["ok"]:
         raise typer.Exit(1)
+
+
+def _sizes(kind: str, model: str | None, tokens: int | None, steps: int | None) -> tuple[ModelSpec, int, int]:
+    """The step's model, tokens and timed steps on a device of `kind` (cpu or cuda): the flags, else DEFAULTS."""
+    from hydraulis.specs import get_model
+
+    name, default_tokens, default_steps = DEFAULTS[kind]
+    tokens = default_tokens if tokens is None else tokens
+    steps = default_steps if steps is None else steps
+    if tokens < 1 or steps < 1:
+        raise HydraulisError(f"--tokens and --steps must be positive, got {tokens} and {steps}")
+    return get_model(model or name), tokens, steps
 
 
 def _errors(check: dict[str, Any]) -> str:
