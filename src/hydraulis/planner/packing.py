@@ -323,7 +323,7 @@ def pack_replica(
 
     Where the caps follow the count (`ReplicaCost.at_count`: interleaved, with a policy per micro-batch), the
     packing's count M is known once packed: packed again at M's own caps, above those of every count to the
-    horizon, each packing kept only where its own count holds every micro-batch (`ReplicaCost.most_at`).
+    horizon, each packing kept only where its own count holds every micro-batch (`ReplicaCost.fits`).
     """
     indices = np.asarray(indices, dtype=np.int64)
     if len(indices) == 0:

@@ -188,32 +188,25 @@ class ReplicaCost:
         return self.count_cap(micro_batches, self.plain)
 
     def at_count(self, micro_batches: int) -> ReplicaCost | None:
-        """This config's caps at one count of micro-batches (the plain one and the tiers at that count, none for
-        other counts: `horizon` 1), for packings made for that count, which `most_at` checks at their own; None
-        where the caps do not follow the count (`cap_at`)."""
+        """This config with the plain policy's cap at one count of micro-batches (`cap_at`; the tiers above it as they
+        are, for counts to the horizon, which hold at most what the count's do), for packings made for that count,
+        which `fits` checks at their own; None where the caps do not follow the count."""
         if self.count_cap is None or micro_batches < 2 or counted(self.config, micro_batches) is None:
             return None
-        cap = top = self.count_cap(micro_batches, self.plain)
-        tiers = []
-        for tier in self.tiers:
-            at = self.count_cap(micro_batches, tier.policy)
-            if at > top:
-                tiers.append(dataclasses.replace(tier, cap=at))
-                top = at
-        return dataclasses.replace(self, cap=cap, tiers=tuple(tiers), horizon=1)
-
-    def most_at(self, micro_batches: int) -> int:
-        """The most tokens a micro-batch of `micro_batches` holds under some policy this config runs, at that count
-        (the lone cap for one; `cap` and `reach` where the caps do not follow the count)."""
-        if micro_batches == 1:
-            return self.holds
-        at = self.at_count(micro_batches)
-        return (self if at is None else at).reach
+        cap = self.count_cap(micro_batches, self.plain)
+        return dataclasses.replace(self, cap=cap, tiers=tuple(t for t in self.tiers if t.cap > cap), horizon=1)
 
     def fits(self, micro_batches: Sequence[np.ndarray], lengths: np.ndarray) -> bool:
-        """Whether every one of these micro-batches (of batch indices) fits some policy at their count (`most_at`)."""
-        most = self.most_at(len(micro_batches))
-        return all(int(lengths[mb].sum()) <= most for mb in micro_batches)
+        """Whether every one of these micro-batches (of batch indices) fits some policy at their count: the plain
+        one's cap there (`cap_at`), else the heaviest's where the caps follow the count (a lone one: `holds`)."""
+        count, most = len(micro_batches), max(int(lengths[mb].sum()) for mb in micro_batches)
+        if count == 1:
+            return most <= self.holds
+        if most <= self.cap_at(count):
+            return True
+        if self.count_cap is None or counted(self.config, count) is None:
+            return False
+        return most <= self.count_cap(count, self.tiers[-1].policy if self.tiers else self.plain)
 
     def policy(self, tokens: int, micro_batches: int) -> MemoryPolicy | None:
         """The policy a micro-batch of `tokens` (one of `micro_batches`) runs: the lightest whose cap holds it;
