@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from hydraulis.cost import load_cost_model
-from hydraulis.cost.activations import COUNT_HORIZON, backward_index, held_after, in_flight
+from hydraulis.cost.activations import COUNT_HORIZON, backward_index, count_horizon, held_after, in_flight
 from hydraulis.cost.memory import rank_memory
+from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.parallel import ParallelConfig
 from hydraulis.pipeline_order import BACKWARD, FORWARD, interleave_group, interleaved_order
 
@@ -66,3 +67,25 @@ def test_an_interleaved_cap_holds_for_every_count_and_the_embeddings_backward_bi
     assert first.with_activations == first.grads + first.embedding_backward
     # Without it (as before), the first stage's peak would be the activations' phase, 15-20% lower.
     assert first.with_activations > 1.1 * dataclasses.replace(first, embedding_backward=0.0).with_activations
+
+
+@pytest.mark.parametrize(("name", "config", "num_gpus", "policy", "mosts"), [
+    ("llama-70b@h100-80g+cp", ParallelConfig(1, 8, 8, 5), 64, MemoryPolicy.FULL, (9, 20, 66, 67, 132, 140)),
+    ("llama-32b@a800-80g+cp", ParallelConfig(2, 4, vp=5), 64, MemoryPolicy.NONE, (5, 30, 31, 50)),
+])
+def test_the_cap_to_a_horizon_is_the_least_cap_of_its_counts(name, config, num_gpus, policy, mosts):
+    """The cap for the counts a batch of n sequences may pack (2..n, `count_horizon`), by a bisection at every
+    count (each count's own cap): at most every count's to n, and exactly the least of the counts to the horizon,
+    which covers n and ends before the next count whose warm-up outgrows the smaller counts'. 70B tp1pp8cp8vp5 at
+    64 GPUs under full recompute: 68,352 tokens for 132 sequences, 65,536 for 140 (M = 133's), 54,272 to 1,024."""
+    cost = load_cost_model(name)
+    mem, spec = cost.memory, cost.model
+    horizons = {most: count_horizon(config, most) for most in mosts}
+    own = [mem.cap(config, spec, num_gpus, policy, micro_batches=m) for m in range(2, max(horizons.values()) + 1)]
+    for most, horizon in horizons.items():
+        cap = mem.cap(config, spec, num_gpus, policy, horizon=horizon)
+        assert most <= horizon < COUNT_HORIZON and cap == min(own[: horizon - 1]), (most, horizon)
+        assert cap >= mem.cap(config, spec, num_gpus, policy) and horizon == count_horizon(config, horizon)
+    if config.pp == 8:
+        assert [mem.cap(config, spec, num_gpus, policy, horizon=count_horizon(config, n)) for n in (132, 140)] == [
+            68352, 65536]

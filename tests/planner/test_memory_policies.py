@@ -182,7 +182,7 @@ def test_the_bound_that_skips_packing_is_below_every_plan_and_changes_no_plan(se
     for k, d in enumerate(GPU_POOL):
         if planner.holds(d, longest):
             plan = planner.plan_on(lengths, d)
-            bound = planner._tables[k].compute_bound(lengths)
+            bound = planner._tables_for(lengths)[k].compute_bound(lengths)
             assert bound <= plan.predicted_time_s - GPU.step_time(d.configs) + 1e-9
     unbounded = Planner(GPU, 16, GPU_POOL)
     unbounded._bound = lambda lengths, k: 0.0  # type: ignore[method-assign]
@@ -293,3 +293,31 @@ def test_a_micro_batch_runs_the_lightest_policy_its_replicas_own_count_holds():
     plain = dataclasses.replace(plan, replicas=(dataclasses.replace(plan.replicas[0], policies=()),))
     with pytest.raises(HydraulisError, match="over its cap"):
         plain.validate(cost, 128)
+
+
+def test_a_batch_packs_at_the_caps_of_the_counts_it_may_pack_and_holds_at_its_own():
+    """A batch of n sequences packs at most n micro-batches on a replica, so its decisions read the least cap of
+    counts 2..n (`count_horizon`), not of every count to COUNT_HORIZON: four 64K pieces fit llama-70b
+    tp1pp8cp8vp5 at 64 GPUs beside others under full recompute for a batch of 16 (its cap for every count, 54,272,
+    left each to a lone micro-batch: no room for the batch), and the plan holds, by the memory model at its own
+    count, every micro-batch under the policy it runs."""
+    cost = load_cost_model("llama-70b@h100-80g+cp").with_interleaving().with_policies(True)
+    deployment = Deployment.parse("1x(tp1,pp8,cp8,vp5)", ClusterSpec(64))
+    config = deployment.configs[0]
+    lengths = np.array([65536] * 4 + [8192] * 12)
+    assert ReplicaCost.of(cost, config, 64).reach < 65536 <= ReplicaCost.of(cost, config, 64, len(lengths)).reach
+    with pytest.raises(NoRoom):
+        dispatch(lengths, ReplicaTable.of(cost, deployment, 64))
+    plan = Planner(cost, 64, [deployment]).plan(lengths)
+    plan.validate(cost, 64)
+    micro_batches = plan.replicas[0].micro_batches
+    assert len(micro_batches) > 4
+    for m, mb in enumerate(micro_batches):
+        ran = cost.policy_run(config, plan.policy(0, m))
+        tokens = int(lengths[list(mb)].sum())
+        for stage in (0, config.pp - 1):
+            rank = rank_memory(cost.memory, cost.model, config, stage=stage, num_gpus=64, tokens=tokens,
+                               dtype_bytes=cost.memory.compute_dtype_bytes,
+                               bucket_bytes=cost.memory.exchange_bucket_bytes, recompute=ran,
+                               micro_batches=len(micro_batches))
+            assert rank.peak <= cost.memory.usable_bytes, (m, tokens, ran, stage)

@@ -228,28 +228,64 @@ def held_layers(model: ModelSpec, config: ParallelConfig, held: int | None) -> i
 COUNT_HORIZON = 1024  # the most micro-batches the cap for any count is for (`worst_counts`); beyond, each count's own
 
 
-def worst_counts(config: ParallelConfig, stage: int) -> tuple[int, ...]:
+def worst_counts(config: ParallelConfig, stage: int, horizon: int = COUNT_HORIZON) -> tuple[int, ...]:
     """The micro-batch counts of at least two that make a stage hold the most at once: the counts a cap for any
     count is for (1F1B: pp + 1, more than in flight). Interleaved, Megatron's group N (`interleave_group`, the
     smallest from pp that leaves no last group under pp) follows no period: M = 1 mod lcm(pp, ..., K) needs
     N > K, and the warm-up grows with N (pp 8: N 15 at M = 133, 16 at 157, 20 at 631), so no count is every
-    count's worst. Over the counts to COUNT_HORIZON, the one with the largest warm-up, and the one with the
-    largest among those where a forward follows chunk 0's first backward, so that every gradient meets the
-    chunks in flight (`gradients_beside`); `counted` holds every interleaved plan at its own count."""
-    return (config.pp + 1,) if config.vp == 1 else _worst_interleaved(config.pp, config.vp, stage)
+    count's worst. Over the counts to `horizon` (at most COUNT_HORIZON), the one with the largest warm-up, and
+    the one with the largest among those where a forward follows chunk 0's first backward, so that every
+    gradient meets the chunks in flight (`gradients_beside`); `counted` holds every interleaved plan at its own
+    count."""
+    if config.vp == 1:
+        return (config.pp + 1,)
+    return _worst_interleaved(config.pp, config.vp, stage, count_horizon(config, horizon))
+
+
+def count_horizon(config: ParallelConfig, most: int) -> int:
+    """The horizon a cap for every count from 2 to `most` micro-batches is taken to (`worst_counts`): COUNT_HORIZON
+    under 1F1B (no count past pp + 1 holds more) and from it on; interleaved, the count before the next one past
+    `most` whose warm-up outgrows every smaller count's, on the stages a cap checks (first, last), so that a
+    horizon covers at least `most` and the caps of the counts a decision may lead to are taken at few horizons
+    (a batch of n sequences packs at most n micro-batches on a replica)."""
+    most = max(2, min(most, COUNT_HORIZON))
+    if config.vp == 1 or most == COUNT_HORIZON:
+        return COUNT_HORIZON
+    records = _records(config.pp, config.vp)
+    return next((r - 1 for r in records if r > most), COUNT_HORIZON)
+
+
+@functools.lru_cache(maxsize=64)
+def _records(pp: int, vp: int) -> tuple[int, ...]:
+    """The counts to COUNT_HORIZON whose warm-up outgrows every smaller count's (from two), on stage 0 or pp - 1,
+    by whether a forward follows chunk 0's first backward (`_worst_interleaved`'s two groups), ascending."""
+    config = ParallelConfig(1, pp, vp=vp)
+    out: set[int] = set()
+    for stage in sorted({0, pp - 1}):
+        top = {False: 0, True: 0}
+        for m in range(2, COUNT_HORIZON + 1):
+            held, full = in_flight(config, stage, m), _forward_follows(config, stage, m)
+            if held > top[full]:
+                top[full] = held
+                out.add(m)
+    return tuple(sorted(out))
+
+
+def _forward_follows(config: ParallelConfig, stage: int, micro_batches: int) -> bool:
+    """Whether a forward follows chunk 0's first backward on `stage` (`worst_counts`)."""
+    return backward_index(config, micro_batches, 0, 0) < micro_batches * config.vp - warmup(
+        config, stage, micro_batches) - 1
 
 
 @functools.lru_cache(maxsize=256)
-def _worst_interleaved(pp: int, vp: int, stage: int) -> tuple[int, ...]:
-    """`worst_counts` of an interleaved stage, which the TP and CP sizes do not move: one scan per pp, vp, stage."""
+def _worst_interleaved(pp: int, vp: int, stage: int, horizon: int = COUNT_HORIZON) -> tuple[int, ...]:
+    """`worst_counts` of an interleaved stage to `horizon`, which the TP and CP sizes do not move: one scan per pp,
+    vp, stage, horizon."""
     config = ParallelConfig(1, pp, vp=vp)
-    counts = range(2, COUNT_HORIZON + 1)
-
-    def full(m: int) -> bool:
-        return backward_index(config, m, 0, 0) < m * config.vp - warmup(config, stage, m) - 1
-
-    worst = [max(group, key=lambda m: (in_flight(config, stage, m), m))
-             for group in ([m for m in counts if not full(m)], [m for m in counts if full(m)]) if group]
+    counts = range(2, horizon + 1)
+    groups = ([m for m in counts if not _forward_follows(config, stage, m)],
+              [m for m in counts if _forward_follows(config, stage, m)])
+    worst = [max(group, key=lambda m: (in_flight(config, stage, m), m)) for group in groups if group]
     return tuple(sorted(set(worst)))
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from hydraulis.context import max_rank_tokens
 from hydraulis.cost.activations import (
+    COUNT_HORIZON,
     backward_bytes,
     chunk_grads,
     embedding_backward,
@@ -204,7 +205,7 @@ class MemoryModel:
 
     def cap(
         self, config: ParallelConfig, model: ModelSpec, num_gpus: int, recompute: int = 0,
-        micro_batches: int | None = None,
+        micro_batches: int | None = None, horizon: int = COUNT_HORIZON,
     ) -> int:
         """Most tokens (a multiple of 128) of a micro-batch whose every rank's peak fits beside the margin and context.
 
@@ -213,7 +214,7 @@ class MemoryModel:
         stage holds in flight and (last stage) the loss head's, and beside them the loss's forward or the
         exchange's buffers (it overlaps compute). `micro_batches`: the replica's count; None, any count
         of at least two (stage s holds pp - s of them, `in_flight`; interleaved, each of `worst_counts`, the worst
-        to COUNT_HORIZON, as no count is every count's worst); 1, the replica's lone micro-batch
+        to `horizon`, as no count is every count's worst); 1, the replica's lone micro-batch
         (`lone_cap`: a deep replica holds it once, not pp times). The first and the last stage bind
         (embedding; head). 0 where not even the state and the exchange's buffers fit. Under CP a rank
         holds ceil(T/cp) + 2cp tokens of T plus the K/V attention keeps (`kv_buffer_bytes`), so the cap
@@ -221,8 +222,9 @@ class MemoryModel:
         """
         budget, bucket = self.usable_bytes, self.exchange_bucket_bytes
         caps = []
-        for stage, count in ((s, c) for s in sorted({0, config.pp - 1})
-                             for c in (worst_counts(config, s) if micro_batches is None else (micro_batches,))):
+        counts = {s: worst_counts(config, s, horizon) if micro_batches is None else (micro_batches,)
+                  for s in sorted({0, config.pp - 1})}
+        for stage, count in ((s, c) for s, row in counts.items() for c in row):
 
             def rank(tokens: int, stage: int = stage, count: int = count) -> RankMemory:
                 return rank_memory(

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from hydraulis.cost.activations import counted
+from hydraulis.cost.activations import COUNT_HORIZON, count_horizon, counted
 from hydraulis.cost.conditions import SharedCores
 from hydraulis.cost.memory import CAP_GRANULARITY, MemoryModel
 from hydraulis.cost.policies import LIGHTEST_FIRST, RECOMPUTE_TIME, MemoryPolicy, derived_scales
@@ -282,10 +282,10 @@ class CostModel:
         return sequence_costs(self.a[idx, None], self.b[idx, None], np.asarray(lengths)[None, :])
 
     # -- memory -----------------------------------------------------------------
-    def cap(self, config: ParallelConfig, num_gpus: int) -> int:
-        """Most tokens each micro-batch may hold on `config` in a job of `num_gpus`, whatever their count, under
-        its plain memory policy."""
-        return self.policy_cap(config, num_gpus, self.policies(config)[0])
+    def cap(self, config: ParallelConfig, num_gpus: int, horizon: int = COUNT_HORIZON) -> int:
+        """Most tokens each micro-batch may hold on `config` in a job of `num_gpus`, whatever their count (from two
+        to `horizon`: `count_horizon`), under its plain memory policy."""
+        return self.policy_cap(config, num_gpus, self.policies(config)[0], horizon=horizon)
 
     def lone_cap(self, config: ParallelConfig, num_gpus: int) -> int:
         """Most tokens of a replica's only micro-batch under any policy it may run, so the longest sequence
@@ -294,17 +294,20 @@ class CostModel:
         return max(self.policy_cap(config, num_gpus, p, 1) for p in self.policies(config))
 
     def policy_cap(
-        self, config: ParallelConfig, num_gpus: int, policy: MemoryPolicy, micro_batches: int | None = None
+        self, config: ParallelConfig, num_gpus: int, policy: MemoryPolicy, micro_batches: int | None = None,
+        horizon: int = COUNT_HORIZON,
     ) -> int:
-        """`memory.cap` under a memory policy, a bisection over the memory model that planning asks thousands
-        of times, kept per (memory model, model spec): both are frozen, so a copy that replaces either starts
-        a fresh cache."""
+        """`memory.cap` under a memory policy (for any count, None: every count from two to `horizon`, taken at
+        `count_horizon`'s), a bisection over the memory model that planning asks thousands of times, kept per
+        (memory model, model spec): both are frozen, so a copy that replaces either starts a fresh cache."""
         cache = self.__dict__.get("_cap_cache")
         if cache is None or cache[0] is not self.memory or cache[1] is not self.model:
             cache = self._cap_cache = (self.memory, self.model, {})
-        key = (config, num_gpus, int(policy), micro_batches)
+        horizon = count_horizon(config, horizon) if micro_batches is None else COUNT_HORIZON
+        key = (config, num_gpus, int(policy), micro_batches, horizon)
         if key not in cache[2]:
-            cache[2][key] = self.memory.cap(config, self.model, num_gpus, policy, micro_batches=micro_batches)
+            cache[2][key] = self.memory.cap(config, self.model, num_gpus, policy, micro_batches=micro_batches,
+                                            horizon=horizon)
         return cache[2][key]
 
     def micro_batch_cap(

@@ -320,10 +320,37 @@ def pack_replica(
 
     `bulk` (a large batch of light sequences, or a replica with many): the closed form ranks packings
     as the simulation would, so fewer are built and only the best is simulated, in two orders.
+
+    Where the caps follow the count (`ReplicaCost.at_count`: interleaved, with a policy per micro-batch), the
+    packing's count M is known once packed: packed again at M's own caps, above those of every count to the
+    horizon, each packing kept only where its own count holds every micro-batch (`ReplicaCost.fits`).
     """
     indices = np.asarray(indices, dtype=np.int64)
     if len(indices) == 0:
         return Packing((), 0.0)
+    lengths = np.asarray(lengths)
+    candidates, bulk = packing_candidates(indices, lengths, replica, bulk)
+    found = fastest_packing(candidates=candidates, lengths=lengths, replica=replica, cost=cost, bulk=bulk, beat=beat)
+    for _ in range(COUNT_ROUNDS):  # packings again at the count the last one came to
+        at = replica.at_count(len(found.micro_batches)) if found.micro_batches else None
+        again = [c for c in packing_candidates(indices, lengths, at, bulk)[0] if replica.fits(c[0], lengths)] if (
+            at is not None and at.cap > replica.cap) else []
+        other = fastest_packing(candidates=again, lengths=lengths, replica=replica, cost=cost, bulk=bulk,
+                                beat=min(beat, found.time_s)) if again else found
+        if other.time_s >= found.time_s or len(other.micro_batches) == len(found.micro_batches):
+            return min(found, other, key=lambda p: p.time_s)
+        found = other
+    return found
+
+
+COUNT_ROUNDS = 2
+
+
+def packing_candidates(
+    indices: np.ndarray, lengths: np.ndarray, replica: ReplicaCost, bulk: bool
+) -> tuple[list[tuple[list[np.ndarray], bool]], bool]:
+    """`pack_replica`'s candidate packings (micro-batches, ramped) of `indices` on `replica`'s caps, and whether
+    the closed form ranks them (`bulk`)."""
     s = np.asarray(lengths, dtype=np.int64)[indices]
     tokens = int(s.sum())
     if int(s.max()) > replica.reach or (replica.pp == 1 and tokens <= replica.plain_lone):
@@ -333,7 +360,7 @@ def pack_replica(
                 f"{replica.config.name}: a sequence longer than the cap of {replica.cap} tokens runs as the "
                 f"replica's lone micro-batch, of at most {replica.holds} tokens, but it holds {tokens}"
             )
-        return fastest_packing([([indices], False)], np.asarray(lengths), replica, cost, beat=beat)
+        return [([indices], False)], bulk
     # With many sequences the closed form ranks packings as the simulation would: simulate only the best.
     bulk = bulk or len(s) >= BULK_PACK_ITEMS
     alone = s > replica.cap  # within a memory policy's cap: each its own micro-batch under it
@@ -343,10 +370,8 @@ def pack_replica(
     candidates = [(bins, False) for bins in chosen] + [(bins, True) for bins in ramps]
     if singles and tokens <= replica.plain_lone:  # or all of it as one plain lone micro-batch, no recompute
         candidates.append((None, False))
-    mbs = [([indices] if bins is None else [rest[b] for b in bins] + singles, ramped)
-           for bins, ramped in candidates or [([], False)]]
-    return fastest_packing(candidates=mbs, lengths=np.asarray(lengths), replica=replica, cost=cost, bulk=bulk,
-                           beat=beat)
+    return [([indices] if bins is None else [rest[b] for b in bins] + singles, ramped)
+            for bins, ramped in candidates or [([], False)]], bulk
 
 
 SIMULATED_PACKINGS = 3  # the closed form ranks packings; this many of the best are simulated

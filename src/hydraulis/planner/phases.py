@@ -109,8 +109,9 @@ class PhasedPlanner(Planner):
         """Splits into 2..MAX_PHASES length ranges, cut at the caps or after the k longest (`top_cuts`); best first."""
         order = np.argsort(lengths, kind="stable")
         s = lengths[order]
-        tops = np.array([int(t.cap.max()) for t in self._tables])
-        lone = np.array([int(t.lone_cap.max()) for t in self._tables])  # what a replica's only micro-batch holds
+        tables = self._tables_for(lengths)  # caps for the counts the batch may pack (a part packs no more)
+        tops = np.array([int(t.cap.max()) for t in tables])
+        lone = np.array([int(t.lone_cap.max()) for t in tables])  # what a replica's only micro-batch holds
         levels = sorted({int(c) for c in tops if s[0] <= c < s[-1]})
         at_caps = (int(np.searchsorted(s, lv, side="right")) for lv in levels)
         cuts = sorted({0, len(s), *at_caps, *(len(s) - k for k in top_cuts if k < len(s))})

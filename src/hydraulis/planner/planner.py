@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hydraulis.cost.activations import COUNT_HORIZON, count_horizon
 from hydraulis.cost.model import CostModel
 from hydraulis.data.sampler import split_pieces
 from hydraulis.errors import HydraulisError, OverlongError
@@ -153,7 +154,8 @@ class Planner:
         self.milp_time_limit_s = milp_time_limit_s
         self.full_candidates = full_candidates
         self.refine_rounds = refine_rounds
-        self._tables = [ReplicaTable.of(cost, d, num_gpus) for d in self.pool]
+        self._by_horizon: dict[tuple[int, ...], list[ReplicaTable]] = {}  # the pool's tables per horizon
+        self._interleaved = tuple({g for d in self.pool for g in d.configs if g.vp > 1})
         # (deployment, lengths) -> its greedy dispatch, or its packed candidate and simulated time: shared by
         # planners of one cost model on pools that overlap (the proposal's trials), which plan alike
         self._memo = memo
@@ -178,7 +180,7 @@ class Planner:
         start = time.perf_counter()
         lengths = check_lengths(lengths)
         longest = int(lengths.max())
-        usable = [k for k, t in enumerate(self._tables) if int(t.lone_cap.max()) >= longest]
+        usable = [k for k, t in enumerate(self._tables_for(lengths)) if int(t.lone_cap.max()) >= longest]
         self.missed.update(set(range(len(self.pool))) - set(usable))
         if not usable:
             cap, name = largest_cap(self.cost, ClusterSpec(self.num_gpus), self.pool)
@@ -219,17 +221,27 @@ class Planner:
         """Whether some replica of `deployment` fits a sequence of `longest` tokens."""
         return int(self._table(deployment).lone_cap.max()) >= longest
 
-    def _table(self, deployment: Deployment) -> ReplicaTable:
-        """The replica table of a pool deployment (built once, in __init__), or a new one for another."""
+    def _table(self, deployment: Deployment, lengths: np.ndarray | None = None) -> ReplicaTable:
+        """The replica table of a pool deployment (`_tables_for`), or a new one for another."""
         if deployment in self.pool:
-            return self._tables[self.pool.index(deployment)]
-        return ReplicaTable.of(self.cost, deployment, self.num_gpus)
+            return self._tables_for(lengths)[self.pool.index(deployment)]
+        return ReplicaTable.of(self.cost, deployment, self.num_gpus, COUNT_HORIZON if lengths is None else len(lengths))
+
+    def _tables_for(self, lengths: np.ndarray | None = None) -> list[ReplicaTable]:
+        """The pool's replica tables for a batch of `lengths` (None: any): a batch of n sequences packs at most n
+        micro-batches on a replica, so its decisions read the least cap of counts 2..n (`ReplicaCost.horizon`), not
+        of every count; built once per horizon (`count_horizon`) of the pool's interleaved configs."""
+        most = COUNT_HORIZON if lengths is None else len(lengths)
+        key = tuple(count_horizon(g, most) for g in self._interleaved)
+        if key not in self._by_horizon:
+            self._by_horizon[key] = [ReplicaTable.of(self.cost, d, self.num_gpus, most) for d in self.pool]
+        return self._by_horizon[key]
 
     def plan_on(self, lengths: Sequence[int] | np.ndarray, deployment: Deployment, step: int = 0) -> IterationPlan:
         """Plan a batch on one given deployment (for proposal and tests)."""
         start = time.perf_counter()
         lengths = check_lengths(lengths)
-        table = self._table(deployment)
+        table = self._table(deployment, lengths)
         if int(table.lone_cap.max()) < int(lengths.max()):
             raise HydraulisError(f"{deployment} cannot hold a sequence of {int(lengths.max())} tokens")
         if deployment in self.pool and self._memo is not None:
@@ -255,7 +267,7 @@ class Planner:
 
     def caps(self) -> tuple[int, ...]:
         """The longest sequence each pool deployment holds (a replica's lone micro-batch, within the memory)."""
-        return tuple(int(t.lone_cap.max()) for t in self._tables)
+        return tuple(int(t.lone_cap.max()) for t in self._tables_for())
 
     # -- internals -----------------------------------------------------------------
     def _greedy(self, lengths: np.ndarray, k: int) -> Dispatch:
@@ -264,7 +276,7 @@ class Planner:
         found = self._memo.get(key) if self._memo is not None else None
         if found is None:
             try:
-                found = dispatch(lengths, self._tables[k], search=False)
+                found = dispatch(lengths, self._tables_for(lengths)[k], search=False)
             except NoRoom as exc:
                 found = exc
             if self._memo is not None:
@@ -280,11 +292,11 @@ class Planner:
         key = ("packed", self.pool[k], lengths.tobytes())
         if self._memo is not None and key in self._memo:
             return self._memo[key]
-        cand = self._pack_and_refine(lengths, k, improve(lengths, self._tables[k], d))
+        cand = self._pack_and_refine(lengths, k, improve(lengths, self._tables_for(lengths)[k], d))
         if self.cost.shared_cores is None:  # each replica's time is its packing's simulation: the slowest, the step
             found = cand, cand.compute_s + self.cost.step_time(cand.deployment.configs)
         else:
-            plan = assemble(0, lengths, cand.deployment, cand.micro_batches, self._tables[k])
+            plan = assemble(0, lengths, cand.deployment, cand.micro_batches, self._tables_for(lengths)[k])
             found = cand, simulate(plan, self.cost, keep_events=False).iteration_time_s
         if self._memo is not None:
             self._memo[key] = found
@@ -295,7 +307,7 @@ class Planner:
         where a waiting stage lends its core and the profile's times are no floor)."""
         if self.cost.shared_cores is not None:
             return 0.0
-        return self._tables[k].compute_bound(lengths) + self.cost.step_time(self.pool[k].configs)
+        return self._tables_for(lengths)[k].compute_bound(lengths) + self.cost.step_time(self.pool[k].configs)
 
     def _worth_packing(self, screened: list[tuple[Dispatch, int]], n: int) -> list[tuple[Dispatch, int]]:
         """The best screened deployments. In a large batch of light sequences the estimate is close to the
@@ -338,7 +350,7 @@ class Planner:
     def _pack_and_refine(
         self, lengths: np.ndarray, which: int | ReplicaTable, d: Dispatch, deployment: Deployment | None = None
     ) -> Candidate:
-        table = self._tables[which] if isinstance(which, int) else which
+        table = self._tables_for(lengths)[which] if isinstance(which, int) else which
         deployment = self.pool[which] if isinstance(which, int) else deployment
         assert deployment is not None
         packed: dict[tuple, Packing] = {}
@@ -366,7 +378,7 @@ class Planner:
         return Candidate(deployment, tuple(p.micro_batches for p in packs), times)
 
     def _exact(self, lengths: np.ndarray, cand: Candidate) -> Candidate:
-        table = self._table(cand.deployment)
+        table = self._table(cand.deployment, lengths)
         start = [[mb.tolist() for mb in mbs] for mbs in cand.micro_batches]
         found = exact_assignment(lengths, table, start, self.milp_time_limit_s)
         if found is None:
@@ -382,7 +394,7 @@ class Planner:
 
     def _finish(self, step: int, lengths: np.ndarray, cand: Candidate, start: float) -> IterationPlan:
         return finalize(step=step, lengths=lengths, deployment=cand.deployment, micro_batches=cand.micro_batches,
-                        cost=self.cost, started=start, table=self._table(cand.deployment))
+                        cost=self.cost, started=start, table=self._table(cand.deployment, lengths))
 
 
 def _relative(chosen: int, n: int, simulated: dict[int, float], screened: dict[int, float]) -> tuple[float, ...]:

@@ -26,13 +26,14 @@ cap, in pp (W + c), and cannot hold more (estimate infinite).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from hydraulis.cost.activations import COUNT_HORIZON, counted
+from hydraulis.cost.activations import COUNT_HORIZON, count_horizon, counted
 from hydraulis.cost.model import CostModel, sequence_costs
 from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.parallel import Deployment, ParallelConfig
@@ -72,6 +73,9 @@ class ReplicaCost:
     # Where the planner chooses a policy per micro-batch: a policy's cap at the replica's own count (`micro_batch_cap`,
     # `counted`: interleaved every count, 1F1B below pp), read when a micro-batch is beyond the any-count cap.
     count_cap: Callable[[int, MemoryPolicy], int] | None = field(default=None, compare=False, repr=False)
+    # The most micro-batches `cap` and `tiers` hold for (`count_horizon`: a batch of n sequences packs at most n
+    # on a replica, so its decisions read the least cap of counts 2..n); beyond it each count's own (`policy`).
+    horizon: int = COUNT_HORIZON
 
     @property
     def pp(self) -> int:
@@ -116,14 +120,16 @@ class ReplicaCost:
         return float(min(at, beyond * (1 - 1e-9)))
 
     @classmethod
-    def of(cls, cost: CostModel, config: ParallelConfig, num_gpus: int) -> ReplicaCost:
+    def of(cls, cost: CostModel, config: ParallelConfig, num_gpus: int, most: int = COUNT_HORIZON) -> ReplicaCost:
+        """`most`: the most micro-batches a decision on these caps may lead to (`count_horizon`)."""
         k = cost.coefficients(config)
-        cap, lone = cost.cap(config, num_gpus), cost.lone_cap(config, num_gpus)
+        horizon = count_horizon(config, most)
+        cap, lone = cost.cap(config, num_gpus, horizon), cost.lone_cap(config, num_gpus)
         tiers: dict[int | None, list[Tier]] = {None: [], 1: []}
         for count, rows in tiers.items():
             top = cap if count is None else 0
             for p in cost.policies(config)[count is None:]:
-                at = cost.policy_cap(config, num_gpus, p, count)
+                at = cost.policy_cap(config, num_gpus, p, count, horizon)
                 if at > top:
                     sa, sb = cost.policy_scale(config, p)
                     rows.append(Tier(p, at, sa * k.a, sb * k.b))
@@ -133,7 +139,7 @@ class ReplicaCost:
         count_cap = functools.partial(cost.micro_batch_cap, config, num_gpus) if cost.memory_policies else None
         return cls(config=config, a=k.a, b=k.b, c=k.c, cap=cap, min_efficient=cost.min_efficient_tokens(config),
                    lone_cap=lone, tiers=tuple(tiers[None]), lone_tiers=tuple(tiers[1]),
-                   plain=cost.policies(config)[0], count_cap=count_cap if config.pp > 1 else None)
+                   plain=cost.policies(config)[0], count_cap=count_cap if config.pp > 1 else None, horizon=horizon)
 
     def seq_costs(self, lengths: np.ndarray) -> np.ndarray:
         """a*s^2 + b*s of each sequence, under the lightest policy whose cap holds it alone (beyond `reach`,
@@ -181,11 +187,32 @@ class ReplicaCost:
             return self.cap
         return self.count_cap(micro_batches, self.plain)
 
+    def at_count(self, micro_batches: int) -> ReplicaCost | None:
+        """This config with the plain policy's cap at one count of micro-batches (`cap_at`; the tiers above it as they
+        are, for counts to the horizon, which hold at most what the count's do), for packings made for that count,
+        which `fits` checks at their own; None where the caps do not follow the count."""
+        if self.count_cap is None or micro_batches < 2 or counted(self.config, micro_batches) is None:
+            return None
+        cap = self.count_cap(micro_batches, self.plain)
+        return dataclasses.replace(self, cap=cap, tiers=tuple(t for t in self.tiers if t.cap > cap), horizon=1)
+
+    def fits(self, micro_batches: Sequence[np.ndarray], lengths: np.ndarray) -> bool:
+        """Whether every one of these micro-batches (of batch indices) fits some policy at their count: the plain
+        one's cap there (`cap_at`), else the heaviest's where the caps follow the count (a lone one: `holds`)."""
+        count, most = len(micro_batches), max(int(lengths[mb].sum()) for mb in micro_batches)
+        if count == 1:
+            return most <= self.holds
+        if most <= self.cap_at(count):
+            return True
+        if self.count_cap is None or counted(self.config, count) is None:
+            return False
+        return most <= self.count_cap(count, self.tiers[-1].policy if self.tiers else self.plain)
+
     def policy(self, tokens: int, micro_batches: int) -> MemoryPolicy | None:
         """The policy a micro-batch of `tokens` (one of `micro_batches`) runs: the lightest whose cap holds it;
         None for the config's plain one (or where none holds it, which a plan's validation names)."""
-        if micro_batches != 1 and tokens <= self.cap and micro_batches <= COUNT_HORIZON:
-            return None  # the any-count cap holds every count to the horizon
+        if micro_batches != 1 and tokens <= self.cap and micro_batches <= self.horizon:
+            return None  # the cap holds every count to the horizon
         if micro_batches != 1 and self.count_cap is not None and counted(self.config, micro_batches) is not None:
             # at its own count: the lightest of the plain one and the tiers' (those never slower than a heavier)
             found = next((p for p in (self.plain, *(t.policy for t in self.tiers))
@@ -219,12 +246,16 @@ class ReplicaTable:
         return (self.c, self.pp, self.cap, self.min_efficient, self.lone_cap, self.long_w, self.wrap)
 
     @classmethod
-    def of(cls, cost: CostModel, deployment: Deployment | Sequence[ParallelConfig], num_gpus: int) -> ReplicaTable:
+    def of(
+        cls, cost: CostModel, deployment: Deployment | Sequence[ParallelConfig], num_gpus: int,
+        most: int = COUNT_HORIZON,
+    ) -> ReplicaTable:
+        """`most`: the most micro-batches a replica may pack (`ReplicaCost.of`)."""
         configs = deployment.configs if isinstance(deployment, Deployment) else tuple(deployment)
         distinct: dict[ParallelConfig, int] = {}
         for g in configs:
             distinct.setdefault(g, len(distinct))
-        models = tuple(ReplicaCost.of(cost, g, num_gpus) for g in distinct)
+        models = tuple(ReplicaCost.of(cost, g, num_gpus, most) for g in distinct)
         reps = tuple(models[distinct[g]] for g in configs)
         return cls(
             replicas=reps,
