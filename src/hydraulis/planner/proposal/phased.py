@@ -19,8 +19,8 @@ from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.bounds import lower_bounds
 from hydraulis.planner.dispatch import dispatch
 from hydraulis.planner.phases import PhasedPlanner, homogeneous_split, spaced_levels
-from hydraulis.planner.pool import homogeneous, replicable_configs, unique_deployments
-from hydraulis.planner.replicas import ReplicaTable
+from hydraulis.planner.pool import homogeneous, place, replicable_configs, unique_deployments
+from hydraulis.planner.replicas import ReplicaCost, ReplicaTable
 from hydraulis.planner.schedule import Schedule, phase_switch_time
 from hydraulis.processes.fan_out import fan_out
 from hydraulis.specs import ClusterSpec
@@ -29,6 +29,9 @@ PHASE_SAMPLES = 4  # sample batches the phased planner plans when choosing deplo
 SHORT_SHARE = 0.1  # a level at least this share of batches stop at counts as the samples cut there
 LEVEL_KEEP = 8  # deployments per level the dispatch estimate ranks, the least work first (`_least_work`)
 STOP_RATIO = 1.2  # the levels between the samples' longest sequences at which they are clipped (`stop_levels`)
+# a long phase's deployments are shaped for each sample's k longest (`long_deployments`); each costs the greedy the
+# samples planned in full (k = 1, 3 paid only where 2, 4, 6 paid more, on long-7b-64g and long-7b-128g)
+LONG_TOPS = (2, 4, 6)
 # deployments the pool's greedy adds together, the level they serve, and whether the samples are clipped there
 Move = tuple[tuple[Deployment, ...], int, bool]
 
@@ -74,8 +77,14 @@ def phase_deployments(
     for bundle, level, clip in _hotspa_moves(cost, cluster, sample, longest):
         if (bundle := tuple(d for d in bundle if d not in pool)) and bundle not in _bundles(moves):
             moves.append((bundle, level, clip))
+    memo: dict = {}  # the samples' plans and estimates, shared by the two greedy passes
     current, schedules = _greedy_phases(cost=cost, num_gpus=N, current=list(pool), moves=moves, sample=sample,
-                                        max_pool=max_pool, min_gain=min_gain)
+                                        max_pool=max_pool, min_gain=min_gain, memo=memo)
+    # then the long phase's deployments, judged beside the pool they would join (`long_deployments`)
+    shaped = long_deployments(cost, cluster, replicable_configs(cost, cluster), sample)
+    if len(current) < max_pool and (long := [((d,), 0, False) for d in shaped if d not in current]):
+        current, schedules = _greedy_phases(cost=cost, num_gpus=N, current=current, moves=long, sample=sample,
+                                            max_pool=max_pool, min_gain=min_gain, memo=memo)
     added = current[len(pool) :]
     if len(batches) > len(sample):
         planner = PhasedPlanner(cost, N, current)
@@ -109,6 +118,58 @@ def _hotspa_moves(cost: CostModel, cluster: ClusterSpec, sample: Sequence[np.nda
             if clip or bundle not in moves:  # where batches that stop there want it, its gain shows
                 moves[bundle] = (level, clip)
     return [(m, *at) for m, at in moves.items() if m]
+
+
+def long_deployments(
+    cost: CostModel, cluster: ClusterSpec, configs: Sequence[ParallelConfig], sample: Sequence[np.ndarray],
+    tops: Sequence[int] = LONG_TOPS,
+) -> list[Deployment]:
+    """Deployments for a long phase, shaped for each sample's k longest sequences (k of `tops`): one replica for
+    each, of the config that gives the k the least slowest lone trip on the GPUs (the least GPU time next; a wide
+    replica for the longest beside narrower ones for the next), the GPUs left to more replicas of the last one's
+    config. The candidates' shapes (homogeneous, k large beside small) miss them: three 262K sequences on
+    2x tp8pp1cp4 leave one replica idle for a third of the phase (long-7b-64g-longmix)."""
+    N = cluster.num_gpus
+    reps = [ReplicaCost.of(cost, g, N) for g in configs]
+    sizes = np.array([g.num_gpus for g in configs])
+    out = []
+    for b in sample:
+        s = np.sort(b)[::-1][: max(tops)]
+        trips = np.stack([r.pp * (np.minimum(*r.lightest(s)) + r.c) for r in reps], axis=1)  # [sequence, config]
+        for k in (t for t in tops if t <= len(s)):
+            shape = _least_trips(trips[:k], sizes, N)
+            if shape and (d := place(sorted((configs[j] for j in shape), key=lambda g: -g.num_gpus), cluster)):
+                out.append(d)
+    return unique_deployments(out)
+
+
+def _least_trips(trips: np.ndarray, sizes: np.ndarray, num_gpus: int) -> list[int]:
+    """Config indices, one per row of `trips` [sequences, configs] and more of the last one's to fill `num_gpus`,
+    of the least slowest trip, then the least GPU time (a dynamic programme over the GPUs used); [] where none."""
+    k, n = trips.shape
+    slowest = np.full(num_gpus + 1, np.inf)
+    work = np.zeros(num_gpus + 1)
+    slowest[0] = 0.0
+    back = np.full((k, num_gpus + 1, 2), -1)  # (config, GPUs used before) per sequence and GPUs used after
+    for i in range(k):
+        nxt, nwork = np.full(num_gpus + 1, np.inf), np.zeros(num_gpus + 1)
+        for j in np.flatnonzero(np.isfinite(trips[i])):
+            used = np.arange(num_gpus + 1 - sizes[j])
+            to = used + sizes[j]
+            m, w = np.maximum(slowest[used], trips[i, j]), work[used] + sizes[j] * trips[i, j]
+            better = np.isfinite(m) & ((m < nxt[to]) | ((m == nxt[to]) & (w < nwork[to])))
+            nxt[to[better]], nwork[to[better]] = m[better], w[better]
+            back[i, to[better]] = np.stack([np.full(better.sum(), j), used[better]], axis=1)
+        slowest, work = nxt, nwork
+    ends = [u for u in np.flatnonzero(np.isfinite(slowest)) if (num_gpus - u) % sizes[back[k - 1, u, 0]] == 0]
+    if not ends:
+        return []
+    u = min(ends, key=lambda e: (slowest[e], work[e]))
+    shape = [int(back[k - 1, u, 0])] * ((num_gpus - u) // int(sizes[back[k - 1, u, 0]]))
+    for i in range(k - 1, -1, -1):
+        shape.append(int(back[i, u, 0]))
+        u = int(back[i, u, 1])
+    return shape
 
 
 def stop_levels(
@@ -146,13 +207,14 @@ def _greedy_phases(
     sample: list[np.ndarray],
     max_pool: int,
     min_gain: float,
+    memo: dict | None = None,
 ) -> tuple[list[Deployment], list]:
     """Add the move (a deployment, or hotspa's that pay together) that most lowers the samples' phased
     iterations, while the pool has room.
 
     Each candidate's planner plans the samples and their short cuts once; the pool's own short-cut
     times depend only on the level, so each round plans them once per level, not once per candidate."""
-    memo: dict = {}  # every trial plans the samples on the current pool's deployments again: once is enough
+    memo = {} if memo is None else memo  # every trial plans the samples on the current pool's again: once is enough
     planner = PhasedPlanner(cost, num_gpus, current, memo=memo)
     schedules = [planner.schedule(b) for b in sample]
     while len(current) < max_pool:
