@@ -4,7 +4,8 @@ plans and for short batches (`phase_deployments`), chosen by the phased planner'
 A short phase wants a deployment that runs the sequences up to some length faster than the deployment that
 holds the longest, and a batch that stops short may want one no sample does; so the moves offered are the
 best-estimated candidate per spaced cap level, hotspa's homogeneous phases (`phases.homogeneous_split`), and
-the same on the samples cut or clipped where batches like them stop, added greedily while they pay.
+the same on the samples cut or clipped where batches like them stop, added greedily while they pay; then, beside
+the pool those built, long phases shaped for the samples' few longest sequences (`long_deployments`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ SHORT_SHARE = 0.1  # a level at least this share of batches stop at counts as th
 LEVEL_KEEP = 8  # deployments per level the dispatch estimate ranks, the least work first (`_least_work`)
 STOP_RATIO = 1.2  # the levels between the samples' longest sequences at which they are clipped (`stop_levels`)
 # a long phase's deployments are shaped for each sample's k longest (`long_deployments`); each costs the greedy the
-# samples planned in full (k = 1, 3 paid only where 2, 4, 6 paid more, on long-7b-64g and long-7b-128g)
+# samples planned in full (k = 1 and 3 saved less than 2, 4, 6 on long-7b-64g's and long-7b-128g's samples)
 LONG_TOPS = (2, 4, 6)
 # deployments the pool's greedy adds together, the level they serve, and whether the samples are clipped there
 Move = tuple[tuple[Deployment, ...], int, bool]
@@ -134,7 +135,7 @@ def long_deployments(
     sizes = np.array([g.num_gpus for g in configs])
     out = []
     for b in sample:
-        s = np.sort(b)[::-1][: max(tops)]
+        s = np.sort(b)[::-1][: max(tops, default=0)]
         trips = np.stack([r.pp * (np.minimum(*r.lightest(s)) + r.c) for r in reps], axis=1)  # [sequence, config]
         for k in (t for t in tops if t <= len(s)):
             shape = _least_trips(trips[:k], sizes, N)
@@ -146,7 +147,7 @@ def long_deployments(
 def _least_trips(trips: np.ndarray, sizes: np.ndarray, num_gpus: int) -> list[int]:
     """Config indices, one per row of `trips` [sequences, configs] and more of the last one's to fill `num_gpus`,
     of the least slowest trip, then the least GPU time (a dynamic programme over the GPUs used); [] where none."""
-    k, n = trips.shape
+    k = len(trips)
     slowest = np.full(num_gpus + 1, np.inf)
     work = np.zeros(num_gpus + 1)
     slowest[0] = 0.0
