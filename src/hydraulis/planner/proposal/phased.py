@@ -82,8 +82,9 @@ def phase_deployments(
     current, schedules = _greedy_phases(cost=cost, num_gpus=N, current=list(pool), moves=moves, sample=sample,
                                         max_pool=max_pool, min_gain=min_gain, memo=memo)
     # then the long phase's deployments, judged beside the pool they would join (`long_deployments`)
-    shaped = long_deployments(cost, cluster, replicable_configs(cost, cluster), sample)
-    if len(current) < max_pool and (long := [((d,), 0, False) for d in shaped if d not in current]):
+    room = len(current) < max_pool
+    shaped = long_deployments(cost, cluster, replicable_configs(cost, cluster), sample) if room else []
+    if long := [((d,), 0, False) for d in shaped if d not in current]:
         current, schedules = _greedy_phases(cost=cost, num_gpus=N, current=current, moves=long, sample=sample,
                                             max_pool=max_pool, min_gain=min_gain, memo=memo)
     added = current[len(pool) :]
