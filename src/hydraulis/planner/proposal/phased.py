@@ -5,7 +5,7 @@ A short phase wants a deployment that runs the sequences up to some length faste
 holds the longest, and a batch that stops short may want one no sample does; so the moves offered are the
 best-estimated candidate per spaced cap level, hotspa's homogeneous phases (`phases.homogeneous_split`), and
 the same on the samples cut or clipped where batches like them stop, added greedily while they pay; then, beside
-the pool those built, long phases shaped for the samples' few longest sequences (`long_deployments`).
+the pool those built, long phases shaped for the samples' few longest sequences (`long_phase_deployments`).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def phase_deployments(
     max_pool: int,
     min_gain: float = 0.002,
     whole: Sequence[Deployment] = (),
+    memo: dict | None = None,
 ) -> tuple[list[Deployment], list[Schedule]]:
     """Deployments for the short phases of phased plans and short batches, which no sample chose whole, beside
     `whole` (chosen for whole samples), all competing for the pool's room.
@@ -78,15 +79,8 @@ def phase_deployments(
     for bundle, level, clip in _hotspa_moves(cost, cluster, sample, longest):
         if (bundle := tuple(d for d in bundle if d not in pool)) and bundle not in _bundles(moves):
             moves.append((bundle, level, clip))
-    memo: dict = {}  # the samples' plans and estimates, shared by the two greedy passes
     current, schedules = _greedy_phases(cost=cost, num_gpus=N, current=list(pool), moves=moves, sample=sample,
                                         max_pool=max_pool, min_gain=min_gain, memo=memo)
-    # then the long phase's deployments, judged beside the pool they would join (`long_deployments`)
-    room = len(current) < max_pool
-    shaped = long_deployments(cost, cluster, replicable_configs(cost, cluster), sample) if room else []
-    if long := [((d,), 0, False) for d in shaped if d not in current]:
-        current, schedules = _greedy_phases(cost=cost, num_gpus=N, current=current, moves=long, sample=sample,
-                                            max_pool=max_pool, min_gain=min_gain, memo=memo)
     added = current[len(pool) :]
     if len(batches) > len(sample):
         planner = PhasedPlanner(cost, N, current)
@@ -120,6 +114,37 @@ def _hotspa_moves(cost: CostModel, cluster: ClusterSpec, sample: Sequence[np.nda
             if clip or bundle not in moves:  # where batches that stop there want it, its gain shows
                 moves[bundle] = (level, clip)
     return [(m, *at) for m, at in moves.items() if m]
+
+
+def long_phase_deployments(
+    cost: CostModel,
+    cluster: ClusterSpec,
+    pool: Sequence[Deployment],
+    batches: Sequence[np.ndarray],
+    schedules: list[Schedule],
+    max_pool: int,
+    min_gain: float = 0.002,
+    memo: dict | None = None,
+) -> tuple[list[Deployment], list[Schedule]]:
+    """Long phases shaped for the samples' few longest sequences (`long_deployments`), added greedily beside `pool`
+    (built by `phase_deployments`, `schedules` the batches' on it) while they lower the samples' phased iterations.
+    Only added: a deployment of `pool` that the samples no longer use beside them stays, for batches unlike them
+    (long-13b-128g: a shape took the samples' long phases from 4x tp8pp1cp4, which the bench's batch 1 runs 1% faster).
+    Returns those added and the schedule of each of `batches` on the final pool."""
+    N = cluster.num_gpus
+    sample = list(batches[:PHASE_SAMPLES])
+    shaped = long_deployments(cost, cluster, replicable_configs(cost, cluster), sample) if len(pool) < max_pool else []
+    moves: list[Move] = [((d,), 0, False) for d in shaped if d not in pool]
+    if not moves:
+        return [], schedules
+    current, found = _greedy_phases(cost=cost, num_gpus=N, current=list(pool), moves=moves, sample=sample,
+                                    max_pool=max_pool, min_gain=min_gain, memo=memo)
+    if len(current) == len(pool):
+        return [], schedules
+    if len(batches) > len(sample):
+        planner = PhasedPlanner(cost, N, current)
+        found = [planner.schedule(b) for b in batches]
+    return current[len(pool) :], found
 
 
 def long_deployments(

@@ -23,7 +23,7 @@ from hydraulis.planner.pool import (
     homogeneous,
     unique_deployments,
 )
-from hydraulis.planner.proposal.phased import phase_deployments
+from hydraulis.planner.proposal.phased import long_phase_deployments, phase_deployments
 from hydraulis.planner.proposal.range_dp import LengthHistogram, dp_deployments
 from hydraulis.planner.proposal.refine import refine
 from hydraulis.planner.proposal.screen import LARGE_BATCH_SCREEN, Progress, plan_times, screen_candidates
@@ -155,9 +155,13 @@ def propose(
     phased = None
     if method == "hydraulis" and max_pool > 1:
         # The whole-batch choices compete with the phases' for the pool's room, on the phased planner's time.
+        memo: dict = {}  # the samples' plans, shared by the two passes
         extra, schedules = phase_deployments(cost, cluster, every, pool_deployments[:1], sample, max_pool=max_pool,
-                                             whole=pool_deployments[1:])
+                                             whole=pool_deployments[1:], memo=memo)
         pool_deployments, schedules = _without_idle(cost, cluster, (pool_deployments[0], *extra), schedules, sample)
+        longer, schedules = long_phase_deployments(cost, cluster, pool_deployments, sample, schedules,
+                                                   max_pool=max_pool, memo=memo)
+        pool_deployments = (*pool_deployments, *longer)
         phased = np.array([s.iteration_time_s for s in schedules])
         tokens_on = tokens_per_deployment(pool_deployments, schedules)
         rows = {str(d): times_all[k] for k, d in enumerate(candidates)}
