@@ -155,7 +155,8 @@ def propose(
     phased = None
     if method == "hydraulis" and max_pool > 1:
         # The whole-batch choices compete with the phases' for the pool's room, on the phased planner's time.
-        pool_deployments, schedules = _phased_pool(cost, cluster, every, pool_deployments, sample, max_pool)
+        pool_deployments, schedules = _phased_pool(cost=cost, cluster=cluster, every=every, chosen=pool_deployments,
+                                                   sample=sample, max_pool=max_pool)
         phased = np.array([s.iteration_time_s for s in schedules])
         tokens_on = tokens_per_deployment(pool_deployments, schedules)
         rows = {str(d): times_all[k] for k, d in enumerate(candidates)}
