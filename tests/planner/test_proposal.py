@@ -252,3 +252,65 @@ def test_the_published_pool_has_room_for_the_32b_bench_batches_it_did_not_sample
     assert all(cost.cap(g, cluster.num_gpus) >= longest for g in pool[0].configs), str(pool[0])
     planner = Planner(cost, cluster.num_gpus, pool[:1])
     assert all(planner.plan(b).deployment == pool[0] for b in fresh[:1])
+
+
+def test_least_trips_is_the_least_slowest_trip_over_every_shape():
+    """`_least_trips` against every choice of one config per sequence (the GPUs left to the last one's config):
+    the same least slowest trip, then the same least GPU time."""
+    import itertools
+
+    from hydraulis.planner.proposal.phased import _least_trips
+
+    rng = np.random.default_rng(3)
+    sizes = np.array([4, 8, 8, 16, 32])
+    for _ in range(30):
+        k = int(rng.integers(1, 4))
+        trips = np.where(rng.random((k, len(sizes))) < 0.2, np.inf, rng.random((k, len(sizes))) * 10)
+        best = None
+        for shape in itertools.product(range(len(sizes)), repeat=k):
+            used, last = int(sizes[list(shape)].sum()), sizes[shape[-1]]
+            values = trips[np.arange(k), list(shape)]
+            if used <= 32 and (32 - used) % last == 0 and np.isfinite(values).all():
+                key = (float(values.max()), float((sizes[list(shape)] * values).sum()))
+                best = key if best is None or key < best else best
+        got = _least_trips(trips, sizes, 32)
+        if best is None:
+            assert got == []
+            continue
+        assert sum(int(sizes[j]) for j in got) == 32
+        firsts = got[-k:][::-1]  # one per sequence, longest first; the fill before them
+        values = trips[np.arange(k), firsts]
+        assert (float(values.max()), float((sizes[firsts] * values).sum())) == pytest.approx(best)
+
+
+def test_a_long_phase_shaped_for_the_longest_enters_the_pool_where_it_pays():
+    """7B on 64 GPUs, a batch with one 262K sequence, three of 80-100K and short ones, on a pool of 1x tp8pp1cp8
+    (holds the 262K) and 32x tp2pp1 (the short ones): the long phase shaped for the 4 longest gives the 262K a
+    wide replica and the next ones narrower ones, the greedy adds it, and the batch runs at least 5% faster.
+    On the batch with the 262K alone or with none, the greedy's schedule is never slower than the pool's, and the
+    pool stays as it was where the move saves nothing."""
+    from hydraulis.planner.proposal.phased import _greedy_phases, long_deployments
+
+    cost = load_cost_model("llama-7b@a800-80g+cp").with_policies(True)
+    cluster = ClusterSpec(64)
+    configs = [ParallelConfig.parse(t) for t in ("tp8pp1cp8", "tp8pp1cp4", "tp4pp1cp2", "tp2pp1cp4", "tp2pp1")]
+    pool = [Deployment.parse(t, cluster) for t in ("1x(tp8,pp1,cp8)", "32x(tp2,pp1)")]
+    rng = np.random.default_rng(0)
+    batch = np.concatenate([[262144, 100000, 90000, 80000], rng.integers(1000, 16000, 40)])
+    shaped = long_deployments(cost, cluster, configs, [batch], tops=(4,))
+    assert len(shaped) == 1 and len(set(shaped[0].configs)) > 1, shaped
+    widest = max(shaped[0].configs, key=lambda g: g.num_gpus)
+    assert widest.num_gpus > min(g.num_gpus for g in shaped[0].configs)
+    before = PhasedPlanner(cost, 64, pool).schedule(batch).iteration_time_s
+    current, schedules = _greedy_phases(cost=cost, num_gpus=64, current=pool, moves=[(tuple(shaped), 0, False)],
+                                        sample=[batch], max_pool=4, min_gain=0.002)
+    assert current == [*pool, shaped[0]]
+    assert schedules[0].iteration_time_s < 0.95 * before
+    assert any(p.deployment == shaped[0] for p in schedules[0].phases)
+    for other in (np.concatenate([[262144], batch[4:]]), batch[4:]):  # never slower: added only where it pays
+        base = PhasedPlanner(cost, 64, pool).schedule(other).iteration_time_s
+        current, schedules = _greedy_phases(cost=cost, num_gpus=64, current=pool,
+                                            moves=[(tuple(shaped), 0, False)], sample=[other], max_pool=4,
+                                            min_gain=0.002)
+        assert schedules[0].iteration_time_s <= base
+        assert (current == pool) == (schedules[0].iteration_time_s == base)

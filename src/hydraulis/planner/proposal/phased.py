@@ -4,7 +4,8 @@ plans and for short batches (`phase_deployments`), chosen by the phased planner'
 A short phase wants a deployment that runs the sequences up to some length faster than the deployment that
 holds the longest, and a batch that stops short may want one no sample does; so the moves offered are the
 best-estimated candidate per spaced cap level, hotspa's homogeneous phases (`phases.homogeneous_split`), and
-the same on the samples cut or clipped where batches like them stop, added greedily while they pay.
+the same on the samples cut or clipped where batches like them stop, added greedily while they pay; then, beside
+the pool those built, long phases shaped for the samples' few longest sequences (`long_phase_deployments`).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.bounds import lower_bounds
 from hydraulis.planner.dispatch import dispatch
 from hydraulis.planner.phases import PhasedPlanner, homogeneous_split, spaced_levels
-from hydraulis.planner.pool import homogeneous, replicable_configs, unique_deployments
-from hydraulis.planner.replicas import ReplicaTable
+from hydraulis.planner.pool import homogeneous, place, replicable_configs, unique_deployments
+from hydraulis.planner.replicas import ReplicaCost, ReplicaTable
 from hydraulis.planner.schedule import Schedule, phase_switch_time
 from hydraulis.processes.fan_out import fan_out
 from hydraulis.specs import ClusterSpec
@@ -29,6 +30,9 @@ PHASE_SAMPLES = 4  # sample batches the phased planner plans when choosing deplo
 SHORT_SHARE = 0.1  # a level at least this share of batches stop at counts as the samples cut there
 LEVEL_KEEP = 8  # deployments per level the dispatch estimate ranks, the least work first (`_least_work`)
 STOP_RATIO = 1.2  # the levels between the samples' longest sequences at which they are clipped (`stop_levels`)
+# a long phase's deployments are shaped for each sample's k longest (`long_deployments`); each costs the greedy the
+# samples planned in full (k = 1 and 3 saved less than 2, 4, 6 on long-7b-64g's and long-7b-128g's samples)
+LONG_TOPS = (2, 4, 6)
 # deployments the pool's greedy adds together, the level they serve, and whether the samples are clipped there
 Move = tuple[tuple[Deployment, ...], int, bool]
 
@@ -42,6 +46,7 @@ def phase_deployments(
     max_pool: int,
     min_gain: float = 0.002,
     whole: Sequence[Deployment] = (),
+    memo: dict | None = None,
 ) -> tuple[list[Deployment], list[Schedule]]:
     """Deployments for the short phases of phased plans and short batches, which no sample chose whole, beside
     `whole` (chosen for whole samples), all competing for the pool's room.
@@ -75,7 +80,7 @@ def phase_deployments(
         if (bundle := tuple(d for d in bundle if d not in pool)) and bundle not in _bundles(moves):
             moves.append((bundle, level, clip))
     current, schedules = _greedy_phases(cost=cost, num_gpus=N, current=list(pool), moves=moves, sample=sample,
-                                        max_pool=max_pool, min_gain=min_gain)
+                                        max_pool=max_pool, min_gain=min_gain, memo=memo)
     added = current[len(pool) :]
     if len(batches) > len(sample):
         planner = PhasedPlanner(cost, N, current)
@@ -109,6 +114,89 @@ def _hotspa_moves(cost: CostModel, cluster: ClusterSpec, sample: Sequence[np.nda
             if clip or bundle not in moves:  # where batches that stop there want it, its gain shows
                 moves[bundle] = (level, clip)
     return [(m, *at) for m, at in moves.items() if m]
+
+
+def long_phase_deployments(
+    cost: CostModel,
+    cluster: ClusterSpec,
+    pool: Sequence[Deployment],
+    batches: Sequence[np.ndarray],
+    schedules: list[Schedule],
+    max_pool: int,
+    min_gain: float = 0.002,
+    memo: dict | None = None,
+) -> tuple[list[Deployment], list[Schedule]]:
+    """Long phases shaped for the samples' few longest sequences (`long_deployments`), added greedily beside `pool`
+    (built by `phase_deployments`, `schedules` the batches' on it) while they lower the samples' phased iterations.
+    Only added: a deployment of `pool` that the samples no longer use beside them stays, for batches unlike them
+    (long-13b-128g: a shape took the samples' long phases from 4x tp8pp1cp4, which the bench's batch 1 runs 1% faster).
+    Returns those added and the schedule of each of `batches` on the final pool."""
+    N = cluster.num_gpus
+    sample = list(batches[:PHASE_SAMPLES])
+    shaped = long_deployments(cost, cluster, replicable_configs(cost, cluster), sample) if len(pool) < max_pool else []
+    moves: list[Move] = [((d,), 0, False) for d in shaped if d not in pool]
+    if not moves:
+        return [], schedules
+    current, found = _greedy_phases(cost=cost, num_gpus=N, current=list(pool), moves=moves, sample=sample,
+                                    max_pool=max_pool, min_gain=min_gain, memo=memo)
+    if len(current) == len(pool):
+        return [], schedules
+    if len(batches) > len(sample):
+        planner = PhasedPlanner(cost, N, current)
+        found = [planner.schedule(b) for b in batches]
+    return current[len(pool) :], found
+
+
+def long_deployments(
+    cost: CostModel, cluster: ClusterSpec, configs: Sequence[ParallelConfig], sample: Sequence[np.ndarray],
+    tops: Sequence[int] = LONG_TOPS,
+) -> list[Deployment]:
+    """Deployments for a long phase, shaped for each sample's k longest sequences (k of `tops`): one replica for
+    each, of the config that gives the k the least slowest lone trip on the GPUs (the least GPU time next; a wide
+    replica for the longest beside narrower ones for the next), the GPUs left to more replicas of the last one's
+    config. The candidates' shapes (homogeneous, k large beside small) miss them: three 262K sequences on
+    2x tp8pp1cp4 leave one replica idle for a third of the phase (long-7b-64g-longmix)."""
+    N = cluster.num_gpus
+    reps = [ReplicaCost.of(cost, g, N) for g in configs]
+    sizes = np.array([g.num_gpus for g in configs])
+    out = []
+    for b in sample:
+        s = np.sort(b)[::-1][: max(tops, default=0)]
+        trips = np.stack([r.pp * (np.minimum(*r.lightest(s)) + r.c) for r in reps], axis=1)  # [sequence, config]
+        for k in (t for t in tops if t <= len(s)):
+            shape = _least_trips(trips[:k], sizes, N)
+            if shape and (d := place(sorted((configs[j] for j in shape), key=lambda g: -g.num_gpus), cluster)):
+                out.append(d)
+    return unique_deployments(out)
+
+
+def _least_trips(trips: np.ndarray, sizes: np.ndarray, num_gpus: int) -> list[int]:
+    """Config indices, one per row of `trips` [sequences, configs] and more of the last one's to fill `num_gpus`,
+    of the least slowest trip, then the least GPU time (a dynamic programme over the GPUs used); [] where none."""
+    k = len(trips)
+    slowest = np.full(num_gpus + 1, np.inf)
+    work = np.zeros(num_gpus + 1)
+    slowest[0] = 0.0
+    back = np.full((k, num_gpus + 1, 2), -1)  # (config, GPUs used before) per sequence and GPUs used after
+    for i in range(k):
+        nxt, nwork = np.full(num_gpus + 1, np.inf), np.zeros(num_gpus + 1)
+        for j in np.flatnonzero(np.isfinite(trips[i])):
+            used = np.arange(num_gpus + 1 - sizes[j])
+            to = used + sizes[j]
+            m, w = np.maximum(slowest[used], trips[i, j]), work[used] + sizes[j] * trips[i, j]
+            better = np.isfinite(m) & ((m < nxt[to]) | ((m == nxt[to]) & (w < nwork[to])))
+            nxt[to[better]], nwork[to[better]] = m[better], w[better]
+            back[i, to[better]] = np.stack([np.full(better.sum(), j), used[better]], axis=1)
+        slowest, work = nxt, nwork
+    ends = [u for u in np.flatnonzero(np.isfinite(slowest)) if (num_gpus - u) % sizes[back[k - 1, u, 0]] == 0]
+    if not ends:
+        return []
+    u = min(ends, key=lambda e: (slowest[e], work[e]))
+    shape = [int(back[k - 1, u, 0])] * ((num_gpus - u) // int(sizes[back[k - 1, u, 0]]))
+    for i in range(k - 1, -1, -1):
+        shape.append(int(back[i, u, 0]))
+        u = int(back[i, u, 1])
+    return shape
 
 
 def stop_levels(
@@ -146,13 +234,14 @@ def _greedy_phases(
     sample: list[np.ndarray],
     max_pool: int,
     min_gain: float,
+    memo: dict | None = None,
 ) -> tuple[list[Deployment], list]:
     """Add the move (a deployment, or hotspa's that pay together) that most lowers the samples' phased
     iterations, while the pool has room.
 
     Each candidate's planner plans the samples and their short cuts once; the pool's own short-cut
     times depend only on the level, so each round plans them once per level, not once per candidate."""
-    memo: dict = {}  # every trial plans the samples on the current pool's deployments again: once is enough
+    memo = {} if memo is None else memo  # every trial plans the samples on the current pool's again: once is enough
     planner = PhasedPlanner(cost, num_gpus, current, memo=memo)
     schedules = [planner.schedule(b) for b in sample]
     while len(current) < max_pool:

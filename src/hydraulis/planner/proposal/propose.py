@@ -23,7 +23,7 @@ from hydraulis.planner.pool import (
     homogeneous,
     unique_deployments,
 )
-from hydraulis.planner.proposal.phased import phase_deployments
+from hydraulis.planner.proposal.phased import long_phase_deployments, phase_deployments
 from hydraulis.planner.proposal.range_dp import LengthHistogram, dp_deployments
 from hydraulis.planner.proposal.refine import refine
 from hydraulis.planner.proposal.screen import LARGE_BATCH_SCREEN, Progress, plan_times, screen_candidates
@@ -155,9 +155,8 @@ def propose(
     phased = None
     if method == "hydraulis" and max_pool > 1:
         # The whole-batch choices compete with the phases' for the pool's room, on the phased planner's time.
-        extra, schedules = phase_deployments(cost, cluster, every, pool_deployments[:1], sample, max_pool=max_pool,
-                                             whole=pool_deployments[1:])
-        pool_deployments, schedules = _without_idle(cost, cluster, (pool_deployments[0], *extra), schedules, sample)
+        pool_deployments, schedules = _phased_pool(cost=cost, cluster=cluster, every=every, chosen=pool_deployments,
+                                                   sample=sample, max_pool=max_pool)
         phased = np.array([s.iteration_time_s for s in schedules])
         tokens_on = tokens_per_deployment(pool_deployments, schedules)
         rows = {str(d): times_all[k] for k, d in enumerate(candidates)}
@@ -173,6 +172,21 @@ def propose(
         phased_times_s=phased,
         tokens_on=tokens_on,
     )
+
+
+def _phased_pool(
+    cost: CostModel, cluster: ClusterSpec, every: list[Deployment], chosen: tuple[Deployment, ...],
+    sample: list[np.ndarray], max_pool: int,
+) -> tuple[tuple[Deployment, ...], list[Schedule]]:
+    """The pool from the fallback and the whole samples' choices (`chosen`): the phases' deployments
+    (`phase_deployments`), less those left idle (`_without_idle`), then the long phases' (`long_phase_deployments`,
+    which only add); and the phased planner's schedule of each sample on it."""
+    memo: dict = {}  # the samples' plans, shared by the two passes
+    extra, schedules = phase_deployments(cost, cluster, every, chosen[:1], sample, max_pool=max_pool,
+                                         whole=chosen[1:], memo=memo)
+    pool, schedules = _without_idle(cost, cluster, (chosen[0], *extra), schedules, sample)
+    longer, schedules = long_phase_deployments(cost, cluster, pool, sample, schedules, max_pool=max_pool, memo=memo)
+    return (*pool, *longer), schedules
 
 
 def tokens_per_deployment(pool: Sequence[Deployment], schedules: Sequence[Schedule]) -> np.ndarray:
