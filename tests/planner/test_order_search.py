@@ -70,6 +70,20 @@ def test_the_search_chooses_what_simulating_every_order_chooses(batch, shape, se
     assert [mb.tolist() for mb in got.micro_batches] == [mb.tolist() for mb in want_order]
 
 
+def test_a_bulk_packing_of_two_micro_batches_still_gets_an_order():
+    """Bulk packings try only the orders with small micro-batches at the ends, which two micro-batches do not
+    have: where every candidate is such a packing (a replica packed again at its own count), it is still ordered
+    (this raised an AssertionError in the 1,024-GPU proposal of `benchmarks/planning_time.py`)."""
+    rep, cost = replica(4, 2)
+    lengths = np.full(2 * BULK_PACK_ITEMS, 64)
+    mbs = [np.arange(BULK_PACK_ITEMS), np.arange(BULK_PACK_ITEMS, 2 * BULK_PACK_ITEMS)]
+    got = fastest_packing([(mbs, False)], lengths, rep, cost, bulk=True)
+    _, times = stage_times(mbs, lengths, rep, cost)
+    comm = np.array([cost.p2p_time(rep.config, 64 * BULK_PACK_ITEMS)] * 2)
+    assert got.time_s == simulate_replica(times, rep.pp, comm, keep_events=False, vp=rep.config.vp).time_s
+    assert len(got.micro_batches) == 2
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.floats(1e-3, 5.0), min_size=1, max_size=24), st.integers(2, 6), st.integers(1, 4),
        st.floats(0.0, 0.2))

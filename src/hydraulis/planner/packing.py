@@ -273,6 +273,8 @@ def fastest_packing(
         elif replica.pp > 1 and (bulk or sum(len(mb) for mb in mbs) >= BULK_PACK_ITEMS):
             orders = orders[2:]  # many light micro-batches: the orders with small ones at the ends
         prepared.append((mbs, times, comm, orders))
+    if replica.pp > 1 and not any(p[3] for p in prepared):  # every packing under 3 micro-batches, bulk: no ends
+        prepared = [(mbs, times, comm, execution_orders(times)) for mbs, times, comm, _ in prepared]
     if replica.pp == 1:
         t, k, o = min((simulate_replica(times, 1, comm, keep_events=False).time_s, k, 0)
                       for k, (_, times, comm, _) in enumerate(prepared))
