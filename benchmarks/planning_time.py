@@ -24,6 +24,7 @@ sequences on 64 GPUs and 200K on 1024 (targets: 60 s each).
 
 from __future__ import annotations
 
+import argparse
 import resource
 import sys
 import time
@@ -169,5 +170,10 @@ def main(quick: bool, with_proposal: bool = False, bench_only: bool = False, int
 
 
 if __name__ == "__main__":
-    sys.exit(main("--quick" in sys.argv, "--proposal" in sys.argv, "--bench-only" in sys.argv,
-                  "--interleave" in sys.argv))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the two 32-GPU cases and the growth only")
+    parser.add_argument("--proposal", action="store_true", help="also time proposing pools for 100K and 200K sequences")
+    parser.add_argument("--bench-only", action="store_true", help="the bench's planner on the 256-GPU case only")
+    parser.add_argument("--interleave", action="store_true", help="the bench's planner with interleaving weighed")
+    args = parser.parse_args()
+    sys.exit(main(args.quick, args.proposal, args.bench_only, args.interleave))
