@@ -43,13 +43,13 @@ def check(
     budget = None if memory_per_rank is None else parse_size(memory_per_rank, "--memory-per-rank")
     if out is not None and out.is_dir():
         raise HydraulisError(f"--out {out} is a directory; give a file name")
-    if device != "auto":  # the defaults are known without torch: bad input fails fast, without it
-        _sizes(device, model, tokens, steps)
+    # the defaults of a named device are known without torch: bad input fails fast, without it
+    sizes = _sizes(device, model, tokens, steps) if device != "auto" else None
     from hydraulis.runtime.check import run_check
     from hydraulis.runtime.metering.machine import check_device
 
     where = check_device(device)
-    spec, tokens, steps = _sizes(where.type, model, tokens, steps)
+    spec, tokens, steps = sizes or _sizes(where.type, model, tokens, steps)
     report = run_check(where, spec, tokens=tokens, steps=steps, dtype=dtype, budget=budget)
     text = json.dumps(report, indent=1, default=float) + "\n"
     if out is not None:

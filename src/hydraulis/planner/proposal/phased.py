@@ -81,11 +81,17 @@ def phase_deployments(
             moves.append((bundle, level, clip))
     current, schedules = _greedy_phases(cost=cost, num_gpus=N, current=list(pool), moves=moves, sample=sample,
                                         max_pool=max_pool, min_gain=min_gain, memo=memo)
-    added = current[len(pool) :]
-    if len(batches) > len(sample):
-        planner = PhasedPlanner(cost, N, current)
-        schedules = [planner.schedule(b) for b in batches]
-    return added, schedules
+    return current[len(pool) :], _on_every_batch(cost, N, current, batches, schedules)
+
+
+def _on_every_batch(
+    cost: CostModel, num_gpus: int, pool: list[Deployment], batches: Sequence[np.ndarray], schedules: list[Schedule]
+) -> list[Schedule]:
+    """The phased planner's schedule of each of `batches` on `pool`, given `schedules` of its first PHASE_SAMPLES."""
+    if len(batches) <= len(schedules):
+        return schedules
+    planner = PhasedPlanner(cost, num_gpus, pool)
+    return [planner.schedule(b) for b in batches]
 
 
 def _estimate_on(parts: list[np.ndarray], tables: dict[str, ReplicaTable], d: Deployment) -> float:
@@ -141,10 +147,7 @@ def long_phase_deployments(
                                     max_pool=max_pool, min_gain=min_gain, memo=memo)
     if len(current) == len(pool):
         return [], schedules
-    if len(batches) > len(sample):
-        planner = PhasedPlanner(cost, N, current)
-        found = [planner.schedule(b) for b in batches]
-    return current[len(pool) :], found
+    return current[len(pool) :], _on_every_batch(cost, N, current, batches, found)
 
 
 def long_deployments(
