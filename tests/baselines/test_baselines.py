@@ -111,6 +111,17 @@ def test_hotspa_runs_homogeneous_phases_by_length_with_switches():
     assert schedule.iteration_time_s == pytest.approx(expected)
 
 
+def test_hotspas_phases_after_the_first_hold_the_accumulated_gradient():
+    """Six of 44,500 tokens fit tp4pp1 (44,672) only in a first phase: beside the earlier phases' accumulated
+    gradient its cap is 44,032. hotspa never runs them there in a later phase (it did, over the memory, before its
+    later phases took `CostModel.later_phase`'s caps); the whole schedule is within the caps of its phases."""
+    tp4 = Deployment.parse("4x(tp4,pp1)", CLUSTER).configs[0]
+    assert COST.later_phase().cap(tp4, 16) < 44500 <= COST.cap(tp4, 16)
+    schedule = make_policy("hotspa", context()).schedule(np.concatenate([np.full(300, 300), np.full(6, 44500)]))
+    check_schedule(schedule, COST)
+    assert not any(p.deployment.configs[0] == tp4 and 44500 in p.lengths for p in schedule.phases[1:])
+
+
 def test_reference_greedy_and_packing():
     ctx = context()
     table = ReplicaTable.of(COST, ctx.pool[1], 16)

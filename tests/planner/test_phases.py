@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 
 import numpy as np
@@ -24,7 +25,7 @@ from hydraulis.planner.plan import (
     load_plan,
     save_plan,
 )
-from hydraulis.planner.planner import Planner, later_phase
+from hydraulis.planner.planner import Planner
 from hydraulis.planner.proposal.propose import propose
 from hydraulis.planner.schedule import check_schedule, mean_switch_time, phases_time
 from hydraulis.planner.sim import simulate
@@ -140,15 +141,41 @@ def test_plan_on_within_the_phased_planners_memo_is_plan_on_without_it():
 
 
 def test_the_later_phases_cost_model_is_one_while_its_cost_model_stays_as_it_was():
-    """Phased planners of one cost model share one later-phase copy (its caps computed once); a cost model changed
-    since gets a fresh one, as `CostModel.later_phase` would give."""
+    """Phased planners, checks and meters of one cost model share one later-phase copy (its caps computed once); a
+    cost model changed since, or a copy for a job's budget, gets a fresh one with its own memory model."""
     cost = copy.copy(SMALL)
-    later = later_phase(cost)
-    assert later_phase(cost) is later and later.memory.reduced_held and not cost.memory.reduced_held
+    later = cost.later_phase()
+    assert cost.later_phase() is later and later.memory.reduced_held and not cost.memory.reduced_held
     g = next(c for c in cost.configs if c.num_gpus <= CLUSTER.num_gpus)
-    assert later.cap(g, CLUSTER.num_gpus) == cost.later_phase().cap(g, CLUSTER.num_gpus) < cost.cap(g, CLUSTER.num_gpus)
+    by_hand = copy.copy(cost)
+    by_hand.memory = dataclasses.replace(cost.memory, reduced_held=True)
+    assert later.cap(g, CLUSTER.num_gpus) == by_hand.cap(g, CLUSTER.num_gpus) < cost.cap(g, CLUSTER.num_gpus)
+    job = cost.for_job(40 * 2**30, 2)
+    assert job.later_phase().memory == dataclasses.replace(job.memory, reduced_held=True) != later.memory
     cost.name = "renamed"
-    assert later_phase(cost) is not later and later_phase(cost).name == "renamed"
+    assert cost.later_phase() is not later and cost.later_phase().name == "renamed"
+
+
+def test_a_phase_after_the_first_is_checked_within_the_later_phases_caps():
+    """`check_schedule` holds a phase after the first to the caps beside the earlier phases' reduced gradient: the
+    same plans, with the packed phase run second, put a micro-batch over its later cap and are refused."""
+    cluster = ClusterSpec(16)
+    pool = [Deployment.parse(t, cluster) for t in ("1x(tp16,pp1)", "2x(tp8,pp1)", "1x(tp8,pp2)")]
+    rng = np.random.default_rng(6)
+    b = np.concatenate([[int(rng.integers(12000, 24576))] * int(rng.integers(1, 5)),
+                        np.minimum(rng.lognormal(7.8, 1.0, 40).astype(np.int64) + 64, 20000)])
+    schedule = PhasedPlanner(BIG, 16, pool).schedule(b)
+    check_schedule(schedule, BIG)
+    first = schedule.phases[0]
+    packed = max(int(s.sum()) for r, replica in enumerate(first.replicas) if len(replica.micro_batches) > 1
+                 for s in first.micro_batch_lengths(r))
+    config = first.deployment.replicas[0].config
+    assert BIG.later_phase().cap(config, 16) < packed <= BIG.cap(config, 16)  # not vacuous
+    order = (1, 0, *range(2, len(schedule.phases)))
+    swapped = dataclasses.replace(schedule, phases=tuple(schedule.phases[k] for k in order),
+                                  indices=tuple(schedule.indices[k] for k in order))
+    with pytest.raises(HydraulisError, match="phase 1"):
+        check_schedule(swapped, BIG)
 
 
 def test_splits_cut_after_the_longest_sequences_too():

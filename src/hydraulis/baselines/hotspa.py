@@ -20,6 +20,7 @@ change (a reduce into the owners and a gather), `schedule.phase_switch_time`.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -51,6 +52,10 @@ class HotSpa:
         self.caps = np.array([ctx.cost.cap(g, ctx.num_gpus) for g in self.configs])
         self.switch_s = switch_time(ctx)
         self._phase = {g: Homogeneous.on(ctx, homogeneous(g, ctx.cluster), "flops-balanced") for g in self.configs}
+        # A phase after the first holds the earlier phases' accumulated gradient beside its activations (module
+        # docstring), as the planner's phases do: its caps are `CostModel.later_phase`'s.
+        later = dataclasses.replace(ctx, cost=ctx.cost.later_phase())
+        self._later = {g: Homogeneous.on(later, homogeneous(g, ctx.cluster), "flops-balanced") for g in self.configs}
 
     def split(self, lengths: np.ndarray) -> list[tuple[np.ndarray, int]]:
         """(batch positions, config index) per phase, shortest range first; every sequence in one phase."""
@@ -59,14 +64,15 @@ class HotSpa:
             cap, name = largest_cap(self.ctx.cost, self.ctx.cluster, lone=False)
             raise OverlongError(int(lengths.max()), cap, name, where="hotspa", policies=("truncate", "drop"),
                                 scope=f"homogeneous, on {self.ctx.num_gpus} GPUs")
-        return homogeneous_split(self.ctx.cost, self.ctx.num_gpus, self.configs, lengths, self.switch_s)
+        return homogeneous_split(self.ctx.cost, self.ctx.num_gpus, self.configs, lengths, self.switch_s,
+                                 later=self.ctx.cost.later_phase())
 
     def schedule(self, lengths: np.ndarray, step: int = 0) -> Schedule:
         start = time.perf_counter()
         lengths = check_lengths(lengths)
         plans, indices = [], []
-        for idx, k in self.split(lengths):
-            plans.append(self._phase[self.configs[k]].plan(lengths[idx], step))
+        for n, (idx, k) in enumerate(self.split(lengths)):
+            plans.append((self._later if n else self._phase)[self.configs[k]].plan(lengths[idx], step))
             indices.append(tuple(int(i) for i in idx))
         switch_s = mean_switch_time(plans, self.ctx.cost)
         total = phases_time(plans, self.ctx.cost, switch_s)

@@ -93,6 +93,9 @@ class OptimizerStep:
     reduce: dict[ParallelConfig, float] = field(default_factory=dict)  # its reduce alone, where measured
 
 
+_UNSTATED = ("_cap_cache", "_later")  # caches kept on a CostModel, not what it models (`later_phase`)
+
+
 class CostModel:
     """Coefficients per config, a memory model, and the vectorised costing built on them."""
 
@@ -333,9 +336,18 @@ class CostModel:
 
     def later_phase(self) -> CostModel:
         """A copy for a later phase of a phased iteration, whose ranks hold the earlier phases' reduced gradient
-        beside the activations (memory.py's `reduced_held`): its caps are a little smaller."""
+        beside the activations (memory.py's `reduced_held`): its caps are a little smaller. One copy while this
+        model stays as it was (every attribute the same object), so its caps, a bisection each, are computed
+        once for every phased planner, check and meter of this model; a changed attribute gets a fresh copy."""
+        kept = self.__dict__.get("_later")
+        state = {k: v for k, v in vars(self).items() if k not in _UNSTATED}
+        if kept is not None and kept[0].keys() == state.keys() and all(kept[0][k] is v for k, v in state.items()):
+            return kept[1]
         out = copy.copy(self)
+        for k in _UNSTATED:
+            out.__dict__.pop(k, None)
         out.memory = replace(self.memory, reduced_held=True)
+        self._later = (state, out)
         return out
 
     def caps(self, num_gpus: int) -> dict[ParallelConfig, int]:

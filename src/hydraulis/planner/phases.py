@@ -36,7 +36,7 @@ from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig
 from hydraulis.planner.dispatch import NoRoom
 from hydraulis.planner.plan import IterationPlan
-from hydraulis.planner.planner import Planner, check_lengths, later_phase
+from hydraulis.planner.planner import Planner, check_lengths
 from hydraulis.planner.pool import range_estimates
 from hydraulis.planner.schedule import Schedule, mean_switch_time, phase_switch_time, phases_time
 
@@ -157,7 +157,7 @@ class PhasedPlanner(Planner):
     def _later_planner(self) -> Planner:
         """The planner of the phases after the first (built on first use; its memo a part of this one's)."""
         if self._later is None:
-            self._later = Planner(later_phase(self.cost), self.num_gpus, self.pool, method=self.method,
+            self._later = Planner(self.cost.later_phase(), self.num_gpus, self.pool, method=self.method,
                                   milp_time_limit_s=self.milp_time_limit_s, full_candidates=self.full_candidates,
                                   refine_rounds=self.refine_rounds,
                                   memo=None if self._memo is None else self._memo.setdefault("later", {}))
@@ -212,21 +212,25 @@ def spaced_levels(levels: Sequence[int], ratio: float = LEVEL_RATIO) -> list[int
 
 
 def homogeneous_split(
-    cost: CostModel, num_gpus: int, configs: Sequence[ParallelConfig], lengths: np.ndarray, switch_s: float
+    cost: CostModel, num_gpus: int, configs: Sequence[ParallelConfig], lengths: np.ndarray, switch_s: float,
+    later: CostModel | None = None,
 ) -> list[tuple[np.ndarray, int]]:
     """HotSPa's split (baselines/hotspa.py), which the proposal offers the planner too: the batch sorted by
     length, cut at config caps, each range on the homogeneous config whose estimate is least, a dynamic
     programme over the cuts with `switch_s` per switch. (batch positions, index into `configs`) per phase,
-    shortest range first; empty where no config holds the longest sequence."""
+    shortest range first; empty where no config holds the longest sequence. `later`: the cost model of a phase
+    after the first (`CostModel.later_phase`), whose caps then bind every range but the shortest."""
     order = np.argsort(lengths, kind="stable")
     s = lengths[order]
-    caps = np.array([cost.cap(g, num_gpus) for g in configs])
-    cuts = np.array(sorted({0, *(int(np.searchsorted(s, c, side="right")) for c in caps if c >= s[0])}))
+    first = np.array([cost.cap(g, num_gpus) for g in configs])
+    caps = first if later is None else np.array([later.cap(g, num_gpus) for g in configs])
+    cuts = np.array(sorted({0, *(int(np.searchsorted(s, c, side="right")) for c in (*first, *caps) if c >= s[0])}))
     m = len(cuts)
     lo, hi = np.meshgrid(cuts, cuts, indexing="ij")  # the range s[cuts[i]:cuts[j]] at [i, j]
     top = s[np.maximum(hi - 1, 0)]
-    est = np.stack([np.where((hi > lo) & (cap >= top), range_estimates(cost, g, num_gpus, s, lo=lo, hi=hi), np.inf)
-                    for g, cap in zip(configs, caps, strict=True)])
+    est = np.stack([np.where((hi > lo) & (np.where(lo == 0, cap0, cap) >= top),
+                             range_estimates(cost, g, num_gpus, s, lo=lo, hi=hi), np.inf)
+                    for g, cap0, cap in zip(configs, first, caps, strict=True)])
     pick, est = est.argmin(axis=0), est.min(axis=0)
     best = np.full(m, np.inf)
     best[0] = 0.0

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -94,20 +93,6 @@ def apply_overlong(
     if len(kept) == 0:
         raise HydraulisError(f"{where}: every sequence is longer than the largest cap {cap} ({cap_name})")
     return CappedBatch(kept, int(over.sum()))
-
-
-_LATER: weakref.WeakKeyDictionary[CostModel, CostModel] = weakref.WeakKeyDictionary()
-
-
-def later_phase(cost: CostModel) -> CostModel:
-    """`cost.later_phase()`, one per cost model while it stays as it was (every attribute the same object but
-    the memory model), so its caps, a bisection each, are computed once for all the phased planners of that
-    cost model: the proposal's trials, then the run's planner."""
-    later = _LATER.get(cost)
-    if later is None or any(later.__dict__.get(k) is not v for k, v in vars(cost).items()
-                            if k not in ("memory", "_cap_cache")):
-        later = _LATER[cost] = cost.later_phase()
-    return later
 
 
 @dataclass(frozen=True)

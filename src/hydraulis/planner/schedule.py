@@ -63,7 +63,8 @@ def phases_time(phases: list[IterationPlan] | tuple[IterationPlan, ...], cost: C
 
 def check_schedule(schedule: Schedule, cost: CostModel | None = None, where: str | None = None) -> None:
     """Each sequence of the batch in exactly one phase, with its own length; each phase a valid plan
-    (within its caps too if `cost` is given). A HydraulisError names what is wrong."""
+    (within its caps too if `cost` is given: a phase after the first within `CostModel.later_phase`'s, which hold
+    the earlier phases' reduced gradient too). A HydraulisError names what is wrong."""
     where = where or f"step {schedule.step}"
     n = len(schedule.lengths)
     if not schedule.phases:
@@ -73,7 +74,7 @@ def check_schedule(schedule: Schedule, cost: CostModel | None = None, where: str
     seen = np.zeros(n, dtype=np.int64)
     for k, (plan, idx) in enumerate(zip(schedule.phases, schedule.indices, strict=True)):
         at = f"{where} phase {k}" if len(schedule.phases) > 1 else where
-        plan.validate(cost, where=at)
+        plan.validate(cost.later_phase() if k and cost is not None else cost, where=at)
         if any(not 0 <= i < n for i in idx):
             raise HydraulisError(f"{at}: a batch position outside 0..{n - 1}")
         if tuple(schedule.lengths[i] for i in idx) != plan.lengths:
@@ -95,14 +96,11 @@ class MemoryChoices:
     alone: int = 0
 
     @staticmethod
-    def of(schedule: Schedule, cost: CostModel, num_gpus: int, later: CostModel | None = None) -> MemoryChoices:
-        """`later`: `cost.later_phase()`, where the caller keeps one (its caps' cache with it)."""
+    def of(schedule: Schedule, cost: CostModel, num_gpus: int) -> MemoryChoices:
         counts = {p: [] for p in LIGHTEST_FIRST}
         alone = 0
-        if len(schedule.phases) > 1 and later is None:
-            later = cost.later_phase()
         for k, plan in enumerate(schedule.phases):
-            phase_cost = later if k else cost  # a later phase holds the earlier ones' reduced gradient
+            phase_cost = cost.later_phase() if k else cost  # a later phase holds the earlier ones' reduced gradient
             for r, replica in enumerate(plan.replicas):
                 config = plan.deployment.replicas[r].config
                 ran = [phase_cost.policy_run(config, plan.policy(r, m)) for m in range(len(replica.micro_batches))]

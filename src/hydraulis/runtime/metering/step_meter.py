@@ -153,15 +153,7 @@ class StepMeter:
         self.memory = memory
         self.control = control
         self.runs: tuple[PhaseRun, ...] = ()
-        self._later: tuple[CostModel, CostModel] | None = None  # (the cost, its later_phase()): built once each
         self.mine: RankFigures | None = None
-
-    def later_cost(self) -> CostModel:
-        """The cost model of a phase after the first (`CostModel.later_phase`), made once per cost model (a refit
-        gives a new one), not per step: its caps cache with it."""
-        if self._later is None or self._later[0] is not self.cost:
-            self._later = (self.cost, self.cost.later_phase())
-        return self._later[1]
 
     def begin(self, indices: Sequence[int], schedule: Schedule, step: int) -> list[RankMemory]:
         """This rank's predicted memory in each phase (a later one holds the earlier phases' reduced gradient);
@@ -172,7 +164,7 @@ class StepMeter:
         collective, counted the census as training: the demo's measured steps ran 18% over their prediction,
         the others 5%."""
         pool = self.pool
-        ranks = [predicted_rank(self.later_cost() if n else self.cost, self.model, pool.parts[k], p,
+        ranks = [predicted_rank(self.cost.later_phase() if n else self.cost, self.model, pool.parts[k], p,
                                 world=self.world, dtype=pool.dtype, bucket_bytes=pool.optimizer.bucket_bytes)
                  for n, (k, p) in enumerate(zip(indices, schedule.phases, strict=True))]
         self.memory.start(indices[0], step, max(r.peak for r in ranks))
@@ -213,7 +205,7 @@ class StepMeter:
             phase_switch_predicted_s=schedule.switch_s * (len(runs) - 1),
             memory_over_budget=budget is not None and figures.memory_peak > budget,
             deployment_indices=tuple(indices),
-            memory_choices=MemoryChoices.of(schedule, self.cost, self.world, later=self.later_cost()),
+            memory_choices=MemoryChoices.of(schedule, self.cost, self.world),
         )
 
 
