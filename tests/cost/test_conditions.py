@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from hydraulis.cost.conditions import Conditions, CpuMeter, differences, disturbed, warning
+from hydraulis.cost.conditions import Conditions, CpuMeter, differences, disturbed, spare_core, warning
 
 QUIET = Conditions(world_size=4, threads_per_rank=1, cores=2, foreign_cores=0.02)
 
@@ -28,6 +28,11 @@ def test_each_difference_is_named_in_one_line():
     # A little load on both sides is no difference; a disturbed profile against a quiet run is.
     assert differences(QUIET, Conditions(4, 1, 2, 0.15)) == []
     assert differences(Conditions(4, 1, 2, 0.8), Conditions(4, 1, 2, 0.0)) != []
+
+
+def test_the_planner_plans_beside_compute_only_where_the_ranks_leave_a_core():
+    assert not spare_core(4, 1, 2) and not spare_core(2, 1, 2) and not spare_core(1, 2, 2)  # the demo, quick start
+    assert spare_core(2, 1, 4) and spare_core(1, 1, 2)
 
 
 def test_conditions_round_trip_and_incomplete_ones_read_as_none():

@@ -16,7 +16,7 @@ from hydraulis.cost.refit import REFIT_STEPS, OnlineRefit, RefitState, refit_pro
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig
 
-TP1, TP2 = ParallelConfig(1, 1), ParallelConfig(2, 1)
+TP1, TP2, PP2, TP4 = ParallelConfig(1, 1), ParallelConfig(2, 1), ParallelConfig(1, 2), ParallelConfig(4, 1)
 
 
 def _profile() -> dict:
@@ -163,3 +163,70 @@ def test_the_state_keeps_the_scatter_and_reads_older_checkpoints():
     assert again.scatter == refit.scatter and again.ratios == refit.ratios
     old = RefitState.from_json({"step": None, "coefficients": {}, "ratios": {"tp1pp1": [1.0]}}, "m")
     assert old.scatter == {}
+
+
+DEPLOYMENTS = [[TP1] * 4, [PP2] * 2, [TP2] * 2, [TP1, TP1, PP2]]  # the configs of each deployment's replicas
+
+
+def _run(slow: dict, steps: int, seed: int = 0, noise: float = 0.08) -> tuple[OnlineRefit, list]:
+    """`steps` steps, each on a deployment drawn at random, whose replicas ran `slow[config]` times what the
+    starting profile predicts (`noise`: log-normal, a replica); predicted by the model the watch plans with."""
+    start = ProfiledCostModel.from_dict(_profile())
+    refit, made, rng = OnlineRefit(start), [], np.random.default_rng(seed)
+    for step in range(steps):
+        configs = DEPLOYMENTS[rng.integers(len(DEPLOYMENTS))]
+        scale = [refit.cost.coefficients(c).b / start.coefficients(c).b for c in configs]  # the model's own level
+        measured = [slow.get(c, 1.0) * np.exp(rng.normal(0.0, noise)) for c in configs]
+        done = refit.observe(step, configs, measured, scale)
+        if done is not None:
+            made.append(done)
+    return refit, made
+
+
+def test_a_slowdown_every_config_shares_is_learnt_once_for_every_config():
+    """The demo's case: every config ran about 1.45x its profile (the planner beside compute took the cores).
+    One refit scales the whole model, configs that never ran included, and nothing is refit after it."""
+    for seed in range(5):
+        refit, made = _run(dict.fromkeys((TP1, PP2, TP2), 1.45), 80, seed)
+        assert len(made) == 1 and made[0].common and made[0].step <= 12, (seed, [m.line() for m in made])
+        assert set(made[0].scales) == set(refit.cost.configs) and TP4 in made[0].scales  # tp4pp1 never ran
+        assert made[0].scales[TP4] == pytest.approx(1.45, rel=0.1)  # the median of 5 noisy steps
+        assert re.search(r"refit after step \d+: every config x1\.[345]\d", made[0].line())
+    # The same slowdown, config by config (the rule before): a refit for each config that ran.
+    import hydraulis.cost.refit as rule
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rule, "COMMON_CONFIGS", 99)
+        assert len(_run(dict.fromkeys((TP1, PP2, TP2), 1.45), 80)[1]) == 3
+
+
+def test_a_right_model_under_step_noise_is_never_refit_as_a_whole():
+    """No slowdown, replicas scattering 20% over mixed deployments, 15 seeds of 100 steps: noise makes no common
+    refit, and the per-config refits it makes are the ones the rule without the common level makes."""
+    import hydraulis.cost.refit as rule
+
+    made = [_run({}, 100, seed, noise=0.2)[1] for seed in range(15)]
+    assert not any(m.common for run in made for m in run)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rule, "COMMON_CONFIGS", 99)
+        alone = [_run({}, 100, seed, noise=0.2)[1] for seed in range(15)]
+    assert [[m.step for m in run] for run in made] == [[m.step for m in run] for run in alone]
+
+
+def test_one_config_off_alone_is_refit_alone_even_beside_others():
+    """tp1pp1 1.45x slow, tp1pp2 and tp2pp1 right, in mixed deployments too: only tp1pp1 is refit."""
+    for seed in range(5):
+        refit, made = _run({TP1: 1.45}, 80, seed)
+        assert [set(m.scales) for m in made] == [{TP1}] and not made[0].common, (seed, [m.line() for m in made])
+        assert refit.cost.coefficients(TP2) == ProfiledCostModel.from_dict(_profile()).coefficients(TP2)
+
+
+def test_the_common_watch_is_kept_by_the_state_and_resumes_alike():
+    first, _ = _run(dict.fromkeys((TP1, PP2, TP2), 1.45), 3)  # three steps watched, no refit yet
+    saved = RefitState.from_json(json.loads(json.dumps(first.state().to_json())), "m")
+    assert len(saved.steps) == 3 and len(saved.common) == 3
+    again = OnlineRefit(ProfiledCostModel.from_dict(_profile()))
+    again.restore(saved)
+    assert again.steps == first.steps and again.common == first.common
+    old = RefitState.from_json({"step": None, "coefficients": {}, "ratios": {}}, "m")  # before 2026-12-07
+    assert old.steps == () and old.common == ()

@@ -214,6 +214,40 @@ def test_a_resume_keeps_the_deployments_that_missed_a_batch():
     assert worker.step == state["step"]
 
 
+def _timeless(data):
+    """A schedule's JSON without the seconds its planning took (the one thing two plannings differ in)."""
+    if isinstance(data, dict):
+        return {k: _timeless(v) for k, v in data.items() if k != "planning_time_s"}
+    return [_timeless(v) for v in data] if isinstance(data, list) else data
+
+
+def test_a_feed_that_plans_when_its_step_begins_gives_the_same_batches_plans_and_positions():
+    """Where CPU ranks fill the cores the feed plans a batch when its step begins, not beside the last step's
+    compute: nothing is planned between steps, and the batches, schedules and checkpoint positions are those of
+    a feed planning ahead (so a resume continues either alike)."""
+    from train_workers import corpus, settings
+
+    from hydraulis.runtime.plan_feed import PlanFeed
+
+    s = settings()
+    lengths = [len(d) for d in corpus(s.model.vocab)]
+    feeds = [PlanFeed(TokenBudgetSampler(lengths, 700, 160, seed=1), s.parallel.pool, s.parallel.cost, 0, 4, None,
+                      ahead=ahead) for ahead in (True, False)]
+    for feed in feeds:
+        feed.world = 1  # its broadcast is then local: this process plans and reads its own plans
+    try:
+        for step in range(4):
+            (b1, p1, _), (b2, p2, _) = (feed.next() for feed in feeds)
+            assert np.array_equal(b1.lengths, b2.lengths) and _timeless(p1.to_dict()) == _timeless(p2.to_dict()), step
+            assert feeds[0]._pending is not None and feeds[1]._pending is None  # the next plan: ahead, or not yet
+            assert feeds[0].state_dict() == feeds[1].state_dict()
+            for feed in feeds:
+                feed.step += 1
+    finally:
+        for feed in feeds:
+            feed.close()
+
+
 def test_latest_skips_partial_checkpoints_and_sweeps_temporary_ones(work):
     root, _, ckpt, _, _ = work
     lines: list[str] = []

@@ -86,6 +86,16 @@ class CpuMeter:
         return max(0.0, foreign / self.tick / (now[0] - last[0]))
 
 
+def spare_core(world: int, threads_per_rank: int, cores: int) -> bool:
+    """Whether CPU ranks leave a core for one more thread: rank 0's planner plans the next batch beside compute
+    only then (runtime/plan_feed.py).
+
+    Why: on cores the ranks fill, the planner beside compute took them from the ranks, which the profile had not
+    timed: in the demo (4 ranks, 2 cores, planning 0.15 s of a 0.5 s step) every iteration ran 1.36-1.38x slower
+    than with the same plans made while the ranks waited, for the same wall time in all (docs/results.md)."""
+    return world * threads_per_rank < cores
+
+
 def disturbed(foreign_cores: float | None, cores: int) -> bool:
     """Whether other processes took enough of the cores to disturb a timing."""
     return foreign_cores is not None and foreign_cores > DISTURBED_SHARE * cores

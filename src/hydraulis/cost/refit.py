@@ -22,7 +22,13 @@ other work, and a resume no longer planned as the run it continues. Simulated ov
 i.i.d. log-normal noise (40 seeds), the rule without this test refit 2.4
 times at 20% noise and 5.7 times at 30%; with it 0.3 and 0.7, while a 25% or
 100x error is still refit after 5 steps at 8-12% noise
-(tests/cost/test_refit.py). A scale keeps what
+(tests/cost/test_refit.py). A slowdown every config shares (the job's own
+planner beside compute, another process's load) is learnt once: when every config
+that ran in the window's steps was off on the same side by more than the threshold,
+two configs or more, and the steps' level (each step's median over its configs)
+passes the same tests, every config of the model is scaled by that level, those
+never run included; where seven refits of the demo chased one slowdown config by
+config, one does. A scale keeps what
 the profile measured about the shape of the cost (how a, b and c weigh long
 against short documents), which a few steps of similar batches could not
 separate, and corrects its level, which they measure well.
@@ -56,6 +62,7 @@ REFIT_STEPS = 5  # the steps in a row watched: all but one off on the same side,
 # from 0: a bias of 20% with steps scattering 10% (log) passes, a window that half ran beside a burst of load not.
 SPREAD_MULTIPLE = 3.0
 SCATTER_STEPS = 20  # the steps whose scatter measures the noise (a window's own would be chosen by the rule)
+COMMON_CONFIGS = 2  # configs that must share a window's level before every config is scaled by it
 
 
 @dataclass(frozen=True)
@@ -65,9 +72,13 @@ class Refit:
     cost: CostModel
     step: int
     scales: dict[ParallelConfig, float]
+    common: bool = False  # every config by one scale: a slowdown the configs that ran shared
 
     def line(self, window: int = REFIT_STEPS) -> str:
         parts = ", ".join(f"{c.name} x{s:.2f}" for c, s in self.scales.items())
+        if self.common:
+            k = next(iter(self.scales.values()))
+            parts = f"every config x{k:.2f} (a level the configs that ran shared)"
         return (
             f"cost model refit after step {self.step}: {parts} (predicted replica times were more than "
             f"{REFIT_ERROR:.0%} off in {window - 1} of {window} steps); planning with the refit model from here"
@@ -82,6 +93,8 @@ class RefitState:
     coefficients: dict[ParallelConfig, Coefficients]  # each refit config's, as the run plans with them
     ratios: dict[ParallelConfig, tuple[float, ...]]  # measured / predicted per step since its last refit
     scatter: dict[ParallelConfig, tuple[float, ...]] = field(default_factory=dict)  # OnlineRefit.scatter
+    steps: tuple[dict[ParallelConfig, float], ...] = ()  # OnlineRefit.steps (the common level's window)
+    common: tuple[float, ...] = ()  # OnlineRefit.common
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -89,6 +102,8 @@ class RefitState:
             "coefficients": {c.name: [co.a, co.b, co.c] for c, co in self.coefficients.items()},
             "ratios": {c.name: list(r) for c, r in self.ratios.items()},
             "scatter": {c.name: list(r) for c, r in self.scatter.items()},
+            "steps": [{c.name: r for c, r in s.items()} for s in self.steps],
+            "common": list(self.common),
         }
 
     @classmethod
@@ -105,7 +120,12 @@ class RefitState:
         ratios = {_config(n, where): tuple(f.obj("ratios").float_list(n, minimum=0.0)) for n in f.obj("ratios").data}
         held = f.obj("scatter") if "scatter" in f.data else None  # absent before 2026-12-06
         scatter = {_config(n, where): tuple(held.float_list(n)) for n in held.data} if held is not None else {}
-        return cls(step, coefficients, ratios, scatter)
+        steps = []  # absent, as "common", before 2026-12-07
+        for i, row in enumerate(f.list("steps") if "steps" in f.data else []):
+            one = Fields(row, f"{where}.steps[{i}]")
+            steps.append({_config(n, where): one.float(n, minimum=0.0) for n in one.data})
+        common = tuple(f.float_list("common")) if "common" in f.data else ()
+        return cls(step, coefficients, ratios, scatter, tuple(steps), common)
 
 
 def _config(name: str, where: str) -> ParallelConfig:
@@ -127,12 +147,14 @@ class OnlineRefit:
         self.step: int | None = None  # the last refit's step
         # log(measured / predicted by the profile the run started from), the last SCATTER_STEPS steps
         self.scatter: dict[ParallelConfig, list[float]] = {}
+        self.steps: list[dict[ParallelConfig, float]] = []  # each config's ratio, the last `window` steps since a refit
+        self.common: list[float] = []  # each step's median over its configs of their `scatter` entries
 
     def observe(
         self, step: int, configs: Sequence[ParallelConfig], measured: Sequence[float], predicted: Sequence[float]
     ) -> Refit | None:
-        """One step's replica times; a Refit when some config's last `window` steps show a level `off_level`
-        accepts."""
+        """One step's replica times; a Refit when the configs' common level (`common_level`), or else some
+        config's last `window` steps, show a level `off_level` accepts."""
         per_config: dict[ParallelConfig, list[float]] = {}
         for config, m, p in zip(configs, measured, predicted, strict=True):
             if m > 0 and p > 0:  # a replica without micro-batches predicts nothing
@@ -147,8 +169,17 @@ class OnlineRefit:
             level = off_level(history, scatter, self.window, self.threshold)
             if level is not None:
                 due[config] = level
-        if not due:
-            return None
+        if per_config:
+            self.steps.append({c: self.ratios[c][-1] for c in per_config})
+            self.common.append(float(np.median([self.scatter[c][-1] for c in per_config])))
+            del self.steps[: -self.window], self.common[: -SCATTER_STEPS]
+        level = common_level(self.steps, self.common, self.window, self.threshold)
+        if level is not None:
+            return self._refit(step, dict.fromkeys(self.cost.configs, level), common=True)
+        return self._refit(step, due) if due else None
+
+    def _refit(self, step: int, due: dict[ParallelConfig, float], common: bool = False) -> Refit:
+        """Scale each due config's (a, b, c); its watch starts again, and the common one's too."""
         coefficients = {}
         for config in self.cost.configs:
             co = self.cost.coefficients(config)
@@ -159,14 +190,16 @@ class OnlineRefit:
         for config, k in due.items():
             self.scales[config] = self.scales.get(config, 1.0) * k
             self.ratios[config] = []
+        self.steps = []
         self.step = step
-        return Refit(self.cost, step, dict(due))
+        return Refit(self.cost, step, dict(due), common)
 
     def state(self) -> RefitState:
         """What a checkpoint keeps: the refit configs' coefficients now, and the ratios watched since."""
         coefficients = {c: self.cost.coefficients(c) for c in self.scales}
         return RefitState(self.step, coefficients, {c: tuple(r) for c, r in self.ratios.items()},
-                          {c: tuple(r) for c, r in self.scatter.items()})
+                          {c: tuple(r) for c, r in self.scatter.items()}, tuple(dict(s) for s in self.steps),
+                          tuple(self.common))
 
     def restore(self, state: RefitState) -> Refit | None:
         """Continue from a checkpoint's state: its refit configs get its coefficients (whatever this run's
@@ -178,6 +211,8 @@ class OnlineRefit:
         kept = {c: co for c, co in state.coefficients.items() if c in known}
         self.step = state.step
         self.scatter = {c: list(r) for c, r in state.scatter.items() if c in known}
+        self.steps = [{c: r for c, r in s.items() if c in known} for s in state.steps]
+        self.common = list(state.common)
         if not kept:
             return None
         coefficients = {c: kept.get(c, self.cost.coefficients(c)) for c in self.cost.configs}
@@ -209,6 +244,28 @@ def off_level(
     if abs(middle) < SPREAD_MULTIPLE * 1.2533 * spread / np.sqrt(window):
         return None
     return float(np.exp(middle))
+
+
+def common_level(
+    steps: Sequence[dict[ParallelConfig, float]], common: Sequence[float], window: int = REFIT_STEPS,
+    threshold: float = REFIT_ERROR,
+) -> float | None:
+    """The level every config shares in the last `window` `steps` (each a dict of the configs that ran and their
+    measured / predicted), or None: fewer than `COMMON_CONFIGS` configs ran, one of them was not off by more than
+    `threshold` on the level's side (its median), or the steps' medians are no level by `off_level` (its
+    scatter: `common`, each step's median log ratio against the starting profile)."""
+    recent = steps[-window:]
+    if len(recent) < window:
+        return None
+    level = off_level([float(np.median(list(s.values()))) for s in recent], common, window, threshold)
+    ran = {c for s in recent for c in s}
+    if level is None or len(ran) < COMMON_CONFIGS:
+        return None
+    for config in ran:
+        error = 1 / float(np.median([s[config] for s in recent if config in s])) - 1
+        if not (error < -threshold if level > 1 else error > threshold):
+            return None
+    return level
 
 
 def refit_name(name: str) -> str:

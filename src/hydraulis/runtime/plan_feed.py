@@ -4,7 +4,11 @@ Every rank draws the same batches from the sampler's seed without
 communicating. Rank 0 plans each one in a background thread while the
 previous iteration computes, encodes the schedule as a compact int64 vector
 there too, and broadcasts it on a CPU group (NCCL cannot broadcast host
-memory); only planning time that compute did not hide is waited for.
+memory); only planning time that compute did not hide is waited for. Where
+CPU ranks fill the cores (`ahead` off: cost/conditions.py's `spare_core`),
+rank 0 plans a batch when its step begins, while the other ranks wait at the
+broadcast: beside compute the planner took the ranks' cores, and every step
+ran slower than its profile (timed without a planner) predicted.
 """
 
 from __future__ import annotations
@@ -35,9 +39,10 @@ class PlanFeed:
 
     def __init__(
         self, sampler: TokenBudgetSampler, pool: tuple[Deployment, ...], cost: CostModel, rank: int, world: int,
-        control: dist.ProcessGroup | None,
+        control: dist.ProcessGroup | None, ahead: bool = True,
     ) -> None:
         self.sampler = sampler
+        self.ahead = ahead  # plan the next batch while this one computes (off: when its step begins)
         self.pool = pool
         self.world = world
         self.control = control
@@ -85,7 +90,7 @@ class PlanFeed:
         if data is None:
             raise HydraulisError(f"rank 0 could not plan step {self.step}")
         schedule = decode_schedule(data, self.step, batch.lengths, self.pool)
-        self._pending = self._draw()  # plan the next batch while this one computes
+        self._pending = self._draw() if self.ahead else None  # plan the next batch while this one computes
         self.last = batch
         return batch, schedule, waited
 

@@ -4,7 +4,8 @@ One `Trainer` per rank; the run that calls it is hydraulis/training/run.py. Each
 
 1. takes the global batch the sampler drew (every rank draws the same
    batches from the seed, without communicating) and its plan, which rank 0
-   made in a background thread while the previous iteration computed, and
+   made in a background thread while the previous iteration computed (where
+   CPU ranks fill the cores: when this step began, the others waiting), and
    broadcasts as a compact int64 vector; only planning time that compute
    did not hide is waited for (and logged);
 2. activates the plan's deployment (groups and models were built at start-up)
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hydraulis.cost.conditions import cpu_cores, spare_core
 from hydraulis.cost.memory import RankMemory
 from hydraulis.cost.model import CostModel
 from hydraulis.data.sampler import GlobalBatch, TokenBudgetSampler
@@ -115,8 +117,9 @@ class Trainer:
             spec=model, pool=parallel.pool, optimizer=self.optimizer, dtype=dtype, device=self.env.device,
             sequence_parallel=parallel.sequence_parallel, timeout=timeout,
         )
+        ahead = self.env.device.type != "cpu" or spare_core(self.world, torch.get_num_threads(), cpu_cores())
         self.feed = PlanFeed(sampler=sampler, pool=parallel.pool, cost=parallel.cost, rank=self.rank, world=self.world,
-                             control=self.control)
+                             control=self.control, ahead=ahead)
         memory = StepMemory(self.env.device, train.memory_every, parallel.memory_budget_bytes, self.feed.paused)
         self.meter = StepMeter(cost=parallel.cost, model=model, pool=self.deployments, world=self.world, memory=memory,
                                control=self.control)

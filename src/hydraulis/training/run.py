@@ -2,7 +2,8 @@
 
 training/loop.py starts a `Run` on every rank. It reads top to bottom: plan
 and step (the trainer plans the next batch in the background while this one
-computes; the first step settles the timeouts), watch the predictions
+computes, or when its step begins where CPU ranks fill the cores; the first
+step settles the timeouts), watch the predictions
 (rank 0), evaluate when `[eval]` is due, log, guard against divergence, maybe
 checkpoint, maybe stop. Its parts, each built by keyword from `RunSettings`
 (training/settings.py) and nothing else: the `Trainer` (runtime/trainer.py),

@@ -40,7 +40,7 @@ class StepMetrics:
     switched: bool
     iteration_s: float
     predicted_s: float
-    planning_s: float  # the planner's own time for this batch (hidden behind the previous iteration)
+    planning_s: float  # the planner's own time for this batch (behind the previous iteration where it plans ahead)
     planning_unhidden_s: float  # what the iteration waited for it
     switch_s: float  # activating another deployment (freeing and allocating compute shards)
     gather_s: float  # the gather before compute (all of it without overlap or on a pipeline; else nothing)
