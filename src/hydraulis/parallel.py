@@ -74,11 +74,11 @@ class ParallelConfig:
     def planned_vp_choices(self, model: ModelSpec) -> tuple[int, ...]:
         """The vp > 1 hydraulis plans here: above pp = 2 (as `vp_choices`), the deepest, chunks of
         PLANNED_CHUNK_LAYERS. Its bubble, (pp - 1) / vp of its micro-batches, is the least; its cap is within a few
-        percent of the recipes' vp (the warm-up holds about as many layers); the sends it adds (pp vp - 1
-        crossings each way) are counted by the simulator. Deeper than the recipes' 2-layer chunks, which the
-        baselines keep: on the 70B long scenarios it paid (docs/results.md, h-vp); one choice, not every divisor,
-        keeps the proposal and the planner's config space as small as the recipes' (every divisor made the
-        planning of long-70b-128g 10x slower)."""
+        percent of the recipes' vp (the warm-up holds about as many layers: 70B tp1pp8cp8 4,352 tokens at vp 10,
+        4,480 at vp 5); the sends it adds (pp vp - 1 crossings each way) the simulator counts. Deeper than the
+        recipes' chunks of 2 layers or more, which the baselines keep; it paid on the 70B and 32B scenarios
+        (docs/results.md, h-vp). One choice, not every divisor: offered every divisor, long-70b-128g's plans used
+        only the deepest, and each extra config costs the proposal and the planner."""
         per_stage = model.layers // self.pp
         vp = per_stage // PLANNED_CHUNK_LAYERS
         if self.pp <= 2 or model.layers % self.pp or per_stage % PLANNED_CHUNK_LAYERS or vp < 2:
