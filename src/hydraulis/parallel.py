@@ -76,7 +76,7 @@ class ParallelConfig:
         PLANNED_CHUNK_LAYERS. Its bubble, (pp - 1) / vp of its micro-batches, is the least; its cap is within a few
         percent of the recipes' vp (the warm-up holds about as many layers: 70B tp1pp8cp8 4,352 tokens at vp 10,
         4,480 at vp 5); the sends it adds (pp vp - 1 crossings each way) the simulator counts. Deeper than the
-        recipes' chunks of 2 layers or more, which the baselines keep; it paid on the 70B and 32B scenarios
+        recipes' chunks of 2 layers or more, which the baselines keep; it paid on the 70B, 32B and 7B scenarios
         (docs/results.md, h-vp). One choice, not every divisor: offered every divisor, long-70b-128g's plans used
         only the deepest, and each extra config costs the proposal and the planner."""
         per_stage = model.layers // self.pp
