@@ -23,6 +23,7 @@ from hydraulis.limits import MAX_GPUS
 from hydraulis.specs import ClusterSpec, ModelSpec
 
 MAX_VP, MIN_CHUNK_LAYERS = 8, 2  # the interleaving the published recipes run (`ParallelConfig.vp_choices`)
+PLANNED_CHUNK_LAYERS = 1  # hydraulis's own, down to one layer a chunk (`ParallelConfig.planned_vp_choices`)
 
 
 @dataclass(frozen=True, order=True)
@@ -69,6 +70,20 @@ class ParallelConfig:
         if self.pp <= 2 or model.layers % self.pp:
             return ()
         return tuple(v for v in range(MAX_VP, 1, -1) if per_stage % v == 0 and per_stage // v >= MIN_CHUNK_LAYERS)
+
+    def planned_vp_choices(self, model: ModelSpec) -> tuple[int, ...]:
+        """The vp > 1 hydraulis plans here: above pp = 2 (as `vp_choices`), the deepest, chunks of
+        PLANNED_CHUNK_LAYERS. Its bubble, (pp - 1) / vp of its micro-batches, is the least; its cap is within a few
+        percent of the recipes' vp (the warm-up holds about as many layers: 70B tp1pp8cp8 4,352 tokens at vp 10,
+        4,480 at vp 5); the sends it adds (pp vp - 1 crossings each way) the simulator counts. Deeper than the
+        recipes' chunks of 2 layers or more, which the baselines keep; it paid on the 70B, 32B and 7B scenarios
+        (docs/results.md, h-vp). One choice, not every divisor: offered every divisor, long-70b-128g's plans used
+        only the deepest, and each extra config costs the proposal and the planner."""
+        per_stage = model.layers // self.pp
+        vp = per_stage // PLANNED_CHUNK_LAYERS
+        if self.pp <= 2 or model.layers % self.pp or per_stage % PLANNED_CHUNK_LAYERS or vp < 2:
+            return ()
+        return (vp,)
 
     def cp_spans_nodes(self, gpus_per_node: int) -> bool:
         """Whether a stage's CP group crosses nodes (placement keeps a stage that fits in one node)."""

@@ -186,6 +186,9 @@ def test_configs_name_parse_and_validate_vp():
     assert ParallelConfig(4, 8).vp_choices(model) == (5, 2)  # Megatron-LM's Llama-3 70B recipe: TP4 PP8 VP5
     assert ParallelConfig(4, 4).vp_choices(model) == (5, 4, 2)  # Megatron-Bridge's: PP4 VP5
     assert ParallelConfig(1, 2).vp_choices(model) == ()
+    # Hydraulis's own: one layer a chunk (pp 16 has stages of 5 layers, which no recipe's chunks split).
+    assert [ParallelConfig(4, pp).planned_vp_choices(model) for pp in (2, 4, 8, 16)] == [(), (20,), (10,), (5,)]
+    ParallelConfig(4, 8, 1, 10).validate(model)
     with pytest.raises(HydraulisError, match="vp"):
         ParallelConfig(4, 8, 1, 3).validate(model)
     with pytest.raises(HydraulisError, match="needs a pipeline"):
@@ -202,13 +205,13 @@ def test_an_interleaved_plan_round_trips_its_vp_and_plain_rows_stay_as_they_were
     assert back.deployment.configs == dep.configs and str(back.deployment) == "1x(tp1,pp8,vp2) + 2x(tp2,pp2)"
 
 
-def test_with_interleaving_offers_each_recipe_vp_at_the_same_coefficients():
+def test_with_interleaving_offers_chunks_of_one_layer_at_the_same_coefficients():
     cost = load_cost_model("llama-70b@h100-80g+cp")
     wide = cost.with_interleaving()
     extra = set(wide.configs) - set(cost.configs)
-    assert extra and all(g.vp > 1 and g.base in cost.configs and g.vp in g.base.vp_choices(cost.model) for g in extra)
-    assert ParallelConfig(4, 8, 1, 5) in extra and not any(g.pp <= 2 for g in extra)
-    g = ParallelConfig(4, 8, 1, 5)
+    assert extra and all(g.base in cost.configs and g.vp == cost.model.layers // g.pp for g in extra)
+    assert ParallelConfig(4, 8, 1, 10) in extra and not any(g.pp <= 2 for g in extra)
+    g = ParallelConfig(4, 8, 1, 10)
     assert wide.coefficients(g) == cost.coefficients(g.base) and wide.name == f"{cost.name}+vp"
 
 

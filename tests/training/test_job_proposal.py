@@ -10,6 +10,7 @@ import numpy as np
 
 from hydraulis.cost import AnalyticCostModel
 from hydraulis.data.sampler import TokenBudgetSampler
+from hydraulis.parallel import ParallelConfig
 from hydraulis.planner.phases import PhasedPlanner
 from hydraulis.planner.pool import check_job_pool
 from hydraulis.specs import ClusterSpec, get_device, get_model
@@ -56,10 +57,14 @@ def test_a_deep_model_that_must_pipeline_gets_an_interleaved_pool_that_plans_fas
     assert times[True] < times[False], times
 
 
-def test_a_model_whose_stages_do_not_split_into_chunks_gets_no_vp():
-    """28 layers: pp 4 stages of 7, a prime, so no chunks of 2 layers or more (`ParallelConfig.vp_choices`): the
-    proposal, interleaving weighed, keeps a pp 4 replica at 36 GB a rank but plain 1F1B, the same pool as
-    without."""
-    pools, *_ = job_pools(28, "36GB")
-    assert any(g.pp == 4 for d in pools[True] for g in d.configs), pools
-    assert vps(pools[True]) == {1} and pools[True] == pools[False]
+def test_stages_of_a_prime_layer_count_interleave_in_chunks_of_one_layer():
+    """28 layers: pp 4 stages of 7, a prime, which the recipes' chunks of 2 layers or more do not split
+    (`ParallelConfig.vp_choices`); hydraulis's one-layer chunks do (`planned_vp_choices`): the proposal, interleaving
+    weighed, holds a pp 4 replica at vp 7, which the runtime lays out (one layer a chunk); its plans are no slower."""
+    pools, cost, batches, spec = job_pools(28, "36GB")
+    assert ParallelConfig(1, 4).vp_choices(spec) == () and ParallelConfig(1, 4).planned_vp_choices(spec) == (7,)
+    assert 7 in {g.vp for d in pools[True] for g in d.configs if g.pp == 4}, pools
+    check_job_pool(pools[True], GPUS, spec, cost, 2048)
+    times = {k: sum(PhasedPlanner(cost, GPUS, list(pool)).schedule(b).iteration_time_s for b in batches)
+             for k, pool in pools.items()}
+    assert times[True] <= times[False], times  # the planner takes vp 7 only where it pays

@@ -41,7 +41,7 @@ MemoryPerRankOption = typer.Option(
 )
 DtypeOption = typer.Option("bf16", "--dtype", help="Compute dtype the caps are for: bf16 or fp32.")
 InterleaveOption = typer.Option(
-    False, "--interleave", help="Also weigh interleaved 1F1B for configs above pp 2 (vp of Megatron's recipes); "
+    False, "--interleave", help="Also weigh interleaved 1F1B for configs above pp 2 (one layer a chunk); "
     "`hydraulis train` runs a pool that names them."
 )
 

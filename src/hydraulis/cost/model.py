@@ -150,11 +150,12 @@ class CostModel:
         return out
 
     def with_interleaving(self) -> CostModel:
-        """A copy whose configs also run interleaved 1F1B, each at every vp of `ParallelConfig.vp_choices` (the same
-        coefficients: the same layers per stage; their caps count the warm-up's chunks), so that proposal and
-        planner weigh them beside plain 1F1B. Named apart: its plans hold configs the plain model's do not."""
+        """A copy whose configs also run interleaved 1F1B, each at hydraulis's vp, one layer a chunk
+        (`ParallelConfig.planned_vp_choices`; the same coefficients: the same layers per stage; their caps count the
+        warm-up's chunks, the simulator each chunk's send), so that proposal and planner weigh them beside plain
+        1F1B. Named apart: its plans hold configs the plain model's do not."""
         out = copy.copy(self)
-        extra = [g.interleaved(v) for g in self.configs for v in g.vp_choices(self.model)]
+        extra = [g.interleaved(v) for g in self.configs for v in g.planned_vp_choices(self.model)]
         out.configs = tuple(sorted((*self.configs, *extra), key=lambda c: (c.num_gpus, c.tp, c.pp, c.cp, c.vp)))
         out.name = f"{self.name}+vp"
         return out

@@ -60,11 +60,14 @@ def lower_bound(
     """LB* over the cost model's configs that fit the job, or over `configs` (a deployment's). `chunked`: a
     sequence beyond a config's cap may also run there in chunks (`cost.chunks`, the oracle): its chunks' work,
     recompute and fixed costs once, not pp times, and its trip one stage's. `interleave`: the cost model's
-    configs also at their largest vp (`vp_choices`), whose bubble is the least, where plans may interleave.
+    configs also at every vp a plan may run (the recipes' `vp_choices`, the baselines', and hydraulis's
+    `planned_vp_choices`), each its own bubble and cap, where plans may interleave.
     `trips` off: LB, each sequence on its cheapest config whatever its trip."""
     configs = [g for g in (configs or cost.configs) if g.num_gpus <= num_gpus]
     if interleave:
-        configs += [g.interleaved(g.vp_choices(cost.model)[0]) for g in configs if g.vp_choices(cost.model)]
+        bases = dict.fromkeys(g.base for g in configs)
+        vps = [(g, sorted({*g.vp_choices(cost.model), *g.planned_vp_choices(cost.model)})) for g in bases]
+        configs = list(dict.fromkeys([*configs, *(g.interleaved(v) for g, choices in vps for v in choices)]))
     if not configs:
         smallest = min(g.num_gpus for g in cost.configs)
         raise HydraulisError(f"no parallel config of {cost.name} fits {num_gpus} GPU(s); the smallest needs {smallest}")

@@ -145,8 +145,8 @@ class ParallelSection(_Section):
     # holds it); false: every micro-batch of a config runs its one policy (full in `recompute`, else none).
     memory_policies: bool = False
     max_pool: int = Field(DEFAULT_MAX_POOL, ge=1, le=MAX_POOL)
-    # pool = "auto" weighs interleaved 1F1B too (`hydraulis propose --interleave`): each config above pp 2 at the
-    # vp of Megatron's recipes where its layers split into chunks; false: plain 1F1B only.
+    # pool = "auto" weighs interleaved 1F1B too (`hydraulis propose --interleave`): each config above pp 2 at its
+    # deepest vp, one layer a chunk (`ParallelConfig.planned_vp_choices`); false: plain 1F1B only.
     interleave: bool = True
     # The optimizer's gather and reduce run in rounds, two in flight, each with a send and a receive buffer of
     # at most half this many MiB (runtime/optimizer/exchange_plan.py): two buckets in all.
