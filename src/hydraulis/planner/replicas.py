@@ -177,6 +177,11 @@ class ReplicaCost:
             alone = np.where((s <= tier.cap) & ~np.isfinite(alone), sequence_costs(tier.a, tier.b, s), alone)
         return beside, alone
 
+    def least(self, lengths: np.ndarray) -> np.ndarray:
+        """Each sequence's least stage cost on this config, beside others or alone (`lightest`); inf where it holds
+        none: what a lower bound or a shape for the longest prices a sequence at."""
+        return np.minimum(*self.lightest(lengths))
+
     @property
     def estimate_cap(self) -> int:
         """The token cap the estimates count micro-batches by: interleaved, that of counts whose group is pp, which
@@ -297,7 +302,7 @@ class ReplicaTable:
         that holds it there, beside others or alone (`ReplicaCost.lightest`, as the bench's bound prices it)."""
         s = np.asarray(lengths, dtype=np.int64)
         models = self.configs
-        w = np.stack([np.minimum(*m.lightest(s)) for m in models])  # [configs, n]; inf where a config cannot hold it
+        w = np.stack([m.least(s) for m in models])  # [configs, n]; inf where a config cannot hold it
         c = np.array([m.c for m in models])
         longest = int(s.max())
         micro_batches = -(-int(s.sum()) // int(self.lone_cap.max()))

@@ -166,7 +166,7 @@ def long_deployments(
     out = []
     for b in sample:
         s = np.sort(b)[::-1][: max(tops, default=0)]
-        trips = np.stack([r.pp * (np.minimum(*r.lightest(s)) + r.c) for r in reps], axis=1)  # [sequence, config]
+        trips = np.stack([r.pp * (r.least(s) + r.c) for r in reps], axis=1)  # [sequence, config]
         for k in (t for t in tops if t <= len(s)):
             shape = _least_trips(trips[:k], sizes, N)
             if shape and (d := place(sorted((configs[j] for j in shape), key=lambda g: -g.num_gpus), cluster)):
