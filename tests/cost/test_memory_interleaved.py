@@ -6,10 +6,19 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hydraulis.cost import load_cost_model
-from hydraulis.cost.activations import COUNT_HORIZON, backward_index, count_horizon, held_after, in_flight
-from hydraulis.cost.memory import rank_memory
+from hydraulis.cost.activations import (
+    COUNT_HORIZON,
+    backward_index,
+    count_horizon,
+    embedding_backward,
+    held_after,
+    in_flight,
+)
+from hydraulis.cost.memory import _most_tokens, rank_memory
 from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.parallel import ParallelConfig
 from hydraulis.pipeline_order import BACKWARD, FORWARD, interleave_group, interleaved_order
@@ -89,3 +98,38 @@ def test_the_cap_to_a_horizon_is_the_least_cap_of_its_counts(name, config, num_g
     if config.pp == 8:
         assert [mem.cap(config, spec, num_gpus, policy, horizon=count_horizon(config, n)) for n in (132, 140)] == [
             68352, 65536]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=40), st.integers(0, 200), st.sampled_from([1, 7, 128]))
+def test_the_cap_search_finds_the_largest_fitting_multiple(rises, free, step):
+    """`_most_tokens` (a few guesses along lines, then halvings) against a scan: the largest multiple of `step`
+    whose use fits, for uses that rise in uneven steps (flat runs, jumps) as `rank_memory`'s may."""
+    edges = np.cumsum(rises)  # used(t) = the number of edges at or below t: nondecreasing, any shape
+    free %= len(rises)  # below the most it uses: some multiple does not fit
+    used = lambda t: float(np.searchsorted(edges, t, side="right"))  # noqa: E731
+    scan = max((k * step for k in range(int(edges[-1]) // step + 2) if used(k * step) <= free), default=0)
+    assert _most_tokens(used, free, step) == (scan if used(0) <= free else 0)
+
+
+@pytest.mark.parametrize(("pp", "vp"), [(2, 1), (4, 1), (2, 2), (4, 3), (8, 5)])
+def test_the_embeddings_backward_is_the_most_over_its_micro_batches(pp, vp):
+    """`embedding_backward` (its chunks once per count) against its definition walked micro-batch by micro-batch:
+    each chunk 0 backward beside the chunks then held, the reduce's buffers from its start, the first reducing
+    one the last that counts."""
+    config = ParallelConfig(1, pp, vp=vp)
+    rng = np.random.default_rng(pp * 10 + vp)
+    for m in range(1, 6 * pp):
+        for start in (None, *rng.integers(0, m * vp, 3).tolist()):
+            for scaled, one in ((False, 3e6), (True, 0.0), (True, -5.0)):
+                worst = None
+                for j in range(0 if scaled else 1, m):
+                    k = backward_index(config, m, j, 0)
+                    reducing = start is not None and k >= start
+                    here = held_after(config, 0, m, k, refill=False) * one + 7e8 * reducing
+                    worst = here if worst is None else max(worst, here)
+                    if reducing:
+                        break
+                expected = 0.0 if worst is None else 1e9 + worst
+                assert embedding_backward(config, m, scaled=scaled, table=1e9, one=one, start=start,
+                                          exchange=7e8) == expected, (m, start, scaled)

@@ -373,13 +373,24 @@ def embedding_backward(
     one. 0 where no such backward runs."""
     if not table:
         return 0.0
-    first = 0 if scaled else 1
-    worst = None
+    before, reducing = _embedding_chunks(config.pp, config.vp, micro_batches, 0 if scaled else 1, start)
+    worst = [held * one for held in before] + ([] if reducing is None else [reducing * one + exchange])
+    return table + max(worst) if worst else 0.0
+
+
+@functools.lru_cache(maxsize=4096)
+def _embedding_chunks(
+    pp: int, vp: int, micro_batches: int, first: int, start: int | None
+) -> tuple[tuple[int, ...], int | None]:
+    """`embedding_backward`'s chunks in flight, which the tokens do not move: each count of them beside an embedding
+    backward (micro-batches `first` on) before the reduce starts (`start`), and beside the first after it (later
+    ones hold fewer; None where none is). Once per shape and count: a cap's search asks at many token counts."""
+    config = ParallelConfig(1, pp, vp=vp)
+    before: set[int] = set()
     for j in range(first, micro_batches):
         k = backward_index(config, micro_batches, j, 0)
-        reducing = start is not None and k >= start
-        here = held_after(config, 0, micro_batches, k, refill=False) * one + exchange * reducing
-        worst = here if worst is None else max(worst, here)
-        if reducing:  # later ones hold fewer chunks
-            break
-    return 0.0 if worst is None else table + worst
+        held = held_after(config, 0, micro_batches, k, refill=False)
+        if start is not None and k >= start:
+            return tuple(sorted(before)), held
+        before.add(held)
+    return tuple(sorted(before)), None

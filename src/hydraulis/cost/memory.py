@@ -10,6 +10,7 @@ the exchange's buffers do not fit; under a memory policy (policies.py), its coun
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -46,6 +47,7 @@ EXCHANGE_ELEMENT_BYTES = 4  # the exchange's rounds are sized for fp32 elements 
 ACTIVATION_DTYPE_BYTES = 2  # a published activation factor is for bf16 unless its profile says otherwise
 CAP_DTYPE_BYTES = 2  # the caps are for bf16 compute unless the job says otherwise
 BUDGET_MARGIN = 0.1  # the largest share of a memory budget per rank kept as the safety margin
+FIRST_PROBE, GUESSES = 1 << 17, 3  # where `_most_tokens` looks first (tokens: large configs' caps); lines from 0
 
 
 @dataclass(frozen=True)
@@ -144,9 +146,8 @@ class MemoryModel:
         layers = held_layers(model, config, held)
         d = self.compute_dtype_bytes if dtype_bytes is None else dtype_bytes
         if not self.activation_bytes_per_token_hidden_layer:
-            return stack_bytes(
-                model, config.tp, d, sequence_parallel=self.sequence_parallel, recompute=recompute, layers=layers
-            )
+            return stack_bytes(model, config.tp, d, sequence_parallel=self.sequence_parallel, recompute=recompute,
+                               layers=layers)
         scale = d / self.activation_dtype_bytes
         full = (model.hidden / config.tp) * self.activation_factor(config.tp) * scale
         if recompute == MemoryPolicy.FULL:  # each layer's input (full hidden), plus the one recomputed
@@ -178,15 +179,12 @@ class MemoryModel:
             held = one + (held - one) * (min(window, count * tokens) - tokens) / ((count - 1) * tokens)
         if stage == config.pp - 1:
             share = max_rank_tokens(tokens, config.cp) if tokens else 0
-            held += head_bytes(
-                model, config.tp, dtype_bytes, share,
-                sequence_parallel=self.sequence_parallel, per_token=self.own_per_token,
-            )
+            held += head_bytes(model, config.tp, dtype_bytes, share, sequence_parallel=self.sequence_parallel,
+                               per_token=self.own_per_token)
         return held
 
-    def block_bytes(
-        self, config: ParallelConfig, model: ModelSpec, tokens: int, dtype_bytes: int, recompute: int
-    ) -> float:
+    def block_bytes(self, config: ParallelConfig, model: ModelSpec, tokens: int, dtype_bytes: int,
+                    recompute: int) -> float:
         """What one block keeps for backward of a micro-batch of `tokens` on its fullest rank: what each block
         whose backward has run frees (`reduce_wait`)."""
         per_block = self.activation_bytes(config, model, tokens, dtype_bytes=dtype_bytes) / model.layers
@@ -227,16 +225,16 @@ class MemoryModel:
         for stage, count in ((s, c) for s, row in counts.items() for c in row):
 
             def rank(tokens: int, stage: int = stage, count: int = count) -> RankMemory:
-                return rank_memory(
-                    self, model, config, stage=stage, num_gpus=num_gpus, tokens=tokens,
-                    dtype_bytes=self.compute_dtype_bytes, bucket_bytes=bucket, recompute=recompute, micro_batches=count,
-                )
+                return rank_memory(self, model, config, stage=stage, num_gpus=num_gpus, tokens=tokens,
+                                   micro_batches=count, dtype_bytes=self.compute_dtype_bytes, bucket_bytes=bucket,
+                                   recompute=recompute)
 
             empty = rank(0)
             if empty.params + empty.owned + empty.after > budget:
                 return 0  # not even the state and the exchange's buffers fit
-            caps.append(_most_tokens(lambda t: rank(t).with_activations, budget - empty.params - empty.owned))
-        return min(caps) // CAP_GRANULARITY * CAP_GRANULARITY
+            caps.append(_most_tokens(lambda t: rank(t).with_activations, budget - empty.params - empty.owned,
+                                     CAP_GRANULARITY))
+        return min(caps)
 
     def state_bytes(self, config: ParallelConfig, model: ModelSpec, num_gpus: int) -> float:
         """What the fullest stage of `config` holds before any activation: parameters, gradients, owned
@@ -255,18 +253,28 @@ class MemoryModel:
         return self.memory_bytes - self.safety_margin_bytes - self.context_overhead_bytes
 
 
-def _most_tokens(used: Callable[[int], float], free: float) -> int:
-    """The largest T with used(T) <= free, for `used` nondecreasing (bisection)."""
-    if used(0) > free:
+def _most_tokens(used: Callable[[int], float], free: float, step: int = 1) -> int:
+    """The largest multiple T of `step` with used(T) <= free, for `used` nondecreasing and near affine in T (a
+    `rank_memory`): guesses where lines meet `free`, each with its neighbour beyond (an exact guess closes the
+    bracket), and halvings find it in a few evaluations (a bisection: about 35)."""
+    at, lo, k = {0: used(0)}, 0, max(1, FIRST_PROBE // step)  # used(lo step) <= free < used(hi step)
+    if at[0] > free:
         return 0
-    high = 1
-    while used(high) <= free:
-        high *= 2
-    low = high // 2  # used(low) <= free < used(high)
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if used(mid) <= free else (low, mid)
-    return low
+    for guess in itertools.count():  # the line from 0 through the last probe that fits (GUESSES times), then doubling
+        at[k] = used(k * step)
+        if at[k] > free:
+            break
+        lo, rise = k, at[k] - at[0]
+        k = 2 * k if rise <= 0 or guess >= GUESSES else k + 1 + int((free - at[k]) * k / rise)
+    hi = k
+    while hi - lo > 1:
+        g = min(max(lo + int((free - at[lo]) / (at[hi] - at[lo]) * (hi - lo)), lo + 1), hi - 1)
+        for turn in range(3):  # the line through the bracket's ends, that guess's neighbour, a halving
+            k = g if turn == 0 else (g + 1 if lo == g else g - 1) if turn == 1 else (lo + hi) // 2
+            if lo < k < hi:
+                at[k] = used(k * step)
+                lo, hi = (k, hi) if at[k] <= free else (lo, k)
+    return lo * step
 
 
 @dataclass(frozen=True)
@@ -412,9 +420,8 @@ def rank_memory(
     return replace(rank, reduce_after=after, exchange_buffers_with_activations=beside)
 
 
-def _exchange(
-    shard: int, owned: int, contributors: int, num_gpus: int, bucket_bytes: int, scaled: bool
-) -> tuple[float, float, bool]:
+def _exchange(shard: int, owned: int, contributors: int, num_gpus: int, bucket_bytes: int,
+              scaled: bool) -> tuple[float, float, bool]:
     """The exchange's buffers, the AdamW step's piece, and whether one round moves everything.
 
     A round sends the rank's pieces of its shard and receives every contributor's to its owned range

@@ -302,17 +302,23 @@ class CostModel:
         horizon: int = COUNT_HORIZON,
     ) -> int:
         """`memory.cap` under a memory policy (for any count, None: every count from two to `horizon`, taken at
-        `count_horizon`'s), a bisection over the memory model that planning asks thousands of times, kept per
-        (memory model, model spec): both are frozen, so a copy that replaces either starts a fresh cache."""
+        `count_horizon`'s), a search over the memory model that planning asks thousands of times, kept
+        (`cap_cache`)."""
+        cache = self.cap_cache()
+        horizon = count_horizon(config, horizon) if micro_batches is None else COUNT_HORIZON
+        key = (config, num_gpus, int(policy), micro_batches, horizon)
+        if key not in cache:
+            cache[key] = self.memory.cap(config, self.model, num_gpus, policy, micro_batches=micro_batches,
+                                         horizon=horizon)
+        return cache[key]
+
+    def cap_cache(self) -> dict[tuple, int]:
+        """The caps `policy_cap` keeps, per (memory model, model spec): both are frozen, so a copy that replaces either
+        starts a fresh cache. The proposal's forked workers hand what they add back (`fan_out`'s memo)."""
         cache = self.__dict__.get("_cap_cache")
         if cache is None or cache[0] is not self.memory or cache[1] is not self.model:
             cache = self._cap_cache = (self.memory, self.model, {})
-        horizon = count_horizon(config, horizon) if micro_batches is None else COUNT_HORIZON
-        key = (config, num_gpus, int(policy), micro_batches, horizon)
-        if key not in cache[2]:
-            cache[2][key] = self.memory.cap(config, self.model, num_gpus, policy, micro_batches=micro_batches,
-                                            horizon=horizon)
-        return cache[2][key]
+        return cache[2]
 
     def micro_batch_cap(
         self, config: ParallelConfig, num_gpus: int, micro_batches: int, policy: MemoryPolicy | None = None

@@ -304,11 +304,11 @@ def stage_times(
                  for mb, t in zip(micro_batches, tokens, strict=True)]
         return tokens, np.array(times)
     squares = np.diff(np.r_[0, np.cumsum(s * s)][np.r_[0, ends]]).astype(np.float64)
-    sa, sb = np.ones(count), np.ones(count)
-    # Only a micro-batch beyond the plain policy's cap at this count, or a replica's only one, may run another
-    # policy than the plain one (`ReplicaCost.policy`).
-    for m in np.flatnonzero((tokens > replica.cap_at(count)) | (count == 1)).tolist():
-        sa[m], sb[m] = cost.policy_scale(replica.config, replica.policy(int(tokens[m]), count))
+    # Each micro-batch's policy: that of the first step whose limit holds it, else the plain one (`ReplicaCost.steps`).
+    limits, policies = replica.steps(count)
+    held = tokens[:, None] <= limits[None, :]
+    step = np.where(held.any(axis=1), held.argmax(axis=1), len(limits))
+    sa, sb = np.array([cost.policy_scale(replica.config, p) for p in (*policies, None)]).T[:, step]
     i = cost.index(replica.config)
     return tokens, sa * cost.a[i] * squares + sb * cost.b[i] * tokens.astype(np.float64) + cost.c[i]
 

@@ -76,6 +76,9 @@ class ReplicaCost:
     # The most micro-batches `cap` and `tiers` hold for (`count_horizon`: a batch of n sequences packs at most n
     # on a replica, so its decisions read the least cap of counts 2..n); beyond it each count's own (`policy`).
     horizon: int = COUNT_HORIZON
+    # Each count's policy steps (`steps`), made on first use: packing asks them of every micro-batch it prices.
+    _steps: dict[int, tuple[np.ndarray, tuple[MemoryPolicy | None, ...]]] = field(
+        default_factory=dict, compare=False, repr=False)
 
     @property
     def pp(self) -> int:
@@ -174,6 +177,11 @@ class ReplicaCost:
             alone = np.where((s <= tier.cap) & ~np.isfinite(alone), sequence_costs(tier.a, tier.b, s), alone)
         return beside, alone
 
+    def least(self, lengths: np.ndarray) -> np.ndarray:
+        """Each sequence's least stage cost on this config, beside others or alone (`lightest`); inf where it holds
+        none: what a lower bound or a shape for the longest prices a sequence at."""
+        return np.minimum(*self.lightest(lengths))
+
     @property
     def estimate_cap(self) -> int:
         """The token cap the estimates count micro-batches by: interleaved, that of counts whose group is pp, which
@@ -211,18 +219,30 @@ class ReplicaCost:
     def policy(self, tokens: int, micro_batches: int) -> MemoryPolicy | None:
         """The policy a micro-batch of `tokens` (one of `micro_batches`) runs: the lightest whose cap holds it;
         None for the config's plain one (or where none holds it, which a plan's validation names)."""
-        if micro_batches != 1 and tokens <= self.cap and micro_batches <= self.horizon:
-            return None  # the cap holds every count to the horizon
-        if micro_batches != 1 and self.count_cap is not None and counted(self.config, micro_batches) is not None:
-            # at its own count: the lightest of the plain one and the tiers' (those never slower than a heavier)
-            found = next((p for p in (self.plain, *(t.policy for t in self.tiers))
-                          if tokens <= self.count_cap(micro_batches, p)), None)
-            return None if found in (None, self.plain) else found
-        if micro_batches != 1 and tokens <= self.cap:
-            return None
-        tiers = self.lone_tiers if micro_batches == 1 else self.tiers
-        found = next((t.policy for t in tiers if tokens <= t.cap), None)
-        return None if found == self.plain else found
+        limits, policies = self.steps(micro_batches)
+        return next((p for limit, p in zip(limits.tolist(), policies, strict=True) if tokens <= limit), None)
+
+    def steps(self, micro_batches: int) -> tuple[np.ndarray, tuple[MemoryPolicy | None, ...]]:
+        """`policy` at one count as limits and policies: a micro-batch runs the policy of the first limit that holds
+        it (None: the plain one; past every limit, None too). Kept per count (`_steps`)."""
+        found = self._steps.get(micro_batches)
+        if found is None:
+            found = self._steps[micro_batches] = self._policy_steps(micro_batches)
+        return found
+
+    def _policy_steps(self, micro_batches: int) -> tuple[np.ndarray, tuple[MemoryPolicy | None, ...]]:
+        """Lone: the lone tiers, lightest first. Beside others: the cap (it holds every count to the horizon; one
+        not counted, every count); then where the caps follow the count (`counted`) each policy's cap at it, the
+        plain one's and the tiers' (those never slower than a heavier), else the tiers' own."""
+        if micro_batches == 1:
+            rows = [(t.cap, t.policy) for t in self.lone_tiers]
+        elif self.count_cap is not None and counted(self.config, micro_batches) is not None:
+            rows = [(self.cap, None)] if micro_batches <= self.horizon else []
+            rows += [(self.count_cap(micro_batches, p), p) for p in (self.plain, *(t.policy for t in self.tiers))]
+        else:
+            rows = [(self.cap, None)] + [(t.cap, t.policy) for t in self.tiers]
+        limits = np.array([limit for limit, _ in rows], dtype=np.int64)
+        return limits, tuple(None if p == self.plain else p for _, p in rows)
 
 
 @dataclass(frozen=True)
@@ -282,7 +302,7 @@ class ReplicaTable:
         that holds it there, beside others or alone (`ReplicaCost.lightest`, as the bench's bound prices it)."""
         s = np.asarray(lengths, dtype=np.int64)
         models = self.configs
-        w = np.stack([np.minimum(*m.lightest(s)) for m in models])  # [configs, n]; inf where a config cannot hold it
+        w = np.stack([m.least(s) for m in models])  # [configs, n]; inf where a config cannot hold it
         c = np.array([m.c for m in models])
         longest = int(s.max())
         micro_batches = -(-int(s.sum()) // int(self.lone_cap.max()))

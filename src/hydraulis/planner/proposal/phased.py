@@ -21,6 +21,7 @@ from hydraulis.planner.bounds import lower_bounds
 from hydraulis.planner.dispatch import dispatch
 from hydraulis.planner.phases import PhasedPlanner, homogeneous_split, spaced_levels
 from hydraulis.planner.pool import homogeneous, place, replicable_configs, unique_deployments
+from hydraulis.planner.proposal.screen import worker_memo
 from hydraulis.planner.replicas import ReplicaCost, ReplicaTable
 from hydraulis.planner.schedule import Schedule, phase_switch_time
 from hydraulis.processes.fan_out import fan_out
@@ -165,7 +166,7 @@ def long_deployments(
     out = []
     for b in sample:
         s = np.sort(b)[::-1][: max(tops, default=0)]
-        trips = np.stack([r.pp * (np.minimum(*r.lightest(s)) + r.c) for r in reps], axis=1)  # [sequence, config]
+        trips = np.stack([r.pp * (r.least(s) + r.c) for r in reps], axis=1)  # [sequence, config]
         for k in (t for t in tops if t <= len(s)):
             shape = _least_trips(trips[:k], sizes, N)
             if shape and (d := place(sorted((configs[j] for j in shape), key=lambda g: -g.num_gpus), cluster)):
@@ -260,7 +261,7 @@ def _greedy_phases(
         pools = [PhasedPlanner(cost, num_gpus, [*current, *m], memo=memo) for m, _, _ in moves]
         trials = functools.partial(_sample_trials, planner=planner, trials=pools, moves=moves, cuts=cuts,
                                    sample=sample)
-        per_sample = fan_out(trials, range(len(sample)), memo=memo)
+        per_sample = fan_out(trials, range(len(sample)), memo=worker_memo(cost, memo))
         trials, gains = [], []
         for i, cut in enumerate(cuts):
             found = [per_sample[j][i][0] for j in range(len(sample))]

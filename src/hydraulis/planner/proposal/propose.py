@@ -26,7 +26,13 @@ from hydraulis.planner.pool import (
 from hydraulis.planner.proposal.phased import long_phase_deployments, phase_deployments
 from hydraulis.planner.proposal.range_dp import LengthHistogram, dp_deployments
 from hydraulis.planner.proposal.refine import refine
-from hydraulis.planner.proposal.screen import LARGE_BATCH_SCREEN, Progress, plan_times, screen_candidates
+from hydraulis.planner.proposal.screen import (
+    LARGE_BATCH_SCREEN,
+    Progress,
+    plan_times,
+    screen_candidates,
+    worker_memo,
+)
 from hydraulis.planner.replicas import BULK_MIN_SEQUENCES
 from hydraulis.processes.fan_out import fan_out
 from hydraulis.specs import ClusterSpec
@@ -134,7 +140,8 @@ def propose(
         times = plan_times(cost, cluster, candidates, sample, progress)
         pool_idx = list(range(len(candidates)))
     else:
-        aware, published = fan_out(functools.partial(_dp_candidates, cost, cluster, hist), [True, False])
+        aware, published = fan_out(functools.partial(_dp_candidates, cost, cluster, hist), [True, False],
+                                   memo=worker_memo(cost))
         every = candidates = unique_deployments(
             [fallback] + aware + published + candidate_deployments(cost, cluster, longest, sample[:4])
         )

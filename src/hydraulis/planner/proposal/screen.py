@@ -17,7 +17,7 @@ import numpy as np
 from hydraulis.cost.model import CostModel
 from hydraulis.parallel import Deployment
 from hydraulis.planner.dispatch import NoRoom, dispatch
-from hydraulis.planner.planner import Planner
+from hydraulis.planner.planner import Planner, later_phase
 from hydraulis.planner.replicas import ReplicaCost, ReplicaTable
 from hydraulis.processes.fan_out import fan_out
 from hydraulis.specs import ClusterSpec
@@ -41,10 +41,20 @@ def plan_times(
     columns: list[np.ndarray] = []
     for start in range(0, len(candidates), PROGRESS_EVERY):
         chunk = list(candidates[start : start + PROGRESS_EVERY])
-        columns.append(np.array(fan_out(functools.partial(_plan_column, cost, cluster, chunk), batches)).T)
+        columns.append(np.array(fan_out(functools.partial(_plan_column, cost, cluster, chunk), batches,
+                                        memo=worker_memo(cost))).T)
         if progress:
             progress("planning samples", start + len(chunk), len(candidates))
     return np.vstack(columns) if columns else np.zeros((0, len(batches)))
+
+
+def worker_memo(cost: CostModel, memo: dict | None = None) -> dict:
+    """`memo` (a new one by default) for `fan_out` with the caps of `cost` and of its later phases in it
+    (`CostModel.cap_cache`): the caps a forked worker's plans find, a search each, come back to this process
+    with the plans, so that the next round's workers and the run's planner find them."""
+    memo = {} if memo is None else memo
+    memo["caps"], memo["later caps"] = cost.cap_cache(), later_phase(cost).cap_cache()
+    return memo
 
 
 def _plan_column(cost: CostModel, cluster: ClusterSpec, candidates: list[Deployment], batch: np.ndarray) -> list[float]:
