@@ -93,9 +93,6 @@ class OptimizerStep:
     reduce: dict[ParallelConfig, float] = field(default_factory=dict)  # its reduce alone, where measured
 
 
-_UNSTATED = ("_cap_cache", "_later")  # caches kept on a CostModel, not what it models (`later_phase`)
-
-
 class CostModel:
     """Coefficients per config, a memory model, and the vectorised costing built on them."""
 
@@ -343,19 +340,15 @@ class CostModel:
 
     def later_phase(self) -> CostModel:
         """A copy for a later phase of a phased iteration, whose ranks hold the earlier phases' reduced gradient
-        beside the activations (memory.py's `reduced_held`): its caps are a little smaller. One copy while this
-        model stays as it was (every attribute the same object), so its caps, a bisection each, are computed
-        once for every phased planner, check and meter of this model; a changed attribute gets a fresh copy."""
+        beside the activations (memory.py's `reduced_held`): smaller caps. One copy while this model stays as it
+        was (each attribute the same object), so its caps are found once for every planner, check and meter."""
         kept = self.__dict__.get("_later")
-        state = {k: v for k, v in vars(self).items() if k not in _UNSTATED}
-        if kept is not None and kept[0].keys() == state.keys() and all(kept[0][k] is v for k, v in state.items()):
-            return kept[1]
-        out = copy.copy(self)
-        for k in _UNSTATED:
-            out.__dict__.pop(k, None)
-        out.memory = replace(self.memory, reduced_held=True)
-        self._later = (state, out)
-        return out
+        state = {k: v for k, v in vars(self).items() if k not in ("_cap_cache", "_later")}  # its caches aside
+        if kept is None or kept[0].keys() != state.keys() or any(kept[0][k] is not v for k, v in state.items()):
+            out = copy.copy(self)
+            out.__dict__ = {**state, "memory": replace(self.memory, reduced_held=True)}
+            self._later = kept = (state, out)
+        return kept[1]
 
     def caps(self, num_gpus: int) -> dict[ParallelConfig, int]:
         return {c: self.cap(c, num_gpus) for c in self.configs if c.num_gpus <= num_gpus}

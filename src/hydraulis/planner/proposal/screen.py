@@ -17,7 +17,7 @@ import numpy as np
 from hydraulis.cost.model import CostModel
 from hydraulis.parallel import Deployment
 from hydraulis.planner.dispatch import NoRoom, dispatch
-from hydraulis.planner.planner import Planner, later_phase
+from hydraulis.planner.planner import Planner
 from hydraulis.planner.replicas import ReplicaCost, ReplicaTable
 from hydraulis.processes.fan_out import fan_out
 from hydraulis.specs import ClusterSpec
@@ -53,7 +53,7 @@ def worker_memo(cost: CostModel, memo: dict | None = None) -> dict:
     (`CostModel.cap_cache`): the caps a forked worker's plans find, a search each, come back to this process
     with the plans, so that the next round's workers and the run's planner find them."""
     memo = {} if memo is None else memo
-    memo["caps"], memo["later caps"] = cost.cap_cache(), later_phase(cost).cap_cache()
+    memo["caps"], memo["later caps"] = cost.cap_cache(), cost.later_phase().cap_cache()
     return memo
 
 
