@@ -53,7 +53,8 @@ def test_train_writes_the_run_directory(hetero_run):
     kept = summary["never_switched"]
     assert set(summary["deployment_share"]) == {kept["deployment"]} and kept["batches"] == 6
     assert kept["memory_budget_bytes"] is None and kept["max_len"] == 256 and len(kept["others"]) == 2
-    assert all(o["batches_not_held"] == 0 and o["predicted_vs_chosen"] > 1 for o in kept["others"]), kept
+    # the planner took the least predicted (a tie stays with the one it chose: the shared cores can price two alike)
+    assert all(o["batches_not_held"] == 0 and o["predicted_vs_chosen"] >= 1 for o in kept["others"]), kept
     assert json.loads((out / "summary.json").read_text())["never_switched"] == kept
     said = " ".join(result.stdout.split())
     assert f"never switched: {kept['deployment']} was predicted fastest for all 6 batches" in said
