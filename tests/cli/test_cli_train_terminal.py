@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import termios
@@ -26,7 +27,12 @@ TWO = {"parallel": 'pool = "2x(tp1,pp1); 1x(tp2,pp1)"\nprofile = "tiny@cpu"', "t
 
 
 def _controlling_tty() -> None:
-    fcntl.ioctl(0, termios.TIOCSCTTY, 0)  # stdin, the pty's slave, becomes the new session's terminal
+    """In the child: Ctrl-C as a user's fresh shell has it (SIGINT at its default and unblocked, whatever the test
+    process inherited or holds: an ignored or blocked SIGINT would let tee outlive the Ctrl-C), and stdin, the pty's
+    slave, the new session's terminal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
 class Terminal:
