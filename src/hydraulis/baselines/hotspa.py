@@ -54,7 +54,8 @@ class HotSpa:
         self._phase = {g: Homogeneous.on(ctx, homogeneous(g, ctx.cluster), "flops-balanced") for g in self.configs}
         # A phase after the first holds the earlier phases' accumulated gradient beside its activations (module
         # docstring), as the planner's phases do: its caps are `CostModel.later_phase`'s.
-        later = dataclasses.replace(ctx, cost=ctx.cost.later_phase())
+        self.later = ctx.cost.later_phase()
+        later = dataclasses.replace(ctx, cost=self.later)
         self._later = {g: Homogeneous.on(later, homogeneous(g, ctx.cluster), "flops-balanced") for g in self.configs}
 
     def split(self, lengths: np.ndarray) -> list[tuple[np.ndarray, int]]:
@@ -65,7 +66,7 @@ class HotSpa:
             raise OverlongError(int(lengths.max()), cap, name, where="hotspa", policies=("truncate", "drop"),
                                 scope=f"homogeneous, on {self.ctx.num_gpus} GPUs")
         return homogeneous_split(self.ctx.cost, self.ctx.num_gpus, self.configs, lengths, self.switch_s,
-                                 later=self.ctx.cost.later_phase())
+                                 later=self.later)
 
     def schedule(self, lengths: np.ndarray, step: int = 0) -> Schedule:
         start = time.perf_counter()
