@@ -22,7 +22,7 @@ import numpy as np
 from hydraulis.cost.conditions import SharedCores
 from hydraulis.cost.model import CostModel
 from hydraulis.parallel import ParallelConfig
-from hydraulis.pipeline_order import FORWARD, depends_on, event_graph, interleaved_order
+from hydraulis.pipeline_order import FORWARD, depends_on, event_arrays, interleaved_order
 from hydraulis.planner.plan import IterationPlan
 
 FORWARD_SHARE = 1.0 / 3.0
@@ -103,39 +103,35 @@ class _Sweep:
     it depends on (-1: none), and whether a p2p transfer lies between them. The same for every replica of that
     shape."""
 
-    stage: list[int]
+    stage: np.ndarray
     micro_batch: np.ndarray
-    kind: list[int]
+    kind: np.ndarray
     chunk: np.ndarray
-    prev: list[int]
-    dep: list[int]
+    prev: np.ndarray
+    dep: np.ndarray
     transfer: np.ndarray  # bool
     forward: np.ndarray  # bool
     last: list[int]  # each stage's last event
     by_stage: np.ndarray  # the events grouped by stage, each stage's in its order
     chain: np.ndarray  # [v, 2 vp pp]: each micro-batch's events, each waiting for the one before it
-    links: list[tuple[int, int]]  # per event, prev + 1 and dep + 1: `run_events`'s slots
+    after: list[int]  # per event, prev + 1: `run_events`'s slot of its stage's previous event
+    on: list[int]  # per event, dep + 1: the slot of its input
 
 
 @functools.lru_cache(maxsize=256)
 def _sweep(pp: int, v: int, vp: int = 1) -> _Sweep:
     """`pipeline_order.event_graph` as the simulator reads it: the order in which the events become computable
-    (the simulator's historical order, kept for its event rows), with each micro-batch's chain of events and the
-    inner loop's slots."""
-    g = event_graph(pp, vp, v)
-    stage, prev, dep = list(g.stage), list(g.prev), list(g.dep)
-    mb, kind, dep_a = np.array(g.micro_batch), np.array(g.kind), np.array(g.dep)
-    stage_a = np.array(stage)
-    transfer = (dep_a >= 0) & (stage_a[dep_a] != stage_a)
-    chain = [np.flatnonzero(dep_a < 0)[np.argsort(mb[dep_a < 0], kind="stable")]]
-    then = np.full(len(dep) + 1, -1)  # the event that waits for each (-1: none)
-    then[dep_a] = np.arange(len(dep))
-    for _ in range(2 * pp * vp - 1):
-        chain.append(then[chain[-1]])
-    links = list(zip((np.array(prev) + 1).tolist(), (dep_a + 1).tolist(), strict=True))
-    return _Sweep(stage, mb, kind.tolist(), np.array(g.chunk), prev, dep=dep, transfer=transfer,
-                  forward=kind == FORWARD, last=list(g.last), by_stage=np.argsort(stage, kind="stable"),
-                  chain=np.stack(chain, axis=1), links=links)
+    (the simulator's historical order, kept for its event rows), with each micro-batch's chain of events (place
+    p < P = pp vp: the forward of virtual stage p; place 2 P - 1 - p: its backward) and the inner loop's slots."""
+    g = event_arrays(pp, vp, v)
+    prev, dep, virtual = g.prev, g.dep, g.chunk * pp + g.stage
+    forward = g.kind == FORWARD
+    chain = np.empty((v, 2 * pp * vp), dtype=np.int64)
+    chain[g.micro_batch, np.where(forward, virtual, 2 * pp * vp - 1 - virtual)] = np.arange(len(prev))
+    return _Sweep(stage=g.stage, micro_batch=g.micro_batch, kind=g.kind, chunk=g.chunk, prev=prev, dep=dep,
+                  transfer=(dep >= 0) & (g.stage[dep] != g.stage), forward=forward, last=g.last.tolist(),
+                  by_stage=np.argsort(g.stage, kind="stable"), chain=chain, after=(prev + 1).tolist(),
+                  on=(dep + 1).tolist())
 
 
 def event_costs(sweep: _Sweep, t: np.ndarray, comm: np.ndarray, vp: int) -> tuple[np.ndarray, np.ndarray]:
@@ -158,7 +154,7 @@ def run_events(
     finished = end.append
     limits = [np.inf] * len(duration) if above is None else above
     RUN["simulations"] += 1
-    for (p, d), x, w, h in zip(sweep.links, transfer, duration, limits, strict=True):
+    for p, d, x, w, h in zip(sweep.after, sweep.on, transfer, duration, limits, strict=True):
         start, ready = end[p], end[d] + x
         finish = (ready if ready > start else start) + w
         if finish > h:
