@@ -74,6 +74,11 @@ _FINISHED: dict[tuple[int, int, bytes, bytes], float] = {}
 FINISHED_KEPT = 4096
 
 
+def finished(key: tuple[int, int, bytes, bytes]) -> float | None:
+    """A finished simulation's time (`remember`), None where none is kept."""
+    return _FINISHED.get(key)
+
+
 def remember(key: tuple[int, int, bytes, bytes], time_s: float) -> float:
     """Keep a finished simulation's time (the oldest forgotten past FINISHED_KEPT); return it."""
     if len(_FINISHED) >= FINISHED_KEPT:
