@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from hydraulis.cost import load_cost_model
 from hydraulis.parallel import Deployment, ParallelConfig
-from hydraulis.planner import order_search, sim
+from hydraulis.planner import sim
 from hydraulis.planner.order_search import after_each, prepare, replica_time_below
 from hydraulis.planner.packing import (
     BULK_PACK_ITEMS,
@@ -117,8 +117,7 @@ def test_a_simulation_met_again_answers_as_simulating_again(times, pp, vp, beats
     exact = simulate_replica(t, pp, comm, keep_events=False, vp=vp).time_s
     fresh = []
     for ratio in beats:
-        sim._FINISHED.clear()
-        order_search._ABOVE.clear()
+        sim.forget()
         fresh.append(replica_time_below(t, pp, comm, vp, exact * ratio))
     assert [replica_time_below(t, pp, comm, vp, exact * ratio) for ratio in beats] == fresh
 

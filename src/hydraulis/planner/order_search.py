@@ -21,12 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from hydraulis.planner.sim import (
-    FINISHED_KEPT,
     FORWARD_SHARE,
     _Sweep,
     _sweep,
     event_costs,
     finished,
+    give_up,
+    given_up,
     remember,
     run_events,
 )
@@ -124,7 +125,7 @@ def time_below(orders: Orders, row: int, beat: float = np.inf) -> float:
     done = finished(key)
     if done is not None and done <= beat:
         return done
-    if _ABOVE.get(key, -np.inf) >= beat:
+    if given_up(key) >= beat:
         return np.inf
     duration, transfer = event_costs(sweep, orders.times[row : row + 1], orders.comm[row : row + 1], orders.layout.vp)
     above = None
@@ -134,16 +135,9 @@ def time_below(orders: Orders, row: int, beat: float = np.inf) -> float:
         above = above.tolist()
     end = run_events(sweep, duration[0].tolist(), transfer[0].tolist(), above)
     if end is None:  # an event ended past its limit at `beat`: so it would at any lower beat
-        if len(_ABOVE) >= FINISHED_KEPT:
-            del _ABOVE[next(iter(_ABOVE))]
-        _ABOVE[key] = beat
+        give_up(key, beat)
         return np.inf
     return remember(key, max(end[e + 1] for e in sweep.last))
-
-
-# Orders `time_below` gave up on, by `sim.remember`'s key: the beat they were surely above (the oldest forgotten
-# past FINISHED_KEPT).
-_ABOVE: dict[tuple[int, int, bytes, bytes], float] = {}
 
 
 def replica_time_below(stage_times: np.ndarray, pp: int, p2p_s: np.ndarray, vp: int = 1, beat: float = np.inf) -> float:

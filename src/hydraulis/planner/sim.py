@@ -69,22 +69,45 @@ def simulate_replica(
 
 
 # The times of the packing search's last simulations run to their end (`order_search.time_below`), by (pp, vp,
-# stage times, p2p times): the planner simulates its chosen packings again (`simulate`).
-_FINISHED: dict[tuple[int, int, bytes, bytes], float] = {}
-FINISHED_KEPT = 4096
+# stage times, p2p times): the planner simulates its chosen packings again (`simulate`), and the search meets
+# orders again (the splits' phases). Beside them the beats it gave up at (each order surely slower).
+Key = tuple[int, int, bytes, bytes]
+_FINISHED: dict[Key, float] = {}
+_ABOVE: dict[Key, float] = {}
+FINISHED_KEPT = 4096  # of each; the oldest forgotten past it
 
 
-def finished(key: tuple[int, int, bytes, bytes]) -> float | None:
+def finished(key: Key) -> float | None:
     """A finished simulation's time (`remember`), None where none is kept."""
     return _FINISHED.get(key)
 
 
-def remember(key: tuple[int, int, bytes, bytes], time_s: float) -> float:
-    """Keep a finished simulation's time (the oldest forgotten past FINISHED_KEPT); return it."""
-    if len(_FINISHED) >= FINISHED_KEPT:
-        del _FINISHED[next(iter(_FINISHED))]
-    _FINISHED[key] = time_s
-    return time_s
+def remember(key: Key, time_s: float) -> float:
+    """Keep a finished simulation's time; return it."""
+    return _keep(_FINISHED, key, time_s)
+
+
+def given_up(key: Key) -> float:
+    """The highest beat a simulation of `key` gave up at (`give_up`), -inf where none is kept."""
+    return _ABOVE.get(key, -np.inf)
+
+
+def give_up(key: Key, beat: float) -> None:
+    """Keep that a simulation gave up at `beat` (its time surely above it)."""
+    _keep(_ABOVE, key, max(beat, given_up(key)))
+
+
+def forget() -> None:
+    """Drop the kept simulations (a benchmark's repeat of a batch then plans it as afresh)."""
+    _FINISHED.clear()
+    _ABOVE.clear()
+
+
+def _keep(kept: dict[Key, float], key: Key, value: float) -> float:
+    if key not in kept and len(kept) >= FINISHED_KEPT:
+        del kept[next(iter(kept))]
+    kept[key] = value
+    return value
 
 
 def _single_stage(t: np.ndarray, keep_events: bool) -> ReplicaTimeline:
