@@ -24,7 +24,7 @@ from hydraulis.planner.sim import (
     FORWARD_SHARE,
     _Sweep,
     _sweep,
-    event_costs,
+    event_tables,
     finished,
     give_up,
     given_up,
@@ -127,13 +127,12 @@ def time_below(orders: Orders, row: int, beat: float = np.inf) -> float:
         return done
     if given_up(key) >= beat:
         return np.inf
-    duration, transfer = event_costs(sweep, orders.times[row : row + 1], orders.comm[row : row + 1], orders.layout.vp)
     above = None
     if beat < np.inf:
-        above = np.empty(duration.shape[1])
+        above = np.empty(len(sweep.after))
         above[sweep.by_stage] = beat + FLOOR_MARGIN * abs(beat) - after_each(orders, row)
         above = above.tolist()
-    end = run_events(sweep, duration[0].tolist(), transfer[0].tolist(), above)
+    end = run_events(sweep, *event_tables(orders.times[row], orders.comm[row], orders.layout.vp), above)
     if end is None:  # an event ended past its limit at `beat`: so it would at any lower beat
         give_up(key, beat)
         return np.inf

@@ -56,8 +56,7 @@ def simulate_replica(
     if not keep_events and key in _FINISHED:
         return ReplicaTimeline(_FINISHED[key], busy, None)
     sweep = _sweep(pp, v, vp)
-    duration, transfer = event_costs(sweep, t[None], comm[None], vp)
-    end = run_events(sweep, duration[0].tolist(), transfer[0].tolist())
+    end = run_events(sweep, *event_tables(t, comm, vp))
     assert end is not None
     time_s = max(end[e + 1] for e in sweep.last)
     if not keep_events:
@@ -144,6 +143,8 @@ class _Sweep:
     chain: np.ndarray  # [v, 2 vp pp]: each micro-batch's events, each waiting for the one before it
     after: list[int]  # per event, prev + 1: `run_events`'s slot of its stage's previous event
     on: list[int]  # per event, dep + 1: the slot of its input
+    work_at: list[int]  # per event, its place in `event_tables`' work: micro-batch j's forward j, backward v + j
+    comm_at: list[int]  # per event, its place in their p2p times: j, or v (0.0) where its input is on its stage
 
 
 @functools.lru_cache(maxsize=256)
@@ -159,32 +160,38 @@ def _sweep(pp: int, v: int, vp: int = 1) -> _Sweep:
     return _Sweep(stage=g.stage, micro_batch=g.micro_batch, kind=g.kind, chunk=g.chunk, prev=prev, dep=dep,
                   transfer=(dep >= 0) & (g.stage[dep] != g.stage), forward=forward, last=g.last.tolist(),
                   by_stage=np.argsort(g.stage, kind="stable"), chain=chain, after=(prev + 1).tolist(),
-                  on=(dep + 1).tolist())
+                  on=(dep + 1).tolist(), work_at=np.where(forward, g.micro_batch, v + g.micro_batch).tolist(),
+                  comm_at=np.where((dep >= 0) & (g.stage[dep] != g.stage), g.micro_batch, v).tolist())
 
 
-def event_costs(sweep: _Sweep, t: np.ndarray, comm: np.ndarray, vp: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each event's duration and the p2p transfer before it, in the sweep's order, for orders of stage times `t`
-    and p2p times `comm` ([orders, micro-batches] each)."""
-    j = sweep.micro_batch
-    duration = np.where(sweep.forward, (t * FORWARD_SHARE / vp)[:, j], (t * (1.0 - FORWARD_SHARE) / vp)[:, j])
-    return duration, np.where(sweep.transfer, comm[:, j], 0.0)
+def event_tables(t: np.ndarray, comm: np.ndarray, vp: int) -> tuple[list[float], list[float]]:
+    """One order's tables for `run_events` (its events index them: `_Sweep.work_at`, `comm_at`): each
+    micro-batch's forward and backward chunk (forwards first), and its p2p time, a last 0.0 for an input on
+    the event's own stage. O(v) per order, where the events are 2 pp vp v."""
+    return np.concatenate([t * FORWARD_SHARE / vp, t * (1.0 - FORWARD_SHARE) / vp]).tolist(), [*comm.tolist(), 0.0]
 
 
 RUN: Counter[str] = Counter()  # simulations and events `run_events` ran in this process: the work, load aside
 
 
 def run_events(
-    sweep: _Sweep, duration: list[float], transfer: list[float], above: list[float] | None = None
+    sweep: _Sweep, work: list[float], comm: list[float], above: list[float] | None = None
 ) -> list[float] | None:
     """Each event's end in the sweep's order, after its stage's previous event and its input (plain lists: the
-    inner loop), one slot first, 0.0, the end of none. None once an event ends after its `above`."""
+    inner loop; `event_tables`' work and p2p times), one slot first, 0.0, the end of none. None once an event ends
+    after its `above`."""
     end = [0.0]
     finished = end.append
-    limits = [np.inf] * len(duration) if above is None else above
     RUN["simulations"] += 1
-    for p, d, x, w, h in zip(sweep.after, sweep.on, transfer, duration, limits, strict=True):
-        start, ready = end[p], end[d] + x
-        finish = (ready if ready > start else start) + w
+    if above is None:
+        for p, d, x, w in zip(sweep.after, sweep.on, sweep.comm_at, sweep.work_at, strict=True):
+            start, ready = end[p], end[d] + comm[x]
+            finished((ready if ready > start else start) + work[w])
+        RUN["events"] += len(end) - 1
+        return end
+    for p, d, x, w, h in zip(sweep.after, sweep.on, sweep.comm_at, sweep.work_at, above, strict=True):
+        start, ready = end[p], end[d] + comm[x]
+        finish = (ready if ready > start else start) + work[w]
         if finish > h:
             RUN["events"] += len(end)
             return None
