@@ -152,7 +152,8 @@ def event_arrays(pp: int, vp: int, micro_batches: int) -> EventArrays:
     stage's order, then the sweep over stage-major event numbers, one plain loop step per event."""
     if micro_batches == 0:
         none = np.zeros(0, dtype=np.int64)
-        return EventArrays(none, none, none, none, none, none, last=np.full(pp, -1))
+        return EventArrays(stage=none, kind=none, micro_batch=none, chunk=none, prev=none, dep=none,
+                           last=np.full(pp, -1))
     kind, mb, chunk = stage_tables(pp, vp, micro_batches)
     n, P = kind.shape[1], pp * vp
     s = np.arange(pp)[:, None]
