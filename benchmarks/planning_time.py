@@ -17,14 +17,20 @@ the ratio time(200K) / time(10K) (20x the sequences; n log n would be about
 sequences on 64 GPUs and 200K on 1024 (targets: 60 s each).
 
 `--interleave` times the bench's planner as `hydraulis bench` runs it now: its configs also interleaved
-(`CostModel.with_interleaving`), with memory policies per micro-batch, beside the same without interleaving.
+(`CostModel.with_interleaving`), with memory policies per micro-batch, beside the same without interleaving;
+with `--pool-file F` the interleaved one alone, its pool proposed once into F and read from it after (planning
+re-timed in seconds; each batch's schedule digest printed, to check that a change keeps every plan).
 
     PYTHONPATH=src python benchmarks/planning_time.py [--quick] [--proposal] [--bench-only] [--interleave]
+        [--pool-file F]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import os
+import pickle
 import resource
 import sys
 import time
@@ -35,7 +41,8 @@ from hydraulis.bench import Scenario
 from hydraulis.cost import load_cost_model
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.proposal.propose import propose
-from hydraulis.planner.sim import RUN
+from hydraulis.planner.schedule import Schedule
+from hydraulis.planner.sim import RUN, forget
 from hydraulis.specs import ClusterSpec
 
 K = 1024
@@ -94,10 +101,22 @@ def cpu_s() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def bench_planning(memory_policies: bool, interleave: bool = False) -> bool:
+def digest(schedule: Schedule) -> str:
+    """A schedule's phases: deployments, batch positions, every replica's micro-batches in order and policies
+    (a change that keeps every plan keeps these)."""
+    h = hashlib.sha256()
+    for plan, idx in zip(schedule.phases, schedule.indices, strict=True):
+        h.update(f"{plan.deployment}{idx}".encode())
+        for r in plan.replicas:
+            h.update(repr(([tuple(mb) for mb in r.micro_batches], r.policies)).encode())
+    return h.hexdigest()[:12]
+
+
+def bench_planning(memory_policies: bool, interleave: bool = False, pool_file: str | None = None) -> bool:
     """The bench's hydraulis on the 256-GPU case, with or without memory policies per micro-batch (and its
-    configs' interleaved forms): per-iteration planning, the median of REPEATS each; whether the slowest is within
-    the target."""
+    configs' interleaved forms): per-iteration planning, the median of REPEATS each (each as the batch's first plan:
+    the kept simulations forgotten, `sim.forget`); whether the slowest is within the target. `pool_file`: the
+    proposed pool read from there if it exists (not timed), else proposed and written there."""
     from hydraulis.baselines import make_policy
     from hydraulis.planner.policy import PolicyContext
 
@@ -107,23 +126,34 @@ def bench_planning(memory_policies: bool, interleave: bool = False) -> bool:
     batches = scenario.sample(scenario.seed)
     t, cpu = time.perf_counter(), cpu_s()
     sample = scenario.sample(scenario.seed + 1000, 4)
-    ctx = PolicyContext.build(cost, ClusterSpec(scenario.num_gpus), batches, sample=sample)
+    saved = pool_file is not None and os.path.exists(pool_file)
+    proposed = pickle.load(open(pool_file, "rb")) if saved else None  # noqa: SIM115 -- a file this script wrote
+    ctx = PolicyContext.build(cost, ClusterSpec(scenario.num_gpus), batches, sample=sample, proposed=proposed)
     pool = ctx.pool  # proposed here, with the cost model's policies (as in the bench's `hydraulis_contexts`)
     built, cpu = time.perf_counter() - t, cpu_s() - cpu
+    if pool_file is not None and not saved:
+        with open(pool_file, "wb") as f:
+            pickle.dump(pool, f)
     policy = make_policy("hydraulis", ctx)
     medians, iteration, work = [], [], []
     for step, batch in enumerate(batches):
         RUN.clear()  # the first run's simulations: the work, which load does not move
-        runs = [policy.schedule(batch, step)]
-        work.append(f"{RUN['simulations']:,} simulations, {RUN['events'] / 1e6:.2f} M events")
-        runs += [policy.schedule(batch, step) for _ in range(REPEATS - 1)]
+        runs, cpus = [], []
+        for _ in range(REPEATS):
+            forget()
+            c = cpu_s()
+            runs.append(policy.schedule(batch, step))
+            cpus.append(cpu_s() - c)
+            if len(runs) == 1:
+                work.append(f"{RUN['simulations']:,} simulations, {RUN['events'] / 1e6:.2f} M events, "
+                            f"first {runs[0].planning_time_s:.2f} s ({cpus[0]:.2f} CPU s), schedule {digest(runs[0])}")
         medians.append(float(np.median([r.planning_time_s for r in runs])))
         iteration.append(runs[0].iteration_time_s)
     worst = max(medians)
     print(
         f"{scenario.name}, bench's planner, memory policies {'per micro-batch' if memory_policies else 'off'}"
         f"{', interleaving weighed' if interleave else ''}: "
-        f"pool of {len(pool)} (proposed in {built:.1f} s, {cpu:.1f} CPU s); "
+        f"pool of {len(pool)} ({'read' if saved else 'proposed'} in {built:.1f} s, {cpu:.1f} CPU s); "
         f"planning mean {np.mean(medians) * 1e3:.0f} ms, "
         f"max {worst * 1e3:.0f} ms (median of {REPEATS} each; target {target * 1e3:.0f} ms) "
         f"{'ok' if worst <= target else 'MISSED'}; simulated iterations {', '.join(f'{x:.3f}' for x in iteration)} s; "
@@ -132,12 +162,15 @@ def bench_planning(memory_policies: bool, interleave: bool = False) -> bool:
     return worst <= target
 
 
-def main(quick: bool, with_proposal: bool = False, bench_only: bool = False, interleave: bool = False) -> int:
+def main(quick: bool, with_proposal: bool = False, bench_only: bool = False, interleave: bool = False,
+         pool_file: str | None = None) -> int:
     failed = 0
     if quick and bench_only:
         print("--quick leaves out the bench's 256-GPU case that --bench-only runs: give one of them", file=sys.stderr)
         return 2
     if interleave:  # the bench's planner now, beside the same without interleaving, one after the other
+        if pool_file is not None:  # the interleaved pool alone, read from (or written to) the file
+            return 0 if bench_planning(True, True, pool_file) else 1
         return 1 if sum(not bench_planning(True, on) for on in (False, True)) else 0
     if not quick:
         failed += sum(not bench_planning(on) for on in (False, True))
@@ -175,5 +208,7 @@ if __name__ == "__main__":
     parser.add_argument("--proposal", action="store_true", help="also time proposing pools for 100K and 200K sequences")
     parser.add_argument("--bench-only", action="store_true", help="the bench's planner on the 256-GPU case only")
     parser.add_argument("--interleave", action="store_true", help="the bench's planner with interleaving weighed")
+    parser.add_argument("--pool-file", help="with --interleave: the interleaved pool read from this file (pickled "
+                        "deployments) if it exists, else proposed and written there; the other pool left out")
     args = parser.parse_args()
-    sys.exit(main(args.quick, args.proposal, args.bench_only, args.interleave))
+    sys.exit(main(args.quick, args.proposal, args.bench_only, args.interleave, args.pool_file))

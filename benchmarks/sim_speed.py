@@ -1,6 +1,8 @@
 """How fast the event-level simulator runs a large plan.
 
 A 64-GPU heterogeneous deployment, 1,000 micro-batches in all. Target: under 100 ms.
+Then the deep interleaved replicas of long-70b-256g's pool (one layer per chunk): building a shape's event order
+(`sim._sweep`, once per (pp, micro-batches, vp): a first plan builds about 200) and one simulation of it.
 Run: .venv/bin/python benchmarks/sim_speed.py
 """
 
@@ -13,7 +15,7 @@ import numpy as np
 from hydraulis.cost import load_cost_model
 from hydraulis.parallel import Deployment
 from hydraulis.planner.plan import plan_from_assignment
-from hydraulis.planner.sim import simulate
+from hydraulis.planner.sim import _sweep, simulate, simulate_replica
 from hydraulis.specs import ClusterSpec
 
 
@@ -50,5 +52,29 @@ def main() -> None:
         print(f"simulate {label}: {seconds * 1e3:7.1f} ms  (target < 100 ms: {'ok' if seconds < 0.1 else 'MISSED'})")
 
 
+DEEP = ((16, 5, 32), (8, 10, 40), (8, 10, 12))  # (pp, vp, micro-batches)
+
+
+def deep() -> None:
+    from hydraulis.pipeline_order import event_arrays
+
+    rng = np.random.default_rng(0)
+    for pp, vp, m in DEEP:
+        built = []
+        for _ in range(5):
+            event_arrays.cache_clear()
+            _sweep.cache_clear()
+            t0 = time.perf_counter()
+            _sweep(pp, m, vp)
+            built.append(time.perf_counter() - t0)
+        times = rng.uniform(1.0, 3.0, m)
+        t0 = time.perf_counter()
+        simulate_replica(times, pp, 0.01, keep_events=False, vp=vp)
+        run = time.perf_counter() - t0
+        print(f"pp{pp} vp{vp}, {m} micro-batches ({2 * pp * vp * m:,} events): event order built in "
+              f"{np.median(built) * 1e3:.1f} ms (median of 5), simulated in {run * 1e3:.1f} ms")
+
+
 if __name__ == "__main__":
     main()
+    deep()

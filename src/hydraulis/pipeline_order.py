@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
+
 # What a pipeline stage runs for a micro-batch: the simulator's timelines and the runtime's 1F1B name their events
 # with these.
 FORWARD, BACKWARD = 0, 1
@@ -103,25 +105,83 @@ class EventGraph:
 @functools.lru_cache(maxsize=256)
 def event_graph(pp: int, vp: int, micro_batches: int) -> EventGraph:
     """Sweep the stages, each advancing through its `stage_order` until an input is not ready yet: the order in
-    which the events become computable (the simulator's event rows keep it)."""
-    orders = [stage_order(pp, vp, micro_batches, s) for s in range(pp)]
-    index: dict[tuple[int, int, int, int], int] = {}  # (stage, kind, chunk, micro-batch) -> event
-    rows: list[tuple[int, int, int, int, int, int]] = []  # (stage, kind, micro-batch, chunk, prev, dep)
-    ptr, last = [0] * pp, [-1] * pp
-    while len(rows) < 2 * micro_batches * pp * vp:
+    which the events become computable (the simulator's event rows keep it). `event_arrays`, as tuples."""
+    a = event_arrays(pp, vp, micro_batches)
+    cols = (a.stage, a.kind, a.micro_batch, a.chunk, a.prev, a.dep, a.last)
+    stage, kind, mb, chunk, prev, dep, last = (tuple(x.tolist()) for x in cols)
+    return EventGraph(stage=stage, kind=kind, micro_batch=mb, chunk=chunk, prev=prev, dep=dep, last=last)
+
+
+@dataclass(frozen=True)
+class EventArrays:
+    """`EventGraph`'s columns as integer arrays (the simulator's, built without a Python object per event field)."""
+
+    stage: np.ndarray
+    kind: np.ndarray
+    micro_batch: np.ndarray
+    chunk: np.ndarray
+    prev: np.ndarray
+    dep: np.ndarray
+    last: np.ndarray
+
+
+def stage_tables(pp: int, vp: int, micro_batches: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every stage's `stage_order` as arrays [pp, 2 M vp]: kind, micro-batch and chunk of each place. The
+    forwards' table (j, c) is the same on every stage; stage s runs its first w forwards, then forward w + k and
+    backward k in turn, then the backwards left, so forward k sits at k (k < w) or 2 k - w, backward k at
+    2 k + w + 1 (k < total - w) or total + k."""
+    m, group = micro_batches, interleave_group(pp, micro_batches)
+    firsts = list(range(0, m, group))
+    lasts = [m if first + group >= m else first + group for first in firsts]
+    cut = next((k for k, last in enumerate(lasts) if last == m), len(lasts) - 1)  # Megatron's last group
+    j = np.concatenate([np.tile(np.arange(a, b), vp) for a, b in zip(firsts[: cut + 1], lasts, strict=False)])
+    c = np.concatenate([np.repeat(np.arange(vp), b - a) for a, b in zip(firsts[: cut + 1], lasts, strict=False)])
+    total, k = m * vp, np.arange(m * vp)
+    kind, mb, chunk = (np.empty((pp, 2 * total), dtype=np.int64) for _ in range(3))
+    for s in range(pp):
+        w = warmup_count(pp, vp, m, s)
+        fwd, bwd = np.where(k < w, k, 2 * k - w), np.where(k < total - w, 2 * k + w + 1, total + k)
+        kind[s, fwd], mb[s, fwd], chunk[s, fwd] = FORWARD, j, c
+        kind[s, bwd], mb[s, bwd], chunk[s, bwd] = BACKWARD, j, vp - 1 - c
+    return kind, mb, chunk
+
+
+@functools.lru_cache(maxsize=256)
+def event_arrays(pp: int, vp: int, micro_batches: int) -> EventArrays:
+    """`event_graph`'s sweep on integer tables: each event's input (`depends_on`) found by its place in its
+    stage's order, then the sweep over stage-major event numbers, one plain loop step per event."""
+    if micro_batches == 0:
+        none = np.zeros(0, dtype=np.int64)
+        return EventArrays(stage=none, kind=none, micro_batch=none, chunk=none, prev=none, dep=none,
+                           last=np.full(pp, -1))
+    kind, mb, chunk = stage_tables(pp, vp, micro_batches)
+    n, P = kind.shape[1], pp * vp
+    s = np.arange(pp)[:, None]
+    place = np.empty((pp, 2, vp, micro_batches), dtype=np.int64)  # (stage, kind, chunk, j) -> its place
+    place[np.broadcast_to(s, kind.shape), kind, chunk, mb] = np.arange(n)
+    virtual = chunk * pp + s
+    forward = kind == FORWARD
+    up = np.where(forward, virtual - 1, np.where(virtual == P - 1, virtual, virtual + 1))  # the input's virtual
+    on_stage, on_kind = up % pp, np.where(forward | (virtual == P - 1), FORWARD, BACKWARD)
+    dep = np.where(forward & (virtual == 0), -1, on_stage * n + place[on_stage, on_kind, up // pp, mb])
+    deps, seen, ptr, order = dep.ravel().tolist(), [-1] * (pp * n), [q * n for q in range(pp)], []
+    while len(order) < pp * n:
         progressed = False
-        for s in range(pp):
-            while ptr[s] < len(orders[s]):
-                k, j, c = orders[s][ptr[s]]
-                on = depends_on(pp, vp, s, k, c)
-                if on is not None and (*on, j) not in index:
+        for q in range(pp):
+            e, end = ptr[q], (q + 1) * n
+            while e < end:
+                d = deps[e]
+                if d >= 0 and seen[d] < 0:
                     break
-                index[(s, k, c, j)] = len(rows)
-                rows.append((s, k, j, c, last[s], -1 if on is None else index[(*on, j)]))
-                last[s] = len(rows) - 1
-                ptr[s] += 1
-                progressed = True
+                seen[e] = len(order)
+                order.append(e)
+                e += 1
+            progressed = progressed or e > ptr[q]
+            ptr[q] = e
         if not progressed:
             raise RuntimeError(f"the pipeline order deadlocked (pp={pp}, vp={vp}, {micro_batches} micro-batches)")
-    stage, kind, mb, chunk, prev, dep = (tuple(col) for col in zip(*rows, strict=True)) if rows else ((),) * 6
-    return EventGraph(stage=stage, kind=kind, micro_batch=mb, chunk=chunk, prev=prev, dep=dep, last=tuple(last))
+    at, g = np.array(seen + [-1], dtype=np.int64), np.array(order, dtype=np.int64)  # at[-1]: none
+    first = g % n == 0
+    return EventArrays(stage=g // n, kind=kind.ravel()[g], micro_batch=mb.ravel()[g], chunk=chunk.ravel()[g],
+                       prev=np.where(first, -1, at[g - 1]), dep=at[dep.ravel()[g]],
+                       last=at[np.arange(1, pp + 1) * n - 1])

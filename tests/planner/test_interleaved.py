@@ -13,7 +13,17 @@ from hydraulis.cost import load_cost_model
 from hydraulis.cost.activations import COUNT_HORIZON, counted, in_flight, worst_count
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment, ParallelConfig
-from hydraulis.pipeline_order import BACKWARD, FORWARD, interleave_group, interleaved_order, one_f_one_b_order
+from hydraulis.pipeline_order import (
+    BACKWARD,
+    FORWARD,
+    depends_on,
+    event_graph,
+    interleave_group,
+    interleaved_order,
+    one_f_one_b_order,
+    stage_order,
+    stage_tables,
+)
 from hydraulis.planner.bounds import lower_bound
 from hydraulis.planner.dispatch import _scalar_estimate
 from hydraulis.planner.packing import pack_replica
@@ -101,6 +111,45 @@ def test_every_micro_batch_count_runs_and_each_event_once(pp, vp):
         assert len(keys) == len(res.events) == 2 * pp * vp * m
         group = interleave_group(pp, m)
         assert group == m if m <= pp else (pp <= group <= m and (m % group == 0 or m % group >= pp))
+
+
+def swept(pp: int, vp: int, m: int) -> list[tuple[int, int, int, int]]:
+    """The stages swept in turn, each through its `stage_order` as far as its inputs have run, until all have:
+    (stage, kind, micro-batch, chunk) in the order the events become computable."""
+    orders = [stage_order(pp, vp, m, s) for s in range(pp)]
+    ptr, done, out = [0] * pp, set(), []
+    while len(out) < 2 * pp * vp * m:
+        for s in range(pp):
+            while ptr[s] < len(orders[s]):
+                kind, j, c = orders[s][ptr[s]]
+                on = depends_on(pp, vp, s, kind, c)
+                if on is not None and (*on, j) not in done:
+                    break
+                done.add((s, kind, c, j))
+                out.append((s, kind, j, c))
+                ptr[s] += 1
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([1, 2, 3, 4, 8, 16]), st.sampled_from([1, 2, 3, 5]), st.integers(0, 40))
+def test_the_event_graph_is_the_stages_swept_in_turn(pp, vp, m):
+    """`event_graph` (built on integer tables) lists the events as a plain sweep finds them, each stage's in its
+    `stage_order` (`stage_tables` row by row), its stage's previous event and its input (`depends_on`) by index."""
+    kind, mb, chunk = stage_tables(pp, vp, m) if m else (np.zeros((pp, 0)),) * 3
+    for s in range(pp):
+        assert list(zip(kind[s].tolist(), mb[s].tolist(), chunk[s].tolist(), strict=True)) == list(
+            stage_order(pp, vp, m, s))
+    g = event_graph(pp, vp, m)
+    events = list(zip(g.stage, g.kind, g.micro_batch, g.chunk, strict=True))
+    assert events == swept(pp, vp, m)
+    index, last = {(s, k, c, j): e for e, (s, k, j, c) in enumerate(events)}, [-1] * pp
+    for e, (s, k, j, c) in enumerate(events):
+        assert g.prev[e] == last[s]
+        last[s] = e
+        on = depends_on(pp, vp, s, k, c)
+        assert g.dep[e] == (-1 if on is None else index[(*on, j)])
+    assert list(g.last) == last
 
 
 def held_by_order(pp: int, vp: int, m: int, stage: int) -> int:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from hydraulis.cost import load_cost_model
 from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.planner import sim
 from hydraulis.planner.order_search import after_each, prepare, replica_time_below
 from hydraulis.planner.packing import (
     BULK_PACK_ITEMS,
@@ -103,6 +104,22 @@ def test_the_floor_and_the_early_stop_bound_the_simulation(times, pp, vp, comm_s
     assert replica_time_below(t, pp, comm, vp, exact) == exact
     assert replica_time_below(t, pp, comm, vp, exact * (1 + 1e-6)) == exact
     assert replica_time_below(t, pp, comm, vp, exact * (1 - 1e-6)) == np.inf
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.floats(1e-3, 5.0), min_size=1, max_size=16), st.sampled_from([2, 4, 8]), st.integers(1, 3),
+       st.lists(st.floats(0.98, 1.02), min_size=1, max_size=6))
+def test_a_simulation_met_again_answers_as_simulating_again(times, pp, vp, beats):
+    """`time_below` keeps finished times and the beats it gave up at: asked again, at any beat in any order, it
+    answers what a simulation without that memory answers."""
+    t = np.array(times)
+    comm = 0.01 * (1 + np.arange(len(t)) % 3)
+    exact = simulate_replica(t, pp, comm, keep_events=False, vp=vp).time_s
+    fresh = []
+    for ratio in beats:
+        sim.forget()
+        fresh.append(replica_time_below(t, pp, comm, vp, exact * ratio))
+    assert [replica_time_below(t, pp, comm, vp, exact * ratio) for ratio in beats] == fresh
 
 
 class _WholeRounds(Planner):

@@ -8,11 +8,13 @@ from hypothesis import strategies as st
 from hydraulis.cost import load_cost_model
 from hydraulis.cost.conditions import SharedCores
 from hydraulis.parallel import Deployment, ParallelConfig
-from hydraulis.pipeline_order import BACKWARD, FORWARD, one_f_one_b_order
+from hydraulis.pipeline_order import BACKWARD, FORWARD, event_graph, one_f_one_b_order
+from hydraulis.planner.order_search import replica_time_below
 from hydraulis.planner.plan import plan_from_assignment
 from hydraulis.planner.sim import (
     FORWARD_SHARE,
     closed_form_replica_time,
+    forget,
     shared_timelines,
     simulate,
     simulate_replica,
@@ -171,3 +173,34 @@ def test_the_one_pass_1f1b_is_its_recurrence(times, pp, comm_scale):
     assert got == want
     assert res.time_s == max(want.values())
     assert simulate_replica(times, pp, comm, keep_events=False).time_s == res.time_s
+
+
+def event_loop(times: np.ndarray, pp: int, vp: int, comm: np.ndarray) -> list[float]:
+    """Each event's end, event by event in `event_graph`'s order, its duration and transfer written out per event
+    (the simulator's loop before its tables): after its stage's previous event and its input plus the transfer
+    where the input ran on another stage."""
+    g = event_graph(pp, vp, len(times))
+    end: list[float] = []
+    for s, kind, j, p, d in zip(g.stage, g.kind, g.micro_batch, g.prev, g.dep, strict=True):
+        share = FORWARD_SHARE if kind == FORWARD else 1.0 - FORWARD_SHARE
+        ready = 0.0 if d < 0 else end[d] + (float(comm[j]) if g.stage[d] != s else 0.0)
+        end.append(max(end[p] if p >= 0 else 0.0, ready) + float(times[j] * share / vp))
+    return end
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(1e-3, 30.0), min_size=1, max_size=20), st.sampled_from([2, 4, 8, 16]),
+       st.sampled_from([1, 2, 5]), st.floats(0.0, 0.3), st.floats(0.97, 1.03))
+def test_the_simulation_and_the_search_give_the_plain_event_loop(times, pp, vp, comm_scale, ratio):
+    """Variable-length micro-batches on deep pipelines: the simulator's table-indexed loop gives every event's end
+    of the plain loop, to the bit, and the order search's bounded simulation its time, or inf only above its beat."""
+    t = np.array(times)
+    comm = comm_scale * (1 + np.arange(len(t)) % 3)
+    want = event_loop(t, pp, vp, comm)
+    res = simulate_replica(t, pp, comm, vp=vp)
+    assert res.events[:, 4].tolist() == want
+    assert res.time_s == max(want)
+    forget()
+    beat = max(want) * ratio
+    got = replica_time_below(t, pp, comm, vp, beat)
+    assert got == max(want) if max(want) <= beat else got in (np.inf, max(want))

@@ -20,7 +20,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hydraulis.planner.sim import FORWARD_SHARE, _Sweep, _sweep, event_costs, remember, run_events
+from hydraulis.planner.sim import (
+    FORWARD_SHARE,
+    _Sweep,
+    _sweep,
+    event_tables,
+    finished,
+    give_up,
+    given_up,
+    remember,
+    run_events,
+)
 
 FLOOR_MARGIN = 1e-9  # relative: a bound's float sums may round above a time they meet exactly
 
@@ -107,18 +117,25 @@ def after_each(orders: Orders, row: int) -> np.ndarray:
 
 def time_below(orders: Orders, row: int, beat: float = np.inf) -> float:
     """The simulated time of one order (as `sim.simulate_replica` gives it), or inf once it is surely above
-    `beat`."""
+    `beat`. The search meets the same order again (the splits' phases, a count's second round): a finished
+    simulation within `beat` gives its time, one given up at a beat at or above this one inf, as simulating
+    again would."""
     sweep = orders.layout.sweep
-    duration, transfer = event_costs(sweep, orders.times[row : row + 1], orders.comm[row : row + 1], orders.layout.vp)
+    key = (len(sweep.last), orders.layout.vp, orders.times[row].tobytes(), orders.comm[row].tobytes())
+    done = finished(key)
+    if done is not None and done <= beat:
+        return done
+    if given_up(key) >= beat:
+        return np.inf
     above = None
     if beat < np.inf:
-        above = np.empty(duration.shape[1])
+        above = np.empty(len(sweep.after))
         above[sweep.by_stage] = beat + FLOOR_MARGIN * abs(beat) - after_each(orders, row)
         above = above.tolist()
-    end = run_events(sweep, duration[0].tolist(), transfer[0].tolist(), above)
-    if end is None:
+    end = run_events(sweep, *event_tables(orders.times[row], orders.comm[row], orders.layout.vp), above)
+    if end is None:  # an event ended past its limit at `beat`: so it would at any lower beat
+        give_up(key, beat)
         return np.inf
-    key = (len(sweep.last), orders.layout.vp, orders.times[row].tobytes(), orders.comm[row].tobytes())
     return remember(key, max(end[e + 1] for e in sweep.last))
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from hydraulis.cost.conditions import SharedCores
 from hydraulis.cost.model import CostModel
 from hydraulis.parallel import ParallelConfig
-from hydraulis.pipeline_order import FORWARD, depends_on, event_graph, interleaved_order
+from hydraulis.pipeline_order import FORWARD, depends_on, event_arrays, interleaved_order
 from hydraulis.planner.plan import IterationPlan
 
 FORWARD_SHARE = 1.0 / 3.0
@@ -56,8 +56,7 @@ def simulate_replica(
     if not keep_events and key in _FINISHED:
         return ReplicaTimeline(_FINISHED[key], busy, None)
     sweep = _sweep(pp, v, vp)
-    duration, transfer = event_costs(sweep, t[None], comm[None], vp)
-    end = run_events(sweep, duration[0].tolist(), transfer[0].tolist())
+    end = run_events(sweep, *event_tables(t, comm, vp))
     assert end is not None
     time_s = max(end[e + 1] for e in sweep.last)
     if not keep_events:
@@ -69,17 +68,45 @@ def simulate_replica(
 
 
 # The times of the packing search's last simulations run to their end (`order_search.time_below`), by (pp, vp,
-# stage times, p2p times): the planner simulates its chosen packings again (`simulate`).
-_FINISHED: dict[tuple[int, int, bytes, bytes], float] = {}
-FINISHED_KEPT = 4096
+# stage times, p2p times): the planner simulates its chosen packings again (`simulate`), and the search meets
+# orders again (the splits' phases). Beside them the beats it gave up at (each order surely slower).
+Key = tuple[int, int, bytes, bytes]
+_FINISHED: dict[Key, float] = {}
+_ABOVE: dict[Key, float] = {}
+FINISHED_KEPT = 4096  # of each; the oldest forgotten past it
 
 
-def remember(key: tuple[int, int, bytes, bytes], time_s: float) -> float:
-    """Keep a finished simulation's time (the oldest forgotten past FINISHED_KEPT); return it."""
-    if len(_FINISHED) >= FINISHED_KEPT:
-        del _FINISHED[next(iter(_FINISHED))]
-    _FINISHED[key] = time_s
-    return time_s
+def finished(key: Key) -> float | None:
+    """A finished simulation's time (`remember`), None where none is kept."""
+    return _FINISHED.get(key)
+
+
+def remember(key: Key, time_s: float) -> float:
+    """Keep a finished simulation's time; return it."""
+    return _keep(_FINISHED, key, time_s)
+
+
+def given_up(key: Key) -> float:
+    """The highest beat a simulation of `key` gave up at (`give_up`), -inf where none is kept."""
+    return _ABOVE.get(key, -np.inf)
+
+
+def give_up(key: Key, beat: float) -> None:
+    """Keep that a simulation gave up at `beat` (its time surely above it)."""
+    _keep(_ABOVE, key, max(beat, given_up(key)))
+
+
+def forget() -> None:
+    """Drop the kept simulations (a benchmark's repeat of a batch then plans it as afresh)."""
+    _FINISHED.clear()
+    _ABOVE.clear()
+
+
+def _keep(kept: dict[Key, float], key: Key, value: float) -> float:
+    if key not in kept and len(kept) >= FINISHED_KEPT:
+        del kept[next(iter(kept))]
+    kept[key] = value
+    return value
 
 
 def _single_stage(t: np.ndarray, keep_events: bool) -> ReplicaTimeline:
@@ -103,64 +130,68 @@ class _Sweep:
     it depends on (-1: none), and whether a p2p transfer lies between them. The same for every replica of that
     shape."""
 
-    stage: list[int]
+    stage: np.ndarray
     micro_batch: np.ndarray
-    kind: list[int]
+    kind: np.ndarray
     chunk: np.ndarray
-    prev: list[int]
-    dep: list[int]
+    prev: np.ndarray
+    dep: np.ndarray
     transfer: np.ndarray  # bool
     forward: np.ndarray  # bool
     last: list[int]  # each stage's last event
     by_stage: np.ndarray  # the events grouped by stage, each stage's in its order
     chain: np.ndarray  # [v, 2 vp pp]: each micro-batch's events, each waiting for the one before it
-    links: list[tuple[int, int]]  # per event, prev + 1 and dep + 1: `run_events`'s slots
+    after: list[int]  # per event, prev + 1: `run_events`'s slot of its stage's previous event
+    on: list[int]  # per event, dep + 1: the slot of its input
+    work_at: list[int]  # per event, its place in `event_tables`' work: micro-batch j's forward j, backward v + j
+    comm_at: list[int]  # per event, its place in their p2p times: j, or v (0.0) where its input is on its stage
 
 
 @functools.lru_cache(maxsize=256)
 def _sweep(pp: int, v: int, vp: int = 1) -> _Sweep:
     """`pipeline_order.event_graph` as the simulator reads it: the order in which the events become computable
-    (the simulator's historical order, kept for its event rows), with each micro-batch's chain of events and the
-    inner loop's slots."""
-    g = event_graph(pp, vp, v)
-    stage, prev, dep = list(g.stage), list(g.prev), list(g.dep)
-    mb, kind, dep_a = np.array(g.micro_batch), np.array(g.kind), np.array(g.dep)
-    stage_a = np.array(stage)
-    transfer = (dep_a >= 0) & (stage_a[dep_a] != stage_a)
-    chain = [np.flatnonzero(dep_a < 0)[np.argsort(mb[dep_a < 0], kind="stable")]]
-    then = np.full(len(dep) + 1, -1)  # the event that waits for each (-1: none)
-    then[dep_a] = np.arange(len(dep))
-    for _ in range(2 * pp * vp - 1):
-        chain.append(then[chain[-1]])
-    links = list(zip((np.array(prev) + 1).tolist(), (dep_a + 1).tolist(), strict=True))
-    return _Sweep(stage, mb, kind.tolist(), np.array(g.chunk), prev, dep=dep, transfer=transfer,
-                  forward=kind == FORWARD, last=list(g.last), by_stage=np.argsort(stage, kind="stable"),
-                  chain=np.stack(chain, axis=1), links=links)
+    (the simulator's historical order, kept for its event rows), with each micro-batch's chain of events (place
+    p < P = pp vp: the forward of virtual stage p; place 2 P - 1 - p: its backward) and the inner loop's slots."""
+    g = event_arrays(pp, vp, v)
+    prev, dep, virtual = g.prev, g.dep, g.chunk * pp + g.stage
+    forward = g.kind == FORWARD
+    chain = np.empty((v, 2 * pp * vp), dtype=np.int64)
+    chain[g.micro_batch, np.where(forward, virtual, 2 * pp * vp - 1 - virtual)] = np.arange(len(prev))
+    return _Sweep(stage=g.stage, micro_batch=g.micro_batch, kind=g.kind, chunk=g.chunk, prev=prev, dep=dep,
+                  transfer=(dep >= 0) & (g.stage[dep] != g.stage), forward=forward, last=g.last.tolist(),
+                  by_stage=np.argsort(g.stage, kind="stable"), chain=chain, after=(prev + 1).tolist(),
+                  on=(dep + 1).tolist(), work_at=np.where(forward, g.micro_batch, v + g.micro_batch).tolist(),
+                  comm_at=np.where((dep >= 0) & (g.stage[dep] != g.stage), g.micro_batch, v).tolist())
 
 
-def event_costs(sweep: _Sweep, t: np.ndarray, comm: np.ndarray, vp: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each event's duration and the p2p transfer before it, in the sweep's order, for orders of stage times `t`
-    and p2p times `comm` ([orders, micro-batches] each)."""
-    j = sweep.micro_batch
-    duration = np.where(sweep.forward, (t * FORWARD_SHARE / vp)[:, j], (t * (1.0 - FORWARD_SHARE) / vp)[:, j])
-    return duration, np.where(sweep.transfer, comm[:, j], 0.0)
+def event_tables(t: np.ndarray, comm: np.ndarray, vp: int) -> tuple[list[float], list[float]]:
+    """One order's tables for `run_events` (its events index them: `_Sweep.work_at`, `comm_at`): each
+    micro-batch's forward and backward chunk (forwards first), and its p2p time, a last 0.0 for an input on
+    the event's own stage. O(v) per order, where the events are 2 pp vp v."""
+    return np.concatenate([t * FORWARD_SHARE / vp, t * (1.0 - FORWARD_SHARE) / vp]).tolist(), [*comm.tolist(), 0.0]
 
 
 RUN: Counter[str] = Counter()  # simulations and events `run_events` ran in this process: the work, load aside
 
 
 def run_events(
-    sweep: _Sweep, duration: list[float], transfer: list[float], above: list[float] | None = None
+    sweep: _Sweep, work: list[float], comm: list[float], above: list[float] | None = None
 ) -> list[float] | None:
     """Each event's end in the sweep's order, after its stage's previous event and its input (plain lists: the
-    inner loop), one slot first, 0.0, the end of none. None once an event ends after its `above`."""
+    inner loop; `event_tables`' work and p2p times), one slot first, 0.0, the end of none. None once an event ends
+    after its `above`."""
     end = [0.0]
     finished = end.append
-    limits = [np.inf] * len(duration) if above is None else above
     RUN["simulations"] += 1
-    for (p, d), x, w, h in zip(sweep.links, transfer, duration, limits, strict=True):
-        start, ready = end[p], end[d] + x
-        finish = (ready if ready > start else start) + w
+    if above is None:
+        for p, d, x, w in zip(sweep.after, sweep.on, sweep.comm_at, sweep.work_at, strict=True):
+            start, ready = end[p], end[d] + comm[x]
+            finished((ready if ready > start else start) + work[w])
+        RUN["events"] += len(end) - 1
+        return end
+    for p, d, x, w, h in zip(sweep.after, sweep.on, sweep.comm_at, sweep.work_at, above, strict=True):
+        start, ready = end[p], end[d] + comm[x]
+        finish = (ready if ready > start else start) + work[w]
         if finish > h:
             RUN["events"] += len(end)
             return None
