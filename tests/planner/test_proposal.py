@@ -314,3 +314,55 @@ def test_a_long_phase_shaped_for_the_longest_enters_the_pool_where_it_pays():
                                             min_gain=0.002)
         assert schedules[0].iteration_time_s <= base
         assert (current == pool) == (schedules[0].iteration_time_s == base)
+
+
+def test_least_gpu_time_is_the_least_work_over_every_shape():
+    """`_least_gpu_time` against every choice of one allowed config per sequence on at most 32 GPUs whose rest the
+    fill's size divides: the same least total work."""
+    import itertools
+
+    from hydraulis.planner.proposal.phased import _least_gpu_time
+
+    rng = np.random.default_rng(5)
+    sizes = np.array([4, 8, 8, 16, 32])
+    for _ in range(30):
+        k, fill = int(rng.integers(1, 4)), int(rng.choice([4, 8]))
+        work = np.where(rng.random((k, len(sizes))) < 0.3, np.inf, rng.random((k, len(sizes))) * 100)
+        best = min((float(work[np.arange(k), list(shape)].sum()) for shape in itertools.product(range(len(sizes)),
+                    repeat=k) if (used := int(sizes[list(shape)].sum())) <= 32 and (32 - used) % fill == 0
+                    and np.isfinite(work[np.arange(k), list(shape)]).all()), default=None)
+        got = _least_gpu_time(work, sizes, 32, fill)
+        if best is None:
+            assert got == []
+            continue
+        assert len(got) == k and int(sizes[got].sum()) <= 32 and (32 - int(sizes[got].sum())) % fill == 0
+        assert float(work[np.arange(k), got].sum()) == pytest.approx(best)
+
+
+def test_a_long_phase_within_the_bound_runs_bulk_work_beside_the_longest():
+    """7B on 64 GPUs, a batch of a 150K and a 100K sequence beside 70 of 2-24K, on a pool of 1x tp8pp1cp8 (the
+    150K's least trip) and 8x tp2pp1cp4 (the bulk): the budgeted shape gives each of the 2 longest the config of
+    least GPU time whose lone trip fits the batch's bound LB*, so not the widest, and the rest to the bulk's
+    config; the batch runs at least 5% faster with it beside the pool, and faster than with the shape of the least
+    trips (`long_deployments`), whose replicas run those two alone."""
+    from hydraulis.planner.bounds import lower_bound
+    from hydraulis.planner.proposal.phased import budget_deployments, long_deployments
+    from hydraulis.planner.replicas import ReplicaCost
+
+    cost = load_cost_model("llama-7b@a800-80g+cp").with_policies(True)
+    cluster = ClusterSpec(64)
+    configs = [ParallelConfig.parse(t) for t in ("tp8pp1cp8", "tp8pp1cp4", "tp8pp1cp2", "tp4pp1cp2", "tp2pp1cp4",
+                                                 "tp2pp1")]
+    pool = [Deployment.parse(t, cluster) for t in ("1x(tp8,pp1,cp8)", "8x(tp2,pp1,cp4)")]
+    batch = np.concatenate([[150000, 100000], np.random.default_rng(0).integers(2000, 24000, 70)])
+    schedule = PhasedPlanner(cost, 64, pool).schedule(batch)
+    [shape] = budget_deployments(cost, cluster, configs, [batch], [schedule], tops=(2,))
+    budget = lower_bound(batch, cost, 64)
+    for length, g in zip((150000, 100000), shape.configs, strict=False):  # the widest first, as placed
+        r = ReplicaCost.of(cost, g, 64)
+        assert r.pp * (r.least(np.array([length]))[0] + r.c) <= budget
+    assert max(g.num_gpus for g in shape.configs) < 64 and ParallelConfig.parse("tp2pp1cp4") in shape.configs
+    with_shape = PhasedPlanner(cost, 64, [*pool, shape]).schedule(batch).iteration_time_s
+    [fastest] = long_deployments(cost, cluster, configs, [batch], tops=(2,))
+    assert with_shape < 0.95 * schedule.iteration_time_s
+    assert with_shape < PhasedPlanner(cost, 64, [*pool, fastest]).schedule(batch).iteration_time_s

@@ -16,10 +16,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from hydraulis.cost.model import CostModel
+from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment, ParallelConfig
-from hydraulis.planner.bounds import lower_bounds
+from hydraulis.planner.bounds import lower_bound, lower_bounds
 from hydraulis.planner.dispatch import dispatch
 from hydraulis.planner.phases import PhasedPlanner, homogeneous_split, spaced_levels
+from hydraulis.planner.plan import IterationPlan
 from hydraulis.planner.pool import homogeneous, place, replicable_configs, unique_deployments
 from hydraulis.planner.proposal.screen import worker_memo
 from hydraulis.planner.replicas import ReplicaCost, ReplicaTable
@@ -140,7 +142,9 @@ def long_phase_deployments(
     Returns those added and the schedule of each of `batches` on the final pool."""
     N = cluster.num_gpus
     sample = list(batches[:PHASE_SAMPLES])
-    shaped = long_deployments(cost, cluster, replicable_configs(cost, cluster), sample) if len(pool) < max_pool else []
+    configs = replicable_configs(cost, cluster)
+    shaped = [*long_deployments(cost, cluster, configs, sample),
+              *budget_deployments(cost, cluster, configs, sample, schedules)] if len(pool) < max_pool else []
     moves: list[Move] = [((d,), 0, False) for d in shaped if d not in pool]
     if not moves:
         return [], schedules
@@ -201,6 +205,77 @@ def _least_trips(trips: np.ndarray, sizes: np.ndarray, num_gpus: int) -> list[in
         shape.append(int(back[i, u, 0]))
         u = int(back[i, u, 1])
     return shape
+
+
+def budget_deployments(
+    cost: CostModel, cluster: ClusterSpec, configs: Sequence[ParallelConfig], sample: Sequence[np.ndarray],
+    schedules: Sequence[Schedule], tops: Sequence[int] = LONG_TOPS,
+) -> list[Deployment]:
+    """Long phases that run bulk work beside the few longest sequences: for each sample's k longest (k of `tops`),
+    one replica each, of the configs of the least GPU time in all whose lone trip fits the sample's bound LB*
+    (`bounds.lower_bound`: no plan of the sample is faster, so such a trip never outlasts the iteration), the GPUs
+    left to replicas of the sample's bulk config (`_bulk_config`, in its schedule on the pool), which take the
+    next sequences beside them. `long_deployments` gives the longest the least trip, so the widest replicas, idle
+    GPU time a phase of those sequences alone pays for: long-7b-128g's 153K on tp8pp1cp8 takes 2.9 s on 64 GPUs
+    (189 GPU-seconds), on tp8pp1cp4 5.0 s on 32 (161), the other 96 running bulk work."""
+    N = cluster.num_gpus
+    reps = [ReplicaCost.of(cost, g, N) for g in configs]
+    sizes = np.array([g.num_gpus for g in configs])
+    out = []
+    for b, schedule in zip(sample, schedules, strict=False):
+        try:
+            budget = lower_bound(b, cost, N)
+        except HydraulisError:  # no config holds the sample's longest: no shape holds it either
+            continue
+        s = np.sort(b)[::-1][: max(tops, default=0)]
+        trips = np.stack([r.pp * (r.least(s) + r.c) for r in reps], axis=1)  # [sequence, config]
+        work = np.where(trips <= budget, sizes * trips, np.inf)
+        for k in (t for t in tops if t < len(b)):
+            fill = _bulk_config(schedule.phases, int(s[k - 1]))
+            shape = _least_gpu_time(work[:k], sizes, N, fill.num_gpus) if fill is not None else []
+            if shape:
+                chosen = [configs[j] for j in shape] + [fill] * ((N - int(sizes[shape].sum())) // fill.num_gpus)
+                if d := place(sorted(chosen, key=lambda g: -g.num_gpus), cluster):
+                    out.append(d)
+    return unique_deployments(out)
+
+
+def _bulk_config(plans: Sequence[IterationPlan], below: int) -> ParallelConfig | None:
+    """The config that runs the most tokens of sequences shorter than `below` in these plans (a schedule's
+    phases): the bulk's, whose replicas run the next sequences beside a long phase's longest."""
+    tokens: dict[ParallelConfig, int] = {}
+    for plan in plans:
+        for r, replica in enumerate(plan.deployment.replicas):
+            held = np.concatenate([np.zeros(0, dtype=np.int64), *plan.micro_batch_lengths(r)])
+            tokens[replica.config] = tokens.get(replica.config, 0) + int(held[held < below].sum())
+    return max(tokens, key=lambda g: tokens[g]) if tokens and max(tokens.values()) > 0 else None
+
+
+def _least_gpu_time(work: np.ndarray, sizes: np.ndarray, num_gpus: int, fill: int) -> list[int]:
+    """Config indices, one per row of `work` [sequences, configs] (GPU-seconds, inf where not allowed), of the
+    least total work on at most `num_gpus` GPUs whose rest `fill` divides (a dynamic programme over the GPUs
+    used, vectorised over them); [] where none."""
+    least = np.full(num_gpus + 1, np.inf)
+    least[0] = 0.0
+    back = np.full((len(work), num_gpus + 1, 2), -1)  # (config, GPUs used before) per sequence and GPUs used after
+    for i, row in enumerate(work):
+        nxt = np.full(num_gpus + 1, np.inf)
+        for j in np.flatnonzero(np.isfinite(row)):
+            used = np.arange(num_gpus + 1 - sizes[j])
+            to, total = used + sizes[j], least[used] + row[j]
+            better = total < nxt[to]
+            nxt[to[better]] = total[better]
+            back[i, to[better]] = np.stack([np.full(better.sum(), j), used[better]], axis=1)
+        least = nxt
+    ends = [u for u in np.flatnonzero(np.isfinite(least)) if (num_gpus - u) % fill == 0]
+    if not ends:
+        return []
+    u = min(ends, key=lambda e: least[e])
+    shape = []
+    for i in range(len(work) - 1, -1, -1):
+        shape.append(int(back[i, u, 0]))
+        u = int(back[i, u, 1])
+    return shape[::-1]
 
 
 def stop_levels(
