@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hydraulis.cost import load_cost_model
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
-from hydraulis.planner.phases import CUT_PLANS, FULL_SPLITS, MAX_PHASES, TOP_CUTS, PhasedPlanner
+from hydraulis.planner.phases import CUT_PLANS, FULL_SPLITS, MAX_PHASES, TOP_CUTS, PhasedPlanner, Split
 from hydraulis.planner.plan import (
     PlanFile,
     Schedule,
@@ -214,6 +214,19 @@ def test_the_last_phases_cut_moves_where_a_neighbouring_cut_simulates_faster():
     check_schedule(moved, SMALL)
     assert moved.iteration_time_s == pytest.approx(by_hand(moved, SMALL), rel=1e-12)
     assert sorted(b[list(moved.indices[-1])].tolist()) == sorted(b.tolist())[-13:]
+
+
+def test_three_phases_are_tried_as_two_at_the_moved_cut():
+    """A three-phase split (the 4 sequences below the 10 longest apart) moved by one plan, then its first two
+    phases as one: two phases, faster than the three given and than the two at the cut given."""
+    b = mixed_batch(0)
+    n, order = len(b), np.argsort(b, kind="stable")
+    p = PhasedPlanner(SMALL, CLUSTER.num_gpus, planner("small").pool, cut_plans=1)
+    three = p._plan_split(b, Split((order[: n - 14], order[n - 14 : n - 10], order[n - 10 :]), 0.0), 0)
+    two = p._plan_split(b, Split((order[: n - 10], order[n - 10 :]), 0.0), 0)
+    out = p._refine_cut(b, (n - 14, 4, 10), three, 0)
+    check_schedule(out, SMALL)
+    assert len(out.phases) == 2 and out.iteration_time_s < min(three.iteration_time_s, two.iteration_time_s)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -157,9 +157,10 @@ class PhasedPlanner(Planner):
     def _refine_cut(self, lengths: np.ndarray, sizes: tuple[int, ...], best: Schedule, step: int) -> Schedule:
         """`best`, planned on a split of phases of `sizes` (sorted order), or a faster schedule with the cut before
         its last phase moved: a pattern search over the last phase's count k by simulation (steps of k / 8, halved
-        where neither neighbour is faster), at most `cut_plans` plans. The splits' greedy estimates rank cuts
-        only roughly: long-70b-256g's long phase planned 33 and 37 sequences where 27 and 33 simulate 1.0% and
-        1.1% faster (docs/results.md, h-eff)."""
+        where neither neighbour is faster), at most `cut_plans` plans; of three phases, then the first two as one
+        too. The splits' greedy estimates rank cuts only roughly: long-70b-256g's long phase planned 33 and 37
+        sequences where 27 and 33 simulate 1.0% and 1.1% faster; long-70b-128g's second batch, three phases
+        where two at the moved cut simulate 1.1% faster (docs/results.md, h-eff)."""
         order, n = np.argsort(lengths, kind="stable"), len(lengths)
         edges = np.cumsum((0, *sizes))  # phase q holds order[edges[q]:edges[q + 1]]
         tried, k, move, plans = {sizes[-1]}, sizes[-1], max(1, sizes[-1] // 8), 0
@@ -180,6 +181,10 @@ class PhasedPlanner(Planner):
                 move //= 2
             else:
                 k = found
+        if len(sizes) > 2 and self.cut_plans:  # the phases before the last as one, beside the last at its cut
+            with contextlib.suppress(HydraulisError):
+                candidate = self._plan_split(lengths, Split((order[: n - k], order[n - k :]), 0.0), step)
+                best = candidate if candidate.iteration_time_s < best.iteration_time_s else best
         return best
 
     def _estimate(self, part: np.ndarray, lone: np.ndarray) -> float:
