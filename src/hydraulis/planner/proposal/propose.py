@@ -215,7 +215,7 @@ def _without_idle(
     kept = tuple(d for k, d in enumerate(pool) if k == 0 or str(d) in used)
     if len(kept) == len(pool):
         return pool, schedules
-    planner = PhasedPlanner(cost, cluster.num_gpus, list(kept))
+    planner = PhasedPlanner(cost, cluster.num_gpus, list(kept), cut_plans=0)
     again = [planner.schedule(b) for b in sample]
     if sum(s.iteration_time_s for s in again) <= sum(s.iteration_time_s for s in schedules) * (1 + 1e-9):
         return kept, again
