@@ -34,7 +34,7 @@ import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
-from hydraulis.parallel import ParallelConfig
+from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.dispatch import NoRoom
 from hydraulis.planner.plan import IterationPlan
 from hydraulis.planner.planner import Planner, check_lengths
@@ -163,6 +163,8 @@ class PhasedPlanner(Planner):
         where two at the moved cut simulate 1.1% faster (docs/results.md, h-eff)."""
         order, n = np.argsort(lengths, kind="stable"), len(lengths)
         edges = np.cumsum((0, *sizes))  # phase q holds order[edges[q]:edges[q + 1]]
+        # a moved cut keeps each phase's deployment where it still holds the phase: no screen of the pool again
+        on = tuple(p.deployment for p in best.phases) if len(best.phases) == len(sizes) else None
         tried, k, move, plans = {sizes[-1]}, sizes[-1], max(1, sizes[-1] // 8), 0
         while move >= 1 and plans < self.cut_plans:
             found = None
@@ -174,7 +176,7 @@ class PhasedPlanner(Planner):
                 parts = (*(order[edges[q] : edges[q + 1]] for q in range(len(sizes) - 2)),
                          order[edges[-3] : n - c], order[n - c :])
                 with contextlib.suppress(HydraulisError):  # a phase no deployment has room for
-                    candidate = self._plan_split(lengths, Split(parts, 0.0), step)
+                    candidate = self._plan_split(lengths, Split(parts, 0.0), step, on)
                     if candidate.iteration_time_s < best.iteration_time_s:
                         best, found = candidate, c
             if found is None:
@@ -206,16 +208,27 @@ class PhasedPlanner(Planner):
                                   memo=None if self._memo is None else self._memo.setdefault("later", {}))
         return self._later
 
-    def _plan_split(self, lengths: np.ndarray, split: Split, step: int) -> Schedule:
-        """Every phase planned on its own (the planner picks its deployment), then the whole simulated; a later
-        phase within the caps left beside the earlier phases' reduced gradient (`CostModel.later_phase`). Where
-        the planner picks one deployment for consecutive phases, they are planned as one phase on it too and
-        the faster kept (`_merged`): a phase apart on the same deployment pays only for memory."""
+    def _plan_split(self, lengths: np.ndarray, split: Split, step: int,
+                    on: tuple[Deployment, ...] | None = None) -> Schedule:
+        """Every phase planned on its own (the planner picks its deployment; with `on`, that phase's deployment
+        where it holds the phase), then the whole simulated; a later phase within the caps left beside the earlier
+        phases' reduced gradient (`CostModel.later_phase`). Where the planner picks one deployment for consecutive
+        phases, they are planned as one phase on it too and the faster kept (`_merged`): a phase apart on the
+        same deployment pays only for memory."""
         later = self._later_planner()
-        plans = tuple((later if k else self).plan(lengths[idx], step) for k, idx in enumerate(split.phases))
+        plans = tuple(self._phase_plan(later if k else self, lengths[idx], step, None if on is None else on[k])
+                      for k, idx in enumerate(split.phases))
         phased = self._phased(lengths, split.phases, plans, step)
         merged = self._merged(lengths, split.phases, plans, step)
         return merged if merged is not None and merged.iteration_time_s <= phased.iteration_time_s else phased
+
+    @staticmethod
+    def _phase_plan(planner: Planner, lengths: np.ndarray, step: int, on: Deployment | None) -> IterationPlan:
+        """The phase on `on` where it holds the phase, else on the deployment the planner picks."""
+        if on is not None:
+            with contextlib.suppress(HydraulisError):
+                return planner.plan_on(lengths, on, step)
+        return planner.plan(lengths, step)
 
     def _phased(self, lengths: np.ndarray, parts: Sequence[np.ndarray], plans: tuple[IterationPlan, ...],
                 step: int) -> Schedule:
