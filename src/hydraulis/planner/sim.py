@@ -154,14 +154,14 @@ def _sweep(pp: int, v: int, vp: int = 1) -> _Sweep:
     p < P = pp vp: the forward of virtual stage p; place 2 P - 1 - p: its backward) and the inner loop's slots."""
     g = event_arrays(pp, vp, v)
     prev, dep, virtual = g.prev, g.dep, g.chunk * pp + g.stage
-    forward = g.kind == FORWARD
+    forward, transfer = g.kind == FORWARD, (dep >= 0) & (g.stage[dep] != g.stage)
     chain = np.empty((v, 2 * pp * vp), dtype=np.int64)
     chain[g.micro_batch, np.where(forward, virtual, 2 * pp * vp - 1 - virtual)] = np.arange(len(prev))
     return _Sweep(stage=g.stage, micro_batch=g.micro_batch, kind=g.kind, chunk=g.chunk, prev=prev, dep=dep,
-                  transfer=(dep >= 0) & (g.stage[dep] != g.stage), forward=forward, last=g.last.tolist(),
+                  transfer=transfer, forward=forward, last=g.last.tolist(),
                   by_stage=np.argsort(g.stage, kind="stable"), chain=chain, after=(prev + 1).tolist(),
                   on=(dep + 1).tolist(), work_at=np.where(forward, g.micro_batch, v + g.micro_batch).tolist(),
-                  comm_at=np.where((dep >= 0) & (g.stage[dep] != g.stage), g.micro_batch, v).tolist())
+                  comm_at=np.where(transfer, g.micro_batch, v).tolist())
 
 
 def event_tables(t: np.ndarray, comm: np.ndarray, vp: int) -> tuple[list[float], list[float]]:
@@ -181,12 +181,12 @@ def run_events(
     inner loop; `event_tables`' work and p2p times), one slot first, 0.0, the end of none. None once an event ends
     after its `above`."""
     end = [0.0]
-    finished = end.append
+    push = end.append
     RUN["simulations"] += 1
     if above is None:
         for p, d, x, w in zip(sweep.after, sweep.on, sweep.comm_at, sweep.work_at, strict=True):
             start, ready = end[p], end[d] + comm[x]
-            finished((ready if ready > start else start) + work[w])
+            push((ready if ready > start else start) + work[w])
         RUN["events"] += len(end) - 1
         return end
     for p, d, x, w, h in zip(sweep.after, sweep.on, sweep.comm_at, sweep.work_at, above, strict=True):
@@ -195,7 +195,7 @@ def run_events(
         if finish > h:
             RUN["events"] += len(end)
             return None
-        finished(finish)
+        push(finish)
     RUN["events"] += len(end) - 1
     return end
 

@@ -87,13 +87,21 @@ def phase_deployments(
     return current[len(pool) :], _on_every_batch(cost, N, current, batches, schedules)
 
 
+def trial_planner(
+    cost: CostModel, num_gpus: int, pool: Sequence[Deployment], memo: dict | None = None
+) -> PhasedPlanner:
+    """The phased planner the proposal's trials plan with: no cut moved by simulation (`PhasedPlanner._refine_cut`,
+    up to six plans more per batch, for every trial); the run's planner moves it."""
+    return PhasedPlanner(cost, num_gpus, pool, memo=memo, cut_plans=0)
+
+
 def _on_every_batch(
     cost: CostModel, num_gpus: int, pool: list[Deployment], batches: Sequence[np.ndarray], schedules: list[Schedule]
 ) -> list[Schedule]:
     """The phased planner's schedule of each of `batches` on `pool`, given `schedules` of its first PHASE_SAMPLES."""
     if len(batches) <= len(schedules):
         return schedules
-    planner = PhasedPlanner(cost, num_gpus, pool, cut_plans=0)
+    planner = trial_planner(cost, num_gpus, pool)
     return [planner.schedule(b) for b in batches]
 
 
@@ -321,8 +329,7 @@ def _greedy_phases(
     Each candidate's planner plans the samples and their short cuts once; the pool's own short-cut
     times depend only on the level, so each round plans them once per level, not once per candidate."""
     memo = {} if memo is None else memo  # every trial plans the samples on the current pool's again: once is enough
-    # no cut moved by simulation (`PhasedPlanner._refine_cut`): six plans more per batch, for every trial
-    planner = PhasedPlanner(cost, num_gpus, current, memo=memo, cut_plans=0)
+    planner = trial_planner(cost, num_gpus, current, memo)
     schedules = [planner.schedule(b) for b in sample]
     while len(current) < max_pool:
         left = ((tuple(d for d in m if d not in current), level, clip) for m, level, clip in moves)
@@ -334,7 +341,7 @@ def _greedy_phases(
         # The sample batches on the cores (`fan_out`): a memo's plans are of one batch (or its cut), which the
         # trials of every move share, and the next rounds' too (the workers' come back into the memo). Each
         # move's planner is built here, once: a worker plans its share of the samples on the one it inherits.
-        pools = [PhasedPlanner(cost, num_gpus, [*current, *m], memo=memo, cut_plans=0) for m, _, _ in moves]
+        pools = [trial_planner(cost, num_gpus, [*current, *m], memo) for m, _, _ in moves]
         trials = functools.partial(_sample_trials, planner=planner, trials=pools, moves=moves, cuts=cuts,
                                    sample=sample)
         per_sample = fan_out(trials, range(len(sample)), memo=worker_memo(cost, memo))
@@ -349,7 +356,7 @@ def _greedy_phases(
         if gains[k] <= min_gain * base:
             break
         current, schedules = [*current, *moves[k][0]], trials[k]
-        planner = PhasedPlanner(cost, num_gpus, current, memo=memo, cut_plans=0)
+        planner = trial_planner(cost, num_gpus, current, memo)
         # one that did not pay beside a smaller pool is not tried again (the lazy greedy: a pool that grows
         # leaves each deployment less to save)
         moves = [m for i, m in enumerate(moves) if i != k and gains[i] > min_gain * base]

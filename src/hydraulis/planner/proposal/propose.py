@@ -13,7 +13,6 @@ from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.limits import DEFAULT_MAX_POOL
 from hydraulis.parallel import Deployment
-from hydraulis.planner.phases import PhasedPlanner
 from hydraulis.planner.plan import Schedule
 from hydraulis.planner.pool import (
     Pool,
@@ -23,7 +22,7 @@ from hydraulis.planner.pool import (
     homogeneous,
     unique_deployments,
 )
-from hydraulis.planner.proposal.phased import long_phase_deployments, phase_deployments
+from hydraulis.planner.proposal.phased import long_phase_deployments, phase_deployments, trial_planner
 from hydraulis.planner.proposal.range_dp import LengthHistogram, dp_deployments
 from hydraulis.planner.proposal.refine import refine
 from hydraulis.planner.proposal.screen import (
@@ -215,7 +214,7 @@ def _without_idle(
     kept = tuple(d for k, d in enumerate(pool) if k == 0 or str(d) in used)
     if len(kept) == len(pool):
         return pool, schedules
-    planner = PhasedPlanner(cost, cluster.num_gpus, list(kept), cut_plans=0)
+    planner = trial_planner(cost, cluster.num_gpus, list(kept))
     again = [planner.schedule(b) for b in sample]
     if sum(s.iteration_time_s for s in again) <= sum(s.iteration_time_s for s in schedules) * (1 + 1e-9):
         return kept, again
