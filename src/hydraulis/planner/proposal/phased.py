@@ -177,13 +177,22 @@ def long_deployments(
     sizes = np.array([g.num_gpus for g in configs])
     out = []
     for b in sample:
-        s = np.sort(b)[::-1][: max(tops, default=0)]
-        trips = np.stack([r.pp * (r.least(s) + r.c) for r in reps], axis=1)  # [sequence, config]
+        s, trips = _longest_trips(reps, b, tops)
         for k in (t for t in tops if t <= len(s)):
             shape = _least_trips(trips[:k], sizes, N)
             if shape and (d := place(sorted((configs[j] for j in shape), key=lambda g: -g.num_gpus), cluster)):
                 out.append(d)
     return unique_deployments(out)
+
+
+def _longest_trips(
+    reps: Sequence[ReplicaCost], batch: np.ndarray, tops: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """The batch's max(tops) longest sequences, longest first, and each one's lone trip through each config's
+    pipeline, pp (w + c) [sequence, config] (inf where the config cannot hold it): what a long phase's shapes
+    are chosen on."""
+    s = np.sort(batch)[::-1][: max(tops, default=0)]
+    return s, np.stack([r.pp * (r.least(s) + r.c) for r in reps], axis=1)
 
 
 def _least_trips(trips: np.ndarray, sizes: np.ndarray, num_gpus: int) -> list[int]:
@@ -235,8 +244,7 @@ def budget_deployments(
             budget = lower_bound(b, cost, N)
         except HydraulisError:  # no config holds the sample's longest: no shape holds it either
             continue
-        s = np.sort(b)[::-1][: max(tops, default=0)]
-        trips = np.stack([r.pp * (r.least(s) + r.c) for r in reps], axis=1)  # [sequence, config]
+        s, trips = _longest_trips(reps, b, tops)
         work = np.where(trips <= budget, sizes * trips, np.inf)
         for k in (t for t in tops if t < len(b)):
             fill = _bulk_config(schedule.phases, int(s[k - 1]))
