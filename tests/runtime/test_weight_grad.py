@@ -70,3 +70,23 @@ def test_weight_slots_out_of_order_are_refused_before_the_step():
     for bad in (own[:-1], [own[0] - 1, *own[1:]], late, [*own[:-1], len(order)]):
         with pytest.raises(HydraulisError, match="weight slot"):
             step(bad)
+
+
+@pytest.mark.parametrize(("pp", "vp", "m"), [(2, 1, 3), (2, 2, 3), (4, 2, 5), (3, 3, 4)])
+def test_with_weights_places_each_w_after_its_own_backward_oldest_first(pp, vp, m):
+    """Each stage's B's and W's pair up in order (FIFO), every W at its slot: right after its B when fused, all
+    after the last event at the end; the F's and B's keep the stage's order."""
+    for stage in range(pp):
+        order = stage_order(pp, vp, m, stage)
+        backwards = [i for i, e in enumerate(order) if e[0] == BACKWARD]
+        for slots in (backwards, [len(order) - 1] * len(backwards), random_slots(order, np.random.default_rng(m))):
+            full = with_weights(order, slots)
+            assert [e for e in full if e[0] != WEIGHT] == list(order)
+            ws = [e[1:] for e in full if e[0] == WEIGHT]
+            assert ws == [order[i][1:] for i in backwards]  # the i-th W is the i-th B's
+            events = [i for i, e in enumerate(full) if e[0] != WEIGHT]  # where each of `order`'s events went
+            for k, (at, slot) in enumerate(zip(backwards, slots, strict=True)):
+                place = [i for i, e in enumerate(full) if e[0] == WEIGHT][k]
+                assert events[slot] < place < (events[slot + 1] if slot + 1 < len(order) else len(full))
+                assert events[at] < place
+    assert with_weights(order, ()) == order

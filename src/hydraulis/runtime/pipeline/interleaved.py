@@ -13,6 +13,11 @@ stage in one batched p2p call per rank, which every rank derives from the plan
 alone, so sends and receives pair up within the tick on every backend (NCCL
 too, where a lone send would block its stream) and no shape travels. A value
 that arrives before its event keeps until the event runs.
+
+Zero-bubble (`train_step(deferred=...)`, any vp, 1 included): each backward is a
+B that keeps its linears' weight gradients (modeling/weight_grad.py), and the
+W's placed after a stage's event run after that tick's exchange, oldest first,
+so the B's input gradient leaves before its W computes.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def train_step(
     stashed = model.stash_partial_grads() if reduce_partial_grads else None
     if deferred:
         with deferral() as store:
-            stage = InterleavedRun(model, groups, micro_batches, num_global_targets, store, deferred)
+            stage = InterleavedRun(model, groups, micro_batches, num_global_targets, store=store, deferred=deferred)
             stage.run()
     elif groups.config.vp > 1:
         stage = InterleavedRun(model, groups, micro_batches, num_global_targets)
