@@ -90,6 +90,7 @@ class Trainer:
     feed: PlanFeed  # the next batch and its schedule, planned on rank 0 a step ahead
     meter: StepMeter  # predictions, memory and metrics
     recent: deque[tuple[GlobalBatch, Schedule]]  # the last batches, for `compare`
+    weight_slots: WeightSlots | None  # where each stage's W's run (zero-bubble, iteration.py); None: fused
 
     def __init__(
         self,
@@ -99,7 +100,6 @@ class Trainer:
         env: DistEnv | None = None,
         weight_slots: WeightSlots | None = None,
     ) -> None:
-        """`weight_slots`: where each stage defers its W's (zero-bubble, iteration.py's `WeightSlots`); None: fused."""
         self.settings = settings
         self.weight_slots = weight_slots
         self.env = env or init_distributed()
