@@ -10,6 +10,7 @@ the runtime's interleaved lockstep ticks it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,7 @@ import numpy as np
 # What a pipeline stage runs for a micro-batch: the simulator's timelines and the runtime's 1F1B name their events
 # with these.
 FORWARD, BACKWARD = 0, 1
+WEIGHT = 2  # a backward's weight gradients, deferred (zero-bubble)
 
 Event = tuple[int, int, int]  # (FORWARD or BACKWARD, micro-batch, chunk)
 
@@ -52,6 +54,28 @@ def stage_order(pp: int, vp: int, micro_batches: int, stage: int) -> tuple[Event
     for k in range(total - warmup):
         order += [forwards[warmup + k], backwards[k]]
     return tuple(order + backwards[total - warmup:])
+
+
+def with_weights(order: Sequence[Event], slots: Sequence[int]) -> tuple[Event, ...]:
+    """A stage's order with its deferred weight gradients: (WEIGHT, micro-batch, chunk) of the i-th backward
+    right after event `slots[i]` (the runtime's W's, runtime/modeling/weight_grad.py), those of one slot oldest
+    first. `slots` has one index per backward, nondecreasing and none before its own backward's; empty: none
+    deferred (the order itself)."""
+    if not slots:
+        return tuple(order)
+    backwards = [(i, e) for i, e in enumerate(order) if e[0] == BACKWARD]
+    if len(slots) != len(backwards):
+        raise ValueError(f"{len(slots)} weight slots for {len(backwards)} backwards; give one per backward")
+    for k, ((at, _), slot) in enumerate(zip(backwards, slots, strict=True)):
+        if not at <= slot < len(order) or (k and slot < slots[k - 1]):
+            raise ValueError(f"weight slot {slot} of backward {k} (event {at}) is out of order: slots must be "
+                             f"nondecreasing, each from its own backward's index to {len(order) - 1}")
+    out, after = [], {}
+    for slot, (_, (_, j, c)) in zip(slots, backwards, strict=True):
+        after.setdefault(slot, []).append((WEIGHT, j, c))
+    for i, event in enumerate(order):
+        out += [event, *after.get(i, ())]
+    return tuple(out)
 
 
 def one_f_one_b_order(pp: int, v: int, stage: int) -> list[tuple[int, int]]:

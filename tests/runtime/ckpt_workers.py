@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from train_workers import cpu_settings
+from train_workers import cpu_settings, zero_bubble
 
 from hydraulis.checkpoints.saver import Saved, load_checkpoint, resume, save_checkpoint
 from hydraulis.data.build.corpus import build_corpus
@@ -47,11 +47,15 @@ def settings(world: int, pool: tuple[str, ...], model: str = "tiny") -> TrainerS
     return cpu_settings(world, pool, optim, STEPS, model, seed=SEED)
 
 
-def make_trainer(world: int, pool: tuple[str, ...], corpus_dir: Path, model: str = "tiny") -> Trainer:
+def make_trainer(
+    world: int, pool: tuple[str, ...], corpus_dir: Path, model: str = "tiny", deferred: str | None = None
+) -> Trainer:
+    """`deferred`: every step's weight gradients wait, placed by that pattern (train_workers.weight_slots)."""
     env = init_distributed("cpu")
     corpus = open_corpus(corpus_dir)
     sampler = TokenBudgetSampler(corpus.lengths, TOKENS_PER_BATCH, max_len=MAX_LEN, seed=SEED)
-    return Trainer(settings=settings(world, pool, model), corpus=corpus, sampler=sampler, env=env)
+    return Trainer(settings=settings(world, pool, model), corpus=corpus, sampler=sampler, env=env,
+                   weight_slots=None if deferred is None else zero_bubble(deferred))
 
 
 def first_run(rank: int, world: int, corpus_dir: Path, ckpt: Path, other: Path, interleaved: Path) -> dict:
@@ -100,10 +104,12 @@ def interleaving_runs(world: int, corpus_dir: Path, out: Path) -> dict:
 
 
 def resume_interleaving(world: int, corpus_dir: Path, saved: Path) -> dict:
-    """The POOL_V1 checkpoint resumed on POOL_V2 and the POOL_V2 one on POOL_V1: each run's losses and master."""
+    """The POOL_V1 checkpoint resumed on POOL_V2 and the POOL_V2 one on POOL_V1: each run's losses and master.
+    Both resumed runs defer their weight gradients (zero-bubble W's): on POOL_V2 each right before the stage's next
+    forward, on POOL_V1 (vp = 1, through the lockstep executor) all at the stage's end."""
     out = {}
-    for name, pool in (("v1", POOL_V2), ("v2", POOL_V1)):
-        t = make_trainer(world, pool, corpus_dir)
+    for name, pool, deferred in (("v1", POOL_V2, "before-forward"), ("v2", POOL_V1, "end")):
+        t = make_trainer(world, pool, corpus_dir, deferred=deferred)
         resume(Saved.of(t), saved / name)
         out[f"from_{name}"] = ([t.step().loss for _ in range(STEPS - SAVE_AT)], t.optimizer.master.clone())
         t.close()

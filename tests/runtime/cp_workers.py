@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 import torch
-from train_workers import cpu_settings
+from train_workers import cpu_settings, weight_slots
 
 from hydraulis.cost.policies import MemoryPolicy
 from hydraulis.data.sampler import TokenBudgetSampler
@@ -36,7 +36,10 @@ SCENARIOS = {
     "cp2pp2-recompute": ((Replica(ParallelConfig(1, 2, 2), (1, 3, 0, 2)),), False, True),
     # interleaved 1F1B, two model chunks per rank: the p2p lanes of each CP rank wrap from the last stage to the first
     "cp2pp2vp2": ((Replica(ParallelConfig(1, 2, 2, vp=2), (2, 0, 3, 1)),), False, False),
+    # the same, each backward's weight gradients deferred to the stage's end (zero-bubble W's, weight_grad.py)
+    "cp2pp2vp2-zb": ((Replica(ParallelConfig(1, 2, 2, vp=2), (2, 0, 3, 1)),), False, False),
 }
+DEFERRED = {"cp2pp2vp2-zb": "end"}  # scenario -> train_workers.weight_slots's pattern
 
 
 def run_scenarios(
@@ -55,7 +58,9 @@ def run_scenarios(
         packed = [dataclasses.replace(concatenate_cp_shard([docs[i] for i in mb], config.cp, groups.cp.rank, pad),
                                       policy=int(MemoryPolicy.FULL if recompute else MemoryPolicy.NONE))
                   for mb in micro_batches]
-        result = train_step(model, groups, packed, total)
+        pattern = DEFERRED.get(scenario)
+        slots = () if pattern is None else weight_slots(config.pp, config.vp, len(packed), groups.stage, pattern)
+        result = train_step(model, groups, packed, total, deferred=slots)
         out[scenario] = {
             "replica": replicas.index(next(r for r in replicas if rank in r.devices)),
             "loss": result.loss if groups.tp.rank == 0 else None,  # one share per CP rank of the last stage

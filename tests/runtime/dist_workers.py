@@ -9,6 +9,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from train_workers import weight_slots
 
 from hydraulis.parallel import ParallelConfig, Replica
 from hydraulis.runtime import (
@@ -63,23 +64,28 @@ def run_replica(
     micro_batches,
     sequence_parallel: bool,
     calls: int = 1,
+    pattern: str | None = None,
 ) -> dict:
     """Train one step on this rank's replica and compare with the single-process reference."""
     spec = MODELS[model_name] if model_name in MODELS else _custom(model_name)
     groups = build_replica_groups([Replica(config, ranks)], sequence_parallel=sequence_parallel)
-    return _compare(spec, model_name, groups, micro_batches, calls)
+    return _compare(spec, model_name, groups, micro_batches, calls, pattern)
 
 
-def _compare(spec, model_name, groups, micro_batches, calls: int = 1) -> dict:
-    """`calls` > 1 splits the micro-batches over several train_step calls that accumulate gradients."""
+def _compare(spec, model_name, groups, micro_batches, calls: int = 1, pattern: str | None = None) -> dict:
+    """`calls` > 1 splits the micro-batches over several train_step calls that accumulate gradients; `pattern`
+    defers the weight gradients (train_workers.weight_slots)."""
     model = StageModel(spec, groups.tp, groups.stage, groups.config.pp, vp=groups.config.vp)
     reset_parameters(model, SEED)
     docs = documents(spec.vocab)
     packed = [concatenate_documents([docs[i] for i in mb], pad_to_multiple=groups.config.tp) for mb in micro_batches]
     per_call = -(-len(packed) // calls)
+    config = groups.config
+    slots = [() if pattern is None else weight_slots(config.pp, config.vp, len(packed[i : i + per_call]),
+                                                     groups.stage, pattern) for i in range(0, len(packed), per_call)]
     results = [
-        train_step(model, groups, packed[i : i + per_call], count_targets(LENGTHS))
-        for i in range(0, len(packed), per_call)
+        train_step(model, groups, packed[i : i + per_call], count_targets(LENGTHS), deferred=slots[k])
+        for k, i in enumerate(range(0, len(packed), per_call))
     ]
     loss = None if results[0].loss is None else sum(r.loss for r in results)
     grads = model.full_grads()
@@ -99,6 +105,7 @@ def _compare(spec, model_name, groups, micro_batches, calls: int = 1) -> dict:
         "pp": groups.config.pp,
         "vp": groups.config.vp,
         "schedules": [r.order for r in results],
+        "slots": slots,
         "ref_loss": ref_loss,
         "errors": errors,
         "all_params": sorted(ref_grads),
@@ -131,6 +138,12 @@ def check_configs(rank: int, world: int) -> dict:
     groups = build_replica_groups([e, f], sequence_parallel=True)
     out["hetero-vp2"] = _compare(MODELS["tiny"], "tiny", groups, MICRO_BATCHES[:1] if rank in e.devices
                                  else MICRO_BATCHES[1:])
+    # The same two with each backward's weight gradients deferred (zero-bubble W's): all to the stage's end, and
+    # each right before the stage's next forward (the tp2 replica's too, through the lockstep executor).
+    out["tp2pp2vp2-sp-zb"] = run_replica("tiny", ParallelConfig(2, 2, vp=2), (2, 0, 3, 1), MICRO_BATCHES, True,
+                                         pattern="end")
+    out["hetero-vp2-zb"] = _compare(MODELS["tiny"], "tiny", groups, MICRO_BATCHES[:1] if rank in e.devices
+                                    else MICRO_BATCHES[1:], pattern="before-forward")
     out["collective-peaks"] = collective_peaks()
     from hydraulis.runtime.parallelism import collectives
 

@@ -301,7 +301,8 @@ def test_resume_continues_bit_for_bit(work, resumed):
 
 def test_a_checkpoint_resumes_bit_for_bit_with_interleaving_changed(work, resumed):
     """Saved at vp = 1, resumed at vp = 2 and back (2x(tp1,pp2) and 2x(tp1,pp2,vp2), whose plans hold the same
-    micro-batches): each run's losses and master weights are the bits of an uninterrupted vp = 1 run."""
+    micro-batches): each run's losses and master weights are the bits of an uninterrupted vp = 1 run; the resumed
+    runs defer their weight gradients (zero-bubble W's, ckpt_workers.resume_interleaving), which changes no bit."""
     full, master = work[4][0]["full_v1"], [r["master_v1"] for r in work[4]]
     for saved in ("v1", "v2"):
         for rank, r in enumerate(resumed):

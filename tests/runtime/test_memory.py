@@ -16,11 +16,13 @@ STEPS = 3
 
 PIPELINES = ("2x(tp1,pp2)", "2x(tp1,pp2,vp2)")  # plain and interleaved 1F1B (chunks of two layers)
 PIPELINE_ERROR = 0.05
+# Interleaved with every weight gradient deferred to the stage's end (zero-bubble W's: the most they hold)
+DEFERRED = "2x(tp1,pp2,vp2) end"
 
 
 @pytest.fixture(scope="module")
 def small_runs():
-    return run_workers(train_small, 4, STEPS, BUCKET, PIPELINES, deadline_s=400)
+    return run_workers(train_small, 4, STEPS, BUCKET, (*PIPELINES, DEFERRED), deadline_s=400)
 
 
 @pytest.mark.dist
@@ -49,12 +51,33 @@ def test_pipelined_small_peaks_within_five_percent_of_the_memory_model_on_every_
     table, 49 MiB, beside the gradients, the reduce's buffers and the chunks still in flight): uncounted, it
     was predicted 11-13% low under 1F1B and 20.6% low interleaved (where the gradients were also counted
     beside a whole micro-batch's chunks, not chunk by chunk)."""
-    rows = [(rank, step, *figures) for rank, r in enumerate(small_runs) for step, figures in enumerate(
+    rows = [(rank, step, *figures[:3]) for rank, r in enumerate(small_runs) for step, figures in enumerate(
         r["pipelines"][pool])]
     assert {stage for _, _, stage, _, _ in rows} == {0, 1} and len(rows) == 4 * STEPS
     for rank, step, stage, peak, predicted in rows:
         assert peak > 250 * 2**20, (rank, step)  # measured, and the state alone is 210 MiB
         assert abs(peak - predicted) / predicted <= PIPELINE_ERROR, (pool, rank, step, stage, peak, predicted)
+
+
+@pytest.mark.dist
+def test_deferred_weight_gradients_peak_within_15_percent_of_the_model(small_runs):
+    """Interleaved with every W at its stage's end: each rank's measured peak within 15% of the memory model's
+    (fused) prediction plus what deferral adds in the zero-bubble oracle's accounting (exchange_workers.
+    deferral_bytes: the linears' inputs and output gradients of every chunk, `weight_grad_bytes`). Counted only
+    in the order's bytes held (`order_peak`'s accounting), the first stage was predicted 11-12% low (and +0 bytes):
+    its peak is the embedding's dense gradient in the first B of its chunk, with the W's of the B's before held."""
+    fused = {(rank, step): figures for rank, r in enumerate(small_runs)
+             for step, figures in enumerate(r["pipelines"]["2x(tp1,pp2,vp2)"])}
+    rows = [(rank, step, *figures) for rank, r in enumerate(small_runs)
+            for step, figures in enumerate(r["pipelines"][DEFERRED])]
+    for rank, step, stage, peak, predicted, added in rows:
+        print(f"rank {rank} step {step} stage {stage}: peak {peak / 2**20:.1f} MiB, model {predicted / 2**20:.1f} "
+              f"+ {added / 2**20:.1f}; fused peak {fused[rank, step][1] / 2**20:.1f}")
+    for rank, step, stage, peak, predicted, added in rows:
+        # within 4% measured (2026-12-07); the issue asks 15%
+        assert abs(peak - predicted - added) / (predicted + added) <= 0.10, (rank, step, stage, peak, predicted, added)
+        if stage == 0:  # not vacuous: there the W's held beside the embedding's gradient raise the peak by 10-13%
+            assert added > 0.05 * predicted and peak > 1.05 * fused[rank, step][1], (rank, step, peak, added)
 
 
 def test_cpu_iterations_are_sampled_first_use_of_each_deployment_and_every_nth_step():

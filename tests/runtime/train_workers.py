@@ -16,10 +16,12 @@ from hydraulis.cost.policies import LIGHTEST_FIRST
 from hydraulis.data.sampler import TokenBudgetSampler
 from hydraulis.optim import AdamWSettings, OptimSettings
 from hydraulis.parallel import Deployment
+from hydraulis.pipeline_order import BACKWARD, FORWARD, stage_order
 from hydraulis.planner.plan import IterationPlan, Schedule
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.schedule import mean_switch_time, phases_time
 from hydraulis.runtime import IGNORE_INDEX, StageModel, concatenate_documents, count_targets
+from hydraulis.runtime.iteration import WeightSlots
 from hydraulis.runtime.optimizer.layout import ShardLayout
 from hydraulis.runtime.parallelism.batch import TokenDocuments
 from hydraulis.runtime.parallelism.launch import init_distributed
@@ -42,6 +44,33 @@ PHASED = {1: (3, 2), 4: (2, 0, 1)}
 MIXED = (0, 2, 3)
 # Between the steps' gradient norms (0.65 to 0.77): clipping is inactive at steps 0, 1, 3 and 6, active at the rest.
 GRAD_CLIP = 0.68
+
+
+def weight_slots(pp: int, vp: int, m: int, stage: int, pattern: str) -> tuple[int, ...]:
+    """Hand-made zero-bubble W placements of a stage (`pipeline_order.with_weights`): "fused" (each W right after
+    its B), "end" (every W after the stage's last event: the most held), "before-forward" (each W right before
+    the stage's next forward, at the end after the last)."""
+    order = stage_order(pp, vp, m, stage)
+    forwards = [i for i, e in enumerate(order) if e[0] == FORWARD]
+    backwards = [i for i, e in enumerate(order) if e[0] == BACKWARD]
+    if pattern == "fused":
+        return tuple(backwards)
+    if pattern == "end":
+        return (len(order) - 1,) * len(backwards)
+    assert pattern == "before-forward", pattern
+    return tuple(next((f - 1 for f in forwards if f > b), len(order) - 1) for b in backwards)
+
+
+def zero_bubble(patterns: dict[int, str] | str) -> WeightSlots:
+    """A trainer's W slots: one pattern (`weight_slots`) for every step, or per step (a step not named: fused)."""
+
+    def slots(plan: IterationPlan, replica: int, stage: int) -> tuple[int, ...]:
+        pattern = patterns if isinstance(patterns, str) else patterns.get(plan.step)
+        config = plan.deployment.replicas[replica].config
+        m = len(plan.replicas[replica].micro_batches)
+        return () if pattern is None or m == 0 else weight_slots(config.pp, config.vp, m, stage, pattern)
+
+    return slots
 
 
 def corpus(vocab: int) -> list[np.ndarray]:
@@ -145,11 +174,19 @@ def phased(planner: Planner, lengths: np.ndarray, step: int, deployments: tuple[
                     switch, phases_time(plans, planner.cost, switch), 0.0)
 
 
-def train(rank: int, world: int, s: TrainerSettings, plans: list[Schedule]) -> dict:
+def train(rank: int, world: int, s: TrainerSettings, plans: list[Schedule], deferred: dict[int, str]) -> dict:
+    """`deferred`: the steps whose weight gradients wait (zero-bubble W's, `zero_bubble`'s pattern per step)."""
     env = init_distributed("cpu")
     docs = corpus(s.model.vocab)
     smp = sampler(docs)
-    trainer = Trainer(settings=s, corpus=TokenDocuments(docs), sampler=smp, env=env)
+    chosen = zero_bubble(deferred)
+    slots_used: list[tuple[int, tuple[int, ...]]] = []  # (step, slots) of every phase on this rank
+
+    def recorded(plan: IterationPlan, replica: int, stage: int) -> tuple[int, ...]:
+        slots_used.append((plan.step, chosen(plan, replica, stage)))
+        return slots_used[-1][1]
+
+    trainer = Trainer(settings=s, corpus=TokenDocuments(docs), sampler=smp, env=env, weight_slots=recorded)
     metrics = [trainer.run_schedule(smp.next_batch(), plan) for plan in plans]
     metrics += [trainer.step() for _ in range(2)]
     # The measured comparison runs real iterations mid-run: training must go on as if it had not.
@@ -174,6 +211,7 @@ def train(rank: int, world: int, s: TrainerSettings, plans: list[Schedule]) -> d
         "traffic": traffic,
         "splits": splits,
         "owned": trainer.optimizer.layout.owned_ranges(rank),
+        "slots_used": slots_used,
     }
 
 

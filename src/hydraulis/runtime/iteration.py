@@ -19,7 +19,7 @@ beyond what one phase would have spent: the in-iteration switch cost.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,17 +63,23 @@ def sub_batch(batch: GlobalBatch, positions: Sequence[int]) -> GlobalBatch:
     return GlobalBatch(batch.docs[idx], batch.starts[idx], batch.lengths[idx], batch.state, batch.next_state)
 
 
+# A stage's deferred weight gradients (zero-bubble W slots, `pipeline_order.with_weights`) in a phase's plan:
+# (plan, replica, stage) -> slots; empty: fused.
+WeightSlots = Callable[[IterationPlan, int, int], Sequence[int]]
+
+
 @dataclass(frozen=True)
 class PhaseParts:
     """What the phases of an iteration run on: this rank's deployments, the batches' source, how gradients
     travel to their owners (`reduce_dtype`; beside compute unless `overlap` is off), the plans' cost model (what
-    a micro-batch whose plan lists no memory policy runs)."""
+    a micro-batch whose plan lists no memory policy runs), where a stage's W's run (None: fused)."""
 
     pool: BuiltDeployments
     source: BatchSource
     reduce_dtype: torch.dtype
     overlap: bool
     cost: CostModel
+    weight_slots: WeightSlots | None = None
 
 
 def run_phases(
@@ -105,9 +111,10 @@ def run_phase(
                              accumulate=accumulate, reduce_after=reduce_after)
     gathered = time.perf_counter()
     micro_batches = parts.source.micro_batches(batch, plan, part.replica, part.groups, parts.cost)
+    slots = () if parts.weight_slots is None else parts.weight_slots(plan, part.replica, part.groups.stage)
     # poisoned: a test hook, off unless asked for
     with part.exchanging(exchange), poisoned(model, step, part.groups.is_last_stage):
-        result = train_step(model, part.groups, micro_batches, targets, reduce_partial_grads=False)
+        result = train_step(model, part.groups, micro_batches, targets, reduce_partial_grads=False, deferred=slots)
     if pool.device.type == "cuda":
         torch.cuda.synchronize()
     computed = time.perf_counter()

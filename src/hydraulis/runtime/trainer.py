@@ -43,7 +43,7 @@ from hydraulis.planner.phases import PhasedPlanner
 from hydraulis.planner.plan import IterationPlan, Schedule
 from hydraulis.runtime.deployments import BuiltDeployments
 from hydraulis.runtime.divergence import finite
-from hydraulis.runtime.iteration import PhaseParts, loss_part, run_phases
+from hydraulis.runtime.iteration import PhaseParts, WeightSlots, loss_part, run_phases
 from hydraulis.runtime.metering.compare import Comparison, compare
 from hydraulis.runtime.metering.step_memory import StepMemory
 from hydraulis.runtime.metering.step_meter import StepMeter, StepMetrics, StepOutcome, clock
@@ -90,6 +90,7 @@ class Trainer:
     feed: PlanFeed  # the next batch and its schedule, planned on rank 0 a step ahead
     meter: StepMeter  # predictions, memory and metrics
     recent: deque[tuple[GlobalBatch, Schedule]]  # the last batches, for `compare`
+    weight_slots: WeightSlots | None  # where each stage's W's run (zero-bubble, iteration.py); None: fused
 
     def __init__(
         self,
@@ -97,8 +98,10 @@ class Trainer:
         corpus: Corpus,
         sampler: TokenBudgetSampler,
         env: DistEnv | None = None,
+        weight_slots: WeightSlots | None = None,
     ) -> None:
         self.settings = settings
+        self.weight_slots = weight_slots
         self.env = env or init_distributed()
         self.rank = self.env.rank
         self.world = self.env.world_size
@@ -175,7 +178,7 @@ class Trainer:
         start = time.perf_counter()
         targets = self.source.targets(batch)
         parts = PhaseParts(pool=self.deployments, source=self.source, reduce_dtype=DTYPES[s.train.reduce_dtype],
-                           overlap=s.parallel.overlap, cost=s.parallel.cost)
+                           overlap=s.parallel.overlap, cost=s.parallel.cost, weight_slots=self.weight_slots)
         runs = run_phases(parts=parts, step=step, batch=batch, schedule=schedule, targets=targets,
                           reduce_after=[r.reduce_after for r in ranks])
         norm, extra = self.optimizer.global_norm(extra=loss_part(runs, self.env.device).reshape(1))

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydraulis.errors import HydraulisError
+from hydraulis.runtime.modeling.weight_grad import linear
 from hydraulis.runtime.parallelism.collectives import all_gather_into, all_reduce, reduce_scatter_into
 
 SHARD_ATTR = "hydraulis_shard"
@@ -219,7 +220,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = set_shard(nn.Parameter(zeros), ShardSpec(dim=0)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)  # its weight gradient may wait (weight_grad.py)
 
 
 class RowParallelLinear(nn.Module):
@@ -235,7 +236,7 @@ class RowParallelLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return exit_tp_region(F.linear(x, self.weight), self.tp)
+        return exit_tp_region(linear(x, self.weight), self.tp)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -13,17 +13,24 @@ stage in one batched p2p call per rank, which every rank derives from the plan
 alone, so sends and receives pair up within the tick on every backend (NCCL
 too, where a lone send would block its stream) and no shape travels. A value
 that arrives before its event keeps until the event runs.
+
+Zero-bubble (`train_step(deferred=...)`, any vp, 1 included): each backward is a
+B that keeps its linears' weight gradients (modeling/weight_grad.py), and the
+W's placed after a stage's event run after that tick's exchange, oldest first,
+so the B's input gradient leaves before its W computes.
 """
 
 from __future__ import annotations
 
 import functools
+from collections import Counter, deque
 from collections.abc import Sequence
 
 import torch
 
-from hydraulis.pipeline_order import FORWARD, event_graph
+from hydraulis.pipeline_order import FORWARD, WEIGHT, event_graph, stage_order, with_weights
 from hydraulis.runtime.modeling.model import StageModel
+from hydraulis.runtime.modeling.weight_grad import WeightGradStore
 from hydraulis.runtime.parallelism.batch import MicroBatchInput
 from hydraulis.runtime.parallelism.groups import ReplicaGroups, lane_ranks
 from hydraulis.runtime.pipeline.lane import LaneP2P, LossShares, backward_from, deallocate_output
@@ -69,7 +76,7 @@ class InterleavedRun:
 
     def __init__(
         self, model: StageModel, groups: ReplicaGroups, micro_batches: Sequence[MicroBatchInput],
-        num_global_targets: int,
+        num_global_targets: int, store: WeightGradStore | None = None, deferred: Sequence[int] = (),
     ):
         param = next(model.parameters())
         config = groups.config
@@ -85,18 +92,37 @@ class InterleavedRun:
         self.outbox: torch.Tensor | None = None  # what this tick's event sends
         self.order: list[Event] = []
         self.loss = LossShares(num_global_targets, param.device)
+        # Deferred W's (zero-bubble; none without `deferred`): the store the B's keep them in, the W events to
+        # come, oldest first, how many go after each of this stage's events (by index) and how many are due now.
+        self.store = store if deferred else None
+        order = stage_order(self.pp, self.vp, len(self.batches), self.stage) if deferred else ()
+        self.weights = deque(e for e in with_weights(order, deferred) if e[0] == WEIGHT)
+        self.after = Counter(deferred)
+        self.ran = self.due = 0
 
     def run(self) -> None:
-        """Every tick of `lockstep`: the values of the tick before exchanged, then this stage's event."""
+        """Every tick of `lockstep`: the values of the tick before exchanged, then the W's due after this stage's
+        event of that tick (its gradient already sent), then this stage's event."""
         ticks = lockstep(self.pp, self.vp, len(self.batches))
         for t, row in enumerate(ticks):
             if t:
                 self._exchange(ticks[t - 1])
+                self._run_weights()
             event = row[self.stage]
             if event is not None:
                 self.order.append(event)
                 (self._forward if event[0] == FORWARD else self._backward)(event)
+                self.due += self.after[self.ran]
+                self.ran += 1
         self._exchange(ticks[-1])
+        self._run_weights()
+
+    def _run_weights(self) -> None:
+        """The W's placed after this stage's last event, oldest first."""
+        for _ in range(self.due):
+            self.store.run_oldest()
+            self.order.append(self.weights.popleft())
+        self.due = 0
 
     def _exchange(self, row: tuple[Event | None, ...]) -> None:
         """Send what this stage's event of `row` made, receive what its neighbours' made for it; one batch."""
@@ -119,8 +145,8 @@ class InterleavedRun:
         batch = self.batches[j]
         virtual = chunk * self.pp + self.stage
         x = None if virtual == 0 else self.inbox.pop(event).requires_grad_()
-        if virtual == self.pp * self.vp - 1:
-            out = self.loss.share(self.model, x, batch)
+        if virtual == self.pp * self.vp - 1:  # (pp = vp = 1: on the tokens)
+            out = self.loss.share(self.model, batch.tokens if x is None else x, batch)
         else:
             out = self.model(batch.tokens if x is None else x, batch, chunk)
             self.outbox = out.detach()
@@ -131,11 +157,21 @@ class InterleavedRun:
         """Micro-batch j's backward through chunk c; the gradient of its input to send."""
         _, j, chunk = event
         x, out = self.in_flight.pop((j, chunk))
-        if chunk * self.pp + self.stage == self.pp * self.vp - 1:
-            out.backward()  # the last virtual stage: its loss share
-        else:
-            backward_from(out, self.inbox.pop(event))
+        grad = None if chunk * self.pp + self.stage == self.pp * self.vp - 1 else self.inbox.pop(event)
+        if self.store is None:
+            _backward(out, grad)
+        else:  # B: the weight gradients kept for a W
+            with self.store.collect():
+                _backward(out, grad)
         self.outbox = None if x is None else x.grad
+
+
+def _backward(out: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """A chunk's backward from its output: the last virtual stage's from its loss share (`grad` None)."""
+    if grad is None:
+        out.backward()
+    else:
+        backward_from(out, grad)
 
 
 @torch.no_grad()

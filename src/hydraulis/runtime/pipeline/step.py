@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from hydraulis.errors import HydraulisError
+from hydraulis.pipeline_order import stage_order, with_weights
 from hydraulis.runtime.modeling.model import StageModel
+from hydraulis.runtime.modeling.weight_grad import deferral
 from hydraulis.runtime.parallelism.batch import MicroBatchInput
 from hydraulis.runtime.parallelism.groups import ReplicaGroups
 from hydraulis.runtime.pipeline.interleaved import InterleavedRun, forward_chunks
@@ -29,7 +31,8 @@ class StepResult:
     num_targets: int  # real targets of this replica's micro-batches
     num_global_targets: int
     # (FORWARD or BACKWARD, micro-batch) as run, equal to pipeline_order.one_f_one_b_order; interleaved (vp > 1):
-    # (kind, micro-batch, chunk), pipeline_order.interleaved_order
+    # (kind, micro-batch, chunk), pipeline_order.interleaved_order; deferred: with (WEIGHT, micro-batch, chunk)
+    # events, pipeline_order.with_weights (3-tuples at vp = 1 too)
     order: tuple[tuple[int, ...], ...]
 
     @property
@@ -48,6 +51,7 @@ def train_step(
     micro_batches: Sequence[MicroBatchInput],
     num_global_targets: int,
     reduce_partial_grads: bool = True,
+    deferred: Sequence[int] = (),
 ) -> StepResult:
     """Forward and backward of this replica's micro-batches in 1F1B order; gradients add into `.grad`.
 
@@ -58,12 +62,19 @@ def train_step(
     its gradients stay untouched. `reduce_partial_grads=False` leaves partial
     gradients (SP norms, replicated KV heads) unsummed over the TP group, for
     a caller whose gradient reduce sums them anyway (the sharded optimizer).
+    `deferred`: this stage's zero-bubble W slots (`pipeline_order.with_weights`), the linears' weight gradients
+    of each backward run after the event they name (weight_grad.py), through the lockstep executor at any vp;
+    the gradients equal a fused backward's. Empty: fused.
     """
-    _check_step(model, groups, micro_batches, num_global_targets)
+    _check_step(model, groups, micro_batches, num_global_targets, deferred)
     if not micro_batches:
         return StepResult(None, 0, num_global_targets, ())
     stashed = model.stash_partial_grads() if reduce_partial_grads else None
-    if groups.config.vp > 1:
+    if deferred:
+        with deferral() as store:
+            stage = InterleavedRun(model, groups, micro_batches, num_global_targets, store=store, deferred=deferred)
+            stage.run()
+    elif groups.config.vp > 1:
         stage = InterleavedRun(model, groups, micro_batches, num_global_targets)
         stage.run()
     else:
@@ -92,7 +103,8 @@ def forward_step(
 
 
 def _check_step(
-    model: StageModel, groups: ReplicaGroups, micro_batches: Sequence[MicroBatchInput], num_global_targets: int
+    model: StageModel, groups: ReplicaGroups, micro_batches: Sequence[MicroBatchInput], num_global_targets: int,
+    deferred: Sequence[int] = (),
 ) -> None:
     """Reject a step before any communication, so every rank of the replica fails alike instead of hanging."""
     if num_global_targets <= 0:
@@ -107,3 +119,8 @@ def _check_step(
             f"sequence parallelism needs micro-batches of a multiple of tp={tp.size} tokens; "
             "pack them with pad_to_multiple=tp"
         )
+    if deferred:
+        try:
+            with_weights(stage_order(config.pp, config.vp, len(micro_batches), groups.stage), deferred)
+        except ValueError as e:
+            raise HydraulisError(f"stage {groups.stage}: {e}") from None
