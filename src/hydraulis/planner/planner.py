@@ -280,13 +280,12 @@ class Planner:
         """Deployment k's searched, packed candidate from its greedy dispatch `d`, and its simulated iteration:
         the whole iteration decides, as the simulator runs it (replicas sharing CPU cores slow each other,
         and deployments differ in their optimizer step). None, not kept, where its slowest replica surely takes
-        `beat` or more (on shared cores a replica's own time is no floor: no beat); the memo keeps that `beat`."""
+        `beat` or more (`_pack_and_refine`); the memo keeps that `beat`."""
         key = ("packed", self.pool[k], lengths.tobytes())
         kept = self._memo.get(key) if self._memo is not None else None
         if isinstance(kept, tuple) or (kept is not None and beat <= kept):  # given up at `kept`: as slow as that
             return kept if isinstance(kept, tuple) else None
-        cand = self._pack_and_refine(lengths, k, improve(lengths, self._tables_for(lengths)[k], d),
-                                     beat=beat if self.cost.shared_cores is None else np.inf)
+        cand = self._pack_and_refine(lengths, k, improve(lengths, self._tables_for(lengths)[k], d), beat=beat)
         if cand is None:  # the memo keeps the beat it gave up at: at or below it, a later call gives up at once
             (self._memo if self._memo is not None else {})[key] = beat
             return None
@@ -347,14 +346,15 @@ class Planner:
     def _pack_and_refine(self, lengths: np.ndarray, which: int | ReplicaTable, d: Dispatch,
                          deployment: Deployment | None = None, beat: float = np.inf) -> Candidate | None:
         """The packed candidate; None where its slowest replica surely takes `beat` or more: a packing no round or
-        MILP follows (either may make the slowest faster) gives up at the first such replica, the likeliest first."""
+        MILP follows (either may make the slowest faster) gives up at the first such replica, the likeliest first
+        (on shared CPU cores a replica's own time is no floor of the iteration: no beat)."""
         table = self._tables_for(lengths)[which] if isinstance(which, int) else which
         deployment = self.pool[which] if isinstance(which, int) else deployment
         assert deployment is not None
         packed: dict[tuple, Packing] = {}
         # Light sequences in bulk: the estimate is within a fraction of a percent, feedback adds nothing (pp 1: exact).
         rounds = self.refine_rounds if len(lengths) < BULK_MIN_SEQUENCES and (table.pp > 1).any() else 0
-        beat = beat if self.method == "heuristic" else np.inf
+        beat = beat if self.method == "heuristic" and self.cost.shared_cores is None else np.inf
         packs = self._pack(lengths, table, d, packed, beat=beat if rounds == 0 else np.inf,
                            first=np.argsort(-d.estimate_s, kind="stable"))
         if packs is None:
