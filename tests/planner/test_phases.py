@@ -242,6 +242,50 @@ def test_a_moved_cut_is_never_slower_than_the_estimates_split(seed, plans):
     assert moved.iteration_time_s <= fixed.iteration_time_s
 
 
+
+def compute_s(plan) -> float:
+    return simulate(plan, SMALL, keep_events=False).compute_time_s
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), share=st.sampled_from([0.9, 0.999, 1.0, 1.001, 1.1]), memo=st.booleans())
+def test_a_plan_within_a_beat_gives_up_only_where_it_is_as_slow(seed, share, memo):
+    """`plan_within` on each deployment: None only where `plan_on`'s slowest replica takes `beat` or more, else
+    `plan_on`'s plan (with a refinement round on the pipelined 8x(tp1,pp2), without on the others); a phase's
+    plan (`outlook=False`: a deployment after the first gives up once it loses) is the plan of each packed in full."""
+    b = np.random.default_rng(seed).integers(300, 4000, 60)  # every deployment holds it
+    ours = Planner(SMALL, 16, planner("small").pool, memo={} if memo else None)
+    for d in [d for d in ours.pool if ours.holds(d, int(b.max()))]:
+        full = Planner(SMALL, 16, ours.pool).plan_on(b, d)
+        got = ours.plan_within(b, d, beat=share * compute_s(full))
+        if got is None:
+            assert compute_s(full) >= share * compute_s(full)
+        else:
+            assert got.replicas == full.replicas and got.predicted_time_s == full.predicted_time_s
+    every = Planner(SMALL, 16, ours.pool)  # each deployment it packs, packed in full
+    every._packed = lambda lengths, k, d, beat=np.inf: Planner._packed(every, lengths, k, d)  # type: ignore[method-assign]
+    chosen, want = ours.plan(b, outlook=False), every.plan(b)
+    assert chosen.replicas == want.replicas and chosen.predicted_time_s == want.predicted_time_s
+
+
+def test_a_moved_cut_gives_up_on_the_bulk_only_where_it_loses():
+    """`_plan_split` with the phases' deployments and a time to beat: None only where the split planned in full
+    takes that long or more (so `_refine_cut` keeps what it kept), else the same schedule; below its time the
+    bulk's packing gives up (the case `_refine_cut`'s losing cuts are)."""
+    b = mixed_batch(38)
+    n, order = len(b), np.argsort(b, kind="stable")
+    p = PhasedPlanner(SMALL, CLUSTER.num_gpus, planner("small").pool)
+    for k in (11, 12, 13, 14):
+        split = Split((order[: n - k], order[n - k :]), 0.0)
+        full = p._plan_split(b, split, 0)
+        on = tuple(q.deployment for q in full.phases)
+        assert len(on) == 2 and on[0] != on[1]
+        assert p._plan_split(b, split, 0, on, 0.99 * full.iteration_time_s) is None
+        for share in (1.0001, 1.01):
+            got = p._plan_split(b, split, 0, on, share * full.iteration_time_s)
+            assert got is not None and got.iteration_time_s == full.iteration_time_s
+            assert [q.replicas for q in got.phases] == [q.replicas for q in full.phases]
+
 LARGEST = 74_000  # below tp8pp1's cap on 16 GPUs
 batches = st.lists(
     st.one_of(st.integers(8, 2048), st.integers(2048, 20000), st.integers(20000, LARGEST)), min_size=1, max_size=80

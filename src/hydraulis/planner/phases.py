@@ -40,6 +40,7 @@ from hydraulis.planner.plan import IterationPlan
 from hydraulis.planner.planner import Planner, check_lengths
 from hydraulis.planner.pool import range_estimates
 from hydraulis.planner.schedule import Schedule, mean_switch_time, phase_switch_time, phases_time
+from hydraulis.planner.sim import simulate
 
 MAX_PHASES = 3
 FULL_SPLITS = 2  # splits planned in full after the estimate
@@ -176,8 +177,8 @@ class PhasedPlanner(Planner):
                 parts = (*(order[edges[q] : edges[q + 1]] for q in range(len(sizes) - 2)),
                          order[edges[-3] : n - c], order[n - c :])
                 with contextlib.suppress(HydraulisError):  # a phase no deployment has room for
-                    candidate = self._plan_split(lengths, Split(parts, 0.0), step, on)
-                    if candidate.iteration_time_s < best.iteration_time_s:
+                    candidate = self._plan_split(lengths, Split(parts, 0.0), step, on, best.iteration_time_s)
+                    if candidate is not None and candidate.iteration_time_s < best.iteration_time_s:
                         best, found = candidate, c
             if found is None:
                 move //= 2
@@ -208,27 +209,50 @@ class PhasedPlanner(Planner):
                                   memo=None if self._memo is None else self._memo.setdefault("later", {}))
         return self._later
 
-    def _plan_split(self, lengths: np.ndarray, split: Split, step: int,
-                    on: tuple[Deployment, ...] | None = None) -> Schedule:
+    def _plan_split(self, lengths: np.ndarray, split: Split, step: int, on: tuple[Deployment, ...] | None = None,
+                    beat: float = np.inf) -> Schedule | None:
         """Every phase planned on its own (the planner picks its deployment; with `on`, that phase's deployment
         where it holds the phase), then the whole simulated; a later phase within the caps left beside the earlier
         phases' reduced gradient (`CostModel.later_phase`). Where the planner picks one deployment for consecutive
         phases, they are planned as one phase on it too and the faster kept (`_merged`): a phase apart on the
-        same deployment pays only for memory."""
-        later = self._later_planner()
-        plans = tuple(self._phase_plan(later if k else self, lengths[idx], step, None if on is None else on[k])
-                      for k, idx in enumerate(split.phases))
-        phased = self._phased(lengths, split.phases, plans, step)
-        merged = self._merged(lengths, split.phases, plans, step)
+        same deployment pays only for memory. None where the schedule surely takes `beat` or more: with `on`, the
+        largest phase (thousands of sequences, against a few) is planned last and gives up as soon as a replica
+        of it leaves the others too little (`Planner.plan_within`)."""
+        planners = [self._later_planner() if k else self for k in range(len(split.phases))]
+        bulk = int(np.argmax([len(p) for p in split.phases]))
+        plans: list[IterationPlan | None] = [None] * len(split.phases)
+        for k in sorted(range(len(plans)), key=lambda k: k == bulk):  # the largest last
+            lose = self._bulk_beat(plans, on, beat) if k == bulk and on is not None else np.inf
+            plans[k] = self._phase_plan(planners[k], lengths[split.phases[k]], step, None if on is None else on[k],
+                                        lose)
+            if plans[k] is None:
+                return None
+        done = tuple(p for p in plans if p is not None)
+        phased = self._phased(lengths, split.phases, done, step)
+        merged = self._merged(lengths, split.phases, done, step)
         return merged if merged is not None and merged.iteration_time_s <= phased.iteration_time_s else phased
 
+    def _bulk_beat(self, plans: Sequence[IterationPlan | None], on: tuple[Deployment, ...], beat: float) -> float:
+        """What the one phase not planned yet (None in `plans`) must stay below, its slowest replica, for the
+        schedule on `on` to take less than `beat` (`phases_time`; a margin over float rounding); inf where a
+        planned phase left its deployment (the switch differs) or two in a row share one (`_merged` may win)."""
+        pairs = list(itertools.pairwise(on))
+        if (not np.isfinite(beat) or self.cost.shared_cores is not None or any(a == b for a, b in pairs)
+                or any(p.deployment != d for p, d in zip(plans, on, strict=True) if p is not None)):
+            return np.inf
+        switches = sum(phase_switch_time(self.cost, self.num_gpus, a.configs, b.configs) for a, b in pairs)
+        rest = sum(simulate(p, self.cost, keep_events=False).compute_time_s for p in plans if p is not None)
+        return beat * (1 + 1e-9) - rest - switches - self.cost.step_time(on[-1].configs)
+
     @staticmethod
-    def _phase_plan(planner: Planner, lengths: np.ndarray, step: int, on: Deployment | None) -> IterationPlan:
-        """The phase on `on` where it holds the phase, else on the deployment the planner picks."""
+    def _phase_plan(planner: Planner, lengths: np.ndarray, step: int, on: Deployment | None,
+                    beat: float = np.inf) -> IterationPlan | None:
+        """The phase on `on` where it holds the phase (None where its slowest replica surely takes `beat` or
+        more), else on the deployment the planner picks."""
         if on is not None:
             with contextlib.suppress(HydraulisError):
-                return planner.plan_on(lengths, on, step)
-        return planner.plan(lengths, step)
+                return planner.plan_within(lengths, on, step, beat)
+        return planner.plan(lengths, step, outlook=False)
 
     def _phased(self, lengths: np.ndarray, parts: Sequence[np.ndarray], plans: tuple[IterationPlan, ...],
                 step: int) -> Schedule:

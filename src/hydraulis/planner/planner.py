@@ -62,13 +62,8 @@ class CappedBatch:
 
 
 def apply_overlong(
-    lengths: np.ndarray,
-    cap: int,
-    cap_name: str,
-    policy: str,
-    where: str = "batch",
-    remedies: tuple[str, ...] = ("a pool with larger (CP) replicas", "more GPUs"),
-    cp_profile: str | None = None,
+    lengths: np.ndarray, cap: int, cap_name: str, policy: str, where: str = "batch",
+    remedies: tuple[str, ...] = ("a pool with larger (CP) replicas", "more GPUs"), cp_profile: str | None = None,
 ) -> CappedBatch:
     """Sequences longer than `cap`, the largest cap of the pool (CP replicas included).
 
@@ -160,8 +155,9 @@ class Planner:
         other.outlook = self.outlook
         return other
 
-    def plan(self, lengths: Sequence[int] | np.ndarray, step: int = 0) -> IterationPlan:
-        """The fastest plan (by simulation) over the pool deployments that hold the batch."""
+    def plan(self, lengths: Sequence[int] | np.ndarray, step: int = 0, *, outlook: bool = True) -> IterationPlan:
+        """The fastest plan (by simulation) over the pool deployments that hold the batch. `outlook` False (a
+        phase's plan, whose view of the pool no step keeps): a deployment is packed only until it surely loses."""
         start = time.perf_counter()
         lengths = check_lengths(lengths)
         longest = int(lengths.max())
@@ -191,13 +187,14 @@ class Planner:
             if bound > best_s * (1 + 1e-9):  # no plan on it can beat the best simulated so far: not packed, and
                 simulated[k] = bound  # the outlook counts it at least this slow (like against like, not its estimate)
                 continue
-            cand, predicted = self._packed(lengths, k, d)
-            simulated[k] = predicted
-            if predicted < best_s:
-                best, best_s = cand, predicted
+            lose = np.inf if outlook or best is None else (best_s - self.cost.step_time(self.pool[k].configs))
+            found = self._packed(lengths, k, d, lose * (1 + 1e-9))  # None: surely slower (a margin over rounding)
+            simulated.update({} if found is None else {k: found[1]})
+            best, best_s = found if found is not None and found[1] < best_s else (best, best_s)
         assert best is not None
-        self._last_outlook = _relative(self.pool.index(best.deployment), len(self.pool), simulated,
-                                       {k: d.makespan_s for d, k in screened})
+        if outlook:
+            self._last_outlook = _relative(self.pool.index(best.deployment), len(self.pool), simulated,
+                                           {k: d.makespan_s for d, k in screened})
         if self.method == "milp":
             best = self._exact(lengths, best)
         return self._finish(step, lengths, best, start)
@@ -224,6 +221,13 @@ class Planner:
 
     def plan_on(self, lengths: Sequence[int] | np.ndarray, deployment: Deployment, step: int = 0) -> IterationPlan:
         """Plan a batch on one given deployment (for proposal and tests)."""
+        plan = self.plan_within(lengths, deployment, step)
+        assert plan is not None  # with no beat every candidate is kept
+        return plan
+
+    def plan_within(self, lengths: Sequence[int] | np.ndarray, deployment: Deployment, step: int = 0,
+                    beat: float = np.inf) -> IterationPlan | None:
+        """`plan_on`, or None where its slowest replica surely takes `beat` or more (`_pack_and_refine`)."""
         start = time.perf_counter()
         lengths = check_lengths(lengths)
         table = self._table(deployment, lengths)
@@ -233,9 +237,11 @@ class Planner:
             # a pool deployment's candidate is `_packed`'s (the same greedy, search and packing): once per memo
             # (the phased planner merges phases into a part its screen already packed)
             k = self.pool.index(deployment)
-            cand = self._packed(lengths, k, self._greedy(lengths, k))[0]
+            cand = (self._packed(lengths, k, self._greedy(lengths, k), beat) or (None,))[0]
         else:
-            cand = self._pack_and_refine(lengths, table, dispatch(lengths, table), deployment)
+            cand = self._pack_and_refine(lengths, table, dispatch(lengths, table), deployment, beat)
+        if cand is None:
+            return None
         if self.method == "milp":
             cand = self._exact(lengths, cand)
         return self._finish(step, lengths, cand, start)
@@ -270,14 +276,19 @@ class Planner:
             raise found
         return found
 
-    def _packed(self, lengths: np.ndarray, k: int, d: Dispatch) -> tuple[Candidate, float]:
+    def _packed(self, lengths: np.ndarray, k: int, d: Dispatch, beat: float = np.inf) -> tuple[Candidate, float] | None:
         """Deployment k's searched, packed candidate from its greedy dispatch `d`, and its simulated iteration:
         the whole iteration decides, as the simulator runs it (replicas sharing CPU cores slow each other,
-        and deployments differ in their optimizer step)."""
+        and deployments differ in their optimizer step). None, not kept, where its slowest replica surely takes
+        `beat` or more (`_pack_and_refine`); the memo keeps that `beat`."""
         key = ("packed", self.pool[k], lengths.tobytes())
-        if self._memo is not None and key in self._memo:
-            return self._memo[key]
-        cand = self._pack_and_refine(lengths, k, improve(lengths, self._tables_for(lengths)[k], d))
+        kept = self._memo.get(key) if self._memo is not None else None
+        if isinstance(kept, tuple) or (kept is not None and beat <= kept):  # given up at `kept`: as slow as that
+            return kept if isinstance(kept, tuple) else None
+        cand = self._pack_and_refine(lengths, k, improve(lengths, self._tables_for(lengths)[k], d), beat=beat)
+        if cand is None:  # the memo keeps the beat it gave up at: at or below it, a later call gives up at once
+            (self._memo if self._memo is not None else {})[key] = beat
+            return None
         if self.cost.shared_cores is None:  # each replica's time is its packing's simulation: the slowest, the step
             found = cand, cand.compute_s + self.cost.step_time(cand.deployment.configs)
         else:
@@ -332,21 +343,25 @@ class Planner:
             out[r] = packed[key] = found
         return out
 
-    def _pack_and_refine(
-        self, lengths: np.ndarray, which: int | ReplicaTable, d: Dispatch, deployment: Deployment | None = None
-    ) -> Candidate:
+    def _pack_and_refine(self, lengths: np.ndarray, which: int | ReplicaTable, d: Dispatch,
+                         deployment: Deployment | None = None, beat: float = np.inf) -> Candidate | None:
+        """The packed candidate; None where its slowest replica surely takes `beat` or more: a packing no round or
+        MILP follows (either may make the slowest faster) gives up at the first such replica, the likeliest first
+        (on shared CPU cores a replica's own time is no floor of the iteration: no beat)."""
         table = self._tables_for(lengths)[which] if isinstance(which, int) else which
         deployment = self.pool[which] if isinstance(which, int) else deployment
         assert deployment is not None
         packed: dict[tuple, Packing] = {}
-        packs = self._pack(lengths, table, d, packed)
-        assert packs is not None
+        # Light sequences in bulk: the estimate is within a fraction of a percent, feedback adds nothing (pp 1: exact).
+        rounds = self.refine_rounds if len(lengths) < BULK_MIN_SEQUENCES and (table.pp > 1).any() else 0
+        beat = beat if self.method == "heuristic" and self.cost.shared_cores is None else np.inf
+        packs = self._pack(lengths, table, d, packed, beat=beat if rounds == 0 else np.inf,
+                           first=np.argsort(-d.estimate_s, kind="stable"))
+        if packs is None:
+            return None
         times = np.array([p.time_s for p in packs])
         bias = np.zeros(len(table))
-        pipelined = bool((table.pp > 1).any())  # with pp = 1 the estimate is exact
-        # Light sequences in bulk: the estimate is within a fraction of a percent, feedback adds nothing.
-        rounds = self.refine_rounds if len(lengths) < BULK_MIN_SEQUENCES else 0
-        for _ in range(rounds if pipelined else 0):
+        for r in range(rounds):
             # What packing and 1F1B add to (or save on) each replica's estimate.
             bias = bias + (times - d.estimate_s)
             try:
@@ -355,9 +370,13 @@ class Planner:
                 break
             # The round counts only if every replica comes out faster than the slowest before: the likeliest
             # to miss (by its estimate, bias included) packed first, and none more once one misses.
-            packs2 = self._pack(lengths, table, d2, packed, beat=float(times.max()) - 1e-12,
+            # The last round gives up at `beat` too where the packing before took that long: neither comes below.
+            last = beat if r == rounds - 1 and times.max() >= beat else np.inf
+            packs2 = self._pack(lengths, table, d2, packed, beat=min(float(times.max()) - 1e-12, last),
                                 first=np.argsort(-d2.estimate_s, kind="stable"))
             if packs2 is None:
+                if last < np.inf:
+                    return None
                 break
             d, packs, times = d2, packs2, np.array([p.time_s for p in packs2])
         return Candidate(deployment, tuple(p.micro_batches for p in packs), times)
@@ -411,13 +430,8 @@ def assemble(
 
 
 def finalize(
-    step: int,
-    lengths: np.ndarray,
-    deployment: Deployment,
-    micro_batches: Sequence[Sequence[Sequence[int]]],
-    cost: CostModel,
-    started: float,
-    table: ReplicaTable | None = None,
+    step: int, lengths: np.ndarray, deployment: Deployment, micro_batches: Sequence[Sequence[Sequence[int]]],
+    cost: CostModel, started: float, table: ReplicaTable | None = None,
 ) -> IterationPlan:
     """A validated IterationPlan whose predicted time is the simulator's, and whose planning time ends now.
 
