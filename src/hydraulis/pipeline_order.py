@@ -10,6 +10,7 @@ the runtime's interleaved lockstep ticks it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,7 @@ import numpy as np
 # What a pipeline stage runs for a micro-batch: the simulator's timelines and the runtime's 1F1B name their events
 # with these.
 FORWARD, BACKWARD = 0, 1
+WEIGHT = 2  # a backward's weight gradients, deferred (zero-bubble)
 
 Event = tuple[int, int, int]  # (FORWARD or BACKWARD, micro-batch, chunk)
 
@@ -52,6 +54,27 @@ def stage_order(pp: int, vp: int, micro_batches: int, stage: int) -> tuple[Event
     for k in range(total - warmup):
         order += [forwards[warmup + k], backwards[k]]
     return tuple(order + backwards[total - warmup:])
+
+
+def deferred_order(order: Sequence[Event], slots: Sequence[int]) -> list[Event]:
+    """A stage's `order` with its backwards' weight gradients split off as (WEIGHT, micro-batch, chunk) events: the
+    i-th backward's W right after the event at `slots[i]` (nondecreasing, each at or after its backward; FIFO: the
+    W's run in their backwards' order). Empty `slots`: the fused backward, `order` itself."""
+    if not slots:
+        return list(order)
+    backwards = [(j, c) for kind, j, c in order if kind == BACKWARD]
+    if len(slots) != len(backwards):
+        raise ValueError(f"{len(slots)} slots for {len(backwards)} backwards")
+    out: list[Event] = []
+    i = 0
+    for place, event in enumerate(order):
+        out.append(event)
+        while i < len(slots) and slots[i] == place:
+            out.append((WEIGHT, *backwards[i]))
+            i += 1
+    if i < len(slots):
+        raise ValueError(f"slot {slots[i]} is outside the stage's {len(order)} events")
+    return out
 
 
 def one_f_one_b_order(pp: int, v: int, stage: int) -> list[tuple[int, int]]:

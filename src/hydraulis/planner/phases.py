@@ -204,7 +204,7 @@ class PhasedPlanner(Planner):
         if self._later is None:
             self._later = Planner(self.cost.later_phase(), self.num_gpus, self.pool, method=self.method,
                                   milp_time_limit_s=self.milp_time_limit_s, full_candidates=self.full_candidates,
-                                  refine_rounds=self.refine_rounds,
+                                  refine_rounds=self.refine_rounds, zero_bubble=self.zero_bubble,
                                   memo=None if self._memo is None else self._memo.setdefault("later", {}))
         return self._later
 
