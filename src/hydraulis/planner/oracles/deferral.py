@@ -106,13 +106,14 @@ def _chunks(values: Sequence[float] | np.ndarray, vp: int) -> list[float]:
 def defer_slots(
     forward_s: Sequence[float], input_grad_s: Sequence[float], weight_grad_s: Sequence[float], pp: int, *,
     vp: int = 1, p2p_s: Sequence[float] | float = 0.0, held: Sequence[float] | None = None,
-    weight_held: Sequence[float] | None = None, cap: Sequence[float] | None = None,
+    weight_held: Sequence[float] | None = None, cap: Sequence[float] | None = None, fused_s: float | None = None,
 ) -> tuple[Slots, float]:
     """Each stage's slots by the greedy rule (module docstring) and the time of that order; where that is not
     faster than the fused backward, none (each stage ()) and the fused order's time. The arguments are
     `zero_bubble.zero_bubble_replica`'s: per micro-batch its forward, B and W seconds on one stage (all vp chunks),
     its p2p time, one chunk's activations and its deferred W's bytes; per stage the memory cap (at least what the
-    plan's own order holds, `zero_bubble.order_peak`). Bytes are counted after each event and the W's after it."""
+    plan's own order holds, `zero_bubble.order_peak`). Bytes are counted after each event and the W's after it.
+    `fused_s`: the fused order's time where the caller has it (`sim.simulate_replica`'s, often kept)."""
     m = len(forward_s)
     if m == 0 or pp == 1:
         return tuple(() for _ in range(pp)), float(np.sum(forward_s) + np.sum(input_grad_s) + np.sum(weight_grad_s))
@@ -155,7 +156,8 @@ def defer_slots(
     for s in range(pp):
         for _, work, _ in pending[s]:  # one at a time, as `time_deferred` adds them
             clock[s] += work
-    fused = time_deferred(forward_s, input_grad_s, weight_grad_s, pp, (), vp=vp, p2p_s=p2p_s)[0]
+    fused = time_deferred(forward_s, input_grad_s, weight_grad_s, pp, (), vp=vp, p2p_s=p2p_s)[0] if fused_s is None \
+        else fused_s
     return (tuple(tuple(x) for x in slots), max(clock)) if max(clock) < fused else (tuple(() for _ in range(pp)), fused)
 
 

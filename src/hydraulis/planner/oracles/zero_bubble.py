@@ -200,12 +200,13 @@ def defer_replica(plan: IterationPlan, replica: int, cost: CostModel) -> tuple[t
     simulation runs the fused order)."""
     config = plan.deployment.replicas[replica].config
     times, comm = replica_stage_times(plan, replica, cost)
+    plain = simulate_replica(times, config.pp, comm, keep_events=False, vp=config.vp).time_s  # often kept
     if config.pp == 1 or not times or cost.shared_cores is not None:
-        return (), simulate_replica(times, config.pp, comm, keep_events=False, vp=config.vp).time_s
+        return (), plain
     forward, input_grad, weight = _split(plan, replica, cost, times)
     held, weight_held, cap = replica_memory(plan, replica, cost)
     slots, time_s = defer_slots(forward, input_grad, weight, config.pp, vp=config.vp, p2p_s=comm, held=held,
-                                weight_held=weight_held, cap=cap)
+                                weight_held=weight_held, cap=cap, fused_s=plain)
     return (slots if any(slots) else ()), time_s
 
 
