@@ -134,6 +134,10 @@ def test_the_planner_defers_where_faster_the_plan_carries_it_and_its_memory_hold
     assert (rows[:, 2] == WEIGHT).sum() == 4 * 5 * len(planned.replicas[0].micro_batches)
     back = IterationPlan.from_dict(planned.to_dict(), ClusterSpec(64), "plan")
     assert back.replicas == planned.replicas
+    bad = planned.to_dict()
+    bad["replicas"][0]["deferral"][1][0] = 0  # stage 1's first W before its backward
+    with pytest.raises(HydraulisError, match=r"plan: replica 0 \(tp4pp4cp4vp5\) deferral: stage 1 slot 0"):
+        IterationPlan.from_dict(bad, ClusterSpec(64), "plan")
     wire = decode_plan(encode_plan(planned, 0), 0, planned.lengths, [deployment])
     assert wire.replicas == planned.replicas and wire.predicted_time_s == planned.predicted_time_s
     held, weight_held, cap = replica_memory(planned, 0, seventy)

@@ -170,6 +170,8 @@ def time_deferred(
     `keep_events`, the event rows (stage, micro-batch, kind: FORWARD, BACKWARD or WEIGHT, start, end) in the order
     they were timed, and each row's chunk."""
     m = len(forward_s)
+    if m == 0:
+        return 0.0, np.zeros((0, 5)) if keep_events else None, np.zeros(0, dtype=np.int64) if keep_events else None
     ev = _events(pp, vp, m)
     f, b, w = _chunks(forward_s, vp), _chunks(input_grad_s, vp), _chunks(weight_grad_s, vp)
     comm = np.broadcast_to(np.asarray(p2p_s, dtype=np.float64), (m,)).tolist()
@@ -204,6 +206,8 @@ def slot_errors(slots: Slots, pp: int, vp: int, m: int) -> str | None:
     nondecreasing, each at or after its own backward and inside the stage's order."""
     if len(slots) not in (0, pp):
         return f"{len(slots)} stages of deferral for pp {pp}"
+    if m == 0 and any(slots):
+        return "slots for a replica without micro-batches"
     kind = stage_tables(pp, vp, m)[0] if slots and m else None
     for s, own in enumerate(slots):
         if not own:
