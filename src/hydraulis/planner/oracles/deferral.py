@@ -47,6 +47,8 @@ class _Events:
     backward: list[int]
     backwards: tuple[tuple[tuple[int, int], ...], ...]
     fused: tuple[tuple[int, ...], ...]  # per stage its backwards' places: the fused backward's slots
+    table_kind: np.ndarray  # [pp, 2 M vp]: `pipeline_order.stage_tables`' kinds and micro-batches
+    table_micro_batch: np.ndarray
     length: int  # events per stage, 2 M vp
 
 
@@ -65,21 +67,19 @@ def _events(pp: int, vp: int, m: int) -> _Events:
     return _Events(stage=g.stage.tolist(), forward=(g.kind == FORWARD).tolist(), micro_batch=g.micro_batch.tolist(),
                    chunk=g.chunk.tolist(), dep=g.dep.tolist(), transfer=transfer.tolist(), place=place.tolist(),
                    backward=backward.tolist(), backwards=backwards, length=length,
-                   fused=tuple(tuple(np.flatnonzero(kind[s] == BACKWARD).tolist()) for s in range(pp)))
+                   fused=tuple(tuple(np.flatnonzero(kind[s] == BACKWARD).tolist()) for s in range(pp)),
+                   table_kind=kind, table_micro_batch=mb)
 
 
 def order_peak(pp: int, vp: int, held: Sequence[float]) -> list[float]:
     """Each stage's most bytes held under the plan's own order, each W right after its B (a fused backward frees
     its chunk's activations layer by layer, a transient the memory model counts apart): its chunks in flight, each
     micro-batch's `held` bytes from its forward to its backward."""
-    peaks = []
-    for s in range(pp):
-        now = peak = 0.0
-        for kind, j, _ in stage_order(pp, vp, len(held), s):
-            now += held[j] if kind == FORWARD else -held[j]
-            peak = max(peak, now)
-        peaks.append(peak)
-    return peaks
+    if len(held) == 0:
+        return [0.0] * pp
+    ev = _events(pp, vp, len(held))
+    h = np.asarray(held, dtype=np.float64)[ev.table_micro_batch]
+    return np.max(np.cumsum(np.where(ev.table_kind == FORWARD, h, -h), axis=1), axis=1, initial=0.0).tolist()
 
 
 def deferred_peak(pp: int, vp: int, held: Sequence[float], weight_held: Sequence[float], slots: Slots) -> list[float]:
