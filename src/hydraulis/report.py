@@ -168,18 +168,21 @@ def timeline_plot(runs: Sequence[tuple[str, IterationPlan, SimResult]], path: st
         )
     axes[-1, 0].set_xlabel("seconds")
     shown = colours[: min(len(colours), max(len(plan.deployment.replicas) for _, plan, _ in runs))]
+    deferred = any(r.deferral for _, plan, _ in runs for r in plan.replicas)  # W blocks drawn: their swatch too
+    handles = [tuple(Patch(color=c, alpha=forward_alpha) for c in shown), tuple(Patch(color=c) for c in shown),
+               *([tuple(Patch(facecolor=c, edgecolor="white", alpha=weight_alpha, hatch="////") for c in shown)]
+                 if deferred else []), Patch(color="grey", alpha=0.3)]
+    labels = ["forward (each replica's colour, light)", "backward (dark)",
+              *(["deferred weight gradients (hatched)"] if deferred else []), "gradient sync"]
     axes[0, 0].legend(
-        handles=[tuple(Patch(color=c, alpha=forward_alpha) for c in shown), tuple(Patch(color=c) for c in shown),
-                 tuple(Patch(facecolor=c, edgecolor="white", alpha=weight_alpha, hatch="////") for c in shown),
-                 Patch(color="grey", alpha=0.3)],
-        labels=["forward (each replica's colour, light)", "backward (dark)", "deferred weight gradients (hatched)",
-                "gradient sync"],
+        handles=handles,
+        labels=labels,
         handler_map={tuple: HandlerTuple(ndivide=None, pad=0)},
         handlelength=max(2.0, 0.8 * len(shown)),
         fontsize=7,
         loc="lower right",
         bbox_to_anchor=(1.0, 1.0),
-        ncols=2,
+        ncols=2 if deferred else 3,
         frameon=False,
     )
     fig.tight_layout()
