@@ -58,11 +58,15 @@ def per_event(forward, input_grad, weight, pp, vp, comm, slots) -> float:
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.floats(1e-3, 20.0), st.floats(0.1, 4.0), st.floats(0.1, 4.0)), min_size=1, max_size=12),
-       st.integers(1, 5), st.integers(1, 3), st.floats(0.0, 0.3), st.floats(0.0, 0.5), st.floats(1.0, 2.0))
-def test_slots_are_valid_timed_exactly_never_slower_and_within_the_cap(micro_batches, pp, vp, comm, share, room):
-    """Unequal micro-batches, bytes and caps: each stage's slots valid (one per backward, nondecreasing, each at or
-    after its B), the greedy's time the timed order's and the independent per-event simulation's, never above the
-    fused order's (the simulator's 1F1B), and each stage's bytes, after every event and its W's, within its cap."""
+       st.integers(1, 5), st.integers(1, 3), st.floats(0.0, 0.3), st.floats(0.0, 0.5), st.floats(1.0, 2.0),
+       st.sampled_from([0.0, 0.5, 1.0]))
+def test_slots_are_valid_timed_exactly_never_slower_and_within_the_cap(
+    micro_batches, pp, vp, comm, share, room, spill
+):
+    """Unequal micro-batches, bytes, caps and overrun shares: each stage's slots valid (one per backward,
+    nondecreasing, each at or after its B), the greedy's time the timed order's and the independent per-event
+    simulation's, never above the fused order's (the simulator's 1F1B), and each stage's bytes, after every event
+    and its W's, within its cap."""
     vp = vp if pp > 1 else 1
     times = [t for t, _, _ in micro_batches]
     held = [h for _, h, _ in micro_batches]
@@ -72,7 +76,7 @@ def test_slots_are_valid_timed_exactly_never_slower_and_within_the_cap(micro_bat
     input_grad = [t * 2 / 3 - w for t, w in zip(times, weight, strict=True)]
     cap = [p * room for p in order_peak(pp, vp, held)]
     slots, time_s = defer_slots(forward, input_grad, weight, pp, vp=vp, p2p_s=comm, held=held,
-                                weight_held=weight_held, cap=cap)
+                                weight_held=weight_held, cap=cap, spill=spill)
     m = len(times)
     assert slot_errors(slots, pp, vp, m) is None
     for s, own in enumerate(slots):

@@ -7,7 +7,8 @@ W is the i-th B's): the place in the stage's order of the F or B after which tha
 or after its own B (`pipeline_order.deferred_order` expands them; all at their B: the fused backward). `defer_slots`
 chooses them by the oracle's greedy rule (`zero_bubble.py`) made discrete: going through the events in a
 topological order, each stage runs its oldest pending W's whole in the gap before its next event's input
-arrives, as many as end by then (one that does not fit waits, and all after it); before a forward that would lift
+arrives, as many as end by then (one that does not fit waits, and all after it, or with `spill` overruns the gap
+by at most that share of itself); before a forward that would lift
 the stage above its memory cap, and after a backward that does, the oldest run at once; what is left runs at the
 stage's end. `time_deferred` times any slots exactly (B's output is sent at B's end), the simulator's time of a
 plan that carries them (`sim.simulate`). Numpy-free loops over the events, as `sim.run_events`: O(events).
@@ -107,13 +108,15 @@ def defer_slots(
     forward_s: Sequence[float], input_grad_s: Sequence[float], weight_grad_s: Sequence[float], pp: int, *,
     vp: int = 1, p2p_s: Sequence[float] | float = 0.0, held: Sequence[float] | None = None,
     weight_held: Sequence[float] | None = None, cap: Sequence[float] | None = None, fused_s: float | None = None,
+    spill: float = 0.0,
 ) -> tuple[Slots, float]:
     """Each stage's slots by the greedy rule (module docstring) and the time of that order; where that is not
     faster than the fused backward, none (each stage ()) and the fused order's time. The arguments are
     `zero_bubble.zero_bubble_replica`'s: per micro-batch its forward, B and W seconds on one stage (all vp chunks),
     its p2p time, one chunk's activations and its deferred W's bytes; per stage the memory cap (at least what the
     plan's own order holds, `zero_bubble.order_peak`). Bytes are counted after each event and the W's after it.
-    `fused_s`: the fused order's time where the caller has it (`sim.simulate_replica`'s, often kept)."""
+    `fused_s`: the fused order's time where the caller has it (`sim.simulate_replica`'s, often kept). `spill`: a W
+    runs in a gap it overruns by at most this share of its own length too (delaying the next event)."""
     m = len(forward_s)
     if m == 0 or pp == 1:
         return tuple(() for _ in range(pp)), float(np.sum(forward_s) + np.sum(input_grad_s) + np.sum(weight_grad_s))
@@ -125,7 +128,7 @@ def defer_slots(
     own = order_peak(pp, vp, hf)
     caps = [o * (1 + _EPS) for o in own] if cap is None else [max(c, o) * (1 + _EPS) for c, o in zip(cap, own,
                                                                                                       strict=True)]
-    clock, now = [0.0] * pp, [0.0] * pp
+    clock, now, keep = [0.0] * pp, [0.0] * pp, 1.0 - spill
     pending: list[deque] = [deque() for _ in range(pp)]
     slots = [[ev.length - 1] * (m * vp) for _ in range(pp)]
     end = [0.0] * len(ev.stage)
@@ -139,7 +142,7 @@ def defer_slots(
                 while q and now[s] + hf[j] > caps[s]:
                     i, work, byte = q.popleft()
                     slots[s][i], c, now[s] = at, c + work, now[s] - byte
-            while q and c + q[0][1] <= ready:  # the gap: whole W's, oldest first, that end by the input
+            while q and c + q[0][1] * keep <= ready:  # the gap: whole W's, oldest first, that end by the input
                 i, work, byte = q.popleft()
                 slots[s][i], c, now[s] = at, c + work, now[s] - byte
         c = (c if c > ready else ready) + (f[j] if fwd else b[j])

@@ -192,6 +192,10 @@ def replica_oracle(plan: IterationPlan, replica: int, cost: CostModel, capped: b
 
 
 # -- the schedule the planner plans: whole W's in the gaps (deferral.py), where it is faster ------------------
+# The greedy's overrun shares tried per replica, the faster kept: a W that does not fit its gap waits, or overruns
+# it by up to half of itself (on 70B replicas of 40-100 micro-batches, half gained up to 0.7% over waiting alone on
+# some, lost up to 0.02% on others; docs/results.md, h-zbplan).
+SPILLS = (0.0, 0.5)
 
 
 def defer_replica(plan: IterationPlan, replica: int, cost: CostModel) -> tuple[tuple[tuple[int, ...], ...], float]:
@@ -205,8 +209,9 @@ def defer_replica(plan: IterationPlan, replica: int, cost: CostModel) -> tuple[t
         return (), plain
     forward, input_grad, weight = _split(plan, replica, cost, times)
     held, weight_held, cap = replica_memory(plan, replica, cost)
-    slots, time_s = defer_slots(forward, input_grad, weight, config.pp, vp=config.vp, p2p_s=comm, held=held,
-                                weight_held=weight_held, cap=cap, fused_s=plain)
+    slots, time_s = min((defer_slots(forward, input_grad, weight, config.pp, vp=config.vp, p2p_s=comm, held=held,
+                                     weight_held=weight_held, cap=cap, fused_s=plain, spill=spill)
+                         for spill in SPILLS), key=lambda found: found[1])
     return (slots if any(slots) else ()), time_s
 
 
