@@ -271,13 +271,16 @@ def scenario_bounds(
     return out
 
 
-def run_scenario(scenario: Scenario, policies: Iterable[str], interleave: bool = True) -> list[PolicyResult]:
-    """`interleave` off: every policy runs plain 1F1B, the bench as it was before interleaving."""
+def run_scenario(
+    scenario: Scenario, policies: Iterable[str], interleave: bool = True, zero_bubble: bool = True
+) -> list[PolicyResult]:
+    """`interleave` off: every policy runs plain 1F1B, the bench as it was before interleaving; `zero_bubble` off:
+    hydraulis runs fused backwards, as before it deferred weight gradients."""
     cost = load_cost_model(scenario.profile)
     cluster = ClusterSpec(scenario.num_gpus)
     batches = scenario.sample(scenario.seed)
     ctx = PolicyContext.build(cost, cluster, batches, sample=scenario.sample(scenario.seed + 1000, 4))
-    ctx = dataclasses.replace(ctx, interleave=interleave)
+    ctx = dataclasses.replace(ctx, interleave=interleave, zero_bubble=zero_bubble)
     return run_policies(scenario.name, ctx, batches, policies, memory_policies=True)
 
 
@@ -337,6 +340,7 @@ def summarize(results: list[PolicyResult], scenarios: list[Scenario]) -> dict:
 def run_bench(
     scenarios: list[Scenario], policies: list[str], on_scenario: Callable[[Scenario], None] | None = None,
     interleave: bool = True,
+    zero_bubble: bool = True,
 ) -> dict:
     for p in policies:
         if p not in POLICIES:
@@ -346,7 +350,7 @@ def run_bench(
     start = time.perf_counter()
     results: list[PolicyResult] = []
     for s in scenarios:
-        results += run_scenario(s, policies, interleave)
+        results += run_scenario(s, policies, interleave, zero_bubble)
         if on_scenario:
             on_scenario(s)
     return {

@@ -8,6 +8,9 @@ exactly (squares go through float64, see cost.model.sequence_costs).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+
+import numpy as np
 
 from hydraulis.errors import HydraulisError
 
@@ -84,3 +87,20 @@ def parse_size(value: str | int, name: str) -> int:
     if not 1 <= size <= MAX_MEMORY_BYTES:
         raise HydraulisError(f"{name}: {short_repr(value)} must be between 1 byte and 1 PiB")
     return size
+
+
+def check_lengths(lengths: Sequence[int] | np.ndarray, where: str = "batch") -> np.ndarray:
+    """A non-empty array of positive integer lengths, or a clear error."""
+    arr = np.asarray(lengths)
+    if arr.ndim != 1 or len(arr) == 0:
+        raise HydraulisError(f"{where}: empty batch; a global batch needs at least one sequence")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise HydraulisError(f"{where}: sequence lengths must be integers")
+    if (arr < 1).any():
+        bad = int(arr[arr < 1][0])
+        raise HydraulisError(f"{where}: sequence length must be positive, got {bad}")
+    if (arr > MAX_LENGTH).any():
+        raise HydraulisError(f"{where}: a sequence of {int(arr.max())} tokens; lengths must be below 2^31")
+    if len(arr) > MAX_SEQUENCES:
+        raise HydraulisError(f"{where}: {len(arr):,} sequences, more than the {MAX_SEQUENCES:,} a batch may hold")
+    return arr.astype(np.int64)

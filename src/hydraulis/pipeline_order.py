@@ -56,22 +56,30 @@ def stage_order(pp: int, vp: int, micro_batches: int, stage: int) -> tuple[Event
     return tuple(order + backwards[total - warmup:])
 
 
+def slots_error(order: Sequence[Event], slots: Sequence[int]) -> str | None:
+    """What is wrong with a stage's weight slots (None: valid): one per backward of `order`, nondecreasing, each
+    from its own backward's index to the order's last event."""
+    at = [i for i, e in enumerate(order) if e[0] == BACKWARD]
+    if len(slots) != len(at):
+        return f"{len(slots)} weight slots for {len(at)} backwards; give one per backward"
+    for k, (place, slot) in enumerate(zip(at, slots, strict=True)):
+        if not place <= slot < len(order) or (k and slot < slots[k - 1]):
+            return (f"weight slot {k} ({slot}) is before its backward ({place}), outside the stage's {len(order)} "
+                    "events or before the slot ahead of it")
+    return None
+
+
 def with_weights(order: Sequence[Event], slots: Sequence[int]) -> tuple[Event, ...]:
     """A stage's order with its deferred weight gradients: (WEIGHT, micro-batch, chunk) of the i-th backward
     right after event `slots[i]` (the runtime's W's, runtime/modeling/weight_grad.py), those of one slot oldest
-    first. `slots` has one index per backward, nondecreasing and none before its own backward's; empty: none
-    deferred (the order itself)."""
+    first. `slots` as `slots_error` checks; empty: none deferred (the order itself)."""
     if not slots:
         return tuple(order)
-    backwards = [(i, e) for i, e in enumerate(order) if e[0] == BACKWARD]
-    if len(slots) != len(backwards):
-        raise ValueError(f"{len(slots)} weight slots for {len(backwards)} backwards; give one per backward")
-    for k, ((at, _), slot) in enumerate(zip(backwards, slots, strict=True)):
-        if not at <= slot < len(order) or (k and slot < slots[k - 1]):
-            raise ValueError(f"weight slot {slot} of backward {k} (event {at}) is out of order: slots must be "
-                             f"nondecreasing, each from its own backward's index to {len(order) - 1}")
+    if (error := slots_error(order, slots)) is not None:
+        raise ValueError(error)
+    backwards = [e for e in order if e[0] == BACKWARD]
     out, after = [], {}
-    for slot, (_, (_, j, c)) in zip(slots, backwards, strict=True):
+    for slot, (_, j, c) in zip(slots, backwards, strict=True):
         after.setdefault(slot, []).append((WEIGHT, j, c))
     for i, event in enumerate(order):
         out += [event, *after.get(i, ())]

@@ -125,8 +125,9 @@ def timeline_plot(runs: Sequence[tuple[str, IterationPlan, SimResult]], path: st
     """1F1B timelines of iterations, one panel each on a shared time axis: where the GPUs wait.
 
     Rows are pipeline stages of each replica (labelled by config, in the replica's colour); each replica's
-    blocks are in its own colour, forward light and backward dark, micro-batches parted by a thin white
-    edge; the gradient synchronisation closes each panel. The legend's swatches are those colours.
+    blocks are in its own colour, forward light and backward dark (where the plan defers its weight gradients,
+    `ReplicaPlan.deferral`, the backward is B and each W a hatched block of its own), micro-batches parted by a
+    thin white edge; the gradient synchronisation closes each panel. The legend's swatches are those colours.
     """
     plt = pyplot()
     from matplotlib.legend_handler import HandlerTuple
@@ -142,13 +143,14 @@ def timeline_plot(runs: Sequence[tuple[str, IterationPlan, SimResult]], path: st
         squeeze=False,
     )
     colours = plt.get_cmap("tab10").colors
-    forward_alpha = 0.45
+    forward_alpha, weight_alpha = 0.45, 0.75
+    shades = (forward_alpha, 1.0, weight_alpha)  # forward, backward (B where W is deferred), deferred W
     for ax, (label, plan, res), rows in zip(axes[:, 0], runs, heights, strict=True):
         y, ticks, names = 0, [], []
         for r, (replica, timeline) in enumerate(zip(plan.deployment.replicas, res.timelines, strict=True)):
             for stage, _mb, kind, start, end in timeline.events if timeline.events is not None else ():
                 ax.barh(y + stage, end - start, left=start, height=0.85, color=colours[r % len(colours)],
-                        alpha=forward_alpha if kind == 0 else 1.0, edgecolor="white", linewidth=0.6)
+                        alpha=shades[int(kind)], edgecolor="white", linewidth=0.6, hatch="////" if kind == 2 else None)
             ticks.append(y + (replica.config.pp - 1) / 2)
             names.append(f"{r}: {replica.config.name}")
             y += replica.config.pp
@@ -166,16 +168,21 @@ def timeline_plot(runs: Sequence[tuple[str, IterationPlan, SimResult]], path: st
         )
     axes[-1, 0].set_xlabel("seconds")
     shown = colours[: min(len(colours), max(len(plan.deployment.replicas) for _, plan, _ in runs))]
+    deferred = any(r.deferral for _, plan, _ in runs for r in plan.replicas)  # W blocks drawn: their swatch too
+    handles = [tuple(Patch(color=c, alpha=forward_alpha) for c in shown), tuple(Patch(color=c) for c in shown),
+               *([tuple(Patch(facecolor=c, edgecolor="white", alpha=weight_alpha, hatch="////") for c in shown)]
+                 if deferred else []), Patch(color="grey", alpha=0.3)]
+    labels = ["forward (each replica's colour, light)", "backward (dark)",
+              *(["deferred weight gradients (hatched)"] if deferred else []), "gradient sync"]
     axes[0, 0].legend(
-        handles=[tuple(Patch(color=c, alpha=forward_alpha) for c in shown), tuple(Patch(color=c) for c in shown),
-                 Patch(color="grey", alpha=0.3)],
-        labels=["forward (each replica's colour, light)", "backward (dark)", "gradient sync"],
+        handles=handles,
+        labels=labels,
         handler_map={tuple: HandlerTuple(ndivide=None, pad=0)},
         handlelength=max(2.0, 0.8 * len(shown)),
         fontsize=7,
         loc="lower right",
         bbox_to_anchor=(1.0, 1.0),
-        ncols=3,
+        ncols=2 if deferred else 3,
         frameon=False,
     )
     fig.tight_layout()

@@ -146,20 +146,23 @@ def test_plan_writes_phases_and_simulate_reads_them(cli, tmp_path):
 
 def test_an_interleaved_pool_plans_simulates_and_draws_its_vp(cli, tmp_path):
     """A pool with vp: plan, simulate and the timeline name it, and the simulation runs its chunks (faster than
-    the same pool's plain 1F1B); `--interleave` lets the proposal weigh it."""
+    the same pool's plain 1F1B); with `--zero-bubble` the plan file defers weight gradients (`deferral`), which
+    `simulate` times (faster again) and draws; `--interleave` lets the proposal weigh it."""
     w = write(tmp_path / "w.json", [[3000, 1200, 5000, 800, 2500, 4000] * 6])
     times = {}
-    for pool in ("2x(tp1,pp8)", "2x(tp1,pp8,vp4)"):
-        out = tmp_path / f"{pool}.json"
-        res = cli("plan", "-n", "16", "-w", str(w), "--pool", pool, "-o", str(out))
+    for pool, extra in (("2x(tp1,pp8)", ()), ("2x(tp1,pp8,vp4)", ()), ("2x(tp1,pp8,vp4)", ("--zero-bubble",))):
+        out = tmp_path / f"{pool}{len(extra)}.json"
+        res = cli("plan", "-n", "16", "-w", str(w), "--pool", pool, "-o", str(out), *extra)
         assert res.returncode == 0, res.stderr
-        rows = json.loads(out.read_text())["iterations"][0]["deployment"]
-        assert {row.get("vp", 1) for row in rows} == ({4} if "vp" in pool else {1})
+        (it,) = json.loads(out.read_text())["iterations"]
+        assert {row.get("vp", 1) for row in it["deployment"]} == ({4} if "vp" in pool else {1})
+        assert all(len(r.get("deferral", [])) == (8 if extra else 0) for r in it["replicas"])
         sim = cli("simulate", "--plan", str(out), "--json", "--timeline", str(tmp_path / "t.png"))
         assert sim.returncode == 0, sim.stderr
         (row,) = json.loads(sim.stdout)["iterations"]
-        assert row["deployment"] == pool
-        times[pool] = row["iteration_time_s"]
-    assert times["2x(tp1,pp8,vp4)"] < times["2x(tp1,pp8)"]
+        assert row["deployment"] == pool and row["deferred_replicas"] == [[0, 1] if extra else []]
+        assert row["iteration_time_s"] == pytest.approx(it["predicted_time_s"], rel=1e-9)
+        times[pool + "".join(extra)] = row["iteration_time_s"]
+    assert times["2x(tp1,pp8,vp4)--zero-bubble"] < times["2x(tp1,pp8,vp4)"] < times["2x(tp1,pp8)"]
     res = cli("propose", "-n", "16", "-w", str(w), "-o", str(tmp_path / "p.json"), "--interleave", "--max-pool", "2")
     assert res.returncode == 0, res.stderr

@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 
 from hydraulis.cost import load_cost_model
 from hydraulis.errors import HydraulisError
+from hydraulis.limits import check_lengths
 from hydraulis.parallel import Deployment
 from hydraulis.parallel import ParallelConfig as P
 from hydraulis.planner.plan import IterationPlan
-from hydraulis.planner.planner import Planner, apply_overlong, check_lengths
+from hydraulis.planner.planner import Planner, apply_overlong
 from hydraulis.planner.sim import simulate
 from hydraulis.specs import ClusterSpec
 

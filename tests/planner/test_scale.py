@@ -9,10 +9,11 @@ from hypothesis import strategies as st
 
 from hydraulis.cost import load_cost_model
 from hydraulis.errors import HydraulisError
+from hydraulis.limits import check_lengths
 from hydraulis.planner import dispatch, packing, planner
 from hydraulis.planner.dispatch import _level_counts
 from hydraulis.planner.packing import first_fit_decreasing, first_fit_without_shortest
-from hydraulis.planner.planner import Planner, check_lengths
+from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import parse_pool
 from hydraulis.specs import ClusterSpec
 

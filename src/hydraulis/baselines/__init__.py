@@ -15,7 +15,7 @@ from hydraulis.planner.policy import Policy, PolicyContext
 def _hydraulis(ctx: PolicyContext) -> Policy:
     from hydraulis.planner.phases import PhasedPlanner
 
-    return PhasedPlanner(ctx.cost, ctx.num_gpus, ctx.pool)
+    return PhasedPlanner(ctx.cost, ctx.num_gpus, ctx.pool, zero_bubble=ctx.zero_bubble)
 
 
 def _homogeneous(name: str) -> Callable[[PolicyContext], Policy]:

@@ -43,9 +43,10 @@ import numpy as np
 from hydraulis.cost.context_parallel import with_cp_configs
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
+from hydraulis.limits import check_lengths
 from hydraulis.parallel import ParallelConfig
 from hydraulis.planner.plan import IterationPlan
-from hydraulis.planner.planner import check_lengths, finalize
+from hydraulis.planner.planner import finalize
 from hydraulis.planner.policy import PolicyContext
 from hydraulis.planner.pool import place, replicable_configs
 from hydraulis.planner.schedule import Schedule

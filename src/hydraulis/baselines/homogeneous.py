@@ -19,11 +19,12 @@ from collections.abc import Callable
 import numpy as np
 
 from hydraulis.errors import HydraulisError
+from hydraulis.limits import check_lengths
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.dispatch import karmarkar_karp
 from hydraulis.planner.packing import check_cap, first_fit_decreasing
 from hydraulis.planner.plan import IterationPlan
-from hydraulis.planner.planner import check_lengths, finalize
+from hydraulis.planner.planner import finalize
 from hydraulis.planner.policy import PolicyContext
 from hydraulis.planner.pool import fallback_config, homogeneous
 from hydraulis.planner.replicas import ReplicaCost

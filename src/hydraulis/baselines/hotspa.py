@@ -27,8 +27,8 @@ import numpy as np
 
 from hydraulis.baselines.homogeneous import Homogeneous, interleavings
 from hydraulis.errors import OverlongError
+from hydraulis.limits import check_lengths
 from hydraulis.planner.phases import homogeneous_split
-from hydraulis.planner.planner import check_lengths
 from hydraulis.planner.policy import PolicyContext
 from hydraulis.planner.pool import homogeneous, largest_cap, replicable_configs
 from hydraulis.planner.schedule import Schedule, mean_switch_time, phase_switch_time, phases_time

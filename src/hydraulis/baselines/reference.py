@@ -23,9 +23,10 @@ import time
 import numpy as np
 
 from hydraulis.errors import OverlongError
+from hydraulis.limits import check_lengths
 from hydraulis.planner.milp import solve_milp
 from hydraulis.planner.packing import first_fit_decreasing
-from hydraulis.planner.planner import check_lengths, finalize
+from hydraulis.planner.planner import finalize
 from hydraulis.planner.policy import PolicyContext
 from hydraulis.planner.pool import largest_cap
 from hydraulis.planner.replicas import ReplicaCost, ReplicaTable

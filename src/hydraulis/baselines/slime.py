@@ -25,8 +25,9 @@ import time
 
 import numpy as np
 
+from hydraulis.limits import check_lengths
 from hydraulis.planner.dispatch import karmarkar_karp
-from hydraulis.planner.planner import check_lengths, finalize
+from hydraulis.planner.planner import finalize
 from hydraulis.planner.policy import PolicyContext
 from hydraulis.planner.pool import fallback_config, homogeneous
 from hydraulis.planner.schedule import Schedule

@@ -152,6 +152,8 @@ def _simulated(it: Schedule, sims: list[SimResult], total: float) -> dict:
         "tokens": it.num_tokens,
         "sequences": len(it.lengths),
         "micro_batches": sum(len(r.micro_batches) for p in it.phases for r in p.replicas),
+        # per phase, the replicas whose weight gradients the plan defers (`ReplicaPlan.deferral`)
+        "deferred_replicas": [[r for r, replica in enumerate(p.replicas) if replica.deferral] for p in it.phases],
         "iteration_time_s": total,
         "compute_time_s": compute,
         "grad_sync_s": total - compute,  # the optimizer step, and every phase switch

@@ -68,6 +68,10 @@ def plan(
     dtype: str = DtypeOption,
     memory_policies: bool = MemoryPoliciesOption,
     interleave: bool = InterleaveOption,
+    zero_bubble: bool = typer.Option(
+        False, "--zero-bubble", help="hydraulis: defer each pipelined replica's weight gradients into its stages' "
+        "gaps where that simulates faster (the plan file's `deferral`)."
+    ),
 ) -> None:
     """Choose a deployment, dispatch and pack each global batch of a workload."""
     from hydraulis.baselines import make_policy
@@ -86,7 +90,8 @@ def plan(
     cost = (cost.with_interleaving() if interleave else cost).with_policies(memory_policies)
     deployments = parse_pool(pool, cluster) if pool else None
     batches = _within_caps(work.batches, largest_cap(cost, cluster, deployments), overlong, workload, cost)
-    ctx = dataclasses.replace(PolicyContext.build(cost, cluster, batches, deployments), interleave=interleave)
+    ctx = dataclasses.replace(PolicyContext.build(cost, cluster, batches, deployments), interleave=interleave,
+                              zero_bubble=zero_bubble)
     proposes = deployments is None and policy == "hydraulis"
     with err_console.status("proposing a deployment pool from the workload" if proposes else "preparing"):
         chosen = make_policy(policy, ctx)
@@ -167,6 +172,9 @@ def bench(
     out: Path = typer.Option(Path("bench-out"), "--out", "-o", help="Directory for bench.json and bench.png."),
     list_only: bool = typer.Option(False, "--list", help="List scenarios and policies, run nothing."),
     vp1: bool = typer.Option(False, "--vp1", help="Every policy runs plain 1F1B (vp = 1), as before interleaving."),
+    fused_backward: bool = typer.Option(
+        False, "--fused-backward", help="hydraulis runs each backward whole, as before it deferred weight gradients."
+    ),
 ) -> None:
     """Run every policy on built-in scenarios; print a table, write JSON and a PNG bar chart."""
 
@@ -189,7 +197,8 @@ def bench(
         console.print("policies: " + ", ".join(POLICIES))
         return
     with steps_progress(f"{len(chosen)} scenario(s)", len(chosen)) as advance:
-        report = run_bench(chosen, policies, lambda s: advance(s.name, 1), interleave=not vp1)
+        report = run_bench(chosen, policies, lambda s: advance(s.name, 1), interleave=not vp1,
+                           zero_bubble=not fused_backward)
     with OutputSet() as outputs:  # both files or neither
         write_json_atomic(outputs.stage(out / "bench.json"), report)
         bench_plot(report, outputs.stage(out / "bench.png"))

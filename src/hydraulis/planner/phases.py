@@ -34,10 +34,11 @@ import numpy as np
 
 from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
+from hydraulis.limits import check_lengths
 from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.dispatch import NoRoom
 from hydraulis.planner.plan import IterationPlan
-from hydraulis.planner.planner import Planner, check_lengths
+from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import range_estimates
 from hydraulis.planner.schedule import Schedule, mean_switch_time, phase_switch_time, phases_time
 from hydraulis.planner.sim import simulate
@@ -205,7 +206,7 @@ class PhasedPlanner(Planner):
         if self._later is None:
             self._later = Planner(self.cost.later_phase(), self.num_gpus, self.pool, method=self.method,
                                   milp_time_limit_s=self.milp_time_limit_s, full_candidates=self.full_candidates,
-                                  refine_rounds=self.refine_rounds,
+                                  refine_rounds=self.refine_rounds, zero_bubble=self.zero_bubble,
                                   memo=None if self._memo is None else self._memo.setdefault("later", {}))
         return self._later
 

@@ -24,6 +24,7 @@ from hydraulis.errors import HydraulisError
 from hydraulis.files import Fields, load_json, write_json_atomic
 from hydraulis.limits import MAX_GPUS, MAX_LENGTH, MAX_SEQUENCES
 from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.planner.oracles.deferral import slot_errors
 from hydraulis.specs import ClusterSpec
 
 PLAN_SCHEMA = "hydraulis.plan/1"
@@ -37,6 +38,9 @@ class ReplicaPlan:
     # Each micro-batch's memory policy (cost/policies.py's MemoryPolicy); empty: every one runs its config's
     # plain one (full recompute in the cost model's recompute set, else none).
     policies: tuple[int, ...] = ()
+    # Per pipeline stage, where its backwards' weight gradients run (planner/oracles/deferral.py: one slot per
+    # backward of the stage's order, the place of the event after which its W runs); empty: the fused backward.
+    deferral: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,10 @@ class IterationPlan:
             if replica.policies and len(replica.policies) != len(mbs):
                 raise HydraulisError(f"{where}: replica {r} has {len(replica.policies)} memory policies for "
                                      f"{len(mbs)} micro-batches")
+            if replica.deferral:
+                bad = slot_errors(replica.deferral, config.pp, config.vp, len(mbs))
+                if bad:
+                    raise HydraulisError(f"{where}: replica {r} ({config.name}) deferral: {bad}")
             if cost is not None:
                 cap = np.empty(len(mbs), dtype=np.int64)
                 for m in range(len(mbs)):  # a lone micro-batch has the lone cap (CostModel.lone_cap)
@@ -131,7 +139,8 @@ class IterationPlan:
             "lengths": [int(s) for s in self.lengths],
             "deployment": self.deployment.to_rows(),
             "replicas": [{"micro_batches": [list(mb) for mb in r.micro_batches],
-                          **({"policies": [MemoryPolicy(p).label for p in r.policies]} if r.policies else {})}
+                          **({"policies": [MemoryPolicy(p).label for p in r.policies]} if r.policies else {}),
+                          **({"deferral": [list(x) for x in r.deferral]} if r.deferral else {})}
                          for r in self.replicas],
             "predicted_time_s": self.predicted_time_s,
             "planning_time_s": self.planning_time_s,
@@ -155,7 +164,10 @@ class IterationPlan:
                 mbs.append(tuple(mb))
             names = r.list("policies", default=[])
             policies = tuple(int(MemoryPolicy.parse(str(p), f"{where}.replicas[{i}].policies")) for p in names)
-            replicas.append(ReplicaPlan(tuple(mbs), policies))
+            stages = r.list("deferral", default=[])
+            deferral = tuple(tuple(Fields({"stage": x}, f"{where}.replicas[{i}].deferral").int_list("stage", 0))
+                             for x in stages)
+            replicas.append(ReplicaPlan(tuple(mbs), policies, deferral))
         plan = cls(
             step=f.int("step", default=0, minimum=0),
             lengths=tuple(lengths),
@@ -305,16 +317,19 @@ def encode_plan(plan: IterationPlan, pool_index: int) -> np.ndarray:
     """The plan's wire format: rank 0 broadcasts it as one int64 vector over a CPU group (runtime/trainer.py).
 
     [pool index, replicas, micro-batches per replica..., sizes..., memory policies (-1: the plain one)...,
-    sequence indices..., float64s as bits: the predicted and planning times, then each replica's predicted
-    time when the plan has them].
+    sequence indices..., the deferral's length and the deferral (per replica its stages listed, 0 where fused,
+    then per stage its slots' count and its slots), float64s as bits: the predicted and planning times, then each
+    replica's predicted time when the plan has them].
     """
     mbs = [mb for r in plan.replicas for mb in r.micro_batches]
     policies = [p for r in plan.replicas for p in (r.policies or [-1] * len(r.micro_batches))]
     head = [pool_index, len(plan.replicas), *(len(r.micro_batches) for r in plan.replicas), *(len(m) for m in mbs),
             *policies]
+    deferral = [x for r in plan.replicas for x in (len(r.deferral), *(y for s in r.deferral for y in (len(s), *s)))]
     times = [plan.predicted_time_s, plan.planning_time_s, *plan.replica_predicted_s]
     floats = np.array(times, dtype=np.float64).view(np.int64)
-    return np.concatenate([np.array(head, np.int64), np.array([i for m in mbs for i in m], np.int64), floats])
+    return np.concatenate([np.array(head, np.int64), np.array([i for m in mbs for i in m], np.int64),
+                           np.array([len(deferral), *deferral], np.int64), floats])
 
 
 def decode_plan(data: np.ndarray, step: int, lengths: Sequence[int], pool: Sequence[Deployment]) -> IterationPlan:
@@ -327,7 +342,9 @@ def decode_plan(data: np.ndarray, step: int, lengths: Sequence[int], pool: Seque
     policies = data[pos : pos + len(sizes)]
     pos += len(sizes)
     flat = data[pos : pos + int(sizes.sum())]
-    predicted, planning, *per_replica_s = data[pos + len(flat) :].view(np.float64).tolist()
+    pos += len(flat)
+    deferral = _deferral(data[pos + 1 : pos + 1 + int(data[pos])].tolist(), replicas)
+    predicted, planning, *per_replica_s = data[pos + 1 + int(data[pos]) :].view(np.float64).tolist()
     cuts = np.cumsum(sizes)[:-1]
     mbs = np.split(flat, cuts) if len(sizes) else []
     per_replica, per_policies, k = [], [], 0
@@ -338,7 +355,23 @@ def decode_plan(data: np.ndarray, step: int, lengths: Sequence[int], pool: Seque
         k += int(c)
     plan = plan_from_assignment(step=step, lengths=lengths, deployment=pool[index], micro_batches=per_replica,
                                 predicted_time_s=predicted, planning_time_s=planning, policies=per_policies)
+    if any(deferral):
+        plan = dataclasses.replace(plan, replicas=tuple(dataclasses.replace(r, deferral=d)
+                                                        for r, d in zip(plan.replicas, deferral, strict=True)))
     return dataclasses.replace(plan, replica_predicted_s=tuple(per_replica_s)) if per_replica_s else plan
+
+
+def _deferral(values: list[int], replicas: int) -> list[tuple[tuple[int, ...], ...]]:
+    """`encode_plan`'s deferral block read back: per replica its stages' slots (empty: fused)."""
+    out, pos = [], 0
+    for _ in range(replicas):
+        stages, pos = values[pos], pos + 1
+        own = []
+        for _ in range(stages):
+            own.append(tuple(values[pos + 1 : pos + 1 + values[pos]]))
+            pos += 1 + values[pos]
+        out.append(tuple(own))
+    return out
 
 
 def encode_schedule(schedule: Schedule, pool: Sequence[Deployment]) -> np.ndarray:

@@ -21,10 +21,11 @@ from hydraulis.cost.activations import COUNT_HORIZON, count_horizon
 from hydraulis.cost.model import CostModel
 from hydraulis.data.sampler import split_pieces
 from hydraulis.errors import HydraulisError, OverlongError
-from hydraulis.limits import MAX_LENGTH, MAX_SEQUENCES
+from hydraulis.limits import check_lengths
 from hydraulis.parallel import Deployment
 from hydraulis.planner.dispatch import BULK_MIN_SEQUENCES, Dispatch, NoRoom, dispatch, improve
 from hydraulis.planner.milp import exact_assignment
+from hydraulis.planner.oracles.zero_bubble import defer_plan
 from hydraulis.planner.packing import Packing, order_by_simulation, pack_replica
 from hydraulis.planner.plan import IterationPlan, plan_from_assignment
 from hydraulis.planner.pool import largest_cap
@@ -36,23 +37,6 @@ from hydraulis.specs import ClusterSpec
 OVERLONG_POLICIES = ("auto", "error", "split", "truncate", "drop")
 LARGE_BATCH_MARGIN = 0.02
 METHODS = ("heuristic", "milp")
-
-
-def check_lengths(lengths: Sequence[int] | np.ndarray, where: str = "batch") -> np.ndarray:
-    """A non-empty array of positive integer lengths, or a clear error."""
-    arr = np.asarray(lengths)
-    if arr.ndim != 1 or len(arr) == 0:
-        raise HydraulisError(f"{where}: empty batch; a global batch needs at least one sequence")
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise HydraulisError(f"{where}: sequence lengths must be integers")
-    if (arr < 1).any():
-        bad = int(arr[arr < 1][0])
-        raise HydraulisError(f"{where}: sequence length must be positive, got {bad}")
-    if (arr > MAX_LENGTH).any():
-        raise HydraulisError(f"{where}: a sequence of {int(arr.max())} tokens; lengths must be below 2^31")
-    if len(arr) > MAX_SEQUENCES:
-        raise HydraulisError(f"{where}: {len(arr):,} sequences, more than the {MAX_SEQUENCES:,} a batch may hold")
-    return arr.astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -119,6 +103,7 @@ class Planner:
         full_candidates: int = 3,
         refine_rounds: int = 1,  # a second round changed no bench plan but one batch's, by 0.0003% (results.md)
         memo: dict | None = None,
+        zero_bubble: bool = False,  # defer the weight gradients where that is faster (`finalize`)
     ) -> None:
         if method not in METHODS:
             raise HydraulisError(f"unknown dispatch method {method!r}; use one of {', '.join(METHODS)}")
@@ -134,6 +119,7 @@ class Planner:
         self.milp_time_limit_s = milp_time_limit_s
         self.full_candidates = full_candidates
         self.refine_rounds = refine_rounds
+        self.zero_bubble = zero_bubble
         self._by_horizon: dict[tuple[int, ...], list[ReplicaTable]] = {}  # the pool's tables per horizon
         self._interleaved = tuple({g for d in self.pool for g in d.configs if g.vp > 1})
         # (deployment, lengths) -> its greedy dispatch, or its packed candidate and simulated time: shared by
@@ -150,7 +136,7 @@ class Planner:
         deployments that missed a batch (the comparison leaves those out) and the outlook."""
         other = type(self)(cost, self.num_gpus, self.pool, method=self.method,
                            milp_time_limit_s=self.milp_time_limit_s, full_candidates=self.full_candidates,
-                           refine_rounds=self.refine_rounds)
+                           refine_rounds=self.refine_rounds, zero_bubble=self.zero_bubble)
         other.missed = self.missed  # the same records
         other.outlook = self.outlook
         return other
@@ -398,7 +384,8 @@ class Planner:
 
     def _finish(self, step: int, lengths: np.ndarray, cand: Candidate, start: float) -> IterationPlan:
         return finalize(step=step, lengths=lengths, deployment=cand.deployment, micro_batches=cand.micro_batches,
-                        cost=self.cost, started=start, table=self._table(cand.deployment, lengths))
+                        cost=self.cost, started=start, table=self._table(cand.deployment, lengths),
+                        zero_bubble=self.zero_bubble)
 
 
 def _relative(chosen: int, n: int, simulated: dict[int, float], screened: dict[int, float]) -> tuple[float, ...]:
@@ -431,16 +418,20 @@ def assemble(
 
 def finalize(
     step: int, lengths: np.ndarray, deployment: Deployment, micro_batches: Sequence[Sequence[Sequence[int]]],
-    cost: CostModel, started: float, table: ReplicaTable | None = None,
+    cost: CostModel, started: float, table: ReplicaTable | None = None, zero_bubble: bool = False,
 ) -> IterationPlan:
     """A validated IterationPlan whose predicted time is the simulator's, and whose planning time ends now.
 
     Every sequence exactly once and every micro-batch within its replica's cap, else a HydraulisError.
     `table`: the deployment's on `cost`, where the caller has it (building one reads every policy's caps).
+    `zero_bubble`: each replica's weight gradients deferred into its stages' gaps where that simulates faster
+    (`oracles.zero_bubble.defer_plan`), its predicted time that order's.
     """
     table = ReplicaTable.of(cost, deployment, deployment.num_gpus) if table is None else table
     plan = assemble(step, lengths, deployment, micro_batches, table)
     plan.validate(cost, deployment.num_gpus, where=f"step {step}")
+    if zero_bubble:
+        plan = defer_plan(plan, cost)
     predicted = simulate(plan, cost, keep_events=False)
     return dataclasses.replace(plan, predicted_time_s=predicted.iteration_time_s,
                                replica_predicted_s=tuple(float(t) for t in predicted.replica_times_s),

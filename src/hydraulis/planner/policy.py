@@ -51,6 +51,10 @@ class PolicyContext:
     # off (`hydraulis bench --vp1`), every policy runs plain 1F1B. The bench's only: the trainer weighs vp in its own
     # proposal (`training.job.propose_pool`, `[parallel] interleave`).
     interleave: bool = False
+    # The bench's hydraulis defers its weight gradients into the pipelines' gaps where that simulates faster
+    # (`Planner(zero_bubble=...)`, planner/oracles/deferral.py); off (`hydraulis bench --fused-backward`), it plans
+    # fused backwards as before. The baselines never do.
+    zero_bubble: bool = False
 
     @property
     def num_gpus(self) -> int:

@@ -20,6 +20,7 @@ from hydraulis.cost.model import CostModel
 from hydraulis.cost.policies import LIGHTEST_FIRST
 from hydraulis.errors import HydraulisError
 from hydraulis.parallel import ParallelConfig
+from hydraulis.planner.oracles.zero_bubble import deferral_errors
 from hydraulis.planner.plan import IterationPlan, Schedule
 from hydraulis.planner.sim import simulate
 
@@ -75,6 +76,9 @@ def check_schedule(schedule: Schedule, cost: CostModel | None = None, where: str
     for k, (plan, idx) in enumerate(zip(schedule.phases, schedule.indices, strict=True)):
         at = f"{where} phase {k}" if len(schedule.phases) > 1 else where
         plan.validate(cost.later_phase() if k and cost is not None else cost, where=at)
+        held = deferral_errors(plan, cost.later_phase() if k else cost) if cost is not None else None
+        if held:  # the deferred W's bytes within the room the plan's cap leaves
+            raise HydraulisError(f"{at}: {held}")
         if any(not 0 <= i < n for i in idx):
             raise HydraulisError(f"{at}: a batch position outside 0..{n - 1}")
         if tuple(schedule.lengths[i] for i in idx) != plan.lengths:

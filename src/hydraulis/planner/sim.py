@@ -23,6 +23,7 @@ from hydraulis.cost.conditions import SharedCores
 from hydraulis.cost.model import CostModel
 from hydraulis.parallel import ParallelConfig
 from hydraulis.pipeline_order import FORWARD, depends_on, event_arrays, interleaved_order
+from hydraulis.planner.oracles.deferral import split_backward, time_deferred
 from hydraulis.planner.plan import IterationPlan
 
 FORWARD_SHARE = 1.0 / 3.0
@@ -249,8 +250,8 @@ def simulate(plan: IterationPlan, cost: CostModel, keep_events: bool = True) -> 
         timelines = shared_timelines(plan.deployment.configs, [t for t, _ in stage_times],
                                      [c for _, c in stage_times], shared, keep_events)
     else:
-        timelines = [simulate_replica(times, replica.config.pp, comm, keep_events=keep_events, vp=replica.config.vp)
-                     for replica, (times, comm) in zip(plan.deployment.replicas, stage_times, strict=True)]
+        timelines = [_replica_timeline(plan, r, cost, times, comm, keep_events=keep_events)
+                     for r, (times, comm) in enumerate(stage_times)]
     for replica, timeline in zip(plan.deployment.replicas, timelines, strict=True):
         for s in range(replica.config.pp):
             busy[list(replica.stage_devices(s))] = timeline.stage_busy_s[s]
@@ -269,6 +270,21 @@ def simulate(plan: IterationPlan, cost: CostModel, keep_events: bool = True) -> 
         gpu_idle_s=compute - busy,
         timelines=tuple(timelines),
     )
+
+
+def _replica_timeline(plan: IterationPlan, replica: int, cost: CostModel, times: list[float], comm: list[float],
+                      keep_events: bool) -> ReplicaTimeline:
+    """One replica's (interleaved) 1F1B, or, where the plan defers its weight gradients (`ReplicaPlan.deferral`),
+    that order with W events (`oracles.deferral.time_deferred`; shared CPU cores above run the fused order)."""
+    config, slots = plan.deployment.replicas[replica].config, plan.replicas[replica].deferral
+    if not slots:
+        return simulate_replica(times, config.pp, comm, keep_events=keep_events, vp=config.vp)
+    tokens = [int(s.sum()) for s in plan.micro_batch_lengths(replica)]
+    forward, input_grad, weight = split_backward(config, cost, tokens, times)
+    time_s, rows, chunks = time_deferred(forward, input_grad, weight, config.pp, slots, vp=config.vp, p2p_s=comm,
+                                         keep_events=keep_events)
+    return ReplicaTimeline(time_s, np.full(config.pp, float(np.sum(times))), rows,
+                           chunks if keep_events and config.vp > 1 else None)
 
 
 # -- replicas sharing CPU cores ------------------------------------------------------------------

@@ -1,3 +1,3 @@
-"""Oracles of schedules the runtime does not run, timed on the simulator's terms: chunked long sequences
-(`chunk_schedule.py`) and the zero-bubble split of the backward (`zero_bubble.py`). What a schedule could gain on a
-plan, before anyone builds it."""
+"""Schedules beyond (interleaved) 1F1B, timed on the simulator's terms: chunked long sequences (`chunk_schedule.py`,
+an oracle), and the backward split into B and W: its continuous oracle (`zero_bubble.py`) and the schedule the
+planner plans from it, each stage's W's at whole slots in its gaps (`deferral.py`, `ReplicaPlan.deferral`)."""

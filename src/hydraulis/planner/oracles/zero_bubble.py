@@ -10,11 +10,13 @@ first (the cap binds). A W may stop and resume between gaps (at layer granularit
 fraction): so a stage's clock plus its pending W's never passes interleaved 1F1B's clock, and the oracle is never
 slower than the plan's own order. Greedy list scheduling: an oracle of what the schedule could gain, not an
 optimum (on pp 4, 8 equal micro-batches of F = B = W = 1 at 1F1B's memory it takes 30 where ZB-H1 takes 27). The
-simulator's only: the runtime runs (interleaved) 1F1B.
+continuous bound of `deferral.py`'s schedule, whose whole W's the planner places by the same rule (`defer_plan`,
+at the end of this module, with the memory this module counts).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,11 +24,12 @@ import numpy as np
 
 from hydraulis.context import max_rank_tokens
 from hydraulis.cost.activations import in_flight
-from hydraulis.cost.model import FORWARD_SHARE, CostModel
-from hydraulis.cost.policies import MemoryPolicy, derived_scales
-from hydraulis.pipeline_order import FORWARD, event_graph, stage_order
+from hydraulis.cost.model import CostModel
+from hydraulis.cost.policies import MemoryPolicy
+from hydraulis.pipeline_order import FORWARD, event_graph
+from hydraulis.planner.oracles.deferral import defer_slots, deferred_peak, order_peak, split_backward
 from hydraulis.planner.plan import IterationPlan
-from hydraulis.planner.sim import replica_stage_times
+from hydraulis.planner.sim import replica_stage_times, simulate_replica
 from hydraulis.specs import ModelSpec
 
 _EPS = 1e-9  # relative slack of a memory comparison (sums of bytes in another order)
@@ -43,20 +46,6 @@ class ZeroBubbleRun:
     deferred_s: float
     forced_s: float
     forced: int  # W's the cap made run before an event
-
-
-def order_peak(pp: int, vp: int, held: Sequence[float]) -> list[float]:
-    """Each stage's most bytes held under the plan's own order, each W right after its B (a fused backward frees
-    its chunk's activations layer by layer, a transient the memory model counts apart): its chunks in flight, each
-    micro-batch's `held` bytes from its forward to its backward."""
-    peaks = []
-    for s in range(pp):
-        now = peak = 0.0
-        for kind, j, _ in stage_order(pp, vp, len(held), s):
-            now += held[j] if kind == FORWARD else -held[j]
-            peak = max(peak, now)
-        peaks.append(peak)
-    return peaks
 
 
 class _Stage:
@@ -145,24 +134,14 @@ def zero_bubble_replica(
 
 
 def zero_bubble_split(plan: IterationPlan, replica: int, cost: CostModel) -> tuple[list[float], ...]:
-    """Each micro-batch's forward, B and W seconds on one stage. W is the weight gradients' GEMMs: half the
-    backward's share of the plain per-token b term (b counts the layers' and the head's GEMMs); attention's a s^2
-    has no weights and c stays with B, as does the forward a memory policy runs again (it precedes B). A config
-    of the run-wide recompute or selective set has that policy's scale in b already: W takes it out."""
+    """Each micro-batch's forward, B and W seconds on one stage (`deferral.split_backward`)."""
     return _split(plan, replica, cost, replica_stage_times(plan, replica, cost)[0])
 
 
 def _split(plan: IterationPlan, replica: int, cost: CostModel, times: Sequence[float]) -> tuple[list[float], ...]:
     """`zero_bubble_split` of the micro-batches' stage `times` (the simulator's, `replica_stage_times`)."""
-    config = plan.deployment.replicas[replica].config
-    b = cost.coefficients(config).b
-    run_wide = cost.policies(config)[0]
-    if run_wide != MemoryPolicy.NONE:
-        b /= derived_scales(cost.model)[run_wide][1]
     tokens = [int(s.sum()) for s in plan.micro_batch_lengths(replica)]
-    weight = [b * n * (1 - FORWARD_SHARE) / 2 for n in tokens]
-    forward = [t * FORWARD_SHARE for t in times]
-    return forward, [t * (1 - FORWARD_SHARE) - w for t, w in zip(times, weight, strict=True)], weight
+    return split_backward(plan.deployment.replicas[replica].config, cost, tokens, times)
 
 
 def weight_grad_bytes(model: ModelSpec, tp: int, dtype_bytes: int) -> float:
@@ -210,3 +189,52 @@ def replica_oracle(plan: IterationPlan, replica: int, cost: CostModel, capped: b
     held, weight_held, cap = replica_memory(plan, replica, cost)
     return zero_bubble_replica(forward, input_grad, weight, config.pp, vp=config.vp, p2p_s=comm, held=held,
                                weight_held=weight_held, cap=cap if capped else [np.inf] * config.pp)
+
+
+# -- the schedule the planner plans: whole W's in the gaps (deferral.py), where it is faster ------------------
+# The greedy's overrun shares tried per replica, the faster kept: a W that does not fit its gap waits, or overruns
+# it by up to half of itself (on 70B replicas of 40-100 micro-batches, half gained up to 0.7% over waiting alone on
+# some, lost up to 0.02% on others; docs/results.md, h-zbplan).
+SPILLS = (0.0, 0.5)
+
+
+def defer_replica(plan: IterationPlan, replica: int, cost: CostModel) -> tuple[tuple[tuple[int, ...], ...], float]:
+    """One replica's deferral (`deferral.defer_slots`, the cap `replica_memory`'s) and its time; none (()) and the
+    plain order's time where deferring is not faster: a pipelined replica only, off shared CPU cores (whose joint
+    simulation runs the fused order)."""
+    config = plan.deployment.replicas[replica].config
+    times, comm = replica_stage_times(plan, replica, cost)
+    plain = simulate_replica(times, config.pp, comm, keep_events=False, vp=config.vp).time_s  # often kept
+    if config.pp == 1 or not times or cost.shared_cores is not None:
+        return (), plain
+    forward, input_grad, weight = _split(plan, replica, cost, times)
+    held, weight_held, cap = replica_memory(plan, replica, cost)
+    slots, time_s = min((defer_slots(forward, input_grad, weight, config.pp, vp=config.vp, p2p_s=comm, held=held,
+                                     weight_held=weight_held, cap=cap, fused_s=plain, spill=spill)
+                         for spill in SPILLS), key=lambda found: found[1])
+    return (slots if any(slots) else ()), time_s
+
+
+def defer_plan(plan: IterationPlan, cost: CostModel) -> IterationPlan:
+    """The plan with each replica's W's deferred where that is faster (`defer_replica`); its predicted times are
+    left to the caller's simulation (`sim.simulate` times the deferred order)."""
+    replicas = tuple(dataclasses.replace(r, deferral=defer_replica(plan, k, cost)[0])
+                     for k, r in enumerate(plan.replicas))
+    return dataclasses.replace(plan, replicas=replicas)
+
+
+def deferral_errors(plan: IterationPlan, cost: CostModel) -> str | None:
+    """A replica whose deferred W's would hold more bytes than its cap (`replica_memory`) at some event (None:
+    every one within it): the plan's memory check of a deferral."""
+    for r, replica in enumerate(plan.replicas):
+        if not replica.deferral:
+            continue
+        config = plan.deployment.replicas[r].config
+        held, weight_held, cap = replica_memory(plan, r, cost)
+        peaks = deferred_peak(config.pp, config.vp, held, weight_held, replica.deferral)
+        own = order_peak(config.pp, config.vp, held)
+        for s, (peak, c, o) in enumerate(zip(peaks, cap, own, strict=True)):
+            if peak > max(c, o) * (1 + 1e-6):
+                return (f"replica {r} ({config.name}) stage {s} holds {peak / 2**30:.2f} GiB with its deferred "
+                        f"weight gradients, over the {max(c, o) / 2**30:.2f} GiB its cap leaves")
+    return None
