@@ -38,12 +38,13 @@ class ParallelSettings:
     memory_budget_bytes: int | None  # each rank's measured peak is checked against it ([parallel] memory_per_rank)
     overlap: bool = True  # gather and reduce beside compute (runtime/optimizer/exchange.py)
     memory_per_rank: str | int | None = None  # the budget as the config wrote it (messages name it)
+    zero_bubble: bool = False  # the planner defers weight gradients into pipeline gaps ([parallel] zero_bubble)
 
     @classmethod
     def of(
         cls, pool: tuple[Deployment, ...], cost: CostModel, overlap: bool = True, *,
         sequence_parallel: bool | None = None, exchange_bucket_bytes: int | None = None,
-        memory_budget_bytes: int | None = None, memory_per_rank: str | int | None = None,
+        memory_budget_bytes: int | None = None, memory_per_rank: str | int | None = None, zero_bubble: bool = False,
     ) -> ParallelSettings:
         """The pool on `cost` (made the job's: training/job_cost.py), each value the cost model's unless given
         (tests and benchmarks give some); the cost model's replica times as the exchange runs (`overlap`)."""
@@ -57,6 +58,7 @@ class ParallelSettings:
             memory_budget_bytes=memory.budget_bytes if memory_budget_bytes is None else memory_budget_bytes,
             overlap=overlap,
             memory_per_rank=memory_per_rank,
+            zero_bubble=zero_bubble,
         )
 
     def with_cost(self, cost: CostModel) -> ParallelSettings:

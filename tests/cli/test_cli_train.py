@@ -79,15 +79,19 @@ def test_losses_do_not_depend_on_the_deployment(hetero_run, tmp_path, corpus, cl
 
 
 def test_a_pipelined_pool_evaluates_forward_only_with_the_same_loss(hetero_run, tmp_path, corpus, cli):
-    """Every replica a 2-stage pipeline: the held-out batches go through the stages forward only, and the eval
-    loss after 3 steps is the heterogeneous run's (itself a single process's)."""
+    """Every replica a 2-stage pipeline, planned zero-bubble: the held-out batches go through the stages forward
+    only, and the eval loss after 3 steps is the heterogeneous run's (itself a single process's); the steps whose
+    plans defer weight gradients into the pipeline's gaps train with its losses too."""
     result, hetero_out = hetero_run
     assert result.returncode == 0, result.stderr
-    parallel = 'pool = "2x(tp1,pp2)"\nprofile = "tiny@cpu"'
+    parallel = 'pool = "2x(tp1,pp2)"\nprofile = "tiny@cpu"\nzero_bubble = true'
     config = write_config(tmp_path / "pp.toml", corpus, parallel=parallel, eval=EVAL)
     pp = cli("train", "--config", str(config), "--nproc", "4", "--out", str(tmp_path / "pp"), "--stop-at", "3")
     assert pp.returncode == 0, pp.stderr
     np.testing.assert_allclose(eval_losses(tmp_path / "pp"), eval_losses(hetero_out)[:1], rtol=1e-5)
+    rows = [r for r in step_rows(tmp_path / "pp") if "loss" in r]
+    assert any(r["deferred_replicas"] for r in rows), [r.get("deferred_replicas") for r in rows]
+    np.testing.assert_allclose([r["loss"] for r in rows], losses(hetero_out)[:len(rows)], rtol=1e-5)
 
 
 def eval_losses(out) -> list[float]:

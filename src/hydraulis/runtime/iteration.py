@@ -64,7 +64,7 @@ def sub_batch(batch: GlobalBatch, positions: Sequence[int]) -> GlobalBatch:
 
 
 # A stage's deferred weight gradients (zero-bubble W slots, `pipeline_order.with_weights`) in a phase's plan:
-# (plan, replica, stage) -> slots; empty: fused.
+# (plan, replica, stage) -> slots; empty: fused. `plan_slots`, the plan's own, unless a caller gives another rule.
 WeightSlots = Callable[[IterationPlan, int, int], Sequence[int]]
 
 
@@ -72,7 +72,7 @@ WeightSlots = Callable[[IterationPlan, int, int], Sequence[int]]
 class PhaseParts:
     """What the phases of an iteration run on: this rank's deployments, the batches' source, how gradients
     travel to their owners (`reduce_dtype`; beside compute unless `overlap` is off), the plans' cost model (what
-    a micro-batch whose plan lists no memory policy runs), where a stage's W's run (None: fused)."""
+    a micro-batch whose plan lists no memory policy runs), where a stage's W's run (None: where the plan says)."""
 
     pool: BuiltDeployments
     source: BatchSource
@@ -80,6 +80,12 @@ class PhaseParts:
     overlap: bool
     cost: CostModel
     weight_slots: WeightSlots | None = None
+
+
+def plan_slots(plan: IterationPlan, replica: int, stage: int) -> tuple[int, ...]:
+    """The slots the planner chose for this stage (`ReplicaPlan.deferral`; empty: fused)."""
+    deferral = plan.replicas[replica].deferral
+    return deferral[stage] if deferral else ()
 
 
 def run_phases(
@@ -111,7 +117,7 @@ def run_phase(
                              accumulate=accumulate, reduce_after=reduce_after)
     gathered = time.perf_counter()
     micro_batches = parts.source.micro_batches(batch, plan, part.replica, part.groups, parts.cost)
-    slots = () if parts.weight_slots is None else parts.weight_slots(plan, part.replica, part.groups.stage)
+    slots = (parts.weight_slots or plan_slots)(plan, part.replica, part.groups.stage)
     # poisoned: a test hook, off unless asked for
     with part.exchanging(exchange), poisoned(model, step, part.groups.is_last_stage):
         result = train_step(model, part.groups, micro_batches, targets, reduce_partial_grads=False, deferred=slots)

@@ -39,14 +39,14 @@ class PlanFeed:
 
     def __init__(
         self, sampler: TokenBudgetSampler, pool: tuple[Deployment, ...], cost: CostModel, rank: int, world: int,
-        control: dist.ProcessGroup | None, ahead: bool = True,
+        control: dist.ProcessGroup | None, ahead: bool = True, zero_bubble: bool = False,
     ) -> None:
         self.sampler = sampler
         self.ahead = ahead  # plan the next batch while this one computes (off: when its step begins)
         self.pool = pool
         self.world = world
         self.control = control
-        self.planner = PhasedPlanner(cost, world, pool) if rank == 0 else None
+        self.planner = PhasedPlanner(cost, world, pool, zero_bubble=zero_bubble) if rank == 0 else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner") if rank == 0 else None
         self.step = 0
         self.last: GlobalBatch | None = None  # the batch last handed out (training/run.py counts a mixture's sources)

@@ -90,7 +90,7 @@ class Trainer:
     feed: PlanFeed  # the next batch and its schedule, planned on rank 0 a step ahead
     meter: StepMeter  # predictions, memory and metrics
     recent: deque[tuple[GlobalBatch, Schedule]]  # the last batches, for `compare`
-    weight_slots: WeightSlots | None  # where each stage's W's run (zero-bubble, iteration.py); None: fused
+    weight_slots: WeightSlots | None  # where each stage's W's run (zero-bubble, iteration.py); None: the plan's
 
     def __init__(
         self,
@@ -122,7 +122,7 @@ class Trainer:
         )
         ahead = self.env.device.type != "cpu" or spare_core(self.world, torch.get_num_threads(), cpu_cores())
         self.feed = PlanFeed(sampler=sampler, pool=parallel.pool, cost=parallel.cost, rank=self.rank, world=self.world,
-                             control=self.control, ahead=ahead)
+                             control=self.control, ahead=ahead, zero_bubble=parallel.zero_bubble)
         memory = StepMemory(self.env.device, train.memory_every, parallel.memory_budget_bytes, self.feed.paused)
         self.meter = StepMeter(cost=parallel.cost, model=model, pool=self.deployments, world=self.world, memory=memory,
                                control=self.control)

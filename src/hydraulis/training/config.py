@@ -148,6 +148,9 @@ class ParallelSection(_Section):
     # pool = "auto" weighs interleaved 1F1B too (`hydraulis propose --interleave`): each config above pp 2 at its
     # deepest vp, one layer a chunk (`ParallelConfig.planned_vp_choices`); false: plain 1F1B only.
     interleave: bool = True
+    # Each replica's weight gradients wait for the gaps of its pipeline where that simulates faster (zero-bubble:
+    # planner/oracles/deferral.py plans the slots, runtime/modeling/weight_grad.py runs them); false: fused backward.
+    zero_bubble: bool = False
     # The optimizer's gather and reduce run in rounds, two in flight, each with a send and a receive buffer of
     # at most half this many MiB (runtime/optimizer/exchange_plan.py): two buckets in all.
     exchange_bucket_mb: float = Field(DEFAULT_EXCHANGE_BUCKET_BYTES / (1 << 20), gt=0)

@@ -131,7 +131,8 @@ def trainer_settings(
     [train] (the config's steps, resolved)."""
     return TrainerSettings(
         model=spec,
-        parallel=ParallelSettings.of(pool, cost, parallel.overlap_exchange, memory_per_rank=parallel.memory_per_rank),
+        parallel=ParallelSettings.of(pool, cost, parallel.overlap_exchange, memory_per_rank=parallel.memory_per_rank,
+                                     zero_bubble=parallel.zero_bubble),
         optim=optim,
         train=train,
     )

@@ -73,6 +73,7 @@ class ParallelChoice:
     memory_policies: bool
     max_pool: int
     interleave: bool
+    zero_bubble: bool
     exchange_bucket_mb: float
     overlap_exchange: bool
     memory_per_rank: str | int | None  # as the config wrote it (messages name it)

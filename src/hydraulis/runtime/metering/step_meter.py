@@ -70,6 +70,7 @@ class StepMetrics:
     memory_over_budget: bool = False  # a rank's measured peak exceeded [parallel] memory_per_rank
     deployment_indices: tuple[int, ...] = ()  # each phase's deployment in the pool: replica_s follows them
     memory_choices: MemoryChoices = MemoryChoices()  # each micro-batch's memory policy; those that fit only alone
+    deferred_replicas: int = 0  # replicas whose plan defers weight gradients to pipeline gaps ([parallel] zero_bubble)
 
     @property
     def tokens_per_s(self) -> float:
@@ -206,6 +207,7 @@ class StepMeter:
             memory_over_budget=budget is not None and figures.memory_peak > budget,
             deployment_indices=tuple(indices),
             memory_choices=MemoryChoices.of(schedule, self.cost, self.world),
+            deferred_replicas=sum(bool(r.deferral) for p in schedule.phases for r in p.replicas),
         )
 
 
