@@ -71,7 +71,7 @@ def slots_error(order: Sequence[Event], slots: Sequence[int]) -> str | None:
 
 def with_weights(order: Sequence[Event], slots: Sequence[int]) -> tuple[Event, ...]:
     """A stage's order with its deferred weight gradients: (WEIGHT, micro-batch, chunk) of the i-th backward
-    right after event `slots[i]` (the runtime's W's, runtime/modeling/weight_grad.py), those of one slot oldest
+    right after event `slots[i]` (the runtime's W's, runtime/parallelism/weight_grad.py), those of one slot oldest
     first. `slots` as `slots_error` checks; empty: none deferred (the order itself)."""
     if not slots:
         return tuple(order)

@@ -1,4 +1,4 @@
-"""Deferred weight gradients (zero-bubble W's, runtime/modeling/weight_grad.py) in one process: any placement of a
+"""Deferred weight gradients (zero-bubble W's, runtime/parallelism/weight_grad.py) in one process: any placement of a
 stage's W's gives the fused backward's gradients bit for bit, and the step runs the order `with_weights` gives."""
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ class ParallelSection(_Section):
     # deepest vp, one layer a chunk (`ParallelConfig.planned_vp_choices`); false: plain 1F1B only.
     interleave: bool = True
     # Each replica's weight gradients wait for the gaps of its pipeline where that simulates faster (zero-bubble:
-    # planner/oracles/deferral.py plans the slots, runtime/modeling/weight_grad.py runs them); false: fused backward.
+    # planner/oracles/deferral.py plans the slots, runtime/parallelism/weight_grad.py runs them); false: fused backward.
     zero_bubble: bool = False
     # The optimizer's gather and reduce run in rounds, two in flight, each with a send and a receive buffer of
     # at most half this many MiB (runtime/optimizer/exchange_plan.py): two buckets in all.

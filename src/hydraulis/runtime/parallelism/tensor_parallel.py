@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hydraulis.errors import HydraulisError
-from hydraulis.runtime.modeling.weight_grad import linear
 from hydraulis.runtime.parallelism.collectives import all_gather_into, all_reduce, reduce_scatter_into
+from hydraulis.runtime.parallelism.weight_grad import linear
 
 SHARD_ATTR = "hydraulis_shard"
 

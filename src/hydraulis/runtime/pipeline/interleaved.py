@@ -15,7 +15,7 @@ too, where a lone send would block its stream) and no shape travels. A value
 that arrives before its event keeps until the event runs.
 
 Zero-bubble (`train_step(deferred=...)`, any vp, 1 included): each backward is a
-B that keeps its linears' weight gradients (modeling/weight_grad.py), and the
+B that keeps its linears' weight gradients (parallelism/weight_grad.py), and the
 W's placed after a stage's event run after that tick's exchange, oldest first,
 so the B's input gradient leaves before its W computes.
 """
@@ -30,9 +30,9 @@ import torch
 
 from hydraulis.pipeline_order import FORWARD, WEIGHT, event_graph, stage_order, with_weights
 from hydraulis.runtime.modeling.model import StageModel
-from hydraulis.runtime.modeling.weight_grad import WeightGradStore
 from hydraulis.runtime.parallelism.batch import MicroBatchInput
 from hydraulis.runtime.parallelism.groups import ReplicaGroups, lane_ranks
+from hydraulis.runtime.parallelism.weight_grad import WeightGradStore
 from hydraulis.runtime.pipeline.lane import LaneP2P, LossShares, backward_from, deallocate_output
 
 Event = tuple[int, int, int]  # (FORWARD or BACKWARD, micro-batch, chunk)

@@ -16,9 +16,9 @@ import torch
 from hydraulis.errors import HydraulisError
 from hydraulis.pipeline_order import stage_order, with_weights
 from hydraulis.runtime.modeling.model import StageModel
-from hydraulis.runtime.modeling.weight_grad import deferral
 from hydraulis.runtime.parallelism.batch import MicroBatchInput
 from hydraulis.runtime.parallelism.groups import ReplicaGroups
+from hydraulis.runtime.parallelism.weight_grad import deferral
 from hydraulis.runtime.pipeline.interleaved import InterleavedRun, forward_chunks
 from hydraulis.runtime.pipeline.one_f_one_b import OneFOneBRun
 
