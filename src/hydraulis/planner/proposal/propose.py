@@ -152,7 +152,7 @@ def propose(
         candidates = [candidates[i] for i in dict.fromkeys([0, *kept])]
         times_all = plan_times(cost, cluster, candidates, sample, progress, memo=memo)
         candidates, times_all = refine(cost=cost, cluster=cluster, candidates=candidates, times=times_all,
-                                       batches=sample, longest=longest, budget=len(candidates))
+                                       batches=sample, longest=longest, budget=len(candidates), memo=memo)
         pool_idx = greedy_pool(times_all, 0, max_pool)
         times = times_all[pool_idx]
     pool_deployments = tuple(candidates[i] for i in pool_idx)
