@@ -67,7 +67,7 @@ def test_the_samples_plans_go_to_the_memo_as_planned_without_it():
     longest = max(int(b.max()) for b in sample)
     candidates = candidate_deployments(cost, cluster, longest, sample)[:3]
     memo: dict = {}
-    times = plan_times(cost, cluster, candidates, sample, None, memo)
+    times = plan_times(cost, cluster, candidates, sample, None, memo=memo)
     assert np.array_equal(times, plan_times(cost, cluster, candidates, sample, None))
     for k, d in enumerate(candidates):
         planner = Planner(cost, cluster.num_gpus, [d], memo=memo)

@@ -76,7 +76,7 @@ def refine(
         if not fresh:
             break
         seen.update(str(d) for d in fresh)
-        planned = plan_times(cost, cluster, fresh, batches, None, memo)
+        planned = plan_times(cost, cluster, fresh, batches, None, memo=memo)
         candidates, times = [*candidates, *fresh], np.vstack([times, planned])
         totals = np.where(np.isfinite(times), times, 1e30).sum(axis=1)
         best = int(np.argmin(totals))
