@@ -94,11 +94,20 @@ BENCH_CASE = CASES[3]  # 70b-256g-longmix-4m-64k
 REPEATS = 3
 
 
-def cpu_s() -> float:
-    """CPU seconds of this process and its waited-for children (the proposal's forked workers): load moves the
-    wall clock of a proposal on a shared machine far more than its CPU."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+def cpu_s(children: bool = True) -> float:
+    """CPU seconds of this process and (`children`) its waited-for children (the proposal's forked workers): load
+    moves the wall clock of a proposal on a shared machine far more than its CPU."""
+    who = (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN) if children else (resource.RUSAGE_SELF,)
+    return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, who))
+
+
+def quiet_s(own: float, every: float) -> float:
+    """The wall clock a quiet machine would take, estimated from CPU seconds: this process's own (`own`; it waits
+    while its workers run), the workers' (`every` less `own`) shared by as many cores (`usable_workers`), as if
+    balanced (an estimate: a fan-out waits for its slowest worker)."""
+    from hydraulis.processes.fan_out import usable_workers
+
+    return own + (every - own) / usable_workers()
 
 
 def digest(schedule: Schedule) -> str:
@@ -124,13 +133,13 @@ def bench_planning(memory_policies: bool, interleave: bool = False, pool_file: s
     cost = load_cost_model(scenario.profile)
     cost = (cost.with_interleaving() if interleave else cost).with_policies(memory_policies)
     batches = scenario.sample(scenario.seed)
-    t, cpu = time.perf_counter(), cpu_s()
+    t, cpu, own = time.perf_counter(), cpu_s(), cpu_s(children=False)
     sample = scenario.sample(scenario.seed + 1000, 4)
     saved = pool_file is not None and os.path.exists(pool_file)
     proposed = pickle.load(open(pool_file, "rb")) if saved else None  # noqa: SIM115 -- a file this script wrote
     ctx = PolicyContext.build(cost, ClusterSpec(scenario.num_gpus), batches, sample=sample, proposed=proposed)
     pool = ctx.pool  # proposed here, with the cost model's policies (as in the bench's `hydraulis_contexts`)
-    built, cpu = time.perf_counter() - t, cpu_s() - cpu
+    built, cpu, own = time.perf_counter() - t, cpu_s() - cpu, cpu_s(children=False) - own
     if pool_file is not None and not saved:
         with open(pool_file, "wb") as f:
             pickle.dump(pool, f)
@@ -153,7 +162,8 @@ def bench_planning(memory_policies: bool, interleave: bool = False, pool_file: s
     print(
         f"{scenario.name}, bench's planner, memory policies {'per micro-batch' if memory_policies else 'off'}"
         f"{', interleaving weighed' if interleave else ''}: "
-        f"pool of {len(pool)} ({'read' if saved else 'proposed'} in {built:.1f} s, {cpu:.1f} CPU s); "
+        f"pool of {len(pool)} ({'read' if saved else 'proposed'} in {built:.1f} s, {cpu:.1f} CPU s, "
+        f"{own:.1f} of them this process's: about {quiet_s(own, cpu):.0f} s quiet); "
         f"planning mean {np.mean(medians) * 1e3:.0f} ms, "
         f"max {worst * 1e3:.0f} ms (median of {REPEATS} each; target {target * 1e3:.0f} ms) "
         f"{'ok' if worst <= target else 'MISSED'}; simulated iterations {', '.join(f'{x:.3f}' for x in iteration)} s; "

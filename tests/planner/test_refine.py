@@ -8,6 +8,7 @@ import numpy as np
 from hydraulis.bench import get_scenarios
 from hydraulis.cost import load_cost_model
 from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import candidate_deployments
 from hydraulis.planner.proposal.refine import neighbours, refine
 from hydraulis.planner.proposal.screen import plan_times
@@ -57,3 +58,19 @@ def test_homogeneous_cp_deployments_are_candidates():
     longest = max(int(b.max()) for b in sample)
     texts = {str(d) for d in candidate_deployments(cost, cluster, longest, sample)}
     assert "8x(tp2,pp1,cp2)" in texts
+
+
+def test_the_samples_plans_go_to_the_memo_as_planned_without_it():
+    """`plan_times` with a memo: the same times as without, and a planner of a pool holding a candidate finds each
+    sample's plan on it there (the phases' greedy plans the samples whole again) without packing it anew."""
+    cost, cluster, sample = scenario("7b-32g-code-256k-32k")
+    longest = max(int(b.max()) for b in sample)
+    candidates = candidate_deployments(cost, cluster, longest, sample)[:3]
+    memo: dict = {}
+    times = plan_times(cost, cluster, candidates, sample, None, memo=memo)
+    assert np.array_equal(times, plan_times(cost, cluster, candidates, sample, None))
+    for k, d in enumerate(candidates):
+        planner = Planner(cost, cluster.num_gpus, [d], memo=memo)
+        for j, b in enumerate(sample):
+            kept = len(memo)
+            assert planner.plan(b).predicted_time_s == times[k, j] and len(memo) == kept

@@ -121,7 +121,7 @@ def propose(
 ) -> Proposal:
     """Propose a pool of at most `max_pool` deployments for batches like `batches`; the fallback holds
     `max_length` (default: the longest sampled sequence)."""
-    start = time.perf_counter()
+    start, memo = time.perf_counter(), {}  # memo: the samples' plans on the candidates, which the phases' greedy reads
     if method not in METHODS:
         raise HydraulisError(f"unknown proposal method {method!r}; use one of {', '.join(METHODS)}")
     if max_pool < 1:
@@ -150,9 +150,9 @@ def propose(
             screen = min(screen, LARGE_BATCH_SCREEN)
         kept = screen_candidates(cost, cluster, candidates, sample, screen)  # sorted: the fallback first where kept
         candidates = [candidates[i] for i in dict.fromkeys([0, *kept])]
-        times_all = plan_times(cost, cluster, candidates, sample, progress)
+        times_all = plan_times(cost, cluster, candidates, sample, progress, memo=memo)
         candidates, times_all = refine(cost=cost, cluster=cluster, candidates=candidates, times=times_all,
-                                       batches=sample, longest=longest, budget=len(candidates))
+                                       batches=sample, longest=longest, budget=len(candidates), memo=memo)
         pool_idx = greedy_pool(times_all, 0, max_pool)
         times = times_all[pool_idx]
     pool_deployments = tuple(candidates[i] for i in pool_idx)
@@ -162,7 +162,7 @@ def propose(
     if method == "hydraulis" and max_pool > 1:
         # The whole-batch choices compete with the phases' for the pool's room, on the phased planner's time.
         pool_deployments, schedules = _phased_pool(cost=cost, cluster=cluster, every=every, chosen=pool_deployments,
-                                                   sample=sample, max_pool=max_pool)
+                                                   sample=sample, max_pool=max_pool, memo=memo)
         phased = np.array([s.iteration_time_s for s in schedules])
         tokens_on = tokens_per_deployment(pool_deployments, schedules)
         rows = {str(d): times_all[k] for k, d in enumerate(candidates)}
@@ -182,12 +182,12 @@ def propose(
 
 def _phased_pool(
     cost: CostModel, cluster: ClusterSpec, every: list[Deployment], chosen: tuple[Deployment, ...],
-    sample: list[np.ndarray], max_pool: int,
+    sample: list[np.ndarray], max_pool: int, memo: dict,
 ) -> tuple[tuple[Deployment, ...], list[Schedule]]:
     """The pool from the fallback and the whole samples' choices (`chosen`): the phases' deployments
     (`phase_deployments`), less those left idle (`_without_idle`), then the long phases' (`long_phase_deployments`,
-    which only add); and the phased planner's schedule of each sample on it."""
-    memo: dict = {}  # the samples' plans, shared by the two passes
+    which only add); and the phased planner's schedule of each sample on it. `memo`: the samples' plans so far
+    (`plan_times`'), shared by the two passes."""
     extra, schedules = phase_deployments(cost, cluster, every, chosen[:1], sample, max_pool=max_pool,
                                          whole=chosen[1:], memo=memo)
     pool, schedules = _without_idle(cost, cluster, (chosen[0], *extra), schedules, sample)

@@ -58,11 +58,12 @@ def refine(
     batches: Sequence[np.ndarray],
     longest: int,
     budget: int,
+    memo: dict | None = None,
 ) -> tuple[list[Deployment], np.ndarray]:
     """A local search from the candidate planned fastest on the samples: its neighbours (`neighbours`) planned,
     the best taken while it beats the current by MIN_REFINE, at most `budget` of them (a count, not seconds: the
     pool must not move with the machine's load). Every deployment planned joins the candidates (the pool's
-    greedy may want one for some batches)."""
+    greedy may want one for some batches; their plans go to `memo`, as `plan_times`')."""
     N = cluster.num_gpus
     fills = [g for g in usable_configs(cost, cluster) if g.cp == 1]
     fills = sorted(fills, key=lambda g: homogeneous_estimate(cost, g, N, [b[b <= cost.cap(g, N)] for b in batches]))
@@ -75,7 +76,8 @@ def refine(
         if not fresh:
             break
         seen.update(str(d) for d in fresh)
-        candidates, times = [*candidates, *fresh], np.vstack([times, plan_times(cost, cluster, fresh, batches, None)])
+        planned = plan_times(cost, cluster, fresh, batches, None, memo=memo)
+        candidates, times = [*candidates, *fresh], np.vstack([times, planned])
         totals = np.where(np.isfinite(times), times, 1e30).sum(axis=1)
         best = int(np.argmin(totals))
         if totals[best] >= totals[current] * (1 - MIN_REFINE):

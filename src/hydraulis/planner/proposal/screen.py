@@ -35,14 +35,17 @@ def plan_times(
     candidates: Sequence[Deployment],
     batches: Sequence[np.ndarray],
     progress: Progress | None,
+    memo: dict | None = None,
 ) -> np.ndarray:
     """Planned and simulated iteration time of every batch on every candidate (inf where it cannot hold): the
-    batches on the cores (`fan_out`, they are alike in size), a few candidates at a time for progress."""
+    batches on the cores (`fan_out`, they are alike in size), a few candidates at a time for progress. `memo`: the
+    planner's memo (`Planner(memo=)`) the plans go to, workers' included, for later planners of `cost` on pools
+    with these candidates (the phases' greedy plans the samples whole on each again)."""
     columns: list[np.ndarray] = []
     for start in range(0, len(candidates), PROGRESS_EVERY):
         chunk = list(candidates[start : start + PROGRESS_EVERY])
-        columns.append(np.array(fan_out(functools.partial(_plan_column, cost, cluster, chunk), batches,
-                                        memo=worker_memo(cost))).T)
+        columns.append(np.array(fan_out(functools.partial(_plan_column, cost, cluster, chunk, memo), batches,
+                                        memo=worker_memo(cost, memo))).T)
         if progress:
             progress("planning samples", start + len(chunk), len(candidates))
     return np.vstack(columns) if columns else np.zeros((0, len(batches)))
@@ -57,9 +60,13 @@ def worker_memo(cost: CostModel, memo: dict | None = None) -> dict:
     return memo
 
 
-def _plan_column(cost: CostModel, cluster: ClusterSpec, candidates: list[Deployment], batch: np.ndarray) -> list[float]:
-    """One batch's planned iteration on each candidate (inf where it cannot hold it)."""
-    planner = Planner(cost, cluster.num_gpus, candidates[:1])
+def _plan_column(
+    cost: CostModel, cluster: ClusterSpec, candidates: list[Deployment], memo: dict | None, batch: np.ndarray
+) -> list[float]:
+    """One batch's planned iteration on each candidate (inf where it cannot hold it). With a memo, each candidate
+    as a pool deployment: `plan_on` then packs it as the pool's screen does (`Planner._packed`, the same candidate
+    as without), once per memo."""
+    planner = Planner(cost, cluster.num_gpus, candidates if memo is not None else candidates[:1], memo=memo)
     out = []
     for d in candidates:
         out.append(np.inf)
