@@ -271,9 +271,10 @@ def test_sigterm_while_profiling_says_what_it_leaves(after, base, tmp_path, monk
     config = write_config(tmp_path / "run.toml", corpus, parallel='pool = "2x(tp1,pp1)"\nprofile = "auto"')
     out = tmp_path / "out"
     proc = start_cli("train", "--config", str(config), "--nproc", "2", "--out", str(out))
-    wait_for_line(proc, after)
+    seen = wait_for_line(proc, after)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
+    stdout = "".join(seen) + stdout  # what the command said before the signal too ("profiled in ... (kept ...)")
     if proc.returncode == 0:  # the ranks had started: they took the signal at their first step, saved, said so
         assert "stopped by SIGTERM at step 1; continue with --resume" in stdout, stdout
         assert (out / "checkpoints" / "step-000001").is_dir() and "Traceback" not in stderr, stderr
