@@ -151,3 +151,19 @@ def test_the_planner_defers_where_faster_the_plan_carries_it_and_its_memory_hold
     assert "over the" in deferral_errors(hoarding, seventy)
     with pytest.raises(HydraulisError, match="GiB"):
         check_schedule(Schedule.single(hoarding), seventy)
+
+
+def test_the_planner_chooses_the_deployment_on_deferred_times(seventy):
+    """A batch whose fused plans rank `1x(tp8,pp2,cp4)` first (3.735 s against 4.404 s) and whose deferred plans rank
+    the interleaved `2x(tp4,pp4,cp2,vp5)` first (3.627 s against 3.636 s): with the switch the planner picks the
+    deferred fastest, that deployment's own deferred plan (`plan_on`, the same packed candidate through the memo)."""
+    cluster = ClusterSpec(64)
+    pool = [Deployment.parse(n, cluster) for n in ("1x(tp8,pp2,cp4)", "2x(tp4,pp4,cp2,vp5)")]
+    lengths = np.array([5715, 4194, 10598, 5574, 2584, 7584, 23501, 15313, 2112, 1076, 2326, 5164, 301, 3779, 1102,
+                        2041, 2557, 3362, 8054, 17171, 4212, 25330, 2212, 7493])
+    fused = Planner(seventy, 64, pool, memo={})
+    assert fused.plan(lengths).deployment == pool[0]
+    own = [Planner(seventy, 64, pool, zero_bubble=True, memo={}).plan_on(lengths, d) for d in pool]
+    assert own[1].predicted_time_s < own[0].predicted_time_s
+    planned = Planner(seventy, 64, pool, zero_bubble=True, memo={}).plan(lengths)
+    assert planned.deployment == pool[1] and planned.predicted_time_s == own[1].predicted_time_s

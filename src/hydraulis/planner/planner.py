@@ -36,6 +36,8 @@ from hydraulis.specs import ClusterSpec
 
 OVERLONG_POLICIES = ("auto", "error", "split", "truncate", "drop")
 LARGE_BATCH_MARGIN = 0.02
+# zero_bubble: candidates this far over the best fused time are deferred too (deferral gains up to 1.19x, results.md)
+DEFER_MARGIN = 1.2
 METHODS = ("heuristic", "milp")
 
 
@@ -168,6 +170,7 @@ class Planner:
         best: Candidate | None = None
         best_s = float("inf")
         simulated: dict[int, float] = {}
+        kept: list[tuple[Candidate, float]] = []
         for d, k in self._worth_packing(screened, len(lengths)):
             bound = self._bound(lengths, k) if best is not None else 0.0
             if bound > best_s * (1 + 1e-9):  # no plan on it can beat the best simulated so far: not packed, and
@@ -176,6 +179,7 @@ class Planner:
             lose = np.inf if outlook or best is None else (best_s - self.cost.step_time(self.pool[k].configs))
             found = self._packed(lengths, k, d, lose * (1 + 1e-9))  # None: surely slower (a margin over rounding)
             simulated.update({} if found is None else {k: found[1]})
+            kept += [] if found is None else [found]
             best, best_s = found if found is not None and found[1] < best_s else (best, best_s)
         assert best is not None
         if outlook:
@@ -183,6 +187,11 @@ class Planner:
                                            {k: d.makespan_s for d, k in screened})
         if self.method == "milp":
             best = self._exact(lengths, best)
+        if self.zero_bubble and self.method != "milp":  # the deferred times may rank the candidates otherwise
+            plans = [self._finish(step, lengths, c, start) for c, t in sorted(kept, key=lambda x: x[1])
+                     if t <= best_s * DEFER_MARGIN]
+            return dataclasses.replace(min(plans, key=lambda p: p.predicted_time_s),
+                                       planning_time_s=time.perf_counter() - start)
         return self._finish(step, lengths, best, start)
 
     def holds(self, deployment: Deployment, longest: int) -> bool:
