@@ -56,7 +56,6 @@ class _Events:
     place: list[int]
     backward: list[int]
     backwards: tuple[tuple[tuple[int, int], ...], ...]
-    fused: tuple[tuple[int, ...], ...]  # per stage its backwards' places: the fused backward's slots
     table_kind: np.ndarray  # [pp, 2 M vp]: `pipeline_order.stage_tables`' kinds and micro-batches
     table_micro_batch: np.ndarray
     length: int  # events per stage, 2 M vp
@@ -77,7 +76,6 @@ def _events(pp: int, vp: int, m: int) -> _Events:
     return _Events(stage=g.stage.tolist(), forward=(g.kind == FORWARD).tolist(), micro_batch=g.micro_batch.tolist(),
                    chunk=g.chunk.tolist(), dep=g.dep.tolist(), transfer=transfer.tolist(), place=place.tolist(),
                    backward=backward.tolist(), backwards=backwards, length=length,
-                   fused=tuple(tuple(np.flatnonzero(kind[s] == BACKWARD).tolist()) for s in range(pp)),
                    table_kind=kind, table_micro_batch=mb)
 
 

@@ -198,27 +198,27 @@ def replica_oracle(plan: IterationPlan, replica: int, cost: CostModel, capped: b
 SPILLS = (0.0, 0.5)
 
 
-def defer_replica(plan: IterationPlan, replica: int, cost: CostModel) -> tuple[tuple[tuple[int, ...], ...], float]:
-    """One replica's deferral (`deferral.defer_slots`, the cap `replica_memory`'s) and its time; none (()) and the
-    plain order's time where deferring is not faster: a pipelined replica only, off shared CPU cores (whose joint
-    simulation runs the fused order)."""
+def defer_replica(plan: IterationPlan, replica: int, cost: CostModel) -> tuple[tuple[int, ...], ...]:
+    """One replica's deferral (`deferral.defer_slots`, the cap `replica_memory`'s); none (()) where deferring is
+    not faster than the plain order: a pipelined replica only, off shared CPU cores (whose joint simulation runs
+    the fused order)."""
     config = plan.deployment.replicas[replica].config
+    if config.pp == 1 or not plan.replicas[replica].micro_batches or cost.shared_cores is not None:
+        return ()
     times, comm = replica_stage_times(plan, replica, cost)
     plain = simulate_replica(times, config.pp, comm, keep_events=False, vp=config.vp).time_s  # often kept
-    if config.pp == 1 or not times or cost.shared_cores is not None:
-        return (), plain
     forward, input_grad, weight = _split(plan, replica, cost, times)
     held, weight_held, cap = replica_memory(plan, replica, cost)
-    slots, time_s = min((defer_slots(forward, input_grad, weight, config.pp, vp=config.vp, p2p_s=comm, held=held,
-                                     weight_held=weight_held, cap=cap, fused_s=plain, spill=spill)
-                         for spill in SPILLS), key=lambda found: found[1])
-    return (slots if any(slots) else ()), time_s
+    slots, _ = min((defer_slots(forward, input_grad, weight, config.pp, vp=config.vp, p2p_s=comm, held=held,
+                                weight_held=weight_held, cap=cap, fused_s=plain, spill=spill)
+                    for spill in SPILLS), key=lambda found: found[1])
+    return slots if any(slots) else ()
 
 
 def defer_plan(plan: IterationPlan, cost: CostModel) -> IterationPlan:
     """The plan with each replica's W's deferred where that is faster (`defer_replica`); its predicted times are
     left to the caller's simulation (`sim.simulate` times the deferred order)."""
-    replicas = tuple(dataclasses.replace(r, deferral=defer_replica(plan, k, cost)[0])
+    replicas = tuple(dataclasses.replace(r, deferral=defer_replica(plan, k, cost))
                      for k, r in enumerate(plan.replicas))
     return dataclasses.replace(plan, replicas=replicas)
 

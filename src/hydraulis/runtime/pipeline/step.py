@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from hydraulis.errors import HydraulisError
-from hydraulis.pipeline_order import stage_order, with_weights
+from hydraulis.pipeline_order import slots_error, stage_order
 from hydraulis.runtime.modeling.model import StageModel
 from hydraulis.runtime.parallelism.batch import MicroBatchInput
 from hydraulis.runtime.parallelism.groups import ReplicaGroups
@@ -119,8 +119,6 @@ def _check_step(
             f"sequence parallelism needs micro-batches of a multiple of tp={tp.size} tokens; "
             "pack them with pad_to_multiple=tp"
         )
-    if deferred:
-        try:
-            with_weights(stage_order(config.pp, config.vp, len(micro_batches), groups.stage), deferred)
-        except ValueError as e:
-            raise HydraulisError(f"stage {groups.stage}: {e}") from None
+    order = stage_order(config.pp, config.vp, len(micro_batches), groups.stage) if deferred else ()
+    if deferred and (error := slots_error(order, deferred)) is not None:
+        raise HydraulisError(f"stage {groups.stage}: {error}")
