@@ -282,7 +282,8 @@ class Planner:
             return kept if isinstance(kept, tuple) else None
         cand = self._pack_and_refine(lengths, k, improve(lengths, self._tables_for(lengths)[k], d), beat=beat)
         if cand is None:  # the memo keeps the beat it gave up at: at or below it, a later call gives up at once
-            (self._memo if self._memo is not None else {})[key] = beat
+            if self._memo is not None:
+                self._memo[key] = beat
             return None
         if self.cost.shared_cores is None:  # each replica's time is its packing's simulation: the slowest, the step
             found = cand, cand.compute_s + self.cost.step_time(cand.deployment.configs)
