@@ -239,16 +239,16 @@ def execution_orders(times: np.ndarray) -> list[np.ndarray]:
     return [desc, asc, ends, middle, pyramid]
 
 
-def order_by_simulation(
-    micro_batches: list[np.ndarray],
-    lengths: np.ndarray,
-    replica: ReplicaCost,
-    cost: CostModel,
-    bulk: bool = False,
-    ramped: bool = False,
-) -> Packing:
-    """Put the micro-batches in the order whose simulated 1F1B time is least (`ramped`: a packing of
-    `ramp_bins`, tried ascending and as a pyramid only, the orders that win there)."""
+def packing_orders(times: np.ndarray, ramped: bool, bulk: bool) -> list[np.ndarray]:
+    """The execution orders a pipelined packing is tried in: one of `ramp_bins` ascending and as a pyramid only (the
+    orders that win there), many light micro-batches (`bulk`) those with small ones at the ends."""
+    orders = execution_orders(times)
+    return orders[1::3] if ramped else orders[2:] if bulk else orders
+
+
+def order_by_simulation(micro_batches: list[np.ndarray], lengths: np.ndarray, replica: ReplicaCost, cost: CostModel,
+                        bulk: bool = False, ramped: bool = False) -> Packing:
+    """Put the micro-batches in the order whose simulated 1F1B time is least (`ramped`: of `ramp_bins`)."""
     return fastest_packing([(micro_batches, ramped)], np.asarray(lengths), replica, cost, bulk)
 
 
@@ -267,11 +267,8 @@ def fastest_packing(
             return Packing((), 0.0)
         tokens, times = stage_times(mbs, lengths, replica, cost)
         comm = np.array([cost.p2p_time(replica.config, t) for t in tokens.tolist()])
-        orders = [np.arange(len(mbs))] if replica.pp == 1 else execution_orders(times)
-        if replica.pp > 1 and ramped:
-            orders = orders[1::3]  # ascending, the pyramid
-        elif replica.pp > 1 and (bulk or sum(len(mb) for mb in mbs) >= BULK_PACK_ITEMS):
-            orders = orders[2:]  # many light micro-batches: the orders with small ones at the ends
+        orders = [np.arange(len(mbs))] if replica.pp == 1 else packing_orders(times, ramped, bulk or sum(
+            len(mb) for mb in mbs) >= BULK_PACK_ITEMS)
         prepared.append((mbs, times, comm, orders))
     if replica.pp > 1 and not any(p[3] for p in prepared):  # every packing under 3 micro-batches, bulk: no ends
         prepared = [(mbs, times, comm, execution_orders(times)) for mbs, times, comm, _ in prepared]

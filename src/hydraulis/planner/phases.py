@@ -36,7 +36,8 @@ from hydraulis.cost.model import CostModel
 from hydraulis.errors import HydraulisError
 from hydraulis.limits import check_lengths
 from hydraulis.parallel import Deployment, ParallelConfig
-from hydraulis.planner.dispatch import NoRoom
+from hydraulis.planner.dispatch import BULK_MIN_SEQUENCES, NoRoom
+from hydraulis.planner.oracles.deferred_packing import defer_faster
 from hydraulis.planner.plan import IterationPlan
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import range_estimates
@@ -89,11 +90,27 @@ class PhasedPlanner(Planner):
                         best, chosen = candidate, tuple(len(p) for p in split.phases)
                 if chosen:
                     best = self._refine_cut(lengths, chosen, best, step)
+            best = self._repacked(lengths, best)
         elapsed = time.perf_counter() - start
         phases = best.phases
         if len(phases) == 1:
             phases = (dataclasses.replace(phases[0], planning_time_s=elapsed),)
         return dataclasses.replace(best, phases=phases, planning_time_s=elapsed)
+
+    def _repacked(self, lengths: np.ndarray, schedule: Schedule) -> Schedule:
+        """The chosen schedule, with `zero_bubble` each phase's slowest replicas packed and ordered again on deferred
+        times (`oracles.deferred_packing`) on the planner that planned it: once per schedule, not per candidate."""
+        if not self.zero_bubble:
+            return schedule
+        planners = [self._later_planner() if k else self for k in range(len(schedule.phases))]
+        plans = tuple(defer_faster(p, q.cost, q._table(p.deployment, p.lengths_array),
+                                   len(p.lengths) >= BULK_MIN_SEQUENCES) for p, q in zip(schedule.phases, planners,
+                                                                                         strict=True))
+        if all(a is b for a, b in zip(plans, schedule.phases, strict=True)):
+            return schedule
+        if len(plans) == 1:
+            return Schedule.single(plans[0])
+        return self._phased(lengths, [np.asarray(i, dtype=np.int64) for i in schedule.indices], plans, schedule.step)
 
     @contextlib.contextmanager
     def _scoped_memo(self) -> Iterator[None]:

@@ -419,10 +419,8 @@ def assemble(
     """The plan of these micro-batches, each with its memory policy (`ReplicaCost.policy`; a replica whose every
     micro-batch runs the plain one lists none)."""
     lengths = np.asarray(lengths)
-    policies = []
-    for replica, mbs in zip(table.replicas, micro_batches, strict=True):
-        chosen = [replica.policy(int(lengths[np.asarray(mb, dtype=np.int64)].sum()), len(mbs)) for mb in mbs]
-        policies.append(() if all(p is None for p in chosen) else [replica.plain if p is None else p for p in chosen])
+    policies = [replica.policies_of([int(lengths[np.asarray(mb, dtype=np.int64)].sum()) for mb in mbs])
+                for replica, mbs in zip(table.replicas, micro_batches, strict=True)]
     return plan_from_assignment(step, lengths, deployment, micro_batches, 0.0, policies=policies)
 
 

@@ -222,6 +222,11 @@ class ReplicaCost:
         limits, policies = self.steps(micro_batches)
         return next((p for limit, p in zip(limits.tolist(), policies, strict=True) if tokens <= limit), None)
 
+    def policies_of(self, tokens: Sequence[int]) -> tuple[MemoryPolicy, ...]:
+        """A plan's policies of micro-batches of these `tokens` (`policy`; empty where every one runs the plain one)."""
+        chosen = [self.policy(int(t), len(tokens)) for t in tokens]
+        return () if all(p is None for p in chosen) else tuple(self.plain if p is None else p for p in chosen)
+
     def steps(self, micro_batches: int) -> tuple[np.ndarray, tuple[MemoryPolicy | None, ...]]:
         """`policy` at one count as limits and policies: a micro-batch runs the policy of the first limit that holds
         it (None: the plain one; past every limit, None too). Kept per count (`_steps`)."""

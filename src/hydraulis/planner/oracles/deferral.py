@@ -115,7 +115,7 @@ def defer_slots(
     forward_s: Sequence[float], input_grad_s: Sequence[float], weight_grad_s: Sequence[float], pp: int, *,
     vp: int = 1, p2p_s: Sequence[float] | float = 0.0, held: Sequence[float] | None = None,
     weight_held: Sequence[float] | None = None, cap: Sequence[float] | None = None, fused_s: float | None = None,
-    spill: float = 0.0,
+    spill: float = 0.0, beat: float = np.inf,
 ) -> tuple[Slots, float]:
     """Each stage's slots by the greedy rule (module docstring) and the time of that order; where that is not
     faster than the fused backward, none (each stage ()) and the fused order's time. The arguments are
@@ -123,7 +123,9 @@ def defer_slots(
     its p2p time, one chunk's activations and its deferred W's bytes; per stage the memory cap (at least what the
     plan's own order holds, `zero_bubble.order_peak`). Bytes are counted after each event and the W's after it.
     `fused_s`: the fused order's time where the caller has it (`sim.simulate_replica`'s, often kept). `spill`: a W
-    runs in a gap it overruns by at most this share of its own length too (delaying the next event)."""
+    runs in a gap it overruns by at most this share of its own length too (delaying the next event). `beat`: the
+    greedy is given up (the fused order returned) once a stage's clock and its work still to run pass it, so the
+    answer is the same wherever it is below `beat`."""
     m = len(forward_s)
     if m == 0 or pp == 1:
         return tuple(() for _ in range(pp)), float(np.sum(forward_s) + np.sum(input_grad_s) + np.sum(weight_grad_s))
@@ -135,7 +137,9 @@ def defer_slots(
     own = order_peak(pp, vp, hf)
     caps = [o * (1 + _EPS) for o in own] if cap is None else [max(c, o) * (1 + _EPS) for c, o in zip(cap, own,
                                                                                                       strict=True)]
-    clock, now, keep = [0.0] * pp, [0.0] * pp, 1.0 - spill
+    clock, now, idle, keep, over = [0.0] * pp, [0.0] * pp, [0.0] * pp, 1.0 - spill, False
+    # a stage ends after all its work (every stage's the same) and its idle time: past `beat` once that idles `slack`
+    slack = beat * (1 + _EPS) - float(np.sum(forward_s) + np.sum(input_grad_s) + np.sum(weight_grad_s))
     pending: list[deque] = [deque() for _ in range(pp)]
     slots = [[ev.length - 1] * (m * vp) for _ in range(pp)]
     end = [0.0] * len(ev.stage)
@@ -152,7 +156,13 @@ def defer_slots(
             while q and c + q[0][1] * keep <= ready:  # the gap: whole W's, oldest first, that end by the input
                 i, work, byte = q.popleft()
                 slots[s][i], c, now[s] = at, c + work, now[s] - byte
-        c = (c if c > ready else ready) + (f[j] if fwd else b[j])
+        if ready > c:
+            idle[s] += ready - c
+            if idle[s] > slack:
+                over = True
+                break
+            c = ready
+        c += f[j] if fwd else b[j]
         end[e] = c
         if fwd:
             now[s] += hf[j]
@@ -168,7 +178,9 @@ def defer_slots(
             clock[s] += work
     fused = time_deferred(forward_s, input_grad_s, weight_grad_s, pp, (), vp=vp, p2p_s=p2p_s)[0] if fused_s is None \
         else fused_s
-    return (tuple(tuple(x) for x in slots), max(clock)) if max(clock) < fused else (tuple(() for _ in range(pp)), fused)
+    if over or max(clock) >= fused:
+        return tuple(() for _ in range(pp)), fused
+    return tuple(tuple(x) for x in slots), max(clock)
 
 
 def time_deferred(

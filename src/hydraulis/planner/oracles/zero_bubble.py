@@ -209,10 +209,12 @@ def defer_replica(plan: IterationPlan, replica: int, cost: CostModel) -> tuple[t
     plain = simulate_replica(times, config.pp, comm, keep_events=False, vp=config.vp).time_s  # often kept
     forward, input_grad, weight = _split(plan, replica, cost, times)
     held, weight_held, cap = replica_memory(plan, replica, cost)
-    slots, _ = min((defer_slots(forward, input_grad, weight, config.pp, vp=config.vp, p2p_s=comm, held=held,
-                                weight_held=weight_held, cap=cap, fused_s=plain, spill=spill)
-                    for spill in SPILLS), key=lambda found: found[1])
-    return slots if any(slots) else ()
+    best: tuple[tuple[tuple[int, ...], ...], float] = ((), plain)
+    for spill in SPILLS:  # each given up once it cannot beat the best before it (the first of equal times kept)
+        found = defer_slots(forward, input_grad, weight, config.pp, vp=config.vp, p2p_s=comm, held=held,
+                            weight_held=weight_held, cap=cap, fused_s=plain, spill=spill, beat=best[1])
+        best = found if found[1] < best[1] else best
+    return best[0] if any(best[0]) else ()
 
 
 def defer_plan(plan: IterationPlan, cost: CostModel) -> IterationPlan:
