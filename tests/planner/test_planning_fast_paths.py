@@ -3,6 +3,8 @@ same plans, less work."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -13,6 +15,7 @@ from hydraulis.parallel import Deployment
 from hydraulis.planner import planner as planner_module
 from hydraulis.planner.oracles.zero_bubble import defer_plan
 from hydraulis.planner.planner import Planner
+from hydraulis.planner.schedule import phase_compute_s
 from hydraulis.planner.sim import simulate, work_bound
 from hydraulis.specs import ClusterSpec
 
@@ -74,3 +77,16 @@ def test_a_deferred_plan_is_made_once_per_memo(seventy, monkeypatch):
     assert len(calls) == 1 and first.replicas == again.replicas and first.predicted_time_s == again.predicted_time_s
     alone = Planner(seventy, 64, [deployment], zero_bubble=True).plan_on(lengths, deployment)
     assert alone.replicas == first.replicas and alone.predicted_time_s == first.predicted_time_s
+
+
+@pytest.mark.parametrize("later", [False, True])
+def test_a_phases_compute_is_its_simulation_read_from_the_plan(seventy, later):
+    """`schedule.phase_compute_s`: a plan's slowest replica as `finalize` simulated it is the simulator's compute on
+    the phases' cost model, for a later phase's plan too (planned within `CostModel.later_phase`'s caps)."""
+    deployment = Deployment.parse(POOL[1], CLUSTER)
+    cost = seventy.later_phase() if later else seventy
+    plan = Planner(cost, 64, [deployment], zero_bubble=True).plan_on(batch(11), deployment)
+    assert any(r.deferral for r in plan.replicas)
+    assert phase_compute_s(plan, seventy) == simulate(plan, seventy, keep_events=False).compute_time_s
+    bare = dataclasses.replace(plan, replica_predicted_s=())  # a plan nobody simulated: simulated here
+    assert phase_compute_s(bare, seventy) == phase_compute_s(plan, seventy)

@@ -40,8 +40,7 @@ from hydraulis.planner.dispatch import NoRoom
 from hydraulis.planner.plan import IterationPlan
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import range_estimates
-from hydraulis.planner.schedule import Schedule, mean_switch_time, phase_switch_time, phases_time
-from hydraulis.planner.sim import simulate
+from hydraulis.planner.schedule import Schedule, mean_switch_time, phase_compute_s, phase_switch_time, phases_time
 
 MAX_PHASES = 3
 FULL_SPLITS = 2  # splits planned in full after the estimate
@@ -242,7 +241,7 @@ class PhasedPlanner(Planner):
                 or any(p.deployment != d for p, d in zip(plans, on, strict=True) if p is not None)):
             return np.inf
         switches = sum(phase_switch_time(self.cost, self.num_gpus, a.configs, b.configs) for a, b in pairs)
-        rest = sum(simulate(p, self.cost, keep_events=False).compute_time_s for p in plans if p is not None)
+        rest = sum(phase_compute_s(p, self.cost) for p in plans if p is not None)
         return beat * (1 + 1e-9) - rest - switches - self.cost.step_time(on[-1].configs)
 
     @staticmethod
