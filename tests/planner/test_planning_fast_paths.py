@@ -12,9 +12,13 @@ from hypothesis import strategies as st
 
 from hydraulis.cost import load_cost_model
 from hydraulis.parallel import Deployment
+from hydraulis.planner import phases as phases_module
 from hydraulis.planner import planner as planner_module
+from hydraulis.planner.dispatch import NoRoom, dispatch
 from hydraulis.planner.oracles.zero_bubble import defer_plan
+from hydraulis.planner.phases import PhasedPlanner, work_floor
 from hydraulis.planner.planner import Planner
+from hydraulis.planner.replicas import ReplicaTable
 from hydraulis.planner.schedule import phase_compute_s
 from hydraulis.planner.sim import simulate, work_bound
 from hydraulis.specs import ClusterSpec
@@ -90,3 +94,34 @@ def test_a_phases_compute_is_its_simulation_read_from_the_plan(seventy, later):
     assert phase_compute_s(plan, seventy) == simulate(plan, seventy, keep_events=False).compute_time_s
     bare = dataclasses.replace(plan, replica_predicted_s=())  # a plan nobody simulated: simulated here
     assert phase_compute_s(bare, seventy) == phase_compute_s(plan, seventy)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 10_000), st.integers(2, 60), st.sampled_from(POOL))
+def test_the_work_floor_is_below_every_dispatch(seventy, seed, n, name):
+    """`phases.work_floor`: no dispatch of the batch on the deployment estimates its slowest replica below it."""
+    deployment = Deployment.parse(name, CLUSTER)
+    table = ReplicaTable.of(seventy, deployment, 64, n)
+    lengths = batch(seed, n)
+    try:
+        found = dispatch(lengths, table, search=False), dispatch(lengths, table)
+    except NoRoom:
+        return
+    assert all(work_floor(table, lengths) <= d.makespan_s * (1 + 1e-12) for d in found)
+
+
+def test_the_splits_estimates_skip_deployments_that_cannot_be_least(seventy, monkeypatch):
+    """`PhasedPlanner.splits`: with each part's deployments dispatched only up to the first whose floor is above the
+    least makespan so far, the same splits and estimates as with every one dispatched (floor 0, the slow definition)."""
+    pool = [Deployment.parse(n, CLUSTER) for n in POOL]
+    lengths = np.concatenate([batch(3, 60), [29000, 30000, 27000]])
+    calls = []
+    greedy = PhasedPlanner._greedy
+    monkeypatch.setattr(PhasedPlanner, "_greedy", lambda self, *a: calls.append(1) or greedy(self, *a))
+    fast = PhasedPlanner(seventy, 64, pool, memo={}).splits(lengths)
+    fewer = len(calls)
+    monkeypatch.setattr(phases_module, "work_floor", lambda table, lengths: 0.0)
+    slow = PhasedPlanner(seventy, 64, pool, memo={}).splits(lengths)
+    assert fast and fewer < len(calls) - fewer
+    assert [(s.estimate_s, [p.tolist() for p in s.phases]) for s in fast] == [
+        (s.estimate_s, [p.tolist() for p in s.phases]) for s in slow]
