@@ -5,7 +5,8 @@ batches (not timed).
 
 The bench's own: `hydraulis bench`'s planner (the phased one, as `make_policy("hydraulis")` builds it) on the
 256-GPU case, its pool proposed as the bench proposes it (4 samples), with one memory policy per run and with
-one per micro-batch (`CostModel.with_policies`; the pool then proposed with them, as the bench does): each
+one per micro-batch (`CostModel.with_policies`; the pool then proposed with them, as the bench does), weight
+gradients deferred where faster (`Planner(zero_bubble=True)`, the bench's default): each
 iteration timed 3 times, the median kept; mean and max over the iterations against the 1 s target; and the
 first plan's simulations and simulated events (`sim.RUN`), which load does not move. `--quick`
 leaves it out (two proposals of a few minutes on 2 cores).
@@ -19,7 +20,8 @@ sequences on 64 GPUs and 200K on 1024 (targets: 60 s each).
 `--interleave` times the bench's planner as `hydraulis bench` runs it now: its configs also interleaved
 (`CostModel.with_interleaving`), with memory policies per micro-batch, beside the same without interleaving;
 with `--pool-file F` the interleaved one alone, its pool proposed once into F and read from it after (planning
-re-timed in seconds; each batch's schedule digest printed, to check that a change keeps every plan).
+re-timed in seconds, the proposal's memory caps read with it as the bench's planner finds them after its proposal;
+each batch's schedule digest printed, to check that a change keeps every plan).
 
     PYTHONPATH=src python benchmarks/planning_time.py [--quick] [--proposal] [--bench-only] [--interleave]
         [--pool-file F]
@@ -28,6 +30,7 @@ re-timed in seconds; each batch's schedule digest printed, to check that a chang
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import os
 import pickle
@@ -137,13 +140,17 @@ def bench_planning(memory_policies: bool, interleave: bool = False, pool_file: s
     sample = scenario.sample(scenario.seed + 1000, 4)
     saved = pool_file is not None and os.path.exists(pool_file)
     proposed = pickle.load(open(pool_file, "rb")) if saved else None  # noqa: SIM115 -- a file this script wrote
+    if isinstance(proposed, dict):  # the proposal's caps too, which the bench's planner finds after its proposal
+        cost.cap_cache().update(proposed["caps"])
+        cost.later_phase().cap_cache().update(proposed["later caps"])
+        proposed = proposed["pool"]
     ctx = PolicyContext.build(cost, ClusterSpec(scenario.num_gpus), batches, sample=sample, proposed=proposed)
     pool = ctx.pool  # proposed here, with the cost model's policies (as in the bench's `hydraulis_contexts`)
     built, cpu, own = time.perf_counter() - t, cpu_s() - cpu, cpu_s(children=False) - own
     if pool_file is not None and not saved:
         with open(pool_file, "wb") as f:
-            pickle.dump(pool, f)
-    policy = make_policy("hydraulis", ctx)
+            pickle.dump({"pool": pool, "caps": cost.cap_cache(), "later caps": cost.later_phase().cap_cache()}, f)
+    policy = make_policy("hydraulis", dataclasses.replace(ctx, zero_bubble=True))  # deferred W's, as the bench plans
     medians, iteration, work = [], [], []
     for step, batch in enumerate(batches):
         RUN.clear()  # the first run's simulations: the work, which load does not move

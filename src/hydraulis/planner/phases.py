@@ -41,8 +41,8 @@ from hydraulis.planner.oracles.deferred_packing import defer_faster
 from hydraulis.planner.plan import IterationPlan
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.pool import range_estimates
-from hydraulis.planner.schedule import Schedule, mean_switch_time, phase_switch_time, phases_time
-from hydraulis.planner.sim import simulate
+from hydraulis.planner.replicas import ReplicaTable
+from hydraulis.planner.schedule import Schedule, mean_switch_time, phase_compute_s, phase_switch_time, phases_time
 
 MAX_PHASES = 3
 FULL_SPLITS = 2  # splits planned in full after the estimate
@@ -209,11 +209,16 @@ class PhasedPlanner(Planner):
         return best
 
     def _estimate(self, part: np.ndarray, lone: np.ndarray) -> float:
-        """The greedy makespan of a phase on the best deployment that holds it (inf where none has room)."""
+        """The greedy makespan of a phase on the best deployment that holds it (inf where none has room): those
+        with the lowest floor (`work_floor`) first, none dispatched whose floor is above the best so far."""
+        tables = self._tables_for(part)
+        floors = {int(k): work_floor(tables[k], part) for k in np.flatnonzero(lone >= part[-1])}
         best = np.inf
-        for k in np.flatnonzero(lone >= part[-1]):
+        for k in sorted(floors, key=floors.__getitem__):
+            if floors[k] > best * (1 + 1e-9):  # a margin over float rounding
+                break
             try:
-                best = min(best, self._greedy(part, int(k)).makespan_s)
+                best = min(best, self._greedy(part, k).makespan_s)
             except NoRoom:  # more sequences beyond the caps than lone micro-batches to hold them
                 continue
         return best
@@ -259,7 +264,7 @@ class PhasedPlanner(Planner):
                 or any(p.deployment != d for p, d in zip(plans, on, strict=True) if p is not None)):
             return np.inf
         switches = sum(phase_switch_time(self.cost, self.num_gpus, a.configs, b.configs) for a, b in pairs)
-        rest = sum(simulate(p, self.cost, keep_events=False).compute_time_s for p in plans if p is not None)
+        rest = sum(phase_compute_s(p, self.cost) for p in plans if p is not None)
         return beat * (1 + 1e-9) - rest - switches - self.cost.step_time(on[-1].configs)
 
     @staticmethod
@@ -297,6 +302,14 @@ class PhasedPlanner(Planner):
         except HydraulisError:  # the merged phase has no room: its sequences fit only in phases apart
             return None
         return self._phased(lengths, merged, again, step)
+
+
+def work_floor(table: ReplicaTable, lengths: np.ndarray) -> float:
+    """At most any dispatch's makespan of `lengths` on the table's deployment (no bias): a replica's estimate is at
+    least its work (`replicas.estimate_time`), so the slowest's at least the mean and the largest sequence's, each
+    sequence at its least cost over the configs."""
+    w = table.cost_matrix(lengths).min(axis=0)
+    return max(float(w.sum()) / len(table), float(w.max()))
 
 
 def spaced_levels(levels: Sequence[int], ratio: float = LEVEL_RATIO) -> list[int]:

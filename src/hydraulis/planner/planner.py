@@ -25,13 +25,12 @@ from hydraulis.limits import check_lengths
 from hydraulis.parallel import Deployment
 from hydraulis.planner.dispatch import BULK_MIN_SEQUENCES, Dispatch, NoRoom, dispatch, improve
 from hydraulis.planner.milp import exact_assignment
-from hydraulis.planner.oracles.zero_bubble import defer_plan
 from hydraulis.planner.packing import Packing, order_by_simulation, pack_replica
-from hydraulis.planner.plan import IterationPlan, plan_from_assignment
+from hydraulis.planner.plan import IterationPlan
 from hydraulis.planner.pool import largest_cap
 from hydraulis.planner.replicas import ReplicaTable
-from hydraulis.planner.schedule import Schedule
-from hydraulis.planner.sim import simulate
+from hydraulis.planner.schedule import Schedule, assemble, finalize  # finalize: the baselines' too
+from hydraulis.planner.sim import simulate, work_bound
 from hydraulis.specs import ClusterSpec
 
 OVERLONG_POLICIES = ("auto", "error", "split", "truncate", "drop")
@@ -188,11 +187,25 @@ class Planner:
         if self.method == "milp":
             best = self._exact(lengths, best)
         if self.zero_bubble and self.method != "milp":  # the deferred times may rank the candidates otherwise
-            plans = [self._finish(step, lengths, c, start) for c, t in sorted(kept, key=lambda x: x[1])
-                     if t <= best_s * DEFER_MARGIN]
-            return dataclasses.replace(min(plans, key=lambda p: p.predicted_time_s),
+            return dataclasses.replace(self._deferred(step, lengths, kept, best_s * DEFER_MARGIN, start),
                                        planning_time_s=time.perf_counter() - start)
         return self._finish(step, lengths, best, start)
+
+    def _deferred(self, step: int, lengths: np.ndarray, kept: list[tuple[Candidate, float]], within: float,
+                  start: float) -> IterationPlan:
+        """The fastest plan of the candidates whose simulated time is `within`, each deferred (`finalize`; of equals
+        the fastest before deferral): one whose busiest stage's work alone (`sim.work_bound`, which deferral only
+        reorders) is above the fastest so far is not deferred, as it cannot win."""
+        best: IterationPlan | None = None
+        for cand, _ in (x for x in sorted(kept, key=lambda x: x[1]) if x[1] <= within):
+            if best is not None and work_bound(assemble(step, lengths, cand.deployment, cand.micro_batches,
+                                                        self._table(cand.deployment, lengths)),
+                                               self.cost) > best.predicted_time_s * (1 + 1e-9):
+                continue
+            plan = self._finish(step, lengths, cand, start)
+            best = plan if best is None or plan.predicted_time_s < best.predicted_time_s else best
+        assert best is not None  # the fastest candidate is always within
+        return best
 
     def holds(self, deployment: Deployment, longest: int) -> bool:
         """Whether some replica of `deployment` fits a sequence of `longest` tokens."""
@@ -393,9 +406,20 @@ class Planner:
         return Candidate(cand.deployment, tuple(p.micro_batches for p in packs), times)
 
     def _finish(self, step: int, lengths: np.ndarray, cand: Candidate, start: float) -> IterationPlan:
-        return finalize(step=step, lengths=lengths, deployment=cand.deployment, micro_batches=cand.micro_batches,
+        """The candidate's plan (`finalize`); deferred, once per memo: a batch's phases often plan one part alike
+        (two splits' first phase, its merge) and deferring is the dearest of it."""
+        key = None
+        if self.zero_bubble and self._memo is not None:
+            key = ("final", cand.deployment, step, lengths.tobytes(),
+                   tuple(tuple(np.asarray(mb).tobytes() for mb in mbs) for mbs in cand.micro_batches))
+            if key in self._memo:
+                return dataclasses.replace(self._memo[key], planning_time_s=time.perf_counter() - start)
+        plan = finalize(step=step, lengths=lengths, deployment=cand.deployment, micro_batches=cand.micro_batches,
                         cost=self.cost, started=start, table=self._table(cand.deployment, lengths),
                         zero_bubble=self.zero_bubble)
+        if key is not None:
+            self._memo[key] = plan
+        return plan
 
 
 def _relative(chosen: int, n: int, simulated: dict[int, float], screened: dict[int, float]) -> tuple[float, ...]:
@@ -410,37 +434,3 @@ def _relative(chosen: int, n: int, simulated: dict[int, float], screened: dict[i
         return float("inf")
 
     return tuple(ratio(k) for k in range(n))
-
-
-def assemble(
-    step: int, lengths: np.ndarray, deployment: Deployment, micro_batches: Sequence[Sequence[Sequence[int]]],
-    table: ReplicaTable,
-) -> IterationPlan:
-    """The plan of these micro-batches, each with its memory policy (`ReplicaCost.policy`; a replica whose every
-    micro-batch runs the plain one lists none)."""
-    lengths = np.asarray(lengths)
-    policies = [replica.policies_of([int(lengths[np.asarray(mb, dtype=np.int64)].sum()) for mb in mbs])
-                for replica, mbs in zip(table.replicas, micro_batches, strict=True)]
-    return plan_from_assignment(step, lengths, deployment, micro_batches, 0.0, policies=policies)
-
-
-def finalize(
-    step: int, lengths: np.ndarray, deployment: Deployment, micro_batches: Sequence[Sequence[Sequence[int]]],
-    cost: CostModel, started: float, table: ReplicaTable | None = None, zero_bubble: bool = False,
-) -> IterationPlan:
-    """A validated IterationPlan whose predicted time is the simulator's, and whose planning time ends now.
-
-    Every sequence exactly once and every micro-batch within its replica's cap, else a HydraulisError.
-    `table`: the deployment's on `cost`, where the caller has it (building one reads every policy's caps).
-    `zero_bubble`: each replica's weight gradients deferred into its stages' gaps where that simulates faster
-    (`oracles.zero_bubble.defer_plan`), its predicted time that order's.
-    """
-    table = ReplicaTable.of(cost, deployment, deployment.num_gpus) if table is None else table
-    plan = assemble(step, lengths, deployment, micro_batches, table)
-    plan.validate(cost, deployment.num_gpus, where=f"step {step}")
-    if zero_bubble:
-        plan = defer_plan(plan, cost)
-    predicted = simulate(plan, cost, keep_events=False)
-    return dataclasses.replace(plan, predicted_time_s=predicted.iteration_time_s,
-                               replica_predicted_s=tuple(float(t) for t in predicted.replica_times_s),
-                               planning_time_s=time.perf_counter() - started)

@@ -10,7 +10,9 @@ file and wire formats.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,13 +21,14 @@ import numpy as np
 from hydraulis.cost.model import CostModel
 from hydraulis.cost.policies import LIGHTEST_FIRST
 from hydraulis.errors import HydraulisError
-from hydraulis.parallel import ParallelConfig
-from hydraulis.planner.oracles.zero_bubble import deferral_errors
-from hydraulis.planner.plan import IterationPlan, Schedule
+from hydraulis.parallel import Deployment, ParallelConfig
+from hydraulis.planner.oracles.zero_bubble import defer_plan, deferral_errors
+from hydraulis.planner.plan import IterationPlan, Schedule, plan_from_assignment
+from hydraulis.planner.replicas import ReplicaTable
 from hydraulis.planner.sim import simulate
 
 __all__ = ["Schedule", "MemoryChoices", "check_schedule", "phase_switch_time", "mean_switch_time", "phases_time",
-           "phases_text", "schedule_text"]
+           "phase_compute_s", "phases_text", "schedule_text"]
 
 
 def phase_switch_time(
@@ -54,11 +57,21 @@ def mean_switch_time(phases: Sequence[IterationPlan], cost: CostModel) -> float:
                for a, b in zip(phases, phases[1:], strict=False)) / (len(phases) - 1)
 
 
+def phase_compute_s(plan: IterationPlan, cost: CostModel) -> float:
+    """A phase's simulated compute: its slowest replica as `finalize` simulated it, where the plan carries that (a
+    deferred phase of thousands of sequences takes a while to simulate; the phases' cost models time alike, a later
+    phase's differing in its caps alone), else simulated; with the exchange inside compute, simulated."""
+    if plan.replica_predicted_s and len(plan.replica_predicted_s) == len(plan.replicas) and not cost.overlap_exchange:
+        return max(plan.replica_predicted_s)
+    return simulate(plan, cost, keep_events=False).compute_time_s
+
+
 def phases_time(phases: list[IterationPlan] | tuple[IterationPlan, ...], cost: CostModel, switch_s: float) -> float:
-    """Simulated compute of each phase, one switch between phases, then the last phase's optimizer step."""
+    """Simulated compute of each phase (`phase_compute_s`), one switch between phases, then the last phase's
+    optimizer step."""
     if len(phases) == 1:
         return simulate(phases[0], cost, keep_events=False).iteration_time_s
-    compute = sum(simulate(p, cost, keep_events=False).compute_time_s for p in phases)
+    compute = sum(phase_compute_s(p, cost) for p in phases)
     return compute + switch_s * (len(phases) - 1) + cost.step_time(phases[-1].deployment.configs)
 
 
@@ -147,3 +160,37 @@ def schedule_text(schedule: Schedule, cost: CostModel, num_gpus: int) -> str:
     names = [str(p.deployment) for p in schedule.phases]
     repeated = len(phase_runs(names)) < len(names)
     return phases_text(names, MemoryChoices.of(schedule, cost, num_gpus).alone if repeated else 0)
+
+
+def assemble(
+    step: int, lengths: np.ndarray, deployment: Deployment, micro_batches: Sequence[Sequence[Sequence[int]]],
+    table: ReplicaTable,
+) -> IterationPlan:
+    """The plan of these micro-batches, each with its memory policy (`ReplicaCost.policy`; a replica whose every
+    micro-batch runs the plain one lists none)."""
+    lengths = np.asarray(lengths)
+    policies = [replica.policies_of([int(lengths[np.asarray(mb, dtype=np.int64)].sum()) for mb in mbs])
+                for replica, mbs in zip(table.replicas, micro_batches, strict=True)]
+    return plan_from_assignment(step, lengths, deployment, micro_batches, 0.0, policies=policies)
+
+
+def finalize(
+    step: int, lengths: np.ndarray, deployment: Deployment, micro_batches: Sequence[Sequence[Sequence[int]]],
+    cost: CostModel, started: float, table: ReplicaTable | None = None, zero_bubble: bool = False,
+) -> IterationPlan:
+    """A validated IterationPlan whose predicted time is the simulator's, and whose planning time ends now.
+
+    Every sequence exactly once and every micro-batch within its replica's cap, else a HydraulisError.
+    `table`: the deployment's on `cost`, where the caller has it (building one reads every policy's caps).
+    `zero_bubble`: each replica's weight gradients deferred into its stages' gaps where that simulates faster
+    (`oracles.zero_bubble.defer_plan`), its predicted time that order's.
+    """
+    table = ReplicaTable.of(cost, deployment, deployment.num_gpus) if table is None else table
+    plan = assemble(step, lengths, deployment, micro_batches, table)
+    plan.validate(cost, deployment.num_gpus, where=f"step {step}")
+    if zero_bubble:
+        plan = defer_plan(plan, cost)
+    predicted = simulate(plan, cost, keep_events=False)
+    return dataclasses.replace(plan, predicted_time_s=predicted.iteration_time_s,
+                               replica_predicted_s=tuple(float(t) for t in predicted.replica_times_s),
+                               planning_time_s=time.perf_counter() - started)

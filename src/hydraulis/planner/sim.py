@@ -233,6 +233,16 @@ def replica_stage_times(plan: IterationPlan, replica: int, cost: CostModel) -> t
     return times, comm
 
 
+def work_bound(plan: IterationPlan, cost: CostModel) -> float:
+    """A floor of the plan's simulated iteration in any order of its events, weight gradients deferred or not: a stage
+    of its busiest replica runs every micro-batch's work one at a time, then the step (0 on shared CPU cores, whose
+    rates follow what runs beside)."""
+    if cost.shared_cores is not None:
+        return 0.0
+    work = max((sum(replica_stage_times(plan, r, cost)[0]) for r in range(len(plan.replicas))), default=0.0)
+    return work + cost.step_time(plan.deployment.configs)
+
+
 def simulate(plan: IterationPlan, cost: CostModel, keep_events: bool = True) -> SimResult:
     """The plan's iteration: every replica's 1F1B (interleaved where its config has vp > 1), then the step after
     compute.
