@@ -146,36 +146,3 @@ def test_a_round_that_stops_at_its_first_miss_plans_what_a_whole_round_plans(bat
     assert a.deployment == b.deployment
     assert a.predicted_time_s == b.predicted_time_s
     assert [r.micro_batches for r in a.replicas] == [r.micro_batches for r in b.replicas]
-
-
-def _searched(shape: tuple[int, int, int]) -> float:
-    pp, v, vp = shape
-    t = 0.1 + 0.05 * np.arange(v)
-    return replica_time_below(t, pp, 0.01 + 0.0 * t, vp)
-
-
-def test_the_layouts_a_worker_built_come_back_and_search_as_built_here():
-    """A forked worker's pipeline layouts come back through the proposal's memo (`worker_memo`); a search on one
-    of them gives what one on a layout built here gives."""
-    from hydraulis.planner import order_search
-    from hydraulis.planner.proposal.screen import worker_memo
-    from hydraulis.processes.fan_out import fan_out
-
-    shapes = [(2, 3, 1), (4, 6, 2), (8, 9, 3)]
-    order_search.kept_layouts().clear()
-    sim.forget()
-    times = fan_out(_searched, shapes, workers=2, memo=worker_memo(replica(2, 1)[1]))
-    kept = order_search.kept_layouts()
-    assert set(kept) >= set(shapes)
-    built = {s: kept.pop(s) for s in shapes}
-    sim.forget()
-    assert [_searched(s) for s in shapes] == times  # on layouts built here
-    for s in shapes:
-        assert np.array_equal(built[s].every.head, kept[s].every.head)
-        assert built[s].sweep.after == kept[s].sweep.after
-
-
-def test_kept_entries_stay_within_their_bound_even_past_it():
-    kept = {k: k for k in range(5)}  # a worker's merged in beyond the bound of 3
-    sim._keep(kept, "new", 0, most=3)
-    assert list(kept) == [3, 4, "new"]

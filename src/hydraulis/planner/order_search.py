@@ -14,6 +14,7 @@ drain-only floor ran, and the later ones stop sooner (docs/results.md).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,7 +22,6 @@ import numpy as np
 
 from hydraulis.planner.sim import (
     FORWARD_SHARE,
-    _keep,
     _Sweep,
     _sweep,
     event_tables,
@@ -81,24 +81,10 @@ class _Layout:
     edges: _Events  # the first and the last stage's: the floor (the middle ones' bound no order more, measured)
 
 
-# The layouts built, by (pp, micro-batches, vp): a proposal meets some 750 on long-70b-256g, each built in its forked
-# workers, which hand theirs back (`kept_layouts`, through `fan_out`'s memo) so that the next rounds' find them.
-_LAYOUTS: dict[tuple[int, int, int], _Layout] = {}
-LAYOUTS_KEPT = 1024  # the oldest forgotten past it (each up to a few MB)
-
-
-def kept_layouts() -> dict[tuple[int, int, int], _Layout]:
-    """The layouts kept (a dict that `fan_out`'s memo may carry to and from workers)."""
-    return _LAYOUTS
-
-
+@functools.lru_cache(maxsize=1024)  # long-70b-256g's proposal meets 755 (pp, v, vp): 256 rebuilt 2,897 times
 def _layout(pp: int, v: int, vp: int) -> _Layout:
-    found = _LAYOUTS.get((pp, v, vp))
-    if found is None:
-        sweep = _sweep(pp, v, vp)
-        found = _Layout(sweep, vp, _Events.of(sweep, vp, list(range(pp))), _Events.of(sweep, vp, [0, pp - 1]))
-        _keep(_LAYOUTS, (pp, v, vp), found, LAYOUTS_KEPT)
-    return found
+    sweep = _sweep(pp, v, vp)
+    return _Layout(sweep, vp, _Events.of(sweep, vp, list(range(pp))), _Events.of(sweep, vp, [0, pp - 1]))
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ import functools
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
 
@@ -76,7 +75,6 @@ Key = tuple[int, int, bytes, bytes]
 _FINISHED: dict[Key, float] = {}
 _ABOVE: dict[Key, float] = {}
 FINISHED_KEPT = 4096  # of each; the oldest forgotten past it
-V = TypeVar("V")
 
 
 def finished(key: Key) -> float | None:
@@ -105,9 +103,8 @@ def forget() -> None:
     _ABOVE.clear()
 
 
-def _keep(kept: dict, key: object, value: V, most: int = FINISHED_KEPT) -> V:
-    """`kept[key] = value`, the oldest forgotten past `most` (beyond it where a worker's were merged in)."""
-    while key not in kept and len(kept) >= most:
+def _keep(kept: dict[Key, float], key: Key, value: float) -> float:
+    if key not in kept and len(kept) >= FINISHED_KEPT:
         del kept[next(iter(kept))]
     kept[key] = value
     return value

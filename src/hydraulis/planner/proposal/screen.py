@@ -17,7 +17,6 @@ import numpy as np
 from hydraulis.cost.model import CostModel
 from hydraulis.parallel import Deployment
 from hydraulis.planner.dispatch import NoRoom, dispatch
-from hydraulis.planner.order_search import kept_layouts
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.replicas import ReplicaCost, ReplicaTable
 from hydraulis.processes.fan_out import fan_out
@@ -54,12 +53,10 @@ def plan_times(
 
 def worker_memo(cost: CostModel, memo: dict | None = None) -> dict:
     """`memo` (a new one by default) for `fan_out` with the caps of `cost` and of its later phases in it
-    (`CostModel.cap_cache`), and the order search's pipeline layouts (`order_search.kept_layouts`): what a forked
-    worker's plans find, a search or an event order each, comes back to this process with the plans, so that the
-    next round's workers and the run's planner find them."""
+    (`CostModel.cap_cache`): the caps a forked worker's plans find, a search each, come back to this process
+    with the plans, so that the next round's workers and the run's planner find them."""
     memo = {} if memo is None else memo
     memo["caps"], memo["later caps"] = cost.cap_cache(), cost.later_phase().cap_cache()
-    memo["layouts"] = kept_layouts()
     return memo
 
 
