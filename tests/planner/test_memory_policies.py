@@ -321,3 +321,32 @@ def test_a_batch_packs_at_the_caps_of_the_counts_it_may_pack_and_holds_at_its_ow
                                bucket_bytes=cost.memory.exchange_bucket_bytes, recompute=ran,
                                micro_batches=len(micro_batches))
             assert rank.peak <= cost.memory.usable_bytes, (m, tokens, ran, stage)
+
+
+def _fields(r: ReplicaCost) -> tuple:
+    return tuple(getattr(r, f.name) for f in dataclasses.fields(r) if f.compare)
+
+
+def test_a_kept_replica_is_the_one_built_afresh_and_a_changed_model_builds_its_own():
+    """`ReplicaCost.of` keeps each model's replicas (the proposal's trial planners ask again): the same fields as a
+    build on a model that kept none, and a copy with another attribute (a policy's measured scale) its own."""
+    from hydraulis.planner import replicas
+
+    cost = load_cost_model("llama-7b@a800-80g").with_interleaving().with_policies(True)
+    configs = [g for g in cost.configs if g.num_gpus <= 16][:12]
+    kept = [ReplicaCost.of(cost, g, 16, most) for g in configs for most in (3, COUNT_HORIZON)]
+    assert all(a is b for a, b in zip(kept, [ReplicaCost.of(cost, g, 16, m) for g in configs
+                                             for m in (3, COUNT_HORIZON)], strict=True))
+    for r in kept:
+        r.steps(5)  # a kept replica's steps found: the next planner reads them
+    replicas._KEPT.clear()
+    fresh = [ReplicaCost.of(cost, g, 16, most) for g in configs for most in (3, COUNT_HORIZON)]
+    assert [_fields(a) for a in kept] == [_fields(b) for b in fresh]
+    assert all(np.array_equal(a.steps(5)[0], b.steps(5)[0]) and a.steps(5)[1] == b.steps(5)[1]
+               for a, b in zip(kept, fresh, strict=True))
+    scaled = POLICIES.with_policies(True)
+    before = ReplicaCost.of(scaled, P(1, 1), 4)
+    scaled.policy_scales = {P(1, 1): {MemoryPolicy.SELECTIVE: (1.6, 1.6), MemoryPolicy.FULL: (1.5, 1.5)}}
+    after = ReplicaCost.of(scaled, P(1, 1), 4)
+    replicas._KEPT.clear()
+    assert after is not before and _fields(after) == _fields(ReplicaCost.of(scaled, P(1, 1), 4))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -42,6 +43,8 @@ from hydraulis.parallel import Deployment, ParallelConfig
 # above it, sequences lighter than HEAVY_SHARE of a fair share of the work are placed in bulk.
 BULK_MIN_SEQUENCES = 8192
 HEAVY_SHARE = 1 / 16
+# `ReplicaCost.of`'s per cost model as it is: keyed by its `later_phase` copy, renewed once an attribute is another
+_KEPT: weakref.WeakKeyDictionary[CostModel, dict] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -124,9 +127,12 @@ class ReplicaCost:
 
     @classmethod
     def of(cls, cost: CostModel, config: ParallelConfig, num_gpus: int, most: int = COUNT_HORIZON) -> ReplicaCost:
-        """`most`: the most micro-batches a decision on these caps may lead to (`count_horizon`)."""
+        """`most`: the most micro-batches a decision on these caps may lead to (`count_horizon`). Kept per model
+        (`_KEPT`): every planner of the proposal's trials asks again, and its policy steps (`steps`) stay found."""
+        horizon, kept = count_horizon(config, most), _KEPT.setdefault(cost.later_phase(), {})
+        if (config, num_gpus, horizon) in kept:
+            return kept[config, num_gpus, horizon]
         k = cost.coefficients(config)
-        horizon = count_horizon(config, most)
         cap, lone = cost.cap(config, num_gpus, horizon), cost.lone_cap(config, num_gpus)
         tiers: dict[int | None, list[Tier]] = {None: [], 1: []}
         for count, rows in tiers.items():
@@ -140,9 +146,10 @@ class ReplicaCost:
             # A policy slower than a heavier one (measured factors can say so) is never the better choice.
             rows[:] = [t for j, t in enumerate(rows) if all(t.a <= u.a and t.b <= u.b for u in rows[j + 1 :])]
         count_cap = functools.partial(cost.micro_batch_cap, config, num_gpus) if cost.memory_policies else None
-        return cls(config=config, a=k.a, b=k.b, c=k.c, cap=cap, min_efficient=cost.min_efficient_tokens(config),
-                   lone_cap=lone, tiers=tuple(tiers[None]), lone_tiers=tuple(tiers[1]),
-                   plain=cost.policies(config)[0], count_cap=count_cap if config.pp > 1 else None, horizon=horizon)
+        return kept.setdefault((config, num_gpus, horizon), cls(
+            config=config, a=k.a, b=k.b, c=k.c, cap=cap, min_efficient=cost.min_efficient_tokens(config), lone_cap=lone,
+            tiers=tuple(tiers[None]), lone_tiers=tuple(tiers[1]), plain=cost.policies(config)[0],
+            count_cap=count_cap if config.pp > 1 else None, horizon=horizon))
 
     def seq_costs(self, lengths: np.ndarray) -> np.ndarray:
         """a*s^2 + b*s of each sequence, under the lightest policy whose cap holds it alone (beyond `reach`,
