@@ -43,7 +43,7 @@ from hydraulis.parallel import Deployment, ParallelConfig
 # above it, sequences lighter than HEAVY_SHARE of a fair share of the work are placed in bulk.
 BULK_MIN_SEQUENCES = 8192
 HEAVY_SHARE = 1 / 16
-# `ReplicaCost.of`'s per cost model as it is: keyed by its `later_phase` copy, renewed once an attribute is another
+# `ReplicaCost.of`'s replicas per cost model as it is: keyed by its `later_phase` copy, renewed once it changes
 _KEPT: weakref.WeakKeyDictionary[CostModel, dict] = weakref.WeakKeyDictionary()
 
 
@@ -443,13 +443,5 @@ def estimates(
     sums: ReplicaSums, table: ReplicaTable, bias: np.ndarray, rows: np.ndarray | slice = slice(None)
 ) -> np.ndarray:
     """`estimate_time` of the replicas `rows` from their sums, plus each one's bias."""
-    return (
-        estimate_time(
-            sums.W[rows],
-            sums.T[rows],
-            sums.n[rows],
-            sums.wmax[rows],
-            *(x[rows] for x in table.params),
-        )
-        + bias[rows]
-    )
+    return estimate_time(sums.W[rows], sums.T[rows], sums.n[rows], sums.wmax[rows],
+                         *(x[rows] for x in table.params)) + bias[rows]
