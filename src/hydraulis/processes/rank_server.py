@@ -18,7 +18,7 @@ from multiprocessing.context import ForkServerContext
 # torch.distributed.checkpoint (its first save or load) and torch._dynamo (which DTensor imports when the
 # first checkpoint's shards are made), each about 1 s of CPU per rank on 2 cores, once here instead.
 PRELOAD = ["hydraulis.runtime.parallelism.launch", "hydraulis.training.loop", "torch.distributed.checkpoint",
-           "torch._dynamo"]  # fmt: skip
+           "torch._dynamo", "hydraulis.processes.server_exit"]  # fmt: skip
 
 
 def context() -> ForkServerContext:
