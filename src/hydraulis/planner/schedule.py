@@ -25,7 +25,7 @@ from hydraulis.parallel import Deployment, ParallelConfig
 from hydraulis.planner.oracles.zero_bubble import defer_plan, deferral_errors
 from hydraulis.planner.plan import IterationPlan, Schedule, plan_from_assignment
 from hydraulis.planner.replicas import ReplicaTable
-from hydraulis.planner.sim import simulate
+from hydraulis.planner.sim import replica_compute_s, simulate
 
 __all__ = ["Schedule", "MemoryChoices", "check_schedule", "phase_switch_time", "mean_switch_time", "phases_time",
            "phase_compute_s", "phases_text", "schedule_text"]
@@ -58,12 +58,9 @@ def mean_switch_time(phases: Sequence[IterationPlan], cost: CostModel) -> float:
 
 
 def phase_compute_s(plan: IterationPlan, cost: CostModel) -> float:
-    """A phase's simulated compute: its slowest replica as `finalize` simulated it, where the plan carries that (a
-    deferred phase of thousands of sequences takes a while to simulate; the phases' cost models time alike, a later
-    phase's differing in its caps alone), else simulated; with the exchange inside compute, simulated."""
-    if plan.replica_predicted_s and len(plan.replica_predicted_s) == len(plan.replicas) and not cost.overlap_exchange:
-        return max(plan.replica_predicted_s)
-    return simulate(plan, cost, keep_events=False).compute_time_s
+    """A phase's simulated compute: its slowest replica's (`sim.replica_compute_s`; the phases' cost models time
+    alike, a later phase's differing in its caps alone)."""
+    return max(replica_compute_s(plan, cost), default=0.0)
 
 
 def phases_time(phases: list[IterationPlan] | tuple[IterationPlan, ...], cost: CostModel, switch_s: float) -> float:

@@ -243,6 +243,15 @@ def work_bound(plan: IterationPlan, cost: CostModel) -> float:
     return work + cost.step_time(plan.deployment.configs)
 
 
+def replica_compute_s(plan: IterationPlan, cost: CostModel) -> list[float]:
+    """Each replica's simulated compute: as `finalize` simulated it where the plan carries that (a deferred plan of
+    thousands of sequences takes a while to simulate again; with the exchange inside compute those times hold it,
+    so then simulated), else simulated."""
+    if plan.replica_predicted_s and len(plan.replica_predicted_s) == len(plan.replicas) and not cost.overlap_exchange:
+        return list(plan.replica_predicted_s)
+    return [tl.time_s for tl in simulate(plan, cost, keep_events=False).timelines]
+
+
 def simulate(plan: IterationPlan, cost: CostModel, keep_events: bool = True) -> SimResult:
     """The plan's iteration: every replica's 1F1B (interleaved where its config has vp > 1), then the step after
     compute.

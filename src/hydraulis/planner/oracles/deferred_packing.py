@@ -23,7 +23,7 @@ from hydraulis.planner.oracles.zero_bubble import replica_memory
 from hydraulis.planner.packing import packing_candidates, packing_orders
 from hydraulis.planner.plan import IterationPlan, ReplicaPlan
 from hydraulis.planner.replicas import ReplicaCost, ReplicaTable
-from hydraulis.planner.sim import replica_stage_times, simulate
+from hydraulis.planner.sim import replica_compute_s, replica_stage_times, simulate
 
 # The deferral's overrun share in the search: a W may overrun its gap by up to 3/4 of itself (`finalize` tried 0 and
 # 1/2 on the plan's own order). On long-70b-256g's two batches 3/4 alone found what 0, 1/2 and 3/4 together did
@@ -95,8 +95,7 @@ def defer_faster(plan: IterationPlan, cost: CostModel, table: ReplicaTable, bulk
     `bulk` as packing had it (a large batch of light sequences)."""
     if cost.shared_cores is not None:  # a joint simulation that runs the fused order
         return plan
-    times = list(plan.replica_predicted_s) if plan.replica_predicted_s and not cost.overlap_exchange else [
-        tl.time_s for tl in simulate(plan, cost, keep_events=False).timelines]  # (with it, those hold the exchange)
+    times = replica_compute_s(plan, cost)
     tried, out = set(), plan
     while True:
         r = int(np.argmax(times))
