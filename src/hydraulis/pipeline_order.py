@@ -181,7 +181,8 @@ def stage_tables(pp: int, vp: int, micro_batches: int) -> tuple[np.ndarray, np.n
 @functools.lru_cache(maxsize=256)
 def event_arrays(pp: int, vp: int, micro_batches: int) -> EventArrays:
     """`event_graph`'s sweep on integer tables: each event's input (`depends_on`) found by its place in its
-    stage's order, then the sweep over stage-major event numbers, one plain loop step per event."""
+    stage's order, then the sweep over stage-major event numbers, one plain loop step per event (a place per event,
+    the order its inverse)."""
     if micro_batches == 0:
         none = np.zeros(0, dtype=np.int64)
         return EventArrays(stage=none, kind=none, micro_batch=none, chunk=none, prev=none, dep=none,
@@ -196,24 +197,25 @@ def event_arrays(pp: int, vp: int, micro_batches: int) -> EventArrays:
     up = np.where(forward, virtual - 1, np.where(virtual == P - 1, virtual, virtual + 1))  # the input's virtual
     on_stage, on_kind = up % pp, np.where(forward | (virtual == P - 1), FORWARD, BACKWARD)
     dep = np.where(forward & (virtual == 0), -1, on_stage * n + place[on_stage, on_kind, up // pp, mb])
-    deps, seen, ptr, order = dep.ravel().tolist(), [-1] * (pp * n), [q * n for q in range(pp)], []
-    while len(order) < pp * n:
-        progressed = False
+    total = pp * n  # the sweep's input slot `total`: none, seen from the start; an event's place in the order
+    inputs = np.where(dep < 0, total, dep).ravel()
+    deps, seen, count = inputs.tolist(), [-1] * total + [0], 0
+    ptr, ends = list(range(0, total, n)), list(range(n, total + 1, n))
+    while count < total:
+        before = count
         for q in range(pp):
-            e, end = ptr[q], (q + 1) * n
-            while e < end:
-                d = deps[e]
-                if d >= 0 and seen[d] < 0:
-                    break
-                seen[e] = len(order)
-                order.append(e)
+            e, end = ptr[q], ends[q]
+            while e < end and seen[deps[e]] >= 0:
+                seen[e] = count
+                count += 1
                 e += 1
-            progressed = progressed or e > ptr[q]
             ptr[q] = e
-        if not progressed:
+        if count == before:
             raise RuntimeError(f"the pipeline order deadlocked (pp={pp}, vp={vp}, {micro_batches} micro-batches)")
-    at, g = np.array(seen + [-1], dtype=np.int64), np.array(order, dtype=np.int64)  # at[-1]: none
+    at, g = np.array(seen, dtype=np.int64), np.empty(total, dtype=np.int64)
+    at[total] = -1  # none
+    g[at[:total]] = np.arange(total)  # the events in the sweep's order
     first = g % n == 0
     return EventArrays(stage=g // n, kind=kind.ravel()[g], micro_batch=mb.ravel()[g], chunk=chunk.ravel()[g],
-                       prev=np.where(first, -1, at[g - 1]), dep=at[dep.ravel()[g]],
+                       prev=np.where(first, -1, at[g - 1]), dep=at[inputs[g]],
                        last=at[np.arange(1, pp + 1) * n - 1])
