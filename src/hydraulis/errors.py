@@ -7,6 +7,8 @@ Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import functools
+
 
 class HydraulisError(ValueError):
     """Bad input, named together with what to do about it."""
@@ -28,6 +30,10 @@ class CrowdedError(HydraulisError):
         self.replicas = replicas
         super().__init__(self.worded((SHORTER_WORKLOAD,
                                       "more GPUs (--gpus)", "a larger --memory-per-rank")))
+
+    def __reduce__(self) -> tuple:
+        """Pickled by its fields: a planner's error in a child process comes back whole (processes/)."""
+        return CrowdedError, (self.length, self.config, self.lone_cap, self.gpus, self.replicas)
 
     def worded(self, ways: tuple[str, ...]) -> str:
         either = ", ".join(ways[:-1]) + " or " + ways[-1] if len(ways) > 1 else ways[0]
@@ -53,6 +59,12 @@ class OverlongError(HydraulisError):
         self.remedies = remedies  # other ways out, in words every front end shares
         self.cp_profile = cp_profile  # a profile whose "+cp" variant would hold it (it has no CP configs)
         super().__init__(self.worded(f"--overlong {'|'.join(policies)}", "--profile {}"))
+
+    def __reduce__(self) -> tuple:
+        """Pickled by its fields: a planner's error in a child process comes back whole (processes/)."""
+        return functools.partial(OverlongError, where=self.where, scope=self.scope, policies=self.policies,
+                                 remedies=self.remedies, cp_profile=self.cp_profile), (self.length, self.cap,
+                                                                                       self.cap_name)
 
     def worded(self, overlong: str, profile: str) -> str:
         """The message, `overlong` naming how to cut long sequences and `profile` (a format with one {}) how

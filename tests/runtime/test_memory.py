@@ -153,12 +153,14 @@ def test_a_collectives_buffer_is_released_here_once_another_thread_lets_go_and_n
     assert collectives.late_waits == late + 1  # counted: the runtime's tests assert their runs have none
 
 
-def test_a_census_waits_for_the_planner_planning_in_the_background(quiet=None):
+def test_a_census_waits_for_the_planner_planning_in_the_background(monkeypatch, quiet=None):
     """A CPU census holds every object of the process; a tuple the planner's thread was building from an
     iterator meanwhile had two references when it grew, and CPython failed the plan with "SystemError: bad
     argument to internal function" (seen once in CI, on 4 ranks). The feed's `paused` keeps the census out of
     planning. Here the planner builds tuples from iterators for a while before each plan, so every census falls
-    inside planning; with `quiet=contextlib.nullcontext` this fails at the first census (tried by hand)."""
+    inside planning; with `quiet=contextlib.nullcontext` this fails at the first census (tried by hand). The
+    planner plans in this process's thread, as with HYDRAULIS_WORKERS=1 (else in a child: processes/plan_server)."""
+    monkeypatch.setenv("HYDRAULIS_WORKERS", "1")
     import threading
     import time
 

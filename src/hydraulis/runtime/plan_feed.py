@@ -1,10 +1,12 @@
 """The trainer's plans: drawn and planned one step ahead, broadcast from rank 0, decoded on every rank.
 
 Every rank draws the same batches from the sampler's seed without
-communicating. Rank 0 plans each one in a background thread while the
-previous iteration computes, encodes the schedule as a compact int64 vector
-there too, and broadcasts it on a CPU group (NCCL cannot broadcast host
-memory); only planning time that compute did not hide is waited for. Where
+communicating. Rank 0 plans each one while the previous iteration computes:
+a background thread hands it to a child process that plans
+(processes/plan_server.py: a thread would hold the GIL the training loop
+needs after every wait), encodes the schedule as a compact int64 vector and
+broadcasts it on a CPU group (NCCL cannot broadcast host memory); only
+planning time that compute did not hide is waited for. Where
 CPU ranks fill the cores (`ahead` off: cost/conditions.py's `spare_core`),
 rank 0 plans a batch when its step begins, while the other ranks wait at the
 broadcast: beside compute the planner took the ranks' cores, and every step
@@ -30,6 +32,8 @@ from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
 from hydraulis.planner.phases import PhasedPlanner
 from hydraulis.planner.plan import Schedule, decode_schedule, encode_schedule
+from hydraulis.processes import plan_server
+from hydraulis.processes.plan_server import PlanServer
 
 
 class PlanFeed:
@@ -47,6 +51,9 @@ class PlanFeed:
         self.world = world
         self.control = control
         self.planner = PhasedPlanner(cost, world, pool, zero_bubble=zero_bubble) if rank == 0 else None
+        # beside compute, in a child process: a planning thread would hold the GIL the training loop waits for
+        self._server = PlanServer(self.planner) if self.planner is not None and ahead and plan_server.available() \
+            else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner") if rank == 0 else None
         self.step = 0
         self.last: GlobalBatch | None = None  # the batch last handed out (training/run.py counts a mixture's sources)
@@ -56,7 +63,9 @@ class PlanFeed:
     def _plan(self, lengths: np.ndarray, step: int) -> np.ndarray:
         """Rank 0's schedule of a batch, encoded (in the planner's thread)."""
         with self._planning:
-            return encode_schedule(self.planner.schedule(lengths, step), self.pool)
+            schedule = self.planner.schedule(lengths, step) if self._server is None else \
+                self._server.schedule(lengths, step)
+            return encode_schedule(schedule, self.pool)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -140,6 +149,8 @@ class PlanFeed:
         if self.planner is None:
             return
         self.planner = self.planner.with_cost(cost)  # the same records: a plan in flight adds its step to them
+        if self._server is not None:
+            self._server.use(self.planner)
         if self._pending is not None and self._pending[1] is not None:
             batch, future = self._pending
             future.cancel()  # if it already runs, it finishes; its result is never read
@@ -148,3 +159,5 @@ class PlanFeed:
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._server is not None:
+            self._server.close()
