@@ -89,3 +89,16 @@ def test_a_child_that_died_is_one_error_naming_its_exit():
     with pytest.raises(HydraulisError, match=r"the planning process died \(exit status -9.*HYDRAULIS_WORKERS=1"):
         server.schedule(batch(1), 1)
     server.close()
+
+
+def test_a_child_forked_from_a_planning_thread_plans_as_from_the_main_one():
+    """The trainer's feed calls it from its planner thread (runtime/plan_feed.py): the child starts from there."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = PlanServer(planner())
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            theirs = pool.submit(server.schedule, batch(2), 0).result()
+        assert same(theirs, planner().schedule(batch(2), 0))
+    finally:
+        server.close()
