@@ -3,7 +3,7 @@
 A GPU rank's loop launches kernels (a few microseconds of Python each, holding the GIL) and waits on the device
 or a peer (the GIL released). Here a loop of small torch ops with a 0.5 ms wait after every 20 stands in for it,
 timed alone, beside the planner planning batches in a thread of the same process (as the trainer planned
-before processes/plan_server.py), with a 0.5 ms switch interval too, and beside the same planner in a child
+before runtime/plan_server.py), with a 0.5 ms switch interval too, and beside the same planner in a child
 process (`PlanServer`, as the trainer plans now). Each is repeated, interleaved; medians, spreads and the ratio
 to the loop alone are printed. Two planners: 64-GPU batches of a 7B model on a four-deployment pool (numpy much
 of the time, which lets the GIL go), and long-70b-256g's batches on two interleaved deployments with deferred
@@ -46,7 +46,7 @@ def planners(case: str) -> tuple[Callable[[int], object], Callable[[int], object
     from hydraulis.cost import load_cost_model
     from hydraulis.parallel import Deployment
     from hydraulis.planner.phases import PhasedPlanner
-    from hydraulis.processes.plan_server import PlanServer
+    from hydraulis.runtime.plan_server import PlanServer
     from hydraulis.specs import ClusterSpec
 
     if case == "7b-64g":

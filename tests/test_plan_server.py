@@ -1,4 +1,4 @@
-"""The trainer's planner in a child process (processes/plan_server.py) plans as the planner does in this one, keeps
+"""The trainer's planner in a child process (runtime/plan_server.py) plans as the planner does in this one, keeps
 the planner's records here, follows a refit model, raises the planner's errors and names a child's death."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hydraulis.errors import HydraulisError, OverlongError
 from hydraulis.parallel import Deployment
 from hydraulis.planner.phases import PhasedPlanner
 from hydraulis.planner.plan import Schedule
-from hydraulis.processes.plan_server import PlanServer
+from hydraulis.runtime.plan_server import PlanServer
 from hydraulis.specs import ClusterSpec
 
 CLUSTER = ClusterSpec(16)

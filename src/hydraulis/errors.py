@@ -32,7 +32,7 @@ class CrowdedError(HydraulisError):
                                       "more GPUs (--gpus)", "a larger --memory-per-rank")))
 
     def __reduce__(self) -> tuple:
-        """Pickled by its fields: a planner's error in a child process comes back whole (processes/)."""
+        """Pickled by its fields: a planner's error in a child process comes back whole (runtime/plan_server.py)."""
         return CrowdedError, (self.length, self.config, self.lone_cap, self.gpus, self.replicas)
 
     def worded(self, ways: tuple[str, ...]) -> str:
@@ -61,7 +61,7 @@ class OverlongError(HydraulisError):
         super().__init__(self.worded(f"--overlong {'|'.join(policies)}", "--profile {}"))
 
     def __reduce__(self) -> tuple:
-        """Pickled by its fields: a planner's error in a child process comes back whole (processes/)."""
+        """Pickled by its fields: a planner's error in a child process comes back whole (runtime/plan_server.py)."""
         return functools.partial(OverlongError, where=self.where, scope=self.scope, policies=self.policies,
                                  remedies=self.remedies, cp_profile=self.cp_profile), (self.length, self.cap,
                                                                                        self.cap_name)

@@ -159,7 +159,7 @@ def test_a_census_waits_for_the_planner_planning_in_the_background(monkeypatch, 
     argument to internal function" (seen once in CI, on 4 ranks). The feed's `paused` keeps the census out of
     planning. Here the planner builds tuples from iterators for a while before each plan, so every census falls
     inside planning; with `quiet=contextlib.nullcontext` this fails at the first census (tried by hand). The
-    planner plans in this process's thread, as with HYDRAULIS_WORKERS=1 (else in a child: processes/plan_server)."""
+    planner plans in this process's thread, as with HYDRAULIS_WORKERS=1 (else in a child: runtime/plan_server.py)."""
     monkeypatch.setenv("HYDRAULIS_WORKERS", "1")
     import threading
     import time

@@ -3,7 +3,7 @@
 Every rank draws the same batches from the sampler's seed without
 communicating. Rank 0 plans each one while the previous iteration computes:
 a background thread hands it to a child process that plans
-(processes/plan_server.py: a thread would hold the GIL the training loop
+(runtime/plan_server.py: a thread would hold the GIL the training loop
 needs after every wait), encodes the schedule as a compact int64 vector and
 broadcasts it on a CPU group (NCCL cannot broadcast host memory); only
 planning time that compute did not hide is waited for. Where
@@ -32,8 +32,8 @@ from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
 from hydraulis.planner.phases import PhasedPlanner
 from hydraulis.planner.plan import Schedule, decode_schedule, encode_schedule
-from hydraulis.processes import plan_server
-from hydraulis.processes.plan_server import PlanServer
+from hydraulis.runtime import plan_server
+from hydraulis.runtime.plan_server import PlanServer
 
 
 class PlanFeed:

@@ -22,16 +22,14 @@ import socket
 import struct
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from hydraulis.errors import HydraulisError
+from hydraulis.planner.phases import PhasedPlanner
+from hydraulis.planner.schedule import Schedule
 from hydraulis.processes.fan_out import WORKERS_ENV
-
-if TYPE_CHECKING:  # the planner is handed in: processes/ imports no planner module
-    from hydraulis.planner.phases import PhasedPlanner
-    from hydraulis.planner.schedule import Schedule
 
 _SIZE = struct.Struct("<Q")
 
