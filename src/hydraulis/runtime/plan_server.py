@@ -3,14 +3,14 @@
 Why not a thread: the planner is pure Python and numpy for seconds per batch, and a thread holds the
 interpreter's lock (the GIL) for all of it. The training loop needs that lock after every wait on the device or
 a peer, and gets it back only when the planner's thread gives it up, up to a switch interval (5 ms) later: a
-launch loop that waits often ran 11x slower beside a planning thread here, 4x at a 0.5 ms interval
-(`benchmarks/planner_gil.py`). A child has its own interpreter.
+launch loop that waits often ran 2.8x slower beside the 256-GPU planner in a thread, 1.4x at a 0.5 ms interval,
+and 1.00x beside it in a child (`benchmarks/planner_gil.py`), which has its own interpreter.
 
 The child is forked at the first plan, from the planner as it is then, and keeps its caches warm from batch to
 batch. Each batch goes to it and its schedule comes back, with what the plan recorded on the planner (the
 deployments that missed it, its outlook), so the planner here keeps the run's records as if it had planned. A
 refit model (`use`) goes to the child before the next plan. The child ignores Ctrl-C (its parent handles it)
-and leaves when its parent closes the pipe or dies.
+and leaves when its parent closes the socket or dies.
 """
 
 from __future__ import annotations
