@@ -61,9 +61,9 @@ def planners(case: str) -> tuple[Callable[[int], object], Callable[[int], object
     cluster = ClusterSpec(gpus)
     deployments = [Deployment.parse(t, cluster) for t in pool]
     here = PhasedPlanner(cost, gpus, deployments, zero_bubble=zero_bubble)
-    server = PlanServer(PhasedPlanner(cost, gpus, deployments, zero_bubble=zero_bubble))
+    there, server = PhasedPlanner(cost, gpus, deployments, zero_bubble=zero_bubble), PlanServer()
     return (lambda k: here.schedule(batches[k % len(batches)], k),
-            lambda k: server.schedule(batches[k % len(batches)], k), server.close)
+            lambda k: server.schedule(there, batches[k % len(batches)], k), server.close)
 
 
 def beside(plan: Callable[[int], object] | None, interval: float | None = None) -> float:

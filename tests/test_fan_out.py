@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hydraulis.errors import HydraulisError
-from hydraulis.processes.fan_out import WORKERS_ENV, fan_out, usable_workers
+from hydraulis.processes.fan_out import WORKERS_ENV, fan_out, forks_allowed, usable_workers
 
 
 def _square_noting(memo: dict, x: int) -> int:
@@ -45,14 +45,15 @@ def test_a_childs_error_is_raised_here_and_a_silent_death_named():
 
 def test_the_environment_sets_the_workers_and_a_bad_value_is_named(monkeypatch):
     monkeypatch.setenv(WORKERS_ENV, "1")
-    assert usable_workers() == 1
+    assert usable_workers() == 1 and not forks_allowed()  # the trainer's planner stays in the process too
     assert fan_out(lambda _: os.getpid(), range(3)) == [os.getpid()] * 3  # in this process
     monkeypatch.delenv(WORKERS_ENV)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * len(os.sched_getaffinity(0))))  # torchrun's ranks of a node
-    assert usable_workers() == 1
+    assert usable_workers() == 1 and forks_allowed()  # one core each, but a child may still plan beside a rank
     monkeypatch.setenv(WORKERS_ENV, "two")
-    with pytest.raises(HydraulisError, match="HYDRAULIS_WORKERS='two'"):
-        usable_workers()
+    for read in (usable_workers, forks_allowed):
+        with pytest.raises(HydraulisError, match="HYDRAULIS_WORKERS='two'"):
+            read()
     monkeypatch.setenv(WORKERS_ENV, "0")
     with pytest.raises(HydraulisError, match="set it to 1"):
         usable_workers()

@@ -41,11 +41,11 @@ def batch(seed: int) -> np.ndarray:
 
 def test_a_child_plans_as_this_process_and_the_records_stay_here():
     here, there = planner(), planner()
-    server = PlanServer(there)
+    server = PlanServer()
     try:
         for step in range(3):
             lengths = batch(step)
-            mine, theirs = here.schedule(lengths, step), server.schedule(lengths, step)
+            mine, theirs = here.schedule(lengths, step), server.schedule(there, lengths, step)
             assert same(theirs, mine)
         assert there.outlook == here.outlook and len(there.outlook) == 3
         assert there.missed == here.missed
@@ -58,11 +58,10 @@ def test_a_child_plans_as_this_process_and_the_records_stay_here():
 def test_a_refit_model_goes_to_the_child_before_the_next_plan():
     refit = COST.with_recompute(POOL[0].configs)  # another model (a config slower), as a refit hands over
     here, there = planner(), planner()
-    server = PlanServer(there)
+    server = PlanServer()
     try:
-        server.schedule(batch(0), 0)
-        server.use(there.with_cost(refit))
-        theirs = server.schedule(batch(1), 1)
+        server.schedule(there, batch(0), 0)
+        theirs = server.schedule(there.with_cost(refit), batch(1), 1)
         assert same(theirs, here.with_cost(refit).schedule(batch(1), 1))
         assert not same(theirs, here.schedule(batch(1), 1))  # not vacuous: the old model plans otherwise
     finally:
@@ -70,24 +69,24 @@ def test_a_refit_model_goes_to_the_child_before_the_next_plan():
 
 
 def test_the_planners_error_is_raised_here_and_the_child_plans_on():
-    server = PlanServer(planner())
+    server, there = PlanServer(), planner()
     try:
         with pytest.raises(OverlongError) as raised:
-            server.schedule(np.array([100, 10**7]), 0)
+            server.schedule(there, np.array([100, 10**7]), 0)
         with pytest.raises(OverlongError) as direct:
             planner().schedule(np.array([100, 10**7]), 0)
         assert str(raised.value) == str(direct.value)
-        assert server.schedule(batch(0), 1).iteration_time_s > 0
+        assert server.schedule(there, batch(0), 1).iteration_time_s > 0
     finally:
         server.close()
 
 
 def test_a_child_that_died_is_one_error_naming_its_exit():
-    server = PlanServer(planner())
-    server.schedule(batch(0), 0)
+    server, there = PlanServer(), planner()
+    server.schedule(there, batch(0), 0)
     os.kill(server._pid, signal.SIGKILL)
     with pytest.raises(HydraulisError, match=r"the planning process died \(exit status -9.*HYDRAULIS_WORKERS=1"):
-        server.schedule(batch(1), 1)
+        server.schedule(there, batch(1), 1)
     server.close()
 
 
@@ -95,10 +94,10 @@ def test_a_child_forked_from_a_planning_thread_plans_as_from_the_main_one():
     """The trainer's feed calls it from its planner thread (runtime/plan_feed.py): the child starts from there."""
     from concurrent.futures import ThreadPoolExecutor
 
-    server = PlanServer(planner())
+    server = PlanServer()
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
-            theirs = pool.submit(server.schedule, batch(2), 0).result()
+            theirs = pool.submit(server.schedule, planner(), batch(2), 0).result()
         assert same(theirs, planner().schedule(batch(2), 0))
     finally:
         server.close()

@@ -28,18 +28,31 @@ R = TypeVar("R")
 WORKERS_ENV = "HYDRAULIS_WORKERS"
 
 
+def _wanted() -> int | None:
+    """`HYDRAULIS_WORKERS` where set (1: everything in this process), checked; else None."""
+    text = os.environ.get(WORKERS_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        wanted = int(text)
+    except ValueError:
+        raise HydraulisError(f"{WORKERS_ENV}={text!r} is not a whole number; set it to 1 or more") from None
+    if wanted < 1:
+        raise HydraulisError(f"{WORKERS_ENV}={wanted}: set it to 1 (no children) or more")
+    return wanted
+
+
+def forks_allowed() -> bool:
+    """Whether work may go to a forked child at all: fork on Linux, unless `HYDRAULIS_WORKERS=1` keeps it here."""
+    return sys.platform.startswith("linux") and hasattr(os, "fork") and _wanted() != 1
+
+
 def usable_workers(per_rank: bool = True) -> int:
     """Cores this process may run on, or `HYDRAULIS_WORKERS` where set (1: everything in this process). Under
     torchrun every rank of a node prepares the job (a pool = "auto" proposes it), so each takes its share
     (`per_rank`); a corpus build takes them all (the other ranks wait for it)."""
-    text = os.environ.get(WORKERS_ENV, "").strip()
-    if text:
-        try:
-            wanted = int(text)
-        except ValueError:
-            raise HydraulisError(f"{WORKERS_ENV}={text!r} is not a whole number; set it to 1 or more") from None
-        if wanted < 1:
-            raise HydraulisError(f"{WORKERS_ENV}={wanted}: set it to 1 (no children) or more")
+    wanted = _wanted()
+    if wanted is not None:
         return wanted
     if not sys.platform.startswith("linux"):
         return 1

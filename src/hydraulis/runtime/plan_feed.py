@@ -32,7 +32,7 @@ from hydraulis.errors import HydraulisError
 from hydraulis.parallel import Deployment
 from hydraulis.planner.phases import PhasedPlanner
 from hydraulis.planner.plan import Schedule, decode_schedule, encode_schedule
-from hydraulis.runtime import plan_server
+from hydraulis.processes.fan_out import forks_allowed
 from hydraulis.runtime.plan_server import PlanServer
 
 
@@ -52,8 +52,7 @@ class PlanFeed:
         self.control = control
         self.planner = PhasedPlanner(cost, world, pool, zero_bubble=zero_bubble) if rank == 0 else None
         # beside compute, in a child process: a planning thread would hold the GIL the training loop waits for
-        self._server = PlanServer(self.planner) if self.planner is not None and ahead and plan_server.available() \
-            else None
+        self._server = PlanServer() if self.planner is not None and ahead and forks_allowed() else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner") if rank == 0 else None
         self.step = 0
         self.last: GlobalBatch | None = None  # the batch last handed out (training/run.py counts a mixture's sources)
@@ -64,7 +63,7 @@ class PlanFeed:
         """Rank 0's schedule of a batch, encoded (in the planner's thread)."""
         with self._planning:
             schedule = self.planner.schedule(lengths, step) if self._server is None else \
-                self._server.schedule(lengths, step)
+                self._server.schedule(self.planner, lengths, step)
             return encode_schedule(schedule, self.pool)
 
     @contextlib.contextmanager
@@ -149,8 +148,6 @@ class PlanFeed:
         if self.planner is None:
             return
         self.planner = self.planner.with_cost(cost)  # the same records: a plan in flight adds its step to them
-        if self._server is not None:
-            self._server.use(self.planner)
         if self._pending is not None and self._pending[1] is not None:
             batch, future = self._pending
             future.cancel()  # if it already runs, it finishes; its result is never read
