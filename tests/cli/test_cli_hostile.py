@@ -391,13 +391,14 @@ def _out_of_bounds() -> list[tuple[str, ...]]:
 OUT_OF_BOUNDS = _out_of_bounds()
 RUN_ALL = """
 import contextlib, io, json, sys
-from hydraulis.cli import main  # what the `hydraulis` command runs
+from hydraulis.cli import app
+from hydraulis.cli.common import run_app  # what the `hydraulis` command runs, less its leaving the process
 results = []
 for args in json.loads(sys.argv[1]):
     sys.argv, err = ["hydraulis", *args], io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:
-            main()
+            run_app(app)
         except SystemExit as exc:
             results.append([exc.code, err.getvalue()])
 print(json.dumps(results))
@@ -406,7 +407,7 @@ print(json.dumps(results))
 
 @pytest.fixture(scope="module")
 def refusals() -> dict[tuple[str, ...], tuple[int, str]]:
-    """Each case through the command's entry point (`hydraulis.cli:main`), all in one child process."""
+    """Each case through the command's error boundary (`common.run_app`), all in one child process."""
     from cli_helpers import _env
 
     done = subprocess.run([sys.executable, "-c", RUN_ALL, json.dumps(OUT_OF_BOUNDS)], capture_output=True,

@@ -6,6 +6,8 @@ Bad input prints one line and exits with code 2; an interruption one line and
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 # Each command module registers its commands on import; one per line keeps merges clean.
 from hydraulis.cli import (
     check,  # noqa: F401
@@ -20,7 +22,15 @@ from hydraulis.cli import (
     train,  # noqa: F401
 )
 from hydraulis.cli.app import app
+from hydraulis.processes import leave
 
 
-def main() -> None:
-    common.run_app(app)
+def main() -> NoReturn:
+    """The command, as the process's whole work: once it and every atexit function are done, the process leaves
+    without finalizing the interpreter (`processes.leave`; `common.run_app` alone, for a caller that goes on)."""
+    leave.after_atexit()  # before the command imports what registers atexit functions: so it runs after them
+    try:
+        common.run_app(app)
+    except SystemExit as exc:
+        leave.ending(exc.code)
+        raise

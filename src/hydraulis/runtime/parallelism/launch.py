@@ -15,7 +15,6 @@ as a spawned one did, not the fork server's.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import io
 import os
@@ -37,6 +36,7 @@ import torch.distributed as dist
 from hydraulis.cost.conditions import cpu_cores
 from hydraulis.errors import HydraulisError
 from hydraulis.processes import rank_server
+from hydraulis.processes.leave import leave
 from hydraulis.progress import say
 from hydraulis.specs import DTYPE_NAMES
 
@@ -112,10 +112,7 @@ def leave_process(code: int) -> None:
     torchrun reports the job FAILED. Nothing of the job is left to finalize (every file is closed and
     the group left, see leave_distributed), so the process ends here, as a spawned rank always did (_child).
     """
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
+    leave(code)
 
 
 def free_port() -> int:
