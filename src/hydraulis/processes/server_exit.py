@@ -8,6 +8,7 @@ themselves (`launch._child`). Registered last, the exit runs first of its atexit
 """
 
 import atexit
-import os
 
-atexit.register(os._exit, 0)
+from hydraulis.processes.leave import leave
+
+atexit.register(leave, 0)

@@ -92,7 +92,9 @@ class PlanServer:
 
 
 def _serve(planner: PhasedPlanner, conn: Connection) -> None:
-    """The child: plan each batch asked for until the parent closes the pipe; out without its exit hooks."""
+    """The child: plan each batch asked for until the parent closes the pipe; out without its exit hooks and without
+    flushing (`os._exit`, not `processes.leave`): its stdio buffers are the parent's, copied at the fork, and
+    flushing them would write the parent's pending output twice."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     code = 0
     try:
