@@ -26,7 +26,7 @@ from hydraulis.planner.pool import homogeneous, place, replicable_configs, uniqu
 from hydraulis.planner.proposal.screen import worker_memo
 from hydraulis.planner.replicas import ReplicaCost, ReplicaTable
 from hydraulis.planner.schedule import Schedule, phase_switch_time
-from hydraulis.processes.fan_out import fan_out
+from hydraulis.processes.fan_out import fan_out, fan_out_grid
 from hydraulis.specs import ClusterSpec
 
 PHASE_SAMPLES = 4  # sample batches the phased planner plans when choosing deployments for phases
@@ -346,13 +346,14 @@ def _greedy_phases(
             break
         base = float(sum(s.iteration_time_s for s in schedules))
         cuts = [_short_cuts(sample, level, clip) for _, level, clip in moves]
-        # The sample batches on the cores (`fan_out`): a memo's plans are of one batch (or its cut), which the
-        # trials of every move share, and the next rounds' too (the workers' come back into the memo). Each
-        # move's planner is built here, once: a worker plans its share of the samples on the one it inherits.
+        # The sample batches on the cores, and where there are more cores, parts of the moves too (`fan_out_grid`):
+        # a memo's plans are of one batch (or its cut), which the trials of every move share, and the next rounds'
+        # too (the workers' come back into the memo). Each move's planner is built here, once: a worker plans its
+        # share on the ones it inherits.
         pools = [trial_planner(cost, num_gpus, [*current, *m], memo) for m, _, _ in moves]
         trials = functools.partial(_sample_trials, planner=planner, trials=pools, moves=moves, cuts=cuts,
                                    sample=sample)
-        per_sample = fan_out(trials, range(len(sample)), memo=worker_memo(cost, memo))
+        per_sample = fan_out_grid(trials, range(len(sample)), len(moves), memo=worker_memo(cost, memo))
         trials, gains = [], []
         for i, cut in enumerate(cuts):
             found = [per_sample[j][i][0] for j in range(len(sample))]
@@ -372,15 +373,15 @@ def _greedy_phases(
 
 
 def _sample_trials(
-    j: int, planner: PhasedPlanner, trials: list[PhasedPlanner], moves: list[Move], cuts: list[dict[int, np.ndarray]],
-    sample: list[np.ndarray],
+    j: int, which: range, planner: PhasedPlanner, trials: list[PhasedPlanner], moves: list[Move],
+    cuts: list[dict[int, np.ndarray]], sample: list[np.ndarray],
 ) -> list[tuple[Schedule, float, float]]:
-    """Sample batch j on the pool with each move added (`trials`, the pool's planner with each): its schedule, and
-    the move's and the current pool's iteration on the batch cut at the move's level (0 where it is not cut there;
-    `_short_cuts`)."""
+    """Sample batch j on the pool with each move of `which` added (`trials`, the pool's planner with each): its
+    schedule, and the move's and the current pool's iteration on the batch cut at the move's level (0 where it is
+    not cut there; `_short_cuts`)."""
     before: dict[tuple[int, bool], float] = {}  # (level, clip) -> the current pool's iteration on the cut
     out = []
-    for (_, level, clip), cut, trial in zip(moves, cuts, trials, strict=True):
+    for (_, level, clip), cut, trial in ((moves[i], cuts[i], trials[i]) for i in which):
         after = 0.0
         if j in cut:
             if (level, clip) not in before:

@@ -19,7 +19,7 @@ from hydraulis.parallel import Deployment
 from hydraulis.planner.dispatch import NoRoom, dispatch
 from hydraulis.planner.planner import Planner
 from hydraulis.planner.replicas import ReplicaCost, ReplicaTable
-from hydraulis.processes.fan_out import fan_out
+from hydraulis.processes.fan_out import fan_out, fan_out_grid
 from hydraulis.specs import ClusterSpec
 
 SCREEN_BUDGET_S = 10.0  # CPU seconds of dispatch estimates in the screen (this thread's: load does not move it)
@@ -38,14 +38,15 @@ def plan_times(
     memo: dict | None = None,
 ) -> np.ndarray:
     """Planned and simulated iteration time of every batch on every candidate (inf where it cannot hold): the
-    batches on the cores (`fan_out`, they are alike in size), a few candidates at a time for progress. `memo`: the
+    batches on the cores, and where there are more cores, parts of the candidates too (`fan_out_grid`; batches
+    alike in size), a few candidates at a time for progress. `memo`: the
     planner's memo (`Planner(memo=)`) the plans go to, workers' included, for later planners of `cost` on pools
     with these candidates (the phases' greedy plans the samples whole on each again)."""
     columns: list[np.ndarray] = []
     for start in range(0, len(candidates), PROGRESS_EVERY):
         chunk = list(candidates[start : start + PROGRESS_EVERY])
-        columns.append(np.array(fan_out(functools.partial(_plan_column, cost, cluster, chunk, memo), batches,
-                                        memo=worker_memo(cost, memo))).T)
+        column = functools.partial(_plan_column, cost, cluster, chunk, memo)
+        columns.append(np.array(fan_out_grid(column, batches, len(chunk), memo=worker_memo(cost, memo))).T)
         if progress:
             progress("planning samples", start + len(chunk), len(candidates))
     return np.vstack(columns) if columns else np.zeros((0, len(batches)))
@@ -61,11 +62,13 @@ def worker_memo(cost: CostModel, memo: dict | None = None) -> dict:
 
 
 def _plan_column(
-    cost: CostModel, cluster: ClusterSpec, candidates: list[Deployment], memo: dict | None, batch: np.ndarray
+    cost: CostModel, cluster: ClusterSpec, candidates: list[Deployment], memo: dict | None, batch: np.ndarray,
+    which: range,
 ) -> list[float]:
-    """One batch's planned iteration on each candidate (inf where it cannot hold it). With a memo, each candidate
-    as a pool deployment: `plan_on` then packs it as the pool's screen does (`Planner._packed`, the same candidate
-    as without), once per memo."""
+    """One batch's planned iteration on each candidate of `which` (inf where it cannot hold it). With a memo, each
+    candidate as a pool deployment: `plan_on` then packs it as the pool's screen does (`Planner._packed`, the same
+    candidate as without, whatever else the pool holds), once per memo."""
+    candidates = [candidates[i] for i in which]
     planner = Planner(cost, cluster.num_gpus, candidates if memo is not None else candidates[:1], memo=memo)
     out = []
     for d in candidates:
