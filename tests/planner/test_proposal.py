@@ -189,7 +189,7 @@ def test_screening_falls_back_to_the_fluid_proxy_past_its_budget(monkeypatch):
         calls.append(out.shape)
         return out
 
-    monkeypatch.setattr(screen, "SCREEN_BUDGET_S", 1e-9)
+    monkeypatch.setattr(screen, "SCREEN_SEQUENCES", 1)
     monkeypatch.setattr(screen, "fluid_estimates", recording)
     cluster = ClusterSpec(32)
     train = batches("code", 32768, 262144, 3, 5)
@@ -197,6 +197,31 @@ def test_screening_falls_back_to_the_fluid_proxy_past_its_budget(monkeypatch):
     assert calls and calls[0][0] > 30  # every candidate got a fluid estimate
     assert 1 <= len(result.pool.deployments) <= 3
     result.pool.deployments[0].validate(cluster)
+
+
+def test_the_screen_takes_the_fluid_proxy_by_the_sequences_it_would_dispatch_not_by_a_clock(monkeypatch):
+    """Past SCREEN_SEQUENCES sequences dispatched (every candidate on the first batch, about as many again in the
+    halving rounds) the fluid LP picks whom to dispatch, at that count exactly: a count, not a timed call, so the
+    pool does not move with the machine."""
+    import hydraulis.planner.proposal.screen as screen
+    from hydraulis.planner.pool import candidate_deployments
+
+    real, calls = screen.fluid_estimates, []
+
+    def recording(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(screen, "fluid_estimates", recording)
+    cluster = ClusterSpec(32)
+    train = batches("code", 32768, 262144, 2, 5)
+    candidates = candidate_deployments(COST, cluster, int(max(b.max() for b in train)), train)
+    assert len(candidates) > 12
+    for afford, taken in ((len(candidates), False), (len(candidates) - 1, True)):
+        calls.clear()
+        monkeypatch.setattr(screen, "SCREEN_SEQUENCES", 2 * len(train[0]) * afford)
+        screen.screen_candidates(COST, cluster, candidates, train, keep=len(candidates) // 4)
+        assert bool(calls) is taken
 
 
 def test_under_a_memory_budget_deep_replicas_are_proposed_for_the_long_documents(cli, tmp_path):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -22,7 +21,9 @@ from hydraulis.planner.replicas import ReplicaCost, ReplicaTable
 from hydraulis.processes.fan_out import fan_out, fan_out_grid
 from hydraulis.specs import ClusterSpec
 
-SCREEN_BUDGET_S = 10.0  # CPU seconds of dispatch estimates in the screen (this thread's: load does not move it)
+# sequences the screen's dispatch estimates place (about 10 s here: a dispatch takes 1.3-3 us a sequence, sampled
+# batches of 150-3,910); a count, not a timed call, so the pool does not move with the machine or its load
+SCREEN_SEQUENCES = 5_000_000
 LARGE_BATCH_SCREEN = 4  # dispatch estimates in screening, before the fluid proxy takes over
 PROGRESS_EVERY = 6  # candidates planned on the samples between progress reports
 
@@ -158,13 +159,9 @@ def screen_candidates(
     est = np.full((len(candidates), len(batches)), np.nan)
     tables = [ReplicaTable.of(cost, d, cluster.num_gpus) for d in candidates]
     alive = np.arange(len(candidates))
-    # Large batches make each dispatch slow: past a budget, a fluid LP proxy picks whom to dispatch. The call is
-    # timed in this thread's CPU time, not wall time: other processes' load would otherwise change the pool.
-    start = time.thread_time()
-    with contextlib.suppress(NoRoom):  # timing one call: whether it finds room does not matter
-        dispatch(batches[0], tables[0], search=False)
-    per_call = time.thread_time() - start
-    affordable = int(SCREEN_BUDGET_S / max(per_call, 1e-6) / 2)
+    # Large batches make each dispatch slow (its time grows with the sequences): past a budget, a fluid LP proxy
+    # picks whom to dispatch. Halving, the rounds dispatch about twice the first's.
+    affordable = SCREEN_SEQUENCES // (2 * max(len(batches[0]), 1))
     if len(alive) > max(affordable, 3 * keep):
         fluid = fluid_estimates(cost, cluster, candidates, batches)
         ratio = fluid / np.min(fluid, axis=0, keepdims=True)
