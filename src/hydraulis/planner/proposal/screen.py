@@ -21,8 +21,8 @@ from hydraulis.planner.replicas import ReplicaCost, ReplicaTable
 from hydraulis.processes.fan_out import fan_out, fan_out_grid
 from hydraulis.specs import ClusterSpec
 
-# sequences the screen's dispatch estimates place (about 10 s here: a dispatch takes 1.3-3 us a sequence, sampled
-# batches of 150-3,910); a count, not a timed call, so the pool does not move with the machine or its load
+# sequences the screen's dispatch estimates place (about 10 s here: on the bench's samples of 41-3,910 sequences a
+# dispatch takes 1.3-7.2 us a sequence); a count, not a timed call, so the pool does not move with the machine or load
 SCREEN_SEQUENCES = 5_000_000
 LARGE_BATCH_SCREEN = 4  # dispatch estimates in screening, before the fluid proxy takes over
 PROGRESS_EVERY = 6  # candidates planned on the samples between progress reports
@@ -40,9 +40,9 @@ def plan_times(
 ) -> np.ndarray:
     """Planned and simulated iteration time of every batch on every candidate (inf where it cannot hold): the
     batches on the cores, and where there are more cores, parts of the candidates too (`fan_out_grid`; batches
-    alike in size), a few candidates at a time for progress. `memo`: the
-    planner's memo (`Planner(memo=)`) the plans go to, workers' included, for later planners of `cost` on pools
-    with these candidates (the phases' greedy plans the samples whole on each again)."""
+    alike in size), a few candidates at a time for progress. `memo`: the planner's memo (`Planner(memo=)`) the plans
+    go to, workers' included, for later planners of `cost` on pools with these candidates (the phases' greedy plans
+    the samples whole on each again)."""
     columns: list[np.ndarray] = []
     for start in range(0, len(candidates), PROGRESS_EVERY):
         chunk = list(candidates[start : start + PROGRESS_EVERY])
